@@ -1,0 +1,18 @@
+"""jaxpc: probabilistic circuits as pure JAX functions.
+
+Build node vectors with :func:`inputs`, :func:`multiply` and :func:`summate` (PyJuice's names
+and block semantics), :func:`compile` them once, then evaluate, differentiate and train the
+resulting :class:`Circuit` over a pytree of parameters.
+"""
+
+from . import distributions as dists
+from .circuit import Circuit, compile
+from .nodes import CircuitNodes, InputNodes, ProdNodes, SumNodes, duplicate, inputs, multiply, summate
+from .options import Options
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "inputs", "multiply", "summate", "duplicate", "compile", "Circuit", "Options", "dists",
+    "CircuitNodes", "InputNodes", "ProdNodes", "SumNodes",
+]

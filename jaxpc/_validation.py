@@ -1,0 +1,163 @@
+"""Input checks run in Python before anything reaches a device.
+
+Shapes and dtypes are always checked (also for tracers, inside a user's ``jit``). Values are
+checked for concrete inputs: numpy data on the host, and device arrays through one small
+jitted reduction (a device-to-host sync; pass ``validate=False`` in hot loops, where an
+out-of-range category then yields NaN instead of a silently clamped value).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .distributions import Distribution
+
+
+@dataclasses.dataclass(frozen=True)
+class VarInfo:
+    num_vars: int
+    discrete: np.ndarray  # bool[V]: some leaf treats the variable as discrete
+    continuous: np.ndarray  # bool[V]
+    lo: np.ndarray  # int64[V] smallest admissible discrete value
+    hi: np.ndarray  # float64[V] exclusive upper bound (inf when unbounded)
+    names: tuple[str, ...]  # description of the leaves of each variable
+
+    @classmethod
+    def from_var_dists(cls, num_vars: int, var_dists: dict[int, list[Distribution]]) -> "VarInfo":
+        discrete = np.zeros(num_vars, bool)
+        continuous = np.zeros(num_vars, bool)
+        lo = np.zeros(num_vars, np.int64)
+        hi = np.full(num_vars, np.inf)
+        names = [""] * num_vars
+        for v, dists in var_dists.items():
+            names[v] = ", ".join(repr(d) for d in dists)
+            for d in dists:
+                r = d.value_range()
+                if r is None:
+                    continuous[v] = True
+                else:
+                    discrete[v] = True
+                    lo[v] = max(lo[v], r[0])
+                    if r[1] is not None:
+                        hi[v] = min(hi[v], r[1])
+        return cls(num_vars, discrete, continuous, lo, hi, tuple(names))
+
+    @property
+    def all_discrete(self) -> bool:
+        return not self.continuous.any()
+
+    def describe(self, v: int) -> str:
+        if self.discrete[v]:
+            upper = "" if np.isinf(self.hi[v]) else f", {int(self.hi[v]) - 1}]"
+            rng = f"integers in [{self.lo[v]}{upper}" if upper else f"integers >= {self.lo[v]}"
+        else:
+            rng = "finite real values"
+        return f"variable {v} ({self.names[v]}) accepts {rng}"
+
+
+def _is_tracer(a) -> bool:
+    return isinstance(a, jax.core.Tracer)
+
+
+def check_batch(info: VarInfo, x, missing, *, check_values: bool, float_dtype, what: str = "x"):
+    """Validate ``x`` ``[B, V]`` and ``missing`` (``bool[V]`` or ``bool[B, V]``); return jnp arrays."""
+    if not isinstance(x, (np.ndarray, jax.Array)) and not _is_tracer(x):
+        try:
+            x = np.asarray(x)
+        except Exception as e:  # noqa: BLE001 - re-raised with context
+            raise TypeError(f"{what} must be an array of shape [batch, {info.num_vars}], got {type(x).__name__}") from e
+    shape = tuple(x.shape)
+    if len(shape) != 2:
+        hint = f"; for one sample use {what}[None]" if len(shape) == 1 else ""
+        raise ValueError(f"{what} must have shape [batch, num_vars] = [B, {info.num_vars}], got shape {shape}{hint}")
+    if shape[1] != info.num_vars:
+        raise ValueError(f"{what} has {shape[1]} variables (shape {shape}), but the circuit has {info.num_vars} "
+                         f"(variable ids 0..{info.num_vars - 1})")
+    if shape[0] == 0:
+        raise ValueError(f"{what} has an empty batch (shape {shape})")
+    dt = np.dtype(x.dtype)
+    is_int = np.issubdtype(dt, np.integer) or dt == np.bool_
+    is_float = np.issubdtype(dt, np.floating)
+    if not (is_int or is_float):
+        raise TypeError(f"{what} has dtype {dt}; expected integers (category ids) or floats")
+    if info.all_discrete and not is_int:
+        raise TypeError(f"{what} has dtype {dt}, but every variable of this circuit is discrete: pass integer "
+                        f"category ids (e.g. {what}.astype(np.int32)) and mark unknown values with missing=")
+
+    m = None
+    if missing is not None:
+        if not isinstance(missing, (np.ndarray, jax.Array)) and not _is_tracer(missing):
+            missing = np.asarray(missing)
+        mshape = tuple(missing.shape)
+        if np.dtype(missing.dtype) != np.bool_:
+            raise TypeError(f"missing must be a boolean mask, got dtype {missing.dtype}")
+        if mshape not in ((info.num_vars,), shape):
+            raise ValueError(f"missing must have shape [{info.num_vars}] or {list(shape)} (like {what}), "
+                             f"got {mshape}")
+        m = missing
+
+    if check_values and not _is_tracer(x) and not _is_tracer(m):
+        _check_values(info, x, m, what)
+
+    target = jnp.int32 if info.all_discrete else float_dtype
+    xj = jnp.asarray(x, dtype=target)
+    mj = None if m is None else jnp.asarray(m, dtype=bool)
+    return xj, mj
+
+
+def _check_values(info: VarInfo, x, m, what: str) -> None:
+    if isinstance(x, jax.Array) and not _device_batch_ok(info, x, m):
+        x = np.asarray(x)  # something is wrong: locate it on the host
+        m = None if m is None else np.asarray(m)
+    if isinstance(x, jax.Array):
+        return
+    xh = np.asarray(x)
+    mh = None if m is None else np.broadcast_to(np.asarray(m), xh.shape)
+    observed = np.ones(xh.shape, bool) if mh is None else ~mh
+    bad = np.zeros(xh.shape, bool)
+    if np.issubdtype(xh.dtype, np.floating):
+        nonfinite = ~np.isfinite(xh)
+        bad |= nonfinite & observed
+        if info.discrete.any():
+            with np.errstate(invalid="ignore"):
+                frac = (xh != np.round(xh)) & ~nonfinite
+            bad |= frac & info.discrete[None, :] & observed
+    vals = xh.astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        oor = ((vals < info.lo[None, :]) | (vals >= info.hi[None, :])) & info.discrete[None, :]
+    bad |= oor & observed
+    if bad.any():
+        b, v = (int(i) for i in np.argwhere(bad)[0])
+        val = xh[b, v]
+        n_bad = int(bad.sum())
+        more = f" ({n_bad} bad entries in all)" if n_bad > 1 else ""
+        if np.issubdtype(xh.dtype, np.floating) and not np.isfinite(val):
+            raise ValueError(f"{what}[{b}, {v}] = {val}: {info.describe(v)}; mark unknown values with "
+                             f"missing= instead of NaN{more}")
+        raise ValueError(f"{what}[{b}, {v}] = {val} is out of range: {info.describe(v)}{more}")
+
+
+@jax.jit
+def _column_stats(x, m):
+    xf = x.astype(jnp.float32)
+    obs = jnp.ones(x.shape, bool) if m is None else ~jnp.broadcast_to(m, x.shape)
+    finite = jnp.isfinite(xf)
+    lo = jnp.min(jnp.where(obs & finite, xf, jnp.inf), axis=0)
+    hi = jnp.max(jnp.where(obs & finite, xf, -jnp.inf), axis=0)
+    nonfinite = jnp.any(obs & ~finite, axis=0)
+    frac = jnp.any(obs & finite & (xf != jnp.round(xf)), axis=0)
+    return lo, hi, nonfinite, frac
+
+
+def _device_batch_ok(info: VarInfo, x, m) -> bool:
+    lo, hi, nonfinite, frac = (np.asarray(a) for a in _column_stats(x, m))
+    d = info.discrete
+    if np.any(nonfinite):
+        return False
+    if np.any(frac & d):
+        return False
+    return not (np.any((lo < info.lo) & d) or np.any((hi >= info.hi) & d))

@@ -1,0 +1,321 @@
+"""The compiled circuit: a thin shell that bundles the static layout, the index tables and
+the jitted pure functions of :mod:`jaxpc.engine`.
+
+Everything a ``Circuit`` method does is also available as a pure function
+``f(layout, tables, params, ...)``; the methods validate inputs, build the frozen
+:class:`~jaxpc.Options`, and call the jitted executable.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _validation
+from .compiler import compile as _compile
+from .compiler.layout import Layout, ScanSpec
+from .distributions.base import RandomSource
+from .engine import em, forward
+from .nodes import CircuitNodes
+from .options import Options
+
+Array = jax.Array
+Params = dict
+
+__all__ = ["Circuit", "compile"]
+
+
+def compile(root: CircuitNodes, *, seed: int = 0, dtype=jnp.float32, scan_min_repeats: int = 3) -> "Circuit":
+    """Compile a node graph into a :class:`Circuit` (host side, once).
+
+    Args:
+        root: the root node vector (a single node).
+        seed: seed of the random initial parameters of nodes created without ``params=``.
+        dtype: floating dtype of parameters and node values.
+        scan_min_repeats: stages whose shapes repeat at least this many times in a row run under
+            ``lax.scan`` (keeps trace/compile time flat for deep HMMs); 0 disables scanning.
+    """
+    struct = _compile.build(root, scan_min_repeats=scan_min_repeats)
+    return Circuit(root, struct, seed=seed, dtype=dtype)
+
+
+class Circuit:
+    """A compiled probabilistic circuit.
+
+    Attributes:
+        params: the initial parameters (the values set on the nodes, seeded random elsewhere).
+        layout: static :class:`~jaxpc.compiler.layout.Layout`.
+        tables: pytree of ``int32`` index tables (device arrays).
+        num_vars: number of variables (columns of ``x``).
+    """
+
+    def __init__(self, root: CircuitNodes, struct: "_compile.CompiledStructure", *, seed: int = 0,
+                 dtype=jnp.float32):
+        self.root = root
+        self._struct = struct
+        self.layout: Layout = struct.layout
+        self.dtype = jnp.dtype(dtype)
+        if not jnp.issubdtype(self.dtype, jnp.floating):
+            raise TypeError(f"compile: dtype must be a floating dtype, got {self.dtype}")
+        self.tables = jax.tree_util.tree_map(jnp.asarray, _compile.finalize_tables(struct.tables, self.layout))
+        self.num_vars = self.layout.num_vars
+        self._var_info = _validation.VarInfo.from_var_dists(self.num_vars, struct.var_dists)
+        layout = self.layout
+        self._jit_log_prob = jax.jit(functools.partial(forward.log_prob, layout), static_argnames=("options",))
+        self._jit_flows = jax.jit(functools.partial(em.flows_and_ll, layout), static_argnames=("options",))
+        self._jit_em_step = jax.jit(functools.partial(em.em_step, layout), static_argnames=("options",))
+        self._jit_em_update = jax.jit(functools.partial(em.em_update, layout))
+        self._jit_init = jax.jit(lambda tables, key: self._init_params_fn(
+            tables, RandomSource(key=key, dtype=self.dtype)))
+        self.params: Params = self._initial_params(seed)
+
+    # ------------------------------------------------------------------------------------------
+    # parameters
+    # ------------------------------------------------------------------------------------------
+    def _init_params_fn(self, tables: dict, rs: RandomSource) -> Params:
+        layout, xp = self.layout, rs.xp
+        sums = {}
+        for g in layout.sum_groups:
+            seg = tables["groups"][g.key]["seg"]
+            w = xp.exp(-2.0 * rs.uniform((g.num_blocks, g.Kp, g.Kc)))
+            tot = xp.zeros((g.num_segments, g.Kp), w.dtype)
+            if xp is np:
+                np.add.at(tot, seg, w.sum(axis=2))
+            else:
+                tot = tot.at[seg].add(w.sum(axis=2))
+            sums[g.key] = xp.log(w / tot[seg][:, :, None])
+        ins = {}
+        for spec, tab in zip(layout.input_layers, tables["inputs"]):
+            ins[spec.key] = spec.dist.init(rs, spec.num_rows, tab["meta"])
+        return {"sum": sums, "input": ins}
+
+    def init_params(self, key: Array) -> Params:
+        """A fresh random draw of all parameters (normalized), keyed by ``key`` (jittable, vmappable)."""
+        return self._jit_init(self.tables, key)
+
+    def _initial_params(self, seed: int) -> Params:
+        """Node-given parameters, with a host-side seeded random draw elsewhere (no XLA compile)."""
+        host_tables = _compile.finalize_tables(self._struct.tables, self.layout)
+        p = self._init_params_fn(host_tables, RandomSource(rng=np.random.default_rng(seed),
+                                                            dtype=np.dtype(self.dtype)))
+        st = self._struct
+        for sid, pl in st.sum_placement.items():
+            blocks = st.sources[sid]._params
+            if blocks is not None:
+                with np.errstate(divide="ignore"):
+                    p["sum"][pl.group][pl.start:pl.start + pl.num_edge_blocks] = np.log(blocks)
+        for sid, pl in st.input_placement.items():
+            src = st.sources[sid]
+            if src.dist.has_full_params(src._params):
+                internal = src.dist.natural_to_internal(src._params)
+                for name, val in internal.items():
+                    p["input"][pl.key][name][pl.row_start:pl.row_start + pl.num_nodes] = val
+        return jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype=self.dtype), p)
+
+    def get_node_params(self, params: Params, node: CircuitNodes):
+        """The parameters of ``node`` in its natural dense form.
+
+        Sum nodes: ``[num_nodes, num_ch_nodes]`` normalized weights (zero between unconnected blocks).
+        Input nodes: the distribution's natural parameters (``Categorical``: ``[num_nodes, num_cats]``
+        probabilities; multi-field distributions: a dict). Tied vectors return their source's values.
+        """
+        st = self._struct
+        src = node.source
+        if src.id not in st.sources:
+            raise ValueError(f"get_node_params: {node.name} is not part of this circuit")
+        if node.is_sum():
+            return self._dense_sum(jnp.exp(self._sum_blocks(params, src)), src)
+        if node.is_input():
+            pl = st.input_placement[src.id]
+            tab = self.tables["inputs"][pl.layer]["meta"]
+            sl = slice(pl.row_start, pl.row_start + pl.num_nodes)
+            p = {k: v[sl] for k, v in params["input"][pl.key].items()}
+            nat = src.dist.internal_to_natural(p, {k: v[sl] for k, v in tab.items()})
+            fields = src.dist.natural_fields
+            return nat[fields[0]] if len(fields) == 1 else nat  # parameter-free leaves: {"value": ...}
+        raise ValueError(f"get_node_params: {node.name} is a product vector; products have no parameters")
+
+    def _sum_blocks(self, tree: dict, src) -> Array:
+        pl = self._struct.sum_placement[src.id]
+        return tree["sum"][pl.group][pl.start:pl.start + pl.num_edge_blocks]
+
+    @staticmethod
+    def _dense_sum(blocks: Array, src) -> Array:
+        nb, Kp, Kc, ncb = src.num_node_blocks, src.block_size, src.ch_block_size, src.num_ch_node_blocks
+        dense = jnp.zeros((nb, ncb, Kp, Kc), blocks.dtype).at[src.edge_ids[0], src.edge_ids[1]].set(blocks)
+        return dense.transpose(0, 2, 1, 3).reshape(nb * Kp, ncb * Kc)
+
+    def get_node_flows(self, flows: dict, node: CircuitNodes):
+        """The flows of ``node`` in the dense form of :meth:`get_node_params`.
+
+        Sum nodes: expected edge counts ``[num_nodes, num_ch_nodes]``. Input nodes: the distribution's
+        expected sufficient statistics for the node's rows (``Categorical``: counts
+        ``[num_nodes, num_cats]``). Tied vectors share flows: the value is the total over all of them.
+        """
+        st = self._struct
+        src = node.source
+        if src.id not in st.sources:
+            raise ValueError(f"get_node_flows: {node.name} is not part of this circuit")
+        if node.is_sum():
+            return self._dense_sum(self._sum_blocks(flows, src), src)
+        if node.is_input():
+            pl = st.input_placement[src.id]
+            sl = slice(pl.row_start, pl.row_start + pl.num_nodes)
+            stats = {k: v[sl] for k, v in flows["input"][pl.key].items()}
+            return next(iter(stats.values())) if len(stats) == 1 else stats
+        raise ValueError(f"get_node_flows: {node.name} is a product vector; products have no parameters")
+
+    # ------------------------------------------------------------------------------------------
+    # evaluation
+    # ------------------------------------------------------------------------------------------
+    def _prepare(self, x, missing, validate: bool):
+        return _validation.check_batch(self._var_info, x, missing, check_values=validate, float_dtype=self.dtype)
+
+    def log_prob(self, params: Params, x, missing=None, *, propagation: str | None = None,
+                 alpha: float | None = None, options: Options | None = None, validate: bool = True) -> Array:
+        """Log-likelihood (or max-product value) of each sample.
+
+        Args:
+            params: a params pytree of this circuit.
+            x: ``int[B, V]`` category ids (floats where a variable is continuous).
+            missing: ``bool[B, V]`` or ``bool[V]``; True marks a variable to marginalize
+                (maximize under MPE).
+            propagation: ``"LL"`` (default), ``"MPE"`` or ``"GeneralLL"`` (with ``alpha``).
+            options: a full :class:`Options` (keyword overrides apply on top).
+            validate: check values of ``x`` (a host sync for device arrays).
+
+        Returns:
+            ``float[B]``.
+        """
+        opts = Options.make(options, propagation=propagation, alpha=alpha)
+        xj, mj = self._prepare(x, missing, validate)
+        return self._jit_log_prob(self.tables, params, xj, mj, options=opts)
+
+    def flows(self, params: Params, x, missing=None, *, ll_weights=None, options: Options | None = None,
+              validate: bool = True, return_ll: bool = False):
+        """Expected counts: a pytree like ``params`` (sum groups: expected edge counts ``[P, Kp, Kc]``;
+        input layers: their distribution's expected sufficient statistics), obtained with ``jax.grad``.
+
+        ``ll_weights`` ``[B]`` weights each sample. With ``return_ll`` returns ``(flows, ll)``.
+        """
+        opts = Options.make(options)
+        xj, mj = self._prepare(x, missing, validate)
+        w = self._weights(ll_weights, xj.shape[0])
+        fl, ll = self._jit_flows(self.tables, params, xj, mj, w, options=opts)
+        return (fl, ll) if return_ll else fl
+
+    def em_step(self, params: Params, x, missing=None, *, step_size: float = 1.0, pseudocount: float = 0.0,
+                ll_weights=None, options: Options | None = None, validate: bool = True, return_ll: bool = False):
+        """One mini-batch EM step in a single executable:
+        ``theta <- (1 - step_size) theta + step_size * normalize(flows + pseudocount)``.
+
+        ``pseudocount`` is spread evenly over each node's children (values, for categoricals).
+        Returns the new params (and the batch's log-likelihoods under the old ones with ``return_ll``).
+        """
+        _check_em_args(step_size, pseudocount)
+        opts = Options.make(options)
+        xj, mj = self._prepare(x, missing, validate)
+        w = self._weights(ll_weights, xj.shape[0])
+        new, ll = self._jit_em_step(self.tables, params, xj, mj, w, jnp.asarray(step_size, self.dtype),
+                                    jnp.asarray(pseudocount, self.dtype), options=opts)
+        return (new, ll) if return_ll else new
+
+    def em_update(self, params: Params, flows: dict, *, step_size: float = 1.0, pseudocount: float = 0.0) -> Params:
+        """The EM M-step from accumulated flows (e.g. summed over batches)."""
+        _check_em_args(step_size, pseudocount)
+        return self._jit_em_update(self.tables, params, flows, jnp.asarray(step_size, self.dtype),
+                                   jnp.asarray(pseudocount, self.dtype))
+
+    def full_batch_em(self, params: Params, data, missing=None, *, batch_size: int = 512, step_size: float = 1.0,
+                      pseudocount: float = 0.0, validate: bool = True, return_ll: bool = False):
+        """One full-batch EM step over ``data`` ``[N, V]``: flows are summed over all batches, then one
+        update. The last partial batch is padded with zero-weight rows (no extra executable).
+        With ``return_ll`` also returns the mean log-likelihood of ``data`` under ``params``."""
+        _check_em_args(step_size, pseudocount)
+        data_j, miss_j = self._prepare(data, missing, validate)
+        n = data_j.shape[0]
+        bs = int(min(batch_size, n))
+        total, ll_sum = None, 0.0
+        for start in range(0, n, bs):
+            xb = data_j[start:start + bs]
+            mb = None if miss_j is None or miss_j.ndim == 1 else miss_j[start:start + bs]
+            if miss_j is not None and miss_j.ndim == 1:
+                mb = miss_j
+            w = jnp.ones((xb.shape[0],), self.dtype)
+            if xb.shape[0] < bs:
+                pad = bs - xb.shape[0]
+                xb = jnp.concatenate([xb, jnp.repeat(xb[:1], pad, axis=0)])
+                if mb is not None and mb.ndim == 2:
+                    mb = jnp.concatenate([mb, jnp.repeat(mb[:1], pad, axis=0)])
+                w = jnp.concatenate([w, jnp.zeros((pad,), self.dtype)])
+            fl, ll = self._jit_flows(self.tables, params, xb, mb, w, options=Options())
+            total = fl if total is None else _tree_add(total, fl)
+            ll_sum = ll_sum + jnp.sum(jnp.where(w > 0, ll, 0.0))
+        new = self.em_update(params, total, step_size=step_size, pseudocount=pseudocount)
+        return (new, ll_sum / n) if return_ll else new
+
+    def _weights(self, ll_weights, batch: int):
+        if ll_weights is None:
+            return None
+        w = jnp.asarray(ll_weights, self.dtype) if not isinstance(ll_weights, jax.core.Tracer) else ll_weights
+        if w.shape != (batch,):
+            raise ValueError(f"ll_weights must have shape [{batch}] (one weight per sample), got {tuple(w.shape)}")
+        return w
+
+    # ------------------------------------------------------------------------------------------
+    # introspection
+    # ------------------------------------------------------------------------------------------
+    @property
+    def nodes(self) -> list[CircuitNodes]:
+        """All node vectors, children before parents."""
+        return list(self._struct.nodes)
+
+    @property
+    def num_nodes(self) -> int:
+        return sum(ns.num_nodes for ns in self._struct.nodes)
+
+    @property
+    def num_edges(self) -> int:
+        """Sum edges plus product edges."""
+        n = 0
+        for ns in self._struct.nodes:
+            if ns.is_sum():
+                n += ns.num_edges
+            elif ns.is_prod():
+                n += ns.num_nodes * len(ns.children)
+        return n
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(int(np.prod(a.shape)) for a in jax.tree_util.tree_leaves(self.params))
+
+    def __repr__(self) -> str:
+        scans = sum(1 for s in self.layout.steps if isinstance(s, ScanSpec))
+        return (f"Circuit(num_vars={self.num_vars}, num_nodes={self.num_nodes}, num_edges={self.num_edges}, "
+                f"num_parameters={self.num_parameters}, input_layers={len(self.layout.input_layers)}, "
+                f"steps={len(self.layout.steps)} ({scans} scanned))")
+
+
+def _tree_add(a, b):
+    return jax.tree_util.tree_map(jnp.add, a, b)
+
+
+def _check_em_args(step_size, pseudocount) -> None:
+    for name, v in (("step_size", step_size), ("pseudocount", pseudocount)):
+        if isinstance(v, jax.core.Tracer):
+            continue
+        try:
+            f = float(v)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"{name} must be a float, got {type(v).__name__}") from e
+        if not math.isfinite(f):
+            raise ValueError(f"{name} must be finite, got {v!r}")
+    if not isinstance(step_size, jax.core.Tracer) and not 0.0 < float(step_size) <= 1.0:
+        raise ValueError(f"step_size must be in (0, 1], got {step_size!r}")
+    if not isinstance(pseudocount, jax.core.Tracer) and float(pseudocount) < 0:
+        raise ValueError(f"pseudocount must be >= 0, got {pseudocount!r}")

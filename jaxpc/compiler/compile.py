@@ -1,0 +1,309 @@
+"""Host-side compilation: node vectors -> (Layout, index tables, parameter placement).
+
+Everything here is vectorized numpy over node *vectors* (never per node), so circuits with
+hundreds of thousands of nodes compile in seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+import numpy as np
+
+from ..nodes import CircuitNodes, InputNodes, ProdNodes, SumNodes, topological_order
+from .layout import InputLayerSpec, Layout, ProdPart, ScanSpec, StageSpec, SumGroupSpec, SumPart
+
+__all__ = ["CompiledStructure", "build"]
+
+
+@dataclasses.dataclass
+class SumPlacement:
+    group: str
+    start: int  # first parameter block
+    num_edge_blocks: int
+    seg_start: int  # first normalization segment (parent block)
+
+
+@dataclasses.dataclass
+class InputPlacement:
+    layer: int
+    key: str
+    row_start: int
+    num_nodes: int
+
+
+@dataclasses.dataclass
+class CompiledStructure:
+    layout: Layout
+    tables: dict  # numpy pytree (int32 / bool); the Circuit puts it on device
+    sum_placement: dict[int, SumPlacement]  # by source vector id
+    input_placement: dict[int, InputPlacement]  # by source vector id
+    sources: dict[int, CircuitNodes]  # source vectors by id
+    nodes: list[CircuitNodes]  # topological order
+    block_rows: dict[int, np.ndarray]  # first buffer row of each block, by vector id
+    var_dists: dict[int, list]  # distributions per variable (for input validation)
+
+
+def _fanin_buckets(fanins: np.ndarray, max_exact: int) -> np.ndarray:
+    """Padded fan-in for each parent block: exact when there are few distinct fan-ins, else the next
+    power of two (at most 2x padding)."""
+    uniq = np.unique(fanins)
+    if uniq.size <= max_exact:
+        return fanins.copy()
+    return (1 << np.ceil(np.log2(np.maximum(fanins, 1))).astype(np.int64)).astype(np.int64)
+
+
+def build(root: CircuitNodes, *, scan_min_repeats: int = 3, max_exact_fanins: int = 4) -> CompiledStructure:
+    if not isinstance(root, CircuitNodes):
+        raise TypeError(f"compile: root must be a node vector, got {type(root).__name__}")
+    if root.num_nodes != 1:
+        raise ValueError(f"compile: the root must be a single node, but {root.name} has {root.num_nodes} nodes; "
+                         f"add jaxpc.summate(..., num_nodes=1) on top")
+    nodes = topological_order(root)
+    kmax = max(ns.block_size for ns in nodes)
+
+    # ---- levels ----------------------------------------------------------------------------
+    level: dict[int, int] = {}
+    for ns in nodes:
+        level[ns.id] = 0 if ns.is_input() else 1 + max(level[c.id] for c in ns.children)
+    num_levels = max(level.values()) + 1
+
+    # ---- sources and parameter placement ---------------------------------------------------
+    sources: dict[int, CircuitNodes] = {}
+    for ns in nodes:
+        src = ns.source
+        if src.id not in sources:
+            sources[src.id] = src
+        if ns is not src and ns.is_sum():
+            if (ns.num_node_blocks, ns.block_size, ns.ch_block_size) != (src.num_node_blocks, src.block_size,
+                                                                          src.ch_block_size) or \
+                    not np.array_equal(ns.edge_ids, src.edge_ids):
+                raise ValueError(f"compile: {ns.name} is tied to {src.name} but their edges differ")
+
+    sum_placement: dict[int, SumPlacement] = {}
+    group_sizes: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # blocks, segments
+    group_shapes: dict[str, tuple[int, int]] = {}
+    seg_tables: dict[str, list[np.ndarray]] = defaultdict(list)
+    nch_tables: dict[str, list[np.ndarray]] = defaultdict(list)
+    for src in sources.values():
+        if not src.is_sum():
+            continue
+        key = f"{src.block_size}x{src.ch_block_size}"
+        group_shapes[key] = (src.block_size, src.ch_block_size)
+        blocks, segs = group_sizes[key]
+        E = src.edge_ids.shape[1]
+        sum_placement[src.id] = SumPlacement(key, blocks, E, segs)
+        seg_tables[key].append(segs + src.edge_ids[0])
+        nch_tables[key].append(np.bincount(src.edge_ids[0], minlength=src.num_node_blocks) * src.ch_block_size)
+        group_sizes[key] = [blocks + E, segs + src.num_node_blocks]
+    sum_groups = tuple(SumGroupSpec(k, *group_shapes[k], *group_sizes[k]) for k in sorted(group_shapes))
+    group_tables = {
+        k: {"seg": np.concatenate(seg_tables[k]).astype(np.int32),
+            "nch": np.concatenate(nch_tables[k]).astype(np.int32)}
+        for k in group_shapes}
+
+    # ---- input layers ----------------------------------------------------------------------
+    block_rows: dict[int, np.ndarray] = {}
+    layer_of_key: dict[tuple, int] = {}
+    layer_members: list[list[InputNodes]] = []
+    for ns in nodes:
+        if ns.is_input():
+            lk = ns.dist.layer_key()
+            if lk not in layer_of_key:
+                layer_of_key[lk] = len(layer_members)
+                layer_members.append([])
+            layer_members[layer_of_key[lk]].append(ns)
+
+    input_placement: dict[int, InputPlacement] = {}
+    input_specs = []
+    input_tables = []
+    row = 2 * kmax
+    used_keys: set[str] = set()
+    for li, members in enumerate(layer_members):
+        dist = members[0].dist
+        key = dist.name
+        i = 1
+        while key in used_keys:
+            key = f"{dist.name}_{i}"
+            i += 1
+        used_keys.add(key)
+        offset = row
+        prow = 0
+        node_vars, node_rows, metas = [], [], []
+        for ns in members:
+            src = ns.source
+            if src.id not in input_placement:
+                input_placement[src.id] = InputPlacement(li, key, prow, src.num_nodes)
+                metas.append(src.dist.row_tables(src.num_nodes, src._params, src.name))
+                prow += src.num_nodes
+            pl = input_placement[src.id]
+            node_vars.append(np.full(ns.num_nodes, ns.var, dtype=np.int32))
+            node_rows.append(pl.row_start + np.arange(ns.num_nodes, dtype=np.int32))
+            block_rows[ns.id] = row + np.arange(ns.num_node_blocks, dtype=np.int64) * ns.block_size
+            row += ns.num_nodes
+        meta = {}
+        if metas and metas[0]:
+            meta = {k: np.concatenate([m[k] for m in metas]) for k in metas[0]}
+        input_specs.append(InputLayerSpec(key, dist, offset, row - offset, prow))
+        input_tables.append({"vars": np.concatenate(node_vars), "rows": np.concatenate(node_rows), "meta": meta})
+
+    # ---- stages ----------------------------------------------------------------------------
+    by_level: list[list[CircuitNodes]] = [[] for _ in range(num_levels)]
+    for ns in nodes:
+        if not ns.is_input():
+            by_level[level[ns.id]].append(ns)
+
+    stages: list[StageSpec] = []
+    stage_tables: list[dict] = []
+    for lv in range(1, num_levels):
+        spec, tab, row = _build_stage(by_level[lv], row, block_rows, sum_placement, max_exact_fanins)
+        stages.append(spec)
+        stage_tables.append(tab)
+
+    steps, step_tables = _group_scans(stages, stage_tables, scan_min_repeats)
+
+    root_row = int(block_rows[root.id][0])
+    var_dists: dict[int, list] = defaultdict(list)
+    for ns in nodes:
+        if ns.is_input() and ns.dist not in var_dists[ns.var]:
+            var_dists[ns.var].append(ns.dist)
+    num_vars = max(var_dists) + 1
+
+    layout = Layout(num_rows=row, kmax=kmax, input_layers=tuple(input_specs), steps=tuple(steps),
+                    sum_groups=sum_groups, root_row=root_row, num_vars=num_vars)
+    tables = {"inputs": input_tables, "steps": step_tables, "groups": group_tables}
+    return CompiledStructure(layout, tables, sum_placement, input_placement, sources, nodes, block_rows,
+                             dict(var_dists))
+
+
+def _build_stage(members, row, block_rows, sum_placement, max_exact_fanins):
+    """Partition one level's product and sum vectors; assign their rows; return (spec, tables, next row)."""
+    offset = row
+    # products, grouped by (block size, arity)
+    prod_groups: dict[tuple[int, int], list[ProdNodes]] = defaultdict(list)
+    sum_items: dict[tuple[int, int], list[tuple[SumNodes, np.ndarray, np.ndarray, np.ndarray]]] = defaultdict(list)
+    for ns in members:
+        if ns.is_prod():
+            prod_groups[(ns.block_size, len(ns.children))].append(ns)
+        else:
+            src = ns.source
+            pl = sum_placement[src.id]
+            ch_rows = np.concatenate([block_rows[c.id] for c in ns.children])
+            order = np.lexsort((ns.edge_ids[1], ns.edge_ids[0]))
+            par = ns.edge_ids[0][order]
+            rows_e = ch_rows[ns.edge_ids[1][order]]
+            pids = pl.start + order
+            sum_items[(ns.block_size, ns.ch_block_size)].append((ns, par, rows_e, pids))
+
+    prods, sums, prod_tabs, sum_tabs = [], [], [], []
+    for (K, m) in sorted(prod_groups):
+        chs, n = [], 0
+        for ns in prod_groups[(K, m)]:
+            cols = [block_rows[c.id][ns.edge_ids[:, j]] for j, c in enumerate(ns.children)]
+            chs.append(np.stack(cols, axis=1))
+            block_rows[ns.id] = row + (n + np.arange(ns.num_node_blocks)) * K
+            n += ns.num_node_blocks
+        prods.append(ProdPart(n, m, K))
+        prod_tabs.append({"ch": np.concatenate(chs).astype(np.int32)})
+        row += n * K
+
+    for (Kp, Kc) in sorted(sum_items):
+        group = f"{Kp}x{Kc}"
+        items = sum_items[(Kp, Kc)]
+        # every parent block of this shape gets a global id; edges are sorted by it
+        nbs = np.asarray([ns.num_node_blocks for ns, *_ in items], dtype=np.int64)
+        par_off = np.concatenate([[0], np.cumsum(nbs)[:-1]])
+        gpar = np.concatenate([par + o for (_, par, _, _), o in zip(items, par_off)])
+        rows_e = np.concatenate([it[2] for it in items])
+        pids = np.concatenate([it[3] for it in items])
+        owner = np.repeat(np.arange(len(items)), nbs)
+        owner_blk = np.concatenate([np.arange(n) for n in nbs])
+        fanins = np.bincount(gpar, minlength=int(nbs.sum()))
+        starts = np.concatenate([[0], np.cumsum(fanins)[:-1]])
+        pos = np.arange(gpar.size) - starts[gpar]
+        padded = _fanin_buckets(fanins, max_exact_fanins)
+        local = np.full(fanins.size, -1, dtype=np.int64)
+        for C in np.unique(padded):
+            C = int(C)
+            sel = np.nonzero(padded == C)[0]
+            local[sel] = np.arange(sel.size)
+            emask = padded[gpar] == C
+            ch = np.full((sel.size, C), -2, dtype=np.int64)
+            pid = np.zeros((sel.size, C), dtype=np.int64)
+            ch[local[gpar[emask]], pos[emask]] = rows_e[emask]
+            pid[local[gpar[emask]], pos[emask]] = pids[emask]
+            has_pad = bool(np.any(ch == -2))
+            dense = (not has_pad) and bool(np.all(ch == ch[:1]))
+            for v in np.unique(owner[sel]):
+                ns = items[v][0]
+                mine = sel[owner[sel] == v]
+                br = block_rows.setdefault(ns.id, np.zeros(ns.num_node_blocks, dtype=np.int64))
+                br[owner_blk[mine]] = row + local[mine] * Kp
+            sums.append(SumPart(int(sel.size), C, Kp, Kc, group, dense))
+            sum_tabs.append({"ch": ch, "pid": pid.astype(np.int32)})
+            row += sel.size * Kp
+    spec = StageSpec(tuple(prods), tuple(sums), offset)
+    return spec, {"prods": prod_tabs, "sums": sum_tabs, "out": np.int32(offset)}, row
+
+
+def _group_scans(stages, stage_tables, min_repeats):
+    """Fold runs of stages whose shapes repeat with a period of 1 to 4 into ScanSpecs."""
+    sigs = [s.signature for s in stages]
+    steps, tabs = [], []
+    i, S = 0, len(stages)
+    while i < S:
+        best = None
+        if min_repeats:
+            for p in (1, 2, 3, 4):
+                k = 0
+                while i + (k + 1) * p <= S and all(sigs[i + k * p + j] == sigs[i + j] for j in range(p)):
+                    k += 1
+                if k >= min_repeats and (best is None or k * p > best[0] * best[1]):
+                    best = (p, k)
+        if best is None:
+            steps.append(stages[i])
+            tabs.append(stage_tables[i])
+            i += 1
+            continue
+        p, k = best
+        period = tuple(stages[i:i + p])
+        stacked = []
+        for j in range(p):
+            group = [stage_tables[i + r * p + j] for r in range(k)]
+            stacked.append(_stack_tables(group))
+        steps.append(ScanSpec(period, k))
+        tabs.append(stacked)
+        i += p * k
+    return steps, tabs
+
+
+def _stack_tables(group):
+    first = group[0]
+    return {
+        "prods": [{"ch": np.stack([g["prods"][q]["ch"] for g in group])} for q in range(len(first["prods"]))],
+        "sums": [{"ch": np.stack([g["sums"][q]["ch"] for g in group]),
+                  "pid": np.stack([g["sums"][q]["pid"] for g in group])} for q in range(len(first["sums"]))],
+        "out": np.asarray([g["out"] for g in group], dtype=np.int32),
+    }
+
+
+def finalize_tables(tables: dict, layout: Layout) -> dict:
+    """Replace padding markers (-2) by the first ``-inf`` row and cast everything to int32."""
+
+    def fix(t):
+        out = {}
+        for k, v in t.items():
+            if isinstance(v, dict):
+                out[k] = fix(v)
+            elif isinstance(v, list):
+                out[k] = [fix(x) if isinstance(x, dict) else x for x in v]
+            elif k == "ch":
+                a = np.where(v == -2, layout.ninf_row, v)
+                out[k] = a.astype(np.int32)
+            else:
+                out[k] = v
+        return out
+
+    return {"inputs": tables["inputs"], "groups": tables["groups"],
+            "steps": [fix(s) if isinstance(s, dict) else [fix(x) for x in s] for s in tables["steps"]]}

@@ -1,0 +1,132 @@
+"""Static layout of a compiled circuit: hashable Python-only descriptions of its layers.
+
+Node values live in one buffer ``[R, B]`` (rows = nodes, B = batch). Rows ``[0, Kmax)`` hold
+zeros and ``[Kmax, 2 Kmax)`` hold ``-inf`` (padding targets for products and sums), then come the
+input layers, then one contiguous range per *stage*. A stage holds every product and sum
+vector of one topological level; its partitions read rows of lower levels only, so they are
+independent and their outputs are written with a single ``dynamic_update_slice``.
+
+Consecutive stages with identical shapes (the steps of an HMM, tied or not) form a
+:class:`ScanSpec` and run under ``lax.scan`` with stacked index tables, so trace and compile
+time do not grow with the sequence length.
+
+Index tables (``int32`` device arrays) are not part of the layout: they are a pytree passed into
+the jitted functions, see :mod:`jaxpc.compiler.compile`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..distributions import Distribution
+
+
+@dataclasses.dataclass(frozen=True)
+class InputLayerSpec:
+    """All input nodes whose distributions share a layer key.
+
+    Attributes:
+        key: the layer's entry in ``params["input"]``.
+        dist: the distribution that evaluates the layer (any member; they behave identically).
+        offset: first buffer row.
+        num_nodes: nodes (buffer rows) in the layer.
+        num_rows: parameter rows (tied vectors share rows).
+    """
+
+    key: str
+    dist: Distribution
+    offset: int
+    num_nodes: int
+    num_rows: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ProdPart:
+    """``n`` product blocks of ``K`` nodes, each the element-wise sum of ``m`` child blocks."""
+
+    n: int
+    m: int
+    K: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.n * self.K
+
+
+@dataclasses.dataclass(frozen=True)
+class SumPart:
+    """``n`` sum blocks of ``Kp`` nodes with fan-in ``C`` child blocks of ``Kc`` nodes.
+
+    ``group`` names the parameter array (``params["sum"][group]``, ``[P, Kp, Kc]``). ``dense``: every
+    block reads the same children (no padding), so children are gathered once.
+    """
+
+    n: int
+    C: int
+    Kp: int
+    Kc: int
+    group: str
+    dense: bool
+
+    @property
+    def num_rows(self) -> int:
+        return self.n * self.Kp
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSpec:
+    prods: tuple[ProdPart, ...]
+    sums: tuple[SumPart, ...]
+    offset: int  # first output row (tables carry it too, for stages inside a scan)
+
+    @property
+    def num_rows(self) -> int:
+        return sum(p.num_rows for p in self.prods) + sum(s.num_rows for s in self.sums)
+
+    @property
+    def signature(self) -> tuple:
+        return (self.prods, self.sums)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanSpec:
+    """``repeats`` repetitions of a period of stages with identical shapes, run by ``lax.scan``."""
+
+    period: tuple[StageSpec, ...]
+    repeats: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SumGroupSpec:
+    """Sum parameters of one block shape: ``params["sum"][key]`` is ``[num_blocks, Kp, Kc]`` log-weights,
+    normalized per node over ``num_segments`` parent blocks."""
+
+    key: str
+    Kp: int
+    Kc: int
+    num_blocks: int
+    num_segments: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    num_rows: int
+    kmax: int
+    input_layers: tuple[InputLayerSpec, ...]
+    steps: tuple[StageSpec | ScanSpec, ...]
+    sum_groups: tuple[SumGroupSpec, ...]
+    root_row: int
+    num_vars: int
+
+    @property
+    def ninf_row(self) -> int:
+        return self.kmax
+
+    def stages(self):
+        """All stages in evaluation order (scans unrolled)."""
+        for step in self.steps:
+            if isinstance(step, ScanSpec):
+                for _ in range(step.repeats):
+                    yield from step.period
+            else:
+                yield step

@@ -1,0 +1,164 @@
+"""The interface every input distribution implements.
+
+An input layer holds all input nodes whose distributions share a ``layer_key``. Its
+parameters live in *rows* (tied input vectors share rows) as a dict of arrays with a leading
+row axis: the *internal* form, which is what ``circuit.params`` holds and what gradients are
+taken with respect to. Users give and get parameters in the *natural* form (probabilities,
+means, standard deviations) through ``inputs(..., params=...)`` and
+``circuit.get_node_params``.
+
+Static per-row metadata (an indicator's value, a masked categorical's mask) lives in
+``tables``: int/bool device arrays passed into jitted functions, never trained.
+
+Shapes: ``P`` rows, ``N`` nodes of the layer, ``B`` batch. ``rows`` is ``int32[N]`` (row of
+each node); ``xv`` is ``[N, B]`` (value of each node's variable per sample); ``mv`` is
+``bool[N, B]`` or None (True where the variable is marginalized).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+
+class Distribution:
+    """Base class. Subclasses are small frozen-value objects (equality by configuration)."""
+
+    #: short name used for the params pytree key of the layer
+    name: str = "dist"
+    #: whether values are category ids (int) or reals (float)
+    discrete: bool = True
+    #: natural parameter fields, in order; a single field is given/returned as a bare array
+    natural_fields: tuple[str, ...] = ()
+
+    # ---- identity -------------------------------------------------------------------------
+    def config(self) -> tuple:
+        """The configuration that makes two instances equal (and share an input layer)."""
+        return ()
+
+    def layer_key(self) -> tuple:
+        return (type(self).__name__,) + self.config()
+
+    def __eq__(self, other) -> bool:
+        return type(self) is type(other) and self.config() == other.config()
+
+    def __hash__(self) -> int:
+        return hash(self.layer_key())
+
+    def __repr__(self) -> str:
+        return type(self).__name__
+
+    # ---- data -----------------------------------------------------------------------------
+    def value_range(self) -> tuple[int, int | None] | None:
+        """``(lo, hi)`` for discrete values (``hi`` exclusive, None for unbounded), None for reals."""
+        return None
+
+    def describe_values(self) -> str:
+        r = self.value_range()
+        if r is None:
+            return "finite real values"
+        lo, hi = r
+        return f"integers >= {lo}" if hi is None else f"integers in [{lo}, {hi - 1}]"
+
+    # ---- host-side parameters -------------------------------------------------------------
+    def canonical_params(self, params: Any, num_nodes: int, where: str) -> dict[str, np.ndarray]:
+        """Validate user parameters for ``num_nodes`` nodes; return the natural dict (float64)."""
+        if not self.natural_fields:
+            raise ValueError(f"{where}: {self!r} has no parameters")
+        if isinstance(params, dict):
+            unknown = set(params) - set(self.natural_fields)
+            if unknown:
+                raise ValueError(f"{where}: unknown parameter(s) {sorted(unknown)} for {self!r}; "
+                                 f"expected {list(self.natural_fields)}")
+            out = {k: np.asarray(v, dtype=np.float64) for k, v in params.items()}
+        elif len(self.natural_fields) == 1:
+            out = {self.natural_fields[0]: np.asarray(params, dtype=np.float64)}
+        else:
+            raise ValueError(f"{where}: {self!r} takes params as a dict with keys {list(self.natural_fields)}")
+        return self._check_natural(out, num_nodes, where)
+
+    def _check_natural(self, natural: dict[str, np.ndarray], num_nodes: int, where: str) -> dict[str, np.ndarray]:
+        return natural
+
+    def row_tables(self, num_nodes: int, natural: dict[str, np.ndarray] | None, where: str) -> dict[str, np.ndarray]:
+        """Static per-row metadata for a vector of ``num_nodes`` nodes."""
+        return {}
+
+    def natural_to_internal(self, natural: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def has_full_params(self, natural: dict[str, np.ndarray] | None) -> bool:
+        """Whether ``natural`` defines the trainable parameters (not only metadata such as masks)."""
+        return natural is not None
+
+    # ---- traced ---------------------------------------------------------------------------
+    def init(self, rs: "RandomSource", num_rows: int, tables: dict[str, Array]) -> dict[str, Array]:
+        """Random internal parameters for ``num_rows`` rows (math through ``rs.xp``)."""
+        return {}
+
+    def internal_to_natural(self, p: dict[str, Array], tables: dict[str, Array]) -> dict[str, Array]:
+        raise NotImplementedError
+
+    def log_prob(self, p: dict[str, Array], tables: dict[str, Array], rows: Array, xv: Array, mv: Array | None,
+                 options) -> Array:
+        """``[N, B]`` node values (log-probabilities; marginalized per ``options`` where ``mv``)."""
+        raise NotImplementedError
+
+    def suff_stats(self, p: dict[str, Array], tables: dict[str, Array], rows: Array, xv: Array, mv: Array | None,
+                   flows: Array, num_rows: int) -> dict[str, Array]:
+        """Expected sufficient statistics per row from node flows ``[N, B]``."""
+        return {}
+
+    def em_update(self, p: dict[str, Array], tables: dict[str, Array], stats: dict[str, Array], step_size,
+                  pseudocount) -> dict[str, Array]:
+        return p
+
+
+class RandomSource:
+    """Uniform and normal draws for parameter initialization, from a JAX key (traceable, vmappable)
+    or a numpy ``Generator`` (host side: no XLA compilation when a circuit is built).
+    ``xp`` is ``jax.numpy`` or ``numpy`` accordingly, so one ``init`` serves both."""
+
+    def __init__(self, key: Array | None = None, rng: np.random.Generator | None = None, dtype=np.float32):
+        if (key is None) == (rng is None):
+            raise ValueError("RandomSource needs exactly one of key and rng")
+        self._key, self._rng, self.dtype = key, rng, dtype
+        self.xp = jnp if key is not None else np
+
+    def _next(self):
+        self._key, sub = jax.random.split(self._key)
+        return sub
+
+    def uniform(self, shape, lo: float = 0.0, hi: float = 1.0):
+        if self._rng is not None:
+            return self._rng.uniform(lo, hi, shape).astype(self.dtype)
+        return jax.random.uniform(self._next(), shape, self.dtype, lo, hi)
+
+    def normal(self, shape):
+        if self._rng is not None:
+            return self._rng.standard_normal(shape).astype(self.dtype)
+        return jax.random.normal(self._next(), shape, self.dtype)
+
+
+def segment_sum(values: Array, rows: Array, num_rows: int) -> Array:
+    """Sum node-level values ``[N, ...]`` into rows ``[P, ...]``."""
+    return jax.ops.segment_sum(values, rows, num_segments=num_rows)
+
+
+def reduce_missing(logp: Array, options, axis: int = -1) -> Array:
+    """Marginalize (LL), maximize (MPE) or temper (GeneralLL) a discrete log-pmf over ``axis``."""
+    if options.propagation == "MPE":
+        return jnp.max(logp, axis=axis)
+    if options.propagation == "GeneralLL":
+        a = options.alpha
+        return jax.nn.logsumexp(a * logp, axis=axis) / a
+    return jax.nn.logsumexp(logp, axis=axis)
+
+
+def blend(old: Array, new: Array, step_size) -> Array:
+    return (1.0 - step_size) * old + step_size * new

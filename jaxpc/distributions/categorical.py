@@ -1,0 +1,232 @@
+"""Categorical, Bernoulli and MaskedCategorical leaves.
+
+Internal parameters: ``{"log_probs": [P, K]}`` (log-probabilities; ``-inf`` where a
+masked categorical forbids a value). The gradient of the log-likelihood with respect to
+``log_probs`` is the expected count of each value, so EM statistics and ``jax.grad`` agree.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .base import Distribution, blend, reduce_missing, segment_sum
+
+
+def _check_probs(probs: np.ndarray, num_nodes: int, num_cats: int, where: str, allowed: np.ndarray | None = None):
+    if probs.shape != (num_nodes, num_cats):
+        raise ValueError(f"{where}: probabilities must have shape [num_nodes, num_cats] = [{num_nodes}, {num_cats}], "
+                         f"got {probs.shape}")
+    if not np.all(np.isfinite(probs)) or np.any(probs < 0):
+        raise ValueError(f"{where}: probabilities must be finite and non-negative")
+    if allowed is not None:
+        if np.any(probs[~allowed] > 0):
+            raise ValueError(f"{where}: probabilities must be zero on values the mask forbids")
+    tot = probs.sum(axis=1, keepdims=True)
+    if np.any(tot <= 0):
+        raise ValueError(f"{where}: node {int(np.argmin(tot))} has probabilities summing to zero")
+    return probs / tot
+
+
+class Categorical(Distribution):
+    """``P(x = k) = probs[k]`` for ``k`` in ``[0, num_cats)``.
+
+    Natural params: probabilities ``[num_nodes, num_cats]`` (rows are normalized).
+    EM: ``probs <- (1 - s) probs + s (counts + c / K) / (sum(counts) + c)`` with pseudocount ``c``.
+    """
+
+    name = "categorical"
+    natural_fields = ("probs",)
+
+    def __init__(self, num_cats: int):
+        if not isinstance(num_cats, (int, np.integer)) or isinstance(num_cats, bool) or num_cats < 1:
+            raise ValueError(f"{type(self).__name__}: num_cats must be a positive int, got {num_cats!r}")
+        self.num_cats = int(num_cats)
+
+    def config(self) -> tuple:
+        return (self.num_cats,)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(num_cats={self.num_cats})"
+
+    def value_range(self):
+        return (0, self.num_cats)
+
+    # host
+    def _check_natural(self, natural, num_nodes, where):
+        return {"probs": _check_probs(natural["probs"], num_nodes, self.num_cats, where)}
+
+    def natural_to_internal(self, natural):
+        with np.errstate(divide="ignore"):
+            return {"log_probs": np.log(natural["probs"])}
+
+    # traced
+    def _mask(self, tables):
+        return tables.get("mask")
+
+    def init(self, rs, num_rows, tables):
+        xp = rs.xp
+        w = xp.exp(-2.0 * rs.uniform((num_rows, self.num_cats)))
+        mask = self._mask(tables)
+        if mask is not None:
+            w = xp.where(mask, w, 0.0)
+        with np.errstate(divide="ignore"):
+            return {"log_probs": xp.log(w / xp.sum(w, axis=1, keepdims=True))}
+
+    def internal_to_natural(self, p, tables):
+        return {"probs": jnp.exp(p["log_probs"])}
+
+    def _values(self, xv, mv):
+        xi = xv.astype(jnp.int32) if xv.dtype != jnp.int32 else xv
+        return xi if mv is None else jnp.where(mv, 0, xi)
+
+    def log_prob(self, p, tables, rows, xv, mv, options):
+        lp = p["log_probs"]
+        xi = self._values(xv, mv)
+        out = lp[rows[:, None], jnp.clip(xi, 0, self.num_cats - 1)]
+        # out-of-range values reach here only when validation was switched off: poison, never clamp silently
+        out = jnp.where((xi < 0) | (xi >= self.num_cats), jnp.nan, out)
+        if mv is not None:
+            marg = reduce_missing(lp, options)[rows]
+            out = jnp.where(mv, marg[:, None], out)
+        return out
+
+    def suff_stats(self, p, tables, rows, xv, mv, flows, num_rows):
+        xi = jnp.clip(self._values(xv, mv), 0, self.num_cats - 1)
+        obs = flows if mv is None else jnp.where(mv, 0.0, flows)
+        counts = jnp.zeros((num_rows, self.num_cats), flows.dtype).at[rows[:, None], xi].add(obs)
+        if mv is not None:
+            # a marginalized value contributes its posterior under the current parameters
+            miss = jnp.sum(jnp.where(mv, flows, 0.0), axis=1)
+            probs = jnp.exp(p["log_probs"])
+            counts = counts + segment_sum(miss[:, None] * probs[rows], rows, num_rows)
+        return {"counts": counts}
+
+    def em_update(self, p, tables, stats, step_size, pseudocount):
+        counts = stats["counts"]
+        mask = self._mask(tables)
+        if mask is None:
+            k_eff = self.num_cats
+            pc = pseudocount / k_eff
+        else:
+            k_eff = jnp.maximum(jnp.sum(mask, axis=1, keepdims=True), 1)
+            pc = jnp.where(mask, pseudocount / k_eff, 0.0)
+            counts = jnp.where(mask, counts, 0.0)
+        tot = jnp.sum(counts, axis=1, keepdims=True) + pseudocount
+        old = jnp.exp(p["log_probs"])
+        new = jnp.where(tot > 0, (counts + pc) / jnp.where(tot > 0, tot, 1.0), old)
+        return {"log_probs": jnp.log(blend(old, new, step_size))}
+
+
+class Bernoulli(Categorical):
+    """``P(x = 1) = p``. Natural params: ``p`` of shape ``[num_nodes]``; values 0/1 (or bool)."""
+
+    name = "bernoulli"
+    natural_fields = ("p",)
+
+    def __init__(self):
+        super().__init__(2)
+
+    def config(self) -> tuple:
+        return ()
+
+    def __repr__(self) -> str:
+        return "Bernoulli()"
+
+    def _check_natural(self, natural, num_nodes, where):
+        p = natural["p"]
+        if p.shape != (num_nodes,):
+            raise ValueError(f"{where}: Bernoulli params must have shape [num_nodes] = [{num_nodes}], got {p.shape}")
+        if not np.all((p >= 0) & (p <= 1)):
+            raise ValueError(f"{where}: Bernoulli probabilities must lie in [0, 1]")
+        return {"p": p}
+
+    def natural_to_internal(self, natural):
+        p = natural["p"]
+        with np.errstate(divide="ignore"):
+            return {"log_probs": np.log(np.stack([1.0 - p, p], axis=1))}
+
+    def internal_to_natural(self, p, tables):
+        return {"p": jnp.exp(p["log_probs"][:, 1])}
+
+
+class MaskedCategorical(Categorical):
+    """A categorical restricted to a per-node set of allowed values.
+
+    ``mask_mode``: ``"range"`` (natural ``mask`` ``[num_nodes, 2]``: values in ``[lo, hi)`` allowed),
+    ``"rev_range"`` (values in ``[lo, hi)`` forbidden) or ``"full_mask"`` (``bool[num_nodes, num_cats]``,
+    True = allowed). Params are a dict with the required ``mask`` and optional ``probs``. Forbidden
+    values have probability exactly zero (log-probability ``-inf``).
+    """
+
+    name = "masked_categorical"
+    natural_fields = ("probs", "mask")
+    MODES = ("range", "rev_range", "full_mask")
+
+    def __init__(self, num_cats: int, mask_mode: str = "range"):
+        super().__init__(num_cats)
+        if mask_mode not in self.MODES:
+            raise ValueError(f"MaskedCategorical: mask_mode must be one of {self.MODES}, got {mask_mode!r}")
+        self.mask_mode = mask_mode
+
+    def config(self) -> tuple:
+        return (self.num_cats,)  # the mode only shapes the host-side mask; one layer serves all modes
+
+    def __eq__(self, other):
+        return type(self) is type(other) and (self.num_cats, self.mask_mode) == (other.num_cats, other.mask_mode)
+
+    def __hash__(self):
+        return hash((type(self).__name__, self.num_cats, self.mask_mode))
+
+    def __repr__(self):
+        return f"MaskedCategorical(num_cats={self.num_cats}, mask_mode={self.mask_mode!r})"
+
+    def canonical_params(self, params, num_nodes, where):
+        if not isinstance(params, dict) or "mask" not in params:
+            raise ValueError(f"{where}: MaskedCategorical needs params={{'mask': ..., 'probs': optional}}")
+        raw = np.asarray(params["mask"])
+        allowed = self._allowed(raw, num_nodes, where)
+        out = {"mask": allowed}
+        if params.get("probs") is not None:
+            out["probs"] = _check_probs(np.asarray(params["probs"], dtype=np.float64), num_nodes, self.num_cats,
+                                        where, allowed)
+        extra = set(params) - {"mask", "probs"}
+        if extra:
+            raise ValueError(f"{where}: unknown parameter(s) {sorted(extra)} for {self!r}")
+        return out
+
+    def _allowed(self, raw, num_nodes, where):
+        K = self.num_cats
+        if self.mask_mode == "full_mask":
+            if raw.shape != (num_nodes, K):
+                raise ValueError(f"{where}: full_mask must have shape [{num_nodes}, {K}], got {raw.shape}")
+            allowed = raw.astype(bool)
+        else:
+            if raw.shape != (num_nodes, 2):
+                raise ValueError(f"{where}: {self.mask_mode} mask must have shape [{num_nodes}, 2] (lo, hi), "
+                                 f"got {raw.shape}")
+            lo, hi = raw[:, :1].astype(np.int64), raw[:, 1:].astype(np.int64)
+            if np.any(lo < 0) or np.any(hi > K) or np.any(lo > hi):
+                raise ValueError(f"{where}: mask ranges must satisfy 0 <= lo <= hi <= {K}")
+            ar = np.arange(K)[None, :]
+            inside = (ar >= lo) & (ar < hi)
+            allowed = inside if self.mask_mode == "range" else ~inside
+        if np.any(~allowed.any(axis=1)):
+            raise ValueError(f"{where}: node {int(np.argmin(allowed.any(axis=1)))} allows no value")
+        return allowed
+
+    def row_tables(self, num_nodes, natural, where):
+        if natural is None or "mask" not in natural:
+            raise ValueError(f"{where}: MaskedCategorical needs params={{'mask': ...}} at construction")
+        return {"mask": natural["mask"]}
+
+    def has_full_params(self, natural):
+        return natural is not None and "probs" in natural
+
+    def natural_to_internal(self, natural):
+        with np.errstate(divide="ignore"):
+            return {"log_probs": np.log(natural["probs"])}
+
+    def internal_to_natural(self, p, tables):
+        return {"probs": jnp.exp(p["log_probs"]), "mask": tables["mask"]}

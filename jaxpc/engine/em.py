@@ -1,0 +1,90 @@
+"""Flows (expected counts) from ``jax.grad`` and the EM parameter update.
+
+* Sum-edge flows: the gradient of ``sum_b w_b log p(x_b)`` with respect to the log-weights,
+  which is ``sum_b w_b P(edge used | x_b)``, in linear space (no log of a gradient).
+* Input flows: the gradient with respect to an additive zero on each input layer's values
+  (node flows ``[N, B]``), turned into each distribution's expected sufficient statistics.
+
+The flows pytree mirrors ``params``: ``{"sum": {group: [P, Kp, Kc]}, "input": {layer: stats}}``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ..compiler.layout import Layout
+from ..distributions.base import blend
+from . import forward
+
+Array = jax.Array
+
+
+def flows_and_ll(layout: Layout, tables: dict, params: dict, x: Array, missing: Array | None,
+                 weights: Array | None, options) -> tuple[dict, Array]:
+    """``(flows, ll [B])``; ``weights`` ``[B]`` scales each sample's contribution (None = 1)."""
+    B = x.shape[0]
+    dtype = forward._param_dtype(params)
+    eps = [jnp.zeros((spec.num_nodes, B), dtype) for spec in layout.input_layers]
+
+    def objective(sum_params, eps):
+        p = {"sum": sum_params, "input": params["input"]}
+        ll = forward.log_prob(layout, tables, p, x, missing, options, input_eps=eps)
+        # zero-weight rows (padding) contribute exactly nothing, even where their ll is -inf
+        wll = ll if weights is None else jnp.where(weights == 0, 0.0, ll * weights.astype(ll.dtype))
+        return jnp.sum(wll), ll
+
+    (_, ll), (g_sum, g_eps) = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)(params["sum"], eps)
+
+    xt = x.T
+    mt = forward._missing_t(missing)
+    g_in = {}
+    for spec, tab, node_flows in zip(layout.input_layers, tables["inputs"], g_eps):
+        with jax.named_scope(f"jaxpc/input_stats/{spec.key}"):
+            xv = xt[tab["vars"]]
+            mv = None if mt is None else mt[tab["vars"]]
+            g_in[spec.key] = spec.dist.suff_stats(params["input"][spec.key], tab["meta"], tab["rows"], xv, mv,
+                                                  node_flows, spec.num_rows)
+    return {"sum": g_sum, "input": g_in}, ll
+
+
+def normalize_sum_params(layout: Layout, tables: dict, sum_counts: dict, pseudocount) -> dict:
+    """``(counts + c / num_children) / (node total + c)`` per node, in linear space; nodes with no
+    mass keep a uniform distribution over their children."""
+    out = {}
+    for g in layout.sum_groups:
+        t = tables["groups"][g.key]
+        seg, nch = t["seg"], t["nch"].astype(sum_counts[g.key].dtype)
+        counts = sum_counts[g.key] + (pseudocount / nch)[seg][:, None, None]
+        tot = jax.ops.segment_sum(jnp.sum(counts, axis=2), seg, num_segments=g.num_segments)  # [S, Kp]
+        tot_e = tot[seg][:, :, None]
+        uniform = (1.0 / nch)[seg][:, None, None]
+        out[g.key] = jnp.where(tot_e > 0, counts / jnp.where(tot_e > 0, tot_e, 1.0), uniform)
+    return out
+
+
+def em_update(layout: Layout, tables: dict, params: dict, flows: dict, step_size, pseudocount) -> dict:
+    """One EM update: ``theta <- (1 - s) theta + s * normalize(flows + pseudocount)``.
+
+    Sum nodes whose flows are all zero (and pseudocount 0) keep their parameters."""
+    new_sum = {}
+    targets = normalize_sum_params(layout, tables, flows["sum"], pseudocount)
+    for g in layout.sum_groups:
+        t = tables["groups"][g.key]
+        old = jnp.exp(params["sum"][g.key])
+        tot = jax.ops.segment_sum(jnp.sum(flows["sum"][g.key], axis=2), t["seg"], num_segments=g.num_segments)
+        has_mass = ((tot[t["seg"]] + pseudocount) > 0)[:, :, None]
+        new = jnp.where(has_mass, blend(old, targets[g.key], step_size), old)
+        new_sum[g.key] = jnp.log(new)
+    new_in = {}
+    for spec, tab in zip(layout.input_layers, tables["inputs"]):
+        new_in[spec.key] = spec.dist.em_update(params["input"][spec.key], tab["meta"], flows["input"][spec.key],
+                                               step_size, pseudocount)
+    return {"sum": new_sum, "input": new_in}
+
+
+def em_step(layout: Layout, tables: dict, params: dict, x: Array, missing: Array | None, weights: Array | None,
+            step_size, pseudocount, options) -> tuple[dict, Array]:
+    """Forward, flows and update in one function (one executable when jitted). Returns ``(params, ll)``."""
+    fl, ll = flows_and_ll(layout, tables, params, x, missing, weights, options)
+    return em_update(layout, tables, params, fl, step_size, pseudocount), ll

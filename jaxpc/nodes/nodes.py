@@ -1,0 +1,437 @@
+"""Symbolic circuit nodes.
+
+A node object is a *vector* of ``num_node_blocks * block_size`` nodes that share one
+scope and one edge pattern at block granularity, as in PyJuice:
+
+* ``InputNodes``: leaves over one variable with a distribution from :mod:`jaxpc.dists`.
+* ``ProdNodes``: product block ``p`` multiplies block ``edge_ids[p, j]`` of child ``j``
+  element-wise (node ``k`` of the block with node ``k`` of each child block).
+* ``SumNodes``: every column ``[i, j]`` of ``edge_ids`` (shape ``[2, num_edges]``)
+  fully connects parent block ``i`` with child block ``j``, where child blocks are
+  numbered over the concatenation of all children.
+
+Scopes are Python ints used as bitsets, so unions and disjointness checks stay cheap
+on circuits over tens of thousands of variables. Smoothness (sum children share a
+scope) and decomposability (product children have disjoint scopes) are checked when a
+node is built; the error names the offending nodes.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+import numpy as np
+
+__all__ = [
+    "CircuitNodes",
+    "InputNodes",
+    "ProdNodes",
+    "SumNodes",
+    "inputs",
+    "multiply",
+    "summate",
+    "duplicate",
+    "scope_vars",
+]
+
+_ids = itertools.count()
+
+
+def scope_vars(scope: int) -> list[int]:
+    """The variable ids in a bitset scope, ascending."""
+    out = []
+    v = 0
+    while scope:
+        low = scope & -scope
+        v = low.bit_length() - 1
+        out.append(v)
+        scope ^= low
+    return out
+
+
+def _scope_str(scope: int, limit: int = 6) -> str:
+    vs = scope_vars(scope)
+    if len(vs) <= limit:
+        return "{" + ", ".join(map(str, vs)) + "}"
+    return "{" + ", ".join(map(str, vs[:limit])) + f", ... ({len(vs)} vars)" + "}"
+
+
+def _as_int_array(a: Any, what: str) -> np.ndarray:
+    arr = np.asarray(a)
+    if arr.dtype == bool:
+        raise TypeError(f"{what} must hold integer block ids, got a boolean array")
+    if not np.issubdtype(arr.dtype, np.integer):
+        if np.issubdtype(arr.dtype, np.floating) and np.all(np.isfinite(arr)) and np.all(arr == np.round(arr)):
+            arr = arr.astype(np.int64)
+        else:
+            raise TypeError(f"{what} must hold integer block ids, got dtype {arr.dtype}")
+    return arr.astype(np.int64)
+
+
+def _resolve_sizes(kind: str, num_node_blocks: int, num_nodes: int, block_size: int) -> tuple[int, int]:
+    for name, val in (("num_node_blocks", num_node_blocks), ("num_nodes", num_nodes), ("block_size", block_size)):
+        if not isinstance(val, (int, np.integer)) or isinstance(val, bool) or val < 0:
+            raise ValueError(f"{kind}: {name} must be a non-negative int, got {val!r}")
+    if num_nodes and num_node_blocks:
+        raise ValueError(f"{kind}: give num_node_blocks or num_nodes, not both "
+                         f"(got num_node_blocks={num_node_blocks}, num_nodes={num_nodes})")
+    block_size = int(block_size) if block_size else 1
+    if num_nodes:
+        if num_nodes % block_size:
+            raise ValueError(f"{kind}: num_nodes={num_nodes} is not a multiple of block_size={block_size}")
+        num_node_blocks = num_nodes // block_size
+    if not num_node_blocks:
+        raise ValueError(f"{kind}: num_node_blocks (or num_nodes) must be positive")
+    return int(num_node_blocks), block_size
+
+
+class CircuitNodes:
+    """Base class of node vectors. Identity (not value) equality: two calls build two vectors."""
+
+    kind = "nodes"
+
+    def __init__(self, num_node_blocks: int, block_size: int, children: Sequence["CircuitNodes"], scope: int,
+                 source: "CircuitNodes | None" = None, name: str | None = None):
+        self.num_node_blocks = int(num_node_blocks)
+        self.block_size = int(block_size)
+        self.children = tuple(children)
+        self.scope = scope
+        self._source = source
+        self.id = next(_ids)
+        self.name = name if name is not None else f"{type(self).__name__}#{self.id}"
+
+    @property
+    def num_nodes(self) -> int:
+        return self.num_node_blocks * self.block_size
+
+    @property
+    def scope_vars(self) -> list[int]:
+        return scope_vars(self.scope)
+
+    def is_input(self) -> bool:
+        return False
+
+    def is_prod(self) -> bool:
+        return False
+
+    def is_sum(self) -> bool:
+        return False
+
+    def is_tied(self) -> bool:
+        """True when this vector shares its parameters with another one (``duplicate(tie_params=True)``)."""
+        return self._source is not None
+
+    @property
+    def source(self) -> "CircuitNodes":
+        """The vector that owns this vector's parameters (itself unless tied)."""
+        ns = self
+        while ns._source is not None:
+            ns = ns._source
+        return ns
+
+    def __repr__(self) -> str:
+        return (f"{self.name}(num_node_blocks={self.num_node_blocks}, block_size={self.block_size}, "
+                f"scope={_scope_str(self.scope)})")
+
+
+class InputNodes(CircuitNodes):
+    """Leaves over one variable; ``dist`` is a :class:`jaxpc.dists.Distribution`."""
+
+    kind = "input"
+
+    def __init__(self, var: int, num_node_blocks: int, block_size: int, dist, params=None,
+                 source: "InputNodes | None" = None, name: str | None = None):
+        from ..distributions import Distribution  # local: distributions import nodes for typing only
+
+        if not isinstance(var, (int, np.integer)) or isinstance(var, bool) or var < 0:
+            raise ValueError(f"inputs: var must be a non-negative int variable id, got {var!r}")
+        if not isinstance(dist, Distribution):
+            raise TypeError(f"inputs: dist must be a jaxpc.dists distribution, got {type(dist).__name__}")
+        super().__init__(num_node_blocks, block_size, (), 1 << int(var), source=source, name=name)
+        self.var = int(var)
+        self.dist = dist
+        self._params = None
+        if params is not None:
+            self.set_params(params)
+
+    def is_input(self) -> bool:
+        return True
+
+    def set_params(self, params) -> None:
+        """Set the distribution parameters in the distribution's natural form (see its docs)."""
+        if self._source is not None:
+            self.source.set_params(params)
+            return
+        self._params = self.dist.canonical_params(params, self.num_nodes, where=self.name)
+
+    def get_params(self):
+        """The parameters given at construction (natural form), or None."""
+        return self.source._params
+
+    def duplicate(self, var: int | None = None, *, tie_params: bool = False, name: str | None = None) -> "InputNodes":
+        """A new vector of the same shape and distribution over ``var`` (default: same variable)."""
+        src = self.source if tie_params else None
+        dup = InputNodes(self.var if var is None else var, self.num_node_blocks, self.block_size, self.dist,
+                         source=src, name=name)
+        if not tie_params and self._params is not None:
+            dup._params = {k: v.copy() for k, v in self._params.items()}
+        return dup
+
+
+class ProdNodes(CircuitNodes):
+    kind = "prod"
+
+    def __init__(self, children: Sequence[CircuitNodes], edge_ids: np.ndarray, name: str | None = None):
+        block_size = children[0].block_size
+        scope = 0
+        for c in children:
+            scope |= c.scope
+        super().__init__(edge_ids.shape[0], block_size, children, scope, name=name)
+        self.edge_ids = edge_ids
+
+    def is_prod(self) -> bool:
+        return True
+
+    def duplicate(self, *children: CircuitNodes, name: str | None = None) -> "ProdNodes":
+        """The same edge pattern over new children of matching shapes (default: the same children)."""
+        chs = children or self.children
+        _check_same_shapes(self, self.children, chs)
+        return multiply(*chs, edge_ids=self.edge_ids.copy(), name=name)
+
+
+class SumNodes(CircuitNodes):
+    kind = "sum"
+
+    def __init__(self, children: Sequence[CircuitNodes], num_node_blocks: int, block_size: int,
+                 edge_ids: np.ndarray, params=None, source: "SumNodes | None" = None, name: str | None = None):
+        super().__init__(num_node_blocks, block_size, children, children[0].scope, source=source, name=name)
+        self.edge_ids = edge_ids
+        self.ch_block_size = children[0].block_size
+        self.num_ch_node_blocks = sum(c.num_node_blocks for c in children)
+        self._params = None
+        if params is not None:
+            self.set_params(params)
+
+    def is_sum(self) -> bool:
+        return True
+
+    @property
+    def num_ch_nodes(self) -> int:
+        return self.num_ch_node_blocks * self.ch_block_size
+
+    @property
+    def num_edges(self) -> int:
+        return self.edge_ids.shape[1] * self.block_size * self.ch_block_size
+
+    def set_params(self, params) -> None:
+        """Set the weights: dense ``[num_nodes, num_ch_nodes]``, or per edge block
+        ``[num_edge_blocks, block_size, ch_block_size]`` (or ``[num_edge_blocks]`` when both block sizes
+        are 1). Rows are normalized; weights outside the edges must be zero."""
+        if self._source is not None:
+            self.source.set_params(params)
+            return
+        self._params = _canonical_sum_params(self, params)
+
+    def get_params(self):
+        """The weights given at construction as ``[num_edge_blocks, block_size, ch_block_size]``, or None."""
+        return self.source._params
+
+    def duplicate(self, *children: CircuitNodes, tie_params: bool = False, name: str | None = None) -> "SumNodes":
+        """The same edge pattern over new children of matching shapes; ``tie_params=True`` shares weights."""
+        chs = children or self.children
+        _check_same_shapes(self, self.children, chs)
+        src = self.source if tie_params else None
+        dup = SumNodes(tuple(chs), self.num_node_blocks, self.block_size, self.edge_ids.copy(), source=src, name=name)
+        if src is None and self._params is not None:
+            dup._params = self._params.copy()
+        _check_smooth(dup)
+        return dup
+
+
+def _check_same_shapes(ns: CircuitNodes, old: Sequence[CircuitNodes], new: Sequence[CircuitNodes]) -> None:
+    if len(old) != len(new):
+        raise ValueError(f"duplicate of {ns.name}: expected {len(old)} children, got {len(new)}")
+    for i, (a, b) in enumerate(zip(old, new)):
+        if (a.num_node_blocks, a.block_size) != (b.num_node_blocks, b.block_size):
+            raise ValueError(
+                f"duplicate of {ns.name}: child {i} ({b.name}) has num_node_blocks={b.num_node_blocks}, "
+                f"block_size={b.block_size}; the original child {a.name} has "
+                f"num_node_blocks={a.num_node_blocks}, block_size={a.block_size}")
+
+
+def _check_smooth(ns: SumNodes) -> None:
+    s0 = ns.children[0].scope
+    for c in ns.children[1:]:
+        if c.scope != s0:
+            raise ValueError(
+                f"summate: children must share one scope (smoothness), but {ns.children[0].name} has scope "
+                f"{_scope_str(s0)} and {c.name} has scope {_scope_str(c.scope)}")
+
+
+def _canonical_sum_params(ns: SumNodes, params) -> np.ndarray:
+    p = np.asarray(params, dtype=np.float64)
+    E = ns.edge_ids.shape[1]
+    Kp, Kc = ns.block_size, ns.ch_block_size
+    if p.ndim == 2 and p.shape == (ns.num_nodes, ns.num_ch_nodes):
+        dense = p.reshape(ns.num_node_blocks, Kp, ns.num_ch_node_blocks, Kc).transpose(0, 2, 1, 3)
+        blocks = dense[ns.edge_ids[0], ns.edge_ids[1]]
+        mask = np.zeros((ns.num_node_blocks, ns.num_ch_node_blocks), dtype=bool)
+        mask[ns.edge_ids[0], ns.edge_ids[1]] = True
+        off = dense[~mask]
+        if off.size and np.any(off != 0):
+            raise ValueError(f"{ns.name}: params has nonzero weights between blocks that edge_ids does not connect")
+    elif p.ndim == 3 and p.shape == (E, Kp, Kc):
+        blocks = p.copy()
+    elif p.ndim == 1 and p.shape == (E,) and Kp == 1 and Kc == 1:
+        blocks = p.reshape(E, 1, 1).copy()
+    else:
+        raise ValueError(
+            f"{ns.name}: params must be dense [num_nodes, num_ch_nodes] = [{ns.num_nodes}, {ns.num_ch_nodes}] or "
+            f"per edge block [num_edge_blocks, block_size, ch_block_size] = [{E}, {Kp}, {Kc}]; got shape {p.shape}")
+    if not np.all(np.isfinite(blocks)) or np.any(blocks < 0):
+        raise ValueError(f"{ns.name}: sum weights must be finite and non-negative")
+    totals = np.zeros((ns.num_node_blocks, Kp))
+    np.add.at(totals, ns.edge_ids[0], blocks.sum(axis=2))
+    if np.any(totals <= 0):
+        blk, k = np.argwhere(totals <= 0)[0]
+        raise ValueError(f"{ns.name}: node {blk * Kp + k} has weights summing to zero")
+    return blocks / totals[ns.edge_ids[0]][:, :, None]
+
+
+# ----------------------------------------------------------------------------------------------
+# Construction functions (PyJuice names and semantics)
+# ----------------------------------------------------------------------------------------------
+
+def inputs(var: int, num_node_blocks: int = 0, block_size: int = 0, dist=None, params=None, num_nodes: int = 0,
+           name: str | None = None) -> InputNodes:
+    """A vector of ``num_node_blocks * block_size`` input nodes over variable ``var``.
+
+    Args:
+        var: the variable id (column of ``x``).
+        num_node_blocks: number of blocks (or give ``num_nodes``).
+        block_size: nodes per block (default 1).
+        dist: a distribution from :mod:`jaxpc.dists`.
+        params: optional parameters in the distribution's natural form (e.g. ``Categorical``:
+            probabilities ``[num_nodes, num_cats]``).
+        num_nodes: alternative to ``num_node_blocks``.
+        name: optional name used in error messages and summaries.
+    """
+    if dist is None:
+        raise ValueError("inputs: dist is required (e.g. jaxpc.dists.Categorical(num_cats=...))")
+    nb, bs = _resolve_sizes("inputs", num_node_blocks, num_nodes, block_size)
+    return InputNodes(var, nb, bs, dist, params=params, name=name)
+
+
+def multiply(*children: CircuitNodes, edge_ids=None, name: str | None = None) -> ProdNodes:
+    """Product nodes over children with disjoint scopes and equal block sizes.
+
+    Default edges pair the ``i``-th block of every child (all children then need the same
+    ``num_node_blocks``); ``edge_ids[p, j]`` picks the block of child ``j`` for product block ``p``.
+    """
+    if not children:
+        raise ValueError("multiply: needs at least one child")
+    for c in children:
+        if not isinstance(c, CircuitNodes):
+            raise TypeError(f"multiply: children must be node vectors, got {type(c).__name__}")
+    bs = children[0].block_size
+    for c in children[1:]:
+        if c.block_size != bs:
+            raise ValueError(f"multiply: children must share a block size, but {children[0].name} has "
+                             f"block_size={bs} and {c.name} has block_size={c.block_size}")
+    scope = 0
+    for c in children:
+        if scope & c.scope:
+            overlap = scope_vars(scope & c.scope)
+            prev = [d.name for d in children if d.scope & c.scope and d is not c]
+            raise ValueError(
+                f"multiply: children must have disjoint scopes (decomposability), but {c.name} shares variables "
+                f"{overlap[:6]} with {', '.join(prev)}")
+        scope |= c.scope
+    if edge_ids is None:
+        nb = children[0].num_node_blocks
+        for c in children[1:]:
+            if c.num_node_blocks != nb:
+                raise ValueError(
+                    f"multiply: without edge_ids all children need the same num_node_blocks, but "
+                    f"{children[0].name} has {nb} and {c.name} has {c.num_node_blocks}")
+        edges = np.tile(np.arange(nb, dtype=np.int64)[:, None], (1, len(children)))
+    else:
+        edges = _as_int_array(edge_ids, "multiply: edge_ids")
+        if edges.ndim != 2 or edges.shape[1] != len(children) or edges.shape[0] == 0:
+            raise ValueError(f"multiply: edge_ids must have shape [num_prod_blocks, {len(children)}], "
+                             f"got {edges.shape}")
+        for j, c in enumerate(children):
+            col = edges[:, j]
+            if col.min() < 0 or col.max() >= c.num_node_blocks:
+                bad = int(col[(col < 0) | (col >= c.num_node_blocks)][0])
+                raise ValueError(f"multiply: edge_ids[:, {j}] holds block {bad}, but child {c.name} has "
+                                 f"{c.num_node_blocks} blocks")
+    return ProdNodes(children, edges, name=name)
+
+
+def summate(*children: CircuitNodes, num_node_blocks: int = 0, block_size: int = 0, edge_ids=None, params=None,
+            num_nodes: int = 0, name: str | None = None) -> SumNodes:
+    """Sum nodes over children with one shared scope and equal block sizes.
+
+    Default edges connect every parent block with every child block (dense); ``edge_ids``
+    (``[2, num_edges]``) lists ``(parent block, child block)`` pairs, child blocks numbered over the
+    concatenation of the children. ``params``: dense ``[num_nodes, num_ch_nodes]`` weights or per edge
+    block ``[num_edges, block_size, ch_block_size]``; normalized per node.
+    """
+    if not children:
+        raise ValueError("summate: needs at least one child")
+    for c in children:
+        if not isinstance(c, CircuitNodes):
+            raise TypeError(f"summate: children must be node vectors, got {type(c).__name__}")
+    kbs = children[0].block_size
+    for c in children[1:]:
+        if c.block_size != kbs:
+            raise ValueError(f"summate: children must share a block size, but {children[0].name} has "
+                             f"block_size={kbs} and {c.name} has block_size={c.block_size}")
+    num_ch_blocks = sum(c.num_node_blocks for c in children)
+    if edge_ids is not None:
+        edges = _as_int_array(edge_ids, "summate: edge_ids")
+        if edges.ndim != 2 or edges.shape[0] != 2 or edges.shape[1] == 0:
+            raise ValueError(f"summate: edge_ids must have shape [2, num_edges], got {edges.shape}")
+        if not num_node_blocks and not num_nodes:
+            num_node_blocks = int(edges[0].max()) + 1
+    nb, bs = _resolve_sizes("summate", num_node_blocks, num_nodes, block_size)
+    if edge_ids is None:
+        edges = np.stack([np.repeat(np.arange(nb), num_ch_blocks), np.tile(np.arange(num_ch_blocks), nb)]).astype(np.int64)
+    else:
+        if edges[0].min() < 0 or edges[0].max() >= nb:
+            raise ValueError(f"summate: edge_ids[0] must be parent blocks in [0, {nb}), got values in "
+                             f"[{edges[0].min()}, {edges[0].max()}]")
+        if edges[1].min() < 0 or edges[1].max() >= num_ch_blocks:
+            raise ValueError(f"summate: edge_ids[1] must be child blocks in [0, {num_ch_blocks}), got values in "
+                             f"[{edges[1].min()}, {edges[1].max()}]")
+        missing = np.setdiff1d(np.arange(nb), edges[0])
+        if missing.size:
+            raise ValueError(f"summate: parent blocks {missing[:6].tolist()} have no edges")
+        keys = edges[0] * num_ch_blocks + edges[1]
+        if np.unique(keys).size != keys.size:
+            raise ValueError("summate: edge_ids lists the same (parent block, child block) pair twice")
+    ns = SumNodes(children, nb, bs, edges, params=None, name=name)
+    _check_smooth(ns)
+    if params is not None:
+        ns.set_params(params)
+    return ns
+
+
+def duplicate(ns: CircuitNodes, *args, tie_params: bool = False, name: str | None = None) -> CircuitNodes:
+    """Copy a node vector onto new children (sum/product) or a new variable (input).
+
+    ``tie_params=True`` makes the copy share parameters with ``ns`` (inputs and sums).
+    """
+    if isinstance(ns, InputNodes):
+        if len(args) > 1:
+            raise ValueError("duplicate of input nodes takes one variable id")
+        return ns.duplicate(*args, tie_params=tie_params, name=name)
+    if isinstance(ns, SumNodes):
+        return ns.duplicate(*args, tie_params=tie_params, name=name)
+    if isinstance(ns, ProdNodes):
+        if tie_params:
+            raise ValueError("product nodes have no parameters to tie")
+        return ns.duplicate(*args, name=name)
+    raise TypeError(f"duplicate: expected a node vector, got {type(ns).__name__}")

@@ -1,0 +1,22 @@
+"""Product layer: each of ``n`` blocks of ``K`` nodes is the element-wise sum (log domain) of ``m``
+child blocks whose first buffer rows are ``ch[i, :]``."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def product_layer_reference(buf: Array, ch: Array, *, K: int) -> Array:
+    """Returns ``[n * K, B]`` (block-major rows)."""
+    n, m = ch.shape
+    rows = ch[:, :, None] + jnp.arange(K, dtype=ch.dtype)  # [n, m, K]
+    return jnp.sum(buf[rows], axis=1).reshape(n * K, buf.shape[1])
+
+
+def product_layer(buf: Array, ch: Array, *, K: int, impl: str = "reference") -> Array:
+    if impl != "reference":
+        raise ValueError(f"unknown product-layer impl {impl!r}")
+    return product_layer_reference(buf, ch, K=K)

@@ -1,0 +1,64 @@
+"""The frozen options object: the one path by which an option reaches traced code.
+
+Every jitted entry point takes an :class:`Options` as a static argument, so its hash is part
+of the executable's key: changing any field can never replay an executable compiled for
+another value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+__all__ = ["Options", "PROPAGATIONS"]
+
+PROPAGATIONS = ("LL", "MPE", "GeneralLL")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How a circuit is evaluated.
+
+    Attributes:
+        propagation: ``"LL"`` (sum-product, log-likelihoods), ``"MPE"`` (max-product) or
+            ``"GeneralLL"`` (sum nodes compute ``(1/alpha) log sum_c (w_c p_c)^alpha``; ``alpha=1``
+            is LL, ``alpha -> inf`` approaches MPE).
+        alpha: the GeneralLL exponent (required for, and only allowed with, GeneralLL).
+    """
+
+    propagation: str = "LL"
+    alpha: float | None = None
+
+    def __post_init__(self):
+        if self.propagation not in PROPAGATIONS:
+            raise ValueError(f"propagation must be one of {PROPAGATIONS}, got {self.propagation!r}")
+        if self.propagation == "GeneralLL":
+            if self.alpha is None:
+                raise ValueError("propagation='GeneralLL' needs alpha (a positive float)")
+            if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not (
+                    math.isfinite(self.alpha) and self.alpha > 0):
+                raise ValueError(f"alpha must be a positive finite float, got {self.alpha!r}")
+            object.__setattr__(self, "alpha", float(self.alpha))
+        elif self.alpha is not None:
+            raise ValueError(f"alpha is only used with propagation='GeneralLL' (got propagation="
+                             f"{self.propagation!r}, alpha={self.alpha!r})")
+
+    def replace(self, **changes: Any) -> "Options":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def make(cls, options: "Options | None" = None, **overrides: Any) -> "Options":
+        """``options`` (default ``Options()``) with the non-None keyword overrides applied; unknown
+        names raise a ``TypeError`` listing the valid ones."""
+        base = cls() if options is None else options
+        if not isinstance(base, cls):
+            raise TypeError(f"options must be a jaxpc.Options, got {type(base).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(overrides) - names
+        if unknown:
+            raise TypeError(f"unknown option(s) {sorted(unknown)}; valid options: {sorted(names)}")
+        changes = {k: v for k, v in overrides.items() if v is not None}
+        if "propagation" in changes and changes["propagation"] != "GeneralLL" and "alpha" not in changes:
+            changes["alpha"] = None
+        return dataclasses.replace(base, **changes) if changes else base

@@ -1,0 +1,237 @@
+"""Bad input gets a clear error naming what is wrong, raised before anything runs on device."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxpc
+from jaxpc import dists
+
+
+@pytest.fixture(scope="module")
+def cat_circuit():
+    a = jaxpc.inputs(0, num_node_blocks=2, block_size=2, dist=dists.Categorical(num_cats=5))
+    b = jaxpc.inputs(1, num_node_blocks=2, block_size=2, dist=dists.Categorical(num_cats=3))
+    root = jaxpc.summate(jaxpc.multiply(a, b), num_nodes=1)
+    return jaxpc.compile(root)
+
+
+@pytest.fixture(scope="module")
+def mixed_circuit():
+    a = jaxpc.inputs(0, num_node_blocks=2, dist=dists.Categorical(num_cats=4))
+    b = jaxpc.inputs(1, num_node_blocks=2, dist=dists.Gaussian())
+    return jaxpc.compile(jaxpc.summate(jaxpc.multiply(a, b), num_nodes=1))
+
+
+# ---- x ------------------------------------------------------------------------------------------
+
+def test_wrong_rank(cat_circuit):
+    with pytest.raises(ValueError, match=r"shape \[batch, num_vars\].*got shape \(2,\).*x\[None\]"):
+        cat_circuit.log_prob(cat_circuit.params, np.array([1, 2]))
+    with pytest.raises(ValueError, match=r"got shape \(1, 2, 1\)"):
+        cat_circuit.log_prob(cat_circuit.params, np.zeros((1, 2, 1), np.int32))
+
+
+def test_wrong_num_vars(cat_circuit):
+    with pytest.raises(ValueError, match=r"has 3 variables.*circuit has 2"):
+        cat_circuit.log_prob(cat_circuit.params, np.zeros((4, 3), np.int32))
+
+
+def test_empty_batch(cat_circuit):
+    with pytest.raises(ValueError, match="empty batch"):
+        cat_circuit.log_prob(cat_circuit.params, np.zeros((0, 2), np.int32))
+
+
+def test_float_x_for_discrete_circuit(cat_circuit):
+    with pytest.raises(TypeError, match=r"dtype float32.*discrete.*integer category ids"):
+        cat_circuit.log_prob(cat_circuit.params, np.zeros((2, 2), np.float32))
+
+
+def test_non_numeric_x(cat_circuit):
+    with pytest.raises(TypeError, match="dtype"):
+        cat_circuit.log_prob(cat_circuit.params, np.array([["a", "b"]]))
+
+
+@pytest.mark.parametrize("bad, where, var", [(5, (1, 0), 0), (-1, (0, 1), 1), (3, (2, 1), 1)])
+def test_out_of_range_category(cat_circuit, bad, where, var):
+    x = np.zeros((3, 2), np.int64)
+    x[where] = bad
+    msg = rf"x\[{where[0]}, {where[1]}\] = {bad} is out of range: variable {var} \(Categorical"
+    with pytest.raises(ValueError, match=msg):
+        cat_circuit.log_prob(cat_circuit.params, x)
+    # the same check guards device arrays, flows and EM
+    with pytest.raises(ValueError, match=msg):
+        cat_circuit.flows(cat_circuit.params, jnp.asarray(x))
+    with pytest.raises(ValueError, match=msg):
+        cat_circuit.em_step(cat_circuit.params, x)
+
+
+def test_out_of_range_under_missing_is_fine(cat_circuit):
+    x = np.array([[7, 1]])
+    ll = cat_circuit.log_prob(cat_circuit.params, x, missing=np.array([True, False]))
+    assert np.isfinite(np.asarray(ll)).all()
+
+
+def test_unvalidated_out_of_range_is_nan_not_clamped(cat_circuit):
+    ll = cat_circuit.log_prob(cat_circuit.params, jnp.array([[9, 1]]), validate=False)
+    assert np.isnan(np.asarray(ll)).all()
+
+
+def test_nan_in_continuous_variable(mixed_circuit):
+    x = np.array([[1.0, np.nan], [2.0, 0.5]])
+    with pytest.raises(ValueError, match=r"x\[0, 1\] = nan.*variable 1 \(Gaussian.*missing="):
+        mixed_circuit.log_prob(mixed_circuit.params, x)
+    ll = mixed_circuit.log_prob(mixed_circuit.params, x, missing=np.isnan(x))
+    assert np.isfinite(np.asarray(ll)).all()
+
+
+def test_nan_or_fraction_in_discrete_variable(mixed_circuit):
+    with pytest.raises(ValueError, match=r"x\[1, 0\] = nan.*variable 0 \(Categorical"):
+        mixed_circuit.log_prob(mixed_circuit.params, np.array([[1.0, 0.0], [np.nan, 0.5]]))
+    with pytest.raises(ValueError, match=r"x\[0, 0\] = 1.5 is out of range"):
+        mixed_circuit.log_prob(mixed_circuit.params, np.array([[1.5, 0.0]]))
+
+
+def test_device_array_values_checked(mixed_circuit):
+    with pytest.raises(ValueError, match=r"x\[0, 1\] = inf"):
+        mixed_circuit.log_prob(mixed_circuit.params, jnp.array([[1.0, jnp.inf]]))
+
+
+# ---- missing ------------------------------------------------------------------------------------
+
+def test_missing_wrong_dtype(cat_circuit):
+    with pytest.raises(TypeError, match="missing must be a boolean mask"):
+        cat_circuit.log_prob(cat_circuit.params, np.zeros((2, 2), np.int32), missing=np.zeros((2, 2), np.int32))
+
+
+def test_missing_wrong_shape(cat_circuit):
+    with pytest.raises(ValueError, match=r"missing must have shape \[2\] or \[2, 2\].*got \(3,\)"):
+        cat_circuit.log_prob(cat_circuit.params, np.zeros((2, 2), np.int32), missing=np.zeros(3, bool))
+
+
+# ---- options and EM arguments ---------------------------------------------------------------------
+
+def test_unknown_propagation(cat_circuit):
+    with pytest.raises(ValueError, match=r"propagation must be one of \('LL', 'MPE', 'GeneralLL'\), got 'Max'"):
+        cat_circuit.log_prob(cat_circuit.params, np.zeros((1, 2), np.int32), propagation="Max")
+
+
+def test_general_ll_needs_positive_alpha(cat_circuit):
+    x = np.zeros((1, 2), np.int32)
+    with pytest.raises(ValueError, match="needs alpha"):
+        cat_circuit.log_prob(cat_circuit.params, x, propagation="GeneralLL")
+    with pytest.raises(ValueError, match="alpha must be a positive finite float, got -1"):
+        cat_circuit.log_prob(cat_circuit.params, x, propagation="GeneralLL", alpha=-1.0)
+    with pytest.raises(ValueError, match="alpha is only used with propagation='GeneralLL'"):
+        cat_circuit.log_prob(cat_circuit.params, x, alpha=2.0)
+
+
+def test_unknown_option_name():
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['precison'\]; valid options"):
+        jaxpc.Options.make(precison="fp32")
+
+
+@pytest.mark.parametrize("kw, msg", [({"step_size": 0.0}, "step_size must be in"),
+                                     ({"step_size": 1.5}, "step_size must be in"),
+                                     ({"pseudocount": -1.0}, "pseudocount must be >= 0"),
+                                     ({"pseudocount": float("nan")}, "pseudocount must be finite"),
+                                     ({"step_size": "big"}, "step_size must be a float")])
+def test_bad_em_arguments(cat_circuit, kw, msg):
+    with pytest.raises((ValueError, TypeError), match=msg):
+        cat_circuit.em_step(cat_circuit.params, np.zeros((2, 2), np.int32), **kw)
+
+
+def test_bad_ll_weights(cat_circuit):
+    with pytest.raises(ValueError, match=r"ll_weights must have shape \[2\]"):
+        cat_circuit.flows(cat_circuit.params, np.zeros((2, 2), np.int32), ll_weights=np.ones(3))
+
+
+# ---- construction ---------------------------------------------------------------------------------
+
+def test_decomposability_error_names_nodes():
+    a = jaxpc.inputs(0, 1, dist=dists.Categorical(2), name="leaf_a")
+    b = jaxpc.inputs(0, 1, dist=dists.Categorical(2), name="leaf_b")
+    with pytest.raises(ValueError, match=r"decomposability.*leaf_b shares variables \[0\] with leaf_a"):
+        jaxpc.multiply(a, b)
+
+
+def test_smoothness_error_names_nodes():
+    a = jaxpc.inputs(0, 1, dist=dists.Categorical(2), name="on_x0")
+    b = jaxpc.inputs(1, 1, dist=dists.Categorical(2), name="on_x1")
+    with pytest.raises(ValueError, match=r"smoothness.*on_x0 has scope \{0\} and on_x1 has scope \{1\}"):
+        jaxpc.summate(a, b, num_nodes=1)
+
+
+def test_block_size_mismatch():
+    a = jaxpc.inputs(0, 1, 2, dist=dists.Categorical(2), name="k2")
+    b = jaxpc.inputs(1, 1, 4, dist=dists.Categorical(2), name="k4")
+    with pytest.raises(ValueError, match="share a block size.*k2 has block_size=2 and k4 has block_size=4"):
+        jaxpc.multiply(a, b)
+
+
+def test_edge_ids_errors():
+    a = jaxpc.inputs(0, 2, dist=dists.Categorical(2))
+    b = jaxpc.inputs(1, 2, dist=dists.Categorical(2))
+    with pytest.raises(ValueError, match=r"edge_ids\[:, 1\] holds block 5"):
+        jaxpc.multiply(a, b, edge_ids=np.array([[0, 5]]))
+    m = jaxpc.multiply(a, b)
+    with pytest.raises(ValueError, match=r"parent blocks \[1\] have no edges"):
+        jaxpc.summate(m, num_node_blocks=2, edge_ids=np.array([[0, 0], [0, 1]]))
+    with pytest.raises(ValueError, match="same .parent block, child block. pair twice"):
+        jaxpc.summate(m, edge_ids=np.array([[0, 0], [1, 1]]))
+    with pytest.raises(ValueError, match=r"edge_ids must have shape \[2, num_edges\]"):
+        jaxpc.summate(m, edge_ids=np.array([0, 1]))
+
+
+def test_sum_params_errors():
+    a = jaxpc.inputs(0, 2, dist=dists.Categorical(2))
+    with pytest.raises(ValueError, match=r"params must be dense \[num_nodes, num_ch_nodes\] = \[1, 2\]"):
+        jaxpc.summate(a, num_nodes=1, params=np.ones((2, 2)))
+    with pytest.raises(ValueError, match="finite and non-negative"):
+        jaxpc.summate(a, num_nodes=1, params=np.array([[1.0, -1.0]]))
+    with pytest.raises(ValueError, match="nonzero weights between blocks that edge_ids does not connect"):
+        jaxpc.summate(a, num_nodes=1, edge_ids=np.array([[0], [0]]), params=np.array([[0.5, 0.5]]))
+
+
+def test_input_params_errors():
+    with pytest.raises(ValueError, match=r"shape \[num_nodes, num_cats\] = \[2, 3\], got \(2, 2\)"):
+        jaxpc.inputs(0, 2, dist=dists.Categorical(3), params=np.ones((2, 2)))
+    with pytest.raises(ValueError, match="Gaussian sigma must be positive"):
+        jaxpc.inputs(0, 1, dist=dists.Gaussian(), params={"mu": [0.0], "sigma": [0.0]})
+    with pytest.raises(ValueError, match="MaskedCategorical needs params"):
+        jaxpc.compile(jaxpc.summate(jaxpc.inputs(0, 2, dist=dists.MaskedCategorical(3)), num_nodes=1))
+    with pytest.raises(ValueError, match="has no parameters"):
+        jaxpc.inputs(0, 1, dist=dists.Literal(1), params=[1.0])
+
+
+def test_bad_sizes_and_dists():
+    with pytest.raises(ValueError, match="num_node_blocks .or num_nodes. must be positive"):
+        jaxpc.inputs(0, dist=dists.Categorical(2))
+    with pytest.raises(ValueError, match="num_nodes=6 is not a multiple of block_size=4"):
+        jaxpc.inputs(0, num_nodes=6, block_size=4, dist=dists.Categorical(2))
+    with pytest.raises(TypeError, match="dist must be a jaxpc.dists distribution"):
+        jaxpc.inputs(0, 1, dist="categorical")
+    with pytest.raises(ValueError, match="var must be a non-negative int"):
+        jaxpc.inputs(-1, 1, dist=dists.Categorical(2))
+    with pytest.raises(ValueError, match="num_cats must be a positive int"):
+        dists.Categorical(0)
+
+
+def test_root_must_be_single_node():
+    a = jaxpc.inputs(0, 2, dist=dists.Categorical(2))
+    with pytest.raises(ValueError, match="root must be a single node.*has 2 nodes"):
+        jaxpc.compile(jaxpc.summate(a, num_nodes=2))
+
+
+def test_duplicate_shape_mismatch():
+    a = jaxpc.inputs(0, 2, dist=dists.Categorical(2))
+    s = jaxpc.summate(a, num_nodes=1)
+    b = jaxpc.inputs(1, 3, dist=dists.Categorical(2), name="wrong")
+    with pytest.raises(ValueError, match="child 0 .wrong. has num_node_blocks=3"):
+        s.duplicate(b, tie_params=True)
+
+
+def test_get_node_params_of_foreign_node(cat_circuit):
+    other = jaxpc.inputs(0, 1, dist=dists.Categorical(5), name="stranger")
+    with pytest.raises(ValueError, match="stranger is not part of this circuit"):
+        cat_circuit.get_node_params(cat_circuit.params, other)
