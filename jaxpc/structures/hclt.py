@@ -1,0 +1,164 @@
+"""Hidden Chow-Liu trees (Liu & Van den Broeck, 2021).
+
+1. Pairwise mutual information of soft-binned data (each value spread over ``num_bins`` bins
+   by a Gaussian kernel of width ``sigma``), computed in chunks with JAX on the default device.
+2. The Chow-Liu tree: a maximum spanning tree of the MI graph (``scipy.sparse.csgraph``),
+   rooted at its center.
+3. Every variable ``x_v`` gets a latent ``z_v`` with ``num_latents`` states; the circuit mirrors
+   the tree ``z_parent -> z_v -> x_v``. Leaves of the tree merge their latent into the input
+   vector, as PyJuice does, so the sizes match PyJuice's HCLT exactly.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from scipy.sparse import csgraph, csr_matrix
+
+from .. import distributions as dists
+from ..nodes import CircuitNodes, inputs, multiply, summate
+from ._util import check_latents
+
+__all__ = ["HCLT", "mutual_information", "chow_liu_tree"]
+
+
+@jax.jit
+def _soft_bins(x, bins, sigma):
+    return jnp.exp(-0.5 * jnp.square(x[:, :, None] - bins[None, None, :]) / (sigma * sigma))  # [B, V, nb]
+
+
+@jax.jit
+def _pair_entropy(pa, pb):
+    """Entropy of the soft joint histogram of every variable pair: ``[Va, Vb]``."""
+    B = pa.shape[0]
+    joint = jnp.einsum("bia,bjc->iajc", pa, pb, precision=jax.lax.Precision.HIGHEST) / B
+    joint = joint / jnp.sum(joint, axis=(1, 3), keepdims=True)
+    return -jnp.sum(joint * jnp.log(joint + 1e-4), axis=(1, 3))
+
+
+def mutual_information(x, num_bins: int = 32, sigma: float = 0.5 / 32, chunk_size: int = 64) -> np.ndarray:
+    """Soft-binned pairwise mutual information ``[V, V]`` of data ``x`` ``[N, V]`` (values are scaled to
+    ``[0, 1]`` by the global min and max first)."""
+    x = np.asarray(x, dtype=np.float32)
+    if x.ndim != 2:
+        raise ValueError(f"mutual_information: x must be [num_samples, num_vars], got shape {x.shape}")
+    lo, hi = float(x.min()), float(x.max())
+    xs = jnp.asarray((x - lo) / (hi - lo + 1e-8))
+    bins = jnp.linspace(0.0, 1.0, num_bins)
+    p = _soft_bins(xs, bins, jnp.float32(sigma))
+    marg = jnp.mean(p / jnp.sum(p, axis=2, keepdims=True), axis=0)
+    h1 = np.asarray(-jnp.sum(marg * jnp.log(marg + 1e-4), axis=1))
+    V = x.shape[1]
+    h12 = np.empty((V, V), np.float64)
+    for i in range(0, V, chunk_size):
+        for j in range(i, V, chunk_size):
+            blk = np.asarray(_pair_entropy(p[:, i:i + chunk_size], p[:, j:j + chunk_size]))
+            h12[i:i + chunk_size, j:j + chunk_size] = blk
+            h12[j:j + chunk_size, i:i + chunk_size] = blk.T
+    return h1[:, None] + h1[None, :] - h12
+
+
+def chow_liu_tree(mi: np.ndarray) -> tuple[list[list[int]], int]:
+    """Maximum spanning tree of ``mi`` rooted at its center. Returns (children lists, root)."""
+    V = mi.shape[0]
+    if V == 1:
+        return [[]], 0
+    # minimum spanning tree of (max - mi): all weights positive, so no edge is mistaken for "absent"
+    w = np.triu(mi.max() - mi + 1.0, k=1)
+    mst = csgraph.minimum_spanning_tree(csr_matrix(w))
+    adj = (mst + mst.T).tocsr()
+    root = _tree_center(adj)
+    order, preds = csgraph.breadth_first_order(adj, root, directed=False, return_predecessors=True)
+    children: list[list[int]] = [[] for _ in range(V)]
+    for v in order[1:]:
+        children[preds[v]].append(int(v))
+    return children, int(root)
+
+
+def _tree_center(adj) -> int:
+    """The middle of a longest path (two breadth-first searches)."""
+    def farthest(src):
+        dist = csgraph.shortest_path(adj, unweighted=True, indices=src, directed=False)
+        return int(np.argmax(dist)), dist
+
+    a, _ = farthest(0)
+    b, _ = farthest(a)
+    _, preds = csgraph.breadth_first_order(adj, a, directed=False, return_predecessors=True)
+    path = [b]
+    while path[-1] != a:
+        path.append(int(preds[path[-1]]))
+    return path[len(path) // 2]
+
+
+def HCLT(x, num_latents: int, num_bins: int = 32, sigma: float = 0.5 / 32, chunk_size: int = 64,
+         num_root_ns: int = 1, block_size: int | None = None, input_dist: dists.Distribution | None = None,
+         tie_input_params: bool = False, variables=None) -> CircuitNodes:
+    """A hidden Chow-Liu tree learned from data ``x`` ``[N, V]``.
+
+    Args:
+        x: data used to learn the tree (a few thousand rows suffice).
+        num_latents: latent states per variable.
+        num_bins, sigma, chunk_size: the soft-binned mutual information estimator.
+        num_root_ns: nodes of the root sum (1 for a distribution; more when the HCLT is a region
+            inside a larger circuit).
+        block_size: default: largest power of two dividing ``num_latents``, at most 1024.
+        input_dist: leaf distribution (default ``Categorical(num_cats=256)``).
+        tie_input_params: share one set of leaf parameters across all variables.
+        variables: variable id of each column of ``x`` (default ``0 .. V-1``).
+    """
+    x = np.asarray(x)
+    if x.ndim != 2 or x.shape[0] < 2:
+        raise ValueError(f"HCLT: x must be [num_samples >= 2, num_vars], got shape {x.shape}")
+    mi = mutual_information(x, num_bins=num_bins, sigma=sigma, chunk_size=chunk_size)
+    children, root = chow_liu_tree(mi)
+    variables = list(range(x.shape[1])) if variables is None else [int(v) for v in variables]
+    if len(variables) != x.shape[1]:
+        raise ValueError(f"HCLT: variables has {len(variables)} ids for {x.shape[1]} columns")
+    return hidden_tree_circuit(children, root, num_latents, variables,
+                               input_dist or dists.Categorical(num_cats=256), num_root_ns=num_root_ns,
+                               block_size=block_size, tie_input_params=tie_input_params)
+
+
+def hidden_tree_circuit(children: list[list[int]], root: int, num_latents: int, variables: list[int],
+                        input_dist: dists.Distribution, num_root_ns: int = 1, block_size: int | None = None,
+                        tie_input_params: bool = False) -> CircuitNodes:
+    """The circuit of a tree-shaped latent model (see the module docstring)."""
+    bs, nb = check_latents("HCLT", num_latents, block_size, 1024)
+    if num_root_ns != 1 and num_root_ns % bs:
+        raise ValueError(f"HCLT: num_root_ns={num_root_ns} must be 1 or a multiple of block_size={bs}")
+    template = None
+
+    def leaf(i):
+        nonlocal template
+        v = variables[i]
+        if tie_input_params and template is not None:
+            return template.duplicate(v, tie_params=True)
+        ns = inputs(v, num_node_blocks=nb, block_size=bs, dist=input_dist)
+        template = template or ns
+        return ns
+
+    # post-order without recursion (trees over thousands of variables are deep)
+    order, stack = [], [root]
+    while stack:
+        v = stack.pop()
+        order.append(v)
+        stack.extend(children[v])
+    region: dict[int, CircuitNodes] = {}
+    for v in reversed(order):
+        if not children[v]:
+            region[v] = leaf(v)
+            continue
+        prod = multiply(*[region[c] for c in children[v]], leaf(v))
+        if v == root:
+            if num_root_ns == 1:
+                region[v] = summate(prod, num_node_blocks=1, block_size=1)
+            else:
+                region[v] = summate(prod, num_node_blocks=num_root_ns // bs, block_size=bs)
+        else:
+            region[v] = summate(prod, num_node_blocks=nb, block_size=bs)
+    out = region[root]
+    if out.is_input():  # a single variable
+        out = summate(out, num_node_blocks=1, block_size=1) if num_root_ns == 1 else \
+            summate(out, num_node_blocks=num_root_ns // bs, block_size=bs)
+    return out

@@ -1,0 +1,75 @@
+"""Hidden Markov models as circuits (PyJuice's construction and conventions).
+
+``alpha[i, j] = P(z_{t+1} = j | z_t = i)``, ``beta[i, v] = P(x_t = v | z_t = i)``,
+``gamma[i] = P(z_0 = i)``. The circuit is built backwards: the sum vector of step ``t``
+holds ``P(x_{t+1:} | z_t)``, so its ``i``-th node mixes the step-``t+1`` products with the
+``i``-th row of ``alpha``. Every step has the same shapes, so the compiled circuit runs all
+steps under one ``lax.scan`` (tied or not): compile time does not grow with the length.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import distributions as dists
+from ..nodes import SumNodes, inputs, multiply, summate
+from ._util import check_latents
+
+
+def HMM(seq_length: int, num_latents: int, num_emits: int, homogeneous: bool = True, block_size: int | None = None,
+        alpha=None, beta=None, gamma=None) -> SumNodes:
+    """A hidden Markov model with categorical emissions.
+
+    Args:
+        seq_length: number of steps (variables ``0 .. seq_length - 1``).
+        num_latents: hidden states.
+        num_emits: vocabulary size.
+        homogeneous: tie transitions and emissions across steps (else each step has its own,
+            initialized to the same values).
+        block_size: node block size (default: the largest power of two dividing ``num_latents``,
+            at most 1024).
+        alpha, beta, gamma: optional ``[L, L]`` transition, ``[L, V]`` emission and ``[L]`` initial
+            probabilities; they become ``circuit.params`` after :func:`jaxpc.compile`.
+    """
+    if not isinstance(num_emits, int) or num_emits < 1:
+        raise ValueError(f"HMM: num_emits must be a positive int, got {num_emits!r}")
+    if beta is not None:
+        beta = np.asarray(beta, dtype=np.float64)
+        if beta.shape != (num_latents, num_emits):
+            raise ValueError(f"HMM: beta must have shape [num_latents, num_emits] = [{num_latents}, {num_emits}], "
+                             f"got {beta.shape}")
+    return GeneralizedHMM(seq_length, num_latents, dists.Categorical(num_emits), homogeneous=homogeneous,
+                          block_size=block_size, alpha=alpha, beta=beta, gamma=gamma)
+
+
+def GeneralizedHMM(seq_length: int, num_latents: int, input_dist: dists.Distribution, homogeneous: bool = True,
+                   block_size: int | None = None, alpha=None, beta=None, gamma=None) -> SumNodes:
+    """An HMM whose emissions are any distribution of :mod:`jaxpc.dists` (``beta``: its natural
+    parameters for ``num_latents`` nodes, e.g. ``{"mu": [L], "sigma": [L]}`` for a Gaussian)."""
+    if not isinstance(seq_length, int) or seq_length < 1:
+        raise ValueError(f"HMM: seq_length must be a positive int, got {seq_length!r}")
+    bs, nb = check_latents("HMM", num_latents, block_size, 1024)
+    L = num_latents
+    if alpha is not None:
+        alpha = np.asarray(alpha, dtype=np.float64)
+        if alpha.shape != (L, L):
+            raise ValueError(f"HMM: alpha must have shape [num_latents, num_latents] = [{L}, {L}], got {alpha.shape}")
+    if gamma is not None:
+        gamma = np.asarray(gamma, dtype=np.float64)
+        if gamma.shape != (L,):
+            raise ValueError(f"HMM: gamma must have shape [num_latents] = [{L}], got {gamma.shape}")
+
+    emit = inputs(seq_length - 1, num_node_blocks=nb, block_size=bs, dist=input_dist, params=beta,
+                  name=f"emit{seq_length - 1}")
+    z = emit
+    trans = None
+    for t in range(seq_length - 2, -1, -1):
+        x_t = emit.duplicate(t, tie_params=homogeneous, name=f"emit{t}")
+        if trans is None:
+            trans = summate(z, num_node_blocks=nb, block_size=bs, params=alpha, name=f"trans{t}")
+            s = trans
+        else:
+            s = trans.duplicate(z, tie_params=homogeneous, name=f"trans{t}")
+        z = multiply(x_t, s, name=f"z{t}")
+    return summate(z, num_node_blocks=1, block_size=1, params=None if gamma is None else gamma[None, :],
+                   name="init")

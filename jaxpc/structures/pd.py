@@ -1,0 +1,169 @@
+"""Poon-Domingos (PD) region structures for images and sequences, and PD with HCLT leaves.
+
+A region is a hypercube of the data grid. Every split point inside it (per axis) yields a
+product of the two halves; the region's sum mixes those products. Hypercubes without split
+points become leaf regions: by default a block-diagonal sum over the product of one input
+vector per variable. Variables are numbered row-major (``var = i0 * W + i1`` for ``(H, W)``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import distributions as dists
+from ..nodes import CircuitNodes, inputs, multiply, summate
+from ._util import check_latents
+from .hclt import HCLT
+
+__all__ = ["PD", "PDHCLT"]
+
+STRUCTURE_TYPES = ("sum_dominated", "prod_dominated")
+
+
+def _split_points(data_shape, split_intervals, split_points):
+    n_axes = len(data_shape)
+    if split_intervals is not None and split_points is not None:
+        raise ValueError("PD: give split_intervals or split_points, not both")
+    if split_intervals is not None:
+        if isinstance(split_intervals, int):
+            split_intervals = (split_intervals,) * n_axes
+        if len(split_intervals) != n_axes or any(not isinstance(s, int) or s < 1 for s in split_intervals):
+            raise ValueError(f"PD: split_intervals must be a positive int or one per axis ({n_axes}), "
+                             f"got {split_intervals!r}")
+        return [list(range(split_intervals[a], data_shape[a], split_intervals[a])) for a in range(n_axes)]
+    if split_points is None:
+        raise ValueError("PD: give split_intervals or split_points")
+    if len(split_points) != n_axes:
+        raise ValueError(f"PD: split_points needs one list per axis ({n_axes}), got {len(split_points)}")
+    for a, pts in enumerate(split_points):
+        for p in pts:
+            if not 0 < p < data_shape[a]:
+                raise ValueError(f"PD: split point {p} of axis {a} must lie in (0, {data_shape[a]})")
+    return [sorted(int(p) for p in pts) for pts in split_points]
+
+
+def _cube_vars(cube, data_shape) -> list[int]:
+    lo, hi = cube
+    grids = np.meshgrid(*[np.arange(l, h) for l, h in zip(lo, hi)], indexing="ij")
+    return np.ravel_multi_index([g.ravel() for g in grids], data_shape).tolist()
+
+
+def PD(data_shape, num_latents: int, split_intervals=None, split_points=None, max_split_depth: int | None = None,
+       max_prod_block_conns: int = 4, structure_type: str = "sum_dominated",
+       input_dist: dists.Distribution | None = None, tie_homogeneous_params: bool = False,
+       block_size: int | None = None, leaf_fn=None, seed: int = 0) -> CircuitNodes:
+    """A PD circuit over a grid ``data_shape`` (``(H, W)``, ``(H, W, C)``, ``(T,)``, ...).
+
+    Args:
+        num_latents: nodes per region.
+        split_intervals: split every ``k`` cells per axis (an int or one per axis), or
+        split_points: explicit split positions per axis.
+        max_split_depth: regions deeper than this become leaf regions.
+        max_prod_block_conns: a sum with more candidate products connects each of its blocks to
+            this many randomly chosen products (``seed``) instead of all.
+        structure_type: ``"sum_dominated"`` (products share child sums) or ``"prod_dominated"``
+            (each product gets its own copies of the child sums).
+        input_dist: leaf distribution (default ``Categorical(num_cats=256)``).
+        tie_homogeneous_params: tie sums and leaves of regions with the same shape.
+        block_size: default: largest power of two dividing ``num_latents``, at most 16 (32 for
+            ``num_latents > 32``).
+        leaf_fn: optional ``f(variables, num_latents, block_size) -> node vector`` for leaf regions.
+    """
+    data_shape = tuple(int(d) for d in data_shape)
+    if not data_shape or any(d < 1 for d in data_shape):
+        raise ValueError(f"PD: data_shape must be positive ints, got {data_shape}")
+    if structure_type not in STRUCTURE_TYPES:
+        raise ValueError(f"PD: structure_type must be one of {STRUCTURE_TYPES}, got {structure_type!r}")
+    if not isinstance(max_prod_block_conns, int) or max_prod_block_conns < 1:
+        raise ValueError(f"PD: max_prod_block_conns must be a positive int, got {max_prod_block_conns!r}")
+    cap = 16 if num_latents <= 32 else 32
+    bs, nb = check_latents("PD", num_latents, block_size, cap)
+    points = _split_points(data_shape, split_intervals, split_points)
+    dist = input_dist or dists.Categorical(num_cats=256)
+    rng = np.random.default_rng(seed)
+    sources: dict = {}
+    memo: dict = {}
+    root_cube = ((0,) * len(data_shape), data_shape)
+
+    def tied_sum(sig, children, **kw):
+        if tie_homogeneous_params and sig in sources:
+            return sources[sig].duplicate(*children, tie_params=True)
+        ns = summate(*children, num_node_blocks=nb, block_size=bs, **kw)
+        if tie_homogeneous_params:
+            sources[sig] = ns
+        return ns
+
+    def leaf_region(cube):
+        vs = _cube_vars(cube, data_shape)
+        if leaf_fn is not None:
+            return leaf_fn(vs, num_latents, bs)
+        leaves = []
+        for v in vs:
+            if tie_homogeneous_params and "input" in sources:
+                leaves.append(sources["input"].duplicate(v, tie_params=True))
+            else:
+                ns = inputs(v, num_node_blocks=nb, block_size=bs, dist=dist)
+                sources.setdefault("input", ns)
+                leaves.append(ns)
+        prod = multiply(*leaves)
+        shape = tuple(h - l for l, h in zip(*cube))
+        return tied_sum(("leaf", shape), [prod], edge_ids=np.stack([np.arange(nb)] * 2))
+
+    def build(cube, depth):
+        if cube in memo:
+            return memo[cube]
+        lo, hi = cube
+        prods = []
+        if max_split_depth is None or depth <= max_split_depth:
+            for a in range(len(data_shape)):
+                for sp in points[a]:
+                    if lo[a] < sp < hi[a]:
+                        left = (lo, hi[:a] + (sp,) + hi[a + 1:])
+                        right = (lo[:a] + (sp,) + lo[a + 1:], hi)
+                        c1, c2 = build(left, depth + 1), build(right, depth + 1)
+                        if structure_type == "prod_dominated":
+                            c1, c2 = c1.duplicate(), c2.duplicate()
+                        prods.append(multiply(c1, c2))
+        if not prods:
+            ns = leaf_region(cube)
+        elif cube == root_cube:
+            ns = summate(*prods, num_node_blocks=1, block_size=1)
+        else:
+            shape = (tuple(h - l for l, h in zip(lo, hi)), len(prods))
+            edge_ids = None
+            if len(prods) > max_prod_block_conns:
+                chosen = np.argsort(rng.random((nb, len(prods))), axis=1)[:, :max_prod_block_conns]
+                par = np.repeat(np.arange(nb), max_prod_block_conns * nb)
+                ch = (chosen[:, :, None] * nb + np.arange(nb)[None, None, :]).reshape(-1)
+                edge_ids = np.stack([par, ch])
+            ns = tied_sum(("inner", shape), prods, edge_ids=edge_ids)
+        memo[cube] = ns
+        return ns
+
+    root = build(root_cube, 1)
+    if root.num_nodes != 1:  # the whole grid was a single leaf region
+        root = summate(root, num_node_blocks=1, block_size=1)
+    return root
+
+
+def PDHCLT(data, data_shape, num_latents: int, split_intervals=None, split_points=None,
+           max_split_depth: int | None = None, max_prod_block_conns: int = 4, structure_type: str = "sum_dominated",
+           input_dist: dists.Distribution | None = None, hclt_kwargs: dict | None = None,
+           block_size: int | None = None, seed: int = 0) -> CircuitNodes:
+    """A PD whose leaf regions are HCLTs learned from ``data`` ``[N, prod(data_shape)]``."""
+    data = np.asarray(data)
+    n_vars = math.prod(int(d) for d in data_shape)
+    if data.ndim != 2 or data.shape[1] != n_vars:
+        raise ValueError(f"PDHCLT: data must be [num_samples, {n_vars}] for data_shape {tuple(data_shape)}, "
+                         f"got {data.shape}")
+    kw = {"num_bins": 32, "sigma": 0.5 / 32, "chunk_size": 32, **(hclt_kwargs or {})}
+    dist = input_dist or dists.Categorical(num_cats=256)
+
+    def leaf_fn(vs, L, bs):
+        return HCLT(data[:, vs], L, input_dist=dist, num_root_ns=L, block_size=bs, variables=vs, **kw)
+
+    return PD(data_shape, num_latents, split_intervals=split_intervals, split_points=split_points,
+              max_split_depth=max_split_depth, max_prod_block_conns=max_prod_block_conns,
+              structure_type=structure_type, input_dist=dist, block_size=block_size, leaf_fn=leaf_fn, seed=seed)

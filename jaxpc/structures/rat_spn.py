@@ -1,0 +1,50 @@
+"""Random and tensorized SPNs (Peharz et al., 2020)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import distributions as dists
+from ..nodes import CircuitNodes, inputs, multiply, summate
+from ._util import check_latents
+
+__all__ = ["RAT_SPN"]
+
+
+def RAT_SPN(num_vars: int, num_latents: int, depth: int, num_repetitions: int, num_pieces: int = 2,
+            input_dist: dists.Distribution | None = None, block_size: int | None = None,
+            seed: int = 0) -> CircuitNodes:
+    """A RAT-SPN: ``num_repetitions`` random recursive partitions of the variables, each split into
+    ``num_pieces`` near-equal parts down to ``depth`` (or until a scope is smaller than
+    ``num_pieces``); every region has ``num_latents`` sum nodes over the product of its parts, and the
+    root mixes the repetitions.
+
+    Args:
+        input_dist: leaf distribution (default ``Categorical(num_cats=256)``); one input vector per
+            variable is shared by all repetitions.
+        block_size: default: largest power of two dividing ``num_latents``, at most 256.
+        seed: seed of the random partitions.
+    """
+    for name, v, lo in (("num_vars", num_vars, 1), ("depth", depth, 0), ("num_repetitions", num_repetitions, 1),
+                        ("num_pieces", num_pieces, 2)):
+        if not isinstance(v, int) or v < lo:
+            raise ValueError(f"RAT_SPN: {name} must be an int >= {lo}, got {v!r}")
+    bs, nb = check_latents("RAT_SPN", num_latents, block_size, 256)
+    dist = input_dist or dists.Categorical(num_cats=256)
+    rng = np.random.default_rng(seed)
+    leaves = [inputs(v, num_node_blocks=nb, block_size=bs, dist=dist) for v in range(num_vars)]
+
+    def region(scope: list[int], d: int):
+        if d >= depth or len(scope) < num_pieces:
+            return summate(multiply(*[leaves[v] for v in scope]), num_node_blocks=nb, block_size=bs)
+        order = [scope[i] for i in rng.permutation(len(scope))]
+        q, r = divmod(len(order), num_pieces)
+        parts, start = [], 0
+        for i in range(num_pieces):
+            end = start + q + (i < r)
+            parts.append(order[start:end])
+            start = end
+        return summate(multiply(*[region(p, d + 1) for p in parts]), num_node_blocks=nb, block_size=bs)
+
+    tops = [region(list(range(num_vars)), 0).children[0] for _ in range(num_repetitions)]
+    return summate(*tops, num_node_blocks=1, block_size=1)

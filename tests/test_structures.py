@@ -1,0 +1,223 @@
+"""One invariant suite inherited by every structure (and hand-built circuits)."""
+
+import itertools
+
+import jax
+import numpy as np
+import pytest
+
+import jaxpc
+from jaxpc import dists, structures
+
+from .random_circuits import Generator
+
+
+_BUILT: dict = {}
+
+
+class StructureInvariants:
+    """Subclasses define ``build()`` -> (root, num_cats per variable or None for reals) and may set
+    ``region_complete`` when every sum vector is reached by every sample (HMM, HCLT)."""
+
+    region_complete = False
+    em_rounds = 3
+
+    def build(self):
+        raise NotImplementedError
+
+    @pytest.fixture
+    def setup(self):
+        """(circuit, cards, data), built once per class (the circuit keeps its compiled executables)."""
+        if type(self) not in _BUILT:
+            root, cards = self.build()
+            c = jaxpc.compile(root)
+            rng = np.random.default_rng(0)
+            data = np.stack([rng.integers(0, k, 64) for k in cards], axis=1).astype(np.int32)
+            _BUILT[type(self)] = (c, cards, data)
+        return _BUILT[type(self)]
+
+    def test_sums_to_one(self, setup):
+        c, cards, _ = setup
+        x = np.asarray(list(itertools.product(*[range(k) for k in cards])), dtype=np.int32)
+        ll = np.asarray(c.log_prob(c.params, x), np.float64)
+        assert abs(np.exp(ll).sum() - 1.0) < 1e-5
+
+    def test_log_prob_finite(self, setup):
+        c, _, data = setup
+        assert np.all(np.isfinite(np.asarray(c.log_prob(c.params, data))))
+
+    def test_flows_conserve_batch(self, setup):
+        c, _, data = setup
+        B = data.shape[0]
+        fl = c.flows(c.params, data)
+        root_total = float(np.asarray(c.get_node_flows(fl, c.root)).sum())
+        assert root_total == pytest.approx(B, rel=1e-5)
+        # every sample's induced tree holds exactly one leaf per variable
+        per_var = np.zeros(c.num_vars)
+        counted = set()
+        for ns in c.nodes:
+            if ns.is_input() and ns.source.id not in counted:
+                counted.add(ns.source.id)
+                per_var[ns.var] += float(np.asarray(c.get_node_flows(fl, ns)).sum())
+        tied_vars = {ns.var for ns in c.nodes if ns.is_input() and ns.is_tied()}
+        if not tied_vars:
+            np.testing.assert_allclose(per_var, B, rtol=1e-4)
+        else:  # tied leaves pool their flows
+            assert per_var.sum() == pytest.approx(B * c.num_vars, rel=1e-4)
+        if self.region_complete:
+            for ns in c.nodes:
+                if ns.is_sum() and not ns.is_tied() and not any(
+                        m.is_sum() and m.is_tied() and m.source is ns for m in c.nodes):
+                    assert float(np.asarray(c.get_node_flows(fl, ns)).sum()) == pytest.approx(B, rel=1e-4)
+
+    def test_em_raises_training_ll(self, setup):
+        c, _, data = setup
+        params = c.params
+        lls = []
+        for _ in range(self.em_rounds):
+            params, ll = c.full_batch_em(params, data, batch_size=32, pseudocount=0.01, return_ll=True)
+            lls.append(float(ll))
+        lls.append(float(np.mean(np.asarray(c.log_prob(params, data)))))
+        assert lls[-1] > lls[0] + 1e-3
+        assert all(b >= a - 1e-4 for a, b in zip(lls, lls[1:]))
+
+
+class TestHMMTied(StructureInvariants):
+    region_complete = True
+
+    def build(self):
+        return structures.HMM(4, 3, 3), [3] * 4
+
+
+class TestHMMUntied(StructureInvariants):
+    region_complete = True
+
+    def build(self):
+        return structures.HMM(4, 4, 3, homogeneous=False, block_size=2), [3] * 4
+
+
+class TestHCLT(StructureInvariants):
+    region_complete = True
+
+    def build(self):
+        rng = np.random.default_rng(1)
+        z = rng.integers(0, 3, (300, 1))
+        x = (z + rng.integers(0, 2, (300, 5))) % 3
+        return structures.HCLT(x, 4, input_dist=dists.Categorical(3), block_size=2), [3] * 5
+
+
+class TestPD(StructureInvariants):
+    def build(self):
+        return structures.PD((2, 3), 4, split_intervals=1, input_dist=dists.Categorical(2)), [2] * 6
+
+
+class TestPDProdDominated(StructureInvariants):
+    def build(self):
+        return structures.PD((2, 3), 2, split_intervals=1, structure_type="prod_dominated",
+                             input_dist=dists.Categorical(2), max_prod_block_conns=1), [2] * 6
+
+
+class TestPDTied(StructureInvariants):
+    def build(self):
+        return structures.PD((3, 2), 4, split_points=([1, 2], [1]), tie_homogeneous_params=True,
+                             input_dist=dists.Categorical(2), block_size=2), [2] * 6
+
+
+class TestRATSPN(StructureInvariants):
+    def build(self):
+        return structures.RAT_SPN(5, 4, depth=2, num_repetitions=3, input_dist=dists.Categorical(3)), [3] * 5
+
+
+class TestPDHCLT(StructureInvariants):
+    def build(self):
+        rng = np.random.default_rng(2)
+        data = rng.integers(0, 2, (200, 6))
+        return structures.PDHCLT(data, (2, 3), 2, split_intervals=(1, 2), input_dist=dists.Categorical(2)), [2] * 6
+
+
+class TestHandBuilt(StructureInvariants):
+    def build(self):
+        gen = Generator(5, 4, kinds=("categorical", "bernoulli"))  # full-support leaves: all data possible
+        cards = [3 if k == "categorical" else 2 for k in gen.kinds]
+        return gen.circuit(), cards
+
+
+# ---------------------------------------------------------------------------------------------
+# structure-specific checks
+# ---------------------------------------------------------------------------------------------
+
+def test_hmm_scans_all_steps_and_compiles_flat():
+    c = jaxpc.compile(structures.HMM(1024, 8, 5))
+    assert len(c.layout.steps) <= 4  # the 1023 repeated steps are one lax.scan
+    assert c.num_vars == 1024
+
+
+def test_hmm_given_matrices_become_params():
+    rng = np.random.default_rng(0)
+    L, V = 3, 4
+    alpha = rng.dirichlet(np.ones(L), L)
+    beta = rng.dirichlet(np.ones(V), L)
+    gamma = rng.dirichlet(np.ones(L))
+    root = structures.HMM(5, L, V, alpha=alpha, beta=beta, gamma=gamma)
+    c = jaxpc.compile(root)
+    np.testing.assert_allclose(np.asarray(c.get_node_params(c.params, root)), gamma[None], rtol=1e-6)
+    trans = root.children[0].children[1]
+    emit = root.children[0].children[0]
+    np.testing.assert_allclose(np.asarray(c.get_node_params(c.params, trans)), alpha, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(c.get_node_params(c.params, emit)), beta, rtol=1e-6)
+
+
+def test_generalized_hmm_gaussian_emissions():
+    root = structures.GeneralizedHMM(6, 4, dists.Gaussian(), beta={"mu": np.arange(4.0), "sigma": np.ones(4)})
+    c = jaxpc.compile(root)
+    x = np.random.default_rng(0).normal(1.5, 1, (20, 6))
+    p = c.params
+    for _ in range(3):
+        p, ll = c.full_batch_em(p, x, return_ll=True)
+    assert np.isfinite(float(ll))
+    assert float(np.mean(np.asarray(c.log_prob(p, x)))) > float(np.mean(np.asarray(c.log_prob(c.params, x))))
+
+
+def test_hclt_learns_the_chain():
+    """Data from a Markov chain x0 -> x1 -> ... : the Chow-Liu tree recovers the chain's edges."""
+    rng = np.random.default_rng(0)
+    n, V = 3000, 6
+    x = np.zeros((n, V), np.int64)
+    x[:, 0] = rng.integers(0, 4, n)
+    for v in range(1, V):
+        flip = rng.random(n) < 0.15
+        x[:, v] = np.where(flip, rng.integers(0, 4, n), x[:, v - 1])
+    mi = structures.mutual_information(x, num_bins=8, sigma=0.1)
+    children, root = structures.chow_liu_tree(mi)
+    edges = {tuple(sorted((p, c))) for p in range(V) for c in children[p]}
+    assert edges == {(v, v + 1) for v in range(V - 1)}
+    assert root in (2, 3)  # the center of a 6-chain
+
+
+def test_pd_structure_sizes_and_vars():
+    root = structures.PD((4, 4), 8, split_intervals=2, input_dist=dists.Categorical(2))
+    c = jaxpc.compile(root)
+    assert c.num_vars == 16
+    leaves = sorted({ns.var for ns in c.nodes if ns.is_input()})
+    assert leaves == list(range(16))
+    with pytest.raises(ValueError, match="structure_type must be one of"):
+        structures.PD((4, 4), 8, split_intervals=2, structure_type="mixed")
+    with pytest.raises(ValueError, match="split point 9 of axis 0"):
+        structures.PD((4, 4), 8, split_points=([9], [1]))
+    with pytest.raises(ValueError, match="num_latents=12 must be a multiple of block_size=8"):
+        structures.PD((4, 4), 12, split_intervals=2, block_size=8)
+
+
+def test_rat_spn_is_seeded():
+    a = jaxpc.compile(structures.RAT_SPN(8, 4, 2, 2, input_dist=dists.Categorical(2), seed=3))
+    b = jaxpc.compile(structures.RAT_SPN(8, 4, 2, 2, input_dist=dists.Categorical(2), seed=3))
+    x = np.random.default_rng(0).integers(0, 2, (5, 8)).astype(np.int32)
+    np.testing.assert_array_equal(np.asarray(a.log_prob(a.params, x)), np.asarray(b.log_prob(b.params, x)))
+
+
+def test_structures_train_under_jit_and_vmap():
+    c = jaxpc.compile(structures.HMM(5, 4, 3))
+    x = np.random.default_rng(0).integers(0, 3, (8, 5)).astype(np.int32)
+    keys = jax.random.split(jax.random.key(1), 2)
+    lls = jax.vmap(lambda k: c.log_prob(c.init_params(k), x))(keys)
+    assert lls.shape == (2, 8) and np.all(np.isfinite(np.asarray(lls)))
