@@ -6,7 +6,7 @@ resulting :class:`Circuit` over a pytree of parameters.
 """
 
 from . import distributions as dists
-from . import structures
+from . import queries, structures
 from .circuit import Circuit, compile
 from .nodes import CircuitNodes, InputNodes, ProdNodes, SumNodes, duplicate, inputs, multiply, summate
 from .options import Options
@@ -15,5 +15,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "inputs", "multiply", "summate", "duplicate", "compile", "Circuit", "Options", "dists",
-    "CircuitNodes", "InputNodes", "ProdNodes", "SumNodes", "structures",
+    "CircuitNodes", "InputNodes", "ProdNodes", "SumNodes", "structures", "queries",
 ]

@@ -25,6 +25,7 @@ class VarInfo:
     lo: np.ndarray  # int64[V] smallest admissible discrete value
     hi: np.ndarray  # float64[V] exclusive upper bound (inf when unbounded)
     names: tuple[str, ...]  # description of the leaves of each variable
+    card: np.ndarray  # int64[V]: number of values of a discrete variable (0 for reals)
 
     @classmethod
     def from_var_dists(cls, num_vars: int, var_dists: dict[int, list[Distribution]]) -> "VarInfo":
@@ -33,8 +34,13 @@ class VarInfo:
         lo = np.zeros(num_vars, np.int64)
         hi = np.full(num_vars, np.inf)
         names = [""] * num_vars
+        card = np.zeros(num_vars, np.int64)
         for v, dists in var_dists.items():
             names[v] = ", ".join(repr(d) for d in dists)
+            counts = [d.num_values() for d in dists if d.num_values() is not None]
+            if counts:
+                bounded = [d.value_range()[1] for d in dists if d.value_range() and d.value_range()[1] is not None]
+                card[v] = min(bounded) if bounded else max(counts)
             for d in dists:
                 r = d.value_range()
                 if r is None:
@@ -44,7 +50,7 @@ class VarInfo:
                     lo[v] = max(lo[v], r[0])
                     if r[1] is not None:
                         hi[v] = min(hi[v], r[1])
-        return cls(num_vars, discrete, continuous, lo, hi, tuple(names))
+        return cls(num_vars, discrete, continuous, lo, hi, tuple(names), card)
 
     @property
     def all_discrete(self) -> bool:

@@ -259,6 +259,29 @@ class Circuit:
         new = self.em_update(params, total, step_size=step_size, pseudocount=pseudocount)
         return (new, ll_sum / n) if return_ll else new
 
+    # ------------------------------------------------------------------------------------------
+    # queries (see jaxpc.queries)
+    # ------------------------------------------------------------------------------------------
+    def marginal(self, params: Params, x=None, missing=None, **kw) -> Array:
+        """:func:`jaxpc.queries.marginal`."""
+        from . import queries
+        return queries.marginal(self, params, x, missing, **kw)
+
+    def conditional(self, params: Params, x, missing=None, **kw) -> Array:
+        """:func:`jaxpc.queries.conditional`."""
+        from . import queries
+        return queries.conditional(self, params, x, missing, **kw)
+
+    def sample(self, params: Params, key: Array, num_samples: int | None = None, **kw) -> Array:
+        """:func:`jaxpc.queries.sample`."""
+        from . import queries
+        return queries.sample(self, params, key, num_samples, **kw)
+
+    def mpe(self, params: Params, x=None, missing=None, **kw):
+        """:func:`jaxpc.queries.mpe`."""
+        from . import queries
+        return queries.mpe(self, params, x, missing, **kw)
+
     def _weights(self, ll_weights, batch: int):
         if ll_weights is None:
             return None

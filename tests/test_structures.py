@@ -70,6 +70,28 @@ class StructureInvariants:
                         m.is_sum() and m.is_tied() and m.source is ns for m in c.nodes):
                     assert float(np.asarray(c.get_node_flows(fl, ns)).sum()) == pytest.approx(B, rel=1e-4)
 
+    def test_conditionals_sum_to_one(self, setup):
+        c, _, data = setup
+        miss = np.random.default_rng(3).random(data[:8].shape) < 0.5
+        cond = np.asarray(c.conditional(c.params, data[:8], miss))
+        np.testing.assert_allclose(cond.sum(-1), 1.0, rtol=1e-5)
+        assert np.all(cond >= 0)
+
+    def test_mpe_assignment_attains_its_value(self, setup):
+        c, _, data = setup
+        miss = np.random.default_rng(4).random(data[:8].shape) < 0.5
+        assign, value = c.mpe(c.params, data[:8], miss)
+        np.testing.assert_allclose(np.asarray(c.log_prob(c.params, assign, propagation="MPE")), np.asarray(value),
+                                   atol=1e-4)
+        assert np.all(np.asarray(assign)[~miss] == data[:8][~miss])
+
+    def test_samples_are_valid(self, setup):
+        c, cards, _ = setup
+        s = np.asarray(c.sample(c.params, jax.random.key(0), 256))
+        assert s.shape == (256, len(cards))
+        assert np.all((s >= 0) & (s < np.asarray(cards)[None, :]))
+        assert np.all(np.isfinite(np.asarray(c.log_prob(c.params, s))))  # validated as data, possible under the model
+
     def test_em_raises_training_ll(self, setup):
         c, _, data = setup
         params = c.params

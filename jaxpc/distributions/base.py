@@ -58,6 +58,11 @@ class Distribution:
         """``(lo, hi)`` for discrete values (``hi`` exclusive, None for unbounded), None for reals."""
         return None
 
+    def num_values(self) -> int | None:
+        """How many values a discrete leaf can put mass on (``0 .. n-1``); None for reals."""
+        r = self.value_range()
+        return None if r is None else r[1]
+
     def describe_values(self) -> str:
         r = self.value_range()
         if r is None:
@@ -108,6 +113,27 @@ class Distribution:
                  options) -> Array:
         """``[N, B]`` node values (log-probabilities; marginalized per ``options`` where ``mv``)."""
         raise NotImplementedError
+
+    # ---- discrete leaves: the pmf as a table; sampling and modes -------------------------------
+    def log_pmf(self, p: dict[str, Array], tables: dict[str, Array], rows: Array, num_values: int) -> Array:
+        """``[len(rows), num_values]`` log-probabilities of the values ``0 .. num_values-1`` (discrete only)."""
+        raise TypeError(f"{self!r} is not a discrete distribution")
+
+    def log_prob_soft(self, p: dict[str, Array], tables: dict[str, Array], rows: Array, logq: Array, options) -> Array:
+        """Node values under soft evidence: ``reduce_k(log pmf[n, k] + logq[n, k, b])`` with the LL / MPE /
+        GeneralLL reduction; ``logq`` is ``[N, K, B]`` log-weights of each node's variable."""
+        lp = self.log_pmf(p, tables, rows, logq.shape[1])[:, :, None] + logq
+        return reduce_missing(lp, options, axis=1)
+
+    def sample(self, key: Array, p: dict[str, Array], tables: dict[str, Array], prow: Array, num_values: int) -> Array:
+        """One draw per entry of ``prow`` (param rows, any shape)."""
+        lp = self.log_pmf(p, tables, prow.reshape(-1), num_values)
+        return jax.random.categorical(key, lp, axis=-1).reshape(prow.shape).astype(jnp.int32)
+
+    def mode(self, p: dict[str, Array], tables: dict[str, Array], prow: Array, num_values: int) -> Array:
+        """The most probable value per entry of ``prow`` (lowest value on ties)."""
+        lp = self.log_pmf(p, tables, prow.reshape(-1), num_values)
+        return jnp.argmax(lp, axis=-1).reshape(prow.shape).astype(jnp.int32)
 
     def suff_stats(self, p: dict[str, Array], tables: dict[str, Array], rows: Array, xv: Array, mv: Array | None,
                    flows: Array, num_rows: int) -> dict[str, Array]:

@@ -92,6 +92,13 @@ class Categorical(Distribution):
             out = jnp.where(mv, marg[:, None], out)
         return out
 
+    def log_pmf(self, p, tables, rows, num_values):
+        lp = p["log_probs"][rows]
+        K = self.num_cats
+        if num_values > K:
+            lp = jnp.concatenate([lp, jnp.full((lp.shape[0], num_values - K), -jnp.inf, lp.dtype)], axis=1)
+        return lp[:, :num_values]
+
     def suff_stats(self, p, tables, rows, xv, mv, flows, num_rows):
         xi = jnp.clip(self._values(xv, mv), 0, self.num_cats - 1)
         obs = flows if mv is None else jnp.where(mv, 0.0, flows)

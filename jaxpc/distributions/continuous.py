@@ -105,6 +105,18 @@ class Gaussian(Distribution):
             out = jnp.where(mv, marg, out)
         return out
 
+    def log_pmf(self, p, tables, rows, num_values):
+        raise TypeError("Gaussian leaves are continuous: they have no pmf (no soft evidence or conditionals)")
+
+    def log_prob_soft(self, p, tables, rows, logq, options):
+        raise TypeError("soft evidence needs discrete variables, but a Gaussian leaf was given soft evidence")
+
+    def sample(self, key, p, tables, prow, num_values):
+        return p["mu"][prow] + jnp.exp(p["log_scale"][prow]) * jax.random.normal(key, prow.shape, p["mu"].dtype)
+
+    def mode(self, p, tables, prow, num_values):
+        return p["mu"][prow]
+
     def suff_stats(self, p, tables, rows, xv, mv, flows, num_rows):
         mu = p["mu"][rows]
         var = jnp.exp(2.0 * p["log_scale"][rows])
@@ -201,6 +213,11 @@ class DiscreteLogistic(Distribution):
                 marg = reduce_missing(allbins, options)
             out = jnp.where(mv, marg[:, None], out)
         return out
+
+    def log_pmf(self, p, tables, rows, num_values):
+        bins = jnp.arange(num_values)[None, :]
+        lp = self._bin_logp(p["mu"][rows][:, None], p["log_scale"][rows][:, None], jnp.clip(bins, 0, self.num_cats - 1))
+        return jnp.where(bins < self.num_cats, lp, -jnp.inf)
 
     def suff_stats(self, p, tables, rows, xv, mv, flows, num_rows):
         mu = p["mu"][rows]

@@ -28,6 +28,10 @@ class _IndicatorLeaf(Distribution):
     def has_full_params(self, natural):
         return True
 
+    def log_pmf(self, p, tables, rows, num_values):
+        val = tables["value"][rows][:, None]
+        return jnp.where(jnp.arange(num_values)[None, :] == val, 0.0, -jnp.inf).astype(jnp.result_type(float))
+
     def log_prob(self, p, tables, rows, xv, mv, options):
         val = tables["value"][rows][:, None]
         xi = xv.astype(jnp.int32)
@@ -56,6 +60,9 @@ class Literal(_IndicatorLeaf):
 
     def value_range(self):
         return (0, None)
+
+    def num_values(self):
+        return max(self.lit + 1, 2)
 
     def row_tables(self, num_nodes, natural, where):
         return {"value": np.full(num_nodes, self.lit, dtype=np.int32)}

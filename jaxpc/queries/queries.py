@@ -1,0 +1,230 @@
+"""Marginals, conditionals, sampling and MPE assignments.
+
+Each query is a pure function ``f(circuit, params, ...)``: the circuit only supplies its static
+layout and index tables; everything per call (evidence, masks, targets, PRNG keys) is a traced
+argument, so new evidence never recompiles. All of them jit, ``vmap`` over parameter sets and
+work for every structure. They are also methods of :class:`jaxpc.Circuit`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..engine import forward, select
+from ..options import Options
+
+Array = jax.Array
+
+__all__ = ["marginal", "conditional", "sample", "mpe"]
+
+
+# ---------------------------------------------------------------------------------------------
+# pure implementations (jitted per circuit; layout static, everything else traced)
+# ---------------------------------------------------------------------------------------------
+
+def _marginal_impl(layout, tables, params, x, missing, soft, options):
+    return forward.log_prob(layout, tables, params, x, missing, options, soft=soft)
+
+
+def _conditional_impl(layout, tables, params, x, missing, targets, *, num_values: int):
+    B = x.shape[0]
+    V = layout.num_vars
+    options = Options()
+    dtype = forward._param_dtype(params)
+    vals = [v.astype(dtype) for v in forward.input_values(layout, tables, params, x, missing, options)]
+    eps = [jnp.zeros_like(v) for v in vals]
+
+    def total(eps):
+        return jnp.sum(forward.log_prob(layout, tables, params, x, missing, options, input_eps=eps))
+
+    flows = jax.grad(total)(eps)
+    # d log p(e) / d lambda[b, v, k] = sum over leaves n of v: flow[n, b] * p_n(k) / p_n(evidence)
+    acc = jnp.zeros((V, B, num_values), dtype)
+    for spec, tab, F, val in zip(layout.input_layers, tables["inputs"], flows, vals):
+        if not spec.dist.discrete:
+            continue
+        G = jnp.where(F == 0, 0.0, F * jnp.exp(-val))
+        P = jnp.exp(spec.dist.log_pmf(params["input"][spec.key], tab["meta"], tab["rows"], num_values))
+        acc = acc + jax.ops.segment_sum(G[:, :, None] * P[:, None, :], tab["vars"], num_segments=V)
+    acc = acc / jnp.sum(acc, axis=2, keepdims=True)
+    # observed variables are known: their conditional is the indicator of the observed value
+    observed = jnp.ones((V, B), bool) if missing is None else ~forward._missing_t(missing) & jnp.ones((V, B), bool)
+    onehot = jax.nn.one_hot(x.T.astype(jnp.int32), num_values, dtype=dtype)
+    out = jnp.where(observed[:, :, None], onehot, acc)  # [V, B, K]
+    return jnp.transpose(out[targets], (1, 0, 2))
+
+
+def _fill_leaves(layout, tables, params, x, missing, values, key, *, num_values: int, decode: bool):
+    """Choose leaves top-down from ``values``; fill the missing entries of ``x`` from the reached leaves."""
+    V = layout.num_vars
+    if decode:
+        reached = select.reached_leaves(layout, tables, params, values, None)
+    else:
+        key, sel_key = jax.random.split(key)
+        reached = select.reached_leaves(layout, tables, params, values, sel_key)
+    choice = select.leaf_choice(layout, tables, reached, V)
+    out = x.T
+    mt = jnp.broadcast_to(forward._missing_t(missing), out.shape)
+    for li, (spec, tab, sel) in enumerate(zip(layout.input_layers, tables["inputs"], choice)):
+        prow = tab["rows"][jnp.maximum(sel, 0)]  # [V, B]
+        p = params["input"][spec.key]
+        if decode:
+            draw = spec.dist.mode(p, tab["meta"], prow, num_values)
+        else:
+            draw = spec.dist.sample(jax.random.fold_in(key, li), p, tab["meta"], prow, num_values)
+        out = jnp.where((sel >= 0) & mt, draw.astype(out.dtype), out)
+    return out.T
+
+
+def _sample_impl(layout, tables, params, key, x, missing, *, num_values: int):
+    values = forward.node_values(layout, tables, params, x, missing, Options())
+    return _fill_leaves(layout, tables, params, x, missing, values, key, num_values=num_values, decode=False)
+
+
+def _mpe_impl(layout, tables, params, x, missing, *, num_values: int):
+    values = forward.node_values(layout, tables, params, x, missing, Options(propagation="MPE"))
+    filled = _fill_leaves(layout, tables, params, x, missing, values, None, num_values=num_values, decode=True)
+    return filled, values[layout.root_row]
+
+
+# ---------------------------------------------------------------------------------------------
+# public functions
+# ---------------------------------------------------------------------------------------------
+
+def _jitted(circuit, name, fn, static=()):
+    cache = circuit.__dict__.setdefault("_query_fns", {})
+    if name not in cache:
+        cache[name] = jax.jit(functools.partial(fn, circuit.layout), static_argnames=static)
+    return cache[name]
+
+
+def _all_missing_batch(circuit, n: int):
+    dtype = jnp.int32 if circuit._var_info.all_discrete else circuit.dtype
+    return jnp.zeros((n, circuit.num_vars), dtype), jnp.ones((circuit.num_vars,), bool)
+
+
+def _check_soft(circuit, soft):
+    info = circuit._var_info
+    if not info.all_discrete:
+        raise ValueError("soft_evidence needs every variable to be discrete; this circuit has continuous variables "
+                         f"{np.nonzero(info.continuous)[0][:6].tolist()}")
+    if not isinstance(soft, jax.core.Tracer):
+        soft = jnp.asarray(soft)
+    if soft.ndim != 3 or soft.shape[1] != circuit.num_vars:
+        raise ValueError(f"soft_evidence must have shape [batch, {circuit.num_vars}, num_values], "
+                         f"got {tuple(soft.shape)}")
+    K = int(info.card.max())
+    if soft.shape[2] < K:
+        raise ValueError(f"soft_evidence has {soft.shape[2]} values per variable, but variable "
+                         f"{int(np.argmax(info.card))} takes {K}")
+    if not jnp.issubdtype(soft.dtype, jnp.floating):
+        raise TypeError(f"soft_evidence must hold float weights, got dtype {soft.dtype}")
+    if not isinstance(soft, jax.core.Tracer):
+        bad = np.asarray(jnp.any(~jnp.isfinite(soft) | (soft < 0), axis=(0, 2)))
+        if bad.any():
+            raise ValueError(f"soft_evidence must be finite and non-negative; variable {int(np.argmax(bad))} is not")
+    with np.errstate(divide="ignore"):
+        return jnp.log(soft.astype(circuit.dtype))
+
+
+def marginal(circuit, params, x=None, missing=None, *, soft_evidence=None, propagation: str | None = None,
+             alpha: float | None = None, validate: bool = True) -> Array:
+    """``log p(evidence)`` per sample, ``[B]``.
+
+    Hard evidence: ``x`` ``[B, V]`` with ``missing`` (``bool[B, V]`` or ``[V]``) marking marginalized
+    variables. Soft evidence: ``soft_evidence`` ``[B, V, K]`` non-negative per-value weights ``q``; a
+    leaf ``n`` over ``v`` then contributes ``sum_k p_n(k) q[b, v, k]`` (all ones marginalizes,
+    one-hot is hard evidence). Differentiable with respect to the soft evidence.
+    """
+    opts = Options.make(propagation=propagation, alpha=alpha)
+    if soft_evidence is not None:
+        if x is not None or missing is not None:
+            raise ValueError("give either x (with missing) or soft_evidence, not both")
+        logq = _check_soft(circuit, soft_evidence)
+        xj = jnp.zeros((logq.shape[0], circuit.num_vars), jnp.int32)
+        return _jitted(circuit, "marginal", _marginal_impl, ("options",))(circuit.tables, params, xj, None, logq,
+                                                                            options=opts)
+    if x is None:
+        raise ValueError("marginal needs x (hard evidence) or soft_evidence")
+    xj, mj = circuit._prepare(x, missing, validate)
+    return _jitted(circuit, "marginal", _marginal_impl, ("options",))(circuit.tables, params, xj, mj, None,
+                                                                        options=opts)
+
+
+def conditional(circuit, params, x, missing=None, *, target_vars=None, validate: bool = True) -> Array:
+    """``p(x_v = k | evidence)`` for target variables ``v``: ``[B, len(target_vars) or V, K]``, normalized over
+    ``k`` (``K``: the largest number of values of any variable; impossible values get 0).
+
+    Evidence is ``x`` on the variables not marked ``missing``. All targets come from one backward
+    pass: the gradient of ``log p(evidence)`` with respect to the leaves' indicators. An observed
+    target's conditional is the indicator of its observed value.
+    """
+    info = circuit._var_info
+    xj, mj = circuit._prepare(x, missing, validate)
+    if target_vars is None:
+        targets = np.arange(circuit.num_vars)
+    else:
+        targets = np.asarray(target_vars)
+        if targets.ndim != 1 or not np.issubdtype(targets.dtype, np.integer):
+            raise TypeError(f"target_vars must be a 1-D sequence of variable ids, got {target_vars!r}")
+        bad = targets[(targets < 0) | (targets >= circuit.num_vars)]
+        if bad.size:
+            raise ValueError(f"target_vars holds {int(bad[0])}, but variables are 0..{circuit.num_vars - 1}")
+    cont = targets[info.continuous[targets]]
+    if cont.size:
+        raise ValueError(f"conditional needs discrete target variables; variable {int(cont[0])} is continuous")
+    K = int(info.card.max())
+    fn = _jitted(circuit, "conditional", _conditional_impl, ("num_values",))
+    return fn(circuit.tables, params, xj, mj, jnp.asarray(targets, jnp.int32), num_values=K)
+
+
+def sample(circuit, params, key: Array, num_samples: int | None = None, *, x=None, missing=None,
+           validate: bool = True) -> Array:
+    """Ancestral samples ``[num_samples, V]`` (int for discrete circuits, float with continuous variables).
+
+    Conditional sampling: pass evidence ``x`` ``[B, V]`` and ``missing``; observed entries are kept and the
+    missing ones drawn from ``p(missing | evidence)``. Pure and keyed by ``key``: each sum node picks a child
+    by Gumbel-max on ``log w + child log-likelihood``, then every reached leaf draws its value.
+    """
+    if x is None:
+        if missing is not None:
+            raise ValueError("missing is only meaningful with evidence x")
+        if not isinstance(num_samples, int) or num_samples < 1:
+            raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+        xj, mj = _all_missing_batch(circuit, num_samples)
+    else:
+        xj, mj = circuit._prepare(x, missing, validate)
+        if num_samples is not None and num_samples != xj.shape[0]:
+            raise ValueError(f"num_samples={num_samples} but the evidence has {xj.shape[0]} rows (one sample per row)")
+        if mj is None:
+            mj = jnp.zeros((circuit.num_vars,), bool)
+    K = max(int(circuit._var_info.card.max()), 1)
+    fn = _jitted(circuit, "sample", _sample_impl, ("num_values",))
+    return fn(circuit.tables, params, key, xj, mj, num_values=K)
+
+
+def mpe(circuit, params, x=None, missing=None, *, num_samples: int = 1, validate: bool = True) -> tuple[Array, Array]:
+    """Max-product decoding: ``(assignment [B, V], log-value [B])``.
+
+    Fills the missing (or, without ``x``, all) variables with the joint maximizer of the max-product
+    recursion over values *and* sum-node choices: the Viterbi path for an HMM, the exact MAP assignment
+    for deterministic circuits. For general circuits exact MAP is NP-hard; this returns the best
+    assignment of the best single induced tree, and its value is a lower bound on the MAP value.
+    Ties go to the first child (lowest child block, then lowest node in the block) and to the lowest
+    value of a leaf; a continuous leaf decodes to its mean.
+    """
+    if x is None:
+        if missing is not None:
+            raise ValueError("missing is only meaningful with evidence x")
+        xj, mj = _all_missing_batch(circuit, num_samples)
+    else:
+        xj, mj = circuit._prepare(x, missing, validate)
+        if mj is None:
+            mj = jnp.zeros((circuit.num_vars,), bool)
+    K = max(int(circuit._var_info.card.max()), 1)
+    fn = _jitted(circuit, "mpe", _mpe_impl, ("num_values",))
+    return fn(circuit.tables, params, xj, mj, num_values=K)

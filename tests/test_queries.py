@@ -1,0 +1,287 @@
+"""Queries against brute-force enumeration (float64 numpy) and exact sampling distributions."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+import jaxpc
+from jaxpc import dists, queries, structures
+
+from . import oracle
+from .random_circuits import CARD, Generator
+from .test_bruteforce import deterministic_circuit
+from .test_hmm import forward_backward
+
+DISCRETE = ("categorical", "bernoulli", "masked", "indicator", "literal", "logistic")
+SEEDS = list(range(8))
+
+
+def make(seed):
+    gen = Generator(100 + seed, num_vars=3 + seed % 2, kinds=DISCRETE)
+    c = jaxpc.compile(gen.circuit(), seed=seed)
+    x, _ = gen.all_assignments()
+    return gen, c, x.astype(np.int32)
+
+
+@pytest.fixture(scope="module", params=SEEDS)
+def case(request):
+    return make(request.param)
+
+
+def joint(c, x):
+    _, ll = oracle.forward(c, c.params, x)
+    return np.exp(ll)
+
+
+def test_generator_has_blocks_and_ties():
+    tied, bs = 0, set()
+    for s in SEEDS:
+        _, c, _ = make(s)
+        tied += sum(ns.is_tied() for ns in c.nodes)
+        bs |= {ns.block_size for ns in c.nodes}
+    assert tied > 0 and max(bs) > 1
+
+
+def test_marginals_hard_and_soft(case):
+    gen, c, x = case
+    p = joint(c, x)
+    rng = np.random.default_rng(0)
+    B = 7
+    ev = x[rng.integers(0, len(x), B)]
+    miss = rng.random(ev.shape) < 0.5
+    expect = []
+    for b in range(B):
+        keep = np.all((x == ev[b]) | miss[b], axis=1)
+        expect.append(np.log(p[keep].sum()))
+    got = queries.marginal(c, c.params, ev, miss)
+    np.testing.assert_allclose(np.asarray(got), expect, rtol=1e-5, atol=1e-5)
+    # soft evidence: arbitrary per-value weights, checked against the weighted sum over assignments
+    K = int(max(CARD[k] for k in gen.kinds))
+    q = rng.random((B, x.shape[1], K))
+    weights = np.ones((B, len(x)))
+    for v in range(x.shape[1]):
+        weights *= q[:, v, :][:, x[:, v]]
+    expect_soft = np.log(weights @ p)
+    got_soft = c.marginal(c.params, soft_evidence=q)
+    np.testing.assert_allclose(np.asarray(got_soft), expect_soft, rtol=1e-5, atol=1e-5)
+    # one-hot soft evidence with ones on missing variables is the hard marginal
+    onehot = np.where(miss[:, :, None], 1.0, np.eye(K)[ev])
+    np.testing.assert_allclose(np.asarray(c.marginal(c.params, soft_evidence=onehot)), expect, rtol=1e-5, atol=1e-5)
+
+
+def test_soft_evidence_gradient_is_finite_difference(case):
+    gen, c, x = case
+    K = int(max(CARD[k] for k in gen.kinds))
+    rng = np.random.default_rng(1)
+    q = rng.uniform(0.2, 1.0, (2, x.shape[1], K))
+    f = lambda qq: jnp.sum(queries.marginal(c, c.params, soft_evidence=qq))
+    g = np.asarray(jax.grad(f)(jnp.asarray(q, jnp.float32)))
+    i = (1, x.shape[1] - 1, 1)
+    h = 1e-3
+    qp, qm = q.copy(), q.copy()
+    qp[i] += h
+    qm[i] -= h
+    fd = (float(f(jnp.asarray(qp, jnp.float32))) - float(f(jnp.asarray(qm, jnp.float32)))) / (2 * h)
+    assert g[i] == pytest.approx(fd, rel=2e-2, abs=2e-3)
+
+
+def test_conditionals(case):
+    gen, c, x = case
+    p = joint(c, x)
+    rng = np.random.default_rng(2)
+    B = 6
+    ev = x[rng.integers(0, len(x), B)]
+    miss = rng.random(ev.shape) < 0.6
+    miss[:, 0] = True
+    K = int(max(CARD[k] for k in gen.kinds))
+    got = np.asarray(c.conditional(c.params, ev, miss))
+    assert got.shape == (B, x.shape[1], K)
+    for b in range(B):
+        keep = np.all((x == ev[b]) | miss[b], axis=1)
+        pe = p[keep].sum()
+        for v in range(x.shape[1]):
+            if miss[b, v]:
+                ref = np.array([p[keep & (x[:, v] == k)].sum() for k in range(K)]) / pe
+            else:
+                ref = np.eye(K)[ev[b, v]]
+            np.testing.assert_allclose(got[b, v], ref, rtol=1e-4, atol=1e-5)
+    sub = np.asarray(queries.conditional(c, c.params, ev, miss, target_vars=[x.shape[1] - 1, 0]))
+    np.testing.assert_allclose(sub, got[:, [x.shape[1] - 1, 0]], rtol=1e-6, atol=1e-7)
+
+
+def test_mpe_decoding_and_value(case):
+    gen, c, x = case
+    rng = np.random.default_rng(3)
+    B = 5
+    ev = x[rng.integers(0, len(x), B)]
+    miss = rng.random(ev.shape) < 0.5
+    miss[0] = True  # one fully unobserved row: unconditional MPE
+    assign, value = c.mpe(c.params, ev, miss)
+    assign, value = np.asarray(assign), np.asarray(value)
+    # brute force: max over completions of the max-product value with full evidence
+    mp_all = np.asarray(c.log_prob(c.params, x, propagation="MPE"), np.float64)
+    for b in range(B):
+        keep = np.all((x == ev[b]) | miss[b], axis=1)
+        assert value[b] == pytest.approx(mp_all[keep].max(), abs=1e-5)
+        assert np.all(assign[b][~miss[b]] == ev[b][~miss[b]])
+    # the assignment attains the value
+    np.testing.assert_allclose(np.asarray(c.log_prob(c.params, assign, propagation="MPE")), value, atol=1e-5)
+    # conditional MPE with a [V] mask and without evidence
+    a0, v0 = c.mpe(c.params)
+    assert float(v0[0]) == pytest.approx(mp_all.max(), abs=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_mpe_is_exact_map_on_deterministic_circuits(seed):
+    c = jaxpc.compile(deterministic_circuit(seed))
+    x = np.asarray(list(itertools.product(range(3), repeat=4)), dtype=np.int32)
+    ll = np.asarray(c.log_prob(c.params, x), np.float64)
+    assign, value = c.mpe(c.params)
+    assert float(value[0]) == pytest.approx(ll.max(), abs=1e-5)
+    np.testing.assert_array_equal(np.asarray(assign[0]), x[np.argmax(ll)])
+    miss = np.array([False, True, False, True])
+    for row in (x[0], x[40], x[77]):
+        a, v = c.mpe(c.params, row[None], miss)
+        keep = np.all((x == row) | miss, axis=1)
+        assert float(v[0]) == pytest.approx(ll[keep].max(), abs=1e-5)
+        np.testing.assert_array_equal(np.asarray(a[0]), x[keep][np.argmax(ll[keep])])
+
+
+def viterbi(alpha, beta, gamma, x, miss):
+    """max over z and missing x of log p(z, x); returns (value, decoded x)."""
+    T = x.shape[0]
+    lb = np.log(beta)
+    em = np.where(miss[:, None], lb.max(1)[None, :], lb[:, x].T)  # [T, L]
+    arg_em = lb.argmax(1)
+    d = np.log(gamma) + em[0]
+    back = []
+    for t in range(1, T):
+        s = d[:, None] + np.log(alpha)
+        back.append(s.argmax(0))
+        d = s.max(0) + em[t]
+    z = [int(d.argmax())]
+    for bp in reversed(back):
+        z.append(int(bp[z[-1]]))
+    z = z[::-1]
+    dec = np.where(miss, arg_em[z], x)
+    return d.max(), dec
+
+
+def test_hmm_mpe_is_viterbi():
+    rng = np.random.default_rng(4)
+    T, L, V = 8, 4, 5
+    alpha, beta, gamma = rng.dirichlet(np.ones(L), L), rng.dirichlet(np.ones(V), L), rng.dirichlet(np.ones(L))
+    c = jaxpc.compile(structures.HMM(T, L, V, alpha=alpha, beta=beta, gamma=gamma, block_size=2))
+    x = rng.integers(0, V, (6, T)).astype(np.int32)
+    miss = rng.random((6, T)) < 0.4
+    assign, value = c.mpe(c.params, x, miss)
+    for b in range(6):
+        ref_v, ref_x = viterbi(alpha, beta, gamma, x[b], miss[b])
+        assert float(value[b]) == pytest.approx(ref_v, abs=1e-4)
+        np.testing.assert_array_equal(np.asarray(assign[b]), ref_x)
+
+
+# ---------------------------------------------------------------------------------------------
+# sampling: chi-square goodness of fit with 200,000 samples
+# ---------------------------------------------------------------------------------------------
+
+def _chi_square(samples, x_all, probs):
+    idx = {tuple(r): i for i, r in enumerate(x_all)}
+    counts = np.zeros(len(x_all))
+    for r, n in zip(*np.unique(samples, axis=0, return_counts=True)):
+        assert tuple(r) in idx, f"sampled an impossible assignment {r}"
+        counts[idx[tuple(r)]] += n
+    assert np.all(counts[probs == 0] == 0)
+    pos = probs > 0
+    return stats.chisquare(counts[pos], probs[pos] / probs[pos].sum() * counts.sum()).pvalue
+
+
+def _sampling_circuits():
+    rng = np.random.default_rng(5)
+    T, L, V = 3, 3, 3
+    hmm = structures.HMM(T, L, V, alpha=rng.dirichlet(np.ones(L), L), beta=rng.dirichlet(np.ones(V), L),
+                         gamma=rng.dirichlet(np.ones(L)))
+    gen = Generator(7, num_vars=3, kinds=DISCRETE)
+    pd = structures.PD((2, 2), 4, split_intervals=1, input_dist=dists.Categorical(3), block_size=2)
+    return {"hmm": hmm, "random": gen.circuit(), "pd": pd}
+
+
+@pytest.mark.parametrize("name", ["hmm", "random", "pd"])
+def test_sampling_matches_exact_distribution(name):
+    root = _sampling_circuits()[name]
+    c = jaxpc.compile(root, seed=1)
+    cards = [int(k) for k in c._var_info.card]
+    x_all = np.asarray(list(itertools.product(*[range(k) for k in cards])), dtype=np.int32)
+    p = joint(c, x_all)
+    n = 200_000
+    s = np.asarray(c.sample(c.params, jax.random.key(0), n))
+    assert s.shape == (n, c.num_vars) and s.dtype == np.int32
+    assert _chi_square(s, x_all, p) > 1e-3
+    # conditional: fix variable 0, sample the rest
+    v0 = int(x_all[np.argmax(p), 0])
+    ev = np.zeros((n, c.num_vars), np.int32)
+    ev[:, 0] = v0
+    miss = np.ones(c.num_vars, bool)
+    miss[0] = False
+    sc = np.asarray(c.sample(c.params, jax.random.key(1), x=ev, missing=miss))
+    assert np.all(sc[:, 0] == v0)
+    cond = np.where(x_all[:, 0] == v0, p, 0.0)
+    assert _chi_square(sc, x_all, cond) > 1e-3
+
+
+def test_sampling_is_pure_and_keyed():
+    c = jaxpc.compile(_sampling_circuits()["hmm"])
+    a = np.asarray(c.sample(c.params, jax.random.key(3), 50))
+    b = np.asarray(c.sample(c.params, jax.random.key(3), 50))
+    d = np.asarray(c.sample(c.params, jax.random.key(4), 50))
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, d)
+
+
+def test_continuous_samples_and_modes():
+    g = jaxpc.inputs(0, 2, dist=dists.Gaussian(), params={"mu": np.array([-3.0, 4.0]), "sigma": np.array([0.5, 1.0])})
+    b = jaxpc.inputs(1, 2, dist=dists.Categorical(2), params=np.array([[0.9, 0.1], [0.2, 0.8]]))
+    root = jaxpc.summate(jaxpc.multiply(g, b), num_nodes=1, params=np.array([[0.3, 0.7]]))
+    c = jaxpc.compile(root)
+    s = np.asarray(c.sample(c.params, jax.random.key(0), 100_000))
+    assert s.dtype == np.float32
+    first = s[:, 0] < 0.5
+    assert first.mean() == pytest.approx(0.3, abs=0.01)
+    assert s[first, 0].mean() == pytest.approx(-3.0, abs=0.02) and s[first, 0].std() == pytest.approx(0.5, abs=0.02)
+    assert s[first, 1].mean() == pytest.approx(0.1, abs=0.01)
+    assign, value = c.mpe(c.params)
+    np.testing.assert_allclose(np.asarray(assign[0]), [4.0, 1.0])
+
+
+def test_queries_jit_and_vmap_over_params():
+    c = jaxpc.compile(structures.HMM(4, 3, 3))
+    keys = jax.random.split(jax.random.key(0), 3)
+    stacked = jax.vmap(c.init_params)(keys)
+    x = np.random.default_rng(0).integers(0, 3, (5, 4)).astype(np.int32)
+    miss = np.array([False, True, False, True])
+    for fn in (lambda p: c.marginal(p, x, miss), lambda p: c.conditional(p, x, miss),
+               lambda p: c.mpe(p, x, miss), lambda p: c.sample(p, jax.random.key(1), x=x, missing=miss)):
+        batched = jax.vmap(fn)(stacked)
+        single = fn(jax.tree_util.tree_map(lambda a: a[1], stacked))
+        for u, v in zip(jax.tree_util.tree_leaves(batched), jax.tree_util.tree_leaves(single)):
+            np.testing.assert_allclose(np.asarray(u)[1], np.asarray(v), rtol=1e-5, atol=1e-6)
+        jax.jit(fn)(c.params)  # and inside a user's jit
+
+
+def test_query_errors():
+    c = jaxpc.compile(structures.HMM(4, 3, 3))
+    x = np.zeros((2, 4), np.int32)
+    with pytest.raises(ValueError, match="target_vars holds 9"):
+        c.conditional(c.params, x, target_vars=[9])
+    with pytest.raises(ValueError, match=r"soft_evidence must have shape \[batch, 4, num_values\]"):
+        c.marginal(c.params, soft_evidence=np.ones((2, 3, 3)))
+    with pytest.raises(ValueError, match="finite and non-negative"):
+        c.marginal(c.params, soft_evidence=-np.ones((2, 4, 3)))
+    with pytest.raises(ValueError, match="num_samples must be a positive int"):
+        c.sample(c.params, jax.random.key(0), 0)
+    with pytest.raises(ValueError, match="either x .with missing. or soft_evidence"):
+        c.marginal(c.params, x, soft_evidence=np.ones((2, 4, 3)))
