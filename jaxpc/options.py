@@ -14,6 +14,7 @@ from typing import Any
 __all__ = ["Options", "PROPAGATIONS"]
 
 PROPAGATIONS = ("LL", "MPE", "GeneralLL")
+BACKWARDS = ("flows", "autodiff")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,12 +26,18 @@ class Options:
             ``"GeneralLL"`` (sum nodes compute ``(1/alpha) log sum_c (w_c p_c)^alpha``; ``alpha=1``
             is LL, ``alpha -> inf`` approaches MPE).
         alpha: the GeneralLL exponent (required for, and only allowed with, GeneralLL).
+        backward: how gradients (flows) are computed: ``"flows"`` (a top-down pass over the node
+            buffer, PyJuice's backward; default) or ``"autodiff"`` (JAX's reverse mode through the
+            forward pass; a reference, slower and more memory-hungry).
     """
 
     propagation: str = "LL"
     alpha: float | None = None
+    backward: str = "flows"
 
     def __post_init__(self):
+        if self.backward not in BACKWARDS:
+            raise ValueError(f"backward must be one of {BACKWARDS}, got {self.backward!r}")
         if self.propagation not in PROPAGATIONS:
             raise ValueError(f"propagation must be one of {PROPAGATIONS}, got {self.propagation!r}")
         if self.propagation == "GeneralLL":

@@ -23,18 +23,16 @@ Array = jax.Array
 def flows_and_ll(layout: Layout, tables: dict, params: dict, x: Array, missing: Array | None,
                  weights: Array | None, options) -> tuple[dict, Array]:
     """``(flows, ll [B])``; ``weights`` ``[B]`` scales each sample's contribution (None = 1)."""
-    B = x.shape[0]
     dtype = forward._param_dtype(params)
-    eps = [jnp.zeros((spec.num_nodes, B), dtype) for spec in layout.input_layers]
+    vals = [v.astype(dtype) for v in forward.input_values(layout, tables, params, x, missing, options)]
 
-    def objective(sum_params, eps):
-        p = {"sum": sum_params, "input": params["input"]}
-        ll = forward.log_prob(layout, tables, p, x, missing, options, input_eps=eps)
+    def objective(sum_params, vals):
+        ll = forward.evaluate(layout, tables, sum_params, vals, options)
         # zero-weight rows (padding) contribute exactly nothing, even where their ll is -inf
         wll = ll if weights is None else jnp.where(weights == 0, 0.0, ll * weights.astype(ll.dtype))
         return jnp.sum(wll), ll
 
-    (_, ll), (g_sum, g_eps) = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)(params["sum"], eps)
+    (_, ll), (g_sum, g_eps) = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)(params["sum"], vals)
 
     xt = x.T
     mt = forward._missing_t(missing)

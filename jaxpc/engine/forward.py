@@ -8,12 +8,17 @@ Shapes: ``x [B, V]``, ``missing`` None, ``bool[V]`` or ``bool[B, V]``, buffer ``
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from ..compiler.layout import Layout, ScanSpec, StageSpec
 from ..ops import product_layer, sum_layer
+from ..ops.product_layer import product_layer_backward_reference as product_layer_backward
+from ..ops.sum_layer import child_rows
+from ..ops.sum_layer import sum_layer_backward_reference as sum_layer_backward
 
 Array = jax.Array
 
@@ -45,14 +50,14 @@ def input_values(layout: Layout, tables: dict, params: dict, x: Array, missing: 
     return outs
 
 
-def _stage(buf: Array, spec: StageSpec, tab: dict, params: dict, options, offset, index) -> Array:
+def _stage(buf: Array, spec: StageSpec, tab: dict, sum_params: dict, options, offset, index) -> Array:
     outs = []
     for j, (part, t) in enumerate(zip(spec.prods, tab["prods"])):
         with jax.named_scope(f"jaxpc/stage{index}/prod{j}"):
             outs.append(product_layer(buf, t["ch"], K=part.K))
     for j, (part, t) in enumerate(zip(spec.sums, tab["sums"])):
         with jax.named_scope(f"jaxpc/stage{index}/sum{j}"):
-            outs.append(sum_layer(buf, t["ch"], t["pid"], params["sum"][part.group], Kp=part.Kp, Kc=part.Kc,
+            outs.append(sum_layer(buf, t["ch"], t["pid"], sum_params[part.group], Kp=part.Kp, Kc=part.Kc,
                                   dense=part.dense, propagation=options.propagation, alpha=options.alpha))
     out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
     return lax.dynamic_update_slice(buf, out.astype(buf.dtype), (offset, 0))
@@ -71,45 +76,109 @@ def write_inputs(layout: Layout, buf: Array, vals: list) -> Array:
     return buf
 
 
-def run_stages(layout: Layout, tables: dict, buf: Array, stage_fn) -> Array:
-    """Apply ``stage_fn(buf, spec, tab, offset, name)`` to every stage in order, scanning repeated ones."""
-    for si, (step, tab) in enumerate(zip(layout.steps, tables["steps"])):
+def run_stages(layout: Layout, tables: dict, buf: Array, stage_fn, reverse: bool = False):
+    """Apply ``stage_fn(carry, spec, tab, offset, name)`` to every stage in order (or in reverse), running
+    repeated stages under ``lax.scan``. ``carry`` is any pytree (the node buffer, or buffers plus
+    accumulators)."""
+    steps = list(enumerate(zip(layout.steps, tables["steps"])))
+    for si, (step, tab) in (reversed(steps) if reverse else steps):
         if isinstance(step, ScanSpec):
-            def body(b, t, step=step, si=si):
-                for j, (st, tj) in enumerate(zip(step.period, t)):
-                    b = stage_fn(b, st, tj, tj["out"], f"{si}.{j}")
+            period = list(enumerate(zip(step.period, range(len(step.period)))))
+
+            def body(b, t, step=step, si=si, period=period):
+                for j, (st, _) in (reversed(period) if reverse else period):
+                    b = stage_fn(b, st, t[j], t[j]["out"], f"{si}.{j}")
                 return b, None
 
             with jax.named_scope(f"jaxpc/scan{si}"):
-                buf, _ = lax.scan(body, buf, tab)
+                buf, _ = lax.scan(body, buf, tab, reverse=reverse)
         else:
             buf = stage_fn(buf, step, tab, step.offset, si)
     return buf
 
 
-def node_values(layout: Layout, tables: dict, params: dict, x: Array, missing: Array | None, options,
-                input_eps: list | None = None, soft: Array | None = None) -> Array:
-    """The whole node buffer ``[R, B]``. ``input_eps`` (one ``[N, B]`` per input layer) is added to the
-    input values; its gradient is the input nodes' flows."""
-    buf = empty_buffer(layout, x.shape[0], _param_dtype(params))
-    vals = input_values(layout, tables, params, x, missing, options, soft)
-    if input_eps is not None:
-        vals = [v.astype(buf.dtype) + e for v, e in zip(vals, input_eps)]
-    buf = write_inputs(layout, buf, vals)
+def forward_buffer(layout: Layout, tables: dict, sum_params: dict, input_vals: list, options) -> Array:
+    """The node buffer ``[R, B]`` from the input layers' values (plain forward, differentiable by autodiff)."""
+    dtype = _param_dtype({"sum": sum_params, "v": input_vals})
+    buf = write_inputs(layout, empty_buffer(layout, input_vals[0].shape[1], dtype), input_vals)
 
     def stage(b, spec, tab, offset, name):
-        return _stage(b, spec, tab, params, options, offset, name)
+        return _stage(b, spec, tab, sum_params, options, offset, name)
 
     return run_stages(layout, tables, buf, stage)
 
 
+# ---- the circuit's root value with a top-down flow pass as its VJP ---------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4))
+def root_values(layout: Layout, tables: dict, sum_params: dict, input_vals: list, options) -> Array:
+    """Root values ``[B]`` as a function of the sum log-weights and the input layers' values. Its VJP is
+    PyJuice's backward: node flows pushed top-down layer by layer into one ``[R, B]`` buffer, with the
+    parameter flows of each sum partition reduced on the way (no per-layer cotangent buffers)."""
+    return forward_buffer(layout, tables, sum_params, input_vals, options)[layout.root_row]
+
+
+def _root_fwd(layout, tables, sum_params, input_vals, options):
+    buf = forward_buffer(layout, tables, sum_params, input_vals, options)
+    return buf[layout.root_row], (tables, sum_params, buf)
+
+
+def _root_bwd(layout, options, res, g):
+    tables, sum_params, values = res
+    flows = jnp.zeros_like(values).at[layout.root_row].set(g.astype(values.dtype))
+    dparams = {k: jnp.zeros_like(v) for k, v in sum_params.items()}
+
+    def stage(carry, spec, tab, offset, name):
+        fl, dp = carry
+        row = offset
+        for j, (part, t) in enumerate(zip(spec.prods, tab["prods"])):
+            with jax.named_scope(f"jaxpc/stage{name}/prod{j}/backward"):
+                rows, cf = product_layer_backward(fl, t["ch"], row, K=part.K)
+                fl = fl.at[rows].add(cf)
+            row = row + part.num_rows
+        for j, (part, t) in enumerate(zip(spec.sums, tab["sums"])):
+            with jax.named_scope(f"jaxpc/stage{name}/sum{j}/backward"):
+                cf, pf = sum_layer_backward(values, fl, t["ch"], t["pid"], sum_params[part.group], row, Kp=part.Kp,
+                                            Kc=part.Kc, dense=part.dense, propagation=options.propagation,
+                                            alpha=options.alpha)
+                rows = child_rows(t["ch"], part.Kc, part.dense)
+                fl = fl.at[rows].add(cf.astype(fl.dtype))
+                dp = {**dp, part.group: dp[part.group].at[t["pid"]].add(pf.astype(dp[part.group].dtype))}
+            row = row + part.num_rows
+        return fl, dp
+
+    flows, dparams = run_stages(layout, tables, (flows, dparams), stage, reverse=True)
+    d_inputs = [lax.dynamic_slice(flows, (spec.offset, 0), (spec.num_nodes, flows.shape[1]))
+                for spec in layout.input_layers]
+    return None, dparams, d_inputs
+
+
+root_values.defvjp(_root_fwd, _root_bwd)
+
+
+def node_values(layout: Layout, tables: dict, params: dict, x: Array, missing: Array | None, options,
+                soft: Array | None = None) -> Array:
+    """The whole node buffer ``[R, B]`` (plain forward)."""
+    vals = input_values(layout, tables, params, x, missing, options, soft)
+    return forward_buffer(layout, tables, params["sum"], vals, options)
+
+
+def evaluate(layout: Layout, tables: dict, sum_params: dict, input_vals: list, options) -> Array:
+    """Root values from input values, differentiated by the top-down flow pass (``options.backward ==
+    "flows"``) or by JAX's autodiff through the forward (``"autodiff"``, the reference)."""
+    if options.backward == "autodiff":
+        return forward_buffer(layout, tables, sum_params, input_vals, options)[layout.root_row]
+    return root_values(layout, tables, sum_params, input_vals, options)
+
+
 def log_prob(layout: Layout, tables: dict, params: dict, x: Array, missing: Array | None, options,
-             input_eps: list | None = None, soft: Array | None = None) -> Array:
+             soft: Array | None = None) -> Array:
     """Root log-value per sample, ``[B]``."""
-    return node_values(layout, tables, params, x, missing, options, input_eps, soft)[layout.root_row]
+    vals = input_values(layout, tables, params, x, missing, options, soft)
+    return evaluate(layout, tables, params["sum"], vals, options)
 
 
-def _param_dtype(params: dict):
+def _param_dtype(params) -> jnp.dtype:
     leaves = jax.tree_util.tree_leaves(params)
     floats = [l.dtype for l in leaves if jnp.issubdtype(l.dtype, jnp.floating)]
     return jnp.result_type(*floats) if floats else jnp.float32

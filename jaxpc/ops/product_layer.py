@@ -20,3 +20,12 @@ def product_layer(buf: Array, ch: Array, *, K: int, impl: str = "reference") -> 
     if impl != "reference":
         raise ValueError(f"unknown product-layer impl {impl!r}")
     return product_layer_reference(buf, ch, K=K)
+
+
+def product_layer_backward_reference(flows: Array, ch: Array, out_offset, *, K: int) -> tuple[Array, Array]:
+    """Each product passes its flow to every child. Returns ``(rows [n, m, K], child_flows [n, m, K, B])``."""
+    n, m = ch.shape
+    B = flows.shape[1]
+    fp = jax.lax.dynamic_slice(flows, (out_offset, 0), (n * K, B)).reshape(n, 1, K, B)
+    rows = ch[:, :, None] + jnp.arange(K, dtype=ch.dtype)
+    return rows, jnp.broadcast_to(fp, (n, m, K, B))

@@ -22,13 +22,18 @@ from jax import lax
 Array = jax.Array
 
 
-def gather_children(buf: Array, ch: Array, Kc: int, dense: bool) -> Array:
-    """``[n, C*Kc, B]`` child values (``[C*Kc, B]`` when ``dense``)."""
+def child_rows(ch: Array, Kc: int, dense: bool) -> Array:
+    """Buffer rows of the children: ``[n, C*Kc]`` (``[C*Kc]`` when ``dense``)."""
     ar = jnp.arange(Kc, dtype=ch.dtype)
     if dense:
-        return buf[(ch[0][:, None] + ar).reshape(-1)]
+        return (ch[0][:, None] + ar).reshape(-1)
     n, C = ch.shape
-    return buf[(ch[:, :, None] + ar).reshape(n, C * Kc)]
+    return (ch[:, :, None] + ar).reshape(n, C * Kc)
+
+
+def gather_children(buf: Array, ch: Array, Kc: int, dense: bool) -> Array:
+    """``[n, C*Kc, B]`` child values (``[C*Kc, B]`` when ``dense``)."""
+    return buf[child_rows(ch, Kc, dense)]
 
 
 def gather_weights(logw: Array, pid: Array) -> Array:
@@ -77,3 +82,52 @@ def sum_layer(buf: Array, ch: Array, pid: Array, logw: Array, *, Kp: int, Kc: in
         raise ValueError(f"unknown sum-layer impl {impl!r}")
     return sum_layer_reference(buf, ch, pid, logw, Kp=Kp, Kc=Kc, dense=dense, propagation=propagation,
                                alpha=alpha)
+
+
+def sum_layer_backward_reference(values: Array, flows: Array, ch: Array, pid: Array, logw: Array, out_offset, *,
+                                 Kp: int, Kc: int, dense: bool, propagation: str = "LL",
+                                 alpha: float | None = None) -> tuple[Array, Array]:
+    """Flows of one sum partition, top-down (PyJuice's element-flow and parameter-flow passes).
+
+    Args:
+        values: ``[R, B]`` node values of the forward pass.
+        flows: ``[R, B]`` node flows accumulated so far (the partition's parents are final).
+        out_offset: first row of the partition's ``n * Kp`` parents.
+
+    Returns:
+        ``(child_flows, param_flows)``: ``[n, C*Kc, B]`` (``[C*Kc, B]`` when ``dense``) flows to add to the
+        children's rows, and ``[n, C, Kp, Kc]`` flows to add to the parameter blocks ``pid``.
+    """
+    n, C = ch.shape
+    B = values.shape[1]
+    x = gather_children(values, ch, Kc, dense)
+    lw = gather_weights(logw, pid)  # [n, Kp, CK]
+    vp = jax.lax.dynamic_slice(values, (out_offset, 0), (n * Kp, B)).reshape(n, Kp, B)
+    fp = jax.lax.dynamic_slice(flows, (out_offset, 0), (n * Kp, B)).reshape(n, Kp, B)
+    if propagation == "MPE":
+        xb = x[None, None] if dense else x[:, None]
+        hit = (lw[:, :, :, None] + xb == vp[:, :, None, :]) & jnp.isfinite(vp)[:, :, None, :]
+        r = jnp.where(hit, fp[:, :, None, :], 0.0)
+        r = r / jnp.maximum(jnp.sum(hit, axis=2, keepdims=True), 1)  # ties share the flow, as jax.grad of max
+        cf = jnp.sum(r, axis=(0, 1)) if dense else jnp.sum(r, axis=1)
+        pf = jnp.sum(r, axis=3)
+    else:
+        a = 1.0 if propagation == "LL" else float(alpha)
+        axis = 0 if dense else 1
+        m = jnp.max(x, axis=axis, keepdims=True)
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
+        y = jnp.exp(a * (x - m))  # [n, CK, B] or [CK, B]
+        w = jnp.exp(a * lw)
+        # the forward's local sum, recomputed: exp(m - vp) would lose |vp| * eps of precision per layer
+        # (0.7% over a 10,000-step HMM in float32), the recomputed sum loses nothing
+        s = jnp.einsum("nkc,cb->nkb", w, y) if dense else jnp.einsum("nkc,ncb->nkb", w, y)
+        # parents that carry no flow (or are impossible) contribute nothing, never 0 / 0
+        scale = jnp.where((fp == 0) | (s == 0), 0.0, fp / jnp.where(s == 0, 1.0, s))  # [n, Kp, B]
+        if dense:
+            cf = y * jnp.einsum("nkc,nkb->cb", w, scale)
+            pf = w * jnp.einsum("nkb,cb->nkc", scale, y)
+        else:
+            cf = y * jnp.einsum("nkc,nkb->ncb", w, scale)
+            pf = w * jnp.einsum("nkb,ncb->nkc", scale, y)
+    pf = pf.reshape(n, Kp, C, Kc).transpose(0, 2, 1, 3)
+    return cf, pf

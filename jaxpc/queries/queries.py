@@ -36,12 +36,11 @@ def _conditional_impl(layout, tables, params, x, missing, targets, *, num_values
     options = Options()
     dtype = forward._param_dtype(params)
     vals = [v.astype(dtype) for v in forward.input_values(layout, tables, params, x, missing, options)]
-    eps = [jnp.zeros_like(v) for v in vals]
 
-    def total(eps):
-        return jnp.sum(forward.log_prob(layout, tables, params, x, missing, options, input_eps=eps))
+    def total(vals):
+        return jnp.sum(forward.evaluate(layout, tables, params["sum"], vals, options))
 
-    flows = jax.grad(total)(eps)
+    flows = jax.grad(total)(vals)
     # d log p(e) / d lambda[b, v, k] = sum over leaves n of v: flow[n, b] * p_n(k) / p_n(evidence)
     acc = jnp.zeros((V, B, num_values), dtype)
     for spec, tab, F, val in zip(layout.input_layers, tables["inputs"], flows, vals):

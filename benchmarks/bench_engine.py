@@ -1,0 +1,188 @@
+"""Time jaxpc's executables on the benchmark workloads (BENCHMARKS.md) on the current device.
+
+    python benchmarks/bench_engine.py [--workloads hmm,hclt,pd] [--batches 16,128,512] [--reps 25]
+
+For each workload and batch size it first checks the answer (HMM: against a float64 numpy
+forward algorithm; HCLT/PD: against the same executable at float32 matmul precision), then
+reports median milliseconds of ``log_prob`` (forward), ``flows`` (forward + flows) and
+``em_step`` over rotating input batches, the executable's memory (XLA's memory analysis),
+edges x samples per second, and compile seconds. The HMM row also times a plain ``lax.scan``
+forward algorithm under ``jit(value_and_grad)`` (the 20-line baseline of BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import jaxpc  # noqa: E402
+from jaxpc import dists, structures  # noqa: E402
+from _data import blurred_noise_images  # noqa: E402
+
+
+def median_ms(fn, batches, reps, warmup=5):
+    for i in range(warmup):
+        jax.block_until_ready(fn(batches[i % len(batches)]))
+    times = []
+    for i in range(reps):
+        xb = batches[i % len(batches)]
+        t = time.perf_counter()
+        jax.block_until_ready(fn(xb))
+        times.append(time.perf_counter() - t)
+    return 1e3 * float(np.median(times))
+
+
+def exec_mib(jitted, *args, **kw):
+    try:
+        m = jitted.lower(*args, **kw).compile().memory_analysis()
+        total = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
+        return total / 2**20
+    except Exception:  # noqa: BLE001 - not every backend reports it
+        return float("nan")
+
+
+def hmm_forward_np(alpha, beta, gamma, x):
+    a = gamma[None] * beta[:, x[:, 0]].T
+    ll = np.log(a.sum(1))
+    a /= a.sum(1, keepdims=True)
+    for t in range(1, x.shape[1]):
+        a = (a @ alpha) * beta[:, x[:, t]].T
+        s = a.sum(1)
+        ll += np.log(s)
+        a /= s[:, None]
+    return ll
+
+
+def scan_hmm(log_alpha, log_beta, log_gamma, x):
+    """The plain lax.scan forward algorithm (log-space emissions, linear-space matmul)."""
+    alpha, beta = jnp.exp(log_alpha), jnp.exp(log_beta)
+
+    def step(carry, xt):
+        a, ll = carry
+        a = (a @ alpha) * beta[:, xt].T
+        s = a.sum(1)
+        return (a / s[:, None], ll + jnp.log(s)), None
+
+    a0 = jnp.exp(log_gamma)[None] * beta[:, x[:, 0]].T
+    s0 = a0.sum(1)
+    (a, ll), _ = jax.lax.scan(step, (a0 / s0[:, None], jnp.log(s0)), x[:, 1:].T)
+    return jnp.sum(ll)
+
+
+def run(name, root_fn, data_fn, batches, reps, check):
+    t0 = time.perf_counter()
+    root = root_fn()
+    c = jaxpc.compile(root)
+    t_compile = time.perf_counter() - t0
+    sum_edges = sum(ns.num_edges for ns in c.nodes if ns.is_sum())
+    rows = []
+    for B in batches:
+        xs = [jnp.asarray(data_fn(B, seed)) for seed in range(4)]
+        err = check(c, xs[0])
+        opts = jaxpc.Options()
+        t = time.perf_counter()
+        jax.block_until_ready(c._jit_log_prob(c.tables, c.params, xs[0], None, options=opts))
+        t_fwd_compile = time.perf_counter() - t
+        t = time.perf_counter()
+        jax.block_until_ready(c._jit_flows(c.tables, c.params, xs[0], None, None, options=opts))
+        t_flows_compile = time.perf_counter() - t
+        fwd = median_ms(lambda xb: c._jit_log_prob(c.tables, c.params, xb, None, options=opts), xs, reps)
+        flows = median_ms(lambda xb: c._jit_flows(c.tables, c.params, xb, None, None, options=opts), xs, reps)
+        s, pc = jnp.float32(0.1), jnp.float32(0.1)
+        em = median_ms(lambda xb: c._jit_em_step(c.tables, c.params, xb, None, None, s, pc, options=opts), xs, reps)
+        mem = exec_mib(c._jit_flows, c.tables, c.params, xs[0], None, None, options=opts)
+        row = dict(workload=name, B=B, fwd_ms=fwd, flows_ms=flows, em_ms=em, mem_mib=mem,
+                   gedges_per_s=sum_edges * B / (flows * 1e-3) / 1e9, rel_err=err,
+                   jaxpc_compile_s=t_compile, xla_fwd_s=t_fwd_compile, xla_flows_s=t_flows_compile)
+        rows.append(row)
+        print(f"{name:9s} B={B:4d} fwd {fwd:8.3f} ms | fwd+flows {flows:8.3f} ms | em {em:8.3f} ms | "
+              f"mem {mem:8.1f} MiB | {row['gedges_per_s']:7.1f} Gedge*sample/s | err {err:.1e} | "
+              f"compile jaxpc {t_compile:.1f}s xla fwd {t_fwd_compile:.1f}s flows {t_flows_compile:.1f}s", flush=True)
+    return c, rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--workloads", default="hmm,hclt,pd")
+    p.add_argument("--batches", default="16,128,512")
+    p.add_argument("--reps", type=int, default=25)
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    dev = jax.devices()[0]
+    print(f"jax {jax.__version__} on {dev.device_kind}; default matmul precision "
+          f"{jax.config.jax_default_matmul_precision}", flush=True)
+    rows = []
+    work = args.workloads.split(",")
+    cat256 = dists.Categorical(num_cats=256)
+
+    def rel_check(c, x):
+        lo = np.asarray(c._jit_log_prob(c.tables, c.params, x, None, options=jaxpc.Options()), np.float64)
+        with jax.default_matmul_precision("float32"):
+            hi = np.asarray(jax.jit(lambda t, p, xx: jaxpc.engine.forward.log_prob(
+                c.layout, t, p, xx, None, jaxpc.Options()))(c.tables, c.params, x), np.float64)
+        return float(np.linalg.norm(lo - hi) / np.linalg.norm(hi))
+
+    if "hmm" in work:
+        L, T, V = 1024, 64, 4096
+
+        def hmm_data(B, seed):
+            return np.random.default_rng(seed).integers(0, V, (B, T)).astype(np.int32)
+
+        def hmm_check(c, x):
+            trans = [ns for ns in c.nodes if ns.name.startswith("trans")][0]
+            emit = [ns for ns in c.nodes if ns.name.startswith("emit")][0]
+            a = np.asarray(c.get_node_params(c.params, trans), np.float64)
+            b = np.asarray(c.get_node_params(c.params, emit), np.float64)
+            g = np.asarray(c.get_node_params(c.params, c.root), np.float64)[0]
+            xn = np.asarray(x)[:16]
+            ref = hmm_forward_np(a, b, g, xn)
+            got = np.asarray(c._jit_log_prob(c.tables, c.params, x, None, options=jaxpc.Options()))[:16]
+            return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+
+        c, r = run("HMM-1024", lambda: structures.HMM(T, L, V), hmm_data, batches, args.reps, hmm_check)
+        rows += r
+        trans = [ns for ns in c.nodes if ns.name.startswith("trans")][0]
+        emit = [ns for ns in c.nodes if ns.name.startswith("emit")][0]
+        la = jnp.log(c.get_node_params(c.params, trans))
+        lb = jnp.log(c.get_node_params(c.params, emit))
+        lg = jnp.log(c.get_node_params(c.params, c.root))[0]
+        vg = jax.jit(jax.value_and_grad(scan_hmm, argnums=(0, 1, 2)))
+        fw = jax.jit(scan_hmm)
+        for B in batches:
+            xs = [jnp.asarray(hmm_data(B, s)) for s in range(4)]
+            f = median_ms(lambda xb: fw(la, lb, lg, xb), xs, args.reps)
+            g = median_ms(lambda xb: vg(la, lb, lg, xb), xs, args.reps)
+            rows.append(dict(workload="scan-HMM", B=B, fwd_ms=f, flows_ms=g))
+            print(f"scan-HMM  B={B:4d} fwd {f:8.3f} ms | fwd+grad  {g:8.3f} ms", flush=True)
+
+    if "hclt" in work or "pd" in work:
+        imgs = blurred_noise_images(10_000)
+
+        def img_data(B, seed):
+            return imgs[np.random.default_rng(seed).integers(0, len(imgs), B)]
+
+        if "hclt" in work:
+            rows += run("HCLT-256", lambda: structures.HCLT(imgs, 256, input_dist=cat256), img_data, batches,
+                        args.reps, rel_check)[1]
+        if "pd" in work:
+            rows += run("PD-128", lambda: structures.PD((28, 28), 128, split_intervals=(4, 4), input_dist=cat256),
+                        img_data, batches, args.reps, rel_check)[1]
+
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    with open(Path(args.out) / "bench_engine.json", "w") as f:
+        json.dump({"device": dev.device_kind, "jax": jax.__version__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
