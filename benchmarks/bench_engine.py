@@ -79,7 +79,7 @@ def scan_hmm(log_alpha, log_beta, log_gamma, x):
     return jnp.sum(ll)
 
 
-def run(name, root_fn, data_fn, batches, reps, check):
+def run(name, root_fn, data_fn, batches, reps, check, precision):
     t0 = time.perf_counter()
     root = root_fn()
     c = jaxpc.compile(root)
@@ -89,23 +89,24 @@ def run(name, root_fn, data_fn, batches, reps, check):
     for B in batches:
         xs = [jnp.asarray(data_fn(B, seed)) for seed in range(4)]
         err = check(c, xs[0])
-        opts = jaxpc.Options()
+        opts = jaxpc.Options(precision=precision)
         t = time.perf_counter()
-        jax.block_until_ready(c._jit_log_prob(c.tables, c.params, xs[0], None, options=opts))
+        jax.block_until_ready(c.log_prob(c.params, xs[0], options=opts, validate=False))
         t_fwd_compile = time.perf_counter() - t
         t = time.perf_counter()
-        jax.block_until_ready(c._jit_flows(c.tables, c.params, xs[0], None, None, options=opts))
+        jax.block_until_ready(c.flows(c.params, xs[0], options=opts, validate=False))
         t_flows_compile = time.perf_counter() - t
-        fwd = median_ms(lambda xb: c._jit_log_prob(c.tables, c.params, xb, None, options=opts), xs, reps)
-        flows = median_ms(lambda xb: c._jit_flows(c.tables, c.params, xb, None, None, options=opts), xs, reps)
-        s, pc = jnp.float32(0.1), jnp.float32(0.1)
-        em = median_ms(lambda xb: c._jit_em_step(c.tables, c.params, xb, None, None, s, pc, options=opts), xs, reps)
-        mem = exec_mib(c._jit_flows, c.tables, c.params, xs[0], None, None, options=opts)
-        row = dict(workload=name, B=B, fwd_ms=fwd, flows_ms=flows, em_ms=em, mem_mib=mem,
+        fwd = median_ms(lambda xb: c.log_prob(c.params, xb, options=opts, validate=False), xs, reps)
+        flows = median_ms(lambda xb: c.flows(c.params, xb, options=opts, validate=False), xs, reps)
+        em = median_ms(lambda xb: c.em_step(c.params, xb, step_size=0.1, pseudocount=0.1, options=opts,
+                                            validate=False), xs, reps)
+        mem = exec_mib(jax.jit(lambda t, p, xx: jaxpc.engine.em.flows_and_ll(c.layout, t, p, xx, None, None, opts)),
+                       c.tables, c.params, xs[0])
+        row = dict(workload=name, precision=precision, B=B, fwd_ms=fwd, flows_ms=flows, em_ms=em, mem_mib=mem,
                    gedges_per_s=sum_edges * B / (flows * 1e-3) / 1e9, rel_err=err,
                    jaxpc_compile_s=t_compile, xla_fwd_s=t_fwd_compile, xla_flows_s=t_flows_compile)
         rows.append(row)
-        print(f"{name:9s} B={B:4d} fwd {fwd:8.3f} ms | fwd+flows {flows:8.3f} ms | em {em:8.3f} ms | "
+        print(f"{name:9s} {precision} B={B:4d} fwd {fwd:8.3f} ms | fwd+flows {flows:8.3f} ms | em {em:8.3f} ms | "
               f"mem {mem:8.1f} MiB | {row['gedges_per_s']:7.1f} Gedge*sample/s | err {err:.1e} | "
               f"compile jaxpc {t_compile:.1f}s xla fwd {t_fwd_compile:.1f}s flows {t_flows_compile:.1f}s", flush=True)
     return c, rows
@@ -116,6 +117,7 @@ def main(argv=None):
     p.add_argument("--workloads", default="hmm,hclt,pd")
     p.add_argument("--batches", default="16,128,512")
     p.add_argument("--reps", type=int, default=25)
+    p.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "bf16"])
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
@@ -127,7 +129,8 @@ def main(argv=None):
     cat256 = dists.Categorical(num_cats=256)
 
     def rel_check(c, x):
-        lo = np.asarray(c._jit_log_prob(c.tables, c.params, x, None, options=jaxpc.Options()), np.float64)
+        lo = np.asarray(c.log_prob(c.params, x, options=jaxpc.Options(precision=args.precision), validate=False),
+                        np.float64)
         with jax.default_matmul_precision("float32"):
             hi = np.asarray(jax.jit(lambda t, p, xx: jaxpc.engine.forward.log_prob(
                 c.layout, t, p, xx, None, jaxpc.Options()))(c.tables, c.params, x), np.float64)
@@ -147,10 +150,12 @@ def main(argv=None):
             g = np.asarray(c.get_node_params(c.params, c.root), np.float64)[0]
             xn = np.asarray(x)[:16]
             ref = hmm_forward_np(a, b, g, xn)
-            got = np.asarray(c._jit_log_prob(c.tables, c.params, x, None, options=jaxpc.Options()))[:16]
+            got = np.asarray(c.log_prob(c.params, x, options=jaxpc.Options(precision=args.precision),
+                                        validate=False))[:16]
             return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
 
-        c, r = run("HMM-1024", lambda: structures.HMM(T, L, V), hmm_data, batches, args.reps, hmm_check)
+        c, r = run("HMM-1024", lambda: structures.HMM(T, L, V), hmm_data, batches, args.reps, hmm_check,
+                   args.precision)
         rows += r
         trans = [ns for ns in c.nodes if ns.name.startswith("trans")][0]
         emit = [ns for ns in c.nodes if ns.name.startswith("emit")][0]
@@ -174,10 +179,10 @@ def main(argv=None):
 
         if "hclt" in work:
             rows += run("HCLT-256", lambda: structures.HCLT(imgs, 256, input_dist=cat256), img_data, batches,
-                        args.reps, rel_check)[1]
+                        args.reps, rel_check, args.precision)[1]
         if "pd" in work:
             rows += run("PD-128", lambda: structures.PD((28, 28), 128, split_intervals=(4, 4), input_dist=cat256),
-                        img_data, batches, args.reps, rel_check)[1]
+                        img_data, batches, args.reps, rel_check, args.precision)[1]
 
     Path(args.out).mkdir(parents=True, exist_ok=True)
     with open(Path(args.out) / "bench_engine.json", "w") as f:

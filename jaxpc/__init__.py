@@ -10,10 +10,11 @@ from . import queries, structures
 from .circuit import Circuit, compile
 from .nodes import CircuitNodes, InputNodes, ProdNodes, SumNodes, duplicate, inputs, multiply, summate
 from .options import Options
+from .executables import CacheInfo, enable_persistent_cache
 
 __version__ = "0.1.0"
 
 __all__ = [
     "inputs", "multiply", "summate", "duplicate", "compile", "Circuit", "Options", "dists",
-    "CircuitNodes", "InputNodes", "ProdNodes", "SumNodes", "structures", "queries",
+    "CircuitNodes", "InputNodes", "ProdNodes", "SumNodes", "structures", "queries", "CacheInfo", "enable_persistent_cache",
 ]

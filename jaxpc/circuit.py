@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from typing import Any
 
 import jax
@@ -21,6 +22,7 @@ from .compiler import compile as _compile
 from .compiler.layout import Layout, ScanSpec
 from .distributions.base import RandomSource
 from .engine import em, forward
+from .executables import BucketPolicy, CacheInfo, ExecutableCache
 from .nodes import CircuitNodes
 from .options import Options
 
@@ -30,7 +32,9 @@ Params = dict
 __all__ = ["Circuit", "compile"]
 
 
-def compile(root: CircuitNodes, *, seed: int = 0, dtype=jnp.float32, scan_min_repeats: int = 3) -> "Circuit":
+def compile(root: CircuitNodes, *, seed: int = 0, dtype=jnp.float32, scan_min_repeats: int = 3,
+            max_executables: int = 128, max_layouts_per_entry: int = 8, buckets="pow2", min_bucket: int = 8,
+            compile_after: int = 1) -> "Circuit":
     """Compile a node graph into a :class:`Circuit` (host side, once).
 
     Args:
@@ -39,9 +43,18 @@ def compile(root: CircuitNodes, *, seed: int = 0, dtype=jnp.float32, scan_min_re
         dtype: floating dtype of parameters and node values.
         scan_min_repeats: stages whose shapes repeat at least this many times in a row run under
             ``lax.scan`` (keeps trace/compile time flat for deep HMMs); 0 disables scanning.
+        max_executables: executables the circuit keeps (least recently used dropped first).
+        max_layouts_per_entry: after this many layouts of one entry point, warn once naming the
+            component of the key that keeps changing.
+        buckets: batch padding policy: ``"pow2"`` (next power of two, at least ``min_bucket``),
+            ``"exact"`` (no padding) or a sequence of sizes.
+        compile_after: compile a new layout on its ``compile_after``-th sighting; before that, run it
+            on an already compiled larger bucket when one exists (cheap one-off shapes).
     """
     struct = _compile.build(root, scan_min_repeats=scan_min_repeats)
-    return Circuit(root, struct, seed=seed, dtype=dtype)
+    return Circuit(root, struct, seed=seed, dtype=dtype,
+                   cache=ExecutableCache(max_executables, max_layouts_per_entry, compile_after),
+                   buckets=BucketPolicy(buckets, min_bucket))
 
 
 class Circuit:
@@ -55,7 +68,7 @@ class Circuit:
     """
 
     def __init__(self, root: CircuitNodes, struct: "_compile.CompiledStructure", *, seed: int = 0,
-                 dtype=jnp.float32):
+                 dtype=jnp.float32, cache: ExecutableCache | None = None, buckets: BucketPolicy | None = None):
         self.root = root
         self._struct = struct
         self.layout: Layout = struct.layout
@@ -65,13 +78,12 @@ class Circuit:
         self.tables = jax.tree_util.tree_map(jnp.asarray, _compile.finalize_tables(struct.tables, self.layout))
         self.num_vars = self.layout.num_vars
         self._var_info = _validation.VarInfo.from_var_dists(self.num_vars, struct.var_dists)
-        layout = self.layout
-        self._jit_log_prob = jax.jit(functools.partial(forward.log_prob, layout), static_argnames=("options",))
-        self._jit_flows = jax.jit(functools.partial(em.flows_and_ll, layout), static_argnames=("options",))
-        self._jit_em_step = jax.jit(functools.partial(em.em_step, layout), static_argnames=("options",))
-        self._jit_em_update = jax.jit(functools.partial(em.em_update, layout))
-        self._jit_init = jax.jit(lambda tables, key: self._init_params_fn(
-            tables, RandomSource(key=key, dtype=self.dtype)))
+        self._cache = cache or ExecutableCache()
+        self._buckets = buckets or BucketPolicy()
+        self._scalars: dict = {}
+        self._lock = threading.Lock()
+        self._fns = {name: functools.partial(fn, self.layout) for name, fn in _ENTRIES.items()}
+        self._fns["init"] = lambda tables, key: self._init_params_fn(tables, RandomSource(key=key, dtype=self.dtype))
         self.params: Params = self._initial_params(seed)
 
     # ------------------------------------------------------------------------------------------
@@ -96,7 +108,9 @@ class Circuit:
 
     def init_params(self, key: Array) -> Params:
         """A fresh random draw of all parameters (normalized), keyed by ``key`` (jittable, vmappable)."""
-        return self._jit_init(self.tables, key)
+        if isinstance(key, jax.core.Tracer):
+            return self._fns["init"](self.tables, key)
+        return self._run("init", {}, {"tables": self.tables, "key": key})
 
     def _initial_params(self, seed: int) -> Params:
         """Node-given parameters, with a host-side seeded random draw elsewhere (no XLA compile)."""
@@ -176,6 +190,60 @@ class Circuit:
     def _prepare(self, x, missing, validate: bool):
         return _validation.check_batch(self._var_info, x, missing, check_values=validate, float_dtype=self.dtype)
 
+    # ---- executables ---------------------------------------------------------------------------
+    def _run(self, entry: str, static: dict, args: dict, fallback=None):
+        """Run an entry point through the circuit's executable cache. Inside a user's trace (tracer
+        arguments) the pure function is inlined instead."""
+        if any(isinstance(l, jax.core.Tracer) for l in jax.tree_util.tree_leaves(args)):
+            return self._fns[entry](**args, **static)
+        return self._cache.run(entry, self._fns[entry], static, args, fallback)
+
+    def cache_info(self) -> CacheInfo:
+        """``CacheInfo(hits, misses, compile_seconds, live)`` of this circuit's executables."""
+        return self._cache.info()
+
+    def _scalar(self, value) -> Array:
+        """A device scalar for a Python number, created once per value (no transfer on later calls)."""
+        if isinstance(value, jax.Array):
+            return value.astype(self.dtype) if value.dtype != self.dtype else value
+        key = float(value)
+        with self._lock:
+            if key not in self._scalars:
+                if len(self._scalars) > 256:
+                    self._scalars.clear()
+                self._scalars[key] = jnp.asarray(key, self.dtype)
+            return self._scalars[key]
+
+    def _batch(self, xj: Array, mj: Array | None, weights: Array | None = None, with_weights: bool = False):
+        """Pad a batch to its bucket. Returns ``(n, bucket, x, missing, weights)``; padded rows repeat the
+        first row and get weight 0."""
+        n = xj.shape[0]
+        if isinstance(xj, jax.core.Tracer):
+            return n, n, xj, mj, weights if weights is not None or not with_weights else jnp.ones((n,), self.dtype)
+        b = self._buckets(n)
+        xp = _pad_rows(xj, b) if b != n else xj
+        mp = mj if mj is None or mj.ndim == 1 or b == n else _pad_rows(mj, b)
+        wp = None
+        if with_weights:
+            wp = _weights(weights, b, n, self.dtype) if weights is not None else _valid_rows(b, n, self.dtype)
+        return n, b, xp, mp, wp
+
+    def _larger_bucket(self, entry: str, static: dict, args: dict, batch_args: tuple[str, ...], n: int):
+        """Fallback for early sightings: run on a live executable of a larger bucket, if any."""
+        def fallback(a):
+            b = a[batch_args[0]].shape[0]
+            for cand in sorted({self._buckets(b * k) for k in (2, 4, 8, 16)}):
+                padded = {k: (_pad_rows(v, cand) if k in batch_args and v is not None and v.ndim >= 1 and
+                              v.shape[0] == b else v) for k, v in a.items()}
+                if "weights" in padded and padded["weights"] is not None:
+                    padded["weights"] = _weights(a["weights"], cand, b, self.dtype)
+                exe = self._cache.find(entry, static, padded)
+                if exe is not None:
+                    return exe(*padded.values())
+            return None
+        return fallback if self._cache.compile_after > 1 else None
+
+    # ---- evaluation ----------------------------------------------------------------------------
     def log_prob(self, params: Params, x, missing=None, *, propagation: str | None = None,
                  alpha: float | None = None, options: Options | None = None, validate: bool = True) -> Array:
         """Log-likelihood (or max-product value) of each sample.
@@ -194,7 +262,35 @@ class Circuit:
         """
         opts = Options.make(options, propagation=propagation, alpha=alpha)
         xj, mj = self._prepare(x, missing, validate)
-        return self._jit_log_prob(self.tables, params, xj, mj, options=opts)
+        n, b, xp, mp, _ = self._batch(xj, mj)
+        static = {"options": opts}
+        args = {"tables": self.tables, "params": params, "x": xp, "missing": mp}
+        out = self._run("log_prob", static, args, self._larger_bucket("log_prob", static, args, ("x", "missing"), n))
+        return _head(out, n) if b != n else out
+
+    def node_values(self, params: Params, x, missing=None, *, options: Options | None = None,
+                    validate: bool = True) -> Array:
+        """The value of every node, ``[R, B]`` (the buffer partial evaluation starts from)."""
+        opts = Options.make(options)
+        xj, mj = self._prepare(x, missing, validate)
+        n, b, xp, mp, _ = self._batch(xj, mj)
+        out = self._run("node_values", {"options": opts},
+                        {"tables": self.tables, "params": params, "x": xp, "missing": mp})
+        return _head(out, n, 1) if b != n else out
+
+    def partial(self, variables) -> "PartialEvaluation":
+        """A plan that re-evaluates only the nodes whose scope meets ``variables`` (host side, once).
+
+        ``plan.log_prob(params, x, values)`` returns ``(ll, values)``: the log-likelihoods of ``x`` and the
+        updated node buffer, reading every other node from ``values`` (e.g. from :meth:`node_values` or a
+        previous partial call). The plan is part of the executable key."""
+        from .compiler.partial import build_plan
+
+        plan, tabs = build_plan(self._struct, variables)
+        tabs = _compile.finalize_tables(tabs, self.layout)
+        dev = jax.tree_util.tree_map(jnp.asarray, tabs)
+        dev["meta"] = [t["meta"] for t in self.tables["inputs"]]
+        return PartialEvaluation(self, plan, dev, tuple(sorted({int(v) for v in variables})))
 
     def flows(self, params: Params, x, missing=None, *, ll_weights=None, options: Options | None = None,
               validate: bool = True, return_ll: bool = False):
@@ -206,7 +302,11 @@ class Circuit:
         opts = Options.make(options)
         xj, mj = self._prepare(x, missing, validate)
         w = self._weights(ll_weights, xj.shape[0])
-        fl, ll = self._jit_flows(self.tables, params, xj, mj, w, options=opts)
+        n, b, xp, mp, wp = self._batch(xj, mj, w, with_weights=True)
+        static = {"options": opts}
+        args = {"tables": self.tables, "params": params, "x": xp, "missing": mp, "weights": wp}
+        fl, ll = self._run("flows", static, args, self._larger_bucket("flows", static, args, ("x", "missing"), n))
+        ll = _head(ll, n) if b != n else ll
         return (fl, ll) if return_ll else fl
 
     def em_step(self, params: Params, x, missing=None, *, step_size: float = 1.0, pseudocount: float = 0.0,
@@ -216,25 +316,35 @@ class Circuit:
 
         ``pseudocount`` is spread evenly over each node's children (values, for categoricals).
         Returns the new params (and the batch's log-likelihoods under the old ones with ``return_ll``).
+        With ``validate=False`` and device-resident inputs a step makes no host transfer.
         """
         _check_em_args(step_size, pseudocount)
         opts = Options.make(options)
+        if opts.negate_flows:
+            raise ValueError("em_step needs flows, not negated flows (options.negate_flows=True)")
         xj, mj = self._prepare(x, missing, validate)
         w = self._weights(ll_weights, xj.shape[0])
-        new, ll = self._jit_em_step(self.tables, params, xj, mj, w, jnp.asarray(step_size, self.dtype),
-                                    jnp.asarray(pseudocount, self.dtype), options=opts)
+        n, b, xp, mp, wp = self._batch(xj, mj, w, with_weights=True)
+        static = {"options": opts}
+        args = {"tables": self.tables, "params": params, "x": xp, "missing": mp, "weights": wp,
+                "step_size": self._scalar(step_size), "pseudocount": self._scalar(pseudocount)}
+        new, ll = self._run("em_step", static, args,
+                            self._larger_bucket("em_step", static, args, ("x", "missing"), n))
+        ll = _head(ll, n) if b != n else ll
         return (new, ll) if return_ll else new
 
-    def em_update(self, params: Params, flows: dict, *, step_size: float = 1.0, pseudocount: float = 0.0) -> Params:
+    def em_update(self, params: Params, flows: dict, *, step_size: float = 1.0, pseudocount: float = 0.0,
+                  update_sums: bool = True) -> Params:
         """The EM M-step from accumulated flows (e.g. summed over batches)."""
         _check_em_args(step_size, pseudocount)
-        return self._jit_em_update(self.tables, params, flows, jnp.asarray(step_size, self.dtype),
-                                   jnp.asarray(pseudocount, self.dtype))
+        return self._run("em_update", {"update_sums": bool(update_sums)},
+                         {"tables": self.tables, "params": params, "flows": flows,
+                          "step_size": self._scalar(step_size), "pseudocount": self._scalar(pseudocount)})
 
     def full_batch_em(self, params: Params, data, missing=None, *, batch_size: int = 512, step_size: float = 1.0,
                       pseudocount: float = 0.0, validate: bool = True, return_ll: bool = False):
         """One full-batch EM step over ``data`` ``[N, V]``: flows are summed over all batches, then one
-        update. The last partial batch is padded with zero-weight rows (no extra executable).
+        update. The last partial batch is padded with zero-weight rows (its bucket's executable).
         With ``return_ll`` also returns the mean log-likelihood of ``data`` under ``params``."""
         _check_em_args(step_size, pseudocount)
         data_j, miss_j = self._prepare(data, missing, validate)
@@ -243,19 +353,10 @@ class Circuit:
         total, ll_sum = None, 0.0
         for start in range(0, n, bs):
             xb = data_j[start:start + bs]
-            mb = None if miss_j is None or miss_j.ndim == 1 else miss_j[start:start + bs]
-            if miss_j is not None and miss_j.ndim == 1:
-                mb = miss_j
-            w = jnp.ones((xb.shape[0],), self.dtype)
-            if xb.shape[0] < bs:
-                pad = bs - xb.shape[0]
-                xb = jnp.concatenate([xb, jnp.repeat(xb[:1], pad, axis=0)])
-                if mb is not None and mb.ndim == 2:
-                    mb = jnp.concatenate([mb, jnp.repeat(mb[:1], pad, axis=0)])
-                w = jnp.concatenate([w, jnp.zeros((pad,), self.dtype)])
-            fl, ll = self._jit_flows(self.tables, params, xb, mb, w, options=Options())
+            mb = miss_j if miss_j is None or miss_j.ndim == 1 else miss_j[start:start + bs]
+            fl, ll = self.flows(params, xb, mb, validate=False, return_ll=True)
             total = fl if total is None else _tree_add(total, fl)
-            ll_sum = ll_sum + jnp.sum(jnp.where(w > 0, ll, 0.0))
+            ll_sum = ll_sum + jnp.sum(ll)
         new = self.em_update(params, total, step_size=step_size, pseudocount=pseudocount)
         return (new, ll_sum / n) if return_ll else new
 
@@ -322,6 +423,88 @@ class Circuit:
         return (f"Circuit(num_vars={self.num_vars}, num_nodes={self.num_nodes}, num_edges={self.num_edges}, "
                 f"num_parameters={self.num_parameters}, input_layers={len(self.layout.input_layers)}, "
                 f"steps={len(self.layout.steps)} ({scans} scanned))")
+
+
+class PartialEvaluation:
+    """A partial evaluation plan of a circuit (see :meth:`Circuit.partial`)."""
+
+    def __init__(self, circuit: Circuit, plan, tables: dict, variables: tuple[int, ...]):
+        self.circuit, self.plan, self.tables, self.variables = circuit, plan, tables, variables
+
+    def log_prob(self, params: Params, x, values: Array, missing=None, *, options: Options | None = None,
+                 validate: bool = True) -> tuple[Array, Array]:
+        """``(ll [B], values [R, B])``: re-evaluate the plan's nodes on ``x`` on top of ``values``."""
+        c = self.circuit
+        opts = Options.make(options)
+        xj, mj = c._prepare(x, missing, validate)
+        n, b, xp, mp, _ = c._batch(xj, mj)
+        if values.shape != (c.layout.num_rows, n):
+            raise ValueError(f"values must be the node buffer [{c.layout.num_rows}, {n}] (circuit.node_values), "
+                             f"got {tuple(values.shape)}")
+        vp = _pad_rows(values.T, b).T if b != n else values
+        out = c._run("partial", {"options": opts, "plan": self.plan},
+                     {"tables": c.tables, "params": params, "x": xp, "missing": mp, "values": vp,
+                      "plan_tables": self.tables})
+        ll, buf = out
+        return (_head(ll, n), _head(buf, n, 1)) if b != n else (ll, buf)
+
+    def __repr__(self):
+        return f"PartialEvaluation(variables={list(self.variables)[:8]}{'...' if len(self.variables) > 8 else ''})"
+
+
+# ---- entry points (pure; the layout is bound per circuit) --------------------------------------
+
+def _e_log_prob(layout, tables, params, x, missing, *, options):
+    return forward.log_prob(layout, tables, params, x, missing, options)
+
+
+def _e_node_values(layout, tables, params, x, missing, *, options):
+    return forward.node_values(layout, tables, params, x, missing, options)
+
+
+def _e_partial(layout, tables, params, x, missing, values, plan_tables, *, options, plan):
+    buf = forward.partial_values(layout, plan, plan_tables, params, x, missing, values, options)
+    return buf[layout.root_row], buf
+
+
+def _e_flows(layout, tables, params, x, missing, weights, *, options):
+    return em.flows_and_ll(layout, tables, params, x, missing, weights, options)
+
+
+def _e_em_step(layout, tables, params, x, missing, weights, step_size, pseudocount, *, options):
+    return em.em_step(layout, tables, params, x, missing, weights, step_size, pseudocount, options)
+
+
+def _e_em_update(layout, tables, params, flows, step_size, pseudocount, *, update_sums):
+    return em.em_update(layout, tables, params, flows, step_size, pseudocount, update_sums)
+
+
+_ENTRIES = {"log_prob": _e_log_prob, "node_values": _e_node_values, "partial": _e_partial, "flows": _e_flows,
+            "em_step": _e_em_step, "em_update": _e_em_update}
+
+
+@functools.partial(jax.jit, static_argnames=("bucket",))
+def _pad_rows(a: Array, bucket: int) -> Array:
+    """Pad the leading axis to ``bucket`` with copies of the first row (valid data)."""
+    pad = bucket - a.shape[0]
+    return jnp.concatenate([a, jnp.broadcast_to(a[:1], (pad,) + a.shape[1:])]) if pad > 0 else a
+
+
+@functools.partial(jax.jit, static_argnames=("n", "axis"))
+def _head(a: Array, n: int, axis: int = 0) -> Array:
+    """The first ``n`` entries along ``axis`` (a compiled static slice: no host transfer)."""
+    return jax.lax.slice_in_dim(a, 0, n, axis=axis)
+
+
+@functools.partial(jax.jit, static_argnames=("bucket", "n", "dtype"))
+def _valid_rows(bucket: int, n: int, dtype) -> Array:
+    return (jnp.arange(bucket) < n).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("bucket", "n", "dtype"))
+def _weights(w: Array, bucket: int, n: int, dtype) -> Array:
+    w = w[:n].astype(dtype)
+    return jnp.concatenate([w, jnp.zeros((bucket - n,), dtype)]) if bucket > n else w
 
 
 def _tree_add(a, b):

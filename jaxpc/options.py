@@ -15,6 +15,8 @@ __all__ = ["Options", "PROPAGATIONS"]
 
 PROPAGATIONS = ("LL", "MPE", "GeneralLL")
 BACKWARDS = ("flows", "autodiff")
+PRECISIONS = ("fp32", "tf32", "bf16")
+IMPLS = ("reference",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,15 +31,30 @@ class Options:
         backward: how gradients (flows) are computed: ``"flows"`` (a top-down pass over the node
             buffer, PyJuice's backward; default) or ``"autodiff"`` (JAX's reverse mode through the
             forward pass; a reference, slower and more memory-hungry).
+        precision: matrix products of the sum layers: ``"fp32"`` (exact float32, the default),
+            ``"tf32"`` (the GPU's tensor-float-32: ~2e-5 relative error, faster) or ``"bf16"``
+            (bfloat16 operands, float32 accumulation: ~3e-3 relative error).
+        compute_param_flows: with False, ``flows`` skips the sum-edge flows (returned as zeros) and
+            ``em_step`` leaves the sum parameters untouched (only the leaves are refitted).
+        negate_flows: return ``-flows`` (for contrastive objectives); EM refuses negated flows.
+        impl: implementation of the hot layers (``"reference"``: plain jnp).
     """
 
     propagation: str = "LL"
     alpha: float | None = None
     backward: str = "flows"
+    precision: str = "fp32"
+    compute_param_flows: bool = True
+    negate_flows: bool = False
+    impl: str = "reference"
 
     def __post_init__(self):
-        if self.backward not in BACKWARDS:
-            raise ValueError(f"backward must be one of {BACKWARDS}, got {self.backward!r}")
+        for name, allowed in (("backward", BACKWARDS), ("precision", PRECISIONS), ("impl", IMPLS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        for name in ("compute_param_flows", "negate_flows"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.propagation not in PROPAGATIONS:
             raise ValueError(f"propagation must be one of {PROPAGATIONS}, got {self.propagation!r}")
         if self.propagation == "GeneralLL":

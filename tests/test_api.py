@@ -202,7 +202,8 @@ def _largest_literal(hlo: str) -> int:
 def test_index_tables_are_arguments_not_constants():
     c = jaxpc.compile(hmm_like(12, L=8))
     x = jnp.zeros((4, 12), jnp.int32)
-    hlo = c._jit_log_prob.lower(c.tables, c.params, x, None, options=jaxpc.Options()).as_text()
+    fn = jax.jit(lambda t, p, xx: jaxpc.engine.forward.log_prob(c.layout, t, p, xx, None, jaxpc.Options()))
+    hlo = fn.lower(c.tables, c.params, x).as_text()
     assert max(_largest_literal(hlo), 0) < 64, "index tables were baked into the executable"
     # the detector does see a baked table
     table = np.arange(100, dtype=np.int32)

@@ -43,6 +43,9 @@ class CompiledStructure:
     nodes: list[CircuitNodes]  # topological order
     block_rows: dict[int, np.ndarray]  # first buffer row of each block, by vector id
     var_dists: dict[int, list]  # distributions per variable (for input validation)
+    stages: list  # every stage in order (scans unrolled), for partial evaluation plans
+    stage_tables: list  # their numpy tables
+    stage_owners: list  # per stage {"prods": [...], "sums": [...]}: the node vector of each block
 
 
 def _fanin_buckets(fanins: np.ndarray, max_exact: int) -> np.ndarray:
@@ -156,10 +159,12 @@ def build(root: CircuitNodes, *, scan_min_repeats: int = 3, max_exact_fanins: in
 
     stages: list[StageSpec] = []
     stage_tables: list[dict] = []
+    stage_owners: list[dict] = []
     for lv in range(1, num_levels):
-        spec, tab, row = _build_stage(by_level[lv], row, block_rows, sum_placement, max_exact_fanins)
+        spec, tab, row, owners = _build_stage(by_level[lv], row, block_rows, sum_placement, max_exact_fanins)
         stages.append(spec)
         stage_tables.append(tab)
+        stage_owners.append(owners)
 
     steps, step_tables = _group_scans(stages, stage_tables, scan_min_repeats)
 
@@ -174,7 +179,7 @@ def build(root: CircuitNodes, *, scan_min_repeats: int = 3, max_exact_fanins: in
                     sum_groups=sum_groups, root_row=root_row, num_vars=num_vars)
     tables = {"inputs": input_tables, "steps": step_tables, "groups": group_tables}
     return CompiledStructure(layout, tables, sum_placement, input_placement, sources, nodes, block_rows,
-                             dict(var_dists))
+                             dict(var_dists), stages, stage_tables, stage_owners)
 
 
 def _build_stage(members, row, block_rows, sum_placement, max_exact_fanins):
@@ -197,13 +202,16 @@ def _build_stage(members, row, block_rows, sum_placement, max_exact_fanins):
             sum_items[(ns.block_size, ns.ch_block_size)].append((ns, par, rows_e, pids))
 
     prods, sums, prod_tabs, sum_tabs = [], [], [], []
+    owners = {"prods": [], "sums": []}
     for (K, m) in sorted(prod_groups):
-        chs, n = [], 0
+        chs, n, own = [], 0, []
         for ns in prod_groups[(K, m)]:
             cols = [block_rows[c.id][ns.edge_ids[:, j]] for j, c in enumerate(ns.children)]
             chs.append(np.stack(cols, axis=1))
             block_rows[ns.id] = row + (n + np.arange(ns.num_node_blocks)) * K
             n += ns.num_node_blocks
+            own += [ns] * ns.num_node_blocks
+        owners["prods"].append(own)
         prods.append(ProdPart(n, m, K))
         prod_tabs.append({"ch": np.concatenate(chs).astype(np.int32)})
         row += n * K
@@ -240,11 +248,12 @@ def _build_stage(members, row, block_rows, sum_placement, max_exact_fanins):
                 mine = sel[owner[sel] == v]
                 br = block_rows.setdefault(ns.id, np.zeros(ns.num_node_blocks, dtype=np.int64))
                 br[owner_blk[mine]] = row + local[mine] * Kp
+            owners["sums"].append([items[v][0] for v in owner[sel]])
             sums.append(SumPart(int(sel.size), C, Kp, Kc, group, dense))
             sum_tabs.append({"ch": ch, "pid": pid.astype(np.int32)})
             row += sel.size * Kp
     spec = StageSpec(tuple(prods), tuple(sums), offset)
-    return spec, {"prods": prod_tabs, "sums": sum_tabs, "out": np.int32(offset)}, row
+    return spec, {"prods": prod_tabs, "sums": sum_tabs, "out": np.int32(offset)}, row, owners
 
 
 def _group_scans(stages, stage_tables, min_repeats):
@@ -279,13 +288,12 @@ def _group_scans(stages, stage_tables, min_repeats):
 
 
 def _stack_tables(group):
+    """Stack the tables of stages with identical shapes along a new leading (scan) axis."""
     first = group[0]
-    return {
-        "prods": [{"ch": np.stack([g["prods"][q]["ch"] for g in group])} for q in range(len(first["prods"]))],
-        "sums": [{"ch": np.stack([g["sums"][q]["ch"] for g in group]),
-                  "pid": np.stack([g["sums"][q]["pid"] for g in group])} for q in range(len(first["sums"]))],
-        "out": np.asarray([g["out"] for g in group], dtype=np.int32),
-    }
+    out = {kind: [{k: np.stack([g[kind][q][k] for g in group]) for k in first[kind][q]}
+                  for q in range(len(first[kind]))] for kind in ("prods", "sums")}
+    out["out"] = np.asarray([g["out"] for g in group], dtype=np.int32)
+    return out
 
 
 def finalize_tables(tables: dict, layout: Layout) -> dict:
@@ -305,5 +313,6 @@ def finalize_tables(tables: dict, layout: Layout) -> dict:
                 out[k] = v
         return out
 
-    return {"inputs": tables["inputs"], "groups": tables["groups"],
-            "steps": [fix(s) if isinstance(s, dict) else [fix(x) for x in s] for s in tables["steps"]]}
+    out = dict(tables)
+    out["steps"] = [fix(s) if isinstance(s, dict) else [fix(x) for x in s] for s in tables["steps"]]
+    return out

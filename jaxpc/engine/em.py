@@ -33,6 +33,8 @@ def flows_and_ll(layout: Layout, tables: dict, params: dict, x: Array, missing: 
         return jnp.sum(wll), ll
 
     (_, ll), (g_sum, g_eps) = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)(params["sum"], vals)
+    if not options.compute_param_flows:
+        g_sum = jax.tree_util.tree_map(jnp.zeros_like, g_sum)
 
     xt = x.T
     mt = forward._missing_t(missing)
@@ -43,7 +45,10 @@ def flows_and_ll(layout: Layout, tables: dict, params: dict, x: Array, missing: 
             mv = None if mt is None else mt[tab["vars"]]
             g_in[spec.key] = spec.dist.suff_stats(params["input"][spec.key], tab["meta"], tab["rows"], xv, mv,
                                                   node_flows, spec.num_rows)
-    return {"sum": g_sum, "input": g_in}, ll
+    out = {"sum": g_sum, "input": g_in}
+    if options.negate_flows:
+        out = jax.tree_util.tree_map(jnp.negative, out)
+    return out, ll
 
 
 def normalize_sum_params(layout: Layout, tables: dict, sum_counts: dict, pseudocount) -> dict:
@@ -61,19 +66,23 @@ def normalize_sum_params(layout: Layout, tables: dict, sum_counts: dict, pseudoc
     return out
 
 
-def em_update(layout: Layout, tables: dict, params: dict, flows: dict, step_size, pseudocount) -> dict:
+def em_update(layout: Layout, tables: dict, params: dict, flows: dict, step_size, pseudocount,
+              update_sums: bool = True) -> dict:
     """One EM update: ``theta <- (1 - s) theta + s * normalize(flows + pseudocount)``.
 
-    Sum nodes whose flows are all zero (and pseudocount 0) keep their parameters."""
+    Sum nodes whose flows are all zero (and pseudocount 0) keep their parameters; with ``update_sums``
+    False all sum parameters are kept (only the leaves are refitted)."""
     new_sum = {}
     targets = normalize_sum_params(layout, tables, flows["sum"], pseudocount)
-    for g in layout.sum_groups:
+    for g in layout.sum_groups if update_sums else ():
         t = tables["groups"][g.key]
         old = jnp.exp(params["sum"][g.key])
         tot = jax.ops.segment_sum(jnp.sum(flows["sum"][g.key], axis=2), t["seg"], num_segments=g.num_segments)
         has_mass = ((tot[t["seg"]] + pseudocount) > 0)[:, :, None]
         new = jnp.where(has_mass, blend(old, targets[g.key], step_size), old)
         new_sum[g.key] = jnp.log(new)
+    if not update_sums:
+        new_sum = dict(params["sum"])
     new_in = {}
     for spec, tab in zip(layout.input_layers, tables["inputs"]):
         new_in[spec.key] = spec.dist.em_update(params["input"][spec.key], tab["meta"], flows["input"][spec.key],
@@ -85,4 +94,4 @@ def em_step(layout: Layout, tables: dict, params: dict, x: Array, missing: Array
             step_size, pseudocount, options) -> tuple[dict, Array]:
     """Forward, flows and update in one function (one executable when jitted). Returns ``(params, ll)``."""
     fl, ll = flows_and_ll(layout, tables, params, x, missing, weights, options)
-    return em_update(layout, tables, params, fl, step_size, pseudocount), ll
+    return em_update(layout, tables, params, fl, step_size, pseudocount, options.compute_param_flows), ll

@@ -58,7 +58,8 @@ def _stage(buf: Array, spec: StageSpec, tab: dict, sum_params: dict, options, of
     for j, (part, t) in enumerate(zip(spec.sums, tab["sums"])):
         with jax.named_scope(f"jaxpc/stage{index}/sum{j}"):
             outs.append(sum_layer(buf, t["ch"], t["pid"], sum_params[part.group], Kp=part.Kp, Kc=part.Kc,
-                                  dense=part.dense, propagation=options.propagation, alpha=options.alpha))
+                                  dense=part.dense, propagation=options.propagation, alpha=options.alpha,
+                                  precision=options.precision, impl=options.impl))
     out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
     return lax.dynamic_update_slice(buf, out.astype(buf.dtype), (offset, 0))
 
@@ -76,10 +77,10 @@ def write_inputs(layout: Layout, buf: Array, vals: list) -> Array:
     return buf
 
 
-def run_stages(layout: Layout, tables: dict, buf: Array, stage_fn, reverse: bool = False):
+def run_stages(layout, tables: dict, buf: Array, stage_fn, reverse: bool = False):
     """Apply ``stage_fn(carry, spec, tab, offset, name)`` to every stage in order (or in reverse), running
     repeated stages under ``lax.scan``. ``carry`` is any pytree (the node buffer, or buffers plus
-    accumulators)."""
+    accumulators). ``layout`` is anything with ``steps`` (a Layout or a partial-evaluation plan)."""
     steps = list(enumerate(zip(layout.steps, tables["steps"])))
     for si, (step, tab) in (reversed(steps) if reverse else steps):
         if isinstance(step, ScanSpec):
@@ -140,10 +141,12 @@ def _root_bwd(layout, options, res, g):
             with jax.named_scope(f"jaxpc/stage{name}/sum{j}/backward"):
                 cf, pf = sum_layer_backward(values, fl, t["ch"], t["pid"], sum_params[part.group], row, Kp=part.Kp,
                                             Kc=part.Kc, dense=part.dense, propagation=options.propagation,
-                                            alpha=options.alpha)
+                                            alpha=options.alpha, precision=options.precision,
+                                            param_flows=options.compute_param_flows)
                 rows = child_rows(t["ch"], part.Kc, part.dense)
                 fl = fl.at[rows].add(cf.astype(fl.dtype))
-                dp = {**dp, part.group: dp[part.group].at[t["pid"]].add(pf.astype(dp[part.group].dtype))}
+                if pf is not None:
+                    dp = {**dp, part.group: dp[part.group].at[t["pid"]].add(pf.astype(dp[part.group].dtype))}
             row = row + part.num_rows
         return fl, dp
 
@@ -182,3 +185,35 @@ def _param_dtype(params) -> jnp.dtype:
     leaves = jax.tree_util.tree_leaves(params)
     floats = [l.dtype for l in leaves if jnp.issubdtype(l.dtype, jnp.floating)]
     return jnp.result_type(*floats) if floats else jnp.float32
+
+
+# ---- partial evaluation -----------------------------------------------------------------------
+
+def partial_values(layout: Layout, plan, plan_tables: dict, params: dict, x: Array, missing: Array | None,
+                   values: Array, options) -> Array:
+    """Re-evaluate the nodes of ``plan`` (see :mod:`jaxpc.compiler.partial`) on top of a previous node
+    buffer ``values`` ``[R, B]``; returns the updated buffer."""
+    xt = x.T
+    mt = _missing_t(missing)
+    buf = values
+    for pin, tab in zip(plan.inputs, plan_tables["inputs"]):
+        spec = layout.input_layers[pin.layer]
+        xv = xt[tab["vars"]]
+        mv = None if mt is None else mt[tab["vars"]]
+        v = spec.dist.log_prob(params["input"][spec.key], plan_tables["meta"][pin.layer], tab["rows"], xv, mv, options)
+        buf = buf.at[tab["write"]].set(v.astype(buf.dtype))
+
+    def stage(b, spec, tab, offset, name):
+        for j, (part, t) in enumerate(zip(spec.prods, tab["prods"])):
+            with jax.named_scope(f"jaxpc/partial{name}/prod{j}"):
+                out = product_layer(b, t["ch"], K=part.K)
+            b = b.at[(t["write"][:, None] + jnp.arange(part.K)).reshape(-1)].set(out.astype(b.dtype))
+        for j, (part, t) in enumerate(zip(spec.sums, tab["sums"])):
+            with jax.named_scope(f"jaxpc/partial{name}/sum{j}"):
+                out = sum_layer(b, t["ch"], t["pid"], params["sum"][part.group], Kp=part.Kp, Kc=part.Kc,
+                                dense=part.dense, propagation=options.propagation, alpha=options.alpha,
+                                precision=options.precision, impl=options.impl)
+            b = b.at[(t["write"][:, None] + jnp.arange(part.Kp)).reshape(-1)].set(out.astype(b.dtype))
+        return b
+
+    return run_stages(plan, plan_tables, buf, stage)

@@ -43,16 +43,23 @@ def gather_weights(logw: Array, pid: Array) -> Array:
     return w.transpose(0, 2, 1, 3).reshape(n, Kp, C * Kc)
 
 
-def _log_sum(lw: Array, x: Array, dense: bool, alpha: float) -> Array:
+def matmul(subscripts: str, a: Array, b: Array, precision: str) -> Array:
+    """``einsum`` at a precision: ``"fp32"`` exact, ``"tf32"`` the backend default, ``"bf16"`` bfloat16
+    operands with accumulation in the operands' dtype."""
+    if precision == "bf16":
+        out = a.dtype
+        return jnp.einsum(subscripts, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), preferred_element_type=out)
+    prec = lax.Precision.HIGHEST if precision == "fp32" else lax.Precision.DEFAULT
+    return jnp.einsum(subscripts, a, b, precision=prec)
+
+
+def _log_sum(lw: Array, x: Array, dense: bool, alpha: float, precision: str) -> Array:
     axis = 0 if dense else 1
     m = lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     y = jnp.exp(alpha * (x - m)) if alpha != 1.0 else jnp.exp(x - m)
     w = jnp.exp(alpha * lw) if alpha != 1.0 else jnp.exp(lw)
-    if dense:
-        s = jnp.einsum("nkc,cb->nkb", w, y)
-    else:
-        s = jnp.einsum("nkc,ncb->nkb", w, y)
+    s = matmul("nkc,cb->nkb" if dense else "nkc,ncb->nkb", w, y, precision)
     zero = s == 0  # (NaN stays NaN: bad input is never turned into a plausible value)
     logs = jnp.log(jnp.where(zero, 1.0, s))
     if alpha != 1.0:
@@ -61,7 +68,7 @@ def _log_sum(lw: Array, x: Array, dense: bool, alpha: float) -> Array:
 
 
 def sum_layer_reference(buf: Array, ch: Array, pid: Array, logw: Array, *, Kp: int, Kc: int, dense: bool,
-                        propagation: str = "LL", alpha: float | None = None) -> Array:
+                        propagation: str = "LL", alpha: float | None = None, precision: str = "fp32") -> Array:
     """Plain-jnp sum layer. Returns ``[n * Kp, B]`` (block-major rows)."""
     x = gather_children(buf, ch, Kc, dense)
     lw = gather_weights(logw, pid)
@@ -71,22 +78,24 @@ def sum_layer_reference(buf: Array, ch: Array, pid: Array, logw: Array, *, Kp: i
         else:
             out = jnp.max(lw[:, :, :, None] + x[:, None, :, :], axis=2)
     else:
-        out = _log_sum(lw, x, dense, 1.0 if propagation == "LL" else float(alpha))
+        out = _log_sum(lw, x, dense, 1.0 if propagation == "LL" else float(alpha), precision)
     return out.reshape(-1, buf.shape[1])
 
 
 def sum_layer(buf: Array, ch: Array, pid: Array, logw: Array, *, Kp: int, Kc: int, dense: bool,
-              propagation: str = "LL", alpha: float | None = None, impl: str = "reference") -> Array:
+              propagation: str = "LL", alpha: float | None = None, precision: str = "fp32",
+              impl: str = "reference") -> Array:
     """Dispatching sum layer; ``impl`` selects the implementation (``"reference"`` today)."""
     if impl != "reference":
         raise ValueError(f"unknown sum-layer impl {impl!r}")
     return sum_layer_reference(buf, ch, pid, logw, Kp=Kp, Kc=Kc, dense=dense, propagation=propagation,
-                               alpha=alpha)
+                               alpha=alpha, precision=precision)
 
 
 def sum_layer_backward_reference(values: Array, flows: Array, ch: Array, pid: Array, logw: Array, out_offset, *,
                                  Kp: int, Kc: int, dense: bool, propagation: str = "LL",
-                                 alpha: float | None = None) -> tuple[Array, Array]:
+                                 alpha: float | None = None, precision: str = "fp32",
+                                 param_flows: bool = True) -> tuple[Array, Array | None]:
     """Flows of one sum partition, top-down (PyJuice's element-flow and parameter-flow passes).
 
     Args:
@@ -120,14 +129,12 @@ def sum_layer_backward_reference(values: Array, flows: Array, ch: Array, pid: Ar
         w = jnp.exp(a * lw)
         # the forward's local sum, recomputed: exp(m - vp) would lose |vp| * eps of precision per layer
         # (0.7% over a 10,000-step HMM in float32), the recomputed sum loses nothing
-        s = jnp.einsum("nkc,cb->nkb", w, y) if dense else jnp.einsum("nkc,ncb->nkb", w, y)
+        s = matmul("nkc,cb->nkb" if dense else "nkc,ncb->nkb", w, y, precision)
         # parents that carry no flow (or are impossible) contribute nothing, never 0 / 0
         scale = jnp.where((fp == 0) | (s == 0), 0.0, fp / jnp.where(s == 0, 1.0, s))  # [n, Kp, B]
-        if dense:
-            cf = y * jnp.einsum("nkc,nkb->cb", w, scale)
-            pf = w * jnp.einsum("nkb,cb->nkc", scale, y)
-        else:
-            cf = y * jnp.einsum("nkc,nkb->ncb", w, scale)
-            pf = w * jnp.einsum("nkb,ncb->nkc", scale, y)
+        cf = y * matmul("nkc,nkb->cb" if dense else "nkc,nkb->ncb", w, scale, precision)
+        pf = w * matmul("nkb,cb->nkc" if dense else "nkb,ncb->nkc", scale, y, precision) if param_flows else None
+    if pf is None:
+        return cf, None
     pf = pf.reshape(n, Kp, C, Kc).transpose(0, 2, 1, 3)
     return cf, pf

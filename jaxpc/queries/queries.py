@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..circuit import _head
+from ..circuit import _pad_rows as circuit_pad
 from ..engine import forward, select
 from ..options import Options
 
@@ -94,16 +96,27 @@ def _mpe_impl(layout, tables, params, x, missing, *, num_values: int):
 # public functions
 # ---------------------------------------------------------------------------------------------
 
-def _jitted(circuit, name, fn, static=()):
-    cache = circuit.__dict__.setdefault("_query_fns", {})
-    if name not in cache:
-        cache[name] = jax.jit(functools.partial(fn, circuit.layout), static_argnames=static)
-    return cache[name]
+_QUERY_ENTRIES = {"marginal_soft": _marginal_impl, "conditional": _conditional_impl, "sample": _sample_impl,
+                  "mpe": _mpe_impl}
+
+
+def _run(circuit, entry: str, static: dict, args: dict):
+    if entry not in circuit._fns:
+        circuit._fns[entry] = functools.partial(_QUERY_ENTRIES[entry], circuit.layout)
+    return circuit._run(entry, static, args)
+
+
+@functools.partial(jax.jit, static_argnames=("n", "V", "dtype"))
+def _zeros_batch(n: int, V: int, dtype):
+    return jnp.zeros((n, V), dtype)
 
 
 def _all_missing_batch(circuit, n: int):
+    """``(x, missing)`` of ``n`` fully unobserved rows, made on device (no host transfer)."""
     dtype = jnp.int32 if circuit._var_info.all_discrete else circuit.dtype
-    return jnp.zeros((n, circuit.num_vars), dtype), jnp.ones((circuit.num_vars,), bool)
+    if "_all_missing" not in circuit.__dict__:
+        circuit._all_missing = jnp.ones((circuit.num_vars,), bool)
+    return _zeros_batch(n, circuit.num_vars, dtype), circuit._all_missing
 
 
 def _check_soft(circuit, soft):
@@ -144,14 +157,16 @@ def marginal(circuit, params, x=None, missing=None, *, soft_evidence=None, propa
         if x is not None or missing is not None:
             raise ValueError("give either x (with missing) or soft_evidence, not both")
         logq = _check_soft(circuit, soft_evidence)
-        xj = jnp.zeros((logq.shape[0], circuit.num_vars), jnp.int32)
-        return _jitted(circuit, "marginal", _marginal_impl, ("options",))(circuit.tables, params, xj, None, logq,
-                                                                            options=opts)
+        n = logq.shape[0]
+        xj = _zeros_batch(n, circuit.num_vars, jnp.int32)
+        n, b, xp, _, _ = circuit._batch(xj, None)
+        lq = logq if b == n else circuit_pad(logq, b)
+        out = _run(circuit, "marginal_soft", {"options": opts},
+                   {"tables": circuit.tables, "params": params, "x": xp, "missing": None, "soft": lq})
+        return _head(out, n) if b != n else out
     if x is None:
         raise ValueError("marginal needs x (hard evidence) or soft_evidence")
-    xj, mj = circuit._prepare(x, missing, validate)
-    return _jitted(circuit, "marginal", _marginal_impl, ("options",))(circuit.tables, params, xj, mj, None,
-                                                                        options=opts)
+    return circuit.log_prob(params, x, missing, options=opts, validate=validate)
 
 
 def conditional(circuit, params, x, missing=None, *, target_vars=None, validate: bool = True) -> Array:
@@ -177,8 +192,11 @@ def conditional(circuit, params, x, missing=None, *, target_vars=None, validate:
     if cont.size:
         raise ValueError(f"conditional needs discrete target variables; variable {int(cont[0])} is continuous")
     K = int(info.card.max())
-    fn = _jitted(circuit, "conditional", _conditional_impl, ("num_values",))
-    return fn(circuit.tables, params, xj, mj, jnp.asarray(targets, jnp.int32), num_values=K)
+    n, b, xp, mp, _ = circuit._batch(xj, mj)
+    out = _run(circuit, "conditional", {"num_values": K},
+               {"tables": circuit.tables, "params": params, "x": xp, "missing": mp,
+                "targets": jnp.asarray(targets, jnp.int32)})
+    return _head(out, n) if b != n else out
 
 
 def sample(circuit, params, key: Array, num_samples: int | None = None, *, x=None, missing=None,
@@ -202,8 +220,10 @@ def sample(circuit, params, key: Array, num_samples: int | None = None, *, x=Non
         if mj is None:
             mj = jnp.zeros((circuit.num_vars,), bool)
     K = max(int(circuit._var_info.card.max()), 1)
-    fn = _jitted(circuit, "sample", _sample_impl, ("num_values",))
-    return fn(circuit.tables, params, key, xj, mj, num_values=K)
+    n, b, xp, mp, _ = circuit._batch(xj, mj)
+    out = _run(circuit, "sample", {"num_values": K},
+               {"tables": circuit.tables, "params": params, "key": key, "x": xp, "missing": mp})
+    return _head(out, n) if b != n else out
 
 
 def mpe(circuit, params, x=None, missing=None, *, num_samples: int = 1, validate: bool = True) -> tuple[Array, Array]:
@@ -225,5 +245,7 @@ def mpe(circuit, params, x=None, missing=None, *, num_samples: int = 1, validate
         if mj is None:
             mj = jnp.zeros((circuit.num_vars,), bool)
     K = max(int(circuit._var_info.card.max()), 1)
-    fn = _jitted(circuit, "mpe", _mpe_impl, ("num_values",))
-    return fn(circuit.tables, params, xj, mj, num_values=K)
+    n, b, xp, mp, _ = circuit._batch(xj, mj)
+    assign, value = _run(circuit, "mpe", {"num_values": K},
+                         {"tables": circuit.tables, "params": params, "x": xp, "missing": mp})
+    return (_head(assign, n), _head(value, n)) if b != n else (assign, value)

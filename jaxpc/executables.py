@@ -1,0 +1,240 @@
+"""Compiled executables in place of CUDA graphs.
+
+Every public entry point of a :class:`~jaxpc.Circuit` runs an ahead-of-time compiled XLA
+executable taken from a cache the circuit owns. The key is built *by construction* from
+everything that can change the computation:
+
+``(entry point, frozen options, partial-evaluation plan, the tree structure, shapes, dtypes and
+shardings of every array argument)``
+
+Options reach traced code only through the frozen :class:`~jaxpc.Options` object, which is part
+of the key; everything else a call brings (evidence, masks, weights, PRNG keys, step sizes) is a
+traced argument. The batch dimension is padded to a *bucket* (default: powers of two from 8), so
+a loop whose batch size varies uses a handful of executables; padded rows get zero weight.
+
+The cache is bounded (least recently used executables are dropped first), thread-safe (a key
+is compiled once even when several threads ask for it at the same time), and warns once per
+entry point when one layout keeps being recompiled, naming the component of the key that keeps
+changing.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+import warnings
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import numpy as np
+
+__all__ = ["CacheInfo", "BucketPolicy", "ExecutableCache", "enable_persistent_cache"]
+
+
+class CacheInfo(NamedTuple):
+    hits: int
+    misses: int
+    compile_seconds: float
+    live: int
+
+
+class BucketPolicy:
+    """Maps a batch size to the padded size an executable is compiled for.
+
+    ``"pow2"`` (default): the next power of two, at least ``min_bucket`` (padding wastes < 2x).
+    ``"exact"``: no padding. A sequence of ints: the smallest listed size that fits (larger batches use
+    multiples of the largest).
+    """
+
+    def __init__(self, spec: str | Sequence[int] = "pow2", min_bucket: int = 8):
+        if isinstance(spec, str):
+            if spec not in ("pow2", "exact"):
+                raise ValueError(f"buckets must be 'pow2', 'exact' or a sequence of sizes, got {spec!r}")
+            self.sizes = None
+        else:
+            sizes = sorted({int(s) for s in spec})
+            if not sizes or sizes[0] < 1:
+                raise ValueError(f"bucket sizes must be positive ints, got {spec!r}")
+            self.sizes = tuple(sizes)
+        if not isinstance(min_bucket, int) or min_bucket < 1:
+            raise ValueError(f"min_bucket must be a positive int, got {min_bucket!r}")
+        self.spec = spec if isinstance(spec, str) else "list"
+        self.min_bucket = min_bucket
+
+    def __call__(self, n: int) -> int:
+        if self.spec == "exact":
+            return n
+        if self.sizes is not None:
+            for s in self.sizes:
+                if n <= s:
+                    return s
+            top = self.sizes[-1]
+            return -(-n // top) * top
+        return max(self.min_bucket, 1 << (n - 1).bit_length())
+
+    def __repr__(self):
+        return f"BucketPolicy({self.sizes if self.sizes else self.spec!r}, min_bucket={self.min_bucket})"
+
+
+def _leaf_sig(a) -> tuple:
+    if isinstance(a, jax.Array):
+        try:
+            sharding = a.sharding
+        except Exception:  # noqa: BLE001 - tracers have none
+            sharding = None
+        return (tuple(a.shape), str(a.dtype), sharding)
+    return (tuple(np.shape(a)), str(np.asarray(a).dtype), None)
+
+
+@dataclasses.dataclass
+class _Entry:
+    compiled: Any
+    ready: threading.Event
+    error: BaseException | None = None
+
+
+class ExecutableCache:
+    """A bounded LRU cache of compiled executables, keyed by construction (see the module docstring)."""
+
+    def __init__(self, max_executables: int = 128, max_layouts_per_entry: int = 8, compile_after: int = 1):
+        for name, v in (("max_executables", max_executables), ("max_layouts_per_entry", max_layouts_per_entry),
+                        ("compile_after", compile_after)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        self.max_executables = max_executables
+        self.max_layouts_per_entry = max_layouts_per_entry
+        self.compile_after = compile_after
+        self._lock = threading.RLock()
+        self._entries: collections.OrderedDict = collections.OrderedDict()
+        self._sightings: collections.Counter = collections.Counter()
+        self._layouts: dict[str, list[dict]] = collections.defaultdict(list)
+        self._warned: set[str] = set()
+        self.hits = 0
+        self.misses = 0
+        self.compile_seconds = 0.0
+
+    # ---- statistics ---------------------------------------------------------------------------
+    def info(self) -> CacheInfo:
+        with self._lock:
+            return CacheInfo(self.hits, self.misses, self.compile_seconds, len(self._entries))
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._sightings.clear()
+            self._layouts.clear()
+            self._warned.clear()
+            self.hits = self.misses = 0
+            self.compile_seconds = 0.0
+
+    # ---- keys ---------------------------------------------------------------------------------
+    @staticmethod
+    def describe(entry: str, static: dict, args: dict) -> dict:
+        """Named components of a key: each option field, each static value, and the signature of each
+        argument (the batch bucket shows up in the shapes)."""
+        comp: dict[str, Any] = {}
+        for name, val in static.items():
+            if dataclasses.is_dataclass(val) and not isinstance(val, type):
+                for f in dataclasses.fields(val):
+                    comp[f"option '{f.name}'"] = getattr(val, f.name)
+            else:
+                comp[f"static argument '{name}'"] = val
+        for name, val in args.items():
+            leaves, tree = jax.tree_util.tree_flatten(val)
+            comp[f"argument '{name}'"] = (tree, tuple(_leaf_sig(l) for l in leaves))
+        return comp
+
+    def _key(self, entry: str, comp: dict) -> tuple:
+        return (entry,) + tuple(sorted(((k, v) for k, v in comp.items()), key=lambda kv: kv[0]))
+
+    # ---- running ------------------------------------------------------------------------------
+    def run(self, entry: str, fn: Callable, static: dict, args: dict, fallback: Callable | None = None):
+        """Run ``fn(**args, **static)`` through its compiled executable.
+
+        ``static`` values (the options object, plans, small ints) are baked into the executable and part
+        of the key; ``args`` are traced. ``fallback(args)``: with ``compile_after > 1``, called on the first
+        sightings of a key instead of compiling (e.g. a larger bucket's executable); it returns None to
+        compile after all.
+        """
+        comp = self.describe(entry, static, args)
+        key = self._key(entry, comp)
+        owner, e = False, None
+        with self._lock:
+            e = self._entries.get(key)
+            if e is not None:
+                self._entries.move_to_end(key)
+                self.hits += 1
+            else:
+                self._sightings[key] += 1
+                if fallback is None or self._sightings[key] >= self.compile_after:
+                    self.misses += 1
+                    e = _Entry(None, threading.Event())
+                    self._entries[key] = e
+                    self._note_layout(entry, comp)
+                    self._evict()
+                    owner = True
+        if e is None:  # an early sighting: try the fallback first
+            out = fallback(args)
+            return out if out is not None else self.run(entry, fn, static, args)
+        if owner:
+            self._compile(e, fn, static, args)
+        else:
+            e.ready.wait()
+        if e.error is not None:
+            raise e.error
+        return e.compiled(*args.values())
+
+    def find(self, entry: str, static: dict, args: dict):
+        """The compiled executable for exactly this key, if live (no statistics change)."""
+        key = self._key(entry, self.describe(entry, static, args))
+        with self._lock:
+            e = self._entries.get(key)
+        return None if e is None or not e.ready.is_set() or e.error is not None else e.compiled
+
+    def _compile(self, e: _Entry, fn, static, args):
+        try:
+            names = list(args)
+
+            def positional(*vals):
+                return fn(**dict(zip(names, vals)), **static)
+
+            t = time.perf_counter()
+            e.compiled = jax.jit(positional).lower(*args.values()).compile()
+            with self._lock:
+                self.compile_seconds += time.perf_counter() - t
+        except BaseException as err:  # noqa: BLE001 - re-raised to every waiting caller
+            e.error = err
+            with self._lock:
+                for k, v in list(self._entries.items()):
+                    if v is e:
+                        del self._entries[k]
+            raise
+        finally:
+            e.ready.set()
+
+    def _evict(self):
+        while len(self._entries) > self.max_executables:
+            self._entries.popitem(last=False)
+
+    def _note_layout(self, entry: str, comp: dict):
+        seen = self._layouts[entry]
+        seen.append(comp)
+        if len(seen) > self.max_layouts_per_entry and entry not in self._warned:
+            self._warned.add(entry)
+            changing = [k for k in comp if len({repr(s.get(k)) for s in seen}) > 1]
+            counts = {k: len({repr(s.get(k)) for s in seen}) for k in changing}
+            worst = max(changing, key=lambda k: counts[k]) if changing else "unknown"
+            warnings.warn(
+                f"jaxpc: '{entry}' has been compiled for {len(seen)} different layouts; {worst} keeps changing "
+                f"({counts.get(worst, 0)} distinct values). Keep it fixed (or pad it yourself) to reuse executables; "
+                f"varying batch sizes are bucketed automatically.", RuntimeWarning, stacklevel=4)
+
+
+def enable_persistent_cache(directory: str, min_compile_seconds: float = 0.0) -> None:
+    """Opt in to JAX's persistent compilation cache: executables compiled once are stored in
+    ``directory`` and loaded by later processes instead of being compiled again."""
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_seconds))
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)

@@ -1,0 +1,309 @@
+"""The executable cache is sound by construction: every option and plan is part of the key, batches
+are bucketed and padded rows never leak, the cache is bounded, thread-safe and sync-free."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxpc
+from jaxpc import structures
+from jaxpc.executables import BucketPolicy
+from jaxpc.options import IMPLS
+
+from .test_api import hmm_like
+
+
+def _hmm(**kw):
+    return jaxpc.compile(structures.HMM(6, 4, 5, block_size=2), seed=1, **kw)
+
+
+def _data(B, seed=0, T=6, V=5):
+    return np.random.default_rng(seed).integers(0, V, (B, T)).astype(np.int32)
+
+
+def _same(a, b):
+    for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
+def _differs(a, b):
+    return any(not np.array_equal(np.asarray(u), np.asarray(v))
+               for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+
+
+# every field of Options: (entry point, base options, changed options); a new field fails this test until listed
+OPTION_CHANGES = {
+    "propagation": ("log_prob", {}, {"propagation": "MPE"}),
+    "alpha": ("log_prob", {"propagation": "GeneralLL", "alpha": 1.5}, {"propagation": "GeneralLL", "alpha": 2.5}),
+    "backward": ("flows", {"propagation": "MPE"}, {"propagation": "MPE", "backward": "autodiff"}),
+    "precision": ("log_prob", {}, {"precision": "bf16"}),
+    "compute_param_flows": ("flows", {}, {"compute_param_flows": False}),
+    "negate_flows": ("flows", {}, {"negate_flows": True}),
+}
+SINGLE_VALUED = {"impl": IMPLS}  # fields with one allowed value today
+
+
+def test_every_option_field_is_covered():
+    fields = {f.name for f in dataclasses.fields(jaxpc.Options)}
+    assert fields == set(OPTION_CHANGES) | set(SINGLE_VALUED), "list the new option field in OPTION_CHANGES"
+    for name, allowed in SINGLE_VALUED.items():
+        assert len(allowed) == 1, f"{name} now has several values: move it to OPTION_CHANGES"
+
+
+@pytest.mark.parametrize("field", sorted(OPTION_CHANGES))
+def test_changing_an_option_never_replays_the_cached_executable(field):
+    entry, base, changed = OPTION_CHANGES[field]
+    x = _data(10)
+    c = _hmm()
+    run = {"log_prob": lambda circ, o: circ.log_prob(circ.params, x, options=o),
+           "flows": lambda circ, o: circ.flows(circ.params, x, options=o)}[entry]
+    o1, o2 = jaxpc.Options(**base), jaxpc.Options(**changed)
+    first = run(c, o1)
+    misses = c.cache_info().misses
+    second = run(c, o2)
+    assert c.cache_info().misses == misses + 1, "the changed option must compile a new executable"
+    _same(second, run(_hmm(), o2))  # equal to a fresh circuit with that option
+    _same(run(c, o1), first)  # and switching back replays the first one
+    if field not in ("backward",):  # autodiff and the top-down pass agree up to rounding
+        assert _differs(first, second)
+
+
+# ---- the five silent-correctness bugs of a graph replayed under an incomplete key --------------------
+
+def test_mpe_after_ll_gives_mpe():
+    c, x = _hmm(), _data(8)
+    ll = c.log_prob(c.params, x)
+    mp = c.log_prob(c.params, x, propagation="MPE")
+    _same(mp, _hmm().log_prob(c.params, x, propagation="MPE"))
+    assert np.all(np.asarray(mp) < np.asarray(ll))
+
+
+def test_compute_param_flows_false_after_a_training_step():
+    c, x = _hmm(), _data(16)
+    params = c.em_step(c.params, x, step_size=0.5)
+    fl = c.flows(params, x, options=jaxpc.Options(compute_param_flows=False))
+    assert all(float(jnp.abs(v).max()) == 0.0 for v in fl["sum"].values())
+    assert float(fl["input"]["categorical"]["counts"].sum()) == pytest.approx(16 * 6, rel=1e-5)
+    new = c.em_step(params, x, step_size=0.5, options=jaxpc.Options(compute_param_flows=False))
+    _same(new["sum"], params["sum"])  # sum parameters untouched
+    assert _differs(new["input"], params["input"])  # the leaves still train
+    # and a normal step afterwards is a normal step
+    _same(c.em_step(params, x, step_size=0.5), _hmm().em_step(params, x, step_size=0.5))
+
+
+def test_partial_evaluation_on_off_and_off_on():
+    c, x = _hmm(), _data(12)
+    x2 = x.copy()
+    x2[:, 4] = (x2[:, 4] + 1) % 5
+    plan = c.partial([4])
+    full = c.log_prob(c.params, x2)  # off
+    values = c.node_values(c.params, x)
+    on, buf = plan.log_prob(c.params, x2, values)  # on
+    again_off = c.log_prob(c.params, x2)  # off again
+    _same(again_off, full)
+    fresh = _hmm()
+    _same(on, fresh.partial([4]).log_prob(fresh.params, x2, fresh.node_values(fresh.params, x))[0])
+    np.testing.assert_allclose(np.asarray(on), np.asarray(full), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(buf), np.asarray(c.node_values(c.params, x2)), rtol=1e-6)
+    # and on again after off
+    _same(plan.log_prob(c.params, x2, values)[0], on)
+
+
+def test_batch_32_16_32_flows_equal_fresh():
+    c = _hmm()
+    xa, xb = _data(32, 1), _data(16, 2)
+    c.flows(c.params, xa)
+    c.flows(c.params, xb)
+    _same(c.flows(c.params, xa), _hmm().flows(c.params, xa))
+
+
+def test_first_step_flows_equal_second():
+    c, x = _hmm(), _data(20)
+    first = c.flows(c.params, x)
+    second = c.flows(c.params, x)
+    _same(first, second)
+    assert c.cache_info().hits == 1 and c.cache_info().misses == 1
+
+
+# ---- buckets ----------------------------------------------------------------------------------------
+
+def test_bucket_policy():
+    assert [BucketPolicy()(n) for n in (1, 8, 9, 16, 17, 600)] == [8, 8, 16, 16, 32, 1024]
+    assert BucketPolicy("exact")(13) == 13
+    assert [BucketPolicy([10, 20])(n) for n in (3, 10, 11, 45)] == [10, 10, 20, 60]
+    with pytest.raises(ValueError, match="buckets must be"):
+        BucketPolicy("log")
+
+
+def test_varying_batches_equal_unpadded_and_share_executables():
+    c = _hmm()
+    exact = _hmm(buckets="exact")
+    for B in (12, 5, 9, 12, 5):
+        x = _data(B, B)
+        w = np.linspace(0.5, 1.5, B)
+        np.testing.assert_allclose(np.asarray(c.log_prob(c.params, x)), np.asarray(exact.log_prob(c.params, x)),
+                                   rtol=1e-6)
+        f1, f2 = c.flows(c.params, x, ll_weights=w), exact.flows(c.params, x, ll_weights=w)
+        for u, v in zip(jax.tree_util.tree_leaves(f1), jax.tree_util.tree_leaves(f2)):
+            np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-5, atol=1e-6)
+        n1, n2 = c.em_step(c.params, x, step_size=0.3), exact.em_step(c.params, x, step_size=0.3)
+        for u, v in zip(jax.tree_util.tree_leaves(n1), jax.tree_util.tree_leaves(n2)):
+            np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-5, atol=1e-6)
+    # buckets touched: 16 and 8, for each of log_prob, flows and em_step
+    assert c.cache_info().misses == 6
+    assert exact.cache_info().misses == 9
+
+
+def test_codd_like_batches_use_at_most_three_executables():
+    c = _hmm()
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        c.flows(c.params, _data(int(rng.integers(10, 27)), int(rng.integers(1000))), validate=False)
+    assert c.cache_info().misses <= 3
+
+
+# ---- bounds and warnings -----------------------------------------------------------------------------
+
+def test_lru_bound():
+    c = _hmm(max_executables=2)
+    for B in (3, 12, 20):  # buckets 8, 16, 32
+        c.log_prob(c.params, _data(B))
+    assert c.cache_info().live == 2
+    misses = c.cache_info().misses
+    c.log_prob(c.params, _data(3))  # bucket 8 was dropped first
+    assert c.cache_info().misses == misses + 1
+    c.log_prob(c.params, _data(20))  # bucket 32 is still live
+    assert c.cache_info().misses == misses + 1
+
+
+def test_warns_once_naming_the_changing_option():
+    c = _hmm(max_layouts_per_entry=3)
+    x = _data(4)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for a in (1.1, 1.2, 1.3, 1.4, 1.5, 1.6):
+            c.log_prob(c.params, x, propagation="GeneralLL", alpha=a)
+    msgs = [str(w.message) for w in rec if issubclass(w.category, RuntimeWarning)]
+    assert len(msgs) == 1
+    assert "'log_prob'" in msgs[0] and "option 'alpha' keeps changing" in msgs[0]
+
+
+def test_warning_names_a_changing_argument():
+    c = _hmm(max_layouts_per_entry=2, buckets="exact")
+    with pytest.warns(RuntimeWarning, match="argument 'x' keeps changing"):
+        for B in (3, 4, 5):
+            c.log_prob(c.params, _data(B))
+
+
+def test_compile_after_two_reuses_a_larger_bucket_first():
+    c = _hmm(compile_after=2)
+    big = _data(30)
+    c.log_prob(c.params, big)  # compiles bucket 32 (no larger bucket exists)
+    assert c.cache_info().misses == 1
+    small = _data(5)
+    ref = _hmm(buckets="exact").log_prob(c.params, small)
+    np.testing.assert_allclose(np.asarray(c.log_prob(c.params, small)), np.asarray(ref), rtol=1e-6)
+    assert c.cache_info().misses == 1  # first sighting of bucket 8 ran on bucket 32
+    np.testing.assert_allclose(np.asarray(c.log_prob(c.params, small)), np.asarray(ref), rtol=1e-6)
+    assert c.cache_info().misses == 2  # the second sighting compiles its own
+
+
+# ---- threads and transfers ---------------------------------------------------------------------------
+
+def test_threads_share_the_cache_safely():
+    c = _hmm()
+    data = _data(64, 7)
+    ref = np.asarray(_hmm(buckets="exact").log_prob(c.params, data))
+    errors = []
+
+    def worker(seed):
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(50):
+                lo = int(rng.integers(0, 40))
+                n = int(rng.integers(1, 24))
+                got = np.asarray(c.log_prob(c.params, data[lo:lo + n], validate=False))
+                np.testing.assert_allclose(got, ref[lo:lo + n], rtol=1e-6)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    assert c.cache_info().live == c.cache_info().misses <= 3  # buckets 8, 16, 32: each compiled exactly once
+
+
+def test_training_step_makes_no_host_transfer():
+    c = _hmm()
+    xs = [jnp.asarray(_data(12, s)) for s in range(3)]
+    params = c.em_step(c.params, xs[0], step_size=0.1, pseudocount=0.1, validate=False)  # warm up
+    c.log_prob(params, xs[0], validate=False)
+    with jax.transfer_guard("disallow"):
+        for x in xs:
+            params, ll = c.em_step(params, x, step_size=0.1, pseudocount=0.1, validate=False, return_ll=True)
+            c.log_prob(params, x, validate=False)
+    assert np.all(np.isfinite(np.asarray(ll)))
+
+
+# ---- partial evaluation ------------------------------------------------------------------------------
+
+def test_partial_evaluation_matches_full_on_random_circuits():
+    from .random_circuits import Generator
+    for seed in (2, 6):
+        gen = Generator(seed, 4, kinds=("categorical", "bernoulli", "gaussian"))
+        c = jaxpc.compile(gen.circuit())
+        x = gen.sample_data(9)
+        x2 = gen.sample_data(9)
+        x2[:, :2] = x[:, :2]  # variables 2 and 3 change
+        xin = lambda a: a if "gaussian" in gen.kinds else a.astype(np.int32)
+        values = c.node_values(c.params, xin(x))
+        ll, buf = c.partial([2, 3]).log_prob(c.params, xin(x2), values)
+        np.testing.assert_allclose(np.asarray(ll), np.asarray(c.log_prob(c.params, xin(x2))), rtol=1e-5, atol=1e-5)
+
+
+def test_partial_plan_of_a_long_hmm_still_scans():
+    c = jaxpc.compile(structures.HMM(200, 4, 5))
+    plan = c.partial([150])
+    assert len(plan.plan.steps) <= 4
+    x = _data(3, 0, T=200)
+    values = c.node_values(c.params, x)
+    x2 = x.copy()
+    x2[:, 150] = (x2[:, 150] + 1) % 5
+    ll, _ = plan.log_prob(c.params, x2, values)
+    np.testing.assert_allclose(np.asarray(ll), np.asarray(c.log_prob(c.params, x2)), rtol=1e-5)
+    with pytest.raises(ValueError, match="variable 500 is not in the circuit"):
+        c.partial([500])
+
+
+# ---- persistent compilation cache ----------------------------------------------------------------------
+
+def test_persistent_cache_serves_a_second_process(tmp_path):
+    script = textwrap.dedent(f"""
+        import time, numpy as np, jax, jaxpc
+        from jaxpc import structures
+        jaxpc.enable_persistent_cache({str(tmp_path)!r})
+        c = jaxpc.compile(structures.HMM(12, 8, 6))
+        x = np.zeros((16, 12), np.int32)
+        t = time.perf_counter()
+        jax.block_until_ready(c.flows(c.params, x))
+        print(time.perf_counter() - t)
+    """)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    t1 = float(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                              check=True).stdout.split()[-1])
+    assert any(tmp_path.iterdir()), "nothing was written to the persistent cache"
+    t2 = float(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                              check=True).stdout.split()[-1])
+    assert t2 < t1
