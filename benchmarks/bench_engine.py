@@ -30,6 +30,9 @@ from jaxpc import dists, structures  # noqa: E402
 from _data import blurred_noise_images  # noqa: E402
 
 
+IMPL = "reference"
+
+
 def median_ms(fn, batches, reps, warmup=5):
     for i in range(warmup):
         jax.block_until_ready(fn(batches[i % len(batches)]))
@@ -89,7 +92,7 @@ def run(name, root_fn, data_fn, batches, reps, check, precision):
     for B in batches:
         xs = [jnp.asarray(data_fn(B, seed)) for seed in range(4)]
         err = check(c, xs[0])
-        opts = jaxpc.Options(precision=precision)
+        opts = jaxpc.Options(precision=precision, impl=IMPL)
         t = time.perf_counter()
         jax.block_until_ready(c.log_prob(c.params, xs[0], options=opts, validate=False))
         t_fwd_compile = time.perf_counter() - t
@@ -102,11 +105,11 @@ def run(name, root_fn, data_fn, batches, reps, check, precision):
                                             validate=False), xs, reps)
         mem = exec_mib(jax.jit(lambda t, p, xx: jaxpc.engine.em.flows_and_ll(c.layout, t, p, xx, None, None, opts)),
                        c.tables, c.params, xs[0])
-        row = dict(workload=name, precision=precision, B=B, fwd_ms=fwd, flows_ms=flows, em_ms=em, mem_mib=mem,
+        row = dict(workload=name, precision=precision, impl=IMPL, B=B, fwd_ms=fwd, flows_ms=flows, em_ms=em, mem_mib=mem,
                    gedges_per_s=sum_edges * B / (flows * 1e-3) / 1e9, rel_err=err,
                    jaxpc_compile_s=t_compile, xla_fwd_s=t_fwd_compile, xla_flows_s=t_flows_compile)
         rows.append(row)
-        print(f"{name:9s} {precision} B={B:4d} fwd {fwd:8.3f} ms | fwd+flows {flows:8.3f} ms | em {em:8.3f} ms | "
+        print(f"{name:9s} {precision} {IMPL[:3]} B={B:4d} fwd {fwd:8.3f} ms | fwd+flows {flows:8.3f} ms | em {em:8.3f} ms | "
               f"mem {mem:8.1f} MiB | {row['gedges_per_s']:7.1f} Gedge*sample/s | err {err:.1e} | "
               f"compile jaxpc {t_compile:.1f}s xla fwd {t_fwd_compile:.1f}s flows {t_flows_compile:.1f}s", flush=True)
     return c, rows
@@ -118,9 +121,12 @@ def main(argv=None):
     p.add_argument("--batches", default="16,128,512")
     p.add_argument("--reps", type=int, default=25)
     p.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "bf16"])
+    p.add_argument("--impl", default="reference", choices=["reference", "pallas"])
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
+    global IMPL
+    IMPL = args.impl
     dev = jax.devices()[0]
     print(f"jax {jax.__version__} on {dev.device_kind}; default matmul precision "
           f"{jax.config.jax_default_matmul_precision}", flush=True)

@@ -16,7 +16,7 @@ __all__ = ["Options", "PROPAGATIONS"]
 PROPAGATIONS = ("LL", "MPE", "GeneralLL")
 BACKWARDS = ("flows", "autodiff")
 PRECISIONS = ("fp32", "tf32", "bf16")
-IMPLS = ("reference",)
+IMPLS = ("reference", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +37,9 @@ class Options:
         compute_param_flows: with False, ``flows`` skips the sum-edge flows (returned as zeros) and
             ``em_step`` leaves the sum parameters untouched (only the leaves are refitted).
         negate_flows: return ``-flows`` (for contrastive objectives); EM refuses negated flows.
-        impl: implementation of the hot layers (``"reference"``: plain jnp).
+        impl: implementation of the sum layers: ``"reference"`` (plain jnp, XLA) or ``"pallas"``
+            (the Pallas kernels of :mod:`jaxpc.ops.pallas_sum`: Triton on GPU, interpret mode
+            elsewhere; max-product layers use the reference).
     """
 
     propagation: str = "LL"

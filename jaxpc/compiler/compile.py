@@ -249,11 +249,30 @@ def _build_stage(members, row, block_rows, sum_placement, max_exact_fanins):
                 br = block_rows.setdefault(ns.id, np.zeros(ns.num_node_blocks, dtype=np.int64))
                 br[owner_blk[mine]] = row + local[mine] * Kp
             owners["sums"].append([items[v][0] for v in owner[sel]])
-            sums.append(SumPart(int(sel.size), C, Kp, Kc, group, dense))
-            sum_tabs.append({"ch": ch, "pid": pid.astype(np.int32)})
+            inv = _inverse_tables(ch, pid)
+            sums.append(SumPart(int(sel.size), C, Kp, Kc, group, dense, inv["par"].shape[0], inv["par"].shape[1]))
+            sum_tabs.append({"ch": ch, "pid": pid.astype(np.int32), **inv})
             row += sel.size * Kp
     spec = StageSpec(tuple(prods), tuple(sums), offset)
     return spec, {"prods": prod_tabs, "sums": sum_tabs, "out": np.int32(offset)}, row, owners
+
+
+def _inverse_tables(ch: np.ndarray, pid: np.ndarray) -> dict:
+    """For each distinct child block of a partition: its parents (local block index) and the parameter
+    block of each edge, padded with -1 (``uch [U]``, ``par [U, D]``, ``ppid [U, D]``)."""
+    rr, cc = np.nonzero(ch != -2)  # -2 marks padding (the -inf rows)
+    uniq, inv = np.unique(ch[rr, cc], return_inverse=True)
+    order = np.argsort(inv, kind="stable")
+    inv_s = inv[order]
+    deg = np.bincount(inv_s, minlength=uniq.size)
+    starts = np.concatenate([[0], np.cumsum(deg)[:-1]])
+    pos = np.arange(inv_s.size) - starts[inv_s]
+    D = int(deg.max())
+    par = np.full((uniq.size, D), -1, np.int32)
+    ppid = np.full((uniq.size, D), -1, np.int32)
+    par[inv_s, pos] = rr[order]
+    ppid[inv_s, pos] = pid[rr[order], cc[order]]
+    return {"uch": uniq.astype(np.int32), "par": par, "ppid": ppid}
 
 
 def _group_scans(stages, stage_tables, min_repeats):

@@ -58,7 +58,8 @@ class SumPart:
     """``n`` sum blocks of ``Kp`` nodes with fan-in ``C`` child blocks of ``Kc`` nodes.
 
     ``group`` names the parameter array (``params["sum"][group]``, ``[P, Kp, Kc]``). ``dense``: every
-    block reads the same children (no padding), so children are gathered once.
+    block reads the same children (no padding), so children are gathered once. ``U``/``D``: shape of
+    the inverse tables (``uch [U]``, ``par``/``ppid [U, D]``) the backward kernels walk.
     """
 
     n: int
@@ -67,6 +68,8 @@ class SumPart:
     Kc: int
     group: str
     dense: bool
+    U: int = 0  # distinct child blocks (inverse tables for the child-side backward kernel)
+    D: int = 0  # most parents of one child block within the partition
 
     @property
     def num_rows(self) -> int:

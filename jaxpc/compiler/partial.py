@@ -15,7 +15,7 @@ import dataclasses
 
 import numpy as np
 
-from .compile import CompiledStructure, _group_scans
+from .compile import CompiledStructure, _group_scans, _inverse_tables
 from .layout import StageSpec
 
 
@@ -69,9 +69,10 @@ def build_plan(struct: CompiledStructure, variables) -> tuple[PlanLayout, dict]:
         for part, t, own in zip(spec.sums, tab["sums"], owners["sums"]):
             sel = np.nonzero([bool(o.scope & mask) for o in own])[0]
             if sel.size:
-                sums.append(dataclasses.replace(part, n=int(sel.size)))
+                inv = _inverse_tables(t["ch"][sel], t["pid"][sel])
+                sums.append(dataclasses.replace(part, n=int(sel.size), U=inv["par"].shape[0], D=inv["par"].shape[1]))
                 stabs.append({"ch": t["ch"][sel], "pid": t["pid"][sel],
-                              "write": (row + sel * part.Kp).astype(np.int32)})
+                              "write": (row + sel * part.Kp).astype(np.int32), **inv})
             row += part.num_rows
         if prods or sums:
             stages.append(StageSpec(tuple(prods), tuple(sums), 0))

@@ -139,11 +139,18 @@ def _root_bwd(layout, options, res, g):
             row = row + part.num_rows
         for j, (part, t) in enumerate(zip(spec.sums, tab["sums"])):
             with jax.named_scope(f"jaxpc/stage{name}/sum{j}/backward"):
-                cf, pf = sum_layer_backward(values, fl, t["ch"], t["pid"], sum_params[part.group], row, Kp=part.Kp,
-                                            Kc=part.Kc, dense=part.dense, propagation=options.propagation,
-                                            alpha=options.alpha, precision=options.precision,
-                                            param_flows=options.compute_param_flows)
-                rows = child_rows(t["ch"], part.Kc, part.dense)
+                if options.impl == "pallas" and options.propagation != "MPE":
+                    a = 1.0 if options.propagation == "LL" else options.alpha
+                    cf, pf = pallas_sum_backward(values, fl, row, t, sum_params[part.group], Kp=part.Kp, Kc=part.Kc,
+                                                 alpha=a, precision=options.precision)
+                    rows = (t["uch"][:, None] + jnp.arange(part.Kc, dtype=t["uch"].dtype)).reshape(-1)
+                    pf = pf if options.compute_param_flows else None
+                else:
+                    cf, pf = sum_layer_backward(values, fl, t["ch"], t["pid"], sum_params[part.group], row,
+                                                Kp=part.Kp, Kc=part.Kc, dense=part.dense,
+                                                propagation=options.propagation, alpha=options.alpha,
+                                                precision=options.precision, param_flows=options.compute_param_flows)
+                    rows = child_rows(t["ch"], part.Kc, part.dense)
                 fl = fl.at[rows].add(cf.astype(fl.dtype))
                 if pf is not None:
                     dp = {**dp, part.group: dp[part.group].at[t["pid"]].add(pf.astype(dp[part.group].dtype))}
@@ -157,6 +164,17 @@ def _root_bwd(layout, options, res, g):
 
 
 root_values.defvjp(_root_fwd, _root_bwd)
+
+
+def pallas_sum_backward(values, flows, row, t, logw, *, Kp, Kc, alpha, precision):
+    """The two backward kernels of one sum partition: ``(child flows [U*Kc, B], param flows [n, C, Kp, Kc])``."""
+    from ..ops import pallas_sum
+
+    a, m, pf = pallas_sum.backward_parents(values, flows, row, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, alpha=alpha,
+                                           precision=precision)
+    cf = pallas_sum.backward_children(values, a, m, t["uch"], t["par"], t["ppid"], logw, Kp=Kp, Kc=Kc,
+                                      alpha=alpha, precision=precision)
+    return cf, pf
 
 
 def node_values(layout: Layout, tables: dict, params: dict, x: Array, missing: Array | None, options,

@@ -1,0 +1,149 @@
+"""Check the Pallas sum-layer kernels against the reference on the GPU and time them per partition.
+
+    python benchmarks/kernels_check.py
+
+1. Correctness: forward, child flows and parameter flows of ``jaxpc.ops.pallas_sum`` against the
+   plain-jnp reference on the device, over the shapes of ``tests/test_kernels.py`` plus large ones
+   (relative error ||got - ref|| / ||ref||; fp32 must be ~1e-6).
+2. Speed: median device milliseconds of forward and forward+backward of one sum partition shaped like
+   the benchmark workloads (HMM-1024 dense 1024x1024, HCLT-256 blocks 256x256 with fan-in 1, PD-128
+   blocks 32x32 with fan-in 16), reference (XLA) vs each kernel configuration.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from jaxpc.ops import pallas_sum  # noqa: E402
+from jaxpc.ops.sum_layer import child_rows, sum_layer_backward_reference, sum_layer_reference  # noqa: E402
+from tests.test_kernels import SHAPES, make_partition  # noqa: E402
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    ok = np.isfinite(b)
+    if not np.array_equal(np.isfinite(a), ok):
+        return float("inf")
+    return float(np.linalg.norm((a - b)[ok]) / max(np.linalg.norm(b[ok]), 1e-30))
+
+
+def check(shape, precision):
+    Kp, Kc, n, C, B = shape[:5]
+    buf, t, logw, R = make_partition(*shape)
+    ref = sum_layer_reference(buf, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, dense=False, precision="fp32")
+    out = pallas_sum.forward(buf, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, precision=precision)
+    full = jnp.concatenate([buf, ref])
+    flows = jnp.zeros_like(full).at[R:].set(jnp.where(jnp.isfinite(ref), 1.0, 0.0))
+    cf_r, pf_r = sum_layer_backward_reference(full, flows, t["ch"], t["pid"], logw, R, Kp=Kp, Kc=Kc, dense=False)
+    want = jnp.zeros_like(full).at[child_rows(t["ch"], Kc, False)].add(cf_r)
+    a, m, pf = pallas_sum.backward_parents(full, flows, R, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, precision=precision)
+    cf = pallas_sum.backward_children(full, a, m, t["uch"], t["par"], t["ppid"], logw, Kp=Kp, Kc=Kc,
+                                      precision=precision)
+    got = jnp.zeros_like(full).at[(t["uch"][:, None] + jnp.arange(Kc)).reshape(-1)].add(cf)
+    k = max(Kp, Kc)
+    keep = np.r_[0:k, 2 * k:full.shape[0]]
+    return rel(out, ref), rel(np.asarray(got)[keep], np.asarray(want)[keep]), rel(pf, pf_r)
+
+
+def bench(fn, reps=30):
+    for _ in range(3):
+        jax.block_until_ready(fn())
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        ts.append(time.perf_counter() - t)
+    return 1e3 * float(np.median(ts))
+
+
+def partition(Kp, Kc, n, C, B, dense, seed=0):
+    rng = np.random.default_rng(seed)
+    nch = C if dense else n * C
+    R = nch * Kc + n * Kp + 2 * max(Kp, Kc)
+    buf = jnp.asarray(rng.normal(size=(R, B)).astype(np.float32))
+    base = 2 * max(Kp, Kc)
+    if dense:
+        ch = np.tile(base + np.arange(C) * Kc, (n, 1))
+    else:
+        ch = base + (np.arange(n * C) * Kc).reshape(n, C)
+    pid = np.arange(n * C).reshape(n, C)
+    from jaxpc.compiler.compile import _inverse_tables
+    inv = _inverse_tables(ch, pid)
+    t = {k: jnp.asarray(v, jnp.int32) for k, v in {"ch": ch, "pid": pid, **inv}.items()}
+    logw = jnp.asarray(np.log(rng.random((n * C, Kp, Kc)) + 1e-3).astype(np.float32))
+    off = R - n * Kp
+    return buf, t, logw, off
+
+
+def time_partition(name, Kp, Kc, n, C, dense, B, precision, configs):
+    buf, t, logw, off = partition(Kp, Kc, n, C, B, dense)
+    flows = jnp.zeros_like(buf).at[off:].set(1.0)
+
+    @jax.jit
+    def ref_fwd(buf, logw):
+        return sum_layer_reference(buf, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, dense=dense, precision=precision)
+
+    @jax.jit
+    def ref_bwd(buf, flows, logw):
+        cf, pf = sum_layer_backward_reference(buf, flows, t["ch"], t["pid"], logw, off, Kp=Kp, Kc=Kc, dense=dense,
+                                              precision=precision)
+        return flows.at[child_rows(t["ch"], Kc, dense)].add(cf), pf
+
+    row = {"ref": (bench(lambda: ref_fwd(buf, logw)), bench(lambda: ref_bwd(buf, flows, logw)))}
+    for cfg in configs:
+        @jax.jit
+        def k_fwd(buf, logw, cfg=cfg):
+            return pallas_sum.forward(buf, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, precision=precision, config=cfg)
+
+        @jax.jit
+        def k_bwd(buf, flows, logw, cfg=cfg):
+            a, m, pf = pallas_sum.backward_parents(buf, flows, off, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc,
+                                                   precision=precision, config=cfg)
+            cf = pallas_sum.backward_children(buf, a, m, t["uch"], t["par"], t["ppid"], logw, Kp=Kp, Kc=Kc,
+                                              precision=precision, config=cfg)
+            return flows.at[(t["uch"][:, None] + jnp.arange(Kc)).reshape(-1)].add(cf), pf
+
+        try:
+            row[f"b{cfg.block_b}k{cfg.block_k}w{cfg.num_warps}"] = (bench(lambda: k_fwd(buf, logw)),
+                                                     bench(lambda: k_bwd(buf, flows, logw)))
+        except Exception as e:  # noqa: BLE001 - a config that does not compile is reported, not fatal
+            row[f"b{cfg.block_b}k{cfg.block_k}w{cfg.num_warps}"] = (float("nan"), float("nan"))
+            print(f"  {name} B={B} {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    best = min((k for k in row if k != "ref"), key=lambda k: row[k][0] + row[k][1])
+    print(f"{name:10s} {precision} B={B:4d} ref fwd {row['ref'][0]:.3f} bwd {row['ref'][1]:.3f} ms | best kernel "
+          f"{best}: fwd {row[best][0]:.3f} bwd {row[best][1]:.3f} ms | "
+          + " ".join(f"{k}={v[0]:.3f}/{v[1]:.3f}" for k, v in row.items() if k not in ("ref", best)), flush=True)
+    return row
+
+
+def main():
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+    worst = 0.0
+    for shape in SHAPES + [(64, 64, 8, 4, 256, 0.1, 0.1), (256, 256, 2, 1, 128, 0.0, 0.0)]:
+        for precision in ("fp32", "tf32"):
+            errs = check(shape, precision)
+            if precision == "fp32":
+                worst = max(worst, max(errs))
+            print(f"check Kp={shape[0]} Kc={shape[1]} n={shape[2]} C={shape[3]} B={shape[4]} {precision}: "
+                  f"fwd {errs[0]:.1e} child flows {errs[1]:.1e} param flows {errs[2]:.1e}", flush=True)
+    print(f"worst fp32 relative error: {worst:.2e}", flush=True)
+    configs = [pallas_sum.KernelConfig(16, 32, 4), pallas_sum.KernelConfig(32, 64, 4),
+               pallas_sum.KernelConfig(64, 64, 8), pallas_sum.KernelConfig(32, 32, 4)]
+    for B in (16, 512):
+        for precision in ("tf32",):
+            time_partition("HMM-dense", 1024, 1024, 1, 1, True, B, precision, configs)
+            time_partition("HCLT-like", 256, 256, 8, 1, False, B, precision, configs)
+            time_partition("PD-like", 32, 32, 256, 16, False, B, precision, configs)
+
+
+if __name__ == "__main__":
+    main()

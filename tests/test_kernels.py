@@ -1,0 +1,131 @@
+"""The Pallas sum-layer kernels against the plain-jnp reference (interpret mode on CPU: the kernel code
+itself runs), over a product of shapes: block sizes 1-128, fan-ins 1-64 with padding, ragged batches,
+children at -inf, tied parameters. The same kernels run for real on the GPU in
+``benchmarks/kernels_check.py``."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxpc
+from jaxpc.compiler.compile import _inverse_tables
+from jaxpc.ops import pallas_sum
+from jaxpc.ops.sum_layer import child_rows, sum_layer_backward_reference, sum_layer_reference
+
+# (Kp, Kc, n, C, B, pad_frac, ninf_frac)
+SHAPES = [
+    (1, 1, 5, 1, 1, 0.0, 0.0),
+    (3, 5, 4, 3, 19, 0.3, 0.2),
+    (2, 16, 3, 7, 33, 0.2, 0.1),
+    (16, 16, 2, 4, 40, 0.0, 0.3),
+    (32, 8, 3, 2, 17, 0.5, 0.0),
+    (128, 4, 1, 2, 9, 0.0, 0.0),
+    (4, 128, 2, 1, 5, 0.0, 0.2),
+    (1, 2, 6, 64, 3, 0.4, 0.1),
+    (8, 8, 2, 5, 600, 0.2, 0.1),
+]
+
+
+def make_partition(Kp, Kc, n, C, B, pad_frac, ninf_frac, seed=0, num_param_blocks=None):
+    rng = np.random.default_rng(seed)
+    kmax = max(Kp, Kc)
+    R = 2 * kmax + C * n * Kc + 64
+    buf = rng.normal(size=(R, B)).astype(np.float32) * 3
+    buf[:kmax] = 0.0
+    buf[kmax:2 * kmax] = -np.inf
+    ninf = rng.random((R, B)) < ninf_frac
+    ninf[:2 * kmax] = False
+    buf[ninf] = -np.inf
+    ch = rng.integers(2 * kmax, R - Kc, (n, C))
+    P = num_param_blocks or max(2, n * C // 2)  # fewer blocks than edges: tied parameters
+    pid = rng.integers(0, P, (n, C))
+    pad = rng.random((n, C)) < pad_frac
+    pad[:, 0] = False
+    ch = np.where(pad, -2, ch)  # -2 marks padding, as the compiler does
+    inv = _inverse_tables(ch, pid)
+    ch = np.where(ch == -2, kmax, ch)  # padding reads the -inf rows
+    logw = np.log(rng.random((P, Kp, Kc)).astype(np.float32) + 1e-3)
+    tab = {k: jnp.asarray(v, jnp.int32) for k, v in {"ch": ch, "pid": pid, **inv}.items()}
+    return jnp.asarray(buf), tab, jnp.asarray(logw), R
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "Kp{}-Kc{}-n{}-C{}-B{}".format(*s[:5]))
+@pytest.mark.parametrize("alpha", [1.0, 2.0])
+def test_kernels_match_reference(shape, alpha):
+    Kp, Kc, n, C, B = shape[:5]
+    buf, t, logw, R = make_partition(*shape)
+    prop = "LL" if alpha == 1.0 else "GeneralLL"
+    al = None if alpha == 1.0 else alpha
+    ref = sum_layer_reference(buf, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, dense=False, propagation=prop, alpha=al)
+    out = pallas_sum.forward(buf, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, alpha=alpha)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-5)
+
+    # backward: parents write their values into the buffer, flows arrive on them
+    off = R - 64 - n * Kp if R - 64 - n * Kp > 2 * max(Kp, Kc) else R
+    full = jnp.concatenate([buf, jnp.zeros((n * Kp, B), buf.dtype)])
+    off = R
+    full = jax.lax.dynamic_update_slice(full, ref, (off, 0))
+    rng = np.random.default_rng(1)
+    flows = jnp.zeros_like(full).at[off:off + n * Kp].set(
+        jnp.where(jnp.isfinite(ref), jnp.asarray(rng.random(ref.shape), jnp.float32), 0.0))
+    cf_ref, pf_ref = sum_layer_backward_reference(full, flows, t["ch"], t["pid"], logw, off, Kp=Kp, Kc=Kc,
+                                                  dense=False, propagation=prop, alpha=al)
+    rows_ref = child_rows(t["ch"], Kc, False)
+    want = jnp.zeros_like(full).at[rows_ref].add(cf_ref)
+    a, m, pf = pallas_sum.backward_parents(full, flows, off, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, alpha=alpha)
+    cf = pallas_sum.backward_children(full, a, m, t["uch"], t["par"], t["ppid"], logw, Kp=Kp, Kc=Kc, alpha=alpha)
+    rows = (t["uch"][:, None] + jnp.arange(Kc)).reshape(-1)
+    got = jnp.zeros_like(full).at[rows].add(cf)
+    keep = np.ones(full.shape[0], bool)
+    keep[max(Kp, Kc):2 * max(Kp, Kc)] = False  # the -inf padding rows collect nothing meaningful
+    np.testing.assert_allclose(np.asarray(got)[keep], np.asarray(want)[keep], rtol=2e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(pf), np.asarray(pf_ref), rtol=2e-4, atol=1e-5)
+
+
+def test_inverse_tables():
+    ch = np.array([[10, 20, -2], [20, 30, 10]])
+    pid = np.array([[0, 1, 9], [2, 3, 4]])
+    inv = _inverse_tables(ch, pid)
+    np.testing.assert_array_equal(inv["uch"], [10, 20, 30])
+    got = {int(u): sorted(zip(p[p >= 0].tolist(), e[e >= 0].tolist()))
+           for u, p, e in zip(inv["uch"], inv["par"], inv["ppid"])}
+    assert got == {10: [(0, 0), (1, 4)], 20: [(0, 1), (1, 2)], 30: [(1, 3)]}
+
+
+@pytest.mark.parametrize("prop", ["LL", "GeneralLL"])
+def test_circuit_with_pallas_kernels_equals_reference(prop):
+    from .random_circuits import Generator
+    gen = Generator(3, 4, kinds=("categorical", "bernoulli"))
+    c = jaxpc.compile(gen.circuit())
+    x = gen.sample_data(13).astype(np.int32)
+    miss = np.random.default_rng(0).random(x.shape) < 0.3
+    kw = dict(propagation=prop, alpha=1.5 if prop == "GeneralLL" else None)
+    ref = jaxpc.Options(**kw)
+    pal = jaxpc.Options(impl="pallas", **kw)
+    np.testing.assert_allclose(np.asarray(c.log_prob(c.params, x, miss, options=pal)),
+                               np.asarray(c.log_prob(c.params, x, miss, options=ref)), rtol=1e-5, atol=1e-5)
+    f1, f2 = c.flows(c.params, x, miss, options=pal), c.flows(c.params, x, miss, options=ref)
+    for u, v in zip(jax.tree_util.tree_leaves(f1), jax.tree_util.tree_leaves(f2)):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=2e-4, atol=1e-5)
+
+
+def test_kernels_lower_for_cuda_without_a_gpu():
+    """The Triton lowering of every kernel (caught here, on CPU, before a GPU run)."""
+    buf, t, logw, R = make_partition(16, 32, 3, 4, 40, 0.2, 0.1)
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+
+    def fwd(b, ch, pid, lw):
+        return pallas_sum.forward(b, ch, pid, lw, Kp=16, Kc=32)
+
+    def bwd(b, ch, pid, lw, uch, par, ppid):
+        a, m, pf = pallas_sum.backward_parents(b, b, 0, ch, pid, lw, Kp=16, Kc=32)
+        return pallas_sum.backward_children(b, a, m, uch, par, ppid, lw, Kp=16, Kc=32), pf
+
+    from unittest import mock
+    with mock.patch.object(pallas_sum, "_interpret", lambda: False), \
+            jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
+        for f, args in ((fwd, (buf, t["ch"], t["pid"], logw)),
+                        (bwd, (buf, t["ch"], t["pid"], logw, t["uch"], t["par"], t["ppid"]))):
+            text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            assert "__gpu$xla.gpu.triton" in text
