@@ -91,14 +91,16 @@ def _store_tile(ref, rows, cols, val, rmask, cmask):
 
 def _online_sum(i, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, *, C, Kp, Kc, KC, alpha, precision):
     """Running max ``m [BB]`` and sum ``acc [len(kp), BB]`` over the children of parent block ``i`` for the
-    parent nodes ``kp`` of the block."""
-    kc = jnp.arange(KC)
-    wmask = (kp[:, None] < Kp) & (kc[None, :] < Kc)
+    parent nodes ``kp`` of the block. Child blocks are read in chunks of ``KC`` nodes."""
+    nq = -(-Kc // KC)
 
-    def body(c, carry):
+    def body(cq, carry):
         m, acc = carry
+        c, q = lax.div(cq, jnp.int32(nq)), lax.rem(cq, jnp.int32(nq))  # (jnp's // and % don't lower)
+        kc = q * KC + jnp.arange(KC)
         row, p = ch_ref[i, c], pid_ref[i, c]
         x = _load_tile(buf_ref, row + kc, cols, kc < Kc, cmask, _NEG)
+        wmask = (kp[:, None] < Kp) & (kc[None, :] < Kc)
         w = jnp.exp(alpha * plgpu.load(w_ref.at[p, kp[:, None], kc[None, :]], mask=wmask, other=_NEG))
         m_new = jnp.maximum(m, jnp.max(x, axis=0))
         safe = jnp.where(m_new == _NEG, 0.0, m_new)
@@ -107,7 +109,7 @@ def _online_sum(i, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, *, C, Kp, K
         return m_new, acc * rescale[None, :] + _mm(w, y, precision)
 
     init = (jnp.full(cols.shape, _NEG, jnp.float32), jnp.zeros((kp.shape[0], cols.shape[0]), jnp.float32))
-    return lax.fori_loop(0, C, body, init)
+    return lax.fori_loop(0, C * nq, body, init)
 
 
 # ---- forward -------------------------------------------------------------------------------------
@@ -132,7 +134,7 @@ def forward(buf: Array, ch: Array, pid: Array, w: Array, *, Kp: int, Kc: int, al
     B = buf.shape[1]
     BB = min(config.block_b, _p2(B))
     KT = min(config.block_k, _p2(Kp))
-    kernel = functools.partial(_fwd_kernel, C=C, Kp=Kp, Kc=Kc, KT=KT, KC=_p2(Kc), BB=BB, B=B,
+    kernel = functools.partial(_fwd_kernel, C=C, Kp=Kp, Kc=Kc, KT=KT, KC=min(config.block_k, _p2(Kc)), BB=BB, B=B,
                                alpha=float(alpha), precision=precision)
     interp = _interpret()
     return pl.pallas_call(kernel, grid=(n, pl.cdiv(Kp, KT), pl.cdiv(B, BB)),
@@ -146,15 +148,20 @@ def forward(buf: Array, ch: Array, pid: Array, w: Array, *, Kp: int, Kc: int, al
 def _bwd_parent_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, flow_ref, a_ref, m_ref, pf_ref, *, C, Kp, Kc, KT,
                        KC, BB, B, alpha, precision):
     i, k = pl.program_id(0), pl.program_id(1)
-    kc, kp = jnp.arange(KC), k * KT + jnp.arange(KT)
-    pmask = (kp[:, None] < Kp) & (kc[None, :] < Kc)
+    kp = k * KT + jnp.arange(KT)
     off = off_ref[0]
+    nq = -(-Kc // KC)
 
-    def zero(c, carry):
-        plgpu.store(pf_ref.at[i, c, kp[:, None], kc[None, :]], jnp.zeros((KT, KC), jnp.float32), mask=pmask)
+    def chunk(q):
+        kc = q * KC + jnp.arange(KC)
+        return kc, (kp[:, None] < Kp) & (kc[None, :] < Kc)
+
+    def zero(cq, carry):
+        kc, pmask = chunk(lax.rem(cq, jnp.int32(nq)))
+        plgpu.store(pf_ref.at[i, lax.div(cq, jnp.int32(nq)), kp[:, None], kc[None, :]], jnp.zeros((KT, KC), jnp.float32), mask=pmask)
         return carry
 
-    lax.fori_loop(0, C, zero, 0)
+    lax.fori_loop(0, C * nq, zero, 0)
 
     def tile(t, carry):
         cols = t * BB + jnp.arange(BB)
@@ -167,7 +174,9 @@ def _bwd_parent_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, flow_ref, a_ref
         plgpu.store(m_ref.at[i, cols], m, mask=cmask & (k == 0))
         safe = jnp.where(m == _NEG, 0.0, m)
 
-        def child(c, carry2):
+        def child(cq, carry2):
+            c = lax.div(cq, jnp.int32(nq))
+            kc, pmask = chunk(lax.rem(cq, jnp.int32(nq)))
             row, p = ch_ref[i, c], pid_ref[i, c]
             x = _load_tile(buf_ref, row + kc, cols, kc < Kc, cmask, _NEG)
             y = jnp.exp(alpha * (x - safe[None, :]))
@@ -177,7 +186,7 @@ def _bwd_parent_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, flow_ref, a_ref
             plgpu.store(pf_ref.at[i, c, kp[:, None], kc[None, :]], cur + w * ay, mask=pmask)
             return carry2
 
-        lax.fori_loop(0, C, child, 0)
+        lax.fori_loop(0, C * nq, child, 0)
         return carry
 
     lax.fori_loop(0, pl.cdiv(B, BB), tile, 0)
@@ -190,7 +199,8 @@ def backward_parents(buf: Array, flows: Array, out_offset, ch: Array, pid: Array
     B = buf.shape[1]
     BB = min(config.block_b, _p2(B))
     KT = min(config.block_k, _p2(Kp))
-    kernel = functools.partial(_bwd_parent_kernel, C=C, Kp=Kp, Kc=Kc, KT=KT, KC=_p2(Kc), BB=BB, B=B,
+    kernel = functools.partial(_bwd_parent_kernel, C=C, Kp=Kp, Kc=Kc, KT=KT, KC=min(config.block_k, _p2(Kc)),
+                               BB=BB, B=B,
                                alpha=float(alpha), precision=precision)
     interp = _interpret()
     off = jnp.asarray(out_offset, jnp.int32).reshape(1)
