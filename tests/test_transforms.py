@@ -1,7 +1,7 @@
 """Structure transformations (jaxpc.transforms): exact edges on hand-built graphs, unchanged
 likelihoods where the transformation preserves the function (a float64 evaluator over the nodes'
 own parameters, plus compiled log_prob on a few graphs), purity, ties, and the documented
-behaviour of prune and grow."""
+behaviour of prune, grow and latent variable distillation."""
 
 import itertools
 
@@ -12,6 +12,7 @@ import jaxpc
 from jaxpc import dists
 from jaxpc import transforms as T
 from jaxpc.nodes import topological_order
+from jaxpc.structures.hclt import hidden_tree_circuit
 
 from . import oracle
 from .random_circuits import Generator
@@ -529,6 +530,116 @@ def test_grow_random_circuits_and_noise():
 
 
 # ----------------------------------------------------------------------------------------------
+# latent variable distillation
+# ----------------------------------------------------------------------------------------------
+
+def test_lvd_counts_on_a_tiny_hclt():
+    # tree 0 -> {1, 3}, 1 -> {2}; variables 2 and 3 are tree leaves
+    L, N = 2, 40
+    root = hidden_tree_circuit([[1, 3], [2], [], []], 0, L, [0, 1, 2, 3], dists.Categorical(3))
+    regions = T.hclt_latent_regions(root)
+    assert sorted(regions) == [0, 1]
+    rng = np.random.default_rng(0)
+    z = rng.integers(0, L, (N, 4))  # per-variable latents; columns 2, 3 are unused
+    x = rng.integers(0, 3, (N, 4))
+    pc = 0.5
+    new = T.lvd_init(root, regions, z, x, pseudocount=pc)
+
+    def counts(a, b, na, nb):
+        c = np.full((na, nb), pc)
+        for i, j in zip(a, b):
+            c[i, j] += 1
+        return c / c.sum(1, keepdims=True)
+
+    prod0 = new.children[0]
+    sum1, leaf3, leaf0 = prod0.children
+    prod1 = sum1.children[0]
+    leaf2, leaf1 = prod1.children
+    np.testing.assert_allclose(dense_weights(new), counts(np.zeros(N, int), z[:, 0], 1, L))  # P(z0)
+    np.testing.assert_allclose(dense_weights(sum1), counts(z[:, 0], z[:, 1], L, L))  # P(z1 | z0)
+    np.testing.assert_allclose(leaf0.get_params()["probs"], counts(z[:, 0], x[:, 0], L, 3))
+    np.testing.assert_allclose(leaf3.get_params()["probs"], counts(z[:, 0], x[:, 3], L, 3))
+    np.testing.assert_allclose(leaf1.get_params()["probs"], counts(z[:, 1], x[:, 1], L, 3))
+    np.testing.assert_allclose(leaf2.get_params()["probs"], counts(z[:, 1], x[:, 2], L, 3))
+    assert root.source._params is None  # the input graph is untouched
+    c = jaxpc.compile(new)
+    np.testing.assert_allclose(np.asarray(c.get_node_params(c.params, sum1)), dense_weights(sum1), rtol=1e-6)
+
+    # a sequence of regions, with missing values skipped for the leaves
+    miss = np.zeros(x.shape, bool)
+    miss[:10, 1] = True
+    new2 = T.lvd_init(root, [regions[1], regions[0]], z[:, [1, 0]], x, miss, pseudocount=pc)
+    l1 = new2.children[0].children[0].children[0].children[1]
+    np.testing.assert_allclose(l1.get_params()["probs"], counts(z[10:, 1], x[10:, 1], L, 3))
+    with pytest.raises(ValueError, match=r"latents\[:, \d\] holds values in \[5, 6\], but .* has 2 nodes"):
+        T.lvd_init(root, regions, z + 5, x)
+    with pytest.raises(ValueError, match="not a vector of this graph"):
+        T.lvd_init(root, [hmm_like(3)], z[:, :1])
+
+
+def test_lvd_blocks_ties_and_gaussians():
+    # block size 2, a tied sum pair with pooled counts, Gaussian leaves from per-cluster moments
+    N = 60
+    rng = np.random.default_rng(1)
+    g0 = jaxpc.inputs(0, 2, 2, dists.Gaussian(min_sigma=0.01))
+    g1 = g0.duplicate(1, tie_params=True)
+    s0 = jaxpc.summate(g0, num_node_blocks=1, block_size=2, edge_ids=[[0], [1]])  # sparse: only child block 1
+    s1 = s0.duplicate(g1, tie_params=True)
+    root = jaxpc.summate(jaxpc.multiply(s0, s1), num_node_blocks=1, block_size=1)
+    za, zb, zc, zd = (rng.integers(0, n, N) for n in (2, 4, 2, 4))
+    x = rng.normal(0, 1, (N, 2))
+    pc = 1.0
+    new = T.lvd_init(root, {0: s0, 1: g0, 2: s1, 3: g1}, np.stack([za, zb, zc, zd], 1), x, pseudocount=pc)
+    n0, n1 = new.children[0].children
+    assert n1.source is n0
+    cnt = np.zeros((2, 4))
+    for a, b in itertools.chain(zip(za, zb), zip(zc, zd)):
+        cnt[a, b] += 1
+    # only edges to child nodes 2, 3 (block 1) exist; co-occurrences with nodes 0, 1 are dropped
+    w = cnt[:, 2:] + pc
+    np.testing.assert_allclose(n0.get_params()[0], w / w.sum(1, keepdims=True))
+    zz = np.concatenate([zb, zd])
+    v = np.concatenate([x[:, 0], x[:, 1]])
+    gm, gv = v.mean(), v.var()
+    s0_ = np.bincount(zz, minlength=4) + pc
+    mu = (np.bincount(zz, v, 4) + pc * gm) / s0_
+    var = (np.bincount(zz, v * v, 4) + pc * (gv + gm * gm)) / s0_ - mu * mu
+    gp = n0.children[0].get_params()
+    np.testing.assert_allclose(gp["mu"], mu)
+    np.testing.assert_allclose(gp["sigma"], np.sqrt(var))
+    assert n0.children[0].source is n1.children[0].source
+    jaxpc.compile(new)
+
+
+def test_lvd_pd_like_region_with_unassigned_product():
+    # a region sum over two products (two splits); only the first product has an assignment
+    N, pc = 50, 0.25
+    rng = np.random.default_rng(2)
+    a, b = cat_inputs(0, 2, 1), cat_inputs(1, 2, 1)
+    c, d = cat_inputs(0, 2, 1, seed=4), cat_inputs(1, 2, 1, seed=4)
+    p1, p2 = jaxpc.multiply(a, b), jaxpc.multiply(c, d)
+    region = random_sum([p1, p2], 3, 1)
+    root = random_sum([region], 1, 1)
+    zr, z1 = rng.integers(0, 3, N), rng.integers(0, 2, N)
+    x = rng.integers(0, 3, (N, 2))
+    old_c = c.get_params()["probs"].copy()
+    new = T.lvd_init(root, [region, p1], np.stack([zr, z1], 1), x, pseudocount=pc)
+    R = new.children[0]
+    cnt = np.full((3, 4), pc)
+    for i, j in zip(zr, z1):
+        cnt[i, j] += 1  # edges to p2's nodes (columns 2, 3) get the pseudocount only
+    np.testing.assert_allclose(dense_weights(R), cnt / cnt.sum(1, keepdims=True))
+    cnt_root = np.full((1, 3), pc) + np.bincount(zr, minlength=3)
+    np.testing.assert_allclose(dense_weights(new), cnt_root / cnt_root.sum())
+    na = R.children[0].children[0]
+    ca = np.full((2, 3), pc)
+    np.add.at(ca, (z1, x[:, 0]), 1)
+    np.testing.assert_allclose(na.get_params()["probs"], ca / ca.sum(1, keepdims=True))
+    nc = R.children[1].children[0]  # under the unassigned product: copied unchanged
+    np.testing.assert_allclose(nc.get_params()["probs"], old_c)
+
+
+# ----------------------------------------------------------------------------------------------
 # argument errors
 # ----------------------------------------------------------------------------------------------
 
@@ -546,3 +657,7 @@ def test_argument_errors_name_the_argument():
         T.deepcopy(root, params={})
     with pytest.raises(ValueError, match="noise"):
         T.grow(root, noise=-1.0)
+    with pytest.raises(ValueError, match="pseudocount"):
+        T.lvd_init(root, [s], np.zeros((3, 1), int), pseudocount=-1)
+    with pytest.raises(ValueError, match="latents must be an int array"):
+        T.lvd_init(root, [s], np.zeros((3, 1)))
