@@ -644,6 +644,7 @@ def test_lvd_pd_like_region_with_unassigned_product():
 # ----------------------------------------------------------------------------------------------
 
 def test_argument_errors_name_the_argument():
+    assert jaxpc.transforms is T and "transforms" in jaxpc.__all__ and "visualize" in jaxpc.__all__
     _, _, _, s, root = _block_diag_circuit()
     with pytest.raises(TypeError, match="blockify: root must be a node vector"):
         T.blockify("root")
