@@ -639,6 +639,40 @@ def test_lvd_pd_like_region_with_unassigned_product():
     np.testing.assert_allclose(nc.get_params()["probs"], old_c)
 
 
+def test_lvd_input_rules_per_distribution():
+    N, pc = 30, 0.5
+    rng = np.random.default_rng(5)
+    z = rng.integers(0, 2, N)
+    leaves = {
+        "bernoulli": jaxpc.inputs(0, 2, 1, dists.Bernoulli()),
+        "masked": jaxpc.inputs(1, 2, 1, dists.MaskedCategorical(3, "range"), params={"mask": [[0, 2], [1, 3]]}),
+        "logistic": jaxpc.inputs(2, 2, 1, dists.DiscreteLogistic((0.0, 1.0), 4, min_std=0.01)),
+        "literal": jaxpc.inputs(3, 2, 1, dists.Literal(1)),
+    }
+    root = jaxpc.summate(jaxpc.multiply(*leaves.values()), num_node_blocks=1, block_size=1)
+    x = np.stack([rng.integers(0, 2, N), rng.integers(0, 3, N), rng.integers(0, 4, N), np.ones(N, int)], 1)
+    x[:, 1] = np.where(z == 0, np.minimum(x[:, 1], 1), np.maximum(x[:, 1], 1))  # inside each node's mask
+    new = T.lvd_init(root, [root.children[0]], z[:, None], x, pseudocount=pc)
+    nb, nm, nl, nlit = new.children[0].children
+    c = np.full((2, 2), pc)
+    np.add.at(c, (z, x[:, 0]), 1)
+    np.testing.assert_allclose(nb.get_params()["p"], c[:, 1] / c.sum(1))
+    c = np.full((2, 3), pc)
+    np.add.at(c, (z, x[:, 1]), 1)
+    c[0, 2] = c[1, 0] = 0.0  # forbidden values stay at zero
+    np.testing.assert_allclose(nm.get_params()["probs"], c / c.sum(1, keepdims=True))
+    centers = (x[:, 2] + 0.5) / 4
+    for k in range(2):
+        v = centers[z == k]
+        gm, gv = centers.mean(), centers.var()
+        mu = (v.sum() + pc * gm) / (v.size + pc)
+        var = ((v * v).sum() + pc * (gv + gm * gm)) / (v.size + pc) - mu * mu
+        assert nl.get_params()["mu"][k] == pytest.approx(mu)
+        assert nl.get_params()["s"][k] == pytest.approx(np.sqrt(var) * np.sqrt(3) / np.pi)
+    assert nlit.get_params() is None
+    jaxpc.compile(new)
+
+
 # ----------------------------------------------------------------------------------------------
 # argument errors
 # ----------------------------------------------------------------------------------------------
