@@ -7,6 +7,7 @@ resulting :class:`Circuit` over a pytree of parameters.
 
 from . import distributions as dists
 from . import queries, structures
+from . import transforms, visualize
 from .circuit import Circuit, compile
 from .nodes import CircuitNodes, InputNodes, ProdNodes, SumNodes, duplicate, inputs, multiply, summate
 from .options import Options
@@ -18,3 +19,4 @@ __all__ = [
     "inputs", "multiply", "summate", "duplicate", "compile", "Circuit", "Options", "dists",
     "CircuitNodes", "InputNodes", "ProdNodes", "SumNodes", "structures", "queries", "CacheInfo", "enable_persistent_cache",
 ]
+__all__ += ["transforms", "visualize"]

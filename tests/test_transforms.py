@@ -1,0 +1,698 @@
+"""Structure transformations (jaxpc.transforms): exact edges on hand-built graphs, unchanged
+likelihoods where the transformation preserves the function (a float64 evaluator over the nodes'
+own parameters, plus compiled log_prob on a few graphs), purity, ties, and the documented
+behaviour of prune, grow and latent variable distillation."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+import jaxpc
+from jaxpc import dists
+from jaxpc import transforms as T
+from jaxpc.nodes import topological_order
+from jaxpc.structures.hclt import hidden_tree_circuit
+
+from . import oracle
+from .random_circuits import Generator
+from .test_api import hmm_like
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------
+
+def dense_weights(ns):
+    """``[num_nodes, num_ch_nodes]`` weights from the vector's own block parameters."""
+    b = ns.source._params
+    d = np.zeros((ns.num_node_blocks, ns.num_ch_node_blocks, ns.block_size, ns.ch_block_size))
+    d[ns.edge_ids[0], ns.edge_ids[1]] = b
+    return d.transpose(0, 2, 1, 3).reshape(ns.num_nodes, ns.num_ch_nodes)
+
+
+def node_ll(root, x, miss=None):
+    """float64 log-likelihoods ``[B]`` of a graph whose vectors all carry parameters (no compile)."""
+    x = np.asarray(x, np.float64)
+    vals = {}
+    for ns in topological_order(root):
+        if ns.is_input():
+            p = ns.source._params
+            fields = ns.dist.natural_fields
+            if fields:
+                assert p is not None, f"{ns.name} has no parameters"
+                p = p[fields[0]] if len(fields) == 1 else p
+            vals[ns.id] = oracle.leaf_values(ns, p, x, miss, "LL", None)
+        elif ns.is_prod():
+            K = ns.block_size
+            out = np.zeros((ns.num_nodes, x.shape[0]))
+            for j, c in enumerate(ns.children):
+                out += vals[c.id][(ns.edge_ids[:, j][:, None] * K + np.arange(K)).reshape(-1)]
+            vals[ns.id] = out
+        else:
+            assert ns.source._params is not None, f"{ns.name} has no parameters"
+            with np.errstate(divide="ignore"):
+                lw = np.log(dense_weights(ns))
+            X = np.concatenate([vals[c.id] for c in ns.children])
+            vals[ns.id] = oracle._lse(lw[:, :, None] + X[None], 1)
+    return vals[root.id][0]
+
+
+def snapshot(root):
+    """Everything a transformation must not modify."""
+    out = []
+    for ns in topological_order(root):
+        p = ns._params if not ns.is_prod() else None
+        p = {k: v.copy() for k, v in p.items()} if isinstance(p, dict) else (None if p is None else p.copy())
+        out.append((ns.id, ns.num_node_blocks, ns.block_size, tuple(c.id for c in ns.children),
+                    None if ns.is_input() else ns.edge_ids.copy(), p, ns._source))
+    return out
+
+
+def assert_same_snapshot(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x[:4] == y[:4] and x[6] is y[6]
+        if x[4] is not None:
+            np.testing.assert_array_equal(x[4], y[4])
+        if isinstance(x[5], dict):
+            assert x[5].keys() == y[5].keys()
+            for k in x[5]:
+                np.testing.assert_array_equal(x[5][k], y[5][k])
+        elif x[5] is not None:
+            np.testing.assert_array_equal(x[5], y[5])
+
+
+def materialized(seed, num_vars=4, **kw):
+    """A random circuit (all kinds, ties, block sizes 1-4) with every parameter set on its nodes, and data."""
+    g = Generator(seed, num_vars, **kw)
+    root = g.circuit()
+    c = jaxpc.compile(root, seed=seed)
+    return g, T.deepcopy(root, circuit=c), c
+
+
+def cat_inputs(var, nb, bs, k=3, seed=0):
+    rng = np.random.default_rng(seed + 17 * var)
+    return jaxpc.inputs(var, nb, bs, dists.Categorical(k), params=rng.random((nb * bs, k)) + 0.1)
+
+
+def random_sum(children, nb, bs, edge_ids=None, seed=0):
+    ns = jaxpc.summate(*children, num_node_blocks=nb, block_size=bs, edge_ids=edge_ids)
+    rng = np.random.default_rng(seed)
+    ns.set_params(rng.random((ns.edge_ids.shape[1], bs, ns.ch_block_size)) + 0.05)
+    return ns
+
+
+def all_x(num_vars, k=3):
+    return np.asarray(list(itertools.product(range(k), repeat=num_vars)), dtype=np.int32)
+
+
+# ----------------------------------------------------------------------------------------------
+# function-preserving transformations on random circuits
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(6))
+def test_transforms_preserve_likelihood_on_random_circuits(seed):
+    g, root, c = materialized(seed)
+    x = g.sample_data(24)
+    miss = np.random.default_rng(seed).random(x.shape) < 0.2
+    ref = node_ll(root, x, miss)
+    if seed == 0:  # the float64 evaluator agrees with the compiled circuit
+        np.testing.assert_allclose(np.asarray(c.log_prob(c.params, x, miss)), ref, rtol=1e-5, atol=1e-5)
+    before = snapshot(root)
+    variants = {
+        "deepcopy": T.deepcopy(root),
+        "unblockify": T.unblockify(root),
+        "unblockify2": T.unblockify(root, block_size=2),
+        "blockify": T.blockify(root, sparsity_tolerance=0.5, max_block_size=8),
+        "blockify_strict": T.blockify(root, sparsity_tolerance=0.0),
+        "merge": T.merge(root),
+        "unblock_then_block": T.blockify(T.unblockify(root), sparsity_tolerance=0.9, max_block_size=4),
+    }
+    indicators = [ns for ns in topological_order(root) if ns.is_input() and isinstance(ns.dist, dists.Indicator)]
+    if all(ns.num_nodes % ns.dist.num_states == 0 for ns in indicators):
+        variants["grow"] = T.grow(root, 2, noise=0.0)
+    else:  # the copies of an odd-sized Indicator vector would indicate other values
+        with pytest.raises(ValueError, match="Indicator"):
+            T.grow(root, 2)
+    for name, new in variants.items():
+        ids = {ns.id for ns in topological_order(new)}
+        assert not ids & {ns.id for ns in topological_order(root)}, name
+        np.testing.assert_allclose(node_ll(new, x, miss), ref, rtol=1e-9, atol=1e-9, err_msg=name)
+        jaxpc.compile(new)  # valid: ties agree, roots single, edges in range
+    unb = topological_order(variants["unblockify"])
+    assert all(ns.block_size == 1 for ns in unb)
+    assert all(ns.block_size in (1, 2) for ns in topological_order(variants["unblockify2"]))
+    assert_same_snapshot(before, snapshot(root))
+
+
+# ----------------------------------------------------------------------------------------------
+# deepcopy
+# ----------------------------------------------------------------------------------------------
+
+def test_deepcopy_keeps_sharing_ties_and_maps_variables():
+    a, b = cat_inputs(0, 2, 2), cat_inputs(1, 2, 2)
+    a2 = a.duplicate(2, tie_params=True)
+    b2 = b.duplicate(3, tie_params=True)
+    s1 = random_sum([jaxpc.multiply(a, b)], 2, 2)
+    s2 = s1.duplicate(jaxpc.multiply(a2, b2), tie_params=True)
+    shared = jaxpc.multiply(s1, s2)
+    root = random_sum([shared, jaxpc.multiply(s1, s2, edge_ids=[[1, 0], [0, 1]])], 1, 1)
+    before = snapshot(root)
+
+    new = T.deepcopy(root)
+    old_nodes, new_nodes = topological_order(root), topological_order(new)
+    assert len(old_nodes) == len(new_nodes)
+    old2new = dict(zip([n.id for n in old_nodes], new_nodes))
+    for o, n in zip(old_nodes, new_nodes):
+        assert (o.kind, o.num_node_blocks, o.block_size, o.scope) == (n.kind, n.num_node_blocks, n.block_size, n.scope)
+        assert [old2new[c.id] for c in o.children] == list(n.children)
+        if not o.is_input():
+            np.testing.assert_array_equal(o.edge_ids, n.edge_ids)
+        assert o.is_tied() == n.is_tied()
+        if o.is_tied():
+            assert n.source is old2new[o.source.id]
+        if o.is_sum():
+            np.testing.assert_allclose(n.get_params(), o.get_params())
+    # the shared vectors stay shared: s1 has two parents in both graphs
+    ns1 = old2new[s1.id]
+    assert sum(ns1 in n.children for n in new_nodes) == 2
+    assert_same_snapshot(before, snapshot(root))
+
+    # variable renaming: the copy over permuted variables gives the same likelihood on permuted data
+    perm = {0: 3, 1: 0, 2: 1, 3: 2}
+    moved = T.deepcopy(root, var_mapping=perm)
+    assert sorted(ns.var for ns in topological_order(moved) if ns.is_input()) == [0, 1, 2, 3]
+    x = all_x(4)
+    xp = np.empty_like(x)
+    for o, n in perm.items():
+        xp[:, n] = x[:, o]
+    np.testing.assert_allclose(node_ll(moved, xp), node_ll(root, x), rtol=1e-12)
+    # an array works too
+    arr = T.deepcopy(root, var_mapping=np.array([3, 0, 1, 2]))
+    np.testing.assert_allclose(node_ll(arr, xp), node_ll(root, x), rtol=1e-12)
+    with pytest.raises(ValueError, match="deepcopy: copying .*decomposability"):
+        T.deepcopy(root, var_mapping={0: 1})
+
+
+def test_deepcopy_from_trained_circuit_and_compiled_equality():
+    root = hmm_like(5, L=3)
+    c = jaxpc.compile(root)
+    x = np.random.default_rng(0).integers(0, 4, (20, 5)).astype(np.int32)
+    params = c.em_step(c.params, x, step_size=0.7, pseudocount=0.1)  # trained, not the nodes' values
+    new = T.deepcopy(root, circuit=c, params=params)
+    c2 = jaxpc.compile(new)
+    np.testing.assert_allclose(np.asarray(c2.log_prob(c2.params, x)), np.asarray(c.log_prob(params, x)),
+                               rtol=1e-5, atol=1e-5)
+    assert c2.num_parameters == c.num_parameters  # ties kept
+    np.testing.assert_allclose(node_ll(new, x), np.asarray(c.log_prob(params, x)), rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# blockify / unblockify
+# ----------------------------------------------------------------------------------------------
+
+def _block_diag_circuit():
+    """Inputs and product of 4 blocks of size 1; a sum whose 4 x 4 block pattern is 2 x 2 block diagonal."""
+    a, b = cat_inputs(0, 4, 1), cat_inputs(1, 4, 1)
+    m = jaxpc.multiply(a, b)
+    edges = np.array([[0, 0, 1, 1, 2, 2, 3, 3], [0, 1, 0, 1, 2, 3, 2, 3]])
+    s = random_sum([m], 4, 1, edge_ids=edges, seed=1)
+    root = random_sum([s], 1, 1, seed=2)
+    return a, b, m, s, root
+
+
+def test_blockify_exact_edges_and_padding():
+    a, b, m, s, root = _block_diag_circuit()
+    W = dense_weights(s)
+    x = all_x(2)
+    ref = node_ll(root, x)
+
+    # max 2: everything in blocks of 2; the sum's pattern is block diagonal, so no padding
+    r2 = T.blockify(root, sparsity_tolerance=0.0, max_block_size=2)
+    s2 = r2.children[0]
+    m2 = s2.children[0]
+    a2, b2 = m2.children
+    assert [(v.num_node_blocks, v.block_size) for v in (a2, b2, m2, s2)] == [(2, 2)] * 4
+    np.testing.assert_array_equal(m2.edge_ids, [[0, 0], [1, 1]])
+    np.testing.assert_array_equal(s2.edge_ids, [[0, 1], [0, 1]])
+    np.testing.assert_allclose(dense_weights(s2), W)
+    assert (r2.block_size, r2.ch_block_size) == (1, 2)
+    np.testing.assert_array_equal(r2.edge_ids, [[0, 0], [0, 1]])
+    np.testing.assert_allclose(node_ll(r2, x), ref, rtol=1e-12)
+
+    # max 4 and no tolerance: one 4x4 block would be half padding, so the sum keeps 2x2 blocks
+    r4 = T.blockify(root, sparsity_tolerance=0.0, max_block_size=4)
+    assert (r4.children[0].block_size, r4.children[0].ch_block_size) == (2, 2)
+
+    # tolerance 0.5: one 4x4 edge block whose off-diagonal 2x2 blocks are zero-weight padding
+    r4 = T.blockify(root, sparsity_tolerance=0.5, max_block_size=4)
+    s4 = r4.children[0]
+    assert (s4.num_node_blocks, s4.block_size, s4.ch_block_size) == (1, 4, 4)
+    np.testing.assert_array_equal(s4.edge_ids, [[0], [0]])
+    np.testing.assert_allclose(s4.get_params()[0], W)
+    assert np.all(s4.get_params()[0][:2, 2:] == 0) and np.all(s4.get_params()[0][2:, :2] == 0)
+
+    # compiled before / after: same log_prob, and the layout uses the larger blocks
+    c0, c4 = jaxpc.compile(root), jaxpc.compile(r4)
+    assert "4x4" in c4.params["sum"]
+    np.testing.assert_allclose(np.asarray(c4.log_prob(c4.params, x)), np.asarray(c0.log_prob(c0.params, x)),
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(c0.log_prob(c0.params, x)), ref, rtol=1e-5)
+    # EM without pseudocount keeps the padding at zero
+    p1 = c4.em_step(c4.params, x, step_size=1.0)
+    W1 = np.asarray(c4.get_node_params(p1, s4))
+    assert np.all(W1[:2, 2:] == 0) and np.isfinite(np.asarray(c4.log_prob(p1, x))).all()
+
+    # unblockify restores the block size 1 graph with identical edges
+    back = T.unblockify(r4)
+    sb = back.children[0]
+    assert sb.block_size == 1 and sb.ch_block_size == 1
+    nz = dense_weights(sb) > 0
+    np.testing.assert_array_equal(nz, W > 0)
+    np.testing.assert_allclose(node_ll(back, x), ref, rtol=1e-12)
+
+
+def test_blockify_respects_product_alignment_and_ties():
+    # the product reads its children's blocks in reversed order: only factor 1 keeps the pairing
+    a, b = cat_inputs(0, 4, 1), cat_inputs(1, 4, 1)
+    m = jaxpc.multiply(a, b, edge_ids=np.array([[0, 3], [1, 2], [2, 1], [3, 0]]))
+    root = random_sum([random_sum([m], 4, 1)], 1, 1)
+    new = T.blockify(root, sparsity_tolerance=0.9, max_block_size=8)
+    assert new.children[0].children[0].block_size == 1
+    np.testing.assert_allclose(node_ll(new, all_x(2)), node_ll(root, all_x(2)), rtol=1e-12)
+    # pairs aligned in twos ([0,1] with [2,3] and [2,3] with [0,1]) allow blocks of 2
+    m = jaxpc.multiply(a, b, edge_ids=np.array([[0, 2], [1, 3], [2, 0], [3, 1]]))
+    root = random_sum([random_sum([m], 4, 1)], 1, 1)
+    new = T.blockify(root, sparsity_tolerance=0.9, max_block_size=8)
+    m2 = new.children[0].children[0]
+    assert m2.block_size == 2
+    np.testing.assert_array_equal(m2.edge_ids, [[0, 1], [1, 0]])
+    np.testing.assert_allclose(node_ll(new, all_x(2)), node_ll(root, all_x(2)), rtol=1e-12)
+
+    # a tied HMM: every vector goes to blocks of L, the ties survive
+    rng = np.random.default_rng(0)
+    hmm = hmm_like(6, L=4, V=3)
+    root = T.deepcopy(hmm, circuit=jaxpc.compile(hmm))
+    new = T.blockify(root, max_block_size=16)
+    nodes = topological_order(new)
+    assert {ns.block_size for ns in nodes if ns is not new} == {4}
+    assert sum(ns.is_tied() for ns in nodes) == sum(ns.is_tied() for ns in topological_order(root))
+    x = rng.integers(0, 3, (10, 6))
+    np.testing.assert_allclose(node_ll(new, x), node_ll(root, x), rtol=1e-12)
+    c = jaxpc.compile(new)
+    assert set(c.params["sum"]) == {"4x4", "1x4"}
+
+
+def test_unblockify_exact_edges():
+    a = cat_inputs(0, 1, 2)
+    b = cat_inputs(1, 1, 2)
+    s = random_sum([jaxpc.multiply(a, b)], 1, 2)  # one 2x2 edge block
+    root = random_sum([s], 1, 1)
+    W = dense_weights(s)
+    new = T.unblockify(root)
+    s1 = new.children[0]
+    assert (s1.num_node_blocks, s1.block_size, s1.ch_block_size) == (2, 1, 1)
+    np.testing.assert_array_equal(s1.edge_ids, [[0, 0, 1, 1], [0, 1, 0, 1]])
+    np.testing.assert_allclose(s1.get_params()[:, 0, 0], W.reshape(-1))
+    m1 = s1.children[0]
+    np.testing.assert_array_equal(m1.edge_ids, [[0, 0], [1, 1]])
+    np.testing.assert_array_equal(new.edge_ids, [[0, 0], [0, 1]])
+    np.testing.assert_allclose(node_ll(new, all_x(2)), node_ll(root, all_x(2)), rtol=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------
+# merge
+# ----------------------------------------------------------------------------------------------
+
+def _two_region_circuit():
+    a0, a1 = cat_inputs(0, 2, 1, seed=0), cat_inputs(0, 1, 1, seed=5)
+    b = cat_inputs(1, 2, 1)
+    s1 = random_sum([a0], 2, 1, seed=1)
+    s2 = random_sum([a1], 3, 1, seed=2)
+    p1 = jaxpc.multiply(s1, b)  # 2 blocks
+    p2 = jaxpc.multiply(b, s2, edge_ids=np.array([[0, 2], [1, 0]]))  # children in the other order
+    root = random_sum([p1, p2], 1, 1, seed=3)
+    return a0, a1, b, s1, s2, p1, p2, root
+
+
+def test_merge_by_region_exact_edges():
+    a0, a1, b, s1, s2, p1, p2, root = _two_region_circuit()
+    x = all_x(2)
+    ref = node_ll(root, x)
+    before = snapshot(root)
+    new = T.merge(root)
+    P = new.children[0]
+    assert len(new.children) == 1 and P.num_node_blocks == 4
+    np.testing.assert_array_equal(new.edge_ids, [[0, 0, 0, 0], [0, 1, 2, 3]])  # p1's blocks, then p2's
+    S, B = P.children  # in p1's (the first member's) order
+    assert S.scope == 1 and B is not None and B.var == 1
+    # S = [s1 (2 blocks), s2 (3 blocks)]; p2 read s2's blocks 2 and 0 -> 4 and 2
+    np.testing.assert_array_equal(P.edge_ids, [[0, 0], [1, 1], [4, 0], [2, 1]])
+    A = S.children[0]
+    assert len(S.children) == 1 and A.num_node_blocks == 3 and A.var == 0  # a0 and a1 merged too
+    np.testing.assert_array_equal(S.edge_ids, [[0, 0, 1, 1, 2, 3, 4], [0, 1, 0, 1, 2, 2, 2]])
+    np.testing.assert_allclose(node_ll(new, x), ref, rtol=1e-12)
+    assert_same_snapshot(before, snapshot(root))
+
+    # explicit groups: only the sums; the products stay apart and read the merged sum at offsets
+    new = T.merge(root, [[s2, s1]])
+    q1, q2 = new.children
+    S = q1.children[0]
+    assert S is q2.children[1] and S.num_node_blocks == 5
+    np.testing.assert_array_equal(q1.edge_ids, [[3, 0], [4, 1]])
+    np.testing.assert_array_equal(q2.edge_ids, [[0, 2], [1, 0]])
+    assert [c.var for c in S.children] == [0, 0]  # a1 then a0, not merged
+    np.testing.assert_allclose(node_ll(new, x), ref, rtol=1e-12)
+
+    # compiled before / after
+    c0, c1 = jaxpc.compile(root), jaxpc.compile(T.merge(root))
+    np.testing.assert_allclose(np.asarray(c1.log_prob(c1.params, x)), np.asarray(c0.log_prob(c0.params, x)),
+                               rtol=1e-5, atol=1e-6)
+    assert len(c1.nodes) < len(c0.nodes)
+
+
+def test_merge_errors():
+    a0, a1, b, s1, s2, p1, p2, root = _two_region_circuit()
+    with pytest.raises(ValueError, match="cannot merge .* scope"):
+        T.merge(root, [[a0, b]])
+    with pytest.raises(ValueError, match=r"cannot merge .*\(sum\) with .*\(input\)"):
+        T.merge(root, [[s1, b]])
+    with pytest.raises(ValueError, match="root"):
+        T.merge(root, [[root, s1]])
+    with pytest.raises(ValueError, match="read different vectors"):
+        T.merge(root, [[p1, p2]])  # their sum children were not merged
+    with pytest.raises(ValueError, match="more than one group"):
+        T.merge(root, [[s1, s2], [s2, s1]])
+    with pytest.raises(ValueError, match="at least two"):
+        T.merge(root, [[s1]])
+    inner = random_sum([a0], 2, 1)
+    outer = random_sum([inner], 1, 1)
+    r = random_sum([jaxpc.multiply(outer, cat_inputs(1, 1, 1))], 1, 1)
+    with pytest.raises(ValueError, match="descendant"):
+        T.merge(r, [[inner, outer]])
+    assert len(topological_order(T.merge(r))) == len(topological_order(r))  # levels differ: nothing merged
+    ind = [jaxpc.inputs(0, 3, 1, dists.Indicator(2)), jaxpc.inputs(0, 2, 1, dists.Indicator(2))]
+    r = jaxpc.summate(*ind, num_node_blocks=1, block_size=1)
+    with pytest.raises(ValueError, match="Indicator"):
+        T.merge(r, [ind])
+    assert T.merge(r, [ind[::-1]]).children[0].num_nodes == 5  # 2 indicators first: positions keep values
+
+
+# ----------------------------------------------------------------------------------------------
+# prune
+# ----------------------------------------------------------------------------------------------
+
+def _prune_circuit():
+    rng = np.random.default_rng(3)
+    a, b = cat_inputs(0, 3, 1), cat_inputs(1, 3, 1)
+    c, d = cat_inputs(2, 3, 1), cat_inputs(3, 3, 1)
+    m1, m2 = jaxpc.multiply(a, b), jaxpc.multiply(b, a, edge_ids=np.array([[1, 0], [2, 1], [0, 2]]))
+    s1 = jaxpc.summate(m1, m2, num_node_blocks=2, block_size=1, params=rng.random((2, 6)) + 0.05)
+    s2 = s1.duplicate(jaxpc.multiply(c, d), jaxpc.multiply(d, c, edge_ids=np.array([[1, 0], [2, 1], [0, 2]])),
+                      tie_params=True)
+    root = jaxpc.summate(jaxpc.multiply(s1, s2), num_node_blocks=1, block_size=1, params=np.array([[0.3, 0.7]]))
+    return root, s1, s2
+
+
+def test_prune_by_flows_keeps_ties_and_renormalizes():
+    root, s1, s2 = _prune_circuit()
+    circuit = jaxpc.compile(root)
+    x = np.random.default_rng(0).integers(0, 3, (64, 4)).astype(np.int32)
+    flows = circuit.flows(circuit.params, x)
+    F = np.asarray(circuit.get_node_flows(flows, s1))  # pooled over s1 and s2: [2, 6]
+    W = np.asarray(circuit.get_node_params(circuit.params, s1), np.float64)
+    before = snapshot(root)
+
+    new = T.prune(root, circuit, flows=flows, keep_frac=0.25)
+    # expected: the top ceil(0.25 * (12 + 2)) = 4 blocks over s1's 12 and the root's 2 ...
+    scores = np.concatenate([F.reshape(-1), np.asarray(circuit.get_node_flows(flows, root)).reshape(-1)])
+    top = set(np.argsort(-scores, kind="stable")[:4].tolist())
+    keep = np.array([i in top for i in range(12)]).reshape(2, 6)
+    for p in range(2):  # ... plus the best edge of a parent that lost all
+        if not keep[p].any():
+            keep[p, np.argmax(F[p])] = True
+    n1, n2 = new.children[0].children
+    assert n2.is_tied() and n2.source is n1
+    np.testing.assert_array_equal(n1.edge_ids, n2.edge_ids)
+    chs = [m for m in (0, 1) if keep[:, 3 * m:3 * m + 3].any()]
+    assert len(n1.children) == len(chs)  # a product vector no edge reaches is dropped
+    kept_dense = np.zeros((2, 3 * len(chs)), bool)
+    kept_dense[n1.edge_ids[0], n1.edge_ids[1]] = True
+    np.testing.assert_array_equal(kept_dense, np.concatenate([keep[:, 3 * m:3 * m + 3] for m in chs], 1))
+    # kept weights: the old ones renormalized per node
+    Wk = np.where(keep, W, 0.0)
+    Wk = Wk / Wk.sum(1, keepdims=True)
+    np.testing.assert_allclose(dense_weights(n1), np.concatenate([Wk[:, 3 * m:3 * m + 3] for m in chs], 1),
+                               rtol=1e-6)
+    c2 = jaxpc.compile(new)
+    np.testing.assert_allclose(np.asarray(c2.get_node_params(c2.params, n1)).sum(1), 1, rtol=1e-6)
+    assert np.isfinite(np.asarray(c2.log_prob(c2.params, x))).all()
+    assert_same_snapshot(before, snapshot(root))
+
+    # threshold above every score: each parent keeps exactly its best edge block
+    new = T.prune(root, circuit, flows=flows, threshold=1e9)
+    n1 = new.children[0].children[0]
+    assert n1.edge_ids.shape[1] == 2 and new.edge_ids.shape[1] == 1
+    np.testing.assert_allclose(dense_weights(n1).sum(1), 1)
+    # explicit scores (summed over the tie group): keep the first two edges of both parents' rows
+    sc = np.zeros(12)
+    sc[[0, 1, 6, 7]] = 1.0
+    new = T.prune(root, circuit, scores={s1: sc / 2, s2: sc / 2}, threshold=0.9)
+    n1 = new.children[0].children[0]
+    np.testing.assert_array_equal(n1.edge_ids, [[0, 0, 1, 1], [0, 1, 0, 1]])
+    assert len(new.edge_ids[0]) == 2  # the root was not scored: untouched
+    with pytest.raises(ValueError, match="exactly one of keep_frac and threshold"):
+        T.prune(root, circuit, flows=flows)
+    with pytest.raises(ValueError, match="keep_frac"):
+        T.prune(root, circuit, flows=flows, keep_frac=0.0)
+    with pytest.raises(ValueError, match=r"scores\[.*\] must be finite with shape"):
+        T.prune(root, circuit, scores={s1: np.ones(3)}, threshold=0.5)
+    with pytest.raises(ValueError, match="prune: .* is not part of"):
+        T.prune(hmm_like(3), circuit, flows=flows, keep_frac=0.5)
+
+
+# ----------------------------------------------------------------------------------------------
+# grow
+# ----------------------------------------------------------------------------------------------
+
+def test_grow_exact_edges():
+    a, b = cat_inputs(0, 2, 1), cat_inputs(1, 2, 1)
+    m = jaxpc.multiply(a, b, edge_ids=np.array([[0, 1], [1, 0]]))
+    s = random_sum([m], 2, 1, edge_ids=np.array([[0, 1, 1], [0, 0, 1]]))
+    root = random_sum([s], 1, 1)
+    new = T.grow(root, num_duplicates=1)
+    s2 = new.children[0]
+    m2 = s2.children[0]
+    a2, b2 = m2.children
+    assert [v.num_node_blocks for v in (a2, b2, m2, s2, new)] == [4, 4, 4, 4, 1]
+    np.testing.assert_allclose(a2.get_params()["probs"], np.tile(a.get_params()["probs"], (2, 1)))
+    np.testing.assert_array_equal(m2.edge_ids, [[0, 1], [1, 0], [2, 3], [3, 2]])
+    # parent copy p, child copy q: (p * 2 + parent block, q * 2 + child block)
+    expect = {(pc * 2 + i, qc * 2 + j) for pc in (0, 1) for qc in (0, 1) for i, j in [(0, 0), (1, 0), (1, 1)]}
+    assert set(map(tuple, s2.edge_ids.T.tolist())) == expect and s2.edge_ids.shape[1] == 12
+    assert set(map(tuple, new.edge_ids.T.tolist())) == {(0, 0), (0, 1), (0, 2), (0, 3)}
+    W, W2 = dense_weights(s), dense_weights(s2)
+    np.testing.assert_allclose(W2, np.tile(W, (2, 2)) / 2)  # noise 0: each copy takes half the weight
+    np.testing.assert_allclose(node_ll(new, all_x(2)), node_ll(root, all_x(2)), rtol=1e-12)
+
+
+def test_grow_random_circuits_and_noise():
+    kinds = ("categorical", "bernoulli", "gaussian", "masked", "logistic", "literal")
+    g, root, _ = materialized(1, kinds=kinds)
+    x = g.sample_data(16)
+    before = snapshot(root)
+    new = T.grow(root, num_duplicates=2)
+    for o, n in zip(topological_order(root), topological_order(new)):
+        t = 1 if o is root else 3
+        assert (n.num_node_blocks, n.block_size) == (t * o.num_node_blocks, o.block_size)
+        if o.is_sum():
+            assert n.edge_ids.shape[1] == t * 3 * o.edge_ids.shape[1]
+        assert n.is_tied() == o.is_tied()
+    np.testing.assert_allclose(node_ll(new, x), node_ll(root, x), rtol=1e-9, atol=1e-9)
+
+    noisy = T.grow(root, num_duplicates=1, noise=0.5, seed=3)
+    again = T.grow(root, num_duplicates=1, noise=0.5, seed=3)
+    for n, n2 in zip(topological_order(noisy), topological_order(again)):
+        if n.is_sum() and not n.is_tied():
+            np.testing.assert_array_equal(n.get_params(), n2.get_params())
+            np.testing.assert_allclose(dense_weights(n).sum(1), 1)
+    diff = np.abs(node_ll(noisy, x) - node_ll(root, x))
+    assert np.all(np.isfinite(diff)) and diff.max() > 1e-3
+    c = jaxpc.compile(noisy)
+    assert np.isfinite(np.asarray(c.log_prob(c.params, x))).all()
+    assert_same_snapshot(before, snapshot(root))
+    with pytest.raises(ValueError, match="num_duplicates"):
+        T.grow(root, 0)
+    bad = jaxpc.summate(jaxpc.inputs(0, 3, 1, dists.Indicator(2)), num_node_blocks=1, block_size=1)
+    with pytest.raises(ValueError, match="Indicator"):
+        T.grow(bad)
+
+
+# ----------------------------------------------------------------------------------------------
+# latent variable distillation
+# ----------------------------------------------------------------------------------------------
+
+def test_lvd_counts_on_a_tiny_hclt():
+    # tree 0 -> {1, 3}, 1 -> {2}; variables 2 and 3 are tree leaves
+    L, N = 2, 40
+    root = hidden_tree_circuit([[1, 3], [2], [], []], 0, L, [0, 1, 2, 3], dists.Categorical(3))
+    regions = T.hclt_latent_regions(root)
+    assert sorted(regions) == [0, 1]
+    rng = np.random.default_rng(0)
+    z = rng.integers(0, L, (N, 4))  # per-variable latents; columns 2, 3 are unused
+    x = rng.integers(0, 3, (N, 4))
+    pc = 0.5
+    new = T.lvd_init(root, regions, z, x, pseudocount=pc)
+
+    def counts(a, b, na, nb):
+        c = np.full((na, nb), pc)
+        for i, j in zip(a, b):
+            c[i, j] += 1
+        return c / c.sum(1, keepdims=True)
+
+    prod0 = new.children[0]
+    sum1, leaf3, leaf0 = prod0.children
+    prod1 = sum1.children[0]
+    leaf2, leaf1 = prod1.children
+    np.testing.assert_allclose(dense_weights(new), counts(np.zeros(N, int), z[:, 0], 1, L))  # P(z0)
+    np.testing.assert_allclose(dense_weights(sum1), counts(z[:, 0], z[:, 1], L, L))  # P(z1 | z0)
+    np.testing.assert_allclose(leaf0.get_params()["probs"], counts(z[:, 0], x[:, 0], L, 3))
+    np.testing.assert_allclose(leaf3.get_params()["probs"], counts(z[:, 0], x[:, 3], L, 3))
+    np.testing.assert_allclose(leaf1.get_params()["probs"], counts(z[:, 1], x[:, 1], L, 3))
+    np.testing.assert_allclose(leaf2.get_params()["probs"], counts(z[:, 1], x[:, 2], L, 3))
+    assert root.source._params is None  # the input graph is untouched
+    c = jaxpc.compile(new)
+    np.testing.assert_allclose(np.asarray(c.get_node_params(c.params, sum1)), dense_weights(sum1), rtol=1e-6)
+
+    # a sequence of regions, with missing values skipped for the leaves
+    miss = np.zeros(x.shape, bool)
+    miss[:10, 1] = True
+    new2 = T.lvd_init(root, [regions[1], regions[0]], z[:, [1, 0]], x, miss, pseudocount=pc)
+    l1 = new2.children[0].children[0].children[0].children[1]
+    np.testing.assert_allclose(l1.get_params()["probs"], counts(z[10:, 1], x[10:, 1], L, 3))
+    with pytest.raises(ValueError, match=r"latents\[:, \d\] holds values in \[5, 6\], but .* has 2 nodes"):
+        T.lvd_init(root, regions, z + 5, x)
+    with pytest.raises(ValueError, match="not a vector of this graph"):
+        T.lvd_init(root, [hmm_like(3)], z[:, :1])
+
+
+def test_lvd_blocks_ties_and_gaussians():
+    # block size 2, a tied sum pair with pooled counts, Gaussian leaves from per-cluster moments
+    N = 60
+    rng = np.random.default_rng(1)
+    g0 = jaxpc.inputs(0, 2, 2, dists.Gaussian(min_sigma=0.01))
+    g1 = g0.duplicate(1, tie_params=True)
+    s0 = jaxpc.summate(g0, num_node_blocks=1, block_size=2, edge_ids=[[0], [1]])  # sparse: only child block 1
+    s1 = s0.duplicate(g1, tie_params=True)
+    root = jaxpc.summate(jaxpc.multiply(s0, s1), num_node_blocks=1, block_size=1)
+    za, zb, zc, zd = (rng.integers(0, n, N) for n in (2, 4, 2, 4))
+    x = rng.normal(0, 1, (N, 2))
+    pc = 1.0
+    new = T.lvd_init(root, {0: s0, 1: g0, 2: s1, 3: g1}, np.stack([za, zb, zc, zd], 1), x, pseudocount=pc)
+    n0, n1 = new.children[0].children
+    assert n1.source is n0
+    cnt = np.zeros((2, 4))
+    for a, b in itertools.chain(zip(za, zb), zip(zc, zd)):
+        cnt[a, b] += 1
+    # only edges to child nodes 2, 3 (block 1) exist; co-occurrences with nodes 0, 1 are dropped
+    w = cnt[:, 2:] + pc
+    np.testing.assert_allclose(n0.get_params()[0], w / w.sum(1, keepdims=True))
+    zz = np.concatenate([zb, zd])
+    v = np.concatenate([x[:, 0], x[:, 1]])
+    gm, gv = v.mean(), v.var()
+    s0_ = np.bincount(zz, minlength=4) + pc
+    mu = (np.bincount(zz, v, 4) + pc * gm) / s0_
+    var = (np.bincount(zz, v * v, 4) + pc * (gv + gm * gm)) / s0_ - mu * mu
+    gp = n0.children[0].get_params()
+    np.testing.assert_allclose(gp["mu"], mu)
+    np.testing.assert_allclose(gp["sigma"], np.sqrt(var))
+    assert n0.children[0].source is n1.children[0].source
+    jaxpc.compile(new)
+
+
+def test_lvd_pd_like_region_with_unassigned_product():
+    # a region sum over two products (two splits); only the first product has an assignment
+    N, pc = 50, 0.25
+    rng = np.random.default_rng(2)
+    a, b = cat_inputs(0, 2, 1), cat_inputs(1, 2, 1)
+    c, d = cat_inputs(0, 2, 1, seed=4), cat_inputs(1, 2, 1, seed=4)
+    p1, p2 = jaxpc.multiply(a, b), jaxpc.multiply(c, d)
+    region = random_sum([p1, p2], 3, 1)
+    root = random_sum([region], 1, 1)
+    zr, z1 = rng.integers(0, 3, N), rng.integers(0, 2, N)
+    x = rng.integers(0, 3, (N, 2))
+    old_c = c.get_params()["probs"].copy()
+    new = T.lvd_init(root, [region, p1], np.stack([zr, z1], 1), x, pseudocount=pc)
+    R = new.children[0]
+    cnt = np.full((3, 4), pc)
+    for i, j in zip(zr, z1):
+        cnt[i, j] += 1  # edges to p2's nodes (columns 2, 3) get the pseudocount only
+    np.testing.assert_allclose(dense_weights(R), cnt / cnt.sum(1, keepdims=True))
+    cnt_root = np.full((1, 3), pc) + np.bincount(zr, minlength=3)
+    np.testing.assert_allclose(dense_weights(new), cnt_root / cnt_root.sum())
+    na = R.children[0].children[0]
+    ca = np.full((2, 3), pc)
+    np.add.at(ca, (z1, x[:, 0]), 1)
+    np.testing.assert_allclose(na.get_params()["probs"], ca / ca.sum(1, keepdims=True))
+    nc = R.children[1].children[0]  # under the unassigned product: copied unchanged
+    np.testing.assert_allclose(nc.get_params()["probs"], old_c)
+
+
+def test_lvd_input_rules_per_distribution():
+    N, pc = 30, 0.5
+    rng = np.random.default_rng(5)
+    z = rng.integers(0, 2, N)
+    leaves = {
+        "bernoulli": jaxpc.inputs(0, 2, 1, dists.Bernoulli()),
+        "masked": jaxpc.inputs(1, 2, 1, dists.MaskedCategorical(3, "range"), params={"mask": [[0, 2], [1, 3]]}),
+        "logistic": jaxpc.inputs(2, 2, 1, dists.DiscreteLogistic((0.0, 1.0), 4, min_std=0.01)),
+        "literal": jaxpc.inputs(3, 2, 1, dists.Literal(1)),
+    }
+    root = jaxpc.summate(jaxpc.multiply(*leaves.values()), num_node_blocks=1, block_size=1)
+    x = np.stack([rng.integers(0, 2, N), rng.integers(0, 3, N), rng.integers(0, 4, N), np.ones(N, int)], 1)
+    x[:, 1] = np.where(z == 0, np.minimum(x[:, 1], 1), np.maximum(x[:, 1], 1))  # inside each node's mask
+    new = T.lvd_init(root, [root.children[0]], z[:, None], x, pseudocount=pc)
+    nb, nm, nl, nlit = new.children[0].children
+    c = np.full((2, 2), pc)
+    np.add.at(c, (z, x[:, 0]), 1)
+    np.testing.assert_allclose(nb.get_params()["p"], c[:, 1] / c.sum(1))
+    c = np.full((2, 3), pc)
+    np.add.at(c, (z, x[:, 1]), 1)
+    c[0, 2] = c[1, 0] = 0.0  # forbidden values stay at zero
+    np.testing.assert_allclose(nm.get_params()["probs"], c / c.sum(1, keepdims=True))
+    centers = (x[:, 2] + 0.5) / 4
+    for k in range(2):
+        v = centers[z == k]
+        gm, gv = centers.mean(), centers.var()
+        mu = (v.sum() + pc * gm) / (v.size + pc)
+        var = ((v * v).sum() + pc * (gv + gm * gm)) / (v.size + pc) - mu * mu
+        assert nl.get_params()["mu"][k] == pytest.approx(mu)
+        assert nl.get_params()["s"][k] == pytest.approx(np.sqrt(var) * np.sqrt(3) / np.pi)
+    assert nlit.get_params() is None
+    jaxpc.compile(new)
+
+
+# ----------------------------------------------------------------------------------------------
+# argument errors
+# ----------------------------------------------------------------------------------------------
+
+def test_argument_errors_name_the_argument():
+    assert jaxpc.transforms is T and "transforms" in jaxpc.__all__ and "visualize" in jaxpc.__all__
+    _, _, _, s, root = _block_diag_circuit()
+    with pytest.raises(TypeError, match="blockify: root must be a node vector"):
+        T.blockify("root")
+    with pytest.raises(ValueError, match="sparsity_tolerance"):
+        T.blockify(root, sparsity_tolerance=1.0)
+    with pytest.raises(ValueError, match="max_block_size"):
+        T.blockify(root, max_block_size=0)
+    with pytest.raises(ValueError, match="unblockify: block_size"):
+        T.unblockify(root, block_size=0)
+    with pytest.raises(ValueError, match="params= is a pytree of a compiled circuit"):
+        T.deepcopy(root, params={})
+    with pytest.raises(ValueError, match="noise"):
+        T.grow(root, noise=-1.0)
+    with pytest.raises(ValueError, match="pseudocount"):
+        T.lvd_init(root, [s], np.zeros((3, 1), int), pseudocount=-1)
+    with pytest.raises(ValueError, match="latents must be an int array"):
+        T.lvd_init(root, [s], np.zeros((3, 1)))

@@ -1,0 +1,108 @@
+"""jaxpc.visualize: plot_circuit draws one marker per node (vector) and one line per edge (vector pair);
+summary's table adds up to the circuit's node and edge counts."""
+
+import numpy as np
+import pytest
+
+matplotlib = pytest.importorskip("matplotlib")  # optional dependencies of jaxpc.visualize
+pytest.importorskip("networkx")
+matplotlib.use("Agg")
+
+import jaxpc  # noqa: E402
+from jaxpc import dists  # noqa: E402
+from jaxpc import visualize as vis  # noqa: E402
+from jaxpc.compiler.layout import ScanSpec  # noqa: E402
+from jaxpc.nodes import topological_order  # noqa: E402
+
+from .random_circuits import Generator  # noqa: E402
+from .test_api import hmm_like  # noqa: E402
+
+
+def _artists(fig):
+    ax = fig.axes[0]
+    by_gid = {c.get_gid(): c for c in ax.collections}
+    points = {k: len(by_gid[f"jaxpc-{k}"].get_offsets()) for k in ("input", "prod", "sum")}
+    return points, len(by_gid["jaxpc-edges"].get_segments()), [t for t in ax.texts if t.get_gid() == "jaxpc-label"]
+
+
+def _small():
+    a = jaxpc.inputs(0, 2, 2, dists.Categorical(3))
+    b = jaxpc.inputs(1, 2, 2, dists.Bernoulli())
+    m = jaxpc.multiply(a, b)
+    s = jaxpc.summate(m, num_node_blocks=1, block_size=2, edge_ids=[[0], [1]])
+    return jaxpc.summate(s, jaxpc.multiply(a, b, edge_ids=[[1, 0]]), num_node_blocks=1, block_size=1)
+
+
+def test_plot_circuit_vector_and_node_artists():
+    import matplotlib.pyplot as plt
+
+    root = _small()
+    nodes = topological_order(root)
+    fig = vis.plot_circuit(root)
+    points, n_edges, labels = _artists(fig)
+    assert points == {"input": 2, "prod": 2, "sum": 2}
+    assert n_edges == sum(len(set(c.id for c in ns.children)) for ns in nodes) == 7
+    assert len(labels) == len(nodes)
+    plt.close(fig)
+
+    c = jaxpc.compile(root)
+    fig = vis.plot_circuit(c, granularity="node")
+    points, n_edges, labels = _artists(fig)
+    assert points == {"input": 8, "prod": 6, "sum": 3}
+    assert sum(points.values()) == c.num_nodes
+    assert n_edges == c.num_edges == 4 * 2 + 2 * 2 + 2 * 2 + 4  # m, m2, s (one 2x2 block), root
+    assert len(labels) == 8  # inputs are labeled with their variable
+    # edge opacity follows the weights of the params given
+    lc = next(x for x in fig.axes[0].collections if x.get_gid() == "jaxpc-edges")
+    assert len(np.unique(np.round(lc.get_colors()[:, 3], 6))) > 2
+    plt.close(fig)
+
+    # an existing Axes, a random circuit with ties
+    g = Generator(3, 4)
+    r = g.circuit()
+    fig, ax = plt.subplots()
+    assert vis.plot_circuit(r, ax=ax, labels=False) is fig
+    points, n_edges, labels = _artists(fig)
+    rn = topological_order(r)
+    assert sum(points.values()) == len(rn) and not labels
+    assert n_edges == sum(len(set(c.id for c in ns.children)) for ns in rn)
+    plt.close(fig)
+
+    with pytest.raises(ValueError, match="max_nodes"):
+        vis.plot_circuit(root, granularity="node", max_nodes=5)
+    with pytest.raises(ValueError, match="granularity"):
+        vis.plot_circuit(root, granularity="edge")
+    with pytest.raises(TypeError, match="node vector or a jaxpc.Circuit"):
+        vis.plot_circuit("root")
+    with pytest.raises(ValueError, match="params= needs a compiled circuit"):
+        vis.plot_circuit(root, params={})
+
+
+def _total(text):
+    last = text.splitlines()[-1].split()
+    assert last[0] == "total"
+    return int(last[1]), int(last[2]), int(last[3])
+
+
+def test_summary_table_adds_up():
+    c = jaxpc.compile(hmm_like(7, L=4))
+    text = vis.summary(c)
+    lines = text.splitlines()
+    assert lines[1].split() == ["step", "kind", "parts", "nodes", "edges", "params", "fan-in", "blocks"]
+    assert _total(text) == (c.num_nodes, c.num_edges, c.num_parameters)
+    scan = next(s for s in c.layout.steps if isinstance(s, ScanSpec))
+    assert any(f"x{scan.repeats}" in ln and " sum " in ln for ln in lines)
+    sum_row = next(ln for ln in lines if f"x{scan.repeats}" in ln and " sum " in ln).split()
+    assert sum_row[-3:] == ["16", "4", "1x1"]  # tied transitions: 4 x 4 weights read in every step
+    in_row = next(ln for ln in lines if ln.startswith("in")).split()
+    assert in_row[1] == "input:categorical" and in_row[2] == "7" and in_row[3] == "28"
+
+    g = Generator(0, 4)
+    c = jaxpc.compile(g.circuit())
+    text = vis.summary(c)
+    assert _total(text) == (c.num_nodes, c.num_edges, c.num_parameters)
+    n_rows = len(text.splitlines()) - 5  # header line, column names, two rules, total
+    kinds = sum(bool(s.prods) + bool(s.sums) for s in c.layout.stages())
+    assert n_rows == kinds + len(c.layout.input_layers)
+    with pytest.raises(TypeError, match="compiled jaxpc.Circuit"):
+        vis.summary(g.circuit())
