@@ -418,6 +418,14 @@ class Circuit:
     def num_parameters(self) -> int:
         return sum(int(np.prod(a.shape)) for a in jax.tree_util.tree_leaves(self.params))
 
+    def summary(self) -> str:
+        """A per-layer table: stages, partitions, nodes, edges, parameters, fan-in, block sizes."""
+        from . import visualize
+        return visualize.summary(self)
+
+    def __str__(self) -> str:
+        return self.summary()
+
     def __repr__(self) -> str:
         scans = sum(1 for s in self.layout.steps if isinstance(s, ScanSpec))
         return (f"Circuit(num_vars={self.num_vars}, num_nodes={self.num_nodes}, num_edges={self.num_edges}, "

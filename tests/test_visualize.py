@@ -1,11 +1,10 @@
 """jaxpc.visualize: plot_circuit draws one marker per node (vector) and one line per edge (vector pair);
 summary's table adds up to the circuit's node and edge counts."""
 
+import matplotlib  # the test extra installs jaxpc.visualize's optional dependencies
 import numpy as np
 import pytest
 
-matplotlib = pytest.importorskip("matplotlib")  # optional dependencies of jaxpc.visualize
-pytest.importorskip("networkx")
 matplotlib.use("Agg")
 
 import jaxpc  # noqa: E402
