@@ -45,7 +45,7 @@ def codd_loop(steps: int, buckets, fixed: int | None):
             "compile_s": info.compile_seconds}
 
 
-def first_calls():
+def first_calls(names=("HMM-1024", "HCLT-256", "PD-128")):
     from _data import blurred_noise_images
 
     imgs = blurred_noise_images(2000)
@@ -57,6 +57,8 @@ def first_calls():
             ("HCLT-256", lambda: structures.HCLT(imgs, 256, input_dist=cat), lambda b: imgs[:b]),
             ("PD-128", lambda: structures.PD((28, 28), 128, split_intervals=(4, 4), input_dist=cat),
              lambda b: imgs[:b])):
+        if name not in names:
+            continue
         c = jaxpc.compile(build())
         row = {}
         for b in (16, 128):
@@ -74,12 +76,13 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--persistent-dir", default=None)
+    p.add_argument("--first-calls", default="HMM-1024,HCLT-256,PD-128")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
     if args.child:
         jaxpc.enable_persistent_cache(args.persistent_dir)
-        print(json.dumps(first_calls()))
+        print(json.dumps(first_calls(args.first_calls.split(","))))
         return
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     res = {"bucketed": codd_loop(args.steps, "pow2", None), "fixed_26": codd_loop(args.steps, "exact", 26),
@@ -90,13 +93,14 @@ def main(argv=None):
     if args.persistent_dir:
         runs = []
         for i in range(2):
-            out = subprocess.run([sys.executable, __file__, "--child", "--persistent-dir", args.persistent_dir],
+            out = subprocess.run([sys.executable, __file__, "--child", "--persistent-dir", args.persistent_dir,
+                                  "--first-calls", args.first_calls],
                                  capture_output=True, text=True, check=True).stdout
             runs.append(json.loads(out.strip().splitlines()[-1]))
             print(f"process {i + 1} (persistent cache {'cold' if i == 0 else 'warm'}): {runs[-1]}", flush=True)
         res["first_calls"] = runs
     else:
-        res["first_calls"] = [first_calls()]
+        res["first_calls"] = [first_calls(args.first_calls.split(","))]
     Path(args.out).mkdir(parents=True, exist_ok=True)
     with open(Path(args.out) / "cache_loop.json", "w") as f:
         json.dump(res, f, indent=1)
