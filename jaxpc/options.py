@@ -40,6 +40,8 @@ class Options:
         impl: implementation of the sum layers: ``"reference"`` (plain jnp, XLA) or ``"pallas"``
             (the Pallas kernels of :mod:`jaxpc.ops.pallas_sum`: Triton on GPU, interpret mode
             elsewhere; max-product layers use the reference).
+        kernels: per-partition overrides of ``impl`` found by :func:`jaxpc.autotune.tune_circuit`:
+            pairs ``((n, C, Kp, Kc, U, D, batch), choice)``.
     """
 
     propagation: str = "LL"
@@ -49,8 +51,20 @@ class Options:
     compute_param_flows: bool = True
     negate_flows: bool = False
     impl: str = "reference"
+    kernels: tuple = ()
 
     def __post_init__(self):
+        if not isinstance(self.kernels, tuple):
+            raise TypeError(f"kernels must be a tuple of (partition signature, choice) pairs, got "
+                            f"{type(self.kernels).__name__}")
+        for entry in self.kernels:
+            ok = (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], tuple)
+                  and isinstance(entry[1], tuple) and entry[1] and entry[1][0] in IMPLS
+                  and (entry[1] == ("reference",) or (len(entry[1]) == 4 and all(isinstance(v, int) and v > 0
+                                                                                   for v in entry[1][1:]))))
+            if not ok:
+                raise ValueError(f"kernels entry {entry!r} is not ((n, C, Kp, Kc, U, D, B), ('reference',) or "
+                                 f"('pallas', block_b, block_k, num_warps))")
         for name, allowed in (("backward", BACKWARDS), ("precision", PRECISIONS), ("impl", IMPLS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")

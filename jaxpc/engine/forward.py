@@ -50,6 +50,19 @@ def input_values(layout: Layout, tables: dict, params: dict, x: Array, missing: 
     return outs
 
 
+def kernel_choice(options, part, B: int):
+    """``(impl, KernelConfig or None)`` for a sum partition: the tuned choice in ``options.kernels`` for this
+    partition and batch, else ``options.impl`` with the default kernel configuration."""
+    sig = (part.n, part.C, part.Kp, part.Kc, part.U, part.D, B)
+    for s, choice in options.kernels:
+        if s == sig:
+            if choice[0] == "pallas":
+                from ..ops.pallas_sum import KernelConfig
+                return "pallas", KernelConfig(*choice[1:])
+            return "reference", None
+    return options.impl, None
+
+
 def _stage(buf: Array, spec: StageSpec, tab: dict, sum_params: dict, options, offset, index) -> Array:
     outs = []
     for j, (part, t) in enumerate(zip(spec.prods, tab["prods"])):
@@ -57,9 +70,10 @@ def _stage(buf: Array, spec: StageSpec, tab: dict, sum_params: dict, options, of
             outs.append(product_layer(buf, t["ch"], K=part.K))
     for j, (part, t) in enumerate(zip(spec.sums, tab["sums"])):
         with jax.named_scope(f"jaxpc/stage{index}/sum{j}"):
+            impl, cfg = kernel_choice(options, part, buf.shape[1])
             outs.append(sum_layer(buf, t["ch"], t["pid"], sum_params[part.group], Kp=part.Kp, Kc=part.Kc,
                                   dense=part.dense, propagation=options.propagation, alpha=options.alpha,
-                                  precision=options.precision, impl=options.impl))
+                                  precision=options.precision, impl=impl, config=cfg))
     out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
     return lax.dynamic_update_slice(buf, out.astype(buf.dtype), (offset, 0))
 
@@ -139,10 +153,11 @@ def _root_bwd(layout, options, res, g):
             row = row + part.num_rows
         for j, (part, t) in enumerate(zip(spec.sums, tab["sums"])):
             with jax.named_scope(f"jaxpc/stage{name}/sum{j}/backward"):
-                if options.impl == "pallas" and options.propagation != "MPE":
+                impl, cfg = kernel_choice(options, part, values.shape[1])
+                if impl == "pallas" and options.propagation != "MPE":
                     a = 1.0 if options.propagation == "LL" else options.alpha
                     cf, pf = pallas_sum_backward(values, fl, row, t, sum_params[part.group], Kp=part.Kp, Kc=part.Kc,
-                                                 alpha=a, precision=options.precision)
+                                                 alpha=a, precision=options.precision, config=cfg)
                     rows = (t["uch"][:, None] + jnp.arange(part.Kc, dtype=t["uch"].dtype)).reshape(-1)
                     pf = pf if options.compute_param_flows else None
                 else:
@@ -166,14 +181,15 @@ def _root_bwd(layout, options, res, g):
 root_values.defvjp(_root_fwd, _root_bwd)
 
 
-def pallas_sum_backward(values, flows, row, t, logw, *, Kp, Kc, alpha, precision):
+def pallas_sum_backward(values, flows, row, t, logw, *, Kp, Kc, alpha, precision, config=None):
     """The two backward kernels of one sum partition: ``(child flows [U*Kc, B], param flows [n, C, Kp, Kc])``."""
     from ..ops import pallas_sum
 
+    cfg = config or pallas_sum.KernelConfig()
     a, m, pf = pallas_sum.backward_parents(values, flows, row, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, alpha=alpha,
-                                           precision=precision)
+                                           precision=precision, config=cfg)
     cf = pallas_sum.backward_children(values, a, m, t["uch"], t["par"], t["ppid"], logw, Kp=Kp, Kc=Kc,
-                                      alpha=alpha, precision=precision)
+                                      alpha=alpha, precision=precision, config=cfg)
     return cf, pf
 
 

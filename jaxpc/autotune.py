@@ -1,0 +1,195 @@
+"""Autotuning outside jit.
+
+:class:`Autotuner` picks one configuration among candidates for a *shape key*:
+
+1. The heuristic configuration is the reference; every candidate (the heuristic included) runs once
+   untimed (compilation, warm-up) and once timed.
+2. Candidates slower than ``drop_factor`` (2x) times the fastest first timing are dropped; the
+   survivors and the heuristic get ``full_reps`` timed runs (median).
+3. A candidate replaces the heuristic only when it is at least ``margin`` (10%) faster.
+
+Results are cached in the process and, with ``cache_path``, in a JSON file, keyed by the
+environment (GPU name, driver / platform version, jax and jaxlib versions) and the shape key.
+
+:func:`tune_circuit` applies it to every sum partition of a compiled circuit (reference XLA path
+vs the Pallas kernels in a few configurations) and returns :class:`~jaxpc.Options` whose
+``kernels`` field routes each partition to its winner; the choice is part of the executable key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Hashable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["Autotuner", "environment_key", "tune_circuit", "DEFAULT_CANDIDATES"]
+
+
+def environment_key() -> str:
+    """``device kind | platform version | jax | jaxlib`` of the default device."""
+    dev = jax.devices()[0]
+    try:
+        platform_version = dev.client.platform_version
+    except Exception:  # noqa: BLE001 - not every client reports it
+        platform_version = dev.platform
+    import jaxlib
+
+    return f"{dev.device_kind}|{platform_version}|jax {jax.__version__}|jaxlib {jaxlib.__version__}"
+
+
+def _wall_timer(fn: Callable[[], Any]) -> float:
+    t = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - t
+
+
+class Autotuner:
+    """See the module docstring. ``timer(fn) -> seconds`` times one call of ``fn`` (injectable)."""
+
+    _process_cache: dict = {}
+    _lock = threading.Lock()
+
+    def __init__(self, timer: Callable[[Callable[[], Any]], float] | None = None, cache_path: str | None = None,
+                 env_key: str | None = None, margin: float = 0.10, drop_factor: float = 2.0, full_reps: int = 10):
+        if not 0 <= margin < 1:
+            raise ValueError(f"margin must be in [0, 1), got {margin!r}")
+        if drop_factor < 1:
+            raise ValueError(f"drop_factor must be >= 1, got {drop_factor!r}")
+        if full_reps < 1:
+            raise ValueError(f"full_reps must be >= 1, got {full_reps!r}")
+        self.timer = timer or _wall_timer
+        self.cache_path = None if cache_path is None else Path(os.path.expanduser(cache_path))
+        self.env_key = env_key if env_key is not None else environment_key()
+        self.margin, self.drop_factor, self.full_reps = margin, drop_factor, full_reps
+        self.last_timings: dict = {}
+
+    # ---- caches -------------------------------------------------------------------------------
+    def _key(self, shape_key: Hashable) -> str:
+        return f"{self.env_key}||{shape_key!r}"
+
+    def _disk(self) -> dict:
+        if self.cache_path is None or not self.cache_path.exists():
+            return {}
+        try:
+            return json.loads(self.cache_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return {}
+
+    def _store(self, key: str, index: int) -> None:
+        with self._lock:
+            Autotuner._process_cache[key] = index
+            if self.cache_path is not None:
+                data = self._disk()
+                data[key] = index
+                self.cache_path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = self.cache_path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+                tmp.replace(self.cache_path)
+
+    def lookup(self, shape_key: Hashable, configs: Sequence) -> Any | None:
+        key = self._key(shape_key)
+        with self._lock:
+            idx = Autotuner._process_cache.get(key)
+        if idx is None:
+            idx = self._disk().get(key)
+            if idx is not None:
+                with self._lock:
+                    Autotuner._process_cache[key] = idx
+        return None if idx is None or idx >= len(configs) else configs[idx]
+
+    # ---- tuning -------------------------------------------------------------------------------
+    def tune(self, shape_key: Hashable, heuristic: Any, candidates: Sequence, run: Callable[[Any], Callable[[], Any]]):
+        """The chosen configuration for ``shape_key``. ``run(config)`` returns a zero-argument callable
+        executing the operation once with that configuration."""
+        configs = [heuristic] + [c for c in candidates if c != heuristic]
+        cached = self.lookup(shape_key, configs)
+        if cached is not None:
+            return cached
+        fns, first = {}, {}
+        for i, cfg in enumerate(configs):
+            try:
+                fns[i] = run(cfg)
+                jax.block_until_ready(fns[i]())  # untimed: compile and warm up
+                first[i] = self.timer(fns[i])
+            except Exception:  # noqa: BLE001 - a candidate that fails to build or run is not a candidate
+                if i == 0:
+                    raise
+        best = min(first.values())
+        survivors = [i for i in first if i == 0 or first[i] <= self.drop_factor * best]
+        full = {i: statistics.median(self.timer(fns[i]) for _ in range(self.full_reps)) for i in survivors}
+        self.last_timings = {"first": first, "full": full}
+        winner = 0
+        challenger = min((i for i in full if i != 0), key=lambda i: full[i], default=None)
+        if challenger is not None and full[challenger] <= (1.0 - self.margin) * full[0]:
+            winner = challenger
+        self._store(self._key(shape_key), winner)
+        return configs[winner]
+
+
+# ---- circuits -----------------------------------------------------------------------------------
+
+DEFAULT_CANDIDATES = (("pallas", 16, 32, 4), ("pallas", 32, 64, 4), ("pallas", 64, 64, 8))
+
+
+def tune_circuit(circuit, params, x, *, precision: str = "tf32", candidates: Sequence | None = None,
+                 tuner: Autotuner | None = None):
+    """Options whose ``kernels`` route each sum partition of ``circuit`` (at the batch bucket of ``x``) to
+    the fastest of the XLA reference and the Pallas kernel configurations ``candidates`` (tuples
+    ``("pallas", block_b, block_k, num_warps)``), timing forward + backward of the partition alone."""
+    from .compiler.layout import ScanSpec
+    from .engine.forward import pallas_sum_backward
+    from .ops.sum_layer import child_rows, sum_layer, sum_layer_backward_reference
+    from .options import Options
+
+    tuner = tuner or Autotuner()
+    cands = DEFAULT_CANDIDATES if candidates is None else tuple(candidates)
+    xj, _ = circuit._prepare(x, None, True)
+    B = circuit._buckets(xj.shape[0])
+    values = circuit.node_values(params, jnp.concatenate([xj] * (-(-B // xj.shape[0])))[:B], validate=False)
+    flows = jnp.ones_like(values)
+    choices: dict = {}
+    for step, tab in zip(circuit.layout.steps, circuit.tables["steps"]):
+        specs = list(zip(step.period, tab)) if isinstance(step, ScanSpec) else [(step, tab)]
+        for spec, t in specs:
+            row = None
+            for part, pt in zip(spec.sums, t["sums"]):
+                sig = (part.n, part.C, part.Kp, part.Kc, part.U, part.D, B)
+                if sig in choices:
+                    continue
+                pt = jax.tree_util.tree_map(lambda a: a[0] if isinstance(step, ScanSpec) else a, pt)
+                logw = params["sum"][part.group]
+                off = 0
+
+                def run(cfg, part=part, pt=pt, logw=logw):
+                    if cfg == ("reference",):
+                        def op(v, f):
+                            out = sum_layer(v, pt["ch"], pt["pid"], logw, Kp=part.Kp, Kc=part.Kc, dense=part.dense,
+                                            precision=precision)
+                            cf, pf = sum_layer_backward_reference(v, f, pt["ch"], pt["pid"], logw, off, Kp=part.Kp,
+                                                                  Kc=part.Kc, dense=part.dense, precision=precision)
+                            return out, f.at[child_rows(pt["ch"], part.Kc, part.dense)].add(cf), pf
+                    else:
+                        from .ops.pallas_sum import KernelConfig, forward
+
+                        kc = KernelConfig(*cfg[1:])
+
+                        def op(v, f):
+                            out = forward(v, pt["ch"], pt["pid"], logw, Kp=part.Kp, Kc=part.Kc, precision=precision,
+                                          config=kc)
+                            cf, pf = pallas_sum_backward(v, f, off, pt, logw, Kp=part.Kp, Kc=part.Kc, alpha=1.0,
+                                                         precision=precision, config=kc)
+                            rows = (pt["uch"][:, None] + jnp.arange(part.Kc)).reshape(-1)
+                            return out, f.at[rows].add(cf), pf
+                    f = jax.jit(op)
+                    return lambda: f(values, flows)
+
+                choices[sig] = tuner.tune(("sum", sig, precision), ("reference",), cands, run)
+    kernels = tuple(sorted((sig, ch) for sig, ch in choices.items() if ch != ("reference",)))
+    return Options(precision=precision, kernels=kernels)

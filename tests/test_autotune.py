@@ -1,0 +1,99 @@
+"""The autotuner's rules with fake timers: call counts, the 2x drop, the 10% margin, the caches."""
+
+import collections
+
+import numpy as np
+import pytest
+
+import jaxpc
+from jaxpc import structures
+from jaxpc.autotune import Autotuner, tune_circuit
+
+TIMES = {"H": 1.0, "A": 0.95, "B": 3.0, "C": 0.5}
+
+
+class Op:
+    def __init__(self, cfg, calls):
+        self.cfg, self.calls = cfg, calls
+
+    def __call__(self):
+        self.calls[self.cfg] += 1
+        return np.zeros(())
+
+
+def fake_timer(fn):
+    fn()
+    return TIMES[fn.cfg]
+
+
+def tuner(**kw):
+    Autotuner._process_cache.clear()
+    return Autotuner(timer=fake_timer, env_key=kw.pop("env_key", "test-gpu"), full_reps=5, **kw)
+
+
+def test_call_counts_drop_rule_and_winner():
+    calls = collections.Counter()
+    t = tuner()
+    best = t.tune("shape", "H", ["A", "B", "C"], lambda cfg: Op(cfg, calls))
+    assert best == "C"
+    # everyone: one untimed + one timed run; B (3x the fastest first timing) is dropped there;
+    # the survivors (and always the heuristic) get full_reps more
+    assert calls == {"H": 2 + 5, "A": 2 + 5, "B": 2, "C": 2 + 5}
+
+
+def test_margin_rule_keeps_the_heuristic():
+    calls = collections.Counter()
+    assert tuner().tune("shape", "H", ["A"], lambda cfg: Op(cfg, calls)) == "H"  # 5% faster is not enough
+    calls.clear()
+    assert tuner(margin=0.04).tune("shape", "H", ["A"], lambda cfg: Op(cfg, calls)) == "A"
+
+
+def test_failing_candidate_is_skipped_but_failing_heuristic_raises():
+    calls = collections.Counter()
+
+    def run(cfg):
+        if cfg == "C":
+            raise RuntimeError("does not compile")
+        return Op(cfg, calls)
+
+    assert tuner().tune("s", "H", ["A", "C"], run) == "H"
+    with pytest.raises(RuntimeError, match="does not compile"):
+        tuner().tune("s", "C", ["A"], run)
+
+
+def test_process_and_disk_caches(tmp_path):
+    path = tmp_path / "tune.json"
+    calls = collections.Counter()
+    t = tuner(cache_path=str(path))
+    assert t.tune("k", "H", ["A", "C"], lambda cfg: Op(cfg, calls)) == "C"
+    n = sum(calls.values())
+    assert t.tune("k", "H", ["A", "C"], lambda cfg: Op(cfg, calls)) == "C"  # process cache
+    assert sum(calls.values()) == n
+    t2 = tuner(cache_path=str(path))  # fresh process cache: read from disk
+    assert t2.tune("k", "H", ["A", "C"], lambda cfg: Op(cfg, calls)) == "C"
+    assert sum(calls.values()) == n
+    t3 = tuner(cache_path=str(path), env_key="another-gpu|driver 2|jax x")  # other environment: tune again
+    t3.tune("k", "H", ["A", "C"], lambda cfg: Op(cfg, calls))
+    assert sum(calls.values()) > n
+
+
+def test_tune_circuit_routes_partitions_and_stays_exact():
+    c = jaxpc.compile(structures.HMM(6, 4, 5, block_size=2), seed=1)
+    x = np.random.default_rng(0).integers(0, 5, (10, 6)).astype(np.int32)
+    Autotuner._process_cache.clear()
+    class Timer:
+        def __call__(self, fn):
+            fn()
+            return self.next.pop(0)
+
+    # the reference is timed first (1.0), the pallas candidate after it (0.4): the kernel wins
+    timer = Timer()
+    timer.next = [1.0, 0.4] + [1.0, 1.0, 0.4, 0.4] + [1.0, 0.4] + [1.0, 1.0, 0.4, 0.4]
+    t = Autotuner(timer=timer, env_key="fake", full_reps=2)
+    opts = tune_circuit(c, c.params, x, candidates=[("pallas", 16, 16, 4)], tuner=t)
+    assert opts.kernels and all(ch == ("pallas", 16, 16, 4) for _, ch in opts.kernels)
+    ref = jaxpc.Options(precision="tf32")
+    np.testing.assert_allclose(np.asarray(c.log_prob(c.params, x, options=opts)),
+                               np.asarray(c.log_prob(c.params, x, options=ref)), rtol=1e-5)
+    f1, f2 = c.flows(c.params, x, options=opts), c.flows(c.params, x, options=ref)
+    np.testing.assert_allclose(np.asarray(f1["sum"]["2x2"]), np.asarray(f2["sum"]["2x2"]), rtol=1e-4, atol=1e-5)
