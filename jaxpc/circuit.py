@@ -310,22 +310,29 @@ class Circuit:
         return (fl, ll) if return_ll else fl
 
     def em_step(self, params: Params, x, missing=None, *, step_size: float = 1.0, pseudocount: float = 0.0,
-                ll_weights=None, options: Options | None = None, validate: bool = True, return_ll: bool = False):
+                ll_weights=None, options: Options | None = None, validate: bool = True, return_ll: bool = False,
+                keep_zero_params: bool = False, rescale: str = "none"):
         """One mini-batch EM step in a single executable:
         ``theta <- (1 - step_size) theta + step_size * normalize(flows + pseudocount)``.
 
         ``pseudocount`` is spread evenly over each node's children (values, for categoricals).
+        Variants: ``keep_zero_params`` (zero parameters stay zero); ``rescale="tdp"`` (new parameters
+        ``normalize(step_size * flows / batch + (1 - step_size) * TDP)``, TDP the model's top-down
+        probabilities); ``options=Options(propagation="MPE")`` (hard / Viterbi EM from max-product
+        flows); ``Options(pflow_temperature=T)`` (tempered EM).
         Returns the new params (and the batch's log-likelihoods under the old ones with ``return_ll``).
         With ``validate=False`` and device-resident inputs a step makes no host transfer.
         """
         _check_em_args(step_size, pseudocount)
+        if rescale not in ("none", "tdp"):
+            raise ValueError(f"rescale must be 'none' or 'tdp', got {rescale!r}")
         opts = Options.make(options)
         if opts.negate_flows:
             raise ValueError("em_step needs flows, not negated flows (options.negate_flows=True)")
         xj, mj = self._prepare(x, missing, validate)
         w = self._weights(ll_weights, xj.shape[0])
         n, b, xp, mp, wp = self._batch(xj, mj, w, with_weights=True)
-        static = {"options": opts}
+        static = {"options": opts, "keep_zero_params": bool(keep_zero_params), "rescale": rescale}
         args = {"tables": self.tables, "params": params, "x": xp, "missing": mp, "weights": wp,
                 "step_size": self._scalar(step_size), "pseudocount": self._scalar(pseudocount)}
         new, ll = self._run("em_step", static, args,
@@ -334,10 +341,10 @@ class Circuit:
         return (new, ll) if return_ll else new
 
     def em_update(self, params: Params, flows: dict, *, step_size: float = 1.0, pseudocount: float = 0.0,
-                  update_sums: bool = True) -> Params:
+                  update_sums: bool = True, keep_zero_params: bool = False) -> Params:
         """The EM M-step from accumulated flows (e.g. summed over batches)."""
         _check_em_args(step_size, pseudocount)
-        return self._run("em_update", {"update_sums": bool(update_sums)},
+        return self._run("em_update", {"update_sums": bool(update_sums), "keep_zero_params": bool(keep_zero_params)},
                          {"tables": self.tables, "params": params, "flows": flows,
                           "step_size": self._scalar(step_size), "pseudocount": self._scalar(pseudocount)})
 
@@ -479,12 +486,14 @@ def _e_flows(layout, tables, params, x, missing, weights, *, options):
     return em.flows_and_ll(layout, tables, params, x, missing, weights, options)
 
 
-def _e_em_step(layout, tables, params, x, missing, weights, step_size, pseudocount, *, options):
-    return em.em_step(layout, tables, params, x, missing, weights, step_size, pseudocount, options)
+def _e_em_step(layout, tables, params, x, missing, weights, step_size, pseudocount, *, options, keep_zero_params,
+               rescale):
+    return em.em_step(layout, tables, params, x, missing, weights, step_size, pseudocount, options,
+                      keep_zero_params, rescale)
 
 
-def _e_em_update(layout, tables, params, flows, step_size, pseudocount, *, update_sums):
-    return em.em_update(layout, tables, params, flows, step_size, pseudocount, update_sums)
+def _e_em_update(layout, tables, params, flows, step_size, pseudocount, *, update_sums, keep_zero_params):
+    return em.em_update(layout, tables, params, flows, step_size, pseudocount, update_sums, keep_zero_params)
 
 
 _ENTRIES = {"log_prob": _e_log_prob, "node_values": _e_node_values, "partial": _e_partial, "flows": _e_flows,

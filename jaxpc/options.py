@@ -42,6 +42,9 @@ class Options:
             elsewhere; max-product layers use the reference).
         kernels: per-partition overrides of ``impl`` found by :func:`jaxpc.autotune.tune_circuit`:
             pairs ``((n, C, Kp, Kc, U, D, batch), choice)``.
+        pflow_temperature: parameter flows split each sum node's flow by the tempered posterior
+            ``(w_c p_c)^(1/T) / sum_c' (w_c' p_c')^(1/T)`` (T < 1 sharpens toward hard EM); 1 is EM.
+        eflow_temperature: the same tempering for the flows passed down to the children.
     """
 
     propagation: str = "LL"
@@ -52,8 +55,17 @@ class Options:
     negate_flows: bool = False
     impl: str = "reference"
     kernels: tuple = ()
+    pflow_temperature: float = 1.0
+    eflow_temperature: float = 1.0
 
     def __post_init__(self):
+        for name in ("pflow_temperature", "eflow_temperature"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be a positive finite float, got {v!r}")
+            object.__setattr__(self, name, float(v))
+            if v != 1.0 and self.propagation != "LL":
+                raise ValueError(f"{name} applies to propagation='LL' flows, got propagation={self.propagation!r}")
         if not isinstance(self.kernels, tuple):
             raise TypeError(f"kernels must be a tuple of (partition signature, choice) pairs, got "
                             f"{type(self.kernels).__name__}")

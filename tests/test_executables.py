@@ -48,6 +48,8 @@ OPTION_CHANGES = {
     "compute_param_flows": ("flows", {}, {"compute_param_flows": False}),
     "negate_flows": ("flows", {}, {"negate_flows": True}),
     "impl": ("flows", {}, {"impl": "pallas"}),
+    "pflow_temperature": ("flows", {}, {"pflow_temperature": 0.5}),
+    "eflow_temperature": ("flows", {}, {"eflow_temperature": 0.5}),
     # a tuned per-partition route (signature of the HMM's scanned 2x2 partition at bucket 16)
     "kernels": ("flows", {}, {"kernels": (((2, 2, 2, 2, 2, 2, 16), ("pallas", 16, 16, 4)),)}),
 }

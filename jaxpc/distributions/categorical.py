@@ -63,7 +63,8 @@ class Categorical(Distribution):
 
     # traced
     def _mask(self, tables):
-        return tables.get("mask")
+        m = tables.get("mask")
+        return None if m is None or m is True else m
 
     def init(self, rs, num_rows, tables):
         xp = rs.xp

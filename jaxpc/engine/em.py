@@ -51,29 +51,42 @@ def flows_and_ll(layout: Layout, tables: dict, params: dict, x: Array, missing: 
     return out, ll
 
 
-def normalize_sum_params(layout: Layout, tables: dict, sum_counts: dict, pseudocount) -> dict:
+def normalize_sum_params(layout: Layout, tables: dict, sum_counts: dict, pseudocount, keep: dict | None = None) -> dict:
     """``(counts + c / num_children) / (node total + c)`` per node, in linear space; nodes with no
-    mass keep a uniform distribution over their children."""
+    mass keep a uniform distribution over their children. ``keep`` (per group, bool like the counts)
+    restricts each node to those children: the others get exactly zero and no pseudocount."""
     out = {}
     for g in layout.sum_groups:
         t = tables["groups"][g.key]
-        seg, nch = t["seg"], t["nch"].astype(sum_counts[g.key].dtype)
-        counts = sum_counts[g.key] + (pseudocount / nch)[seg][:, None, None]
+        seg = t["seg"]
+        dtype = sum_counts[g.key].dtype
+        if keep is None:
+            nch = t["nch"].astype(dtype)[seg][:, None, None]
+            mask = None
+        else:
+            mask = keep[g.key]
+            per_row = jax.ops.segment_sum(jnp.sum(mask, axis=2).astype(dtype), seg, num_segments=g.num_segments)
+            nch = jnp.maximum(per_row, 1.0)[seg][:, :, None]
+        counts = sum_counts[g.key] + pseudocount / nch
+        if mask is not None:
+            counts = jnp.where(mask, counts, 0.0)
         tot = jax.ops.segment_sum(jnp.sum(counts, axis=2), seg, num_segments=g.num_segments)  # [S, Kp]
         tot_e = tot[seg][:, :, None]
-        uniform = (1.0 / nch)[seg][:, None, None]
+        uniform = 1.0 / nch if mask is None else jnp.where(mask, 1.0 / nch, 0.0)
         out[g.key] = jnp.where(tot_e > 0, counts / jnp.where(tot_e > 0, tot_e, 1.0), uniform)
     return out
 
 
 def em_update(layout: Layout, tables: dict, params: dict, flows: dict, step_size, pseudocount,
-              update_sums: bool = True) -> dict:
+              update_sums: bool = True, keep_zero_params: bool = False) -> dict:
     """One EM update: ``theta <- (1 - s) theta + s * normalize(flows + pseudocount)``.
 
     Sum nodes whose flows are all zero (and pseudocount 0) keep their parameters; with ``update_sums``
-    False all sum parameters are kept (only the leaves are refitted)."""
+    False all sum parameters are kept (only the leaves are refitted); with ``keep_zero_params``
+    parameters that are exactly zero stay zero (no pseudocount on them)."""
     new_sum = {}
-    targets = normalize_sum_params(layout, tables, flows["sum"], pseudocount)
+    keep = {g.key: jnp.isfinite(params["sum"][g.key]) for g in layout.sum_groups} if keep_zero_params else None
+    targets = normalize_sum_params(layout, tables, flows["sum"], pseudocount, keep)
     for g in layout.sum_groups if update_sums else ():
         t = tables["groups"][g.key]
         old = jnp.exp(params["sum"][g.key])
@@ -85,13 +98,42 @@ def em_update(layout: Layout, tables: dict, params: dict, flows: dict, step_size
         new_sum = dict(params["sum"])
     new_in = {}
     for spec, tab in zip(layout.input_layers, tables["inputs"]):
-        new_in[spec.key] = spec.dist.em_update(params["input"][spec.key], tab["meta"], flows["input"][spec.key],
-                                               step_size, pseudocount)
+        p, meta = params["input"][spec.key], tab["meta"]
+        if keep_zero_params and "log_probs" in p:  # categorical leaves: zero probabilities stay zero
+            meta = {**meta, "mask": jnp.isfinite(p["log_probs"]) & meta.get("mask", True)}
+        new_in[spec.key] = spec.dist.em_update(p, meta, flows["input"][spec.key], step_size, pseudocount)
     return {"sum": new_sum, "input": new_in}
 
 
+def top_down_probabilities(layout: Layout, tables: dict, params: dict, options) -> dict:
+    """The model's own expected counts for one sample: flows with every variable marginalized (the
+    probability that each edge lies in a sample's induced tree; leaves: expected statistics)."""
+    from ..options import Options
+
+    V = layout.num_vars
+    x0 = jnp.zeros((1, V), jnp.int32)
+    leaves = [spec.dist for spec in layout.input_layers]
+    if any(not d.discrete for d in leaves):
+        x0 = x0.astype(forward._param_dtype(params))
+    opts = Options(precision=options.precision, impl=options.impl, kernels=options.kernels)
+    fl, _ = flows_and_ll(layout, tables, params, x0, jnp.ones((V,), bool), None, opts)
+    return fl
+
+
 def em_step(layout: Layout, tables: dict, params: dict, x: Array, missing: Array | None, weights: Array | None,
-            step_size, pseudocount, options) -> tuple[dict, Array]:
-    """Forward, flows and update in one function (one executable when jitted). Returns ``(params, ll)``."""
+            step_size, pseudocount, options, keep_zero_params: bool = False, rescale: str = "none"
+            ) -> tuple[dict, Array]:
+    """Forward, flows and update in one function (one executable when jitted). Returns ``(params, ll)``.
+
+    ``rescale="tdp"``: instead of blending parameters, the new parameters are
+    ``normalize(s * flows / total_weight + (1 - s) * TDP + pseudocount)`` with ``TDP`` the model's own
+    top-down probabilities (:func:`top_down_probabilities`): nodes the batch rarely reaches move less."""
     fl, ll = flows_and_ll(layout, tables, params, x, missing, weights, options)
-    return em_update(layout, tables, params, fl, step_size, pseudocount, options.compute_param_flows), ll
+    if rescale == "tdp":
+        tdp = top_down_probabilities(layout, tables, params, options)
+        total = jnp.asarray(x.shape[0], ll.dtype) if weights is None else jnp.sum(weights)
+        mixed = jax.tree_util.tree_map(lambda f, t: step_size * f / total + (1.0 - step_size) * t, fl, tdp)
+        return em_update(layout, tables, params, mixed, 1.0, pseudocount, options.compute_param_flows,
+                         keep_zero_params), ll
+    return em_update(layout, tables, params, fl, step_size, pseudocount, options.compute_param_flows,
+                     keep_zero_params), ll

@@ -154,7 +154,8 @@ def _root_bwd(layout, options, res, g):
         for j, (part, t) in enumerate(zip(spec.sums, tab["sums"])):
             with jax.named_scope(f"jaxpc/stage{name}/sum{j}/backward"):
                 impl, cfg = kernel_choice(options, part, values.shape[1])
-                if impl == "pallas" and options.propagation != "MPE":
+                tempered = options.pflow_temperature != 1.0 or options.eflow_temperature != 1.0
+                if impl == "pallas" and options.propagation != "MPE" and not tempered:
                     a = 1.0 if options.propagation == "LL" else options.alpha
                     cf, pf = pallas_sum_backward(values, fl, row, t, sum_params[part.group], Kp=part.Kp, Kc=part.Kc,
                                                  alpha=a, precision=options.precision, config=cfg)
@@ -164,7 +165,9 @@ def _root_bwd(layout, options, res, g):
                     cf, pf = sum_layer_backward(values, fl, t["ch"], t["pid"], sum_params[part.group], row,
                                                 Kp=part.Kp, Kc=part.Kc, dense=part.dense,
                                                 propagation=options.propagation, alpha=options.alpha,
-                                                precision=options.precision, param_flows=options.compute_param_flows)
+                                                precision=options.precision, param_flows=options.compute_param_flows,
+                                                pflow_temperature=options.pflow_temperature,
+                                                eflow_temperature=options.eflow_temperature)
                     rows = child_rows(t["ch"], part.Kc, part.dense)
                 fl = fl.at[rows].add(cf.astype(fl.dtype))
                 if pf is not None:
@@ -204,6 +207,8 @@ def evaluate(layout: Layout, tables: dict, sum_params: dict, input_vals: list, o
     """Root values from input values, differentiated by the top-down flow pass (``options.backward ==
     "flows"``) or by JAX's autodiff through the forward (``"autodiff"``, the reference)."""
     if options.backward == "autodiff":
+        if options.pflow_temperature != 1.0 or options.eflow_temperature != 1.0:
+            raise ValueError("tempered flows need backward='flows' (they are not the gradient of the forward)")
         return forward_buffer(layout, tables, sum_params, input_vals, options)[layout.root_row]
     return root_values(layout, tables, sum_params, input_vals, options)
 

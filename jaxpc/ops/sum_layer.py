@@ -103,7 +103,8 @@ def sum_layer(buf: Array, ch: Array, pid: Array, logw: Array, *, Kp: int, Kc: in
 def sum_layer_backward_reference(values: Array, flows: Array, ch: Array, pid: Array, logw: Array, out_offset, *,
                                  Kp: int, Kc: int, dense: bool, propagation: str = "LL",
                                  alpha: float | None = None, precision: str = "fp32",
-                                 param_flows: bool = True) -> tuple[Array, Array | None]:
+                                 param_flows: bool = True, pflow_temperature: float = 1.0,
+                                 eflow_temperature: float = 1.0) -> tuple[Array, Array | None]:
     """Flows of one sum partition, top-down (PyJuice's element-flow and parameter-flow passes).
 
     Args:
@@ -129,19 +130,29 @@ def sum_layer_backward_reference(values: Array, flows: Array, ch: Array, pid: Ar
         cf = jnp.sum(r, axis=(0, 1)) if dense else jnp.sum(r, axis=1)
         pf = jnp.sum(r, axis=3)
     else:
-        a = 1.0 if propagation == "LL" else float(alpha)
+        base = 1.0 if propagation == "LL" else float(alpha)
         axis = 0 if dense else 1
         m = jnp.max(x, axis=axis, keepdims=True)
         m = jnp.where(jnp.isfinite(m), m, 0.0)
-        y = jnp.exp(a * (x - m))  # [n, CK, B] or [CK, B]
-        w = jnp.exp(a * lw)
-        # the forward's local sum, recomputed: exp(m - vp) would lose |vp| * eps of precision per layer
-        # (0.7% over a 10,000-step HMM in float32), the recomputed sum loses nothing
-        s = matmul("nkc,cb->nkb" if dense else "nkc,ncb->nkb", w, y, precision)
-        # parents that carry no flow (or are impossible) contribute nothing, never 0 / 0
-        scale = jnp.where((fp == 0) | (s == 0), 0.0, fp / jnp.where(s == 0, 1.0, s))  # [n, Kp, B]
+
+        def split(a):
+            """Each parent's flow split over its children by ``(w x)^a`` normalized (a = 1: the posterior)."""
+            y = jnp.exp(a * (x - m))  # [n, CK, B] or [CK, B]
+            w = jnp.exp(a * lw)
+            # the forward's local sum, recomputed: exp(m - vp) would lose |vp| * eps of precision per layer
+            # (0.7% over a 10,000-step HMM in float32), the recomputed sum loses nothing
+            s = matmul("nkc,cb->nkb" if dense else "nkc,ncb->nkb", w, y, precision)
+            # parents that carry no flow (or are impossible) contribute nothing, never 0 / 0
+            scale = jnp.where((fp == 0) | (s == 0), 0.0, fp / jnp.where(s == 0, 1.0, s))  # [n, Kp, B]
+            return w, y, scale
+
+        w, y, scale = split(base / eflow_temperature)
         cf = y * matmul("nkc,nkb->cb" if dense else "nkc,nkb->ncb", w, scale, precision)
-        pf = w * matmul("nkb,cb->nkc" if dense else "nkb,ncb->nkc", scale, y, precision) if param_flows else None
+        pf = None
+        if param_flows:
+            if pflow_temperature != eflow_temperature:
+                w, y, scale = split(base / pflow_temperature)
+            pf = w * matmul("nkb,cb->nkc" if dense else "nkb,ncb->nkc", scale, y, precision)
     if pf is None:
         return cf, None
     pf = pf.reshape(n, Kp, C, Kc).transpose(0, 2, 1, 3)

@@ -1,0 +1,158 @@
+"""EM variants against their closed forms: tempered flows, keep_zero_params, TDP step-size rescaling,
+hard (Viterbi) EM."""
+
+import numpy as np
+import pytest
+
+import jaxpc
+from jaxpc import dists, structures
+from jaxpc.nodes import topological_order
+
+from . import oracle
+from .random_circuits import Generator
+
+
+def tempered_flows(c, params, x, tp, te):
+    """Oracle: each sum node's flow is split over its children by ``(w_c p_c)^(1/T)`` normalized, with
+    ``T = te`` for the flows passed down and ``T = tp`` for the parameter flows."""
+    vals, _ = oracle.forward(c, params, x)
+    B = x.shape[0]
+    order = topological_order(c.root)
+    F = {ns.id: np.zeros((ns.num_nodes, B)) for ns in order}
+    F[c.root.id][0] = 1.0
+    edge = {}
+
+    def split(W, X, f, T):
+        with np.errstate(divide="ignore"):
+            t = (np.log(W)[:, :, None] + X[None]) / T
+        t = t - np.max(t, axis=1, keepdims=True)
+        p = np.exp(t)
+        return f[:, None, :] * p / p.sum(1, keepdims=True)
+
+    for ns in reversed(order):
+        if ns.is_sum():
+            W = np.asarray(c.get_node_params(params, ns), np.float64)
+            X = np.concatenate([vals[ch.id] for ch in ns.children])
+            edge[ns.id] = split(W, X, F[ns.id], tp).sum(2)
+            chf = split(W, X, F[ns.id], te).sum(0)
+            s = 0
+            for ch in ns.children:
+                F[ch.id] += chf[s:s + ch.num_nodes]
+                s += ch.num_nodes
+        elif ns.is_prod():
+            K = ns.block_size
+            for j, ch in enumerate(ns.children):
+                np.add.at(F[ch.id], (ns.edge_ids[:, j][:, None] * K + np.arange(K)).reshape(-1), F[ns.id])
+    return edge, F
+
+
+@pytest.mark.parametrize("tp, te", [(0.5, 1.0), (2.0, 2.0), (0.7, 0.3)])
+def test_tempered_flows(tp, te):
+    gen = Generator(11, 4, kinds=("categorical", "bernoulli"))
+    c = jaxpc.compile(gen.circuit())
+    x = gen.sample_data(9).astype(np.int32)
+    fl = c.flows(c.params, x, options=jaxpc.Options(pflow_temperature=tp, eflow_temperature=te))
+    edge, F = tempered_flows(c, c.params, x.astype(np.float64), tp, te)
+    totals = {}
+    for ns in c.nodes:
+        if ns.is_sum():
+            totals[ns.source.id] = totals.get(ns.source.id, 0) + edge[ns.id]
+    for ns in c.nodes:
+        if ns.is_sum() and ns.source is ns:
+            np.testing.assert_allclose(np.asarray(c.get_node_flows(fl, ns)), totals[ns.id], rtol=1e-4, atol=1e-5)
+    for ns in c.nodes:  # leaf statistics follow the tempered element flows
+        if ns.is_input() and not ns.is_tied() and isinstance(ns.dist, dists.Categorical) and \
+                not any(m.is_tied() and m.source is ns for m in c.nodes):
+            ref = oracle.input_stats(ns, c.get_node_params(c.params, ns), x.astype(np.float64), None, F[ns.id])
+            np.testing.assert_allclose(np.asarray(c.get_node_flows(fl, ns)), ref, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="applies to propagation='LL'"):
+        jaxpc.Options(propagation="MPE", pflow_temperature=0.5)
+
+
+def test_keep_zero_params():
+    a = jaxpc.inputs(0, 3, dist=dists.Categorical(3), params=np.array([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5],
+                                                                       [0.0, 1.0, 0.0]]))
+    b = jaxpc.inputs(1, 3, dist=dists.Categorical(2))
+    root = jaxpc.summate(jaxpc.multiply(a, b), num_nodes=1, params=np.array([[0.6, 0.0, 0.4]]))
+    c = jaxpc.compile(root)
+    x = np.random.default_rng(0).integers(0, 2, (20, 2)).astype(np.int32)
+    pc = 0.3
+    fl = c.flows(c.params, x)
+    new = c.em_step(c.params, x, pseudocount=pc, keep_zero_params=True)
+    W = np.asarray(c.get_node_params(new, root))
+    counts = np.asarray(c.get_node_flows(fl, root))
+    mask = np.array([[True, False, True]])
+    ref = np.where(mask, counts + pc / 2, 0.0)
+    np.testing.assert_allclose(W, ref / ref.sum(), rtol=1e-5)
+    P = np.asarray(c.get_node_params(new, a))
+    cnt = np.asarray(c.get_node_flows(fl, a))
+    m = np.asarray(c.get_node_params(c.params, a)) > 0
+    ref_a = np.where(m, cnt + pc / m.sum(1, keepdims=True), 0.0)
+    np.testing.assert_allclose(P, ref_a / ref_a.sum(1, keepdims=True), rtol=1e-5, atol=1e-7)
+    # without the flag the zeros fill in
+    assert np.all(np.asarray(c.get_node_params(c.em_step(c.params, x, pseudocount=pc), root)) > 0)
+
+
+def test_tdp_step_size_rescaling():
+    gen = Generator(4, 3, kinds=("categorical", "bernoulli"))
+    c = jaxpc.compile(gen.circuit())
+    x = gen.sample_data(12).astype(np.int32)
+    s, pc = 0.3, 0.1
+    new = c.em_step(c.params, x, step_size=s, pseudocount=pc, rescale="tdp")
+    edge, _, _ = oracle.flows(c, c.params, x.astype(np.float64))
+    x0 = np.zeros((1, 3))
+    tdp, _, _ = oracle.flows(c, c.params, x0, np.ones((1, 3), bool))
+    for ns in c.nodes:
+        if ns.is_sum() and ns.source is ns and not any(m.is_tied() and m.source is ns for m in c.nodes):
+            mask = np.zeros((ns.num_node_blocks, ns.num_ch_node_blocks), bool)
+            mask[ns.edge_ids[0], ns.edge_ids[1]] = True
+            mask = np.repeat(np.repeat(mask, ns.block_size, 0), ns.ch_block_size, 1)
+            mixed = s * edge[ns.id] / 12 + (1 - s) * tdp[ns.id]
+            nch = mask.sum(1, keepdims=True)
+            cnt = np.where(mask, mixed + pc / nch, 0)
+            np.testing.assert_allclose(np.asarray(c.get_node_params(new, ns)), cnt / cnt.sum(1, keepdims=True),
+                                       rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="rescale must be"):
+        c.em_step(c.params, x, rescale="adam")
+
+
+def viterbi_path(alpha, beta, gamma, x):
+    T = len(x)
+    d = np.log(gamma) + np.log(beta[:, x[0]])
+    back = []
+    for t in range(1, T):
+        sc = d[:, None] + np.log(alpha)
+        back.append(sc.argmax(0))
+        d = sc.max(0) + np.log(beta[:, x[t]])
+    z = [int(d.argmax())]
+    for bp in reversed(back):
+        z.append(int(bp[z[-1]]))
+    return z[::-1]
+
+
+def test_hard_em_counts_viterbi_paths():
+    rng = np.random.default_rng(3)
+    T, L, V = 6, 3, 4
+    alpha, beta, gamma = rng.dirichlet(np.ones(L), L), rng.dirichlet(np.ones(V), L), rng.dirichlet(np.ones(L))
+    root = structures.HMM(T, L, V, alpha=alpha, beta=beta, gamma=gamma)
+    c = jaxpc.compile(root)
+    x = rng.integers(0, V, (25, T)).astype(np.int32)
+    hard = jaxpc.Options(propagation="MPE")
+    fl = c.flows(c.params, x, options=hard)
+    trans = [ns for ns in c.nodes if ns.name.startswith("trans")][0]
+    emit = [ns for ns in c.nodes if ns.name.startswith("emit")][0]
+    tc, ec, ic = np.zeros((L, L)), np.zeros((L, V)), np.zeros(L)
+    for row in x:
+        z = viterbi_path(alpha, beta, gamma, row)
+        ic[z[0]] += 1
+        for t in range(T - 1):
+            tc[z[t], z[t + 1]] += 1
+        for t in range(T):
+            ec[z[t], row[t]] += 1
+    np.testing.assert_allclose(np.asarray(c.get_node_flows(fl, trans)), tc, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(c.get_node_flows(fl, emit)), ec, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(c.get_node_flows(fl, root))[0], ic, atol=1e-5)
+    new = c.em_step(c.params, x, options=hard)
+    np.testing.assert_allclose(np.asarray(c.get_node_params(new, trans)),
+                               np.where(tc.sum(1, keepdims=True) > 0, tc / np.maximum(tc.sum(1, keepdims=True), 1),
+                                        alpha), rtol=1e-5, atol=1e-6)
