@@ -228,6 +228,82 @@ class Circuit:
             wp = _weights(weights, b, n, self.dtype) if weights is not None else _valid_rows(b, n, self.dtype)
         return n, b, xp, mp, wp
 
+    EVIDENCE_KEYS = ("categorical_logp", "categorical_topk", "external", "latent", "sum_gates", "sum_lowrank")
+
+    def check_evidence(self, evidence: dict | None, batch: int) -> dict | None:
+        """Validate per-call evidence; every array's leading axis is the batch.
+
+        Keys: ``categorical_logp [B, V, K]`` or ``categorical_topk {"ids" int[B, V, k], "logp" [B, V, k],
+        "mask" bool[B, V, k] optional}`` (``SoftEvidenceCategorical`` leaves); ``external [B, V, M]``
+        (``External`` leaves); ``latent [B, V, M]`` (added to node ``j`` of each leaf vector over ``v``);
+        ``sum_gates {group: [B, P]}`` (BlockScale log-gates per parameter block of ``params["sum"][group]``);
+        ``sum_lowrank {group: {"u": [B, P, Kp, r], "v": [B, P, r, Kc]}}`` (non-negative LowRank factors).
+        """
+        if evidence is None:
+            return None
+        if not isinstance(evidence, dict):
+            raise TypeError(f"evidence must be a dict, got {type(evidence).__name__}")
+        unknown = set(evidence) - set(self.EVIDENCE_KEYS)
+        if unknown:
+            raise ValueError(f"unknown evidence key(s) {sorted(unknown)}; valid keys: {list(self.EVIDENCE_KEYS)}")
+        V = self.num_vars
+        groups = {g.key: g for g in self.layout.sum_groups}
+
+        def arr(name, a, ndim, last=None):
+            a = a if isinstance(a, (jax.Array, jax.core.Tracer)) else jnp.asarray(a)
+            if a.ndim != ndim or a.shape[0] != batch:
+                raise ValueError(f"evidence['{name}'] must have {ndim} axes with the batch ({batch}) first, got "
+                                 f"shape {tuple(a.shape)}")
+            if last is not None and tuple(a.shape[1:]) != tuple(last):
+                raise ValueError(f"evidence['{name}'] must have shape {[batch, *last]}, got {tuple(a.shape)}")
+            return a
+
+        out = {}
+        for key, val in evidence.items():
+            if val is None:
+                continue
+            if key in ("categorical_logp", "external", "latent"):
+                a = arr(key, val, 3)
+                if a.shape[1] != V:
+                    raise ValueError(f"evidence['{key}'] must have shape [{batch}, {V}, ...], got {tuple(a.shape)}")
+                out[key] = a
+            elif key == "categorical_topk":
+                if not isinstance(val, dict) or not {"ids", "logp"} <= set(val):
+                    raise ValueError("evidence['categorical_topk'] must be {'ids': int[B, V, k], 'logp': [B, V, k], "
+                                     "'mask': bool[B, V, k] (optional)}")
+                ids = arr("categorical_topk.ids", val["ids"], 3)
+                if not jnp.issubdtype(ids.dtype, jnp.integer):
+                    raise TypeError(f"evidence['categorical_topk']['ids'] must be integers, got {ids.dtype}")
+                topk = {"ids": ids.astype(jnp.int32), "logp": arr("categorical_topk.logp", val["logp"], 3,
+                                                                    ids.shape[1:])}
+                if val.get("mask") is not None:
+                    topk["mask"] = arr("categorical_topk.mask", val["mask"], 3, ids.shape[1:]).astype(bool)
+                out[key] = topk
+            else:  # sum_gates / sum_lowrank
+                if not isinstance(val, dict):
+                    raise TypeError(f"evidence['{key}'] must map sum groups {sorted(groups)} to arrays")
+                sub = {}
+                for gk, gv in val.items():
+                    if gk not in groups:
+                        raise ValueError(f"evidence['{key}'] names sum group {gk!r}; this circuit's groups are "
+                                         f"{sorted(groups)}")
+                    g = groups[gk]
+                    if key == "sum_gates":
+                        sub[gk] = arr(f"{key}.{gk}", gv, 2, (g.num_blocks,))
+                    else:
+                        u = arr(f"{key}.{gk}.u", gv["u"], 4)
+                        r = u.shape[3]
+                        sub[gk] = {"u": arr(f"{key}.{gk}.u", u, 4, (g.num_blocks, g.Kp, r)),
+                                   "v": arr(f"{key}.{gk}.v", gv["v"], 4, (g.num_blocks, r, g.Kc))}
+                out[key] = sub
+        return out or None
+
+    def _pad_evidence(self, evidence: dict | None, bucket: int):
+        if evidence is None:
+            return None
+        # padded exactly when x was (traced evidence too: the pure function is then inlined in the trace)
+        return jax.tree_util.tree_map(lambda a: a if a.shape[0] == bucket else _pad_rows(a, bucket), evidence)
+
     def _larger_bucket(self, entry: str, static: dict, args: dict, batch_args: tuple[str, ...], n: int):
         """Fallback for early sightings: run on a live executable of a larger bucket, if any."""
         def fallback(a):
@@ -245,7 +321,8 @@ class Circuit:
 
     # ---- evaluation ----------------------------------------------------------------------------
     def log_prob(self, params: Params, x, missing=None, *, propagation: str | None = None,
-                 alpha: float | None = None, options: Options | None = None, validate: bool = True) -> Array:
+                 alpha: float | None = None, options: Options | None = None, validate: bool = True,
+                 evidence: dict | None = None) -> Array:
         """Log-likelihood (or max-product value) of each sample.
 
         Args:
@@ -256,15 +333,20 @@ class Circuit:
             propagation: ``"LL"`` (default), ``"MPE"`` or ``"GeneralLL"`` (with ``alpha``).
             options: a full :class:`Options` (keyword overrides apply on top).
             validate: check values of ``x`` (a host sync for device arrays).
+            evidence: per-call evidence (see :meth:`check_evidence`): soft evidence for
+                ``SoftEvidenceCategorical`` leaves, values of ``External`` leaves, latent log-potentials,
+                per-sample sum parameters (BlockScale gates, LowRank factors). Traced: new evidence
+                never recompiles; differentiable with ``jax.grad``.
 
         Returns:
             ``float[B]``.
         """
         opts = Options.make(options, propagation=propagation, alpha=alpha)
         xj, mj = self._prepare(x, missing, validate)
+        ev = self.check_evidence(evidence, xj.shape[0])
         n, b, xp, mp, _ = self._batch(xj, mj)
         static = {"options": opts}
-        args = {"tables": self.tables, "params": params, "x": xp, "missing": mp}
+        args = {"tables": self.tables, "params": params, "x": xp, "missing": mp, "evidence": self._pad_evidence(ev, b)}
         out = self._run("log_prob", static, args, self._larger_bucket("log_prob", static, args, ("x", "missing"), n))
         return _head(out, n) if b != n else out
 
@@ -293,7 +375,7 @@ class Circuit:
         return PartialEvaluation(self, plan, dev, tuple(sorted({int(v) for v in variables})))
 
     def flows(self, params: Params, x, missing=None, *, ll_weights=None, options: Options | None = None,
-              validate: bool = True, return_ll: bool = False):
+              validate: bool = True, return_ll: bool = False, evidence: dict | None = None):
         """Expected counts: a pytree like ``params`` (sum groups: expected edge counts ``[P, Kp, Kc]``;
         input layers: their distribution's expected sufficient statistics), obtained with ``jax.grad``.
 
@@ -301,17 +383,19 @@ class Circuit:
         """
         opts = Options.make(options)
         xj, mj = self._prepare(x, missing, validate)
+        ev = self.check_evidence(evidence, xj.shape[0])
         w = self._weights(ll_weights, xj.shape[0])
         n, b, xp, mp, wp = self._batch(xj, mj, w, with_weights=True)
         static = {"options": opts}
-        args = {"tables": self.tables, "params": params, "x": xp, "missing": mp, "weights": wp}
+        args = {"tables": self.tables, "params": params, "x": xp, "missing": mp, "weights": wp,
+                "evidence": self._pad_evidence(ev, b)}
         fl, ll = self._run("flows", static, args, self._larger_bucket("flows", static, args, ("x", "missing"), n))
         ll = _head(ll, n) if b != n else ll
         return (fl, ll) if return_ll else fl
 
     def em_step(self, params: Params, x, missing=None, *, step_size: float = 1.0, pseudocount: float = 0.0,
                 ll_weights=None, options: Options | None = None, validate: bool = True, return_ll: bool = False,
-                keep_zero_params: bool = False, rescale: str = "none"):
+                keep_zero_params: bool = False, rescale: str = "none", evidence: dict | None = None):
         """One mini-batch EM step in a single executable:
         ``theta <- (1 - step_size) theta + step_size * normalize(flows + pseudocount)``.
 
@@ -330,11 +414,15 @@ class Circuit:
         if opts.negate_flows:
             raise ValueError("em_step needs flows, not negated flows (options.negate_flows=True)")
         xj, mj = self._prepare(x, missing, validate)
+        ev = self.check_evidence(evidence, xj.shape[0])
+        if ev is not None and rescale == "tdp":
+            raise ValueError("rescale='tdp' uses the model's own top-down probabilities: it takes no evidence")
         w = self._weights(ll_weights, xj.shape[0])
         n, b, xp, mp, wp = self._batch(xj, mj, w, with_weights=True)
         static = {"options": opts, "keep_zero_params": bool(keep_zero_params), "rescale": rescale}
         args = {"tables": self.tables, "params": params, "x": xp, "missing": mp, "weights": wp,
-                "step_size": self._scalar(step_size), "pseudocount": self._scalar(pseudocount)}
+                "step_size": self._scalar(step_size), "pseudocount": self._scalar(pseudocount),
+                "evidence": self._pad_evidence(ev, b)}
         new, ll = self._run("em_step", static, args,
                             self._larger_bucket("em_step", static, args, ("x", "missing"), n))
         ll = _head(ll, n) if b != n else ll
@@ -469,8 +557,8 @@ class PartialEvaluation:
 
 # ---- entry points (pure; the layout is bound per circuit) --------------------------------------
 
-def _e_log_prob(layout, tables, params, x, missing, *, options):
-    return forward.log_prob(layout, tables, params, x, missing, options)
+def _e_log_prob(layout, tables, params, x, missing, evidence, *, options):
+    return forward.log_prob(layout, tables, params, x, missing, options, evidence=evidence)
 
 
 def _e_node_values(layout, tables, params, x, missing, *, options):
@@ -482,14 +570,14 @@ def _e_partial(layout, tables, params, x, missing, values, plan_tables, *, optio
     return buf[layout.root_row], buf
 
 
-def _e_flows(layout, tables, params, x, missing, weights, *, options):
-    return em.flows_and_ll(layout, tables, params, x, missing, weights, options)
+def _e_flows(layout, tables, params, x, missing, weights, evidence, *, options):
+    return em.flows_and_ll(layout, tables, params, x, missing, weights, options, evidence)
 
 
-def _e_em_step(layout, tables, params, x, missing, weights, step_size, pseudocount, *, options, keep_zero_params,
-               rescale):
+def _e_em_step(layout, tables, params, x, missing, weights, step_size, pseudocount, evidence, *, options,
+               keep_zero_params, rescale):
     return em.em_step(layout, tables, params, x, missing, weights, step_size, pseudocount, options,
-                      keep_zero_params, rescale)
+                      keep_zero_params, rescale, evidence)
 
 
 def _e_em_update(layout, tables, params, flows, step_size, pseudocount, *, update_sums, keep_zero_params):

@@ -133,7 +133,7 @@ def build(root: CircuitNodes, *, scan_min_repeats: int = 3, max_exact_fanins: in
         used_keys.add(key)
         offset = row
         prow = 0
-        node_vars, node_rows, metas = [], [], []
+        node_vars, node_rows, node_pos, metas = [], [], [], []
         for ns in members:
             src = ns.source
             if src.id not in input_placement:
@@ -142,6 +142,7 @@ def build(root: CircuitNodes, *, scan_min_repeats: int = 3, max_exact_fanins: in
                 prow += src.num_nodes
             pl = input_placement[src.id]
             node_vars.append(np.full(ns.num_nodes, ns.var, dtype=np.int32))
+            node_pos.append(np.arange(ns.num_nodes, dtype=np.int32))
             node_rows.append(pl.row_start + np.arange(ns.num_nodes, dtype=np.int32))
             block_rows[ns.id] = row + np.arange(ns.num_node_blocks, dtype=np.int64) * ns.block_size
             row += ns.num_nodes
@@ -149,7 +150,8 @@ def build(root: CircuitNodes, *, scan_min_repeats: int = 3, max_exact_fanins: in
         if metas and metas[0]:
             meta = {k: np.concatenate([m[k] for m in metas]) for k in metas[0]}
         input_specs.append(InputLayerSpec(key, dist, offset, row - offset, prow))
-        input_tables.append({"vars": np.concatenate(node_vars), "rows": np.concatenate(node_rows), "meta": meta})
+        input_tables.append({"vars": np.concatenate(node_vars), "rows": np.concatenate(node_rows),
+                             "pos": np.concatenate(node_pos), "meta": meta})
 
     # ---- stages ----------------------------------------------------------------------------
     by_level: list[list[CircuitNodes]] = [[] for _ in range(num_levels)]

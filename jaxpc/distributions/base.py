@@ -135,6 +135,12 @@ class Distribution:
         lp = self.log_pmf(p, tables, prow.reshape(-1), num_values)
         return jnp.argmax(lp, axis=-1).reshape(prow.shape).astype(jnp.int32)
 
+    def log_prob_evidence(self, p: dict[str, Array], tables: dict[str, Array], rows: Array, vars_: Array, pos: Array,
+                          xv: Array, mv: Array | None, evidence: dict, options) -> Array:
+        """Node values given per-call ``evidence`` (see :mod:`jaxpc.distributions.evidence`); leaves that
+        read no evidence use :meth:`log_prob`."""
+        return self.log_prob(p, tables, rows, xv, mv, options)
+
     def suff_stats(self, p: dict[str, Array], tables: dict[str, Array], rows: Array, xv: Array, mv: Array | None,
                    flows: Array, num_rows: int) -> dict[str, Array]:
         """Expected sufficient statistics per row from node flows ``[N, B]``."""

@@ -21,13 +21,15 @@ Array = jax.Array
 
 
 def flows_and_ll(layout: Layout, tables: dict, params: dict, x: Array, missing: Array | None,
-                 weights: Array | None, options) -> tuple[dict, Array]:
-    """``(flows, ll [B])``; ``weights`` ``[B]`` scales each sample's contribution (None = 1)."""
+                 weights: Array | None, options, evidence: dict | None = None) -> tuple[dict, Array]:
+    """``(flows, ll [B])``; ``weights`` ``[B]`` scales each sample's contribution (None = 1). With per-sample
+    sum parameters in ``evidence``, sum flows are the posterior edge counts under the per-sample weights."""
     dtype = forward._param_dtype(params)
-    vals = [v.astype(dtype) for v in forward.input_values(layout, tables, params, x, missing, options)]
+    vals = [v.astype(dtype) for v in forward.input_values(layout, tables, params, x, missing, options,
+                                                          evidence=evidence)]
 
     def objective(sum_params, vals):
-        ll = forward.evaluate(layout, tables, sum_params, vals, options)
+        ll = forward.evaluate(layout, tables, sum_params, vals, options, evidence, counts=True)
         # zero-weight rows (padding) contribute exactly nothing, even where their ll is -inf
         wll = ll if weights is None else jnp.where(weights == 0, 0.0, ll * weights.astype(ll.dtype))
         return jnp.sum(wll), ll
@@ -121,14 +123,14 @@ def top_down_probabilities(layout: Layout, tables: dict, params: dict, options) 
 
 
 def em_step(layout: Layout, tables: dict, params: dict, x: Array, missing: Array | None, weights: Array | None,
-            step_size, pseudocount, options, keep_zero_params: bool = False, rescale: str = "none"
-            ) -> tuple[dict, Array]:
+            step_size, pseudocount, options, keep_zero_params: bool = False, rescale: str = "none",
+            evidence: dict | None = None) -> tuple[dict, Array]:
     """Forward, flows and update in one function (one executable when jitted). Returns ``(params, ll)``.
 
     ``rescale="tdp"``: instead of blending parameters, the new parameters are
     ``normalize(s * flows / total_weight + (1 - s) * TDP + pseudocount)`` with ``TDP`` the model's own
     top-down probabilities (:func:`top_down_probabilities`): nodes the batch rarely reaches move less."""
-    fl, ll = flows_and_ll(layout, tables, params, x, missing, weights, options)
+    fl, ll = flows_and_ll(layout, tables, params, x, missing, weights, options, evidence)
     if rescale == "tdp":
         tdp = top_down_probabilities(layout, tables, params, options)
         total = jnp.asarray(x.shape[0], ll.dtype) if weights is None else jnp.sum(weights)

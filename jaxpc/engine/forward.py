@@ -19,6 +19,7 @@ from ..ops import product_layer, sum_layer
 from ..ops.product_layer import product_layer_backward_reference as product_layer_backward
 from ..ops.sum_layer import child_rows
 from ..ops.sum_layer import sum_layer_backward_reference as sum_layer_backward
+from ..ops.sum_layer_external import sum_layer_external_reference
 
 Array = jax.Array
 
@@ -31,9 +32,11 @@ def _missing_t(missing: Array | None) -> Array | None:
 
 
 def input_values(layout: Layout, tables: dict, params: dict, x: Array, missing: Array | None, options,
-                 soft: Array | None = None) -> list:
+                 soft: Array | None = None, evidence: dict | None = None) -> list:
     """Per input layer ``[N, B]`` node values. ``soft``: optional ``[B, V, K]`` log-weights of soft evidence,
-    used by the discrete leaves in place of ``x``/``missing``."""
+    used by the discrete leaves in place of ``x``/``missing``. ``evidence``: per-call evidence for the
+    leaves that read it (:mod:`jaxpc.distributions.evidence`) and ``evidence["latent"]`` ``[B, V, M]``, an
+    additive log-potential on node ``j`` of every leaf vector over variable ``v``."""
     xt = x.T
     mt = _missing_t(missing)
     qt = None if soft is None else jnp.transpose(soft, (1, 2, 0))  # [V, K, B]
@@ -46,8 +49,19 @@ def input_values(layout: Layout, tables: dict, params: dict, x: Array, missing: 
                 continue
             xv = xt[tab["vars"]]
             mv = None if mt is None else mt[tab["vars"]]
-            outs.append(spec.dist.log_prob(p, tab["meta"], tab["rows"], xv, mv, options))
+            if evidence:
+                v = spec.dist.log_prob_evidence(p, tab["meta"], tab["rows"], tab["vars"], tab["pos"], xv, mv,
+                                                evidence, options)
+                if evidence.get("latent") is not None:
+                    v = v + evidence["latent"][:, tab["vars"], tab["pos"]].T.astype(v.dtype)
+                outs.append(v)
+            else:
+                outs.append(spec.dist.log_prob(p, tab["meta"], tab["rows"], xv, mv, options))
     return outs
+
+
+def has_sum_externals(evidence: dict | None) -> bool:
+    return bool(evidence) and bool(evidence.get("sum_gates") or evidence.get("sum_lowrank"))
 
 
 def kernel_choice(options, part, B: int):
@@ -63,13 +77,24 @@ def kernel_choice(options, part, B: int):
     return options.impl, None
 
 
-def _stage(buf: Array, spec: StageSpec, tab: dict, sum_params: dict, options, offset, index) -> Array:
+def _stage(buf: Array, spec: StageSpec, tab: dict, sum_params: dict, options, offset, index,
+           evidence: dict | None = None, counts: bool = False) -> Array:
     outs = []
     for j, (part, t) in enumerate(zip(spec.prods, tab["prods"])):
         with jax.named_scope(f"jaxpc/stage{index}/prod{j}"):
             outs.append(product_layer(buf, t["ch"], K=part.K))
+    gates = (evidence or {}).get("sum_gates") or {}
+    lowrank = (evidence or {}).get("sum_lowrank") or {}
     for j, (part, t) in enumerate(zip(spec.sums, tab["sums"])):
         with jax.named_scope(f"jaxpc/stage{index}/sum{j}"):
+            if part.group in gates or part.group in lowrank:
+                if options.propagation != "LL":
+                    raise ValueError("external sum parameters (sum_gates / sum_lowrank) support propagation='LL'")
+                outs.append(sum_layer_external_reference(
+                    buf, t["ch"], t["pid"], sum_params[part.group], Kp=part.Kp, Kc=part.Kc, dense=part.dense,
+                    gates=gates.get(part.group), lowrank=lowrank.get(part.group), counts=counts,
+                    precision=options.precision))
+                continue
             impl, cfg = kernel_choice(options, part, buf.shape[1])
             outs.append(sum_layer(buf, t["ch"], t["pid"], sum_params[part.group], Kp=part.Kp, Kc=part.Kc,
                                   dense=part.dense, propagation=options.propagation, alpha=options.alpha,
@@ -112,13 +137,14 @@ def run_stages(layout, tables: dict, buf: Array, stage_fn, reverse: bool = False
     return buf
 
 
-def forward_buffer(layout: Layout, tables: dict, sum_params: dict, input_vals: list, options) -> Array:
+def forward_buffer(layout: Layout, tables: dict, sum_params: dict, input_vals: list, options,
+                   evidence: dict | None = None, counts: bool = False) -> Array:
     """The node buffer ``[R, B]`` from the input layers' values (plain forward, differentiable by autodiff)."""
     dtype = _param_dtype({"sum": sum_params, "v": input_vals})
     buf = write_inputs(layout, empty_buffer(layout, input_vals[0].shape[1], dtype), input_vals)
 
     def stage(b, spec, tab, offset, name):
-        return _stage(b, spec, tab, sum_params, options, offset, name)
+        return _stage(b, spec, tab, sum_params, options, offset, name, evidence, counts)
 
     return run_stages(layout, tables, buf, stage)
 
@@ -197,27 +223,29 @@ def pallas_sum_backward(values, flows, row, t, logw, *, Kp, Kc, alpha, precision
 
 
 def node_values(layout: Layout, tables: dict, params: dict, x: Array, missing: Array | None, options,
-                soft: Array | None = None) -> Array:
+                soft: Array | None = None, evidence: dict | None = None) -> Array:
     """The whole node buffer ``[R, B]`` (plain forward)."""
-    vals = input_values(layout, tables, params, x, missing, options, soft)
-    return forward_buffer(layout, tables, params["sum"], vals, options)
+    vals = input_values(layout, tables, params, x, missing, options, soft, evidence)
+    return forward_buffer(layout, tables, params["sum"], vals, options, evidence)
 
 
-def evaluate(layout: Layout, tables: dict, sum_params: dict, input_vals: list, options) -> Array:
+def evaluate(layout: Layout, tables: dict, sum_params: dict, input_vals: list, options,
+             evidence: dict | None = None, counts: bool = False) -> Array:
     """Root values from input values, differentiated by the top-down flow pass (``options.backward ==
-    "flows"``) or by JAX's autodiff through the forward (``"autodiff"``, the reference)."""
-    if options.backward == "autodiff":
+    "flows"``) or by JAX's autodiff through the forward (``"autodiff"``, the reference; also used when
+    ``evidence`` carries per-sample sum parameters, whose gradients autodiff provides)."""
+    if options.backward == "autodiff" or has_sum_externals(evidence):
         if options.pflow_temperature != 1.0 or options.eflow_temperature != 1.0:
-            raise ValueError("tempered flows need backward='flows' (they are not the gradient of the forward)")
-        return forward_buffer(layout, tables, sum_params, input_vals, options)[layout.root_row]
+            raise ValueError("tempered flows need backward='flows' and no per-sample sum parameters")
+        return forward_buffer(layout, tables, sum_params, input_vals, options, evidence, counts)[layout.root_row]
     return root_values(layout, tables, sum_params, input_vals, options)
 
 
 def log_prob(layout: Layout, tables: dict, params: dict, x: Array, missing: Array | None, options,
-             soft: Array | None = None) -> Array:
+             soft: Array | None = None, evidence: dict | None = None) -> Array:
     """Root log-value per sample, ``[B]``."""
-    vals = input_values(layout, tables, params, x, missing, options, soft)
-    return evaluate(layout, tables, params["sum"], vals, options)
+    vals = input_values(layout, tables, params, x, missing, options, soft, evidence)
+    return evaluate(layout, tables, params["sum"], vals, options, evidence)
 
 
 def _param_dtype(params) -> jnp.dtype:

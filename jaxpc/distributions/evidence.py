@@ -1,0 +1,165 @@
+"""Leaves that read per-call evidence: ``SoftEvidenceCategorical`` and ``External``.
+
+Per-call evidence travels in the ``evidence`` pytree of ``log_prob`` / ``flows`` / ``em_step``
+(traced arguments: new evidence never recompiles):
+
+* ``evidence["categorical_logp"]``: dense ``[B, V, K]`` log-weights ``e`` of every value, or
+  ``evidence["categorical_topk"] = {"ids": int[B, V, k], "logp": [B, V, k], "mask": bool[B, V, k]
+  (optional)}``: ``k`` candidate values per position (unique per row) with their log-weights; values
+  outside the candidates (or masked) get weight zero.
+* ``evidence["external"]``: ``[B, V, M]`` log-values of ``External`` leaves (node ``j`` of a vector
+  over variable ``v`` reads ``[:, v, j]``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .categorical import Categorical
+
+Array = jax.Array
+
+
+def _dense_logz(log_theta: Array, e: Array, rows: Array, vars_: Array) -> Array:
+    """``[N, B]``: ``log sum_k theta[row(n), k] exp(e[b, var(n), k])``. One matmul over all parameter rows
+    and (sample, variable) pairs, ``[P, K] @ [K, B*V]``, then a gather: no ``[N, B, K]`` intermediate
+    (rows are shared across variables when the parameters are tied, as in a homogeneous HMM)."""
+    B, V, K = e.shape
+    emax = jnp.max(e, axis=2, keepdims=True)  # [B, V, 1]
+    emax = jnp.where(jnp.isfinite(emax), emax, 0.0)
+    E = jnp.exp(e - emax).reshape(B * V, K)
+    Z = jnp.matmul(jnp.exp(log_theta), E.T, precision=jax.lax.Precision.HIGHEST).reshape(-1, B, V)  # [P, B, V]
+    Zn = Z[rows[:, None], jnp.arange(B)[None, :], vars_[:, None]]  # [N, B]
+    return jnp.log(Zn) + emax[:, vars_, 0].T
+
+
+def _topk_logz(log_theta: Array, ids: Array, logp: Array, mask: Array | None, rows: Array, vars_: Array,
+               budget: int = 1 << 24) -> Array:
+    """``[N, B]``: ``log sum_j theta[row(n), ids[b, v, j]] exp(logp[b, v, j])``, in chunks of nodes so that
+    at most ``budget`` gathered weights exist at a time."""
+    chunk = max(1, budget // (ids.shape[0] * ids.shape[2]))
+    lp = logp if mask is None else jnp.where(mask, logp, -jnp.inf)
+    emax = jnp.max(lp, axis=2, keepdims=True)
+    emax = jnp.where(jnp.isfinite(emax), emax, 0.0)
+    W = jnp.exp(lp - emax)  # [B, V, k]
+    theta = jnp.exp(log_theta)
+    N = rows.shape[0]
+    size = max(1, min(N, chunk))
+    pad = (-N) % size
+    r = jnp.concatenate([rows, jnp.zeros((pad,), rows.dtype)]).reshape(-1, size)
+    v = jnp.concatenate([vars_, jnp.zeros((pad,), vars_.dtype)]).reshape(-1, size)
+
+    def one(rv):
+        rr, vv = rv
+        cand = ids[:, vv, :]  # [B, s, k]
+        th = theta[rr[None, :, None], cand]  # [B, s, k]
+        return jnp.sum(th * W[:, vv, :], axis=2).T  # [s, B]
+
+    Z = jax.lax.map(one, (r, v)).reshape(-1, ids.shape[0])[:N]
+    return jnp.log(Z) + emax[:, vars_, 0].T
+
+
+class SoftEvidenceCategorical(Categorical):
+    """A categorical reweighted by per-call soft evidence (PyJuice's normalized semantics).
+
+    With evidence log-weights ``e`` for the node's variable, the node's value at the observed ``x`` is
+    ``log theta[x] + e[x] - log sum_k theta[k] exp(e[k])`` (the sum over all values, or over the top-k
+    candidates). A missing ``x`` marginalizes to 0. Without evidence it is a plain categorical.
+    EM refits ``theta`` from the counts of the observed values; the evidence enters through the flows.
+    """
+
+    name = "soft_evidence_categorical"
+
+    def log_prob_evidence(self, p, tables, rows, vars_, pos, xv, mv, evidence, options):
+        dense = evidence.get("categorical_logp")
+        topk = evidence.get("categorical_topk")
+        if dense is None and topk is None:
+            return self.log_prob(p, tables, rows, xv, mv, options)
+        lt = p["log_probs"]
+        xi = jnp.clip(self._values(xv, mv), 0, self.num_cats - 1)  # [N, B]
+        B = xv.shape[1]
+        bidx = jnp.arange(B)[None, :]
+        if dense is not None:
+            logz = _dense_logz(lt, dense, rows, vars_)
+            ex = dense[bidx, vars_[:, None], xi]  # [N, B]
+        else:
+            ids, logp, mask = topk["ids"], topk["logp"], topk.get("mask")
+            logz = _topk_logz(lt, ids, logp, mask, rows, vars_)
+            cand = ids[:, vars_, :]  # [B, N, k]
+            lpn = logp[:, vars_, :]
+            hit = cand == xi.T[:, :, None]
+            if mask is not None:
+                hit = hit & mask[:, vars_, :]
+            ex = jnp.where(jnp.any(hit, axis=2), jnp.sum(jnp.where(hit, lpn, 0.0), axis=2), -jnp.inf).T  # [N, B]
+        out = lt[rows[:, None], xi] + ex - logz
+        if mv is not None:
+            out = jnp.where(mv, 0.0, out)
+        return out
+
+
+class External(Categorical):
+    """Leaves whose values the caller supplies per call: node ``j`` of a vector over variable ``v`` takes
+    ``evidence["external"][b, v, j]`` (a log-value). No parameters; gradients flow to the caller's
+    tensor. The variable's column of ``x`` is not read."""
+
+    name = "external"
+    natural_fields = ()
+
+    def __init__(self):
+        super().__init__(1)
+
+    def config(self):
+        return ()
+
+    def __repr__(self):
+        return "External()"
+
+    def value_range(self):
+        return (0, None)
+
+    def num_values(self):
+        return None
+
+    def canonical_params(self, params, num_nodes, where):
+        raise ValueError(f"{where}: External leaves have no parameters (their values come with each call)")
+
+    def has_full_params(self, natural):
+        return True
+
+    def natural_to_internal(self, natural):
+        return {}
+
+    def internal_to_natural(self, p, tables):
+        return {}
+
+    def init(self, rs, num_rows, tables):
+        return {}
+
+    def log_prob(self, p, tables, rows, xv, mv, options):
+        raise ValueError("External leaves need evidence={'external': [B, V, M]} log-values with every call")
+
+    def log_prob_evidence(self, p, tables, rows, vars_, pos, xv, mv, evidence, options):
+        ext = evidence.get("external")
+        if ext is None:
+            return self.log_prob(p, tables, rows, xv, mv, options)
+        return ext[:, vars_, pos].T  # [N, B]
+
+    def suff_stats(self, p, tables, rows, xv, mv, flows, num_rows):
+        return {}
+
+    def em_update(self, p, tables, stats, step_size, pseudocount):
+        return p
+
+    def log_pmf(self, p, tables, rows, num_values):
+        raise TypeError("External leaves have no pmf")
+
+    def sample(self, key, p, tables, prow, num_values):
+        raise TypeError("External leaves cannot be sampled (their values come from the caller)")
+
+    mode = sample
+
+
+__all__ = ["SoftEvidenceCategorical", "External"]
+_ = np  # numpy is used by subclasses' host-side checks
