@@ -184,7 +184,7 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
             with zero-weight rows.
         mesh: a ``'data'`` mesh (:func:`jaxpc.parallel.data_mesh`): each batch is split over its devices
             (``batch_size`` must be a multiple of the device count).
-        progress: a tqdm bar across epochs showing the epoch's LL.
+        progress: a tqdm bar across epochs showing the epoch's LL (when tqdm is installed).
 
     Returns:
         :class:`FitResult` ``(params, opt_state, epoch_ll [epochs])``.
@@ -233,10 +233,13 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
     epochs_iter = range(start_epoch, start_epoch + int(epochs))
     bar = None
     if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(epochs_iter, desc="fit", unit="epoch")
-        epochs_iter = bar
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:  # the bar is optional (pip install tqdm)
+            tqdm = None
+        if tqdm is not None:
+            bar = tqdm(epochs_iter, desc="fit", unit="epoch")
+            epochs_iter = bar
     for e in epochs_iter:
         params, opt_state, ll = run(circuit.tables, params, opt_state, xj, mj, key, jnp.asarray(e, jnp.int32))
         lls.append(ll)
