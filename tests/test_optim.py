@@ -156,19 +156,6 @@ def test_em_deltas_keep_zero_weights_finite():
     assert _maxdiff(new, c.em_step(c.params, x, step_size=0.5, pseudocount=1.0)) < 1e-6
 
 
-def test_em_step_size_schedule_counts_updates():
-    circuit, _, data = _small_circuit()
-    sched = optax.linear_schedule(0.5, 0.1, 3)
-    tx = optim.em(circuit, step_size=sched, pseudocount=0.1)
-    params, state = circuit.params, tx.init(circuit.params)
-    ref = circuit.params
-    for i in range(3):
-        xb = data[i * 20:(i + 1) * 20]
-        params, state = tx.step(circuit.flows(params, xb), state, params)
-        ref = circuit.em_step(ref, xb, step_size=float(sched(i)), pseudocount=0.1)
-    assert _maxdiff(params, ref) < 1e-6
-
-
 def test_anemone_is_a_per_node_proximal_em_step():
     circuit, _, data = _small_circuit()
     params = circuit.params
