@@ -6,7 +6,7 @@ resulting :class:`Circuit` over a pytree of parameters.
 """
 
 from . import distributions as dists
-from . import queries, structures, transforms, visualize
+from . import io, optim, parallel, queries, structures, transforms, visualize
 from .circuit import Circuit, compile
 from .nodes import CircuitNodes, InputNodes, ProdNodes, SumNodes, duplicate, inputs, multiply, summate
 from .options import Options
@@ -17,5 +17,5 @@ __version__ = "0.1.0"
 __all__ = [
     "inputs", "multiply", "summate", "duplicate", "compile", "Circuit", "Options", "dists",
     "CircuitNodes", "InputNodes", "ProdNodes", "SumNodes", "structures", "queries", "CacheInfo", "enable_persistent_cache",
-    "transforms", "visualize",
+    "transforms", "visualize", "optim", "parallel", "io",
 ]

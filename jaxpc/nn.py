@@ -1,0 +1,173 @@
+"""Flax NNX integration (``pip install flax``): a compiled circuit as an ``nnx.Module``.
+
+:class:`CircuitModule` holds a compiled :class:`jaxpc.Circuit` (static: its structure never changes)
+and the circuit's parameters as ``nnx.Param`` leaves (``module.params["sum"][group]``,
+``module.params["input"][layer][field]``); the index tables ride along as a non-trainable
+:class:`CircuitTables` variable, so jitted code receives them as arguments instead of constants.
+
+The parameters are treated as *logits*: the forward renormalizes them (:func:`jaxpc.optim.normalize`),
+so any optax optimizer driven by ``nnx.Optimizer`` keeps the circuit a normalized distribution, and
+the module composes with other layers (e.g. an ``nnx.Linear`` producing soft evidence)::
+
+    class Model(nnx.Module):
+        def __init__(self, circuit, rngs):
+            self.enc = nnx.Linear(F, V * K, rngs=rngs)
+            self.pc = jaxpc.nn.CircuitModule(circuit)
+        def __call__(self, feats):
+            q = jax.nn.softmax(self.enc(feats).reshape(-1, V, K))   # soft evidence [B, V, K]
+            return self.pc(soft_evidence=q)                          # log sum_x p(x) prod_v q[v, x_v]
+
+    model = Model(circuit, nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+EM works on the module too (:meth:`CircuitModule.em_step`), in place.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .engine import em as em_engine
+from .optim.normalize import _cached, normalize_params, normalized_log_prob
+from .options import Options
+
+Array = jax.Array
+
+__all__ = ["CircuitModule", "CircuitTables"]
+
+
+def _log_prob_fn(circuit):
+    """The circuit's jitted :func:`jaxpc.optim.normalized_log_prob` (inlined under nnx.jit / grad)."""
+    return _cached(circuit, "log_prob", lambda: jax.jit(functools.partial(normalized_log_prob, circuit.layout),
+                                                        static_argnames=("options", "normalize")))
+
+
+def _em_step_impl(layout, tables, raw, x, missing, weights, step_size, pseudocount, normalize):
+    p = normalize_params(layout, tables, raw) if normalize else raw
+    fl, ll = em_engine.flows_and_ll(layout, tables, p, x, missing, weights, Options())
+    return em_engine.em_update(layout, tables, p, fl, step_size, pseudocount), ll
+
+
+def _em_step_fn(circuit):
+    return _cached(circuit, "nn_em_step", lambda: jax.jit(functools.partial(_em_step_impl, circuit.layout),
+                                                          static_argnames=("normalize",)))
+
+
+class CircuitTables(nnx.Variable):
+    """The circuit's ``int32`` index tables: state, never trained (not an ``nnx.Param``)."""
+
+
+def _wrap(tree):
+    if isinstance(tree, dict):
+        return nnx.Dict({k: _wrap(v) for k, v in tree.items()})
+    return nnx.Param(tree)
+
+
+def _unwrap(d) -> dict | Array:
+    if isinstance(d, nnx.Variable):
+        return d.get_value()
+    return {k: _unwrap(v) for k, v in d.items()}
+
+
+def _assign(d, tree) -> None:
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            _assign(d[k], v)
+        else:
+            d[k].set_value(v)
+
+
+class CircuitModule(nnx.Module):
+    """A probabilistic circuit as a Flax NNX module.
+
+    Args:
+        circuit: a compiled :class:`jaxpc.Circuit` (kept as static structure).
+        params: its parameters (default ``circuit.params``), stored as ``nnx.Param`` leaves.
+        normalize: treat the parameters as logits and renormalize them in every forward (default; needed for
+            gradient training). With False they are used as they are (they must be normalized).
+        options: :class:`jaxpc.Options` of the forward (e.g. ``Options(propagation="MPE")``).
+    """
+
+    def __init__(self, circuit, params: dict | None = None, *, normalize: bool = True,
+                 options: Options | None = None):
+        from .circuit import Circuit
+
+        if not isinstance(circuit, Circuit):
+            raise TypeError(f"CircuitModule: circuit must be a jaxpc.Circuit, got {type(circuit).__name__}")
+        p = circuit.params if params is None else params
+        if jax.tree_util.tree_structure(p) != jax.tree_util.tree_structure(circuit.params):
+            raise ValueError("CircuitModule: params must have the structure of circuit.params")
+        self.circuit = circuit
+        self.normalize = bool(normalize)
+        self.options = Options.make(options)
+        self.params = _wrap(p)
+        self.tables = CircuitTables(circuit.tables)
+
+    # ---- parameters --------------------------------------------------------------------------------
+    def raw_params(self) -> dict:
+        """The stored parameter values (logits when ``normalize``) as a plain ``circuit.params``-shaped pytree."""
+        return _unwrap(self.params)
+
+    def get_params(self) -> dict:
+        """Normalized parameters, usable with every :class:`jaxpc.Circuit` method and query."""
+        p = self.raw_params()
+        return normalize_params(self.circuit.layout, self.tables.get_value(), p) if self.normalize else p
+
+    def set_params(self, params: dict) -> None:
+        """Overwrite the stored parameters (in place)."""
+        if jax.tree_util.tree_structure(params) != jax.tree_util.tree_structure(self.circuit.params):
+            raise ValueError("CircuitModule.set_params: params must have the structure of circuit.params")
+        _assign(self.params, params)
+
+    # ---- evaluation --------------------------------------------------------------------------------
+    def __call__(self, x=None, missing=None, *, soft_evidence=None) -> Array:
+        """Log-likelihoods ``[B]``.
+
+        Args:
+            x: ``[B, V]`` hard evidence, with ``missing`` (``bool[V]`` or ``bool[B, V]``) marking marginalized
+                variables; or
+            soft_evidence: ``[B, V, K]`` non-negative weights ``q``: returns ``log sum_x p(x) prod_v q[b, v, x_v]``
+                (all-ones rows marginalize a variable, one-hot rows are hard evidence). Differentiable in ``q``.
+        """
+        c = self.circuit
+        tables = self.tables.get_value()
+        raw = self.raw_params()
+        if soft_evidence is not None:
+            if x is not None or missing is not None:
+                raise ValueError("CircuitModule: give either x (with missing) or soft_evidence, not both")
+            q = jnp.asarray(soft_evidence)
+            if q.ndim != 3 or q.shape[1] != c.num_vars:
+                raise ValueError(f"CircuitModule: soft_evidence must have shape [batch, {c.num_vars}, num_values], "
+                                 f"got {tuple(q.shape)}")
+            if not c._var_info.all_discrete:
+                raise ValueError("CircuitModule: soft_evidence needs every variable to be discrete")
+            K = int(c._var_info.card.max())
+            if q.shape[2] < K:
+                raise ValueError(f"CircuitModule: soft_evidence has {q.shape[2]} values per variable, but some "
+                                 f"variable takes {K}")
+            logq = jnp.log(q.astype(c.dtype))
+            xj = jnp.zeros(q.shape[:2], jnp.int32)
+            return _log_prob_fn(c)(tables, raw, xj, None, soft=logq, options=self.options, normalize=self.normalize)
+        if x is None:
+            raise ValueError("CircuitModule: needs x (hard evidence) or soft_evidence")
+        xj, mj = c._prepare(x, missing, False)
+        return _log_prob_fn(c)(tables, raw, xj, mj, options=self.options, normalize=self.normalize)
+
+    # ---- EM ------------------------------------------------------------------------------------------
+    def em_step(self, x, missing=None, *, step_size=1.0, pseudocount=0.0, ll_weights=None) -> Array:
+        """One mini-batch EM step on the module's parameters, in place (works under ``nnx.jit``).
+
+        The flows are those of the normalized parameters; the module then holds the EM parameters
+        (normalized). Returns the batch's log-likelihoods ``[B]`` before the step."""
+        c = self.circuit
+        xj, mj = c._prepare(x, missing, False)
+        w = None if ll_weights is None else c._weights(ll_weights, xj.shape[0])
+        new, ll = _em_step_fn(c)(self.tables.get_value(), self.raw_params(), xj, mj, w,
+                                 jnp.asarray(step_size, c.dtype), jnp.asarray(pseudocount, c.dtype),
+                                 normalize=self.normalize)
+        self.set_params(new)
+        return ll

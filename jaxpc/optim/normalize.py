@@ -1,0 +1,149 @@
+"""Renormalizing unconstrained log-parameters, so that gradient training stays a distribution.
+
+``circuit.params`` holds *normalized* log-parameters (each sum node's weights and each
+categorical row sum to one). A gradient optimizer moves them off that set. Treat them as
+*logits* instead: :func:`normalize_params` maps any logits to normalized log-parameters,
+
+* sum groups ``[P, Kp, Kc]``: a log-softmax per sum node over all of its children, i.e. over
+  the ``Kc`` entries of every parameter block whose row of ``tables["groups"][key]["seg"]``
+  names the same parent block (a segment), separately for each of the ``Kp`` parent nodes;
+* categorical leaves (``Categorical``, ``Bernoulli``, ``MaskedCategorical``) ``[P, K]``: a
+  log-softmax per row (forbidden values of a masked categorical stay ``-inf``);
+* ``Gaussian`` and ``DiscreteLogistic`` (``mu``, ``log_scale``) and indicator leaves: unchanged,
+  every value is a valid distribution already.
+
+It is idempotent up to rounding, and gradients flow through it (the shift by the maximum is a
+stop-gradient, as in every log-softmax). A user distribution can take part by defining
+``normalize_internal(p, tables) -> p``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ..compiler.layout import Layout
+from ..distributions import Categorical, DiscreteLogistic, Gaussian
+from ..distributions.indicator import _IndicatorLeaf
+from ..engine import forward
+from ..options import Options
+
+Array = jax.Array
+
+__all__ = ["normalize_params", "normalize", "normalized_log_prob", "log_prob", "mean_nll"]
+
+
+def _finite_or_zero(m: Array) -> Array:
+    return jnp.where(jnp.isfinite(m), m, 0.0)
+
+
+def segment_log_softmax(logits: Array, seg: Array, num_segments: int) -> Array:
+    """Log-softmax of ``logits`` ``[P, Kp, Kc]`` over the ``Kc`` entries of all blocks ``p`` that share a
+    segment ``seg[p]`` (``int32[P]``), for each of the ``Kp`` rows. Returns ``[P, Kp, Kc]``."""
+    m = jax.ops.segment_max(jnp.max(logits, axis=2), seg, num_segments=num_segments)  # [S, Kp]
+    m = lax.stop_gradient(_finite_or_zero(m))
+    tot = jax.ops.segment_sum(jnp.sum(jnp.exp(logits - m[seg][:, :, None]), axis=2), seg,
+                              num_segments=num_segments)  # [S, Kp]
+    lse = jnp.log(tot) + m
+    return logits - lse[seg][:, :, None]
+
+
+def _row_log_softmax(logits: Array) -> Array:
+    m = lax.stop_gradient(_finite_or_zero(jnp.max(logits, axis=1, keepdims=True)))
+    return logits - (jnp.log(jnp.sum(jnp.exp(logits - m), axis=1, keepdims=True)) + m)
+
+
+def normalize_input(dist, p: dict, tables: dict) -> dict:
+    """Normalized internal parameters of one input layer (see the module docstring)."""
+    custom = getattr(dist, "normalize_internal", None)
+    if custom is not None:
+        return custom(p, tables)
+    if isinstance(dist, Categorical):
+        logits = p["log_probs"]
+        mask = tables.get("mask")
+        if mask is not None:  # forbidden values take no part in the softmax and stay at probability zero
+            logits = jnp.where(mask, logits, -jnp.inf)
+        return {**p, "log_probs": _row_log_softmax(logits)}
+    if isinstance(dist, (Gaussian, DiscreteLogistic, _IndicatorLeaf)):
+        return p
+    raise TypeError(f"normalize: no normalization is known for {dist!r}; give it a method "
+                    f"normalize_internal(p, tables) -> p")
+
+
+def normalize_params(layout: Layout, tables: dict, params: dict) -> dict:
+    """Normalized log-parameters from unconstrained ones (pure; jit, grad and vmap freely).
+
+    Args:
+        layout: ``circuit.layout``.
+        tables: ``circuit.tables``.
+        params: a pytree shaped like ``circuit.params`` (sum groups ``[P, Kp, Kc]``, input layers'
+            internal fields) holding arbitrary finite or ``-inf`` logits.
+
+    Returns:
+        the same structure, each sum node's weights and each categorical row summing to one.
+    """
+    sums = {}
+    for g in layout.sum_groups:
+        sums[g.key] = segment_log_softmax(params["sum"][g.key], tables["groups"][g.key]["seg"], g.num_segments)
+    ins = {}
+    for spec, tab in zip(layout.input_layers, tables["inputs"]):
+        ins[spec.key] = normalize_input(spec.dist, params["input"][spec.key], tab["meta"])
+    return {"sum": sums, "input": ins}
+
+
+def normalized_log_prob(layout: Layout, tables: dict, params: dict, x: Array, missing: Array | None, options,
+                        soft: Array | None = None, normalize: bool = True) -> Array:
+    """``log p(x)`` ``[B]`` of the circuit whose parameters are ``normalize_params(params)`` (pure).
+
+    ``soft``: optional ``[B, V, K]`` log-weights of soft evidence (see :func:`jaxpc.queries.marginal`)."""
+    p = normalize_params(layout, tables, params) if normalize else params
+    return forward.log_prob(layout, tables, p, x, missing, options, soft=soft)
+
+
+def mean_nll(layout: Layout, tables: dict, params: dict, x: Array, missing: Array | None, weights: Array | None,
+             options, normalize: bool = True) -> tuple[Array, Array]:
+    """``(loss, ll)``: the weighted mean negative log-likelihood ``-sum_b w_b ll_b / sum_b w_b`` (scalar) and
+    the per-sample log-likelihoods ``ll`` ``[B]``. Zero-weight rows (padding) contribute exactly nothing."""
+    ll = normalized_log_prob(layout, tables, params, x, missing, options, normalize=normalize)
+    if weights is None:
+        return -jnp.mean(ll), ll
+    w = weights.astype(ll.dtype)
+    return -jnp.sum(jnp.where(w == 0, 0.0, ll * w)) / jnp.sum(w), ll
+
+
+# ---- circuit-level wrappers ---------------------------------------------------------------------
+
+def _cached(circuit, name: str, make):
+    cache = circuit.__dict__.setdefault("_optim_fns", {})
+    if name not in cache:
+        cache[name] = make()
+    return cache[name]
+
+
+def normalize(circuit, params: dict) -> dict:
+    """:func:`normalize_params` for ``circuit`` (jitted once per circuit)."""
+    fn = _cached(circuit, "normalize", lambda: jax.jit(functools.partial(normalize_params, circuit.layout)))
+    return fn(circuit.tables, params)
+
+
+def log_prob(circuit, params: dict, x, missing=None, *, normalize: bool = True, options: Options | None = None,
+             validate: bool = True) -> Array:
+    """``circuit.log_prob`` on unconstrained logits: the forward renormalizes ``params`` first.
+
+    Args:
+        params: logits shaped like ``circuit.params`` (normalized params give the same values as
+            ``circuit.log_prob`` up to rounding).
+        x: ``[B, V]``; missing: ``bool[V]`` or ``bool[B, V]`` or None.
+        normalize: False evaluates ``params`` as they are (``circuit.log_prob``).
+
+    Returns:
+        ``float[B]``.
+    """
+    opts = Options.make(options)
+    xj, mj = circuit._prepare(x, missing, validate)
+    fn = _cached(circuit, "log_prob", lambda: jax.jit(functools.partial(normalized_log_prob, circuit.layout),
+                                                      static_argnames=("options", "normalize")))
+    return fn(circuit.tables, params, xj, mj, options=opts, normalize=normalize)

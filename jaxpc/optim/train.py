@@ -1,0 +1,249 @@
+"""One training step for EM and gradient optimizers alike, and whole-epoch executables.
+
+:func:`make_step` builds a pure step ``(tables, params, state, x, missing, weights) -> (params, state,
+ll)``: with an EM transformation it computes flows and applies the exact EM update; with any optax
+transformation it differentiates the mean negative log-likelihood of the renormalized parameters,
+applies the updates and renormalizes (so the parameters are a distribution after every step).
+
+:func:`fit` runs each epoch as ONE jitted ``lax.scan`` over the (shuffled) batches: no Python loop
+around a jitted step, one device round trip per epoch for the progress bar.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..engine import em as em_engine
+from ..options import Options
+from .normalize import mean_nll, normalize_params
+from .transforms import EMTransformation, apply_updates, em, em_apply
+
+Array = jax.Array
+
+__all__ = ["make_step", "epoch_batches", "fit", "FitResult"]
+
+
+def _check_tx(tx, layout) -> None:
+    if isinstance(tx, EMTransformation):
+        if tx.config.layout is not None and tx.config.layout != layout:
+            raise ValueError("optimizer: this EM transformation was built for another circuit")
+        return
+    if not (hasattr(tx, "init") and hasattr(tx, "update")):
+        raise TypeError(f"optimizer must be a jaxpc.optim EM transformation or an optax transformation "
+                        f"(with init and update), got {type(tx).__name__}")
+
+
+def make_step(layout, tx, *, normalize: bool = True, options: Options | None = None, mesh=None,
+              missing_ndim: int | None = None):
+    """A pure training step ``step(tables, params, state, x, missing, weights) -> (params, state, ll)``.
+
+    Args:
+        layout: ``circuit.layout``.
+        tx: an EM transformation (:func:`jaxpc.optim.em`, ...) or an optax transformation.
+        normalize: gradient training only: the loss renormalizes the logits (:func:`normalize_params`) and
+            the parameters are renormalized after each update.
+        options: :class:`jaxpc.Options` of the forward (default LL).
+        mesh: a ``'data'`` mesh (:func:`jaxpc.parallel.data_mesh`) to split the batch over its devices
+            (then ``weights`` must be given, the batch a multiple of the devices, and ``missing_ndim``
+            the number of dimensions of ``missing``: None, 1 or 2).
+
+    Shapes: ``x`` ``[B, V]``, ``missing`` None / ``bool[V]`` / ``bool[B, V]``, ``weights`` None or ``[B]``
+    (zero-weight rows are padding), ``ll`` ``[B]`` under the parameters before the step.
+    """
+    _check_tx(tx, layout)
+    opts = Options.make(options)
+    if mesh is not None:
+        from .. import parallel
+
+    if isinstance(tx, EMTransformation):
+        if mesh is None:
+            flows_fn = functools.partial(em_engine.flows_and_ll, layout, options=opts)
+        else:
+            sharded = parallel.sharded_flows_and_ll(layout, mesh, opts, missing_ndim)
+
+            def flows_fn(tables, params, x, missing, weights):
+                return sharded(tables, params, x, *(() if missing is None else (missing,)), weights)
+
+        def step(tables, params, state, x, missing, weights):
+            fl, ll = flows_fn(tables, params, x, missing, weights)
+            n = x.shape[0] if weights is None else jnp.sum(weights)
+            params, state = em_apply(layout, tables, tx.config, fl, state, params, n)
+            return params, state, ll
+
+        return step
+
+    if mesh is None:
+        def grad_fn(tables, params, x, missing, weights):
+            return jax.value_and_grad(
+                lambda p: mean_nll(layout, tables, p, x, missing, weights, opts, normalize), has_aux=True)(params)
+    else:
+        sharded = parallel.sharded_loss_and_grad(layout, mesh, opts, missing_ndim, normalize)
+
+        def grad_fn(tables, params, x, missing, weights):
+            return sharded(tables, params, x, *(() if missing is None else (missing,)), weights)
+
+    def step(tables, params, state, x, missing, weights):
+        (_, ll), g = grad_fn(tables, params, x, missing, weights)
+        updates, state = tx.update(g, state, params)
+        params = apply_updates(params, updates)
+        if normalize:
+            params = normalize_params(layout, tables, params)
+        return params, state, ll
+
+    return step
+
+
+def epoch_batches(key: Array, epoch, num_samples: int, batch_size: int, *, shuffle: bool = True,
+                  drop_remainder: bool = False):
+    """The batches of one epoch of :func:`fit` (jittable; sizes static).
+
+    Returns:
+        ``(idx, weights)``: ``idx`` ``int32[num_batches, batch_size]`` rows of the data, drawn from
+        ``jax.random.permutation(jax.random.fold_in(key, epoch), num_samples)`` (or in order without
+        ``shuffle``); ``weights`` None when every batch is full, else ``[num_batches, batch_size]`` with
+        zeros on the padding of the last batch.
+    """
+    n, bs = int(num_samples), int(batch_size)
+    perm = jax.random.permutation(jax.random.fold_in(key, epoch), n) if shuffle else jnp.arange(n)
+    perm = perm.astype(jnp.int32)
+    if drop_remainder or n % bs == 0:
+        nb = n // bs
+        return perm[:nb * bs].reshape(nb, bs), None
+    nb = math.ceil(n / bs)
+    pad = nb * bs - n
+    idx = jnp.concatenate([perm, jnp.full((pad,), perm[0], jnp.int32)]).reshape(nb, bs)
+    w = jnp.concatenate([jnp.ones((n,)), jnp.zeros((pad,))]).reshape(nb, bs)
+    return idx, w
+
+
+class FitResult(NamedTuple):
+    """What :func:`fit` returns.
+
+    Attributes:
+        params: the trained parameters.
+        opt_state: the optimizer state (resume with ``fit(..., opt_state=..., start_epoch=...)``).
+        epoch_ll: ``float[epochs]`` mean log-likelihood per sample of each epoch's training batches, each
+            under the parameters before its step (the usual running training LL).
+    """
+
+    params: dict
+    opt_state: Any
+    epoch_ll: np.ndarray
+
+
+def _epoch_fn(layout, step, num_samples: int, batch_size: int, shuffle: bool, drop_remainder: bool,
+              missing_ndim: int | None, dtype):
+    def run(tables, params, state, data, missing, key, epoch):
+        idx, w = epoch_batches(key, epoch, num_samples, batch_size, shuffle=shuffle, drop_remainder=drop_remainder)
+        wts = None if w is None else w.astype(dtype)
+
+        def body(carry, inp):
+            params, state = carry
+            ib, wb = inp
+            xb = data[ib]
+            mb = missing[ib] if missing_ndim == 2 else missing
+            params, state, ll = step(tables, params, state, xb, mb, wb)
+            tot = jnp.sum(ll) if wb is None else jnp.sum(jnp.where(wb == 0, 0.0, ll * wb))
+            return (params, state), tot
+
+        (params, state), sums = jax.lax.scan(body, (params, state), (idx, wts))
+        count = idx.size if wts is None else jnp.sum(wts)
+        return params, state, jnp.sum(sums) / count
+
+    return jax.jit(run)
+
+
+def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=None, pseudocount=None,
+        key: Array | None = None, missing=None, optimizer=None, opt_state=None, start_epoch: int = 0,
+        shuffle: bool = True, drop_remainder: bool = False, normalize: bool = True, mesh=None,
+        options: Options | None = None, progress: bool = True, validate: bool = True) -> FitResult:
+    """Train ``params`` on ``data`` for ``epochs`` epochs; each epoch is one jitted ``lax.scan`` over batches.
+
+    Args:
+        circuit: a compiled :class:`jaxpc.Circuit`.
+        params: its (normalized) parameters.
+        data: ``[N, V]``; missing: None, ``bool[V]`` or ``bool[N, V]`` (marginalized entries).
+        epochs: epochs to run now; batch_size: samples per batch (clipped to ``N``).
+        step_size, pseudocount: mini-batch EM (:func:`jaxpc.optim.em`; default 0.1 and 0) when no
+            ``optimizer`` is given; a float or a schedule ``count -> step size``.
+        key: shuffling key (default ``jax.random.key(0)``); epoch ``e`` uses ``fold_in(key, e)``, see
+            :func:`epoch_batches`.
+        optimizer: an EM transformation (:func:`jaxpc.optim.em`, :func:`~jaxpc.optim.full_batch_em`,
+            :func:`~jaxpc.optim.anemone`) or any optax transformation (gradient training of the logits,
+            renormalized after each step with ``normalize``).
+        opt_state: the optimizer state to resume from (default ``optimizer.init(params)``).
+        start_epoch: number of the first epoch (for resuming: the shuffles continue where they stopped, so
+            a resumed run equals an uninterrupted one bit for bit).
+        shuffle: reshuffle every epoch; drop_remainder: skip the last partial batch instead of padding it
+            with zero-weight rows.
+        mesh: a ``'data'`` mesh (:func:`jaxpc.parallel.data_mesh`): each batch is split over its devices
+            (``batch_size`` must be a multiple of the device count).
+        progress: a tqdm bar across epochs showing the epoch's LL (when tqdm is installed).
+
+    Returns:
+        :class:`FitResult` ``(params, opt_state, epoch_ll [epochs])``.
+    """
+    if optimizer is None:
+        optimizer = em(circuit, 0.1 if step_size is None else step_size, 0.0 if pseudocount is None else pseudocount)
+    elif step_size is not None or pseudocount is not None:
+        raise ValueError("fit: step_size and pseudocount configure the default EM optimizer; with optimizer=... set "
+                         "them on the optimizer instead")
+    _check_tx(optimizer, circuit.layout)
+    for name, v, lo in (("epochs", epochs, 0), ("batch_size", batch_size, 1), ("start_epoch", start_epoch, 0)):
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < lo:
+            raise ValueError(f"fit: {name} must be an int >= {lo}, got {v!r}")
+    xj, mj = circuit._prepare(data, missing, validate)
+    n = int(xj.shape[0])
+    if n == 0:
+        raise ValueError("fit: data has no rows")
+    bs = int(min(batch_size, n))
+    mndim = None if mj is None else mj.ndim
+    if mesh is not None:
+        from ..parallel import AXIS
+
+        nd = mesh.shape[AXIS]
+        if bs % nd:
+            raise ValueError(f"fit: batch_size={bs} must be a multiple of the {nd} devices of the mesh")
+    if key is None:
+        key = jax.random.key(0)
+    if opt_state is None:
+        opt_state = optimizer.init(params)
+    opts = Options.make(options)
+    cache = circuit.__dict__.setdefault("_fit_fns", {})
+    ck = (id(optimizer), normalize, opts, mesh, n, bs, shuffle, drop_remainder, mndim)
+    if ck not in cache or cache[ck][0] is not optimizer:
+        step = make_step(circuit.layout, optimizer, normalize=normalize, options=opts, mesh=mesh, missing_ndim=mndim)
+        if mesh is not None and (drop_remainder or n % bs == 0):
+            inner = step
+
+            def step(tables, params, state, x, missing, weights):  # the sharded step needs explicit weights
+                w = jnp.ones((x.shape[0],), circuit.dtype) if weights is None else weights
+                return inner(tables, params, state, x, missing, w)
+
+        cache[ck] = (optimizer, _epoch_fn(circuit.layout, step, n, bs, shuffle, drop_remainder, mndim, circuit.dtype))
+    run = cache[ck][1]
+
+    lls = []
+    epochs_iter = range(start_epoch, start_epoch + int(epochs))
+    bar = None
+    if progress:
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:  # the bar is optional (pip install tqdm)
+            tqdm = None
+        if tqdm is not None:
+            bar = tqdm(epochs_iter, desc="fit", unit="epoch")
+            epochs_iter = bar
+    for e in epochs_iter:
+        params, opt_state, ll = run(circuit.tables, params, opt_state, xj, mj, key, jnp.asarray(e, jnp.int32))
+        lls.append(ll)
+        if bar is not None:
+            bar.set_postfix(ll=f"{float(ll):.4f}")
+    epoch_ll = np.asarray(jnp.stack(lls)) if lls else np.zeros((0,), np.dtype(circuit.dtype))
+    return FitResult(params, opt_state, epoch_ll)

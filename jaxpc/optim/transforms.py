@@ -1,0 +1,324 @@
+"""EM as optax-style gradient transformations, so EM and gradient training share one loop.
+
+Convention. An optax transformation maps *gradients* to *updates*. An EM transformation maps
+*flows* to updates: the "updates" fed into ``update`` are the expected counts of the current
+parameters, ``circuit.flows(params, x)`` or ``jaxpc.engine.em.flows_and_ll(...)[0]`` (a pytree
+shaped like ``params``), and what comes out are deltas that ``optax.apply_updates(params, updates)``
+adds to the parameters::
+
+    tx = jaxpc.optim.em(circuit, step_size=0.1, pseudocount=0.1)   # or optax.adam(1e-2)
+    state = tx.init(params)
+    flows = circuit.flows(params, x)                                # or jax.grad(loss)(params)
+    updates, state = tx.update(flows, state, params)
+    params = optax.apply_updates(params, updates)
+
+Deltas are ``new - old`` (0 where both are equal, e.g. a ``-inf`` zero weight that stays zero), so
+the sum reproduces the EM parameters up to one float rounding per entry. :func:`apply` returns the
+EM parameters *exactly* (bit for bit what ``circuit.em_step`` gives) and runs any optax
+transformation the usual way, so one loop serves both::
+
+    params, state = jaxpc.optim.apply(tx, feed, state, params)
+
+The one thing deltas cannot express is a zero weight (``-inf``) that EM revives (a weight set to 0 at
+construction with ``pseudocount > 0``): its delta is ``+inf`` and ``apply_updates`` gives NaN; use
+:func:`apply` (or ``fit``) there.
+
+Variants:
+
+* :func:`em`: mini-batch EM, ``theta <- (1 - s_t) theta + s_t normalize(flows + pseudocount)`` with
+  a constant step size or a schedule ``s_t = step_size(t)`` (any ``count -> float`` callable,
+  e.g. ``optax.linear_schedule``: step-size annealing).
+* :func:`full_batch_em`: accumulate the flows of ``num_batches`` updates, then one EM update (and
+  zero deltas in between): full-batch EM over an epoch of ``num_batches`` mini-batches.
+* :func:`anemone`: mini-batch EM with a per-node step size (after Liu, Shao & Van den Broeck,
+  "Rethinking Probabilistic Circuit Parameter Learning", 2025). Our reading of the method: each node
+  solves the EM objective of the batch linearized around the current parameters with a KL
+  proximity term ``(B / eta) KL(theta_n || theta_n')``; the closed form is a blend with the node's own
+  step ``s_n = eta t_n / (1 + eta t_n)``, ``t_n = (F_n + pseudocount) / B`` the node's mean top-down
+  probability (its flow per sample). Nodes the batch barely reaches move little, nodes every sample
+  passes through move with ``eta / (1 + eta)``; ``eta`` may be a schedule (annealing). This is written
+  from the paper's description, not checked against the authors' code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ..distributions.base import blend
+from ..engine import em as em_engine
+from ..options import Options
+
+_LL = Options()
+
+Array = jax.Array
+
+__all__ = ["EMTransformation", "EMState", "FullBatchEMState", "em", "full_batch_em", "anemone", "apply",
+           "apply_updates", "deltas"]
+
+
+class EMState(NamedTuple):
+    """State of :func:`em` and :func:`anemone`: the number of updates done (``int32[]``)."""
+
+    count: Array
+
+
+class FullBatchEMState(NamedTuple):
+    """State of :func:`full_batch_em`: updates seen (``int32[]``) and the flows accumulated since the last
+    EM update (a pytree shaped like ``params``)."""
+
+    count: Array
+    flows: Any
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class EMConfig:
+    """Static description of an EM transformation (hashable by identity)."""
+
+    kind: str  # "em" | "full_batch" | "anemone"
+    step_size: Any  # float or callable count -> float
+    pseudocount: float
+    num_batches: int = 1
+    root: tuple | None = None  # (group, start, num_edge_blocks) of the root sum, for anemone's batch size
+    layout: Any = None  # the circuit's layout (a transformation belongs to one circuit structure)
+
+
+class EMTransformation(NamedTuple):
+    """An EM optimizer with optax's ``init``/``update`` protocol plus an exact ``step``.
+
+    Attributes:
+        init: ``params -> state``.
+        update: ``(flows, state, params, *, num_samples=None) -> (deltas, state)`` (optax protocol).
+        step: ``(flows, state, params, *, num_samples=None) -> (new_params, state)``, exact.
+        config: the static :class:`EMConfig` (also names the circuit's layout).
+    """
+
+    init: Callable
+    update: Callable
+    step: Callable
+    config: EMConfig
+
+
+def _check_args(step_size, pseudocount, where: str) -> None:
+    if not callable(step_size):
+        try:
+            s = float(step_size)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"{where}: step_size must be a float or a schedule count -> float, got "
+                            f"{type(step_size).__name__}") from e
+        if not 0.0 < s <= 1.0 and where != "anemone":
+            raise ValueError(f"{where}: step_size must be in (0, 1], got {step_size!r}")
+        if where == "anemone" and not s > 0.0:
+            raise ValueError(f"anemone: step_size (eta) must be positive, got {step_size!r}")
+    try:
+        pc = float(pseudocount)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{where}: pseudocount must be a float, got {type(pseudocount).__name__}") from e
+    if not pc >= 0.0:
+        raise ValueError(f"{where}: pseudocount must be >= 0, got {pseudocount!r}")
+
+
+def _step_value(step_size, count: Array, dtype) -> Array:
+    s = step_size(count) if callable(step_size) else step_size
+    return jnp.asarray(s, dtype)
+
+
+def _dtype(params: dict):
+    leaves = [l for l in jax.tree_util.tree_leaves(params) if jnp.issubdtype(l.dtype, jnp.floating)]
+    return leaves[0].dtype if leaves else jnp.float32
+
+
+def _root_info(circuit) -> tuple | None:
+    root = circuit.root.source
+    pl = circuit._struct.sum_placement.get(root.id)
+    if pl is None:
+        return None
+    return (pl.group, pl.start, pl.num_edge_blocks)
+
+
+def _num_samples(config: EMConfig, flows: dict, num_samples) -> Array:
+    if num_samples is not None:
+        return jnp.asarray(num_samples)
+    if config.root is None:
+        raise ValueError("anemone: the root is not a sum node, so the batch size cannot be read from the flows; "
+                         "pass num_samples=... to update/step")
+    g, start, n = config.root
+    return jnp.sum(flows["sum"][g][start:start + n])
+
+
+# ---- the updates (pure) ---------------------------------------------------------------------------
+
+def anemone_update(layout, tables, params: dict, flows: dict, eta, pseudocount, num_samples) -> dict:
+    """The per-node-step EM update of :func:`anemone` (pure).
+
+    Args:
+        params: normalized log-parameters; flows: their expected counts on a batch of ``num_samples``
+            samples (total weight); eta: the base step size (scalar).
+    """
+    dtype = _dtype(params)
+    eta = jnp.asarray(eta, dtype)
+    pc = jnp.asarray(pseudocount, dtype)
+    n = jnp.maximum(jnp.asarray(num_samples, dtype), jnp.finfo(dtype).tiny)
+
+    def node_step(mass):
+        t = eta * mass / n
+        return t / (1.0 + t)
+
+    targets = em_engine.normalize_sum_params(layout, tables, flows["sum"], pc)
+    new_sum = {}
+    for g in layout.sum_groups:
+        seg = tables["groups"][g.key]["seg"]
+        tot = jax.ops.segment_sum(jnp.sum(flows["sum"][g.key], axis=2), seg, num_segments=g.num_segments)  # [S, Kp]
+        s = node_step(tot + pc)[seg][:, :, None]
+        old = jnp.exp(params["sum"][g.key])
+        new_sum[g.key] = jnp.log(blend(old, targets[g.key], s))
+    new_in = {}
+    for spec, tab in zip(layout.input_layers, tables["inputs"]):
+        stats = flows["input"][spec.key]
+        if "counts" in stats:  # categorical family: [P, K]
+            s = node_step(jnp.sum(stats["counts"], axis=1, keepdims=True) + pc)
+        elif "s0" in stats:  # moment-matched leaves: [P]
+            s = node_step(stats["s0"] + pc)
+        elif not stats:  # parameter-free leaves
+            s = jnp.zeros((), dtype)
+        else:
+            raise TypeError(f"anemone: cannot read the per-row flow of {spec.dist!r} from its statistics "
+                            f"{sorted(stats)}; expected 'counts' or 's0'")
+        new_in[spec.key] = spec.dist.em_update(params["input"][spec.key], tab["meta"], stats, s, pc)
+    return {"sum": new_sum, "input": new_in}
+
+
+def em_apply(layout, tables, config: EMConfig, flows: dict, state, params: dict, num_samples=None):
+    """``(new_params, new_state)`` of an EM transformation (pure: ``tables`` may be traced)."""
+    dtype = _dtype(params)
+    pc = jnp.asarray(config.pseudocount, dtype)
+    if config.kind == "em":
+        s = _step_value(config.step_size, state.count, dtype)
+        new = em_engine.em_update(layout, tables, params, flows, s, pc)
+        return new, EMState(state.count + 1)
+    if config.kind == "anemone":
+        eta = _step_value(config.step_size, state.count, dtype)
+        new = anemone_update(layout, tables, params, flows, eta, pc, _num_samples(config, flows, num_samples))
+        return new, EMState(state.count + 1)
+    if config.kind == "full_batch":
+        acc = jax.tree_util.tree_map(jnp.add, state.flows, flows)
+        count = state.count + 1
+        done = (count % config.num_batches) == 0
+        s = _step_value(config.step_size, count // config.num_batches - 1, dtype)
+
+        def do_update(operands):
+            p, a = operands
+            return em_engine.em_update(layout, tables, p, a, s, pc), jax.tree_util.tree_map(jnp.zeros_like, a)
+
+        def keep(operands):
+            return operands
+
+        new, acc = jax.lax.cond(done, do_update, keep, (params, acc))
+        return new, FullBatchEMState(count, acc)
+    raise ValueError(f"unknown EM kind {config.kind!r}")
+
+
+def zero_flows(layout, tables, params: dict, x_dtype=jnp.int32) -> dict:
+    """Zeros shaped like the flows of ``params`` (sum groups like ``params``, input layers like their
+    sufficient statistics), from the shapes alone (nothing is evaluated)."""
+    x = jax.ShapeDtypeStruct((1, layout.num_vars), x_dtype)
+    shapes = jax.eval_shape(lambda t, p, xx: em_engine.flows_and_ll(layout, t, p, xx, None, None, _LL)[0],
+                            tables, params, x)
+    return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def deltas(old: dict, new: dict) -> dict:
+    """``new - old`` per entry, 0 where they are equal (so ``-inf`` entries that stay ``-inf`` give 0)."""
+    return jax.tree_util.tree_map(lambda a, b: jnp.where(a == b, jnp.zeros_like(a), b - a), old, new)
+
+
+def _deltas_and_state(new_and_state, params):
+    new, state = new_and_state
+    return deltas(params, new), state
+
+
+def apply_updates(params: dict, updates: dict) -> dict:
+    """``params + updates`` per leaf in the parameters' dtype (``optax.apply_updates`` without optax)."""
+    return jax.tree_util.tree_map(lambda p, u: jnp.asarray(p + u).astype(jnp.asarray(p).dtype), params, updates)
+
+
+def _make(circuit, config: EMConfig) -> EMTransformation:
+    layout, tables = circuit.layout, circuit.tables
+    config = dataclasses.replace(config, layout=layout)
+
+    xdtype = jnp.int32 if circuit._var_info.all_discrete else circuit.dtype
+
+    def init(params):
+        count = jnp.zeros((), jnp.int32)
+        if config.kind == "full_batch":
+            return FullBatchEMState(count, zero_flows(layout, tables, params, xdtype))
+        return EMState(count)
+
+    # jitted with the tables as an argument (inlined when called inside a user's jit)
+    jit_step = jax.jit(lambda t, fl, st, p, n: em_apply(layout, t, config, fl, st, p, n))
+    jit_update = jax.jit(lambda t, fl, st, p, n: _deltas_and_state(em_apply(layout, t, config, fl, st, p, n), p))
+
+    def step(flows, state, params, *, num_samples=None, **_):
+        return jit_step(tables, flows, state, params, num_samples)
+
+    def update(flows, state, params=None, *, num_samples=None, **_):
+        if params is None:
+            raise ValueError("EM transformations need params: call update(flows, state, params)")
+        return jit_update(tables, flows, state, params, num_samples)
+
+    return EMTransformation(init, update, step, config)
+
+
+def em(circuit, step_size=0.1, pseudocount: float = 0.0) -> EMTransformation:
+    """Mini-batch EM: each update moves every node ``step_size`` of the way to the batch's EM estimate.
+
+    Args:
+        circuit: a compiled :class:`jaxpc.Circuit`.
+        step_size: a float in ``(0, 1]`` (1 = plain EM on the batch) or a schedule ``count -> float``
+            (``count``: updates done so far), e.g. ``optax.linear_schedule(0.2, 0.02, total_steps)``.
+        pseudocount: Laplace smoothing, spread evenly over each node's children (values).
+    """
+    _check_args(step_size, pseudocount, "em")
+    return _make(circuit, EMConfig("em", step_size, float(pseudocount)))
+
+
+def full_batch_em(circuit, num_batches: int, pseudocount: float = 0.0, step_size=1.0) -> EMTransformation:
+    """Full-batch EM over ``num_batches`` mini-batches: flows are accumulated and every ``num_batches``-th
+    update performs one EM update (``step_size`` 1 = classical EM; a schedule counts EM updates);
+    the updates in between are zero.
+
+    Args:
+        num_batches: mini-batches per full pass over the data (``ceil(N / batch_size)``).
+    """
+    if not isinstance(num_batches, int) or isinstance(num_batches, bool) or num_batches < 1:
+        raise ValueError(f"full_batch_em: num_batches must be a positive int, got {num_batches!r}")
+    _check_args(step_size, pseudocount, "full_batch_em")
+    return _make(circuit, EMConfig("full_batch", step_size, float(pseudocount), num_batches))
+
+
+def anemone(circuit, step_size=1.0, pseudocount: float = 0.0) -> EMTransformation:
+    """Mini-batch EM with a per-node step ``eta t_n / (1 + eta t_n)`` (see the module docstring).
+
+    Args:
+        step_size: ``eta > 0`` (a float or a schedule ``count -> float`` for annealing).
+        pseudocount: as in :func:`em`.
+
+    ``update``/``step`` read the batch size from the root's flows; pass ``num_samples=`` when the root is
+    not a sum node.
+    """
+    _check_args(step_size, pseudocount, "anemone")
+    return _make(circuit, EMConfig("anemone", step_size, float(pseudocount), root=_root_info(circuit)))
+
+
+def apply(tx, feed: dict, state, params: dict, **extra):
+    """One optimizer update: ``(new_params, new_state)``.
+
+    ``tx`` is an EM transformation (``feed``: flows; the update is exact) or any optax-style
+    transformation (``feed``: gradients of a loss; ``params + updates``)."""
+    if isinstance(tx, EMTransformation):
+        return tx.step(feed, state, params, **extra)
+    updates, state = tx.update(feed, state, params, **extra)
+    return apply_updates(params, updates), state

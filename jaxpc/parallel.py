@@ -1,0 +1,226 @@
+"""Data-parallel flows, EM and gradient steps over the devices of one host (``jax.shard_map``).
+
+The batch is split along a ``'data'`` mesh axis; every device evaluates the whole circuit on its
+shard (parameters and index tables are replicated), and the per-device flows (or gradients) are
+summed with exactly one ``psum``. The EM update then runs replicated, so every device ends with the
+same parameters, identical to one device's result up to the order of the additions.
+
+Why exactly one psum, and ``check_vma=False``: flows are ``jax.grad`` of the summed log-likelihood
+with respect to the (replicated) parameters. Under ``shard_map``'s default ``check_vma=True`` JAX
+tracks that the parameters are device-invariant and already sums their gradient over the axis, so an
+explicit ``psum`` on top would double the flows. The bodies here run with ``check_vma=False``, where
+the gradient stays per device, and add one ``psum``. ``tests/test_parallel.py`` checks the total root
+flow equals the batch size, which a doubled (or missing) psum breaks.
+
+A batch whose size is not a multiple of the device count is padded with zero-weight rows (they
+contribute exactly nothing; the returned log-likelihoods are cut back to the batch).
+
+Models too large for one device (not built; how it would go). Data parallelism replicates the
+parameters and the node buffer ``[R, B/n]``; when the parameters or the buffer of one sample no longer
+fit, partition the *layers* instead. The compiled layout is a sequence of stages, each a set of
+independent product and sum partitions that read rows of earlier stages only. A layer-partitioned
+engine would
+
+1. give each device a contiguous range of every stage's output rows (balanced by edge count), and the
+   parameter blocks ``params["sum"][group][pid]`` those rows use (``pid`` tables are split with them,
+   so each device holds ``1/n`` of the weights; tied blocks used by several devices are replicated and
+   their flows ``psum``-ed over the devices that use them);
+2. after each stage, ``all_gather`` only the rows that later stages on *other* devices read (the
+   compiler knows every child row of every partition, so it can emit the exchange lists statically);
+   for PD/HCLT-like structures most reads are local once rows are assigned by region;
+3. run the top-down flow pass in reverse with the transposed exchange (``psum_scatter`` of child
+   flows into their owners), so parameter flows are produced where the parameters live and the EM
+   update needs no communication at all.
+
+Combined with the ``'data'`` axis this is a 2-D mesh ``('data', 'model')``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from .engine import em
+from .optim.normalize import normalized_log_prob
+from .options import Options
+
+Array = jax.Array
+
+AXIS = "data"
+
+__all__ = ["AXIS", "data_mesh", "sharded_flows_and_ll", "sharded_loss_and_grad", "flows", "em_step",
+           "loss_and_grad", "train_step"]
+
+
+def data_mesh(num_devices: int | None = None, *, devices=None) -> Mesh:
+    """A 1-D mesh with axis ``'data'`` over the first ``num_devices`` devices (default: all), or over
+    ``devices``. Its axis is of type ``Auto``, so un-annotated inputs are resharded automatically."""
+    if devices is None:
+        avail = jax.devices()
+        n = len(avail) if num_devices is None else num_devices
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= len(avail):
+            raise ValueError(f"data_mesh: num_devices must be an int in [1, {len(avail)}], got {num_devices!r}")
+        devices = avail[:n]
+    devices = list(devices)
+    if not devices:
+        raise ValueError("data_mesh: devices is empty")
+    return jax.make_mesh((len(devices),), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
+
+
+def _missing_spec(missing_ndim: int | None):
+    return () if missing_ndim is None else ((P() if missing_ndim == 1 else P(AXIS)),)
+
+
+def _split(rest, missing_ndim):
+    if missing_ndim is None:
+        return None, rest[0]
+    return rest[0], rest[1]
+
+
+def sharded_flows_and_ll(layout, mesh: Mesh, options: Options, missing_ndim: int | None):
+    """A pure ``f(tables, params, x, [missing,] weights) -> (flows, ll)``: :func:`jaxpc.engine.em.flows_and_ll`
+    with the batch (``x`` ``[B, V]``, ``weights`` ``[B]``, a ``[B, V]`` missing mask) split over the mesh's
+    ``'data'`` axis and the flows summed once. ``B`` must be a multiple of the axis size; ``missing`` is
+    left out when ``missing_ndim`` is None."""
+
+    def body(tables, params, x, *rest):
+        m, w = _split(rest, missing_ndim)
+        fl, ll = em.flows_and_ll(layout, tables, params, x, m, w, options)
+        return jax.lax.psum(fl, AXIS), ll
+
+    in_specs = (P(), P(), P(AXIS)) + _missing_spec(missing_ndim) + (P(AXIS),)
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(), P(AXIS)), check_vma=False)
+
+
+def sharded_loss_and_grad(layout, mesh: Mesh, options: Options, missing_ndim: int | None, normalize: bool = True):
+    """A pure ``f(tables, params, x, [missing,] weights) -> ((loss, ll), grads)``: the weighted mean negative
+    log-likelihood of the (renormalized, with ``normalize``) parameters and its gradient, data-parallel
+    (per-device sums, one ``psum`` each for the loss, the weight and the gradient)."""
+
+    def body(tables, params, x, *rest):
+        m, w = _split(rest, missing_ndim)
+
+        def local(p):
+            ll = normalized_log_prob(layout, tables, p, x, m, options, normalize=normalize)
+            wl = jnp.where(w == 0, 0.0, ll * w.astype(ll.dtype))
+            return -jnp.sum(wl), ll
+
+        (nll, ll), g = jax.value_and_grad(local, has_aux=True)(params)
+        total = jax.lax.psum(jnp.sum(w), AXIS)
+        nll = jax.lax.psum(nll, AXIS) / total
+        g = jax.tree_util.tree_map(lambda a: a / total.astype(a.dtype), jax.lax.psum(g, AXIS))
+        return (nll, ll), g
+
+    in_specs = (P(), P(), P(AXIS)) + _missing_spec(missing_ndim) + (P(AXIS),)
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=((P(), P(AXIS)), P()), check_vma=False)
+
+
+# ---- circuit-level functions ----------------------------------------------------------------------
+
+def _mesh(mesh):
+    return data_mesh() if mesh is None else mesh
+
+
+def _batch(circuit, mesh, x, missing, ll_weights, validate):
+    """Validated, padded batch: ``(x, missing, weights, B)`` with ``x.shape[0]`` a multiple of the devices."""
+    xj, mj = circuit._prepare(x, missing, validate)
+    B = xj.shape[0]
+    w = jnp.ones((B,), circuit.dtype) if ll_weights is None else circuit._weights(ll_weights, B).astype(circuit.dtype)
+    n = mesh.shape[AXIS]
+    pad = (-B) % n
+    if pad:
+        xj = jnp.concatenate([xj, jnp.repeat(xj[:1], pad, axis=0)])
+        if mj is not None and mj.ndim == 2:
+            mj = jnp.concatenate([mj, jnp.repeat(mj[:1], pad, axis=0)])
+        w = jnp.concatenate([w, jnp.zeros((pad,), w.dtype)])
+    return xj, mj, w, B
+
+
+def _cache(circuit):
+    return circuit.__dict__.setdefault("_parallel_fns", {})
+
+
+def _args(mj):
+    return () if mj is None else (mj,)
+
+
+def _ndim(mj):
+    return None if mj is None else mj.ndim
+
+
+def flows(circuit, params: dict, x, missing=None, *, mesh: Mesh | None = None, ll_weights=None,
+          options: Options | None = None, validate: bool = True, return_ll: bool = False):
+    """``circuit.flows`` with the batch split over ``mesh`` (default: all devices). Returns the flows
+    (replicated), and ``ll`` ``[B]`` with ``return_ll``."""
+    mesh = _mesh(mesh)
+    opts = Options.make(options)
+    xj, mj, w, B = _batch(circuit, mesh, x, missing, ll_weights, validate)
+    key = ("flows", mesh, opts, _ndim(mj))
+    cache = _cache(circuit)
+    if key not in cache:
+        cache[key] = jax.jit(sharded_flows_and_ll(circuit.layout, mesh, opts, _ndim(mj)))
+    fl, ll = cache[key](circuit.tables, params, xj, *_args(mj), w)
+    return (fl, ll[:B]) if return_ll else fl
+
+
+def em_step(circuit, params: dict, x, missing=None, *, mesh: Mesh | None = None, step_size: float = 1.0,
+            pseudocount: float = 0.0, ll_weights=None, options: Options | None = None, validate: bool = True,
+            return_ll: bool = False):
+    """``circuit.em_step`` data-parallel: sharded flows, one psum, the update replicated on every device."""
+    from .circuit import _check_em_args
+
+    _check_em_args(step_size, pseudocount)
+    mesh = _mesh(mesh)
+    opts = Options.make(options)
+    xj, mj, w, B = _batch(circuit, mesh, x, missing, ll_weights, validate)
+    key = ("em_step", mesh, opts, _ndim(mj))
+    cache = _cache(circuit)
+    if key not in cache:
+        fl_fn = sharded_flows_and_ll(circuit.layout, mesh, opts, _ndim(mj))
+
+        def step(tables, params, s, pc, *args):
+            fl, ll = fl_fn(tables, params, *args)
+            return em.em_update(circuit.layout, tables, params, fl, s, pc), ll
+
+        cache[key] = jax.jit(step)
+    new, ll = cache[key](circuit.tables, params, jnp.asarray(step_size, circuit.dtype),
+                         jnp.asarray(pseudocount, circuit.dtype), xj, *_args(mj), w)
+    return (new, ll[:B]) if return_ll else new
+
+
+def loss_and_grad(circuit, params: dict, x, missing=None, *, mesh: Mesh | None = None, normalize: bool = True,
+                  ll_weights=None, options: Options | None = None, validate: bool = True):
+    """``(loss, grads)``: the mean negative log-likelihood of ``normalize(params)`` (``params`` are logits) and
+    its gradient with respect to ``params``, data-parallel over ``mesh``."""
+    mesh = _mesh(mesh)
+    opts = Options.make(options)
+    xj, mj, w, B = _batch(circuit, mesh, x, missing, ll_weights, validate)
+    key = ("grad", mesh, opts, _ndim(mj), normalize)
+    cache = _cache(circuit)
+    if key not in cache:
+        cache[key] = jax.jit(sharded_loss_and_grad(circuit.layout, mesh, opts, _ndim(mj), normalize))
+    (loss, _), g = cache[key](circuit.tables, params, xj, *_args(mj), w)
+    return loss, g
+
+
+def train_step(circuit, tx, params: dict, opt_state, x, missing=None, *, mesh: Mesh | None = None,
+               normalize: bool = True, ll_weights=None, options: Options | None = None, validate: bool = True):
+    """One data-parallel optimizer step with an EM transformation (:mod:`jaxpc.optim`) or any optax
+    transformation: ``(params, opt_state, ll [B])``. See :func:`jaxpc.optim.make_step`."""
+    from .optim.train import make_step
+
+    mesh = _mesh(mesh)
+    opts = Options.make(options)
+    xj, mj, w, B = _batch(circuit, mesh, x, missing, ll_weights, validate)
+    key = ("train_step", id(tx), mesh, opts, _ndim(mj), normalize)
+    cache = _cache(circuit)
+    if key not in cache or cache[key][0] is not tx:
+        fn = make_step(circuit.layout, tx, normalize=normalize, options=opts, mesh=mesh, missing_ndim=_ndim(mj))
+        cache[key] = (tx, jax.jit(fn))
+    p, s, ll = cache[key][1](circuit.tables, params, opt_state, xj, mj, w)
+    return p, s, ll[:B]

@@ -1,0 +1,170 @@
+"""jaxpc.io: structure files rebuild identical node vectors; orbax checkpoints restore params and optimizer
+states; a resumed fit equals an uninterrupted one bit for bit."""
+
+import json
+import zipfile
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jaxpc
+from jaxpc import dists, io, optim, structures
+from jaxpc.io import _graph_order
+
+from .random_circuits import Generator
+from .test_optim import _small_circuit
+
+
+def _assert_same_graph(a, b):
+    ga, gb = _graph_order(a), _graph_order(b)
+    assert len(ga) == len(gb)
+    ia = {ns.id: i for i, ns in enumerate(ga)}
+    ib = {ns.id: i for i, ns in enumerate(gb)}
+    for x, y in zip(ga, gb):
+        assert type(x) is type(y) and x.name == y.name
+        assert (x.num_node_blocks, x.block_size, x.scope) == (y.num_node_blocks, y.block_size, y.scope)
+        assert [ia[c.id] for c in x.children] == [ib[c.id] for c in y.children]
+        assert (x._source is None) == (y._source is None)
+        if x._source is not None:
+            assert ia[x._source.id] == ib[y._source.id]
+        if not x.is_input():
+            np.testing.assert_array_equal(x.edge_ids, y.edge_ids)
+        if x.is_input():
+            assert x.var == y.var and x.dist == y.dist and repr(x.dist) == repr(y.dist)
+            assert (x._params is None) == (y._params is None)
+            if x._params is not None:
+                assert sorted(x._params) == sorted(y._params)
+                for k in x._params:
+                    np.testing.assert_array_equal(x._params[k], y._params[k])
+                    assert x._params[k].dtype == y._params[k].dtype
+        if x.is_sum():
+            assert x.ch_block_size == y.ch_block_size
+            assert (x._params is None) == (y._params is None)
+            if x._params is not None:
+                np.testing.assert_array_equal(x._params, y._params)
+
+
+def _roundtrip(root, tmp_path, name="c.jpc"):
+    path = tmp_path / name  # written exactly at this path (no .npz suffix appended)
+    io.save_structure(root, path)
+    assert path.exists()
+    return io.load_structure(path)
+
+
+@pytest.mark.parametrize("seed", [0, 3, 5])
+def test_random_circuits_round_trip_identically(seed, tmp_path):
+    gen = Generator(seed, num_vars=4)  # every distribution, ties of sums and inputs, block-sparse edges
+    root = gen.circuit()
+    loaded = _roundtrip(root, tmp_path)
+    _assert_same_graph(root, loaded)
+    c1, c2 = jaxpc.compile(root, seed=seed), jaxpc.compile(loaded, seed=seed)
+    assert c1.layout == c2.layout
+    for u, v in zip(jax.tree_util.tree_leaves(c1.params), jax.tree_util.tree_leaves(c2.params)):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+    x = gen.sample_data(7)
+    np.testing.assert_array_equal(np.asarray(c1.log_prob(c1.params, x)), np.asarray(c2.log_prob(c2.params, x)))
+
+
+def test_structures_and_circuits_round_trip(tmp_path):
+    hmm = structures.HMM(7, 4, 5, alpha=np.full((4, 4), 0.25), beta=np.full((4, 5), 0.2), gamma=np.full(4, 0.25))
+    pd = structures.PD((4, 4), 4, split_intervals=2, tie_homogeneous_params=True, input_dist=dists.Categorical(3))
+    for i, root in enumerate((hmm, pd)):
+        loaded = _roundtrip(root, tmp_path, f"s{i}.npz")
+        _assert_same_graph(root, loaded)
+    circuit = jaxpc.compile(hmm)
+    loaded = _roundtrip(circuit, tmp_path, "circ")  # a Circuit saves its root
+    _assert_same_graph(hmm, loaded)
+
+
+def test_tied_source_outside_the_graph_is_kept(tmp_path):
+    template = jaxpc.inputs(5, 1, 2, dists.Categorical(3), params=np.full((2, 3), 1 / 3))  # not reachable
+    a = template.duplicate(0, tie_params=True)
+    b = template.duplicate(1, tie_params=True)
+    root = jaxpc.summate(jaxpc.multiply(a, b), num_nodes=1)
+    loaded = _roundtrip(root, tmp_path)
+    _assert_same_graph(root, loaded)
+    assert loaded.children[0].children[0].source.var == 5
+
+
+def test_structure_files_are_checked(tmp_path):
+    root = jaxpc.summate(jaxpc.inputs(0, 1, 2, dists.Categorical(3)), num_nodes=1)
+    path = tmp_path / "c.npz"
+    io.save_structure(root, path)
+    with zipfile.ZipFile(path) as z:  # a plain npz: no pickled objects inside
+        assert all(n.endswith(".npy") for n in z.namelist())
+    with np.load(path, allow_pickle=False) as z:
+        header = json.loads(bytes(z["__header__"]).decode())
+        arrays = {k: z[k] for k in z.files}
+    assert header["format"] == "jaxpc.structure" and header["version"] == io.VERSION
+    header["version"] = io.VERSION + 1
+    arrays["__header__"] = np.frombuffer(json.dumps(header).encode(), np.uint8)
+    future = tmp_path / "future.npz"
+    np.savez(future, **arrays)
+    with pytest.raises(ValueError, match="version"):
+        io.load_structure(future)
+    np.savez(tmp_path / "other.npz", a=np.zeros(3))
+    with pytest.raises(ValueError, match="not a jaxpc structure file"):
+        io.load_structure(tmp_path / "other.npz")
+    with pytest.raises(TypeError, match="node vector or a jaxpc.Circuit"):
+        io.save_structure("root", tmp_path / "x.npz")
+
+    class Custom(dists.Categorical):
+        pass
+
+    odd = jaxpc.summate(jaxpc.inputs(0, 1, 2, Custom(3)), num_nodes=1)
+    with pytest.raises(TypeError, match="register_distribution"):
+        io.save_structure(odd, tmp_path / "odd.npz")
+    io.register_distribution(Custom, lambda d: {"num_cats": d.num_cats}, lambda a: Custom(**a), name="test.Custom")
+    loaded = _roundtrip(odd, tmp_path, "odd.npz")
+    assert type(loaded.children[0].dist) is Custom
+
+
+def test_params_and_optimizer_states_round_trip(tmp_path):
+    circuit, _, data = _small_circuit()
+    for i, tx in enumerate((optax.adam(0.01), optim.full_batch_em(circuit, 2, 0.1))):
+        state = tx.init(circuit.params)
+        if isinstance(tx, optim.EMTransformation):
+            _, state = tx.step(circuit.flows(circuit.params, data[:10]), state, circuit.params)
+        io.save_params(tmp_path / f"ck{i}", circuit.params, state, step=5)
+        ck = io.load_params(tmp_path / f"ck{i}", params=circuit.params, opt_state=tx.init(circuit.params))
+        assert ck.step == 5
+        assert jax.tree_util.tree_structure(ck.opt_state) == jax.tree_util.tree_structure(state)
+        for u, v in zip(jax.tree_util.tree_leaves((circuit.params, state)),
+                        jax.tree_util.tree_leaves((ck.params, ck.opt_state))):
+            np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+    raw = io.load_params(tmp_path / "ck0")
+    assert raw.step == 5 and isinstance(raw.params, dict)
+    io.save_params(tmp_path / "p", circuit.params)
+    ck = io.load_params(tmp_path / "p", params=circuit.params)
+    assert ck.opt_state is None and ck.step is None
+    with pytest.raises(ValueError, match="opt_state"):
+        io.load_params(tmp_path / "ck0", params=circuit.params)
+    with pytest.raises(Exception):
+        io.save_params(tmp_path / "p", circuit.params)  # exists
+    io.save_params(tmp_path / "p", circuit.params, overwrite=True)
+
+
+@pytest.mark.parametrize("kind", ["em", "adam"])
+def test_resumed_fit_equals_uninterrupted_bit_for_bit(kind, tmp_path):
+    circuit, _, data = _small_circuit()
+    if kind == "em":
+        tx = optim.em(circuit, optax.linear_schedule(0.5, 0.05, 12), 0.1)
+    else:
+        tx = optax.adam(optax.exponential_decay(0.05, 4, 0.5))
+    key = jax.random.key(11)
+    full = optim.fit(circuit, circuit.params, data, 4, 48, optimizer=tx, key=key, progress=False)
+    half = optim.fit(circuit, circuit.params, data, 2, 48, optimizer=tx, key=key, progress=False)
+    io.save_structure(circuit, tmp_path / "structure.npz")
+    io.save_params(tmp_path / "ck", half.params, half.opt_state, step=2)
+    # a new process would rebuild everything from the files
+    circuit2 = jaxpc.compile(io.load_structure(tmp_path / "structure.npz"))
+    tx2 = optim.em(circuit2, optax.linear_schedule(0.5, 0.05, 12), 0.1) if kind == "em" else tx
+    ck = io.load_params(tmp_path / "ck", params=circuit2.params, opt_state=tx2.init(circuit2.params))
+    rest = optim.fit(circuit2, ck.params, data, 2, 48, optimizer=tx2, opt_state=ck.opt_state, start_epoch=ck.step,
+                     key=key, progress=False)
+    for u, v in zip(jax.tree_util.tree_leaves((full.params, full.opt_state)),
+                    jax.tree_util.tree_leaves((rest.params, rest.opt_state))):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+    np.testing.assert_array_equal(full.epoch_ll, np.concatenate([half.epoch_ll, rest.epoch_ll]))

@@ -1,0 +1,248 @@
+"""jaxpc.optim: normalization of logits, EM as optax-style transformations, gradient training that
+stays normalized, and whole-epoch fit executables against Python loops of the circuit's methods."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxpc
+from jaxpc import dists, optim
+
+from .random_circuits import Generator
+
+DISCRETE = ("categorical", "bernoulli", "masked", "indicator", "literal", "logistic")
+
+
+def _perturb(params, seed, scale=1.0):
+    rng = np.random.default_rng(seed)
+
+    def f(leaf):
+        a = np.asarray(leaf)
+        return jnp.asarray(np.where(np.isfinite(a), a + scale * rng.standard_normal(a.shape), a).astype(a.dtype))
+
+    return jax.tree_util.tree_map(f, params)
+
+
+def _maxdiff(a, b):
+    """Largest absolute difference over all leaves (entries that are -inf in both count as equal)."""
+    out = 0.0
+    for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        u, v = np.asarray(u, np.float64), np.asarray(v, np.float64)
+        assert u.shape == v.shape
+        same = (u == v) | (np.isnan(u) & np.isnan(v))
+        with np.errstate(invalid="ignore"):
+            d = np.where(same, 0.0, np.abs(u - v))
+        out = max(out, float(d.max()) if d.size else 0.0)
+    return out
+
+
+def _sum_node_totals(circuit, params):
+    """Each sum node's total weight, from the parameter groups and their segment tables (numpy)."""
+    out = []
+    for g in circuit.layout.sum_groups:
+        w = np.exp(np.asarray(params["sum"][g.key], np.float64))
+        tot = np.zeros((g.num_segments, g.Kp))
+        np.add.at(tot, np.asarray(circuit.tables["groups"][g.key]["seg"]), w.sum(2))
+        out.append(tot.ravel())
+    return np.concatenate(out)
+
+
+def _small_circuit():
+    a = jaxpc.inputs(0, 2, 2, dists.Categorical(3))
+    b = jaxpc.inputs(1, 2, 2, dists.Categorical(3))
+    c = jaxpc.inputs(2, 2, 2, dists.Bernoulli())
+    inner = jaxpc.summate(jaxpc.multiply(b, c), num_node_blocks=2, block_size=2)
+    root = jaxpc.summate(jaxpc.multiply(a, inner), jaxpc.multiply(a.duplicate(0), inner), num_nodes=1)
+    circuit = jaxpc.compile(root)
+    X = np.asarray(list(itertools.product(range(3), range(3), range(2))), np.int32)
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, [3, 3, 2], size=(150, 3)).astype(np.int32)
+    data[:90, 1] = data[:90, 0]  # a dependency the circuit can learn
+    return circuit, X, data
+
+
+@pytest.mark.parametrize("seed", [1])
+def test_normalize_turns_any_logits_into_a_distribution(seed):
+    gen = Generator(seed, num_vars=3, kinds=DISCRETE)
+    circuit = jaxpc.compile(gen.circuit())
+    X = gen.all_assignments()[0].astype(np.int32)
+    logits = _perturb(circuit.params, seed, scale=2.0)
+    p = optim.normalize(circuit, logits)
+    total = float(jnp.sum(jnp.exp(circuit.log_prob(p, X))))
+    assert total == pytest.approx(1.0, abs=1e-4)
+    # the logits themselves are not normalized, and log_prob(normalize=True) renormalizes them
+    assert abs(float(jnp.sum(jnp.exp(optim.log_prob(circuit, logits, X, normalize=False)))) - 1.0) > 1e-3
+    np.testing.assert_allclose(optim.log_prob(circuit, logits, X), circuit.log_prob(p, X), rtol=1e-5, atol=1e-6)
+    # normalized params are a fixed point
+    assert _maxdiff(optim.normalize(circuit, circuit.params), circuit.params) < 1e-5
+    # each sum node's weights sum to one
+    np.testing.assert_allclose(_sum_node_totals(circuit, p), 1.0, rtol=1e-5)
+
+
+def test_masked_categorical_keeps_forbidden_values_at_zero():
+    mask = np.array([[0, 2], [1, 3]])
+    a = jaxpc.inputs(0, 1, 2, dists.MaskedCategorical(3, "range"), params={"mask": mask})
+    root = jaxpc.summate(a, num_nodes=1)
+    c = jaxpc.compile(root)
+    logits = jax.tree_util.tree_map(lambda l: jnp.where(jnp.isfinite(l), l, 5.0), c.params)  # revive -inf
+    p = optim.normalize(c, logits)
+    probs = np.asarray(c.get_node_params(p, a)["probs"])
+    assert probs[0, 2] == 0 and probs[1, 0] == 0
+    np.testing.assert_allclose(probs.sum(1), 1.0, rtol=1e-6)
+
+
+def test_adam_on_logits_stays_normalized_and_improves_ll():
+    circuit, X, data = _small_circuit()
+    layout, tables = circuit.layout, circuit.tables
+    x = jnp.asarray(data)
+    tx = optax.adam(0.05)
+
+    @jax.jit
+    def step(params, state):
+        loss, g = jax.value_and_grad(lambda p: optim.mean_nll(layout, tables, p, x, None, None, jaxpc.Options())[0])(params)
+        updates, state = tx.update(g, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    params, state = circuit.params, tx.init(circuit.params)
+    losses = []
+    for _ in range(60):
+        params, state, loss = step(params, state)
+        losses.append(float(loss))
+    p = optim.normalize(circuit, params)  # raw adam steps leave the normalized set; normalize maps back
+    assert float(jnp.sum(jnp.exp(circuit.log_prob(p, X)))) == pytest.approx(1.0, abs=1e-5)
+    ll0 = float(jnp.mean(circuit.log_prob(circuit.params, data)))
+    ll1 = float(jnp.mean(circuit.log_prob(p, data)))
+    assert ll1 > ll0 + 0.1
+    assert losses[0] == pytest.approx(-ll0, abs=1e-5) and losses[-1] < losses[0] - 0.1
+
+
+def test_em_transformation_is_em_step_and_its_deltas_are_optax_updates():
+    circuit, _, data = _small_circuit()
+    params = circuit.params
+    tx = optim.em(circuit, step_size=0.3, pseudocount=0.5)
+    state = tx.init(params)
+    flows = circuit.flows(params, data[:40])
+    new, state1 = tx.step(flows, state, params)
+    ref = circuit.em_step(params, data[:40], step_size=0.3, pseudocount=0.5)
+    assert _maxdiff(new, ref) < 1e-6
+    assert int(state1.count) == 1
+    updates, _ = tx.update(flows, state, params)
+    assert _maxdiff(optax.apply_updates(params, updates), ref) < 1e-6
+    p2, _ = optim.apply(tx, flows, state, params)
+    assert _maxdiff(p2, new) == 0.0
+    # and optim.apply runs an optax transformation the optax way
+    adam = optax.adam(0.1)
+    g = jax.jit(jax.grad(lambda p: optim.mean_nll(circuit.layout, circuit.tables, p, jnp.asarray(data), None, None,
+                                                  jaxpc.Options())[0]))(params)
+    p3, _ = optim.apply(adam, g, adam.init(params), params)
+    u, _ = adam.update(g, adam.init(params), params)
+    assert _maxdiff(p3, optax.apply_updates(params, u)) == 0.0
+
+
+def test_em_deltas_keep_zero_weights_finite():
+    mask = np.array([[0, 2], [1, 3]])
+    a = jaxpc.inputs(0, 1, 2, dists.MaskedCategorical(3, "range"), params={"mask": mask})
+    root = jaxpc.summate(a, num_nodes=1)
+    c = jaxpc.compile(root)
+    tx = optim.em(c, 0.5, 1.0)
+    x = np.array([[0], [1], [2]])
+    updates, _ = tx.update(c.flows(c.params, x), tx.init(c.params), c.params)
+    assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree_util.tree_leaves(updates))
+    new = optax.apply_updates(c.params, updates)
+    assert _maxdiff(new, c.em_step(c.params, x, step_size=0.5, pseudocount=1.0)) < 1e-6
+
+
+def test_anemone_is_a_per_node_proximal_em_step():
+    circuit, _, data = _small_circuit()
+    params = circuit.params
+    xb = data[:30]
+    flows = circuit.flows(params, xb)
+    eta, pc = 2.0, 0.3
+    tx = optim.anemone(circuit, step_size=eta, pseudocount=pc)
+    new, _ = tx.step(flows, tx.init(params), params)
+    # closed form, per node n with children c: (F_nc + pc / nch + (B / eta) theta_nc) / (F_n + pc + B / eta)
+    lam = len(xb) / eta
+    for ns in circuit.nodes:
+        if ns.is_sum() and not ns.is_tied():
+            th = np.asarray(circuit.get_node_params(params, ns), np.float64)
+            F = np.asarray(circuit.get_node_flows(flows, ns), np.float64)
+            connected = th > 0
+            nch = connected.sum(1, keepdims=True)
+            want = np.where(connected, F + pc / nch + lam * th, 0.0) / (F.sum(1, keepdims=True) + pc + lam)
+            np.testing.assert_allclose(np.asarray(circuit.get_node_params(new, ns)), want, rtol=2e-5, atol=1e-7)
+        if ns.is_input() and not ns.is_tied() and isinstance(ns.dist, dists.Categorical):
+            th = np.asarray(circuit.get_node_params(params, ns), np.float64)
+            F = np.asarray(circuit.get_node_flows(flows, ns), np.float64)
+            if th.ndim == 1:  # Bernoulli returns p
+                continue
+            K = th.shape[1]
+            want = (F + pc / K + lam * th) / (F.sum(1, keepdims=True) + pc + lam)
+            np.testing.assert_allclose(np.asarray(circuit.get_node_params(new, ns)), want, rtol=2e-5, atol=1e-7)
+    # the batch size is read from the root flows; passing it explicitly gives the same update
+    new2, _ = tx.step(flows, tx.init(params), params, num_samples=len(xb))
+    assert _maxdiff(new, new2) < 1e-6
+
+
+def test_fit_equals_a_python_loop_of_em_steps():
+    circuit, _, data = _small_circuit()
+    key = jax.random.key(7)
+    sched = optax.linear_schedule(0.4, 0.05, 9)
+    res = optim.fit(circuit, circuit.params, data, 3, 64, step_size=sched, pseudocount=0.2, key=key, progress=False)
+    params, lls, step = circuit.params, [], 0
+    for e in range(3):
+        idx, w = optim.epoch_batches(key, e, len(data), 64)
+        idx = np.asarray(idx)
+        assert w is not None and idx.shape == (3, 64)  # 150 = 64 + 64 + 22 (padded with zero weights)
+        tot = 0.0
+        for i in range(idx.shape[0]):
+            rows = idx[i][np.asarray(w[i]) > 0]
+            params, ll = circuit.em_step(params, data[rows], step_size=float(sched(step)), pseudocount=0.2,
+                                         return_ll=True)
+            tot += float(jnp.sum(ll))
+            step += 1
+        lls.append(tot / len(data))
+    assert _maxdiff(res.params, params) < 2e-6
+    np.testing.assert_allclose(res.epoch_ll, lls, rtol=1e-5)
+    assert int(res.opt_state.count) == 9
+    assert res.epoch_ll.shape == (3,) and res.epoch_ll[-1] > res.epoch_ll[0]
+
+
+def test_fit_full_batch_em_equals_circuit_full_batch_em():
+    circuit, _, data = _small_circuit()
+    tx = optim.full_batch_em(circuit, num_batches=3, pseudocount=0.1)
+    res = optim.fit(circuit, circuit.params, data, 2, 64, optimizer=tx, shuffle=False, progress=False)
+    ref, ll0 = circuit.full_batch_em(circuit.params, data, batch_size=64, pseudocount=0.1, return_ll=True)
+    ref, ll1 = circuit.full_batch_em(ref, data, batch_size=64, pseudocount=0.1, return_ll=True)
+    assert _maxdiff(res.params, ref) < 1e-6
+    np.testing.assert_allclose(res.epoch_ll, [float(ll0), float(ll1)], rtol=1e-5)
+
+
+def test_fit_with_optax_and_anemone_learn_and_stay_normalized():
+    circuit, X, data = _small_circuit()
+    for tx in (optax.adam(0.05), optim.anemone(circuit, step_size=1.0, pseudocount=0.1)):
+        res = optim.fit(circuit, circuit.params, data, 4, 50, optimizer=tx, key=jax.random.key(1), progress=False)
+        assert res.epoch_ll[-1] > res.epoch_ll[0]
+        assert float(jnp.sum(jnp.exp(circuit.log_prob(res.params, X)))) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_fit_and_transformations_reject_bad_arguments():
+    circuit, _, data = _small_circuit()
+    with pytest.raises(ValueError, match="step_size"):
+        optim.em(circuit, step_size=1.5)
+    with pytest.raises(ValueError, match="pseudocount"):
+        optim.anemone(circuit, pseudocount=-1.0)
+    with pytest.raises(ValueError, match="num_batches"):
+        optim.full_batch_em(circuit, num_batches=0)
+    with pytest.raises(ValueError, match="with optimizer"):
+        optim.fit(circuit, circuit.params, data, 1, 10, step_size=0.1, optimizer=optax.sgd(0.1))
+    with pytest.raises(ValueError, match="epochs"):
+        optim.fit(circuit, circuit.params, data, -1, 10)
+    with pytest.raises(TypeError, match="optimizer"):
+        optim.fit(circuit, circuit.params, data, 1, 10, optimizer=object())
+    other = jaxpc.compile(jaxpc.summate(jaxpc.inputs(0, 1, 2, dists.Categorical(3)), num_nodes=1))
+    with pytest.raises(ValueError, match="another circuit"):
+        optim.fit(circuit, circuit.params, data, 1, 10, optimizer=optim.em(other))
