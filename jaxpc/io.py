@@ -32,7 +32,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from . import distributions as dists
-from .nodes import CircuitNodes, InputNodes, ProdNodes, SumNodes, inputs, multiply, summate
+from .nodes import CircuitNodes, InputNodes, ProdNodes, SumNodes, inputs, multiply, summate, topological_order
 from .nodes.nodes import _check_smooth
 
 __all__ = ["FORMAT", "VERSION", "save_structure", "load_structure", "register_distribution", "save_params",
@@ -83,27 +83,6 @@ def _decode_dist(spec: dict, where: str):
     return _DISTS[name][2](spec.get("args", {}))
 
 
-def _graph_order(root: CircuitNodes) -> list[CircuitNodes]:
-    """Every vector reachable from ``root`` through children and ties, dependencies first (iterative)."""
-    order: list[CircuitNodes] = []
-    seen: set[int] = set()
-    stack: list[tuple[CircuitNodes, bool]] = [(root, False)]
-    while stack:
-        ns, expanded = stack.pop()
-        if expanded:
-            order.append(ns)
-            continue
-        if ns.id in seen:
-            continue
-        seen.add(ns.id)
-        stack.append((ns, True))
-        deps = list(ns.children) + ([ns._source] if ns._source is not None else [])
-        for c in reversed(deps):
-            if c.id not in seen:
-                stack.append((c, False))
-    return order
-
-
 def save_structure(root_or_circuit, path) -> None:
     """Write the node graph of ``root_or_circuit`` (a root vector or a compiled :class:`jaxpc.Circuit`) to
     ``path`` (one ``.npz`` file, written exactly at ``path``). See the module docstring for the format."""
@@ -115,7 +94,7 @@ def save_structure(root_or_circuit, path) -> None:
         root = root_or_circuit
     else:
         raise TypeError(f"save_structure: expected a node vector or a jaxpc.Circuit, got {type(root_or_circuit).__name__}")
-    order = _graph_order(root)
+    order = topological_order(root, follow_ties=True)
     index = {ns.id: i for i, ns in enumerate(order)}
     arrays: dict[str, np.ndarray] = {}
     nodes = []

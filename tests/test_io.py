@@ -11,14 +11,14 @@ import pytest
 
 import jaxpc
 from jaxpc import dists, io, optim, structures
-from jaxpc.io import _graph_order
+from jaxpc.nodes import topological_order
 
 from .random_circuits import Generator
 from .test_optim import _small_circuit
 
 
 def _assert_same_graph(a, b):
-    ga, gb = _graph_order(a), _graph_order(b)
+    ga, gb = topological_order(a, follow_ties=True), topological_order(b, follow_ties=True)
     assert len(ga) == len(gb)
     ia = {ns.id: i for i, ns in enumerate(ga)}
     ib = {ns.id: i for i, ns in enumerate(gb)}

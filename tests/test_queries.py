@@ -73,8 +73,9 @@ def test_marginals_hard_and_soft(case):
     np.testing.assert_allclose(np.asarray(c.marginal(c.params, soft_evidence=onehot)), expect, rtol=1e-5, atol=1e-5)
 
 
-def test_soft_evidence_gradient_is_finite_difference(case):
-    gen, c, x = case
+@pytest.mark.parametrize("seed", [0, 5])
+def test_soft_evidence_gradient_is_finite_difference(seed):
+    gen, c, x = make(seed)
     K = int(max(CARD[k] for k in gen.kinds))
     rng = np.random.default_rng(1)
     q = rng.uniform(0.2, 1.0, (2, x.shape[1], K))

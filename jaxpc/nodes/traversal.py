@@ -6,8 +6,10 @@ from __future__ import annotations
 from .nodes import CircuitNodes
 
 
-def topological_order(root: CircuitNodes) -> list[CircuitNodes]:
-    """All node vectors reachable from ``root``, children before parents (deterministic)."""
+def topological_order(root: CircuitNodes, follow_ties: bool = False) -> list[CircuitNodes]:
+    """All node vectors reachable from ``root``, children before parents (deterministic). With
+    ``follow_ties``, a tied vector's parameter source counts as a dependency too (and is included even
+    when it is not part of the graph)."""
     order: list[CircuitNodes] = []
     seen: set[int] = set()
     stack: list[tuple[CircuitNodes, bool]] = [(root, False)]
@@ -20,7 +22,10 @@ def topological_order(root: CircuitNodes) -> list[CircuitNodes]:
             continue
         seen.add(ns.id)
         stack.append((ns, True))
-        for c in reversed(ns.children):
+        deps = list(ns.children)
+        if follow_ties and ns._source is not None:
+            deps.append(ns._source)
+        for c in reversed(deps):
             if c.id not in seen:
                 stack.append((c, False))
     return order
