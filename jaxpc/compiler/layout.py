@@ -126,7 +126,8 @@ class Layout:
         return self.kmax
 
     def stages(self):
-        """All stages in evaluation order (scans unrolled)."""
+        """All stage specs in evaluation order (scans unrolled: a scanned spec repeats, and its ``offset`` is
+        that of the first repeat; the tables hold the others)."""
         for step in self.steps:
             if isinstance(step, ScanSpec):
                 for _ in range(step.repeats):
