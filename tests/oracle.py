@@ -133,9 +133,28 @@ def forward(circuit, params, x, miss=None, mode="LL", alpha=None):
     return vals, vals[circuit.root.id][0]
 
 
-def flows(circuit, params, x, miss=None, weights=None):
+def edge_mask(ns):
+    """``bool[num_nodes, num_ch_nodes]``: which weights of a sum vector exist (its block edges)."""
+    mask = np.zeros((ns.num_node_blocks, ns.num_ch_node_blocks), bool)
+    mask[ns.edge_ids[0], ns.edge_ids[1]] = True
+    return np.repeat(np.repeat(mask, ns.block_size, 0), ns.ch_block_size, 1)
+
+
+def _split(W, X, f, T):
+    """``[n, nch, B]``: each parent's flow ``f`` split over its children by ``(w x)^(1/T)`` normalized;
+    parents that are impossible (all children -inf) pass nothing."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = (np.log(W)[:, :, None] + X[None]) / T
+        top = np.max(t, axis=1, keepdims=True)
+        p = np.exp(t - np.where(np.isfinite(top), top, 0.0))
+        p = p / p.sum(1, keepdims=True)
+    return np.where(np.isfinite(top), f[:, None, :] * p, 0.0)
+
+
+def flows(circuit, params, x, miss=None, weights=None, tp: float = 1.0, te: float = 1.0):
     """Top-down LL flows. Returns (sum edge flows by node id ``[n, nch]``, input node flows by node id
-    ``[n, B]``), both float64 and per vector (not yet summed over tied vectors)."""
+    ``[n, B]``), both float64 and per vector (not yet summed over tied vectors). ``tp``/``te``: temperatures
+    of the parameter flows and of the flows passed down (1: EM)."""
     vals, root = forward(circuit, params, x, miss)
     B = np.asarray(x).shape[0]
     w = np.ones(B) if weights is None else np.asarray(weights, np.float64)
@@ -148,13 +167,9 @@ def flows(circuit, params, x, miss=None, weights=None):
         if ns.is_sum():
             W = _np(circuit.get_node_params(params, ns))
             X = np.concatenate([vals[c.id] for c in ns.children])
-            par = vals[ns.id]
-            with np.errstate(divide="ignore", invalid="ignore"):
-                ratio = np.exp(X[None, :, :] - par[:, None, :])
-            ratio = np.where(np.isfinite(par)[:, None, :] & (W[:, :, None] > 0), ratio, 0.0)
-            ef = f[:, None, :] * W[:, :, None] * ratio  # [n, nch, B]
+            ef = _split(W, X, f, tp)  # [n, nch, B]
             edge[ns.id] = ef.sum(axis=2)
-            chf = ef.sum(axis=0)
+            chf = (ef if te == tp else _split(W, X, f, te)).sum(axis=0)
             start = 0
             for c in ns.children:
                 F[c.id] += chf[start:start + c.num_nodes]

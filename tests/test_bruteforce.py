@@ -162,9 +162,7 @@ def test_full_batch_em_closed_form_and_monotone(case):
             continue
         if ns.is_sum():
             W = np.asarray(c.get_node_params(c.params, ns), np.float64)
-            mask = np.zeros((ns.num_node_blocks, ns.num_ch_node_blocks), bool)
-            mask[ns.edge_ids[0], ns.edge_ids[1]] = True
-            mask = np.repeat(np.repeat(mask, ns.block_size, 0), ns.ch_block_size, 1)
+            mask = oracle.edge_mask(ns)
             ref = oracle.em_sum_update(W, sums[ns.id], mask, ns.ch_block_size, step, pc)
             np.testing.assert_allclose(np.asarray(c.get_node_params(new, ns)), ref, rtol=1e-4, atol=1e-5)
         elif ns.is_input() and ns.id in ins:
@@ -196,9 +194,7 @@ def test_em_update_blends_with_pseudocount(case):
     for ns in c.nodes:
         if ns.is_sum() and ns.source is ns:
             W = np.asarray(c.get_node_params(c.params, ns), np.float64)
-            mask = np.zeros((ns.num_node_blocks, ns.num_ch_node_blocks), bool)
-            mask[ns.edge_ids[0], ns.edge_ids[1]] = True
-            mask = np.repeat(np.repeat(mask, ns.block_size, 0), ns.ch_block_size, 1)
+            mask = oracle.edge_mask(ns)
             ref = oracle.em_sum_update(W, sums[ns.id], mask, ns.ch_block_size, step, pc)
             np.testing.assert_allclose(np.asarray(c.get_node_params(new, ns)), ref, rtol=1e-4, atol=1e-5)
 

@@ -6,44 +6,9 @@ import pytest
 
 import jaxpc
 from jaxpc import dists, structures
-from jaxpc.nodes import topological_order
 
 from . import oracle
 from .random_circuits import Generator
-
-
-def tempered_flows(c, params, x, tp, te):
-    """Oracle: each sum node's flow is split over its children by ``(w_c p_c)^(1/T)`` normalized, with
-    ``T = te`` for the flows passed down and ``T = tp`` for the parameter flows."""
-    vals, _ = oracle.forward(c, params, x)
-    B = x.shape[0]
-    order = topological_order(c.root)
-    F = {ns.id: np.zeros((ns.num_nodes, B)) for ns in order}
-    F[c.root.id][0] = 1.0
-    edge = {}
-
-    def split(W, X, f, T):
-        with np.errstate(divide="ignore"):
-            t = (np.log(W)[:, :, None] + X[None]) / T
-        t = t - np.max(t, axis=1, keepdims=True)
-        p = np.exp(t)
-        return f[:, None, :] * p / p.sum(1, keepdims=True)
-
-    for ns in reversed(order):
-        if ns.is_sum():
-            W = np.asarray(c.get_node_params(params, ns), np.float64)
-            X = np.concatenate([vals[ch.id] for ch in ns.children])
-            edge[ns.id] = split(W, X, F[ns.id], tp).sum(2)
-            chf = split(W, X, F[ns.id], te).sum(0)
-            s = 0
-            for ch in ns.children:
-                F[ch.id] += chf[s:s + ch.num_nodes]
-                s += ch.num_nodes
-        elif ns.is_prod():
-            K = ns.block_size
-            for j, ch in enumerate(ns.children):
-                np.add.at(F[ch.id], (ns.edge_ids[:, j][:, None] * K + np.arange(K)).reshape(-1), F[ns.id])
-    return edge, F
 
 
 @pytest.mark.parametrize("tp, te", [(0.5, 1.0), (2.0, 2.0), (0.7, 0.3)])
@@ -52,7 +17,7 @@ def test_tempered_flows(tp, te):
     c = jaxpc.compile(gen.circuit())
     x = gen.sample_data(9).astype(np.int32)
     fl = c.flows(c.params, x, options=jaxpc.Options(pflow_temperature=tp, eflow_temperature=te))
-    edge, F = tempered_flows(c, c.params, x.astype(np.float64), tp, te)
+    edge, F, _ = oracle.flows(c, c.params, x.astype(np.float64), tp=tp, te=te)
     totals = {}
     for ns in c.nodes:
         if ns.is_sum():
@@ -104,9 +69,7 @@ def test_tdp_step_size_rescaling():
     tdp, _, _ = oracle.flows(c, c.params, x0, np.ones((1, 3), bool))
     for ns in c.nodes:
         if ns.is_sum() and ns.source is ns and not any(m.is_tied() and m.source is ns for m in c.nodes):
-            mask = np.zeros((ns.num_node_blocks, ns.num_ch_node_blocks), bool)
-            mask[ns.edge_ids[0], ns.edge_ids[1]] = True
-            mask = np.repeat(np.repeat(mask, ns.block_size, 0), ns.ch_block_size, 1)
+            mask = oracle.edge_mask(ns)
             mixed = s * edge[ns.id] / 12 + (1 - s) * tdp[ns.id]
             nch = mask.sum(1, keepdims=True)
             cnt = np.where(mask, mixed + pc / nch, 0)
