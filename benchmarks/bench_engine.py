@@ -193,6 +193,7 @@ def main(argv=None):
     Path(args.out).mkdir(parents=True, exist_ok=True)
     with open(Path(args.out) / "bench_engine.json", "w") as f:
         json.dump({"device": dev.device_kind, "jax": jax.__version__, "rows": rows}, f, indent=1)
+    return rows
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ small batch. Reports the median ms per step, executables compiled and compile se
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import jax
@@ -33,6 +34,7 @@ def main(argv=None):
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--precision", default="tf32", choices=["fp32", "tf32", "bf16"])
+    p.add_argument("--json", default=None, help="also write the result here")
     args = p.parse_args(argv)
     L, V, K, T = args.latents, args.vocab, args.topk, args.seq
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; HMM L={L} V={V} top-k={K} T={T}", flush=True)
@@ -85,8 +87,16 @@ def main(argv=None):
             compile_s += dt
         else:
             times.append(dt)
-    print(f"forward + evidence gradient + parameter flows: median {1e3 * np.median(times):.2f} ms/step over "
-          f"{len(times)} steps; {len(compiled)} executables, {compile_s:.1f} s first-call time", flush=True)
+    out = dict(system="jaxpc", workload="codd", precision=args.precision, median_ms=1e3 * float(np.median(times)),
+               p10_ms=1e3 * float(np.percentile(times, 10)), p90_ms=1e3 * float(np.percentile(times, 90)),
+               steps=len(times), executables=len(compiled), first_call_s=compile_s, check_err=err)
+    print(f"forward + evidence gradient + parameter flows: median {out['median_ms']:.2f} ms/step "
+          f"(p10 {out['p10_ms']:.2f}, p90 {out['p90_ms']:.2f}) over {len(times)} steps; {len(compiled)} "
+          f"executables, {compile_s:.1f} s first-call time", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
 
 
 if __name__ == "__main__":

@@ -16,47 +16,68 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ..ops.sum_layer import matmul
 from .categorical import Categorical
 
 Array = jax.Array
 
 
-def _dense_logz(log_theta: Array, e: Array, rows: Array, vars_: Array) -> Array:
-    """``[N, B]``: ``log sum_k theta[row(n), k] exp(e[b, var(n), k])``. One matmul over all parameter rows
-    and (sample, variable) pairs, ``[P, K] @ [K, B*V]``, then a gather: no ``[N, B, K]`` intermediate
-    (rows are shared across variables when the parameters are tied, as in a homogeneous HMM)."""
-    B, V, K = e.shape
-    emax = jnp.max(e, axis=2, keepdims=True)  # [B, V, 1]
-    emax = jnp.where(jnp.isfinite(emax), emax, 0.0)
-    E = jnp.exp(e - emax).reshape(B * V, K)
-    Z = jnp.matmul(jnp.exp(log_theta), E.T, precision=jax.lax.Precision.HIGHEST).reshape(-1, B, V)  # [P, B, V]
+def _shift(lp: Array) -> tuple[Array, Array]:
+    """``(exp(lp - m), m)`` with ``m`` the finite max over the last axis (0 where all are ``-inf``)."""
+    m = jnp.max(lp, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    return jnp.exp(lp - m), m
+
+
+def _linear_logz(log_theta: Array, E: Array, emax: Array, rows: Array, vars_: Array, precision: str) -> Array:
+    """``[N, B]``: ``log sum_k theta[row(n), k] E[b, var(n), k] + emax[b, var(n)]``. One matmul over all
+    parameter rows and (sample, variable) pairs, ``[P, K] @ [K, B*V]``, then a gather: no ``[N, B, K]``
+    intermediate (rows are shared across variables when the parameters are tied, as in a homogeneous HMM)."""
+    B, V, K = E.shape
+    Z = matmul("pk,qk->pq", jnp.exp(log_theta), E.reshape(B * V, K), precision).reshape(-1, B, V)  # [P, B, V]
     Zn = Z[rows[:, None], jnp.arange(B)[None, :], vars_[:, None]]  # [N, B]
     return jnp.log(Zn) + emax[:, vars_, 0].T
 
 
+def _dense_logz(log_theta: Array, e: Array, rows: Array, vars_: Array, precision: str = "fp32") -> Array:
+    """``[N, B]``: ``log sum_k theta[row(n), k] exp(e[b, var(n), k])`` for dense evidence ``e [B, V, K]``."""
+    E, emax = _shift(e)
+    return _linear_logz(log_theta, E, emax, rows, vars_, precision)
+
+
 def _topk_logz(log_theta: Array, ids: Array, logp: Array, mask: Array | None, rows: Array, vars_: Array,
-               budget: int = 1 << 24) -> Array:
-    """``[N, B]``: ``log sum_j theta[row(n), ids[b, v, j]] exp(logp[b, v, j])``, in chunks of nodes so that
-    at most ``budget`` gathered weights exist at a time."""
-    chunk = max(1, budget // (ids.shape[0] * ids.shape[2]))
+               precision: str = "fp32", method: str = "auto", budget: int = 1 << 24) -> Array:
+    """``[N, B]``: ``log sum_j theta[row(n), ids[b, v, j]] exp(logp[b, v, j])``.
+
+    ``method="dense"`` scatters the candidates' weights into a dense ``[B, V, K]`` (zeros elsewhere) and
+    takes the matrix product of :func:`_linear_logz` (``2 P K B V`` flops on tensor cores: the fast path when
+    parameter rows are shared, as in a homogeneous HMM); ``"gather"`` gathers ``theta`` at the candidates of
+    every node (``N B k`` scattered reads, in chunks of nodes so that at most ``budget`` exist at a time: the
+    path for untied rows, ``P ~ N``). ``"auto"`` takes the dense product when ``P K V <= 256 N k``."""
     lp = logp if mask is None else jnp.where(mask, logp, -jnp.inf)
-    emax = jnp.max(lp, axis=2, keepdims=True)
-    emax = jnp.where(jnp.isfinite(emax), emax, 0.0)
-    W = jnp.exp(lp - emax)  # [B, V, k]
-    theta = jnp.exp(log_theta)
+    W, emax = _shift(lp)  # [B, V, k]
+    B, V, k = ids.shape
+    P, K = log_theta.shape
     N = rows.shape[0]
-    size = max(1, min(N, chunk))
+    if method == "auto":
+        method = "dense" if P * K * V <= 256 * N * k else "gather"
+    if method == "dense":
+        E = jnp.zeros((B, V, K), W.dtype).at[jnp.arange(B)[:, None, None], jnp.arange(V)[None, :, None], ids].add(W)
+        return _linear_logz(log_theta, E, emax, rows, vars_, precision)
+    if method != "gather":
+        raise ValueError(f"unknown top-k evidence method {method!r}")
+    theta = jnp.exp(log_theta)
+    size = max(1, min(N, budget // (B * k)))
     pad = (-N) % size
     r = jnp.concatenate([rows, jnp.zeros((pad,), rows.dtype)]).reshape(-1, size)
     v = jnp.concatenate([vars_, jnp.zeros((pad,), vars_.dtype)]).reshape(-1, size)
 
     def one(rv):
         rr, vv = rv
-        cand = ids[:, vv, :]  # [B, s, k]
-        th = theta[rr[None, :, None], cand]  # [B, s, k]
+        th = theta[rr[None, :, None], ids[:, vv, :]]  # [B, s, k]
         return jnp.sum(th * W[:, vv, :], axis=2).T  # [s, B]
 
-    Z = jax.lax.map(one, (r, v)).reshape(-1, ids.shape[0])[:N]
+    Z = jax.lax.map(one, (r, v)).reshape(-1, B)[:N]
     return jnp.log(Z) + emax[:, vars_, 0].T
 
 
@@ -81,17 +102,18 @@ class SoftEvidenceCategorical(Categorical):
         B = xv.shape[1]
         bidx = jnp.arange(B)[None, :]
         if dense is not None:
-            logz = _dense_logz(lt, dense, rows, vars_)
+            logz = _dense_logz(lt, dense, rows, vars_, options.precision)
             ex = dense[bidx, vars_[:, None], xi]  # [N, B]
         else:
             ids, logp, mask = topk["ids"], topk["logp"], topk.get("mask")
-            logz = _topk_logz(lt, ids, logp, mask, rows, vars_)
-            cand = ids[:, vars_, :]  # [B, N, k]
-            lpn = logp[:, vars_, :]
-            hit = cand == xi.T[:, :, None]
+            logz = _topk_logz(lt, ids, logp, mask, rows, vars_, options.precision)
+            # the evidence at the observed value, once per (sample, variable), then read by every node
+            xvar = jnp.zeros((ids.shape[1], B), xi.dtype).at[vars_].set(xi).T  # [B, V]
+            hit = ids == xvar[:, :, None]
             if mask is not None:
-                hit = hit & mask[:, vars_, :]
-            ex = jnp.where(jnp.any(hit, axis=2), jnp.sum(jnp.where(hit, lpn, 0.0), axis=2), -jnp.inf).T  # [N, B]
+                hit = hit & mask
+            exv = jnp.where(jnp.any(hit, axis=2), jnp.sum(jnp.where(hit, logp, 0.0), axis=2), -jnp.inf)  # [B, V]
+            ex = exv[:, vars_].T  # [N, B]
         out = lt[rows[:, None], xi] + ex - logz
         if mv is not None:
             out = jnp.where(mv, 0.0, out)

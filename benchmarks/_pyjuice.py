@@ -1,0 +1,206 @@
+"""PyJuice (2.6.3) runners for jaxpc's side-by-side benchmarks.
+
+The same workloads as jaxpc's benchmarks, run in PyJuice on one CUDA GPU: HMM, HCLT and PD circuits
+(forward, forward + backward with parameter flows, and a mini-batch EM step) and the CoDD workload
+(a homogeneous HMM with top-k soft evidence). torch and pyjuice are imported inside the functions, so
+this module imports without them; call `available()` first.
+
+Modes: "default" is PyJuice's plain eager path; "graph" first makes one dry run with
+`record_cudagraph=True` (PyJuice then replays the recorded CUDA graphs of its inner layers on later
+calls with the same buffers and batch size; input layers always run eagerly).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+
+_DEVICE = "cuda"
+
+
+def available() -> str | None:
+    """None if pyjuice and a CUDA device are usable here, else a short reason."""
+    try:
+        import torch
+        import pyjuice  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install
+        return f"import failed: {e!r}"
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device"
+    return None
+
+
+def _ms_per_step(torch, fn, xs, reps, warmup):
+    """Median ms of `fn(x)` over `reps` individually synchronized calls, after `warmup` untimed ones,
+    rotating through the batches `xs`."""
+    for i in range(warmup):
+        fn(xs[i % len(xs)])
+    ts = []
+    for i in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn(xs[i % len(xs)])
+        torch.cuda.synchronize()
+        ts.append((time.perf_counter() - t) * 1e3)
+    return float(np.median(ts))
+
+
+def _structure(juice, torch, model, latents, hmm_seq, hmm_vocab, images):
+    """The circuit DAG of `model` ("hmm", "hclt" or "pd")."""
+    if model == "hmm":
+        return juice.structures.HMM(seq_length=hmm_seq, num_latents=latents, num_emits=hmm_vocab,
+                                    homogeneous=True)
+    cat = juice.distributions.Categorical(num_cats=256)
+    if model == "hclt":
+        # the Chow-Liu tree is learned from (up to) the first 10000 images
+        tree_x = torch.as_tensor(np.asarray(images[:10000]), dtype=torch.float32, device=_DEVICE)
+        return juice.structures.HCLT(tree_x, num_latents=latents, input_dist=cat)
+    if model == "pd":
+        return juice.structures.PD(data_shape=(28, 28), num_latents=latents, split_intervals=(4, 4),
+                                   structure_type="sum_dominated", input_dist=cat)
+    raise ValueError(f"unknown model {model!r}")
+
+
+def _batches(torch, model, B, seed, hmm_seq, hmm_vocab, images, n=4):
+    """`n` distinct batches of size B to rotate through: uniform random tokens for the HMM, consecutive
+    image rows (wrapping around) for HCLT/PD."""
+    if model == "hmm":
+        g = torch.Generator(device=_DEVICE).manual_seed(seed * 100003 + B)
+        return [torch.randint(0, hmm_vocab, (B, hmm_seq), generator=g, device=_DEVICE) for _ in range(n)]
+    N = len(images)
+    return [torch.as_tensor(np.asarray(images)[np.arange(i * B, (i + 1) * B) % N], dtype=torch.long,
+                            device=_DEVICE) for i in range(n)]
+
+
+def run_structure(model, batches, *, latents, reps=25, warmup=5, modes=("graph",), em=True, seed=0,
+                  hmm_seq=64, hmm_vocab=4096, images=None) -> list[dict]:
+    """Time PyJuice on `model` for each batch size in `batches` and each mode in `modes`.
+
+    Per (B, mode) row: `fwd_ms` (forward under torch.no_grad), `fwdbwd_ms` (forward + backward with
+    parameter flows, PyJuice's training path `pc(x).mean().backward()`; flows accumulate with
+    flows_memory = 1.0), `em_ms` (the same plus `MiniBatchEM(step_size=0.1, pseudocount=0.1).step()`,
+    or None without `em`), `peak_mib` (max allocated GPU memory during the fwd+bwd timing),
+    `compile_s` (juice.compile + move to the GPU) and `sum_edges` (sum edges in the circuit's DAG, for
+    edges x samples / s). A failing (B, mode) gets `error` instead of the timings.
+    """
+    import torch
+    import pyjuice as juice
+
+    base = dict(system="pyjuice", workload=model)
+    try:
+        torch.manual_seed(seed)
+        ns = _structure(juice, torch, model, latents, hmm_seq, hmm_vocab, images)
+        sum_edges = int(sum(n.num_edges for n in ns if n.is_sum()))
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        pc = juice.compile(ns, verbose=False).to(_DEVICE)
+        torch.cuda.synchronize()
+        base.update(compile_s=time.perf_counter() - t, sum_edges=sum_edges)
+        opt = juice.optim.MiniBatchEM(pc, step_size=0.1, pseudocount=0.1) if em else None
+    except Exception as e:
+        return [dict(base, error=repr(e))]
+
+    def fwd(x):
+        with torch.no_grad():
+            pc(x)
+
+    def fwdbwd(x):
+        pc(x).mean().backward()  # the autograd hook runs pc.backward, accumulating parameter flows
+
+    def em_step(x):
+        fwdbwd(x)
+        opt.step()  # mini-batch EM update from the flows, then resets them
+
+    rows = []
+    for B in batches:
+        for mode in modes:
+            row = dict(base, B=B, mode=mode)
+            xs = None
+            try:
+                if mode not in ("default", "graph"):
+                    raise ValueError(f"unknown mode {mode!r}")
+                pc._recorded_cuda_graphs.clear()  # graphs hold buffer pointers: never reuse across B
+                xs = _batches(torch, model, B, seed, hmm_seq, hmm_vocab, images)
+                fwdbwd(xs[0])  # first call at this shape (kernel JIT, per-shape tuning), untimed
+                if mode == "graph":
+                    # dry run recording the forward graph and, through the backward hook, the backward one
+                    pc(xs[0], record_cudagraph=True).mean().backward()
+                row["fwd_ms"] = _ms_per_step(torch, fwd, xs, reps, warmup)
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                row["fwdbwd_ms"] = _ms_per_step(torch, fwdbwd, xs, reps, warmup)
+                row["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+                row["em_ms"] = _ms_per_step(torch, em_step, xs, reps, warmup) if em else None
+            except Exception as e:
+                row["error"] = repr(e)
+            finally:
+                pc._recorded_cuda_graphs.clear()
+                del xs
+                torch.cuda.empty_cache()
+            rows.append(row)
+    return rows
+
+
+def run_codd(*, latents=1024, vocab=32768, topk=1024, seq=32, steps=60, seed=0) -> dict:
+    """The CoDD workload in PyJuice: a homogeneous HMM (`latents` states) whose emissions are
+    `SoftEvidenceCategorical(vocab)`, given top-k soft evidence.
+
+    Every step draws a batch size b in 10..26, tokens x [b, seq], `topk` candidate ids per position
+    (distinct, the observed token among them, sorted by id as PyJuice recommends) and random normal
+    log-probs [b, seq, topk]. The timed step is a forward with the evidence, then a backward that
+    computes the parameter flows of this step (flows_memory = 0.0) and the gradient of sum_b LL_b with
+    respect to the evidence log-probs, which PyJuice accumulates into the zeroed
+    `categorical_evidence_logp_grad` buffer. Eager mode only: PyJuice re-allocates its buffers whenever
+    the batch size changes, so a recorded CUDA graph would be re-recorded on nearly every step.
+    Reports median/p10/p90 ms over steps whose batch size was seen before and `first_step_s_max`, the
+    slowest step that met a new batch size (kernel JIT and per-shape tuning).
+    """
+    out = dict(system="pyjuice", workload="codd", mode="default", steps=steps)
+    try:
+        import torch
+        import pyjuice as juice
+
+        torch.manual_seed(seed)
+        ns = juice.structures.GeneralizedHMM(
+            seq_length=seq, num_latents=latents, homogeneous=True,
+            input_dist=juice.distributions.SoftEvidenceCategorical(num_cats=vocab))
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        pc = juice.compile(ns, verbose=False).to(_DEVICE)
+        torch.cuda.synchronize()
+        out["compile_s"] = time.perf_counter() - t
+
+        g = torch.Generator(device=_DEVICE).manual_seed(seed)
+        sizes = random.Random(seed)
+        seen, first_s, ms = set(), [], []
+        for _ in range(steps):
+            b = sizes.randint(10, 26)
+            x = torch.randint(0, vocab, (b, seq), generator=g, device=_DEVICE)
+            scores = torch.rand(b, seq, vocab, generator=g, device=_DEVICE)
+            scores.scatter_(2, x.unsqueeze(2), 2.0)  # the observed token always makes the top k
+            ids = scores.topk(topk, dim=2).indices.sort(dim=2).values
+            logp = torch.randn(b, seq, topk, generator=g, device=_DEVICE)
+            ev = dict(categorical_evidence_logp=logp, soft_evidence_cat_ids=ids)
+            del scores
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            logp_grad = torch.zeros_like(logp)
+            with torch.no_grad():
+                pc(x, **ev)
+            pc.backward(x, flows_memory=0.0, categorical_evidence_logp_grad=logp_grad, **ev)
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t
+            if b in seen:
+                ms.append(dt * 1e3)
+            else:
+                first_s.append(dt)
+                seen.add(b)
+        if not ms:
+            raise RuntimeError("every step met a new batch size; increase steps")
+        out.update(median_ms=float(np.median(ms)), p10_ms=float(np.percentile(ms, 10)),
+                   p90_ms=float(np.percentile(ms, 90)), first_step_s_max=max(first_s))
+    except Exception as e:
+        out["error"] = repr(e)
+    return out

@@ -1,0 +1,163 @@
+"""Where a forward + flows step spends its GPU time: a ``jax.profiler`` trace, summarized per layer kind.
+
+    python benchmarks/profile_step.py [--workload hclt|hmm|pd] [--latents 256] [--batch 16]
+                                      [--precision tf32] [--impl reference] [--steps 5] [--json out.json]
+
+Runs ``circuit.flows`` under ``jax.profiler.trace`` and reads the trace's device events. Every kernel
+is attributed by the ``jaxpc/...`` named scope in its HLO metadata to one of: ``input`` (leaf layers),
+``prod fwd``, ``sum fwd``, ``prod bwd``, ``sum bwd``, ``other`` (buffer set-up, parameter-flow
+scatter, gradient of the leaves). Prints per step: wall time, kernel count, summed kernel time
+(``busy``) and the idle time between kernels (``wall - busy``: launch gaps, what a kernel count costs),
+then the table by kind and the 15 most expensive kernels. On a CPU host the trace has no device
+events and the script says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jaxpc  # noqa: E402
+from jaxpc import dists, structures  # noqa: E402
+from _data import blurred_noise_images  # noqa: E402
+
+SCOPE = re.compile(r"jaxpc/(input\d+|partial[\d.]+|stage[\d.]+/(prod|sum)\d+(/backward)?)")
+
+
+def build(workload: str, latents: int):
+    cat = dists.Categorical(num_cats=256)
+    if workload == "hmm":
+        root = structures.HMM(64, latents, 4096)
+        data = np.random.default_rng(0).integers(0, 4096, (4096, 64)).astype(np.int32)
+    else:
+        data = blurred_noise_images(10_000)
+        if workload == "hclt":
+            root = structures.HCLT(data, latents, input_dist=cat)
+        else:
+            root = structures.PD((28, 28), latents, split_intervals=(4, 4), input_dist=cat)
+    return jaxpc.compile(root), data
+
+
+def op_names(hlo_text: str) -> dict:
+    """Instruction name -> ``op_name`` metadata (carries the ``jaxpc/...`` named scopes) of a compiled module."""
+    out = {}
+    for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.-]+) = .*?op_name=\"([^\"]*)\"", hlo_text, re.M):
+        out[_norm(m.group(1))] = m.group(2)
+    return out
+
+
+def _norm(name: str) -> str:
+    """Kernel names spell an instruction's ``.``/``-`` as ``_`` (``fusion.12`` runs as ``fusion_12``)."""
+    return re.sub(r"[.\-]", "_", name)
+
+
+def kind_of(event: dict, names: dict) -> str:
+    args = event.get("args", {})
+    text = (names.get(_norm(str(args.get("hlo_op", ""))), "") or names.get(_norm(event.get("name", "")), "")
+            or json.dumps(args) + " " + event.get("name", ""))
+    m = SCOPE.search(text)
+    if m is None:
+        return "other"
+    s = m.group(1)
+    if s.startswith("input"):
+        return "input"
+    layer = "prod" if m.group(2) == "prod" else "sum"
+    return f"{layer} {'bwd' if m.group(3) else 'fwd'}"
+
+
+def device_events(trace_dir: str, host: bool = False) -> list[dict]:
+    """The trace's kernel events (``host``: the CPU backend's thunks instead, to try the script on a CPU)."""
+    files = glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "*.trace.json.gz"))
+    if not files:
+        return []
+    trace = json.load(gzip.open(sorted(files)[-1]))
+    events = trace["traceEvents"]
+    if host:
+        return [e for e in events if e.get("ph") == "X" and "hlo_op" in e.get("args", {})]
+    gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+                and "/device:" in str(e.get("args", {}).get("name", "")) and "CPU" not in str(e["args"]["name"])}
+    stream_tids = {(e["pid"], e["tid"]) for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
+                   and e.get("pid") in gpu_pids and "stream" in str(e.get("args", {}).get("name", "")).lower()
+                   and "memcpy" not in str(e["args"]["name"]).lower()}
+    return [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids
+            and (not stream_tids or (e["pid"], e.get("tid")) in stream_tids)]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", default="hclt", choices=["hclt", "hmm", "pd"])
+    p.add_argument("--latents", type=int, default=256)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--precision", default="tf32", choices=["fp32", "tf32", "bf16"])
+    p.add_argument("--impl", default="reference", choices=["reference", "pallas"])
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    c, data = build(args.workload, args.latents)
+    opts = jaxpc.Options(precision=args.precision, impl=args.impl)
+    xs = [jnp.asarray(data[i * args.batch:(i + 1) * args.batch]) for i in range(4)]
+    step = jax.jit(lambda t, p, x: jaxpc.engine.em.flows_and_ll(c.layout, t, p, x, None, None, opts))
+    exe = step.lower(c.tables, c.params, xs[0]).compile()
+    names = op_names(exe.as_text())
+    for x in xs:
+        jax.block_until_ready(exe(c.tables, c.params, x))
+    walls = []
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for i in range(args.steps):
+                t = time.perf_counter()
+                jax.block_until_ready(exe(c.tables, c.params, xs[i % 4]))
+                walls.append(time.perf_counter() - t)
+        events = device_events(d, os.environ.get("JAXPC_PROFILE_HOST") == "1")
+    wall = 1e3 * float(np.median(walls))
+    head = f"{args.workload}-{args.latents} B={args.batch} {args.precision} {args.impl}: wall {wall:.2f} ms/step"
+    if not events:
+        print(head + "; the trace holds no device kernels (CPU host?)")
+        return
+    per_kind = collections.defaultdict(lambda: [0, 0.0])
+    per_name = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        k = per_kind[kind_of(e, names)]
+        k[0] += 1
+        k[1] += float(e.get("dur", 0.0))
+        n = per_name[(kind_of(e, names), e.get("name", "?"))]
+        n[0] += 1
+        n[1] += float(e.get("dur", 0.0))
+    steps = args.steps
+    busy = sum(v[1] for v in per_kind.values()) / steps / 1e3
+    count = sum(v[0] for v in per_kind.values()) / steps
+    print(f"{head}; {count:.0f} kernels/step, busy {busy:.2f} ms, idle {wall - busy:.2f} ms "
+          f"({1e3 * (wall - busy) / max(count, 1):.1f} us per kernel)")
+    print(f"{'kind':9s} {'kernels/step':>12s} {'ms/step':>8s} {'us/kernel':>9s}")
+    for kind, (n, us) in sorted(per_kind.items(), key=lambda kv: -kv[1][1]):
+        print(f"{kind:9s} {n / steps:12.0f} {us / steps / 1e3:8.3f} {us / max(n, 1):9.1f}")
+    print("most expensive kernels (per step):")
+    for (kind, name), (n, us) in sorted(per_name.items(), key=lambda kv: -kv[1][1])[:15]:
+        print(f"  {us / steps / 1e3:7.3f} ms  x{n / steps:5.0f}  {kind:8s} {name[:90]}")
+    other = [e for e in events if kind_of(e, names) == "other"]
+    print(f"unattributed kernels: {len(other) / steps:.0f}/step; e.g.", json.dumps(other[:2])[:600])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(args=vars(args), wall_ms=wall, kernels_per_step=count, busy_ms=busy,
+                           per_kind={k: dict(kernels=v[0] / steps, ms=v[1] / steps / 1e3) for k, v in per_kind.items()}),
+                      f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
