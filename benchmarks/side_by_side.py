@@ -100,7 +100,7 @@ def table(rows):
                        f"{j['mem_mib']:.0f} | "
                        + (f"{f(pg['fwd_ms'])} / {f(pg['fwdbwd_ms'])} / {f(pg.get('em_ms'))}" if pg else "-")
                        + f" | {f(pd_['fwdbwd_ms']) if pd_ else '-'} | "
-                       + f"{(pg or pd_ or {}).get('peak_mib', float('nan')):.0f} | "
+                       + f"{f((pg or pd_ or {}).get('peak_mib'))} | "
                        + f"{f(dx['fwdbwd_ms']) if dx else '-'} | "
                        + (f"{rg:.2f}x" if rg else "-") + " | " + (f"{rd:.2f}x" if rd else "-") + " |")
     return "\n".join(out)
@@ -113,21 +113,28 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=25)
     p.add_argument("--precision", default="tf32", choices=["fp32", "tf32", "bf16"])
     p.add_argument("--pyjuice-modes", default="default,graph")
+    p.add_argument("--systems", default="jaxpc,pyjuice,dynamax",
+                   help="which systems to run (split a long comparison over several calls)")
     p.add_argument("--codd", action="store_true", help="also run the CoDD workload in both systems")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
-    reason = _pyjuice.available()
+    systems = set(args.systems.split(","))
+    unknown = systems - {"jaxpc", "pyjuice", "dynamax"}
+    if unknown:
+        raise SystemExit(f"unknown --systems {sorted(unknown)}; choose from jaxpc, pyjuice, dynamax")
+    reason = _pyjuice.available() if "pyjuice" in systems else "not requested"
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; pyjuice: {reason or 'available'}", flush=True)
     rows = []
     images = None
     for w in args.workloads.split(","):
-        with tempfile.TemporaryDirectory() as d:
-            for r in bench_engine.main(["--workloads", w, "--batches", args.batches, "--reps", str(args.reps),
-                                        "--precision", args.precision, "--out", d]):
-                rows.append(dict(r, system="jaxpc" if r["workload"] != "scan-HMM" else "scan",
-                                 workload=w if r["workload"] != "scan-HMM" else "scan-hmm"))
-        if w == "hmm":
+        if "jaxpc" in systems:
+            with tempfile.TemporaryDirectory() as d:
+                for r in bench_engine.main(["--workloads", w, "--batches", args.batches, "--reps", str(args.reps),
+                                            "--precision", args.precision, "--out", d]):
+                    scan = r["workload"] == "scan-HMM"
+                    rows.append(dict(r, system="scan" if scan else "jaxpc", workload="scan-hmm" if scan else w))
+        if w == "hmm" and "dynamax" in systems:
             for r in dynamax_rows(batches, args.reps, args.precision):
                 rows.append(r)
                 if "error" in r:
@@ -140,7 +147,8 @@ def main(argv=None):
                 rows.append(r)
                 print("pyjuice  ", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
     if args.codd:
-        rows.append(codd.main(["--precision", args.precision]))
+        if "jaxpc" in systems:
+            rows.append(codd.main(["--precision", args.precision]))
         if reason is None:
             r = _pyjuice.run_codd()
             rows.append(r)

@@ -31,7 +31,8 @@ class Options:
         backward: how gradients (flows) are computed: ``"flows"`` (a top-down pass over the node
             buffer, PyJuice's backward; default) or ``"autodiff"`` (JAX's reverse mode through the
             forward pass; a reference, slower and more memory-hungry).
-        precision: matrix products of the sum layers: ``"fp32"`` (exact float32, the default),
+        precision: matrix products of the sum layers and of the soft-evidence leaves: ``"fp32"`` (exact
+            float32, the default),
             ``"tf32"`` (the GPU's tensor-float-32: ~2e-5 relative error, faster) or ``"bf16"``
             (bfloat16 operands, float32 accumulation: ~3e-3 relative error).
         compute_param_flows: with False, ``flows`` skips the sum-edge flows (returned as zeros) and
