@@ -42,7 +42,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .engine import em
@@ -127,18 +127,38 @@ def _mesh(mesh):
 
 
 def _batch(circuit, mesh, x, missing, ll_weights, validate):
-    """Validated, padded batch: ``(x, missing, weights, B)`` with ``x.shape[0]`` a multiple of the devices."""
+    """Validated, padded batch: ``(x, missing, weights, B)`` with ``x.shape[0]`` a multiple of the devices.
+    Without ``ll_weights`` the weights (ones, zeros on padding rows) are made once per (mesh, batch) and
+    kept on the mesh, so a steady-state step moves nothing but the data."""
     xj, mj = circuit._prepare(x, missing, validate)
     B = xj.shape[0]
-    w = jnp.ones((B,), circuit.dtype) if ll_weights is None else circuit._weights(ll_weights, B).astype(circuit.dtype)
     n = mesh.shape[AXIS]
     pad = (-B) % n
     if pad:
         xj = jnp.concatenate([xj, jnp.repeat(xj[:1], pad, axis=0)])
         if mj is not None and mj.ndim == 2:
             mj = jnp.concatenate([mj, jnp.repeat(mj[:1], pad, axis=0)])
+    if ll_weights is None:
+        key = ("ones", mesh, B, pad)
+        cache = _cache(circuit)
+        if key not in cache:
+            w = np.concatenate([np.ones(B), np.zeros(pad)]).astype(circuit.dtype)
+            cache[key] = jax.device_put(w, NamedSharding(mesh, P(AXIS)))
+        return xj, mj, cache[key], B
+    w = circuit._weights(ll_weights, B).astype(circuit.dtype)
+    if pad:
         w = jnp.concatenate([w, jnp.zeros((pad,), w.dtype)])
     return xj, mj, w, B
+
+
+def _tables(circuit, mesh):
+    """The circuit's index tables replicated on ``mesh``, made once: passed as they are (on one device,
+    hundreds of small arrays), they would be copied to every device on every call."""
+    key = ("tables", mesh)
+    cache = _cache(circuit)
+    if key not in cache:
+        cache[key] = jax.device_put(circuit.tables, NamedSharding(mesh, P()))
+    return cache[key]
 
 
 def _cache(circuit):
@@ -164,7 +184,7 @@ def flows(circuit, params: dict, x, missing=None, *, mesh: Mesh | None = None, l
     cache = _cache(circuit)
     if key not in cache:
         cache[key] = jax.jit(sharded_flows_and_ll(circuit.layout, mesh, opts, _ndim(mj)))
-    fl, ll = cache[key](circuit.tables, params, xj, *_args(mj), w)
+    fl, ll = cache[key](_tables(circuit, mesh), params, xj, *_args(mj), w)
     return (fl, ll[:B]) if return_ll else fl
 
 
@@ -188,7 +208,7 @@ def em_step(circuit, params: dict, x, missing=None, *, mesh: Mesh | None = None,
             return em.em_update(circuit.layout, tables, params, fl, s, pc), ll
 
         cache[key] = jax.jit(step)
-    new, ll = cache[key](circuit.tables, params, jnp.asarray(step_size, circuit.dtype),
+    new, ll = cache[key](_tables(circuit, mesh), params, jnp.asarray(step_size, circuit.dtype),
                          jnp.asarray(pseudocount, circuit.dtype), xj, *_args(mj), w)
     return (new, ll[:B]) if return_ll else new
 
@@ -204,7 +224,7 @@ def loss_and_grad(circuit, params: dict, x, missing=None, *, mesh: Mesh | None =
     cache = _cache(circuit)
     if key not in cache:
         cache[key] = jax.jit(sharded_loss_and_grad(circuit.layout, mesh, opts, _ndim(mj), normalize))
-    (loss, _), g = cache[key](circuit.tables, params, xj, *_args(mj), w)
+    (loss, _), g = cache[key](_tables(circuit, mesh), params, xj, *_args(mj), w)
     return loss, g
 
 
@@ -222,5 +242,5 @@ def train_step(circuit, tx, params: dict, opt_state, x, missing=None, *, mesh: M
     if key not in cache or cache[key][0] is not tx:
         fn = make_step(circuit.layout, tx, normalize=normalize, options=opts, mesh=mesh, missing_ndim=_ndim(mj))
         cache[key] = (tx, jax.jit(fn))
-    p, s, ll = cache[key][1](circuit.tables, params, opt_state, xj, mj, w)
+    p, s, ll = cache[key][1](_tables(circuit, mesh), params, opt_state, xj, mj, w)
     return p, s, ll[:B]

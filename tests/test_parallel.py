@@ -117,3 +117,21 @@ def test_data_mesh_rejects_bad_sizes():
         parallel.data_mesh(len(jax.devices()) + 1)
     with pytest.raises(ValueError, match="num_devices"):
         parallel.data_mesh(0)
+
+
+@pytest.mark.parametrize("kind", ["em", "adam"])
+def test_steady_state_step_moves_nothing_but_the_data(hmm, kind):
+    """After the first call, a data-parallel step runs under jax.transfer_guard("disallow"): the index
+    tables and the weights stay on the mesh (passed from one device, the tables' hundreds of small
+    arrays would be copied to every device on every call)."""
+    circuit, data, _ = hmm
+    mesh = parallel.data_mesh(2)
+    x = jax.device_put(jnp.asarray(data[:8]), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+    tx = optim.em(circuit, 0.1, 0.1) if kind == "em" else optax.adam(1e-2)
+    params, state, _ = parallel.train_step(circuit, tx, circuit.params, tx.init(circuit.params), x, mesh=mesh,
+                                           validate=False)
+    with jax.transfer_guard("disallow"):
+        params, state, ll = parallel.train_step(circuit, tx, params, state, x, mesh=mesh, validate=False)
+        fl = parallel.flows(circuit, params, x, mesh=mesh, validate=False)
+    assert np.isfinite(np.asarray(ll)).all()
+    assert _root_flow(circuit, fl) == pytest.approx(8.0, rel=1e-5)

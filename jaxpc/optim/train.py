@@ -240,8 +240,14 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
         if tqdm is not None:
             bar = tqdm(epochs_iter, desc="fit", unit="epoch")
             epochs_iter = bar
+    if mesh is None:
+        tables = circuit.tables
+    else:
+        from .. import parallel
+
+        tables = parallel._tables(circuit, mesh)
     for e in epochs_iter:
-        params, opt_state, ll = run(circuit.tables, params, opt_state, xj, mj, key, jnp.asarray(e, jnp.int32))
+        params, opt_state, ll = run(tables, params, opt_state, xj, mj, key, jnp.asarray(e, jnp.int32))
         lls.append(ll)
         if bar is not None:
             bar.set_postfix(ll=f"{float(ll):.4f}")
