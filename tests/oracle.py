@@ -182,6 +182,16 @@ def flows(circuit, params, x, miss=None, weights=None, tp: float = 1.0, te: floa
     return edge, {ns.id: F[ns.id] for ns in order if ns.is_input()}, vals
 
 
+def tied_edge_flows(circuit, edge):
+    """Edge flows of :func:`flows` summed over tied sum vectors: ``{source node id: [n, nch]}`` (what
+    ``circuit.get_node_flows`` reports for the source vector)."""
+    out = {}
+    for ns in circuit.nodes:
+        if ns.is_sum():
+            out[ns.source.id] = out.get(ns.source.id, 0) + edge[ns.id]
+    return out
+
+
 def input_stats(ns, params, x, miss, node_flows):
     """Expected sufficient statistics of one input vector, in the form ``get_node_flows`` returns."""
     x = np.asarray(x, np.float64)

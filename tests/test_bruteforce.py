@@ -187,10 +187,7 @@ def test_em_update_blends_with_pseudocount(case):
     fl = c.flows(c.params, as_input(gen, x), ll_weights=np.ones(B))  # the signature full_batch_em compiled
     new = c.em_update(c.params, fl, step_size=step, pseudocount=pc)
     edge, _, _ = oracle.flows(c, c.params, x)
-    sums = {}
-    for ns in c.nodes:
-        if ns.is_sum():
-            sums[ns.source.id] = sums.get(ns.source.id, 0) + edge[ns.id]
+    sums = oracle.tied_edge_flows(c, edge)
     for ns in c.nodes:
         if ns.is_sum() and ns.source is ns:
             W = np.asarray(c.get_node_params(c.params, ns), np.float64)
