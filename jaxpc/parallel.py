@@ -173,18 +173,31 @@ def _ndim(mj):
     return None if mj is None else mj.ndim
 
 
+def _setup(circuit, mesh, options, x, missing, ll_weights, validate):
+    """What every data-parallel entry point starts from: ``(mesh, options, x, missing, weights, B)``."""
+    mesh = _mesh(mesh)
+    opts = Options.make(options)
+    return (mesh, opts, *_batch(circuit, mesh, x, missing, ll_weights, validate))
+
+
+def _jitted(circuit, key, build, owner=None):
+    """The circuit's jitted function under ``key``, made by ``build()`` on first use; ``owner`` (an object the
+    key names by ``id``) must be the one it was built for, or it is built again."""
+    cache = _cache(circuit)
+    entry = cache.get(key)
+    if entry is None or entry[0] is not owner:
+        cache[key] = entry = (owner, jax.jit(build()))
+    return entry[1]
+
+
 def flows(circuit, params: dict, x, missing=None, *, mesh: Mesh | None = None, ll_weights=None,
           options: Options | None = None, validate: bool = True, return_ll: bool = False):
     """``circuit.flows`` with the batch split over ``mesh`` (default: all devices). Returns the flows
     (replicated), and ``ll`` ``[B]`` with ``return_ll``."""
-    mesh = _mesh(mesh)
-    opts = Options.make(options)
-    xj, mj, w, B = _batch(circuit, mesh, x, missing, ll_weights, validate)
-    key = ("flows", mesh, opts, _ndim(mj))
-    cache = _cache(circuit)
-    if key not in cache:
-        cache[key] = jax.jit(sharded_flows_and_ll(circuit.layout, mesh, opts, _ndim(mj)))
-    fl, ll = cache[key](_tables(circuit, mesh), params, xj, *_args(mj), w)
+    mesh, opts, xj, mj, w, B = _setup(circuit, mesh, options, x, missing, ll_weights, validate)
+    fn = _jitted(circuit, ("flows", mesh, opts, _ndim(mj)),
+                 lambda: sharded_flows_and_ll(circuit.layout, mesh, opts, _ndim(mj)))
+    fl, ll = fn(_tables(circuit, mesh), params, xj, *_args(mj), w)
     return (fl, ll[:B]) if return_ll else fl
 
 
@@ -195,21 +208,20 @@ def em_step(circuit, params: dict, x, missing=None, *, mesh: Mesh | None = None,
     from .circuit import _check_em_args
 
     _check_em_args(step_size, pseudocount)
-    mesh = _mesh(mesh)
-    opts = Options.make(options)
-    xj, mj, w, B = _batch(circuit, mesh, x, missing, ll_weights, validate)
-    key = ("em_step", mesh, opts, _ndim(mj))
-    cache = _cache(circuit)
-    if key not in cache:
+    mesh, opts, xj, mj, w, B = _setup(circuit, mesh, options, x, missing, ll_weights, validate)
+
+    def build():
         fl_fn = sharded_flows_and_ll(circuit.layout, mesh, opts, _ndim(mj))
 
         def step(tables, params, s, pc, *args):
             fl, ll = fl_fn(tables, params, *args)
             return em.em_update(circuit.layout, tables, params, fl, s, pc), ll
 
-        cache[key] = jax.jit(step)
-    new, ll = cache[key](_tables(circuit, mesh), params, jnp.asarray(step_size, circuit.dtype),
-                         jnp.asarray(pseudocount, circuit.dtype), xj, *_args(mj), w)
+        return step
+
+    fn = _jitted(circuit, ("em_step", mesh, opts, _ndim(mj)), build)
+    new, ll = fn(_tables(circuit, mesh), params, jnp.asarray(step_size, circuit.dtype),
+                 jnp.asarray(pseudocount, circuit.dtype), xj, *_args(mj), w)
     return (new, ll[:B]) if return_ll else new
 
 
@@ -217,14 +229,10 @@ def loss_and_grad(circuit, params: dict, x, missing=None, *, mesh: Mesh | None =
                   ll_weights=None, options: Options | None = None, validate: bool = True):
     """``(loss, grads)``: the mean negative log-likelihood of ``normalize(params)`` (``params`` are logits) and
     its gradient with respect to ``params``, data-parallel over ``mesh``."""
-    mesh = _mesh(mesh)
-    opts = Options.make(options)
-    xj, mj, w, B = _batch(circuit, mesh, x, missing, ll_weights, validate)
-    key = ("grad", mesh, opts, _ndim(mj), normalize)
-    cache = _cache(circuit)
-    if key not in cache:
-        cache[key] = jax.jit(sharded_loss_and_grad(circuit.layout, mesh, opts, _ndim(mj), normalize))
-    (loss, _), g = cache[key](_tables(circuit, mesh), params, xj, *_args(mj), w)
+    mesh, opts, xj, mj, w, B = _setup(circuit, mesh, options, x, missing, ll_weights, validate)
+    fn = _jitted(circuit, ("grad", mesh, opts, _ndim(mj), normalize),
+                 lambda: sharded_loss_and_grad(circuit.layout, mesh, opts, _ndim(mj), normalize))
+    (loss, _), g = fn(_tables(circuit, mesh), params, xj, *_args(mj), w)
     return loss, g
 
 
@@ -234,13 +242,9 @@ def train_step(circuit, tx, params: dict, opt_state, x, missing=None, *, mesh: M
     transformation: ``(params, opt_state, ll [B])``. See :func:`jaxpc.optim.make_step`."""
     from .optim.train import make_step
 
-    mesh = _mesh(mesh)
-    opts = Options.make(options)
-    xj, mj, w, B = _batch(circuit, mesh, x, missing, ll_weights, validate)
-    key = ("train_step", id(tx), mesh, opts, _ndim(mj), normalize)
-    cache = _cache(circuit)
-    if key not in cache or cache[key][0] is not tx:
-        fn = make_step(circuit.layout, tx, normalize=normalize, options=opts, mesh=mesh, missing_ndim=_ndim(mj))
-        cache[key] = (tx, jax.jit(fn))
-    p, s, ll = cache[key][1](_tables(circuit, mesh), params, opt_state, xj, mj, w)
+    mesh, opts, xj, mj, w, B = _setup(circuit, mesh, options, x, missing, ll_weights, validate)
+    fn = _jitted(circuit, ("train_step", id(tx), mesh, opts, _ndim(mj), normalize),
+                 lambda: make_step(circuit.layout, tx, normalize=normalize, options=opts, mesh=mesh,
+                                   missing_ndim=_ndim(mj)), owner=tx)
+    p, s, ll = fn(_tables(circuit, mesh), params, opt_state, xj, mj, w)
     return p, s, ll[:B]
