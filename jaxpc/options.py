@@ -46,6 +46,11 @@ class Options:
         pflow_temperature: parameter flows split each sum node's flow by the tempered posterior
             ``(w_c p_c)^(1/T) / sum_c' (w_c' p_c')^(1/T)`` (T < 1 sharpens toward hard EM); 1 is EM.
         eflow_temperature: the same tempering for the flows passed down to the children.
+        chain_scan: evaluate chain-structured circuits (HMMs: a chain of dense sum layers over one input
+            layer, found by :func:`jaxpc.compile`) by the rescaled forward-backward scan of
+            :mod:`jaxpc.engine.chain` (same values and flows, one matrix product per step each way, no
+            node buffer) for ``propagation="LL"`` with ``backward="flows"`` and untempered flows; False
+            runs them layer by layer like any circuit (``impl`` and ``kernels`` apply only then).
     """
 
     propagation: str = "LL"
@@ -58,6 +63,7 @@ class Options:
     kernels: tuple = ()
     pflow_temperature: float = 1.0
     eflow_temperature: float = 1.0
+    chain_scan: bool = True
 
     def __post_init__(self):
         for name in ("pflow_temperature", "eflow_temperature"):
@@ -81,7 +87,7 @@ class Options:
         for name, allowed in (("backward", BACKWARDS), ("precision", PRECISIONS), ("impl", IMPLS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        for name in ("compute_param_flows", "negate_flows"):
+        for name in ("compute_param_flows", "negate_flows", "chain_scan"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.propagation not in PROPAGATIONS:

@@ -192,6 +192,45 @@ def tied_edge_flows(circuit, edge):
     return out
 
 
+def flow_totals(circuit, params, x, miss=None, weights=None):
+    """What ``circuit.flows`` reports, from :func:`flows`: ``(sum edge flows, input statistics)`` by source
+    vector id, summed over tied vectors (input vectors without statistics are left out)."""
+    edge, node_flows, _ = flows(circuit, params, x, miss, weights=weights)
+    sums, ins = {}, {}
+    for ns in circuit.nodes:
+        sid = ns.source.id
+        if ns.is_sum():
+            sums[sid] = sums.get(sid, 0) + edge[ns.id]
+        elif ns.is_input():
+            st = input_stats(ns, circuit.get_node_params(params, ns), x, miss, node_flows[ns.id])
+            if st is not None:
+                ins[sid] = st if sid not in ins else (
+                    {k: ins[sid][k] + st[k] for k in st} if isinstance(st, dict) else ins[sid] + st)
+    return sums, ins, edge
+
+
+def check_flows(circuit, fl, sums, ins, rtol=1e-4, atol=1e-5) -> int:
+    """Assert ``circuit.flows``' result ``fl`` equals :func:`flow_totals`' ``(sums, ins)``; returns how many
+    source vectors were checked."""
+    checked = 0
+    for ns in circuit.nodes:
+        if ns.source is not ns:
+            continue
+        if ns.is_sum():
+            np.testing.assert_allclose(np.asarray(circuit.get_node_flows(fl, ns)), sums[ns.id], rtol=rtol, atol=atol)
+            checked += 1
+        elif ns.is_input() and ns.id in ins:
+            got = circuit.get_node_flows(fl, ns)
+            ref = ins[ns.id]
+            if isinstance(ref, dict):
+                for k in ref:
+                    np.testing.assert_allclose(np.asarray(got[k]), ref[k], rtol=rtol, atol=max(atol, 1e-4))
+            else:
+                np.testing.assert_allclose(np.asarray(got), ref, rtol=rtol, atol=atol)
+            checked += 1
+    return checked
+
+
 def input_stats(ns, params, x, miss, node_flows):
     """Expected sufficient statistics of one input vector, in the form ``get_node_flows`` returns."""
     x = np.asarray(x, np.float64)

@@ -40,8 +40,10 @@ def _nodes(c, prefix):
     return {int(ns.name[len(prefix):]): ns for ns in c.nodes if ns.name.startswith(prefix)}
 
 
+@pytest.mark.parametrize("chain_scan", [True, False], ids=["chain-scan", "layers"])
 @pytest.mark.parametrize("homogeneous", [True, False])
-def test_hmm_ll_and_em_counts(homogeneous):
+def test_hmm_ll_and_em_counts(homogeneous, chain_scan):
+    opts = jaxpc.Options(chain_scan=chain_scan)
     rng = np.random.default_rng(0)
     T, L, V, B = 7, 4, 5, 33
     root = structures.HMM(T, L, V, homogeneous=homogeneous, block_size=2)
@@ -57,9 +59,10 @@ def test_hmm_ll_and_em_counts(homogeneous):
         assert not np.allclose(alphas[0], alphas[1])
     x = rng.integers(0, V, (B, T)).astype(np.int32)
     ll_ref, init_ref, xi_ref, emit_ref = forward_backward(alphas, betas, gamma, x)
-    np.testing.assert_allclose(np.asarray(c.log_prob(params, x)), ll_ref, rtol=1e-5)
+    assert c.layout.chain is not None
+    np.testing.assert_allclose(np.asarray(c.log_prob(params, x, options=opts)), ll_ref, rtol=1e-5)
 
-    fl = c.flows(params, x)
+    fl = c.flows(params, x, options=opts)
     np.testing.assert_allclose(np.asarray(c.get_node_flows(fl, root))[0], init_ref, rtol=1e-4, atol=1e-5)
     if homogeneous:
         np.testing.assert_allclose(np.asarray(c.get_node_flows(fl, trans[0])), xi_ref.sum(0), rtol=1e-4, atol=1e-4)
@@ -71,7 +74,7 @@ def test_hmm_ll_and_em_counts(homogeneous):
             np.testing.assert_allclose(np.asarray(c.get_node_flows(fl, emit[t])), emit_ref[t], rtol=1e-4, atol=1e-4)
 
     # one EM step is the Baum-Welch update
-    new = c.em_step(params, x)
+    new = c.em_step(params, x, options=opts)
     if homogeneous:
         xs = xi_ref.sum(0)
         np.testing.assert_allclose(np.asarray(c.get_node_params(new, trans[0])), xs / xs.sum(1, keepdims=True),
@@ -82,7 +85,9 @@ def test_hmm_ll_and_em_counts(homogeneous):
     np.testing.assert_allclose(np.asarray(c.get_node_params(new, root))[0], init_ref / B, rtol=1e-4, atol=1e-6)
 
 
-def test_hmm_10000_steps_float32():
+@pytest.mark.parametrize("chain_scan", [True, False], ids=["chain-scan", "layers"])
+def test_hmm_10000_steps_float32(chain_scan):
+    opts = jaxpc.Options(chain_scan=chain_scan)
     T, L, V = 10_000, 6, 4
     rng = np.random.default_rng(0)
     alpha = rng.dirichlet(np.ones(L) * 2, L)
@@ -91,10 +96,10 @@ def test_hmm_10000_steps_float32():
     c = jaxpc.compile(structures.HMM(T, L, V, alpha=alpha, beta=beta, gamma=gamma))
     x = rng.integers(0, V, (2, T)).astype(np.int32)
     ll_ref, init_ref, xi_ref, emit_ref = forward_backward([alpha] * (T - 1), [beta] * T, gamma, x)
-    ll, = [np.asarray(c.log_prob(c.params, x), np.float64)]
+    ll, = [np.asarray(c.log_prob(c.params, x, options=opts), np.float64)]
     assert np.all(np.isfinite(ll)) and ll_ref.min() < -10_000
     np.testing.assert_allclose(ll, ll_ref, rtol=1e-5)
-    fl = c.flows(c.params, x)
+    fl = c.flows(c.params, x, options=opts)
     trans = _nodes(c, "trans")[0]
     got = np.asarray(c.get_node_flows(fl, trans), np.float64)
     assert np.all(np.isfinite(got))

@@ -12,6 +12,7 @@ from collections import defaultdict
 import numpy as np
 
 from ..nodes import CircuitNodes, InputNodes, ProdNodes, SumNodes, topological_order
+from .chain import detect_chain
 from .layout import InputLayerSpec, Layout, ProdPart, ScanSpec, StageSpec, SumGroupSpec, SumPart
 
 __all__ = ["CompiledStructure", "build"]
@@ -180,6 +181,10 @@ def build(root: CircuitNodes, *, scan_min_repeats: int = 3, max_exact_fanins: in
     layout = Layout(num_rows=row, kmax=kmax, input_layers=tuple(input_specs), steps=tuple(steps),
                     sum_groups=sum_groups, root_row=root_row, num_vars=num_vars)
     tables = {"inputs": input_tables, "steps": step_tables, "groups": group_tables}
+    chain = detect_chain(layout, stages, stage_tables)
+    if chain is not None:
+        layout = dataclasses.replace(layout, chain=chain[0])
+        tables["chain"] = chain[1]
     return CompiledStructure(layout, tables, sum_placement, input_placement, sources, nodes, block_rows,
                              dict(var_dists), stages, stage_tables, stage_owners)
 

@@ -112,6 +112,32 @@ class SumGroupSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class ChainSpec:
+    """A chain found by :func:`jaxpc.compiler.chain.detect_chain` (an HMM-shaped circuit).
+
+    Attributes:
+        K: nodes per step (the latent states).
+        R: transition steps (``R + 1`` emission blocks).
+        group, Kp, Kc: parameter group and block shape of the transition sums (``K // Kp`` parent
+            blocks of ``K // Kc`` child blocks each).
+        root_group, root_Kc: the same for the root sum (one parent node).
+        tied: every transition reads the same parameter blocks (one matrix for all steps).
+        order: for chain position ``t = 0 .. R``, the emission block's index among the input layer's
+            ``R + 1`` blocks of ``K`` rows.
+    """
+
+    K: int
+    R: int
+    group: str
+    Kp: int
+    Kc: int
+    root_group: str
+    root_Kc: int
+    tied: bool
+    order: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class Layout:
     num_rows: int
     kmax: int
@@ -120,6 +146,7 @@ class Layout:
     sum_groups: tuple[SumGroupSpec, ...]
     root_row: int
     num_vars: int
+    chain: ChainSpec | None = None  # set when the circuit is a chain (an HMM): jaxpc.compiler.chain
 
     @property
     def ninf_row(self) -> int:

@@ -16,6 +16,7 @@ from jax import lax
 
 from ..compiler.layout import Layout, ScanSpec, StageSpec
 from ..ops import product_layer, sum_layer
+from . import chain
 from ..ops.product_layer import product_layer_backward_reference as product_layer_backward
 from ..ops.sum_layer import child_rows
 from ..ops.sum_layer import sum_layer_backward_reference as sum_layer_backward
@@ -232,12 +233,17 @@ def node_values(layout: Layout, tables: dict, params: dict, x: Array, missing: A
 def evaluate(layout: Layout, tables: dict, sum_params: dict, input_vals: list, options,
              evidence: dict | None = None, counts: bool = False) -> Array:
     """Root values from input values, differentiated by the top-down flow pass (``options.backward ==
-    "flows"``) or by JAX's autodiff through the forward (``"autodiff"``, the reference; also used when
-    ``evidence`` carries per-sample sum parameters, whose gradients autodiff provides)."""
+    "flows"``; chain-structured circuits, i.e. HMMs, by the forward-backward scan of
+    :mod:`jaxpc.engine.chain` unless ``options.chain_scan`` is False) or by JAX's autodiff through the
+    forward (``"autodiff"``, the reference; also used when ``evidence`` carries per-sample sum
+    parameters, whose gradients autodiff provides)."""
     if options.backward == "autodiff" or has_sum_externals(evidence):
         if options.pflow_temperature != 1.0 or options.eflow_temperature != 1.0:
             raise ValueError("tempered flows need backward='flows' and no per-sample sum parameters")
         return forward_buffer(layout, tables, sum_params, input_vals, options, evidence, counts)[layout.root_row]
+    if chain.applies(layout, options, has_sum_externals(evidence)):
+        with jax.named_scope("jaxpc/chain"):
+            return chain.root_values(layout.chain, tables["chain"], sum_params, input_vals, options)
     return root_values(layout, tables, sum_params, input_vals, options)
 
 

@@ -1,0 +1,149 @@
+"""Chain-structured circuits (HMMs) as a rescaled linear-space scan: the forward-backward algorithm.
+
+For a chain found at compile time (:mod:`jaxpc.compiler.chain`) with emission log-values ``E_t``
+(``[K, B]``, chain position ``t = 0 .. R``), transition matrices ``A_r`` (``[K, K]``, parents by
+children, ``exp`` of the sum log-weights) and root weights ``g``, the root value is
+
+    log p = log g^T (e_R * A_{R-1} (... e_1 * A_0 e_0)),   e_t = exp(E_t).
+
+The forward pass keeps one ``[K, B]`` state: ``u_0 = e~_0 / c_0``, ``u_{r+1} = (A_r u_r) * e~_{r+1} / c_r``
+with ``e~_t = exp(E_t - max_k E_t)`` and ``c_r`` the state's sum, so ``log p = log g^T u_R + sum log c +
+sum max E`` (exact; nothing under- or overflows). Its VJP is the backward algorithm with the same
+scales: ``beta_R = g / g^T u_R``, ``beta_r = A_r^T ((beta_{r+1} / c_r) * e~_{r+1})``; the input flows are
+the posteriors ``beta_t * u_t`` and the transition flows ``A_r * sum_b dy_r u_r^T`` (``dy_r`` the scaled
+backward message), reduced in one matrix product over all steps and samples when the transitions are
+tied. Per step the scan runs one matrix product forward and one backward, where the layer-by-layer path
+runs a gather, a max, a product and a scatter per layer through the ``[R, B]`` node buffer.
+
+Same flows as :func:`jaxpc.engine.forward.root_values` (tests compare the two paths and the forward
+algorithm); used by :func:`jaxpc.engine.forward.evaluate` when ``options.chain_scan`` allows it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ..compiler.layout import ChainSpec
+from ..ops.sum_layer import matmul
+
+Array = jax.Array
+
+# Transition flows of tied chains come from one matrix product over all steps when the stacked backward
+# messages (R * K * B values) stay at most this many (fewer, larger products: faster at small batches);
+# beyond it they are accumulated step by step (one [K, B] x [B, K] product per step, no stack).
+STACK_LIMIT = 4 * 2**20
+
+
+def applies(layout, options, evidence_externals: bool) -> bool:
+    """Whether ``layout``'s root value may be computed by this module under ``options``."""
+    return (layout.chain is not None and options.chain_scan and options.backward == "flows"
+            and options.propagation == "LL" and options.pflow_temperature == 1.0
+            and options.eflow_temperature == 1.0 and not evidence_externals)
+
+
+def _matrix(logw: Array, pid: Array, K: int) -> Array:
+    """``[K, K]`` linear weights (parents by children) of one dense sum partition with blocks ``pid [n, C]``."""
+    w = jnp.exp(logw[pid])  # [n, C, Kp, Kc]
+    return w.transpose(0, 2, 1, 3).reshape(K, K)
+
+
+def _blocks(full: Array, spec_n: int, C: int, Kp: int, Kc: int) -> Array:
+    """Inverse of :func:`_matrix`'s layout: ``[..., K, K]`` -> ``[..., n, C, Kp, Kc]``."""
+    lead = full.shape[:-2]
+    b = full.reshape(*lead, spec_n, Kp, C, Kc)
+    return jnp.moveaxis(b, -2, -3)
+
+
+def _safe(c: Array) -> Array:
+    return jnp.where(c == 0, 1.0, c)
+
+
+def _forward(spec: ChainSpec, ctab: dict, sum_params: dict, vals: Array, precision: str):
+    """The scan. ``vals``: the input layer's ``[N, B]`` values, read in place as ``R + 1`` blocks (chain
+    position ``t`` is block ``spec.order[t]``); the emission scales ``e~`` are recomputed where needed."""
+    logw = sum_params[spec.group]
+    K, B = spec.K, vals.shape[1]
+    E = vals.reshape(spec.R + 1, K, B)
+    m = jnp.max(E, axis=1)  # [R+1, B]
+    m = jnp.where(jnp.isfinite(m), m, 0.0)  # an all -inf step gives e~ = 0: log p = -inf, zero flows
+    order = jnp.asarray(spec.order, jnp.int32)
+    e0 = jnp.exp(E[spec.order[0]] - m[spec.order[0]])
+    c0 = jnp.sum(e0, axis=0)
+    u0 = e0 / _safe(c0)
+    A = _matrix(logw, ctab["pid"], K) if spec.tied else None
+
+    def step(u, xs):
+        blk, pid = xs
+        a = A if pid is None else _matrix(logw, pid, K)
+        p = matmul("kj,jb->kb", a, u, precision) * jnp.exp(E[blk] - m[blk])
+        c = jnp.sum(p, axis=0)
+        return p / _safe(c), (u, c)
+
+    uR, (U, cs) = lax.scan(step, u0, (order[1:], None if spec.tied else ctab["pid"]))
+    g = jnp.exp(sum_params[spec.root_group][ctab["root_pid"]]).reshape(K)  # [1, C, 1, Kc] -> [K]
+    rl = matmul("k,kb->b", g, uR, precision)
+    ll = jnp.log(rl) + jnp.log(c0) + jnp.sum(jnp.log(cs), axis=0) + jnp.sum(m, axis=0)
+    return ll, (E, m, u0, U, uR, cs, rl, A, g)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4))
+def root_values(spec: ChainSpec, ctab: dict, sum_params: dict, input_vals: list, options) -> Array:
+    """Root log-values ``[B]`` of a chain from its sum log-weights and its input layer's values."""
+    return _forward(spec, ctab, sum_params, input_vals[0], options.precision)[0]
+
+
+def _fwd(spec, ctab, sum_params, input_vals, options):
+    ll, res = _forward(spec, ctab, sum_params, input_vals[0], options.precision)
+    return ll, (ctab, sum_params, ll, res)
+
+
+def _bwd(spec, options, saved, gbar):
+    ctab, sum_params, ll, (E, m, u0, U, uR, cs, rl, A, g) = saved
+    K, R, B = spec.K, spec.R, u0.shape[1]
+    prec = options.precision
+    logw = sum_params[spec.group]
+    gbar = jnp.where(ll == -jnp.inf, 0.0, gbar.astype(ll.dtype))  # impossible samples: zero flows, never NaN
+    betaR = g[:, None] * (gbar / _safe(rl))[None, :]
+    want_params = options.compute_param_flows
+    stack = want_params and (not spec.tied or R * K * B <= STACK_LIMIT)
+    order = jnp.asarray(spec.order, jnp.int32)
+
+    def step(carry, xs):
+        beta, u_next, dA, d_in = carry
+        blk, u, c, pid = xs
+        d_in = lax.dynamic_update_index_in_dim(d_in, beta * u_next, blk, 0)  # the emission's posterior
+        dy = (beta / _safe(c)[None, :]) * jnp.exp(E[blk] - m[blk])
+        a = A if pid is None else _matrix(logw, pid, K)
+        beta_prev = matmul("kj,kb->jb", a, dy, prec)
+        if dA is not None:
+            dA = dA + matmul("kb,jb->kj", dy, u, prec)
+        return (beta_prev, u, dA, d_in), (dy if stack else None)
+
+    dA0 = jnp.zeros((K, K), u0.dtype) if (want_params and not stack) else None
+    xs = (order[1:], U, cs, None if spec.tied else ctab["pid"])
+    (beta0, _, dA, d_in), dY = lax.scan(step, (betaR, uR, dA0, jnp.zeros_like(E)), xs, reverse=True)
+    d_in = lax.dynamic_update_index_in_dim(d_in, beta0 * u0, spec.order[0], 0)
+
+    dparams = {k: jnp.zeros_like(v) for k, v in sum_params.items()}
+    if want_params:
+        n, C = K // spec.Kp, K // spec.Kc
+        if spec.tied:
+            if stack:
+                dA = matmul("rkb,rjb->kj", dY, U, prec)
+            blocks = _blocks(A * dA, n, C, spec.Kp, spec.Kc)
+        else:
+            Ar = jax.vmap(lambda p: _matrix(logw, p, K))(ctab["pid"])
+            blocks = _blocks(Ar * matmul("rkb,rjb->rkj", dY, U, prec), n, C, spec.Kp, spec.Kc)
+        dparams[spec.group] = dparams[spec.group].at[ctab["pid"]].add(blocks.astype(logw.dtype))
+        dg = g * matmul("kb,b->k", uR, gbar / _safe(rl), prec)  # [K]
+        rg = spec.root_group
+        rblocks = dg.reshape(1, K // spec.root_Kc, 1, spec.root_Kc)
+        dparams[rg] = dparams[rg].at[ctab["root_pid"]].add(rblocks.astype(dparams[rg].dtype))
+    return None, dparams, [d_in.reshape(-1, B)]
+
+
+root_values.defvjp(_fwd, _bwd)

@@ -1,0 +1,154 @@
+"""Chain-structured circuits (HMMs): compile-time detection and the forward-backward scan of
+:mod:`jaxpc.engine.chain`, against the float64 oracle and the layer-by-layer path."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxpc
+from jaxpc import dists, structures
+from jaxpc.engine import chain as chain_engine
+from jaxpc.engine import forward
+from jaxpc.nodes import summate
+
+from . import oracle
+
+LAYERS = jaxpc.Options(chain_scan=False)
+
+
+@pytest.mark.parametrize("T,L,bs,homogeneous", [(2, 4, 2, True), (5, 6, 3, False), (40, 8, 8, True),
+                                                 (12, 4, 1, False)])
+def test_hmms_are_detected_as_chains(T, L, bs, homogeneous):
+    c = jaxpc.compile(structures.HMM(T, L, 3, homogeneous=homogeneous, block_size=bs))
+    ch = c.layout.chain
+    assert ch is not None and (ch.K, ch.R, ch.tied) == (L, T - 1, homogeneous or T == 2)
+    assert sorted(ch.order) == list(range(T))
+    assert c.tables["chain"]["pid"].ndim == (2 if ch.tied else 3)
+
+
+def test_other_circuits_are_not_chains():
+    x = np.random.default_rng(0).integers(0, 3, (200, 6))
+    assert jaxpc.compile(structures.HCLT(x, 4, input_dist=dists.Categorical(3))).layout.chain is None
+    assert jaxpc.compile(structures.HMM(1, 4, 3)).layout.chain is None  # no transition
+    # a mixture of two HMMs is no longer a chain (it still compiles and runs, layer by layer)
+    c = jaxpc.compile(summate(structures.HMM(4, 4, 3), structures.HMM(4, 4, 3), num_nodes=1))
+    assert c.layout.chain is None and c.log_prob(c.params, np.zeros((2, 4), np.int32)).shape == (2,)
+
+
+def _check_against_oracle(c, params, x, miss=None, weights=None, options=None):
+    fl = c.flows(params, x, miss, ll_weights=weights, options=options)
+    sums, ins, _ = oracle.flow_totals(c, params, x, miss, weights=weights)
+    assert oracle.check_flows(c, fl, sums, ins, rtol=2e-4, atol=1e-5) >= 3
+    _, ref = oracle.forward(c, params, x, miss)
+    got = np.asarray(c.log_prob(params, x, miss, options=options))
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(ref))
+    np.testing.assert_allclose(got[np.isfinite(ref)], ref[np.isfinite(ref)], rtol=1e-5)
+    return fl
+
+
+@pytest.mark.parametrize("stack", [True, False], ids=["stacked", "accumulated"])
+@pytest.mark.parametrize("case", ["tied", "untied", "gaussian"])
+def test_chain_flows_equal_exact_expected_counts(case, stack, monkeypatch):
+    monkeypatch.setattr(chain_engine, "STACK_LIMIT", 10**9 if stack else 0)
+    rng = np.random.default_rng(1)
+    T, L, V, B = 6, 4, 5, 11
+    if case == "gaussian":
+        root = structures.GeneralizedHMM(T, L, dists.Gaussian(), block_size=2)
+        x = rng.normal(size=(B, T)).astype(np.float32)
+    else:
+        root = structures.HMM(T, L, V, homogeneous=case == "tied", block_size=2)
+        x = rng.integers(0, V, (B, T)).astype(np.int32)
+    c = jaxpc.compile(root, seed=2)
+    assert c.layout.chain is not None
+    miss = rng.random((B, T)) < 0.2
+    w = rng.uniform(0.5, 2.0, B)
+    _check_against_oracle(c, c.params, x, miss, w)
+
+
+def test_any_block_order_of_the_input_layer():
+    """The scan reads emission blocks through ``ChainSpec.order``: permuting the layer's blocks together with
+    the order changes nothing (values, sum flows, and the input flows permuted back)."""
+    c = jaxpc.compile(structures.HMM(6, 4, 5, homogeneous=False, block_size=2))
+    spec, ctab = c.layout.chain, c.tables["chain"]
+    x = jnp.asarray(np.random.default_rng(0).integers(0, 5, (7, 6)).astype(np.int32))
+    vals = forward.input_values(c.layout, c.tables, c.params, x, None, jaxpc.Options())[0]
+    perm = np.array([3, 0, 5, 1, 4, 2])  # new block j holds old block perm[j]
+    inv = np.argsort(perm)
+    shuffled = spec.__class__(**{**spec.__dict__, "order": tuple(int(inv[b]) for b in spec.order)})
+    vals2 = vals.reshape(6, 4, -1)[perm].reshape(24, -1)
+
+    def run(sp, v):
+        return jax.value_and_grad(lambda sp_, v_: jnp.sum(chain_engine.root_values(sp, ctab, sp_, [v_], jaxpc.Options())),
+                                  argnums=(0, 1))(c.params["sum"], v)
+
+    (l1, (s1, v1)), (l2, (s2, v2)) = run(spec, vals), run(shuffled, vals2)
+    np.testing.assert_allclose(l1, l2, rtol=1e-6)
+    for k in s1:
+        np.testing.assert_allclose(s1[k], s2[k], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(v1.reshape(6, 4, -1)[perm].reshape(24, -1), v2, rtol=1e-5, atol=1e-7)
+
+
+def test_impossible_samples_get_minus_inf_and_zero_flows():
+    L, V, T = 4, 3, 5
+    beta = np.random.default_rng(0).dirichlet(np.ones(V), L)
+    beta[:, 2] = 0.0
+    beta /= beta.sum(1, keepdims=True)
+    c = jaxpc.compile(structures.HMM(T, L, V, beta=beta, block_size=2))
+    x = np.random.default_rng(1).integers(0, 2, (6, T)).astype(np.int32)
+    x[[1, 4], 2] = 2  # symbol 2 is never emitted
+    fl = _check_against_oracle(c, c.params, x)
+    assert all(np.all(np.isfinite(np.asarray(a))) for a in jax.tree_util.tree_leaves(fl))
+    ll = np.asarray(c.log_prob(c.params, x))
+    assert np.isneginf(ll[[1, 4]]).all() and np.isfinite(np.delete(ll, [1, 4])).all()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+def test_chain_matches_layer_path_and_autodiff(precision):
+    """The same numbers three ways: the chain scan, the layer-by-layer flows pass, and JAX's autodiff through
+    the layer-by-layer forward (grad of the weighted log-likelihood with respect to every parameter)."""
+    c = jaxpc.compile(structures.HMM(9, 8, 6, homogeneous=False, block_size=4), seed=5)
+    x = jnp.asarray(np.random.default_rng(2).integers(0, 6, (13, 9)).astype(np.int32))
+    # CPU runs fp32 and tf32 exactly; bf16 rounds different operands in the two paths (the chain rounds the
+    # normalized state, the layer path each layer's shifted children)
+    tol = 2e-2 if precision == "bf16" else 1e-4
+
+    def grads(options):
+        def f(p):
+            return jnp.sum(forward.log_prob(c.layout, c.tables, p, x, None, options) * jnp.arange(13.0))
+        return jax.jit(jax.value_and_grad(f))(c.params)
+
+    ref_v, ref_g = grads(jaxpc.Options(backward="autodiff", precision=precision))
+    for opts in (jaxpc.Options(precision=precision), LAYERS.replace(precision=precision)):
+        v, g = grads(opts)
+        np.testing.assert_allclose(v, ref_v, rtol=tol / 10)
+        for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(ref_g)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol / 10)
+
+
+def test_without_param_flows_and_em_step_agree_with_layer_path():
+    c = jaxpc.compile(structures.HMM(7, 4, 5, block_size=2))
+    x = np.random.default_rng(3).integers(0, 5, (10, 7)).astype(np.int32)
+    fl = c.flows(c.params, x, options=jaxpc.Options(compute_param_flows=False))
+    ref = c.flows(c.params, x, options=LAYERS)
+    assert all(float(jnp.abs(v).max()) == 0.0 for v in fl["sum"].values())
+    np.testing.assert_allclose(fl["input"]["categorical"]["counts"], ref["input"]["categorical"]["counts"],
+                               rtol=1e-5, atol=1e-6)
+    new = c.em_step(c.params, x, step_size=0.5, pseudocount=0.1)
+    new_ref = c.em_step(c.params, x, step_size=0.5, pseudocount=0.1, options=LAYERS)
+    for a, b in zip(jax.tree_util.tree_leaves(new), jax.tree_util.tree_leaves(new_ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_queries_and_other_propagations_use_the_layer_path():
+    """MPE / GeneralLL values and the node buffer are not chain-scan business: they equal the layer path."""
+    c = jaxpc.compile(structures.HMM(6, 4, 5, block_size=2))
+    x = np.random.default_rng(4).integers(0, 5, (5, 6)).astype(np.int32)
+    opts = jaxpc.Options()
+    assert chain_engine.applies(c.layout, opts, False)
+    assert not chain_engine.applies(c.layout, opts.replace(propagation="MPE"), False)
+    assert not chain_engine.applies(c.layout, opts.replace(pflow_temperature=0.5), False)
+    assert not chain_engine.applies(c.layout, opts, True)
+    for prop, kw in (("MPE", {}), ("GeneralLL", {"alpha": 2.0})):
+        np.testing.assert_allclose(c.log_prob(c.params, x, propagation=prop, **kw),
+                                   c.log_prob(c.params, x, propagation=prop, options=LAYERS, **kw), rtol=1e-6)
