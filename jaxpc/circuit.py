@@ -194,7 +194,10 @@ class Circuit:
     def _run(self, entry: str, static: dict, args: dict, fallback=None):
         """Run an entry point through the circuit's executable cache. Inside a user's trace (tracer
         arguments) the pure function is inlined instead."""
-        if any(isinstance(l, jax.core.Tracer) for l in jax.tree_util.tree_leaves(args)):
+        # (the index tables are the circuit's own concrete arrays: skipping their hundreds of leaves here and in
+        # the cache key is most of the per-call host time of a small step)
+        if any(isinstance(l, jax.core.Tracer) for k, v in args.items() if k != "tables"
+               for l in jax.tree_util.tree_leaves(v)):
             return self._fns[entry](**args, **static)
         return self._cache.run(entry, self._fns[entry], static, args, fallback)
 
@@ -214,6 +217,16 @@ class Circuit:
                 self._scalars[key] = jnp.asarray(key, self.dtype)
             return self._scalars[key]
 
+    def _valid_rows(self, bucket: int, n: int) -> Array:
+        """``[bucket]`` weights, 1 for the ``n`` real rows and 0 for padding; created once per (bucket, n)."""
+        key = ("valid", bucket, n)
+        with self._lock:
+            if key not in self._scalars:
+                if len(self._scalars) > 256:
+                    self._scalars.clear()
+                self._scalars[key] = _valid_rows(bucket, n, self.dtype)
+            return self._scalars[key]
+
     def _batch(self, xj: Array, mj: Array | None, weights: Array | None = None, with_weights: bool = False):
         """Pad a batch to its bucket. Returns ``(n, bucket, x, missing, weights)``; padded rows repeat the
         first row and get weight 0."""
@@ -225,7 +238,7 @@ class Circuit:
         mp = mj if mj is None or mj.ndim == 1 or b == n else _pad_rows(mj, b)
         wp = None
         if with_weights:
-            wp = _weights(weights, b, n, self.dtype) if weights is not None else _valid_rows(b, n, self.dtype)
+            wp = _weights(weights, b, n, self.dtype) if weights is not None else self._valid_rows(b, n)
         return n, b, xp, mp, wp
 
     EVIDENCE_KEYS = ("categorical_logp", "categorical_topk", "external", "latent", "sum_gates", "sum_lowrank")

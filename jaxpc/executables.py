@@ -79,13 +79,65 @@ class BucketPolicy:
 
 
 def _leaf_sig(a) -> tuple:
+    # dtype objects, not their names: str(dtype) costs ~10 us per leaf, and a step's key has hundreds of leaves
     if isinstance(a, jax.Array):
         try:
             sharding = a.sharding
         except Exception:  # noqa: BLE001 - tracers have none
             sharding = None
-        return (tuple(a.shape), str(a.dtype), sharding)
-    return (tuple(np.shape(a)), str(np.asarray(a).dtype), None)
+        return (a.shape, a.dtype, sharding)
+    return (tuple(np.shape(a)), np.asarray(a).dtype, None)
+
+
+def _tree_sig(val) -> tuple:
+    leaves, tree = jax.tree_util.tree_flatten(val)
+    return (tree, tuple(_leaf_sig(l) for l in leaves))
+
+
+class _HashedSig:
+    """A signature with its hash computed once (a table signature has hundreds of leaves; the key is
+    hashed and compared on every call, and the memo hands out the same object, so equality is by identity)."""
+
+    __slots__ = ("sig", "_hash")
+
+    def __init__(self, sig: tuple):
+        self.sig = sig
+        self._hash = hash(sig)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, _HashedSig) and self._hash == other._hash and self.sig == other.sig)
+
+    def __repr__(self) -> str:
+        return repr(self.sig)
+
+
+class _IdentityMemo:
+    """Signatures of index-table pytrees by object identity. Tables belong to a circuit (or to a mesh's
+    replicated copy) and are never modified in place, so one signature per object serves every call; the
+    memo holds the objects themselves, so an id is never reused while its entry lives."""
+
+    def __init__(self, size: int = 64):
+        self.size = size
+        self._memo: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, val) -> _HashedSig:
+        with self._lock:
+            hit = self._memo.get(id(val))
+            if hit is not None and hit[0] is val:
+                return hit[1]
+        sig = _HashedSig(_tree_sig(val))
+        with self._lock:
+            self._memo[id(val)] = (val, sig)
+            while len(self._memo) > self.size:
+                self._memo.popitem(last=False)
+        return sig
+
+
+_TABLE_SIGS = _IdentityMemo()
 
 
 @dataclasses.dataclass
@@ -142,8 +194,7 @@ class ExecutableCache:
             else:
                 comp[f"static argument '{name}'"] = val
         for name, val in args.items():
-            leaves, tree = jax.tree_util.tree_flatten(val)
-            comp[f"argument '{name}'"] = (tree, tuple(_leaf_sig(l) for l in leaves))
+            comp[f"argument '{name}'"] = _TABLE_SIGS.get(val) if name == "tables" else _tree_sig(val)
         return comp
 
     def _key(self, entry: str, comp: dict) -> tuple:

@@ -313,3 +313,20 @@ def test_persistent_cache_serves_a_second_process(tmp_path):
     t2 = float(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
                               check=True).stdout.split()[-1])
     assert t2 < t1
+
+
+def test_table_signature_is_computed_once_per_tables_object():
+    """The key's table component comes from an identity memo; equal tables in another object (a copy, or a
+    recompiled circuit) still give an equal key, and tables of another shape a different one."""
+    from jaxpc.executables import ExecutableCache, _TABLE_SIGS
+
+    c = _hmm()
+    first = _TABLE_SIGS.get(c.tables)
+    assert _TABLE_SIGS.get(c.tables) is first
+    copy = jax.tree_util.tree_map(jnp.array, c.tables)
+    assert _TABLE_SIGS.get(copy) is not first and _TABLE_SIGS.get(copy) == first
+    other = jaxpc.compile(structures.HMM(5, 4, 3)).tables
+    assert _TABLE_SIGS.get(other) != first
+    k1 = ExecutableCache.describe("flows", {}, {"tables": c.tables})
+    k2 = ExecutableCache.describe("flows", {}, {"tables": copy})
+    assert hash(tuple(k1.items())) == hash(tuple(k2.items())) and k1 == k2
