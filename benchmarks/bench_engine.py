@@ -31,6 +31,7 @@ from _data import blurred_noise_images  # noqa: E402
 
 
 IMPL = "reference"
+FOLD = False  # Options.fold_products (--fold)
 
 
 def median_ms(fn, batches, reps, warmup=5):
@@ -92,7 +93,7 @@ def run(name, root_fn, data_fn, batches, reps, check, precision):
     for B in batches:
         xs = [jnp.asarray(data_fn(B, seed)) for seed in range(4)]
         err = check(c, xs[0])
-        opts = jaxpc.Options(precision=precision, impl=IMPL)
+        opts = jaxpc.Options(precision=precision, impl=IMPL, fold_products=FOLD)
         t = time.perf_counter()
         jax.block_until_ready(c.log_prob(c.params, xs[0], options=opts, validate=False))
         t_fwd_compile = time.perf_counter() - t
@@ -105,7 +106,7 @@ def run(name, root_fn, data_fn, batches, reps, check, precision):
                                             validate=False), xs, reps)
         mem = exec_mib(jax.jit(lambda t, p, xx: jaxpc.engine.em.flows_and_ll(c.layout, t, p, xx, None, None, opts)),
                        c.tables, c.params, xs[0])
-        row = dict(workload=name, precision=precision, impl=IMPL, B=B, fwd_ms=fwd, flows_ms=flows, em_ms=em, mem_mib=mem,
+        row = dict(workload=name, precision=precision, impl=IMPL, fold=FOLD, B=B, fwd_ms=fwd, flows_ms=flows, em_ms=em, mem_mib=mem,
                    gedges_per_s=sum_edges * B / (flows * 1e-3) / 1e9, rel_err=err,
                    jaxpc_compile_s=t_compile, xla_fwd_s=t_fwd_compile, xla_flows_s=t_flows_compile)
         rows.append(row)
@@ -122,11 +123,13 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=25)
     p.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "bf16"])
     p.add_argument("--impl", default="reference", choices=["reference", "pallas"])
+    p.add_argument("--fold", action="store_true", help="Options(fold_products=True): the folded plan")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
-    global IMPL
+    global IMPL, FOLD
     IMPL = args.impl
+    FOLD = args.fold
     dev = jax.devices()[0]
     print(f"jax {jax.__version__} on {dev.device_kind}; default matmul precision "
           f"{jax.config.jax_default_matmul_precision}", flush=True)
@@ -135,8 +138,8 @@ def main(argv=None):
     cat256 = dists.Categorical(num_cats=256)
 
     def rel_check(c, x):
-        lo = np.asarray(c.log_prob(c.params, x, options=jaxpc.Options(precision=args.precision), validate=False),
-                        np.float64)
+        lo = np.asarray(c.log_prob(c.params, x, options=jaxpc.Options(precision=args.precision, fold_products=args.fold),
+                                   validate=False), np.float64)
         with jax.default_matmul_precision("float32"):
             hi = np.asarray(jax.jit(lambda t, p, xx: jaxpc.engine.forward.log_prob(
                 c.layout, t, p, xx, None, jaxpc.Options()))(c.tables, c.params, x), np.float64)

@@ -51,6 +51,12 @@ class Options:
             :mod:`jaxpc.engine.chain` (same values and flows, one matrix product per step each way, no
             node buffer) for ``propagation="LL"`` with ``backward="flows"`` and untempered flows; False
             runs them layer by layer like any circuit (``impl`` and ``kernels`` apply only then).
+        fold_products: evaluate log-likelihoods and flows on the circuit's folded plan (``layout.fold``):
+            every product folded into the gathers of the sums that read it, so the node buffer holds input
+            and sum rows only and each tree level is one sum stage (same values and flows; PD-128's buffer
+            has a third of the rows). Applies with ``impl="reference"`` and no ``kernels``; node values,
+            queries and autodiff use the full layout. Off by default until measured on a GPU (on the CPU:
+            PD 14% faster with 18% less memory, HCLT 27% fewer fusions at equal time).
     """
 
     propagation: str = "LL"
@@ -64,6 +70,7 @@ class Options:
     pflow_temperature: float = 1.0
     eflow_temperature: float = 1.0
     chain_scan: bool = True
+    fold_products: bool = False
 
     def __post_init__(self):
         for name in ("pflow_temperature", "eflow_temperature"):
@@ -87,7 +94,7 @@ class Options:
         for name, allowed in (("backward", BACKWARDS), ("precision", PRECISIONS), ("impl", IMPLS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        for name in ("compute_param_flows", "negate_flows", "chain_scan"):
+        for name in ("compute_param_flows", "negate_flows", "chain_scan", "fold_products"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.propagation not in PROPAGATIONS:

@@ -99,15 +99,23 @@ def test_mpe_and_general_ll_match_oracle(case, mode):
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_flows_match_exact_expected_counts(case):
-    gen, c = case
+def check_flows_and_ll(gen, c, options=None):
+    """Flows with missing values and per-sample weights, and their log-likelihoods, against the oracle."""
     x = gen.sample_data(B)
     rng = np.random.default_rng(2)
     miss = rng.random(x.shape) < 0.3
     w = rng.uniform(0.5, 2.0, x.shape[0])
-    fl = c.flows(c.params, as_input(gen, x), missing=miss, ll_weights=w)
+    fl, got = c.flows(c.params, as_input(gen, x), missing=miss, ll_weights=w, options=options, return_ll=True)
     totals, in_totals, edge = oracle.flow_totals(c, c.params, x, miss, weights=w)
     assert oracle.check_flows(c, fl, totals, in_totals) > 0
+    _, ref = oracle.forward(c, c.params, x, miss)
+    np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5)
+    return x, miss, w, edge
+
+
+def test_flows_match_exact_expected_counts(case):
+    gen, c = case
+    x, miss, w, edge = check_flows_and_ll(gen, c)
     # the flows out of the root sum to the total weight of the possible samples
     _, ll = oracle.forward(c, c.params, x, miss)
     np.testing.assert_allclose(edge[c.root.id].sum(), w[np.isfinite(ll)].sum(), rtol=1e-9)

@@ -155,6 +155,8 @@ def build(root: CircuitNodes, *, scan_min_repeats: int = 3, max_exact_fanins: in
                              "pos": np.concatenate(node_pos), "meta": meta})
 
     # ---- stages ----------------------------------------------------------------------------
+    inputs_end = row
+    input_rows = {ns.id: block_rows[ns.id] for ns in nodes if ns.is_input()}
     by_level: list[list[CircuitNodes]] = [[] for _ in range(num_levels)]
     for ns in nodes:
         if not ns.is_input():
@@ -185,28 +187,39 @@ def build(root: CircuitNodes, *, scan_min_repeats: int = 3, max_exact_fanins: in
     if chain is not None:
         layout = dataclasses.replace(layout, chain=chain[0])
         tables["chain"] = chain[1]
+    fold = _build_fold(nodes, root, input_rows, inputs_end, sum_placement, max_exact_fanins, scan_min_repeats)
+    if fold is not None:
+        f_steps, f_tables, f_root, f_rows = fold
+        layout = dataclasses.replace(layout, fold=dataclasses.replace(
+            layout, num_rows=f_rows, steps=tuple(f_steps), root_row=f_root, chain=None, fold=None))
+        tables["fold"] = {"steps": f_tables}
     return CompiledStructure(layout, tables, sum_placement, input_placement, sources, nodes, block_rows,
                              dict(var_dists), stages, stage_tables, stage_owners)
 
 
-def _build_stage(members, row, block_rows, sum_placement, max_exact_fanins):
-    """Partition one level's product and sum vectors; assign their rows; return (spec, tables, next row)."""
+def _build_stage(members, row, block_rows, sum_placement, max_exact_fanins, child_rows=None):
+    """Partition one level's product and sum vectors; assign their rows; return (spec, tables, next row).
+    ``child_rows(ns)``: ``[child blocks, M]`` buffer rows whose values add up to each child block of sum
+    vector ``ns`` (default: the children's own rows, ``M = 1``; the folded plan expands products)."""
     offset = row
     # products, grouped by (block size, arity)
     prod_groups: dict[tuple[int, int], list[ProdNodes]] = defaultdict(list)
-    sum_items: dict[tuple[int, int], list[tuple[SumNodes, np.ndarray, np.ndarray, np.ndarray]]] = defaultdict(list)
+    sum_items: dict[tuple[int, int, int], list] = defaultdict(list)
     for ns in members:
         if ns.is_prod():
             prod_groups[(ns.block_size, len(ns.children))].append(ns)
         else:
             src = ns.source
             pl = sum_placement[src.id]
-            ch_rows = np.concatenate([block_rows[c.id] for c in ns.children])
+            if child_rows is None:
+                ch_rows = np.concatenate([block_rows[c.id] for c in ns.children])[:, None]
+            else:
+                ch_rows = child_rows(ns)
             order = np.lexsort((ns.edge_ids[1], ns.edge_ids[0]))
             par = ns.edge_ids[0][order]
-            rows_e = ch_rows[ns.edge_ids[1][order]]
+            rows_e = ch_rows[ns.edge_ids[1][order]]  # [E, M]
             pids = pl.start + order
-            sum_items[(ns.block_size, ns.ch_block_size)].append((ns, par, rows_e, pids))
+            sum_items[(ns.block_size, ns.ch_block_size, ch_rows.shape[1])].append((ns, par, rows_e, pids))
 
     prods, sums, prod_tabs, sum_tabs = [], [], [], []
     owners = {"prods": [], "sums": []}
@@ -223,9 +236,9 @@ def _build_stage(members, row, block_rows, sum_placement, max_exact_fanins):
         prod_tabs.append({"ch": np.concatenate(chs).astype(np.int32)})
         row += n * K
 
-    for (Kp, Kc) in sorted(sum_items):
+    for (Kp, Kc, M) in sorted(sum_items):
         group = f"{Kp}x{Kc}"
-        items = sum_items[(Kp, Kc)]
+        items = sum_items[(Kp, Kc, M)]
         # every parent block of this shape gets a global id; edges are sorted by it
         nbs = np.asarray([ns.num_node_blocks for ns, *_ in items], dtype=np.int64)
         par_off = np.concatenate([[0], np.cumsum(nbs)[:-1]])
@@ -244,11 +257,13 @@ def _build_stage(members, row, block_rows, sum_placement, max_exact_fanins):
             sel = np.nonzero(padded == C)[0]
             local[sel] = np.arange(sel.size)
             emask = padded[gpar] == C
-            ch = np.full((sel.size, C), -2, dtype=np.int64)
+            # padding: the -inf row (marked -2) plus zero rows for the other terms
+            ch = np.zeros((sel.size, C, M), dtype=np.int64)
+            ch[:, :, 0] = -2
             pid = np.zeros((sel.size, C), dtype=np.int64)
             ch[local[gpar[emask]], pos[emask]] = rows_e[emask]
             pid[local[gpar[emask]], pos[emask]] = pids[emask]
-            has_pad = bool(np.any(ch == -2))
+            has_pad = bool(np.any(ch[:, :, 0] == -2))
             dense = (not has_pad) and bool(np.all(ch == ch[:1]))
             for v in np.unique(owner[sel]):
                 ns = items[v][0]
@@ -256,12 +271,66 @@ def _build_stage(members, row, block_rows, sum_placement, max_exact_fanins):
                 br = block_rows.setdefault(ns.id, np.zeros(ns.num_node_blocks, dtype=np.int64))
                 br[owner_blk[mine]] = row + local[mine] * Kp
             owners["sums"].append([items[v][0] for v in owner[sel]])
-            inv = _inverse_tables(ch, pid)
-            sums.append(SumPart(int(sel.size), C, Kp, Kc, group, dense, inv["par"].shape[0], inv["par"].shape[1]))
+            if M == 1:
+                ch = ch[:, :, 0]
+                inv = _inverse_tables(ch, pid)
+                U, D = inv["par"].shape
+            else:
+                inv, U, D = {}, 0, 0  # folded partitions run on the reference path only
+            sums.append(SumPart(int(sel.size), C, Kp, Kc, group, dense, U, D, M))
             sum_tabs.append({"ch": ch, "pid": pid.astype(np.int32), **inv})
             row += sel.size * Kp
     spec = StageSpec(tuple(prods), tuple(sums), offset)
     return spec, {"prods": prod_tabs, "sums": sum_tabs, "out": np.int32(offset)}, row, owners
+
+
+def _build_fold(nodes, root, input_rows: dict, first_row: int, sum_placement, max_exact_fanins, scan_min_repeats):
+    """The folded plan: the same circuit with every product vector folded into the gathers of the sums
+    that read it (a sum's child block becomes the rows of the product's children, which the gather adds
+    up), so the buffer holds input and sum rows only and every stage is a sum stage. Returns ``(steps,
+    step tables, root row, num rows)``, or None when the circuit has no products or its root is one."""
+    if not root.is_sum() or not any(ns.is_prod() for ns in nodes):
+        return None
+    rows: dict[int, np.ndarray] = dict(input_rows)
+    expanded: dict[int, np.ndarray] = {}
+
+    def expand(ns) -> np.ndarray:
+        """``[blocks, M]`` rows adding up to each block of ``ns`` (M = 1 for sums and inputs)."""
+        if ns.id not in expanded:
+            if not ns.is_prod():
+                expanded[ns.id] = rows[ns.id][:, None]
+            else:
+                expanded[ns.id] = np.concatenate([expand(c)[ns.edge_ids[:, j]] for j, c in enumerate(ns.children)],
+                                                 axis=1)
+        return expanded[ns.id]
+
+    def child_rows(ns, M: int) -> np.ndarray:
+        # zero rows (0 .. Kmax) pad the shorter expansions: adding zeros leaves the log-value unchanged
+        return np.concatenate([np.pad(p, ((0, 0), (0, M - p.shape[1]))) for p in (expand(c) for c in ns.children)])
+
+    level: dict[int, int] = {}
+    for ns in nodes:
+        if ns.is_input():
+            level[ns.id] = 0
+        elif ns.is_prod():
+            level[ns.id] = max(level[c.id] for c in ns.children)
+        else:
+            level[ns.id] = 1 + max(level[c.id] for c in ns.children)
+    by_level: dict[int, list] = defaultdict(list)
+    for ns in nodes:
+        if ns.is_sum():
+            by_level[level[ns.id]].append(ns)
+    stages, tabs = [], []
+    row = first_row
+    for lv in sorted(by_level):
+        # one term count per level, so products of different arity do not split a level into more partitions
+        M = max(expand(c).shape[1] for ns in by_level[lv] for c in ns.children)
+        spec, tab, row, _ = _build_stage(by_level[lv], row, rows, sum_placement, max_exact_fanins,
+                                         lambda ns, M=M: child_rows(ns, M))
+        stages.append(spec)
+        tabs.append(tab)
+    steps, step_tables = _group_scans(stages, tabs, scan_min_repeats)
+    return steps, step_tables, int(rows[root.id][0]), row
 
 
 def _inverse_tables(ch: np.ndarray, pid: np.ndarray) -> dict:
@@ -339,6 +408,11 @@ def finalize_tables(tables: dict, layout: Layout) -> dict:
                 out[k] = v
         return out
 
+    def steps(st):
+        return [fix(s) if isinstance(s, dict) else [fix(x) for x in s] for s in st]
+
     out = dict(tables)
-    out["steps"] = [fix(s) if isinstance(s, dict) else [fix(x) for x in s] for s in tables["steps"]]
+    out["steps"] = steps(tables["steps"])
+    if "fold" in tables:
+        out["fold"] = {"steps": steps(tables["fold"]["steps"])}
     return out

@@ -58,7 +58,8 @@ class SumPart:
     """``n`` sum blocks of ``Kp`` nodes with fan-in ``C`` child blocks of ``Kc`` nodes.
 
     ``group`` names the parameter array (``params["sum"][group]``, ``[P, Kp, Kc]``). ``dense``: every
-    block reads the same children (no padding), so children are gathered once. ``U``/``D``: shape of
+    block reads the same children (no padding), so children are gathered once. ``M``: each child block
+    is the sum of ``M`` row blocks (``ch [n, C, M]``; 1 except in the folded plan, see ``Layout.fold``). ``U``/``D``: shape of
     the inverse tables (``uch [U]``, ``par``/``ppid [U, D]``) the backward kernels walk.
     """
 
@@ -70,6 +71,7 @@ class SumPart:
     dense: bool
     U: int = 0  # distinct child blocks (inverse tables for the child-side backward kernel)
     D: int = 0  # most parents of one child block within the partition
+    M: int = 1  # rows added up per child block (> 1 in the folded plan: a folded product's children)
 
     @property
     def num_rows(self) -> int:
@@ -147,6 +149,8 @@ class Layout:
     root_row: int
     num_vars: int
     chain: ChainSpec | None = None  # set when the circuit is a chain (an HMM): jaxpc.compiler.chain
+    # the folded plan (products folded into the sums' gathers; tables["fold"]), when the circuit has products
+    fold: "Layout | None" = None
 
     @property
     def ninf_row(self) -> int:

@@ -18,7 +18,7 @@ from ..compiler.layout import Layout, ScanSpec, StageSpec
 from ..ops import product_layer, sum_layer
 from . import chain
 from ..ops.product_layer import product_layer_backward_reference as product_layer_backward
-from ..ops.sum_layer import child_rows
+from ..ops.sum_layer import child_rows, child_terms
 from ..ops.sum_layer import sum_layer_backward_reference as sum_layer_backward
 from ..ops.sum_layer_external import sum_layer_external_reference
 
@@ -198,7 +198,12 @@ def _root_bwd(layout, options, res, g):
                                                 precision=options.precision, param_flows=options.compute_param_flows,
                                                 pflow_temperature=options.pflow_temperature,
                                                 eflow_temperature=options.eflow_temperature)
-                    rows = child_rows(t["ch"], part.Kc, part.dense)
+                    terms = child_terms(t["ch"])
+                    if len(terms) > 1:  # a folded product: its flow goes to each of its children, in one scatter
+                        rows = jnp.stack([child_rows(ch, part.Kc, part.dense) for ch in terms])
+                        cf = jnp.broadcast_to(cf, (len(terms),) + cf.shape)
+                    else:
+                        rows = child_rows(terms[0], part.Kc, part.dense)
                 fl = fl.at[rows].add(cf.astype(fl.dtype))
                 if pf is not None:
                     dp = {**dp, part.group: dp[part.group].at[t["pid"]].add(pf.astype(dp[part.group].dtype))}
@@ -237,7 +242,8 @@ def evaluate(layout: Layout, tables: dict, sum_params: dict, input_vals: list, o
              evidence: dict | None = None, counts: bool = False) -> Array:
     """Root values from input values, differentiated by the top-down flow pass (``options.backward ==
     "flows"``; chain-structured circuits, i.e. HMMs, by the forward-backward scan of
-    :mod:`jaxpc.engine.chain` unless ``options.chain_scan`` is False) or by JAX's autodiff through the
+    :mod:`jaxpc.engine.chain` unless ``options.chain_scan`` is False; on the folded plan ``layout.fold``
+    when ``options.fold_products``) or by JAX's autodiff through the
     forward (``"autodiff"``, the reference; also used when ``evidence`` carries per-sample sum
     parameters, whose gradients autodiff provides)."""
     if options.backward == "autodiff" or has_sum_externals(evidence):
@@ -247,6 +253,8 @@ def evaluate(layout: Layout, tables: dict, sum_params: dict, input_vals: list, o
     if chain.applies(layout, options, has_sum_externals(evidence)):
         with jax.named_scope("jaxpc/chain"):
             return chain.root_values(layout.chain, tables["chain"], sum_params, input_vals, options)
+    if layout.fold is not None and options.fold_products and options.impl == "reference" and not options.kernels:
+        return root_values(layout.fold, tables["fold"], sum_params, input_vals, options)
     return root_values(layout, tables, sum_params, input_vals, options)
 
 

@@ -23,7 +23,7 @@ Array = jax.Array
 
 
 def child_rows(ch: Array, Kc: int, dense: bool) -> Array:
-    """Buffer rows of the children: ``[n, C*Kc]`` (``[C*Kc]`` when ``dense``)."""
+    """Buffer rows of the children: ``[n, C*Kc]`` (``[C*Kc]`` when ``dense``) for a table ``ch [n, C]``."""
     ar = jnp.arange(Kc, dtype=ch.dtype)
     if dense:
         return (ch[0][:, None] + ar).reshape(-1)
@@ -31,9 +31,19 @@ def child_rows(ch: Array, Kc: int, dense: bool) -> Array:
     return (ch[:, :, None] + ar).reshape(n, C * Kc)
 
 
+def child_terms(ch: Array) -> list[Array]:
+    """The ``[n, C]`` tables whose rows add up to the children: ``[ch]``, or one per slice of a folded
+    table ``ch [n, C, M]`` (each child block the sum of ``M`` row blocks: a folded product's children)."""
+    return [ch] if ch.ndim == 2 else [ch[:, :, m] for m in range(ch.shape[2])]
+
+
 def gather_children(buf: Array, ch: Array, Kc: int, dense: bool) -> Array:
     """``[n, C*Kc, B]`` child values (``[C*Kc, B]`` when ``dense``)."""
-    return buf[child_rows(ch, Kc, dense)]
+    terms = child_terms(ch)
+    x = buf[child_rows(terms[0], Kc, dense)]
+    for t in terms[1:]:
+        x = x + buf[child_rows(t, Kc, dense)]
+    return x
 
 
 def gather_weights(logw: Array, pid: Array) -> Array:
@@ -116,7 +126,7 @@ def sum_layer_backward_reference(values: Array, flows: Array, ch: Array, pid: Ar
         ``(child_flows, param_flows)``: ``[n, C*Kc, B]`` (``[C*Kc, B]`` when ``dense``) flows to add to the
         children's rows, and ``[n, C, Kp, Kc]`` flows to add to the parameter blocks ``pid``.
     """
-    n, C = ch.shape
+    n, C = ch.shape[:2]
     B = values.shape[1]
     x = gather_children(values, ch, Kc, dense)
     lw = gather_weights(logw, pid)  # [n, Kp, CK]

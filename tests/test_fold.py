@@ -1,0 +1,85 @@
+"""The folded plan (``Options(fold_products=True)``: products folded into the sums' gathers) against the
+float64 oracle and the full layout, on random circuits and the ready structures."""
+
+import jax
+import numpy as np
+import pytest
+
+import jaxpc
+from jaxpc import dists, structures
+from jaxpc.nodes import inputs, multiply, summate
+
+from . import oracle
+from .test_bruteforce import B, as_input, check_flows_and_ll, make
+
+FOLD = jaxpc.Options(fold_products=True)
+SEEDS = list(range(0, 20, 3))
+
+
+@pytest.fixture(scope="module", params=SEEDS)
+def case(request):
+    return make(request.param)
+
+
+def test_flows_match_exact_expected_counts(case):
+    check_flows_and_ll(*case, options=FOLD)
+
+
+@pytest.mark.parametrize("kw", [{"propagation": "MPE"}, {"propagation": "GeneralLL", "alpha": 2.5},
+                                {"pflow_temperature": 0.5, "eflow_temperature": 2.0}], ids=["MPE", "GeneralLL", "tempered"])
+def test_other_propagations_equal_the_full_layout(case, kw):
+    gen, c = case
+    x = as_input(gen, gen.sample_data(B))
+    got = c.flows(c.params, x, options=FOLD.replace(**kw), return_ll=True)
+    ref = c.flows(c.params, x, options=jaxpc.Options(**kw), return_ll=True)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["hclt", "pd", "hmm", "rat"])
+def test_structures_fold_to_sum_stages_with_fewer_rows(name):
+    rng = np.random.default_rng(0)
+    cat = dists.Categorical(4)
+    if name == "hclt":
+        data = rng.integers(0, 4, (300, 10))
+        root = structures.HCLT(data, 4, input_dist=cat)
+    elif name == "pd":
+        data = rng.integers(0, 4, (20, 16))
+        root = structures.PD((4, 4), 3, split_intervals=(2, 2), input_dist=cat)
+    elif name == "hmm":
+        data = rng.integers(0, 4, (20, 7))
+        root = structures.HMM(7, 4, 4, block_size=2)
+    else:
+        data = rng.integers(0, 4, (20, 8))
+        root = structures.RAT_SPN(8, num_latents=3, depth=2, num_repetitions=2, input_dist=cat)
+    c = jaxpc.compile(root)
+    fold = c.layout.fold
+    assert fold is not None and fold.num_rows < c.layout.num_rows
+    assert all(not s.prods for s in fold.stages())
+    assert len(list(fold.stages())) < len(list(c.layout.stages()))
+    x = data[:9].astype(np.int32)
+    opts = FOLD.replace(chain_scan=False)
+    got = c.flows(c.params, x, options=opts, return_ll=True)
+    ref = c.flows(c.params, x, options=jaxpc.Options(chain_scan=False), return_ll=True)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_no_fold_without_products_or_with_a_product_root():
+    a, b = inputs(0, num_nodes=2, dist=dists.Bernoulli()), inputs(1, num_nodes=2, dist=dists.Bernoulli())
+    assert jaxpc.compile(summate(a, num_nodes=1)).layout.fold is None  # nothing to fold
+    assert jaxpc.compile(multiply(summate(a, num_nodes=1), summate(b, num_nodes=1))).layout.fold is None
+
+
+def test_nested_products_and_mixed_children_fold():
+    """A sum over a product of a product (expanded recursively) and a plain input, with padding zero rows."""
+    x0, x1, x2 = (inputs(v, num_nodes=2, dist=dists.Categorical(3)) for v in range(3))
+    inner = multiply(x0, x1)
+    outer = multiply(inner, x2)
+    s = summate(outer, multiply(summate(multiply(x0, x1), num_nodes=2), x2), num_nodes=1)
+    c = jaxpc.compile(s, seed=4)
+    assert max(p.M for st in c.layout.fold.stages() for p in st.sums) == 3
+    x = np.random.default_rng(1).integers(0, 3, (B, 3))
+    fl = c.flows(c.params, x.astype(np.int32), options=FOLD)
+    sums, ins, _ = oracle.flow_totals(c, c.params, x)
+    assert oracle.check_flows(c, fl, sums, ins) > 0
