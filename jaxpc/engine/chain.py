@@ -51,10 +51,10 @@ def _matrix(logw: Array, pid: Array, K: int) -> Array:
     return w.transpose(0, 2, 1, 3).reshape(K, K)
 
 
-def _blocks(full: Array, spec_n: int, C: int, Kp: int, Kc: int) -> Array:
+def _blocks(full: Array, n: int, C: int, Kp: int, Kc: int) -> Array:
     """Inverse of :func:`_matrix`'s layout: ``[..., K, K]`` -> ``[..., n, C, Kp, Kc]``."""
     lead = full.shape[:-2]
-    b = full.reshape(*lead, spec_n, Kp, C, Kc)
+    b = full.reshape(*lead, n, Kp, C, Kc)
     return jnp.moveaxis(b, -2, -3)
 
 
