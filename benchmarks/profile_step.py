@@ -1,11 +1,12 @@
 """Where a forward + flows step spends its GPU time: a ``jax.profiler`` trace, summarized per layer kind.
 
     python benchmarks/profile_step.py [--workload hclt|hmm|pd] [--latents 256] [--batch 16]
-                                      [--precision tf32] [--impl reference] [--steps 5] [--json out.json]
+                                      [--precision tf32] [--impl reference] [--fold] [--steps 5]
+                                      [--json out.json]
 
 Runs ``circuit.flows`` under ``jax.profiler.trace`` and reads the trace's device events. Every kernel
 is attributed by the ``jaxpc/...`` named scope in its HLO metadata to one of: ``input`` (leaf layers),
-``prod fwd``, ``sum fwd``, ``prod bwd``, ``sum bwd``, ``other`` (buffer set-up, parameter-flow
+``prod fwd``, ``sum fwd``, ``prod bwd``, ``sum bwd``, ``chain scan`` (HMMs), ``other`` (buffer set-up, parameter-flow
 scatter, gradient of the leaves). Prints per step: wall time, kernel count, summed kernel time
 (``busy``) and the idle time between kernels (``wall - busy``: launch gaps, what a kernel count costs),
 then the table by kind and the 15 most expensive kernels. On a CPU host the trace has no device
@@ -37,7 +38,7 @@ import jaxpc  # noqa: E402
 from jaxpc import dists, structures  # noqa: E402
 from _data import blurred_noise_images  # noqa: E402
 
-SCOPE = re.compile(r"jaxpc/(input\d+|partial[\d.]+|stage[\d.]+/(prod|sum)\d+(/backward)?)")
+SCOPE = re.compile(r"jaxpc/(input\d+|chain|partial[\d.]+|stage[\d.]+/(prod|sum)\d+(/backward)?)")
 
 
 def build(workload: str, latents: int):
@@ -77,6 +78,8 @@ def kind_of(event: dict, names: dict) -> str:
     s = m.group(1)
     if s.startswith("input"):
         return "input"
+    if s == "chain":
+        return "chain scan"
     layer = "prod" if m.group(2) == "prod" else "sum"
     return f"{layer} {'bwd' if m.group(3) else 'fwd'}"
 
@@ -106,11 +109,12 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--precision", default="tf32", choices=["fp32", "tf32", "bf16"])
     p.add_argument("--impl", default="reference", choices=["reference", "pallas"])
+    p.add_argument("--fold", action="store_true", help="Options(fold_products=True): the folded plan")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     c, data = build(args.workload, args.latents)
-    opts = jaxpc.Options(precision=args.precision, impl=args.impl)
+    opts = jaxpc.Options(precision=args.precision, impl=args.impl, fold_products=args.fold)
     xs = [jnp.asarray(data[i * args.batch:(i + 1) * args.batch]) for i in range(4)]
     step = jax.jit(lambda t, p, x: jaxpc.engine.em.flows_and_ll(c.layout, t, p, x, None, None, opts))
     exe = step.lower(c.tables, c.params, xs[0]).compile()
