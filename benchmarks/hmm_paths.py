@@ -7,6 +7,7 @@ Paths: the chain scan (``jaxpc.engine.chain``) with the transition flows from on
 (``Options(chain_scan=False)``). Each first checks its log-likelihoods and flows against the layer path at
 fp32; then reports forward + flows median ms and the executable's memory (XLA's memory analysis).
 ``chain.STACK_LIMIT`` picks between the two chain variants by R * K * B; this script shows where each wins.
+A last row times ``circuit.flows`` (the default path through the API): its excess is host time per call.
 """
 
 from __future__ import annotations
@@ -68,6 +69,11 @@ def main(argv=None):
             print(f"B={B:4d} {name:12s} fwd+flows {ms:8.3f} ms | mem {mib:8.1f} MiB | fp32 vs layers: "
                   f"ll {err_ll:.1e} flows {err_fl:.1e}", flush=True)
         chain.STACK_LIMIT = default_limit
+        # the same default executable through the Circuit API: the difference is host time per call
+        opts = jaxpc.Options(precision=args.precision)
+        ms = bench_engine.median_ms(lambda xb: c.flows(c.params, xb, options=opts, validate=False), xs, args.reps)
+        rows.append(dict(path="api", B=B, flows_ms=ms))
+        print(f"B={B:4d} {'circuit.flows':12s} fwd+flows {ms:8.3f} ms (default path through the API)", flush=True)
     return rows
 
 
