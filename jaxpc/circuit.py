@@ -210,21 +210,19 @@ class Circuit:
         if isinstance(value, jax.Array):
             return value.astype(self.dtype) if value.dtype != self.dtype else value
         key = float(value)
-        with self._lock:
-            if key not in self._scalars:
-                if len(self._scalars) > 256:
-                    self._scalars.clear()
-                self._scalars[key] = jnp.asarray(key, self.dtype)
-            return self._scalars[key]
+        return self._constant(key, lambda: jnp.asarray(key, self.dtype))
 
     def _valid_rows(self, bucket: int, n: int) -> Array:
         """``[bucket]`` weights, 1 for the ``n`` real rows and 0 for padding; created once per (bucket, n)."""
-        key = ("valid", bucket, n)
+        return self._constant(("valid", bucket, n), lambda: _valid_rows(bucket, n, self.dtype))
+
+    def _constant(self, key, make) -> Array:
+        """A device constant made by ``make()`` once per ``key`` (a bounded cache shared by the callers above)."""
         with self._lock:
             if key not in self._scalars:
                 if len(self._scalars) > 256:
                     self._scalars.clear()
-                self._scalars[key] = _valid_rows(bucket, n, self.dtype)
+                self._scalars[key] = make()
             return self._scalars[key]
 
     def _batch(self, xj: Array, mj: Array | None, weights: Array | None = None, with_weights: bool = False):

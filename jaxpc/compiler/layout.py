@@ -59,8 +59,8 @@ class SumPart:
 
     ``group`` names the parameter array (``params["sum"][group]``, ``[P, Kp, Kc]``). ``dense``: every
     block reads the same children (no padding), so children are gathered once. ``M``: each child block
-    is the sum of ``M`` row blocks (``ch [n, C, M]``; 1 except in the folded plan, see ``Layout.fold``). ``U``/``D``: shape of
-    the inverse tables (``uch [U]``, ``par``/``ppid [U, D]``) the backward kernels walk.
+    is the sum of ``M`` row blocks (``ch [n, C, M]``; 1 except in the folded plan, see ``Layout.fold``).
+    ``U``/``D``: shape of the inverse tables (``uch [U]``, ``par``/``ppid [U, D]``) the backward kernels walk.
     """
 
     n: int

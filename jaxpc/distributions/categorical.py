@@ -82,12 +82,15 @@ class Categorical(Distribution):
         xi = xv.astype(jnp.int32) if xv.dtype != jnp.int32 else xv
         return xi if mv is None else jnp.where(mv, 0, xi)
 
+    def _flat(self, rows, xi):
+        """``[N, B]`` indices into the flattened ``[P * K]`` table: one flat index per (node, sample), no
+        ``[N, B, 2]`` index array (which was the layer's largest buffer)."""
+        return rows[:, None] * self.num_cats + xi
+
     def log_prob(self, p, tables, rows, xv, mv, options):
         lp = p["log_probs"]
         xi = self._values(xv, mv)
-        # one flat index per (node, sample): no [N, B, 2] index array (the layer's largest buffer otherwise)
-        flat = rows[:, None] * self.num_cats + jnp.clip(xi, 0, self.num_cats - 1)
-        out = lp.reshape(-1)[flat]
+        out = lp.reshape(-1)[self._flat(rows, jnp.clip(xi, 0, self.num_cats - 1))]
         # out-of-range values reach here only when validation was switched off: poison, never clamp silently
         out = jnp.where((xi < 0) | (xi >= self.num_cats), jnp.nan, out)
         if mv is not None:
@@ -105,8 +108,8 @@ class Categorical(Distribution):
     def suff_stats(self, p, tables, rows, xv, mv, flows, num_rows):
         xi = jnp.clip(self._values(xv, mv), 0, self.num_cats - 1)
         obs = flows if mv is None else jnp.where(mv, 0.0, flows)
-        flat = rows[:, None] * self.num_cats + xi
-        counts = jnp.zeros((num_rows * self.num_cats,), flows.dtype).at[flat].add(obs).reshape(num_rows, self.num_cats)
+        counts = jnp.zeros((num_rows * self.num_cats,), flows.dtype).at[self._flat(rows, xi)].add(obs)
+        counts = counts.reshape(num_rows, self.num_cats)
         if mv is not None:
             # a marginalized value contributes its posterior under the current parameters
             miss = jnp.sum(jnp.where(mv, flows, 0.0), axis=1)
