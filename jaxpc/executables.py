@@ -28,6 +28,8 @@ import warnings
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
+import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 __all__ = ["CacheInfo", "BucketPolicy", "ExecutableCache", "enable_persistent_cache"]
@@ -115,21 +117,22 @@ class _HashedSig:
 
 
 class _IdentityMemo:
-    """Signatures of index-table pytrees by object identity. Tables belong to a circuit (or to a mesh's
-    replicated copy) and are never modified in place, so one signature per object serves every call; the
-    memo holds the objects themselves, so an id is never reused while its entry lives."""
+    """``make(val)`` of index-table pytrees by object identity (their signature, their packed form). Tables
+    belong to a circuit (or to a mesh's replicated copy) and are never modified in place, so one value per
+    object serves every call; the memo holds the objects themselves, so an id is never reused while its
+    entry lives."""
 
-    def __init__(self, size: int = 64):
-        self.size = size
+    def __init__(self, make=lambda val: _HashedSig(_tree_sig(val)), size: int = 64):
+        self.size, self.make = size, make
         self._memo: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, val) -> _HashedSig:
+    def get(self, val):
         with self._lock:
             hit = self._memo.get(id(val))
             if hit is not None and hit[0] is val:
                 return hit[1]
-        sig = _HashedSig(_tree_sig(val))
+        sig = self.make(val)
         with self._lock:
             self._memo[id(val)] = (val, sig)
             while len(self._memo) > self.size:
@@ -138,6 +141,40 @@ class _IdentityMemo:
 
 
 _TABLE_SIGS = _IdentityMemo()
+
+
+class PackedTables:
+    """An index-table pytree packed into one flat device array per dtype.
+
+    A circuit's tables are hundreds of small arrays (HCLT-256: about 1,000), and dispatching an executable
+    costs host time per argument (about 1 ms per call for 1,000 arguments); packed, the executable takes one
+    argument per dtype and slices the tables out of it (static offsets) inside the trace. The packing is a
+    function of the tables' signature, so an executable compiled for one tables object runs any other
+    with the same signature (a mesh's replicated copy)."""
+
+    def __init__(self, tables):
+        leaves, self.treedef = jax.tree_util.tree_flatten(tables)
+        groups: dict = {}
+        self.slots = []
+        for leaf in leaves:
+            dt = np.dtype(leaf.dtype)
+            g = groups.setdefault(dt, [len(groups), 0, []])
+            size = int(np.prod(np.shape(leaf), dtype=np.int64))
+            self.slots.append((g[0], g[1], tuple(np.shape(leaf))))
+            g[1] += size
+            g[2].append(jnp.ravel(leaf))
+        self.arrays = tuple(jnp.concatenate(g[2]) if len(g[2]) > 1 else g[2][0]
+                            for g in sorted(groups.values(), key=lambda g: g[0]))
+
+    def unpack(self, arrays):
+        """The tables pytree from (traced) packed arrays."""
+        leaves = [lax.slice_in_dim(arrays[g], off, off + int(np.prod(shape, dtype=np.int64))).reshape(shape)
+                  for g, off, shape in self.slots]
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+
+_PACKED = _IdentityMemo(PackedTables)
+PACK_TABLES = True  # executables take the index tables packed (PackedTables); False: one argument per array
 
 
 @dataclasses.dataclass
@@ -235,24 +272,32 @@ class ExecutableCache:
             e.ready.wait()
         if e.error is not None:
             raise e.error
-        return e.compiled(*args.values())
+        return e.compiled(*_call_args(args))
 
     def find(self, entry: str, static: dict, args: dict):
-        """The compiled executable for exactly this key, if live (no statistics change)."""
+        """The compiled executable for exactly this key, if live (no statistics change), as a function of the
+        arguments' values in ``args``' order."""
         key = self._key(entry, self.describe(entry, static, args))
         with self._lock:
             e = self._entries.get(key)
-        return None if e is None or not e.ready.is_set() or e.error is not None else e.compiled
+        if e is None or not e.ready.is_set() or e.error is not None:
+            return None
+        names = list(args)
+        return lambda *vals: e.compiled(*_call_args(dict(zip(names, vals))))
 
     def _compile(self, e: _Entry, fn, static, args):
         try:
             names = list(args)
+            pack = _PACKED.get(args["tables"]) if "tables" in args and PACK_TABLES else None
 
             def positional(*vals):
-                return fn(**dict(zip(names, vals)), **static)
+                kw = dict(zip(names, vals))
+                if pack is not None:
+                    kw["tables"] = pack.unpack(kw["tables"])
+                return fn(**kw, **static)
 
             t = time.perf_counter()
-            e.compiled = jax.jit(positional).lower(*args.values()).compile()
+            e.compiled = jax.jit(positional).lower(*_call_args(args)).compile()
             with self._lock:
                 self.compile_seconds += time.perf_counter() - t
         except BaseException as err:  # noqa: BLE001 - re-raised to every waiting caller
@@ -281,6 +326,11 @@ class ExecutableCache:
                 f"jaxpc: '{entry}' has been compiled for {len(seen)} different layouts; {worst} keeps changing "
                 f"({counts.get(worst, 0)} distinct values). Keep it fixed (or pad it yourself) to reuse executables; "
                 f"varying batch sizes are bucketed automatically.", RuntimeWarning, stacklevel=4)
+
+
+def _call_args(args: dict) -> list:
+    """An executable's arguments: ``args``' values with the index tables packed (:class:`PackedTables`)."""
+    return [_PACKED.get(v).arrays if k == "tables" and PACK_TABLES else v for k, v in args.items()]
 
 
 def enable_persistent_cache(directory: str, min_compile_seconds: float = 0.0) -> None:

@@ -47,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 
 from .engine import em
 from .optim.normalize import normalized_log_prob
+from .executables import _PACKED
 from .options import Options
 
 Array = jax.Array
@@ -152,9 +153,20 @@ def _batch(circuit, mesh, x, missing, ll_weights, validate):
 
 
 def _tables(circuit, mesh):
-    """The circuit's index tables replicated on ``mesh``, made once: passed as they are (on one device,
-    hundreds of small arrays), they would be copied to every device on every call."""
+    """The circuit's index tables packed (one array per dtype, :class:`jaxpc.executables.PackedTables`) and
+    replicated on ``mesh``, made once: passed as they are (on one device, hundreds of small arrays), they
+    would be copied to every device on every call, and each of them costs dispatch time."""
     key = ("tables", mesh)
+    cache = _cache(circuit)
+    if key not in cache:
+        cache[key] = jax.device_put(_PACKED.get(circuit.tables).arrays, NamedSharding(mesh, P()))
+    return cache[key]
+
+
+def _tables_tree(circuit, mesh):
+    """The circuit's index tables (the pytree) replicated on ``mesh``, made once (for :func:`jaxpc.optim.fit`,
+    whose epoch is one call)."""
+    key = ("table tree", mesh)
     cache = _cache(circuit)
     if key not in cache:
         cache[key] = jax.device_put(circuit.tables, NamedSharding(mesh, P()))
@@ -182,11 +194,13 @@ def _setup(circuit, mesh, options, x, missing, ll_weights, validate):
 
 def _jitted(circuit, key, build, owner=None):
     """The circuit's jitted function under ``key``, made by ``build()`` on first use; ``owner`` (an object the
-    key names by ``id``) must be the one it was built for, or it is built again."""
+    key names by ``id``) must be the one it was built for, or it is built again. The jitted function takes the
+    packed tables of :func:`_tables` first and hands ``build()``'s function the unpacked ones."""
     cache = _cache(circuit)
     entry = cache.get(key)
     if entry is None or entry[0] is not owner:
-        cache[key] = entry = (owner, jax.jit(build()))
+        fn, pack = build(), _PACKED.get(circuit.tables)
+        cache[key] = entry = (owner, jax.jit(lambda packed, *args: fn(pack.unpack(packed), *args)))
     return entry[1]
 
 
