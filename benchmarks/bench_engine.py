@@ -31,7 +31,7 @@ from _data import blurred_noise_images  # noqa: E402
 
 
 IMPL = "reference"
-FOLD = False  # Options.fold_products (--fold)
+FOLD = True  # Options.fold_products (--no-fold: False)
 
 
 def median_ms(fn, batches, reps, warmup=5):
@@ -123,7 +123,8 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=25)
     p.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "bf16"])
     p.add_argument("--impl", default="reference", choices=["reference", "pallas"])
-    p.add_argument("--fold", action="store_true", help="Options(fold_products=True): the folded plan")
+    p.add_argument("--no-fold", dest="fold", action="store_false",
+                   help="Options(fold_products=False): the full layout instead of the folded plan")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]

@@ -1,6 +1,6 @@
 """Check the Pallas sum-layer kernels against the reference on the GPU and time them per partition.
 
-    python benchmarks/kernels_check.py
+    python benchmarks/kernels_check.py [--no-timing]
 
 1. Correctness: forward, child flows and parameter flows of ``jaxpc.ops.pallas_sum`` against the
    plain-jnp reference on the device, over the shapes of ``tests/test_kernels.py`` plus large ones
@@ -125,7 +125,12 @@ def time_partition(name, Kp, Kc, n, C, dense, B, precision, configs):
     return row
 
 
-def main():
+def main(argv=None):
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--no-timing", action="store_true", help="correctness only")
+    args = p.parse_args(argv)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     worst = 0.0
     for shape in SHAPES + [(64, 64, 8, 4, 256, 0.1, 0.1), (256, 256, 2, 1, 128, 0.0, 0.0)]:
@@ -141,6 +146,8 @@ def main():
             print(f"check Kp={shape[0]} Kc={shape[1]} n={shape[2]} C={shape[3]} B={shape[4]} {precision}: "
                   f"fwd {errs[0]:.1e} child flows {errs[1]:.1e} param flows {errs[2]:.1e}", flush=True)
     print(f"worst fp32 relative error: {worst:.2e}", flush=True)
+    if args.no_timing:
+        return
     configs = [pallas_sum.KernelConfig(16, 32, 4), pallas_sum.KernelConfig(32, 64, 4),
                pallas_sum.KernelConfig(64, 64, 8), pallas_sum.KernelConfig(32, 32, 4)]
     for B in (16, 512):

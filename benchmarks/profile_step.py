@@ -1,7 +1,7 @@
 """Where a forward + flows step spends its GPU time: a ``jax.profiler`` trace, summarized per layer kind.
 
     python benchmarks/profile_step.py [--workload hclt|hmm|pd] [--latents 256] [--batch 16]
-                                      [--precision tf32] [--impl reference] [--fold] [--steps 5]
+                                      [--precision tf32] [--impl reference] [--no-fold] [--steps 5]
                                       [--json out.json]
 
 Runs ``circuit.flows`` under ``jax.profiler.trace`` and reads the trace's device events. Every kernel
@@ -69,6 +69,9 @@ def _norm(name: str) -> str:
 
 
 def kind_of(event: dict, names: dict) -> str:
+    kname = event.get("name", "")
+    if kname.startswith("jaxpc_sum_"):  # the Pallas kernels carry their own names
+        return "sum fwd" if kname.startswith("jaxpc_sum_forward") else "sum bwd"
     args = event.get("args", {})
     text = (names.get(_norm(str(args.get("hlo_op", ""))), "") or names.get(_norm(event.get("name", "")), "")
             or json.dumps(args) + " " + event.get("name", ""))
@@ -109,7 +112,8 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--precision", default="tf32", choices=["fp32", "tf32", "bf16"])
     p.add_argument("--impl", default="reference", choices=["reference", "pallas"])
-    p.add_argument("--fold", action="store_true", help="Options(fold_products=True): the folded plan")
+    p.add_argument("--no-fold", dest="fold", action="store_false",
+                   help="Options(fold_products=False): the full layout instead of the folded plan")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -148,6 +152,19 @@ def main(argv=None):
     count = sum(v[0] for v in per_kind.values()) / steps
     print(f"{head}; {count:.0f} kernels/step, busy {busy:.2f} ms, idle {wall - busy:.2f} ms "
           f"({1e3 * (wall - busy) / max(count, 1):.1f} us per kernel)")
+    # device span of a step: first kernel start to last kernel end (steps split at gaps over 200 us)
+    ev = sorted(events, key=lambda e: float(e["ts"]))
+    spans, start, end = [], float(ev[0]["ts"]), float(ev[0]["ts"]) + float(ev[0].get("dur", 0.0))
+    for e in ev[1:]:
+        ts = float(e["ts"])
+        if ts - end > 200:
+            spans.append(end - start)
+            start = ts
+        end = max(end, ts + float(e.get("dur", 0.0)))
+    spans.append(end - start)
+    span = float(np.median(spans)) / 1e3
+    print(f"device span {span:.2f} ms/step (first kernel start to last kernel end): gaps inside the step "
+          f"{span - busy:.2f} ms ({1e3 * (span - busy) / max(count, 1):.1f} us per kernel), host time {wall - span:.2f} ms")
     print(f"{'kind':9s} {'kernels/step':>12s} {'ms/step':>8s} {'us/kernel':>9s}")
     for kind, (n, us) in sorted(per_kind.items(), key=lambda kv: -kv[1][1]):
         print(f"{kind:9s} {n / steps:12.0f} {us / steps / 1e3:8.3f} {us / max(n, 1):9.1f}")
@@ -158,7 +175,7 @@ def main(argv=None):
     print(f"unattributed kernels: {len(other) / steps:.0f}/step; e.g.", json.dumps(other[:2])[:600])
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(args=vars(args), wall_ms=wall, kernels_per_step=count, busy_ms=busy,
+            json.dump(dict(args=vars(args), wall_ms=wall, kernels_per_step=count, busy_ms=busy, span_ms=span,
                            per_kind={k: dict(kernels=v[0] / steps, ms=v[1] / steps / 1e3) for k, v in per_kind.items()}),
                       f, indent=1)
 

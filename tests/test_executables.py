@@ -54,7 +54,7 @@ OPTION_CHANGES = {
     "kernels": ("flows", {"chain_scan": False},
                 {"chain_scan": False, "kernels": (((2, 2, 2, 2, 2, 2, 16), ("pallas", 16, 16, 4)),)}),
     "chain_scan": ("flows", {}, {"chain_scan": False}),
-    "fold_products": ("flows", {"chain_scan": False}, {"chain_scan": False, "fold_products": True}),
+    "fold_products": ("flows", {"chain_scan": False}, {"chain_scan": False, "fold_products": False}),
 }
 SINGLE_VALUED: dict = {}  # fields with one allowed value (none today)
 

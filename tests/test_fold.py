@@ -1,4 +1,4 @@
-"""The folded plan (``Options(fold_products=True)``: products folded into the sums' gathers) against the
+"""The folded plan (``Options(fold_products=True)``, the default: products folded into the sums' gathers) against the
 float64 oracle and the full layout, on random circuits and the ready structures."""
 
 import jax
@@ -13,6 +13,7 @@ from . import oracle
 from .test_bruteforce import B, as_input, check_flows_and_ll, make
 
 FOLD = jaxpc.Options(fold_products=True)
+FULL = jaxpc.Options(fold_products=False)
 SEEDS = list(range(0, 20, 3))
 
 
@@ -31,7 +32,7 @@ def test_other_propagations_equal_the_full_layout(case, kw):
     gen, c = case
     x = as_input(gen, gen.sample_data(B))
     got = c.flows(c.params, x, options=FOLD.replace(**kw), return_ll=True)
-    ref = c.flows(c.params, x, options=jaxpc.Options(**kw), return_ll=True)
+    ref = c.flows(c.params, x, options=FULL.replace(**kw), return_ll=True)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
@@ -60,7 +61,7 @@ def test_structures_fold_to_sum_stages_with_fewer_rows(name):
     x = data[:9].astype(np.int32)
     opts = FOLD.replace(chain_scan=False)
     got = c.flows(c.params, x, options=opts, return_ll=True)
-    ref = c.flows(c.params, x, options=jaxpc.Options(chain_scan=False), return_ll=True)
+    ref = c.flows(c.params, x, options=FULL.replace(chain_scan=False), return_ll=True)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
@@ -83,3 +84,20 @@ def test_nested_products_and_mixed_children_fold():
     fl = c.flows(c.params, x.astype(np.int32), options=FOLD)
     sums, ins, _ = oracle.flow_totals(c, c.params, x)
     assert oracle.check_flows(c, fl, sums, ins) > 0
+
+
+FUSED = jaxpc.Options(fold_products=True, impl="pallas")
+
+
+@pytest.mark.parametrize("seed", SEEDS[:3])
+def test_fused_kernels_match_exact_expected_counts(seed):
+    """The folded plan on the Pallas kernels (interpret mode here), writing the node and flow buffers in place."""
+    check_flows_and_ll(*make(seed), options=FUSED)
+
+
+def test_fused_plan_runs_the_in_place_kernels():
+    gen, c = make(SEEDS[0])
+    x = as_input(gen, gen.sample_data(B))
+    text = str(jax.make_jaxpr(lambda p: c.flows(p, x, options=FUSED))(c.params))
+    assert "jaxpc_sum_forward_inplace" in text and "jaxpc_sum_backward_children_inplace" in text
+    assert "scatter-add" not in text.split("jaxpc_sum_forward_inplace")[0]  # no XLA sum layer on the way up

@@ -94,14 +94,15 @@ def test_inverse_tables():
     assert got == {10: [(0, 0), (1, 4)], 20: [(0, 1), (1, 2)], 30: [(1, 3)]}
 
 
+@pytest.mark.parametrize("fold", [True, False], ids=["folded-plan", "full-layout"])
 @pytest.mark.parametrize("prop", ["LL"])  # GeneralLL kernels: test_kernels_match_reference[2.0-*]
-def test_circuit_with_pallas_kernels_equals_reference(prop):
+def test_circuit_with_pallas_kernels_equals_reference(prop, fold):
     from .random_circuits import Generator
     gen = Generator(3, 4, kinds=("categorical", "bernoulli"))
     c = jaxpc.compile(gen.circuit())
     x = gen.sample_data(13).astype(np.int32)
     miss = np.random.default_rng(0).random(x.shape) < 0.3
-    kw = dict(propagation=prop, alpha=1.5 if prop == "GeneralLL" else None)
+    kw = dict(propagation=prop, alpha=1.5 if prop == "GeneralLL" else None, fold_products=fold)
     ref = jaxpc.Options(**kw)
     pal = jaxpc.Options(impl="pallas", **kw)
     np.testing.assert_allclose(np.asarray(c.log_prob(c.params, x, miss, options=pal)),
@@ -123,10 +124,75 @@ def test_kernels_lower_for_cuda_without_a_gpu():
         a, m, pf = pallas_sum.backward_parents(b, b, 0, ch, pid, lw, Kp=16, Kc=32)
         return pallas_sum.backward_children(b, a, m, uch, par, ppid, lw, Kp=16, Kc=32), pf
 
+    def in_place(b, ch, pid, lw, uch, par, ppid):  # the folded plan's kernels: M = 2 terms, buffers aliased
+        ch3 = jnp.stack([ch, jnp.zeros_like(ch)], axis=2)
+        b = pallas_sum.forward(b, ch3, pid, lw, Kp=16, Kc=32, out_offset=0)
+        a, m, pf = pallas_sum.backward_parents(b, b, 0, ch3, pid, lw, Kp=16, Kc=32)
+        return pallas_sum.backward_children(b, a, m, uch, par, jnp.zeros_like(par), lw, Kp=16, Kc=32, ch=ch3,
+                                            pcol=par, flows=b), pf
+
     from unittest import mock
     with mock.patch.object(pallas_sum, "_interpret", lambda: False), \
             jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
         for f, args in ((fwd, (buf, t["ch"], t["pid"], logw)),
-                        (bwd, (buf, t["ch"], t["pid"], logw, t["uch"], t["par"], t["ppid"]))):
+                        (bwd, (buf, t["ch"], t["pid"], logw, t["uch"], t["par"], t["ppid"])),
+                        (in_place, (buf, t["ch"], t["pid"], logw, t["uch"], t["par"], t["ppid"]))):
             text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
             assert "__gpu$xla.gpu.triton" in text
+
+
+# (Kp, Kc, n, C, M, B): folded partitions (each child block the sum of M row blocks)
+FOLDED = [(4, 4, 3, 2, 3, 7), (16, 32, 2, 1, 4, 19), (2, 8, 5, 3, 2, 40)]
+
+
+@pytest.mark.parametrize("shape", FOLDED, ids=lambda s: "Kp{}-Kc{}-n{}-C{}-M{}-B{}".format(*s))
+def test_folded_kernels_in_place_match_reference(shape):
+    """Folded tables (``ch [n, C, M]``: zero-row and -inf padding, row blocks shared between parents) through the
+    in-place kernels: the parents' rows written into the buffer, the child flows added into the flow buffer."""
+    Kp, Kc, n, C, M, B = shape
+    rng = np.random.default_rng(7)
+    kmax = max(Kp, Kc)
+    nblk = 6
+    base = 2 * kmax
+    R = base + nblk * Kc + n * Kp
+    off = base + nblk * Kc
+    buf = np.zeros((R, B), np.float32)
+    buf[kmax:2 * kmax] = -np.inf
+    buf[base:off] = rng.normal(size=(nblk * Kc, B)) * 2
+    buf[base:off][rng.random((nblk * Kc, B)) < 0.1] = -np.inf
+    ch = base + Kc * rng.integers(0, nblk, (n, C, M))
+    ch[rng.random((n, C, M)) < 0.3] = 0  # zero rows: a shorter product
+    pad = rng.random((n, C)) < 0.2
+    pad[:, 0] = False
+    ch[pad, 0] = -2  # an empty slot: the -inf row plus zero rows
+    ch[pad, 1:] = 0
+    P = n * C
+    pid = rng.permutation(P).reshape(n, C)
+    inv = _inverse_tables(ch, pid)
+    assert set(inv) == {"uch", "par", "ppid", "pcol"}
+    ch = np.where(ch == -2, kmax, ch)
+    t = {k: jnp.asarray(v, jnp.int32) for k, v in {"ch": ch, "pid": pid, **inv}.items()}
+    logw = jnp.asarray(np.log(rng.random((P, Kp, Kc)) + 1e-3), jnp.float32)
+    buf = jnp.asarray(buf)
+
+    ref = sum_layer_reference(buf, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, dense=False)
+    out = pallas_sum.forward(buf, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, out_offset=off)
+    np.testing.assert_allclose(np.asarray(out[off:]), np.asarray(ref), rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(np.asarray(out[:off]), np.asarray(buf[:off]))  # nothing else written
+
+    flows0 = jnp.asarray(rng.random((R, B)), jnp.float32)  # flows already on the children: added to
+    flows0 = flows0.at[off:].set(jnp.where(jnp.isfinite(ref), flows0[off:], 0.0))
+    cf_ref, pf_ref = sum_layer_backward_reference(out, flows0, t["ch"], t["pid"], logw, off, Kp=Kp, Kc=Kc,
+                                                  dense=False)
+    want = flows0
+    for m in range(M):
+        want = want.at[child_rows(t["ch"][:, :, m], Kc, False)].add(cf_ref)
+    a, mx, pf = pallas_sum.backward_parents(out, flows0, off, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc)
+    got = pallas_sum.backward_children(out, a, mx, t["uch"], t["par"], t["ppid"], logw, Kp=Kp, Kc=Kc, ch=t["ch"],
+                                       pcol=t["pcol"], flows=flows0)
+    keep = np.r_[base:off]  # the padding rows (zero and -inf) collect nothing meaningful
+    np.testing.assert_allclose(np.asarray(got)[keep], np.asarray(want)[keep], rtol=2e-4, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got)[off:], np.asarray(flows0)[off:])
+    np.testing.assert_allclose(np.asarray(pf), np.asarray(pf_ref), rtol=2e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="pcol"):
+        pallas_sum.backward_children(out, a, mx, t["uch"], t["par"], t["ppid"], logw, Kp=Kp, Kc=Kc, ch=t["ch"])

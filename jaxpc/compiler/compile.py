@@ -273,10 +273,8 @@ def _build_stage(members, row, block_rows, sum_placement, max_exact_fanins, chil
             owners["sums"].append([items[v][0] for v in owner[sel]])
             if M == 1:
                 ch = ch[:, :, 0]
-                inv = _inverse_tables(ch, pid)
-                U, D = inv["par"].shape
-            else:
-                inv, U, D = {}, 0, 0  # folded partitions run on the reference path only
+            inv = _inverse_tables(ch, pid)
+            U, D = inv["par"].shape
             sums.append(SumPart(int(sel.size), C, Kp, Kc, group, dense, U, D, M))
             sum_tabs.append({"ch": ch, "pid": pid.astype(np.int32), **inv})
             row += sel.size * Kp
@@ -334,10 +332,17 @@ def _build_fold(nodes, root, input_rows: dict, first_row: int, sum_placement, ma
 
 
 def _inverse_tables(ch: np.ndarray, pid: np.ndarray) -> dict:
-    """For each distinct child block of a partition: its parents (local block index) and the parameter
-    block of each edge, padded with -1 (``uch [U]``, ``par [U, D]``, ``ppid [U, D]``)."""
-    rr, cc = np.nonzero(ch != -2)  # -2 marks padding (the -inf rows)
-    uniq, inv = np.unique(ch[rr, cc], return_inverse=True)
+    """For each distinct child row block of a partition: its parents (local block index) and the parameter
+    block of each edge, padded with -1 (``uch [U]``, ``par [U, D]``, ``ppid [U, D]``). For a folded table
+    ``ch [n, C, M]`` every row block of a folded product is listed (the zero padding rows are not), and
+    ``pcol [U, D]`` gives the child position under each parent."""
+    folded = ch.ndim == 3
+    ch3 = ch if folded else ch[:, :, None]
+    real = ch3 != -2  # -2 marks padding (the -inf rows)
+    if folded:
+        real &= ch3 != 0  # row 0: the zero rows that pad shorter products
+    rr, cc, _ = np.nonzero(real)
+    uniq, inv = np.unique(ch3[real], return_inverse=True)
     order = np.argsort(inv, kind="stable")
     inv_s = inv[order]
     deg = np.bincount(inv_s, minlength=uniq.size)
@@ -348,7 +353,12 @@ def _inverse_tables(ch: np.ndarray, pid: np.ndarray) -> dict:
     ppid = np.full((uniq.size, D), -1, np.int32)
     par[inv_s, pos] = rr[order]
     ppid[inv_s, pos] = pid[rr[order], cc[order]]
-    return {"uch": uniq.astype(np.int32), "par": par, "ppid": ppid}
+    out = {"uch": uniq.astype(np.int32), "par": par, "ppid": ppid}
+    if folded:
+        pcol = np.full((uniq.size, D), -1, np.int32)
+        pcol[inv_s, pos] = cc[order]
+        out["pcol"] = pcol
+    return out
 
 
 def _group_scans(stages, stage_tables, min_repeats):

@@ -78,12 +78,19 @@ def kernel_choice(options, part, B: int):
     return options.impl, None
 
 
+def _inplace(impl: str, options, buf: Array) -> bool:
+    """Whether a sum partition runs as a Pallas kernel writing the (float32) buffer in place."""
+    return impl in ("pallas", "pallas_forward") and options.propagation != "MPE" and buf.dtype == jnp.float32
+
+
 def _stage(buf: Array, spec: StageSpec, tab: dict, sum_params: dict, options, offset, index,
            evidence: dict | None = None, counts: bool = False) -> Array:
-    outs = []
+    outs, inplace = [], []  # (row, values) written by updates; (row, index, part, tables, config) written by kernels
+    row = offset
     for j, (part, t) in enumerate(zip(spec.prods, tab["prods"])):
         with jax.named_scope(f"jaxpc/stage{index}/prod{j}"):
-            outs.append(product_layer(buf, t["ch"], K=part.K))
+            outs.append((row, product_layer(buf, t["ch"], K=part.K)))
+        row = row + part.num_rows
     gates = (evidence or {}).get("sum_gates") or {}
     lowrank = (evidence or {}).get("sum_lowrank") or {}
     for j, (part, t) in enumerate(zip(spec.sums, tab["sums"])):
@@ -91,17 +98,34 @@ def _stage(buf: Array, spec: StageSpec, tab: dict, sum_params: dict, options, of
             if part.group in gates or part.group in lowrank:
                 if options.propagation != "LL":
                     raise ValueError("external sum parameters (sum_gates / sum_lowrank) support propagation='LL'")
-                outs.append(sum_layer_external_reference(
+                outs.append((row, sum_layer_external_reference(
                     buf, t["ch"], t["pid"], sum_params[part.group], Kp=part.Kp, Kc=part.Kc, dense=part.dense,
                     gates=gates.get(part.group), lowrank=lowrank.get(part.group), counts=counts,
-                    precision=options.precision))
-                continue
-            impl, cfg = kernel_choice(options, part, buf.shape[1])
-            outs.append(sum_layer(buf, t["ch"], t["pid"], sum_params[part.group], Kp=part.Kp, Kc=part.Kc,
-                                  dense=part.dense, propagation=options.propagation, alpha=options.alpha,
-                                  precision=options.precision, impl=impl, config=cfg))
-    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
-    return lax.dynamic_update_slice(buf, out.astype(buf.dtype), (offset, 0))
+                    precision=options.precision)))
+            else:
+                impl, cfg = kernel_choice(options, part, buf.shape[1])
+                if _inplace(impl, options, buf):
+                    inplace.append((row, j, part, t, cfg))
+                else:
+                    outs.append((row, sum_layer(buf, t["ch"], t["pid"], sum_params[part.group], Kp=part.Kp,
+                                                Kc=part.Kc, dense=part.dense, propagation=options.propagation,
+                                                alpha=options.alpha, precision=options.precision, impl=impl,
+                                                config=cfg)))
+        row = row + part.num_rows
+    if outs and not inplace:  # one write for the whole stage
+        out = outs[0][1] if len(outs) == 1 else jnp.concatenate([o for _, o in outs], axis=0)
+        return lax.dynamic_update_slice(buf, out.astype(buf.dtype), (offset, 0))
+    for r, out in outs:
+        buf = lax.dynamic_update_slice(buf, out.astype(buf.dtype), (r, 0))
+    for r, j, part, t, cfg in inplace:  # parts of a stage read lower rows only: the order does not matter
+        from ..ops import pallas_sum
+
+        with jax.named_scope(f"jaxpc/stage{index}/sum{j}"):
+            a = 1.0 if options.propagation == "LL" else options.alpha
+            buf = pallas_sum.forward(buf, t["ch"], t["pid"], sum_params[part.group], Kp=part.Kp, Kc=part.Kc,
+                                     alpha=a, precision=options.precision, config=cfg or pallas_sum.KernelConfig(),
+                                     out_offset=r)
+    return buf
 
 
 def empty_buffer(layout: Layout, B: int, dtype) -> Array:
@@ -186,11 +210,24 @@ def _root_bwd(layout, options, res, g):
                 impl, cfg = kernel_choice(options, part, values.shape[1])
                 tempered = options.pflow_temperature != 1.0 or options.eflow_temperature != 1.0
                 if impl == "pallas" and options.propagation != "MPE" and not tempered:
+                    from ..ops import pallas_sum
+
+                    cfg = cfg or pallas_sum.KernelConfig()
                     a = 1.0 if options.propagation == "LL" else options.alpha
-                    cf, pf = pallas_sum_backward(values, fl, row, t, sum_params[part.group], Kp=part.Kp, Kc=part.Kc,
-                                                 alpha=a, precision=options.precision, config=cfg)
-                    rows = (t["uch"][:, None] + jnp.arange(part.Kc, dtype=t["uch"].dtype)).reshape(-1)
-                    pf = pf if options.compute_param_flows else None
+                    sc, m, pf = pallas_sum.backward_parents(values, fl, row, t["ch"], t["pid"], sum_params[part.group],
+                                                            Kp=part.Kp, Kc=part.Kc, alpha=a,
+                                                            precision=options.precision, config=cfg,
+                                                            param_flows=options.compute_param_flows)
+                    kw = dict(Kp=part.Kp, Kc=part.Kc, alpha=a, precision=options.precision, config=cfg,
+                              ch=t["ch"], pcol=t.get("pcol"))
+                    if fl.dtype == jnp.float32:  # the child flows added into the flow buffer in place
+                        fl = pallas_sum.backward_children(values, sc, m, t["uch"], t["par"], t["ppid"],
+                                                          sum_params[part.group], flows=fl, **kw)
+                    else:
+                        cf = pallas_sum.backward_children(values, sc, m, t["uch"], t["par"], t["ppid"],
+                                                          sum_params[part.group], **kw)
+                        rows = (t["uch"][:, None] + jnp.arange(part.Kc, dtype=t["uch"].dtype)).reshape(-1)
+                        fl = fl.at[rows].add(cf.astype(fl.dtype))
                 else:
                     cf, pf = sum_layer_backward(values, fl, t["ch"], t["pid"], sum_params[part.group], row,
                                                 Kp=part.Kp, Kc=part.Kc, dense=part.dense,
@@ -204,7 +241,7 @@ def _root_bwd(layout, options, res, g):
                         cf = jnp.broadcast_to(cf, (len(terms),) + cf.shape)
                     else:
                         rows = child_rows(terms[0], part.Kc, part.dense)
-                fl = fl.at[rows].add(cf.astype(fl.dtype))
+                    fl = fl.at[rows].add(cf.astype(fl.dtype))
                 if pf is not None:
                     dp = {**dp, part.group: dp[part.group].at[t["pid"]].add(pf.astype(dp[part.group].dtype))}
             row = row + part.num_rows
@@ -253,7 +290,7 @@ def evaluate(layout: Layout, tables: dict, sum_params: dict, input_vals: list, o
     if chain.applies(layout, options, has_sum_externals(evidence)):
         with jax.named_scope("jaxpc/chain"):
             return chain.root_values(layout.chain, tables["chain"], sum_params, input_vals, options)
-    if layout.fold is not None and options.fold_products and options.impl == "reference" and not options.kernels:
+    if layout.fold is not None and options.fold_products and not options.kernels:
         return root_values(layout.fold, tables["fold"], sum_params, input_vals, options)
     return root_values(layout, tables, sum_params, input_vals, options)
 

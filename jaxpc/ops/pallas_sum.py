@@ -1,19 +1,21 @@
 """Block-sparse sum layer as Pallas kernels (Triton backend on GPU, interpret mode on CPU).
 
-Three kernels, each reading children straight out of the node buffer through the index tables
-(no materialized ``[n, C*Kc, B]`` gather):
-
+Four kernels, each reading children straight out of the node buffer through the index tables
+(no materialized ``[n, C*Kc, B]`` gather). A child block is the sum of ``M`` row blocks (``ch
+[n, C, M]``; ``M = 1`` for ``ch [n, C]``): the folded plan's products are added up in the loads.
 Weights enter as log-weights and are exponentiated per loaded tile (never the whole group).
 
-* ``forward``: per (parent block, batch tile): an online log-sum-exp over the ``C`` child blocks,
-  ``acc = acc * exp(m_old - m_new) + W_c @ exp(x_c - m_new)``, then ``log(acc) + m``.
-* ``backward_parents``: per parent block, looping over batch tiles: recompute the max ``m`` and
-  the local sum ``s`` (never ``exp(m - value)``, which loses ``|value| * eps``), write
-  ``a = flow / s`` and ``m``, and reduce the parameter flows ``W_c * (a @ y_c^T)`` over the batch
-  inside the kernel.
-* ``backward_children``: per distinct child block and batch tile, through the partition's
+* ``forward``: per (parent block, node tile, batch tile): an online log-sum-exp over the child
+  blocks, ``acc = acc * exp(m_old - m_new) + W_c @ exp(x_c - m_new)``, then ``log(acc) + m``.
+  With ``out_offset`` it writes the parents' rows of the node buffer in place (aliased output).
+* ``backward_parents``: (1) per (parent block, node tile, batch tile): recompute the max ``m`` and
+  the local sum ``s`` (never ``exp(m - value)``, which loses ``|value| * eps``) and write ``a =
+  flow / s`` and ``m``; (2) per (parent block, child, node tile, child-node tile): the parameter
+  flows ``W_c * (a @ y_c^T)``, reduced over the batch inside the program.
+* ``backward_children``: per distinct child row block and batch tile, through the partition's
   inverse (parent) tables: ``flow_child = sum_parents exp(x - m_parent) * (W^T @ a_parent)``.
-  Each program owns its output rows: no atomics, no per-edge intermediate.
+  Each program owns its output rows: no atomics, no per-edge intermediate. With ``flows`` it adds
+  them into the flow buffer in place (aliased output).
 
 Shapes are padded to powers of two inside the kernels (masked loads and stores); products with
 all dimensions >= 16 use the tensor cores (``pl.dot`` at the requested precision), smaller ones
@@ -43,10 +45,12 @@ _NEG = -jnp.inf
 class KernelConfig:
     """Tuning knobs (static; part of the executable key through the options' impl)."""
 
-    block_b: int = 32
+    block_b: int = 32  # batch tile
     block_k: int = 64  # tile of parent nodes (forward, parent backward) / child nodes (child backward)
     num_warps: int = 4
     num_stages: int = 2
+    block_c: int = 0  # chunk of the reduced dimension (child nodes / parent nodes); 0: block_r elements per tile
+    block_r: int = 8192  # (with block_c=0) elements of a weight tile: the chunk is block_r // tile, capped by the size
 
 
 def available() -> bool:
@@ -63,6 +67,11 @@ def _p2(n: int) -> int:
 
 def _compiler_params(cfg: KernelConfig):
     return plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _call(kernel, cfg: KernelConfig, **kw):
+    interp = _interpret()
+    return pl.pallas_call(kernel, compiler_params=None if interp else _compiler_params(cfg), interpret=interp, **kw)
 
 
 def _mm(a, b, precision: str, trans_a: bool = False, trans_b: bool = False):
@@ -89,7 +98,22 @@ def _store_tile(ref, rows, cols, val, rmask, cmask):
     plgpu.store(ref.at[rows[:, None], cols[None, :]], val, mask=rmask[:, None] & cmask[None, :])
 
 
-def _online_sum(i, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, *, C, Kp, Kc, KC, alpha, precision):
+def _load_child(buf_ref, ch_ref, i, c, kc, cols, cmask, *, M, Kc):
+    """Values ``[len(kc), BB]`` of child block ``c`` of parent block ``i``: the sum of its ``M`` row blocks
+    (masked entries ``-inf``)."""
+    rmask = kc < Kc
+    x = _load_tile(buf_ref, ch_ref[i, c, 0] + kc, cols, rmask, cmask, _NEG)
+    for m in range(1, M):
+        x = x + _load_tile(buf_ref, ch_ref[i, c, m] + kc, cols, rmask, cmask, 0.0)
+    return x
+
+
+def _load_w(w_ref, p, kp, kc, Kp, Kc, alpha):
+    mask = (kp[:, None] < Kp) & (kc[None, :] < Kc)
+    return jnp.exp(alpha * plgpu.load(w_ref.at[p, kp[:, None], kc[None, :]], mask=mask, other=_NEG))
+
+
+def _online_sum(i, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, *, C, M, Kp, Kc, KC, alpha, precision):
     """Running max ``m [BB]`` and sum ``acc [len(kp), BB]`` over the children of parent block ``i`` for the
     parent nodes ``kp`` of the block. Child blocks are read in chunks of ``KC`` nodes."""
     nq = -(-Kc // KC)
@@ -98,10 +122,8 @@ def _online_sum(i, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, *, C, Kp, K
         m, acc = carry
         c, q = lax.div(cq, jnp.int32(nq)), lax.rem(cq, jnp.int32(nq))  # (jnp's // and % don't lower)
         kc = q * KC + jnp.arange(KC)
-        row, p = ch_ref[i, c], pid_ref[i, c]
-        x = _load_tile(buf_ref, row + kc, cols, kc < Kc, cmask, _NEG)
-        wmask = (kp[:, None] < Kp) & (kc[None, :] < Kc)
-        w = jnp.exp(alpha * plgpu.load(w_ref.at[p, kp[:, None], kc[None, :]], mask=wmask, other=_NEG))
+        x = _load_child(buf_ref, ch_ref, i, c, kc, cols, cmask, M=M, Kc=Kc)
+        w = _load_w(w_ref, pid_ref[i, c], kp, kc, Kp, Kc, alpha)
         m_new = jnp.maximum(m, jnp.max(x, axis=0))
         safe = jnp.where(m_new == _NEG, 0.0, m_new)
         rescale = jnp.where(m == _NEG, 0.0, jnp.exp(alpha * (m - safe)))
@@ -112,120 +134,142 @@ def _online_sum(i, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, *, C, Kp, K
     return lax.fori_loop(0, C * nq, body, init)
 
 
+def _tables3(ch: Array) -> Array:
+    return ch if ch.ndim == 3 else ch[:, :, None]
+
+
+def _chunk(config: KernelConfig, tile: int, K: int) -> int:
+    """Chunk of the reduced dimension (of size ``K``) next to a ``tile``: fewer, larger steps keep a program's
+    serial chain of loads short."""
+    c = config.block_c or max(16, config.block_r // tile)
+    return min(_p2(c), _p2(K))
+
+
+def _tiles(config: KernelConfig, B: int, Kp: int, Kc: int):
+    """(batch tile, parent-node tile, child-node chunk)."""
+    KT = min(config.block_k, _p2(Kp))
+    return min(config.block_b, _p2(B)), KT, _chunk(config, KT, Kc)
+
+
 # ---- forward -------------------------------------------------------------------------------------
 
-def _fwd_kernel(ch_ref, pid_ref, w_ref, buf_ref, out_ref, *, C, Kp, Kc, KT, KC, BB, B, alpha, precision):
+def _fwd_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, out_ref, *, C, M, Kp, Kc, KT, KC, BB, B, alpha, precision):
     i, k, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cols = t * BB + jnp.arange(BB)
     cmask = cols < B
     kp = k * KT + jnp.arange(KT)
-    m, acc = _online_sum(i, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, C=C, Kp=Kp, Kc=Kc, KC=KC,
+    m, acc = _online_sum(i, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, C=C, M=M, Kp=Kp, Kc=Kc, KC=KC,
                          alpha=alpha, precision=precision)
     safe = jnp.where(m == _NEG, 0.0, m)
     pos = acc > 0
     out = jnp.where(pos, jnp.log(jnp.where(pos, acc, 1.0)) / alpha + safe[None, :], _NEG)
-    _store_tile(out_ref, i * Kp + kp, cols, out, kp < Kp, cmask)
+    _store_tile(out_ref, off_ref[0] + i * Kp + kp, cols, out, kp < Kp, cmask)
 
 
 def forward(buf: Array, ch: Array, pid: Array, w: Array, *, Kp: int, Kc: int, alpha: float = 1.0,
-            precision: str = "fp32", config: KernelConfig = KernelConfig()) -> Array:
-    """``[n * Kp, B]`` sum-layer values. ``w``: log-weights ``[P, Kp, Kc]`` (exponentiated per tile)."""
-    n, C = ch.shape
-    B = buf.shape[1]
-    BB = min(config.block_b, _p2(B))
-    KT = min(config.block_k, _p2(Kp))
-    kernel = functools.partial(_fwd_kernel, C=C, Kp=Kp, Kc=Kc, KT=KT, KC=min(config.block_k, _p2(Kc)), BB=BB, B=B,
-                               alpha=float(alpha), precision=precision)
-    interp = _interpret()
-    return pl.pallas_call(kernel, grid=(n, pl.cdiv(Kp, KT), pl.cdiv(B, BB)),
-                          out_shape=jax.ShapeDtypeStruct((n * Kp, B), jnp.float32),
-                          compiler_params=None if interp else _compiler_params(config),
-                          interpret=interp, name="jaxpc_sum_forward")(ch, pid, w, buf.astype(jnp.float32))
+            precision: str = "fp32", config: KernelConfig = KernelConfig(), out_offset=None) -> Array:
+    """Sum-layer values. ``ch [n, C]`` or ``[n, C, M]``, ``w``: log-weights ``[P, Kp, Kc]`` (exponentiated per
+    tile). Returns ``[n * Kp, B]``; with ``out_offset`` (a float32 ``buf``) the buffer with the parents'
+    rows ``out_offset + [0, n * Kp)`` written in place."""
+    ch = _tables3(ch)
+    n, C, M = ch.shape
+    R, B = buf.shape
+    BB, KT, KC = _tiles(config, B, Kp, Kc)
+    kernel = functools.partial(_fwd_kernel, C=C, M=M, Kp=Kp, Kc=Kc, KT=KT, KC=KC, BB=BB, B=B, alpha=float(alpha),
+                               precision=precision)
+    grid = (n, pl.cdiv(Kp, KT), pl.cdiv(B, BB))
+    if out_offset is None:
+        off = jnp.zeros((1,), jnp.int32)
+        return _call(kernel, config, grid=grid, out_shape=jax.ShapeDtypeStruct((n * Kp, B), jnp.float32),
+                     name="jaxpc_sum_forward")(off, ch, pid, w, buf.astype(jnp.float32))
+    if buf.dtype != jnp.float32:
+        raise TypeError(f"in-place sum layer needs a float32 buffer, got {buf.dtype}")
+    off = jnp.asarray(out_offset, jnp.int32).reshape(1)
+    return _call(kernel, config, grid=grid, out_shape=jax.ShapeDtypeStruct((R, B), jnp.float32),
+                 input_output_aliases={4: 0}, name="jaxpc_sum_forward_inplace")(off, ch, pid, w, buf)
 
 
 # ---- backward: parent side -------------------------------------------------------------------------
 
-def _bwd_parent_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, flow_ref, a_ref, m_ref, pf_ref, *, C, Kp, Kc, KT,
-                       KC, BB, B, alpha, precision):
-    i, k = pl.program_id(0), pl.program_id(1)
+def _scale_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, flow_ref, a_ref, m_ref, *, C, M, Kp, Kc, KT, KC, BB, B,
+                  alpha, precision):
+    i, k, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    cols = t * BB + jnp.arange(BB)
+    cmask = cols < B
     kp = k * KT + jnp.arange(KT)
-    off = off_ref[0]
-    nq = -(-Kc // KC)
+    m, s = _online_sum(i, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, C=C, M=M, Kp=Kp, Kc=Kc, KC=KC,
+                       alpha=alpha, precision=precision)
+    fp = _load_tile(flow_ref, off_ref[0] + i * Kp + kp, cols, kp < Kp, cmask, 0.0)
+    a = jnp.where((fp == 0) | (s == 0), 0.0, fp / jnp.where(s == 0, 1.0, s))
+    _store_tile(a_ref, i * Kp + kp, cols, a, kp < Kp, cmask)
+    plgpu.store(m_ref.at[i, cols], m, mask=cmask & (k == 0))
 
-    def chunk(q):
-        kc = q * KC + jnp.arange(KC)
-        return kc, (kp[:, None] < Kp) & (kc[None, :] < Kc)
 
-    def zero(cq, carry):
-        kc, pmask = chunk(lax.rem(cq, jnp.int32(nq)))
-        plgpu.store(pf_ref.at[i, lax.div(cq, jnp.int32(nq)), kp[:, None], kc[None, :]], jnp.zeros((KT, KC), jnp.float32), mask=pmask)
-        return carry
+def _pflow_kernel(ch_ref, pid_ref, w_ref, buf_ref, a_ref, m_ref, pf_ref, *, C, M, Kp, Kc, KT, KC, BB, B, alpha,
+                  precision):
+    ic, k, q = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    i, c = lax.div(ic, jnp.int32(C)), lax.rem(ic, jnp.int32(C))
+    kp = k * KT + jnp.arange(KT)
+    kc = q * KC + jnp.arange(KC)
 
-    lax.fori_loop(0, C * nq, zero, 0)
-
-    def tile(t, carry):
+    def tile(t, acc):
         cols = t * BB + jnp.arange(BB)
         cmask = cols < B
-        m, s = _online_sum(i, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, C=C, Kp=Kp, Kc=Kc, KC=KC,
-                           alpha=alpha, precision=precision)
-        fp = _load_tile(flow_ref, off + i * Kp + kp, cols, kp < Kp, cmask, 0.0)
-        a = jnp.where((fp == 0) | (s == 0), 0.0, fp / jnp.where(s == 0, 1.0, s))
-        _store_tile(a_ref, i * Kp + kp, cols, a, kp < Kp, cmask)
-        plgpu.store(m_ref.at[i, cols], m, mask=cmask & (k == 0))
+        a = _load_tile(a_ref, i * Kp + kp, cols, kp < Kp, cmask, 0.0)
+        m = plgpu.load(m_ref.at[i, cols], mask=cmask, other=0.0)
         safe = jnp.where(m == _NEG, 0.0, m)
+        y = jnp.exp(alpha * (_load_child(buf_ref, ch_ref, i, c, kc, cols, cmask, M=M, Kc=Kc) - safe[None, :]))
+        return acc + _mm(a, y, precision, trans_b=True)
 
-        def child(cq, carry2):
-            c = lax.div(cq, jnp.int32(nq))
-            kc, pmask = chunk(lax.rem(cq, jnp.int32(nq)))
-            row, p = ch_ref[i, c], pid_ref[i, c]
-            x = _load_tile(buf_ref, row + kc, cols, kc < Kc, cmask, _NEG)
-            y = jnp.exp(alpha * (x - safe[None, :]))
-            w = jnp.exp(alpha * plgpu.load(w_ref.at[p, kp[:, None], kc[None, :]], mask=pmask, other=_NEG))
-            ay = _mm(a, y, precision, trans_b=True)  # [KP, KC]
-            cur = plgpu.load(pf_ref.at[i, c, kp[:, None], kc[None, :]], mask=pmask, other=0.0)
-            plgpu.store(pf_ref.at[i, c, kp[:, None], kc[None, :]], cur + w * ay, mask=pmask)
-            return carry2
-
-        lax.fori_loop(0, C * nq, child, 0)
-        return carry
-
-    lax.fori_loop(0, pl.cdiv(B, BB), tile, 0)
+    acc = lax.fori_loop(0, pl.cdiv(B, BB), tile, jnp.zeros((KT, KC), jnp.float32))
+    w = _load_w(w_ref, pid_ref[i, c], kp, kc, Kp, Kc, alpha)
+    plgpu.store(pf_ref.at[i, c, kp[:, None], kc[None, :]], w * acc, mask=(kp[:, None] < Kp) & (kc[None, :] < Kc))
 
 
 def backward_parents(buf: Array, flows: Array, out_offset, ch: Array, pid: Array, w: Array, *, Kp: int, Kc: int,
-                     alpha: float = 1.0, precision: str = "fp32", config: KernelConfig = KernelConfig()):
-    """``(a [n*Kp, B], m [n, B], param_flows [n, C, Kp, Kc])`` of one sum partition."""
-    n, C = ch.shape
+                     alpha: float = 1.0, precision: str = "fp32", config: KernelConfig = KernelConfig(),
+                     param_flows: bool = True):
+    """``(a [n*Kp, B], m [n, B], param_flows [n, C, Kp, Kc] or None)`` of one sum partition whose parents
+    sit at rows ``out_offset + [0, n * Kp)``."""
+    ch = _tables3(ch)
+    n, C, M = ch.shape
     B = buf.shape[1]
-    BB = min(config.block_b, _p2(B))
-    KT = min(config.block_k, _p2(Kp))
-    kernel = functools.partial(_bwd_parent_kernel, C=C, Kp=Kp, Kc=Kc, KT=KT, KC=min(config.block_k, _p2(Kc)),
-                               BB=BB, B=B,
-                               alpha=float(alpha), precision=precision)
-    interp = _interpret()
+    BB, KT, KC = _tiles(config, B, Kp, Kc)
+    static = dict(C=C, M=M, Kp=Kp, Kc=Kc, KT=KT, KC=KC, BB=BB, B=B, alpha=float(alpha), precision=precision)
     off = jnp.asarray(out_offset, jnp.int32).reshape(1)
-    return pl.pallas_call(
-        kernel, grid=(n, pl.cdiv(Kp, KT)),
-        out_shape=(jax.ShapeDtypeStruct((n * Kp, B), jnp.float32), jax.ShapeDtypeStruct((n, B), jnp.float32),
-                   jax.ShapeDtypeStruct((n, C, Kp, Kc), jnp.float32)),
-        compiler_params=None if interp else _compiler_params(config), interpret=interp,
-        name="jaxpc_sum_backward_parents")(off, ch, pid, w, buf.astype(jnp.float32), flows.astype(jnp.float32))
+    buf = buf.astype(jnp.float32)
+    a, m = _call(functools.partial(_scale_kernel, **static), config, grid=(n, pl.cdiv(Kp, KT), pl.cdiv(B, BB)),
+                 out_shape=(jax.ShapeDtypeStruct((n * Kp, B), jnp.float32), jax.ShapeDtypeStruct((n, B), jnp.float32)),
+                 name="jaxpc_sum_backward_scale")(off, ch, pid, w, buf, flows.astype(jnp.float32))
+    if not param_flows:
+        return a, m, None
+    KC2 = min(config.block_k, _p2(Kc))  # the parameter-flow tile is [KT, KC2], reduced over the batch
+    static.update(KC=KC2)
+    pf = _call(functools.partial(_pflow_kernel, **static), config, grid=(n * C, pl.cdiv(Kp, KT), pl.cdiv(Kc, KC2)),
+               out_shape=jax.ShapeDtypeStruct((n, C, Kp, Kc), jnp.float32),
+               name="jaxpc_sum_backward_param_flows")(ch, pid, w, buf, a, m)
+    return a, m, pf
 
 
 # ---- backward: child side ---------------------------------------------------------------------------
 
-def _bwd_child_kernel(uch_ref, par_ref, ppid_ref, w_ref, buf_ref, a_ref, m_ref, out_ref, *, D, Kp, Kc, KT, KPT, BB,
-                      B, alpha, precision):
+def _bwd_child_kernel(uch_ref, par_ref, pcol_ref, ppid_ref, ch_ref, w_ref, buf_ref, a_ref, m_ref, flow_ref, out_ref,
+                      *, D, M, Kp, Kc, KT, KPT, BB, B, alpha, precision, accumulate):
     u, k, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cols = t * BB + jnp.arange(BB)
     cmask = cols < B
     kc = k * KT + jnp.arange(KT)
-    x = _load_tile(buf_ref, uch_ref[u] + kc, cols, kc < Kc, cmask, _NEG)
+    rows = uch_ref[u] + kc
+    own = _load_tile(buf_ref, rows, cols, kc < Kc, cmask, _NEG) if M == 1 else None
 
     def body(d, acc):
         i, e = par_ref[u, d], ppid_ref[u, d]
         valid = i >= 0
         ii, ee = jnp.maximum(i, 0), jnp.maximum(e, 0)
+        if M == 1:
+            x = own
+        else:  # the folded product this row block belongs to under parent ii
+            x = _load_child(buf_ref, ch_ref, ii, jnp.maximum(pcol_ref[u, d], 0), kc, cols, cmask, M=M, Kc=Kc)
         m = plgpu.load(m_ref.at[ii, cols], mask=cmask & valid, other=0.0)
         safe = jnp.where(m == _NEG, 0.0, m)
 
@@ -240,23 +284,38 @@ def _bwd_child_kernel(uch_ref, par_ref, ppid_ref, w_ref, buf_ref, a_ref, m_ref, 
         return acc + jnp.exp(alpha * (x - safe[None, :])) * wa
 
     acc = lax.fori_loop(0, D, body, jnp.zeros((KT, BB), jnp.float32))
-    _store_tile(out_ref, u * Kc + kc, cols, acc, kc < Kc, cmask)
+    if accumulate:
+        acc = acc + _load_tile(flow_ref, rows, cols, kc < Kc, cmask, 0.0)
+        _store_tile(out_ref, rows, cols, acc, kc < Kc, cmask)
+    else:
+        _store_tile(out_ref, u * Kc + kc, cols, acc, kc < Kc, cmask)
 
 
 def backward_children(buf: Array, a: Array, m: Array, uch: Array, par: Array, ppid: Array, w: Array, *, Kp: int,
-                      Kc: int, alpha: float = 1.0, precision: str = "fp32",
-                      config: KernelConfig = KernelConfig()) -> Array:
-    """``[U * Kc, B]`` flows of the partition's ``U`` distinct child blocks (rows ``uch[u] + [0, Kc)``),
-    through the inverse tables ``par``/``ppid`` ``[U, D]`` (parent block and parameter block; -1 pads)."""
+                      Kc: int, alpha: float = 1.0, precision: str = "fp32", config: KernelConfig = KernelConfig(),
+                      ch: Array | None = None, pcol: Array | None = None, flows: Array | None = None) -> Array:
+    """Flows of the partition's ``U`` distinct child row blocks (rows ``uch[u] + [0, Kc)``), through the inverse
+    tables ``par``/``ppid`` ``[U, D]`` (parent block and parameter block; -1 pads). A folded partition (``ch
+    [n, C, M]``) also needs ``pcol [U, D]``, the child position under each parent. Returns ``[U * Kc, B]``;
+    with ``flows`` (float32 ``[R, B]``) the flow buffer with them added to the child rows in place."""
     U, D = par.shape
     B = buf.shape[1]
+    M = 1 if ch is None or ch.ndim == 2 else ch.shape[2]
+    if M > 1 and pcol is None:
+        raise ValueError("a folded partition (ch [n, C, M]) needs pcol")
+    ch = jnp.zeros((1, 1, 1), jnp.int32) if ch is None else _tables3(ch)
+    pcol = par if pcol is None else pcol
     BB = min(config.block_b, _p2(B))
     KT = min(config.block_k, _p2(Kc))
-    KPT = min(config.block_k, _p2(Kp))
-    kernel = functools.partial(_bwd_child_kernel, D=D, Kp=Kp, Kc=Kc, KT=KT, KPT=KPT, BB=BB, B=B,
-                               alpha=float(alpha), precision=precision)
-    interp = _interpret()
-    return pl.pallas_call(kernel, grid=(U, pl.cdiv(Kc, KT), pl.cdiv(B, BB)),
-                          out_shape=jax.ShapeDtypeStruct((U * Kc, B), jnp.float32),
-                          compiler_params=None if interp else _compiler_params(config), interpret=interp,
-                          name="jaxpc_sum_backward_children")(uch, par, ppid, w, buf.astype(jnp.float32), a, m)
+    KPT = _chunk(config, KT, Kp)
+    kernel = functools.partial(_bwd_child_kernel, D=D, M=M, Kp=Kp, Kc=Kc, KT=KT, KPT=KPT, BB=BB, B=B,
+                               alpha=float(alpha), precision=precision, accumulate=flows is not None)
+    grid = (U, pl.cdiv(Kc, KT), pl.cdiv(B, BB))
+    args = (uch, par, pcol, ppid, ch, w, buf.astype(jnp.float32), a, m)
+    if flows is None:
+        return _call(kernel, config, grid=grid, out_shape=jax.ShapeDtypeStruct((U * Kc, B), jnp.float32),
+                     name="jaxpc_sum_backward_children")(*args, jnp.zeros((1, 1), jnp.float32))
+    if flows.dtype != jnp.float32:
+        raise TypeError(f"in-place child flows need a float32 flow buffer, got {flows.dtype}")
+    return _call(kernel, config, grid=grid, out_shape=jax.ShapeDtypeStruct(flows.shape, jnp.float32),
+                 input_output_aliases={9: 0}, name="jaxpc_sum_backward_children_inplace")(*args, flows)

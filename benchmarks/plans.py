@@ -1,0 +1,128 @@
+"""Time jaxpc's evaluation plans of one circuit side by side, each checked against the layer path.
+
+    python benchmarks/plans.py [--workloads hclt,pd] [--batches 16,512] [--plans layers,fold,fused]
+                               [--latents hclt=256,pd=128] [--precision tf32] [--reps 25] [--memory]
+
+Plans (all ``backward="flows"``):
+
+* ``layers``: the full layout, XLA sum layers (``Options(fold_products=False)``);
+* ``fold``: the folded plan, XLA sum layers (``Options()``, the default);
+* ``fused``: the folded plan with the Pallas kernels writing the node and flow buffers in place
+  (``Options(fold_products=True, impl="pallas")``): one kernel per sum level forward, three backward;
+* ``fusedfwd``: the folded plan with the in-place Pallas forward kernels and the XLA backward
+  (``Options(fold_products=True, impl="pallas_forward")``);
+* ``pallas``: the full layout with the Pallas kernels (``Options(impl="pallas", fold_products=False)``).
+
+One circuit per workload, the same input batches for every plan. Per (plan, batch): compile seconds of the
+flows executable, the relative error of log-likelihoods and of every flow array against ``layers`` at
+the same precision, and median milliseconds of ``flows`` (forward + flows) and ``log_prob``; with
+``--memory`` also XLA's memory analysis of the flows executable (one more compile). Rows go to
+``$OUT/plans.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jaxpc  # noqa: E402
+from jaxpc import dists, structures  # noqa: E402
+from _data import blurred_noise_images  # noqa: E402
+from bench_engine import exec_mib, median_ms  # noqa: E402
+
+PLANS = {"layers": {"fold_products": False}, "fold": {"fold_products": True}, "fused": {"fold_products": True, "impl": "pallas"},
+         "fusedfwd": {"fold_products": True, "impl": "pallas_forward"}, "pallas": {"impl": "pallas", "fold_products": False}}
+
+
+def build(workload: str, latents: int, imgs):
+    cat = dists.Categorical(num_cats=256)
+    if workload == "hclt":
+        return structures.HCLT(imgs, latents, input_dist=cat)
+    if workload == "pd":
+        return structures.PD((28, 28), latents, split_intervals=(4, 4), input_dist=cat)
+    raise ValueError(f"unknown workload {workload!r} (hclt, pd)")
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workloads", default="hclt,pd")
+    p.add_argument("--batches", default="16,512")
+    p.add_argument("--plans", default="layers,fold,fused")
+    p.add_argument("--latents", default="hclt=256,pd=128")
+    p.add_argument("--precision", default="tf32", choices=["fp32", "tf32", "bf16"])
+    p.add_argument("--reps", type=int, default=25)
+    p.add_argument("--memory", action="store_true")
+    p.add_argument("--no-pack", action="store_true", help="executables take the index tables unpacked")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args(argv)
+    latents = dict(kv.split("=") for kv in args.latents.split(","))
+    jaxpc.executables.PACK_TABLES = not args.no_pack
+    plans = args.plans.split(",")
+    for name in plans:
+        if name not in PLANS:
+            raise SystemExit(f"unknown plan {name!r}; plans: {sorted(PLANS)}")
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+    t = time.perf_counter()
+    imgs = blurred_noise_images(10_000)
+    print(f"images {time.perf_counter() - t:.1f}s", flush=True)
+    rows = []
+    for w in args.workloads.split(","):
+        t = time.perf_counter()
+        c = jaxpc.compile(build(w, int(latents[w]), imgs))
+        fold = c.layout.fold
+        print(f"{w}-{latents[w]}: built and compiled in {time.perf_counter() - t:.1f}s; rows {c.layout.num_rows} "
+              f"({len(list(c.layout.stages()))} stages), folded {fold.num_rows if fold else '-'} "
+              f"({len(list(fold.stages())) if fold else '-'} stages)", flush=True)
+        for B in [int(b) for b in args.batches.split(",")]:
+            xs = [jnp.asarray(imgs[np.random.default_rng(s).integers(0, len(imgs), B)]) for s in range(4)]
+            base = None
+            for name in plans:
+                opts = jaxpc.Options(precision=args.precision, **PLANS[name])
+                try:
+                    t = time.perf_counter()
+                    got = jax.block_until_ready(c.flows(c.params, xs[0], options=opts, return_ll=True, validate=False))
+                    t_compile = time.perf_counter() - t
+                    if base is None and name == "layers":
+                        base = got
+                    errs = (rel(got[1], base[1]), max(rel(a, b) for a, b in zip(jax.tree_util.tree_leaves(got[0]),
+                                                                               jax.tree_util.tree_leaves(base[0])))
+                            ) if base is not None else (float("nan"), float("nan"))
+                    flows = median_ms(lambda xb: c.flows(c.params, xb, options=opts, validate=False), xs, args.reps)
+                    fwd = median_ms(lambda xb: c.log_prob(c.params, xb, options=opts, validate=False), xs, args.reps)
+                    mem = float("nan")
+                    if args.memory:
+                        mem = exec_mib(jax.jit(lambda tb, pr, xx: jaxpc.engine.em.flows_and_ll(
+                            c.layout, tb, pr, xx, None, None, opts)), c.tables, c.params, xs[0])
+                except Exception as e:  # noqa: BLE001 - one failing plan is reported, the others still run
+                    print(f"{w} B={B} {name}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
+                    continue
+                row = dict(workload=f"{w}-{latents[w]}", B=B, plan=name, precision=args.precision, fwd_ms=fwd,
+                           flows_ms=flows, mem_mib=mem, compile_s=t_compile, ll_err=errs[0], flow_err=errs[1])
+                rows.append(row)
+                print(f"{w}-{latents[w]} B={B:4d} {name:7s} fwd {fwd:7.3f} ms | fwd+flows {flows:7.3f} ms | mem "
+                      f"{mem:7.1f} MiB | compile {t_compile:5.1f}s | vs layers: ll {errs[0]:.1e} flows {errs[1]:.1e}",
+                      flush=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    with open(Path(args.out) / "plans.json", "w") as f:
+        json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": rows}, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
