@@ -331,3 +331,30 @@ def test_table_signature_is_computed_once_per_tables_object():
     k1 = ExecutableCache.describe("flows", {}, {"tables": c.tables})
     k2 = ExecutableCache.describe("flows", {}, {"tables": copy})
     assert hash(tuple(k1.items())) == hash(tuple(k2.items())) and k1 == k2
+
+
+def test_packed_tables_round_trip_and_serve_equal_tables():
+    """Executables take the tables packed (one array per dtype): unpacking gives every table back, scalars and
+    mixed dtypes included; the executable compiled for one tables object runs a copy (and a larger bucket's
+    executable, found by ``find``, takes the same arguments)."""
+    from jaxpc.executables import ExecutableCache, PackedTables
+
+    tables = {"a": jnp.arange(6, dtype=jnp.int32).reshape(2, 3), "s": jnp.asarray(7, jnp.int32),
+              "f": [jnp.linspace(0, 1, 4, dtype=jnp.float32)], "b": jnp.asarray([True, False])}
+    pack = PackedTables(tables)
+    assert len(pack.arrays) == 3  # int32, float32, bool
+    back = jax.jit(pack.unpack)(pack.arrays)
+    for u, v in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(tables)):
+        assert u.shape == v.shape and u.dtype == v.dtype
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+    cache = ExecutableCache()
+    fn = lambda tables, x: x * tables["s"] + tables["a"].sum() + tables["f"][0][1]  # noqa: E731
+    x = jnp.ones(3)
+    want = np.asarray(fn(tables, x))
+    np.testing.assert_allclose(np.asarray(cache.run("f", fn, {}, {"tables": tables, "x": x})), want, rtol=1e-6)
+    copy = jax.tree_util.tree_map(jnp.array, tables)
+    np.testing.assert_allclose(np.asarray(cache.run("f", fn, {}, {"tables": copy, "x": x})), want, rtol=1e-6)
+    assert cache.info().misses == 1
+    exe = cache.find("f", {}, {"tables": copy, "x": x})
+    np.testing.assert_allclose(np.asarray(exe(copy, x)), want, rtol=1e-6)
