@@ -80,7 +80,8 @@ def main(argv=None):
     p.add_argument("--precision", default="tf32")
     args = p.parse_args(argv)
     reps, prec = args.reps, args.precision
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; us per step (kernel time + launch gaps)", flush=True)
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; us per step (kernel time + launch gaps)",
+          flush=True)
     for sname in args.shapes.split(","):
         Kp, Kc, n, C, M, nblk = SHAPES[sname]
         for B in [int(b) for b in args.batches.split(",")]:

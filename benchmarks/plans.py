@@ -41,8 +41,10 @@ from jaxpc import dists, structures  # noqa: E402
 from _data import blurred_noise_images  # noqa: E402
 from bench_engine import exec_mib, median_ms  # noqa: E402
 
-PLANS = {"layers": {"fold_products": False}, "fold": {"fold_products": True}, "fused": {"fold_products": True, "impl": "pallas"},
-         "fusedfwd": {"fold_products": True, "impl": "pallas_forward"}, "pallas": {"impl": "pallas", "fold_products": False}}
+PLANS = {"layers": {"fold_products": False}, "fold": {"fold_products": True},
+         "fused": {"fold_products": True, "impl": "pallas"},
+         "fusedfwd": {"fold_products": True, "impl": "pallas_forward"},
+         "pallas": {"impl": "pallas", "fold_products": False}}
 
 
 def build(workload: str, latents: int, imgs):

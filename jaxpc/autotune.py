@@ -135,61 +135,68 @@ class Autotuner:
 
 # ---- circuits -----------------------------------------------------------------------------------
 
-DEFAULT_CANDIDATES = (("pallas", 16, 32, 4), ("pallas", 32, 64, 4), ("pallas", 64, 64, 8))
+DEFAULT_CANDIDATES = tuple((impl, *cfg) for impl in ("pallas", "pallas_forward")
+                           for cfg in ((16, 32, 4), (32, 64, 4), (64, 64, 8)))
 
 
 def tune_circuit(circuit, params, x, *, precision: str = "tf32", candidates: Sequence | None = None,
-                 tuner: Autotuner | None = None):
+                 tuner: Autotuner | None = None, fold_products: bool = True):
     """Options whose ``kernels`` route each sum partition of ``circuit`` (at the batch bucket of ``x``) to
-    the fastest of the XLA reference and the Pallas kernel configurations ``candidates`` (tuples
-    ``("pallas", block_b, block_k, num_warps)``), timing forward + backward of the partition alone."""
+    the fastest of the XLA reference and the kernel configurations ``candidates`` (tuples ``(impl,
+    block_b, block_k, num_warps)``; ``impl`` ``"pallas"``: Pallas forward and backward, ``"pallas_forward"``:
+    Pallas forward, XLA backward), timing forward + backward of the partition alone. The partitions are
+    those of the plan the returned options run: the folded plan (``fold_products``, the default, for a
+    circuit that has one) or the full layout."""
     from .compiler.layout import ScanSpec
-    from .engine.forward import pallas_sum_backward
-    from .ops.sum_layer import child_rows, sum_layer, sum_layer_backward_reference
+    from .engine import forward as fw
+    from .ops import pallas_sum
+    from .ops.sum_layer import sum_layer, sum_layer_backward_reference
     from .options import Options
 
     tuner = tuner or Autotuner()
     cands = DEFAULT_CANDIDATES if candidates is None else tuple(candidates)
     xj, _ = circuit._prepare(x, None, True)
     B = circuit._buckets(xj.shape[0])
-    values = circuit.node_values(params, jnp.concatenate([xj] * (-(-B // xj.shape[0])))[:B], validate=False)
+    xb = jnp.concatenate([xj] * (-(-B // xj.shape[0])))[:B]
+    fold = fold_products and circuit.layout.fold is not None
+    plan = circuit.layout.fold if fold else circuit.layout
+    tables = circuit.tables["fold"] if fold else circuit.tables
+    ref = Options(precision=precision, fold_products=fold)
+    vals = fw.input_values(circuit.layout, circuit.tables, params, xb, None, ref)
+    values = fw.forward_buffer(plan, tables, params["sum"], vals, ref)
     flows = jnp.ones_like(values)
     choices: dict = {}
-    for step, tab in zip(circuit.layout.steps, circuit.tables["steps"]):
+    for step, tab in zip(plan.steps, tables["steps"]):
         specs = list(zip(step.period, tab)) if isinstance(step, ScanSpec) else [(step, tab)]
         for spec, t in specs:
-            row = None
             for part, pt in zip(spec.sums, t["sums"]):
-                sig = (part.n, part.C, part.Kp, part.Kc, part.U, part.D, B)
+                sig = fw.partition_key(part, B)
                 if sig in choices:
                     continue
                 pt = jax.tree_util.tree_map(lambda a: a[0] if isinstance(step, ScanSpec) else a, pt)
                 logw = params["sum"][part.group]
                 off = 0
+                kw = dict(Kp=part.Kp, Kc=part.Kc, precision=precision)
 
-                def run(cfg, part=part, pt=pt, logw=logw):
-                    if cfg == ("reference",):
-                        def op(v, f):
-                            out = sum_layer(v, pt["ch"], pt["pid"], logw, Kp=part.Kp, Kc=part.Kc, dense=part.dense,
-                                            precision=precision)
-                            cf, pf = sum_layer_backward_reference(v, f, pt["ch"], pt["pid"], logw, off, Kp=part.Kp,
-                                                                  Kc=part.Kc, dense=part.dense, precision=precision)
-                            return out, f.at[child_rows(pt["ch"], part.Kc, part.dense)].add(cf), pf
-                    else:
-                        from .ops.pallas_sum import KernelConfig, forward
+                def run(cfg, part=part, pt=pt, logw=logw, kw=kw):
+                    kc = None if cfg == ("reference",) else pallas_sum.KernelConfig(*cfg[1:])
 
-                        kc = KernelConfig(*cfg[1:])
-
-                        def op(v, f):
-                            out = forward(v, pt["ch"], pt["pid"], logw, Kp=part.Kp, Kc=part.Kc, precision=precision,
-                                          config=kc)
-                            cf, pf = pallas_sum_backward(v, f, off, pt, logw, Kp=part.Kp, Kc=part.Kc, alpha=1.0,
-                                                         precision=precision, config=kc)
+                    def op(v, f):
+                        if kc is None:
+                            out = sum_layer(v, pt["ch"], pt["pid"], logw, dense=part.dense, **kw)
+                        else:
+                            out = pallas_sum.forward(v, pt["ch"], pt["pid"], logw, config=kc, **kw)
+                        if cfg[0] == "pallas":
+                            cf, pf = fw.pallas_sum_backward(v, f, off, pt, logw, alpha=1.0, config=kc, **kw)
                             rows = (pt["uch"][:, None] + jnp.arange(part.Kc)).reshape(-1)
                             return out, f.at[rows].add(cf), pf
+                        cf, pf = sum_layer_backward_reference(v, f, pt["ch"], pt["pid"], logw, off, dense=part.dense,
+                                                              **kw)
+                        return out, fw.scatter_child_flows(f, cf, pt["ch"], part.Kc, part.dense), pf
+
                     f = jax.jit(op)
                     return lambda: f(values, flows)
 
                 choices[sig] = tuner.tune(("sum", sig, precision), ("reference",), cands, run)
     kernels = tuple(sorted((sig, ch) for sig, ch in choices.items() if ch != ("reference",)))
-    return Options(precision=precision, kernels=kernels)
+    return Options(precision=precision, kernels=kernels, fold_products=fold_products)

@@ -43,7 +43,8 @@ class Options:
             (the Pallas kernels of :mod:`jaxpc.ops.pallas_sum`: Triton on GPU, interpret mode
             elsewhere; max-product layers use the reference).
         kernels: per-partition overrides of ``impl`` found by :func:`jaxpc.autotune.tune_circuit`:
-            pairs ``((n, C, Kp, Kc, U, D, batch), choice)``.
+            pairs ``((n, C, Kp, Kc, U, D, batch[, M]), choice)`` (``M`` for folded partitions), ``choice``
+            ``("reference",)`` or ``(impl, block_b, block_k, num_warps)``; partitions not named use ``impl``.
         pflow_temperature: parameter flows split each sum node's flow by the tempered posterior
             ``(w_c p_c)^(1/T) / sum_c' (w_c' p_c')^(1/T)`` (T < 1 sharpens toward hard EM); 1 is EM.
         eflow_temperature: the same tempering for the flows passed down to the children.
@@ -55,10 +56,11 @@ class Options:
         fold_products: evaluate log-likelihoods and flows on the circuit's folded plan (``layout.fold``;
             default): every product folded into the gathers of the sums that read it, so the node buffer
             holds input and sum rows only and each tree level is one sum stage (same values and flows;
-            PD-128's buffer has a third of the rows). Applies without ``kernels``; node values, queries and
-            autodiff use the full layout; False evaluates the full layout. On the H200 (tf32, forward +
-            flows): HCLT-256 4.66 / 9.60 ms against 5.12 / 10.76 ms at batch 128 / 512, PD-128 4.43 ms
-            at batch 128, whose full-layout flows executable compiles in minutes there.
+            PD-128's buffer has a third of the rows). ``kernels`` route the partitions of whichever plan
+            runs; node values, queries and autodiff use the full layout; False evaluates the full layout.
+            On the H200 (tf32, forward + flows): HCLT-256 4.66 / 9.60 ms against 5.12 / 10.76 ms at batch
+            128 / 512; PD-128 4.43 ms at batch 128, whose full-layout flows executable did not finish
+            compiling within 50 s there (the folded one: 14 s).
     """
 
     propagation: str = "LL"
@@ -91,8 +93,8 @@ class Options:
                   and (entry[1] == ("reference",) or (len(entry[1]) == 4 and all(isinstance(v, int) and v > 0
                                                                                    for v in entry[1][1:]))))
             if not ok:
-                raise ValueError(f"kernels entry {entry!r} is not ((n, C, Kp, Kc, U, D, B), ('reference',) or "
-                                 f"('pallas', block_b, block_k, num_warps))")
+                raise ValueError(f"kernels entry {entry!r} is not ((n, C, Kp, Kc, U, D, B[, M]), ('reference',) or "
+                                 f"(impl, block_b, block_k, num_warps)) with impl one of {IMPLS[1:]}")
         for name, allowed in (("backward", BACKWARDS), ("precision", PRECISIONS), ("impl", IMPLS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")

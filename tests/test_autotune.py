@@ -2,6 +2,7 @@
 
 import collections
 
+import jax
 import numpy as np
 import pytest
 
@@ -77,23 +78,36 @@ def test_process_and_disk_caches(tmp_path):
     assert sum(calls.values()) > n
 
 
-def test_tune_circuit_routes_partitions_and_stays_exact():
-    c = jaxpc.compile(structures.HMM(6, 4, 5, block_size=2), seed=1)
-    x = np.random.default_rng(0).integers(0, 5, (10, 6)).astype(np.int32)
+@pytest.mark.parametrize("impl,fold", [("pallas", False), ("pallas", True), ("pallas_forward", True)],
+                         ids=["pallas-full-layout", "pallas-folded", "pallas_forward-folded"])
+def test_tune_circuit_routes_partitions_and_stays_exact(impl, fold):
+    """Every partition of the tuned plan (the folded plan's carry M in their key) routed to the faster
+    candidate by fake timings, and the tuned options give the reference's values and flows."""
+    from jaxpc.engine.forward import partition_key
+
+    data = np.random.default_rng(0).integers(0, 3, (200, 5))
+    c = jaxpc.compile(structures.HCLT(data, 4, input_dist=jaxpc.dists.Categorical(3)), seed=1)
+    x = data[:10].astype(np.int32)
+    plan = c.layout.fold if fold else c.layout
+    keys = {partition_key(p, 16) for st in plan.stages() for p in st.sums}
     Autotuner._process_cache.clear()
+
     class Timer:
         def __call__(self, fn):
             fn()
             return self.next.pop(0)
 
-    # the reference is timed first (1.0), the pallas candidate after it (0.4): the kernel wins
+    # per partition: the reference is timed first (1.0), the candidate after it (0.4), then 2 full reps each
     timer = Timer()
-    timer.next = [1.0, 0.4] + [1.0, 1.0, 0.4, 0.4] + [1.0, 0.4] + [1.0, 1.0, 0.4, 0.4]
+    timer.next = [1.0, 0.4, 1.0, 1.0, 0.4, 0.4] * len(keys)
     t = Autotuner(timer=timer, env_key="fake", full_reps=2)
-    opts = tune_circuit(c, c.params, x, candidates=[("pallas", 16, 16, 4)], tuner=t)
-    assert opts.kernels and all(ch == ("pallas", 16, 16, 4) for _, ch in opts.kernels)
-    ref = jaxpc.Options(precision="tf32")
+    opts = tune_circuit(c, c.params, x, candidates=[(impl, 16, 16, 4)], tuner=t, fold_products=fold)
+    assert not timer.next and opts.fold_products == fold
+    assert {k for k, _ in opts.kernels} == keys and all(ch == (impl, 16, 16, 4) for _, ch in opts.kernels)
+    assert any(len(k) == 8 for k in keys) == fold  # folded partitions with products of several terms
+    ref = jaxpc.Options(precision="tf32", fold_products=fold)
     np.testing.assert_allclose(np.asarray(c.log_prob(c.params, x, options=opts)),
                                np.asarray(c.log_prob(c.params, x, options=ref)), rtol=1e-5)
     f1, f2 = c.flows(c.params, x, options=opts), c.flows(c.params, x, options=ref)
-    np.testing.assert_allclose(np.asarray(f1["sum"]["2x2"]), np.asarray(f2["sum"]["2x2"]), rtol=1e-4, atol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(f1), jax.tree_util.tree_leaves(f2)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)

@@ -65,15 +65,22 @@ def has_sum_externals(evidence: dict | None) -> bool:
     return bool(evidence) and bool(evidence.get("sum_gates") or evidence.get("sum_lowrank"))
 
 
+def partition_key(part, B: int) -> tuple:
+    """A sum partition's key in ``Options.kernels``: ``(n, C, Kp, Kc, U, D, B)``, with ``M`` appended for a
+    folded partition (``M > 1``)."""
+    sig = (part.n, part.C, part.Kp, part.Kc, part.U, part.D, B)
+    return sig + (part.M,) if part.M > 1 else sig
+
+
 def kernel_choice(options, part, B: int):
     """``(impl, KernelConfig or None)`` for a sum partition: the tuned choice in ``options.kernels`` for this
     partition and batch, else ``options.impl`` with the default kernel configuration."""
-    sig = (part.n, part.C, part.Kp, part.Kc, part.U, part.D, B)
+    sig = partition_key(part, B)
     for s, choice in options.kernels:
         if s == sig:
-            if choice[0] == "pallas":
+            if choice[0] in ("pallas", "pallas_forward"):
                 from ..ops.pallas_sum import KernelConfig
-                return "pallas", KernelConfig(*choice[1:])
+                return choice[0], KernelConfig(*choice[1:])
             return "reference", None
     return options.impl, None
 
@@ -235,13 +242,7 @@ def _root_bwd(layout, options, res, g):
                                                 precision=options.precision, param_flows=options.compute_param_flows,
                                                 pflow_temperature=options.pflow_temperature,
                                                 eflow_temperature=options.eflow_temperature)
-                    terms = child_terms(t["ch"])
-                    if len(terms) > 1:  # a folded product: its flow goes to each of its children, in one scatter
-                        rows = jnp.stack([child_rows(ch, part.Kc, part.dense) for ch in terms])
-                        cf = jnp.broadcast_to(cf, (len(terms),) + cf.shape)
-                    else:
-                        rows = child_rows(terms[0], part.Kc, part.dense)
-                    fl = fl.at[rows].add(cf.astype(fl.dtype))
+                    fl = scatter_child_flows(fl, cf, t["ch"], part.Kc, part.dense)
                 if pf is not None:
                     dp = {**dp, part.group: dp[part.group].at[t["pid"]].add(pf.astype(dp[part.group].dtype))}
             row = row + part.num_rows
@@ -256,15 +257,28 @@ def _root_bwd(layout, options, res, g):
 root_values.defvjp(_root_fwd, _root_bwd)
 
 
+def scatter_child_flows(fl: Array, cf: Array, ch: Array, Kc: int, dense: bool) -> Array:
+    """Add a partition's child flows (``[n, C*Kc, B]``, the reference backward's) into the flow buffer ``fl``;
+    a folded product's flow goes to each of its row blocks, in one scatter."""
+    terms = child_terms(ch)
+    if len(terms) > 1:
+        rows = jnp.stack([child_rows(c, Kc, dense) for c in terms])
+        cf = jnp.broadcast_to(cf, (len(terms),) + cf.shape)
+    else:
+        rows = child_rows(terms[0], Kc, dense)
+    return fl.at[rows].add(cf.astype(fl.dtype))
+
+
 def pallas_sum_backward(values, flows, row, t, logw, *, Kp, Kc, alpha, precision, config=None):
-    """The two backward kernels of one sum partition: ``(child flows [U*Kc, B], param flows [n, C, Kp, Kc])``."""
+    """The backward kernels of one sum partition (folded or not): ``(child flows [U*Kc, B] for the row blocks
+    ``t["uch"]``, param flows [n, C, Kp, Kc])``."""
     from ..ops import pallas_sum
 
     cfg = config or pallas_sum.KernelConfig()
     a, m, pf = pallas_sum.backward_parents(values, flows, row, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, alpha=alpha,
                                            precision=precision, config=cfg)
     cf = pallas_sum.backward_children(values, a, m, t["uch"], t["par"], t["ppid"], logw, Kp=Kp, Kc=Kc,
-                                      alpha=alpha, precision=precision, config=cfg)
+                                      alpha=alpha, precision=precision, config=cfg, ch=t["ch"], pcol=t.get("pcol"))
     return cf, pf
 
 
@@ -290,7 +304,7 @@ def evaluate(layout: Layout, tables: dict, sum_params: dict, input_vals: list, o
     if chain.applies(layout, options, has_sum_externals(evidence)):
         with jax.named_scope("jaxpc/chain"):
             return chain.root_values(layout.chain, tables["chain"], sum_params, input_vals, options)
-    if layout.fold is not None and options.fold_products and not options.kernels:
+    if layout.fold is not None and options.fold_products:
         return root_values(layout.fold, tables["fold"], sum_params, input_vals, options)
     return root_values(layout, tables, sum_params, input_vals, options)
 
