@@ -17,6 +17,7 @@ PROPAGATIONS = ("LL", "MPE", "GeneralLL")
 BACKWARDS = ("flows", "autodiff")
 PRECISIONS = ("fp32", "tf32", "bf16")
 IMPLS = ("reference", "pallas", "pallas_forward")
+PALLAS_FORWARD = ("pallas", "pallas_forward")  # the impls whose sum layers run the Pallas forward kernel
 
 
 @dataclasses.dataclass(frozen=True)

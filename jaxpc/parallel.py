@@ -152,24 +152,16 @@ def _batch(circuit, mesh, x, missing, ll_weights, validate):
     return xj, mj, w, B
 
 
-def _tables(circuit, mesh):
-    """The circuit's index tables packed (one array per dtype, :class:`jaxpc.executables.PackedTables`) and
-    replicated on ``mesh``, made once: passed as they are (on one device, hundreds of small arrays), they
-    would be copied to every device on every call, and each of them costs dispatch time."""
-    key = ("tables", mesh)
+def _tables(circuit, mesh, packed: bool = True):
+    """The circuit's index tables replicated on ``mesh``, made once: passed as they are (on one device,
+    hundreds of small arrays), they would be copied to every device on every call. ``packed``: one array per
+    dtype (:class:`jaxpc.executables.PackedTables`), as the jitted functions of :func:`_jitted` take them
+    (each argument costs dispatch time); else the pytree (for :func:`jaxpc.optim.fit`, one call per epoch)."""
+    key = ("tables", mesh, packed)
     cache = _cache(circuit)
     if key not in cache:
-        cache[key] = jax.device_put(_PACKED.get(circuit.tables).arrays, NamedSharding(mesh, P()))
-    return cache[key]
-
-
-def _tables_tree(circuit, mesh):
-    """The circuit's index tables (the pytree) replicated on ``mesh``, made once (for :func:`jaxpc.optim.fit`,
-    whose epoch is one call)."""
-    key = ("table tree", mesh)
-    cache = _cache(circuit)
-    if key not in cache:
-        cache[key] = jax.device_put(circuit.tables, NamedSharding(mesh, P()))
+        tables = _PACKED.get(circuit.tables).arrays if packed else circuit.tables
+        cache[key] = jax.device_put(tables, NamedSharding(mesh, P()))
     return cache[key]
 
 

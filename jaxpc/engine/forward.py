@@ -21,6 +21,7 @@ from ..ops.product_layer import product_layer_backward_reference as product_laye
 from ..ops.sum_layer import child_rows, child_terms
 from ..ops.sum_layer import sum_layer_backward_reference as sum_layer_backward
 from ..ops.sum_layer_external import sum_layer_external_reference
+from ..options import PALLAS_FORWARD
 
 Array = jax.Array
 
@@ -78,7 +79,7 @@ def kernel_choice(options, part, B: int):
     sig = partition_key(part, B)
     for s, choice in options.kernels:
         if s == sig:
-            if choice[0] in ("pallas", "pallas_forward"):
+            if choice[0] in PALLAS_FORWARD:
                 from ..ops.pallas_sum import KernelConfig
                 return choice[0], KernelConfig(*choice[1:])
             return "reference", None
@@ -87,7 +88,7 @@ def kernel_choice(options, part, B: int):
 
 def _inplace(impl: str, options, buf: Array) -> bool:
     """Whether a sum partition runs as a Pallas kernel writing the (float32) buffer in place."""
-    return impl in ("pallas", "pallas_forward") and options.propagation != "MPE" and buf.dtype == jnp.float32
+    return impl in PALLAS_FORWARD and options.propagation != "MPE" and buf.dtype == jnp.float32
 
 
 def _stage(buf: Array, spec: StageSpec, tab: dict, sum_params: dict, options, offset, index,
@@ -217,24 +218,10 @@ def _root_bwd(layout, options, res, g):
                 impl, cfg = kernel_choice(options, part, values.shape[1])
                 tempered = options.pflow_temperature != 1.0 or options.eflow_temperature != 1.0
                 if impl == "pallas" and options.propagation != "MPE" and not tempered:
-                    from ..ops import pallas_sum
-
-                    cfg = cfg or pallas_sum.KernelConfig()
                     a = 1.0 if options.propagation == "LL" else options.alpha
-                    sc, m, pf = pallas_sum.backward_parents(values, fl, row, t["ch"], t["pid"], sum_params[part.group],
-                                                            Kp=part.Kp, Kc=part.Kc, alpha=a,
-                                                            precision=options.precision, config=cfg,
-                                                            param_flows=options.compute_param_flows)
-                    kw = dict(Kp=part.Kp, Kc=part.Kc, alpha=a, precision=options.precision, config=cfg,
-                              ch=t["ch"], pcol=t.get("pcol"))
-                    if fl.dtype == jnp.float32:  # the child flows added into the flow buffer in place
-                        fl = pallas_sum.backward_children(values, sc, m, t["uch"], t["par"], t["ppid"],
-                                                          sum_params[part.group], flows=fl, **kw)
-                    else:
-                        cf = pallas_sum.backward_children(values, sc, m, t["uch"], t["par"], t["ppid"],
-                                                          sum_params[part.group], **kw)
-                        rows = (t["uch"][:, None] + jnp.arange(part.Kc, dtype=t["uch"].dtype)).reshape(-1)
-                        fl = fl.at[rows].add(cf.astype(fl.dtype))
+                    fl, pf = pallas_sum_backward(values, fl, row, t, sum_params[part.group], Kp=part.Kp, Kc=part.Kc,
+                                                 alpha=a, precision=options.precision, config=cfg,
+                                                 param_flows=options.compute_param_flows)
                 else:
                     cf, pf = sum_layer_backward(values, fl, t["ch"], t["pid"], sum_params[part.group], row,
                                                 Kp=part.Kp, Kc=part.Kc, dense=part.dense,
@@ -269,17 +256,22 @@ def scatter_child_flows(fl: Array, cf: Array, ch: Array, Kc: int, dense: bool) -
     return fl.at[rows].add(cf.astype(fl.dtype))
 
 
-def pallas_sum_backward(values, flows, row, t, logw, *, Kp, Kc, alpha, precision, config=None):
-    """The backward kernels of one sum partition (folded or not): ``(child flows [U*Kc, B] for the row blocks
-    ``t["uch"]``, param flows [n, C, Kp, Kc])``."""
+def pallas_sum_backward(values, flows, row, t, logw, *, Kp, Kc, alpha, precision, config=None,
+                        param_flows: bool = True):
+    """The backward kernels of one sum partition (folded or not) whose parents sit at ``row``: ``(flows with the
+    child flows added, param flows [n, C, Kp, Kc] or None)``. A float32 flow buffer is updated in place."""
     from ..ops import pallas_sum
 
     cfg = config or pallas_sum.KernelConfig()
     a, m, pf = pallas_sum.backward_parents(values, flows, row, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, alpha=alpha,
-                                           precision=precision, config=cfg)
-    cf = pallas_sum.backward_children(values, a, m, t["uch"], t["par"], t["ppid"], logw, Kp=Kp, Kc=Kc,
-                                      alpha=alpha, precision=precision, config=cfg, ch=t["ch"], pcol=t.get("pcol"))
-    return cf, pf
+                                           precision=precision, config=cfg, param_flows=param_flows)
+    args = (values, a, m, t["uch"], t["par"], t["ppid"], logw)
+    kw = dict(Kp=Kp, Kc=Kc, alpha=alpha, precision=precision, config=cfg, ch=t["ch"], pcol=t.get("pcol"))
+    if flows.dtype == jnp.float32:
+        return pallas_sum.backward_children(*args, flows=flows, **kw), pf
+    cf = pallas_sum.backward_children(*args, **kw)
+    rows = (t["uch"][:, None] + jnp.arange(Kc, dtype=t["uch"].dtype)).reshape(-1)
+    return flows.at[rows].add(cf.astype(flows.dtype)), pf
 
 
 def node_values(layout: Layout, tables: dict, params: dict, x: Array, missing: Array | None, options,

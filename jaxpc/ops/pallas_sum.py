@@ -108,8 +108,9 @@ def _load_child(buf_ref, ch_ref, i, c, kc, cols, cmask, *, M, Kc):
     return x
 
 
-def _load_w(w_ref, p, kp, kc, Kp, Kc, alpha):
-    mask = (kp[:, None] < Kp) & (kc[None, :] < Kc)
+def _load_w(w_ref, p, kp, kc, Kp, Kc, alpha, valid=True):
+    """``exp(alpha * log w)`` of the ``[len(kp), len(kc)]`` tile of weight block ``p`` (0 where masked)."""
+    mask = (kp[:, None] < Kp) & (kc[None, :] < Kc) & valid
     return jnp.exp(alpha * plgpu.load(w_ref.at[p, kp[:, None], kc[None, :]], mask=mask, other=_NEG))
 
 
@@ -276,9 +277,7 @@ def _bwd_child_kernel(uch_ref, par_ref, pcol_ref, ppid_ref, ch_ref, w_ref, buf_r
         def chunk(q, wa):  # W^T @ a over chunks of the parent nodes
             kp = q * KPT + jnp.arange(KPT)
             a = _load_tile(a_ref, ii * Kp + kp, cols, (kp < Kp) & valid, cmask, 0.0)
-            wmask = (kp[:, None] < Kp) & (kc[None, :] < Kc) & valid
-            w = jnp.exp(alpha * plgpu.load(w_ref.at[ee, kp[:, None], kc[None, :]], mask=wmask, other=_NEG))
-            return wa + _mm(w, a, precision, trans_a=True)
+            return wa + _mm(_load_w(w_ref, ee, kp, kc, Kp, Kc, alpha, valid), a, precision, trans_a=True)
 
         wa = lax.fori_loop(0, pl.cdiv(Kp, KPT), chunk, jnp.zeros((KT, BB), jnp.float32))
         return acc + jnp.exp(alpha * (x - safe[None, :])) * wa

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ..options import IMPLS, PALLAS_FORWARD
+
 Array = jax.Array
 
 
@@ -95,16 +97,16 @@ def sum_layer_reference(buf: Array, ch: Array, pid: Array, logw: Array, *, Kp: i
 def sum_layer(buf: Array, ch: Array, pid: Array, logw: Array, *, Kp: int, Kc: int, dense: bool,
               propagation: str = "LL", alpha: float | None = None, precision: str = "fp32",
               impl: str = "reference", config=None) -> Array:
-    """Dispatching sum layer: ``impl="pallas"`` (or ``"pallas_forward"``) runs the Pallas kernel (LL and GeneralLL; max-product layers
-    always use the reference), ``"reference"`` the plain-jnp version."""
-    if impl in ("pallas", "pallas_forward") and propagation != "MPE":
+    """Dispatching sum layer: ``impl="pallas"`` or ``"pallas_forward"`` runs the Pallas kernel (LL and
+    GeneralLL; max-product layers always use the reference), ``"reference"`` the plain-jnp version."""
+    if impl in PALLAS_FORWARD and propagation != "MPE":
         from . import pallas_sum
 
         a = 1.0 if propagation == "LL" else float(alpha)
         cfg = config or pallas_sum.KernelConfig()
         return pallas_sum.forward(buf, ch, pid, logw, Kp=Kp, Kc=Kc, alpha=a, precision=precision,
                                   config=cfg).astype(buf.dtype)
-    if impl not in ("reference", "pallas", "pallas_forward"):
+    if impl not in IMPLS:
         raise ValueError(f"unknown sum-layer impl {impl!r}")
     return sum_layer_reference(buf, ch, pid, logw, Kp=Kp, Kc=Kc, dense=dense, propagation=propagation,
                                alpha=alpha, precision=precision)

@@ -245,7 +245,7 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
     else:
         from .. import parallel
 
-        tables = parallel._tables_tree(circuit, mesh)
+        tables = parallel._tables(circuit, mesh, packed=False)
     for e in epochs_iter:
         params, opt_state, ll = run(tables, params, opt_state, xj, mj, key, jnp.asarray(e, jnp.int32))
         lls.append(ll)
