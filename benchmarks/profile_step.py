@@ -170,7 +170,8 @@ def main(argv=None):
         print(f"{kind:9s} {n / steps:12.0f} {us / steps / 1e3:8.3f} {us / max(n, 1):9.1f}")
     print("most expensive kernels (per step):")
     for (kind, name), (n, us) in sorted(per_name.items(), key=lambda kv: -kv[1][1])[:15]:
-        print(f"  {us / steps / 1e3:7.3f} ms  x{n / steps:5.0f}  {kind:8s} {name[:90]}")
+        op = names.get(_norm(name), "") if kind == "other" else ""  # what an unattributed kernel computes
+        print(f"  {us / steps / 1e3:7.3f} ms  x{n / steps:5.0f}  {kind:8s} {name[:70]}" + (f"  [{op[-70:]}]" if op else ""))
     other = [e for e in events if kind_of(e, names) == "other"]
     print(f"unattributed kernels: {len(other) / steps:.0f}/step; e.g.", json.dumps(other[:2])[:600])
     if args.json:

@@ -150,9 +150,9 @@ def build(root: CircuitNodes, *, scan_min_repeats: int = 3, max_exact_fanins: in
         meta = {}
         if metas and metas[0]:
             meta = {k: np.concatenate([m[k] for m in metas]) for k in metas[0]}
-        input_specs.append(InputLayerSpec(key, dist, offset, row - offset, prow))
-        input_tables.append({"vars": np.concatenate(node_vars), "rows": np.concatenate(node_rows),
-                             "pos": np.concatenate(node_pos), "meta": meta})
+        vars_, rows_ = np.concatenate(node_vars), np.concatenate(node_rows)
+        input_specs.append(InputLayerSpec(key, dist, offset, row - offset, prow, _variable_run(vars_, rows_)))
+        input_tables.append({"vars": vars_, "rows": rows_, "pos": np.concatenate(node_pos), "meta": meta})
 
     # ---- stages ----------------------------------------------------------------------------
     inputs_end = row
@@ -280,6 +280,18 @@ def _build_stage(members, row, block_rows, sum_placement, max_exact_fanins, chil
             row += sel.size * Kp
     spec = StageSpec(tuple(prods), tuple(sums), offset)
     return spec, {"prods": prod_tabs, "sums": sum_tabs, "out": np.int32(offset)}, row, owners
+
+
+def _variable_run(node_vars: np.ndarray, node_rows: np.ndarray) -> int:
+    """The run length ``r`` of :attr:`InputLayerSpec.run`: node ``i`` on parameter row ``i`` and every aligned
+    run of ``r`` nodes on one variable (the gcd of the lengths of the layer's maximal constant-variable runs);
+    1 when rows are tied or shuffled, or the runs are single nodes."""
+    n = len(node_vars)
+    if n == 0 or not np.array_equal(node_rows, np.arange(n)):
+        return 1
+    starts = np.flatnonzero(np.diff(node_vars) != 0) + 1
+    lengths = np.diff(np.concatenate([[0], starts, [n]]))
+    return int(np.gcd.reduce(lengths))
 
 
 def _build_fold(nodes, root, input_rows: dict, first_row: int, sum_placement, max_exact_fanins, scan_min_repeats):

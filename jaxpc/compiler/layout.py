@@ -31,6 +31,9 @@ class InputLayerSpec:
         offset: first buffer row.
         num_nodes: nodes (buffer rows) in the layer.
         num_rows: parameter rows (tied vectors share rows).
+        run: ``r > 1`` when node ``i`` reads parameter row ``i`` and the nodes come in runs of ``r`` over one
+            variable (a vector of latents per variable, as in HCLTs, PDs and HMMs): the layer's sufficient
+            statistics are then one batched matrix product per run instead of a scatter; else 1.
     """
 
     key: str
@@ -38,6 +41,7 @@ class InputLayerSpec:
     offset: int
     num_nodes: int
     num_rows: int
+    run: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

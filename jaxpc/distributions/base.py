@@ -146,6 +146,15 @@ class Distribution:
         """Expected sufficient statistics per row from node flows ``[N, B]``."""
         return {}
 
+    def suff_stats_runs(self, p: dict[str, Array], tables: dict[str, Array], xg: Array, mg: Array | None,
+                        flows: Array, run: int, options) -> dict[str, Array]:
+        """:meth:`suff_stats` of a layer whose node ``i`` reads row ``i`` and whose nodes come in runs of ``run``
+        over one variable (:attr:`jaxpc.compiler.InputLayerSpec.run`): ``xg`` / ``mg`` are ``[N / run, B]``,
+        one row per run. Distributions with a faster form for this layout override it."""
+        xv = jnp.repeat(xg, run, axis=0)
+        mv = None if mg is None else jnp.repeat(mg, run, axis=0)
+        return self.suff_stats(p, tables, jnp.arange(flows.shape[0], dtype=jnp.int32), xv, mv, flows, flows.shape[0])
+
     def em_update(self, p: dict[str, Array], tables: dict[str, Array], stats: dict[str, Array], step_size,
                   pseudocount) -> dict[str, Array]:
         return p

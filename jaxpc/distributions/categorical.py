@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from .base import Distribution, blend, reduce_missing, segment_sum
 
@@ -115,6 +116,32 @@ class Categorical(Distribution):
             miss = jnp.sum(jnp.where(mv, flows, 0.0), axis=1)
             probs = jnp.exp(p["log_probs"])
             counts = counts + segment_sum(miss[:, None] * probs[rows], rows, num_rows)
+        return {"counts": counts}
+
+    def suff_stats_runs(self, p, tables, xg, mg, flows, run, options):
+        """Counts as one batched product per run of nodes over a variable: ``counts[g, j, k] = sum_b
+        flows[g, j, b] [x[g, b] = k]`` (``flows`` viewed ``[G, run, B]``), a matrix product with a one-hot
+        matrix instead of a scatter of ``N * B`` single values (HCLT-256 at B=512: 100 million). The one-hot
+        side is exact in any matmul precision; with ``precision="fp32"`` the flows are split into a TF32-exact
+        high part and the remainder, so two default-precision products give float32 counts."""
+        N, B = flows.shape
+        G, K = N // run, self.num_cats
+        xi = jnp.clip(self._values(xg, mg), 0, K - 1)
+        obs = flows.reshape(G, run, B)
+        if mg is not None:
+            obs = jnp.where(mg[:, None, :], 0.0, obs)
+        onehot = (xi[:, :, None] == jnp.arange(K, dtype=xi.dtype)).astype(flows.dtype)  # [G, B, K]
+        if options.precision == "fp32" and flows.dtype == jnp.float32:
+            hi = lax.bitcast_convert_type(lax.bitcast_convert_type(obs, jnp.uint32) & jnp.uint32(0xFFFFE000),
+                                          jnp.float32)
+            parts = (hi, obs - hi)
+        else:
+            parts = (obs,)
+        counts = sum(jnp.einsum("grb,gbk->grk", q, onehot, preferred_element_type=flows.dtype) for q in parts)
+        counts = counts.reshape(N, K)
+        if mg is not None:
+            miss = jnp.sum(jnp.where(mg[:, None, :], flows.reshape(G, run, B), 0.0), axis=2).reshape(N)
+            counts = counts + miss[:, None] * jnp.exp(p["log_probs"])
         return {"counts": counts}
 
     def em_update(self, p, tables, stats, step_size, pseudocount):

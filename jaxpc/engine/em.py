@@ -43,6 +43,12 @@ def flows_and_ll(layout: Layout, tables: dict, params: dict, x: Array, missing: 
     g_in = {}
     for spec, tab, node_flows in zip(layout.input_layers, tables["inputs"], g_eps):
         with jax.named_scope(f"jaxpc/input_stats/{spec.key}"):
+            if spec.run > 1:
+                gv = tab["vars"][::spec.run]
+                g_in[spec.key] = spec.dist.suff_stats_runs(params["input"][spec.key], tab["meta"], xt[gv],
+                                                           None if mt is None else mt[gv], node_flows, spec.run,
+                                                           options)
+                continue
             xv = xt[tab["vars"]]
             mv = None if mt is None else mt[tab["vars"]]
             g_in[spec.key] = spec.dist.suff_stats(params["input"][spec.key], tab["meta"], tab["rows"], xv, mv,

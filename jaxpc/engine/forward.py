@@ -149,6 +149,25 @@ def write_inputs(layout: Layout, buf: Array, vals: list) -> Array:
     return buf
 
 
+def input_buffer(layout: Layout, vals: list, dtype) -> Array:
+    """The node buffer before the first stage: padding rows, the input layers' values, zeros above. Built
+    as one concatenation (one kernel that computes the leaves and writes the whole buffer on a GPU) when the
+    input layers fill the rows right after the padding, as the compiler lays them out."""
+    B = vals[0].shape[1]
+    kmax = layout.kmax
+    specs = sorted(zip(layout.input_layers, vals), key=lambda sv: sv[0].offset)
+    row = 2 * kmax
+    for spec, _ in specs:
+        if spec.offset != row:
+            return write_inputs(layout, empty_buffer(layout, B, dtype), vals)
+        row += spec.num_nodes
+    parts = [jnp.zeros((kmax, B), dtype), jnp.full((kmax, B), -jnp.inf, dtype)]
+    parts += [v.astype(dtype) for _, v in specs]
+    if layout.num_rows > row:
+        parts.append(jnp.zeros((layout.num_rows - row, B), dtype))
+    return jnp.concatenate(parts)
+
+
 def run_stages(layout, tables: dict, buf: Array, stage_fn, reverse: bool = False):
     """Apply ``stage_fn(carry, spec, tab, offset, name)`` to every stage in order (or in reverse), running
     repeated stages under ``lax.scan``. ``carry`` is any pytree (the node buffer, or buffers plus
@@ -174,7 +193,7 @@ def forward_buffer(layout: Layout, tables: dict, sum_params: dict, input_vals: l
                    evidence: dict | None = None, counts: bool = False) -> Array:
     """The node buffer ``[R, B]`` from the input layers' values (plain forward, differentiable by autodiff)."""
     dtype = _param_dtype({"sum": sum_params, "v": input_vals})
-    buf = write_inputs(layout, empty_buffer(layout, input_vals[0].shape[1], dtype), input_vals)
+    buf = input_buffer(layout, input_vals, dtype)
 
     def stage(b, spec, tab, offset, name):
         return _stage(b, spec, tab, sum_params, options, offset, name, evidence, counts)
