@@ -2,20 +2,24 @@
 
     python benchmarks/plans.py [--workloads hclt,pd] [--batches 16,512] [--plans layers,fold,fused]
                                [--latents hclt=256,pd=128] [--precision tf32] [--reps 25] [--memory]
+                               [--same-batch]
 
 Plans (all ``backward="flows"``):
 
 * ``layers``: the full layout, XLA sum layers (``Options(fold_products=False)``);
 * ``fold``: the folded plan, XLA sum layers (``Options()``, the default);
 * ``fused``: the folded plan with the Pallas kernels writing the node and flow buffers in place
-  (``Options(fold_products=True, impl="pallas")``): one kernel per sum level forward, three backward;
+  (``Options(fold_products=True, impl="pallas")``): one kernel per sum level forward, three backward
+  (a tree level's child flows computed once per parent and written to each row block of its child);
 * ``fusedfwd``: the folded plan with the in-place Pallas forward kernels and the XLA backward
   (``Options(fold_products=True, impl="pallas_forward")``);
 * ``pallas``: the full layout with the Pallas kernels (``Options(impl="pallas", fold_products=False)``).
 
 One circuit per workload, the same input batches for every plan. Per (plan, batch): compile seconds of the
 flows executable, the relative error of log-likelihoods and of every flow array against ``layers`` at
-the same precision, and median milliseconds of ``flows`` (forward + flows) and ``log_prob``; with
+the same precision, and median milliseconds of ``flows`` (forward + flows; each call synchronized, and
+``pipelined``: calls dispatched back to back, synchronized once, as in a training loop) and ``log_prob``
+(4 rotating input batches; ``--same-batch``: one, as a CUDA-graph replay's static inputs); with
 ``--memory`` also XLA's memory analysis of the flows executable (one more compile). Rows go to
 ``$OUT/plans.json``.
 """
@@ -71,6 +75,8 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=25)
     p.add_argument("--memory", action="store_true")
     p.add_argument("--no-pack", action="store_true", help="executables take the index tables unpacked")
+    p.add_argument("--same-batch", action="store_true",
+                   help="time every call on the same input array (a CUDA-graph replay's static inputs) instead of 4")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
     latents = dict(kv.split("=") for kv in args.latents.split(","))
@@ -105,8 +111,14 @@ def main(argv=None):
                     errs = (rel(got[1], base[1]), max(rel(a, b) for a, b in zip(jax.tree_util.tree_leaves(got[0]),
                                                                                jax.tree_util.tree_leaves(base[0])))
                             ) if base is not None else (float("nan"), float("nan"))
-                    flows = median_ms(lambda xb: c.flows(c.params, xb, options=opts, validate=False), xs, args.reps)
-                    fwd = median_ms(lambda xb: c.log_prob(c.params, xb, options=opts, validate=False), xs, args.reps)
+                    xt = xs[:1] if args.same_batch else xs
+                    flows = median_ms(lambda xb: c.flows(c.params, xb, options=opts, validate=False), xt, args.reps)
+                    t = time.perf_counter()  # steps dispatched back to back, synchronized once: host and device overlap
+                    for i in range(args.reps):
+                        out = c.flows(c.params, xt[i % len(xt)], options=opts, validate=False)
+                    jax.block_until_ready(out)
+                    pipelined = 1e3 * (time.perf_counter() - t) / args.reps
+                    fwd = median_ms(lambda xb: c.log_prob(c.params, xb, options=opts, validate=False), xt, args.reps)
                     mem = float("nan")
                     if args.memory:
                         mem = exec_mib(jax.jit(lambda tb, pr, xx: jaxpc.engine.em.flows_and_ll(
@@ -115,9 +127,9 @@ def main(argv=None):
                     print(f"{w} B={B} {name}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
                     continue
                 row = dict(workload=f"{w}-{latents[w]}", B=B, plan=name, precision=args.precision, fwd_ms=fwd,
-                           flows_ms=flows, mem_mib=mem, compile_s=t_compile, ll_err=errs[0], flow_err=errs[1])
+                           flows_ms=flows, flows_pipelined_ms=pipelined, mem_mib=mem, compile_s=t_compile, ll_err=errs[0], flow_err=errs[1])
                 rows.append(row)
-                print(f"{w}-{latents[w]} B={B:4d} {name:7s} fwd {fwd:7.3f} ms | fwd+flows {flows:7.3f} ms | mem "
+                print(f"{w}-{latents[w]} B={B:4d} {name:7s} fwd {fwd:7.3f} ms | fwd+flows {flows:7.3f} ms (pipelined {pipelined:6.3f}) | mem "
                       f"{mem:7.1f} MiB | compile {t_compile:5.1f}s | vs layers: ll {errs[0]:.1e} flows {errs[1]:.1e}",
                       flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)

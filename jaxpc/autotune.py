@@ -187,7 +187,8 @@ def tune_circuit(circuit, params, x, *, precision: str = "tf32", candidates: Seq
                         else:
                             out = pallas_sum.forward(v, pt["ch"], pt["pid"], logw, config=kc, **kw)
                         if cfg[0] == "pallas":
-                            return (out, *fw.pallas_sum_backward(v, f, off, pt, logw, alpha=1.0, config=kc, **kw))
+                            return (out, *fw.pallas_sum_backward(v, f, off, pt, logw, part, alpha=1.0, config=kc,
+                                                                 precision=precision, first_row=2 * plan.kmax))
                         cf, pf = sum_layer_backward_reference(v, f, pt["ch"], pt["pid"], logw, off, dense=part.dense,
                                                               **kw)
                         return out, fw.scatter_child_flows(f, cf, pt["ch"], part.Kc, part.dense), pf

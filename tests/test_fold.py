@@ -7,6 +7,7 @@ import pytest
 
 import jaxpc
 from jaxpc import dists, structures
+from jaxpc.engine import forward as engine_forward
 from jaxpc.nodes import inputs, multiply, summate
 
 from . import oracle
@@ -102,3 +103,19 @@ def test_fused_plan_runs_the_in_place_kernels():
     text = str(jax.make_jaxpr(lambda p: c.flows(p, x, options=FUSED))(c.params))
     assert "jaxpc_sum_forward_inplace" in text and "jaxpc_sum_backward_children_inplace" in text
     assert "scatter-add" not in text.split("jaxpc_sum_forward_inplace")[0]  # no XLA sum layer on the way up
+
+
+def test_tree_levels_run_the_slot_kernel():
+    """An HCLT's folded levels are exclusive (one child per parent, one parent per row block): the Pallas
+    backward writes each parent's child flows to all row blocks of its child, and its flows equal the reference's."""
+    data = np.random.default_rng(5).integers(0, 4, (200, 7))
+    c = jaxpc.compile(structures.HCLT(data, 4, input_dist=dists.Categorical(num_cats=4)), seed=2)
+    parts = [p for st in c.layout.fold.stages() for p in st.sums]
+    assert sum(engine_forward.exclusive(p) for p in parts) >= len(parts) - 1  # all but (maybe) the root's
+    x = data[:B].astype(np.int32)
+    text = str(jax.make_jaxpr(lambda p: c.flows(p, x, options=FUSED))(c.params))
+    assert "jaxpc_sum_backward_slots_inplace" in text
+    got = c.flows(c.params, x, options=FUSED, return_ll=True)
+    ref = c.flows(c.params, x, options=FOLD, return_ll=True)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-5)

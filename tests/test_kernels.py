@@ -197,3 +197,66 @@ def test_folded_kernels_in_place_match_reference(shape):
     np.testing.assert_allclose(np.asarray(pf), np.asarray(pf_ref), rtol=2e-4, atol=1e-5)
     with pytest.raises(ValueError, match="pcol"):
         pallas_sum.backward_children(out, a, mx, t["uch"], t["par"], t["ppid"], logw, Kp=Kp, Kc=Kc, ch=t["ch"])
+
+
+# (Kp, Kc, n, M, B, block_b): tree levels (one child block per parent block, one parent per row block)
+EXCLUSIVE = [(4, 4, 3, 3, 7, 32), (16, 32, 2, 4, 19, 32), (8, 8, 5, 2, 40, 16), (3, 5, 4, 1, 1, 32)]
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.5])
+@pytest.mark.parametrize("shape", EXCLUSIVE, ids=lambda s: "Kp{}-Kc{}-n{}-M{}-B{}-bb{}".format(*s))
+def test_exclusive_backward_matches_reference(shape, alpha):
+    """Tree levels: child flows computed once per parent and added into every row block of its folded child
+    (zero-row padding untouched), over one batch tile or several, LL and GeneralLL."""
+    Kp, Kc, n, M, B, bb = shape
+    rng = np.random.default_rng(11)
+    kmax = max(Kp, Kc)
+    base = 2 * kmax
+    nblk = n * M
+    off = base + nblk * Kc
+    R = off + n * Kp
+    buf = np.zeros((R, B), np.float32)
+    buf[kmax:2 * kmax] = -np.inf
+    buf[base:off] = rng.normal(size=(nblk * Kc, B)) * 2
+    buf[base:off][rng.random((nblk * Kc, B)) < 0.1] = -np.inf
+    ch = (base + Kc * rng.permutation(nblk)).reshape(n, 1, M)  # every row block read once
+    if M > 1:
+        short = rng.random((n, 1, M)) < 0.3
+        short[:, :, 0] = False
+        ch[short] = 0  # zero rows: a shorter product
+    pid = rng.permutation(n).reshape(n, 1)
+    inv = _inverse_tables(ch, pid)
+    assert inv["par"].shape[1] == 1
+    t = {k: jnp.asarray(v, jnp.int32) for k, v in {"ch": ch, "pid": pid}.items()}
+    logw = jnp.asarray(np.log(rng.random((n, Kp, Kc)) + 1e-3), jnp.float32)
+    prop = dict(propagation="LL") if alpha == 1.0 else dict(propagation="GeneralLL", alpha=alpha)
+    out = jnp.asarray(buf)
+    vals = sum_layer_reference(out, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, dense=False, **prop)
+    out = out.at[off:].set(vals)
+    flows0 = jnp.asarray(rng.random((R, B)), jnp.float32)
+    flows0 = flows0.at[off:].set(jnp.where(jnp.isfinite(vals), flows0[off:], 0.0))
+    flows0 = flows0.at[off:off + Kp, :2].set(0.0)  # parents without flow
+    cf_ref, pf_ref = sum_layer_backward_reference(out, flows0, t["ch"], t["pid"], logw, off, Kp=Kp, Kc=Kc,
+                                                  dense=False, **prop)
+    want = flows0
+    for m in range(M):
+        rows = child_rows(t["ch"][:, :, m], Kc, False)
+        want = want.at[rows].add(jnp.where(rows[:, :, None] >= base, cf_ref, 0.0))
+    cfg = pallas_sum.KernelConfig(block_b=bb)
+    got, pf = pallas_sum.backward_exclusive(out, flows0, off, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, first_row=base,
+                                            alpha=alpha, config=cfg)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=1e-5)  # padding rows untouched
+    np.testing.assert_allclose(np.asarray(pf), np.asarray(pf_ref), rtol=2e-4, atol=1e-5)
+    got2, none = pallas_sum.backward_exclusive(out, flows0, off, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc,
+                                               first_row=base, alpha=alpha, config=cfg, param_flows=False)
+    assert none is None
+    np.testing.assert_allclose(np.asarray(got2), np.asarray(want), rtol=2e-4, atol=1e-5)
+
+
+def test_exclusive_backward_rejects_bad_input():
+    b = jnp.zeros((40, 4), jnp.float32)
+    ch, pid, lw = jnp.full((2, 2), 8, jnp.int32), jnp.zeros((2, 2), jnp.int32), jnp.zeros((4, 4, 4))
+    with pytest.raises(ValueError, match="one child block"):
+        pallas_sum.backward_exclusive(b, b, 24, ch, pid, lw, Kp=4, Kc=4, first_row=8)
+    with pytest.raises(TypeError, match="float32"):
+        pallas_sum.backward_exclusive(b, b.astype(jnp.float16), 24, ch[:, :1], pid[:, :1], lw, Kp=4, Kc=4, first_row=8)

@@ -238,9 +238,9 @@ def _root_bwd(layout, options, res, g):
                 tempered = options.pflow_temperature != 1.0 or options.eflow_temperature != 1.0
                 if impl == "pallas" and options.propagation != "MPE" and not tempered:
                     a = 1.0 if options.propagation == "LL" else options.alpha
-                    fl, pf = pallas_sum_backward(values, fl, row, t, sum_params[part.group], Kp=part.Kp, Kc=part.Kc,
-                                                 alpha=a, precision=options.precision, config=cfg,
-                                                 param_flows=options.compute_param_flows)
+                    fl, pf = pallas_sum_backward(values, fl, row, t, sum_params[part.group], part, alpha=a,
+                                                 precision=options.precision, first_row=2 * layout.kmax,
+                                                 config=cfg, param_flows=options.compute_param_flows)
                 else:
                     cf, pf = sum_layer_backward(values, fl, t["ch"], t["pid"], sum_params[part.group], row,
                                                 Kp=part.Kp, Kc=part.Kc, dense=part.dense,
@@ -275,13 +275,26 @@ def scatter_child_flows(fl: Array, cf: Array, ch: Array, Kc: int, dense: bool) -
     return fl.at[rows].add(cf.astype(fl.dtype))
 
 
-def pallas_sum_backward(values, flows, row, t, logw, *, Kp, Kc, alpha, precision, config=None,
+def exclusive(part) -> bool:
+    """Whether a sum partition is a tree level: one child block per parent block and one parent per child
+    row block: the Pallas backward then computes each parent's child flows once and writes them to every row
+    block of its (folded) child, :func:`jaxpc.ops.pallas_sum.backward_exclusive`)."""
+    return part.C == 1 and part.D == 1
+
+
+def pallas_sum_backward(values, flows, row, t, logw, part, *, alpha, precision, first_row: int, config=None,
                         param_flows: bool = True):
-    """The backward kernels of one sum partition (folded or not) whose parents sit at ``row``: ``(flows with the
-    child flows added, param flows [n, C, Kp, Kc] or None)``. A float32 flow buffer is updated in place."""
+    """The backward kernels of one sum partition ``part`` (folded or not) whose parents sit at ``row``:
+    ``(flows with the child flows added, param flows [n, C, Kp, Kc] or None)``. A float32 flow buffer is
+    updated in place; ``first_row``: the first row above the padding (``2 * kmax``)."""
     from ..ops import pallas_sum
 
     cfg = config or pallas_sum.KernelConfig()
+    Kp, Kc = part.Kp, part.Kc
+    if exclusive(part) and flows.dtype == jnp.float32:
+        return pallas_sum.backward_exclusive(values, flows, row, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc,
+                                             first_row=first_row, alpha=alpha, precision=precision, config=cfg,
+                                             param_flows=param_flows)
     a, m, pf = pallas_sum.backward_parents(values, flows, row, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, alpha=alpha,
                                            precision=precision, config=cfg, param_flows=param_flows)
     args = (values, a, m, t["uch"], t["par"], t["ppid"], logw)

@@ -1,6 +1,6 @@
 """Block-sparse sum layer as Pallas kernels (Triton backend on GPU, interpret mode on CPU).
 
-Four kernels, each reading children straight out of the node buffer through the index tables
+Kernels reading children straight out of the node buffer through the index tables
 (no materialized ``[n, C*Kc, B]`` gather). A child block is the sum of ``M`` row blocks (``ch
 [n, C, M]``; ``M = 1`` for ``ch [n, C]``): the folded plan's products are added up in the loads.
 Weights enter as log-weights and are exponentiated per loaded tile (never the whole group).
@@ -16,6 +16,9 @@ Weights enter as log-weights and are exponentiated per loaded tile (never the wh
   inverse (parent) tables: ``flow_child = sum_parents exp(x - m_parent) * (W^T @ a_parent)``.
   Each program owns its output rows: no atomics, no per-edge intermediate. With ``flows`` it adds
   them into the flow buffer in place (aliased output).
+* ``backward_exclusive``: a tree level (one child block per parent, one parent per child row block):
+  the parent kernels, then per parent block ``W^T a`` once, added to all ``M`` row blocks of its
+  folded child in place (``backward_children`` would recompute it per row block).
 
 Shapes are padded to powers of two inside the kernels (masked loads and stores); products with
 all dimensions >= 16 use the tensor cores (``pl.dot`` at the requested precision), smaller ones
@@ -318,3 +321,59 @@ def backward_children(buf: Array, a: Array, m: Array, uch: Array, par: Array, pp
         raise TypeError(f"in-place child flows need a float32 flow buffer, got {flows.dtype}")
     return _call(kernel, config, grid=grid, out_shape=jax.ShapeDtypeStruct(flows.shape, jnp.float32),
                  input_output_aliases={9: 0}, name="jaxpc_sum_backward_children_inplace")(*args, flows)
+
+
+# ---- backward of an exclusive partition (a tree level): child flows per parent, written to every row block --
+
+def _bwd_slots_kernel(ch_ref, pid_ref, w_ref, buf_ref, a_ref, m_ref, flow_ref, out_ref, *, M, Kp, Kc, KT, KPT, BB, B,
+                      alpha, precision, first_row):
+    i, k, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    cols = t * BB + jnp.arange(BB)
+    cmask = cols < B
+    kc = k * KT + jnp.arange(KT)
+    x = _load_child(buf_ref, ch_ref, i, 0, kc, cols, cmask, M=M, Kc=Kc)
+    m = plgpu.load(m_ref.at[i, cols], mask=cmask, other=0.0)
+    safe = jnp.where(m == _NEG, 0.0, m)
+    p = pid_ref[i, 0]
+
+    def chunk(q, wa):  # W^T @ a over chunks of the parent nodes, once for all M row blocks
+        kp = q * KPT + jnp.arange(KPT)
+        a = _load_tile(a_ref, i * Kp + kp, cols, kp < Kp, cmask, 0.0)
+        return wa + _mm(_load_w(w_ref, p, kp, kc, Kp, Kc, alpha), a, precision, trans_a=True)
+
+    wa = lax.fori_loop(0, pl.cdiv(Kp, KPT), chunk, jnp.zeros((KT, BB), jnp.float32))
+    cf = jnp.exp(alpha * (x - safe[None, :])) * wa
+    for s in range(M):  # the child's row blocks: this program is their only writer
+        r0 = ch_ref[i, 0, s]
+        rmask = (kc < Kc) & (r0 >= first_row)  # not the padding rows
+        old = _load_tile(flow_ref, r0 + kc, cols, rmask, cmask, 0.0)
+        _store_tile(out_ref, r0 + kc, cols, old + cf, rmask, cmask)
+
+
+def backward_exclusive(buf: Array, flows: Array, out_offset, ch: Array, pid: Array, w: Array, *, Kp: int, Kc: int,
+                       first_row: int, alpha: float = 1.0, precision: str = "fp32",
+                       config: KernelConfig = KernelConfig(), param_flows: bool = True):
+    """Backward of a partition whose parent blocks have one child block each (``C = 1``) and whose child row
+    blocks have one parent each (inverse tables with ``D = 1``: a tree's levels). After the parent kernels of
+    :func:`backward_parents`, one program per (parent block, child-node tile, batch tile) computes ``W^T a``
+    once and adds the child flows into every row block of the (folded) child in place, where
+    :func:`backward_children` would recompute it per row block. Rows below ``first_row`` are padding and stay
+    untouched. Returns ``(flows, param_flows [n, 1, Kp, Kc] or None)``."""
+    ch = _tables3(ch)
+    n, C, M = ch.shape
+    if C != 1:
+        raise ValueError(f"backward_exclusive needs one child block per parent block, got C={C}")
+    if flows.dtype != jnp.float32:
+        raise TypeError(f"in-place child flows need a float32 flow buffer, got {flows.dtype}")
+    B = buf.shape[1]
+    buf = buf.astype(jnp.float32)
+    a, m, pf = backward_parents(buf, flows, out_offset, ch, pid, w, Kp=Kp, Kc=Kc, alpha=alpha, precision=precision,
+                                config=config, param_flows=param_flows)
+    BB = min(config.block_b, _p2(B))
+    KT = min(config.block_k, _p2(Kc))
+    kernel = functools.partial(_bwd_slots_kernel, M=M, Kp=Kp, Kc=Kc, KT=KT, KPT=_chunk(config, KT, Kp), BB=BB, B=B,
+                               alpha=float(alpha), precision=precision, first_row=int(first_row))
+    flows = _call(kernel, config, grid=(n, pl.cdiv(Kc, KT), pl.cdiv(B, BB)),
+                  out_shape=jax.ShapeDtypeStruct(flows.shape, jnp.float32), input_output_aliases={6: 0},
+                  name="jaxpc_sum_backward_slots_inplace")(ch, pid, w, buf, a, m, flows)
+    return flows, pf
