@@ -14,6 +14,18 @@ from jax import lax
 
 from .base import Distribution, blend, reduce_missing, segment_sum
 
+#: elements of the one-hot matrices built at once by :meth:`Categorical.suff_stats_runs`
+ONEHOT_CHUNK = 1 << 24
+
+
+def _chunk_size(G: int, most: int) -> int:
+    """Runs per chunk: the largest divisor of ``G`` up to ``most`` (at least 1); ``G`` (one chunk) when that
+    divisor would make more than 64 chunks."""
+    if most >= G:
+        return G
+    step = max(d for d in range(1, max(1, most) + 1) if G % d == 0)
+    return G if G // step > 64 else step
+
 
 def _check_probs(probs: np.ndarray, num_nodes: int, num_cats: int, where: str, allowed: np.ndarray | None = None):
     if probs.shape != (num_nodes, num_cats):
@@ -130,14 +142,24 @@ class Categorical(Distribution):
         obs = flows.reshape(G, run, B)
         if mg is not None:
             obs = jnp.where(mg[:, None, :], 0.0, obs)
-        onehot = (xi[:, :, None] == jnp.arange(K, dtype=xi.dtype)).astype(flows.dtype)  # [G, B, K]
-        if options.precision == "fp32" and flows.dtype == jnp.float32:
-            hi = lax.bitcast_convert_type(lax.bitcast_convert_type(obs, jnp.uint32) & jnp.uint32(0xFFFFE000),
-                                          jnp.float32)
-            parts = (hi, obs - hi)
+        split = options.precision == "fp32" and flows.dtype == jnp.float32
+
+        def product(o, xc):  # [g, run, B] x one-hot [g, B, K]
+            onehot = (xc[:, :, None] == jnp.arange(K, dtype=xc.dtype)).astype(flows.dtype)
+            if split:
+                hi = lax.bitcast_convert_type(lax.bitcast_convert_type(o, jnp.uint32) & jnp.uint32(0xFFFFE000),
+                                              jnp.float32)
+                return (jnp.einsum("grb,gbk->grk", hi, onehot, preferred_element_type=flows.dtype)
+                        + jnp.einsum("grb,gbk->grk", o - hi, onehot, preferred_element_type=flows.dtype))
+            return jnp.einsum("grb,gbk->grk", o, onehot, preferred_element_type=flows.dtype)
+
+        # one-hot matrices of at most ONEHOT_CHUNK elements at a time, one chunk after the other (HCLT-256 at
+        # B=512: 784 x 512 x 256 floats, 411 MB, would otherwise be the step's largest temporary)
+        step = _chunk_size(G, ONEHOT_CHUNK // (B * K))
+        if step >= G:
+            counts = product(obs, xi)
         else:
-            parts = (obs,)
-        counts = sum(jnp.einsum("grb,gbk->grk", q, onehot, preferred_element_type=flows.dtype) for q in parts)
+            counts = lax.map(lambda a: product(*a), (obs.reshape(G // step, step, run, B), xi.reshape(G // step, step, B)))
         counts = counts.reshape(N, K)
         if mg is not None:
             miss = jnp.sum(jnp.where(mg[:, None, :], flows.reshape(G, run, B), 0.0), axis=2).reshape(N)
