@@ -12,7 +12,6 @@ import jaxpc
 from jaxpc import dists, structures
 from jaxpc.compiler.compile import _variable_run
 from jaxpc.distributions import categorical
-from jaxpc.distributions.categorical import _chunk_size
 from jaxpc.engine import em
 
 
@@ -32,20 +31,12 @@ def hclt():
     return data, jaxpc.compile(structures.HCLT(data, 4, input_dist=dists.Categorical(num_cats=5)), seed=1)
 
 
-def test_chunk_size():
-    assert _chunk_size(784, 1000) == 784
-    assert _chunk_size(784, 128) == 112
-    assert _chunk_size(784, 0) == 784  # 1 per chunk would be 784 chunks: one chunk instead
-    assert _chunk_size(10, 0) == 1
-    assert _chunk_size(97, 50) == 97  # a prime: one chunk
-
-
-@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("chunk", [None, 1, 3 * 37 * 5])
 @pytest.mark.parametrize("precision", ["fp32", "tf32"])
 @pytest.mark.parametrize("missing", ["none", "per_sample", "per_variable"])
-def test_run_counts_equal_scatter(hclt, precision, missing, chunked, monkeypatch):
-    if chunked:  # one-hot matrices of one variable at a time
-        monkeypatch.setattr(categorical, "ONEHOT_CHUNK", 1)
+def test_run_counts_equal_scatter(hclt, precision, missing, chunk, monkeypatch):
+    if chunk:  # one-hot matrices of 1 or 3 variables at a time (10 variables: the last chunk shifted back)
+        monkeypatch.setattr(categorical, "ONEHOT_CHUNK", chunk)
     data, c = hclt
     assert [s.run for s in c.layout.input_layers] == [4]
     per_node = dataclasses.replace(

@@ -18,15 +18,6 @@ from .base import Distribution, blend, reduce_missing, segment_sum
 ONEHOT_CHUNK = 1 << 24
 
 
-def _chunk_size(G: int, most: int) -> int:
-    """Runs per chunk: the largest divisor of ``G`` up to ``most`` (at least 1); ``G`` (one chunk) when that
-    divisor would make more than 64 chunks."""
-    if most >= G:
-        return G
-    step = max(d for d in range(1, max(1, most) + 1) if G % d == 0)
-    return G if G // step > 64 else step
-
-
 def _check_probs(probs: np.ndarray, num_nodes: int, num_cats: int, where: str, allowed: np.ndarray | None = None):
     if probs.shape != (num_nodes, num_cats):
         raise ValueError(f"{where}: probabilities must have shape [num_nodes, num_cats] = [{num_nodes}, {num_cats}], "
@@ -155,11 +146,18 @@ class Categorical(Distribution):
 
         # one-hot matrices of at most ONEHOT_CHUNK elements at a time, one chunk after the other (HCLT-256 at
         # B=512: 784 x 512 x 256 floats, 411 MB, would otherwise be the step's largest temporary)
-        step = _chunk_size(G, ONEHOT_CHUNK // (B * K))
+        step = max(1, min(G, ONEHOT_CHUNK // (B * K)))
         if step >= G:
             counts = product(obs, xi)
         else:
-            counts = lax.map(lambda a: product(*a), (obs.reshape(G // step, step, run, B), xi.reshape(G // step, step, B)))
+            def chunk(c, acc):  # the last chunk is shifted back to fit; its runs counted before are kept
+                start = jnp.minimum(c * step, G - step)
+                part = product(lax.dynamic_slice_in_dim(obs, start, step), lax.dynamic_slice_in_dim(xi, start, step))
+                fresh = (start + jnp.arange(step)) >= c * step
+                old = lax.dynamic_slice_in_dim(acc, start, step)
+                return lax.dynamic_update_slice_in_dim(acc, jnp.where(fresh[:, None, None], part, old), start, 0)
+
+            counts = lax.fori_loop(0, -(-G // step), chunk, jnp.zeros((G, run, K), flows.dtype))
         counts = counts.reshape(N, K)
         if mg is not None:
             miss = jnp.sum(jnp.where(mg[:, None, :], flows.reshape(G, run, B), 0.0), axis=2).reshape(N)
