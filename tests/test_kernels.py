@@ -203,13 +203,11 @@ def test_folded_kernels_in_place_match_reference(shape):
 EXCLUSIVE = [(4, 4, 3, 3, 7, 32), (16, 32, 2, 4, 19, 32), (8, 8, 5, 2, 40, 16), (3, 5, 4, 1, 1, 32)]
 
 
-@pytest.mark.parametrize("alpha", [1.0, 0.5])
-@pytest.mark.parametrize("shape", EXCLUSIVE, ids=lambda s: "Kp{}-Kc{}-n{}-M{}-B{}-bb{}".format(*s))
-def test_exclusive_backward_matches_reference(shape, alpha):
-    """Tree levels: child flows computed once per parent and added into every row block of its folded child
-    (zero-row padding untouched), over one batch tile or several, LL and GeneralLL."""
-    Kp, Kc, n, M, B, bb = shape
-    rng = np.random.default_rng(11)
+def make_tree_level(Kp, Kc, n, M, B, alpha=1.0, seed=11):
+    """A tree level on the folded plan: ``n`` parent blocks, each reading one child made of ``M`` row blocks
+    (some zero-row padding), every row block read once. Returns ``(values, flows, tables, logw, parent
+    offset, first row above the padding, expected flows, expected parameter flows)``."""
+    rng = np.random.default_rng(seed)
     kmax = max(Kp, Kc)
     base = 2 * kmax
     nblk = n * M
@@ -225,8 +223,7 @@ def test_exclusive_backward_matches_reference(shape, alpha):
         short[:, :, 0] = False
         ch[short] = 0  # zero rows: a shorter product
     pid = rng.permutation(n).reshape(n, 1)
-    inv = _inverse_tables(ch, pid)
-    assert inv["par"].shape[1] == 1
+    assert _inverse_tables(ch, pid)["par"].shape[1] == 1
     t = {k: jnp.asarray(v, jnp.int32) for k, v in {"ch": ch, "pid": pid}.items()}
     logw = jnp.asarray(np.log(rng.random((n, Kp, Kc)) + 1e-3), jnp.float32)
     prop = dict(propagation="LL") if alpha == 1.0 else dict(propagation="GeneralLL", alpha=alpha)
@@ -242,6 +239,16 @@ def test_exclusive_backward_matches_reference(shape, alpha):
     for m in range(M):
         rows = child_rows(t["ch"][:, :, m], Kc, False)
         want = want.at[rows].add(jnp.where(rows[:, :, None] >= base, cf_ref, 0.0))
+    return out, flows0, t, logw, off, base, want, pf_ref
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.5])
+@pytest.mark.parametrize("shape", EXCLUSIVE, ids=lambda s: "Kp{}-Kc{}-n{}-M{}-B{}-bb{}".format(*s))
+def test_exclusive_backward_matches_reference(shape, alpha):
+    """Tree levels: child flows computed once per parent and added into every row block of its folded child
+    (zero-row padding untouched), over one batch tile or several, LL and GeneralLL."""
+    Kp, Kc, n, M, B, bb = shape
+    out, flows0, t, logw, off, base, want, pf_ref = make_tree_level(Kp, Kc, n, M, B, alpha)
     cfg = pallas_sum.KernelConfig(block_b=bb)
     got, pf = pallas_sum.backward_exclusive(out, flows0, off, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, first_row=base,
                                             alpha=alpha, config=cfg)
