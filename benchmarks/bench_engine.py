@@ -122,7 +122,7 @@ def main(argv=None):
     p.add_argument("--batches", default="16,128,512")
     p.add_argument("--reps", type=int, default=25)
     p.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "bf16"])
-    p.add_argument("--impl", default="reference", choices=["reference", "pallas"])
+    p.add_argument("--impl", default="reference", choices=["reference", "pallas", "pallas_forward"])
     p.add_argument("--no-fold", dest="fold", action="store_false",
                    help="Options(fold_products=False): the full layout instead of the folded plan")
     p.add_argument("--out", default=os.environ.get("OUT", "."))

@@ -2,7 +2,7 @@
 
     python benchmarks/side_by_side.py [--workloads hmm,hclt,pd] [--batches 16,128,512] [--reps 25]
                                       [--precision tf32] [--pyjuice-modes default,graph] [--codd]
-                                      [--no-fold] [--json out.json]
+                                      [--impl reference|pallas|pallas_forward] [--no-fold] [--json out.json]
 
 Per workload and batch size: jaxpc's forward, forward + flows and EM-step ms with its executable's
 memory (``bench_engine.py``, which first checks its answer against a reference), PyJuice's forward,
@@ -116,6 +116,8 @@ def main(argv=None):
     p.add_argument("--systems", default="jaxpc,pyjuice,dynamax",
                    help="which systems to run (split a long comparison over several calls)")
     p.add_argument("--codd", action="store_true", help="also run the CoDD workload in both systems")
+    p.add_argument("--impl", default="reference", choices=["reference", "pallas", "pallas_forward"],
+                   help="jaxpc's sum layers: XLA (the default), the Pallas kernels, or the Pallas forward only")
     p.add_argument("--no-fold", dest="fold", action="store_false",
                    help="jaxpc with Options(fold_products=False) (the full layout)")
     p.add_argument("--json", default=None)
@@ -133,7 +135,8 @@ def main(argv=None):
         if "jaxpc" in systems:
             with tempfile.TemporaryDirectory() as d:
                 for r in bench_engine.main(["--workloads", w, "--batches", args.batches, "--reps", str(args.reps),
-                                            "--precision", args.precision, "--out", d] + ([] if args.fold else ["--no-fold"])):
+                                            "--precision", args.precision, "--impl", args.impl, "--out", d]
+                                           + ([] if args.fold else ["--no-fold"])):
                     scan = r["workload"] == "scan-HMM"
                     rows.append(dict(r, system="scan" if scan else "jaxpc", workload="scan-hmm" if scan else w))
         if w == "hmm" and "dynamax" in systems:
