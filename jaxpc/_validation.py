@@ -110,8 +110,9 @@ def check_batch(info: VarInfo, x, missing, *, check_values: bool, float_dtype, w
         _check_values(info, x, m, what)
 
     target = jnp.int32 if info.all_discrete else float_dtype
-    xj = jnp.asarray(x, dtype=target)
-    mj = None if m is None else jnp.asarray(m, dtype=bool)
+    # a device array of the right dtype is used as it is (jnp.asarray costs ~0.1 ms of host time per call)
+    xj = x if isinstance(x, jax.Array) and x.dtype == target else jnp.asarray(x, dtype=target)
+    mj = None if m is None else (m if isinstance(m, jax.Array) and m.dtype == jnp.bool_ else jnp.asarray(m, dtype=bool))
     return xj, mj
 
 
