@@ -211,6 +211,19 @@ def test_fit_equals_a_python_loop_of_em_steps():
     assert res.epoch_ll.shape == (3,) and res.epoch_ll[-1] > res.epoch_ll[0]
 
 
+def test_fit_reuses_its_epoch_executable_across_calls():
+    """fit(epochs=1) in a loop (checkpointing every epoch) compiles its epoch once per configuration."""
+    circuit, _, data = _small_circuit()
+    r1 = optim.fit(circuit, circuit.params, data, 1, 64, step_size=0.2, progress=False)
+    r2 = optim.fit(circuit, r1.params, data, 1, 64, step_size=0.2, opt_state=r1.opt_state, start_epoch=1,
+                   progress=False)
+    assert len(circuit.__dict__["_fit_fns"]) == 1
+    both = optim.fit(circuit, circuit.params, data, 2, 64, step_size=0.2, progress=False)
+    assert _maxdiff(both.params, r2.params) < 1e-6  # resumed equals uninterrupted
+    optim.fit(circuit, circuit.params, data, 1, 64, step_size=0.3, progress=False)
+    assert len(circuit.__dict__["_fit_fns"]) == 2
+
+
 def test_fit_full_batch_em_equals_circuit_full_batch_em():
     circuit, _, data = _small_circuit()
     tx = optim.full_batch_em(circuit, num_batches=3, pseudocount=0.1)

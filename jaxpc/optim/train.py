@@ -159,6 +159,23 @@ def _epoch_fn(layout, step, num_samples: int, batch_size: int, shuffle: bool, dr
     return jax.jit(run)
 
 
+def _default_em(circuit, step_size, pseudocount):
+    """The EM optimizer of ``fit(..., step_size=, pseudocount=)``, one per configuration and circuit: the compiled
+    epoch is cached under the optimizer, and a fresh one per call recompiled every call (``fit(epochs=1)``
+    in a loop that checkpoints)."""
+    txs = circuit.__dict__.setdefault("_fit_default_em", {})
+    key = (step_size, pseudocount)
+    try:
+        tx = txs.get(key)
+    except TypeError:  # an unhashable schedule: a new optimizer (and executable) per call
+        return em(circuit, step_size, pseudocount)
+    if tx is None:
+        if len(txs) >= 32:
+            txs.clear()
+        tx = txs[key] = em(circuit, step_size, pseudocount)
+    return tx
+
+
 def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=None, pseudocount=None,
         key: Array | None = None, missing=None, optimizer=None, opt_state=None, start_epoch: int = 0,
         shuffle: bool = True, drop_remainder: bool = False, normalize: bool = True, mesh=None,
@@ -190,7 +207,8 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
         :class:`FitResult` ``(params, opt_state, epoch_ll [epochs])``.
     """
     if optimizer is None:
-        optimizer = em(circuit, 0.1 if step_size is None else step_size, 0.0 if pseudocount is None else pseudocount)
+        optimizer = _default_em(circuit, 0.1 if step_size is None else step_size,
+                                0.0 if pseudocount is None else pseudocount)
     elif step_size is not None or pseudocount is not None:
         raise ValueError("fit: step_size and pseudocount configure the default EM optimizer; with optimizer=... set "
                          "them on the optimizer instead")
