@@ -136,11 +136,14 @@ def _stage(buf: Array, spec: StageSpec, tab: dict, sum_params: dict, options, of
     return buf
 
 
+def _padding(layout: Layout, B: int, dtype) -> list:
+    """The buffer's first ``2 * kmax`` rows: ``kmax`` zero rows, then ``kmax`` rows of ``-inf``."""
+    return [jnp.zeros((layout.kmax, B), dtype), jnp.full((layout.kmax, B), -jnp.inf, dtype)]
+
+
 def empty_buffer(layout: Layout, B: int, dtype) -> Array:
     """``[R, B]`` zeros with the ``-inf`` padding rows set."""
-    kmax = layout.kmax
-    return jnp.concatenate([jnp.zeros((kmax, B), dtype), jnp.full((kmax, B), -jnp.inf, dtype),
-                            jnp.zeros((layout.num_rows - 2 * kmax, B), dtype)])
+    return jnp.concatenate(_padding(layout, B, dtype) + [jnp.zeros((layout.num_rows - 2 * layout.kmax, B), dtype)])
 
 
 def write_inputs(layout: Layout, buf: Array, vals: list) -> Array:
@@ -154,15 +157,13 @@ def input_buffer(layout: Layout, vals: list, dtype) -> Array:
     as one concatenation (one kernel that computes the leaves and writes the whole buffer on a GPU) when the
     input layers fill the rows right after the padding, as the compiler lays them out."""
     B = vals[0].shape[1]
-    kmax = layout.kmax
     specs = sorted(zip(layout.input_layers, vals), key=lambda sv: sv[0].offset)
-    row = 2 * kmax
+    row = 2 * layout.kmax
     for spec, _ in specs:
         if spec.offset != row:
             return write_inputs(layout, empty_buffer(layout, B, dtype), vals)
         row += spec.num_nodes
-    parts = [jnp.zeros((kmax, B), dtype), jnp.full((kmax, B), -jnp.inf, dtype)]
-    parts += [v.astype(dtype) for _, v in specs]
+    parts = _padding(layout, B, dtype) + [v.astype(dtype) for _, v in specs]
     if layout.num_rows > row:
         parts.append(jnp.zeros((layout.num_rows - row, B), dtype))
     return jnp.concatenate(parts)
@@ -277,8 +278,8 @@ def scatter_child_flows(fl: Array, cf: Array, ch: Array, Kc: int, dense: bool) -
 
 def exclusive(part) -> bool:
     """Whether a sum partition is a tree level: one child block per parent block and one parent per child
-    row block: the Pallas backward then computes each parent's child flows once and writes them to every row
-    block of its (folded) child, :func:`jaxpc.ops.pallas_sum.backward_exclusive`)."""
+    row block. The Pallas backward then computes each parent's child flows once and writes them to every row
+    block of its (folded) child (:func:`jaxpc.ops.pallas_sum.backward_exclusive`)."""
     return part.C == 1 and part.D == 1
 
 

@@ -257,6 +257,24 @@ def backward_parents(buf: Array, flows: Array, out_offset, ch: Array, pid: Array
 
 # ---- backward: child side ---------------------------------------------------------------------------
 
+def _wt_a(a_ref, w_ref, i, p, kc, cols, cmask, valid, *, Kp, Kc, KPT, alpha, precision):
+    """``W_p^T @ a_i`` for the child nodes ``kc``: ``[len(kc), BB]``, over chunks of ``KPT`` parent nodes of parent
+    block ``i`` (zero where not ``valid``)."""
+
+    def chunk(q, wa):
+        kp = q * KPT + jnp.arange(KPT)
+        a = _load_tile(a_ref, i * Kp + kp, cols, (kp < Kp) & valid, cmask, 0.0)
+        return wa + _mm(_load_w(w_ref, p, kp, kc, Kp, Kc, alpha, valid), a, precision, trans_a=True)
+
+    return lax.fori_loop(0, pl.cdiv(Kp, KPT), chunk, jnp.zeros((kc.shape[0], cols.shape[0]), jnp.float32))
+
+
+def _child_tiles(config: KernelConfig, B: int, Kp: int, Kc: int):
+    """(batch tile, child-node tile, parent-node chunk) of the child-side kernels."""
+    KT = min(config.block_k, _p2(Kc))
+    return min(config.block_b, _p2(B)), KT, _chunk(config, KT, Kp)
+
+
 def _bwd_child_kernel(uch_ref, par_ref, pcol_ref, ppid_ref, ch_ref, w_ref, buf_ref, a_ref, m_ref, flow_ref, out_ref,
                       *, D, M, Kp, Kc, KT, KPT, BB, B, alpha, precision, accumulate):
     u, k, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -276,13 +294,8 @@ def _bwd_child_kernel(uch_ref, par_ref, pcol_ref, ppid_ref, ch_ref, w_ref, buf_r
             x = _load_child(buf_ref, ch_ref, ii, jnp.maximum(pcol_ref[u, d], 0), kc, cols, cmask, M=M, Kc=Kc)
         m = plgpu.load(m_ref.at[ii, cols], mask=cmask & valid, other=0.0)
         safe = jnp.where(m == _NEG, 0.0, m)
-
-        def chunk(q, wa):  # W^T @ a over chunks of the parent nodes
-            kp = q * KPT + jnp.arange(KPT)
-            a = _load_tile(a_ref, ii * Kp + kp, cols, (kp < Kp) & valid, cmask, 0.0)
-            return wa + _mm(_load_w(w_ref, ee, kp, kc, Kp, Kc, alpha, valid), a, precision, trans_a=True)
-
-        wa = lax.fori_loop(0, pl.cdiv(Kp, KPT), chunk, jnp.zeros((KT, BB), jnp.float32))
+        wa = _wt_a(a_ref, w_ref, ii, ee, kc, cols, cmask, valid, Kp=Kp, Kc=Kc, KPT=KPT, alpha=alpha,
+                   precision=precision)
         return acc + jnp.exp(alpha * (x - safe[None, :])) * wa
 
     acc = lax.fori_loop(0, D, body, jnp.zeros((KT, BB), jnp.float32))
@@ -307,9 +320,7 @@ def backward_children(buf: Array, a: Array, m: Array, uch: Array, par: Array, pp
         raise ValueError("a folded partition (ch [n, C, M]) needs pcol")
     ch = jnp.zeros((1, 1, 1), jnp.int32) if ch is None else _tables3(ch)
     pcol = par if pcol is None else pcol
-    BB = min(config.block_b, _p2(B))
-    KT = min(config.block_k, _p2(Kc))
-    KPT = _chunk(config, KT, Kp)
+    BB, KT, KPT = _child_tiles(config, B, Kp, Kc)
     kernel = functools.partial(_bwd_child_kernel, D=D, M=M, Kp=Kp, Kc=Kc, KT=KT, KPT=KPT, BB=BB, B=B,
                                alpha=float(alpha), precision=precision, accumulate=flows is not None)
     grid = (U, pl.cdiv(Kc, KT), pl.cdiv(B, BB))
@@ -334,14 +345,8 @@ def _bwd_slots_kernel(ch_ref, pid_ref, w_ref, buf_ref, a_ref, m_ref, flow_ref, o
     x = _load_child(buf_ref, ch_ref, i, 0, kc, cols, cmask, M=M, Kc=Kc)
     m = plgpu.load(m_ref.at[i, cols], mask=cmask, other=0.0)
     safe = jnp.where(m == _NEG, 0.0, m)
-    p = pid_ref[i, 0]
-
-    def chunk(q, wa):  # W^T @ a over chunks of the parent nodes, once for all M row blocks
-        kp = q * KPT + jnp.arange(KPT)
-        a = _load_tile(a_ref, i * Kp + kp, cols, kp < Kp, cmask, 0.0)
-        return wa + _mm(_load_w(w_ref, p, kp, kc, Kp, Kc, alpha), a, precision, trans_a=True)
-
-    wa = lax.fori_loop(0, pl.cdiv(Kp, KPT), chunk, jnp.zeros((KT, BB), jnp.float32))
+    wa = _wt_a(a_ref, w_ref, i, pid_ref[i, 0], kc, cols, cmask, True, Kp=Kp, Kc=Kc, KPT=KPT, alpha=alpha,
+               precision=precision)  # once for all M row blocks
     cf = jnp.exp(alpha * (x - safe[None, :])) * wa
     for s in range(M):  # the child's row blocks: this program is their only writer
         r0 = ch_ref[i, 0, s]
@@ -369,9 +374,8 @@ def backward_exclusive(buf: Array, flows: Array, out_offset, ch: Array, pid: Arr
     buf = buf.astype(jnp.float32)
     a, m, pf = backward_parents(buf, flows, out_offset, ch, pid, w, Kp=Kp, Kc=Kc, alpha=alpha, precision=precision,
                                 config=config, param_flows=param_flows)
-    BB = min(config.block_b, _p2(B))
-    KT = min(config.block_k, _p2(Kc))
-    kernel = functools.partial(_bwd_slots_kernel, M=M, Kp=Kp, Kc=Kc, KT=KT, KPT=_chunk(config, KT, Kp), BB=BB, B=B,
+    BB, KT, KPT = _child_tiles(config, B, Kp, Kc)
+    kernel = functools.partial(_bwd_slots_kernel, M=M, Kp=Kp, Kc=Kc, KT=KT, KPT=KPT, BB=BB, B=B,
                                alpha=float(alpha), precision=precision, first_row=int(first_row))
     flows = _call(kernel, config, grid=(n, pl.cdiv(Kc, KT), pl.cdiv(B, BB)),
                   out_shape=jax.ShapeDtypeStruct(flows.shape, jnp.float32), input_output_aliases={6: 0},

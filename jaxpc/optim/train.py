@@ -160,20 +160,14 @@ def _epoch_fn(layout, step, num_samples: int, batch_size: int, shuffle: bool, dr
 
 
 def _default_em(circuit, step_size, pseudocount):
-    """The EM optimizer of ``fit(..., step_size=, pseudocount=)``, one per configuration and circuit: the compiled
-    epoch is cached under the optimizer, and a fresh one per call recompiled every call (``fit(epochs=1)``
-    in a loop that checkpoints)."""
-    txs = circuit.__dict__.setdefault("_fit_default_em", {})
-    key = (step_size, pseudocount)
+    """The EM optimizer of ``fit(..., step_size=, pseudocount=)``, one per configuration and circuit (in the
+    circuit's bounded constant cache): the compiled epoch is cached under the optimizer, and a fresh one per
+    call recompiled every call (``fit(epochs=1)`` in a loop that checkpoints)."""
     try:
-        tx = txs.get(key)
+        hash((step_size, pseudocount))
     except TypeError:  # an unhashable schedule: a new optimizer (and executable) per call
         return em(circuit, step_size, pseudocount)
-    if tx is None:
-        if len(txs) >= 32:
-            txs.clear()
-        tx = txs[key] = em(circuit, step_size, pseudocount)
-    return tx
+    return circuit._constant(("fit_em", step_size, pseudocount), lambda: em(circuit, step_size, pseudocount))
 
 
 def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=None, pseudocount=None,
