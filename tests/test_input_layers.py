@@ -35,7 +35,7 @@ def hclt():
 @pytest.mark.parametrize("precision", ["fp32", "tf32"])
 @pytest.mark.parametrize("missing", ["none", "per_sample", "per_variable"])
 def test_run_counts_equal_scatter(hclt, precision, missing, chunk, monkeypatch):
-    if chunk:  # one-hot matrices of 3 variables at a time (10 variables: the last chunk shifted back)
+    if chunk:  # one-hot matrices of 3 variables at a time (10 variables: a last chunk of one)
         monkeypatch.setattr(categorical, "ONEHOT_CHUNK", chunk)
     data, c = hclt
     assert [s.run for s in c.layout.input_layers] == [4]
