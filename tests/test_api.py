@@ -150,6 +150,17 @@ def test_scan_equals_unrolled(tied):
         np.testing.assert_allclose(np.asarray(l1), np.asarray(l2), rtol=1e-5, atol=1e-6)
     _, ref = oracle.forward(scanned, scanned.params, x, miss)
     np.testing.assert_allclose(np.asarray(scanned.log_prob(scanned.params, x, miss)), ref, rtol=1e-5, atol=1e-5)
+    # the same scans unrolled at trace time (Options(scan_stages=False)), on the full layout and the folded plan
+    for fold in (False, True):
+        opts = jaxpc.Options(chain_scan=False, fold_products=fold)
+        plan = scanned.layout.fold if fold else scanned.layout
+        assert any(isinstance(s, ScanSpec) for s in plan.steps)
+        (g1, ll1), (g2, ll2) = (scanned.flows(scanned.params, x, miss, options=o, return_ll=True)
+                                for o in (opts, opts.replace(scan_stages=False)))
+        np.testing.assert_allclose(np.asarray(ll2), np.asarray(ll1), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(ll2), ref, rtol=1e-5, atol=1e-5)
+        for l1, l2 in zip(jax.tree_util.tree_leaves(g1), jax.tree_util.tree_leaves(g2)):
+            np.testing.assert_allclose(np.asarray(l2), np.asarray(l1), rtol=1e-5, atol=1e-6)
 
 
 def test_dense_partition_fast_path():

@@ -275,7 +275,8 @@ def _build_stage(members, row, block_rows, sum_placement, max_exact_fanins, chil
                 ch = ch[:, :, 0]
             inv = _inverse_tables(ch, pid)
             U, D = inv["par"].shape
-            sums.append(SumPart(int(sel.size), C, Kp, Kc, group, dense, U, D, M))
+            unique_pid = (not has_pad) and np.unique(pid).size == pid.size
+            sums.append(SumPart(int(sel.size), C, Kp, Kc, group, dense, U, D, M, bool(unique_pid)))
             sum_tabs.append({"ch": ch, "pid": pid.astype(np.int32), **inv})
             row += sel.size * Kp
     spec = StageSpec(tuple(prods), tuple(sums), offset)

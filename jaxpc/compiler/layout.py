@@ -64,7 +64,9 @@ class SumPart:
     ``group`` names the parameter array (``params["sum"][group]``, ``[P, Kp, Kc]``). ``dense``: every
     block reads the same children (no padding), so children are gathered once. ``M``: each child block
     is the sum of ``M`` row blocks (``ch [n, C, M]``; 1 except in the folded plan, see ``Layout.fold``).
-    ``U``/``D``: shape of the inverse tables (``uch [U]``, ``par``/``ppid [U, D]``) the backward kernels walk.
+    ``U``/``D``: shape of the inverse tables (``uch [U]``, ``par``/``ppid [U, D]``) the backward kernels walk;
+    ``D == 1``: every child row block is read once in the partition. ``unique_pid``: no parameter block is used
+    twice in it. Either makes the matching scatter of the backward free of conflicts (no atomic adds).
     """
 
     n: int
@@ -76,6 +78,7 @@ class SumPart:
     U: int = 0  # distinct child blocks (inverse tables for the child-side backward kernel)
     D: int = 0  # most parents of one child block within the partition
     M: int = 1  # rows added up per child block (> 1 in the folded plan: a folded product's children)
+    unique_pid: bool = False  # every edge has its own parameter block (no padding, no tying inside the partition)
 
     @property
     def num_rows(self) -> int:

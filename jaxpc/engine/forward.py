@@ -169,10 +169,11 @@ def input_buffer(layout: Layout, vals: list, dtype) -> Array:
     return jnp.concatenate(parts)
 
 
-def run_stages(layout, tables: dict, buf: Array, stage_fn, reverse: bool = False):
+def run_stages(layout, tables: dict, buf: Array, stage_fn, reverse: bool = False, scan: bool = True):
     """Apply ``stage_fn(carry, spec, tab, offset, name)`` to every stage in order (or in reverse), running
-    repeated stages under ``lax.scan``. ``carry`` is any pytree (the node buffer, or buffers plus
-    accumulators). ``layout`` is anything with ``steps`` (a Layout or a partial-evaluation plan)."""
+    repeated stages under ``lax.scan`` (``scan=False``: unrolled, one stage after the other with its slice
+    of the stacked tables). ``carry`` is any pytree (the node buffer, or buffers plus accumulators).
+    ``layout`` is anything with ``steps`` (a Layout or a partial-evaluation plan)."""
     steps = list(enumerate(zip(layout.steps, tables["steps"])))
     for si, (step, tab) in (reversed(steps) if reverse else steps):
         if isinstance(step, ScanSpec):
@@ -184,7 +185,12 @@ def run_stages(layout, tables: dict, buf: Array, stage_fn, reverse: bool = False
                 return b, None
 
             with jax.named_scope(f"jaxpc/scan{si}"):
-                buf, _ = lax.scan(body, buf, tab, reverse=reverse)
+                if scan:
+                    buf, _ = lax.scan(body, buf, tab, reverse=reverse)
+                else:
+                    trips = range(step.repeats)
+                    for i in (reversed(trips) if reverse else trips):
+                        buf, _ = body(buf, jax.tree_util.tree_map(lambda a, i=i: a[i], tab))
         else:
             buf = stage_fn(buf, step, tab, step.offset, si)
     return buf
@@ -199,7 +205,7 @@ def forward_buffer(layout: Layout, tables: dict, sum_params: dict, input_vals: l
     def stage(b, spec, tab, offset, name):
         return _stage(b, spec, tab, sum_params, options, offset, name, evidence, counts)
 
-    return run_stages(layout, tables, buf, stage)
+    return run_stages(layout, tables, buf, stage, scan=options.scan_stages)
 
 
 # ---- the circuit's root value with a top-down flow pass as its VJP ---------------------------------
@@ -249,13 +255,15 @@ def _root_bwd(layout, options, res, g):
                                                 precision=options.precision, param_flows=options.compute_param_flows,
                                                 pflow_temperature=options.pflow_temperature,
                                                 eflow_temperature=options.eflow_temperature)
-                    fl = scatter_child_flows(fl, cf, t["ch"], part.Kc, part.dense)
+                    fl = scatter_child_flows(fl, cf, t["ch"], part.Kc, part.dense,
+                                             distinct=part.D == 1 and not part.dense, first_row=2 * layout.kmax)
                 if pf is not None:
-                    dp = {**dp, part.group: dp[part.group].at[t["pid"]].add(pf.astype(dp[part.group].dtype))}
+                    dp = {**dp, part.group: dp[part.group].at[t["pid"]].add(pf.astype(dp[part.group].dtype),
+                                                                          unique_indices=part.unique_pid)}
             row = row + part.num_rows
         return fl, dp
 
-    flows, dparams = run_stages(layout, tables, (flows, dparams), stage, reverse=True)
+    flows, dparams = run_stages(layout, tables, (flows, dparams), stage, reverse=True, scan=options.scan_stages)
     d_inputs = [lax.dynamic_slice(flows, (spec.offset, 0), (spec.num_nodes, flows.shape[1]))
                 for spec in layout.input_layers]
     return None, dparams, d_inputs
@@ -264,15 +272,21 @@ def _root_bwd(layout, options, res, g):
 root_values.defvjp(_root_fwd, _root_bwd)
 
 
-def scatter_child_flows(fl: Array, cf: Array, ch: Array, Kc: int, dense: bool) -> Array:
+def scatter_child_flows(fl: Array, cf: Array, ch: Array, Kc: int, dense: bool, distinct: bool = False,
+                        first_row: int = 0) -> Array:
     """Add a partition's child flows (``[n, C*Kc, B]``, the reference backward's) into the flow buffer ``fl``;
-    a folded product's flow goes to each of its row blocks, in one scatter."""
+    a folded product's flow goes to each of its row blocks, in one scatter. ``distinct``: every child row block
+    above the padding (rows from ``first_row``) is read once in the partition (``part.D == 1``), so the scatter
+    runs without atomic adds, the padding rows' updates dropped."""
     terms = child_terms(ch)
     if len(terms) > 1:
         rows = jnp.stack([child_rows(c, Kc, dense) for c in terms])
         cf = jnp.broadcast_to(cf, (len(terms),) + cf.shape)
     else:
         rows = child_rows(terms[0], Kc, dense)
+    if distinct:
+        rows = jnp.where(rows < first_row, fl.shape[0], rows)  # out of range: dropped
+        return fl.at[rows].add(cf.astype(fl.dtype), mode="drop", unique_indices=True)
     return fl.at[rows].add(cf.astype(fl.dtype))
 
 
@@ -376,4 +390,4 @@ def partial_values(layout: Layout, plan, plan_tables: dict, params: dict, x: Arr
             b = b.at[(t["write"][:, None] + jnp.arange(part.Kp)).reshape(-1)].set(out.astype(b.dtype))
         return b
 
-    return run_stages(plan, plan_tables, buf, stage)
+    return run_stages(plan, plan_tables, buf, stage, scan=options.scan_stages)

@@ -151,9 +151,14 @@ def sum_layer_backward_reference(values: Array, flows: Array, ch: Array, pid: Ar
             """Each parent's flow split over its children by ``(w x)^a`` normalized (a = 1: the posterior)."""
             y = jnp.exp(a * (x - m))  # [n, CK, B] or [CK, B]
             w = jnp.exp(a * lw)
-            # the forward's local sum, recomputed: exp(m - vp) would lose |vp| * eps of precision per layer
-            # (0.7% over a 10,000-step HMM in float32), the recomputed sum loses nothing
-            s = matmul("nkc,cb->nkb" if dense else "nkc,ncb->nkb", w, y, precision)
+            if precision == "fp32" or a != base:
+                # the forward's local sum, recomputed: exp(vp - m) would lose |vp| * eps of precision per layer
+                # (0.7% over a 10,000-step HMM in float32), the recomputed sum loses nothing
+                s = matmul("nkc,cb->nkb" if dense else "nkc,ncb->nkb", w, y, precision)
+            else:
+                # at tf32 / bf16 the product's own rounding (2^-11 / 2^-8 per operand) is the larger error: the
+                # local sum comes from the parent's stored value (one matrix product fewer, as in PyJuice)
+                s = jnp.exp(a * (vp - m))
             # parents that carry no flow (or are impossible) contribute nothing, never 0 / 0
             scale = jnp.where((fp == 0) | (s == 0), 0.0, fp / jnp.where(s == 0, 1.0, s))  # [n, Kp, B]
             return w, y, scale
