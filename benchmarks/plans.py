@@ -13,14 +13,15 @@ Plans (all ``backward="flows"``):
   (a tree level's child flows computed once per parent and written to each row block of its child);
 * ``fusedfwd``: the folded plan with the in-place Pallas forward kernels and the XLA backward
   (``Options(fold_products=True, impl="pallas_forward")``);
-* ``pallas``: the full layout with the Pallas kernels (``Options(impl="pallas", fold_products=False)``).
+* ``pallas``: the full layout with the Pallas kernels (``Options(impl="pallas", fold_products=False)``);
+* ``<plan>-unrolled``: any of these with the repeated stages unrolled (``Options(scan_stages=False)``).
 
 One circuit per workload, the same input batches for every plan. Per (plan, batch): compile seconds of the
 flows executable, the relative error of log-likelihoods and of every flow array against ``layers`` at
 the same precision, and median milliseconds of ``flows`` (forward + flows; each call synchronized, and
 ``pipelined``: calls dispatched back to back, synchronized once, as in a training loop) and ``log_prob``
 (4 rotating input batches; ``--same-batch``: one, as a CUDA-graph replay's static inputs); with
-``--memory`` also XLA's memory analysis of the flows executable (one more compile). Rows go to
+``--memory`` also XLA's memory analysis of the flows executable. Rows go to
 ``$OUT/plans.json``.
 """
 
@@ -43,12 +44,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jaxpc  # noqa: E402
 from jaxpc import dists, structures  # noqa: E402
 from _data import blurred_noise_images  # noqa: E402
-from bench_engine import exec_mib, median_ms  # noqa: E402
+from bench_engine import cached_mib, median_ms  # noqa: E402
 
 PLANS = {"layers": {"fold_products": False}, "fold": {"fold_products": True},
          "fused": {"fold_products": True, "impl": "pallas"},
          "fusedfwd": {"fold_products": True, "impl": "pallas_forward"},
          "pallas": {"impl": "pallas", "fold_products": False}}
+PLANS.update({f"{k}-unrolled": {**v, "scan_stages": False} for k, v in list(PLANS.items())})
 
 
 def build(workload: str, latents: int, imgs):
@@ -121,8 +123,7 @@ def main(argv=None):
                     fwd = median_ms(lambda xb: c.log_prob(c.params, xb, options=opts, validate=False), xt, args.reps)
                     mem = float("nan")
                     if args.memory:
-                        mem = exec_mib(jax.jit(lambda tb, pr, xx: jaxpc.engine.em.flows_and_ll(
-                            c.layout, tb, pr, xx, None, None, opts)), c.tables, c.params, xs[0])
+                        mem = cached_mib(c, "flows")
                 except Exception as e:  # noqa: BLE001 - one failing plan is reported, the others still run
                     print(f"{w} B={B} {name}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
                     continue

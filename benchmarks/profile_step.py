@@ -1,15 +1,15 @@
 """Where a forward + flows step spends its GPU time: a ``jax.profiler`` trace, summarized per layer kind.
 
     python benchmarks/profile_step.py [--workload hclt|hmm|pd] [--latents 256] [--batch 16]
-                                      [--precision tf32] [--impl reference] [--no-fold] [--steps 5]
-                                      [--json out.json]
+                                      [--precision tf32] [--impl reference] [--no-fold] [--unrolled] [--steps 5]
+                                      [--top 15] [--json out.json] [--hlo out.hlo]
 
 Runs ``circuit.flows`` under ``jax.profiler.trace`` and reads the trace's device events. Every kernel
 is attributed by the ``jaxpc/...`` named scope in its HLO metadata to one of: ``input`` (leaf layers),
 ``prod fwd``, ``sum fwd``, ``prod bwd``, ``sum bwd``, ``chain scan`` (HMMs), ``other`` (buffer set-up, parameter-flow
 scatter, gradient of the leaves). Prints per step: wall time, kernel count, summed kernel time
 (``busy``) and the idle time between kernels (``wall - busy``: launch gaps, what a kernel count costs),
-then the table by kind and the 15 most expensive kernels. On a CPU host the trace has no device
+then the table by kind and the ``--top`` most expensive kernels with the HLO op each computes. On a CPU host the trace has no device
 events and the script says so.
 """
 
@@ -105,24 +105,35 @@ def device_events(trace_dir: str, host: bool = False) -> list[dict]:
             and (not stream_tids or (e["pid"], e.get("tid")) in stream_tids)]
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_step_args(p: argparse.ArgumentParser):
+    """The step's workload, size, batch, precision and sum-layer impl (shared with ``dispatch.py``)."""
     p.add_argument("--workload", default="hclt", choices=["hclt", "hmm", "pd"])
     p.add_argument("--latents", type=int, default=256)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--precision", default="tf32", choices=["fp32", "tf32", "bf16"])
-    p.add_argument("--impl", default="reference", choices=["reference", "pallas"])
+    p.add_argument("--impl", default="reference", choices=["reference", "pallas", "pallas_forward"])
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_step_args(p)
     p.add_argument("--no-fold", dest="fold", action="store_false",
                    help="Options(fold_products=False): the full layout instead of the folded plan")
+    p.add_argument("--unrolled", action="store_true", help="Options(scan_stages=False): repeated stages unrolled")
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--json", default=None)
+    p.add_argument("--top", type=int, default=15, help="how many of the most expensive kernels to print")
+    p.add_argument("--json", default=None, help="also write the summary and every kernel's time here")
+    p.add_argument("--hlo", default=None, help="also write the compiled step's HLO text here")
     args = p.parse_args(argv)
     c, data = build(args.workload, args.latents)
-    opts = jaxpc.Options(precision=args.precision, impl=args.impl, fold_products=args.fold)
+    opts = jaxpc.Options(precision=args.precision, impl=args.impl, fold_products=args.fold,
+                         scan_stages=not args.unrolled)
     xs = [jnp.asarray(data[i * args.batch:(i + 1) * args.batch]) for i in range(4)]
     step = jax.jit(lambda t, p, x: jaxpc.engine.em.flows_and_ll(c.layout, t, p, x, None, None, opts))
     exe = step.lower(c.tables, c.params, xs[0]).compile()
     names = op_names(exe.as_text())
+    if args.hlo:
+        Path(args.hlo).write_text(exe.as_text())
     for x in xs:
         jax.block_until_ready(exe(c.tables, c.params, x))
     walls = []
@@ -168,16 +179,19 @@ def main(argv=None):
     print(f"{'kind':9s} {'kernels/step':>12s} {'ms/step':>8s} {'us/kernel':>9s}")
     for kind, (n, us) in sorted(per_kind.items(), key=lambda kv: -kv[1][1]):
         print(f"{kind:9s} {n / steps:12.0f} {us / steps / 1e3:8.3f} {us / max(n, 1):9.1f}")
-    print("most expensive kernels (per step):")
-    for (kind, name), (n, us) in sorted(per_name.items(), key=lambda kv: -kv[1][1])[:15]:
-        op = names.get(_norm(name), "") if kind == "other" else ""  # what an unattributed kernel computes
-        print(f"  {us / steps / 1e3:7.3f} ms  x{n / steps:5.0f}  {kind:8s} {name[:70]}" + (f"  [{op[-70:]}]" if op else ""))
+    print(f"most expensive kernels (per step; [the HLO op they compute]):")
+    ranked = sorted(per_name.items(), key=lambda kv: -kv[1][1])
+    for (kind, name), (n, us) in ranked[:args.top]:
+        op = names.get(_norm(name), "")
+        print(f"  {us / steps / 1e3:7.3f} ms  x{n / steps:5.0f}  {kind:8s} {name[:60]}" + (f"  [{op[-90:]}]" if op else ""))
     other = [e for e in events if kind_of(e, names) == "other"]
     print(f"unattributed kernels: {len(other) / steps:.0f}/step; e.g.", json.dumps(other[:2])[:600])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(args=vars(args), wall_ms=wall, kernels_per_step=count, busy_ms=busy, span_ms=span,
-                           per_kind={k: dict(kernels=v[0] / steps, ms=v[1] / steps / 1e3) for k, v in per_kind.items()}),
+                           per_kind={k: dict(kernels=v[0] / steps, ms=v[1] / steps / 1e3) for k, v in per_kind.items()},
+                           kernels=[dict(kind=kind, name=name, op=names.get(_norm(name), ""), calls=n / steps,
+                                         ms=us / steps / 1e3) for (kind, name), (n, us) in ranked]),
                       f, indent=1)
 
 
