@@ -29,6 +29,33 @@ def test_full_layout_flows_match_exact_expected_counts(case):
     check_flows_and_ll(*case, options=FULL)
 
 
+@pytest.mark.parametrize("fold", [True, False], ids=["fold", "full"])
+def test_reduced_precision_flows_match_exact_expected_counts(case, fold):
+    """Below fp32 the flow pass takes each sum node's local sum from its stored value (no recomputed product).
+    On the CPU a tf32 product is exact, so that is the only difference from the oracle's counts here."""
+    check_flows_and_ll(*case, options=jaxpc.Options(precision="tf32", fold_products=fold))
+
+
+@pytest.mark.parametrize("kw", [{"propagation": "GeneralLL", "alpha": 2.5}, {"chain_scan": False}],
+                         ids=["GeneralLL", "hmm-layers"])
+def test_reduced_precision_flows_equal_fp32(kw):
+    """The stored-value local sums of GeneralLL (``exp(alpha (value - m))``) and of dense partitions (an HMM's
+    layers) against the recomputed ones at fp32."""
+    root = structures.HMM(7, 6, 5, block_size=3)
+    c = jaxpc.compile(root, seed=2)
+    x = np.random.default_rng(4).integers(0, 5, (13, 7)).astype(np.int32)
+    assert any(p.dense for s in c.layout.stages() for p in s.sums)
+    got = c.flows(c.params, x, options=jaxpc.Options(precision="tf32", **kw), return_ll=True)
+    ref = c.flows(c.params, x, options=jaxpc.Options(precision="fp32", **kw), return_ll=True)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)
+    # tempered flows split by another exponent than the forward's: their local sums are recomputed at any precision
+    tempered = jaxpc.Options(precision="tf32", eflow_temperature=0.5, chain_scan=False)
+    for a, b in zip(jax.tree_util.tree_leaves(c.flows(c.params, x, options=tempered)),
+                    jax.tree_util.tree_leaves(c.flows(c.params, x, options=tempered.replace(precision="fp32")))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("kw", [{"propagation": "MPE"}, {"propagation": "GeneralLL", "alpha": 2.5},
                                 {"pflow_temperature": 0.5, "eflow_temperature": 2.0}], ids=["MPE", "GeneralLL", "tempered"])
 def test_other_propagations_equal_the_full_layout(case, kw):
