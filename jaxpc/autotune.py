@@ -191,9 +191,7 @@ def tune_circuit(circuit, params, x, *, precision: str = "tf32", candidates: Seq
                                                                  precision=precision, first_row=2 * plan.kmax))
                         cf, pf = sum_layer_backward_reference(v, f, pt["ch"], pt["pid"], logw, off, dense=part.dense,
                                                               **kw)
-                        return out, fw.scatter_child_flows(f, cf, pt["ch"], part.Kc, part.dense,
-                                                           distinct=part.D == 1 and not part.dense,
-                                                           first_row=2 * plan.kmax), pf
+                        return out, fw.scatter_child_flows(f, cf, pt["ch"], part, 2 * plan.kmax), pf
 
                     f = jax.jit(op)
                     return lambda: f(values, flows)

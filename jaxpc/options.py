@@ -66,7 +66,8 @@ class Options:
             128 / 512; PD-128 4.43 ms at batch 128, whose full-layout flows executable did not finish
             compiling within 50 s there (the folded one: 14 s).
         scan_stages: run the stages :func:`jaxpc.compile` grouped into repeats (``scan_min_repeats``) under
-            ``lax.scan``; False unrolls them into the executable (longer compiles, no device-side loop).
+            ``lax.scan``; False unrolls them into the executable (a longer trace, no device-side loop; no
+            faster for HCLT-256 on the H200).
     """
 
     propagation: str = "LL"

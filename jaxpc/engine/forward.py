@@ -255,8 +255,7 @@ def _root_bwd(layout, options, res, g):
                                                 precision=options.precision, param_flows=options.compute_param_flows,
                                                 pflow_temperature=options.pflow_temperature,
                                                 eflow_temperature=options.eflow_temperature)
-                    fl = scatter_child_flows(fl, cf, t["ch"], part.Kc, part.dense,
-                                             distinct=part.D == 1 and not part.dense, first_row=2 * layout.kmax)
+                    fl = scatter_child_flows(fl, cf, t["ch"], part, 2 * layout.kmax)
                 if pf is not None:
                     dp = {**dp, part.group: dp[part.group].at[t["pid"]].add(pf.astype(dp[part.group].dtype),
                                                                           unique_indices=part.unique_pid)}
@@ -272,19 +271,18 @@ def _root_bwd(layout, options, res, g):
 root_values.defvjp(_root_fwd, _root_bwd)
 
 
-def scatter_child_flows(fl: Array, cf: Array, ch: Array, Kc: int, dense: bool, distinct: bool = False,
-                        first_row: int = 0) -> Array:
-    """Add a partition's child flows (``[n, C*Kc, B]``, the reference backward's) into the flow buffer ``fl``;
-    a folded product's flow goes to each of its row blocks, in one scatter. ``distinct``: every child row block
-    above the padding (rows from ``first_row``) is read once in the partition (``part.D == 1``), so the scatter
-    runs without atomic adds, the padding rows' updates dropped."""
+def scatter_child_flows(fl: Array, cf: Array, ch: Array, part, first_row: int) -> Array:
+    """Add the child flows of sum partition ``part`` (``[n, C*Kc, B]``, the reference backward's) into the flow
+    buffer ``fl``; a folded product's flow goes to each of its row blocks, in one scatter. When every child row
+    block above the padding (rows from ``first_row``) is read once in the partition (``part.D == 1``), the
+    scatter runs without atomic adds, the padding rows' updates dropped."""
     terms = child_terms(ch)
     if len(terms) > 1:
-        rows = jnp.stack([child_rows(c, Kc, dense) for c in terms])
+        rows = jnp.stack([child_rows(c, part.Kc, part.dense) for c in terms])
         cf = jnp.broadcast_to(cf, (len(terms),) + cf.shape)
     else:
-        rows = child_rows(terms[0], Kc, dense)
-    if distinct:
+        rows = child_rows(terms[0], part.Kc, part.dense)
+    if part.D == 1 and not part.dense:
         rows = jnp.where(rows < first_row, fl.shape[0], rows)  # out of range: dropped
         return fl.at[rows].add(cf.astype(fl.dtype), mode="drop", unique_indices=True)
     return fl.at[rows].add(cf.astype(fl.dtype))
