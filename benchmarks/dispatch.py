@@ -1,7 +1,7 @@
 """Where the host time of a synchronized step goes: the flows executable called directly, under XLA flags.
 
     python benchmarks/dispatch.py [--workload hclt] [--latents 256] [--batch 16] [--impl reference]
-                                  [--flags "|--xla_gpu_command_buffer_update_mode=FULL_UPDATE_FREE"]
+                                  [--flags "|--xla_gpu_enable_command_buffer="]
 
 Each ``|``-separated entry of ``--flags`` runs in its own process with those ``XLA_FLAGS`` (the empty entry:
 none). Per process, medians over ``--reps`` steps of the compiled flows executable (no ``Circuit`` API work):
@@ -13,7 +13,8 @@ none). Per process, medians over ``--reps`` steps of the compiled flows executab
 * ``pipelined``: steps dispatched back to back, synchronized once.
 
 A large ``held - freed`` gap is the command buffers' update for moved buffers; a large ``dispatch`` is host
-work per call.
+work per call. An XLA flag the installed jaxlib does not know fails that process only (reported, the others
+run): jax 0.11.2 has no ``--xla_gpu_command_buffer_update_mode``.
 """
 
 from __future__ import annotations
