@@ -46,23 +46,28 @@ def median_ms(fn, batches, reps, warmup=5):
     return 1e3 * float(np.median(times))
 
 
-def exec_mib(jitted, *args, **kw):
+def compiled_mib(compiled) -> float:
+    """XLA's memory analysis of a compiled executable in MiB: temporaries, arguments and outputs (NaN where the
+    backend reports none)."""
     try:
-        m = jitted.lower(*args, **kw).compile().memory_analysis()
-        total = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
-        return total / 2**20
+        m = compiled.memory_analysis()
+        return (m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes) / 2**20
     except Exception:  # noqa: BLE001 - not every backend reports it
         return float("nan")
 
 
+def exec_mib(jitted, *args, **kw):
+    try:
+        return compiled_mib(jitted.lower(*args, **kw).compile())
+    except Exception:  # noqa: BLE001 - reported as NaN, as a missing analysis
+        return float("nan")
+
+
 def cached_mib(c, entry: str = "flows") -> float:
-    """XLA's memory analysis (MiB) of the circuit's most recently compiled ``entry`` executable (no compile)."""
+    """:func:`compiled_mib` of the circuit's most recently compiled ``entry`` executable (no compile)."""
     for key, e in reversed(list(c._cache._entries.items())):
         if key[0] == entry and e.compiled is not None:
-            m = e.compiled.memory_analysis()
-            if m is None:
-                return float("nan")
-            return (m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes) / 2**20
+            return compiled_mib(e.compiled)
     return float("nan")
 
 
