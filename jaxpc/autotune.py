@@ -146,7 +146,8 @@ def tune_circuit(circuit, params, x, *, precision: str = "tf32", candidates: Seq
     block_b, block_k, num_warps)``; ``impl`` ``"pallas"``: Pallas forward and backward, ``"pallas_forward"``:
     Pallas forward, XLA backward), timing forward + backward of the partition alone. The partitions are
     those of the plan the returned options run: the folded plan (``fold_products``, the default, for a
-    circuit that has one) or the full layout."""
+    circuit that has one) or the full layout. Partitions left on the reference run on XLA in the returned
+    options (``impl="reference"``), whatever ``impl="auto"`` would pick."""
     from .compiler.layout import ScanSpec
     from .engine import forward as fw
     from .ops import pallas_sum
@@ -161,7 +162,7 @@ def tune_circuit(circuit, params, x, *, precision: str = "tf32", candidates: Seq
     fold = fold_products and circuit.layout.fold is not None
     plan = circuit.layout.fold if fold else circuit.layout
     tables = circuit.tables["fold"] if fold else circuit.tables
-    ref = Options(precision=precision, fold_products=fold)
+    ref = Options(precision=precision, fold_products=fold, impl="reference")
     vals = fw.input_values(circuit.layout, circuit.tables, params, xb, None, ref)
     values = fw.forward_buffer(plan, tables, params["sum"], vals, ref)
     flows = jnp.ones_like(values)
@@ -198,4 +199,5 @@ def tune_circuit(circuit, params, x, *, precision: str = "tf32", candidates: Seq
 
                 choices[sig] = tuner.tune(("sum", sig, precision), ("reference",), cands, run)
     kernels = tuple(sorted((sig, ch) for sig, ch in choices.items() if ch != ("reference",)))
-    return Options(precision=precision, kernels=kernels, fold_products=fold_products)
+    # the partitions the tuner left on XLA stay there (not impl="auto"'s rule, which the timings overrule)
+    return Options(precision=precision, impl="reference", kernels=kernels, fold_products=fold_products)

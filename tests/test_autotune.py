@@ -102,7 +102,7 @@ def test_tune_circuit_routes_partitions_and_stays_exact(impl, fold):
     timer.next = [1.0, 0.4, 1.0, 1.0, 0.4, 0.4] * len(keys)
     t = Autotuner(timer=timer, env_key="fake", full_reps=2)
     opts = tune_circuit(c, c.params, x, candidates=[(impl, 16, 16, 4)], tuner=t, fold_products=fold)
-    assert not timer.next and opts.fold_products == fold
+    assert not timer.next and opts.fold_products == fold and opts.impl == "reference"
     assert {k for k, _ in opts.kernels} == keys and all(ch == (impl, 16, 16, 4) for _, ch in opts.kernels)
     assert any(len(k) == 8 for k in keys) == fold  # folded partitions with products of several terms
     ref = jaxpc.Options(precision="tf32", fold_products=fold)

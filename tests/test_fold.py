@@ -56,6 +56,100 @@ def test_reduced_precision_flows_equal_fp32(kw):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)
 
 
+def test_sum_layers_in_pieces_match_exact_expected_counts(case):
+    """``Options(gather_chunk=1)``: every sum partition of more than one block runs one parent block at a time,
+    forward and backward (random DAGs with tying and padded fan-ins), against the oracle's exact counts."""
+    gen, c = case
+    plan = c.layout.fold if c.layout.fold is not None else c.layout
+    for p in (p for s in plan.stages() for p in s.sums):
+        assert engine_forward.pieces(p, B, 1) == ([(0, p.n)] if p.dense else [(i, i + 1) for i in range(p.n)])
+    check_flows_and_ll(gen, c, options=jaxpc.Options(gather_chunk=1))
+
+
+def _pieces_equal_whole(c, x, opts):
+    for kw in ({}, {"propagation": "MPE"}, {"backward": "autodiff"}):
+        got = c.flows(c.params, x, options=opts.replace(**kw), return_ll=True)
+        ref = c.flows(c.params, x, options=opts.replace(gather_chunk=1 << 30, **kw), return_ll=True)
+        for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("fold", [True, False], ids=["fold", "full"])
+def test_pd_sum_layers_in_pieces(fold):
+    """A PD (fan-ins of several child blocks, shared children, a scanned stage) in pieces of two parent blocks:
+    log-likelihoods against the oracle, flows equal to the partitions run whole."""
+    c = jaxpc.compile(structures.PD((4, 4), 8, split_intervals=(2, 2), input_dist=dists.Categorical(5)), seed=3)
+    x = np.random.default_rng(0).integers(0, 5, (11, 16)).astype(np.int32)
+    plan = c.layout.fold if fold else c.layout
+    limit = 2 * 8 * 11  # two blocks of one child block (Kc = 8) per piece
+    split = [p for s in plan.stages() for p in s.sums if len(engine_forward.pieces(p, 11, limit)) > 1]
+    assert len(split) >= 2
+    opts = jaxpc.Options(fold_products=fold, gather_chunk=limit)
+    _, ref = oracle.forward(c, c.params, x)
+    np.testing.assert_allclose(np.asarray(c.log_prob(c.params, x, options=opts)), ref, rtol=1e-5, atol=1e-5)
+    _pieces_equal_whole(c, x, opts)
+
+
+def test_pieces_cover_the_partition_within_the_limit():
+    part = jaxpc.compiler.layout.SumPart(n=10, C=3, Kp=4, Kc=2, group="g", dense=False)
+    B = 5  # 30 floats gathered per parent block
+    assert engine_forward.pieces(part, B, 1 << 25) == [(0, 10)]
+    for limit in (1, 29, 30, 31, 60, 89, 90, 299, 300):
+        r = engine_forward.pieces(part, B, limit)
+        assert r[0][0] == 0 and r[-1][1] == 10 and all(a < b for a, b in r)
+        assert all(r[i][1] == r[i + 1][0] for i in range(len(r) - 1))
+        sizes = [b - a for a, b in r]
+        assert max(sizes) * 30 <= max(limit, 30) and max(sizes) - min(sizes) <= max(sizes) // 2 + 1
+    dense = jaxpc.compiler.layout.SumPart(n=10, C=3, Kp=4, Kc=2, group="g", dense=True)
+    assert engine_forward.pieces(dense, B, 1) == [(0, 10)]  # its children are gathered once for all blocks
+
+
+def test_auto_impl_picks_the_pallas_forward_on_a_gpu_for_multi_block_fan_ins(monkeypatch):
+    SumPart = jaxpc.compiler.layout.SumPart
+    fan_in = SumPart(n=8, C=4, Kp=4, Kc=4, group="g", dense=False, U=20, D=3)
+    tree = SumPart(n=8, C=1, Kp=4, Kc=4, group="g", dense=False, U=8, D=1)
+    dense = SumPart(n=8, C=4, Kp=4, Kc=4, group="g", dense=True, U=4, D=8)
+    auto = jaxpc.Options()
+    assert auto.impl == "auto"
+    assert [engine_forward.kernel_choice(auto, p, 16) for p in (fan_in, tree, dense)] == [("reference", None)] * 3
+    monkeypatch.setattr(engine_forward, "on_gpu", lambda: True)
+    assert [engine_forward.kernel_choice(auto, p, 16)[0] for p in (fan_in, tree, dense)] == [
+        "pallas_forward", "reference", "reference"]
+    assert engine_forward.kernel_choice(auto, fan_in, 16, np.float64)[0] == "reference"
+    # an explicit impl and a tuned route win over the rule
+    assert engine_forward.kernel_choice(auto.replace(impl="reference"), fan_in, 16)[0] == "reference"
+    tuned = auto.replace(kernels=((engine_forward.partition_key(fan_in, 16), ("reference",)),))
+    assert engine_forward.kernel_choice(tuned, fan_in, 16)[0] == "reference"
+
+
+def test_auto_impl_as_on_a_gpu(monkeypatch):
+    """The default options with the GPU rule on (the Pallas kernels in interpret mode): a PD's fan-in partitions
+    run the in-place Pallas forward, the values and flows are those of the XLA path, and reverse-mode autodiff
+    (which the kernels do not support) runs on XLA."""
+    from jaxpc.ops import pallas_sum
+
+    calls = []
+    kernel = pallas_sum.forward
+    monkeypatch.setattr(pallas_sum, "forward", lambda *a, **k: calls.append(k["out_offset"]) or kernel(*a, **k))
+    monkeypatch.setattr(engine_forward, "on_gpu", lambda: True)
+    root = structures.PD((6, 6), 4, split_intervals=(2, 2), input_dist=dists.Categorical(3))
+    x = np.random.default_rng(1).integers(0, 3, (9, 36)).astype(np.int32)
+    auto = jaxpc.Options()
+    c = jaxpc.compile(root, seed=1)
+    got = c.flows(c.params, x, options=auto, return_ll=True)
+    fan_in = [p for s in c.layout.fold.stages() for p in s.sums if p.C > 1 and not p.dense]
+    assert fan_in and len(calls) == len(fan_in) and all(o is not None for o in calls)
+    ref = jaxpc.compile(root, seed=1)
+    want = ref.flows(ref.params, x, options=auto.replace(impl="reference"), return_ll=True)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    del calls[:]
+    ad = c.flows(c.params, x, options=auto.replace(backward="autodiff"), return_ll=True)
+    assert not calls
+    for a, b in zip(jax.tree_util.tree_leaves(ad), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("kw", [{"propagation": "MPE"}, {"propagation": "GeneralLL", "alpha": 2.5},
                                 {"pflow_temperature": 0.5, "eflow_temperature": 2.0}], ids=["MPE", "GeneralLL", "tempered"])
 def test_other_propagations_equal_the_full_layout(case, kw):
