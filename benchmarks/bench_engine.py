@@ -30,7 +30,7 @@ from jaxpc import dists, structures  # noqa: E402
 from _data import blurred_noise_images  # noqa: E402
 
 
-IMPL = "reference"
+IMPL = "auto"
 FOLD = True  # Options.fold_products (--no-fold: False)
 
 
@@ -63,12 +63,17 @@ def exec_mib(jitted, *args, **kw):
         return float("nan")
 
 
+def save_rows(out_dir, name: str, rows: list) -> None:
+    """``rows`` with the device and jax version as JSON in ``out_dir/name``."""
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    with open(Path(out_dir) / name, "w") as f:
+        json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": rows}, f, indent=1)
+
+
 def cached_mib(c, entry: str = "flows") -> float:
-    """:func:`compiled_mib` of the circuit's most recently compiled ``entry`` executable (no compile)."""
-    for key, e in reversed(list(c._cache._entries.items())):
-        if key[0] == entry and e.compiled is not None:
-            return compiled_mib(e.compiled)
-    return float("nan")
+    """:func:`compiled_mib` of the circuit's most recently used ``entry`` executable (no compile)."""
+    exe = c.compiled(entry)
+    return float("nan") if exe is None else compiled_mib(exe)
 
 
 def hmm_forward_np(alpha, beta, gamma, x):
@@ -137,7 +142,7 @@ def main(argv=None):
     p.add_argument("--batches", default="16,128,512")
     p.add_argument("--reps", type=int, default=25)
     p.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "bf16"])
-    p.add_argument("--impl", default="reference", choices=["reference", "pallas", "pallas_forward"])
+    p.add_argument("--impl", default="auto", choices=["auto", "reference", "pallas", "pallas_forward"])
     p.add_argument("--no-fold", dest="fold", action="store_false",
                    help="Options(fold_products=False): the full layout instead of the folded plan")
     p.add_argument("--check-autodiff", action="store_true",
@@ -157,12 +162,12 @@ def main(argv=None):
 
     def rel_check(c, x):
         """The larger relative error of the log-likelihoods and of the flows (every array) against the same plan
-        with float32 products (``--check-autodiff``: the flows by JAX's autodiff through the full layout's
+        on the XLA path with float32 products (``--check-autodiff``: the flows by JAX's autodiff through the full layout's
         forward, another code path; its executable took over 5 minutes to compile for PD-128 on the H200)."""
         opts = jaxpc.Options(precision=args.precision, impl=IMPL, fold_products=args.fold)
         fl, lo = c.flows(c.params, x, options=opts, return_ll=True, validate=False)
         ref = (jaxpc.Options(precision="fp32", backward="autodiff", fold_products=False) if args.check_autodiff
-               else jaxpc.Options(precision="fp32", fold_products=args.fold))
+               else jaxpc.Options(precision="fp32", fold_products=args.fold, impl="reference"))
         fl_ref, hi = c.flows(c.params, x, options=ref, return_ll=True, validate=False)
         errs = [np.linalg.norm(np.asarray(a, np.float64) - np.asarray(b, np.float64)) / np.linalg.norm(np.asarray(b))
                 for a, b in zip(jax.tree_util.tree_leaves((lo, fl)), jax.tree_util.tree_leaves((hi, fl_ref)))]
@@ -216,9 +221,7 @@ def main(argv=None):
             rows += run("PD-128", lambda: structures.PD((28, 28), 128, split_intervals=(4, 4), input_dist=cat256),
                         img_data, batches, args.reps, rel_check, args.precision)[1]
 
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    with open(Path(args.out) / "bench_engine.json", "w") as f:
-        json.dump({"device": dev.device_kind, "jax": jax.__version__, "rows": rows}, f, indent=1)
+    save_rows(args.out, "bench_engine.json", rows)
     return rows
 
 

@@ -1,6 +1,6 @@
 """Where the host time of a synchronized step goes: the flows executable called directly, under XLA flags.
 
-    python benchmarks/dispatch.py [--workload hclt] [--latents 256] [--batch 16] [--impl reference]
+    python benchmarks/dispatch.py [--workload hclt] [--latents 256] [--batch 16] [--impl auto]
                                   [--flags "|--xla_gpu_enable_command_buffer="]
 
 Each ``|``-separated entry of ``--flags`` runs in its own process with those ``XLA_FLAGS`` (the empty entry:

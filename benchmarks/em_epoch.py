@@ -1,7 +1,7 @@
 """Mini-batch EM epochs through ``jaxpc.optim.fit`` (BENCHMARKS.md: HCLT-256, 60,000 images, batch 512).
 
     python benchmarks/em_epoch.py [--workload hclt|pd] [--latents 256] [--images 60000] [--batch 512]
-                                  [--epochs 3] [--precision tf32] [--impl reference] [--no-fold]
+                                  [--epochs 3] [--precision tf32] [--impl auto] [--no-fold]
 
 The data are Gaussian-blurred noise images (28x28, 256 levels), the structure is learned from the first
 10,000. First the answer: one epoch of ``fit`` (no shuffling, the last partial batch dropped, as PyJuice's
@@ -45,7 +45,7 @@ def main(argv=None):
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--step-size", type=float, default=0.1)
     p.add_argument("--precision", default="tf32", choices=["fp32", "tf32", "bf16"])
-    p.add_argument("--impl", default="reference", choices=["reference", "pallas", "pallas_forward"])
+    p.add_argument("--impl", default="auto", choices=["auto", "reference", "pallas", "pallas_forward"])
     p.add_argument("--no-fold", dest="fold", action="store_false")
     args = p.parse_args(argv)
     if args.epochs < 1:

@@ -6,8 +6,10 @@
 
 Plans (all ``backward="flows"``):
 
-* ``layers``: the full layout, XLA sum layers (``Options(fold_products=False)``);
-* ``fold``: the folded plan, XLA sum layers (``Options()``, the default);
+* ``layers``: the full layout, XLA sum layers (``Options(fold_products=False, impl="reference")``);
+* ``fold``: the folded plan, ``impl="auto"`` (``Options()``, the default: on a GPU the Pallas forward for
+  partitions with several child blocks per parent block, XLA elsewhere);
+* ``xla``: the folded plan, XLA sum layers everywhere (``Options(impl="reference")``);
 * ``fused``: the folded plan with the Pallas kernels writing the node and flow buffers in place
   (``Options(fold_products=True, impl="pallas")``): one kernel per sum level forward, three backward
   (a tree level's child flows computed once per parent and written to each row block of its child);
@@ -28,7 +30,6 @@ the same precision, and median milliseconds of ``flows`` (forward + flows; each 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -44,9 +45,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jaxpc  # noqa: E402
 from jaxpc import dists, structures  # noqa: E402
 from _data import blurred_noise_images  # noqa: E402
-from bench_engine import cached_mib, median_ms  # noqa: E402
+from bench_engine import cached_mib, median_ms, save_rows  # noqa: E402
 
-PLANS = {"layers": {"fold_products": False}, "fold": {"fold_products": True},
+PLANS = {"layers": {"fold_products": False, "impl": "reference"}, "fold": {"fold_products": True},
+         "xla": {"fold_products": True, "impl": "reference"},
          "fused": {"fold_products": True, "impl": "pallas"},
          "fusedfwd": {"fold_products": True, "impl": "pallas_forward"},
          "pallas": {"impl": "pallas", "fold_products": False}}
@@ -133,9 +135,7 @@ def main(argv=None):
                 print(f"{w}-{latents[w]} B={B:4d} {name:7s} fwd {fwd:7.3f} ms | fwd+flows {flows:7.3f} ms (pipelined {pipelined:6.3f}) | mem "
                       f"{mem:7.1f} MiB | compile {t_compile:5.1f}s | vs layers: ll {errs[0]:.1e} flows {errs[1]:.1e}",
                       flush=True)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    with open(Path(args.out) / "plans.json", "w") as f:
-        json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": rows}, f, indent=1)
+    save_rows(args.out, "plans.json", rows)
     return rows
 
 

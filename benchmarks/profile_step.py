@@ -1,7 +1,7 @@
 """Where a forward + flows step spends its GPU time: a ``jax.profiler`` trace, summarized per layer kind.
 
     python benchmarks/profile_step.py [--workload hclt|hmm|pd] [--latents 256] [--batch 16]
-                                      [--precision tf32] [--impl reference] [--no-fold] [--unrolled] [--steps 5]
+                                      [--precision tf32] [--impl auto] [--no-fold] [--unrolled] [--steps 5]
                                       [--top 15] [--json out.json] [--hlo out.hlo]
 
 Runs ``circuit.flows`` under ``jax.profiler.trace`` and reads the trace's device events. Every kernel
@@ -111,7 +111,7 @@ def add_step_args(p: argparse.ArgumentParser):
     p.add_argument("--latents", type=int, default=256)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--precision", default="tf32", choices=["fp32", "tf32", "bf16"])
-    p.add_argument("--impl", default="reference", choices=["reference", "pallas", "pallas_forward"])
+    p.add_argument("--impl", default="auto", choices=["auto", "reference", "pallas", "pallas_forward"])
 
 
 def main(argv=None):

@@ -2,7 +2,7 @@
 
     python benchmarks/side_by_side.py [--workloads hmm,hclt,pd] [--batches 16,128,512] [--reps 25]
                                       [--precision tf32] [--pyjuice-modes default,graph] [--codd]
-                                      [--impl reference|pallas|pallas_forward] [--no-fold] [--json out.json]
+                                      [--impl auto|reference|pallas|pallas_forward] [--no-fold] [--json out.json]
 
 Per workload and batch size: jaxpc's forward, forward + flows and EM-step ms with its executable's
 memory (``bench_engine.py``, which first checks its answer against a reference), PyJuice's forward,
@@ -116,7 +116,7 @@ def main(argv=None):
     p.add_argument("--systems", default="jaxpc,pyjuice,dynamax",
                    help="which systems to run (split a long comparison over several calls)")
     p.add_argument("--codd", action="store_true", help="also run the CoDD workload in both systems")
-    p.add_argument("--impl", default="reference", choices=["reference", "pallas", "pallas_forward"],
+    p.add_argument("--impl", default="auto", choices=["auto", "reference", "pallas", "pallas_forward"],
                    help="jaxpc's sum layers: XLA (the default), the Pallas kernels, or the Pallas forward only")
     p.add_argument("--no-fold", dest="fold", action="store_false",
                    help="jaxpc with Options(fold_products=False) (the full layout)")

@@ -205,6 +205,12 @@ class Circuit:
         """``CacheInfo(hits, misses, compile_seconds, live)`` of this circuit's executables."""
         return self._cache.info()
 
+    def compiled(self, entry: str = "flows"):
+        """The most recently used compiled executable of an entry point (``"log_prob"``, ``"flows"``,
+        ``"em_step"``, ...), a ``jax.stages.Compiled`` for inspection (``.memory_analysis()``: the step's
+        temporaries, arguments and outputs; ``.as_text()``: its optimized HLO), or None before its first call."""
+        return self._cache.latest(entry)
+
     def _scalar(self, value) -> Array:
         """A device scalar for a Python number, created once per value (no transfer on later calls)."""
         if isinstance(value, jax.Array):

@@ -285,6 +285,15 @@ class ExecutableCache:
         names = list(args)
         return lambda *vals: e.compiled(*_call_args(dict(zip(names, vals))))
 
+    def latest(self, entry: str):
+        """The most recently used compiled executable of ``entry`` (a ``jax.stages.Compiled``: its
+        ``memory_analysis()``, ``cost_analysis()``, ``as_text()``), or None when none is live."""
+        with self._lock:
+            for key, e in reversed(self._entries.items()):
+                if key[0] == entry and e.ready.is_set() and e.error is None and e.compiled is not None:
+                    return e.compiled
+        return None
+
     def _compile(self, e: _Entry, fn, static, args):
         try:
             names = list(args)

@@ -56,6 +56,7 @@ OPTION_CHANGES = {
     "chain_scan": ("flows", {}, {"chain_scan": False}),
     "fold_products": ("flows", {"chain_scan": False}, {"chain_scan": False, "fold_products": False}),
     "scan_stages": ("flows", {"chain_scan": False}, {"chain_scan": False, "scan_stages": False}),
+    "gather_chunk": ("flows", {"chain_scan": False}, {"chain_scan": False, "gather_chunk": 1}),
 }
 SINGLE_VALUED: dict = {}  # fields with one allowed value (none today)
 
@@ -81,7 +82,7 @@ def test_changing_an_option_never_replays_the_cached_executable(field):
     assert c.cache_info().misses == misses + 1, "the changed option must compile a new executable"
     _same(second, run(_hmm(), o2))  # equal to a fresh circuit with that option
     _same(run(c, o1), first)  # and switching back replays the first one
-    if field not in ("backward", "impl", "kernels", "chain_scan", "fold_products", "scan_stages"):  # these implementations agree up to rounding
+    if field not in ("backward", "impl", "kernels", "chain_scan", "fold_products", "scan_stages", "gather_chunk"):  # these implementations agree up to rounding
         assert _differs(first, second)
 
 
@@ -359,3 +360,18 @@ def test_packed_tables_round_trip_and_serve_equal_tables():
     assert cache.info().misses == 1
     exe = cache.find("f", {}, {"tables": copy, "x": x})
     np.testing.assert_allclose(np.asarray(exe(copy, x)), want, rtol=1e-6)
+
+
+def test_compiled_returns_the_most_recently_used_executable():
+    c, x = _hmm(), _data(10)
+    assert c.compiled("flows") is None and c.compiled("log_prob") is None
+    c.flows(c.params, x)
+    first = c.compiled("flows")
+    mem = first.memory_analysis()
+    assert mem.argument_size_in_bytes > 0 and mem.output_size_in_bytes > 0
+    assert c.compiled("em_step") is None
+    c.flows(c.params, x, options=jaxpc.Options(chain_scan=False))
+    other = c.compiled("flows")
+    assert other is not first
+    c.flows(c.params, x)  # a cache hit makes the first one the most recent again
+    assert c.compiled("flows") is first
