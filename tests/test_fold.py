@@ -104,6 +104,26 @@ def test_pieces_cover_the_partition_within_the_limit():
     assert engine_forward.pieces(dense, B, 1) == [(0, 10)]  # its children are gathered once for all blocks
 
 
+def test_in_order_chains_the_pieces_through_barriers():
+    from jaxpc.ops.pieces import in_order, ranges
+
+    assert ranges(10, 3) == [(0, 2), (2, 5), (5, 7), (7, 10)] and ranges(10, 10) == [(0, 10)]
+    assert ranges(5, 0) == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]
+    x = jax.numpy.arange(10.0)
+    seen = []
+
+    def step(done, a, b, xs):
+        seen.append((a, b))
+        return done + [xs * (a + 1)]
+
+    def f(x):
+        return jax.numpy.concatenate(in_order(ranges(10, 4), lambda a, b: x[a:b], step, []))
+
+    np.testing.assert_array_equal(np.asarray(f(x)), np.r_[np.arange(3.0), 4 * np.arange(3.0, 6), 7 * np.arange(6.0, 10)])
+    assert seen == [(0, 3), (3, 6), (6, 10)]
+    assert str(jax.make_jaxpr(f)(x)).count("optimization_barrier") == 2
+
+
 def test_auto_impl_picks_the_pallas_forward_on_a_gpu_for_multi_block_fan_ins(monkeypatch):
     SumPart = jaxpc.compiler.layout.SumPart
     fan_in = SumPart(n=8, C=4, Kp=4, Kc=4, group="g", dense=False, U=20, D=3)

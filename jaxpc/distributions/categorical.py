@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..ops.pieces import in_order, ranges
 from .base import Distribution, blend, reduce_missing, segment_sum
 
 #: elements of the one-hot matrices built at once by :meth:`Categorical.suff_stats_runs`
@@ -149,13 +150,8 @@ class Categorical(Distribution):
         # device-side while loop, which the GPU runtime runs outside the step's command buffer, synchronizing
         # with the host on every trip (2 ms per step on an H200). A barrier orders them: the next chunk's values
         # come out of it together with this chunk's counts, so one one-hot matrix is alive at a time
-        step = max(1, min(G, ONEHOT_CHUNK // (B * K)))
-        parts, xc = [], xi[:step]
-        for g in range(0, G, step):
-            part = product(obs[g:g + step], xc)
-            if g + step < G:
-                part, xc = lax.optimization_barrier((part, xi[g + step:g + 2 * step]))
-            parts.append(part)
+        parts = in_order(ranges(G, ONEHOT_CHUNK // (B * K)), lambda a, b: xi[a:b],
+                         lambda done, a, b, xc: done + [product(obs[a:b], xc)], [])
         counts = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
         counts = counts.reshape(N, K)
         if mg is not None:

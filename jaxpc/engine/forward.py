@@ -16,6 +16,7 @@ from jax import lax
 
 from ..compiler.layout import Layout, ScanSpec, StageSpec
 from ..ops import product_layer, sum_layer
+from ..ops.pieces import in_order, ranges
 from . import chain
 from ..ops.product_layer import product_layer_backward_reference as product_layer_backward
 from ..ops.sum_layer import child_rows, child_terms
@@ -111,25 +112,13 @@ def pieces(part, B: int, limit: int) -> list[tuple[int, int]]:
     block) stay within ``limit`` elements (``Options.gather_chunk``); one range for a dense partition."""
     if part.dense:
         return [(0, part.n)]
-    most = max(1, limit // max(1, part.C * part.Kc * B))  # blocks per piece
-    k = -(-part.n // most)
-    if k <= 1:
-        return [(0, part.n)]
-    size = -(-part.n // k)
-    return [(a, min(a + size, part.n)) for a in range(0, part.n, size)]
+    return ranges(part.n, limit // max(1, part.C * part.Kc * B))
 
 
-def _in_pieces(ranges, tab: dict, step, carry):
-    """Run ``carry = step(carry, a, b, tables of blocks [a, b))`` over ``ranges`` in order. The next piece's
-    tables come out of an optimization barrier together with the carry, so its gather cannot start before
-    this piece is done: one piece's temporaries are alive at a time."""
-    sub = {k: tab[k][ranges[0][0]:ranges[0][1]] for k in ("ch", "pid")}
-    for i, (a, b) in enumerate(ranges):
-        carry = step(carry, a, b, sub)
-        if i + 1 < len(ranges):
-            na, nb = ranges[i + 1]
-            carry, sub = lax.optimization_barrier((carry, {k: tab[k][na:nb] for k in ("ch", "pid")}))
-    return carry
+def _in_pieces(spans, tab: dict, step, carry):
+    """``carry = step(carry, a, b, tables of blocks [a, b))`` over ``spans``, one piece after the other
+    (:func:`jaxpc.ops.pieces.in_order`: a piece's gather cannot start before the previous piece is done)."""
+    return in_order(spans, lambda a, b: {k: tab[k][a:b] for k in ("ch", "pid")}, step, carry)
 
 
 def _inplace(impl: str, options, buf: Array) -> bool:
