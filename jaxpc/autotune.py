@@ -3,7 +3,8 @@
 :class:`Autotuner` picks one configuration among candidates for a *shape key*:
 
 1. The heuristic configuration is the reference; every candidate (the heuristic included) runs once
-   untimed (compilation, warm-up) and once timed.
+   untimed (compilation, warm-up; ``workers`` candidates at a time in threads, so their compilations
+   overlap) and then once timed, one after the other.
 2. Candidates slower than ``drop_factor`` (2x) times the fastest first timing are dropped; the
    survivors and the heuristic get ``full_reps`` timed runs (median).
 3. A candidate replaces the heuristic only when it is at least ``margin`` (10%) faster.
@@ -23,6 +24,7 @@ import os
 import statistics
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Hashable, Sequence
 
@@ -57,13 +59,18 @@ class Autotuner:
     _lock = threading.Lock()
 
     def __init__(self, timer: Callable[[Callable[[], Any]], float] | None = None, cache_path: str | None = None,
-                 env_key: str | None = None, margin: float = 0.10, drop_factor: float = 2.0, full_reps: int = 10):
+                 env_key: str | None = None, margin: float = 0.10, drop_factor: float = 2.0, full_reps: int = 10,
+                 workers: int | None = None):
         if not 0 <= margin < 1:
             raise ValueError(f"margin must be in [0, 1), got {margin!r}")
         if drop_factor < 1:
             raise ValueError(f"drop_factor must be >= 1, got {drop_factor!r}")
         if full_reps < 1:
             raise ValueError(f"full_reps must be >= 1, got {full_reps!r}")
+        workers = min(8, os.cpu_count() or 1) if workers is None else workers
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"workers must be a positive int, got {workers!r}")
+        self.workers = workers
         self.timer = timer or _wall_timer
         self.cache_path = None if cache_path is None else Path(os.path.expanduser(cache_path))
         self.env_key = env_key if env_key is not None else environment_key()
@@ -112,11 +119,17 @@ class Autotuner:
         cached = self.lookup(shape_key, configs)
         if cached is not None:
             return cached
+        def warm(cfg):  # untimed: compile and warm up
+            fn = run(cfg)
+            jax.block_until_ready(fn())
+            return fn
+
+        with ThreadPoolExecutor(max_workers=min(self.workers, len(configs))) as pool:
+            pending = [pool.submit(warm, cfg) for cfg in configs]
         fns, first = {}, {}
-        for i, cfg in enumerate(configs):
+        for i, fut in enumerate(pending):
             try:
-                fns[i] = run(cfg)
-                jax.block_until_ready(fns[i]())  # untimed: compile and warm up
+                fns[i] = fut.result()
                 first[i] = self.timer(fns[i])
             except Exception:  # noqa: BLE001 - a candidate that fails to build or run is not a candidate
                 if i == 0:

@@ -42,6 +42,26 @@ def test_call_counts_drop_rule_and_winner():
     assert calls == {"H": 2 + 5, "A": 2 + 5, "B": 2, "C": 2 + 5}
 
 
+def test_untimed_first_runs_overlap():
+    """The untimed first runs (compilations) of the candidates run in threads at the same time: each blocks until
+    all have started, which would time out if they ran one after the other."""
+    import threading
+
+    start = threading.Barrier(3, timeout=10)
+
+    class Slow(Op):
+        def __call__(self):
+            if self.calls[self.cfg] == 0:
+                start.wait()  # raises BrokenBarrierError after 10 s unless all three first runs are in flight
+            return super().__call__()
+
+    calls = collections.Counter()
+    assert tuner(workers=3).tune("shape", "H", ["A", "C"], lambda cfg: Slow(cfg, calls)) == "C"
+    assert calls == {"H": 2 + 5, "A": 2 + 5, "C": 2 + 5}
+    with pytest.raises(ValueError, match="workers"):
+        Autotuner(workers=0)
+
+
 def test_margin_rule_keeps_the_heuristic():
     calls = collections.Counter()
     assert tuner().tune("shape", "H", ["A"], lambda cfg: Op(cfg, calls)) == "H"  # 5% faster is not enough
