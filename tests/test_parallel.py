@@ -135,3 +135,31 @@ def test_steady_state_step_moves_nothing_but_the_data(hmm, kind):
         fl = parallel.flows(circuit, params, x, mesh=mesh, validate=False)
     assert np.isfinite(np.asarray(ll)).all()
     assert _root_flow(circuit, fl) == pytest.approx(8.0, rel=1e-5)
+
+
+def test_auto_impl_kernels_under_shard_map(monkeypatch):
+    """With the GPU rule on (the Pallas kernels in interpret mode here), the default options run the in-place
+    Pallas forward inside ``shard_map``: data-parallel flows and gradients equal one device's XLA path."""
+    from jaxpc.engine import forward
+    from jaxpc.ops import pallas_sum
+
+    calls = []
+    kernel = pallas_sum.forward
+    monkeypatch.setattr(pallas_sum, "forward", lambda *a, **k: calls.append(k["out_offset"]) or kernel(*a, **k))
+    monkeypatch.setattr(forward, "on_gpu", lambda: True)
+    root = structures.PD((6, 6), 4, split_intervals=(2, 2), input_dist=jaxpc.dists.Categorical(3))
+    data = np.random.default_rng(2).integers(0, 3, (12, 36)).astype(np.int32)
+    c, ref = jaxpc.compile(root, seed=4), jaxpc.compile(root, seed=4)
+    assert any(p.C > 1 and not p.dense for s in c.layout.fold.stages() for p in s.sums)
+    xla = jaxpc.Options(impl="reference")
+    mesh = parallel.data_mesh(2)
+    fl, ll = parallel.flows(c, c.params, data, mesh=mesh, return_ll=True)
+    assert calls and all(o is not None for o in calls)
+    fl_ref, ll_ref = ref.flows(ref.params, data, options=xla, return_ll=True)
+    np.testing.assert_allclose(ll, ll_ref, rtol=1e-5)
+    assert _rel(fl, fl_ref) < 1e-5
+    loss, g = parallel.loss_and_grad(c, c.params, data, mesh=mesh)
+    loss_ref, g_ref = jax.value_and_grad(
+        lambda p: optim.mean_nll(ref.layout, ref.tables, p, jnp.asarray(data), None, None, xla)[0])(ref.params)
+    assert float(loss) == pytest.approx(float(loss_ref), rel=1e-5)
+    assert _rel(g, g_ref) < 1e-5
