@@ -119,6 +119,7 @@ class Autotuner:
         cached = self.lookup(shape_key, configs)
         if cached is not None:
             return cached
+
         def warm(cfg):  # untimed: compile and warm up
             fn = run(cfg)
             jax.block_until_ready(fn())
