@@ -304,3 +304,26 @@ def test_conflict_free_scatters_are_conflict_free(name):
                 assert np.unique(t["pid"]).size == t["pid"].size and not np.any(ch[:, :, 0] == plan.ninf_row), part
     if name == "hclt":  # every tree level takes both fast paths
         assert flagged["distinct"] > 0 and flagged["unique_pid"] > 0
+
+
+def test_without_the_triton_backend_kernels_fall_back_to_xla_with_one_warning(monkeypatch):
+    from jaxpc.ops import pallas_sum
+
+    monkeypatch.setattr(pallas_sum, "plgpu", None)
+    monkeypatch.setattr(engine_forward, "_WARNED_UNAVAILABLE", [])
+    monkeypatch.setattr(engine_forward, "on_gpu", lambda: True)
+    root = structures.PD((4, 6), 8, split_intervals=(2, 2), input_dist=dists.Categorical(3))
+    x = np.random.default_rng(3).integers(0, 3, (5, 24)).astype(np.int32)
+    c, ref = jaxpc.compile(root, seed=5), jaxpc.compile(root, seed=5)
+    want = ref.flows(ref.params, x, options=jaxpc.Options(impl="reference"), return_ll=True)
+    with pytest.warns(RuntimeWarning, match="Triton backend"):
+        got = c.flows(c.params, x, options=jaxpc.Options(impl="pallas"), return_ll=True)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process: no second warning
+        got = c.flows(c.params, x, return_ll=True)  # impl="auto" with the GPU rule on
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)

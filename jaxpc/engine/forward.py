@@ -9,6 +9,7 @@ Shapes: ``x [B, V]``, ``missing`` None, ``bool[V]`` or ``bool[B, V]``, buffer ``
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -77,7 +78,33 @@ def partition_key(part, B: int) -> tuple:
 def kernel_choice(options, part, B: int, dtype=jnp.float32):
     """``(impl, KernelConfig or None)`` for a sum partition: the tuned choice in ``options.kernels`` for this
     partition and batch, else ``options.impl`` (``"auto"``: :func:`auto_impl` for a ``dtype`` node buffer)
-    with the default kernel configuration."""
+    with the default kernel configuration. Without the Pallas Triton backend every choice is the reference
+    (with one warning per process)."""
+    impl, cfg = _kernel_choice(options, part, B, dtype)
+    if impl in PALLAS_FORWARD and not kernels_available():
+        return "reference", None
+    return impl, cfg
+
+
+_WARNED_UNAVAILABLE = []
+
+
+def kernels_available() -> bool:
+    """Whether the Pallas sum-layer kernels can run (Pallas and its Triton backend import); warns once if not."""
+    try:
+        from ..ops import pallas_sum
+
+        ok = pallas_sum.available()
+    except ImportError:
+        ok = False
+    if not ok and not _WARNED_UNAVAILABLE:
+        _WARNED_UNAVAILABLE.append(True)
+        warnings.warn("jaxpc: the Pallas Triton backend (jax.experimental.pallas.triton) is not available in this "
+                      "jax; sum layers run on XLA (impl='reference')", RuntimeWarning, stacklevel=2)
+    return ok
+
+
+def _kernel_choice(options, part, B: int, dtype):
     sig = partition_key(part, B)
     for s, choice in options.kernels:
         if s == sig:
@@ -432,12 +459,12 @@ def partial_values(layout: Layout, plan, plan_tables: dict, params: dict, x: Arr
             with jax.named_scope(f"jaxpc/partial{name}/prod{j}"):
                 out = product_layer(b, t["ch"], K=part.K)
             b = b.at[(t["write"][:, None] + jnp.arange(part.K)).reshape(-1)].set(out.astype(b.dtype))
+        impls = [kernel_choice(options.replace(kernels=()), part, b.shape[1], b.dtype)[0] for part in spec.sums]
         for j, (part, t) in enumerate(zip(spec.sums, tab["sums"])):
             with jax.named_scope(f"jaxpc/partial{name}/sum{j}"):
                 out = sum_layer(b, t["ch"], t["pid"], params["sum"][part.group], Kp=part.Kp, Kc=part.Kc,
                                 dense=part.dense, propagation=options.propagation, alpha=options.alpha,
-                                precision=options.precision,
-                                impl=auto_impl(part, b.dtype) if options.impl == "auto" else options.impl)
+                                precision=options.precision, impl=impls[j])
             b = b.at[(t["write"][:, None] + jnp.arange(part.Kp)).reshape(-1)].set(out.astype(b.dtype))
         return b
 
