@@ -183,6 +183,11 @@ class _Entry:
     ready: threading.Event
     error: BaseException | None = None
 
+    @property
+    def usable(self) -> bool:
+        """Compiled without error (``compiled`` is set before ``ready``)."""
+        return self.ready.is_set() and self.error is None
+
 
 class ExecutableCache:
     """A bounded LRU cache of compiled executables, keyed by construction (see the module docstring)."""
@@ -280,7 +285,7 @@ class ExecutableCache:
         key = self._key(entry, self.describe(entry, static, args))
         with self._lock:
             e = self._entries.get(key)
-        if e is None or not e.ready.is_set() or e.error is not None:
+        if e is None or not e.usable:
             return None
         names = list(args)
         return lambda *vals: e.compiled(*_call_args(dict(zip(names, vals))))
@@ -290,7 +295,7 @@ class ExecutableCache:
         ``memory_analysis()``, ``cost_analysis()``, ``as_text()``), or None when none is live."""
         with self._lock:
             for key, e in reversed(self._entries.items()):
-                if key[0] == entry and e.ready.is_set() and e.error is None and e.compiled is not None:
+                if key[0] == entry and e.usable:
                     return e.compiled
         return None
 
