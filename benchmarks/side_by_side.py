@@ -18,7 +18,6 @@ images with 256 levels.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -160,8 +159,7 @@ def main(argv=None):
             print("pyjuice   codd", r, flush=True)
     print(table(rows), flush=True)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), fh, indent=1)
+        bench_engine.save_rows(Path(args.json).parent, Path(args.json).name, rows)
 
 
 if __name__ == "__main__":
