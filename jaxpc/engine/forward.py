@@ -447,6 +447,7 @@ def partial_values(layout: Layout, plan, plan_tables: dict, params: dict, x: Arr
     xt = x.T
     mt = _missing_t(missing)
     buf = values
+    untuned = options.replace(kernels=())  # the tuned routes name the full plan's partitions, not these
     for pin, tab in zip(plan.inputs, plan_tables["inputs"]):
         spec = layout.input_layers[pin.layer]
         xv = xt[tab["vars"]]
@@ -459,7 +460,7 @@ def partial_values(layout: Layout, plan, plan_tables: dict, params: dict, x: Arr
             with jax.named_scope(f"jaxpc/partial{name}/prod{j}"):
                 out = product_layer(b, t["ch"], K=part.K)
             b = b.at[(t["write"][:, None] + jnp.arange(part.K)).reshape(-1)].set(out.astype(b.dtype))
-        impls = [kernel_choice(options.replace(kernels=()), part, b.shape[1], b.dtype)[0] for part in spec.sums]
+        impls = [kernel_choice(untuned, part, b.shape[1], b.dtype)[0] for part in spec.sums]
         for j, (part, t) in enumerate(zip(spec.sums, tab["sums"])):
             with jax.named_scope(f"jaxpc/partial{name}/sum{j}"):
                 out = sum_layer(b, t["ch"], t["pid"], params["sum"][part.group], Kp=part.Kp, Kc=part.Kc,
