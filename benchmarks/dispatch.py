@@ -1,28 +1,38 @@
-"""Where the host time of a synchronized step goes: the flows executable called directly, under XLA flags.
+"""Where the host time of a synchronized step goes: ``Circuit.flows`` under buffer-address conditions and XLA flags.
 
-    python benchmarks/dispatch.py [--workload hclt] [--latents 256] [--batch 16] [--impl auto]
-                                  [--flags "|--xla_gpu_enable_command_buffer="]
+    python benchmarks/dispatch.py [--workload hclt] [--latents 256] [--batches 16,512] [--impl auto]
+                                  [--flags "|--xla_gpu_enable_command_buffer="] [--trace] [--unrolled]
 
 Each ``|``-separated entry of ``--flags`` runs in its own process with those ``XLA_FLAGS`` (the empty entry:
-none). Per process, medians over ``--reps`` steps of the compiled flows executable (no ``Circuit`` API work):
+none). Per process and batch size, medians over ``--reps`` synchronized ``flows`` calls (``validate=False``,
+the library's call path: packed tables, cached executable) in four loops:
 
-* ``held``: each step synchronized while the previous step's outputs are still alive (a training loop that
-  keeps its last result): the outputs land at new addresses every call;
-* ``freed``: the previous outputs deleted before the call, so the allocator can hand back the same addresses;
-* ``dispatch``: how long the call takes to return (host work before the device runs), in both loops;
-* ``pipelined``: steps dispatched back to back, synchronized once.
+* ``rotate``: 4 input batches in turn, the previous outputs freed before the call (the benchmarks' loop);
+* ``same``: one input batch every call, outputs freed: every buffer the step reads or writes can land at
+  the address it had in the previous call;
+* ``held``: 4 batches in turn, the previous outputs alive during the call (they cannot be reused);
+* ``pipelined``: calls dispatched back to back, synchronized once.
 
-A large ``held - freed`` gap is the command buffers' update for moved buffers; a large ``dispatch`` is host
-work per call. An XLA flag the installed jaxlib does not know fails that process only (reported, the others
-run): jax 0.11.2 has no ``--xla_gpu_command_buffer_update_mode``.
+For each: wall ms and ``dispatch`` (until the call returns). XLA's GPU runtime re-records a command buffer
+whose buffers moved, so ``rotate - same`` is what moving inputs cost. ``--trace`` also prints the host
+events (XLA's, not Python's) of a profiler trace of the ``rotate`` loop by total time per step (the trace's
+device tracing slows the launches it records: compare event against event, not with the wall times), and
+the compiled step's entry computation by opcode. An XLA flag the installed jaxlib does not know fails that
+process only (reported, the others run).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import glob
+import gzip
+import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,6 +40,36 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def hlo_census(text: str) -> str:
+    """The instructions of the entry computation of optimized HLO text by opcode (the kernels and loops the
+    runtime launches; this XLA forms its command buffers from the thunks, so the HLO does not show them: the
+    trace's ``command_buffer`` events do)."""
+    entry = text[text.index("\nENTRY"):]
+    entry = entry[:entry.index("\n}")]
+    ops = collections.Counter(m.group(1) for m in re.finditer(r"^\s*(?:ROOT )?%?[\w.-]+ = .*?\s([a-z][\w-]*)\(",
+                                                              entry, re.M))
+    for skip in ("parameter", "get-tuple-element", "tuple", "bitcast", "constant"):
+        ops.pop(skip, None)
+    return "entry computation: " + (", ".join(f"{k} {v}" for k, v in ops.most_common()) or "nothing")
+
+
+def host_events(trace_dir: str, steps: int, top: int = 12) -> list[str]:
+    files = glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "*.trace.json.gz"))
+    if not files:
+        return ["(no trace written)"]
+    events = json.load(gzip.open(sorted(files)[-1]))["traceEvents"]
+    device = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+              and "/device:" in str(e.get("args", {}).get("name", "")) and "CPU" not in str(e["args"]["name"])}
+    per = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") not in device and not str(e.get("name", "")).startswith("$"):
+            name = re.sub(r"[:#]\d+.*$|\.\d+$", "", str(e.get("name", "?")))[:70]
+            per[name][0] += 1
+            per[name][1] += float(e.get("dur", 0.0))
+    return [f"  {us / steps / 1e3:8.3f} ms  x{n / steps:6.1f}  {name}"
+            for name, (n, us) in sorted(per.items(), key=lambda kv: -kv[1][1])[:top]]
 
 
 def measure(args):
@@ -40,42 +80,49 @@ def measure(args):
     from profile_step import build
 
     c, data = build(args.workload, args.latents)
-    opts = jaxpc.Options(precision=args.precision, impl=args.impl)
-    xs = [jnp.asarray(data[i * args.batch:(i + 1) * args.batch]) for i in range(4)]
-    exe = jax.jit(lambda t, p, x: jaxpc.engine.em.flows_and_ll(c.layout, t, p, x, None, None, opts)).lower(
-        c.tables, c.params, xs[0]).compile()
-    out = None
-    for i in range(5):
-        out = jax.block_until_ready(exe(c.tables, c.params, xs[i % 4]))
-
-    def loop(free: bool):
-        nonlocal out
-        walls, disp = [], []
-        for i in range(args.reps):
-            if free:
-                for leaf in jax.tree_util.tree_leaves(out):
-                    leaf.delete()
-                out = None
-            t = time.perf_counter()
-            o = exe(c.tables, c.params, xs[i % 4])
-            d = time.perf_counter()
-            jax.block_until_ready(o)
-            walls.append(time.perf_counter() - t)
-            disp.append(d - t)
-            out = o
-        return 1e3 * np.median(walls), 1e3 * np.median(disp)
-
-    held, held_d = loop(False)
-    freed, freed_d = loop(True)
-    t = time.perf_counter()
-    for i in range(args.reps):
-        out = exe(c.tables, c.params, xs[i % 4])
-    jax.block_until_ready(out)
-    pipelined = 1e3 * (time.perf_counter() - t) / args.reps
+    opts = jaxpc.Options(precision=args.precision, impl=args.impl, scan_stages=not args.unrolled)
     flags = os.environ.get("XLA_FLAGS", "") or "(none)"
-    print(f"{args.workload}-{args.latents} B={args.batch} {args.impl} XLA_FLAGS={flags}: held {held:.3f} ms "
-          f"(dispatch {held_d:.3f}) | freed {freed:.3f} ms (dispatch {freed_d:.3f}) | pipelined {pipelined:.3f} ms",
-          flush=True)
+    for batch in (int(b) for b in args.batches.split(",")):
+        xs = [jnp.asarray(data[i * batch:(i + 1) * batch]) for i in range(4)]
+
+        def call(x):
+            return c.flows(c.params, x, options=opts, validate=False, return_ll=True)
+
+        for i in range(5):
+            jax.block_until_ready(call(xs[i % 4]))
+
+        def loop(pick, free: bool):
+            out, walls, disp = None, [], []
+            for i in range(args.reps):
+                if free and out is not None:
+                    for leaf in jax.tree_util.tree_leaves(out):
+                        leaf.delete()
+                    out = None
+                t = time.perf_counter()
+                o = call(pick(i))
+                d = time.perf_counter()
+                jax.block_until_ready(o)
+                walls.append(time.perf_counter() - t)
+                disp.append(d - t)
+                out = o
+            return f"{1e3 * np.median(walls):.3f} ms (dispatch {1e3 * np.median(disp):.3f})"
+
+        res = {"rotate": loop(lambda i: xs[i % 4], True), "same": loop(lambda i: xs[0], True),
+               "held": loop(lambda i: xs[i % 4], False)}
+        t = time.perf_counter()
+        for i in range(args.reps):
+            out = call(xs[i % 4])
+        jax.block_until_ready(out)
+        res["pipelined"] = f"{1e3 * (time.perf_counter() - t) / args.reps:.3f} ms"
+        print(f"{args.workload}-{args.latents} B={batch} {args.impl}{' unrolled' * args.unrolled} XLA_FLAGS={flags}: "
+              + " | ".join(f"{k} {v}" for k, v in res.items()), flush=True)
+        if args.trace:
+            print("  HLO: " + hlo_census(c.compiled("flows").as_text()), flush=True)
+            with tempfile.TemporaryDirectory() as d:
+                with jax.profiler.trace(d):
+                    for i in range(5):
+                        jax.block_until_ready(call(xs[i % 4]))
+                print("  host events per step (rotate loop):\n" + "\n".join(host_events(d, 5)), flush=True)
 
 
 def main(argv=None):
@@ -83,21 +130,27 @@ def main(argv=None):
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_step_args(p)
+    p.add_argument("--batches", default="16,512")
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--unrolled", action="store_true", help="Options(scan_stages=False): repeated stages unrolled")
+    p.add_argument("--trace", action="store_true", help="host events of a profiler trace and the HLO census")
     p.add_argument("--flags", default="", help="'|'-separated XLA_FLAGS settings, one process each")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         return measure(args)
-    base = [f"--workload={args.workload}", f"--latents={args.latents}", f"--batch={args.batch}",
+    base = [f"--workload={args.workload}", f"--latents={args.latents}", f"--batches={args.batches}",
             f"--precision={args.precision}", f"--impl={args.impl}", f"--reps={args.reps}"]
+    base += ["--trace"] * args.trace + ["--unrolled"] * args.unrolled
     for flags in args.flags.split("|"):
         env = {**os.environ, "XLA_FLAGS": flags}
-        r = subprocess.run([sys.executable, __file__, "--child", *base], env=env,
-                           capture_output=True, text=True)
-        lines = [l for l in (r.stdout + r.stderr).splitlines() if l.strip()]
-        print(lines[-1] if r.returncode == 0 and lines else f"XLA_FLAGS={flags!r}: failed (rc {r.returncode}): "
-              + " | ".join(lines[-3:])[-600:], flush=True)
+        r = subprocess.run([sys.executable, __file__, "--child", *base], env=env, capture_output=True, text=True)
+        out = (r.stdout + r.stderr).strip()
+        if r.returncode == 0:
+            print("\n".join(l for l in r.stdout.splitlines() if l.strip()), flush=True)
+        else:
+            print(f"XLA_FLAGS={flags!r}: failed (rc {r.returncode}): " + " | ".join(out.splitlines()[-3:])[-600:],
+                  flush=True)
 
 
 if __name__ == "__main__":

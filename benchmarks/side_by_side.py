@@ -116,7 +116,8 @@ def main(argv=None):
                    help="which systems to run (split a long comparison over several calls)")
     p.add_argument("--codd", action="store_true", help="also run the CoDD workload in both systems")
     p.add_argument("--impl", default="auto", choices=["auto", "reference", "pallas", "pallas_forward"],
-                   help="jaxpc's sum layers: XLA (the default), the Pallas kernels, or the Pallas forward only")
+                   help="jaxpc's sum layers: the per-partition choice (auto, the default), XLA, the Pallas "
+                        "kernels, or the Pallas forward only")
     p.add_argument("--no-fold", dest="fold", action="store_false",
                    help="jaxpc with Options(fold_products=False) (the full layout)")
     p.add_argument("--json", default=None)

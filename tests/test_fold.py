@@ -124,7 +124,7 @@ def test_in_order_chains_the_pieces_through_barriers():
     assert str(jax.make_jaxpr(f)(x)).count("optimization_barrier") == 2
 
 
-def test_auto_impl_picks_the_pallas_forward_on_a_gpu_for_multi_block_fan_ins(monkeypatch):
+def test_auto_impl_picks_the_pallas_forward_on_a_gpu_for_fan_ins_and_small_batches(monkeypatch):
     SumPart = jaxpc.compiler.layout.SumPart
     fan_in = SumPart(n=8, C=4, Kp=4, Kc=4, group="g", dense=False, U=20, D=3)
     tree = SumPart(n=8, C=1, Kp=4, Kc=4, group="g", dense=False, U=8, D=1)
@@ -133,8 +133,13 @@ def test_auto_impl_picks_the_pallas_forward_on_a_gpu_for_multi_block_fan_ins(mon
     assert auto.impl == "auto"
     assert [engine_forward.kernel_choice(auto, p, 16) for p in (fan_in, tree, dense)] == [("reference", None)] * 3
     monkeypatch.setattr(engine_forward, "on_gpu", lambda: True)
-    assert [engine_forward.kernel_choice(auto, p, 16)[0] for p in (fan_in, tree, dense)] == [
+    assert [engine_forward.kernel_choice(auto, p, 128)[0] for p in (fan_in, tree, dense)] == [
         "pallas_forward", "reference", "reference"]
+    # at small batches tree levels run the kernel too (one kernel per level instead of XLA's four)
+    small = engine_forward.SMALL_BATCH
+    assert [engine_forward.kernel_choice(auto, p, small)[0] for p in (fan_in, tree, dense)] == [
+        "pallas_forward", "pallas_forward", "reference"]
+    assert engine_forward.kernel_choice(auto, tree, small + 1)[0] == "reference"
     assert engine_forward.kernel_choice(auto, fan_in, 16, np.float64)[0] == "reference"
     # an explicit impl and a tuned route win over the rule
     assert engine_forward.kernel_choice(auto.replace(impl="reference"), fan_in, 16)[0] == "reference"
@@ -143,9 +148,10 @@ def test_auto_impl_picks_the_pallas_forward_on_a_gpu_for_multi_block_fan_ins(mon
 
 
 def test_auto_impl_as_on_a_gpu(monkeypatch):
-    """The default options with the GPU rule on (the Pallas kernels in interpret mode): a PD's fan-in partitions
-    run the in-place Pallas forward, the values and flows are those of the XLA path, and reverse-mode autodiff
-    (which the kernels do not support) runs on XLA."""
+    """The default options with the GPU rule on (the Pallas kernels in interpret mode): at a small batch every
+    partition of a PD that is not dense runs the in-place Pallas forward (at a large one its fan-in partitions
+    only), the values and flows are those of the XLA path, and reverse-mode autodiff (which the kernels do not
+    support) runs on XLA."""
     from jaxpc.ops import pallas_sum
 
     calls = []
@@ -157,8 +163,12 @@ def test_auto_impl_as_on_a_gpu(monkeypatch):
     auto = jaxpc.Options()
     c = jaxpc.compile(root, seed=1)
     got = c.flows(c.params, x, options=auto, return_ll=True)
-    fan_in = [p for s in c.layout.fold.stages() for p in s.sums if p.C > 1 and not p.dense]
-    assert fan_in and len(calls) == len(fan_in) and all(o is not None for o in calls)
+    sparse = [p for s in c.layout.fold.stages() for p in s.sums if not p.dense]
+    assert any(p.C == 1 for p in sparse) and any(p.C > 1 for p in sparse)
+    assert len(calls) == len(sparse) and all(o is not None for o in calls)
+    del calls[:]
+    c.flows(c.params, np.tile(x, (4, 1)), options=auto)  # 36 samples: above SMALL_BATCH
+    assert len(calls) == sum(p.C > 1 for p in sparse)
     ref = jaxpc.compile(root, seed=1)
     want = ref.flows(ref.params, x, options=auto.replace(impl="reference"), return_ll=True)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):

@@ -113,7 +113,7 @@ def _kernel_choice(options, part, B: int, dtype):
                 return choice[0], KernelConfig(*choice[1:])
             return "reference", None
     if options.impl == "auto":
-        return auto_impl(part, dtype), None
+        return auto_impl(part, dtype, B), None
     return options.impl, None
 
 
@@ -122,16 +122,23 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def auto_impl(part, dtype=jnp.float32) -> str:
-    """``Options(impl="auto")``'s choice for a sum partition: on a GPU the Pallas forward (XLA backward) when
-    its blocks have several child blocks, which XLA would gather into an ``[n, C*Kc, B]`` tensor and read
-    twice (PD-128 on the H200: forward 3.1 against 7.1 ms at batch 512, forward + flows 11.7 against 12.3);
-    the XLA path for tree levels (``C == 1``, every HCLT level: XLA 3.0 against 3.7 ms at batch 512), dense
-    layers, buffers other than float32 and on backends without Triton. (Forwards differentiated by autodiff
-    run on XLA: :func:`evaluate`.)"""
-    if part.dense or part.C == 1 or jnp.dtype(dtype) != jnp.float32 or not on_gpu():
+SMALL_BATCH = 32  # auto: at most this many samples per call, tree levels (C == 1) run the Pallas forward too
+
+
+def auto_impl(part, dtype=jnp.float32, B: int | None = None) -> str:
+    """``Options(impl="auto")``'s choice for a sum partition at batch ``B``: on a GPU the Pallas forward (XLA
+    backward) when its blocks have several child blocks, which XLA would gather into an ``[n, C*Kc, B]``
+    tensor and read twice (PD-128 on the H200: forward 3.1 against 7.1 ms at batch 512, forward + flows 11.7
+    against 12.3), and for tree levels (``C == 1``) at batches of at most :data:`SMALL_BATCH`, where one
+    kernel per level replaces XLA's four (HCLT-256 at batch 16: forward + flows 3.18 against 3.29-3.57 ms
+    synchronized, 2.27 against 2.67 in a pipelined loop; at batch 128 XLA's 4.53 against 4.67 ms, at 512
+    8.16 against 9.31). The XLA path for dense layers, buffers other than float32 and on backends without
+    Triton. (Forwards differentiated by autodiff run on XLA: :func:`evaluate`.)"""
+    if part.dense or jnp.dtype(dtype) != jnp.float32 or not on_gpu():
         return "reference"
-    return "pallas_forward"
+    if part.C > 1 or (B is not None and B <= SMALL_BATCH):
+        return "pallas_forward"
+    return "reference"
 
 
 def pieces(part, B: int, limit: int) -> list[tuple[int, int]]:
