@@ -116,11 +116,17 @@ class Categorical(Distribution):
         counts = jnp.zeros((num_rows * self.num_cats,), flows.dtype).at[self._flat(rows, xi)].add(obs)
         counts = counts.reshape(num_rows, self.num_cats)
         if mv is not None:
-            # a marginalized value contributes its posterior under the current parameters
-            miss = jnp.sum(jnp.where(mv, flows, 0.0), axis=1)
-            probs = jnp.exp(p["log_probs"])
-            counts = counts + segment_sum(miss[:, None] * probs[rows], rows, num_rows)
+            counts = counts + self._marginalized(p, jnp.sum(jnp.where(mv, flows, 0.0), axis=1), rows, num_rows)
         return {"counts": counts}
+
+    def _marginalized(self, p, miss, rows=None, num_rows=None):
+        """Counts of the marginalized values: each contributes its posterior under the current parameters,
+        ``miss [N]`` (node ``i``'s flow summed over the samples that miss its variable) times node ``i``'s
+        probabilities, added up per parameter row (``rows``; None: node ``i`` reads row ``i``)."""
+        probs = jnp.exp(p["log_probs"])
+        if rows is None:
+            return miss[:, None] * probs
+        return segment_sum(miss[:, None] * probs[rows], rows, num_rows)
 
     def suff_stats_runs(self, p, tables, xg, mg, flows, run, options):
         """Counts as one batched product per run of nodes over a variable: ``counts[g, j, k] = sum_b
@@ -155,8 +161,8 @@ class Categorical(Distribution):
         counts = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
         counts = counts.reshape(N, K)
         if mg is not None:
-            miss = jnp.sum(jnp.where(mg[:, None, :], flows.reshape(G, run, B), 0.0), axis=2).reshape(N)
-            counts = counts + miss[:, None] * jnp.exp(p["log_probs"])
+            counts = counts + self._marginalized(
+                p, jnp.sum(jnp.where(mg[:, None, :], flows.reshape(G, run, B), 0.0), axis=2).reshape(N))
         return {"counts": counts}
 
     def em_update(self, p, tables, stats, step_size, pseudocount):
