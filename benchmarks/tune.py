@@ -3,9 +3,10 @@
     python benchmarks/tune.py [--workloads hclt,pd] [--batches 512] [--latents hclt=256,pd=128]
                               [--precision tf32] [--reps 25] [--candidates pallas:32,64,4,pallas_forward:32,64,4]
 
-Per (workload, batch): :func:`jaxpc.autotune.tune_circuit` (the reference XLA path against the Pallas
-candidates, forward + backward of each partition alone; seconds spent tuning), each partition's key and
-choice with its timings (ms: the reference's and the winner's), then forward and forward + flows medians
+Per (workload, batch): :func:`jaxpc.autotune.tune_circuit` (``impl="auto"``'s choice against the XLA path
+and the Pallas candidates, forward + backward of each partition alone, then the whole step with the default
+options against the tuned ones; seconds spent tuning), each partition's key and choice with its timings (ms:
+the heuristic's and the winner's) and the whole step's, then forward and forward + flows medians
 of the default options and of the tuned options (4 rotating input batches), XLA's memory analysis of both
 flows executables and the tuned answer's relative error against the default's (log-likelihoods and every
 flow array, same precision). Rows go to ``$OUT/tune.json``.
@@ -73,8 +74,11 @@ def main(argv=None):
                 t = tuner.last_timings.get("full", {})
                 configs = [heuristic] + [x for x in candidates if x != heuristic]
                 win = configs.index(choice)
-                log.append(dict(key=list(shape_key[1]), choice=list(choice), ref_ms=1e3 * t.get(0, float("nan")),
-                                win_ms=1e3 * t.get(win, float("nan"))))
+                plan = shape_key[0] == "plan"  # the whole step: the default options against the tuned ones
+                log.append(dict(key=["whole step"] if plan else list(shape_key[1]),
+                                choice=["tuned" if win else "default"] if plan else list(choice),
+                                heuristic=["default"] if plan else list(heuristic),
+                                ref_ms=1e3 * t.get(0, float("nan")), win_ms=1e3 * t.get(win, float("nan"))))
                 return choice
 
             tuner.tune = logged
@@ -83,7 +87,7 @@ def main(argv=None):
             t_tune = time.perf_counter() - t
             print(f"{w}-{latents[w]} B={B}: tuned in {t_tune:.1f}s", flush=True)
             for e in log:
-                print(f"  partition {tuple(e['key'])}: {e['choice']} ({e['ref_ms']:.3f} -> {e['win_ms']:.3f} ms)",
+                print(f"  {tuple(e['key'])}: {e['choice']} ({e['heuristic']} {e['ref_ms']:.3f} -> {e['win_ms']:.3f} ms)",
                       flush=True)
             default = jaxpc.Options(precision=args.precision)
             res = {}

@@ -117,12 +117,13 @@ def test_tune_circuit_routes_partitions_and_stays_exact(impl, fold):
             fn()
             return self.next.pop(0)
 
-    # per partition: the reference is timed first (1.0), the candidate after it (0.4), then 2 full reps each
+    # per partition: the heuristic (auto's choice: the reference on a CPU) is timed first (1.0), the candidate
+    # after it (0.4), then 2 full reps each; then the whole step: default options, tuned ones, 2 reps each
     timer = Timer()
-    timer.next = [1.0, 0.4, 1.0, 1.0, 0.4, 0.4] * len(keys)
+    timer.next = [1.0, 0.4, 1.0, 1.0, 0.4, 0.4] * (len(keys) + 1)
     t = Autotuner(timer=timer, env_key="fake", full_reps=2)
     opts = tune_circuit(c, c.params, x, candidates=[(impl, 16, 16, 4)], tuner=t, fold_products=fold)
-    assert not timer.next and opts.fold_products == fold and opts.impl == "reference"
+    assert not timer.next and opts.fold_products == fold and opts.impl == "auto"
     assert {k for k, _ in opts.kernels} == keys and all(ch == (impl, 16, 16, 4) for _, ch in opts.kernels)
     assert any(len(k) == 8 for k in keys) == fold  # folded partitions with products of several terms
     ref = jaxpc.Options(precision="tf32", fold_products=fold)
@@ -131,3 +132,71 @@ def test_tune_circuit_routes_partitions_and_stays_exact(impl, fold):
     f1, f2 = c.flows(c.params, x, options=opts), c.flows(c.params, x, options=ref)
     for a, b in zip(jax.tree_util.tree_leaves(f1), jax.tree_util.tree_leaves(f2)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+def _small_hclt():
+    data = np.random.default_rng(0).integers(0, 3, (200, 5))
+    return jaxpc.compile(structures.HCLT(data, 4, input_dist=jaxpc.dists.Categorical(3)), seed=1), data[:10]
+
+
+class ScriptedTimer:
+    """Times by configuration: a partition's route (a tuple) or the whole step's options (``Options``)."""
+
+    def __init__(self, route_s, plan_s):
+        self.route_s, self.plan_s, self.seen = route_s, plan_s, []
+
+    def __call__(self, fn):
+        fn()
+        self.seen.append(fn.cfg)
+        return self.plan_s(fn.cfg) if isinstance(fn.cfg, jaxpc.Options) else self.route_s(fn.cfg)
+
+
+def _tag(run):
+    """``run`` whose callables carry the configuration they run (for :class:`ScriptedTimer`)."""
+    def tagged(cfg):
+        f = run(cfg)
+
+        def g():
+            return f()
+        g.cfg = cfg
+        return g
+    return tagged
+
+
+def _tune(c, x, timer, monkeypatch, candidates):
+    tune = Autotuner.tune
+    monkeypatch.setattr(Autotuner, "tune", lambda self, key, h, cands, run: tune(self, key, h, cands, _tag(run)))
+    Autotuner._process_cache.clear()
+    return tune_circuit(c, c.params, x, candidates=candidates, tuner=Autotuner(timer=timer, env_key="fake", full_reps=2))
+
+
+def test_tune_circuit_keeps_the_default_when_the_whole_step_is_not_faster(monkeypatch):
+    """Partitions alone favour the candidate, the whole step does not: the default options come back."""
+    c, x = _small_hclt()
+    cand = ("pallas", 16, 16, 4)
+    timer = ScriptedTimer(lambda r: 0.4 if r == cand else 1.0, lambda o: 1.0 if o.kernels else 0.95)
+    opts = _tune(c, x, timer, monkeypatch, [cand])
+    assert opts == jaxpc.Options(precision="tf32")
+    assert any(isinstance(s, jaxpc.Options) and s.kernels for s in timer.seen)  # the tuned step was timed
+    # a whole step 10% faster is kept
+    timer = ScriptedTimer(lambda r: 0.4 if r == cand else 1.0, lambda o: 0.5 if o.kernels else 1.0)
+    opts = _tune(c, x, timer, monkeypatch, [cand])
+    assert opts.kernels and all(ch == cand for _, ch in opts.kernels)
+
+
+def test_tune_circuit_starts_from_the_auto_choice(monkeypatch):
+    """With the GPU rule on, a partition's heuristic is the route impl="auto" takes (the Pallas forward with the
+    default configuration at a small batch, run in interpret mode here): the XLA path has to beat it, and
+    partitions left on it are not listed in the returned options."""
+    from jaxpc.engine import forward
+    from jaxpc.ops.pallas_sum import KernelConfig
+
+    monkeypatch.setattr(forward, "on_gpu", lambda: True)
+    c, x = _small_hclt()
+    k = KernelConfig()
+    auto = ("pallas_forward", k.block_b, k.block_k, k.num_warps)
+    timer = ScriptedTimer(lambda r: 1.0, lambda o: 1.0)  # ties: every heuristic stays
+    assert _tune(c, x, timer, monkeypatch, []) == jaxpc.Options(precision="tf32")
+    assert auto in timer.seen and ("reference",) in timer.seen
+    timer = ScriptedTimer(lambda r: 0.5 if r == ("reference",) else 1.0, lambda o: 0.5 if o.kernels else 1.0)
+    opts = _tune(c, x, timer, monkeypatch, [])
+    assert opts.impl == "auto" and opts.kernels and all(ch == ("reference",) for _, ch in opts.kernels)
