@@ -16,7 +16,9 @@ Plans (all ``backward="flows"``):
 * ``fusedfwd``: the folded plan with the in-place Pallas forward kernels and the XLA backward
   (``Options(fold_products=True, impl="pallas_forward")``);
 * ``pallas``: the full layout with the Pallas kernels (``Options(impl="pallas", fold_products=False)``);
-* ``<plan>-unrolled``: any of these with the repeated stages unrolled (``Options(scan_stages=False)``).
+* ``<plan>-unrolled``: any of these with the repeated stages unrolled (``Options(scan_stages=False)``);
+* ``<plan>-shifts``: any of these with the in-place forward kernels' shifts kept for the XLA flow pass
+  (``Options(kernel_shifts=True)``; e.g. ``fold-shifts`` against ``fold``).
 
 One circuit per workload, the same input batches for every plan. Per (plan, batch): compile seconds of the
 flows executable, the relative error of log-likelihoods and of every flow array against ``layers`` at
@@ -53,6 +55,7 @@ PLANS = {"layers": {"fold_products": False, "impl": "reference"}, "fold": {"fold
          "fusedfwd": {"fold_products": True, "impl": "pallas_forward"},
          "pallas": {"impl": "pallas", "fold_products": False}}
 PLANS.update({f"{k}-unrolled": {**v, "scan_stages": False} for k, v in list(PLANS.items())})
+PLANS.update({f"{k}-shifts": {**v, "kernel_shifts": True} for k, v in list(PLANS.items())})
 
 
 def build(workload: str, latents: int, imgs):

@@ -76,6 +76,11 @@ class Options:
             partition runs in pieces of parent blocks, one after the other, forward and backward, so the
             sum layers' temporaries stay within a few pieces (default ``2**24`` floats: 64 MiB pieces; PD-128's
             flows step at batch 512 on the H200: 1,410 MiB in all, 1,633 with pieces of 2**25, PyJuice 2,429).
+        kernel_shifts: the in-place Pallas forward (``impl="auto"`` on a GPU, ``"pallas_forward"``) also keeps
+            each parent block's shift, the max over its children's values per sample, for the XLA flow pass,
+            which then reads it instead of gathering the children once more to recompute it (a buffer of
+            ``R / unit`` rows, ``unit`` the largest block size dividing every block and stage offset; off when
+            that is below 8 rows). Default False until measured on a GPU.
         scan_stages: run the stages :func:`jaxpc.compile` grouped into repeats (``scan_min_repeats``) under
             ``lax.scan``; False unrolls them into the executable (a longer trace, no device-side loop; no
             faster for HCLT-256 on the H200).
@@ -95,6 +100,7 @@ class Options:
     fold_products: bool = True
     scan_stages: bool = True
     gather_chunk: int = 1 << 24
+    kernel_shifts: bool = False
 
     def __post_init__(self):
         for name in ("pflow_temperature", "eflow_temperature"):
@@ -118,7 +124,8 @@ class Options:
         for name, allowed in (("backward", BACKWARDS), ("precision", PRECISIONS), ("impl", IMPL_CHOICES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        for name in ("compute_param_flows", "negate_flows", "chain_scan", "fold_products", "scan_stages"):
+        for name in ("compute_param_flows", "negate_flows", "chain_scan", "fold_products", "scan_stages",
+                     "kernel_shifts"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if isinstance(self.gather_chunk, bool) or not isinstance(self.gather_chunk, int) or self.gather_chunk < 1:

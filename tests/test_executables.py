@@ -57,6 +57,8 @@ OPTION_CHANGES = {
     "fold_products": ("flows", {"chain_scan": False}, {"chain_scan": False, "fold_products": False}),
     "scan_stages": ("flows", {"chain_scan": False}, {"chain_scan": False, "scan_stages": False}),
     "gather_chunk": ("flows", {"chain_scan": False}, {"chain_scan": False, "gather_chunk": 1}),
+    "kernel_shifts": ("flows", {"chain_scan": False, "impl": "pallas_forward"},
+                      {"chain_scan": False, "impl": "pallas_forward", "kernel_shifts": True}),
 }
 SINGLE_VALUED: dict = {}  # fields with one allowed value (none today)
 
@@ -82,7 +84,8 @@ def test_changing_an_option_never_replays_the_cached_executable(field):
     assert c.cache_info().misses == misses + 1, "the changed option must compile a new executable"
     _same(second, run(_hmm(), o2))  # equal to a fresh circuit with that option
     _same(run(c, o1), first)  # and switching back replays the first one
-    if field not in ("backward", "impl", "kernels", "chain_scan", "fold_products", "scan_stages", "gather_chunk"):  # these implementations agree up to rounding
+    if field not in ("backward", "impl", "kernels", "chain_scan", "fold_products", "scan_stages", "gather_chunk",
+                     "kernel_shifts"):  # these implementations agree up to rounding
         assert _differs(first, second)
 
 

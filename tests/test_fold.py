@@ -76,7 +76,7 @@ def _pieces_equal_whole(c, x, opts):
 
 @pytest.mark.parametrize("fold", [True, False], ids=["fold", "full"])
 def test_pd_sum_layers_in_pieces(fold):
-    """A PD (fan-ins of several child blocks, shared children, a scanned stage) in pieces of two parent blocks:
+    """A PD (levels of four parent blocks, a dense root) in pieces of two parent blocks:
     log-likelihoods against the oracle, flows equal to the partitions run whole."""
     c = jaxpc.compile(structures.PD((4, 4), 8, split_intervals=(2, 2), input_dist=dists.Categorical(5)), seed=3)
     x = np.random.default_rng(0).integers(0, 5, (11, 16)).astype(np.int32)
@@ -337,3 +337,72 @@ def test_without_the_triton_backend_kernels_fall_back_to_xla_with_one_warning(mo
         got = c.flows(c.params, x, return_ll=True)  # impl="auto" with the GPU rule on
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def _chain_hclt():
+    """An HCLT over a chain of 12 variables (each copies the one before with probability 0.8): a path-shaped tree
+    whose repeated levels the compiler scans."""
+    rng = np.random.default_rng(0)
+    x = np.zeros((400, 12), np.int32)
+    x[:, 0] = rng.integers(0, 3, 400)
+    for i in range(1, 12):
+        x[:, i] = np.where(rng.random(400) < 0.8, x[:, i - 1], rng.integers(0, 3, 400))
+    return jaxpc.compile(structures.HCLT(x, 8, input_dist=dists.Categorical(3)), seed=1), x[:11]
+
+
+@pytest.mark.parametrize("name,fold", [("hclt", True), ("hclt", False), ("pd", True)],
+                         ids=["scanned-fold", "scanned-full", "fan-ins-fold"])
+def test_kept_kernel_shifts_equal_the_recomputed_ones(name, fold):
+    """``Options(kernel_shifts=True)``: the in-place Pallas forward (interpret mode) keeps each block's children
+    max and the XLA flow pass reads it instead of recomputing it. An HCLT whose levels run under a scan, and a
+    PD with fan-ins of up to 3 child blocks; each with a dense root block of one node, which recomputes its max:
+    values and flows equal the recomputed path's (LL, GeneralLL, tempered flows, tf32 stored local sums,
+    partitions in pieces), with fewer children maxes in the step."""
+    from jaxpc.engine import em
+
+    if name == "hclt":
+        c, x = _chain_hclt()
+    else:
+        c = jaxpc.compile(structures.PD((2, 4), 8, split_intervals=(1, 1), input_dist=dists.Categorical(5)), seed=3)
+        x = np.random.default_rng(0).integers(0, 5, (11, 8)).astype(np.int32)
+    plan = c.layout.fold if fold else c.layout
+    assert engine_forward.shift_unit(plan) >= engine_forward.SHIFT_MIN_UNIT
+    sums = [p for s in plan.stages() for p in s.sums]
+    assert any(not engine_forward._keeps_shift(p) for p in sums)
+    if name == "hclt":
+        assert any(isinstance(s, ScanSpec) for s in plan.steps)
+    else:
+        assert max(p.C for p in sums if not p.dense) == 3
+    base = jaxpc.Options(fold_products=fold, impl="pallas_forward")
+    for kw in ({}, {"propagation": "GeneralLL", "alpha": 2.5},
+               {"eflow_temperature": 0.5, "precision": "tf32", "gather_chunk": 2 * 8 * 11}):
+        got = c.flows(c.params, x, options=base.replace(kernel_shifts=True, **kw), return_ll=True)
+        ref = c.flows(c.params, x, options=base.replace(**kw), return_ll=True)
+        for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+    def maxes(opts):
+        step = lambda p, xb: em.flows_and_ll(c.layout, c.tables, p, xb, None, None, opts)  # noqa: E731
+        return str(jax.make_jaxpr(step)(c.params, x)).count("reduce_max")
+
+    assert maxes(base.replace(kernel_shifts=True)) < maxes(base)
+    # MPE runs no in-place kernel: nothing kept, same executable behaviour
+    mpe = base.replace(propagation="MPE")
+    assert maxes(mpe.replace(kernel_shifts=True)) == maxes(mpe)
+
+
+def test_shift_unit():
+    SumPart, StageSpec, Layout = (jaxpc.compiler.layout.SumPart, jaxpc.compiler.layout.StageSpec,
+                                  jaxpc.compiler.layout.Layout)
+
+    def layout(*stages):
+        return Layout(num_rows=4096, kmax=16, input_layers=(), steps=stages, sum_groups=(), root_row=0, num_vars=1)
+
+    big = SumPart(n=3, C=2, Kp=32, Kc=32, group="g", dense=False)
+    root = SumPart(n=1, C=5, Kp=1, Kc=32, group="r", dense=False)
+    dense = SumPart(n=2, C=2, Kp=4, Kc=4, group="d", dense=True)
+    assert engine_forward.shift_unit(layout(StageSpec((), (big,), 512), StageSpec((), (root,), 608))) == 32
+    assert engine_forward.shift_unit(layout(StageSpec((), (dense, big), 512))) == 8  # rows 520 on: gcd 8
+    assert engine_forward.shift_unit(layout(StageSpec((), (big,), 516))) == 0  # 4 rows: no shift buffer
+    small = SumPart(n=3, C=2, Kp=4, Kc=4, group="s", dense=False)
+    assert engine_forward.shift_unit(layout(StageSpec((), (small,), 512))) == 0

@@ -3,6 +3,8 @@ itself runs), over a product of shapes: block sizes 1-128, fan-ins 1-64 with pad
 children at -inf, tied parameters. The same kernels run for real on the GPU in
 ``benchmarks/kernels_check.py``."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -189,6 +191,18 @@ def test_folded_kernels_in_place_match_reference(shape):
     for m in range(M):
         want = want.at[child_rows(t["ch"][:, :, m], Kc, False)].add(cf_ref)
     a, mx, pf = pallas_sum.backward_parents(out, flows0, off, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc)
+    # the forward keeping its shifts (Options.kernel_shifts): the same values, and each block's children max
+    # (the parent-side kernel's recomputed one, -inf where every child is) at row first parent row / unit
+    unit = math.gcd(off, Kp)
+    untouched = jnp.full((-(-R // unit), B), 7.0, jnp.float32)
+    out2, kept = pallas_sum.forward(buf, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, out_offset=off, shifts=untouched,
+                                    unit=unit)
+    np.testing.assert_array_equal(np.asarray(out2), np.asarray(out))
+    rows = (off + Kp * np.arange(n)) // unit
+    np.testing.assert_array_equal(np.asarray(kept)[rows], np.asarray(mx))
+    np.testing.assert_array_equal(np.delete(np.asarray(kept), rows, axis=0), 7.0)
+    with pytest.raises(ValueError, match="unit"):
+        pallas_sum.forward(buf, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, out_offset=off, shifts=untouched, unit=3 * Kp)
     got = pallas_sum.backward_children(out, a, mx, t["uch"], t["par"], t["ppid"], logw, Kp=Kp, Kc=Kc, ch=t["ch"],
                                        pcol=t["pcol"], flows=flows0)
     keep = np.r_[base:off]  # the padding rows (zero and -inf) collect nothing meaningful

@@ -9,6 +9,7 @@ Shapes: ``x [B, V]``, ``missing`` None, ``bool[V]`` or ``bool[B, V]``, buffer ``
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 
 import jax
@@ -161,7 +162,9 @@ def _inplace(impl: str, options, buf: Array) -> bool:
 
 
 def _stage(buf: Array, spec: StageSpec, tab: dict, sum_params: dict, options, offset, index,
-           evidence: dict | None = None, counts: bool = False) -> Array:
+           evidence: dict | None = None, counts: bool = False, shifts: Array | None = None, unit: int = 0):
+    """The node buffer with one stage's rows written; ``(buf, shifts)`` when given ``shifts``, into which the
+    in-place kernels also write their blocks' shifts (rows of ``unit``, see :func:`shift_unit`)."""
     outs, inplace = [], []  # (row, values) written by updates; (row, index, part, tables, config) written by kernels
     row = offset
     for j, (part, t) in enumerate(zip(spec.prods, tab["prods"])):
@@ -195,7 +198,8 @@ def _stage(buf: Array, spec: StageSpec, tab: dict, sum_params: dict, options, of
         row = row + part.num_rows
     if outs and not inplace:  # one write for the whole stage
         out = outs[0][1] if len(outs) == 1 else jnp.concatenate([o for _, o in outs], axis=0)
-        return lax.dynamic_update_slice(buf, out.astype(buf.dtype), (offset, 0))
+        buf = lax.dynamic_update_slice(buf, out.astype(buf.dtype), (offset, 0))
+        return buf if shifts is None else (buf, shifts)
     for r, out in outs:
         buf = lax.dynamic_update_slice(buf, out.astype(buf.dtype), (r, 0))
     for r, j, part, t, cfg in inplace:  # parts of a stage read lower rows only: the order does not matter
@@ -203,10 +207,43 @@ def _stage(buf: Array, spec: StageSpec, tab: dict, sum_params: dict, options, of
 
         with jax.named_scope(f"jaxpc/stage{index}/sum{j}"):
             a = 1.0 if options.propagation == "LL" else options.alpha
-            buf = pallas_sum.forward(buf, t["ch"], t["pid"], sum_params[part.group], Kp=part.Kp, Kc=part.Kc,
-                                     alpha=a, precision=options.precision, config=cfg or pallas_sum.KernelConfig(),
-                                     out_offset=r)
-    return buf
+            kw = dict(Kp=part.Kp, Kc=part.Kc, alpha=a, precision=options.precision,
+                      config=cfg or pallas_sum.KernelConfig(), out_offset=r)
+            if shifts is not None and _keeps_shift(part):
+                buf, shifts = pallas_sum.forward(buf, t["ch"], t["pid"], sum_params[part.group], shifts=shifts,
+                                                 unit=unit, **kw)
+            else:
+                buf = pallas_sum.forward(buf, t["ch"], t["pid"], sum_params[part.group], **kw)
+    return buf if shifts is None else (buf, shifts)
+
+
+SHIFT_MIN_UNIT = 8  # Options.kernel_shifts: blocks of at least this many nodes keep their shifts
+
+
+def _keeps_shift(part) -> bool:
+    """Whether a sum partition run by the in-place kernel keeps its blocks' shifts (``Options.kernel_shifts``)."""
+    return not part.dense and part.Kp >= SHIFT_MIN_UNIT
+
+
+def shift_unit(layout: Layout) -> int:
+    """Rows of the node buffer per row of the shift buffer (``Options.kernel_shifts``): the greatest common
+    divisor of the first rows and block sizes of the partitions that keep shifts (:func:`_keeps_shift`) and of
+    the scanned periods' rows, so every such block starts at a multiple of it; 0 (no shifts kept) when that is
+    below :data:`SHIFT_MIN_UNIT`."""
+    unit = 0
+    for step in layout.steps:
+        scanned = isinstance(step, ScanSpec)
+        specs = step.period if scanned else (step,)
+        kept = False
+        for spec in specs:
+            row = spec.offset + sum(p.num_rows for p in spec.prods)
+            for part in spec.sums:
+                if _keeps_shift(part):
+                    unit, kept = math.gcd(unit, row, part.Kp), True
+                row += part.num_rows
+        if scanned and kept:  # the later repeats sit whole periods further
+            unit = math.gcd(unit, sum(spec.num_rows for spec in specs))
+    return unit if unit >= SHIFT_MIN_UNIT else 0
 
 
 def _padding(layout: Layout, B: int, dtype) -> list:
@@ -270,15 +307,25 @@ def run_stages(layout, tables: dict, buf: Array, stage_fn, reverse: bool = False
 
 
 def forward_buffer(layout: Layout, tables: dict, sum_params: dict, input_vals: list, options,
-                   evidence: dict | None = None, counts: bool = False) -> Array:
-    """The node buffer ``[R, B]`` from the input layers' values (plain forward, differentiable by autodiff)."""
+                   evidence: dict | None = None, counts: bool = False, keep_shifts: bool = False):
+    """The node buffer ``[R, B]`` from the input layers' values (plain forward, differentiable by autodiff).
+    With ``keep_shifts``: ``(buf, shifts or None)``, the shifts of the blocks the in-place kernels computed
+    (``[ceil(R / unit), B]``, see :func:`shift_unit`; None when the layout's unit is too small)."""
     dtype = _param_dtype({"sum": sum_params, "v": input_vals})
     buf = input_buffer(layout, input_vals, dtype)
+    unit = shift_unit(layout) if keep_shifts and dtype == jnp.float32 else 0
+    if not unit:
+        def stage(b, spec, tab, offset, name):
+            return _stage(b, spec, tab, sum_params, options, offset, name, evidence, counts)
 
-    def stage(b, spec, tab, offset, name):
-        return _stage(b, spec, tab, sum_params, options, offset, name, evidence, counts)
+        buf = run_stages(layout, tables, buf, stage, scan=options.scan_stages)
+        return (buf, None) if keep_shifts else buf
 
-    return run_stages(layout, tables, buf, stage, scan=options.scan_stages)
+    def stage_kept(carry, spec, tab, offset, name):
+        return _stage(carry[0], spec, tab, sum_params, options, offset, name, evidence, counts, carry[1], unit)
+
+    shifts = jnp.zeros((-(-layout.num_rows // unit), buf.shape[1]), jnp.float32)
+    return run_stages(layout, tables, (buf, shifts), stage_kept, scan=options.scan_stages)
 
 
 # ---- the circuit's root value with a top-down flow pass as its VJP ---------------------------------
@@ -295,12 +342,14 @@ def _root_fwd(layout, tables, sum_params, input_vals, options):
     # the barrier makes the saved buffer a materialized array: without it XLA's GPU compiler may fuse the
     # whole chain of stage writes into every backward gather (PD-128: each gather re-deriving the buffer
     # through 27 nested updates; a flows executable that did not finish compiling in 170 s, 10 s with it)
-    buf = lax.optimization_barrier(forward_buffer(layout, tables, sum_params, input_vals, options))
-    return buf[layout.root_row], (tables, sum_params, buf)
+    out = forward_buffer(layout, tables, sum_params, input_vals, options, keep_shifts=options.kernel_shifts)
+    buf, shifts = lax.optimization_barrier(out if options.kernel_shifts else (out, None))
+    return buf[layout.root_row], (tables, sum_params, buf, shifts)
 
 
 def _root_bwd(layout, options, res, g):
-    tables, sum_params, values = res
+    tables, sum_params, values, shifts = res
+    unit = shift_unit(layout) if shifts is not None else 0
     flows = jnp.zeros_like(values).at[layout.root_row].set(g.astype(values.dtype))
     dparams = {k: jnp.zeros_like(v) for k, v in sum_params.items()}
 
@@ -324,15 +373,18 @@ def _root_bwd(layout, options, res, g):
                     if pf is not None:
                         dp = add_param_flows(dp, part, t["pid"], pf)
                 else:
-                    def piece(carry, a, b, sub, part=part, row=row):
+                    kept = unit and _inplace(impl, options, values) and _keeps_shift(part)  # its shifts were kept
+
+                    def piece(carry, a, b, sub, part=part, row=row, kept=kept):
                         fl, dp = carry
+                        m = shifts[(row + (a + jnp.arange(b - a)) * part.Kp) // unit] if kept else None
                         cf, pf = sum_layer_backward(values, fl, sub["ch"], sub["pid"], sum_params[part.group],
                                                     row + a * part.Kp, Kp=part.Kp, Kc=part.Kc, dense=part.dense,
                                                     propagation=options.propagation, alpha=options.alpha,
                                                     precision=options.precision,
                                                     param_flows=options.compute_param_flows,
                                                     pflow_temperature=options.pflow_temperature,
-                                                    eflow_temperature=options.eflow_temperature)
+                                                    eflow_temperature=options.eflow_temperature, shift=m)
                         fl = scatter_child_flows(fl, cf, sub["ch"], part, 2 * layout.kmax)
                         return fl, (dp if pf is None else add_param_flows(dp, part, sub["pid"], pf))
 

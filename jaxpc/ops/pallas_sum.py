@@ -157,7 +157,9 @@ def _tiles(config: KernelConfig, B: int, Kp: int, Kc: int):
 
 # ---- forward -------------------------------------------------------------------------------------
 
-def _fwd_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, out_ref, *, C, M, Kp, Kc, KT, KC, BB, B, alpha, precision):
+def _fwd_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, *refs, C, M, Kp, Kc, KT, KC, BB, B, alpha, precision,
+                unit):
+    out_ref, shift_ref = (refs[1], refs[2]) if unit else (refs[0], None)  # with shifts: (shifts in, buf, shifts)
     i, k, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cols = t * BB + jnp.arange(BB)
     cmask = cols < B
@@ -168,19 +170,28 @@ def _fwd_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, out_ref, *, C, M, Kp, 
     pos = acc > 0
     out = jnp.where(pos, jnp.log(jnp.where(pos, acc, 1.0)) / alpha + safe[None, :], _NEG)
     _store_tile(out_ref, off_ref[0] + i * Kp + kp, cols, out, kp < Kp, cmask)
+    if unit:  # the block's shift, the children's max, at shift row (first parent row) / unit
+        plgpu.store(shift_ref.at[lax.div(off_ref[0] + i * Kp, jnp.int32(unit)), cols], m, mask=cmask & (k == 0))
 
 
 def forward(buf: Array, ch: Array, pid: Array, w: Array, *, Kp: int, Kc: int, alpha: float = 1.0,
-            precision: str = "fp32", config: KernelConfig = KernelConfig(), out_offset=None) -> Array:
+            precision: str = "fp32", config: KernelConfig = KernelConfig(), out_offset=None, shifts=None,
+            unit: int = 0):
     """Sum-layer values. ``ch [n, C]`` or ``[n, C, M]``, ``w``: log-weights ``[P, Kp, Kc]`` (exponentiated per
     tile). Returns ``[n * Kp, B]``; with ``out_offset`` (a float32 ``buf``) the buffer with the parents'
-    rows ``out_offset + [0, n * Kp)`` written in place."""
+    rows ``out_offset + [0, n * Kp)`` written in place. With ``shifts`` (float32 ``[ceil(R / unit), B]``,
+    ``out_offset`` and every parent block's first row multiples of ``unit``) it returns ``(buf, shifts)``,
+    ``shifts`` updated in place with each parent block's shift: the max over its children's values per sample
+    (``-inf`` when they all are), at row ``first parent row / unit``."""
     ch = _tables3(ch)
     n, C, M = ch.shape
     R, B = buf.shape
     BB, KT, KC = _tiles(config, B, Kp, Kc)
+    keep = shifts is not None
+    if keep and (out_offset is None or unit < 1 or Kp % unit):
+        raise ValueError(f"shifts are kept by the in-place forward with a unit dividing Kp={Kp}, got unit={unit}")
     kernel = functools.partial(_fwd_kernel, C=C, M=M, Kp=Kp, Kc=Kc, KT=KT, KC=KC, BB=BB, B=B, alpha=float(alpha),
-                               precision=precision)
+                               precision=precision, unit=unit if keep else 0)
     grid = (n, pl.cdiv(Kp, KT), pl.cdiv(B, BB))
     if out_offset is None:
         off = jnp.zeros((1,), jnp.int32)
@@ -189,6 +200,10 @@ def forward(buf: Array, ch: Array, pid: Array, w: Array, *, Kp: int, Kc: int, al
     if buf.dtype != jnp.float32:
         raise TypeError(f"in-place sum layer needs a float32 buffer, got {buf.dtype}")
     off = jnp.asarray(out_offset, jnp.int32).reshape(1)
+    if keep:
+        return _call(kernel, config, grid=grid, out_shape=(jax.ShapeDtypeStruct((R, B), jnp.float32),
+                                                           jax.ShapeDtypeStruct(shifts.shape, jnp.float32)),
+                     input_output_aliases={4: 0, 5: 1}, name="jaxpc_sum_forward_inplace")(off, ch, pid, w, buf, shifts)
     return _call(kernel, config, grid=grid, out_shape=jax.ShapeDtypeStruct((R, B), jnp.float32),
                  input_output_aliases={4: 0}, name="jaxpc_sum_forward_inplace")(off, ch, pid, w, buf)
 

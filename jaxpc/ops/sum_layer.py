@@ -116,13 +116,16 @@ def sum_layer_backward_reference(values: Array, flows: Array, ch: Array, pid: Ar
                                  Kp: int, Kc: int, dense: bool, propagation: str = "LL",
                                  alpha: float | None = None, precision: str = "fp32",
                                  param_flows: bool = True, pflow_temperature: float = 1.0,
-                                 eflow_temperature: float = 1.0) -> tuple[Array, Array | None]:
+                                 eflow_temperature: float = 1.0, shift: Array | None = None
+                                 ) -> tuple[Array, Array | None]:
     """Flows of one sum partition, top-down (PyJuice's element-flow and parameter-flow passes).
 
     Args:
         values: ``[R, B]`` node values of the forward pass.
         flows: ``[R, B]`` node flows accumulated so far (the partition's parents are final).
         out_offset: first row of the partition's ``n * Kp`` parents.
+        shift: ``[n, B]`` the forward's shifts (each parent block's max over its children's values), which
+            are then not recomputed (not ``dense``).
 
     Returns:
         ``(child_flows, param_flows)``: ``[n, C*Kc, B]`` (``[C*Kc, B]`` when ``dense``) flows to add to the
@@ -144,7 +147,7 @@ def sum_layer_backward_reference(values: Array, flows: Array, ch: Array, pid: Ar
     else:
         base = 1.0 if propagation == "LL" else float(alpha)
         axis = 0 if dense else 1
-        m = jnp.max(x, axis=axis, keepdims=True)
+        m = jnp.max(x, axis=axis, keepdims=True) if shift is None else shift[:, None, :]
         m = jnp.where(jnp.isfinite(m), m, 0.0)
 
         def split(a):
