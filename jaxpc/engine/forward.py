@@ -314,6 +314,9 @@ def forward_buffer(layout: Layout, tables: dict, sum_params: dict, input_vals: l
     dtype = _param_dtype({"sum": sum_params, "v": input_vals})
     buf = input_buffer(layout, input_vals, dtype)
     unit = shift_unit(layout) if keep_shifts and dtype == jnp.float32 else 0
+    if unit and not any(_inplace(kernel_choice(options, p, buf.shape[1], dtype)[0], options, buf) and _keeps_shift(p)
+                        for spec in layout.stages() for p in spec.sums):
+        unit = 0  # no kernel would write a shift (e.g. no GPU, or max-product)
     if not unit:
         def stage(b, spec, tab, offset, name):
             return _stage(b, spec, tab, sum_params, options, offset, name, evidence, counts)
