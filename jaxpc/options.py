@@ -49,10 +49,10 @@ class Options:
             7.1 ms at batch 512) and, at batches of at most 32, for tree levels too (one kernel per level
             instead of four: HCLT-256 at batch 16, 2.89 against 3.29-3.57 ms), the XLA path elsewhere (tree
             levels at larger batches, as every HCLT level, and dense layers, where XLA was as fast or faster);
-            the XLA path on other backends), ``"reference"`` (plain jnp,
-            XLA), ``"pallas_forward"`` (the Pallas forward kernel, writing the node buffer in place, and the
-            XLA backward) or ``"pallas"`` (the Pallas kernels of :mod:`jaxpc.ops.pallas_sum`: Triton on GPU,
-            interpret mode elsewhere). Max-product layers always use the XLA path.
+            the XLA path on other backends), ``"reference"`` (plain jnp, XLA), ``"pallas_forward"`` (the
+            Pallas forward kernel, writing the node buffer in place, and the XLA backward) or ``"pallas"`` (the
+            Pallas kernels of :mod:`jaxpc.ops.pallas_sum`: Triton on GPU, interpret mode elsewhere).
+            Max-product layers always use the XLA path.
         kernels: per-partition overrides of ``impl`` found by :func:`jaxpc.autotune.tune_circuit`:
             pairs ``((n, C, Kp, Kc, U, D, batch[, M]), choice)`` (``M`` for folded partitions), ``choice``
             ``("reference",)`` or ``(impl, block_b, block_k, num_warps)``; partitions not named use ``impl``.
@@ -79,8 +79,8 @@ class Options:
         kernel_shifts: the in-place Pallas forward (``impl="auto"`` on a GPU, ``"pallas_forward"``) also keeps
             each parent block's shift, the max over its children's values per sample, for the XLA flow pass,
             which then reads it instead of gathering the children once more to recompute it (a buffer of
-            ``R / unit`` rows, ``unit`` the largest block size dividing every block and stage offset; off when
-            that is below 8 rows). Default False until measured on a GPU.
+            ``R / unit`` rows, ``unit`` the greatest common divisor of the first rows and sizes of the blocks
+            of at least 8 nodes; none when that is below 8). Default False until measured on a GPU.
         scan_stages: run the stages :func:`jaxpc.compile` grouped into repeats (``scan_min_repeats``) under
             ``lax.scan``; False unrolls them into the executable (a longer trace, no device-side loop; no
             faster for HCLT-256 on the H200).

@@ -413,3 +413,18 @@ def test_shift_unit():
     assert engine_forward.shift_unit(layout(StageSpec((), (big,), 516))) == 0  # 4 rows: no shift buffer
     small = SumPart(n=3, C=2, Kp=4, Kc=4, group="s", dense=False)
     assert engine_forward.shift_unit(layout(StageSpec((), (small,), 512))) == 0
+
+
+def test_kept_shift_of_a_wrong_shape_is_refused():
+    from jaxpc.ops.sum_layer import sum_layer_backward_reference
+
+    values = np.zeros((40, 3), np.float32)
+    ch, pid, logw = np.array([[8], [16]], np.int32), np.array([[0], [1]], np.int32), np.zeros((2, 4, 4), np.float32)
+    kw = dict(Kp=4, Kc=4, dense=False)
+    cf, _ = sum_layer_backward_reference(values, values, ch, pid, logw, 24, shift=np.zeros((2, 3), np.float32), **kw)
+    assert cf.shape == (2, 4, 3)
+    with pytest.raises(ValueError, match="shift must be"):
+        sum_layer_backward_reference(values, values, ch, pid, logw, 24, shift=np.zeros((3, 2), np.float32), **kw)
+    with pytest.raises(ValueError, match="shift must be"):
+        sum_layer_backward_reference(values, values, ch[:1], pid[:1], logw, 24, shift=np.zeros((1, 3), np.float32),
+                                     Kp=4, Kc=4, dense=True)

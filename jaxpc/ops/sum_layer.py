@@ -131,6 +131,9 @@ def sum_layer_backward_reference(values: Array, flows: Array, ch: Array, pid: Ar
         ``(child_flows, param_flows)``: ``[n, C*Kc, B]`` (``[C*Kc, B]`` when ``dense``) flows to add to the
         children's rows, and ``[n, C, Kp, Kc]`` flows to add to the parameter blocks ``pid``.
     """
+    if shift is not None and (dense or shift.shape != (ch.shape[0], values.shape[1])):
+        raise ValueError(f"shift must be [n, B] = {[ch.shape[0], values.shape[1]]} for a partition that is not dense, "
+                         f"got {list(shift.shape)} (dense={dense})")
     n, C = ch.shape[:2]
     B = values.shape[1]
     x = gather_children(values, ch, Kc, dense)
