@@ -225,6 +225,12 @@ def _keeps_shift(part) -> bool:
     return not part.dense and part.Kp >= SHIFT_MIN_UNIT
 
 
+def _writes_shift(options, part, buf: Array) -> bool:
+    """Whether sum partition ``part`` runs the in-place kernel and keeps its blocks' shifts there: the one test by
+    which the forward decides to carry a shift buffer and the flow pass decides to read a partition's shifts."""
+    return _keeps_shift(part) and _inplace(kernel_choice(options, part, buf.shape[1], buf.dtype)[0], options, buf)
+
+
 def shift_unit(layout: Layout) -> int:
     """Rows of the node buffer per row of the shift buffer (``Options.kernel_shifts``): the greatest common
     divisor of the first rows and block sizes of the partitions that keep shifts (:func:`_keeps_shift`) and of
@@ -314,21 +320,18 @@ def forward_buffer(layout: Layout, tables: dict, sum_params: dict, input_vals: l
     dtype = _param_dtype({"sum": sum_params, "v": input_vals})
     buf = input_buffer(layout, input_vals, dtype)
     unit = shift_unit(layout) if keep_shifts and dtype == jnp.float32 else 0
-    if unit and not any(_inplace(kernel_choice(options, p, buf.shape[1], dtype)[0], options, buf) and _keeps_shift(p)
-                        for spec in layout.stages() for p in spec.sums):
+    if unit and not any(_writes_shift(options, p, buf) for spec in layout.stages() for p in spec.sums):
         unit = 0  # no kernel would write a shift (e.g. no GPU, or max-product)
-    if not unit:
-        def stage(b, spec, tab, offset, name):
-            return _stage(b, spec, tab, sum_params, options, offset, name, evidence, counts)
 
-        buf = run_stages(layout, tables, buf, stage, scan=options.scan_stages)
-        return (buf, None) if keep_shifts else buf
+    def stage(carry, spec, tab, offset, name):  # carry: the buffer, or (buffer, shifts) with a shift buffer
+        b, s = carry if unit else (carry, None)
+        return _stage(b, spec, tab, sum_params, options, offset, name, evidence, counts, s, unit)
 
-    def stage_kept(carry, spec, tab, offset, name):
-        return _stage(carry[0], spec, tab, sum_params, options, offset, name, evidence, counts, carry[1], unit)
-
-    shifts = jnp.zeros((-(-layout.num_rows // unit), buf.shape[1]), jnp.float32)
-    return run_stages(layout, tables, (buf, shifts), stage_kept, scan=options.scan_stages)
+    carry = (buf, jnp.zeros((-(-layout.num_rows // unit), buf.shape[1]), jnp.float32)) if unit else buf
+    carry = run_stages(layout, tables, carry, stage, scan=options.scan_stages)
+    if not keep_shifts:
+        return carry
+    return carry if unit else (carry, None)
 
 
 # ---- the circuit's root value with a top-down flow pass as its VJP ---------------------------------
@@ -376,7 +379,7 @@ def _root_bwd(layout, options, res, g):
                     if pf is not None:
                         dp = add_param_flows(dp, part, t["pid"], pf)
                 else:
-                    kept = unit and _inplace(impl, options, values) and _keeps_shift(part)  # its shifts were kept
+                    kept = unit and _writes_shift(options, part, values)  # its shifts were kept
 
                     def piece(carry, a, b, sub, part=part, row=row, kept=kept):
                         fl, dp = carry
