@@ -25,9 +25,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
-import json
 import os
 import re
 import subprocess
@@ -56,12 +53,12 @@ def hlo_census(text: str) -> str:
 
 
 def host_events(trace_dir: str, steps: int, top: int = 12) -> list[str]:
-    files = glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "*.trace.json.gz"))
-    if not files:
+    from profile_step import load_trace
+
+    trace = load_trace(trace_dir)
+    if trace is None:
         return ["(no trace written)"]
-    events = json.load(gzip.open(sorted(files)[-1]))["traceEvents"]
-    device = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-              and "/device:" in str(e.get("args", {}).get("name", "")) and "CPU" not in str(e["args"]["name"])}
+    events, device = trace
     per = collections.defaultdict(lambda: [0, 0.0])
     for e in events:
         if e.get("ph") == "X" and e.get("pid") not in device and not str(e.get("name", "")).startswith("$"):

@@ -87,17 +87,25 @@ def kind_of(event: dict, names: dict) -> str:
     return f"{layer} {'bwd' if m.group(3) else 'fwd'}"
 
 
-def device_events(trace_dir: str, host: bool = False) -> list[dict]:
-    """The trace's kernel events (``host``: the CPU backend's thunks instead, to try the script on a CPU)."""
+def load_trace(trace_dir: str) -> tuple[list[dict], set] | None:
+    """``(events, the GPU devices' process ids)`` of the last trace written under ``trace_dir``, or None."""
     files = glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "*.trace.json.gz"))
     if not files:
-        return []
-    trace = json.load(gzip.open(sorted(files)[-1]))
-    events = trace["traceEvents"]
-    if host:
-        return [e for e in events if e.get("ph") == "X" and "hlo_op" in e.get("args", {})]
+        return None
+    events = json.load(gzip.open(sorted(files)[-1]))["traceEvents"]
     gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
                 and "/device:" in str(e.get("args", {}).get("name", "")) and "CPU" not in str(e["args"]["name"])}
+    return events, gpu_pids
+
+
+def device_events(trace_dir: str, host: bool = False) -> list[dict]:
+    """The trace's kernel events (``host``: the CPU backend's thunks instead, to try the script on a CPU)."""
+    trace = load_trace(trace_dir)
+    if trace is None:
+        return []
+    events, gpu_pids = trace
+    if host:
+        return [e for e in events if e.get("ph") == "X" and "hlo_op" in e.get("args", {})]
     stream_tids = {(e["pid"], e["tid"]) for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
                    and e.get("pid") in gpu_pids and "stream" in str(e.get("args", {}).get("name", "")).lower()
                    and "memcpy" not in str(e["args"]["name"]).lower()}

@@ -1,7 +1,7 @@
 """Tune a workload's sum partitions on the current device and time the tuned plan against the default.
 
     python benchmarks/tune.py [--workloads hclt,pd] [--batches 512] [--latents hclt=256,pd=128]
-                              [--precision tf32] [--reps 25] [--candidates pallas:32,64,4,pallas_forward:32,64,4]
+                              [--precision tf32] [--reps 25] [--candidates "pallas:32,64,4;pallas_forward:32,64,4"]
 
 Per (workload, batch): :func:`jaxpc.autotune.tune_circuit` (``impl="auto"``'s choice against the XLA path
 and the Pallas candidates, forward + backward of each partition alone, then the whole step with the default
