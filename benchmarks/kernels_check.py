@@ -4,7 +4,7 @@
 
 1. Correctness: forward, child flows and parameter flows of ``jaxpc.ops.pallas_sum`` against the
    plain-jnp reference on the device, over the shapes of ``tests/test_kernels.py`` plus large ones, and
-   the tree-level backward (``backward_exclusive``) on folded tree levels
+   the tree-level backwards (``backward_exclusive``, and ``backward_level`` up to its batch) on folded tree levels
    (relative error ||got - ref|| / ||ref||; fp32 must be ~1e-6).
 2. Speed: median device milliseconds of forward and forward+backward of one sum partition shaped like
    the benchmark workloads (HMM-1024 dense 1024x1024, HCLT-256 blocks 256x256 with fan-in 1, PD-128
@@ -146,16 +146,26 @@ def main(argv=None):
                 worst = max(worst, max(errs))
             print(f"check Kp={shape[0]} Kc={shape[1]} n={shape[2]} C={shape[3]} B={shape[4]} {precision}: "
                   f"fwd {errs[0]:.1e} child flows {errs[1]:.1e} param flows {errs[2]:.1e}", flush=True)
-    for Kp, Kc, n, M, B in [(16, 32, 2, 4, 19), (256, 256, 4, 3, 128), (64, 64, 8, 2, 600)]:
-        for precision in ("fp32", "tf32"):  # tree levels: backward_exclusive (child flows into M row blocks)
+    levels = [(16, 32, 2, 4, 19), (256, 256, 4, 3, 128), (64, 64, 8, 2, 600), (256, 256, 5, 3, 16), (1, 256, 1, 2, 64)]
+    for Kp, Kc, n, M, B in levels:
+        for precision in ("fp32", "tf32"):  # tree levels: backward_exclusive / _level (child flows into M row blocks)
             out, flows0, t, logw, off, base, want, pf_ref = make_tree_level(Kp, Kc, n, M, B)
-            got, pf = pallas_sum.backward_exclusive(out, flows0, off, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc,
-                                                    first_row=base, precision=precision)
-            errs = (rel(got, want), rel(pf, pf_ref))
-            if precision == "fp32":
-                worst = max(worst, max(errs))
-            print(f"check tree level Kp={Kp} Kc={Kc} n={n} M={M} B={B} {precision}: flows {errs[0]:.1e} "
-                  f"param flows {errs[1]:.1e}", flush=True)
+            kernels = {"exclusive": pallas_sum.backward_exclusive}
+            if B <= pallas_sum.LEVEL_BATCH:
+                kernels["level"] = pallas_sum.backward_level
+            for kname, kernel in kernels.items():
+                try:
+                    got, pf = kernel(out, flows0, off, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, first_row=base,
+                                     precision=precision)
+                    errs = (rel(got, want), rel(pf, pf_ref))
+                except Exception as e:  # noqa: BLE001 - report and go on
+                    print(f"check tree level {kname} {(Kp, Kc, n, M, B)} {precision}: FAILED {type(e).__name__}: "
+                          f"{str(e)[:300]}", flush=True)
+                    errs = (float("inf"),)
+                if precision == "fp32":
+                    worst = max(worst, max(errs))
+                print(f"check tree level ({kname}) Kp={Kp} Kc={Kc} n={n} M={M} B={B} {precision}: flows "
+                      f"{errs[0]:.1e} param flows {errs[-1]:.1e}", flush=True)
     print(f"worst fp32 relative error: {worst:.2e}", flush=True)
     if args.no_timing:
         return

@@ -257,18 +257,23 @@ def test_fused_plan_runs_the_in_place_kernels():
     assert "scatter-add" not in text.split("jaxpc_sum_forward_inplace")[0]  # no XLA sum layer on the way up
 
 
-def test_tree_levels_run_the_slot_kernel():
+@pytest.mark.parametrize("batch,precision,kernel", [(B, "fp32", "level"), (B, "tf32", "level"),
+                                                    (70, "fp32", "slots_inplace")])
+def test_tree_levels_run_the_level_or_slot_kernel(batch, precision, kernel):
     """An HCLT's folded levels are exclusive (one child per parent, one parent per row block): the Pallas
-    backward writes each parent's child flows to all row blocks of its child, and its flows equal the reference's."""
+    backward writes each parent's child flows to all row blocks of its child, in one kernel per level (parameter
+    flows added in place, local sums recomputed at fp32 and read from the stored values below) up to
+    ``LEVEL_BATCH`` samples and in three above; its flows equal the reference's."""
     data = np.random.default_rng(5).integers(0, 4, (200, 7))
     c = jaxpc.compile(structures.HCLT(data, 4, input_dist=dists.Categorical(num_cats=4)), seed=2)
     parts = [p for st in c.layout.fold.stages() for p in st.sums]
     assert sum(engine_forward.exclusive(p) for p in parts) >= len(parts) - 1  # all but (maybe) the root's
-    x = data[:B].astype(np.int32)
-    text = str(jax.make_jaxpr(lambda p: c.flows(p, x, options=FUSED))(c.params))
-    assert "jaxpc_sum_backward_slots_inplace" in text
-    got = c.flows(c.params, x, options=FUSED, return_ll=True)
-    ref = c.flows(c.params, x, options=FOLD, return_ll=True)
+    x = data[:batch].astype(np.int32)
+    fused, fold = FUSED.replace(precision=precision), FOLD.replace(precision=precision)
+    text = str(jax.make_jaxpr(lambda p: c.flows(p, x, options=fused))(c.params))
+    assert f"jaxpc_sum_backward_{kernel}" in text
+    got = c.flows(c.params, x, options=fused, return_ll=True)
+    ref = c.flows(c.params, x, options=fold, return_ll=True)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-5)
 
@@ -353,7 +358,7 @@ def _chain_hclt():
 @pytest.mark.parametrize("name,fold", [("hclt", True), ("hclt", False), ("pd", True)],
                          ids=["scanned-fold", "scanned-full", "fan-ins-fold"])
 def test_kept_kernel_shifts_equal_the_recomputed_ones(name, fold):
-    """``Options(kernel_shifts=True)``: the in-place Pallas forward (interpret mode) keeps each block's children
+    """``Options(kernel_shifts=True)`` (the default): the in-place Pallas forward (interpret mode) keeps each block's children
     max and the XLA flow pass reads it instead of recomputing it. An HCLT whose levels run under a scan, and a
     PD with fan-ins of up to 3 child blocks; each with a dense root block of one node, which recomputes its max:
     values and flows equal the recomputed path's (LL, GeneralLL, tempered flows, tf32 stored local sums,
@@ -373,7 +378,7 @@ def test_kept_kernel_shifts_equal_the_recomputed_ones(name, fold):
         assert any(isinstance(s, ScanSpec) for s in plan.steps)
     else:
         assert max(p.C for p in sums if not p.dense) == 3
-    base = jaxpc.Options(fold_products=fold, impl="pallas_forward")
+    base = jaxpc.Options(fold_products=fold, impl="pallas_forward", kernel_shifts=False)
     for kw in ({}, {"propagation": "GeneralLL", "alpha": 2.5},
                {"eflow_temperature": 0.5, "precision": "tf32", "gather_chunk": 2 * 8 * 11}):
         got = c.flows(c.params, x, options=base.replace(kernel_shifts=True, **kw), return_ll=True)

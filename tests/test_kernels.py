@@ -3,6 +3,7 @@ itself runs), over a product of shapes: block sizes 1-128, fan-ins 1-64 with pad
 children at -inf, tied parameters. The same kernels run for real on the GPU in
 ``benchmarks/kernels_check.py``."""
 
+import functools
 import math
 
 import jax
@@ -134,12 +135,18 @@ def test_kernels_lower_for_cuda_without_a_gpu():
         return pallas_sum.backward_children(b, a, m, uch, par, jnp.zeros_like(par), lw, Kp=16, Kc=32, ch=ch3,
                                             pcol=par, flows=b), pf
 
+    def level(b, ch, pid, lw, uch, par, ppid, precision):  # a tree level in one kernel, dparams in place
+        ch3 = jnp.stack([ch[:, :1], jnp.zeros_like(ch[:, :1])], axis=2)
+        return pallas_sum.backward_level(b, b, 0, ch3, pid[:, :1], lw, Kp=16, Kc=32, first_row=64, dparams=lw,
+                                         precision=precision)
+
     from unittest import mock
+    tabs = (buf, t["ch"], t["pid"], logw, t["uch"], t["par"], t["ppid"])
     with mock.patch.object(pallas_sum, "_interpret", lambda: False), \
             jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
-        for f, args in ((fwd, (buf, t["ch"], t["pid"], logw)),
-                        (bwd, (buf, t["ch"], t["pid"], logw, t["uch"], t["par"], t["ppid"])),
-                        (in_place, (buf, t["ch"], t["pid"], logw, t["uch"], t["par"], t["ppid"]))):
+        for f, args in ((fwd, tabs[:4]), (bwd, tabs), (in_place, tabs),
+                        (functools.partial(level, precision="fp32"), tabs),
+                        (functools.partial(level, precision="tf32"), tabs)):
             text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
             assert "__gpu$xla.gpu.triton" in text
 
@@ -281,3 +288,36 @@ def test_exclusive_backward_rejects_bad_input():
         pallas_sum.backward_exclusive(b, b, 24, ch, pid, lw, Kp=4, Kc=4, first_row=8)
     with pytest.raises(TypeError, match="float32"):
         pallas_sum.backward_exclusive(b, b.astype(jnp.float16), 24, ch[:, :1], pid[:, :1], lw, Kp=4, Kc=4, first_row=8)
+
+
+@pytest.mark.parametrize("shape", EXCLUSIVE, ids=lambda s: "Kp{}-Kc{}-n{}-M{}-B{}".format(*s[:5]))
+@pytest.mark.parametrize("alpha,precision", [(1.0, "fp32"), (0.5, "tf32")])
+def test_level_backward_matches_reference(shape, alpha, precision):
+    """A tree level in one kernel (the batch whole in each program): child flows into every row block of the
+    folded child, parameter flows as an array or added into a parameter-flow buffer in place; local sums
+    recomputed at fp32, from the stored values at tf32 (as the reference does; on a CPU both are exact)."""
+    Kp, Kc, n, M, B = shape[:5]
+    out, flows0, t, logw, off, base, want, pf_ref = make_tree_level(Kp, Kc, n, M, B, alpha)
+    kw = dict(Kp=Kp, Kc=Kc, first_row=base, alpha=alpha, precision=precision)
+    got, pf = pallas_sum.backward_level(out, flows0, off, t["ch"], t["pid"], logw, **kw)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=1e-5)  # padding rows untouched
+    np.testing.assert_allclose(np.asarray(pf), np.asarray(pf_ref), rtol=2e-4, atol=1e-5)
+    dp0 = jnp.asarray(np.random.default_rng(1).random((n + 2, Kp, Kc)), jnp.float32)
+    got2, dp = pallas_sum.backward_level(out, flows0, off, t["ch"], t["pid"], logw, dparams=dp0, **kw)
+    np.testing.assert_allclose(np.asarray(got2), np.asarray(got), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(dp), np.asarray(dp0.at[t["pid"]].add(pf_ref)), rtol=2e-4, atol=1e-5)
+
+
+def test_level_backward_rejects_bad_input():
+    b = jnp.zeros((40, 4), jnp.float32)
+    ch, pid, lw = jnp.full((2, 1), 8, jnp.int32), jnp.zeros((2, 1), jnp.int32), jnp.zeros((4, 4, 4))
+    kw = dict(Kp=4, Kc=4, first_row=8)
+    with pytest.raises(ValueError, match="one child block"):
+        pallas_sum.backward_level(b, b, 24, jnp.full((2, 2), 8, jnp.int32), pid, lw, **kw)
+    with pytest.raises(ValueError, match="at most 64 samples"):
+        big = jnp.zeros((40, 65), jnp.float32)
+        pallas_sum.backward_level(big, big, 24, ch, pid, lw, **kw)
+    with pytest.raises(TypeError, match="float32"):
+        pallas_sum.backward_level(b, b, 24, ch, pid, lw, dparams=jnp.zeros((4, 4, 4), jnp.float16), **kw)
+    with pytest.raises(ValueError, match=r"dparams must be \[P, 4, 4\]"):
+        pallas_sum.backward_level(b, b, 24, ch, pid, lw, dparams=jnp.zeros((4, 4, 5)), **kw)

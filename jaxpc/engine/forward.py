@@ -373,11 +373,12 @@ def _root_bwd(layout, options, res, g):
                 tempered = options.pflow_temperature != 1.0 or options.eflow_temperature != 1.0
                 if impl == "pallas" and options.propagation != "MPE" and not tempered:
                     a = 1.0 if options.propagation == "LL" else options.alpha
-                    fl, pf = pallas_sum_backward(values, fl, row, t, sum_params[part.group], part, alpha=a,
-                                                 precision=options.precision, first_row=2 * layout.kmax,
-                                                 config=cfg, param_flows=options.compute_param_flows)
-                    if pf is not None:
-                        dp = add_param_flows(dp, part, t["pid"], pf)
+                    fl, g = pallas_sum_backward(values, fl, row, t, sum_params[part.group], part, alpha=a,
+                                                precision=options.precision, first_row=2 * layout.kmax,
+                                                config=cfg, param_flows=options.compute_param_flows,
+                                                dparams=dp[part.group])
+                    if g is not None:
+                        dp = {**dp, part.group: g}
                 else:
                     kept = unit and _writes_shift(options, part, values)  # its shifts were kept
 
@@ -409,8 +410,7 @@ root_values.defvjp(_root_fwd, _root_bwd)
 
 def add_param_flows(dp: dict, part, pid: Array, pf: Array) -> dict:
     """``dp`` with the parameter flows ``pf`` (``[n, C, Kp, Kc]``) of partition ``part`` added at blocks ``pid``."""
-    g = dp[part.group]
-    return {**dp, part.group: g.at[pid].add(pf.astype(g.dtype), unique_indices=part.unique_pid)}
+    return {**dp, part.group: _add_flows(dp[part.group], part, pid, pf)}
 
 
 def scatter_child_flows(fl: Array, cf: Array, ch: Array, part, first_row: int) -> Array:
@@ -438,20 +438,31 @@ def exclusive(part) -> bool:
 
 
 def pallas_sum_backward(values, flows, row, t, logw, part, *, alpha, precision, first_row: int, config=None,
-                        param_flows: bool = True):
+                        param_flows: bool = True, dparams: Array | None = None):
     """The backward kernels of one sum partition ``part`` (folded or not) whose parents sit at ``row``:
-    ``(flows with the child flows added, param flows [n, C, Kp, Kc] or None)``. A float32 flow buffer is
-    updated in place; ``first_row``: the first row above the padding (``2 * kmax``)."""
+    ``(flows with the child flows added, param flows)``. A float32 flow buffer is updated in place;
+    ``first_row``: the first row above the padding (``2 * kmax``). The parameter flows are ``[n, C, Kp, Kc]``
+    (None without ``param_flows``), or, given ``dparams`` (the group's parameter-flow buffer), that buffer with
+    them added at the partition's blocks (in place by the kernel where it can). A tree level at a batch of at
+    most :data:`jaxpc.ops.pallas_sum.LEVEL_BATCH` runs as one kernel (:func:`~jaxpc.ops.pallas_sum.backward_level`)."""
     from ..ops import pallas_sum
 
     cfg = config or pallas_sum.KernelConfig()
     Kp, Kc = part.Kp, part.Kc
+    if exclusive(part) and flows.dtype == jnp.float32 and flows.shape[1] <= pallas_sum.LEVEL_BATCH:
+        inplace = param_flows and dparams is not None and part.unique_pid and dparams.dtype == jnp.float32
+        fl, pf = pallas_sum.backward_level(values, flows, row, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc,
+                                           first_row=first_row, alpha=alpha, precision=precision, config=cfg,
+                                           param_flows=param_flows, dparams=dparams if inplace else None)
+        return fl, (pf if inplace else _add_flows(dparams, part, t["pid"], pf))
     if exclusive(part) and flows.dtype == jnp.float32:
-        return pallas_sum.backward_exclusive(values, flows, row, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc,
-                                             first_row=first_row, alpha=alpha, precision=precision, config=cfg,
-                                             param_flows=param_flows)
+        fl, pf = pallas_sum.backward_exclusive(values, flows, row, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc,
+                                               first_row=first_row, alpha=alpha, precision=precision, config=cfg,
+                                               param_flows=param_flows)
+        return fl, _add_flows(dparams, part, t["pid"], pf)
     a, m, pf = pallas_sum.backward_parents(values, flows, row, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, alpha=alpha,
                                            precision=precision, config=cfg, param_flows=param_flows)
+    pf = _add_flows(dparams, part, t["pid"], pf)
     args = (values, a, m, t["uch"], t["par"], t["ppid"], logw)
     kw = dict(Kp=Kp, Kc=Kc, alpha=alpha, precision=precision, config=cfg, ch=t["ch"], pcol=t.get("pcol"))
     if flows.dtype == jnp.float32:
@@ -459,6 +470,13 @@ def pallas_sum_backward(values, flows, row, t, logw, part, *, alpha, precision, 
     cf = pallas_sum.backward_children(*args, **kw)
     rows = (t["uch"][:, None] + jnp.arange(Kc, dtype=t["uch"].dtype)).reshape(-1)
     return flows.at[rows].add(cf.astype(flows.dtype)), pf
+
+
+def _add_flows(dparams: Array | None, part, pid: Array, pf: Array | None):
+    """``pf`` added into ``dparams`` at blocks ``pid`` (``pf`` itself without ``dparams``; None without ``pf``)."""
+    if dparams is None or pf is None:
+        return pf
+    return dparams.at[pid].add(pf.astype(dparams.dtype), unique_indices=part.unique_pid)
 
 
 def node_values(layout: Layout, tables: dict, params: dict, x: Array, missing: Array | None, options,

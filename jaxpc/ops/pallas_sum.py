@@ -19,6 +19,10 @@ Weights enter as log-weights and are exponentiated per loaded tile (never the wh
 * ``backward_exclusive``: a tree level (one child block per parent, one parent per child row block):
   the parent kernels, then per parent block ``W^T a`` once, added to all ``M`` row blocks of its
   folded child in place (``backward_children`` would recompute it per row block).
+* ``backward_level``: a tree level at a batch of at most ``LEVEL_BATCH`` in one kernel: per (parent
+  block, child-node tile) the block's shift, ``a``, the tile's parameter flows (the whole batch is in the
+  program: no reduction across programs; added into the parameter-flow buffer in place) and its child
+  flows into every row block of the folded child.
 
 Shapes are padded to powers of two inside the kernels (masked loads and stores); products with
 all dimensions >= 16 use the tensor cores (``pl.dot`` at the requested precision), smaller ones
@@ -351,6 +355,16 @@ def backward_children(buf: Array, a: Array, m: Array, uch: Array, par: Array, pp
 
 # ---- backward of an exclusive partition (a tree level): child flows per parent, written to every row block --
 
+def _add_to_row_blocks(flow_ref, out_ref, ch_ref, i, kc, cols, cmask, cf, *, M, Kc, first_row):
+    """Add child flows ``cf [len(kc), BB]`` into every row block of parent block ``i``'s (folded) child, in place:
+    the calling program is their only writer; rows below ``first_row`` (padding) are left alone."""
+    for s in range(M):
+        r0 = ch_ref[i, 0, s]
+        rmask = (kc < Kc) & (r0 >= first_row)
+        old = _load_tile(flow_ref, r0 + kc, cols, rmask, cmask, 0.0)
+        _store_tile(out_ref, r0 + kc, cols, old + cf, rmask, cmask)
+
+
 def _bwd_slots_kernel(ch_ref, pid_ref, w_ref, buf_ref, a_ref, m_ref, flow_ref, out_ref, *, M, Kp, Kc, KT, KPT, BB, B,
                       alpha, precision, first_row):
     i, k, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -363,11 +377,7 @@ def _bwd_slots_kernel(ch_ref, pid_ref, w_ref, buf_ref, a_ref, m_ref, flow_ref, o
     wa = _wt_a(a_ref, w_ref, i, pid_ref[i, 0], kc, cols, cmask, True, Kp=Kp, Kc=Kc, KPT=KPT, alpha=alpha,
                precision=precision)  # once for all M row blocks
     cf = jnp.exp(alpha * (x - safe[None, :])) * wa
-    for s in range(M):  # the child's row blocks: this program is their only writer
-        r0 = ch_ref[i, 0, s]
-        rmask = (kc < Kc) & (r0 >= first_row)  # not the padding rows
-        old = _load_tile(flow_ref, r0 + kc, cols, rmask, cmask, 0.0)
-        _store_tile(out_ref, r0 + kc, cols, old + cf, rmask, cmask)
+    _add_to_row_blocks(flow_ref, out_ref, ch_ref, i, kc, cols, cmask, cf, M=M, Kc=Kc, first_row=first_row)
 
 
 def backward_exclusive(buf: Array, flows: Array, out_offset, ch: Array, pid: Array, w: Array, *, Kp: int, Kc: int,
@@ -396,3 +406,112 @@ def backward_exclusive(buf: Array, flows: Array, out_offset, ch: Array, pid: Arr
                   out_shape=jax.ShapeDtypeStruct(flows.shape, jnp.float32), input_output_aliases={6: 0},
                   name="jaxpc_sum_backward_slots_inplace")(ch, pid, w, buf, a, m, flows)
     return flows, pf
+
+
+# ---- backward of a tree level at a small batch: one kernel ------------------------------------------------
+
+LEVEL_BATCH = 64  # backward_level: the most samples (the whole batch is one tile of each program)
+
+
+def _level_tiles(config: KernelConfig, B: int, Kp: int, Kc: int):
+    """(batch tile, child-node tile, parent-node chunk, child-node chunk of the max) of :func:`backward_level`:
+    the batch tile is the whole batch, at least 16 wide (the tensor cores' smallest side)."""
+    KT = min(config.block_k, _p2(Kc))
+    return max(16, _p2(B)), KT, min(config.block_c or 64, _p2(Kp)), min(128, _p2(Kc))
+
+
+def _bwd_level_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, flow_ref, dp_ref, out_ref, *pf_refs, M, Kp, Kc, KT,
+                      KPT, KC, BB, B, alpha, precision, first_row, recompute, pmode):
+    i, k = pl.program_id(0), pl.program_id(1)
+    cols = jnp.arange(BB)
+    cmask = cols < B
+
+    def child_exp(kc, safe):  # exp(alpha (x - m)) of the child nodes kc: [len(kc), BB], 0 where masked
+        return jnp.exp(alpha * (_load_child(buf_ref, ch_ref, i, 0, kc, cols, cmask, M=M, Kc=Kc) - safe[None, :]))
+
+    def block_max(q, m):
+        x = _load_child(buf_ref, ch_ref, i, 0, q * KC + jnp.arange(KC), cols, cmask, M=M, Kc=Kc)
+        return jnp.maximum(m, jnp.max(x, axis=0))
+
+    m = lax.fori_loop(0, pl.cdiv(Kc, KC), block_max, jnp.full((BB,), _NEG, jnp.float32))  # the forward's shift
+    safe = jnp.where(m == _NEG, 0.0, m)
+    kc = k * KT + jnp.arange(KT)
+    y = child_exp(kc, safe)
+    p = pid_ref[i, 0]
+    first = off_ref[0] + i * Kp  # the block's first parent row
+
+    def chunk(q, wa):
+        kp = q * KPT + jnp.arange(KPT)
+        pmask = kp < Kp
+        fp = _load_tile(flow_ref, first + kp, cols, pmask, cmask, 0.0)
+        if recompute:  # the local sums, recomputed over the whole child block (exact; see sum_layer_backward)
+            def local(r, s):
+                kr = r * KC + jnp.arange(KC)
+                return s + _mm(_load_w(w_ref, p, kp, kr, Kp, Kc, alpha), child_exp(kr, safe), precision)
+
+            s = lax.fori_loop(0, pl.cdiv(Kc, KC), local, jnp.zeros((KPT, BB), jnp.float32))
+        else:  # from the parents' stored values
+            s = jnp.exp(alpha * (_load_tile(buf_ref, first + kp, cols, pmask, cmask, _NEG) - safe[None, :]))
+        a = jnp.where((fp == 0) | (s == 0), 0.0, fp / jnp.where(s == 0, 1.0, s))
+        w = _load_w(w_ref, p, kp, kc, Kp, Kc, alpha)
+        if pmode:  # the batch is whole in this program: the parameter flows need no reduction across programs
+            pf = w * _mm(a, y, precision, trans_b=True)
+            tmask = pmask[:, None] & (kc[None, :] < Kc)
+            if pmode == "add":  # into the parameter-flow buffer, in place (distinct blocks per parent)
+                at = dp_ref.at[p, kp[:, None], kc[None, :]]
+                plgpu.store(pf_refs[0].at[p, kp[:, None], kc[None, :]], plgpu.load(at, mask=tmask, other=0.0) + pf,
+                            mask=tmask)
+            else:
+                plgpu.store(pf_refs[0].at[i, kp[:, None], kc[None, :]], pf, mask=tmask)
+        return wa + _mm(w, a, precision, trans_a=True)
+
+    wa = lax.fori_loop(0, pl.cdiv(Kp, KPT), chunk, jnp.zeros((KT, BB), jnp.float32))
+    cf = y * wa
+    _add_to_row_blocks(flow_ref, out_ref, ch_ref, i, kc, cols, cmask, cf, M=M, Kc=Kc, first_row=first_row)
+
+
+def backward_level(buf: Array, flows: Array, out_offset, ch: Array, pid: Array, w: Array, *, Kp: int, Kc: int,
+                   first_row: int, alpha: float = 1.0, precision: str = "fp32", config: KernelConfig = KernelConfig(),
+                   param_flows: bool = True, dparams: Array | None = None):
+    """The whole backward of a tree level (as :func:`backward_exclusive`: ``C = 1``, one parent per child row
+    block) in one kernel, for a batch of at most :data:`LEVEL_BATCH` samples, which each program holds whole.
+    One program per (parent block, child-node tile) recomputes its block's shift, splits the parents' flows by
+    the local sums (recomputed at ``precision="fp32"``, else taken from the parents' stored values, as
+    :func:`jaxpc.ops.sum_layer.sum_layer_backward_reference` does), reduces the parameter flows of its tile over
+    the batch and adds the child flows into every row block of the (folded) child, all in place.
+
+    Returns ``(flows, param flows)``: with ``dparams`` (float32 ``[P, Kp, Kc]``; the partition's parameter
+    blocks ``pid`` must be distinct) that buffer with the parameter flows added at ``pid`` in place, else
+    ``[n, 1, Kp, Kc]`` (None without ``param_flows``)."""
+    ch = _tables3(ch)
+    n, C, M = ch.shape
+    R, B = buf.shape
+    if C != 1:
+        raise ValueError(f"backward_level needs one child block per parent block, got C={C}")
+    if B > LEVEL_BATCH:
+        raise ValueError(f"backward_level holds the whole batch in each program: at most {LEVEL_BATCH} samples, "
+                         f"got {B}")
+    if flows.dtype != jnp.float32 or (dparams is not None and dparams.dtype != jnp.float32):
+        raise TypeError(f"in-place flows need float32 buffers, got flows {flows.dtype}"
+                        + ("" if dparams is None else f" and dparams {dparams.dtype}"))
+    if dparams is not None and dparams.shape[1:] != (Kp, Kc):
+        raise ValueError(f"dparams must be [P, {Kp}, {Kc}], got {list(dparams.shape)}")
+    BB, KT, KPT, KC = _level_tiles(config, B, Kp, Kc)
+    pmode = "" if not param_flows else ("add" if dparams is not None else "new")
+    kernel = functools.partial(_bwd_level_kernel, M=M, Kp=Kp, Kc=Kc, KT=KT, KPT=KPT, KC=KC, BB=BB, B=B,
+                               alpha=float(alpha), precision=precision, first_row=int(first_row),
+                               recompute=precision == "fp32", pmode=pmode)
+    off = jnp.asarray(out_offset, jnp.int32).reshape(1)
+    dp = dparams if pmode == "add" else jnp.zeros((1, 1, 1), jnp.float32)
+    shapes = [jax.ShapeDtypeStruct((R, B), jnp.float32)]
+    aliases = {5: 0}
+    if pmode == "add":
+        shapes.append(jax.ShapeDtypeStruct(dp.shape, jnp.float32))
+        aliases[6] = 1
+    elif pmode == "new":
+        shapes.append(jax.ShapeDtypeStruct((n, Kp, Kc), jnp.float32))
+    outs = _call(kernel, config, grid=(n, pl.cdiv(Kc, KT)), out_shape=tuple(shapes), input_output_aliases=aliases,
+                 name="jaxpc_sum_backward_level")(off, ch, pid, w, buf.astype(jnp.float32), flows, dp)
+    if not pmode:
+        return outs[0], None
+    return outs[0], (outs[1] if pmode == "add" else outs[1].reshape(n, 1, Kp, Kc))
