@@ -58,7 +58,7 @@ OPTION_CHANGES = {
     "scan_stages": ("flows", {"chain_scan": False}, {"chain_scan": False, "scan_stages": False}),
     "gather_chunk": ("flows", {"chain_scan": False}, {"chain_scan": False, "gather_chunk": 1}),
     "kernel_shifts": ("flows", {"chain_scan": False, "impl": "pallas_forward"},
-                      {"chain_scan": False, "impl": "pallas_forward", "kernel_shifts": True}),
+                      {"chain_scan": False, "impl": "pallas_forward", "kernel_shifts": False}),
 }
 SINGLE_VALUED: dict = {}  # fields with one allowed value (none today)
 
