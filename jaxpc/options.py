@@ -47,8 +47,9 @@ class Options:
             forward and the XLA backward for partitions whose blocks have several child blocks, where the
             kernel's in-register gather beats XLA's materialized one (PD-128's forward on the H200: 3.1 against
             7.1 ms at batch 512) and, at batches of at most 32, for tree levels too (one kernel per level
-            instead of four: HCLT-256 at batch 16, 2.89 against 3.29-3.57 ms), the XLA path elsewhere (tree
-            levels at larger batches, as every HCLT level, and dense layers, where XLA was as fast or faster);
+            instead of four: HCLT-256 at batch 16, 2.89 against 3.29-3.57 ms before kept shifts), the XLA path
+            elsewhere (tree levels at larger batches, as every HCLT level, and dense layers, where XLA was as
+            fast or faster);
             the XLA path on other backends), ``"reference"`` (plain jnp, XLA), ``"pallas_forward"`` (the
             Pallas forward kernel, writing the node buffer in place, and the XLA backward) or ``"pallas"`` (the
             Pallas kernels of :mod:`jaxpc.ops.pallas_sum`: Triton on GPU, interpret mode elsewhere; a tree
