@@ -9,3 +9,19 @@ if "xla_backend_optimization_level" not in _flags:
 if "xla_force_host_platform_device_count" not in _flags:
     _flags += " --xla_force_host_platform_device_count=4"
 os.environ["XLA_FLAGS"] = _flags.strip()
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def pallas_forward_calls(monkeypatch):
+    """``impl="auto"`` as on a GPU (the Pallas kernels run in interpret mode): the ``out_offset`` of every Pallas
+    forward kernel traced while the test runs, appended to the returned list."""
+    from jaxpc.engine import forward
+    from jaxpc.ops import pallas_sum
+
+    calls = []
+    kernel = pallas_sum.forward
+    monkeypatch.setattr(pallas_sum, "forward", lambda *a, **k: calls.append(k["out_offset"]) or kernel(*a, **k))
+    monkeypatch.setattr(forward, "on_gpu", lambda: True)
+    return calls

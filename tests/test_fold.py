@@ -147,17 +147,12 @@ def test_auto_impl_picks_the_pallas_forward_on_a_gpu_for_fan_ins_and_small_batch
     assert engine_forward.kernel_choice(tuned, fan_in, 16)[0] == "reference"
 
 
-def test_auto_impl_as_on_a_gpu(monkeypatch):
+def test_auto_impl_as_on_a_gpu(pallas_forward_calls):
     """The default options with the GPU rule on (the Pallas kernels in interpret mode): at a small batch every
     partition of a PD that is not dense runs the in-place Pallas forward (at a large one its fan-in partitions
     only), the values and flows are those of the XLA path, and reverse-mode autodiff (which the kernels do not
     support) runs on XLA."""
-    from jaxpc.ops import pallas_sum
-
-    calls = []
-    kernel = pallas_sum.forward
-    monkeypatch.setattr(pallas_sum, "forward", lambda *a, **k: calls.append(k["out_offset"]) or kernel(*a, **k))
-    monkeypatch.setattr(engine_forward, "on_gpu", lambda: True)
+    calls = pallas_forward_calls
     root = structures.PD((6, 6), 4, split_intervals=(2, 2), input_dist=dists.Categorical(3))
     x = np.random.default_rng(1).integers(0, 3, (9, 36)).astype(np.int32)
     auto = jaxpc.Options()

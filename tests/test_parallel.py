@@ -137,16 +137,11 @@ def test_steady_state_step_moves_nothing_but_the_data(hmm, kind):
     assert _root_flow(circuit, fl) == pytest.approx(8.0, rel=1e-5)
 
 
-def test_auto_impl_kernels_under_shard_map(monkeypatch):
+def test_auto_impl_kernels_under_shard_map(pallas_forward_calls):
     """With the GPU rule on (the Pallas kernels in interpret mode here), the default options run the in-place
-    Pallas forward inside ``shard_map``: data-parallel flows and gradients equal one device's XLA path."""
-    from jaxpc.engine import forward
-    from jaxpc.ops import pallas_sum
-
-    calls = []
-    kernel = pallas_sum.forward
-    monkeypatch.setattr(pallas_sum, "forward", lambda *a, **k: calls.append(k["out_offset"]) or kernel(*a, **k))
-    monkeypatch.setattr(forward, "on_gpu", lambda: True)
+    Pallas forward, keeping its shifts, inside ``shard_map``: data-parallel flows and gradients equal one
+    device's XLA path."""
+    calls = pallas_forward_calls
     root = structures.PD((6, 6), 4, split_intervals=(2, 2), input_dist=jaxpc.dists.Categorical(3))
     data = np.random.default_rng(2).integers(0, 3, (12, 36)).astype(np.int32)
     c, ref = jaxpc.compile(root, seed=4), jaxpc.compile(root, seed=4)
