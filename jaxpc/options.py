@@ -49,11 +49,11 @@ class Options:
             7.1 ms at batch 512) and, at batches of at most 32, for tree levels too (one kernel per level
             instead of four: HCLT-256 at batch 16, 2.89 against 3.29-3.57 ms before kept shifts), the XLA path
             elsewhere (tree levels at larger batches, as every HCLT level, and dense layers, where XLA was as
-            fast or faster);
-            the XLA path on other backends), ``"reference"`` (plain jnp, XLA), ``"pallas_forward"`` (the
-            Pallas forward kernel, writing the node buffer in place, and the XLA backward) or ``"pallas"`` (the
-            Pallas kernels of :mod:`jaxpc.ops.pallas_sum`: Triton on GPU, interpret mode elsewhere; a tree
-            level's backward one kernel at batches of at most 64). Max-product layers always use the XLA path.
+            fast or faster); the XLA path on other backends), ``"reference"`` (plain jnp, XLA),
+            ``"pallas_forward"`` (the Pallas forward kernel, writing the node buffer in place, and the XLA
+            backward) or ``"pallas"`` (the Pallas kernels of :mod:`jaxpc.ops.pallas_sum`: Triton on GPU,
+            interpret mode elsewhere; a tree level's backward one kernel at batches of at most 64). Max-product
+            layers always use the XLA path.
         kernels: per-partition overrides of ``impl`` found by :func:`jaxpc.autotune.tune_circuit`:
             pairs ``((n, C, Kp, Kc, U, D, batch[, M]), choice)`` (``M`` for folded partitions), ``choice``
             ``("reference",)`` or ``(impl, block_b, block_k, num_warps)``; partitions not named use ``impl``.
@@ -78,8 +78,9 @@ class Options:
             sum layers' temporaries stay within a few pieces (default ``2**24`` floats: 64 MiB pieces; PD-128's
             flows step at batch 512 on the H200: 1,410 MiB in all, 1,633 with pieces of 2**25, PyJuice 2,429).
         kernel_shifts: the in-place Pallas forward (``impl="auto"`` on a GPU, ``"pallas_forward"``) also keeps
-            each parent block's shift, the max over its children's values per sample, for the XLA flow pass,
-            which then reads it instead of gathering the children once more to recompute it (a buffer of
+            each parent block's shift, the max over its children's values per sample, for the XLA flow pass
+            (not for partitions whose flows run on the Pallas backward, which recomputes it), which then reads
+            it instead of gathering the children once more to recompute it (a buffer of
             ``R / unit`` rows, ``unit`` the greatest common divisor of the first rows and sizes of the blocks
             of at least 8 nodes; none when that is below 8). Default True: on the H200 (tf32, forward + flows)
             HCLT-256 at batch 16 takes 2.10 against 2.71 ms and PD-128 at batch 512 11.63 against 12.40 ms;

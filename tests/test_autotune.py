@@ -133,6 +133,7 @@ def test_tune_circuit_routes_partitions_and_stays_exact(impl, fold):
     for a, b in zip(jax.tree_util.tree_leaves(f1), jax.tree_util.tree_leaves(f2)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
+
 def _small_hclt():
     data = np.random.default_rng(0).integers(0, 3, (200, 5))
     return jaxpc.compile(structures.HCLT(data, 4, input_dist=jaxpc.dists.Categorical(3)), seed=1), data[:10]

@@ -209,7 +209,7 @@ def _stage(buf: Array, spec: StageSpec, tab: dict, sum_params: dict, options, of
             a = 1.0 if options.propagation == "LL" else options.alpha
             kw = dict(Kp=part.Kp, Kc=part.Kc, alpha=a, precision=options.precision,
                       config=cfg or pallas_sum.KernelConfig(), out_offset=r)
-            if shifts is not None and _keeps_shift(part):
+            if shifts is not None and _writes_shift(options, part, buf):
                 buf, shifts = pallas_sum.forward(buf, t["ch"], t["pid"], sum_params[part.group], shifts=shifts,
                                                  unit=unit, **kw)
             else:
@@ -225,10 +225,18 @@ def _keeps_shift(part) -> bool:
     return not part.dense and part.Kp >= SHIFT_MIN_UNIT
 
 
+def _pallas_backward(impl: str, options) -> bool:
+    """Whether the flow pass runs a sum partition routed to ``impl`` on the Pallas backward kernels (else XLA's)."""
+    tempered = options.pflow_temperature != 1.0 or options.eflow_temperature != 1.0
+    return impl == "pallas" and options.propagation != "MPE" and not tempered
+
+
 def _writes_shift(options, part, buf: Array) -> bool:
-    """Whether sum partition ``part`` runs the in-place kernel and keeps its blocks' shifts there: the one test by
-    which the forward decides to carry a shift buffer and the flow pass decides to read a partition's shifts."""
-    return _keeps_shift(part) and _inplace(kernel_choice(options, part, buf.shape[1], buf.dtype)[0], options, buf)
+    """Whether sum partition ``part`` runs the in-place kernel and keeps its blocks' shifts there for the XLA flow
+    pass (the Pallas backward recomputes them): the one test by which the forward decides to carry a shift
+    buffer and to write a partition's shifts, and the flow pass decides to read them."""
+    impl = kernel_choice(options, part, buf.shape[1], buf.dtype)[0]
+    return _keeps_shift(part) and _inplace(impl, options, buf) and not _pallas_backward(impl, options)
 
 
 def shift_unit(layout: Layout) -> int:
@@ -370,8 +378,7 @@ def _root_bwd(layout, options, res, g):
         for j, (part, t) in enumerate(zip(spec.sums, tab["sums"])):
             with jax.named_scope(f"jaxpc/stage{name}/sum{j}/backward"):
                 impl, cfg = kernel_choice(options, part, values.shape[1], values.dtype)
-                tempered = options.pflow_temperature != 1.0 or options.eflow_temperature != 1.0
-                if impl == "pallas" and options.propagation != "MPE" and not tempered:
+                if _pallas_backward(impl, options):
                     a = 1.0 if options.propagation == "LL" else options.alpha
                     fl, g = pallas_sum_backward(values, fl, row, t, sum_params[part.group], part, alpha=a,
                                                 precision=options.precision, first_row=2 * layout.kmax,
