@@ -19,7 +19,10 @@ Plans (all ``backward="flows"``):
 * ``<plan>-unrolled``: any of these with the repeated stages unrolled (``Options(scan_stages=False)``);
 * ``<plan>-noshifts``: any of these with the flow pass recomputing the blocks' shifts instead of reading
   those the in-place forward kernels kept (``Options(kernel_shifts=False)``; e.g. ``fold-noshifts`` against
-  ``fold``).
+  ``fold``);
+* ``<plan>-inline`` / ``<plan>-batched``: the parameter flows computed level by level with the element flows, or
+  after them in one batched product per block shape (``Options(param_flow_pass=...)``; the default, ``auto``,
+  batches at batches of at most ``jaxpc.engine.forward.PFLOW_BATCH``).
 
 One circuit per workload, the same input batches for every plan. Per (plan, batch): compile seconds of the
 flows executable, the relative error of log-likelihoods and of every flow array against the first plan
@@ -57,6 +60,7 @@ PLANS = {"layers": {"fold_products": False, "impl": "reference"}, "fold": {"fold
          "pallas": {"impl": "pallas", "fold_products": False}}
 PLANS.update({f"{k}-unrolled": {**v, "scan_stages": False} for k, v in list(PLANS.items())})
 PLANS.update({f"{k}-noshifts": {**v, "kernel_shifts": False} for k, v in list(PLANS.items())})
+PLANS.update({f"{k}-{m}": {**v, "param_flow_pass": m} for k, v in list(PLANS.items()) for m in ("inline", "batched")})
 
 
 def build(workload: str, latents: int, imgs):

@@ -2,7 +2,8 @@
 
     python benchmarks/profile_step.py [--workload hclt|hmm|pd] [--latents 256] [--batch 16]
                                       [--precision tf32] [--impl auto] [--no-fold] [--unrolled] [--steps 5]
-                                      [--top 15] [--json out.json] [--hlo out.hlo]
+                                      [--param-flow-pass auto|inline|batched] [--top 15] [--json out.json]
+                                      [--hlo out.hlo]
 
 Runs ``circuit.flows`` under ``jax.profiler.trace`` and reads the trace's device events. Every kernel
 is attributed by the ``jaxpc/...`` named scope in its HLO metadata to one of: ``input`` (leaf layers),
@@ -128,6 +129,8 @@ def main(argv=None):
     p.add_argument("--no-fold", dest="fold", action="store_false",
                    help="Options(fold_products=False): the full layout instead of the folded plan")
     p.add_argument("--unrolled", action="store_true", help="Options(scan_stages=False): repeated stages unrolled")
+    p.add_argument("--param-flow-pass", default="auto", choices=["auto", "inline", "batched"],
+                   help="Options.param_flow_pass")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--top", type=int, default=15, help="how many of the most expensive kernels to print")
     p.add_argument("--json", default=None, help="also write the summary and every kernel's time here")
@@ -135,7 +138,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     c, data = build(args.workload, args.latents)
     opts = jaxpc.Options(precision=args.precision, impl=args.impl, fold_products=args.fold,
-                         scan_stages=not args.unrolled)
+                         scan_stages=not args.unrolled, param_flow_pass=args.param_flow_pass)
     xs = [jnp.asarray(data[i * args.batch:(i + 1) * args.batch]) for i in range(4)]
     step = jax.jit(lambda t, p, x: jaxpc.engine.em.flows_and_ll(c.layout, t, p, x, None, None, opts))
     exe = step.lower(c.tables, c.params, xs[0]).compile()

@@ -18,6 +18,7 @@ BACKWARDS = ("flows", "autodiff")
 PRECISIONS = ("fp32", "tf32", "bf16")
 IMPLS = ("reference", "pallas", "pallas_forward")
 IMPL_CHOICES = ("auto",) + IMPLS  # Options.impl: "auto" picks one of IMPLS per sum partition
+PARAM_FLOW_PASSES = ("auto", "inline", "batched")
 PALLAS_FORWARD = ("pallas", "pallas_forward")  # the impls whose sum layers run the Pallas forward kernel
 
 
@@ -86,6 +87,18 @@ class Options:
             HCLT-256 at batch 16 takes 2.10 against 2.71 ms and PD-128 at batch 512 11.63 against 12.40 ms;
             unchanged where no kernel keeps shifts (HCLT at batches above 32, on XLA) or the maxes are cheap
             (PD-128 at batch 16: 1.50 ms either way).
+        param_flow_pass: where the XLA flow pass computes the sum parameters' flows (LL and GeneralLL):
+            ``"inline"``, each partition's together with its element flows, level by level; ``"batched"``,
+            after the element flows, from the final node values and flows, one batched product for all the
+            partitions of one block shape and fan-in (a tree's levels in one, in pieces of ``gather_chunk``,
+            written straight into the group's array when they cover it in order), which takes two kernels
+            per level out of the flow pass's chain and gathers the children once more; ``"auto"`` (default):
+            tree levels (one child block per parent block) batched at batches of at most
+            :data:`jaxpc.engine.forward.PFLOW_BATCH` = 128, everything else inline. Same flows up to
+            rounding. On the H200 (tf32, forward + flows): HCLT-256 1.91-2.13 ms batched against 2.18-2.32
+            inline at batch 16, 3.30 against 3.46-3.64 at 128, 7.46-7.64 against 7.11-7.19 at 512; PD-128 with
+            its fan-ins of several child blocks batched too 1.52 against 1.44 at 16 and 3.93 against 3.69 at
+            128.
         scan_stages: run the stages :func:`jaxpc.compile` grouped into repeats (``scan_min_repeats``) under
             ``lax.scan``; False unrolls them into the executable (a longer trace, no device-side loop; no
             faster for HCLT-256 on the H200).
@@ -106,6 +119,7 @@ class Options:
     scan_stages: bool = True
     gather_chunk: int = 1 << 24
     kernel_shifts: bool = True
+    param_flow_pass: str = "auto"
 
     def __post_init__(self):
         for name in ("pflow_temperature", "eflow_temperature"):
@@ -126,7 +140,8 @@ class Options:
             if not ok:
                 raise ValueError(f"kernels entry {entry!r} is not ((n, C, Kp, Kc, U, D, B[, M]), ('reference',) or "
                                  f"(impl, block_b, block_k, num_warps)) with impl one of {IMPLS[1:]}")
-        for name, allowed in (("backward", BACKWARDS), ("precision", PRECISIONS), ("impl", IMPL_CHOICES)):
+        for name, allowed in (("backward", BACKWARDS), ("precision", PRECISIONS), ("impl", IMPL_CHOICES),
+                              ("param_flow_pass", PARAM_FLOW_PASSES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         for name in ("compute_param_flows", "negate_flows", "chain_scan", "fold_products", "scan_stages",

@@ -116,6 +116,11 @@ def test_unknown_propagation(cat_circuit):
         cat_circuit.log_prob(cat_circuit.params, np.zeros((1, 2), np.int32), propagation="Max")
 
 
+def test_unknown_param_flow_pass():
+    with pytest.raises(ValueError, match=r"param_flow_pass must be one of \('auto', 'inline', 'batched'\), got 'later'"):
+        jaxpc.Options(param_flow_pass="later")
+
+
 def test_general_ll_needs_positive_alpha(cat_circuit):
     x = np.zeros((1, 2), np.int32)
     with pytest.raises(ValueError, match="needs alpha"):

@@ -66,6 +66,85 @@ def test_sum_layers_in_pieces_match_exact_expected_counts(case):
     check_flows_and_ll(gen, c, options=jaxpc.Options(gather_chunk=1))
 
 
+@pytest.mark.parametrize("mode,fold", [("inline", True), ("batched", True), ("batched", False)],
+                         ids=["inline-fold", "batched-fold", "batched-full"])
+def test_param_flow_passes_match_exact_expected_counts(case, mode, fold):
+    """``Options.param_flow_pass``: the parameter flows computed level by level with the element flows
+    (``inline``) or after them in one batched product per block shape (``batched``, the default at this
+    batch), on random DAGs with tying and padded fan-ins, against the oracle's exact counts."""
+    check_flows_and_ll(*case, options=jaxpc.Options(param_flow_pass=mode, fold_products=fold))
+
+
+def _batched_blocks(monkeypatch, c, x, opts) -> int:
+    """Parent blocks whose parameter flows the batched pass computes when the flow step is traced with ``opts``."""
+    from jaxpc.engine import em
+
+    seen = []
+    real = engine_forward._batched_param_flows
+
+    def spy(values, flows, dp, logw, spec, tab, options):
+        seen.append(spec.n)
+        return real(values, flows, dp, logw, spec, tab, options)
+
+    monkeypatch.setattr(engine_forward, "_batched_param_flows", spy)
+    jax.make_jaxpr(lambda p, xb: em.flows_and_ll(c.layout, c.tables, p, xb, None, None, opts))(c.params, x)
+    return sum(seen)
+
+
+@pytest.mark.parametrize("name", ["hclt", "pd"])
+def test_batched_param_flows_equal_the_inline_ones(monkeypatch, name):
+    """The batched parameter-flow pass covers exactly the sum blocks gathered block by block (a scanned HCLT's
+    levels and its single-block top levels, a PD's fan-ins of 1 to 3 child blocks and its root; by default those
+    of fan-in 1), gives the inline pass's flows (LL, GeneralLL, tempered, tf32 stored local sums, pieces, unrolled
+    stages, full layout), and stands aside for max-product, ``compute_param_flows=False``, the Pallas backward
+    and batches above ``PFLOW_BATCH``. The HCLT's tables cover their groups in parameter order (the flows
+    written whole, no scatter)."""
+    if name == "hclt":
+        c, x = _chain_hclt()
+    else:
+        c = jaxpc.compile(structures.PD((2, 4), 8, split_intervals=(1, 1), input_dist=dists.Categorical(5)), seed=3)
+        x = np.random.default_rng(0).integers(0, 5, (11, 8)).astype(np.int32)
+    opts = jaxpc.Options(chain_scan=False)
+    for fold in (True, False):
+        plan = c.layout.fold if fold else c.layout
+        o = opts.replace(fold_products=fold)
+        blocks = sum(p.n for s in plan.stages() for p in s.sums if p.blockwise)
+        assert blocks > 1 and _batched_blocks(monkeypatch, c, x, o.replace(param_flow_pass="batched")) == blocks
+        # auto: tree levels (fan-in 1) only
+        blocks = sum(p.n for s in plan.stages() for p in s.sums if p.blockwise and p.C == 1)
+        assert blocks > 1 and _batched_blocks(monkeypatch, c, x, o) == blocks
+        if name == "hclt":
+            sizes = {g.key: g.num_blocks for g in plan.sum_groups}
+            assert all(s.start == 0 and s.unique and s.n * s.C == sizes[s.group] for s in plan.pflows)
+        else:
+            assert sorted(s.C for s in plan.pflows if s.group == "8x8") == [1, 2, 3]
+    assert _batched_blocks(monkeypatch, c, x, opts.replace(param_flow_pass="inline")) == 0
+    assert _batched_blocks(monkeypatch, c, x, opts.replace(propagation="MPE")) == 0
+    assert _batched_blocks(monkeypatch, c, x, opts.replace(compute_param_flows=False)) == 0
+    assert _batched_blocks(monkeypatch, c, x, opts.replace(impl="pallas")) == 0
+    monkeypatch.setattr(engine_forward, "PFLOW_BATCH", len(x) - 1)
+    assert _batched_blocks(monkeypatch, c, x, opts) == 0  # auto: inline above PFLOW_BATCH
+    assert _batched_blocks(monkeypatch, c, x, opts.replace(param_flow_pass="batched")) > 0
+    for kw in ({}, {"propagation": "GeneralLL", "alpha": 2.5}, {"pflow_temperature": 0.5},
+               {"eflow_temperature": 0.5, "precision": "tf32", "gather_chunk": 2 * 8 * 11},
+               {"scan_stages": False, "fold_products": False}):
+        o = opts.replace(**kw)
+        got = c.flows(c.params, x, options=o.replace(param_flow_pass="batched"), return_ll=True)
+        ref = c.flows(c.params, x, options=o.replace(param_flow_pass="inline"), return_ll=True)
+        for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def test_batched_param_flows_refuse_max_product():
+    from jaxpc.ops.sum_layer import sum_layer_param_flows_reference
+
+    z = jax.numpy.zeros((8, 2))
+    with pytest.raises(ValueError, match="MPE"):
+        sum_layer_param_flows_reference(z, z, jax.numpy.zeros((1, 1), int), jax.numpy.zeros((1, 1), int),
+                                        jax.numpy.zeros((1, 2, 2)), jax.numpy.zeros(1, int), Kp=2, Kc=2,
+                                        propagation="MPE")
+
+
 def _pieces_equal_whole(c, x, opts):
     for kw in ({}, {"propagation": "MPE"}, {"backward": "autodiff"}):
         got = c.flows(c.params, x, options=opts.replace(**kw), return_ll=True)

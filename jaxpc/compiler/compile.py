@@ -13,7 +13,7 @@ import numpy as np
 
 from ..nodes import CircuitNodes, InputNodes, ProdNodes, SumNodes, topological_order
 from .chain import detect_chain
-from .layout import InputLayerSpec, Layout, ProdPart, ScanSpec, StageSpec, SumGroupSpec, SumPart
+from .layout import InputLayerSpec, Layout, PFlowSpec, ProdPart, ScanSpec, StageSpec, SumGroupSpec, SumPart
 
 __all__ = ["CompiledStructure", "build"]
 
@@ -180,9 +180,10 @@ def build(root: CircuitNodes, *, scan_min_repeats: int = 3, max_exact_fanins: in
             var_dists[ns.var].append(ns.dist)
     num_vars = max(var_dists) + 1
 
+    pflows, pflow_tables = _pflow_plan(steps, step_tables)
     layout = Layout(num_rows=row, kmax=kmax, input_layers=tuple(input_specs), steps=tuple(steps),
-                    sum_groups=sum_groups, root_row=root_row, num_vars=num_vars)
-    tables = {"inputs": input_tables, "steps": step_tables, "groups": group_tables}
+                    sum_groups=sum_groups, root_row=root_row, num_vars=num_vars, pflows=pflows)
+    tables = {"inputs": input_tables, "steps": step_tables, "groups": group_tables, "pflows": pflow_tables}
     chain = detect_chain(layout, stages, stage_tables)
     if chain is not None:
         layout = dataclasses.replace(layout, chain=chain[0])
@@ -190,9 +191,10 @@ def build(root: CircuitNodes, *, scan_min_repeats: int = 3, max_exact_fanins: in
     fold = _build_fold(nodes, root, input_rows, inputs_end, sum_placement, max_exact_fanins, scan_min_repeats)
     if fold is not None:
         f_steps, f_tables, f_root, f_rows = fold
+        f_pflows, f_pflow_tables = _pflow_plan(f_steps, f_tables)
         layout = dataclasses.replace(layout, fold=dataclasses.replace(
-            layout, num_rows=f_rows, steps=tuple(f_steps), root_row=f_root, chain=None, fold=None))
-        tables["fold"] = {"steps": f_tables}
+            layout, num_rows=f_rows, steps=tuple(f_steps), root_row=f_root, chain=None, fold=None, pflows=f_pflows))
+        tables["fold"] = {"steps": f_tables, "pflows": f_pflow_tables}
     return CompiledStructure(layout, tables, sum_placement, input_placement, sources, nodes, block_rows,
                              dict(var_dists), stages, stage_tables, stage_owners)
 
@@ -344,6 +346,42 @@ def _build_fold(nodes, root, input_rows: dict, first_row: int, sum_placement, ma
     return steps, step_tables, int(rows[root.id][0]), row
 
 
+def _pflow_plan(steps, step_tables) -> tuple[tuple[PFlowSpec, ...], list[dict]]:
+    """The batched parameter-flow pass's tables (:class:`PFlowSpec`): the sum partitions gathered block by block
+    (``SumPart.blockwise``), by (group, fan-in), every scanned repeat included, blocks sorted by parameter id."""
+    acc: dict[tuple, dict] = {}
+    for si, (step, tab) in enumerate(zip(steps, step_tables)):
+        scanned = isinstance(step, ScanSpec)
+        for j, spec in enumerate(step.period if scanned else (step,)):
+            t = tab[j] if scanned else tab
+            row = sum(p.num_rows for p in spec.prods)
+            for q, (part, pt) in enumerate(zip(spec.sums, t["sums"])):
+                if part.blockwise:
+                    a = acc.setdefault((part.group, part.C, part.Kp, part.Kc),
+                                       {"members": [], "prow": [], "ch": [], "pid": []})
+                    a["members"].append((si, j, q))
+                    local = row + np.arange(part.n, dtype=np.int64) * part.Kp
+                    a["prow"].append((np.atleast_1d(t["out"]).astype(np.int64)[:, None] + local).reshape(-1))
+                    ch = pt["ch"].reshape((-1,) + pt["ch"].shape[(2 if scanned else 1):])
+                    a["ch"].append(ch if ch.ndim == 3 else ch[:, :, None])
+                    a["pid"].append(pt["pid"].reshape(-1, part.C))
+                row += part.num_rows
+    specs, tabs = [], []
+    for (group, C, Kp, Kc), a in acc.items():
+        M = max(c.shape[2] for c in a["ch"])
+        # shorter products padded with row 0: the zero rows, which leave a sum of log-values unchanged
+        ch = np.concatenate([np.pad(c, ((0, 0), (0, 0), (0, M - c.shape[2]))) for c in a["ch"]])
+        pid = np.concatenate(a["pid"])
+        order = np.argsort(pid[:, 0], kind="stable")
+        ch, pid, prow = ch[order], pid[order], np.concatenate(a["prow"])[order]
+        flat = pid.reshape(-1)
+        start = int(flat[0]) if np.array_equal(flat, flat[0] + np.arange(flat.size)) else -1
+        unique = np.unique(flat).size == flat.size
+        specs.append(PFlowSpec(group, C, Kp, Kc, M, int(pid.shape[0]), tuple(a["members"]), start, bool(unique)))
+        tabs.append({"prow": prow.astype(np.int32), "ch": ch if M > 1 else ch[:, :, 0], "pid": pid.astype(np.int32)})
+    return tuple(specs), tabs
+
+
 def _inverse_tables(ch: np.ndarray, pid: np.ndarray) -> dict:
     """For each distinct child row block of a partition: its parents (local block index) and the parameter
     block of each edge, padded with -1 (``uch [U]``, ``par [U, D]``, ``ppid [U, D]``). For a folded table
@@ -436,6 +474,8 @@ def finalize_tables(tables: dict, layout: Layout) -> dict:
 
     out = dict(tables)
     out["steps"] = steps(tables["steps"])
+    out["pflows"] = [fix(t) for t in tables.get("pflows", [])]
     if "fold" in tables:
-        out["fold"] = {"steps": steps(tables["fold"]["steps"])}
+        out["fold"] = {"steps": steps(tables["fold"]["steps"]),
+                       "pflows": [fix(t) for t in tables["fold"].get("pflows", [])]}
     return out

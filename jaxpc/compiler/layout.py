@@ -84,6 +84,12 @@ class SumPart:
     def num_rows(self) -> int:
         return self.n * self.Kp
 
+    @property
+    def blockwise(self) -> bool:
+        """Whether its children can be gathered block by block: not dense, or a single block (a tree's top levels).
+        The partitions of the batched parameter-flow pass (:class:`PFlowSpec`)."""
+        return not self.dense or self.n == 1
+
 
 @dataclasses.dataclass(frozen=True)
 class StageSpec:
@@ -147,6 +153,33 @@ class ChainSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class PFlowSpec:
+    """The sum partitions of one block shape and fan-in gathered block by block (``SumPart.blockwise``), as one
+    table for the batched
+    parameter-flow pass (``Options.param_flow_pass``): ``n`` parent blocks of ``C`` child blocks (each the sum of
+    ``M`` row blocks), sorted by parameter block. Its tables: ``prow [n]`` each block's first parent row,
+    ``ch [n, C]`` (``[n, C, M]`` when ``M > 1``, shorter products padded with the zero rows) and ``pid [n, C]``.
+
+    Attributes:
+        members: ``(step, position in a scanned period, partition)`` of every partition in the table (a scanned
+            stage's repeats all in it).
+        start: the blocks' parameter ids are ``start, start + 1, ..`` in table order (``n * C`` of them: the flows
+            are added to one slice of the group's array), else -1.
+        unique: no parameter id appears twice (a scatter without atomic adds).
+    """
+
+    group: str
+    C: int
+    Kp: int
+    Kc: int
+    M: int
+    n: int
+    members: tuple[tuple[int, int, int], ...]
+    start: int
+    unique: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class Layout:
     num_rows: int
     kmax: int
@@ -158,6 +191,8 @@ class Layout:
     chain: ChainSpec | None = None  # set when the circuit is a chain (an HMM): jaxpc.compiler.chain
     # the folded plan (products folded into the sums' gathers; tables["fold"]), when the circuit has products
     fold: "Layout | None" = None
+    # the batched parameter-flow pass's tables, one per block shape and fan-in (tables["pflows"])
+    pflows: tuple[PFlowSpec, ...] = ()
 
     @property
     def ninf_row(self) -> int:

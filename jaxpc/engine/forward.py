@@ -23,6 +23,7 @@ from . import chain
 from ..ops.product_layer import product_layer_backward_reference as product_layer_backward
 from ..ops.sum_layer import child_rows, child_terms
 from ..ops.sum_layer import sum_layer_backward_reference as sum_layer_backward
+from ..ops.sum_layer import sum_layer_param_flows_reference as sum_layer_param_flows
 from ..ops.sum_layer_external import sum_layer_external_reference
 from ..options import PALLAS_FORWARD
 
@@ -365,7 +366,16 @@ def _root_bwd(layout, options, res, g):
     tables, sum_params, values, shifts = res
     unit = shift_unit(layout) if shifts is not None else 0
     flows = jnp.zeros_like(values).at[layout.root_row].set(g.astype(values.dtype))
-    dparams = {k: jnp.zeros_like(v) for k, v in sum_params.items()}
+    B = values.shape[1]
+    pflows = batched_pflows(layout, tables, options, B, values.dtype)
+    keys = {(spec.group, spec.C, spec.Kp, spec.Kc) for spec, _ in pflows}
+
+    def batched(part) -> bool:  # its parameter flows come from the batched pass after the flow pass
+        return part.blockwise and (part.group, part.C, part.Kp, part.Kc) in keys
+
+    # a group whose every partition is batched gets its parameter-flow buffer after the flow pass, not carried
+    inline = {p.group for spec in layout.stages() for p in spec.sums if not batched(p)}
+    dparams = {k: jnp.zeros_like(v) for k, v in sum_params.items() if k in inline}
 
     def stage(carry, spec, tab, offset, name):
         fl, dp = carry
@@ -388,15 +398,15 @@ def _root_bwd(layout, options, res, g):
                         dp = {**dp, part.group: g}
                 else:
                     kept = unit and _writes_shift(options, part, values)  # its shifts were kept
+                    inline_pf = options.compute_param_flows and not batched(part)
 
-                    def piece(carry, a, b, sub, part=part, row=row, kept=kept):
+                    def piece(carry, a, b, sub, part=part, row=row, kept=kept, inline_pf=inline_pf):
                         fl, dp = carry
                         m = shifts[(row + (a + jnp.arange(b - a)) * part.Kp) // unit] if kept else None
                         cf, pf = sum_layer_backward(values, fl, sub["ch"], sub["pid"], sum_params[part.group],
                                                     row + a * part.Kp, Kp=part.Kp, Kc=part.Kc, dense=part.dense,
                                                     propagation=options.propagation, alpha=options.alpha,
-                                                    precision=options.precision,
-                                                    param_flows=options.compute_param_flows,
+                                                    precision=options.precision, param_flows=inline_pf,
                                                     pflow_temperature=options.pflow_temperature,
                                                     eflow_temperature=options.eflow_temperature, shift=m)
                         fl = scatter_child_flows(fl, cf, sub["ch"], part, 2 * layout.kmax)
@@ -407,12 +417,74 @@ def _root_bwd(layout, options, res, g):
         return fl, dp
 
     flows, dparams = run_stages(layout, tables, (flows, dparams), stage, reverse=True, scan=options.scan_stages)
+    for spec, tab in pflows:
+        with jax.named_scope(f"jaxpc/param_flows/{spec.group}_C{spec.C}"):
+            dparams[spec.group] = _batched_param_flows(values, flows, dparams.get(spec.group),
+                                                       sum_params[spec.group], spec, tab, options)
+    dparams = {k: dparams.get(k, jnp.zeros_like(v)) for k, v in sum_params.items()}
     d_inputs = [lax.dynamic_slice(flows, (spec.offset, 0), (spec.num_nodes, flows.shape[1]))
                 for spec in layout.input_layers]
     return None, dparams, d_inputs
 
 
 root_values.defvjp(_root_fwd, _root_bwd)
+
+
+# Options.param_flow_pass="auto": the parameter flows of tree levels (fan-in 1) batched at batches of at most this
+# many samples (measurements: the Options docstring)
+PFLOW_BATCH = 128
+
+
+def _member(layout, m: tuple[int, int, int]):
+    """The sum partition ``(step, position in a scanned period, partition)`` of a :class:`PFlowSpec`."""
+    si, j, q = m
+    step = layout.steps[si]
+    return (step.period[j] if isinstance(step, ScanSpec) else step).sums[q]
+
+
+def batched_pflows(layout, tables: dict, options, B: int, dtype) -> list:
+    """The batched parameter-flow pass's ``(PFlowSpec, tables)`` for a flow pass at batch ``B``
+    (``Options.param_flow_pass``): the sum-product partitions gathered block by block, by block shape and fan-in
+    (``"auto"``: fan-in 1, tree levels, at batches up to :data:`PFLOW_BATCH`), unless one of them runs on the
+    Pallas backward (which reduces its parameter flows inside its kernels)."""
+    mode = options.param_flow_pass
+    if (not options.compute_param_flows or options.propagation == "MPE" or mode == "inline"
+            or (mode == "auto" and B > PFLOW_BATCH)):
+        return []
+
+    def on_pallas_backward(spec) -> bool:
+        return any(_pallas_backward(kernel_choice(options, _member(layout, m), B, dtype)[0], options)
+                   for m in spec.members)
+
+    return [(spec, tab) for spec, tab in zip(getattr(layout, "pflows", ()), tables.get("pflows", []))
+            if (mode == "batched" or spec.C == 1) and not on_pallas_backward(spec)]
+
+
+def _batched_param_flows(values: Array, flows: Array, dp: Array | None, logw: Array, spec, tab: dict, options) -> Array:
+    """The parameter-flow buffer ``dp`` of ``spec.group`` (None: zeros) with the flows of the blocks of ``spec``
+    added (one batched product, in pieces of at most ``options.gather_chunk`` gathered elements): to one slice
+    of it when their parameter ids are consecutive (``spec.start``), the whole buffer when they cover it."""
+    C, Kp, Kc = spec.C, spec.Kp, spec.Kc
+    spans = ranges(spec.n, options.gather_chunk // max(1, C * Kc * values.shape[1]))
+
+    def flows_of(sub):  # [n', C, Kp, Kc]
+        pf = sum_layer_param_flows(values, flows, sub["ch"], sub["pid"], logw, sub["prow"], Kp=Kp, Kc=Kc,
+                                   propagation=options.propagation, alpha=options.alpha,
+                                   precision=options.precision, temperature=options.pflow_temperature)
+        return pf.astype(logw.dtype)
+
+    if dp is None and spec.start == 0 and spec.n * C == logw.shape[0] and len(spans) == 1:
+        return flows_of(tab).reshape(logw.shape)  # every block of the group, in order
+    dp = jnp.zeros_like(logw) if dp is None else dp
+
+    def step(acc, a, b, sub):
+        pf = flows_of(sub)
+        if spec.start >= 0:
+            lo, hi = spec.start + a * C, spec.start + b * C
+            return lax.dynamic_update_slice_in_dim(acc, acc[lo:hi] + pf.reshape(-1, Kp, Kc), lo, axis=0)
+        return acc.at[sub["pid"]].add(pf, unique_indices=spec.unique)
+
+    return in_order(spans, lambda a, b: {k: tab[k][a:b] for k in ("prow", "ch", "pid")}, step, dp)
 
 
 def add_param_flows(dp: dict, part, pid: Array, pf: Array) -> dict:

@@ -152,31 +152,56 @@ def sum_layer_backward_reference(values: Array, flows: Array, ch: Array, pid: Ar
         axis = 0 if dense else 1
         m = jnp.max(x, axis=axis, keepdims=True) if shift is None else shift[:, None, :]
         m = jnp.where(jnp.isfinite(m), m, 0.0)
-
-        def split(a):
-            """Each parent's flow split over its children by ``(w x)^a`` normalized (a = 1: the posterior)."""
-            y = jnp.exp(a * (x - m))  # [n, CK, B] or [CK, B]
-            w = jnp.exp(a * lw)
-            if precision == "fp32" or a != base:
-                # the forward's local sum, recomputed: exp(vp - m) would lose |vp| * eps of precision per layer
-                # (0.7% over a 10,000-step HMM in float32), the recomputed sum loses nothing
-                s = matmul("nkc,cb->nkb" if dense else "nkc,ncb->nkb", w, y, precision)
-            else:
-                # at tf32 / bf16 the product's own rounding (2^-11 / 2^-8 per operand) is the larger error: the
-                # local sum comes from the parent's stored value (one matrix product fewer, as in PyJuice)
-                s = jnp.exp(a * (vp - m))
-            # parents that carry no flow (or are impossible) contribute nothing, never 0 / 0
-            scale = jnp.where((fp == 0) | (s == 0), 0.0, fp / jnp.where(s == 0, 1.0, s))  # [n, Kp, B]
-            return w, y, scale
-
-        w, y, scale = split(base / eflow_temperature)
+        w, y, scale = flow_split(x, lw, vp, fp, m, base / eflow_temperature, base, dense, precision)
         cf = y * matmul("nkc,nkb->cb" if dense else "nkc,nkb->ncb", w, scale, precision)
         pf = None
         if param_flows:
             if pflow_temperature != eflow_temperature:
-                w, y, scale = split(base / pflow_temperature)
+                w, y, scale = flow_split(x, lw, vp, fp, m, base / pflow_temperature, base, dense, precision)
             pf = w * matmul("nkb,cb->nkc" if dense else "nkb,ncb->nkc", scale, y, precision)
     if pf is None:
         return cf, None
     pf = pf.reshape(n, Kp, C, Kc).transpose(0, 2, 1, 3)
     return cf, pf
+
+
+def flow_split(x: Array, lw: Array, vp: Array, fp: Array, m: Array, a: float, base: float, dense: bool,
+               precision: str) -> tuple[Array, Array, Array]:
+    """``(w, y, scale)``: the parents' flows ``fp`` split over their children by ``(w x)^a`` normalized (``a`` =
+    ``base``: the posterior), as ``w^a`` ``[n, Kp, C*Kc]``, ``y = exp(a (x - m))`` and the per-parent factor
+    ``fp / local sum`` ``[n, Kp, B]``; ``vp`` the parents' values, ``m`` the shifts."""
+    y = jnp.exp(a * (x - m))  # [n, CK, B] or [CK, B]
+    w = jnp.exp(a * lw)
+    if precision == "fp32" or a != base:
+        # the forward's local sum, recomputed: exp(vp - m) would lose |vp| * eps of precision per layer
+        # (0.7% over a 10,000-step HMM in float32), the recomputed sum loses nothing
+        s = matmul("nkc,cb->nkb" if dense else "nkc,ncb->nkb", w, y, precision)
+    else:
+        # at tf32 / bf16 the product's own rounding (2^-11 / 2^-8 per operand) is the larger error: the
+        # local sum comes from the parent's stored value (one matrix product fewer, as in PyJuice)
+        s = jnp.exp(a * (vp - m))
+    # parents that carry no flow (or are impossible) contribute nothing, never 0 / 0
+    scale = jnp.where((fp == 0) | (s == 0), 0.0, fp / jnp.where(s == 0, 1.0, s))  # [n, Kp, B]
+    return w, y, scale
+
+
+def sum_layer_param_flows_reference(values: Array, flows: Array, ch: Array, pid: Array, logw: Array, prow: Array, *,
+                                    Kp: int, Kc: int, propagation: str = "LL", alpha: float | None = None,
+                                    precision: str = "fp32", temperature: float = 1.0) -> Array:
+    """Parameter flows of ``n`` sum blocks (not dense) after the flow pass: those of
+    :func:`sum_layer_backward_reference`, from the final node values and flows. The blocks may come from
+    different partitions and levels (one batched product for all of them): block ``i``'s parents are rows
+    ``prow[i] + [0, Kp)``, its children ``ch[i]`` (``[n, C]`` or folded ``[n, C, M]``), its weights ``pid[i]``.
+    ``temperature``: ``Options.pflow_temperature``. Returns ``[n, C, Kp, Kc]``."""
+    if propagation == "MPE":
+        raise ValueError("the batched parameter flows are those of sum-product layers (LL, GeneralLL), not MPE")
+    n, C = ch.shape[:2]
+    x = gather_children(values, ch, Kc, False)
+    lw = gather_weights(logw, pid)
+    rows = prow[:, None] + jnp.arange(Kp, dtype=prow.dtype)
+    base = 1.0 if propagation == "LL" else float(alpha)
+    m = jnp.max(x, axis=1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    w, y, scale = flow_split(x, lw, values[rows], flows[rows], m, base / temperature, base, False, precision)
+    pf = w * matmul("nkb,ncb->nkc", scale, y, precision)
+    return pf.reshape(n, Kp, C, Kc).transpose(0, 2, 1, 3)
