@@ -66,13 +66,13 @@ def test_sum_layers_in_pieces_match_exact_expected_counts(case):
     check_flows_and_ll(gen, c, options=jaxpc.Options(gather_chunk=1))
 
 
-@pytest.mark.parametrize("mode,fold", [("inline", True), ("batched", True), ("batched", False)],
-                         ids=["inline-fold", "batched-fold", "batched-full"])
-def test_param_flow_passes_match_exact_expected_counts(case, mode, fold):
+@pytest.mark.parametrize("mode", ["inline", "batched"])
+def test_param_flow_passes_match_exact_expected_counts(case, mode):
     """``Options.param_flow_pass``: the parameter flows computed level by level with the element flows
-    (``inline``) or after them in one batched product per block shape (``batched``, the default at this
-    batch), on random DAGs with tying and padded fan-ins, against the oracle's exact counts."""
-    check_flows_and_ll(*case, options=jaxpc.Options(param_flow_pass=mode, fold_products=fold))
+    (``inline``) or after them in one batched product per block shape and fan-in (``batched``; the default,
+    ``auto``, batches fan-in 1 at this batch), on random DAGs with tying and padded fan-ins, against the
+    oracle's exact counts."""
+    check_flows_and_ll(*case, options=jaxpc.Options(param_flow_pass=mode))
 
 
 def _batched_blocks(monkeypatch, c, x, opts) -> int:
@@ -125,9 +125,9 @@ def test_batched_param_flows_equal_the_inline_ones(monkeypatch, name):
     monkeypatch.setattr(engine_forward, "PFLOW_BATCH", len(x) - 1)
     assert _batched_blocks(monkeypatch, c, x, opts) == 0  # auto: inline above PFLOW_BATCH
     assert _batched_blocks(monkeypatch, c, x, opts.replace(param_flow_pass="batched")) > 0
-    for kw in ({}, {"propagation": "GeneralLL", "alpha": 2.5}, {"pflow_temperature": 0.5},
-               {"eflow_temperature": 0.5, "precision": "tf32", "gather_chunk": 2 * 8 * 11},
-               {"scan_stages": False, "fold_products": False}):
+    for kw in ({"propagation": "GeneralLL", "alpha": 2.5},
+               {"pflow_temperature": 0.5, "scan_stages": False, "fold_products": False},
+               {"eflow_temperature": 0.5, "precision": "tf32", "gather_chunk": 2 * 8 * 11}):
         o = opts.replace(**kw)
         got = c.flows(c.params, x, options=o.replace(param_flow_pass="batched"), return_ll=True)
         ref = c.flows(c.params, x, options=o.replace(param_flow_pass="inline"), return_ll=True)

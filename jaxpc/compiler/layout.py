@@ -155,9 +155,8 @@ class ChainSpec:
 @dataclasses.dataclass(frozen=True)
 class PFlowSpec:
     """The sum partitions of one block shape and fan-in gathered block by block (``SumPart.blockwise``), as one
-    table for the batched
-    parameter-flow pass (``Options.param_flow_pass``): ``n`` parent blocks of ``C`` child blocks (each the sum of
-    ``M`` row blocks), sorted by parameter block. Its tables: ``prow [n]`` each block's first parent row,
+    table for the batched parameter-flow pass (``Options.param_flow_pass``): ``n`` parent blocks of ``C`` child
+    blocks (each the sum of ``M`` row blocks), sorted by parameter block. Its tables: ``prow [n]`` each block's first parent row,
     ``ch [n, C]`` (``[n, C, M]`` when ``M > 1``, shorter products padded with the zero rows) and ``pid [n, C]``.
 
     Attributes:
