@@ -350,16 +350,14 @@ def _pflow_plan(steps, step_tables) -> tuple[tuple[PFlowSpec, ...], list[dict]]:
     """The batched parameter-flow pass's tables (:class:`PFlowSpec`): the sum partitions gathered block by block
     (``SumPart.blockwise``), by (group, fan-in), every scanned repeat included, blocks sorted by parameter id."""
     acc: dict[tuple, dict] = {}
-    for si, (step, tab) in enumerate(zip(steps, step_tables)):
+    for step, tab in zip(steps, step_tables):
         scanned = isinstance(step, ScanSpec)
         for j, spec in enumerate(step.period if scanned else (step,)):
             t = tab[j] if scanned else tab
             row = sum(p.num_rows for p in spec.prods)
-            for q, (part, pt) in enumerate(zip(spec.sums, t["sums"])):
+            for part, pt in zip(spec.sums, t["sums"]):
                 if part.blockwise:
-                    a = acc.setdefault((part.group, part.C, part.Kp, part.Kc),
-                                       {"members": [], "prow": [], "ch": [], "pid": []})
-                    a["members"].append((si, j, q))
+                    a = acc.setdefault(part.pflow_key, {"prow": [], "ch": [], "pid": []})
                     local = row + np.arange(part.n, dtype=np.int64) * part.Kp
                     a["prow"].append((np.atleast_1d(t["out"]).astype(np.int64)[:, None] + local).reshape(-1))
                     ch = pt["ch"].reshape((-1,) + pt["ch"].shape[(2 if scanned else 1):])
@@ -377,7 +375,7 @@ def _pflow_plan(steps, step_tables) -> tuple[tuple[PFlowSpec, ...], list[dict]]:
         flat = pid.reshape(-1)
         start = int(flat[0]) if np.array_equal(flat, flat[0] + np.arange(flat.size)) else -1
         unique = np.unique(flat).size == flat.size
-        specs.append(PFlowSpec(group, C, Kp, Kc, M, int(pid.shape[0]), tuple(a["members"]), start, bool(unique)))
+        specs.append(PFlowSpec(group, C, Kp, Kc, M, int(pid.shape[0]), start, bool(unique)))
         tabs.append({"prow": prow.astype(np.int32), "ch": ch if M > 1 else ch[:, :, 0], "pid": pid.astype(np.int32)})
     return tuple(specs), tabs
 

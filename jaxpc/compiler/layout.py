@@ -90,6 +90,11 @@ class SumPart:
         The partitions of the batched parameter-flow pass (:class:`PFlowSpec`)."""
         return not self.dense or self.n == 1
 
+    @property
+    def pflow_key(self) -> tuple:
+        """Its :class:`PFlowSpec`'s ``key`` (when ``blockwise``)."""
+        return (self.group, self.C, self.Kp, self.Kc)
+
 
 @dataclasses.dataclass(frozen=True)
 class StageSpec:
@@ -159,9 +164,9 @@ class PFlowSpec:
     blocks (each the sum of ``M`` row blocks), sorted by parameter block. Its tables: ``prow [n]`` each block's first parent row,
     ``ch [n, C]`` (``[n, C, M]`` when ``M > 1``, shorter products padded with the zero rows) and ``pid [n, C]``.
 
+    Its partitions are those with ``blockwise`` and ``pflow_key == key`` (a scanned stage's repeats all in it).
+
     Attributes:
-        members: ``(step, position in a scanned period, partition)`` of every partition in the table (a scanned
-            stage's repeats all in it).
         start: the blocks' parameter ids are ``start, start + 1, ..`` in table order (``n * C`` of them: the flows
             are added to one slice of the group's array), else -1.
         unique: no parameter id appears twice (a scatter without atomic adds).
@@ -173,9 +178,12 @@ class PFlowSpec:
     Kc: int
     M: int
     n: int
-    members: tuple[tuple[int, int, int], ...]
     start: int
     unique: bool
+
+    @property
+    def key(self) -> tuple:
+        return (self.group, self.C, self.Kp, self.Kc)
 
 
 @dataclasses.dataclass(frozen=True)

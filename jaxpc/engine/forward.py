@@ -368,10 +368,10 @@ def _root_bwd(layout, options, res, g):
     flows = jnp.zeros_like(values).at[layout.root_row].set(g.astype(values.dtype))
     B = values.shape[1]
     pflows = batched_pflows(layout, tables, options, B, values.dtype)
-    keys = {(spec.group, spec.C, spec.Kp, spec.Kc) for spec, _ in pflows}
+    keys = {spec.key for spec, _ in pflows}
 
     def batched(part) -> bool:  # its parameter flows come from the batched pass after the flow pass
-        return part.blockwise and (part.group, part.C, part.Kp, part.Kc) in keys
+        return part.blockwise and part.pflow_key in keys
 
     # a group whose every partition is batched gets its parameter-flow buffer after the flow pass, not carried
     inline = {p.group for spec in layout.stages() for p in spec.sums if not batched(p)}
@@ -435,13 +435,6 @@ root_values.defvjp(_root_fwd, _root_bwd)
 PFLOW_BATCH = 128
 
 
-def _member(layout, m: tuple[int, int, int]):
-    """The sum partition ``(step, position in a scanned period, partition)`` of a :class:`PFlowSpec`."""
-    si, j, q = m
-    step = layout.steps[si]
-    return (step.period[j] if isinstance(step, ScanSpec) else step).sums[q]
-
-
 def batched_pflows(layout, tables: dict, options, B: int, dtype) -> list:
     """The batched parameter-flow pass's ``(PFlowSpec, tables)`` for a flow pass at batch ``B``
     (``Options.param_flow_pass``): the sum-product partitions gathered block by block, by block shape and fan-in
@@ -451,13 +444,10 @@ def batched_pflows(layout, tables: dict, options, B: int, dtype) -> list:
     if (not options.compute_param_flows or options.propagation == "MPE" or mode == "inline"
             or (mode == "auto" and B > PFLOW_BATCH)):
         return []
-
-    def on_pallas_backward(spec) -> bool:
-        return any(_pallas_backward(kernel_choice(options, _member(layout, m), B, dtype)[0], options)
-                   for m in spec.members)
-
-    return [(spec, tab) for spec, tab in zip(getattr(layout, "pflows", ()), tables.get("pflows", []))
-            if (mode == "batched" or spec.C == 1) and not on_pallas_backward(spec)]
+    on_pallas = {p.pflow_key for spec in layout.stages() for p in spec.sums
+                 if p.blockwise and _pallas_backward(kernel_choice(options, p, B, dtype)[0], options)}
+    return [(spec, tab) for spec, tab in zip(layout.pflows, tables["pflows"])
+            if (mode == "batched" or spec.C == 1) and spec.key not in on_pallas]
 
 
 def _batched_param_flows(values: Array, flows: Array, dp: Array | None, logw: Array, spec, tab: dict, options) -> Array:
