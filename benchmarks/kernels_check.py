@@ -5,10 +5,12 @@
 1. Correctness: forward, child flows and parameter flows of ``jaxpc.ops.pallas_sum`` against the
    plain-jnp reference on the device, over the shapes of ``tests/test_kernels.py`` plus large ones, and
    the tree-level backwards (``backward_exclusive``, and ``backward_level`` up to its batch) on folded tree levels
-   (relative error ||got - ref|| / ||ref||; fp32 must be ~1e-6).
+   (relative error ||got - ref|| / ||ref||; fp32 must be ~1e-6), and the batched parameter-flow kernel
+   (``param_flows_after``, tf32).
 2. Speed: median device milliseconds of forward and forward+backward of one sum partition shaped like
    the benchmark workloads (HMM-1024 dense 1024x1024, HCLT-256 blocks 256x256 with fan-in 1, PD-128
-   blocks 32x32 with fan-in 16), reference (XLA) vs each kernel configuration.
+   blocks 32x32 with fan-in 16), reference (XLA) vs each kernel configuration; the batched parameter flows of
+   HCLT-256's 577 blocks at batch 16 and 32 (XLA's gather, product and weight multiply against the kernel).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ sys.path.insert(0, str(ROOT))
 
 from jaxpc.ops import pallas_sum  # noqa: E402
 from jaxpc.ops.sum_layer import child_rows, sum_layer_backward_reference, sum_layer_reference  # noqa: E402
-from tests.test_kernels import SHAPES, make_partition, make_tree_level  # noqa: E402
+from jaxpc.ops.sum_layer import sum_layer_param_flows_reference  # noqa: E402
+from tests.test_kernels import AFTER, SHAPES, make_after_case, make_partition, make_tree_level  # noqa: E402
 
 
 def rel(a, b):
@@ -126,6 +129,44 @@ def time_partition(name, Kp, Kc, n, C, dense, B, precision, configs):
     return row
 
 
+def check_after() -> float:
+    """The batched parameter-flow kernel (tf32: local sums from the stored values; kept shifts, every third
+    recomputed) against the reference over ``AFTER`` plus HCLT-256-like blocks; the largest relative error."""
+    worst = 0.0
+    for shape in AFTER + [(256, 256, 24, 1, 2, 16), (256, 256, 24, 1, 1, 128), (32, 32, 40, 4, 2, 100)]:
+        Kp, Kc = shape[:2]
+        try:
+            vals, fl, shifts, srow, prow, ch, pid, logw = make_after_case(*shape)
+            want = sum_layer_param_flows_reference(vals, fl, ch, pid, logw, prow, Kp=Kp, Kc=Kc, precision="tf32")
+            got = pallas_sum.param_flows_after(vals, fl, shifts, srow, prow, ch, pid, logw, Kp=Kp, Kc=Kc)
+            err = rel(got, want)
+        except Exception as e:  # noqa: BLE001 - report and go on
+            print(f"check param_flows_after {shape}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            err = float("inf")
+        print(f"check param_flows_after Kp={Kp} Kc={Kc} n={shape[2]} C={shape[3]} M={shape[4]} B={shape[5]} "
+              f"tf32: param flows {err:.1e}", flush=True)
+        worst = max(worst, err)
+    return worst
+
+
+def time_after(B, configs, n=577):
+    """The batched parameter flows of ``n`` HCLT-256 blocks (256 x 256, fan-in 1, folded children of 2 row
+    blocks, every shift kept), tf32: XLA's gather, max, product and weight multiply against the kernel per
+    configuration (ms)."""
+    vals, fl, shifts, srow, prow, ch, pid, logw = make_after_case(256, 256, n, 1, 2, B, unkept=0)
+    ref = jax.jit(lambda v, f, lw: sum_layer_param_flows_reference(v, f, ch, pid, lw, prow, Kp=256, Kc=256,
+                                                                   precision="tf32"))
+    line = [f"xla {bench(lambda: ref(vals, fl, logw)):.3f}"]
+    for cfg in configs:
+        k = jax.jit(lambda v, f, lw, cfg=cfg: pallas_sum.param_flows_after(v, f, shifts, srow, prow, ch, pid, lw,
+                                                                          Kp=256, Kc=256, config=cfg))
+        try:
+            line.append(f"{cfg.block_b}/{cfg.block_k}/{cfg.num_warps} {bench(lambda: k(vals, fl, logw)):.3f}")
+        except Exception as e:  # noqa: BLE001 - a configuration the compiler refuses
+            line.append(f"{cfg.block_b}/{cfg.block_k}/{cfg.num_warps} failed ({type(e).__name__})")
+    print(f"time param_flows_after HCLT-256 n={n} B={B} tf32 (ms): " + " | ".join(line), flush=True)
+
+
 def main(argv=None):
     import argparse
 
@@ -167,8 +208,13 @@ def main(argv=None):
                 print(f"check tree level ({kname}) Kp={Kp} Kc={Kc} n={n} M={M} B={B} {precision}: flows "
                       f"{errs[0]:.1e} param flows {errs[-1]:.1e}", flush=True)
     print(f"worst fp32 relative error: {worst:.2e}", flush=True)
+    print(f"worst tf32 relative error of the batched parameter-flow kernel: {check_after():.2e}", flush=True)
     if args.no_timing:
         return
+    for B in (16, 32):
+        time_after(B, [pallas_sum.KernelConfig(32, 64, 4), pallas_sum.KernelConfig(16, 64, 4),
+                               pallas_sum.KernelConfig(32, 32, 4), pallas_sum.KernelConfig(64, 64, 8),
+                               pallas_sum.KernelConfig(16, 128, 8)])
     configs = [pallas_sum.KernelConfig(16, 32, 4), pallas_sum.KernelConfig(32, 64, 4),
                pallas_sum.KernelConfig(64, 64, 8), pallas_sum.KernelConfig(32, 32, 4)]
     for B in (16, 512):

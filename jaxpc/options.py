@@ -98,7 +98,10 @@ class Options:
             rounding. On the H200 (tf32, forward + flows): HCLT-256 1.91-2.13 ms batched against 2.18-2.32
             inline at batch 16, 3.30 against 3.46-3.64 at 128, 7.46-7.64 against 7.11-7.19 at 512; PD-128 with
             its fan-ins of several child blocks batched too 1.52 against 1.44 at 16 and 3.93 against 3.69 at
-            128.
+            128. Below ``precision="fp32"``, block shapes whose shifts the in-place forward kept (``impl="auto"``
+            on a GPU: tree levels at batches up to 32) run the batched pass as one Pallas kernel
+            (:func:`jaxpc.engine.forward.pflow_kernel`): HCLT-256 at batch 16, 1.52 ms per pipelined step against
+            1.59-1.60.
         scan_stages: run the stages :func:`jaxpc.compile` grouped into repeats (``scan_min_repeats``) under
             ``lax.scan``; False unrolls them into the executable (a longer trace, no device-side loop; no
             faster for HCLT-256 on the H200).

@@ -2,6 +2,7 @@
 float64 oracle and the full layout, on random circuits and the ready structures."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -82,9 +83,9 @@ def _batched_blocks(monkeypatch, c, x, opts) -> int:
     seen = []
     real = engine_forward._batched_param_flows
 
-    def spy(values, flows, dp, logw, spec, tab, options):
+    def spy(values, flows, dp, logw, spec, tab, options, *rest):
         seen.append(spec.n)
-        return real(values, flows, dp, logw, spec, tab, options)
+        return real(values, flows, dp, logw, spec, tab, options, *rest)
 
     monkeypatch.setattr(engine_forward, "_batched_param_flows", spy)
     jax.make_jaxpr(lambda p, xb: em.flows_and_ll(c.layout, c.tables, p, xb, None, None, opts))(c.params, x)
@@ -133,6 +134,52 @@ def test_batched_param_flows_equal_the_inline_ones(monkeypatch, name):
         ref = c.flows(c.params, x, options=o.replace(param_flow_pass="inline"), return_ll=True)
         for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["hclt", "pd"])
+def test_batched_param_flows_kernel_equals_xla(monkeypatch, name):
+    """Where the in-place forward kept every batched block's shift, the batched pass runs its Pallas kernel
+    (interpret mode here; on a GPU with the default impl) and gives XLA's batched flows and the inline ones
+    (tf32 and bf16 stored local sums, GeneralLL); which options route to it."""
+    from jaxpc.engine import em
+    from jaxpc.ops import pallas_sum
+
+    if name == "hclt":
+        c, x = _chain_hclt()
+    else:
+        c = jaxpc.compile(structures.PD((2, 4), 8, split_intervals=(1, 1), input_dist=dists.Categorical(5)), seed=3)
+        x = np.random.default_rng(0).integers(0, 5, (11, 8)).astype(np.int32)
+    route, f32 = engine_forward.pflow_kernel, jax.numpy.float32
+    o = jaxpc.Options(precision="tf32")
+    assert route(o.replace(impl="pallas_forward"), f32) and route(o.replace(impl="pallas"), f32)
+    assert not route(o.replace(impl="reference"), f32) and not route(o.replace(impl="pallas_forward"), jnp.bfloat16)
+    assert not route(o.replace(impl="pallas_forward", precision="fp32"), f32)
+    assert not route(o.replace(impl="pallas_forward", pflow_temperature=0.5), f32)
+    assert route(o, f32) == (jax.default_backend() == "gpu")
+    calls = []
+    real = pallas_sum.param_flows_after
+    monkeypatch.setattr(pallas_sum, "param_flows_after", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def flows(o):  # traced afresh each time
+        return jax.jit(lambda p, xb: em.flows_and_ll(c.layout, c.tables, p, xb, None, None, o))(c.params, x)
+
+    for kw in ({}, {"propagation": "GeneralLL", "alpha": 2.5}, {"precision": "bf16"}):
+        o = jaxpc.Options(chain_scan=False, param_flow_pass="batched", impl="pallas_forward",
+                          **{"precision": "tf32", **kw})
+        del calls[:]
+        got = flows(o)
+        assert calls  # the kernel ran (every block of fan-in 1 kept its shift)
+        with monkeypatch.context() as m:  # the same forward, XLA's batched pass
+            m.setattr(engine_forward, "pflow_kernel", lambda options, dtype: False)
+            xla = flows(o)
+        ref = flows(o.replace(param_flow_pass="inline"))
+        tol = 2e-2 if o.precision == "bf16" else 1e-5  # bfloat16 operands: 2^-8 per product, rounded in other places
+        for a, b, r in zip(*(jax.tree_util.tree_leaves(t) for t in (got, xla, ref))):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol / 10)
+            np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=tol, atol=tol / 10)
+    del calls[:]
+    flows(o.replace(kernel_shifts=False))  # no kept shifts: XLA's batched pass
+    assert not calls
 
 
 def test_batched_param_flows_refuse_max_product():

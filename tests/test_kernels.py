@@ -140,13 +140,20 @@ def test_kernels_lower_for_cuda_without_a_gpu():
         return pallas_sum.backward_level(b, b, 0, ch3, pid[:, :1], lw, Kp=16, Kc=32, first_row=64, dparams=lw,
                                          precision=precision)
 
+    def after(b, ch, pid, lw, uch, par, ppid, precision):  # the batched parameter-flow pass
+        n = ch.shape[0]
+        return pallas_sum.param_flows_after(b, b, b[::8], jnp.arange(n) - 1, jnp.zeros(n, jnp.int32) + 64, ch, pid,
+                                            lw, Kp=16, Kc=32, precision=precision)
+
     from unittest import mock
     tabs = (buf, t["ch"], t["pid"], logw, t["uch"], t["par"], t["ppid"])
     with mock.patch.object(pallas_sum, "_interpret", lambda: False), \
             jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
         for f, args in ((fwd, tabs[:4]), (bwd, tabs), (in_place, tabs),
                         (functools.partial(level, precision="fp32"), tabs),
-                        (functools.partial(level, precision="tf32"), tabs)):
+                        (functools.partial(level, precision="tf32"), tabs),
+                        (functools.partial(after, precision="tf32"), tabs),
+                        (functools.partial(after, precision="bf16"), tabs)):
             text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
             assert "__gpu$xla.gpu.triton" in text
 
@@ -321,3 +328,63 @@ def test_level_backward_rejects_bad_input():
         pallas_sum.backward_level(b, b, 24, ch, pid, lw, dparams=jnp.zeros((4, 4, 4), jnp.float16), **kw)
     with pytest.raises(ValueError, match=r"dparams must be \[P, 4, 4\]"):
         pallas_sum.backward_level(b, b, 24, ch, pid, lw, dparams=jnp.zeros((4, 4, 5)), **kw)
+
+
+def make_after_case(Kp, Kc, n, C, M, B, seed=0, unkept=3):
+    """Final node values and flows ``[R, B]`` (some values ``-inf``, some flows zero), the batched parameter-flow
+    tables of ``n`` blocks (parents at rows ``prow``; children ``ch [n, C, M]``, ``[n, C]`` for ``M = 1``,
+    anywhere above the padding, block 0's all ``-inf``; distinct weight blocks ``pid`` out of ``n * C + 2``) and
+    the shifts the forward kept: each block's max over its children per sample at row ``srow`` of ``shifts``
+    (other rows random), ``srow = -1`` (none kept) for every ``unkept``-th block (0: none)."""
+    rng = np.random.default_rng(seed)
+    R = 2 * max(Kp, Kc) + n * C * M * Kc + n * Kp + 64
+    vals = (rng.normal(size=(R, B)) * 3).astype(np.float32)
+    vals[:Kc], vals[Kc:2 * Kc] = 0.0, -np.inf
+    vals[rng.random((R, B)) < 0.05] = -np.inf
+    fl = np.abs(rng.normal(size=(R, B))).astype(np.float32)
+    fl[rng.random((R, B)) < 0.2] = 0.0
+    ch = rng.integers(2 * Kc, R - Kc, (n, C, M)).astype(np.int32)
+    ch[0, :, 0] = Kc  # block 0: every child -inf (its shift too)
+    ch[0, :, 1:] = 0
+    prow = rng.integers(2 * Kc, R - Kp, n).astype(np.int32)
+    shifts = rng.normal(size=(n + 3, B)).astype(np.float32)
+    srow = rng.permutation(n + 3)[:n].astype(np.int32)
+    if unkept:
+        srow[np.arange(n) % unkept == unkept - 1] = -1
+    for i in np.flatnonzero(srow >= 0):
+        x = sum(vals[ch[i, :, m][:, None] + np.arange(Kc)] for m in range(M))  # [C, Kc, B]
+        shifts[srow[i]] = x.max(axis=(0, 1))
+    P = n * C + 2
+    pid = rng.permutation(P)[:n * C].reshape(n, C).astype(np.int32)
+    logw = jax.nn.log_softmax(jnp.asarray(rng.normal(size=(P, Kp, Kc)), jnp.float32), axis=-1)
+    return (jnp.asarray(vals), jnp.asarray(fl), jnp.asarray(shifts), jnp.asarray(srow), jnp.asarray(prow),
+            jnp.asarray(ch if M > 1 else ch[:, :, 0]), jnp.asarray(pid), logw)
+
+
+# (Kp, Kc, n, C, M, B): the batched parameter-flow pass's blocks (fan-in C, folded children of M row blocks)
+AFTER = [(8, 4, 3, 2, 3, 7), (16, 32, 2, 1, 4, 19), (8, 8, 5, 3, 1, 40), (64, 64, 3, 1, 1, 16), (32, 16, 2, 1, 2, 70)]
+
+
+@pytest.mark.parametrize("shape", AFTER, ids=lambda s: "Kp{}-Kc{}-n{}-C{}-M{}-B{}".format(*s))
+@pytest.mark.parametrize("propagation", ["LL", "GeneralLL"])
+def test_param_flows_after_match_reference(shape, propagation):
+    """The batched parameter-flow kernel (local sums from the stored values; shifts kept, or recomputed where
+    not) against the XLA reference at tf32 (exact on a CPU), GeneralLL's exponent, a block whose children are
+    all -inf; bad input."""
+    from jaxpc.ops.sum_layer import sum_layer_param_flows_reference
+
+    Kp, Kc = shape[:2]
+    vals, fl, shifts, srow, prow, ch, pid, logw = make_after_case(*shape)
+    alpha = 2.5 if propagation == "GeneralLL" else None
+    want = sum_layer_param_flows_reference(vals, fl, ch, pid, logw, prow, Kp=Kp, Kc=Kc, propagation=propagation,
+                                           alpha=alpha, precision="tf32")
+    kw = dict(Kp=Kp, Kc=Kc, alpha=alpha or 1.0)
+    got = pallas_sum.param_flows_after(vals, fl, shifts, srow, prow, ch, pid, logw, **kw)
+    assert got.shape == want.shape and bool(jnp.all(jnp.isfinite(got)))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=1e-6 * float(jnp.abs(want).max()))
+    with pytest.raises(TypeError, match="float32"):
+        pallas_sum.param_flows_after(vals.astype(jnp.bfloat16), fl, shifts, srow, prow, ch, pid, logw, **kw)
+    with pytest.raises(ValueError, match="precision below fp32"):
+        pallas_sum.param_flows_after(vals, fl, shifts, srow, prow, ch, pid, logw, precision="fp32", **kw)
+    with pytest.raises(ValueError, match="srow"):
+        pallas_sum.param_flows_after(vals, fl, shifts, srow[1:], prow, ch, pid, logw, **kw)

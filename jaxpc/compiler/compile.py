@@ -357,9 +357,10 @@ def _pflow_plan(steps, step_tables) -> tuple[tuple[PFlowSpec, ...], list[dict]]:
             row = sum(p.num_rows for p in spec.prods)
             for part, pt in zip(spec.sums, t["sums"]):
                 if part.blockwise:
-                    a = acc.setdefault(part.pflow_key, {"prow": [], "ch": [], "pid": []})
+                    a = acc.setdefault(part.pflow_key, {"prow": [], "ch": [], "pid": [], "part": []})
                     local = row + np.arange(part.n, dtype=np.int64) * part.Kp
                     a["prow"].append((np.atleast_1d(t["out"]).astype(np.int64)[:, None] + local).reshape(-1))
+                    a["part"].append(np.full(a["prow"][-1].size, len(a["part"]), np.int32))
                     ch = pt["ch"].reshape((-1,) + pt["ch"].shape[(2 if scanned else 1):])
                     a["ch"].append(ch if ch.ndim == 3 else ch[:, :, None])
                     a["pid"].append(pt["pid"].reshape(-1, part.C))
@@ -371,12 +372,13 @@ def _pflow_plan(steps, step_tables) -> tuple[tuple[PFlowSpec, ...], list[dict]]:
         ch = np.concatenate([np.pad(c, ((0, 0), (0, 0), (0, M - c.shape[2]))) for c in a["ch"]])
         pid = np.concatenate(a["pid"])
         order = np.argsort(pid[:, 0], kind="stable")
-        ch, pid, prow = ch[order], pid[order], np.concatenate(a["prow"])[order]
+        ch, pid, prow, member = ch[order], pid[order], np.concatenate(a["prow"])[order], np.concatenate(a["part"])[order]
         flat = pid.reshape(-1)
         start = int(flat[0]) if np.array_equal(flat, flat[0] + np.arange(flat.size)) else -1
         unique = np.unique(flat).size == flat.size
         specs.append(PFlowSpec(group, C, Kp, Kc, M, int(pid.shape[0]), start, bool(unique)))
-        tabs.append({"prow": prow.astype(np.int32), "ch": ch if M > 1 else ch[:, :, 0], "pid": pid.astype(np.int32)})
+        tabs.append({"prow": prow.astype(np.int32), "ch": ch if M > 1 else ch[:, :, 0], "pid": pid.astype(np.int32),
+                     "part": member})
     return tuple(specs), tabs
 
 

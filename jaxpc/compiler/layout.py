@@ -162,9 +162,11 @@ class PFlowSpec:
     """The sum partitions of one block shape and fan-in gathered block by block (``SumPart.blockwise``), as one
     table for the batched parameter-flow pass (``Options.param_flow_pass``): ``n`` parent blocks of ``C`` child
     blocks (each the sum of ``M`` row blocks), sorted by parameter block. Its tables: ``prow [n]`` each block's first parent row,
-    ``ch [n, C]`` (``[n, C, M]`` when ``M > 1``, shorter products padded with the zero rows) and ``pid [n, C]``.
+    ``ch [n, C]`` (``[n, C, M]`` when ``M > 1``, shorter products padded with the zero rows), ``pid [n, C]`` and
+    ``part [n]``, the block's partition among the members.
 
-    Its partitions are those with ``blockwise`` and ``pflow_key == key`` (a scanned stage's repeats all in it).
+    Its members are the partitions with ``blockwise`` and ``pflow_key == key``, in the order of the steps, a
+    scanned stage's period once (:meth:`Layout.pflow_members`; every repeat's blocks in the table).
 
     Attributes:
         start: the blocks' parameter ids are ``start, start + 1, ..`` in table order (``n * C`` of them: the flows
@@ -204,6 +206,11 @@ class Layout:
     @property
     def ninf_row(self) -> int:
         return self.kmax
+
+    def pflow_members(self, key: tuple) -> list:
+        """The sum partitions of :class:`PFlowSpec` ``key``, numbered as its ``part`` table."""
+        return [p for step in self.steps for spec in (step.period if isinstance(step, ScanSpec) else (step,))
+                for p in spec.sums if p.blockwise and p.pflow_key == key]
 
     def stages(self):
         """All stage specs in evaluation order (scans unrolled: a scanned spec repeats, and its ``offset`` is

@@ -14,6 +14,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from ..compiler.layout import Layout, ScanSpec, StageSpec
@@ -418,9 +419,11 @@ def _root_bwd(layout, options, res, g):
 
     flows, dparams = run_stages(layout, tables, (flows, dparams), stage, reverse=True, scan=options.scan_stages)
     for spec, tab in pflows:
+        kept = tuple(bool(unit) and _writes_shift(options, p, values) for p in layout.pflow_members(spec.key))
         with jax.named_scope(f"jaxpc/param_flows/{spec.group}_C{spec.C}"):
             dparams[spec.group] = _batched_param_flows(values, flows, dparams.get(spec.group),
-                                                       sum_params[spec.group], spec, tab, options)
+                                                       sum_params[spec.group], spec, tab, options, shifts, unit,
+                                                       kept)
     dparams = {k: dparams.get(k, jnp.zeros_like(v)) for k, v in sum_params.items()}
     d_inputs = [lax.dynamic_slice(flows, (spec.offset, 0), (spec.num_nodes, flows.shape[1]))
                 for spec in layout.input_layers]
@@ -450,17 +453,44 @@ def batched_pflows(layout, tables: dict, options, B: int, dtype) -> list:
             if (mode == "batched" or spec.C == 1) and spec.key not in on_pallas]
 
 
-def _batched_param_flows(values: Array, flows: Array, dp: Array | None, logw: Array, spec, tab: dict, options) -> Array:
+def pflow_kernel(options, dtype) -> bool:
+    """Whether the batched parameter-flow pass may run :func:`jaxpc.ops.pallas_sum.param_flows_after` (one kernel
+    per block shape: the weights' product in its epilogue, nothing of the gathered children's size in memory)
+    instead of XLA's gather, product and multiply, for the block shapes of which some partition kept its shifts
+    in the forward (:func:`_writes_shift`; HCLT-256's 577 tree-level blocks at batch 16 on the H200: 0.24
+    against 0.32 ms): float32 buffers, local sums from the stored values (``precision`` below ``"fp32"``,
+    untempered parameter flows), ``Options.impl`` ``"auto"`` on a GPU or ``"pallas"`` / ``"pallas_forward"``
+    (interpret mode off a GPU); never with ``"reference"``."""
+    if (jnp.dtype(dtype) != jnp.float32 or options.impl == "reference" or options.precision == "fp32"
+            or options.pflow_temperature != 1.0 or not kernels_available()):
+        return False
+    return options.impl != "auto" or on_gpu()
+
+
+def _batched_param_flows(values: Array, flows: Array, dp: Array | None, logw: Array, spec, tab: dict, options,
+                         shifts: Array | None = None, unit: int = 0, kept: tuple = ()) -> Array:
     """The parameter-flow buffer ``dp`` of ``spec.group`` (None: zeros) with the flows of the blocks of ``spec``
     added (one batched product, in pieces of at most ``options.gather_chunk`` gathered elements): to one slice
-    of it when their parameter ids are consecutive (``spec.start``), the whole buffer when they cover it."""
+    of it when their parameter ids are consecutive (``spec.start``), the whole buffer when they cover it.
+    ``shifts`` (rows of ``unit``): the forward's kept shifts; ``kept``: per member partition
+    (``Layout.pflow_members``), whether its blocks' are there. Where :func:`pflow_kernel` allows and some are,
+    one Pallas kernel for the whole table (it gathers nothing), which recomputes the others."""
     C, Kp, Kc = spec.C, spec.Kp, spec.Kc
-    spans = ranges(spec.n, options.gather_chunk // max(1, C * Kc * values.shape[1]))
+    kernel = shifts is not None and any(kept) and pflow_kernel(options, values.dtype)
+    spans = [(0, spec.n)] if kernel else ranges(spec.n, options.gather_chunk // max(1, C * Kc * values.shape[1]))
 
     def flows_of(sub):  # [n', C, Kp, Kc]
-        pf = sum_layer_param_flows(values, flows, sub["ch"], sub["pid"], logw, sub["prow"], Kp=Kp, Kc=Kc,
-                                   propagation=options.propagation, alpha=options.alpha,
-                                   precision=options.precision, temperature=options.pflow_temperature)
+        if kernel:
+            from ..ops import pallas_sum
+
+            srow = jnp.where(jnp.asarray(np.array(kept))[sub["part"]], sub["prow"] // unit, -1)
+            pf = pallas_sum.param_flows_after(values, flows, shifts, srow, sub["prow"], sub["ch"], sub["pid"], logw,
+                                              Kp=Kp, Kc=Kc, precision=options.precision,
+                                              alpha=1.0 if options.propagation == "LL" else options.alpha)
+        else:
+            pf = sum_layer_param_flows(values, flows, sub["ch"], sub["pid"], logw, sub["prow"], Kp=Kp, Kc=Kc,
+                                       propagation=options.propagation, alpha=options.alpha,
+                                       precision=options.precision, temperature=options.pflow_temperature)
         return pf.astype(logw.dtype)
 
     if dp is None and spec.start == 0 and spec.n * C == logw.shape[0] and len(spans) == 1:
@@ -474,7 +504,8 @@ def _batched_param_flows(values: Array, flows: Array, dp: Array | None, logw: Ar
             return lax.dynamic_update_slice_in_dim(acc, acc[lo:hi] + pf.reshape(-1, Kp, Kc), lo, axis=0)
         return acc.at[sub["pid"]].add(pf, unique_indices=spec.unique)
 
-    return in_order(spans, lambda a, b: {k: tab[k][a:b] for k in ("prow", "ch", "pid")}, step, dp)
+    return in_order(spans, lambda a, b: {k: tab[k][a:b] for k in ("prow", "ch", "pid", "part")}, step,
+                    dp)
 
 
 def add_param_flows(dp: dict, part, pid: Array, pf: Array) -> dict:

@@ -274,6 +274,72 @@ def backward_parents(buf: Array, flows: Array, out_offset, ch: Array, pid: Array
     return a, m, pf
 
 
+def _pflow_after_kernel(prow_ref, srow_ref, ch_ref, pid_ref, w_ref, buf_ref, flow_ref, shift_ref, pf_ref, *, C, M, Kp,
+                        Kc, KT, KC, KS, BB, B, alpha, precision):
+    ic, k, q = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    i, c = lax.div(ic, jnp.int32(C)), lax.rem(ic, jnp.int32(C))
+    kp = k * KT + jnp.arange(KT)
+    kc = q * KC + jnp.arange(KC)
+    rows = prow_ref[i] + kp
+    srow = srow_ref[i]
+    nq = -(-Kc // KS)
+
+    def tile(t, acc):
+        cols = t * BB + jnp.arange(BB)
+        cmask = cols < B
+        own = cmask & (srow < 0)  # a block without a kept shift: its children's max, here (else no loads)
+
+        def child_max(cq, m):
+            c2, q2 = lax.div(cq, jnp.int32(nq)), lax.rem(cq, jnp.int32(nq))
+            x = _load_child(buf_ref, ch_ref, i, c2, q2 * KS + jnp.arange(KS), cols, own, M=M, Kc=Kc)
+            return jnp.maximum(m, jnp.max(x, axis=0))
+
+        kept = plgpu.load(shift_ref.at[jnp.maximum(srow, 0), cols], mask=cmask & (srow >= 0), other=0.0)
+        m = jnp.where(srow < 0, lax.fori_loop(0, C * nq, child_max, jnp.full((BB,), _NEG, jnp.float32)), kept)
+        safe = jnp.where(m == _NEG, 0.0, m)
+        s = jnp.exp(alpha * (_load_tile(buf_ref, rows, cols, kp < Kp, cmask, _NEG) - safe[None, :]))
+        fp = _load_tile(flow_ref, rows, cols, kp < Kp, cmask, 0.0)
+        a = jnp.where((fp == 0) | (s == 0), 0.0, fp / jnp.where(s == 0, 1.0, s))
+        y = jnp.exp(alpha * (_load_child(buf_ref, ch_ref, i, c, kc, cols, cmask, M=M, Kc=Kc) - safe[None, :]))
+        return acc + _mm(a, y, precision, trans_b=True)
+
+    acc = lax.fori_loop(0, pl.cdiv(B, BB), tile, jnp.zeros((KT, KC), jnp.float32))
+    w = _load_w(w_ref, pid_ref[i, c], kp, kc, Kp, Kc, alpha)
+    plgpu.store(pf_ref.at[i, c, kp[:, None], kc[None, :]], w * acc, mask=(kp[:, None] < Kp) & (kc[None, :] < Kc))
+
+
+def param_flows_after(values: Array, flows: Array, shifts: Array, srow: Array, prow: Array, ch: Array, pid: Array,
+                      w: Array, *, Kp: int, Kc: int, alpha: float = 1.0, precision: str = "tf32",
+                      config: KernelConfig = KernelConfig()) -> Array:
+    """Parameter flows ``[n, C, Kp, Kc]`` of ``n`` sum blocks from the final node values and flows (float32
+    ``[R, B]``), as :func:`jaxpc.ops.sum_layer.sum_layer_param_flows_reference` computes them below float32
+    precision (local sums from the parents' stored values; untempered, ``alpha`` the propagation's exponent):
+    block ``i``'s parents at rows ``prow[i] + [0, Kp)``, its children ``ch[i]``, its log-weights ``w[pid[i]]``,
+    its shift (its children's max per sample) the one the in-place forward kept at row ``srow[i]`` of ``shifts``
+    (``[S, B]``), or, where ``srow[i] < 0``, recomputed. One kernel, per (block and child, parent tile, child
+    tile) program ``exp(alpha log W) * (a @ y^T)`` over the batch in chunks, ``a = flow / local sum`` and
+    ``y = exp(alpha (x - shift))`` made in the program: nothing of the gathered children's size in memory, the
+    weights' product in the epilogue."""
+    ch = _tables3(ch)
+    n, C, M = ch.shape
+    B = values.shape[1]
+    if values.dtype != jnp.float32 or flows.dtype != jnp.float32 or shifts.dtype != jnp.float32:
+        raise TypeError(f"param_flows_after needs float32 node values, flows and shifts, got {values.dtype}, "
+                        f"{flows.dtype} and {shifts.dtype}")
+    if precision == "fp32" or shifts.ndim != 2 or shifts.shape[1] != B or srow.shape != (n,):
+        raise ValueError(f"param_flows_after takes the local sums from the stored values (precision below fp32, "
+                         f"got {precision!r}), shifts [S, B={B}] (got {shifts.shape}) and srow [n={n}] (got "
+                         f"{srow.shape})")
+    BB, KT, KS = _tiles(config, B, Kp, Kc)
+    KC = min(config.block_k, _p2(Kc))
+    kernel = functools.partial(_pflow_after_kernel, C=C, M=M, Kp=Kp, Kc=Kc, KT=KT, KC=KC, KS=KS, BB=BB, B=B,
+                               alpha=float(alpha), precision=precision)
+    return _call(kernel, config, grid=(n * C, pl.cdiv(Kp, KT), pl.cdiv(Kc, KC)),
+                 out_shape=jax.ShapeDtypeStruct((n, C, Kp, Kc), jnp.float32),
+                 name="jaxpc_param_flows_after")(prow.astype(jnp.int32), srow.astype(jnp.int32), ch, pid, w, values,
+                                                 flows, shifts)
+
+
 # ---- backward: child side ---------------------------------------------------------------------------
 
 def _wt_a(a_ref, w_ref, i, p, kc, cols, cmask, valid, *, Kp, Kc, KPT, alpha, precision):
