@@ -14,7 +14,6 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from ..compiler.layout import Layout, ScanSpec, StageSpec
@@ -483,7 +482,7 @@ def _batched_param_flows(values: Array, flows: Array, dp: Array | None, logw: Ar
         if kernel:
             from ..ops import pallas_sum
 
-            srow = jnp.where(jnp.asarray(np.array(kept))[sub["part"]], sub["prow"] // unit, -1)
+            srow = jnp.where(jnp.asarray(kept)[sub["part"]], sub["prow"] // unit, -1)
             pf = pallas_sum.param_flows_after(values, flows, shifts, srow, sub["prow"], sub["ch"], sub["pid"], logw,
                                               Kp=Kp, Kc=Kc, precision=options.precision,
                                               alpha=1.0 if options.propagation == "LL" else options.alpha)
@@ -504,8 +503,8 @@ def _batched_param_flows(values: Array, flows: Array, dp: Array | None, logw: Ar
             return lax.dynamic_update_slice_in_dim(acc, acc[lo:hi] + pf.reshape(-1, Kp, Kc), lo, axis=0)
         return acc.at[sub["pid"]].add(pf, unique_indices=spec.unique)
 
-    return in_order(spans, lambda a, b: {k: tab[k][a:b] for k in ("prow", "ch", "pid", "part")}, step,
-                    dp)
+    pieces_of = ("prow", "ch", "pid", "part")
+    return in_order(spans, lambda a, b: {k: tab[k][a:b] for k in pieces_of}, step, dp)
 
 
 def add_param_flows(dp: dict, part, pid: Array, pf: Array) -> dict:
