@@ -388,3 +388,18 @@ def test_param_flows_after_match_reference(shape, propagation):
         pallas_sum.param_flows_after(vals, fl, shifts, srow, prow, ch, pid, logw, precision="fp32", **kw)
     with pytest.raises(ValueError, match="srow"):
         pallas_sum.param_flows_after(vals, fl, shifts, srow[1:], prow, ch, pid, logw, **kw)
+
+
+def test_forward_kernel_keeps_nan_children():
+    """A NaN child value (a leaf out of range with validation off) makes its parents NaN, as on XLA, never -inf;
+    an empty sum (all children -inf) stays -inf."""
+    buf, t, logw, R = make_partition(4, 8, 3, 2, 5, 0.0, 0.0)
+    row = int(t["ch"][1, 0]) + 2
+    buf = buf.at[row, 3].set(jnp.nan).at[int(t["ch"][2, 0]):int(t["ch"][2, 0]) + 8].set(-jnp.inf)
+    buf = buf.at[int(t["ch"][2, 1]):int(t["ch"][2, 1]) + 8].set(-jnp.inf)
+    ref = np.asarray(sum_layer_reference(buf, t["ch"], t["pid"], logw, Kp=4, Kc=8, dense=False))
+    out = np.asarray(pallas_sum.forward(buf, t["ch"], t["pid"], logw, Kp=4, Kc=8))
+    assert np.isnan(ref).any() and np.isneginf(ref).any()
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    np.testing.assert_array_equal(np.isneginf(out), np.isneginf(ref))
+    np.testing.assert_allclose(out[np.isfinite(ref)], ref[np.isfinite(ref)], rtol=1e-5)

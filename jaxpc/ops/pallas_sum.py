@@ -172,7 +172,8 @@ def _fwd_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, *refs, C, M, Kp, Kc, K
                          alpha=alpha, precision=precision)
     safe = jnp.where(m == _NEG, 0.0, m)
     pos = acc > 0
-    out = jnp.where(pos, jnp.log(jnp.where(pos, acc, 1.0)) / alpha + safe[None, :], _NEG)
+    # an empty sum is -inf; a NaN child (a value out of range with validation off) stays NaN, never -inf
+    out = jnp.where(pos, jnp.log(jnp.where(pos, acc, 1.0)) / alpha + safe[None, :], jnp.where(acc == 0, _NEG, jnp.nan))
     _store_tile(out_ref, off_ref[0] + i * Kp + kp, cols, out, kp < Kp, cmask)
     if unit:  # the block's shift, the children's max, at shift row (first parent row) / unit
         plgpu.store(shift_ref.at[lax.div(off_ref[0] + i * Kp, jnp.int32(unit)), cols], m, mask=cmask & (k == 0))
