@@ -1,16 +1,18 @@
 """Check the Pallas sum-layer kernels against the reference on the GPU and time them per partition.
 
-    python benchmarks/kernels_check.py [--no-timing]
+    python benchmarks/kernels_check.py [--no-timing] [--leaves]
 
 1. Correctness: forward, child flows and parameter flows of ``jaxpc.ops.pallas_sum`` against the
    plain-jnp reference on the device, over the shapes of ``tests/test_kernels.py`` plus large ones, and
    the tree-level backwards (``backward_exclusive``, and ``backward_level`` up to its batch) on folded tree levels
    (relative error ||got - ref|| / ||ref||; fp32 must be ~1e-6), and the batched parameter-flow kernel
-   (``param_flows_after``, tf32).
+   (``param_flows_after``, tf32); the leaf kernel (``jaxpc.ops.pallas_leaf``) at HCLT-256's size (equal buffers).
 2. Speed: median device milliseconds of forward and forward+backward of one sum partition shaped like
    the benchmark workloads (HMM-1024 dense 1024x1024, HCLT-256 blocks 256x256 with fan-in 1, PD-128
    blocks 32x32 with fan-in 16), reference (XLA) vs each kernel configuration; the batched parameter flows of
-   HCLT-256's 577 blocks at batch 16 and 32 (XLA's gather, product and weight multiply against the kernel).
+   HCLT-256's 577 blocks at batch 16 and 32 (XLA's gather, product and weight multiply against the kernel); the
+   node buffer with HCLT-256's leaves written at batch 16, 128 and 512 (XLA's gather and concatenation against
+   the leaf kernel per tile). ``--leaves``: the leaf kernel only.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from jaxpc.ops import pallas_sum  # noqa: E402
+from jaxpc.ops import pallas_leaf, pallas_sum  # noqa: E402
 from jaxpc.ops.sum_layer import child_rows, sum_layer_backward_reference, sum_layer_reference  # noqa: E402
 from jaxpc.ops.sum_layer import sum_layer_param_flows_reference  # noqa: E402
 from tests.test_kernels import AFTER, SHAPES, make_after_case, make_partition, make_tree_level  # noqa: E402
@@ -167,13 +169,71 @@ def time_after(B, configs, n=577):
     print(f"time param_flows_after HCLT-256 n={n} B={B} tf32 (ms): " + " | ".join(line), flush=True)
 
 
+def leaf_case(B, missing=False, V=784, K=256, run=256, R=348_161, kmax=256, seed=0):
+    """HCLT-256's input layer: ``V`` variables with ``run`` categorical leaves of ``K`` categories each, node ``i``
+    reading parameter row ``i``, in a buffer of ``R`` rows (the folded plan's)."""
+    rng = np.random.default_rng(seed)
+    N = V * run
+    lp = jnp.asarray(np.log(rng.dirichlet(np.ones(K), N)).astype(np.float32))
+    tab = (lp, jnp.arange(N, dtype=jnp.int32), jnp.repeat(jnp.arange(V, dtype=jnp.int32), run),
+           jnp.asarray(rng.normal(size=N), jnp.float32))
+    xt = jnp.asarray(rng.integers(0, K, (V, B)), jnp.int32)
+    miss = jnp.asarray(rng.random((V, B)) < 0.2) if missing else None
+    return xt, [pallas_leaf.LeafLayer(2 * kmax, N, K)], [tab], miss, dict(num_rows=R, kmax=kmax)
+
+
+def check_leaves() -> bool:
+    """The leaf kernel against the reference at HCLT-256's size: the buffers must be equal."""
+    ok = True
+    for B in (16, 77, 512):
+        for missing in (False, True):
+            xt, layers, tabs, miss, kw = leaf_case(B, missing)
+            got = pallas_leaf.categorical_buffer(xt, layers, tabs, missing=miss, **kw)
+            ref = pallas_leaf.categorical_buffer_reference(xt, layers, tabs, missing=miss, **kw)
+            same = bool(np.array_equal(np.asarray(got), np.asarray(ref), equal_nan=True))
+            ok &= same
+            print(f"check leaf buffer HCLT-256 B={B} missing={missing}: {'equal' if same else 'DIFFERENT'}", flush=True)
+    return ok
+
+
+def time_leaves(B, configs):
+    """The node buffer with HCLT-256's leaves written: XLA's gather and concatenation against the kernel per
+    configuration (ms, and the buffer's bytes per ms as TB/s)."""
+    xt, layers, tabs, _, kw = leaf_case(B)
+    tb = kw["num_rows"] * B * 4 / 1e9
+    ref = jax.jit(lambda x: pallas_leaf.categorical_buffer_reference(x, layers, tabs, **kw))
+    t = bench(lambda: ref(xt))
+    line = [f"xla {t:.3f} ({tb / t:.2f} TB/s)"]
+    for cfg in configs:
+        k = jax.jit(lambda x, cfg=cfg: pallas_leaf.categorical_buffer(x, layers, tabs, config=cfg, **kw))
+        try:
+            t = bench(lambda: k(xt))
+            line.append(f"{cfg.block_b}/{cfg.block_e}/{cfg.num_warps} {t:.3f} ({tb / t:.2f})")
+        except Exception as e:  # noqa: BLE001 - a configuration the compiler refuses
+            line.append(f"{cfg.block_b}/{cfg.block_e}/{cfg.num_warps} failed ({type(e).__name__})")
+    print(f"time leaf buffer HCLT-256 B={B} ({tb * 1e3:.0f} MB) ms: " + " | ".join(line), flush=True)
+
+
+LEAF_CONFIGS = [pallas_leaf.LeafConfig(), pallas_leaf.LeafConfig(64, 4096), pallas_leaf.LeafConfig(128, 8192, 8),
+                pallas_leaf.LeafConfig(256, 8192, 8), pallas_leaf.LeafConfig(512, 8192, 8),
+                pallas_leaf.LeafConfig(512, 16384, 8), pallas_leaf.LeafConfig(16, 16384, 8),
+                pallas_leaf.LeafConfig(16, 2048, 4), pallas_leaf.LeafConfig(16, 1024, 2)]
+
+
 def main(argv=None):
     import argparse
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--no-timing", action="store_true", help="correctness only")
+    p.add_argument("--leaves", action="store_true", help="only the leaf kernel (pallas_leaf): check and time")
     args = p.parse_args(argv)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+    leaves_ok = check_leaves()
+    if args.leaves:
+        for B in (16, 128, 512):
+            time_leaves(B, LEAF_CONFIGS)
+        return
+    print(f"leaf buffers equal: {leaves_ok}", flush=True)
     worst = 0.0
     for shape in SHAPES + [(64, 64, 8, 4, 256, 0.1, 0.1), (256, 256, 2, 1, 128, 0.0, 0.0)]:
         for precision in ("fp32", "tf32"):
@@ -211,6 +271,8 @@ def main(argv=None):
     print(f"worst tf32 relative error of the batched parameter-flow kernel: {check_after():.2e}", flush=True)
     if args.no_timing:
         return
+    for B in (16, 128, 512):
+        time_leaves(B, LEAF_CONFIGS)
     for B in (16, 32):
         time_after(B, [pallas_sum.KernelConfig(32, 64, 4), pallas_sum.KernelConfig(16, 64, 4),
                                pallas_sum.KernelConfig(32, 32, 4), pallas_sum.KernelConfig(64, 64, 8),

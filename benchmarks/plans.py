@@ -16,6 +16,10 @@ Plans (all ``backward="flows"``):
 * ``fusedfwd``: the folded plan with the in-place Pallas forward kernels and the XLA backward
   (``Options(fold_products=True, impl="pallas_forward")``);
 * ``pallas``: the full layout with the Pallas kernels (``Options(impl="pallas", fold_products=False)``);
+* ``<plan>-noleaf``: any of these with the node buffer's leaves from XLA's gather and concatenation instead
+  of the leaf kernel (``Options(leaf_kernel=False)``);
+* ``<plan>-deftiles``: any of these with every Pallas partition on ``KernelConfig()``'s tiles (through
+  ``Options.kernels``) instead of ``pallas_sum.forward_config``'s smaller tiles for small grids;
 * ``<plan>-unrolled``: any of these with the repeated stages unrolled (``Options(scan_stages=False)``);
 * ``<plan>-noshifts``: any of these with the flow pass recomputing the blocks' shifts instead of reading
   those the in-place forward kernels kept (``Options(kernel_shifts=False)``; e.g. ``fold-noshifts`` against
@@ -58,9 +62,32 @@ PLANS = {"layers": {"fold_products": False, "impl": "reference"}, "fold": {"fold
          "fused": {"fold_products": True, "impl": "pallas"},
          "fusedfwd": {"fold_products": True, "impl": "pallas_forward"},
          "pallas": {"impl": "pallas", "fold_products": False}}
+PLANS.update({f"{k}-noleaf": {**v, "leaf_kernel": False} for k, v in list(PLANS.items())})
+PLANS.update({f"{k}-deftiles": {**v, "deftiles": True} for k, v in list(PLANS.items())})
 PLANS.update({f"{k}-unrolled": {**v, "scan_stages": False} for k, v in list(PLANS.items())})
 PLANS.update({f"{k}-noshifts": {**v, "kernel_shifts": False} for k, v in list(PLANS.items())})
 PLANS.update({f"{k}-{m}": {**v, "param_flow_pass": m} for k, v in list(PLANS.items()) for m in ("inline", "batched")})
+
+
+def options(c, B: int, plan: dict, precision: str) -> jaxpc.Options:
+    """The plan's options at batch ``B``; ``deftiles``: each Pallas partition named in ``kernels`` with the default
+    tiles."""
+    deftiles = plan.pop("deftiles", False)
+    opts = jaxpc.Options(precision=precision, **plan)
+    if not deftiles:
+        return opts
+    from jaxpc.engine import forward
+    from jaxpc.ops import pallas_sum
+
+    layout = forward.buffer_plan(c.layout, opts)
+    d = pallas_sum.KernelConfig()
+    kernels = []
+    for spec in layout.stages():
+        for part in spec.sums:
+            impl = forward.kernel_choice(opts, part, B)[0]
+            if impl != "reference":
+                kernels.append((forward.partition_key(part, B), (impl, d.block_b, d.block_k, d.num_warps)))
+    return opts.replace(kernels=tuple(dict(kernels).items()))
 
 
 def build(workload: str, latents: int, imgs):
@@ -113,7 +140,7 @@ def main(argv=None):
             xs = [jnp.asarray(imgs[np.random.default_rng(s).integers(0, len(imgs), B)]) for s in range(4)]
             base, base_name = None, "-"
             for name in plans:
-                opts = jaxpc.Options(precision=args.precision, **PLANS[name])
+                opts = options(c, B, dict(PLANS[name]), args.precision)
                 try:
                     t = time.perf_counter()
                     got = jax.block_until_ready(c.flows(c.params, xs[0], options=opts, return_ll=True, validate=False))

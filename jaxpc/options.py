@@ -102,6 +102,12 @@ class Options:
             on a GPU: tree levels at batches up to 32) run the batched pass as one Pallas kernel
             (:func:`jaxpc.engine.forward.pflow_kernel`): HCLT-256 at batch 16, 1.52 ms per pipelined step against
             1.59-1.60.
+        leaf_kernel: where every input layer is a table of log-values (categorical and Bernoulli leaves) and
+            ``impl`` is ``"auto"`` on a GPU or ``"pallas"`` / ``"pallas_forward"``, the flow pass's node buffer is
+            written by one Pallas kernel that gathers the leaves' values in registers
+            (:func:`jaxpc.engine.forward.leaf_kernel`, :mod:`jaxpc.ops.pallas_leaf`) instead of XLA's gather
+            into an ``[N, B]`` array and a concatenation into the buffer (default True; False: XLA's). Same
+            values; ``jax.grad`` through it differentiates XLA's gather.
         scan_stages: run the stages :func:`jaxpc.compile` grouped into repeats (``scan_min_repeats``) under
             ``lax.scan``; False unrolls them into the executable (a longer trace, no device-side loop; no
             faster for HCLT-256 on the H200).
@@ -123,6 +129,7 @@ class Options:
     gather_chunk: int = 1 << 24
     kernel_shifts: bool = True
     param_flow_pass: str = "auto"
+    leaf_kernel: bool = True
 
     def __post_init__(self):
         for name in ("pflow_temperature", "eflow_temperature"):
@@ -148,7 +155,7 @@ class Options:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         for name in ("compute_param_flows", "negate_flows", "chain_scan", "fold_products", "scan_stages",
-                     "kernel_shifts"):
+                     "kernel_shifts", "leaf_kernel"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if isinstance(self.gather_chunk, bool) or not isinstance(self.gather_chunk, int) or self.gather_chunk < 1:

@@ -60,6 +60,8 @@ OPTION_CHANGES = {
     "kernel_shifts": ("flows", {"chain_scan": False, "impl": "pallas_forward"},
                       {"chain_scan": False, "impl": "pallas_forward", "kernel_shifts": False}),
     "param_flow_pass": ("flows", {"chain_scan": False}, {"chain_scan": False, "param_flow_pass": "inline"}),
+    "leaf_kernel": ("flows", {"chain_scan": False, "impl": "pallas_forward"},
+                    {"chain_scan": False, "impl": "pallas_forward", "leaf_kernel": False}),
 }
 SINGLE_VALUED: dict = {}  # fields with one allowed value (none today)
 
@@ -86,7 +88,7 @@ def test_changing_an_option_never_replays_the_cached_executable(field):
     _same(second, run(_hmm(), o2))  # equal to a fresh circuit with that option
     _same(run(c, o1), first)  # and switching back replays the first one
     if field not in ("backward", "impl", "kernels", "chain_scan", "fold_products", "scan_stages", "gather_chunk",
-                     "kernel_shifts", "param_flow_pass"):  # these implementations agree up to rounding
+                     "kernel_shifts", "param_flow_pass", "leaf_kernel"):  # these agree up to rounding
         assert _differs(first, second)
 
 

@@ -555,3 +555,49 @@ def test_kept_shift_of_a_wrong_shape_is_refused():
     with pytest.raises(ValueError, match="shift must be"):
         sum_layer_backward_reference(values, values, ch[:1], pid[:1], logw, 24, shift=np.zeros((1, 3), np.float32),
                                      Kp=4, Kc=4, dense=True)
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+@pytest.mark.parametrize("fold", [True, False], ids=["fold", "full"])
+def test_leaf_kernel_matches_exact_expected_counts(monkeypatch, seed, fold):
+    """Where every input layer is a table of log-values (categorical, Bernoulli), the Pallas routes build the flow
+    pass's node buffer in one kernel (``forward.leaf_values``; interpret mode here): flows with missing values and
+    weights against the oracle, values NaN out of range, ``jax.grad`` of ``log_prob`` (the kernel's VJP) and an EM
+    step equal to the XLA path's; which options route to it."""
+    from jaxpc.ops import pallas_leaf
+
+    gen, c = make(seed, kinds=("categorical", "bernoulli"))
+    o = jaxpc.Options(impl="pallas_forward", fold_products=fold)
+    route = engine_forward.leaf_kernel
+    assert route(c.layout, c.params, o) and route(c.layout, c.params, o.replace(impl="pallas"))
+    assert route(c.layout, c.params, jaxpc.Options()) == (jax.default_backend() == "gpu")
+    assert route(c.layout, c.params, o, batch=1)  # the batch rule is impl="auto"'s
+    assert not route(c.layout, c.params, jaxpc.Options(), batch=engine_forward.LEAF_BATCH - 1)
+    for other in (o.replace(impl="reference"), o.replace(backward="autodiff"), o.replace(leaf_kernel=False)):
+        assert not route(c.layout, c.params, other)
+    assert not route(c.layout, c.params, o, soft=jnp.zeros((1,)))
+    assert not route(c.layout, jax.tree_util.tree_map(lambda a: a.astype(jnp.float16), c.params), o)
+    calls = []
+    real = pallas_leaf.categorical_buffer
+    monkeypatch.setattr(pallas_leaf, "categorical_buffer", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    x, miss, w, _ = check_flows_and_ll(gen, c, options=o)  # traced afresh: this options key is new to the circuit
+    assert calls
+    ref = o.replace(impl="reference")
+    xi = as_input(gen, x)
+    bad = xi.copy()
+    bad[3, 0] = 9  # out of range: NaN, not a clamped value
+    lp = np.asarray(c.log_prob(c.params, bad, options=o, validate=False))
+    assert np.isnan(lp[3]) and np.isfinite(np.delete(lp, 3)).all()
+
+    def loss(p, opts):
+        return jnp.sum(c.log_prob(p, xi, miss, options=opts))
+
+    g, g_ref = jax.grad(loss)(c.params, o), jax.grad(loss)(c.params, ref)
+    for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(g_ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    p1, ll1 = c.em_step(c.params, xi, miss, options=o, return_ll=True)
+    p2, ll2 = c.em_step(c.params, xi, miss, options=ref, return_ll=True)
+    np.testing.assert_allclose(np.asarray(ll1), np.asarray(ll2), rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(p1), jax.tree_util.tree_leaves(p2)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)

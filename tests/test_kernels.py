@@ -13,7 +13,7 @@ import pytest
 
 import jaxpc
 from jaxpc.compiler.compile import _inverse_tables
-from jaxpc.ops import pallas_sum
+from jaxpc.ops import pallas_leaf, pallas_sum
 from jaxpc.ops.sum_layer import child_rows, sum_layer_backward_reference, sum_layer_reference
 
 # (Kp, Kc, n, C, B, pad_frac, ninf_frac)
@@ -145,6 +145,12 @@ def test_kernels_lower_for_cuda_without_a_gpu():
         return pallas_sum.param_flows_after(b, b, b[::8], jnp.arange(n) - 1, jnp.zeros(n, jnp.int32) + 64, ch, pid,
                                             lw, Kp=16, Kc=32, precision=precision)
 
+    def leaves(b, ch, pid, lw, uch, par, ppid):  # the node buffer's leaves (missing values marginalized)
+        xt = (ch[:1, :1] + jnp.arange(5 * 24).reshape(5, 24)) % 4
+        tab = (lw.reshape(-1, 4), jnp.arange(7), jnp.arange(7) % 5, jnp.zeros(7))
+        return pallas_leaf.categorical_buffer(xt, [pallas_leaf.LeafLayer(64, 7, 4)], [tab], num_rows=90, kmax=32,
+                                              missing=xt == 0)
+
     from unittest import mock
     tabs = (buf, t["ch"], t["pid"], logw, t["uch"], t["par"], t["ppid"])
     with mock.patch.object(pallas_sum, "_interpret", lambda: False), \
@@ -153,7 +159,7 @@ def test_kernels_lower_for_cuda_without_a_gpu():
                         (functools.partial(level, precision="fp32"), tabs),
                         (functools.partial(level, precision="tf32"), tabs),
                         (functools.partial(after, precision="tf32"), tabs),
-                        (functools.partial(after, precision="bf16"), tabs)):
+                        (functools.partial(after, precision="bf16"), tabs), (leaves, tabs)):
             text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
             assert "__gpu$xla.gpu.triton" in text
 
@@ -388,6 +394,66 @@ def test_param_flows_after_match_reference(shape, propagation):
         pallas_sum.param_flows_after(vals, fl, shifts, srow, prow, ch, pid, logw, precision="fp32", **kw)
     with pytest.raises(ValueError, match="srow"):
         pallas_sum.param_flows_after(vals, fl, shifts, srow[1:], prow, ch, pid, logw, **kw)
+
+
+# ---- the node buffer's leaves (pallas_leaf) ----------------------------------------------------------
+
+def make_leaf_case(B: int, seed: int = 0, missing: bool = False):
+    """Two categorical layers (3 and 5 categories, tied parameter rows) with a gap between them, values out of
+    range in a few places."""
+    rng = np.random.default_rng(seed)
+    V = 6
+    x = rng.integers(0, 5, (V, B))
+    x[rng.random((V, B)) < 0.05] = -1
+    x[rng.random((V, B)) < 0.05] = 7
+    layers = [pallas_leaf.LeafLayer(30, 11, 5), pallas_leaf.LeafLayer(8, 13, 3)]
+    tabs = []
+    for spec, P in zip(layers, (4, 13)):
+        lp = np.log(rng.dirichlet(np.ones(spec.num_cats), P)).astype(np.float32)
+        lp[0, 1] = -np.inf  # a zero probability
+        tabs.append((jnp.asarray(lp), jnp.asarray(rng.integers(0, P, spec.num_nodes), jnp.int32),
+                     jnp.asarray(rng.integers(0, V, spec.num_nodes), jnp.int32),
+                     jnp.asarray(rng.normal(size=spec.num_nodes), jnp.float32)))
+    miss = jnp.asarray(rng.random((V, B)) < 0.3) if missing else None
+    return jnp.asarray(x, jnp.int32), layers, tabs, miss
+
+
+@pytest.mark.parametrize("B", [1, 37, 130])
+@pytest.mark.parametrize("missing", [False, True])
+@pytest.mark.parametrize("config", [pallas_leaf.LeafConfig(), pallas_leaf.LeafConfig(block_b=16, block_e=64)],
+                         ids=["default", "small"])
+def test_categorical_buffer_matches_reference(B, missing, config):
+    """The leaf kernel writes every row: padding (zeros, then -inf), the leaves (NaN out of range, the marginal
+    where missing), zeros in the gap between the layers and above them; exactly the reference's buffer."""
+    xt, layers, tabs, miss = make_leaf_case(B, missing=missing)
+    got = pallas_leaf.categorical_buffer(xt, layers, tabs, num_rows=47, kmax=4, missing=miss, config=config)
+    ref = pallas_leaf.categorical_buffer_reference(xt, layers, tabs, num_rows=47, kmax=4, missing=miss)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    g = np.asarray(got)
+    assert (g[:4] == 0).all() and (g[4:8] == -np.inf).all() and (g[21:30] == 0).all() and (g[41:] == 0).all()
+    lp, rows, vars_, marg = (np.asarray(a) for a in tabs[0])
+    xv = np.asarray(xt)[vars_]
+    want = np.where((xv < 0) | (xv > 4), np.nan, lp[rows[:, None], np.clip(xv, 0, 4)])
+    if missing:
+        want = np.where(np.asarray(miss)[vars_], marg[:, None], want)
+    np.testing.assert_array_equal(g[30:41], want)
+
+
+def test_categorical_buffer_refuses_bad_input():
+    xt, layers, tabs, miss = make_leaf_case(9, missing=True)
+    kw = dict(num_rows=47, kmax=4)
+    with pytest.raises(TypeError, match="integers"):
+        pallas_leaf.categorical_buffer(xt.astype(jnp.float32), layers, tabs, **kw)
+    with pytest.raises(TypeError, match="float32"):
+        pallas_leaf.categorical_buffer(xt, layers, [(tabs[0][0].astype(jnp.float16),) + tabs[0][1:], tabs[1]], **kw)
+    with pytest.raises(ValueError, match="padding"):
+        pallas_leaf.categorical_buffer(xt, [pallas_leaf.LeafLayer(6, 11, 5), layers[1]], tabs, **kw)
+    with pytest.raises(ValueError, match="padding"):
+        pallas_leaf.categorical_buffer(xt, layers, tabs, num_rows=40, kmax=4)
+    with pytest.raises(ValueError, match="marginals"):
+        pallas_leaf.categorical_buffer(xt, layers, [tabs[0][:3] + (None,), tabs[1]], missing=miss, **kw)
+    with pytest.raises(ValueError, match="missing mask"):
+        pallas_leaf.categorical_buffer(xt, layers, tabs, missing=miss[:, :3], **kw)
 
 
 def test_forward_kernel_keeps_nan_children():

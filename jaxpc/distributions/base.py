@@ -114,6 +114,13 @@ class Distribution:
         """``[N, B]`` node values (log-probabilities; marginalized per ``options`` where ``mv``)."""
         raise NotImplementedError
 
+    def value_table(self, p: dict[str, Array]) -> Array | None:
+        """``[P, K]`` float log-values such that :meth:`log_prob` of node ``i`` (parameter row ``rows[i]``) is
+        ``table[rows[i], x]`` for ``x`` in ``[0, K)``, NaN outside it and ``reduce_missing(table)[rows[i]]`` where
+        ``x`` is missing: the form the leaf kernel (:mod:`jaxpc.ops.pallas_leaf`) computes. None (the default)
+        when the values are computed otherwise."""
+        return None
+
     # ---- discrete leaves: the pmf as a table; sampling and modes -------------------------------
     def log_pmf(self, p: dict[str, Array], tables: dict[str, Array], rows: Array, num_values: int) -> Array:
         """``[len(rows), num_values]`` log-probabilities of the values ``0 .. num_values-1`` (discrete only)."""

@@ -25,8 +25,10 @@ def flows_and_ll(layout: Layout, tables: dict, params: dict, x: Array, missing: 
     """``(flows, ll [B])``; ``weights`` ``[B]`` scales each sample's contribution (None = 1). With per-sample
     sum parameters in ``evidence``, sum flows are the posterior edge counts under the per-sample weights."""
     dtype = forward._param_dtype(params)
-    vals = [v.astype(dtype) for v in forward.input_values(layout, tables, params, x, missing, options,
-                                                          evidence=evidence)]
+    vals = forward.leaf_values(layout, tables, params, x, missing, options, evidence=evidence)
+    buffered = isinstance(vals, jax.Array)  # the flow pass's node buffer with the leaves written
+    if not buffered:
+        vals = [v.astype(dtype) for v in vals]
 
     def objective(sum_params, vals):
         ll = forward.evaluate(layout, tables, sum_params, vals, options, evidence, counts=True)
@@ -37,6 +39,8 @@ def flows_and_ll(layout: Layout, tables: dict, params: dict, x: Array, missing: 
     (_, ll), (g_sum, g_eps) = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)(params["sum"], vals)
     if not options.compute_param_flows:
         g_sum = jax.tree_util.tree_map(jnp.zeros_like, g_sum)
+    if buffered:  # the flow buffer: the input layers' node flows are its input rows
+        g_eps = [jax.lax.slice_in_dim(g_eps, s.offset, s.offset + s.num_nodes) for s in layout.input_layers]
 
     xt = x.T
     mt = forward._missing_t(missing)
