@@ -32,7 +32,9 @@ from jaxpc.ops.sum_layer import child_rows, sum_layer_backward_reference, sum_la
 
 SHAPES = {  # name: (Kp, Kc, n, C, M, child row blocks)
     "hclt-n2": (256, 256, 2, 1, 3, 6),
+    "hclt-n7": (256, 256, 7, 1, 3, 21),
     "hclt-n20": (256, 256, 20, 1, 3, 60),
+    "hclt-n40": (256, 256, 40, 1, 3, 120),
     "hclt-n155": (256, 256, 155, 1, 3, 465),
     "pd-n460": (32, 32, 460, 16, 2, 920),
 }
@@ -50,6 +52,8 @@ CONFIGS = {  # name: KernelConfig(block_b, block_k, num_warps, num_stages, block
     "k64c64w8": pallas_sum.KernelConfig(32, 64, 8, 2, 64),
     "k128c32w8": pallas_sum.KernelConfig(32, 128, 8, 2, 32),
     "k16c128": pallas_sum.KernelConfig(32, 16, 4, 2, 128),
+    "k16c64": pallas_sum.KernelConfig(32, 16, 4, 2, 64),
+    "k32c32": pallas_sum.KernelConfig(32, 32, 4, 2, 32),
     # forward chunks of whole 256-node child blocks (one step per child block)
     "k32c256": pallas_sum.KernelConfig(32, 32, 4, 2, 256),
     "k16c256": pallas_sum.KernelConfig(32, 16, 4, 2, 256),

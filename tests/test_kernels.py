@@ -469,3 +469,32 @@ def test_forward_kernel_keeps_nan_children():
     np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
     np.testing.assert_array_equal(np.isneginf(out), np.isneginf(ref))
     np.testing.assert_allclose(out[np.isfinite(ref)], ref[np.isfinite(ref)], rtol=1e-5)
+
+
+def test_forward_config_for_small_grids():
+    """The forward's default tiles: smaller parent tiles only where the batch is one tile and the grid has fewer
+    programs than FILL_PROGRAMS; a tuned config is kept."""
+    fc, K = pallas_sum.forward_config, pallas_sum.KernelConfig
+    assert fc(2, 256, 16) == K(block_k=16, block_c=256)  # 2 x 16 programs
+    assert fc(20, 256, 16) == K(block_k=32, block_c=64)  # 160 programs
+    assert fc(40, 256, 16) == K() and fc(2, 256, 512) == K() and fc(1, 256, 33) == K() and fc(3, 16, 8) == K()
+    tuned = K(16, 128, 8)
+    assert fc(2, 256, 16, tuned) is tuned
+
+
+@pytest.mark.parametrize("n,M", [(2, 3), (20, 1)])
+def test_forward_on_small_grid_tiles_matches_reference(n, M):
+    """The forward kernel on forward_config's small-grid tiles (a tree level's 256-node blocks at batch 16, folded
+    children of M row blocks) equals the reference."""
+    Kp = Kc = 256
+    buf, t, logw, R = make_partition(Kp, Kc, n * M, 1, 16, 0.0, 0.1)
+    ch3 = t["ch"].reshape(n, 1, M)
+    pid = t["pid"][:n]
+    summed = sum(buf[(ch3[:, :, m][:, :, None] + jnp.arange(Kc)).reshape(n, -1)] for m in range(M))  # [n, Kc, B]
+    cfg = pallas_sum.forward_config(n, Kp, 16)
+    assert cfg != pallas_sum.KernelConfig()
+    out = pallas_sum.forward(buf, ch3, pid, logw, Kp=Kp, Kc=Kc, config=cfg, precision="fp32")
+    w = jnp.exp(logw[pid[:, 0]])  # [n, Kp, Kc]
+    m = jnp.max(summed, axis=1, keepdims=True)
+    ref = jnp.log(jnp.einsum("npk,nkb->npb", w, jnp.exp(summed - m), precision="highest")) + m
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref.reshape(n * Kp, 16)), rtol=2e-5, atol=2e-5)

@@ -286,7 +286,7 @@ def _stage(buf: Array, spec: StageSpec, tab: dict, sum_params: dict, options, of
         with jax.named_scope(f"jaxpc/stage{index}/sum{j}"):
             a = 1.0 if options.propagation == "LL" else options.alpha
             kw = dict(Kp=part.Kp, Kc=part.Kc, alpha=a, precision=options.precision,
-                      config=cfg or pallas_sum.KernelConfig(), out_offset=r)
+                      config=pallas_sum.forward_config(part.n, part.Kp, buf.shape[1], cfg), out_offset=r)
             if shifts is not None and _writes_shift(options, part, buf):
                 buf, shifts = pallas_sum.forward(buf, t["ch"], t["pid"], sum_params[part.group], shifts=shifts,
                                                  unit=unit, **kw)

@@ -159,6 +159,32 @@ def _tiles(config: KernelConfig, B: int, Kp: int, Kc: int):
     return min(config.block_b, _p2(B)), KT, _chunk(config, KT, Kc)
 
 
+FILL_PROGRAMS = 128  # about the H200's 132 SMs: a forward grid with fewer programs leaves SMs idle
+
+
+def forward_config(n: int, Kp: int, B: int, config: KernelConfig | None = None) -> KernelConfig:
+    """The forward kernel's tiles for ``n`` parent blocks of ``Kp`` nodes at batch ``B``: ``config`` where given (a
+    tuned one), else :class:`KernelConfig`'s defaults, except where the whole batch is one batch tile and the grid
+    has fewer than :data:`FILL_PROGRAMS` programs (a tree level of a few large blocks at a small batch, which
+    leaves most of the GPU's SMs idle): the parent-node tile is halved, down to 16 nodes, until it has (more
+    programs, each shorter), with chunks of 64 child nodes next to a 32-node tile and of 256 next to a 16-node one.
+    HCLT-256 at batch 16 on the H200 (``benchmarks/plans.py``, ``fold`` against ``fold-deftiles``, two runs each):
+    forward 0.85-0.87 against 1.11-1.13 ms, forward + flows in a pipelined loop 1.43-1.44 against 1.53-1.57. (A
+    variant with 32-node tiles and 256-node chunks below 32 programs only, chosen from single-level timings,
+    gave 1.01 ms and 1.44-1.45.)"""
+    if config is not None:
+        return config
+    cfg = KernelConfig()
+    BB, KT = min(cfg.block_b, _p2(B)), min(cfg.block_k, _p2(Kp))
+    if B > BB:
+        return cfg
+    while KT > 16 and n * pl.cdiv(Kp, KT) < FILL_PROGRAMS:
+        KT //= 2
+    if KT == min(cfg.block_k, _p2(Kp)):
+        return cfg
+    return dataclasses.replace(cfg, block_k=KT, block_c=64 if KT >= 32 else 256)
+
+
 # ---- forward -------------------------------------------------------------------------------------
 
 def _fwd_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, *refs, C, M, Kp, Kc, KT, KC, BB, B, alpha, precision,
