@@ -590,6 +590,11 @@ def test_leaf_kernel_matches_exact_expected_counts(monkeypatch, seed, fold):
     lp = np.asarray(c.log_prob(c.params, bad, options=o, validate=False))
     assert np.isnan(lp[3]) and np.isfinite(np.delete(lp, 3)).all()
 
+    buf = engine_forward.leaf_values(c.layout, c.tables, c.params, jnp.asarray(xi), None, o)
+    assert isinstance(buf, jax.Array) and buf.shape == (engine_forward.buffer_plan(c.layout, o).num_rows, len(xi))
+    with pytest.raises(ValueError, match="flow pass"):  # a buffer reaches only the flow pass
+        engine_forward.evaluate(c.layout, c.tables, c.params["sum"], buf, o.replace(backward="autodiff"))
+
     def loss(p, opts):
         return jnp.sum(c.log_prob(p, xi, miss, options=opts))
 

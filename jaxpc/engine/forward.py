@@ -122,10 +122,10 @@ def _leaf_buffer_fwd(plan, in_tables, in_params, x, missing, options):
 def _leaf_buffer_bwd(plan, options, res, g):
     """The parameters' cotangent: the VJP of the input layers' values (XLA's gather) at the buffer's input rows."""
     in_tables, in_params, x, missing = res
-    vals = functools.partial(input_values, plan, {"inputs": in_tables}, x=x, missing=missing, options=options)
-    _, vjp = jax.vjp(lambda p: vals(params={"input": p}), in_params)
+    vals, vjp = jax.vjp(lambda p: input_values(plan, {"inputs": in_tables}, {"input": p}, x, missing, options),
+                        in_params)
     (d,) = vjp([lax.slice_in_dim(g, s.offset, s.offset + s.num_nodes).astype(v.dtype)
-                for s, v in zip(plan.input_layers, vals(params={"input": in_params}))])
+                for s, v in zip(plan.input_layers, vals)])
     return None, d, None, None
 
 
@@ -675,13 +675,11 @@ def evaluate(layout: Layout, tables: dict, sum_params: dict, input_vals, options
     when ``options.fold_products``) or by JAX's autodiff through the
     forward (``"autodiff"``, the reference; also used when ``evidence`` carries per-sample sum
     parameters, whose gradients autodiff provides)."""
-    buffered = isinstance(input_vals, jax.Array)
-    if buffered:  # leaf_kernel chose the flow pass's buffer
-        if options.backward != "flows" or has_sum_externals(evidence) or chain.applies(layout, options, False):
-            raise ValueError("a node buffer with the leaves written (leaf_values) is evaluated by the flow pass "
-                             "only: backward='flows', not as a chain, without per-sample sum parameters")
-        plan = buffer_plan(layout, options)
-        return root_values(plan, tables if plan is layout else tables["fold"], sum_params, input_vals, options, True)
+    buffered = isinstance(input_vals, jax.Array)  # leaf_values chose the flow pass's buffer
+    if buffered and (options.backward != "flows" or has_sum_externals(evidence)
+                     or chain.applies(layout, options, False)):
+        raise ValueError("a node buffer with the leaves written (leaf_values) is evaluated by the flow pass "
+                         "only: backward='flows', not as a chain, without per-sample sum parameters")
     if options.backward == "autodiff" or has_sum_externals(evidence):
         if options.pflow_temperature != 1.0 or options.eflow_temperature != 1.0:
             raise ValueError("tempered flows need backward='flows' and no per-sample sum parameters")
@@ -691,9 +689,8 @@ def evaluate(layout: Layout, tables: dict, sum_params: dict, input_vals, options
     if chain.applies(layout, options, has_sum_externals(evidence)):
         with jax.named_scope("jaxpc/chain"):
             return chain.root_values(layout.chain, tables["chain"], sum_params, input_vals, options)
-    if layout.fold is not None and options.fold_products:
-        return root_values(layout.fold, tables["fold"], sum_params, input_vals, options)
-    return root_values(layout, tables, sum_params, input_vals, options)
+    plan = buffer_plan(layout, options)
+    return root_values(plan, tables if plan is layout else tables["fold"], sum_params, input_vals, options, buffered)
 
 
 def log_prob(layout: Layout, tables: dict, params: dict, x: Array, missing: Array | None, options,
