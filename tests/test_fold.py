@@ -592,6 +592,8 @@ def test_leaf_kernel_matches_exact_expected_counts(monkeypatch, seed, fold):
 
     buf = engine_forward.leaf_values(c.layout, c.tables, c.params, jnp.asarray(xi), None, o)
     assert isinstance(buf, jax.Array) and buf.shape == (engine_forward.buffer_plan(c.layout, o).num_rows, len(xi))
+    as_float = engine_forward.leaf_values(c.layout, c.tables, c.params, jnp.asarray(xi, jnp.float32), None, o)
+    np.testing.assert_array_equal(np.asarray(as_float), np.asarray(buf))  # values given as floats: cast, as XLA's
     with pytest.raises(ValueError, match="flow pass"):  # a buffer reaches only the flow pass
         engine_forward.evaluate(c.layout, c.tables, c.params["sum"], buf, o.replace(backward="autodiff"))
 
