@@ -557,8 +557,7 @@ def test_kept_shift_of_a_wrong_shape_is_refused():
                                      Kp=4, Kc=4, dense=True)
 
 
-@pytest.mark.parametrize("seed", [0, 7])
-@pytest.mark.parametrize("fold", [True, False], ids=["fold", "full"])
+@pytest.mark.parametrize("seed,fold", [(0, True), (7, False)], ids=["fold", "full"])
 def test_leaf_kernel_matches_exact_expected_counts(monkeypatch, seed, fold):
     """Where every input layer is a table of log-values (categorical, Bernoulli), the Pallas routes build the flow
     pass's node buffer in one kernel (``forward.leaf_values``; interpret mode here): flows with missing values and
