@@ -79,12 +79,10 @@ def leaf_kernel(layout: Layout, params: dict, options, soft: Array | None = None
     a ``batch`` of at least :data:`LEAF_BATCH`, unless ``Options(leaf_kernel=False)``. HCLT-256's buffer on the
     H200: 0.39 against XLA's 0.73 ms at batch 512 (forward + flows 6.78 against 7.26 ms), 0.18 against 0.28 at
     128, but 0.16-0.23 against 0.14 at 16, where a program's gathers from its rows of parameters are too few."""
-    if (not options.leaf_kernel or soft is not None or evidence or options.backward != "flows"
+    if (not options.leaf_kernel or soft is not None or evidence or not runs_node_buffer(layout, options)
             or options.impl == "reference"
             or (options.impl == "auto" and (not on_gpu() or (batch is not None and batch < LEAF_BATCH)))
             or _param_dtype(params) != jnp.float32):
-        return False
-    if chain.applies(layout, options, False):
         return False
     row = 2 * layout.kmax
     for spec in sorted(layout.input_layers, key=lambda s: s.offset):
@@ -92,6 +90,13 @@ def leaf_kernel(layout: Layout, params: dict, options, soft: Array | None = None
             return False
         row = spec.offset + spec.num_nodes
     return kernels_available()
+
+
+def runs_node_buffer(layout: Layout, options, evidence: dict | None = None) -> bool:
+    """Whether :func:`evaluate` runs the flow pass over the node buffer (:func:`root_values`): ``backward="flows"``,
+    no per-sample sum parameters in ``evidence``, and not as a chain."""
+    externals = has_sum_externals(evidence)
+    return options.backward == "flows" and not externals and not chain.applies(layout, options, externals)
 
 
 def buffer_plan(layout: Layout, options) -> Layout:
@@ -676,8 +681,7 @@ def evaluate(layout: Layout, tables: dict, sum_params: dict, input_vals, options
     forward (``"autodiff"``, the reference; also used when ``evidence`` carries per-sample sum
     parameters, whose gradients autodiff provides)."""
     buffered = isinstance(input_vals, jax.Array)  # leaf_values chose the flow pass's buffer
-    if buffered and (options.backward != "flows" or has_sum_externals(evidence)
-                     or chain.applies(layout, options, False)):
+    if buffered and not runs_node_buffer(layout, options, evidence):
         raise ValueError("a node buffer with the leaves written (leaf_values) is evaluated by the flow pass "
                          "only: backward='flows', not as a chain, without per-sample sum parameters")
     if options.backward == "autodiff" or has_sum_externals(evidence):

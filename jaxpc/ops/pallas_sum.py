@@ -175,12 +175,13 @@ def forward_config(n: int, Kp: int, B: int, config: KernelConfig | None = None) 
     if config is not None:
         return config
     cfg = KernelConfig()
-    BB, KT = min(cfg.block_b, _p2(B)), min(cfg.block_k, _p2(Kp))
+    BB, KT0 = min(cfg.block_b, _p2(B)), min(cfg.block_k, _p2(Kp))
     if B > BB:
         return cfg
+    KT = KT0
     while KT > 16 and n * pl.cdiv(Kp, KT) < FILL_PROGRAMS:
         KT //= 2
-    if KT == min(cfg.block_k, _p2(Kp)):
+    if KT == KT0:
         return cfg
     return dataclasses.replace(cfg, block_k=KT, block_c=64 if KT >= 32 else 256)
 
