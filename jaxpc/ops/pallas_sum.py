@@ -97,6 +97,19 @@ def _mm(a, b, precision: str, trans_a: bool = False, trans_b: bool = False):
     return jnp.sum(a3 * b3, axis=1)
 
 
+def _block_grid(n: int, *tiles: int) -> tuple:
+    """Launch grid over ``n`` blocks and ``tiles`` programs per block, the block axis last: the Triton backend
+    runs the first grid axis fastest, so the programs of one block run one after the other and all but the
+    first read its weights and children from L2 (with the block axis first, the programs running together
+    belong to different blocks and each fetches its tiles from HBM). :func:`_block_ids` reads the ids back."""
+    return (*tiles, n)
+
+
+def _block_ids(ndim: int) -> tuple:
+    """``(block, *tile ids)`` of a program of a :func:`_block_grid` grid of ``ndim`` axes."""
+    return (pl.program_id(ndim - 1), *(pl.program_id(a) for a in range(ndim - 1)))
+
+
 def _load_tile(ref, rows, cols, rmask, cmask, other):
     return plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=rmask[:, None] & cmask[None, :], other=other)
 
@@ -191,7 +204,7 @@ def forward_config(n: int, Kp: int, B: int, config: KernelConfig | None = None) 
 def _fwd_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, *refs, C, M, Kp, Kc, KT, KC, BB, B, alpha, precision,
                 unit):
     out_ref, shift_ref = (refs[1], refs[2]) if unit else (refs[0], None)  # with shifts: (shifts in, buf, shifts)
-    i, k, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    i, k, t = _block_ids(3)
     cols = t * BB + jnp.arange(BB)
     cmask = cols < B
     kp = k * KT + jnp.arange(KT)
@@ -224,7 +237,7 @@ def forward(buf: Array, ch: Array, pid: Array, w: Array, *, Kp: int, Kc: int, al
         raise ValueError(f"shifts are kept by the in-place forward with a unit dividing Kp={Kp}, got unit={unit}")
     kernel = functools.partial(_fwd_kernel, C=C, M=M, Kp=Kp, Kc=Kc, KT=KT, KC=KC, BB=BB, B=B, alpha=float(alpha),
                                precision=precision, unit=unit if keep else 0)
-    grid = (n, pl.cdiv(Kp, KT), pl.cdiv(B, BB))
+    grid = _block_grid(n, pl.cdiv(Kp, KT), pl.cdiv(B, BB))
     if out_offset is None:
         off = jnp.zeros((1,), jnp.int32)
         return _call(kernel, config, grid=grid, out_shape=jax.ShapeDtypeStruct((n * Kp, B), jnp.float32),
@@ -244,7 +257,7 @@ def forward(buf: Array, ch: Array, pid: Array, w: Array, *, Kp: int, Kc: int, al
 
 def _scale_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, flow_ref, a_ref, m_ref, *, C, M, Kp, Kc, KT, KC, BB, B,
                   alpha, precision):
-    i, k, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    i, k, t = _block_ids(3)
     cols = t * BB + jnp.arange(BB)
     cmask = cols < B
     kp = k * KT + jnp.arange(KT)
@@ -258,7 +271,7 @@ def _scale_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, flow_ref, a_ref, m_r
 
 def _pflow_kernel(ch_ref, pid_ref, w_ref, buf_ref, a_ref, m_ref, pf_ref, *, C, M, Kp, Kc, KT, KC, BB, B, alpha,
                   precision):
-    ic, k, q = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    ic, k, q = _block_ids(3)
     i, c = lax.div(ic, jnp.int32(C)), lax.rem(ic, jnp.int32(C))
     kp = k * KT + jnp.arange(KT)
     kc = q * KC + jnp.arange(KC)
@@ -289,14 +302,16 @@ def backward_parents(buf: Array, flows: Array, out_offset, ch: Array, pid: Array
     static = dict(C=C, M=M, Kp=Kp, Kc=Kc, KT=KT, KC=KC, BB=BB, B=B, alpha=float(alpha), precision=precision)
     off = jnp.asarray(out_offset, jnp.int32).reshape(1)
     buf = buf.astype(jnp.float32)
-    a, m = _call(functools.partial(_scale_kernel, **static), config, grid=(n, pl.cdiv(Kp, KT), pl.cdiv(B, BB)),
+    grid = _block_grid(n, pl.cdiv(Kp, KT), pl.cdiv(B, BB))
+    a, m = _call(functools.partial(_scale_kernel, **static), config, grid=grid,
                  out_shape=(jax.ShapeDtypeStruct((n * Kp, B), jnp.float32), jax.ShapeDtypeStruct((n, B), jnp.float32)),
                  name="jaxpc_sum_backward_scale")(off, ch, pid, w, buf, flows.astype(jnp.float32))
     if not param_flows:
         return a, m, None
     KC2 = min(config.block_k, _p2(Kc))  # the parameter-flow tile is [KT, KC2], reduced over the batch
     static.update(KC=KC2)
-    pf = _call(functools.partial(_pflow_kernel, **static), config, grid=(n * C, pl.cdiv(Kp, KT), pl.cdiv(Kc, KC2)),
+    grid = _block_grid(n * C, pl.cdiv(Kp, KT), pl.cdiv(Kc, KC2))
+    pf = _call(functools.partial(_pflow_kernel, **static), config, grid=grid,
                out_shape=jax.ShapeDtypeStruct((n, C, Kp, Kc), jnp.float32),
                name="jaxpc_sum_backward_param_flows")(ch, pid, w, buf, a, m)
     return a, m, pf
@@ -304,7 +319,7 @@ def backward_parents(buf: Array, flows: Array, out_offset, ch: Array, pid: Array
 
 def _pflow_after_kernel(prow_ref, srow_ref, ch_ref, pid_ref, w_ref, buf_ref, flow_ref, shift_ref, pf_ref, *, C, M, Kp,
                         Kc, KT, KC, KS, BB, B, alpha, precision):
-    ic, k, q = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    ic, k, q = _block_ids(3)
     i, c = lax.div(ic, jnp.int32(C)), lax.rem(ic, jnp.int32(C))
     kp = k * KT + jnp.arange(KT)
     kc = q * KC + jnp.arange(KC)
@@ -362,7 +377,7 @@ def param_flows_after(values: Array, flows: Array, shifts: Array, srow: Array, p
     KC = min(config.block_k, _p2(Kc))
     kernel = functools.partial(_pflow_after_kernel, C=C, M=M, Kp=Kp, Kc=Kc, KT=KT, KC=KC, KS=KS, BB=BB, B=B,
                                alpha=float(alpha), precision=precision)
-    return _call(kernel, config, grid=(n * C, pl.cdiv(Kp, KT), pl.cdiv(Kc, KC)),
+    return _call(kernel, config, grid=_block_grid(n * C, pl.cdiv(Kp, KT), pl.cdiv(Kc, KC)),
                  out_shape=jax.ShapeDtypeStruct((n, C, Kp, Kc), jnp.float32),
                  name="jaxpc_param_flows_after")(prow.astype(jnp.int32), srow.astype(jnp.int32), ch, pid, w, values,
                                                  flows, shifts)
@@ -390,7 +405,7 @@ def _child_tiles(config: KernelConfig, B: int, Kp: int, Kc: int):
 
 def _bwd_child_kernel(uch_ref, par_ref, pcol_ref, ppid_ref, ch_ref, w_ref, buf_ref, a_ref, m_ref, flow_ref, out_ref,
                       *, D, M, Kp, Kc, KT, KPT, BB, B, alpha, precision, accumulate):
-    u, k, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    u, k, t = _block_ids(3)
     cols = t * BB + jnp.arange(BB)
     cmask = cols < B
     kc = k * KT + jnp.arange(KT)
@@ -436,7 +451,7 @@ def backward_children(buf: Array, a: Array, m: Array, uch: Array, par: Array, pp
     BB, KT, KPT = _child_tiles(config, B, Kp, Kc)
     kernel = functools.partial(_bwd_child_kernel, D=D, M=M, Kp=Kp, Kc=Kc, KT=KT, KPT=KPT, BB=BB, B=B,
                                alpha=float(alpha), precision=precision, accumulate=flows is not None)
-    grid = (U, pl.cdiv(Kc, KT), pl.cdiv(B, BB))
+    grid = _block_grid(U, pl.cdiv(Kc, KT), pl.cdiv(B, BB))
     args = (uch, par, pcol, ppid, ch, w, buf.astype(jnp.float32), a, m)
     if flows is None:
         return _call(kernel, config, grid=grid, out_shape=jax.ShapeDtypeStruct((U * Kc, B), jnp.float32),
@@ -461,7 +476,7 @@ def _add_to_row_blocks(flow_ref, out_ref, ch_ref, i, kc, cols, cmask, cf, *, M, 
 
 def _bwd_slots_kernel(ch_ref, pid_ref, w_ref, buf_ref, a_ref, m_ref, flow_ref, out_ref, *, M, Kp, Kc, KT, KPT, BB, B,
                       alpha, precision, first_row):
-    i, k, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    i, k, t = _block_ids(3)
     cols = t * BB + jnp.arange(BB)
     cmask = cols < B
     kc = k * KT + jnp.arange(KT)
@@ -496,7 +511,7 @@ def backward_exclusive(buf: Array, flows: Array, out_offset, ch: Array, pid: Arr
     BB, KT, KPT = _child_tiles(config, B, Kp, Kc)
     kernel = functools.partial(_bwd_slots_kernel, M=M, Kp=Kp, Kc=Kc, KT=KT, KPT=KPT, BB=BB, B=B,
                                alpha=float(alpha), precision=precision, first_row=int(first_row))
-    flows = _call(kernel, config, grid=(n, pl.cdiv(Kc, KT), pl.cdiv(B, BB)),
+    flows = _call(kernel, config, grid=_block_grid(n, pl.cdiv(Kc, KT), pl.cdiv(B, BB)),
                   out_shape=jax.ShapeDtypeStruct(flows.shape, jnp.float32), input_output_aliases={6: 0},
                   name="jaxpc_sum_backward_slots_inplace")(ch, pid, w, buf, a, m, flows)
     return flows, pf
@@ -516,7 +531,7 @@ def _level_tiles(config: KernelConfig, B: int, Kp: int, Kc: int):
 
 def _bwd_level_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, flow_ref, dp_ref, out_ref, *pf_refs, M, Kp, Kc, KT,
                       KPT, KC, BB, B, alpha, precision, first_row, recompute, pmode):
-    i, k = pl.program_id(0), pl.program_id(1)
+    i, k = _block_ids(2)
     cols = jnp.arange(BB)
     cmask = cols < B
 
@@ -604,7 +619,8 @@ def backward_level(buf: Array, flows: Array, out_offset, ch: Array, pid: Array, 
         aliases[6] = 1
     elif pmode == "new":
         shapes.append(jax.ShapeDtypeStruct((n, Kp, Kc), jnp.float32))
-    outs = _call(kernel, config, grid=(n, pl.cdiv(Kc, KT)), out_shape=tuple(shapes), input_output_aliases=aliases,
+    outs = _call(kernel, config, grid=_block_grid(n, pl.cdiv(Kc, KT)), out_shape=tuple(shapes),
+                 input_output_aliases=aliases,
                  name="jaxpc_sum_backward_level")(off, ch, pid, w, buf.astype(jnp.float32), flows, dp)
     if not pmode:
         return outs[0], None
