@@ -24,6 +24,9 @@ Plans (all ``backward="flows"``):
 * ``<plan>-noshifts``: any of these with the flow pass recomputing the blocks' shifts instead of reading
   those the in-place forward kernels kept (``Options(kernel_shifts=False)``; e.g. ``fold-noshifts`` against
   ``fold``);
+* ``<plan>-adds``: any of these on a tree (``Layout.single_reader``, e.g. HCLT) with the flow pass's XLA scatters
+  adding the child flows into the flow buffer instead of writing them (a copy of the circuit whose layouts claim
+  no single reader);
 * ``<plan>-inline`` / ``<plan>-batched``: the parameter flows computed level by level with the element flows, or
   after them in one batched product per block shape (``Options(param_flow_pass=...)``; the default, ``auto``,
   batches at batches of at most ``jaxpc.engine.forward.PFLOW_BATCH``).
@@ -66,6 +69,7 @@ PLANS.update({f"{k}-noleaf": {**v, "leaf_kernel": False} for k, v in list(PLANS.
 PLANS.update({f"{k}-deftiles": {**v, "deftiles": True} for k, v in list(PLANS.items())})
 PLANS.update({f"{k}-unrolled": {**v, "scan_stages": False} for k, v in list(PLANS.items())})
 PLANS.update({f"{k}-noshifts": {**v, "kernel_shifts": False} for k, v in list(PLANS.items())})
+PLANS.update({f"{k}-adds": {**v, "adds": True} for k, v in list(PLANS.items())})
 PLANS.update({f"{k}-{m}": {**v, "param_flow_pass": m} for k, v in list(PLANS.items()) for m in ("inline", "batched")})
 
 
@@ -88,6 +92,23 @@ def options(c, B: int, plan: dict, precision: str) -> jaxpc.Options:
             if impl != "reference":
                 kernels.append((forward.partition_key(part, B), (impl, d.block_b, d.block_k, d.num_warps)))
     return opts.replace(kernels=tuple(dict(kernels).items()))
+
+
+def adding(c):
+    """A copy of circuit ``c`` whose layouts (full and folded) claim no single reader, with its own executables."""
+    import copy
+    import dataclasses
+    import functools
+
+    from jaxpc.circuit import _ENTRIES
+    from jaxpc.executables import ExecutableCache
+
+    fold = c.layout.fold and dataclasses.replace(c.layout.fold, single_reader=False)
+    out = copy.copy(c)
+    out.layout = dataclasses.replace(c.layout, single_reader=False, fold=fold)
+    out._cache = ExecutableCache()
+    out._fns = {**c._fns, **{name: functools.partial(fn, out.layout) for name, fn in _ENTRIES.items()}}
+    return out
 
 
 def build(workload: str, latents: int, imgs):
@@ -131,7 +152,7 @@ def main(argv=None):
     rows = []
     for w in args.workloads.split(","):
         t = time.perf_counter()
-        c = jaxpc.compile(build(w, int(latents[w]), imgs))
+        c = circuit = jaxpc.compile(build(w, int(latents[w]), imgs))
         fold = c.layout.fold
         print(f"{w}-{latents[w]}: built and compiled in {time.perf_counter() - t:.1f}s; rows {c.layout.num_rows} "
               f"({len(list(c.layout.stages()))} stages), folded {fold.num_rows if fold else '-'} "
@@ -140,7 +161,9 @@ def main(argv=None):
             xs = [jnp.asarray(imgs[np.random.default_rng(s).integers(0, len(imgs), B)]) for s in range(4)]
             base, base_name = None, "-"
             for name in plans:
-                opts = options(c, B, dict(PLANS[name]), args.precision)
+                plan = dict(PLANS[name])
+                c = adding(circuit) if plan.pop("adds", False) else circuit
+                opts = options(c, B, plan, args.precision)
                 try:
                     t = time.perf_counter()
                     got = jax.block_until_ready(c.flows(c.params, xs[0], options=opts, return_ll=True, validate=False))

@@ -442,6 +442,27 @@ def test_conflict_free_scatters_are_conflict_free(name):
         assert flagged["distinct"] > 0 and flagged["unique_pid"] > 0
 
 
+@pytest.mark.parametrize("fold", [True, False], ids=["fold", "full"])
+def test_single_reader_flows_match_exact_expected_counts(fold):
+    """In a tree (an HCLT) every row has one reader (``Layout.single_reader``, in both plans), so the flow pass's
+    XLA scatters write the child flows instead of adding them: flows with missing values and weights against the
+    oracle. A PD, a RAT-SPN and a random DAG, whose nodes have several parents, keep the adding scatters."""
+    cat = dists.Categorical(4)
+    rng = np.random.default_rng(3)
+    c = jaxpc.compile(structures.HCLT(rng.integers(0, 4, (300, 10)), 4, input_dist=cat))
+    assert c.layout.single_reader and c.layout.fold.single_reader
+    for dag in (jaxpc.compile(structures.PD((4, 4), 3, split_intervals=(2, 2), input_dist=cat)),
+                jaxpc.compile(structures.RAT_SPN(8, num_latents=3, depth=2, num_repetitions=2, input_dist=cat)),
+                make(5)[1]):
+        assert not dag.layout.single_reader and not dag.layout.fold.single_reader
+    x = rng.integers(0, 4, (B, 10)).astype(np.int32)
+    miss = rng.random(x.shape) < 0.3
+    w = rng.uniform(0.5, 2.0, B)
+    fl = c.flows(c.params, x, missing=miss, ll_weights=w, options=jaxpc.Options(fold_products=fold, impl="reference"))
+    totals, in_totals, _ = oracle.flow_totals(c, c.params, x, miss, weights=w)
+    assert oracle.check_flows(c, fl, totals, in_totals) > 0
+
+
 def test_without_the_triton_backend_kernels_fall_back_to_xla_with_one_warning(monkeypatch):
     from jaxpc.ops import pallas_sum
 

@@ -182,7 +182,8 @@ def build(root: CircuitNodes, *, scan_min_repeats: int = 3, max_exact_fanins: in
 
     pflows, pflow_tables = _pflow_plan(steps, step_tables)
     layout = Layout(num_rows=row, kmax=kmax, input_layers=tuple(input_specs), steps=tuple(steps),
-                    sum_groups=sum_groups, root_row=root_row, num_vars=num_vars, pflows=pflows)
+                    sum_groups=sum_groups, root_row=root_row, num_vars=num_vars, pflows=pflows,
+                    single_reader=_single_reader(stages, stage_tables, 2 * kmax))
     tables = {"inputs": input_tables, "steps": step_tables, "groups": group_tables, "pflows": pflow_tables}
     chain = detect_chain(layout, stages, stage_tables)
     if chain is not None:
@@ -190,10 +191,11 @@ def build(root: CircuitNodes, *, scan_min_repeats: int = 3, max_exact_fanins: in
         tables["chain"] = chain[1]
     fold = _build_fold(nodes, root, input_rows, inputs_end, sum_placement, max_exact_fanins, scan_min_repeats)
     if fold is not None:
-        f_steps, f_tables, f_root, f_rows = fold
+        f_steps, f_tables, f_root, f_rows, f_single = fold
         f_pflows, f_pflow_tables = _pflow_plan(f_steps, f_tables)
         layout = dataclasses.replace(layout, fold=dataclasses.replace(
-            layout, num_rows=f_rows, steps=tuple(f_steps), root_row=f_root, chain=None, fold=None, pflows=f_pflows))
+            layout, num_rows=f_rows, steps=tuple(f_steps), root_row=f_root, chain=None, fold=None, pflows=f_pflows,
+            single_reader=f_single))
         tables["fold"] = {"steps": f_tables, "pflows": f_pflow_tables}
     return CompiledStructure(layout, tables, sum_placement, input_placement, sources, nodes, block_rows,
                              dict(var_dists), stages, stage_tables, stage_owners)
@@ -301,7 +303,7 @@ def _build_fold(nodes, root, input_rows: dict, first_row: int, sum_placement, ma
     """The folded plan: the same circuit with every product vector folded into the gathers of the sums
     that read it (a sum's child block becomes the rows of the product's children, which the gather adds
     up), so the buffer holds input and sum rows only and every stage is a sum stage. Returns ``(steps,
-    step tables, root row, num rows)``, or None when the circuit has no products or its root is one."""
+    step tables, root row, num rows, single reader)``, or None when the circuit has no products or its root is one."""
     if not root.is_sum() or not any(ns.is_prod() for ns in nodes):
         return None
     rows: dict[int, np.ndarray] = dict(input_rows)
@@ -343,7 +345,29 @@ def _build_fold(nodes, root, input_rows: dict, first_row: int, sum_placement, ma
         stages.append(spec)
         tabs.append(tab)
     steps, step_tables = _group_scans(stages, tabs, scan_min_repeats)
-    return steps, step_tables, int(rows[root.id][0]), row
+    return steps, step_tables, int(rows[root.id][0]), row, _single_reader(stages, tabs, first_row)
+
+
+def _single_reader(stages, stage_tables, first_row: int) -> bool:
+    """Whether every buffer row from ``first_row`` on (above the padding) is read by at most one block of one
+    partition, counting each of a folded child's ``M`` row blocks (``Layout.single_reader``): a tree such as an
+    HCLT, not a DAG such as a PD, whose nodes have several parents, nor a dense partition of several blocks.
+    The row blocks read, sorted by first row, must not overlap."""
+    starts, sizes = [], []
+    for spec, tab in zip(stages, stage_tables):
+        parts = [(p.K, t["ch"]) for p, t in zip(spec.prods, tab["prods"])]
+        parts += [(p.Kc, t["ch"]) for p, t in zip(spec.sums, tab["sums"])]
+        for K, ch in parts:
+            s = np.asarray(ch).reshape(-1)
+            s = s[s >= first_row]
+            starts.append(s)
+            sizes.append(np.full(s.size, K))
+    if not starts:
+        return True
+    starts, sizes = np.concatenate(starts), np.concatenate(sizes)
+    order = np.argsort(starts, kind="stable")
+    starts, sizes = starts[order], sizes[order]
+    return bool(np.all(starts[1:] >= starts[:-1] + sizes[:-1]))
 
 
 def _pflow_plan(steps, step_tables) -> tuple[tuple[PFlowSpec, ...], list[dict]]:

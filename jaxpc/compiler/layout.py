@@ -202,6 +202,9 @@ class Layout:
     fold: "Layout | None" = None
     # the batched parameter-flow pass's tables, one per block shape and fan-in (tables["pflows"])
     pflows: tuple[PFlowSpec, ...] = ()
+    # every row above the padding is read by at most one block of one partition (a tree, such as an HCLT): a row's
+    # flow is zero until its one reader's backward, whose XLA scatter then writes it instead of adding to it
+    single_reader: bool = False
 
     @property
     def ninf_row(self) -> int:

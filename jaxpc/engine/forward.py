@@ -467,7 +467,10 @@ def _root_bwd(layout, options, buffered, res, g):
         for j, (part, t) in enumerate(zip(spec.prods, tab["prods"])):
             with jax.named_scope(f"jaxpc/stage{name}/prod{j}/backward"):
                 rows, cf = product_layer_backward(fl, t["ch"], row, K=part.K)
-                fl = fl.at[rows].add(cf)
+                if layout.single_reader:  # the rows' one reader: their flows are still zero
+                    fl = fl.at[rows].set(cf, unique_indices=True)
+                else:
+                    fl = fl.at[rows].add(cf)
             row = row + part.num_rows
         for j, (part, t) in enumerate(zip(spec.sums, tab["sums"])):
             with jax.named_scope(f"jaxpc/stage{name}/sum{j}/backward"):
@@ -493,7 +496,7 @@ def _root_bwd(layout, options, buffered, res, g):
                                                     precision=options.precision, param_flows=inline_pf,
                                                     pflow_temperature=options.pflow_temperature,
                                                     eflow_temperature=options.eflow_temperature, shift=m)
-                        fl = scatter_child_flows(fl, cf, sub["ch"], part, 2 * layout.kmax)
+                        fl = scatter_child_flows(fl, cf, sub["ch"], part, 2 * layout.kmax, layout.single_reader)
                         return fl, (dp if pf is None else add_param_flows(dp, part, sub["pid"], pf))
 
                     fl, dp = _in_pieces(pieces(part, values.shape[1], options.gather_chunk), t, piece, (fl, dp))
@@ -598,11 +601,13 @@ def add_param_flows(dp: dict, part, pid: Array, pf: Array) -> dict:
     return {**dp, part.group: _add_flows(dp[part.group], part, pid, pf)}
 
 
-def scatter_child_flows(fl: Array, cf: Array, ch: Array, part, first_row: int) -> Array:
+def scatter_child_flows(fl: Array, cf: Array, ch: Array, part, first_row: int, overwrite: bool = False) -> Array:
     """Add the child flows of sum partition ``part`` (``[n, C*Kc, B]``, the reference backward's) into the flow
     buffer ``fl``; a folded product's flow goes to each of its row blocks, in one scatter. When every child row
     block above the padding (rows from ``first_row``) is read once in the partition (``part.D == 1``), the
-    scatter runs without atomic adds, the padding rows' updates dropped."""
+    scatter runs without atomic adds, the padding rows' updates dropped. ``overwrite`` (``Layout.single_reader``:
+    no other block reads these rows, so their flows are still zero) writes the flows instead of adding them,
+    which spares reading the rows first."""
     terms = child_terms(ch)
     if len(terms) > 1:
         rows = jnp.stack([child_rows(c, part.Kc, part.dense) for c in terms])
@@ -611,6 +616,8 @@ def scatter_child_flows(fl: Array, cf: Array, ch: Array, part, first_row: int) -
         rows = child_rows(terms[0], part.Kc, part.dense)
     if part.D == 1 and not part.dense:
         rows = jnp.where(rows < first_row, fl.shape[0], rows)  # out of range: dropped
+        if overwrite:
+            return fl.at[rows].set(cf.astype(fl.dtype), mode="drop", unique_indices=True)
         return fl.at[rows].add(cf.astype(fl.dtype), mode="drop", unique_indices=True)
     return fl.at[rows].add(cf.astype(fl.dtype))
 
