@@ -59,15 +59,13 @@ CONFIGS = {  # name: KernelConfig(block_b, block_k, num_warps, num_stages, block
     "k16c256": pallas_sum.KernelConfig(32, 16, 4, 2, 256),
     "k64c256w8": pallas_sum.KernelConfig(32, 64, 8, 2, 256),
     "k32c128": pallas_sum.KernelConfig(32, 32, 4, 2, 128),
-    # large batches: wider batch tiles (each weight tile reused over more samples), short child chunks
+    # large batches: wider batch tiles (each weight tile reused over more samples), short child chunks (on the
+    # H200, tiles of 128 samples x 128 parents or 64 x 256, or 3 pipeline stages, exceed the shared memory)
     "b64k64c32": pallas_sum.KernelConfig(64, 64, 4, 2, 32),
     "b64k64c64": pallas_sum.KernelConfig(64, 64, 4, 2, 64),
     "b128k64c32w8": pallas_sum.KernelConfig(128, 64, 8, 2, 32),
     "b128k64c64w8": pallas_sum.KernelConfig(128, 64, 8, 2, 64),
     "b64k128c32w8": pallas_sum.KernelConfig(64, 128, 8, 2, 32),
-    "b128k128c32w8": pallas_sum.KernelConfig(128, 128, 8, 2, 32),
-    "b64k256c32w8": pallas_sum.KernelConfig(64, 256, 8, 2, 32),
-    "b128k64c32w4s3": pallas_sum.KernelConfig(128, 64, 4, 3, 32),
 }
 
 
