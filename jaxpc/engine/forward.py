@@ -403,10 +403,11 @@ def run_stages(layout, tables: dict, buf: Array, stage_fn, reverse: bool = False
     return buf
 
 
-def forward_buffer(layout: Layout, tables: dict, sum_params: dict, input_vals: list, options,
+def forward_buffer(layout: Layout, tables: dict, sum_params: dict, input_vals, options,
                    evidence: dict | None = None, counts: bool = False, keep_shifts: bool = False):
     """The node buffer ``[R, B]`` from the input layers' values (plain forward, differentiable by autodiff), or
-    from the buffer with the leaves written (:func:`leaf_values`, an array in place of the list). With ``keep_shifts``: ``(buf, shifts or None)``, the shifts of the blocks the in-place kernels computed
+    from the buffer with the leaves written (:func:`leaf_values`, an array in place of the list). With
+    ``keep_shifts``: ``(buf, shifts or None)``, the shifts of the blocks the in-place kernels computed
     (``[ceil(R / unit), B]``, see :func:`shift_unit`; None when the layout's unit is too small)."""
     dtype = _param_dtype({"sum": sum_params, "v": input_vals})
     buf = input_vals if isinstance(input_vals, jax.Array) else input_buffer(layout, input_vals, dtype)
@@ -431,8 +432,7 @@ def forward_buffer(layout: Layout, tables: dict, sum_params: dict, input_vals: l
 def root_values(layout: Layout, tables: dict, sum_params: dict, input_vals, options, buffered: bool = False) -> Array:
     """Root values ``[B]`` as a function of the sum log-weights and the input layers' values (or the node buffer
     with them written, ``buffered``, whose cotangent is then the whole flow buffer: meaningful at the input rows).
-    Its VJP is
-    PyJuice's backward: node flows pushed top-down layer by layer into one ``[R, B]`` buffer, with the
+    Its VJP is PyJuice's backward: node flows pushed top-down layer by layer into one ``[R, B]`` buffer, with the
     parameter flows of each sum partition reduced on the way (no per-layer cotangent buffers)."""
     return forward_buffer(layout, tables, sum_params, input_vals, options)[layout.root_row]
 
@@ -681,8 +681,8 @@ def node_values(layout: Layout, tables: dict, params: dict, x: Array, missing: A
 def evaluate(layout: Layout, tables: dict, sum_params: dict, input_vals, options,
              evidence: dict | None = None, counts: bool = False) -> Array:
     """Root values from input values (:func:`leaf_values`: a list of ``[N, B]`` values, or the node buffer of
-    :func:`buffer_plan` with them written where :func:`leaf_kernel` applies), differentiated by the top-down flow pass (``options.backward ==
-    "flows"``; chain-structured circuits, i.e. HMMs, by the forward-backward scan of
+    :func:`buffer_plan` with them written where :func:`leaf_kernel` applies), differentiated by the top-down
+    flow pass (``options.backward == "flows"``; chain-structured circuits, i.e. HMMs, by the forward-backward scan of
     :mod:`jaxpc.engine.chain` unless ``options.chain_scan`` is False; on the folded plan ``layout.fold``
     when ``options.fold_products``) or by JAX's autodiff through the
     forward (``"autodiff"``, the reference; also used when ``evidence`` carries per-sample sum
