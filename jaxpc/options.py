@@ -78,15 +78,15 @@ class Options:
             partition runs in pieces of parent blocks, one after the other, forward and backward, so the
             sum layers' temporaries stay within a few pieces (default ``2**24`` floats: 64 MiB pieces; PD-128's
             flows step at batch 512 on the H200: 1,410 MiB in all, 1,633 with pieces of 2**25, PyJuice 2,429).
-        kernel_shifts: the in-place Pallas forward (``impl="auto"`` on a GPU, ``"pallas_forward"``) also keeps
-            each parent block's shift, the max over its children's values per sample, for the XLA flow pass
-            (not for partitions whose flows run on the Pallas backward, which recomputes it), which then reads
-            it instead of gathering the children once more to recompute it (a buffer of
-            ``R / unit`` rows, ``unit`` the greatest common divisor of the first rows and sizes of the blocks
-            of at least 8 nodes; none when that is below 8). Default True: on the H200 (tf32, forward + flows)
-            HCLT-256 at batch 16 takes 2.10 against 2.71 ms and PD-128 at batch 512 11.63 against 12.40 ms;
-            unchanged where no kernel keeps shifts (HCLT at batches above 32, on XLA) or the maxes are cheap
-            (PD-128 at batch 16: 1.50 ms either way).
+        kernel_shifts: the forward of the flow pass (the in-place Pallas kernels and XLA's sum layers) keeps each
+            parent block's shift, the max over its children's values per sample, for the XLA flow pass (not
+            for partitions whose flows run on the Pallas backward, which recomputes it), whose element flows
+            and batched parameter flows then read it instead of gathering the children once more to recompute
+            it (a buffer of ``R / unit`` rows, ``unit`` the greatest common divisor of the first rows and sizes
+            of the blocks of at least 8 nodes gathered block by block; none when that is below 8). Same
+            values and flows. Default True: on the H200 (tf32, forward + flows) HCLT-256 at batch 16 takes
+            1.77 against 2.38 ms, at 128 3.18 against 3.41, at 512 6.47 against 6.72 (pipelined 5.49 against
+            5.78); PD-128 at batch 512 11.63 against 12.40 ms (the kernels' shifts alone).
         param_flow_pass: where the XLA flow pass computes the sum parameters' flows (LL and GeneralLL):
             ``"inline"``, each partition's together with its element flows, level by level; ``"batched"``,
             after the element flows, from the final node values and flows, one batched product for all the

@@ -499,13 +499,16 @@ def _chain_hclt():
 
 @pytest.mark.parametrize("name,fold", [("hclt", True), ("hclt", False), ("pd", True)],
                          ids=["scanned-fold", "scanned-full", "fan-ins-fold"])
-def test_kept_kernel_shifts_equal_the_recomputed_ones(name, fold):
-    """``Options(kernel_shifts=True)`` (the default): the in-place Pallas forward (interpret mode) keeps each block's children
-    max and the XLA flow pass reads it instead of recomputing it. An HCLT whose levels run under a scan, and a
-    PD with fan-ins of up to 3 child blocks; each with a dense root block of one node, which recomputes its max:
-    values and flows equal the recomputed path's (LL, GeneralLL, tempered flows, tf32 stored local sums,
-    partitions in pieces), with fewer children maxes in the step."""
+@pytest.mark.parametrize("impl", ["pallas_forward", "reference"])
+def test_kept_shifts_equal_the_recomputed_ones(name, fold, impl):
+    """``Options(kernel_shifts=True)`` (the default): the forward (the in-place Pallas kernels in interpret mode, or
+    XLA's) keeps each block's children max and the XLA flow pass reads it instead of recomputing it. An HCLT whose
+    levels run under a scan, and a PD with fan-ins of up to 3 child blocks; each with a dense root block of one
+    node, which recomputes its max: every kept shift is its block's children max (at row first parent row /
+    unit), and values and flows equal the recomputed path's (LL, GeneralLL, tempered flows, tf32 stored local
+    sums, partitions in pieces), with fewer children maxes in the step."""
     from jaxpc.engine import em
+    from jaxpc.ops.sum_layer import gather_children
 
     if name == "hclt":
         c, x = _chain_hclt()
@@ -513,14 +516,15 @@ def test_kept_kernel_shifts_equal_the_recomputed_ones(name, fold):
         c = jaxpc.compile(structures.PD((2, 4), 8, split_intervals=(1, 1), input_dist=dists.Categorical(5)), seed=3)
         x = np.random.default_rng(0).integers(0, 5, (11, 8)).astype(np.int32)
     plan = c.layout.fold if fold else c.layout
-    assert engine_forward.shift_unit(plan) >= engine_forward.SHIFT_MIN_UNIT
+    unit = engine_forward.shift_unit(plan)
+    assert unit >= engine_forward.SHIFT_MIN_UNIT
     sums = [p for s in plan.stages() for p in s.sums]
     assert any(not engine_forward._keeps_shift(p) for p in sums)
     if name == "hclt":
         assert any(isinstance(s, ScanSpec) for s in plan.steps)
     else:
         assert max(p.C for p in sums if not p.dense) == 3
-    base = jaxpc.Options(fold_products=fold, impl="pallas_forward", kernel_shifts=False)
+    base = jaxpc.Options(fold_products=fold, impl=impl, kernel_shifts=False)
     for kw in ({}, {"propagation": "GeneralLL", "alpha": 2.5},
                {"eflow_temperature": 0.5, "precision": "tf32", "gather_chunk": 2 * 8 * 11}):
         got = c.flows(c.params, x, options=base.replace(kernel_shifts=True, **kw), return_ll=True)
@@ -528,20 +532,48 @@ def test_kept_kernel_shifts_equal_the_recomputed_ones(name, fold):
         for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
 
+    # the kept shifts themselves, block by block (the shift cancels from the flows up to rounding, so the flows
+    # alone would not notice one at a wrong row)
+    o = base.replace(kernel_shifts=True, gather_chunk=2 * 8 * 11)
+    vals = engine_forward.input_values(c.layout, c.tables, c.params, jnp.asarray(x), None, o)
+    tabs = c.tables["fold"] if fold else c.tables
+    buf, shifts = engine_forward.forward_buffer(plan, tabs, c.params["sum"], vals, o, keep_shifts=True)
+    checked = []
+
+    def check(carry, spec, tab, offset, name):
+        row = int(offset) + sum(p.num_rows for p in spec.prods)
+        for part, t in zip(spec.sums, tab["sums"]):
+            if engine_forward._keeps_shift(part):
+                m = jnp.max(gather_children(buf, t["ch"], part.Kc, False), axis=1)
+                got = shifts[(row + np.arange(part.n) * part.Kp) // unit]
+                np.testing.assert_array_equal(np.asarray(jnp.where(jnp.isfinite(got), got, 0.0)),
+                                              np.asarray(jnp.where(jnp.isfinite(m), m, 0.0)))
+                checked.append(part.n)
+            row += part.num_rows
+        return carry
+
+    engine_forward.run_stages(plan, tabs, None, check, scan=False)
+    assert sum(checked) >= 4
+
     def maxes(opts):
         step = lambda p, xb: em.flows_and_ll(c.layout, c.tables, p, xb, None, None, opts)  # noqa: E731
         return str(jax.make_jaxpr(step)(c.params, x)).count("reduce_max")
 
     assert maxes(base.replace(kernel_shifts=True)) < maxes(base)
-    # MPE runs no in-place kernel: nothing kept, same executable behaviour
+    # the batched parameter-flow pass reads them too: keeping them spares more maxes than in the element flows alone
+    batched, inline = base.replace(param_flow_pass="batched"), base.replace(param_flow_pass="inline")
+    spared = [maxes(o) - maxes(o.replace(kernel_shifts=True)) for o in (inline, batched)]
+    assert 0 < spared[0] < spared[1]
+    got = c.flows(c.params, x, options=batched.replace(kernel_shifts=True), return_ll=True)
+    ref = c.flows(c.params, x, options=inline, return_ll=True)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    # max-product keeps no shifts: same executable behaviour
     mpe = base.replace(propagation="MPE")
     assert maxes(mpe.replace(kernel_shifts=True)) == maxes(mpe)
-    # no shift buffer where no kernel writes one (the XLA path everywhere) or no XLA flow pass reads one (the
-    # Pallas backward recomputes its shifts)
-    vals = engine_forward.input_values(c.layout, c.tables, c.params, jax.numpy.asarray(x), None, base)
-    tabs = c.tables["fold"] if fold else c.tables
-    for impl, kept in (("pallas_forward", True), ("reference", False), ("pallas", False)):
-        o = base.replace(impl=impl, kernel_shifts=True)
+    # no shift buffer where no XLA flow pass reads one (the Pallas backward recomputes its shifts)
+    for other, kept in ((impl, True), ("pallas", False)):
+        o = base.replace(impl=other, kernel_shifts=True)
         _, shifts = engine_forward.forward_buffer(plan, tabs, c.params["sum"], vals, o, keep_shifts=True)
         assert (shifts is not None) == kept
 
@@ -573,9 +605,16 @@ def test_kept_shift_of_a_wrong_shape_is_refused():
     assert cf.shape == (2, 4, 3)
     with pytest.raises(ValueError, match="shift must be"):
         sum_layer_backward_reference(values, values, ch, pid, logw, 24, shift=np.zeros((3, 2), np.float32), **kw)
-    with pytest.raises(ValueError, match="shift must be"):
-        sum_layer_backward_reference(values, values, ch[:1], pid[:1], logw, 24, shift=np.zeros((1, 3), np.float32),
+    with pytest.raises(ValueError, match="shift must be"):  # a dense partition of several blocks keeps none
+        sum_layer_backward_reference(values, values, ch, pid, logw, 24, shift=np.zeros((2, 3), np.float32),
                                      Kp=4, Kc=4, dense=True)
+    # a dense partition of one block (a tree's top level) reads its shift as a blockwise one does
+    values = np.random.default_rng(0).normal(size=(40, 3)).astype(np.float32)
+    shift = values[8:12].max(axis=0, keepdims=True) + 0.5
+    one, _ = sum_layer_backward_reference(values, values, ch[:1], pid[:1], logw, 24, shift=shift, **kw)
+    dense, _ = sum_layer_backward_reference(values, values, ch[:1], pid[:1], logw, 24, shift=shift, Kp=4, Kc=4,
+                                            dense=True)
+    np.testing.assert_allclose(np.asarray(dense), np.asarray(one)[0], rtol=1e-6)
 
 
 @pytest.mark.parametrize("seed,fold", [(0, True), (7, False)], ids=["fold", "full"])

@@ -21,7 +21,7 @@ from ..ops import product_layer, sum_layer
 from ..ops.pieces import in_order, ranges
 from . import chain
 from ..ops.product_layer import product_layer_backward_reference as product_layer_backward
-from ..ops.sum_layer import child_rows, child_terms
+from ..ops.sum_layer import child_rows, child_terms, sum_layer_reference
 from ..ops.sum_layer import sum_layer_backward_reference as sum_layer_backward
 from ..ops.sum_layer import sum_layer_param_flows_reference as sum_layer_param_flows
 from ..ops.sum_layer_external import sum_layer_external_reference
@@ -247,7 +247,8 @@ def _inplace(impl: str, options, buf: Array) -> bool:
 def _stage(buf: Array, spec: StageSpec, tab: dict, sum_params: dict, options, offset, index,
            evidence: dict | None = None, counts: bool = False, shifts: Array | None = None, unit: int = 0):
     """The node buffer with one stage's rows written; ``(buf, shifts)`` when given ``shifts``, into which the
-    in-place kernels also write their blocks' shifts (rows of ``unit``, see :func:`shift_unit`)."""
+    partitions that keep them (the in-place kernels and XLA's) also write their blocks' shifts (rows of
+    ``unit``, see :func:`shift_unit`)."""
     outs, inplace = [], []  # (row, values) written by updates; (row, index, part, tables, config) written by kernels
     row = offset
     for j, (part, t) in enumerate(zip(spec.prods, tab["prods"])):
@@ -270,14 +271,23 @@ def _stage(buf: Array, spec: StageSpec, tab: dict, sum_params: dict, options, of
                 if _inplace(impl, options, buf):
                     inplace.append((row, j, part, t, cfg))
                 else:
-                    def piece(done, a, b, sub, part=part, impl=impl, cfg=cfg):
-                        return done + [sum_layer(buf, sub["ch"], sub["pid"], sum_params[part.group], Kp=part.Kp,
-                                                 Kc=part.Kc, dense=part.dense, propagation=options.propagation,
-                                                 alpha=options.alpha, precision=options.precision, impl=impl,
-                                                 config=cfg)]
+                    keep = shifts is not None and _writes_shift(options, part, buf)
+
+                    def piece(done, a, b, sub, part=part, impl=impl, cfg=cfg, keep=keep):
+                        kw = dict(Kp=part.Kp, Kc=part.Kc, dense=part.dense, propagation=options.propagation,
+                                  alpha=options.alpha, precision=options.precision)
+                        if keep:  # XLA's: its shifts (one per block) kept for the flow pass
+                            return done + [sum_layer_reference(buf, sub["ch"], sub["pid"], sum_params[part.group],
+                                                               with_shift=True, **kw)]
+                        return done + [(sum_layer(buf, sub["ch"], sub["pid"], sum_params[part.group], impl=impl,
+                                                  config=cfg, **kw), None)]
 
                     done = _in_pieces(pieces(part, buf.shape[1], options.gather_chunk), t, piece, [])
-                    outs.append((row, done[0] if len(done) == 1 else jnp.concatenate(done, axis=0)))
+                    out, m = (d[0] if len(d) == 1 or d[0] is None else jnp.concatenate(d, axis=0)
+                              for d in zip(*done))
+                    outs.append((row, out))
+                    if keep:
+                        shifts = shifts.at[(row + jnp.arange(part.n) * part.Kp) // unit].set(m, unique_indices=True)
         row = row + part.num_rows
     if outs and not inplace:  # one write for the whole stage
         out = outs[0][1] if len(outs) == 1 else jnp.concatenate([o for _, o in outs], axis=0)
@@ -304,8 +314,9 @@ SHIFT_MIN_UNIT = 8  # Options.kernel_shifts: blocks of at least this many nodes 
 
 
 def _keeps_shift(part) -> bool:
-    """Whether a sum partition run by the in-place kernel keeps its blocks' shifts (``Options.kernel_shifts``)."""
-    return not part.dense and part.Kp >= SHIFT_MIN_UNIT
+    """Whether a sum partition may keep its blocks' shifts in the forward (``Options.kernel_shifts``): blocks of at
+    least :data:`SHIFT_MIN_UNIT` nodes gathered block by block (not dense, or one block: a tree's top levels)."""
+    return part.blockwise and part.Kp >= SHIFT_MIN_UNIT
 
 
 def _pallas_backward(impl: str, options) -> bool:
@@ -315,11 +326,13 @@ def _pallas_backward(impl: str, options) -> bool:
 
 
 def _writes_shift(options, part, buf: Array) -> bool:
-    """Whether sum partition ``part`` runs the in-place kernel and keeps its blocks' shifts there for the XLA flow
-    pass (the Pallas backward recomputes them): the one test by which the forward decides to carry a shift
-    buffer and to write a partition's shifts, and the flow pass decides to read them."""
+    """Whether sum partition ``part`` keeps its blocks' shifts in the forward (the in-place kernel's or XLA's) for
+    the XLA flow pass (the Pallas backward recomputes them): blocks of at least :data:`SHIFT_MIN_UNIT` nodes of a
+    sum-product layer in a float32 buffer. The one test by which the forward decides to carry a shift buffer and
+    to write a partition's shifts, and the flow pass decides to read them."""
     impl = kernel_choice(options, part, buf.shape[1], buf.dtype)[0]
-    return _keeps_shift(part) and _inplace(impl, options, buf) and not _pallas_backward(impl, options)
+    return (_keeps_shift(part) and options.propagation != "MPE" and buf.dtype == jnp.float32
+            and not _pallas_backward(impl, options))
 
 
 def shift_unit(layout: Layout) -> int:
@@ -407,8 +420,8 @@ def forward_buffer(layout: Layout, tables: dict, sum_params: dict, input_vals, o
                    evidence: dict | None = None, counts: bool = False, keep_shifts: bool = False):
     """The node buffer ``[R, B]`` from the input layers' values (plain forward, differentiable by autodiff), or
     from the buffer with the leaves written (:func:`leaf_values`, an array in place of the list). With
-    ``keep_shifts``: ``(buf, shifts or None)``, the shifts of the blocks the in-place kernels computed
-    (``[ceil(R / unit), B]``, see :func:`shift_unit`; None when the layout's unit is too small)."""
+    ``keep_shifts``: ``(buf, shifts or None)``, the shifts of the blocks that keep them (:func:`_writes_shift`:
+    ``[ceil(R / unit), B]``, see :func:`shift_unit`; None when the layout's unit is too small)."""
     dtype = _param_dtype({"sum": sum_params, "v": input_vals})
     buf = input_vals if isinstance(input_vals, jax.Array) else input_buffer(layout, input_vals, dtype)
     unit = shift_unit(layout) if keep_shifts and dtype == jnp.float32 else 0
@@ -505,11 +518,14 @@ def _root_bwd(layout, options, buffered, res, g):
 
     flows, dparams = run_stages(layout, tables, (flows, dparams), stage, reverse=True, scan=options.scan_stages)
     for spec, tab in pflows:
-        kept = tuple(bool(unit) and _writes_shift(options, p, values) for p in layout.pflow_members(spec.key))
+        members = layout.pflow_members(spec.key)
+        kept = tuple(bool(unit) and _writes_shift(options, p, values) for p in members)
+        by_kernel = any(k and _inplace(kernel_choice(options, p, B, values.dtype)[0], options, values)
+                        for k, p in zip(kept, members))
         with jax.named_scope(f"jaxpc/param_flows/{spec.group}_C{spec.C}"):
             dparams[spec.group] = _batched_param_flows(values, flows, dparams.get(spec.group),
                                                        sum_params[spec.group], spec, tab, options, shifts, unit,
-                                                       kept)
+                                                       kept, by_kernel)
     dparams = {k: dparams.get(k, jnp.zeros_like(v)) for k, v in sum_params.items()}
     if buffered:
         return None, dparams, flows
@@ -545,8 +561,8 @@ def pflow_kernel(options, dtype) -> bool:
     """Whether the batched parameter-flow pass may run :func:`jaxpc.ops.pallas_sum.param_flows_after` (one kernel
     per block shape: the weights' product in its epilogue, nothing of the gathered children's size in memory)
     instead of XLA's gather, product and multiply, for the block shapes of which some partition kept its shifts
-    in the forward (:func:`_writes_shift`; HCLT-256's 577 tree-level blocks at batch 16 on the H200: 0.24
-    against 0.32 ms): float32 buffers, local sums from the stored values (``precision`` below ``"fp32"``,
+    in an in-place forward kernel (:func:`_writes_shift`; HCLT-256's 577 tree-level blocks at batch 16 on the
+    H200: 0.24 against 0.32 ms): float32 buffers, local sums from the stored values (``precision`` below ``"fp32"``,
     untempered parameter flows), ``Options.impl`` ``"auto"`` on a GPU or ``"pallas"`` / ``"pallas_forward"``
     (interpret mode off a GPU); never with ``"reference"``."""
     if (jnp.dtype(dtype) != jnp.float32 or options.impl == "reference" or options.precision == "fp32"
@@ -556,15 +572,21 @@ def pflow_kernel(options, dtype) -> bool:
 
 
 def _batched_param_flows(values: Array, flows: Array, dp: Array | None, logw: Array, spec, tab: dict, options,
-                         shifts: Array | None = None, unit: int = 0, kept: tuple = ()) -> Array:
+                         shifts: Array | None = None, unit: int = 0, kept: tuple = (), by_kernel: bool = False
+                         ) -> Array:
     """The parameter-flow buffer ``dp`` of ``spec.group`` (None: zeros) with the flows of the blocks of ``spec``
     added (one batched product, in pieces of at most ``options.gather_chunk`` gathered elements): to one slice
     of it when their parameter ids are consecutive (``spec.start``), the whole buffer when they cover it.
     ``shifts`` (rows of ``unit``): the forward's kept shifts; ``kept``: per member partition
-    (``Layout.pflow_members``), whether its blocks' are there. Where :func:`pflow_kernel` allows and some are,
-    one Pallas kernel for the whole table (it gathers nothing), which recomputes the others."""
+    (``Layout.pflow_members``), whether its blocks' are there; ``by_kernel``: some of them were kept by the
+    in-place kernels. Then, where :func:`pflow_kernel` allows, one Pallas kernel for the whole table (it gathers
+    nothing), which recomputes the others' (on the H200 it is faster than XLA's pass where the forward ran the
+    kernels, at batches up to 32: see :func:`pflow_kernel`; at 128, where the tree levels' forward runs on XLA,
+    HCLT-256's step took 3.15-3.30 ms with it against 2.92-3.10 without). XLA's pass reads the kept shifts when
+    every member kept them, else recomputes them all."""
     C, Kp, Kc = spec.C, spec.Kp, spec.Kc
-    kernel = shifts is not None and any(kept) and pflow_kernel(options, values.dtype)
+    kernel = shifts is not None and by_kernel and pflow_kernel(options, values.dtype)
+    read = shifts is not None and all(kept) and not kernel
     spans = [(0, spec.n)] if kernel else ranges(spec.n, options.gather_chunk // max(1, C * Kc * values.shape[1]))
 
     def flows_of(sub):  # [n', C, Kp, Kc]
@@ -578,7 +600,8 @@ def _batched_param_flows(values: Array, flows: Array, dp: Array | None, logw: Ar
         else:
             pf = sum_layer_param_flows(values, flows, sub["ch"], sub["pid"], logw, sub["prow"], Kp=Kp, Kc=Kc,
                                        propagation=options.propagation, alpha=options.alpha,
-                                       precision=options.precision, temperature=options.pflow_temperature)
+                                       precision=options.precision, temperature=options.pflow_temperature,
+                                       shift=shifts[sub["prow"] // unit] if read else None)
         return pf.astype(logw.dtype)
 
     if dp is None and spec.start == 0 and spec.n * C == logw.shape[0] and len(spans) == 1:

@@ -65,7 +65,8 @@ def matmul(subscripts: str, a: Array, b: Array, precision: str) -> Array:
     return jnp.einsum(subscripts, a, b, precision=prec)
 
 
-def _log_sum(lw: Array, x: Array, dense: bool, alpha: float, precision: str) -> Array:
+def _log_sum(lw: Array, x: Array, dense: bool, alpha: float, precision: str) -> tuple[Array, Array]:
+    """``(log-sums, shifts)``: ``[n, Kp, B]`` and the max-shifts ``[n, 1, B]`` (``[1, B]`` when ``dense``)."""
     axis = 0 if dense else 1
     m = lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
     m = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -76,22 +77,30 @@ def _log_sum(lw: Array, x: Array, dense: bool, alpha: float, precision: str) -> 
     logs = jnp.log(jnp.where(zero, 1.0, s))
     if alpha != 1.0:
         logs = logs / alpha
-    return jnp.where(zero, -jnp.inf, logs + m)
+    return jnp.where(zero, -jnp.inf, logs + m), m
 
 
 def sum_layer_reference(buf: Array, ch: Array, pid: Array, logw: Array, *, Kp: int, Kc: int, dense: bool,
-                        propagation: str = "LL", alpha: float | None = None, precision: str = "fp32") -> Array:
-    """Plain-jnp sum layer. Returns ``[n * Kp, B]`` (block-major rows)."""
+                        propagation: str = "LL", alpha: float | None = None, precision: str = "fp32",
+                        with_shift: bool = False):
+    """Plain-jnp sum layer. Returns ``[n * Kp, B]`` (block-major rows); with ``with_shift`` (LL and GeneralLL,
+    not ``dense`` unless of one block) also each parent block's shift ``[n, B]``, the max over its children's values (finite, else
+    0), which :func:`sum_layer_backward_reference` then reads instead of recomputing it."""
     x = gather_children(buf, ch, Kc, dense)
     lw = gather_weights(logw, pid)
+    if with_shift and ((dense and ch.shape[0] != 1) or propagation == "MPE"):
+        raise ValueError("with_shift: the shifts of blockwise (not dense, or one block) sum-product layers (LL, "
+                         f"GeneralLL), got dense={dense} with {ch.shape[0]} blocks, propagation={propagation!r}")
     if propagation == "MPE":
         if dense:
             out = jnp.max(lw[:, :, :, None] + x[None, None, :, :], axis=2)
         else:
             out = jnp.max(lw[:, :, :, None] + x[:, None, :, :], axis=2)
+        m = None
     else:
-        out = _log_sum(lw, x, dense, 1.0 if propagation == "LL" else float(alpha), precision)
-    return out.reshape(-1, buf.shape[1])
+        out, m = _log_sum(lw, x, dense, 1.0 if propagation == "LL" else float(alpha), precision)
+    out = out.reshape(-1, buf.shape[1])
+    return (out, m.reshape(-1, buf.shape[1])) if with_shift else out
 
 
 def sum_layer(buf: Array, ch: Array, pid: Array, logw: Array, *, Kp: int, Kc: int, dense: bool,
@@ -125,15 +134,15 @@ def sum_layer_backward_reference(values: Array, flows: Array, ch: Array, pid: Ar
         flows: ``[R, B]`` node flows accumulated so far (the partition's parents are final).
         out_offset: first row of the partition's ``n * Kp`` parents.
         shift: ``[n, B]`` the forward's shifts (each parent block's max over its children's values), which
-            are then not recomputed (not ``dense``).
+            are then not recomputed (not ``dense``, unless of one block).
 
     Returns:
         ``(child_flows, param_flows)``: ``[n, C*Kc, B]`` (``[C*Kc, B]`` when ``dense``) flows to add to the
         children's rows, and ``[n, C, Kp, Kc]`` flows to add to the parameter blocks ``pid``.
     """
-    if shift is not None and (dense or shift.shape != (ch.shape[0], values.shape[1])):
-        raise ValueError(f"shift must be [n, B] = {[ch.shape[0], values.shape[1]]} for a partition that is not dense, "
-                         f"got {list(shift.shape)} (dense={dense})")
+    if shift is not None and ((dense and ch.shape[0] != 1) or shift.shape != (ch.shape[0], values.shape[1])):
+        raise ValueError(f"shift must be [n, B] = {[ch.shape[0], values.shape[1]]} for a partition that is not dense "
+                         f"or of one block, got {list(shift.shape)} (dense={dense}, {ch.shape[0]} blocks)")
     n, C = ch.shape[:2]
     B = values.shape[1]
     x = gather_children(values, ch, Kc, dense)
@@ -150,7 +159,7 @@ def sum_layer_backward_reference(values: Array, flows: Array, ch: Array, pid: Ar
     else:
         base = 1.0 if propagation == "LL" else float(alpha)
         axis = 0 if dense else 1
-        m = jnp.max(x, axis=axis, keepdims=True) if shift is None else shift[:, None, :]
+        m = jnp.max(x, axis=axis, keepdims=True) if shift is None else (shift if dense else shift[:, None, :])
         m = jnp.where(jnp.isfinite(m), m, 0.0)
         w, y, scale = flow_split(x, lw, vp, fp, m, base / eflow_temperature, base, dense, precision)
         cf = y * matmul("nkc,nkb->cb" if dense else "nkc,nkb->ncb", w, scale, precision)
@@ -187,12 +196,14 @@ def flow_split(x: Array, lw: Array, vp: Array, fp: Array, m: Array, a: float, ba
 
 def sum_layer_param_flows_reference(values: Array, flows: Array, ch: Array, pid: Array, logw: Array, prow: Array, *,
                                     Kp: int, Kc: int, propagation: str = "LL", alpha: float | None = None,
-                                    precision: str = "fp32", temperature: float = 1.0) -> Array:
+                                    precision: str = "fp32", temperature: float = 1.0,
+                                    shift: Array | None = None) -> Array:
     """Parameter flows of ``n`` sum blocks (not dense) after the flow pass: those of
     :func:`sum_layer_backward_reference`, from the final node values and flows. The blocks may come from
     different partitions and levels (one batched product for all of them): block ``i``'s parents are rows
     ``prow[i] + [0, Kp)``, its children ``ch[i]`` (``[n, C]`` or folded ``[n, C, M]``), its weights ``pid[i]``.
-    ``temperature``: ``Options.pflow_temperature``. Returns ``[n, C, Kp, Kc]``."""
+    ``temperature``: ``Options.pflow_temperature``; ``shift``: ``[n, B]`` the forward's shifts, which are then
+    not recomputed. Returns ``[n, C, Kp, Kc]``."""
     if propagation == "MPE":
         raise ValueError("the batched parameter flows are those of sum-product layers (LL, GeneralLL), not MPE")
     n, C = ch.shape[:2]
@@ -200,7 +211,9 @@ def sum_layer_param_flows_reference(values: Array, flows: Array, ch: Array, pid:
     lw = gather_weights(logw, pid)
     rows = prow[:, None] + jnp.arange(Kp, dtype=prow.dtype)
     base = 1.0 if propagation == "LL" else float(alpha)
-    m = jnp.max(x, axis=1, keepdims=True)
+    if shift is not None and shift.shape != (n, values.shape[1]):
+        raise ValueError(f"shift must be [n, B] = {[n, values.shape[1]]}, got {list(shift.shape)}")
+    m = jnp.max(x, axis=1, keepdims=True) if shift is None else shift[:, None, :]
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     w, y, scale = flow_split(x, lw, values[rows], flows[rows], m, base / temperature, base, False, precision)
     pf = w * matmul("nkb,ncb->nkc", scale, y, precision)
