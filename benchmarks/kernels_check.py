@@ -6,13 +6,15 @@
    plain-jnp reference on the device, over the shapes of ``tests/test_kernels.py`` plus large ones, and
    the tree-level backwards (``backward_exclusive``, and ``backward_level`` up to its batch) on folded tree levels
    (relative error ||got - ref|| / ||ref||; fp32 must be ~1e-6), and the batched parameter-flow kernel
-   (``param_flows_after``, tf32); the leaf kernel (``jaxpc.ops.pallas_leaf``) at HCLT-256's size (equal buffers).
+   (``param_flows_after``, tf32); the leaf kernels (``jaxpc.ops.pallas_leaf``) at HCLT-256's size (equal buffers,
+   counts against the one-hot product).
 2. Speed: median device milliseconds of forward and forward+backward of one sum partition shaped like
    the benchmark workloads (HMM-1024 dense 1024x1024, HCLT-256 blocks 256x256 with fan-in 1, PD-128
    blocks 32x32 with fan-in 16), reference (XLA) vs each kernel configuration; the batched parameter flows of
    HCLT-256's 577 blocks at batch 16 and 32 (XLA's gather, product and weight multiply against the kernel); the
    node buffer with HCLT-256's leaves written at batch 16, 128 and 512 (XLA's gather and concatenation against
-   the leaf kernel per tile). ``--leaves``: the leaf kernel only.
+   the leaf kernel per tile) and HCLT-256's leaf counts (XLA's one-hot products against the counts kernel per
+   tile). ``--leaves``: the leaf kernels only.
 """
 
 from __future__ import annotations
@@ -214,6 +216,55 @@ def time_leaves(B, configs):
     print(f"time leaf buffer HCLT-256 B={B} ({tb * 1e3:.0f} MB) ms: " + " | ".join(line), flush=True)
 
 
+def counts_case(B, V=784, K=256, run=256, seed=0):
+    """HCLT-256's input layer's node flows ``[V * run, B]`` and values ``[V, B]``."""
+    rng = np.random.default_rng(seed)
+    flows = jnp.asarray(rng.random((V * run, B)) / run, jnp.float32)
+    return flows, jnp.asarray(rng.integers(0, K, (V, B)), jnp.int32)
+
+
+def check_counts() -> float:
+    """The counts kernel against the one-hot product at HCLT-256's size: relative error (fp32 must be ~1e-7)."""
+    worst = 0.0
+    for B in (16, 77, 512):
+        flows, xg = counts_case(B)
+        for precision in ("fp32", "tf32"):
+            got = pallas_leaf.categorical_counts(flows, xg, run=256, num_cats=256, precision=precision)
+            ref = pallas_leaf.categorical_counts_reference(flows, xg, run=256, num_cats=256, precision="fp32")
+            err = rel(got, ref)
+            if precision == "fp32":
+                worst = max(worst, err)
+            print(f"check leaf counts HCLT-256 B={B} {precision}: {err:.1e}", flush=True)
+    return worst
+
+
+def time_counts(B, configs):
+    """HCLT-256's leaf counts as the step computes them: XLA's one-hot products (``Categorical.suff_stats_runs``,
+    chunked, concatenated) against the kernel per configuration (ms, and TFLOP/s of the product)."""
+    from jaxpc import Options, dists
+
+    flows, xg = counts_case(B)
+    dist, opts = dists.Categorical(256), Options(precision="tf32")
+    tf = 2 * flows.shape[0] * B * 256 / 1e9
+    ref = jax.jit(lambda f, x: dist.suff_stats_runs({}, None, x, None, f, 256, opts)["counts"])
+    t = bench(lambda: ref(flows, xg))
+    line = [f"xla {t:.3f} ({tf / t:.0f} TFLOP/s)"]
+    for cfg in configs:
+        k = jax.jit(lambda f, x, cfg=cfg: pallas_leaf.categorical_counts(f, x, run=256, num_cats=256, config=cfg))
+        try:
+            t = bench(lambda: k(flows, xg))
+            line.append(f"{cfg.block_r}/{cfg.block_k}/{cfg.block_b}/{cfg.num_warps}/{cfg.num_stages} {t:.3f} "
+                        f"({tf / t:.0f})")
+        except Exception as e:  # noqa: BLE001 - a configuration the compiler refuses
+            line.append(f"{cfg.block_r}/{cfg.block_k}/{cfg.block_b}/{cfg.num_warps} failed ({type(e).__name__})")
+    print(f"time leaf counts HCLT-256 B={B} ms: " + " | ".join(line), flush=True)
+
+
+COUNTS_CONFIGS = [pallas_leaf.CountsConfig(), pallas_leaf.CountsConfig(128, 256, 32, 8),
+                  pallas_leaf.CountsConfig(128, 128, 64, 4), pallas_leaf.CountsConfig(64, 256, 32, 4, 3),
+                  pallas_leaf.CountsConfig(128, 256, 64, 8, 3), pallas_leaf.CountsConfig(64, 128, 128, 4),
+                  pallas_leaf.CountsConfig(256, 128, 32, 8)]
+
 LEAF_CONFIGS = [pallas_leaf.LeafConfig(), pallas_leaf.LeafConfig(64, 4096), pallas_leaf.LeafConfig(128, 8192, 8),
                 pallas_leaf.LeafConfig(256, 8192, 8), pallas_leaf.LeafConfig(512, 8192, 8),
                 pallas_leaf.LeafConfig(512, 16384, 8), pallas_leaf.LeafConfig(16, 16384, 8),
@@ -229,11 +280,13 @@ def main(argv=None):
     args = p.parse_args(argv)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     leaves_ok = check_leaves()
+    counts_err = check_counts()
     if args.leaves:
         for B in (16, 128, 512):
             time_leaves(B, LEAF_CONFIGS)
+            time_counts(B, COUNTS_CONFIGS)
         return
-    print(f"leaf buffers equal: {leaves_ok}", flush=True)
+    print(f"leaf buffers equal: {leaves_ok}; leaf counts' fp32 relative error {counts_err:.1e}", flush=True)
     worst = 0.0
     for shape in SHAPES + [(64, 64, 8, 4, 256, 0.1, 0.1), (256, 256, 2, 1, 128, 0.0, 0.0)]:
         for precision in ("fp32", "tf32"):
@@ -273,6 +326,7 @@ def main(argv=None):
         return
     for B in (16, 128, 512):
         time_leaves(B, LEAF_CONFIGS)
+        time_counts(B, COUNTS_CONFIGS)
     for B in (16, 32):
         time_after(B, [pallas_sum.KernelConfig(32, 64, 4), pallas_sum.KernelConfig(16, 64, 4),
                                pallas_sum.KernelConfig(32, 32, 4), pallas_sum.KernelConfig(64, 64, 8),

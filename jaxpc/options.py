@@ -106,8 +106,11 @@ class Options:
             ``impl`` is ``"auto"`` on a GPU or ``"pallas"`` / ``"pallas_forward"``, the flow pass's node buffer is
             written by one Pallas kernel that gathers the leaves' values in registers
             (:func:`jaxpc.engine.forward.leaf_kernel`, :mod:`jaxpc.ops.pallas_leaf`) instead of XLA's gather
-            into an ``[N, B]`` array and a concatenation into the buffer (default True; False: XLA's). Same
-            values; ``jax.grad`` through it differentiates XLA's gather.
+            into an ``[N, B]`` array and a concatenation into the buffer, and the expected counts of categorical
+            leaves in runs over one variable come from one kernel that makes the one-hot matrices in registers
+            (:func:`jaxpc.engine.forward.counts_kernel`; HCLT-256's at batch 512 on the H200: 0.31 ms in the
+            step against 0.54 for XLA's one-hot matrices, products and concatenation). Default True; False:
+            XLA's. Same values and counts; ``jax.grad`` through the buffer differentiates XLA's gather.
         scan_stages: run the stages :func:`jaxpc.compile` grouped into repeats (``scan_min_repeats``) under
             ``lax.scan``; False unrolls them into the executable (a longer trace, no device-side loop; no
             faster for HCLT-256 on the H200).

@@ -31,6 +31,17 @@ def hclt():
     return data, jaxpc.compile(structures.HCLT(data, 4, input_dist=dists.Categorical(num_cats=5)), seed=1)
 
 
+def _per_node_case(c, data, missing: str):
+    """``(layout, x, missing)``: ``c``'s layout with its input layers' runs undone (the per-node scatter), 37
+    samples and their missing mask (``"none"``, ``"per_sample"``, ``"per_variable"``)."""
+    per_node = dataclasses.replace(
+        c.layout, input_layers=tuple(dataclasses.replace(s, run=1) for s in c.layout.input_layers))
+    rng = np.random.default_rng(2)
+    miss = {"none": None, "per_sample": jnp.asarray(rng.random((37, 10)) < 0.3),
+            "per_variable": jnp.asarray(rng.random(10) < 0.3)}[missing]
+    return per_node, jnp.asarray(data[:37], jnp.int32), miss
+
+
 @pytest.mark.parametrize("chunk", [None, 3 * 37 * 5])
 @pytest.mark.parametrize("precision", ["fp32", "tf32"])
 @pytest.mark.parametrize("missing", ["none", "per_sample", "per_variable"])
@@ -39,12 +50,7 @@ def test_run_counts_equal_scatter(hclt, precision, missing, chunk, monkeypatch):
         monkeypatch.setattr(categorical, "ONEHOT_CHUNK", chunk)
     data, c = hclt
     assert [s.run for s in c.layout.input_layers] == [4]
-    per_node = dataclasses.replace(
-        c.layout, input_layers=tuple(dataclasses.replace(s, run=1) for s in c.layout.input_layers))
-    rng = np.random.default_rng(2)
-    x = jnp.asarray(data[:37], jnp.int32)
-    miss = {"none": None, "per_sample": jnp.asarray(rng.random((37, 10)) < 0.3),
-            "per_variable": jnp.asarray(rng.random(10) < 0.3)}[missing]
+    per_node, x, miss = _per_node_case(c, data, missing)
     opts = jaxpc.Options(precision=precision)
     got, ll = em.flows_and_ll(c.layout, c.tables, c.params, x, miss, None, opts)
     ref, ll_ref = em.flows_and_ll(per_node, c.tables, c.params, x, miss, None, opts)
@@ -70,3 +76,71 @@ def test_default_runs_path_for_other_leaves():
     got, _ = em.flows_and_ll(c.layout, c.tables, c.params, x, None, None, jaxpc.Options())
     ref, _ = em.flows_and_ll(per_node, c.tables, c.params, x, None, None, jaxpc.Options())
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6), got, ref)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+@pytest.mark.parametrize("missing", ["none", "per_sample", "per_variable"])
+def test_counts_kernel_equals_scatter(hclt, precision, missing, monkeypatch):
+    """The Pallas route (interpret mode here) takes the counts of categorical leaves in runs from one kernel
+    (``pallas_leaf.categorical_counts``, the one-hot matrices in registers): equal to the per-node scatter, with
+    missing values counted through their marginals."""
+    from jaxpc.ops import pallas_leaf
+
+    calls = []
+    real = pallas_leaf.categorical_counts
+    monkeypatch.setattr(pallas_leaf, "categorical_counts", lambda *a, **k: calls.append(1) or real(*a, **k))
+    data, c = hclt
+    per_node, x, miss = _per_node_case(c, data, missing)
+    opts = jaxpc.Options(precision=precision, impl="pallas_forward")
+    got, ll = em.flows_and_ll(c.layout, c.tables, c.params, x, miss, None, opts)
+    assert calls
+    ref, ll_ref = em.flows_and_ll(per_node, c.tables, c.params, x, miss, None, opts.replace(impl="reference"))
+    np.testing.assert_allclose(np.asarray(ll), np.asarray(ll_ref), rtol=1e-6)
+    g, r = np.asarray(got["input"]["categorical"]["counts"]), np.asarray(ref["input"]["categorical"]["counts"])
+    np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+
+
+def test_counts_kernel_route_and_shapes():
+    """``pallas_leaf.categorical_counts`` against exact counts over runs, categories and batches that are not
+    multiples of its tiles (values out of range count nowhere; fp32 splits the flows, exact to float32 rounding),
+    its errors, and which options route a layer to it (``forward.counts_kernel``)."""
+    from jaxpc.engine import forward
+    from jaxpc.ops import pallas_leaf
+
+    rng = np.random.default_rng(0)
+    small = pallas_leaf.CountsConfig(block_r=16, block_k=16, block_b=16)
+    for G, run, B, K in [(3, 8, 5, 4), (2, 70, 77, 5), (1, 1, 1, 1), (2, 16, 130, 300)]:
+        f = rng.random((G * run, B)).astype(np.float32) * 10.0 ** rng.integers(-3, 3, (G * run, 1))
+        x = rng.integers(-1, K + 1, (G, B)).astype(np.int32)
+        want = np.zeros((G, run, K))
+        for g in range(G):
+            for b in range(B):
+                if 0 <= x[g, b] < K:
+                    want[g, :, x[g, b]] += f.reshape(G, run, B)[g, :, b]
+        for precision, tol in (("fp32", 1e-6), ("tf32", 1e-3)):
+            for cfg in (pallas_leaf.CountsConfig(), small):
+                got = pallas_leaf.categorical_counts(jnp.asarray(f), jnp.asarray(x), run=run, num_cats=K,
+                                                     precision=precision, config=cfg)
+                assert got.shape == (G, run, K) and got.dtype == jnp.float32
+                np.testing.assert_allclose(np.asarray(got), want, rtol=tol, atol=tol * np.abs(want).max())
+    f, x = jnp.ones((8, 3), jnp.float32), jnp.zeros((2, 3), jnp.int32)
+    with pytest.raises(ValueError, match="G \\* run"):
+        pallas_leaf.categorical_counts(f, x, run=3, num_cats=2)
+    with pytest.raises(TypeError, match="float32"):
+        pallas_leaf.categorical_counts(f.astype(jnp.float16), x, run=4, num_cats=2)
+    with pytest.raises(TypeError, match="integer"):
+        pallas_leaf.categorical_counts(f, x.astype(jnp.float32), run=4, num_cats=2)
+
+    c = jaxpc.compile(structures.HCLT(np.random.default_rng(0).integers(0, 5, (50, 6)), 4,
+                                      input_dist=dists.Categorical(num_cats=5)), seed=1)
+    spec = c.layout.input_layers[0]
+    fl = jnp.zeros((spec.num_nodes, forward.LEAF_BATCH), jnp.float32)
+    o = jaxpc.Options(impl="pallas_forward")
+    assert forward.counts_kernel(spec, o, fl) and forward.counts_kernel(spec, o.replace(impl="pallas"), fl[:, :1])
+    assert forward.counts_kernel(spec, jaxpc.Options(), fl) == (jax.default_backend() == "gpu")
+    assert not forward.counts_kernel(spec, jaxpc.Options(), fl[:, 1:])  # auto: batches of at least LEAF_BATCH
+    for other in (o.replace(impl="reference"), o.replace(leaf_kernel=False)):
+        assert not forward.counts_kernel(spec, other, fl)
+    assert not forward.counts_kernel(spec, o, fl.astype(jnp.float16))
+    assert not forward.counts_kernel(dataclasses.replace(spec, run=1), o, fl)
+    assert not forward.counts_kernel(dataclasses.replace(spec, dist=dists.Gaussian()), o, fl)  # not categorical

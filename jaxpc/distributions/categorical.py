@@ -132,15 +132,23 @@ class Categorical(Distribution):
             return miss[:, None] * probs
         return segment_sum(miss[:, None] * probs[rows], rows, num_rows)
 
-    def suff_stats_runs(self, p, tables, xg, mg, flows, run, options):
+    def suff_stats_runs(self, p, tables, xg, mg, flows, run, options, kernel: bool = False):
         """Counts as one batched product per run of nodes over a variable: ``counts[g, j, k] = sum_b
         flows[g, j, b] [x[g, b] = k]`` (``flows`` viewed ``[G, run, B]``), a matrix product with a one-hot
         matrix instead of a scatter of ``N * B`` single values (HCLT-256 at B=512: 100 million). The one-hot
         side is exact in any matmul precision; with ``precision="fp32"`` the flows are split into a TF32-exact
-        high part and the remainder, so two default-precision products give float32 counts."""
+        high part and the remainder, so two default-precision products give float32 counts. ``kernel``: one
+        Pallas kernel that makes the one-hot matrices in registers
+        (:func:`jaxpc.ops.pallas_leaf.categorical_counts`) instead of XLA's one-hot matrices in memory."""
         N, B = flows.shape
         G, K = N // run, self.num_cats
         xi = jnp.clip(self._values(xg, mg), 0, K - 1)
+        if kernel:
+            from ..ops import pallas_leaf
+
+            xk = xi if mg is None else jnp.where(mg, -1, xi)  # a missing value counts nowhere
+            counts = pallas_leaf.categorical_counts(flows, xk, run=run, num_cats=K, precision=options.precision)
+            return {"counts": self._with_marginalized(p, counts.reshape(N, K), flows, mg, run)}
         obs = flows.reshape(G, run, B)
         if mg is not None:
             obs = jnp.where(mg[:, None, :], 0.0, obs)
@@ -163,11 +171,15 @@ class Categorical(Distribution):
         parts = in_order(ranges(G, ONEHOT_CHUNK // (B * K)), lambda a, b: xi[a:b],
                          lambda done, a, b, xc: done + [product(obs[a:b], xc)], [])
         counts = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-        counts = counts.reshape(N, K)
-        if mg is not None:
-            counts = counts + self._marginalized(
-                p, jnp.sum(jnp.where(mg[:, None, :], flows.reshape(G, run, B), 0.0), axis=2).reshape(N))
-        return {"counts": counts}
+        return {"counts": self._with_marginalized(p, counts.reshape(N, K), flows, mg, run)}
+
+    def _with_marginalized(self, p, counts, flows, mg, run):
+        """``counts [N, K]`` of a layer in runs plus the counts of its missing values (:meth:`_marginalized`)."""
+        if mg is None:
+            return counts
+        N, B = flows.shape
+        miss = jnp.sum(jnp.where(mg[:, None, :], flows.reshape(N // run, run, B), 0.0), axis=2).reshape(N)
+        return counts + self._marginalized(p, miss)
 
     def em_update(self, p, tables, stats, step_size, pseudocount):
         counts = stats["counts"]

@@ -49,9 +49,10 @@ def flows_and_ll(layout: Layout, tables: dict, params: dict, x: Array, missing: 
         with jax.named_scope(f"jaxpc/input_stats/{spec.key}"):
             if spec.run > 1:
                 gv = tab["vars"][::spec.run]
+                kw = {"kernel": True} if forward.counts_kernel(spec, options, node_flows) else {}
                 g_in[spec.key] = spec.dist.suff_stats_runs(params["input"][spec.key], tab["meta"], xt[gv],
                                                            None if mt is None else mt[gv], node_flows, spec.run,
-                                                           options)
+                                                           options, **kw)
                 continue
             xv = xt[tab["vars"]]
             mv = None if mt is None else mt[tab["vars"]]

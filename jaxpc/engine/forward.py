@@ -92,6 +92,21 @@ def leaf_kernel(layout: Layout, params: dict, options, soft: Array | None = None
     return kernels_available()
 
 
+def counts_kernel(spec, options, flows: Array) -> bool:
+    """Whether the expected counts of input layer ``spec`` (categorical leaves in runs over one variable,
+    ``InputLayerSpec.run``) come from one Pallas kernel (:func:`jaxpc.ops.pallas_leaf.categorical_counts`, the
+    one-hot matrices in registers) instead of XLA's products with one-hot matrices in memory: float32 node flows
+    ``[N, B]``, and the routes of :func:`leaf_kernel` (``Options(leaf_kernel=True)``, ``impl`` ``"pallas"`` /
+    ``"pallas_forward"`` or ``"auto"`` on a GPU at a batch of at least :data:`LEAF_BATCH`)."""
+    from ..distributions.categorical import Categorical
+
+    if (not options.leaf_kernel or options.impl == "reference" or spec.run < 2 or flows.dtype != jnp.float32
+            or type(spec.dist).suff_stats_runs is not Categorical.suff_stats_runs
+            or (options.impl == "auto" and (not on_gpu() or flows.shape[1] < LEAF_BATCH))):
+        return False
+    return kernels_available()
+
+
 def runs_node_buffer(layout: Layout, options, evidence: dict | None = None) -> bool:
     """Whether :func:`evaluate` runs the flow pass over the node buffer (:func:`root_values`): ``backward="flows"``,
     no per-sample sum parameters in ``evidence``, and not as a chain."""

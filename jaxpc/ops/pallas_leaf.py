@@ -10,6 +10,12 @@ tiles of a row tile one after the other (their parameter rows stay in L2): on th
 buffer at batch 512 in 0.39 ms against XLA's 0.73 (`benchmarks/kernels_check.py --leaves`).
 
 :func:`categorical_buffer_reference` is the same buffer from ``jnp`` gathers and one concatenation.
+
+:func:`categorical_counts` gives the flow pass's expected counts of categorical leaves in runs over one variable
+(HCLT's and PD's vectors of latents per pixel) as products of the node flows with one-hot matrices of the
+variables' values that it makes in registers: on the H200 HCLT-256's at batch 512 in 0.48 ms alone against 1.06
+for XLA's one-hot matrices in memory (0.31 against 0.54 inside the step); :func:`categorical_counts_reference` is
+the one-hot product in ``jnp``.
 """
 
 from __future__ import annotations
@@ -20,9 +26,10 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
-from .pallas_sum import _call, _p2, available, plgpu
+from .pallas_sum import _call, _mm, _p2, available, plgpu
 
 Array = jax.Array
 
@@ -152,4 +159,83 @@ def categorical_buffer(xt: Array, layers: Sequence[LeafLayer], tabs: Sequence[tu
                  name="jaxpc_categorical_buffer")(*args)
 
 
-__all__ = ["LeafConfig", "LeafLayer", "available", "categorical_buffer", "categorical_buffer_reference"]
+@dataclasses.dataclass(frozen=True)
+class CountsConfig:
+    """Tiles of :func:`categorical_counts`: ``block_r`` nodes of a run by ``block_k`` categories per program, the
+    batch read ``block_b`` samples at a time."""
+
+    block_r: int = 64
+    block_k: int = 256
+    block_b: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def _counts_kernel(x_ref, f_ref, out_ref, *, run, K, B, TR, TK, TB, split):
+    r = pl.program_id(0) * TR + jnp.arange(TR)  # the programs of one variable run one after the other (its
+    k = pl.program_id(1) * TK + jnp.arange(TK)  # values stay in L2): the variable is the last grid axis
+    g = pl.program_id(2)
+    rmask = r < run
+
+    def step(t, acc):
+        cols = t * TB + jnp.arange(TB)
+        cmask = cols < B
+        f = plgpu.load(f_ref.at[(g * run + r)[:, None], cols[None, :]], mask=rmask[:, None] & cmask[None, :],
+                       other=0.0)
+        xv = plgpu.load(x_ref.at[g, cols], mask=cmask, other=-1)
+        onehot = (xv[:, None] == k[None, :]).astype(jnp.float32)  # [TB, TK], exact in any matmul precision
+        if split:  # float32 flows as a TF32-exact high part and the remainder: two products
+            hi = lax.bitcast_convert_type(lax.bitcast_convert_type(f, jnp.uint32) & jnp.uint32(0xFFFFE000),
+                                          jnp.float32)
+            return acc + _mm(hi, onehot, "tf32") + _mm(f - hi, onehot, "tf32")
+        return acc + _mm(f, onehot, "tf32")
+
+    acc = lax.fori_loop(0, pl.cdiv(B, TB), step, jnp.zeros((TR, TK), jnp.float32))
+    plgpu.store(out_ref.at[g, r[:, None], k[None, :]], acc, mask=rmask[:, None] & (k < K)[None, :])
+
+
+def categorical_counts_reference(flows: Array, xg: Array, *, run: int, num_cats: int, precision: str = "tf32"
+                                 ) -> Array:
+    """:func:`categorical_counts` as a product with a one-hot matrix in ``jnp``."""
+    _check_counts(flows, xg, run)
+    G, B = xg.shape
+    onehot = (xg[:, :, None] == jnp.arange(num_cats, dtype=xg.dtype)).astype(jnp.float32)
+    f = flows.reshape(G, run, B)
+    prec = lax.Precision.HIGHEST if precision == "fp32" else lax.Precision.DEFAULT
+    return jnp.einsum("grb,gbk->grk", f, onehot, precision=prec, preferred_element_type=jnp.float32)
+
+
+def _check_counts(flows: Array, xg: Array, run: int):
+    if flows.dtype != jnp.float32 or flows.ndim != 2:
+        raise TypeError(f"categorical_counts takes float32 node flows [N, B], got {flows.dtype} {flows.shape}")
+    if xg.ndim != 2 or not jnp.issubdtype(xg.dtype, jnp.integer):
+        raise TypeError(f"categorical_counts takes one row of integer values per run [G, B], got {xg.dtype} "
+                        f"{xg.shape}")
+    if run < 1 or flows.shape != (xg.shape[0] * run, xg.shape[1]):
+        raise ValueError(f"categorical_counts: flows must be [G * run, B] = {[xg.shape[0] * run, xg.shape[1]]} for "
+                         f"values {list(xg.shape)} and runs of {run}, got {list(flows.shape)}")
+
+
+def categorical_counts(flows: Array, xg: Array, *, run: int, num_cats: int, precision: str = "tf32",
+                       config: CountsConfig = CountsConfig()) -> Array:
+    """Expected counts of categorical leaves whose nodes come in runs of ``run`` over one variable:
+    ``counts[g, j, k] = sum_b flows[g * run + j, b] [xg[g, b] = k]`` (``[G, run, num_cats]`` float32), one
+    program per tile of a run's nodes and categories, the one-hot matrix of the variable's values made in
+    registers batch chunk by batch chunk (XLA builds it in memory, ``G * B * K`` floats, and concatenates the
+    products of its chunks). A value outside ``[0, num_cats)`` (e.g. -1 for a missing one) counts nowhere.
+    ``precision``: ``"fp32"`` splits the flows into a TF32-exact high part and the remainder (two products,
+    float32 counts); otherwise one TF32 product (the one-hot side is exact)."""
+    _check_counts(flows, xg, run)
+    G, B = xg.shape
+    TR = min(config.block_r, _p2(run))
+    TK = min(config.block_k, _p2(num_cats))
+    TB = min(config.block_b, _p2(B))
+    kernel = functools.partial(_counts_kernel, run=run, K=num_cats, B=B, TR=TR, TK=TK, TB=TB,
+                               split=precision == "fp32")
+    return _call(kernel, config, grid=(pl.cdiv(run, TR), pl.cdiv(num_cats, TK), G),
+                 out_shape=jax.ShapeDtypeStruct((G, run, num_cats), jnp.float32),
+                 name="jaxpc_categorical_counts")(xg.astype(jnp.int32), flows)
+
+
+__all__ = ["CountsConfig", "LeafConfig", "LeafLayer", "available", "categorical_buffer", "categorical_buffer_reference",
+           "categorical_counts", "categorical_counts_reference"]
