@@ -33,7 +33,8 @@ class Options:
         alpha: the GeneralLL exponent (required for, and only allowed with, GeneralLL).
         backward: how gradients (flows) are computed: ``"flows"`` (a top-down pass over the node
             buffer, PyJuice's backward; default) or ``"autodiff"`` (JAX's reverse mode through the
-            forward pass; a reference, slower and more memory-hungry).
+            forward pass; a reference, slower and more memory-hungry; it differentiates XLA's sum layers
+            whatever ``impl`` and ``kernels`` say, since the in-place kernels have no autodiff rule).
         precision: matrix products of the sum layers and of the soft-evidence leaves: ``"fp32"`` (exact
             float32, the default),
             ``"tf32"`` (the GPU's tensor-float-32: ~2e-5 relative error per product, faster) or ``"bf16"``

@@ -92,12 +92,17 @@ def test_counts_kernel_equals_scatter(hclt, precision, missing, monkeypatch):
     data, c = hclt
     per_node, x, miss = _per_node_case(c, data, missing)
     opts = jaxpc.Options(precision=precision, impl="pallas_forward")
-    got, ll = em.flows_and_ll(c.layout, c.tables, c.params, x, miss, None, opts)
-    assert calls
     ref, ll_ref = em.flows_and_ll(per_node, c.tables, c.params, x, miss, None, opts.replace(impl="reference"))
-    np.testing.assert_allclose(np.asarray(ll), np.asarray(ll_ref), rtol=1e-6)
-    g, r = np.asarray(got["input"]["categorical"]["counts"]), np.asarray(ref["input"]["categorical"]["counts"])
-    np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+    # the flows read in the flow pass's buffer (the leaf kernel's), or as the input layer's own array (autodiff)
+    for o in (opts, opts.replace(backward="autodiff")):
+        got, ll = em.flows_and_ll(c.layout, c.tables, c.params, x, miss, None, o)
+        assert calls
+        del calls[:]
+        np.testing.assert_allclose(np.asarray(ll), np.asarray(ll_ref), rtol=1e-6)
+        g, r = np.asarray(got["input"]["categorical"]["counts"]), np.asarray(ref["input"]["categorical"]["counts"])
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+        for a, b in zip(jax.tree_util.tree_leaves(got["sum"]), jax.tree_util.tree_leaves(ref["sum"])):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
 def test_counts_kernel_route_and_shapes():
@@ -118,14 +123,22 @@ def test_counts_kernel_route_and_shapes():
                 if 0 <= x[g, b] < K:
                     want[g, :, x[g, b]] += f.reshape(G, run, B)[g, :, b]
         for precision, tol in (("fp32", 1e-6), ("tf32", 1e-3)):
-            for cfg in (pallas_leaf.CountsConfig(), small):
-                got = pallas_leaf.categorical_counts(jnp.asarray(f), jnp.asarray(x), run=run, num_cats=K,
-                                                     precision=precision, config=cfg)
+            # read in place: rows 3 on of a buffer whose other rows are NaN
+            buf = np.full((G * run + 5, B), np.nan, np.float32)
+            buf[3:3 + G * run] = f
+            for cfg, flows, offset in ((pallas_leaf.CountsConfig(), f, 0), (small, f, 0), (small, buf, 3)):
+                got = pallas_leaf.categorical_counts(jnp.asarray(flows), jnp.asarray(x), run=run, num_cats=K,
+                                                     precision=precision, offset=offset, config=cfg)
                 assert got.shape == (G, run, K) and got.dtype == jnp.float32
                 np.testing.assert_allclose(np.asarray(got), want, rtol=tol, atol=tol * np.abs(want).max())
+            ref = pallas_leaf.categorical_counts_reference(jnp.asarray(buf), jnp.asarray(x), run=run, num_cats=K,
+                                                           precision=precision, offset=3)
+            np.testing.assert_allclose(np.asarray(ref), want, rtol=tol, atol=tol * np.abs(want).max())
     f, x = jnp.ones((8, 3), jnp.float32), jnp.zeros((2, 3), jnp.int32)
-    with pytest.raises(ValueError, match="G \\* run"):
-        pallas_leaf.categorical_counts(f, x, run=3, num_cats=2)
+    with pytest.raises(ValueError, match="offset \\+ G \\* run"):
+        pallas_leaf.categorical_counts(f, x, run=3, num_cats=2, offset=3)
+    with pytest.raises(ValueError, match="rows \\[0, 10\\)"):
+        pallas_leaf.categorical_counts(f, x, run=5, num_cats=2)
     with pytest.raises(TypeError, match="float32"):
         pallas_leaf.categorical_counts(f.astype(jnp.float16), x, run=4, num_cats=2)
     with pytest.raises(TypeError, match="integer"):

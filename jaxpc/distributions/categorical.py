@@ -132,22 +132,24 @@ class Categorical(Distribution):
             return miss[:, None] * probs
         return segment_sum(miss[:, None] * probs[rows], rows, num_rows)
 
-    def suff_stats_runs(self, p, tables, xg, mg, flows, run, options, kernel: bool = False):
+    def suff_stats_runs(self, p, tables, xg, mg, flows, run, options, kernel: tuple | None = None):
         """Counts as one batched product per run of nodes over a variable: ``counts[g, j, k] = sum_b
         flows[g, j, b] [x[g, b] = k]`` (``flows`` viewed ``[G, run, B]``), a matrix product with a one-hot
         matrix instead of a scatter of ``N * B`` single values (HCLT-256 at B=512: 100 million). The one-hot
         side is exact in any matmul precision; with ``precision="fp32"`` the flows are split into a TF32-exact
-        high part and the remainder, so two default-precision products give float32 counts. ``kernel``: one
-        Pallas kernel that makes the one-hot matrices in registers
+        high part and the remainder, so two default-precision products give float32 counts. ``kernel``:
+        ``(array, row)``, the flows as rows ``row + [0, N)`` of ``array`` (e.g. the flow pass's buffer), read
+        there by one Pallas kernel that makes the one-hot matrices in registers
         (:func:`jaxpc.ops.pallas_leaf.categorical_counts`) instead of XLA's one-hot matrices in memory."""
         N, B = flows.shape
         G, K = N // run, self.num_cats
         xi = jnp.clip(self._values(xg, mg), 0, K - 1)
-        if kernel:
+        if kernel is not None:
             from ..ops import pallas_leaf
 
             xk = xi if mg is None else jnp.where(mg, -1, xi)  # a missing value counts nowhere
-            counts = pallas_leaf.categorical_counts(flows, xk, run=run, num_cats=K, precision=options.precision)
+            counts = pallas_leaf.categorical_counts(kernel[0], xk, run=run, num_cats=K, precision=options.precision,
+                                                    offset=kernel[1])
             return {"counts": self._with_marginalized(p, counts.reshape(N, K), flows, mg, run)}
         obs = flows.reshape(G, run, B)
         if mg is not None:

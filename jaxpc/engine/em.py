@@ -39,17 +39,22 @@ def flows_and_ll(layout: Layout, tables: dict, params: dict, x: Array, missing: 
     (_, ll), (g_sum, g_eps) = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)(params["sum"], vals)
     if not options.compute_param_flows:
         g_sum = jax.tree_util.tree_map(jnp.zeros_like, g_sum)
+    # per input layer: its node flows, and (buffer, first row) where they lie in a larger array
     if buffered:  # the flow buffer: the input layers' node flows are its input rows
+        at = [(g_eps, s.offset) for s in layout.input_layers]
         g_eps = [jax.lax.slice_in_dim(g_eps, s.offset, s.offset + s.num_nodes) for s in layout.input_layers]
+    else:
+        at = [(f, 0) for f in g_eps]
 
     xt = x.T
     mt = forward._missing_t(missing)
     g_in = {}
-    for spec, tab, node_flows in zip(layout.input_layers, tables["inputs"], g_eps):
+    for spec, tab, node_flows, where in zip(layout.input_layers, tables["inputs"], g_eps, at):
         with jax.named_scope(f"jaxpc/input_stats/{spec.key}"):
             if spec.run > 1:
                 gv = tab["vars"][::spec.run]
-                kw = {"kernel": True} if forward.counts_kernel(spec, options, node_flows) else {}
+                # the kernel reads the flows where they lie (a slice of the buffer would be copied first)
+                kw = {"kernel": where} if forward.counts_kernel(spec, options, node_flows) else {}
                 g_in[spec.key] = spec.dist.suff_stats_runs(params["input"][spec.key], tab["meta"], xt[gv],
                                                            None if mt is None else mt[gv], node_flows, spec.run,
                                                            options, **kw)

@@ -732,8 +732,8 @@ def evaluate(layout: Layout, tables: dict, sum_params: dict, input_vals, options
     if options.backward == "autodiff" or has_sum_externals(evidence):
         if options.pflow_temperature != 1.0 or options.eflow_temperature != 1.0:
             raise ValueError("tempered flows need backward='flows' and no per-sample sum parameters")
-        if options.impl == "auto":  # the Pallas kernels have no autodiff rule: reverse mode differentiates XLA's
-            options = options.replace(impl="reference")
+        if options.impl != "reference" or options.kernels:  # the in-place Pallas kernels have no autodiff rule:
+            options = options.replace(impl="reference", kernels=())  # reverse mode differentiates XLA's layers
         return forward_buffer(layout, tables, sum_params, input_vals, options, evidence, counts)[layout.root_row]
     if chain.applies(layout, options, has_sum_externals(evidence)):
         with jax.named_scope("jaxpc/chain"):

@@ -171,7 +171,7 @@ class CountsConfig:
     num_stages: int = 2
 
 
-def _counts_kernel(x_ref, f_ref, out_ref, *, run, K, B, TR, TK, TB, split):
+def _counts_kernel(x_ref, f_ref, out_ref, *, offset, run, K, B, TR, TK, TB, split):
     r = pl.program_id(0) * TR + jnp.arange(TR)  # the programs of one variable run one after the other (its
     k = pl.program_id(1) * TK + jnp.arange(TK)  # values stay in L2): the variable is the last grid axis
     g = pl.program_id(2)
@@ -180,8 +180,8 @@ def _counts_kernel(x_ref, f_ref, out_ref, *, run, K, B, TR, TK, TB, split):
     def step(t, acc):
         cols = t * TB + jnp.arange(TB)
         cmask = cols < B
-        f = plgpu.load(f_ref.at[(g * run + r)[:, None], cols[None, :]], mask=rmask[:, None] & cmask[None, :],
-                       other=0.0)
+        rows = offset + g * run + r
+        f = plgpu.load(f_ref.at[rows[:, None], cols[None, :]], mask=rmask[:, None] & cmask[None, :], other=0.0)
         xv = plgpu.load(x_ref.at[g, cols], mask=cmask, other=-1)
         onehot = (xv[:, None] == k[None, :]).astype(jnp.float32)  # [TB, TK], exact in any matmul precision
         if split:  # float32 flows as a TF32-exact high part and the remainder: two products
@@ -194,43 +194,45 @@ def _counts_kernel(x_ref, f_ref, out_ref, *, run, K, B, TR, TK, TB, split):
     plgpu.store(out_ref.at[g, r[:, None], k[None, :]], acc, mask=rmask[:, None] & (k < K)[None, :])
 
 
-def categorical_counts_reference(flows: Array, xg: Array, *, run: int, num_cats: int, precision: str = "tf32"
-                                 ) -> Array:
+def categorical_counts_reference(flows: Array, xg: Array, *, run: int, num_cats: int, precision: str = "tf32",
+                                 offset: int = 0) -> Array:
     """:func:`categorical_counts` as a product with a one-hot matrix in ``jnp``."""
-    _check_counts(flows, xg, run)
+    _check_counts(flows, xg, run, offset)
     G, B = xg.shape
     onehot = (xg[:, :, None] == jnp.arange(num_cats, dtype=xg.dtype)).astype(jnp.float32)
-    f = flows.reshape(G, run, B)
+    f = lax.slice_in_dim(flows, offset, offset + G * run).reshape(G, run, B)
     prec = lax.Precision.HIGHEST if precision == "fp32" else lax.Precision.DEFAULT
     return jnp.einsum("grb,gbk->grk", f, onehot, precision=prec, preferred_element_type=jnp.float32)
 
 
-def _check_counts(flows: Array, xg: Array, run: int):
+def _check_counts(flows: Array, xg: Array, run: int, offset: int = 0):
     if flows.dtype != jnp.float32 or flows.ndim != 2:
         raise TypeError(f"categorical_counts takes float32 node flows [N, B], got {flows.dtype} {flows.shape}")
     if xg.ndim != 2 or not jnp.issubdtype(xg.dtype, jnp.integer):
         raise TypeError(f"categorical_counts takes one row of integer values per run [G, B], got {xg.dtype} "
                         f"{xg.shape}")
-    if run < 1 or flows.shape != (xg.shape[0] * run, xg.shape[1]):
-        raise ValueError(f"categorical_counts: flows must be [G * run, B] = {[xg.shape[0] * run, xg.shape[1]]} for "
-                         f"values {list(xg.shape)} and runs of {run}, got {list(flows.shape)}")
+    G, B = xg.shape
+    if run < 1 or offset < 0 or flows.shape[1] != B or flows.shape[0] < offset + G * run:
+        raise ValueError(f"categorical_counts: flows must hold rows [{offset}, {offset + G * run}) of {B} samples "
+                         f"(offset + G * run for values {list(xg.shape)} and runs of {run}), got {list(flows.shape)}")
 
 
 def categorical_counts(flows: Array, xg: Array, *, run: int, num_cats: int, precision: str = "tf32",
-                       config: CountsConfig = CountsConfig()) -> Array:
+                       offset: int = 0, config: CountsConfig = CountsConfig()) -> Array:
     """Expected counts of categorical leaves whose nodes come in runs of ``run`` over one variable:
-    ``counts[g, j, k] = sum_b flows[g * run + j, b] [xg[g, b] = k]`` (``[G, run, num_cats]`` float32), one
+    ``counts[g, j, k] = sum_b flows[offset + g * run + j, b] [xg[g, b] = k]`` (``[G, run, num_cats]`` float32;
+    ``offset``: the layer's first row in ``flows``, e.g. the flow pass's buffer, read in place), one
     program per tile of a run's nodes and categories, the one-hot matrix of the variable's values made in
     registers batch chunk by batch chunk (XLA builds it in memory, ``G * B * K`` floats, and concatenates the
     products of its chunks). A value outside ``[0, num_cats)`` (e.g. -1 for a missing one) counts nowhere.
     ``precision``: ``"fp32"`` splits the flows into a TF32-exact high part and the remainder (two products,
     float32 counts); otherwise one TF32 product (the one-hot side is exact)."""
-    _check_counts(flows, xg, run)
+    _check_counts(flows, xg, run, offset)
     G, B = xg.shape
     TR = min(config.block_r, _p2(run))
     TK = min(config.block_k, _p2(num_cats))
     TB = min(config.block_b, _p2(B))
-    kernel = functools.partial(_counts_kernel, run=run, K=num_cats, B=B, TR=TR, TK=TK, TB=TB,
+    kernel = functools.partial(_counts_kernel, offset=int(offset), run=run, K=num_cats, B=B, TR=TR, TK=TK, TB=TB,
                                split=precision == "fp32")
     return _call(kernel, config, grid=(pl.cdiv(run, TR), pl.cdiv(num_cats, TK), G),
                  out_shape=jax.ShapeDtypeStruct((G, run, num_cats), jnp.float32),
