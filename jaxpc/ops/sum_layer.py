@@ -84,8 +84,8 @@ def sum_layer_reference(buf: Array, ch: Array, pid: Array, logw: Array, *, Kp: i
                         propagation: str = "LL", alpha: float | None = None, precision: str = "fp32",
                         with_shift: bool = False):
     """Plain-jnp sum layer. Returns ``[n * Kp, B]`` (block-major rows); with ``with_shift`` (LL and GeneralLL,
-    not ``dense`` unless of one block) also each parent block's shift ``[n, B]``, the max over its children's values (finite, else
-    0), which :func:`sum_layer_backward_reference` then reads instead of recomputing it."""
+    not ``dense`` unless of one block) also each parent block's shift ``[n, B]``, the max over its children's
+    values (finite, else 0), which :func:`sum_layer_backward_reference` then reads instead of recomputing it."""
     x = gather_children(buf, ch, Kc, dense)
     lw = gather_weights(logw, pid)
     if with_shift and ((dense and ch.shape[0] != 1) or propagation == "MPE"):
