@@ -66,7 +66,16 @@ def input_values(layout: Layout, tables: dict, params: dict, x: Array, missing: 
     return outs
 
 
-LEAF_BATCH = 64  # impl="auto": the leaf kernel at batches of at least this many samples
+LEAF_BATCH = 64  # impl="auto": the leaf kernels at batches of at least this many samples
+
+
+def _leaf_route(options, batch: int | None) -> bool:
+    """The options' part of the leaf kernels' routes (:func:`leaf_kernel`, :func:`counts_kernel`):
+    ``Options(leaf_kernel=True)`` and ``impl`` ``"pallas"`` / ``"pallas_forward"`` (interpret mode off a GPU) or
+    ``"auto"`` on a GPU at a ``batch`` of at least :data:`LEAF_BATCH` (None: any)."""
+    if not options.leaf_kernel or options.impl == "reference":
+        return False
+    return options.impl != "auto" or (on_gpu() and (batch is None or batch >= LEAF_BATCH))
 
 
 def leaf_kernel(layout: Layout, params: dict, options, soft: Array | None = None,
@@ -79,9 +88,7 @@ def leaf_kernel(layout: Layout, params: dict, options, soft: Array | None = None
     a ``batch`` of at least :data:`LEAF_BATCH`, unless ``Options(leaf_kernel=False)``. HCLT-256's buffer on the
     H200: 0.39 against XLA's 0.73 ms at batch 512 (forward + flows 6.78 against 7.26 ms), 0.18 against 0.28 at
     128, but 0.16-0.23 against 0.14 at 16, where a program's gathers from its rows of parameters are too few."""
-    if (not options.leaf_kernel or soft is not None or evidence or not runs_node_buffer(layout, options)
-            or options.impl == "reference"
-            or (options.impl == "auto" and (not on_gpu() or (batch is not None and batch < LEAF_BATCH)))
+    if (not _leaf_route(options, batch) or soft is not None or evidence or not runs_node_buffer(layout, options)
             or _param_dtype(params) != jnp.float32):
         return False
     row = 2 * layout.kmax
@@ -96,13 +103,11 @@ def counts_kernel(spec, options, flows: Array) -> bool:
     """Whether the expected counts of input layer ``spec`` (categorical leaves in runs over one variable,
     ``InputLayerSpec.run``) come from one Pallas kernel (:func:`jaxpc.ops.pallas_leaf.categorical_counts`, the
     one-hot matrices in registers) instead of XLA's products with one-hot matrices in memory: float32 node flows
-    ``[N, B]``, and the routes of :func:`leaf_kernel` (``Options(leaf_kernel=True)``, ``impl`` ``"pallas"`` /
-    ``"pallas_forward"`` or ``"auto"`` on a GPU at a batch of at least :data:`LEAF_BATCH`)."""
+    ``[N, B]``, and the routes of :func:`leaf_kernel` (:func:`_leaf_route`)."""
     from ..distributions.categorical import Categorical
 
-    if (not options.leaf_kernel or options.impl == "reference" or spec.run < 2 or flows.dtype != jnp.float32
-            or type(spec.dist).suff_stats_runs is not Categorical.suff_stats_runs
-            or (options.impl == "auto" and (not on_gpu() or flows.shape[1] < LEAF_BATCH))):
+    if (not _leaf_route(options, flows.shape[1]) or spec.run < 2 or flows.dtype != jnp.float32
+            or type(spec.dist).suff_stats_runs is not Categorical.suff_stats_runs):
         return False
     return kernels_available()
 

@@ -176,11 +176,11 @@ def _counts_kernel(x_ref, f_ref, out_ref, *, offset, run, K, B, TR, TK, TB, spli
     k = pl.program_id(1) * TK + jnp.arange(TK)  # values stay in L2): the variable is the last grid axis
     g = pl.program_id(2)
     rmask = r < run
+    rows = offset + g * run + r
 
     def step(t, acc):
         cols = t * TB + jnp.arange(TB)
         cmask = cols < B
-        rows = offset + g * run + r
         f = plgpu.load(f_ref.at[rows[:, None], cols[None, :]], mask=rmask[:, None] & cmask[None, :], other=0.0)
         xv = plgpu.load(x_ref.at[g, cols], mask=cmask, other=-1)
         onehot = (xv[:, None] == k[None, :]).astype(jnp.float32)  # [TB, TK], exact in any matmul precision
