@@ -27,6 +27,9 @@ Plans (all ``backward="flows"``):
 * ``<plan>-adds``: any of these on a tree (``Layout.single_reader``, e.g. HCLT) with the flow pass's XLA scatters
   adding the child flows into the flow buffer instead of writing them (a copy of the circuit whose layouts claim
   no single reader);
+* ``<plan>-zeros``: any of these with the rows that are written before they are read zeroed first, as before
+  ``jaxpc.engine.forward.UNSET_ROWS`` (the flow buffer of a single-reader layout, the leaf kernel's rows above
+  the leaves);
 * ``<plan>-inline`` / ``<plan>-batched``: the parameter flows computed level by level with the element flows, or
   after them in one batched product per block shape (``Options(param_flow_pass=...)``; the default, ``auto``,
   batches at batches of at most ``jaxpc.engine.forward.PFLOW_BATCH``).
@@ -57,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jaxpc  # noqa: E402
 from jaxpc import dists, structures  # noqa: E402
+from jaxpc.engine import forward  # noqa: E402
 from _data import blurred_noise_images  # noqa: E402
 from bench_engine import cached_mib, median_ms, save_rows  # noqa: E402
 
@@ -70,6 +74,7 @@ PLANS.update({f"{k}-deftiles": {**v, "deftiles": True} for k, v in list(PLANS.it
 PLANS.update({f"{k}-unrolled": {**v, "scan_stages": False} for k, v in list(PLANS.items())})
 PLANS.update({f"{k}-noshifts": {**v, "kernel_shifts": False} for k, v in list(PLANS.items())})
 PLANS.update({f"{k}-adds": {**v, "adds": True} for k, v in list(PLANS.items())})
+PLANS.update({f"{k}-zeros": {**v, "zeros": True} for k, v in list(PLANS.items())})
 PLANS.update({f"{k}-{m}": {**v, "param_flow_pass": m} for k, v in list(PLANS.items()) for m in ("inline", "batched")})
 
 
@@ -80,7 +85,6 @@ def options(c, B: int, plan: dict, precision: str) -> jaxpc.Options:
     opts = jaxpc.Options(precision=precision, **plan)
     if not deftiles:
         return opts
-    from jaxpc.engine import forward
     from jaxpc.ops import pallas_sum
 
     layout = forward.buffer_plan(c.layout, opts)
@@ -94,8 +98,9 @@ def options(c, B: int, plan: dict, precision: str) -> jaxpc.Options:
     return opts.replace(kernels=tuple(dict(kernels).items()))
 
 
-def adding(c):
-    """A copy of circuit ``c`` whose layouts (full and folded) claim no single reader, with its own executables."""
+def fresh(c, adds: bool = False):
+    """A copy of circuit ``c`` with its own executables; ``adds``: whose layouts (full and folded) claim no single
+    reader."""
     import copy
     import dataclasses
     import functools
@@ -103,9 +108,10 @@ def adding(c):
     from jaxpc.circuit import _ENTRIES
     from jaxpc.executables import ExecutableCache
 
-    fold = c.layout.fold and dataclasses.replace(c.layout.fold, single_reader=False)
     out = copy.copy(c)
-    out.layout = dataclasses.replace(c.layout, single_reader=False, fold=fold)
+    if adds:
+        fold = c.layout.fold and dataclasses.replace(c.layout.fold, single_reader=False)
+        out.layout = dataclasses.replace(c.layout, single_reader=False, fold=fold)
     out._cache = ExecutableCache()
     out._fns = {**c._fns, **{name: functools.partial(fn, out.layout) for name, fn in _ENTRIES.items()}}
     return out
@@ -162,8 +168,10 @@ def main(argv=None):
             base, base_name = None, "-"
             for name in plans:
                 plan = dict(PLANS[name])
-                c = adding(circuit) if plan.pop("adds", False) else circuit
+                adds, zeros = plan.pop("adds", False), plan.pop("zeros", False)
+                c = fresh(circuit, adds) if adds or zeros else circuit
                 opts = options(c, B, plan, args.precision)
+                forward.UNSET_ROWS = not zeros  # read when the plan's executables are traced
                 try:
                     t = time.perf_counter()
                     got = jax.block_until_ready(c.flows(c.params, xs[0], options=opts, return_ll=True, validate=False))
@@ -187,6 +195,8 @@ def main(argv=None):
                 except Exception as e:  # noqa: BLE001 - one failing plan is reported, the others still run
                     print(f"{w} B={B} {name}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
                     continue
+                finally:
+                    forward.UNSET_ROWS = True
                 row = dict(workload=f"{w}-{latents[w]}", B=B, plan=name, precision=args.precision, fwd_ms=fwd,
                            flows_ms=flows, flows_pipelined_ms=pipelined, mem_mib=mem, compile_s=t_compile, ll_err=errs[0], flow_err=errs[1])
                 rows.append(row)

@@ -463,6 +463,49 @@ def test_single_reader_flows_match_exact_expected_counts(fold):
     assert oracle.check_flows(c, fl, totals, in_totals) > 0
 
 
+@pytest.mark.parametrize("fold", [True, False], ids=["fold", "full"])
+def test_single_reader_flow_pass_writes_every_row_it_reads(monkeypatch, fold):
+    """A single-reader layout's flow pass starts from an unset buffer (``forward.flow_buffer``: uninitialized on a
+    GPU, NaN here) with only its gaps zeroed (``Layout.flow_gaps``: the padding rows in a tree; None in a DAG).
+    Every row's one reader writes it before it is read: the whole flow buffer equals the zero-started pass's,
+    without a NaN left, the dense one-block top partitions' writes included."""
+    cat = dists.Categorical(4)
+    rng = np.random.default_rng(5)
+    c = jaxpc.compile(structures.HCLT(rng.integers(0, 4, (300, 10)), 4, input_dist=cat))
+    o = jaxpc.Options(fold_products=fold, impl="reference")
+    plan = engine_forward.buffer_plan(c.layout, o)
+    assert plan.flow_gaps == ((0, 2 * plan.kmax),)
+    assert any(p.dense and p.n == 1 for spec in plan.stages() for p in spec.sums)
+    assert jaxpc.compile(structures.PD((4, 4), 3, split_intervals=(2, 2), input_dist=cat)).layout.flow_gaps is None
+    x = jnp.asarray(rng.integers(0, 4, (B, 10)).astype(np.int32))
+    buf = engine_forward.input_buffer(plan, engine_forward.input_values(c.layout, c.tables, c.params, x, None, o),
+                                      jnp.float32)
+    start = engine_forward.flow_buffer(plan, o, buf)
+    assert (np.asarray(start[:2 * plan.kmax]) == 0).all() and np.isnan(np.asarray(start[2 * plan.kmax:])).all()
+    tabs = c.tables if plan is c.layout else c.tables["fold"]
+
+    def whole_flows():
+        _, vjp = jax.vjp(lambda b: engine_forward.root_values(plan, tabs, c.params["sum"], b, o, True), buf)
+        return np.asarray(vjp(jnp.ones(B))[0])
+
+    unset = whole_flows()
+    monkeypatch.setattr(engine_forward, "UNSET_ROWS", False)
+    assert (np.asarray(engine_forward.flow_buffer(plan, o, buf)) == 0).all()
+    zeroed = whole_flows()
+    assert not np.isnan(unset).any() and np.abs(unset[2 * plan.kmax:]).sum() > 0
+    np.testing.assert_array_equal(unset[2 * plan.kmax:], zeroed[2 * plan.kmax:])
+
+
+def test_unset_buffers_are_nan_here_and_uninitialized_only_when_large_on_a_gpu(monkeypatch):
+    from jaxpc.ops import buffers
+
+    assert np.isnan(np.asarray(buffers.uninitialized((3, 2), jnp.float32))).all()
+    monkeypatch.setattr(buffers, "_on_gpu", lambda: True)
+    small = str(jax.make_jaxpr(lambda: buffers.uninitialized((4, 4), jnp.float32))())
+    large = str(jax.make_jaxpr(lambda: buffers.uninitialized((buffers.MIN_UNSET // 2, 2), jnp.float32))())
+    assert "empty" in large and "empty" not in small and "nan" not in small
+
+
 def test_without_the_triton_backend_kernels_fall_back_to_xla_with_one_warning(monkeypatch):
     from jaxpc.ops import pallas_sum
 

@@ -439,6 +439,18 @@ def test_categorical_buffer_matches_reference(B, missing, config):
     np.testing.assert_array_equal(g[30:41], want)
 
 
+@pytest.mark.parametrize("missing", [False, True])
+def test_categorical_buffer_can_leave_the_rows_above_the_leaves_unwritten(missing):
+    """``zero_above=False`` (the flow pass's buffer, whose stages write those rows): the rows up to the last layer
+    are the reference's; the kernel writes none above (interpret mode shows them as NaN)."""
+    xt, layers, tabs, miss = make_leaf_case(37, missing=missing)
+    got = np.asarray(pallas_leaf.categorical_buffer(xt, layers, tabs, num_rows=47, kmax=4, missing=miss,
+                                                    zero_above=False))
+    ref = np.asarray(pallas_leaf.categorical_buffer_reference(xt, layers, tabs, num_rows=47, kmax=4, missing=miss))
+    np.testing.assert_array_equal(got[:41], ref[:41])
+    assert got.shape == ref.shape and np.isnan(got[41:]).all()
+
+
 def test_categorical_buffer_refuses_bad_input():
     xt, layers, tabs, miss = make_leaf_case(9, missing=True)
     kw = dict(num_rows=47, kmax=4)

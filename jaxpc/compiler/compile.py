@@ -174,6 +174,7 @@ def build(root: CircuitNodes, *, scan_min_repeats: int = 3, max_exact_fanins: in
     steps, step_tables = _group_scans(stages, stage_tables, scan_min_repeats)
 
     root_row = int(block_rows[root.id][0])
+    single, gaps = _single_reader(stages, stage_tables, 2 * kmax, row, root_row)
     var_dists: dict[int, list] = defaultdict(list)
     for ns in nodes:
         if ns.is_input() and ns.dist not in var_dists[ns.var]:
@@ -183,19 +184,20 @@ def build(root: CircuitNodes, *, scan_min_repeats: int = 3, max_exact_fanins: in
     pflows, pflow_tables = _pflow_plan(steps, step_tables)
     layout = Layout(num_rows=row, kmax=kmax, input_layers=tuple(input_specs), steps=tuple(steps),
                     sum_groups=sum_groups, root_row=root_row, num_vars=num_vars, pflows=pflows,
-                    single_reader=_single_reader(stages, stage_tables, 2 * kmax))
+                    single_reader=single, flow_gaps=gaps)
     tables = {"inputs": input_tables, "steps": step_tables, "groups": group_tables, "pflows": pflow_tables}
     chain = detect_chain(layout, stages, stage_tables)
     if chain is not None:
         layout = dataclasses.replace(layout, chain=chain[0])
         tables["chain"] = chain[1]
-    fold = _build_fold(nodes, root, input_rows, inputs_end, sum_placement, max_exact_fanins, scan_min_repeats)
+    fold = _build_fold(nodes, root, input_rows, inputs_end, 2 * kmax, sum_placement, max_exact_fanins,
+                       scan_min_repeats)
     if fold is not None:
-        f_steps, f_tables, f_root, f_rows, f_single = fold
+        f_steps, f_tables, f_root, f_rows, (f_single, f_gaps) = fold
         f_pflows, f_pflow_tables = _pflow_plan(f_steps, f_tables)
         layout = dataclasses.replace(layout, fold=dataclasses.replace(
             layout, num_rows=f_rows, steps=tuple(f_steps), root_row=f_root, chain=None, fold=None, pflows=f_pflows,
-            single_reader=f_single))
+            single_reader=f_single, flow_gaps=f_gaps))
         tables["fold"] = {"steps": f_tables, "pflows": f_pflow_tables}
     return CompiledStructure(layout, tables, sum_placement, input_placement, sources, nodes, block_rows,
                              dict(var_dists), stages, stage_tables, stage_owners)
@@ -299,11 +301,15 @@ def _variable_run(node_vars: np.ndarray, node_rows: np.ndarray) -> int:
     return int(np.gcd.reduce(lengths))
 
 
-def _build_fold(nodes, root, input_rows: dict, first_row: int, sum_placement, max_exact_fanins, scan_min_repeats):
+def _build_fold(nodes, root, input_rows: dict, first_row: int, pad_rows: int, sum_placement, max_exact_fanins,
+                scan_min_repeats):
     """The folded plan: the same circuit with every product vector folded into the gathers of the sums
     that read it (a sum's child block becomes the rows of the product's children, which the gather adds
-    up), so the buffer holds input and sum rows only and every stage is a sum stage. Returns ``(steps,
-    step tables, root row, num rows, single reader)``, or None when the circuit has no products or its root is one."""
+    up), so the buffer holds input and sum rows only and every stage is a sum stage; its sum rows start at
+    ``first_row``, the padding's ``pad_rows`` rows come before the inputs. Returns ``(steps, step tables, root
+    row, num rows, (single reader, flow gaps))`` (:func:`_single_reader`, counting the input rows too: two
+    partitions may read one input through their folded products), or None when the circuit has no products or
+    its root is one."""
     if not root.is_sum() or not any(ns.is_prod() for ns in nodes):
         return None
     rows: dict[int, np.ndarray] = dict(input_rows)
@@ -345,29 +351,44 @@ def _build_fold(nodes, root, input_rows: dict, first_row: int, sum_placement, ma
         stages.append(spec)
         tabs.append(tab)
     steps, step_tables = _group_scans(stages, tabs, scan_min_repeats)
-    return steps, step_tables, int(rows[root.id][0]), row, _single_reader(stages, tabs, first_row)
+    root_row = int(rows[root.id][0])
+    return steps, step_tables, root_row, row, _single_reader(stages, tabs, pad_rows, row, root_row)
 
 
-def _single_reader(stages, stage_tables, first_row: int) -> bool:
-    """Whether every buffer row from ``first_row`` on (above the padding) is read by at most one block of one
-    partition, counting each of a folded child's ``M`` row blocks (``Layout.single_reader``): a tree such as an
-    HCLT, not a DAG such as a PD, whose nodes have several parents, nor a dense partition of several blocks.
-    The row blocks read, sorted by first row, must not overlap."""
-    starts, sizes = [], []
+def _read_blocks(stages, stage_tables, first_row: int) -> tuple[np.ndarray, np.ndarray]:
+    """The row blocks the stages read above ``first_row`` (the padding): ``(starts, sizes)`` sorted by start, a
+    folded child's ``M`` row blocks counted each."""
+    starts, sizes = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
     for spec, tab in zip(stages, stage_tables):
         parts = [(p.K, t["ch"]) for p, t in zip(spec.prods, tab["prods"])]
         parts += [(p.Kc, t["ch"]) for p, t in zip(spec.sums, tab["sums"])]
         for K, ch in parts:
             s = np.asarray(ch).reshape(-1)
             s = s[s >= first_row]
-            starts.append(s)
-            sizes.append(np.full(s.size, K))
-    if not starts:
-        return True
+            starts.append(s.astype(np.int64))
+            sizes.append(np.full(s.size, K, np.int64))
     starts, sizes = np.concatenate(starts), np.concatenate(sizes)
     order = np.argsort(starts, kind="stable")
-    starts, sizes = starts[order], sizes[order]
-    return bool(np.all(starts[1:] >= starts[:-1] + sizes[:-1]))
+    return starts[order], sizes[order]
+
+
+def _single_reader(stages, stage_tables, first_row: int, num_rows: int, root_row: int) -> tuple[bool, tuple | None]:
+    """``(single reader, flow gaps)``. Single reader: every buffer row from ``first_row`` on (above the padding)
+    is read by at most one block of one partition, counting each of a folded child's ``M`` row blocks
+    (``Layout.single_reader``): a tree such as an HCLT, not a DAG such as a PD, whose nodes have several parents,
+    nor a dense partition of several blocks. The row blocks read, sorted by first row, must not overlap. Flow
+    gaps (``Layout.flow_gaps``, single reader only, else None): the ``(start, stop)`` row ranges that no block
+    reads (the padding rows, a block's padded nodes, nodes without a parent) but the root's row."""
+    starts, sizes = _read_blocks(stages, stage_tables, first_row)
+    if not np.all(starts[1:] >= starts[:-1] + sizes[:-1]):
+        return False, None
+    edge = np.zeros(num_rows + 1, np.int64)  # +1 where a read block starts, -1 after it ends
+    np.add.at(edge, starts, 1)
+    np.add.at(edge, np.minimum(starts + sizes, num_rows), -1)
+    covered = np.cumsum(edge[:-1]) > 0
+    covered[root_row] = True
+    change = np.flatnonzero(np.diff(np.concatenate([[True], covered, [True]]).astype(np.int8)))
+    return True, tuple((int(a), int(b)) for a, b in zip(change[::2], change[1::2]))
 
 
 def _pflow_plan(steps, step_tables) -> tuple[tuple[PFlowSpec, ...], list[dict]]:

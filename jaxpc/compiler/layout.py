@@ -205,6 +205,10 @@ class Layout:
     # every row above the padding is read by at most one block of one partition (a tree, such as an HCLT): a row's
     # flow is zero until its one reader's backward, whose XLA scatter then writes it instead of adding to it
     single_reader: bool = False
+    # with single_reader: the (start, stop) row ranges whose flows no backward writes (padding rows, padded nodes,
+    # nodes without a parent), all but the root's row; the flow pass zeros these and leaves the rest unset.
+    # None: unknown, the flow pass starts from zeros
+    flow_gaps: tuple[tuple[int, int], ...] | None = None
 
     @property
     def ninf_row(self) -> int:

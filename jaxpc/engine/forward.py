@@ -18,6 +18,7 @@ from jax import lax
 
 from ..compiler.layout import Layout, ScanSpec, StageSpec
 from ..ops import product_layer, sum_layer
+from ..ops.buffers import uninitialized
 from ..ops.pieces import in_order, ranges
 from . import chain
 from ..ops.product_layer import product_layer_backward_reference as product_layer_backward
@@ -67,6 +68,9 @@ def input_values(layout: Layout, tables: dict, params: dict, x: Array, missing: 
 
 
 LEAF_BATCH = 64  # impl="auto": the leaf kernels at batches of at least this many samples
+# rows written before they are read start unset: the flow pass's buffer of a single-reader layout (its gaps zeroed;
+# flow_buffer) and the leaf kernel's rows above the leaves (the stages write them); False: zeros (benchmarks compare)
+UNSET_ROWS = True
 
 
 def _leaf_route(options, batch: int | None) -> bool:
@@ -137,7 +141,9 @@ def _leaf_buffer(plan: Layout, in_tables: list, in_params: dict, x: Array, missi
         marg = None if mt is None else reduce_missing(lp, options)[tab["rows"]]
         specs.append(pallas_leaf.LeafLayer(spec.offset, spec.num_nodes, lp.shape[1]))
         tabs.append((lp, tab["rows"], tab["vars"], marg))
-    return pallas_leaf.categorical_buffer(xt, specs, tabs, num_rows=plan.num_rows, kmax=plan.kmax, missing=mt)
+    # the stages write every row above the leaves before reading it: those rows are left unset (UNSET_ROWS)
+    return pallas_leaf.categorical_buffer(xt, specs, tabs, num_rows=plan.num_rows, kmax=plan.kmax, missing=mt,
+                                          zero_above=not UNSET_ROWS)
 
 
 def _leaf_buffer_fwd(plan, in_tables, in_params, x, missing, options):
@@ -482,7 +488,7 @@ def _root_fwd(layout, tables, sum_params, input_vals, options, buffered):
 def _root_bwd(layout, options, buffered, res, g):
     tables, sum_params, values, shifts = res
     unit = shift_unit(layout) if shifts is not None else 0
-    flows = jnp.zeros_like(values).at[layout.root_row].set(g.astype(values.dtype))
+    flows = flow_buffer(layout, options, values).at[layout.root_row].set(g.astype(values.dtype))
     B = values.shape[1]
     pflows = batched_pflows(layout, tables, options, B, values.dtype)
     keys = {spec.key for spec, _ in pflows}
@@ -555,6 +561,24 @@ def _root_bwd(layout, options, buffered, res, g):
 
 
 root_values.defvjp(_root_fwd, _root_bwd)
+
+
+def flow_buffer(layout, options, values: Array) -> Array:
+    """The flow pass's ``[R, B]`` buffer before the root's flow is written: zeros, or, in a single-reader layout
+    (:attr:`Layout.flow_gaps` set) whose flow pass runs on XLA's scatters alone (:data:`UNSET_ROWS`, no partition
+    on the Pallas backward, which adds in place), an :func:`uninitialized` buffer with the gaps zeroed: every
+    other row but the root's is written by its one reader's backward before it is read."""
+    gaps = getattr(layout, "flow_gaps", None)
+    B, dtype = values.shape[1], values.dtype
+    if (not UNSET_ROWS or gaps is None or not layout.single_reader
+            or 2 * sum(b - a for a, b in gaps) > layout.num_rows
+            or any(_pallas_backward(kernel_choice(options, p, B, dtype)[0], options)
+                   for spec in layout.stages() for p in spec.sums)):
+        return jnp.zeros_like(values)
+    fl = uninitialized(values.shape, dtype)
+    for a, b in gaps:  # the padding rows (compiled circuits have no other gaps: one root, unpadded blocks)
+        fl = lax.dynamic_update_slice(fl, jnp.zeros((b - a, B), dtype), (a, 0))
+    return fl
 
 
 # Options.param_flow_pass="auto": the parameter flows of tree levels (fan-in 1) batched at batches of at most this
@@ -649,15 +673,15 @@ def scatter_child_flows(fl: Array, cf: Array, ch: Array, part, first_row: int, o
     buffer ``fl``; a folded product's flow goes to each of its row blocks, in one scatter. When every child row
     block above the padding (rows from ``first_row``) is read once in the partition (``part.D == 1``), the
     scatter runs without atomic adds, the padding rows' updates dropped. ``overwrite`` (``Layout.single_reader``:
-    no other block reads these rows, so their flows are still zero) writes the flows instead of adding them,
-    which spares reading the rows first."""
+    no other block reads these rows, so their flows are unset, see :func:`flow_buffer`; a dense partition is then
+    one block) writes the flows instead of adding them, which spares reading the rows first."""
     terms = child_terms(ch)
     if len(terms) > 1:
         rows = jnp.stack([child_rows(c, part.Kc, part.dense) for c in terms])
         cf = jnp.broadcast_to(cf, (len(terms),) + cf.shape)
     else:
         rows = child_rows(terms[0], part.Kc, part.dense)
-    if part.D == 1 and not part.dense:
+    if (part.D == 1 and not part.dense) or overwrite:
         rows = jnp.where(rows < first_row, fl.shape[0], rows)  # out of range: dropped
         if overwrite:
             return fl.at[rows].set(cf.astype(fl.dtype), mode="drop", unique_indices=True)

@@ -7,7 +7,8 @@ input layers' values at their offsets and zeros above. XLA builds it as a gather
 ``[N, B]`` temporary) and a concatenation that writes all ``R`` rows again. :func:`categorical_buffer` writes the
 whole buffer once, each program a tile of rows and samples, the leaves' values gathered in registers, the batch
 tiles of a row tile one after the other (their parameter rows stay in L2): on the H200 HCLT-256's 713 MB
-buffer at batch 512 in 0.39 ms against XLA's 0.73 (`benchmarks/kernels_check.py --leaves`).
+buffer at batch 512 in 0.39 ms against XLA's 0.73 (`benchmarks/kernels_check.py --leaves`). The flow pass has
+it leave the rows above the leaves unwritten, since its stages write each of them before reading it.
 
 :func:`categorical_buffer_reference` is the same buffer from ``jnp`` gathers and one concatenation.
 
@@ -135,16 +136,20 @@ def _kernel(xt_ref, *refs, layers, missing, R, B, kmax, TR, TB):
 
 
 def categorical_buffer(xt: Array, layers: Sequence[LeafLayer], tabs: Sequence[tuple], *, num_rows: int, kmax: int,
-                       missing: Array | None = None, config: LeafConfig = LeafConfig()) -> Array:
+                       missing: Array | None = None, config: LeafConfig = LeafConfig(),
+                       zero_above: bool = True) -> Array:
     """The node buffer ``[num_rows, B]`` (float32) before the first stage: rows ``[0, kmax)`` zero, ``[kmax,
     2 kmax)`` ``-inf``, each layer's ``num_nodes`` rows from ``offset`` its categorical leaves' log-values, every
     other row zero, in one kernel. ``xt``: the batch transposed, integers ``[V, B]``; ``tabs``: per layer
     ``(log_probs [P, K] float32, rows [N], vars [N], marg [N] or None)``; ``missing``: None or bool ``[V, B]``,
-    where a leaf takes its ``marg``. A value outside ``[0, K)`` (not missing) gives NaN, as the reference does."""
+    where a leaf takes its ``marg``. A value outside ``[0, K)`` (not missing) gives NaN, as the reference does.
+    ``zero_above=False`` leaves the rows above the last layer unwritten (uninitialized memory on a GPU, NaN in
+    interpret mode), for a caller whose stages write each of them before reading it."""
     _check(xt, layers, tabs, num_rows, kmax, missing)
     B = xt.shape[1]
+    top = num_rows if zero_above else max([2 * kmax] + [s.offset + s.num_nodes for s in layers])
     TB = min(config.block_b, _p2(B))
-    TR = max(1, min(config.block_e // TB, _p2(num_rows)))
+    TR = max(1, min(config.block_e // TB, _p2(top)))
     args = [xt.astype(jnp.int32)]
     if missing is not None:
         args.append(missing.astype(jnp.int32))
@@ -152,9 +157,9 @@ def categorical_buffer(xt: Array, layers: Sequence[LeafLayer], tabs: Sequence[tu
         args += [lp.reshape(-1), rows.astype(jnp.int32), vars_.astype(jnp.int32)]
         if missing is not None:
             args.append(marg.astype(jnp.float32))
-    kernel = functools.partial(_kernel, layers=tuple(layers), missing=missing is not None, R=num_rows, B=B,
+    kernel = functools.partial(_kernel, layers=tuple(layers), missing=missing is not None, R=top, B=B,
                                kmax=kmax, TR=TR, TB=TB)
-    return _call(kernel, config, grid=(pl.cdiv(B, TB), pl.cdiv(num_rows, TR)),
+    return _call(kernel, config, grid=(pl.cdiv(B, TB), pl.cdiv(top, TR)),
                  out_shape=jax.ShapeDtypeStruct((num_rows, B), jnp.float32),
                  name="jaxpc_categorical_buffer")(*args)
 
