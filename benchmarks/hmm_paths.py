@@ -1,13 +1,16 @@
 """The HMM-1024 workload (T=64, V=4096) through each of jaxpc's evaluation paths, on the current device.
 
     python benchmarks/hmm_paths.py [--batches 16,128,512] [--reps 25] [--precision tf32]
+                                   [--paths stacked,accumulated,layers] [--unrolls 1,8,all]
 
 Paths: the chain scan (``jaxpc.engine.chain``) with the transition flows from one stacked matrix product
 (``stacked``) or accumulated per step (``accumulated``), and the layer-by-layer flows pass
-(``Options(chain_scan=False)``). Each first checks its log-likelihoods and flows against the layer path at
-fp32; then reports forward + flows median ms and the executable's memory (XLA's memory analysis).
-``chain.STACK_LIMIT`` picks between the two chain variants by R * K * B; this script shows where each wins.
-A last row times ``circuit.flows`` (the default path through the API): its excess is host time per call.
+(``Options(chain_scan=False)``), those of ``--paths``; with ``--unrolls``, also the default chain path with its
+scans unrolled that many steps per loop iteration at every batch (``chain.UNROLL``; ``all``: no loop). Each
+first checks its log-likelihoods and flows against the layer path at fp32; then reports forward + flows median
+ms and the executable's memory (XLA's memory analysis). ``chain.STACK_LIMIT`` picks between the two chain
+variants by R * K * B; this script shows where each wins. A last row times ``circuit.flows`` (the default
+path through the API): its excess is host time per call.
 """
 
 from __future__ import annotations
@@ -36,21 +39,28 @@ def main(argv=None):
     p.add_argument("--batches", default="16,128,512")
     p.add_argument("--reps", type=int, default=25)
     p.add_argument("--precision", default="tf32", choices=["fp32", "tf32", "bf16"])
+    p.add_argument("--paths", default="stacked,accumulated,layers")
+    p.add_argument("--unrolls", default="", help="also the default chain path with these scan unrolls, e.g. 1,4,all")
     p.add_argument("--size", default=f"{T},{L},{V}", help="steps,latents,vocab (default: HMM-1024)")
     args = p.parse_args(argv)
     steps, latents, vocab = (int(v) for v in args.size.split(","))
     c = jaxpc.compile(structures.HMM(steps, latents, vocab))
     default_limit = chain.STACK_LIMIT
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; chain {c.layout.chain is not None}", flush=True)
-    paths = {"stacked": (jaxpc.Options(), 10**12), "accumulated": (jaxpc.Options(), 0),
-             "layers": (jaxpc.Options(chain_scan=False), None)}
+    default_unroll, default_batch = chain.UNROLL, chain.UNROLL_BATCH
+    paths = {"stacked": (jaxpc.Options(), 10**12, default_unroll), "accumulated": (jaxpc.Options(), 0, default_unroll),
+             "layers": (jaxpc.Options(chain_scan=False), None, default_unroll)}
+    paths = {k: v for k, v in paths.items() if k in args.paths.split(",")}
+    for u in args.unrolls.split(",") if args.unrolls else ():
+        paths[f"chain-u{u}"] = (jaxpc.Options(), default_limit, True if u == "all" else int(u))
     rows = []
     for B in [int(b) for b in args.batches.split(",")]:
         xs = [jnp.asarray(np.random.default_rng(s).integers(0, vocab, (B, steps)).astype(np.int32)) for s in range(4)]
         ref = None
-        for name, (opts, limit) in paths.items():
+        for name, (opts, limit, unroll) in paths.items():
             if limit is not None:
                 chain.STACK_LIMIT = limit
+            chain.UNROLL, chain.UNROLL_BATCH = unroll, (0 if name.startswith("chain-u") else default_batch)
 
             def make(o):
                 return jax.jit(lambda t, p_, x: em.flows_and_ll(c.layout, t, p_, x, None, None, o))
@@ -68,7 +78,7 @@ def main(argv=None):
             rows.append(dict(path=name, B=B, flows_ms=ms, mem_mib=mib, err_ll=err_ll, err_flows=err_fl))
             print(f"B={B:4d} {name:12s} fwd+flows {ms:8.3f} ms | mem {mib:8.1f} MiB | fp32 vs layers: "
                   f"ll {err_ll:.1e} flows {err_fl:.1e}", flush=True)
-        chain.STACK_LIMIT = default_limit
+        chain.STACK_LIMIT, chain.UNROLL, chain.UNROLL_BATCH = default_limit, default_unroll, default_batch
         # the same default executable through the Circuit API: the difference is host time per call
         opts = jaxpc.Options(precision=args.precision)
         ms = bench_engine.median_ms(lambda xb: c.flows(c.params, xb, options=opts, validate=False), xs, args.reps)

@@ -47,10 +47,15 @@ def _check_against_oracle(c, params, x, miss=None, weights=None, options=None):
     return fl
 
 
+@pytest.mark.parametrize("unroll", [1, 4], ids=["loop", "unrolled"])
 @pytest.mark.parametrize("stack", [True, False], ids=["stacked", "accumulated"])
 @pytest.mark.parametrize("case", ["tied", "untied", "gaussian"])
-def test_chain_flows_equal_exact_expected_counts(case, stack, monkeypatch):
+def test_chain_flows_equal_exact_expected_counts(case, stack, unroll, monkeypatch):
+    """The scan's flows against the oracle: transition flows stacked or accumulated, the scans' loops one step per
+    iteration or unrolled (4 steps per iteration of 5: a remainder), the input flows written over the emissions."""
     monkeypatch.setattr(chain_engine, "STACK_LIMIT", 10**9 if stack else 0)
+    monkeypatch.setattr(chain_engine, "UNROLL", unroll)
+    monkeypatch.setattr(chain_engine, "UNROLL_BATCH", 0)
     rng = np.random.default_rng(1)
     T, L, V, B = 6, 4, 5, 11
     if case == "gaussian":

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..compiler.layout import ChainSpec
+from ..ops.buffers import uninitialized
 from ..ops.sum_layer import matmul
 
 Array = jax.Array
@@ -36,6 +37,14 @@ Array = jax.Array
 # messages (R * K * B values) stay at most this many (fewer, larger products: faster at small batches);
 # beyond it they are accumulated step by step (one [K, B] x [B, K] product per step, no stack).
 STACK_LIMIT = 4 * 2**20
+# steps per iteration of the forward and backward scans' loops (lax.scan's unroll; True: no loop) at batches of at
+# least UNROLL_BATCH samples; one step per iteration below (measurements: benchmarks/RESULTS.md)
+UNROLL = 8
+UNROLL_BATCH = 128
+
+
+def _unroll(B: int):
+    return UNROLL if B >= UNROLL_BATCH else 1
 
 
 def applies(layout, options, evidence_externals: bool) -> bool:
@@ -83,7 +92,7 @@ def _forward(spec: ChainSpec, ctab: dict, sum_params: dict, vals: Array, precisi
         c = jnp.sum(p, axis=0)
         return p / _safe(c), (u, c)
 
-    uR, (U, cs) = lax.scan(step, u0, (order[1:], None if spec.tied else ctab["pid"]))
+    uR, (U, cs) = lax.scan(step, u0, (order[1:], None if spec.tied else ctab["pid"]), unroll=_unroll(B))
     g = jnp.exp(sum_params[spec.root_group][ctab["root_pid"]]).reshape(K)  # [1, C, 1, Kc] -> [K]
     rl = matmul("k,kb->b", g, uR, precision)
     ll = jnp.log(rl) + jnp.log(c0) + jnp.sum(jnp.log(cs), axis=0) + jnp.sum(m, axis=0)
@@ -115,8 +124,9 @@ def _bwd(spec, options, saved, gbar):
     def step(carry, xs):
         beta, u_next, dA, d_in = carry
         blk, u, c, pid = xs
+        e = lax.dynamic_index_in_dim(d_in if over_e else E, blk, 0, keepdims=False)  # read before it is written
         d_in = lax.dynamic_update_index_in_dim(d_in, beta * u_next, blk, 0)  # the emission's posterior
-        dy = (beta / _safe(c)[None, :]) * jnp.exp(E[blk] - m[blk])
+        dy = (beta / _safe(c)[None, :]) * jnp.exp(e - m[blk])
         a = A if pid is None else _matrix(logw, pid, K)
         beta_prev = matmul("kj,kb->jb", a, dy, prec)
         if dA is not None:
@@ -125,7 +135,15 @@ def _bwd(spec, options, saved, gbar):
 
     dA0 = jnp.zeros((K, K), u0.dtype) if (want_params and not stack) else None
     xs = (order[1:], U, cs, None if spec.tied else ctab["pid"])
-    (beta0, _, dA, d_in), dY = lax.scan(step, (betaR, uR, dA0, jnp.zeros_like(E)), xs, reverse=True)
+    # each step writes its block's posteriors (order: every block once). An unrolled loop keeps more temporaries
+    # alive; there the input flows overwrite the emission values E block by block (each step reads its block
+    # first), so that the two are not in memory side by side (HMM-1024 at B=512, 8 steps per iteration: 477
+    # against 605 MiB). One step per iteration, XLA copies E into the carry instead (81 -> 85 MiB at B=16 on the
+    # H200): the flows then go to an unset buffer (zeros while small: uninitialized).
+    unroll = _unroll(B)
+    over_e = unroll != 1
+    d_in = E if over_e else uninitialized(E.shape, E.dtype)
+    (beta0, _, dA, d_in), dY = lax.scan(step, (betaR, uR, dA0, d_in), xs, reverse=True, unroll=unroll)
     d_in = lax.dynamic_update_index_in_dim(d_in, beta0 * u0, spec.order[0], 0)
 
     dparams = {k: jnp.zeros_like(v) for k, v in sum_params.items()}
