@@ -568,7 +568,7 @@ def flow_buffer(layout, options, values: Array) -> Array:
     (:attr:`Layout.flow_gaps` set) whose flow pass runs on XLA's scatters alone (:data:`UNSET_ROWS`, no partition
     on the Pallas backward, which adds in place), an :func:`uninitialized` buffer with the gaps zeroed: every
     other row but the root's is written by its one reader's backward before it is read."""
-    gaps = getattr(layout, "flow_gaps", None)
+    gaps = layout.flow_gaps
     B, dtype = values.shape[1], values.dtype
     if (not UNSET_ROWS or gaps is None or not layout.single_reader
             or 2 * sum(b - a for a, b in gaps) > layout.num_rows

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .pallas_sum import _call, _mm, _p2, available, plgpu
+from .pallas_sum import _block_grid, _block_ids, _call, _mm, _p2, available, plgpu
 
 Array = jax.Array
 
@@ -177,9 +177,9 @@ class CountsConfig:
 
 
 def _counts_kernel(x_ref, f_ref, out_ref, *, offset, run, K, B, TR, TK, TB, split):
-    r = pl.program_id(0) * TR + jnp.arange(TR)  # the programs of one variable run one after the other (its
-    k = pl.program_id(1) * TK + jnp.arange(TK)  # values stay in L2): the variable is the last grid axis
-    g = pl.program_id(2)
+    g, ri, ki = _block_ids(3)  # the programs of one variable run one after the other (its values stay in L2)
+    r = ri * TR + jnp.arange(TR)
+    k = ki * TK + jnp.arange(TK)
     rmask = r < run
     rows = offset + g * run + r
 
@@ -239,7 +239,7 @@ def categorical_counts(flows: Array, xg: Array, *, run: int, num_cats: int, prec
     TB = min(config.block_b, _p2(B))
     kernel = functools.partial(_counts_kernel, offset=int(offset), run=run, K=num_cats, B=B, TR=TR, TK=TK, TB=TB,
                                split=precision == "fp32")
-    return _call(kernel, config, grid=(pl.cdiv(run, TR), pl.cdiv(num_cats, TK), G),
+    return _call(kernel, config, grid=_block_grid(G, pl.cdiv(run, TR), pl.cdiv(num_cats, TK)),
                  out_shape=jax.ShapeDtypeStruct((G, run, num_cats), jnp.float32),
                  name="jaxpc_categorical_counts")(xg.astype(jnp.int32), flows)
 
