@@ -175,6 +175,9 @@ class PackedTables:
 
 _PACKED = _IdentityMemo(PackedTables)
 PACK_TABLES = True  # executables take the index tables packed (PackedTables); False: one argument per array
+# XLA options for the executables compiled from now on (``Compiled`` ``compiler_options``, e.g.
+# {"xla_gpu_graph_min_graph_size": 1}); not part of the key: benchmarks set it before a cache's first compile
+COMPILER_OPTIONS: dict | None = None
 
 
 @dataclasses.dataclass
@@ -311,7 +314,7 @@ class ExecutableCache:
                 return fn(**kw, **static)
 
             t = time.perf_counter()
-            e.compiled = jax.jit(positional).lower(*_call_args(args)).compile()
+            e.compiled = jax.jit(positional).lower(*_call_args(args)).compile(compiler_options=COMPILER_OPTIONS)
             with self._lock:
                 self.compile_seconds += time.perf_counter() - t
         except BaseException as err:  # noqa: BLE001 - re-raised to every waiting caller

@@ -381,3 +381,17 @@ def test_compiled_returns_the_most_recently_used_executable():
     assert other is not first
     c.flows(c.params, x)  # a cache hit makes the first one the most recent again
     assert c.compiled("flows") is first
+
+
+def test_compiler_options_reach_every_new_executable(monkeypatch):
+    """``jaxpc.executables.COMPILER_OPTIONS`` (benchmarks' XLA options A/B) is given to the executables compiled while
+    it is set: an option XLA does not know fails the compile, a known one compiles the same answer."""
+    x = _data(10)
+    ref = _hmm()
+    want = ref.log_prob(ref.params, x)
+    monkeypatch.setattr(jaxpc.executables, "COMPILER_OPTIONS", {"not_an_xla_option": 1})
+    c = _hmm()
+    with pytest.raises(Exception, match="not_an_xla_option"):
+        c.log_prob(c.params, x)
+    monkeypatch.setattr(jaxpc.executables, "COMPILER_OPTIONS", {"xla_gpu_graph_min_graph_size": 1})
+    np.testing.assert_array_equal(np.asarray(c.log_prob(c.params, x)), np.asarray(want))

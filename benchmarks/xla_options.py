@@ -1,0 +1,94 @@
+"""XLA compiler options A/B in one process: the same ``Circuit.flows`` step compiled under several option sets,
+timed in interleaved rounds (so a process's host speed, which moves synchronized small-batch steps by up to
+0.45 ms between processes, is shared by every set).
+
+    python benchmarks/xla_options.py [--workload hclt] [--latents 256] [--batch 16] [--rounds 40]
+                                     [--sets "|xla_gpu_graph_min_graph_size=1"]
+
+Each ``|``-separated set is ``name=value`` pairs (comma-separated; empty: XLA's defaults), given to every executable
+of a fresh copy of the circuit (``jaxpc.executables.COMPILER_OPTIONS`` while it compiles). Per set: the median of
+``--rounds`` synchronized calls (inputs rotating over 4 batches, one call of each set per round, in turn), the
+median time until the call returns (host launch), and a pipelined loop (calls back to back, synchronized once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def parse_set(text: str) -> dict:
+    out = {}
+    for pair in filter(None, (p.strip() for p in text.split(","))):
+        k, v = pair.split("=", 1)
+        out[k] = int(v) if v.lstrip("-").isdigit() else v
+    return out
+
+
+def main(argv=None):
+    import jax
+    import jax.numpy as jnp
+
+    import jaxpc
+    from plans import fresh
+    from profile_step import build
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", default="hclt")
+    p.add_argument("--latents", type=int, default=256)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=40)
+    p.add_argument("--precision", default="tf32")
+    p.add_argument("--sets", default="|xla_gpu_graph_min_graph_size=1")
+    args = p.parse_args(argv)
+    c0, data = build(args.workload, args.latents)
+    opts = jaxpc.Options(precision=args.precision)
+    xs = [jnp.asarray(data[i * args.batch:(i + 1) * args.batch]) for i in range(4)]
+    sets = [parse_set(s) for s in args.sets.split("|")]
+    circuits = []
+    for s in sets:
+        c = fresh(c0)
+        jaxpc.executables.COMPILER_OPTIONS = s or None
+        try:
+            t = time.perf_counter()
+            jax.block_until_ready(c.flows(c.params, xs[0], options=opts, validate=False))
+            print(f"set {s or '(defaults)'}: compiled in {time.perf_counter() - t:.1f}s", flush=True)
+        finally:
+            jaxpc.executables.COMPILER_OPTIONS = None
+        circuits.append(c)
+    ref = np.asarray(circuits[0].flows(c0.params, xs[0], options=opts, validate=False, return_ll=True)[1])
+    for c in circuits[1:]:
+        got = np.asarray(c.flows(c.params, xs[0], options=opts, validate=False, return_ll=True)[1])
+        print(f"log-likelihoods against the first set: {np.abs(got - ref).max():.1e}", flush=True)
+    walls = [[] for _ in sets]
+    disp = [[] for _ in sets]
+    for r in range(args.rounds + 5):
+        for j, c in enumerate(circuits):
+            t = time.perf_counter()
+            o = c.flows(c.params, xs[r % 4], options=opts, validate=False)
+            d = time.perf_counter()
+            jax.block_until_ready(o)
+            if r >= 5:
+                walls[j].append(time.perf_counter() - t)
+                disp[j].append(d - t)
+            del o
+    for j, (s, c) in enumerate(zip(sets, circuits)):
+        t = time.perf_counter()
+        for i in range(args.rounds):
+            out = c.flows(c.params, xs[i % 4], options=opts, validate=False)
+        jax.block_until_ready(out)
+        pipe = 1e3 * (time.perf_counter() - t) / args.rounds
+        print(f"{args.workload}-{args.latents} B={args.batch} {s or '(defaults)'}: fwd+flows "
+              f"{1e3 * np.median(walls[j]):.3f} ms (dispatch {1e3 * np.median(disp[j]):.3f}) | pipelined {pipe:.3f} ms",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
