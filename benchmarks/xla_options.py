@@ -63,7 +63,7 @@ def main(argv=None):
         finally:
             jaxpc.executables.COMPILER_OPTIONS = None
         circuits.append(c)
-    ref = np.asarray(circuits[0].flows(c0.params, xs[0], options=opts, validate=False, return_ll=True)[1])
+    ref = np.asarray(circuits[0].flows(circuits[0].params, xs[0], options=opts, validate=False, return_ll=True)[1])
     for c in circuits[1:]:
         got = np.asarray(c.flows(c.params, xs[0], options=opts, validate=False, return_ll=True)[1])
         print(f"log-likelihoods against the first set: {np.abs(got - ref).max():.1e}", flush=True)
