@@ -9,6 +9,7 @@ out-of-range category then yields NaN instead of a silently clamped value).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -52,8 +53,8 @@ class VarInfo:
                         hi[v] = min(hi[v], r[1])
         return cls(num_vars, discrete, continuous, lo, hi, tuple(names), card)
 
-    @property
-    def all_discrete(self) -> bool:
+    @functools.cached_property
+    def all_discrete(self) -> bool:  # (cached: read on every call, in a small step's host time)
         return not self.continuous.any()
 
     def describe(self, v: int) -> str:
@@ -86,8 +87,8 @@ def check_batch(info: VarInfo, x, missing, *, check_values: bool, float_dtype, w
     if shape[0] == 0:
         raise ValueError(f"{what} has an empty batch (shape {shape})")
     dt = np.dtype(x.dtype)
-    is_int = np.issubdtype(dt, np.integer) or dt == np.bool_
-    is_float = np.issubdtype(dt, np.floating)
+    is_int = dt.kind in "iub"  # signed, unsigned, bool
+    is_float = dt.kind == "f"
     if not (is_int or is_float):
         raise TypeError(f"{what} has dtype {dt}; expected integers (category ids) or floats")
     if info.all_discrete and not is_int:

@@ -193,12 +193,7 @@ class Circuit:
     # ---- executables ---------------------------------------------------------------------------
     def _run(self, entry: str, static: dict, args: dict, fallback=None):
         """Run an entry point through the circuit's executable cache. Inside a user's trace (tracer
-        arguments) the pure function is inlined instead."""
-        # (the index tables are the circuit's own concrete arrays: skipping their hundreds of leaves here and in
-        # the cache key is most of the per-call host time of a small step)
-        if any(isinstance(l, jax.core.Tracer) for k, v in args.items() if k != "tables"
-               for l in jax.tree_util.tree_leaves(v)):
-            return self._fns[entry](**args, **static)
+        arguments) the pure function is inlined instead (:meth:`ExecutableCache.run`)."""
         return self._cache.run(entry, self._fns[entry], static, args, fallback)
 
     def cache_info(self) -> CacheInfo:

@@ -187,6 +187,8 @@ class Options:
         base = cls() if options is None else options
         if not isinstance(base, cls):
             raise TypeError(f"options must be a jaxpc.Options, got {type(base).__name__}")
+        if not overrides:  # every call of the API comes here: no field scan when nothing changes
+            return base
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(overrides) - names
         if unknown:

@@ -341,6 +341,34 @@ def test_table_signature_is_computed_once_per_tables_object():
     assert hash(tuple(k1.items())) == hash(tuple(k2.items())) and k1 == k2
 
 
+def test_call_key_is_by_value_and_inlines_tracers():
+    """The per-call key (``ExecutableCache.key``): equal options in another object and another params pytree of
+    the same shapes replay the executable; a new batch bucket compiles; tracer arguments (a call inside the
+    user's jit) run the function inline and leave the cache alone."""
+    from jaxpc.executables import ExecutableCache
+
+    c, x = _hmm(), _data(8)
+    first = c.log_prob(c.params, x, options=jaxpc.Options(precision="tf32"))
+    info = c.cache_info()
+    params2 = jax.tree_util.tree_map(lambda a: a + 0, c.params)
+    _same(c.log_prob(params2, x, options=jaxpc.Options(precision="tf32")), first)
+    assert (c.cache_info().misses, c.cache_info().hits) == (info.misses, info.hits + 1)
+    c.log_prob(c.params, _data(20), options=jaxpc.Options(precision="tf32"))  # bucket 32
+    assert c.cache_info().misses == info.misses + 1
+    info = c.cache_info()
+    traced = jax.jit(lambda p: c.log_prob(p, x, options=jaxpc.Options(precision="tf32"), validate=False))(c.params)
+    assert c.cache_info() == info
+    np.testing.assert_allclose(np.asarray(traced), np.asarray(first), rtol=1e-6)
+    key = ExecutableCache.key
+    assert key("e", {"n": 1}, {"x": jnp.zeros(3)}) == key("e", {"n": 1}, {"x": jnp.ones(3)})
+    assert key("e", {"n": 1}, {"x": jnp.zeros(3)}) != key("e", {"n": 1}, {"x": jnp.zeros(3, jnp.int32)})
+    assert key("e", {"n": 1}, {"x": jnp.zeros(3)}) != key("e", {"n": 2}, {"x": jnp.zeros(3)})
+    assert key("e", {}, {"p": {"a": jnp.zeros(2)}}) != key("e", {}, {"p": {"b": jnp.zeros(2)}})
+    seen = []
+    jax.jit(lambda v: seen.append(key("e", {}, {"p": {"a": v}})) or v)(jnp.zeros(2))
+    assert seen == [None]
+
+
 def test_packed_tables_round_trip_and_serve_equal_tables():
     """Executables take the tables packed (one array per dtype): unpacking gives every table back, scalars and
     mixed dtypes included; the executable compiled for one tables object runs a copy (and a larger bucket's
