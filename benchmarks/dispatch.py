@@ -1,7 +1,8 @@
 """Where the host time of a synchronized step goes: ``Circuit.flows`` under buffer-address conditions and XLA flags.
 
     python benchmarks/dispatch.py [--workload hclt] [--latents 256] [--batches 16,512] [--impl auto]
-                                  [--flags "|--xla_gpu_enable_command_buffer="] [--trace] [--unrolled]
+                                  [--flags "|--xla_gpu_enable_command_buffer="] [--trace] [--timeline] [--floor]
+                                  [--unrolled]
 
 Each ``|``-separated entry of ``--flags`` runs in its own process with those ``XLA_FLAGS`` (the empty entry:
 none). Per process and batch size, medians over ``--reps`` synchronized ``flows`` calls (``validate=False``,
@@ -69,6 +70,99 @@ def host_events(trace_dir: str, steps: int, top: int = 12) -> list[str]:
             for name, (n, us) in sorted(per.items(), key=lambda kv: -kv[1][1])[:top]]
 
 
+def timeline(trace_dir: str, steps: int, show: int = 1, min_us: float = 4.0) -> list[str]:
+    """Per ``jaxpc_step`` annotation of the trace: the time from the call to its first kernel, the kernels' span and
+    the time from the last kernel to the step's end (all under the profiler, which slows launches); for the last
+    ``show`` steps also the host events of at least ``min_us`` in order, as offsets from the call."""
+    from profile_step import load_trace
+
+    trace = load_trace(trace_dir)
+    if trace is None:
+        return ["(no trace written)"]
+    events, device = trace
+    marks = sorted((e for e in events if e.get("ph") == "X" and e.get("name") == "jaxpc_step"), key=lambda e: e["ts"])
+    kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("pid") in device), key=lambda e: e["ts"])
+    host = sorted((e for e in events if e.get("ph") == "X" and e.get("pid") not in device
+                   and e.get("name") != "jaxpc_step"), key=lambda e: e["ts"])
+    out = []
+    for j, m in enumerate(marks[-steps:]):
+        t0, t1 = m["ts"], m["ts"] + m["dur"]
+        ks = [k for k in kernels if t0 <= k["ts"] <= t1]
+        if not ks:
+            out.append(f"  step {j}: {m['dur'] / 1e3:.3f} ms, no kernels in it")
+            continue
+        first, last = ks[0]["ts"], max(k["ts"] + k["dur"] for k in ks)
+        out.append(f"  step {j}: {m['dur'] / 1e3:.3f} ms: call to first kernel {(first - t0) / 1e3:.3f} ms ({ks[0]['name'][:40]}), "
+                   f"kernels' span {(last - first) / 1e3:.3f} ms ({len(ks)} kernels), last kernel to return "
+                   f"{(t1 - last) / 1e3:.3f} ms")
+        if j >= steps - show:
+            for e in host:
+                if t0 <= e["ts"] <= t1 and e.get("dur", 0) >= min_us:
+                    out.append(f"    +{(e['ts'] - t0) / 1e3:7.3f} ms {e['dur'] / 1e3:7.3f} ms  {str(e['name'])[:90]}")
+    return out
+
+
+def floor(c, call, xs, reps: int) -> dict:
+    """``--floor``: what bounds a synchronized call from below, medians over ``reps`` calls, each ``wall ms
+    (dispatch ms)``: ``raw``, the step's compiled executable called directly on the arguments the API gave it for
+    ``xs[0]`` (no ``Circuit`` Python: compare with ``same``); ``spin``, the API's call waited for by polling its
+    outputs' ``is_ready()`` instead of ``jax.block_until_ready``; ``trivial``, a jitted ``x + 1`` of the input
+    batch (a call's fixed cost)."""
+    import jax
+
+    from jaxpc import executables
+
+    got = {}
+    run = executables.ExecutableCache.run
+
+    def spy(self, entry, fn, static, a, fallback=None):
+        got.setdefault("args", executables._call_args(a))
+        return run(self, entry, fn, static, a, fallback)
+
+    executables.ExecutableCache.run = spy
+    try:
+        jax.block_until_ready(call(xs[0]))
+    finally:
+        executables.ExecutableCache.run = run
+    exe, raw_args = c.compiled("flows"), got["args"]
+    inc = jax.jit(lambda x: x + 1)
+
+    def timed(fn, wait=jax.block_until_ready):
+        walls, disp = [], []
+        for i in range(reps + 3):
+            t = time.perf_counter()
+            o = fn(i)
+            d = time.perf_counter()
+            wait(o)
+            if i >= 3:
+                walls.append(time.perf_counter() - t)
+                disp.append(d - t)
+            del o
+        return f"{1e3 * np.median(walls):.3f} ms (dispatch {1e3 * np.median(disp):.3f})"
+
+    def spin(o):
+        leaves = jax.tree_util.tree_leaves(o)
+        while not all(leaf.is_ready() for leaf in leaves):
+            pass
+
+    out = {"raw": timed(lambda i: exe(*raw_args)), "spin": timed(lambda i: call(xs[i % 4]), spin),
+           "trivial": timed(lambda i: inc(xs[i % 4]))}
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(reps):
+        jax.block_until_ready(call(xs[i % 4]))
+    prof.disable()
+    st = pstats.Stats(prof).stats  # {(file, line, name): (calls, primitive calls, tottime, cumtime, callers)}
+    rows = sorted(st.items(), key=lambda kv: -kv[1][3])[:24]
+    print(f"  cProfile of {reps} synchronized calls, us per call (own / with callees):\n" + "\n".join(
+        f"    {1e6 * v[2] / reps:8.1f} {1e6 * v[3] / reps:8.1f}  x{v[0] / reps:4.1f}  {Path(k[0]).name}:{k[1]}({k[2]})"
+        for k, v in rows), flush=True)
+    return out
+
+
 def measure(args):
     import jax
     import jax.numpy as jnp
@@ -106,6 +200,8 @@ def measure(args):
 
         res = {"rotate": loop(lambda i: xs[i % 4], True), "same": loop(lambda i: xs[0], True),
                "held": loop(lambda i: xs[i % 4], False)}
+        if args.floor:
+            res.update(floor(c, call, xs, args.reps))
         t = time.perf_counter()
         for i in range(args.reps):
             out = call(xs[i % 4])
@@ -120,6 +216,13 @@ def measure(args):
                     for i in range(5):
                         jax.block_until_ready(call(xs[i % 4]))
                 print("  host events per step (rotate loop):\n" + "\n".join(host_events(d, 5)), flush=True)
+        if args.timeline:
+            with tempfile.TemporaryDirectory() as d:
+                with jax.profiler.trace(d):
+                    for i in range(6):
+                        with jax.profiler.TraceAnnotation("jaxpc_step"):
+                            jax.block_until_ready(call(xs[i % 4]))
+                print("  timeline (rotate loop, under the profiler):\n" + "\n".join(timeline(d, 5)), flush=True)
 
 
 def main(argv=None):
@@ -131,6 +234,11 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--unrolled", action="store_true", help="Options(scan_stages=False): repeated stages unrolled")
     p.add_argument("--trace", action="store_true", help="host events of a profiler trace and the HLO census")
+    p.add_argument("--floor", action="store_true",
+                   help="also the compiled executable called directly, outputs polled, and a trivial executable")
+    p.add_argument("--timeline", action="store_true",
+                   help="per step of a profiler trace: call to first kernel, kernels' span, last kernel to return, "
+                        "and the last step's host events in order")
     p.add_argument("--flags", default="", help="'|'-separated XLA_FLAGS settings, one process each")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -138,7 +246,8 @@ def main(argv=None):
         return measure(args)
     base = [f"--workload={args.workload}", f"--latents={args.latents}", f"--batches={args.batches}",
             f"--precision={args.precision}", f"--impl={args.impl}", f"--reps={args.reps}"]
-    base += ["--trace"] * args.trace + ["--unrolled"] * args.unrolled
+    base += (["--trace"] * args.trace + ["--timeline"] * args.timeline + ["--floor"] * args.floor
+             + ["--unrolled"] * args.unrolled)
     for flags in args.flags.split("|"):
         env = {**os.environ, "XLA_FLAGS": flags}
         r = subprocess.run([sys.executable, __file__, "--child", *base], env=env, capture_output=True, text=True)
