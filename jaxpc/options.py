@@ -8,6 +8,7 @@ another value.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -184,16 +185,25 @@ class Options:
     def make(cls, options: "Options | None" = None, **overrides: Any) -> "Options":
         """``options`` (default ``Options()``) with the non-None keyword overrides applied; unknown
         names raise a ``TypeError`` listing the valid ones."""
-        base = cls() if options is None else options
+        # (every call of the API comes here: the default options and the field names are made once)
+        base = _default(cls) if options is None else options
         if not isinstance(base, cls):
             raise TypeError(f"options must be a jaxpc.Options, got {type(base).__name__}")
-        if not overrides:  # every call of the API comes here: no field scan when nothing changes
-            return base
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(overrides) - names
+        names = _field_names(cls)
+        unknown = overrides.keys() - names
         if unknown:
             raise TypeError(f"unknown option(s) {sorted(unknown)}; valid options: {sorted(names)}")
         changes = {k: v for k, v in overrides.items() if v is not None}
         if "propagation" in changes and changes["propagation"] != "GeneralLL" and "alpha" not in changes:
             changes["alpha"] = None
         return dataclasses.replace(base, **changes) if changes else base
+
+
+@functools.cache
+def _field_names(cls) -> frozenset:
+    return frozenset(f.name for f in dataclasses.fields(cls))
+
+
+@functools.cache
+def _default(cls):
+    return cls()  # frozen: one shared instance
