@@ -128,10 +128,9 @@ class _IdentityMemo:
         self._lock = threading.Lock()
 
     def get(self, val):
-        with self._lock:
-            hit = self._memo.get(id(val))
-            if hit is not None and hit[0] is val:
-                return hit[1]
+        hit = self._memo.get(id(val))  # (a dict read is atomic: the lock guards the writes below)
+        if hit is not None and hit[0] is val:
+            return hit[1]
         sig = self.make(val)
         with self._lock:
             self._memo[id(val)] = (val, sig)
@@ -296,7 +295,7 @@ class ExecutableCache:
             return out if out is not None else self.run(entry, fn, static, args)
         if owner:
             self._compile(e, fn, static, args)
-        else:
+        elif not e.ready.is_set():  # (is_set: wait() takes the event's lock even when it is set)
             e.ready.wait()
         if e.error is not None:
             raise e.error
