@@ -204,7 +204,7 @@ class ExecutableCache:
         self.max_layouts_per_entry = max_layouts_per_entry
         self.compile_after = compile_after
         self._lock = threading.RLock()
-        self._entries: collections.OrderedDict = collections.OrderedDict()
+        self._entries: dict = {}  # key -> _Entry; recency is each entry's ``used``, not the dict's order
         self._sightings: collections.Counter = collections.Counter()
         self._layouts: dict[str, list[dict]] = collections.defaultdict(list)
         self._warned: set[str] = set()
@@ -255,7 +255,7 @@ class ExecutableCache:
             elif val is None:
                 sig.append((name, None))
             elif isinstance(val, jax.Array) and not isinstance(val, jax.core.Tracer):
-                sig.append((name, (val.shape, val.dtype, val.sharding)))
+                sig.append((name, _leaf_sig(val)))
             else:
                 leaves, tree = jax.tree_util.tree_flatten(val)
                 if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
