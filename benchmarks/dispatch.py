@@ -102,6 +102,30 @@ def timeline(trace_dir: str, steps: int, show: int = 1, min_us: float = 4.0) -> 
     return out
 
 
+def calls(fn, reps: int, *, free: bool = True, warm: int = 0, wait=None) -> str:
+    """``wall ms (dispatch ms)``: medians over ``reps`` synchronized calls ``fn(i)`` (after ``warm`` untimed ones),
+    ``dispatch`` until the call returns; ``wait`` (default ``jax.block_until_ready``) waits for the outputs;
+    ``free``: the previous outputs are deleted before the next call, else held while it runs."""
+    import jax
+
+    wait = wait or jax.block_until_ready
+    out, walls, disp = None, [], []
+    for i in range(warm + reps):
+        if free and out is not None:
+            for leaf in jax.tree_util.tree_leaves(out):
+                leaf.delete()
+            out = None
+        t = time.perf_counter()
+        o = fn(i)
+        d = time.perf_counter()
+        wait(o)
+        if i >= warm:
+            walls.append(time.perf_counter() - t)
+            disp.append(d - t)
+        out = o
+    return f"{1e3 * np.median(walls):.3f} ms (dispatch {1e3 * np.median(disp):.3f})"
+
+
 def floor(c, call, xs, reps: int) -> dict:
     """``--floor``: what bounds a synchronized call from below, medians over ``reps`` calls, each ``wall ms
     (dispatch ms)``: ``raw``, the step's compiled executable called directly on the arguments the API gave it for
@@ -127,26 +151,14 @@ def floor(c, call, xs, reps: int) -> dict:
     exe, raw_args = c.compiled("flows"), got["args"]
     inc = jax.jit(lambda x: x + 1)
 
-    def timed(fn, wait=jax.block_until_ready):
-        walls, disp = [], []
-        for i in range(reps + 3):
-            t = time.perf_counter()
-            o = fn(i)
-            d = time.perf_counter()
-            wait(o)
-            if i >= 3:
-                walls.append(time.perf_counter() - t)
-                disp.append(d - t)
-            del o
-        return f"{1e3 * np.median(walls):.3f} ms (dispatch {1e3 * np.median(disp):.3f})"
-
     def spin(o):
         leaves = jax.tree_util.tree_leaves(o)
         while not all(leaf.is_ready() for leaf in leaves):
             pass
 
-    out = {"raw": timed(lambda i: exe(*raw_args)), "spin": timed(lambda i: call(xs[i % 4]), spin),
-           "trivial": timed(lambda i: inc(xs[i % 4]))}
+    out = {"raw": calls(lambda i: exe(*raw_args), reps, warm=3),
+           "spin": calls(lambda i: call(xs[i % 4]), reps, warm=3, wait=spin),
+           "trivial": calls(lambda i: inc(xs[i % 4]), reps, warm=3)}
     import cProfile
     import pstats
 
@@ -183,20 +195,7 @@ def measure(args):
             jax.block_until_ready(call(xs[i % 4]))
 
         def loop(pick, free: bool):
-            out, walls, disp = None, [], []
-            for i in range(args.reps):
-                if free and out is not None:
-                    for leaf in jax.tree_util.tree_leaves(out):
-                        leaf.delete()
-                    out = None
-                t = time.perf_counter()
-                o = call(pick(i))
-                d = time.perf_counter()
-                jax.block_until_ready(o)
-                walls.append(time.perf_counter() - t)
-                disp.append(d - t)
-                out = o
-            return f"{1e3 * np.median(walls):.3f} ms (dispatch {1e3 * np.median(disp):.3f})"
+            return calls(lambda i: call(pick(i)), args.reps, free=free)
 
         res = {"rotate": loop(lambda i: xs[i % 4], True), "same": loop(lambda i: xs[0], True),
                "held": loop(lambda i: xs[i % 4], False)}
