@@ -51,7 +51,7 @@ def _select_stage(z: Array, spec: StageSpec, tab: dict, values: Array, params: d
             outs.append(_choose(z, values, t["ch"], t["pid"], params["sum"][part.group], Kp=part.Kp, Kc=part.Kc,
                                 dense=part.dense, key=k))
     out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
-    return jax.lax.dynamic_update_slice(z, out, (offset, 0))
+    return jax.lax.dynamic_update_slice_in_dim(z, out, offset, axis=0)
 
 
 def reached_leaves(layout: Layout, tables: dict, params: dict, values: Array, key: Array | None) -> list[Array]:

@@ -26,6 +26,6 @@ def product_layer_backward_reference(flows: Array, ch: Array, out_offset, *, K: 
     """Each product passes its flow to every child. Returns ``(rows [n, m, K], child_flows [n, m, K, B])``."""
     n, m = ch.shape
     B = flows.shape[1]
-    fp = jax.lax.dynamic_slice(flows, (out_offset, 0), (n * K, B)).reshape(n, 1, K, B)
+    fp = jax.lax.dynamic_slice_in_dim(flows, out_offset, n * K, axis=0).reshape(n, 1, K, B)
     rows = ch[:, :, None] + jnp.arange(K, dtype=ch.dtype)
     return rows, jnp.broadcast_to(fp, (n, m, K, B))

@@ -147,8 +147,8 @@ def sum_layer_backward_reference(values: Array, flows: Array, ch: Array, pid: Ar
     B = values.shape[1]
     x = gather_children(values, ch, Kc, dense)
     lw = gather_weights(logw, pid)  # [n, Kp, CK]
-    vp = jax.lax.dynamic_slice(values, (out_offset, 0), (n * Kp, B)).reshape(n, Kp, B)
-    fp = jax.lax.dynamic_slice(flows, (out_offset, 0), (n * Kp, B)).reshape(n, Kp, B)
+    vp = jax.lax.dynamic_slice_in_dim(values, out_offset, n * Kp, axis=0).reshape(n, Kp, B)
+    fp = jax.lax.dynamic_slice_in_dim(flows, out_offset, n * Kp, axis=0).reshape(n, Kp, B)
     if propagation == "MPE":
         xb = x[None, None] if dense else x[:, None]
         hit = (lw[:, :, :, None] + xb == vp[:, :, None, :]) & jnp.isfinite(vp)[:, :, None, :]
