@@ -73,7 +73,7 @@ def main(argv=None):
     times = []
     for i in range(args.steps):
         n = int(rng.integers(10, 27))
-        bucket = c._buckets(n)
+        bucket = c.runtime.bucket(n)
         x, ids, lp = batch(n)
         pad = bucket - n
         w = jnp.concatenate([jnp.ones(n), jnp.zeros(pad)])

@@ -106,14 +106,15 @@ def fresh(c, adds: bool = False):
     import functools
 
     from jaxpc.circuit import _ENTRIES
-    from jaxpc.executables import ExecutableCache
+    from jaxpc.runtime import Entry, Runtime
 
     out = copy.copy(c)
     if adds:
         fold = c.layout.fold and dataclasses.replace(c.layout.fold, single_reader=False)
         out.layout = dataclasses.replace(c.layout, single_reader=False, fold=fold)
-    out._cache = ExecutableCache()
-    out._fns = {**c._fns, **{name: functools.partial(fn, out.layout) for name, fn in _ENTRIES.items()}}
+    out.runtime = Runtime(c.runtime.var_info, c.dtype)
+    for name, (fn, rows) in _ENTRIES.items():
+        out.runtime.register(name, Entry(functools.partial(fn, out.layout), rows))
     return out
 
 

@@ -10,7 +10,9 @@ from . import io, optim, parallel, queries, structures, transforms, visualize
 from .circuit import Circuit, compile
 from .nodes import CircuitNodes, InputNodes, ProdNodes, SumNodes, duplicate, inputs, multiply, summate
 from .options import Options
-from .executables import CacheInfo, enable_persistent_cache
+from .executables import CacheInfo, default_persistent_cache, enable_persistent_cache
+
+default_persistent_cache()  # a per-user compilation cache, unless JAX's own is set (see jaxpc.executables)
 
 __version__ = "0.1.0"
 

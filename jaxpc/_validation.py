@@ -1,9 +1,10 @@
-"""Input checks run in Python before anything reaches a device.
+"""Input checks.
 
-Shapes and dtypes are always checked (also for tracers, inside a user's ``jit``). Values are
-checked for concrete inputs: numpy data on the host, and device arrays through one small
-jitted reduction (a device-to-host sync; pass ``validate=False`` in hot loops, where an
-out-of-range category then yields NaN instead of a silently clamped value).
+Shapes and dtypes are checked in Python on every call (also for tracers, inside a user's ``jit``).
+Values are checked where they live: numpy data on the host before anything runs, device arrays
+inside the executable that does the work (:class:`DeviceCheck`), which replaces every bad entry by
+an admissible value, reports its rows as bad (NaN log-likelihoods, zero weight in flows and EM) and
+returns a flag that :mod:`jaxpc.runtime` reads without stalling the device.
 """
 
 from __future__ import annotations
@@ -71,7 +72,9 @@ def _is_tracer(a) -> bool:
 
 
 def check_batch(info: VarInfo, x, missing, *, check_values: bool, float_dtype, what: str = "x"):
-    """Validate ``x`` ``[B, V]`` and ``missing`` (``bool[V]`` or ``bool[B, V]``); return jnp arrays."""
+    """Check ``x`` ``[B, V]`` and ``missing`` (``bool[V]`` or ``bool[B, V]``): shapes and dtypes always, values of
+    host data with ``check_values``. Returns ``(x, missing, on_device)`` as jnp arrays; ``on_device``: ``x`` was a
+    concrete device array, whose values only the executable's :class:`DeviceCheck` sees."""
     if not isinstance(x, (np.ndarray, jax.Array)) and not _is_tracer(x):
         try:
             x = np.asarray(x)
@@ -107,22 +110,18 @@ def check_batch(info: VarInfo, x, missing, *, check_values: bool, float_dtype, w
                              f"got {mshape}")
         m = missing
 
-    if check_values and not _is_tracer(x) and not _is_tracer(m):
-        _check_values(info, x, m, what)
+    on_device = isinstance(x, jax.Array) and not _is_tracer(x)
+    if check_values and not on_device and not _is_tracer(x) and not _is_tracer(m):
+        _check_values(info, x, m, what)  # host data: checked before anything runs
 
     target = jnp.int32 if info.all_discrete else float_dtype
     # a device array of the right dtype is used as it is (jnp.asarray costs ~0.1 ms of host time per call)
     xj = x if isinstance(x, jax.Array) and x.dtype == target else jnp.asarray(x, dtype=target)
     mj = None if m is None else (m if isinstance(m, jax.Array) and m.dtype == jnp.bool_ else jnp.asarray(m, dtype=bool))
-    return xj, mj
+    return xj, mj, on_device
 
 
 def _check_values(info: VarInfo, x, m, what: str) -> None:
-    if isinstance(x, jax.Array) and not _device_batch_ok(info, x, m):
-        x = np.asarray(x)  # something is wrong: locate it on the host
-        m = None if m is None else np.asarray(m)
-    if isinstance(x, jax.Array):
-        return
     xh = np.asarray(x)
     mh = None if m is None else np.broadcast_to(np.asarray(m), xh.shape)
     observed = np.ones(xh.shape, bool) if mh is None else ~mh
@@ -149,23 +148,54 @@ def _check_values(info: VarInfo, x, m, what: str) -> None:
         raise ValueError(f"{what}[{b}, {v}] = {val} is out of range: {info.describe(v)}{more}")
 
 
-@jax.jit
-def _column_stats(x, m):
-    xf = x.astype(jnp.float32)
-    obs = jnp.ones(x.shape, bool) if m is None else ~jnp.broadcast_to(m, x.shape)
-    finite = jnp.isfinite(xf)
-    lo = jnp.min(jnp.where(obs & finite, xf, jnp.inf), axis=0)
-    hi = jnp.max(jnp.where(obs & finite, xf, -jnp.inf), axis=0)
-    nonfinite = jnp.any(obs & ~finite, axis=0)
-    frac = jnp.any(obs & finite & (xf != jnp.round(xf)), axis=0)
-    return lo, hi, nonfinite, frac
+def raise_bad_values(info: VarInfo, x, m, what: str, where: str) -> None:
+    """Raise the host check's error for a batch that the device check found bad (``where`` names the call)."""
+    try:
+        _check_values(info, np.asarray(x), None if m is None else np.asarray(m), what)
+    except ValueError as e:
+        raise ValueError(f"{e} (in {where})") from None
+    raise ValueError(f"{what} held a value that the device check rejected (in {where}); the host check found none")
 
 
-def _device_batch_ok(info: VarInfo, x, m) -> bool:
-    lo, hi, nonfinite, frac = (np.asarray(a) for a in _column_stats(x, m))
-    d = info.discrete
-    if np.any(nonfinite):
-        return False
-    if np.any(frac & d):
-        return False
-    return not (np.any((lo < info.lo) & d) or np.any((hi >= info.hi) & d))
+class DeviceCheck:
+    """The value check of a batch inside a traced function (hashable: a static part of the executable key).
+
+    ``apply(x, missing) -> (x_clean, bad_rows)``: every entry that is not admissible (out of a discrete
+    variable's range, fractional for a discrete variable, not finite) is replaced by an admissible value
+    (the variable's smallest value; 0 for a real variable), and ``bad_rows`` ``bool[B]`` marks the rows
+    with such an entry among their observed (not missing) variables.
+    """
+
+    def __init__(self, info: VarInfo):
+        self.discrete = np.asarray(info.discrete, bool)
+        self.lo = np.asarray(info.lo, np.int64)
+        hi = np.asarray(info.hi, np.float64)
+        self.hi = hi
+        self.safe = np.where(self.discrete, self.lo, 0).astype(np.float64)
+        self._key = (self.discrete.tobytes(), self.lo.tobytes(), hi.tobytes())
+        self._hash = hash(self._key)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, DeviceCheck) and self._key == other._key)
+
+    def __repr__(self) -> str:
+        return f"DeviceCheck({self.discrete.size} variables)"
+
+    def apply(self, x, missing):
+        if jnp.issubdtype(x.dtype, jnp.integer):
+            imax = np.iinfo(np.int32).max
+            lo = np.minimum(self.lo, imax).astype(np.int32)
+            top = np.where(np.isinf(self.hi), imax, np.minimum(self.hi - 1, imax)).astype(np.int32)
+            bad = ((x < lo) | (x > top)) & self.discrete
+        else:
+            finite = jnp.isfinite(x)
+            frac = (x != jnp.round(x)) & self.discrete
+            oor = ((x < self.lo.astype(x.dtype)) | (x >= self.hi.astype(x.dtype))) & self.discrete
+            bad = ~finite | frac | oor
+        clean = jnp.where(bad, self.safe.astype(x.dtype), x)
+        if missing is not None:
+            bad = bad & ~missing
+        return clean, jnp.any(bad, axis=1)

@@ -176,8 +176,9 @@ def tune_circuit(circuit, params, x, *, precision: str = "tf32", candidates: Seq
 
     tuner = tuner or Autotuner()
     cands = DEFAULT_CANDIDATES if candidates is None else tuple(candidates)
-    xj, _ = circuit._prepare(x, None, True)
-    B = circuit._buckets(xj.shape[0])
+    batch = circuit.runtime.prepare(x, None, True)
+    xj = batch.x
+    B = circuit.runtime.bucket(batch.n)
     xb = jnp.concatenate([xj] * (-(-B // xj.shape[0])))[:B]
     fold = fold_products and circuit.layout.fold is not None
     plan = circuit.layout.fold if fold else circuit.layout

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +21,7 @@ from .compiler.layout import Layout, ScanSpec
 from .distributions.base import RandomSource
 from .engine import em, forward
 from .executables import BucketPolicy, CacheInfo, ExecutableCache
+from .runtime import Entry, Runtime
 from .nodes import CircuitNodes
 from .options import Options
 
@@ -78,12 +77,11 @@ class Circuit:
         self.tables = jax.tree_util.tree_map(jnp.asarray, _compile.finalize_tables(struct.tables, self.layout))
         self.num_vars = self.layout.num_vars
         self._var_info = _validation.VarInfo.from_var_dists(self.num_vars, struct.var_dists)
-        self._cache = cache or ExecutableCache()
-        self._buckets = buckets or BucketPolicy()
-        self._scalars: dict = {}
-        self._lock = threading.Lock()
-        self._fns = {name: functools.partial(fn, self.layout) for name, fn in _ENTRIES.items()}
-        self._fns["init"] = lambda tables, key: self._init_params_fn(tables, RandomSource(key=key, dtype=self.dtype))
+        self.runtime = Runtime(self._var_info, self.dtype, cache, buckets)
+        for name, (fn, rows) in _ENTRIES.items():
+            self.runtime.register(name, Entry(functools.partial(fn, self.layout), rows))
+        self.runtime.register("init", Entry(lambda tables, key: self._init_params_fn(
+            tables, RandomSource(key=key, dtype=self.dtype)), None))
         self.params: Params = self._initial_params(seed)
 
     # ------------------------------------------------------------------------------------------
@@ -108,9 +106,7 @@ class Circuit:
 
     def init_params(self, key: Array) -> Params:
         """A fresh random draw of all parameters (normalized), keyed by ``key`` (jittable, vmappable)."""
-        if isinstance(key, jax.core.Tracer):
-            return self._fns["init"](self.tables, key)
-        return self._run("init", {}, {"tables": self.tables, "key": key})
+        return self.runtime.run("init", {}, {"tables": self.tables, "key": key})
 
     def _initial_params(self, seed: int) -> Params:
         """Node-given parameters, with a host-side seeded random draw elsewhere (no XLA compile)."""
@@ -187,58 +183,22 @@ class Circuit:
     # ------------------------------------------------------------------------------------------
     # evaluation
     # ------------------------------------------------------------------------------------------
-    def _prepare(self, x, missing, validate: bool):
-        return _validation.check_batch(self._var_info, x, missing, check_values=validate, float_dtype=self.dtype)
-
-    # ---- executables ---------------------------------------------------------------------------
-    def _run(self, entry: str, static: dict, args: dict, fallback=None):
-        """Run an entry point through the circuit's executable cache. Inside a user's trace (tracer
-        arguments) the pure function is inlined instead (:meth:`ExecutableCache.run`)."""
-        return self._cache.run(entry, self._fns[entry], static, args, fallback)
-
     def cache_info(self) -> CacheInfo:
         """``CacheInfo(hits, misses, compile_seconds, live)`` of this circuit's executables."""
-        return self._cache.info()
+        return self.runtime.cache.info()
 
     def compiled(self, entry: str = "flows"):
         """The most recently used compiled executable of an entry point (``"log_prob"``, ``"flows"``,
         ``"em_step"``, ...), a ``jax.stages.Compiled`` for inspection (``.memory_analysis()``: the step's
         temporaries, arguments and outputs; ``.as_text()``: its optimized HLO), or None before its first call."""
-        return self._cache.latest(entry)
+        return self.runtime.cache.latest(entry)
 
-    def _scalar(self, value) -> Array:
-        """A device scalar for a Python number, created once per value (no transfer on later calls)."""
-        if isinstance(value, jax.Array):
-            return value.astype(self.dtype) if value.dtype != self.dtype else value
-        key = float(value)
-        return self._constant(key, lambda: jnp.asarray(key, self.dtype))
+    def raise_pending(self) -> None:
+        """Wait for the input checks of earlier calls on device arrays and raise the first failure now.
 
-    def _valid_rows(self, bucket: int, n: int) -> Array:
-        """``[bucket]`` weights, 1 for the ``n`` real rows and 0 for padding; created once per (bucket, n)."""
-        return self._constant(("valid", bucket, n), lambda: _valid_rows(bucket, n, self.dtype))
-
-    def _constant(self, key, make) -> Array:
-        """A device constant made by ``make()`` once per ``key`` (a bounded cache shared by the callers above)."""
-        with self._lock:
-            if key not in self._scalars:
-                if len(self._scalars) > 256:
-                    self._scalars.clear()
-                self._scalars[key] = make()
-            return self._scalars[key]
-
-    def _batch(self, xj: Array, mj: Array | None, weights: Array | None = None, with_weights: bool = False):
-        """Pad a batch to its bucket. Returns ``(n, bucket, x, missing, weights)``; padded rows repeat the
-        first row and get weight 0."""
-        n = xj.shape[0]
-        if isinstance(xj, jax.core.Tracer):
-            return n, n, xj, mj, weights if weights is not None or not with_weights else jnp.ones((n,), self.dtype)
-        b = self._buckets(n)
-        xp = _pad_rows(xj, b) if b != n else xj
-        mp = mj if mj is None or mj.ndim == 1 or b == n else _pad_rows(mj, b)
-        wp = None
-        if with_weights:
-            wp = _weights(weights, b, n, self.dtype) if weights is not None else self._valid_rows(b, n)
-        return n, b, xp, mp, wp
+        With ``validate=True`` (the default) a device array's values are checked inside the executable; a
+        failed check is raised by the circuit's next call, or here (see :mod:`jaxpc.runtime`)."""
+        self.runtime.raise_pending()
 
     EVIDENCE_KEYS = ("categorical_logp", "categorical_topk", "external", "latent", "sum_gates", "sum_lowrank")
 
@@ -310,27 +270,6 @@ class Circuit:
                 out[key] = sub
         return out or None
 
-    def _pad_evidence(self, evidence: dict | None, bucket: int):
-        if evidence is None:
-            return None
-        # padded exactly when x was (traced evidence too: the pure function is then inlined in the trace)
-        return jax.tree_util.tree_map(lambda a: a if a.shape[0] == bucket else _pad_rows(a, bucket), evidence)
-
-    def _larger_bucket(self, entry: str, static: dict, args: dict, batch_args: tuple[str, ...], n: int):
-        """Fallback for early sightings: run on a live executable of a larger bucket, if any."""
-        def fallback(a):
-            b = a[batch_args[0]].shape[0]
-            for cand in sorted({self._buckets(b * k) for k in (2, 4, 8, 16)}):
-                padded = {k: (_pad_rows(v, cand) if k in batch_args and v is not None and v.ndim >= 1 and
-                              v.shape[0] == b else v) for k, v in a.items()}
-                if "weights" in padded and padded["weights"] is not None:
-                    padded["weights"] = _weights(a["weights"], cand, b, self.dtype)
-                exe = self._cache.find(entry, static, padded)
-                if exe is not None:
-                    return exe(*padded.values())
-            return None
-        return fallback if self._cache.compile_after > 1 else None
-
     # ---- evaluation ----------------------------------------------------------------------------
     def log_prob(self, params: Params, x, missing=None, *, propagation: str | None = None,
                  alpha: float | None = None, options: Options | None = None, validate: bool = True,
@@ -354,23 +293,17 @@ class Circuit:
             ``float[B]``.
         """
         opts = Options.make(options, propagation=propagation, alpha=alpha)
-        xj, mj = self._prepare(x, missing, validate)
-        ev = self.check_evidence(evidence, xj.shape[0])
-        n, b, xp, mp, _ = self._batch(xj, mj)
-        static = {"options": opts}
-        args = {"tables": self.tables, "params": params, "x": xp, "missing": mp, "evidence": self._pad_evidence(ev, b)}
-        out = self._run("log_prob", static, args, self._larger_bucket("log_prob", static, args, ("x", "missing"), n))
-        return _head(out, n) if b != n else out
+        batch = self.runtime.prepare(x, missing, validate)
+        ev = self.check_evidence(evidence, batch.n)
+        return self.runtime.run("log_prob", {}, {"tables": self.tables, "params": params, "evidence": ev}, batch,
+                                options=opts, batched={"evidence": 0})
 
     def node_values(self, params: Params, x, missing=None, *, options: Options | None = None,
                     validate: bool = True) -> Array:
         """The value of every node, ``[R, B]`` (the buffer partial evaluation starts from)."""
-        opts = Options.make(options)
-        xj, mj = self._prepare(x, missing, validate)
-        n, b, xp, mp, _ = self._batch(xj, mj)
-        out = self._run("node_values", {"options": opts},
-                        {"tables": self.tables, "params": params, "x": xp, "missing": mp})
-        return _head(out, n, 1) if b != n else out
+        batch = self.runtime.prepare(x, missing, validate)
+        return self.runtime.run("node_values", {}, {"tables": self.tables, "params": params}, batch,
+                                options=Options.make(options))
 
     def partial(self, variables) -> "PartialEvaluation":
         """A plan that re-evaluates only the nodes whose scope meets ``variables`` (host side, once).
@@ -394,15 +327,11 @@ class Circuit:
         ``ll_weights`` ``[B]`` weights each sample. With ``return_ll`` returns ``(flows, ll)``.
         """
         opts = Options.make(options)
-        xj, mj = self._prepare(x, missing, validate)
-        ev = self.check_evidence(evidence, xj.shape[0])
-        w = self._weights(ll_weights, xj.shape[0])
-        n, b, xp, mp, wp = self._batch(xj, mj, w, with_weights=True)
-        static = {"options": opts}
-        args = {"tables": self.tables, "params": params, "x": xp, "missing": mp, "weights": wp,
-                "evidence": self._pad_evidence(ev, b)}
-        fl, ll = self._run("flows", static, args, self._larger_bucket("flows", static, args, ("x", "missing"), n))
-        ll = _head(ll, n) if b != n else ll
+        batch = self.runtime.prepare(x, missing, validate)
+        ev = self.check_evidence(evidence, batch.n)
+        w = self.runtime.weights(ll_weights, batch.n)
+        fl, ll = self.runtime.run("flows", {}, {"tables": self.tables, "params": params, "evidence": ev}, batch,
+                                  options=opts, batched={"evidence": 0}, weights=w)
         return (fl, ll) if return_ll else fl
 
     def em_step(self, params: Params, x, missing=None, *, step_size: float = 1.0, pseudocount: float = 0.0,
@@ -425,28 +354,26 @@ class Circuit:
         opts = Options.make(options)
         if opts.negate_flows:
             raise ValueError("em_step needs flows, not negated flows (options.negate_flows=True)")
-        xj, mj = self._prepare(x, missing, validate)
-        ev = self.check_evidence(evidence, xj.shape[0])
+        batch = self.runtime.prepare(x, missing, validate)
+        ev = self.check_evidence(evidence, batch.n)
         if ev is not None and rescale == "tdp":
             raise ValueError("rescale='tdp' uses the model's own top-down probabilities: it takes no evidence")
-        w = self._weights(ll_weights, xj.shape[0])
-        n, b, xp, mp, wp = self._batch(xj, mj, w, with_weights=True)
-        static = {"options": opts, "keep_zero_params": bool(keep_zero_params), "rescale": rescale}
-        args = {"tables": self.tables, "params": params, "x": xp, "missing": mp, "weights": wp,
-                "step_size": self._scalar(step_size), "pseudocount": self._scalar(pseudocount),
-                "evidence": self._pad_evidence(ev, b)}
-        new, ll = self._run("em_step", static, args,
-                            self._larger_bucket("em_step", static, args, ("x", "missing"), n))
-        ll = _head(ll, n) if b != n else ll
+        w = self.runtime.weights(ll_weights, batch.n)
+        rt = self.runtime
+        new, ll = rt.run("em_step", {"keep_zero_params": bool(keep_zero_params), "rescale": rescale},
+                         {"tables": self.tables, "params": params, "step_size": rt.scalar(step_size),
+                          "pseudocount": rt.scalar(pseudocount), "evidence": ev}, batch,
+                         options=opts, batched={"evidence": 0}, weights=w)
         return (new, ll) if return_ll else new
 
     def em_update(self, params: Params, flows: dict, *, step_size: float = 1.0, pseudocount: float = 0.0,
                   update_sums: bool = True, keep_zero_params: bool = False) -> Params:
         """The EM M-step from accumulated flows (e.g. summed over batches)."""
         _check_em_args(step_size, pseudocount)
-        return self._run("em_update", {"update_sums": bool(update_sums), "keep_zero_params": bool(keep_zero_params)},
-                         {"tables": self.tables, "params": params, "flows": flows,
-                          "step_size": self._scalar(step_size), "pseudocount": self._scalar(pseudocount)})
+        rt = self.runtime
+        return rt.run("em_update", {"update_sums": bool(update_sums), "keep_zero_params": bool(keep_zero_params)},
+                      {"tables": self.tables, "params": params, "flows": flows,
+                       "step_size": rt.scalar(step_size), "pseudocount": rt.scalar(pseudocount)})
 
     def full_batch_em(self, params: Params, data, missing=None, *, batch_size: int = 512, step_size: float = 1.0,
                       pseudocount: float = 0.0, validate: bool = True, return_ll: bool = False):
@@ -454,14 +381,15 @@ class Circuit:
         update. The last partial batch is padded with zero-weight rows (its bucket's executable).
         With ``return_ll`` also returns the mean log-likelihood of ``data`` under ``params``."""
         _check_em_args(step_size, pseudocount)
-        data_j, miss_j = self._prepare(data, missing, validate)
-        n = data_j.shape[0]
+        batch = self.runtime.prepare(data, missing, validate)
+        data_j, miss_j, n = batch.x, batch.missing, batch.n
+        validate = validate if batch.report else False  # host data: checked already
         bs = int(min(batch_size, n))
         total, ll_sum = None, 0.0
         for start in range(0, n, bs):
             xb = data_j[start:start + bs]
             mb = miss_j if miss_j is None or miss_j.ndim == 1 else miss_j[start:start + bs]
-            fl, ll = self.flows(params, xb, mb, validate=False, return_ll=True)
+            fl, ll = self.flows(params, xb, mb, validate=validate, return_ll=True)
             total = fl if total is None else _tree_add(total, fl)
             ll_sum = ll_sum + jnp.sum(ll)
         new = self.em_update(params, total, step_size=step_size, pseudocount=pseudocount)
@@ -489,14 +417,6 @@ class Circuit:
         """:func:`jaxpc.queries.mpe`."""
         from . import queries
         return queries.mpe(self, params, x, missing, **kw)
-
-    def _weights(self, ll_weights, batch: int):
-        if ll_weights is None:
-            return None
-        w = jnp.asarray(ll_weights, self.dtype) if not isinstance(ll_weights, jax.core.Tracer) else ll_weights
-        if w.shape != (batch,):
-            raise ValueError(f"ll_weights must have shape [{batch}] (one weight per sample), got {tuple(w.shape)}")
-        return w
 
     # ------------------------------------------------------------------------------------------
     # introspection
@@ -550,18 +470,13 @@ class PartialEvaluation:
                  validate: bool = True) -> tuple[Array, Array]:
         """``(ll [B], values [R, B])``: re-evaluate the plan's nodes on ``x`` on top of ``values``."""
         c = self.circuit
-        opts = Options.make(options)
-        xj, mj = c._prepare(x, missing, validate)
-        n, b, xp, mp, _ = c._batch(xj, mj)
-        if values.shape != (c.layout.num_rows, n):
-            raise ValueError(f"values must be the node buffer [{c.layout.num_rows}, {n}] (circuit.node_values), "
+        batch = c.runtime.prepare(x, missing, validate)
+        if values.shape != (c.layout.num_rows, batch.n):
+            raise ValueError(f"values must be the node buffer [{c.layout.num_rows}, {batch.n}] (circuit.node_values), "
                              f"got {tuple(values.shape)}")
-        vp = _pad_rows(values.T, b).T if b != n else values
-        out = c._run("partial", {"options": opts, "plan": self.plan},
-                     {"tables": c.tables, "params": params, "x": xp, "missing": mp, "values": vp,
-                      "plan_tables": self.tables})
-        ll, buf = out
-        return (_head(ll, n), _head(buf, n, 1)) if b != n else (ll, buf)
+        return c.runtime.run("partial", {"plan": self.plan},
+                             {"tables": c.tables, "params": params, "values": values, "plan_tables": self.tables},
+                             batch, options=Options.make(options), batched={"values": 1})
 
     def __repr__(self):
         return f"PartialEvaluation(variables={list(self.variables)[:8]}{'...' if len(self.variables) > 8 else ''})"
@@ -596,32 +511,9 @@ def _e_em_update(layout, tables, params, flows, step_size, pseudocount, *, updat
     return em.em_update(layout, tables, params, flows, step_size, pseudocount, update_sums, keep_zero_params)
 
 
-_ENTRIES = {"log_prob": _e_log_prob, "node_values": _e_node_values, "partial": _e_partial, "flows": _e_flows,
-            "em_step": _e_em_step, "em_update": _e_em_update}
-
-
-@functools.partial(jax.jit, static_argnames=("bucket",))
-def _pad_rows(a: Array, bucket: int) -> Array:
-    """Pad the leading axis to ``bucket`` with copies of the first row (valid data)."""
-    pad = bucket - a.shape[0]
-    return jnp.concatenate([a, jnp.broadcast_to(a[:1], (pad,) + a.shape[1:])]) if pad > 0 else a
-
-
-@functools.partial(jax.jit, static_argnames=("n", "axis"))
-def _head(a: Array, n: int, axis: int = 0) -> Array:
-    """The first ``n`` entries along ``axis`` (a compiled static slice: no host transfer)."""
-    return jax.lax.slice_in_dim(a, 0, n, axis=axis)
-
-
-@functools.partial(jax.jit, static_argnames=("bucket", "n", "dtype"))
-def _valid_rows(bucket: int, n: int, dtype) -> Array:
-    return (jnp.arange(bucket) < n).astype(dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("bucket", "n", "dtype"))
-def _weights(w: Array, bucket: int, n: int, dtype) -> Array:
-    w = w[:n].astype(dtype)
-    return jnp.concatenate([w, jnp.zeros((bucket - n,), dtype)]) if bucket > n else w
+# name -> (pure function of the layout and keyword arguments, batch axis of each output: see runtime.Entry)
+_ENTRIES = {"log_prob": (_e_log_prob, 0), "node_values": (_e_node_values, 1), "partial": (_e_partial, (0, 1)),
+            "flows": (_e_flows, (None, 0)), "em_step": (_e_em_step, (None, 0)), "em_update": (_e_em_update, None)}
 
 
 def _tree_add(a, b):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import threading
 import time
 import warnings
@@ -32,7 +33,8 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
-__all__ = ["CacheInfo", "BucketPolicy", "ExecutableCache", "enable_persistent_cache"]
+__all__ = ["CacheInfo", "BucketPolicy", "ExecutableCache", "enable_persistent_cache", "default_persistent_cache",
+           "persistent_cache_dir"]
 
 
 class CacheInfo(NamedTuple):
@@ -368,8 +370,54 @@ def _call_args(args: dict) -> list:
 
 
 def enable_persistent_cache(directory: str, min_compile_seconds: float = 0.0) -> None:
-    """Opt in to JAX's persistent compilation cache: executables compiled once are stored in
-    ``directory`` and loaded by later processes instead of being compiled again."""
+    """Use JAX's persistent compilation cache in ``directory``: executables compiled once are stored there
+    and loaded by later processes instead of being compiled again. jaxpc turns one on by default
+    (:func:`default_persistent_cache`); call this to choose another directory."""
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_seconds))
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    _reset_jax_cache()
+
+
+def persistent_cache_dir() -> str | None:
+    """The directory of jaxpc's default persistent compilation cache, or None when it is turned off.
+
+    ``JAXPC_PERSISTENT_CACHE=0`` turns it off; ``JAXPC_CACHE_DIR`` sets the directory (default
+    ``$XDG_CACHE_HOME/jaxpc/xla``, else ``~/.cache/jaxpc/xla``)."""
+    if os.environ.get("JAXPC_PERSISTENT_CACHE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    d = os.environ.get("JAXPC_CACHE_DIR")
+    if d:
+        return d
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jaxpc", "xla")
+
+
+def default_persistent_cache() -> str | None:
+    """Turn on jaxpc's per-user persistent compilation cache (run once, when jaxpc is imported).
+
+    Left alone where the user has set JAX's own ``jax_compilation_cache_dir`` (config or the
+    ``JAX_COMPILATION_CACHE_DIR`` variable); off with ``JAXPC_PERSISTENT_CACHE=0``. Returns the directory
+    in use, or None."""
+    if jax.config.jax_compilation_cache_dir:
+        return None
+    d = persistent_cache_dir()
+    if d is None:
+        return None
+    try:
+        os.makedirs(d, exist_ok=True)
+    except OSError as e:
+        warnings.warn(f"jaxpc: persistent compilation cache off: cannot create {d} ({e}); set JAXPC_CACHE_DIR "
+                      f"or JAXPC_PERSISTENT_CACHE=0", RuntimeWarning, stacklevel=2)
+        return None
+    enable_persistent_cache(d, min_compile_seconds=0.0)
+    return d
+
+
+def _reset_jax_cache() -> None:
+    """Let a cache directory set after JAX's first compile take effect (JAX checks for its cache once)."""
+    try:
+        from jax._src import compilation_cache
+        compilation_cache.reset_cache()
+    except Exception:  # noqa: BLE001 - a JAX without it reads the directory at its first compile
+        pass

@@ -32,29 +32,36 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .engine import em as em_engine
-from .optim.normalize import _cached, normalize_params, normalized_log_prob
+from .optim.normalize import normalize_params, normalized_log_prob
 from .options import Options
+from .runtime import Batch, Entry
 
 Array = jax.Array
 
 __all__ = ["CircuitModule", "CircuitTables"]
 
 
-def _log_prob_fn(circuit):
-    """The circuit's jitted :func:`jaxpc.optim.normalized_log_prob` (inlined under nnx.jit / grad)."""
-    return _cached(circuit, "log_prob", lambda: jax.jit(functools.partial(normalized_log_prob, circuit.layout),
-                                                        static_argnames=("options", "normalize")))
+def _log_prob_impl(layout, tables, params, x, missing, soft, *, options, normalize):
+    return normalized_log_prob(layout, tables, params, x, missing, options, normalize=normalize, soft=soft)
 
 
-def _em_step_impl(layout, tables, raw, x, missing, weights, step_size, pseudocount, normalize):
-    p = normalize_params(layout, tables, raw) if normalize else raw
-    fl, ll = em_engine.flows_and_ll(layout, tables, p, x, missing, weights, Options())
+def _em_step_impl(layout, tables, params, x, missing, weights, step_size, pseudocount, *, options, normalize):
+    p = normalize_params(layout, tables, params) if normalize else params
+    fl, ll = em_engine.flows_and_ll(layout, tables, p, x, missing, weights, options)
     return em_engine.em_update(layout, tables, p, fl, step_size, pseudocount), ll
 
 
-def _em_step_fn(circuit):
-    return _cached(circuit, "nn_em_step", lambda: jax.jit(functools.partial(_em_step_impl, circuit.layout),
-                                                          static_argnames=("normalize",)))
+# name -> (pure function, batch axis of each output); run through the circuit's runtime (jaxpc.runtime):
+# inlined under nnx.jit / grad, a cached executable when called eagerly
+_ENTRIES = {"nn.log_prob": (_log_prob_impl, 0), "nn.em_step": (_em_step_impl, (None, 0))}
+
+
+def _run(circuit, name, static, args, batch, **kw):
+    rt = circuit.runtime
+    if not rt.has(name):
+        fn, rows = _ENTRIES[name]
+        rt.register(name, Entry(functools.partial(fn, circuit.layout), rows))
+    return rt.run(name, static, args, batch, **kw)
 
 
 class CircuitTables(nnx.Variable):
@@ -143,19 +150,22 @@ class CircuitModule(nnx.Module):
             if q.ndim != 3 or q.shape[1] != c.num_vars:
                 raise ValueError(f"CircuitModule: soft_evidence must have shape [batch, {c.num_vars}, num_values], "
                                  f"got {tuple(q.shape)}")
-            if not c._var_info.all_discrete:
+            if not c.runtime.var_info.all_discrete:
                 raise ValueError("CircuitModule: soft_evidence needs every variable to be discrete")
-            K = int(c._var_info.card.max())
+            K = int(c.runtime.var_info.card.max())
             if q.shape[2] < K:
                 raise ValueError(f"CircuitModule: soft_evidence has {q.shape[2]} values per variable, but some "
                                  f"variable takes {K}")
             logq = jnp.log(q.astype(c.dtype))
-            xj = jnp.zeros(q.shape[:2], jnp.int32)
-            return _log_prob_fn(c)(tables, raw, xj, None, soft=logq, options=self.options, normalize=self.normalize)
+            batch = Batch(jnp.zeros(q.shape[:2], jnp.int32), None, int(q.shape[0]), check=False, report=False,
+                          sync=False, traced=isinstance(logq, jax.core.Tracer))
+            return _run(c, "nn.log_prob", {"normalize": self.normalize}, {"tables": tables, "params": raw, "soft": logq},
+                        batch, options=self.options, batched={"soft": 0})
         if x is None:
             raise ValueError("CircuitModule: needs x (hard evidence) or soft_evidence")
-        xj, mj = c._prepare(x, missing, False)
-        return _log_prob_fn(c)(tables, raw, xj, mj, options=self.options, normalize=self.normalize)
+        batch = c.runtime.prepare(x, missing, True)
+        return _run(c, "nn.log_prob", {"normalize": self.normalize}, {"tables": tables, "params": raw, "soft": None},
+                    batch, options=self.options)
 
     # ---- EM ------------------------------------------------------------------------------------------
     def em_step(self, x, missing=None, *, step_size=1.0, pseudocount=0.0, ll_weights=None) -> Array:
@@ -164,10 +174,11 @@ class CircuitModule(nnx.Module):
         The flows are those of the normalized parameters; the module then holds the EM parameters
         (normalized). Returns the batch's log-likelihoods ``[B]`` before the step."""
         c = self.circuit
-        xj, mj = c._prepare(x, missing, False)
-        w = None if ll_weights is None else c._weights(ll_weights, xj.shape[0])
-        new, ll = _em_step_fn(c)(self.tables.get_value(), self.raw_params(), xj, mj, w,
-                                 jnp.asarray(step_size, c.dtype), jnp.asarray(pseudocount, c.dtype),
-                                 normalize=self.normalize)
+        batch = c.runtime.prepare(x, missing, True)
+        w = c.runtime.weights(ll_weights, batch.n)
+        new, ll = _run(c, "nn.em_step", {"normalize": self.normalize},
+                       {"tables": self.tables.get_value(), "params": self.raw_params(),
+                        "step_size": c.runtime.scalar(step_size), "pseudocount": c.runtime.scalar(pseudocount)},
+                       batch, options=Options(), weights=w)
         self.set_params(new)
         return ll

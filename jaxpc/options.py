@@ -12,11 +12,13 @@ import functools
 import math
 from typing import Any
 
-__all__ = ["Options", "PROPAGATIONS"]
+import jax
+
+__all__ = ["Options", "PROPAGATIONS", "resolve_precision"]
 
 PROPAGATIONS = ("LL", "MPE", "GeneralLL")
 BACKWARDS = ("flows", "autodiff")
-PRECISIONS = ("fp32", "tf32", "bf16")
+PRECISIONS = ("default", "fp32", "tf32", "bf16")
 IMPLS = ("reference", "pallas", "pallas_forward")
 IMPL_CHOICES = ("auto",) + IMPLS  # Options.impl: "auto" picks one of IMPLS per sum partition
 PARAM_FLOW_PASSES = ("auto", "inline", "batched")
@@ -36,13 +38,14 @@ class Options:
             buffer, PyJuice's backward; default) or ``"autodiff"`` (JAX's reverse mode through the
             forward pass; a reference, slower and more memory-hungry; it differentiates XLA's sum layers
             whatever ``impl`` and ``kernels`` say, since the in-place kernels have no autodiff rule).
-        precision: matrix products of the sum layers and of the soft-evidence leaves: ``"fp32"`` (exact
-            float32, the default),
-            ``"tf32"`` (the GPU's tensor-float-32: ~2e-5 relative error per product, faster) or ``"bf16"``
-            (bfloat16 operands, float32 accumulation: ~3e-3 relative error). Below fp32 the flow pass also
-            takes each sum node's local sum from its stored value instead of recomputing it (one matrix
-            product fewer per layer, as PyJuice does), which adds ``|value| * 6e-8`` relative error per layer:
-            an HCLT over 784 variables with log-likelihoods near -4,500 gets flows within 1.5e-4 of fp32's.
+        precision: matrix products of the sum layers and of the soft-evidence leaves: ``"default"`` (the
+            default: JAX's default matmul precision, :func:`resolve_precision`: ``"tf32"`` on NVIDIA GPUs,
+            ``"fp32"`` on CPUs and wherever ``jax.default_matmul_precision`` is ``"highest"``/``"float32"``),
+            ``"fp32"`` (exact float32), ``"tf32"`` (the GPU's tensor-float-32: about 2e-5 relative error per
+            product) or ``"bf16"`` (bfloat16 operands, float32 accumulation: about 3e-3). Below fp32 the flow
+            pass takes each sum node's local sum from its stored value instead of recomputing it (one matrix
+            product fewer per layer), which adds about ``|value| * 6e-8`` relative error per layer. The
+            measured errors of each setting are in ``docs/performance.md``.
         compute_param_flows: with False, ``flows`` skips the sum-edge flows (returned as zeros) and
             ``em_step`` leaves the sum parameters untouched (only the leaves are refitted).
         negate_flows: return ``-flows`` (for contrastive objectives); EM refuses negated flows.
@@ -121,7 +124,7 @@ class Options:
     propagation: str = "LL"
     alpha: float | None = None
     backward: str = "flows"
-    precision: str = "fp32"
+    precision: str = "default"
     compute_param_flows: bool = True
     negate_flows: bool = False
     impl: str = "auto"
@@ -178,6 +181,11 @@ class Options:
             raise ValueError(f"alpha is only used with propagation='GeneralLL' (got propagation="
                              f"{self.propagation!r}, alpha={self.alpha!r})")
 
+    @property
+    def concrete_precision(self) -> str:
+        """``precision`` with ``"default"`` resolved (:func:`resolve_precision`), as traced code reads it."""
+        return self.precision if self.precision != "default" else resolve_precision("default")
+
     def replace(self, **changes: Any) -> "Options":
         return dataclasses.replace(self, **changes)
 
@@ -197,6 +205,28 @@ class Options:
         if "propagation" in changes and changes["propagation"] != "GeneralLL" and "alpha" not in changes:
             changes["alpha"] = None
         return dataclasses.replace(base, **changes) if changes else base
+
+
+def matmul_setting() -> str | None:
+    """JAX's current default matmul precision setting (``jax.default_matmul_precision``), or None."""
+    v = jax.config.jax_default_matmul_precision
+    return None if v is None else str(v)
+
+
+@functools.cache
+def _platform() -> str:
+    return jax.default_backend()
+
+
+def resolve_precision(precision: str) -> str:
+    """The concrete precision of ``precision``: ``"default"`` follows JAX's default matmul precision, which is
+    TF32 (``"tf32"``) for float32 products on NVIDIA GPUs and exact (``"fp32"``) on CPUs, and exact wherever
+    ``jax.default_matmul_precision`` is ``"highest"`` or ``"float32"``."""
+    if precision != "default":
+        return precision
+    if matmul_setting() in ("highest", "float32"):
+        return "fp32"
+    return "tf32" if _platform() == "gpu" else "fp32"
 
 
 @functools.cache

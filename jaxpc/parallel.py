@@ -41,7 +41,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -122,89 +121,77 @@ def sharded_loss_and_grad(layout, mesh: Mesh, options: Options, missing_ndim: in
 
 
 # ---- circuit-level functions ----------------------------------------------------------------------
+# Each goes through the circuit's runtime (jaxpc.runtime): checked inputs, batches padded to a bucket that is a
+# multiple of the mesh's devices (padding rows weigh zero), one cached executable per (mesh, options, shapes).
 
 def _mesh(mesh):
     return data_mesh() if mesh is None else mesh
 
 
-def _batch(circuit, mesh, x, missing, ll_weights, validate):
-    """Validated, padded batch: ``(x, missing, weights, B)`` with ``x.shape[0]`` a multiple of the devices.
-    Without ``ll_weights`` the weights (ones, zeros on padding rows) are made once per (mesh, batch) and
-    kept on the mesh, so a steady-state step moves nothing but the data."""
-    xj, mj = circuit._prepare(x, missing, validate)
-    B = xj.shape[0]
-    n = mesh.shape[AXIS]
-    pad = (-B) % n
-    if pad:
-        xj = jnp.concatenate([xj, jnp.repeat(xj[:1], pad, axis=0)])
-        if mj is not None and mj.ndim == 2:
-            mj = jnp.concatenate([mj, jnp.repeat(mj[:1], pad, axis=0)])
-    if ll_weights is None:
-        key = ("ones", mesh, B, pad)
-        cache = _cache(circuit)
-        if key not in cache:
-            w = np.concatenate([np.ones(B), np.zeros(pad)]).astype(circuit.dtype)
-            cache[key] = jax.device_put(w, NamedSharding(mesh, P(AXIS)))
-        return xj, mj, cache[key], B
-    w = circuit._weights(ll_weights, B).astype(circuit.dtype)
-    if pad:
-        w = jnp.concatenate([w, jnp.zeros((pad,), w.dtype)])
-    return xj, mj, w, B
-
-
 def _tables(circuit, mesh, packed: bool = True):
-    """The circuit's index tables replicated on ``mesh``, made once: passed as they are (on one device,
-    hundreds of small arrays), they would be copied to every device on every call. ``packed``: one array per
-    dtype (:class:`jaxpc.executables.PackedTables`), as the jitted functions of :func:`_jitted` take them
-    (each argument costs dispatch time); else the pytree (for :func:`jaxpc.optim.fit`, one call per epoch)."""
-    key = ("tables", mesh, packed)
-    cache = _cache(circuit)
-    if key not in cache:
+    """The circuit's index tables replicated on ``mesh``, made once: passed as they are (on one device), they
+    would be copied to every device on every call. ``packed``: one array per dtype
+    (:class:`jaxpc.executables.PackedTables`); else the pytree."""
+    def make():
         tables = _PACKED.get(circuit.tables).arrays if packed else circuit.tables
-        cache[key] = jax.device_put(tables, NamedSharding(mesh, P()))
-    return cache[key]
+        return jax.device_put(tables, NamedSharding(mesh, P()))
+    return circuit.runtime.constant(("mesh_tables", mesh, packed), make)
 
 
-def _cache(circuit):
-    return circuit.__dict__.setdefault("_parallel_fns", {})
+def _ndim(m):
+    return None if m is None else m.ndim
 
 
-def _args(mj):
-    return () if mj is None else (mj,)
+def _p_flows(layout, tables, params, x, missing, weights, *, mesh, options):
+    f = sharded_flows_and_ll(layout, mesh, options, _ndim(missing))
+    return f(tables, params, x, *(() if missing is None else (missing,)), weights)
 
 
-def _ndim(mj):
-    return None if mj is None else mj.ndim
+def _p_em_step(layout, tables, params, x, missing, weights, step_size, pseudocount, *, mesh, options):
+    fl, ll = _p_flows(layout, tables, params, x, missing, weights, mesh=mesh, options=options)
+    return em.em_update(layout, tables, params, fl, step_size, pseudocount), ll
 
 
-def _setup(circuit, mesh, options, x, missing, ll_weights, validate):
-    """What every data-parallel entry point starts from: ``(mesh, options, x, missing, weights, B)``."""
+def _p_grad(layout, tables, params, x, missing, weights, *, mesh, options, normalize):
+    f = sharded_loss_and_grad(layout, mesh, options, _ndim(missing), normalize)
+    (loss, ll), g = f(tables, params, x, *(() if missing is None else (missing,)), weights)
+    return (loss, g), ll
+
+
+def _p_train_step(layout, tables, params, opt_state, x, missing, weights, *, mesh, options, normalize, tx):
+    from .optim.train import make_step
+
+    step = make_step(layout, tx, normalize=normalize, options=options, mesh=mesh, missing_ndim=_ndim(missing))
+    p, s, ll = step(tables, params, opt_state, x, missing, weights)
+    return (p, s), ll
+
+
+# name -> (pure function, batch axis of each output)
+_ENTRIES = {"parallel.flows": (_p_flows, (None, 0)), "parallel.em_step": (_p_em_step, (None, 0)),
+            "parallel.grad": (_p_grad, ((None, None), 0)), "parallel.train_step": (_p_train_step, ((None, None), 0))}
+
+
+def _run(circuit, name, static, args, x, missing, ll_weights, validate, mesh, options):
+    from .runtime import Entry
+
+    rt = circuit.runtime
+    if not rt.has(name):
+        fn, rows = _ENTRIES[name]
+        rt.register(name, Entry(functools.partial(fn, circuit.layout), rows))
     mesh = _mesh(mesh)
-    opts = Options.make(options)
-    return (mesh, opts, *_batch(circuit, mesh, x, missing, ll_weights, validate))
-
-
-def _jitted(circuit, key, build, owner=None):
-    """The circuit's jitted function under ``key``, made by ``build()`` on first use; ``owner`` (an object the
-    key names by ``id``) must be the one it was built for, or it is built again. The jitted function takes the
-    packed tables of :func:`_tables` first and hands ``build()``'s function the unpacked ones."""
-    cache = _cache(circuit)
-    entry = cache.get(key)
-    if entry is None or entry[0] is not owner:
-        fn, pack = build(), _PACKED.get(circuit.tables)
-        cache[key] = entry = (owner, jax.jit(lambda packed, *args: fn(pack.unpack(packed), *args)))
-    return entry[1]
+    batch = rt.prepare(x, missing, validate)
+    w = rt.weights(ll_weights, batch.n)
+    args = {"tables": _tables(circuit, mesh, packed=False), **args}
+    return rt.run(name, {"mesh": mesh, **static}, args, batch, options=Options.make(options), weights=w,
+                  multiple=mesh.shape[AXIS], sharding=NamedSharding(mesh, P(AXIS)))
 
 
 def flows(circuit, params: dict, x, missing=None, *, mesh: Mesh | None = None, ll_weights=None,
           options: Options | None = None, validate: bool = True, return_ll: bool = False):
     """``circuit.flows`` with the batch split over ``mesh`` (default: all devices). Returns the flows
     (replicated), and ``ll`` ``[B]`` with ``return_ll``."""
-    mesh, opts, xj, mj, w, B = _setup(circuit, mesh, options, x, missing, ll_weights, validate)
-    fn = _jitted(circuit, ("flows", mesh, opts, _ndim(mj)),
-                 lambda: sharded_flows_and_ll(circuit.layout, mesh, opts, _ndim(mj)))
-    fl, ll = fn(_tables(circuit, mesh), params, xj, *_args(mj), w)
-    return (fl, ll[:B]) if return_ll else fl
+    fl, ll = _run(circuit, "parallel.flows", {}, {"params": params}, x, missing, ll_weights, validate, mesh, options)
+    return (fl, ll) if return_ll else fl
 
 
 def em_step(circuit, params: dict, x, missing=None, *, mesh: Mesh | None = None, step_size: float = 1.0,
@@ -214,31 +201,19 @@ def em_step(circuit, params: dict, x, missing=None, *, mesh: Mesh | None = None,
     from .circuit import _check_em_args
 
     _check_em_args(step_size, pseudocount)
-    mesh, opts, xj, mj, w, B = _setup(circuit, mesh, options, x, missing, ll_weights, validate)
-
-    def build():
-        fl_fn = sharded_flows_and_ll(circuit.layout, mesh, opts, _ndim(mj))
-
-        def step(tables, params, s, pc, *args):
-            fl, ll = fl_fn(tables, params, *args)
-            return em.em_update(circuit.layout, tables, params, fl, s, pc), ll
-
-        return step
-
-    fn = _jitted(circuit, ("em_step", mesh, opts, _ndim(mj)), build)
-    new, ll = fn(_tables(circuit, mesh), params, jnp.asarray(step_size, circuit.dtype),
-                 jnp.asarray(pseudocount, circuit.dtype), xj, *_args(mj), w)
-    return (new, ll[:B]) if return_ll else new
+    rt = circuit.runtime
+    new, ll = _run(circuit, "parallel.em_step", {},
+                   {"params": params, "step_size": rt.scalar(step_size), "pseudocount": rt.scalar(pseudocount)},
+                   x, missing, ll_weights, validate, mesh, options)
+    return (new, ll) if return_ll else new
 
 
 def loss_and_grad(circuit, params: dict, x, missing=None, *, mesh: Mesh | None = None, normalize: bool = True,
                   ll_weights=None, options: Options | None = None, validate: bool = True):
     """``(loss, grads)``: the mean negative log-likelihood of ``normalize(params)`` (``params`` are logits) and
     its gradient with respect to ``params``, data-parallel over ``mesh``."""
-    mesh, opts, xj, mj, w, B = _setup(circuit, mesh, options, x, missing, ll_weights, validate)
-    fn = _jitted(circuit, ("grad", mesh, opts, _ndim(mj), normalize),
-                 lambda: sharded_loss_and_grad(circuit.layout, mesh, opts, _ndim(mj), normalize))
-    (loss, _), g = fn(_tables(circuit, mesh), params, xj, *_args(mj), w)
+    (loss, g), _ = _run(circuit, "parallel.grad", {"normalize": bool(normalize)}, {"params": params}, x, missing,
+                        ll_weights, validate, mesh, options)
     return loss, g
 
 
@@ -246,11 +221,6 @@ def train_step(circuit, tx, params: dict, opt_state, x, missing=None, *, mesh: M
                normalize: bool = True, ll_weights=None, options: Options | None = None, validate: bool = True):
     """One data-parallel optimizer step with an EM transformation (:mod:`jaxpc.optim`) or any optax
     transformation: ``(params, opt_state, ll [B])``. See :func:`jaxpc.optim.make_step`."""
-    from .optim.train import make_step
-
-    mesh, opts, xj, mj, w, B = _setup(circuit, mesh, options, x, missing, ll_weights, validate)
-    fn = _jitted(circuit, ("train_step", id(tx), mesh, opts, _ndim(mj), normalize),
-                 lambda: make_step(circuit.layout, tx, normalize=normalize, options=opts, mesh=mesh,
-                                   missing_ndim=_ndim(mj)), owner=tx)
-    p, s, ll = fn(_tables(circuit, mesh), params, opt_state, xj, mj, w)
-    return p, s, ll[:B]
+    (p, s), ll = _run(circuit, "parallel.train_step", {"normalize": bool(normalize), "tx": tx},
+                      {"params": params, "opt_state": opt_state}, x, missing, ll_weights, validate, mesh, options)
+    return p, s, ll

@@ -1,5 +1,6 @@
 """Test configuration. The suite checks correctness, not speed: compile XLA's CPU code at a low
-optimization level (about 2x faster compiles), and expose fake CPU devices for shard_map tests."""
+optimization level (about 2x faster compiles), expose fake CPU devices for shard_map tests, and keep the
+persistent compilation cache off (each test compiles what it checks; tests of the cache turn it on)."""
 
 import os
 
@@ -9,6 +10,7 @@ if "xla_backend_optimization_level" not in _flags:
 if "xla_force_host_platform_device_count" not in _flags:
     _flags += " --xla_force_host_platform_device_count=4"
 os.environ["XLA_FLAGS"] = _flags.strip()
+os.environ.setdefault("JAXPC_PERSISTENT_CACHE", "0")
 
 import pytest  # noqa: E402
 

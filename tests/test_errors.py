@@ -1,4 +1,5 @@
-"""Bad input gets a clear error naming what is wrong, raised before anything runs on device."""
+"""Bad input gets a clear error naming what is wrong: host data before anything runs, device arrays by the
+rule of jaxpc.runtime (tests/test_checks.py)."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -59,9 +60,9 @@ def test_out_of_range_category(cat_circuit, bad, where, var):
     msg = rf"x\[{where[0]}, {where[1]}\] = {bad} is out of range: variable {var} \(Categorical"
     with pytest.raises(ValueError, match=msg):
         cat_circuit.log_prob(cat_circuit.params, x)
-    # the same check guards device arrays, flows and EM
+    # the same check guards device arrays (validate="sync": at once), flows and EM
     with pytest.raises(ValueError, match=msg):
-        cat_circuit.flows(cat_circuit.params, jnp.asarray(x))
+        cat_circuit.flows(cat_circuit.params, jnp.asarray(x), validate="sync")
     with pytest.raises(ValueError, match=msg):
         cat_circuit.em_step(cat_circuit.params, x)
 
@@ -94,7 +95,7 @@ def test_nan_or_fraction_in_discrete_variable(mixed_circuit):
 
 def test_device_array_values_checked(mixed_circuit):
     with pytest.raises(ValueError, match=r"x\[0, 1\] = inf"):
-        mixed_circuit.log_prob(mixed_circuit.params, jnp.array([[1.0, jnp.inf]]))
+        mixed_circuit.log_prob(mixed_circuit.params, jnp.array([[1.0, jnp.inf]]), validate="sync")
 
 
 # ---- missing ------------------------------------------------------------------------------------

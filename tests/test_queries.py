@@ -215,7 +215,7 @@ def _sampling_circuits():
 def test_sampling_matches_exact_distribution(name):
     root = _sampling_circuits()[name]
     c = jaxpc.compile(root, seed=1)
-    cards = [int(k) for k in c._var_info.card]
+    cards = [int(k) for k in c.runtime.var_info.card]
     x_all = np.asarray(list(itertools.product(*[range(k) for k in cards])), dtype=np.int32)
     p = joint(c, x_all)
     n = 200_000

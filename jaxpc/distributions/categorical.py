@@ -148,13 +148,13 @@ class Categorical(Distribution):
             from ..ops import pallas_leaf
 
             xk = xi if mg is None else jnp.where(mg, -1, xi)  # a missing value counts nowhere
-            counts = pallas_leaf.categorical_counts(kernel[0], xk, run=run, num_cats=K, precision=options.precision,
+            counts = pallas_leaf.categorical_counts(kernel[0], xk, run=run, num_cats=K, precision=options.concrete_precision,
                                                     offset=kernel[1])
             return {"counts": self._with_marginalized(p, counts.reshape(N, K), flows, mg, run)}
         obs = flows.reshape(G, run, B)
         if mg is not None:
             obs = jnp.where(mg[:, None, :], 0.0, obs)
-        split = options.precision == "fp32" and flows.dtype == jnp.float32
+        split = options.concrete_precision == "fp32" and flows.dtype == jnp.float32
 
         def product(o, xc):  # [g, run, B] x one-hot [g, B, K]
             onehot = (xc[:, :, None] == jnp.arange(K, dtype=xc.dtype)).astype(flows.dtype)

@@ -102,11 +102,11 @@ class SoftEvidenceCategorical(Categorical):
         B = xv.shape[1]
         bidx = jnp.arange(B)[None, :]
         if dense is not None:
-            logz = _dense_logz(lt, dense, rows, vars_, options.precision)
+            logz = _dense_logz(lt, dense, rows, vars_, options.concrete_precision)
             ex = dense[bidx, vars_[:, None], xi]  # [N, B]
         else:
             ids, logp, mask = topk["ids"], topk["logp"], topk.get("mask")
-            logz = _topk_logz(lt, ids, logp, mask, rows, vars_, options.precision)
+            logz = _topk_logz(lt, ids, logp, mask, rows, vars_, options.concrete_precision)
             # the evidence at the observed value, once per (sample, variable), then read by every node
             xvar = jnp.zeros((ids.shape[1], B), xi.dtype).at[vars_].set(xi).T  # [B, V]
             hit = ids == xvar[:, :, None]

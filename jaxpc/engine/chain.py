@@ -102,18 +102,18 @@ def _forward(spec: ChainSpec, ctab: dict, sum_params: dict, vals: Array, precisi
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4))
 def root_values(spec: ChainSpec, ctab: dict, sum_params: dict, input_vals: list, options) -> Array:
     """Root log-values ``[B]`` of a chain from its sum log-weights and its input layer's values."""
-    return _forward(spec, ctab, sum_params, input_vals[0], options.precision)[0]
+    return _forward(spec, ctab, sum_params, input_vals[0], options.concrete_precision)[0]
 
 
 def _fwd(spec, ctab, sum_params, input_vals, options):
-    ll, res = _forward(spec, ctab, sum_params, input_vals[0], options.precision)
+    ll, res = _forward(spec, ctab, sum_params, input_vals[0], options.concrete_precision)
     return ll, (ctab, sum_params, ll, res)
 
 
 def _bwd(spec, options, saved, gbar):
     ctab, sum_params, ll, (E, m, u0, U, uR, cs, rl, A, g) = saved
     K, R, B = spec.K, spec.R, u0.shape[1]
-    prec = options.precision
+    prec = options.concrete_precision
     logw = sum_params[spec.group]
     gbar = jnp.where(ll == -jnp.inf, 0.0, gbar.astype(ll.dtype))  # impossible samples: zero flows, never NaN
     betaR = g[:, None] * (gbar / _safe(rl))[None, :]

@@ -133,7 +133,7 @@ def top_down_probabilities(layout: Layout, tables: dict, params: dict, options) 
     leaves = [spec.dist for spec in layout.input_layers]
     if any(not d.discrete for d in leaves):
         x0 = x0.astype(forward._param_dtype(params))
-    opts = Options(precision=options.precision, impl=options.impl, kernels=options.kernels,
+    opts = Options(precision=options.concrete_precision, impl=options.impl, kernels=options.kernels,
                    chain_scan=options.chain_scan, fold_products=options.fold_products)
     fl, _ = flows_and_ll(layout, tables, params, x0, jnp.ones((V,), bool), None, opts)
     return fl

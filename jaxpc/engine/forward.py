@@ -291,7 +291,7 @@ def _stage(buf: Array, spec: StageSpec, tab: dict, sum_params: dict, options, of
                 outs.append((row, sum_layer_external_reference(
                     buf, t["ch"], t["pid"], sum_params[part.group], Kp=part.Kp, Kc=part.Kc, dense=part.dense,
                     gates=gates.get(part.group), lowrank=lowrank.get(part.group), counts=counts,
-                    precision=options.precision)))
+                    precision=options.concrete_precision)))
             else:
                 impl, cfg = kernel_choice(options, part, buf.shape[1], buf.dtype)
                 if _inplace(impl, options, buf):
@@ -301,7 +301,7 @@ def _stage(buf: Array, spec: StageSpec, tab: dict, sum_params: dict, options, of
 
                     def piece(done, a, b, sub, part=part, impl=impl, cfg=cfg, keep=keep):
                         kw = dict(Kp=part.Kp, Kc=part.Kc, dense=part.dense, propagation=options.propagation,
-                                  alpha=options.alpha, precision=options.precision)
+                                  alpha=options.alpha, precision=options.concrete_precision)
                         if keep:  # XLA's: its shifts (one per block) kept for the flow pass
                             return done + [sum_layer_reference(buf, sub["ch"], sub["pid"], sum_params[part.group],
                                                                with_shift=True, **kw)]
@@ -317,16 +317,16 @@ def _stage(buf: Array, spec: StageSpec, tab: dict, sum_params: dict, options, of
         row = row + part.num_rows
     if outs and not inplace:  # one write for the whole stage
         out = outs[0][1] if len(outs) == 1 else jnp.concatenate([o for _, o in outs], axis=0)
-        buf = lax.dynamic_update_slice(buf, out.astype(buf.dtype), (offset, 0))
+        buf = lax.dynamic_update_slice_in_dim(buf, out.astype(buf.dtype), offset, axis=0)
         return buf if shifts is None else (buf, shifts)
     for r, out in outs:
-        buf = lax.dynamic_update_slice(buf, out.astype(buf.dtype), (r, 0))
+        buf = lax.dynamic_update_slice_in_dim(buf, out.astype(buf.dtype), r, axis=0)
     for r, j, part, t, cfg in inplace:  # parts of a stage read lower rows only: the order does not matter
         from ..ops import pallas_sum
 
         with jax.named_scope(f"jaxpc/stage{index}/sum{j}"):
             a = 1.0 if options.propagation == "LL" else options.alpha
-            kw = dict(Kp=part.Kp, Kc=part.Kc, alpha=a, precision=options.precision,
+            kw = dict(Kp=part.Kp, Kc=part.Kc, alpha=a, precision=options.concrete_precision,
                       config=pallas_sum.forward_config(part.n, part.Kp, buf.shape[1], cfg), out_offset=r)
             if shifts is not None and _writes_shift(options, part, buf):
                 buf, shifts = pallas_sum.forward(buf, t["ch"], t["pid"], sum_params[part.group], shifts=shifts,
@@ -394,7 +394,7 @@ def empty_buffer(layout: Layout, B: int, dtype) -> Array:
 
 def write_inputs(layout: Layout, buf: Array, vals: list) -> Array:
     for spec, v in zip(layout.input_layers, vals):
-        buf = lax.dynamic_update_slice(buf, v.astype(buf.dtype), (spec.offset, 0))
+        buf = lax.dynamic_update_slice_in_dim(buf, v.astype(buf.dtype), spec.offset, axis=0)
     return buf
 
 
@@ -517,7 +517,7 @@ def _root_bwd(layout, options, buffered, res, g):
                 if _pallas_backward(impl, options):
                     a = 1.0 if options.propagation == "LL" else options.alpha
                     fl, g = pallas_sum_backward(values, fl, row, t, sum_params[part.group], part, alpha=a,
-                                                precision=options.precision, first_row=2 * layout.kmax,
+                                                precision=options.concrete_precision, first_row=2 * layout.kmax,
                                                 config=cfg, param_flows=options.compute_param_flows,
                                                 dparams=dp[part.group])
                     if g is not None:
@@ -532,7 +532,7 @@ def _root_bwd(layout, options, buffered, res, g):
                         cf, pf = sum_layer_backward(values, fl, sub["ch"], sub["pid"], sum_params[part.group],
                                                     row + a * part.Kp, Kp=part.Kp, Kc=part.Kc, dense=part.dense,
                                                     propagation=options.propagation, alpha=options.alpha,
-                                                    precision=options.precision, param_flows=inline_pf,
+                                                    precision=options.concrete_precision, param_flows=inline_pf,
                                                     pflow_temperature=options.pflow_temperature,
                                                     eflow_temperature=options.eflow_temperature, shift=m)
                         fl = scatter_child_flows(fl, cf, sub["ch"], part, 2 * layout.kmax, layout.single_reader)
@@ -555,7 +555,7 @@ def _root_bwd(layout, options, buffered, res, g):
     dparams = {k: dparams.get(k, jnp.zeros_like(v)) for k, v in sum_params.items()}
     if buffered:
         return None, dparams, flows
-    d_inputs = [lax.dynamic_slice(flows, (spec.offset, 0), (spec.num_nodes, flows.shape[1]))
+    d_inputs = [lax.dynamic_slice_in_dim(flows, spec.offset, spec.num_nodes, axis=0)
                 for spec in layout.input_layers]
     return None, dparams, d_inputs
 
@@ -577,7 +577,7 @@ def flow_buffer(layout, options, values: Array) -> Array:
         return jnp.zeros_like(values)
     fl = uninitialized(values.shape, dtype)
     for a, b in gaps:  # the padding rows (compiled circuits have no other gaps: one root, unpadded blocks)
-        fl = lax.dynamic_update_slice(fl, jnp.zeros((b - a, B), dtype), (a, 0))
+        fl = lax.dynamic_update_slice_in_dim(fl, jnp.zeros((b - a, B), dtype), a, axis=0)
     return fl
 
 
@@ -609,7 +609,7 @@ def pflow_kernel(options, dtype) -> bool:
     H200: 0.24 against 0.32 ms): float32 buffers, local sums from the stored values (``precision`` below ``"fp32"``,
     untempered parameter flows), ``Options.impl`` ``"auto"`` on a GPU or ``"pallas"`` / ``"pallas_forward"``
     (interpret mode off a GPU); never with ``"reference"``."""
-    if (jnp.dtype(dtype) != jnp.float32 or options.impl == "reference" or options.precision == "fp32"
+    if (jnp.dtype(dtype) != jnp.float32 or options.impl == "reference" or options.concrete_precision == "fp32"
             or options.pflow_temperature != 1.0 or not kernels_available()):
         return False
     return options.impl != "auto" or on_gpu()
@@ -639,12 +639,12 @@ def _batched_param_flows(values: Array, flows: Array, dp: Array | None, logw: Ar
 
             srow = jnp.where(jnp.asarray(kept)[sub["part"]], sub["prow"] // unit, -1)
             pf = pallas_sum.param_flows_after(values, flows, shifts, srow, sub["prow"], sub["ch"], sub["pid"], logw,
-                                              Kp=Kp, Kc=Kc, precision=options.precision,
+                                              Kp=Kp, Kc=Kc, precision=options.concrete_precision,
                                               alpha=1.0 if options.propagation == "LL" else options.alpha)
         else:
             pf = sum_layer_param_flows(values, flows, sub["ch"], sub["pid"], logw, sub["prow"], Kp=Kp, Kc=Kc,
                                        propagation=options.propagation, alpha=options.alpha,
-                                       precision=options.precision, temperature=options.pflow_temperature,
+                                       precision=options.concrete_precision, temperature=options.pflow_temperature,
                                        shift=shifts[sub["prow"] // unit] if read else None)
         return pf.astype(logw.dtype)
 
@@ -811,7 +811,7 @@ def partial_values(layout: Layout, plan, plan_tables: dict, params: dict, x: Arr
             with jax.named_scope(f"jaxpc/partial{name}/sum{j}"):
                 out = sum_layer(b, t["ch"], t["pid"], params["sum"][part.group], Kp=part.Kp, Kc=part.Kc,
                                 dense=part.dense, propagation=options.propagation, alpha=options.alpha,
-                                precision=options.precision, impl=impls[j])
+                                precision=options.concrete_precision, impl=impls[j])
             b = b.at[(t["write"][:, None] + jnp.arange(part.Kp)).reshape(-1)].set(out.astype(b.dtype))
         return b
 

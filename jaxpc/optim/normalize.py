@@ -116,17 +116,25 @@ def mean_nll(layout: Layout, tables: dict, params: dict, x: Array, missing: Arra
 
 # ---- circuit-level wrappers ---------------------------------------------------------------------
 
-def _cached(circuit, name: str, make):
-    cache = circuit.__dict__.setdefault("_optim_fns", {})
-    if name not in cache:
-        cache[name] = make()
-    return cache[name]
+def _entry(circuit, name: str, fn, rows):
+    from ..runtime import Entry
+
+    if not circuit.runtime.has(name):
+        circuit.runtime.register(name, Entry(functools.partial(fn, circuit.layout), rows))
+
+
+def _normalize_entry(layout, tables, params):
+    return normalize_params(layout, tables, params)
+
+
+def _log_prob_entry(layout, tables, params, x, missing, *, options, normalize):
+    return normalized_log_prob(layout, tables, params, x, missing, options, normalize=normalize)
 
 
 def normalize(circuit, params: dict) -> dict:
-    """:func:`normalize_params` for ``circuit`` (jitted once per circuit)."""
-    fn = _cached(circuit, "normalize", lambda: jax.jit(functools.partial(normalize_params, circuit.layout)))
-    return fn(circuit.tables, params)
+    """:func:`normalize_params` for ``circuit`` (one cached executable per circuit)."""
+    _entry(circuit, "optim.normalize", _normalize_entry, None)
+    return circuit.runtime.run("optim.normalize", {}, {"tables": circuit.tables, "params": params})
 
 
 def log_prob(circuit, params: dict, x, missing=None, *, normalize: bool = True, options: Options | None = None,
@@ -138,12 +146,12 @@ def log_prob(circuit, params: dict, x, missing=None, *, normalize: bool = True, 
             ``circuit.log_prob`` up to rounding).
         x: ``[B, V]``; missing: ``bool[V]`` or ``bool[B, V]`` or None.
         normalize: False evaluates ``params`` as they are (``circuit.log_prob``).
+        validate: see :mod:`jaxpc.runtime`.
 
     Returns:
         ``float[B]``.
     """
-    opts = Options.make(options)
-    xj, mj = circuit._prepare(x, missing, validate)
-    fn = _cached(circuit, "log_prob", lambda: jax.jit(functools.partial(normalized_log_prob, circuit.layout),
-                                                      static_argnames=("options", "normalize")))
-    return fn(circuit.tables, params, xj, mj, options=opts, normalize=normalize)
+    _entry(circuit, "optim.log_prob", _log_prob_entry, 0)
+    batch = circuit.runtime.prepare(x, missing, validate)
+    return circuit.runtime.run("optim.log_prob", {"normalize": bool(normalize)},
+                               {"tables": circuit.tables, "params": params}, batch, options=Options.make(options))

@@ -20,7 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..engine import em as em_engine
-from ..options import Options
+from .._validation import raise_bad_values
+from ..options import Options, matmul_setting
+from ..runtime import resolve_options
 from .normalize import mean_nll, normalize_params
 from .transforms import EMTransformation, apply_updates, em, em_apply
 
@@ -138,10 +140,18 @@ class FitResult(NamedTuple):
 
 
 def _epoch_fn(layout, step, num_samples: int, batch_size: int, shuffle: bool, drop_remainder: bool,
-              missing_ndim: int | None, dtype):
+              missing_ndim: int | None, dtype, check=None):
+    """One jitted epoch ``run(...) -> (params, state, mean ll, bad)``. With ``check`` (a
+    :class:`jaxpc._validation.DeviceCheck`) the data's bad rows weigh zero and ``bad`` flags them."""
     def run(tables, params, state, data, missing, key, epoch):
         idx, w = epoch_batches(key, epoch, num_samples, batch_size, shuffle=shuffle, drop_remainder=drop_remainder)
         wts = None if w is None else w.astype(dtype)
+        bad = None
+        if check is not None:
+            data, bad_rows = check.apply(data, missing)
+            ok = (~bad_rows).astype(dtype)[idx]
+            wts = ok if wts is None else wts * ok
+            bad = jnp.any(bad_rows)
 
         def body(carry, inp):
             params, state = carry
@@ -154,7 +164,7 @@ def _epoch_fn(layout, step, num_samples: int, batch_size: int, shuffle: bool, dr
 
         (params, state), sums = jax.lax.scan(body, (params, state), (idx, wts))
         count = idx.size if wts is None else jnp.sum(wts)
-        return params, state, jnp.sum(sums) / count
+        return params, state, jnp.sum(sums) / count, bad
 
     return jax.jit(run)
 
@@ -167,7 +177,7 @@ def _default_em(circuit, step_size, pseudocount):
         hash((step_size, pseudocount))
     except TypeError:  # an unhashable schedule: a new optimizer (and executable) per call
         return em(circuit, step_size, pseudocount)
-    return circuit._constant(("fit_em", step_size, pseudocount), lambda: em(circuit, step_size, pseudocount))
+    return circuit.runtime.constant(("fit_em", step_size, pseudocount), lambda: em(circuit, step_size, pseudocount))
 
 
 def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=None, pseudocount=None,
@@ -210,8 +220,9 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
     for name, v, lo in (("epochs", epochs, 0), ("batch_size", batch_size, 1), ("start_epoch", start_epoch, 0)):
         if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < lo:
             raise ValueError(f"fit: {name} must be an int >= {lo}, got {v!r}")
-    xj, mj = circuit._prepare(data, missing, validate)
-    n = int(xj.shape[0])
+    batch = circuit.runtime.prepare(data, missing, validate, what="data")
+    xj, mj, n = batch.x, batch.missing, batch.n
+    check = circuit.runtime.device_check if batch.report else None  # device data: checked inside the epoch
     if n == 0:
         raise ValueError("fit: data has no rows")
     bs = int(min(batch_size, n))
@@ -227,9 +238,11 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
     if opt_state is None:
         opt_state = optimizer.init(params)
     opts = Options.make(options)
-    cache = circuit.__dict__.setdefault("_fit_fns", {})
-    ck = (id(optimizer), normalize, opts, mesh, n, bs, shuffle, drop_remainder, mndim)
-    if ck not in cache or cache[ck][0] is not optimizer:
+    opts = resolve_options(opts)
+    ck = ("fit", id(optimizer), normalize, opts, mesh, n, bs, shuffle, drop_remainder, mndim, check is not None,
+          matmul_setting())
+    entry = circuit.runtime.constant(ck, lambda: [None, None])
+    if entry[0] is not optimizer:
         step = make_step(circuit.layout, optimizer, normalize=normalize, options=opts, mesh=mesh, missing_ndim=mndim)
         if mesh is not None and (drop_remainder or n % bs == 0):
             inner = step
@@ -238,8 +251,9 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
                 w = jnp.ones((x.shape[0],), circuit.dtype) if weights is None else weights
                 return inner(tables, params, state, x, missing, w)
 
-        cache[ck] = (optimizer, _epoch_fn(circuit.layout, step, n, bs, shuffle, drop_remainder, mndim, circuit.dtype))
-    run = cache[ck][1]
+        entry[:] = [optimizer, _epoch_fn(circuit.layout, step, n, bs, shuffle, drop_remainder, mndim, circuit.dtype,
+                                         check)]
+    run = entry[1]
 
     lls = []
     epochs_iter = range(start_epoch, start_epoch + int(epochs))
@@ -259,8 +273,11 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
 
         tables = parallel._tables(circuit, mesh, packed=False)
     for e in epochs_iter:
-        params, opt_state, ll = run(tables, params, opt_state, xj, mj, key, jnp.asarray(e, jnp.int32))
+        params, opt_state, ll, bad = run(tables, params, opt_state, xj, mj, key, jnp.asarray(e, jnp.int32))
         lls.append(ll)
+        if bad is not None and len(lls) == 1 and bool(np.asarray(bad)):
+            # (read once per fit, after the first epoch) the rows with bad values took no part
+            raise_bad_values(circuit.runtime.var_info, xj, mj, "data", "optim.fit, which left those rows out")
         if bar is not None:
             bar.set_postfix(ll=f"{float(ll):.4f}")
     epoch_ll = np.asarray(jnp.stack(lls)) if lls else np.zeros((0,), np.dtype(circuit.dtype))

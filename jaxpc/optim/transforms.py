@@ -249,7 +249,7 @@ def _make(circuit, config: EMConfig) -> EMTransformation:
     layout, tables = circuit.layout, circuit.tables
     config = dataclasses.replace(config, layout=layout)
 
-    xdtype = jnp.int32 if circuit._var_info.all_discrete else circuit.dtype
+    xdtype = jnp.int32 if circuit.runtime.var_info.all_discrete else circuit.dtype
 
     def init(params):
         count = jnp.zeros((), jnp.int32)

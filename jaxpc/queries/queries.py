@@ -14,10 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..circuit import _head
-from ..circuit import _pad_rows as circuit_pad
 from ..engine import forward, select
 from ..options import Options
+from ..runtime import Batch, Entry
 
 Array = jax.Array
 
@@ -96,14 +95,17 @@ def _mpe_impl(layout, tables, params, x, missing, *, num_values: int):
 # public functions
 # ---------------------------------------------------------------------------------------------
 
-_QUERY_ENTRIES = {"marginal_soft": _marginal_impl, "conditional": _conditional_impl, "sample": _sample_impl,
-                  "mpe": _mpe_impl}
+# name -> (pure implementation, batch axis of each output)
+_QUERY_ENTRIES = {"marginal_soft": (_marginal_impl, 0), "conditional": (_conditional_impl, 0),
+                  "sample": (_sample_impl, 0), "mpe": (_mpe_impl, (0, 0))}
 
 
-def _run(circuit, entry: str, static: dict, args: dict):
-    if entry not in circuit._fns:
-        circuit._fns[entry] = functools.partial(_QUERY_ENTRIES[entry], circuit.layout)
-    return circuit._run(entry, static, args)
+def _run(circuit, entry: str, static: dict, args: dict, batch: Batch, **kw):
+    rt = circuit.runtime
+    if not rt.has(entry):
+        fn, rows = _QUERY_ENTRIES[entry]
+        rt.register(entry, Entry(functools.partial(fn, circuit.layout), rows))
+    return rt.run(entry, static, {"tables": circuit.tables, **args}, batch, **kw)
 
 
 @functools.partial(jax.jit, static_argnames=("n", "V", "dtype"))
@@ -111,16 +113,17 @@ def _zeros_batch(n: int, V: int, dtype):
     return jnp.zeros((n, V), dtype)
 
 
-def _all_missing_batch(circuit, n: int):
-    """``(x, missing)`` of ``n`` fully unobserved rows, made on device (no host transfer)."""
-    dtype = jnp.int32 if circuit._var_info.all_discrete else circuit.dtype
-    if "_all_missing" not in circuit.__dict__:
-        circuit._all_missing = jnp.ones((circuit.num_vars,), bool)
-    return _zeros_batch(n, circuit.num_vars, dtype), circuit._all_missing
+def _all_missing_batch(circuit, n: int) -> Batch:
+    """A batch of ``n`` fully unobserved rows, made on device (no host transfer; nothing to check)."""
+    rt = circuit.runtime
+    dtype = jnp.int32 if rt.var_info.all_discrete else circuit.dtype
+    missing = rt.constant("all_missing", lambda: jnp.ones((circuit.num_vars,), bool))
+    return Batch(_zeros_batch(n, circuit.num_vars, dtype), missing, n, check=False, report=False, sync=False,
+                 traced=False)
 
 
 def _check_soft(circuit, soft):
-    info = circuit._var_info
+    info = circuit.runtime.var_info
     if not info.all_discrete:
         raise ValueError("soft_evidence needs every variable to be discrete; this circuit has continuous variables "
                          f"{np.nonzero(info.continuous)[0][:6].tolist()}")
@@ -158,12 +161,11 @@ def marginal(circuit, params, x=None, missing=None, *, soft_evidence=None, propa
             raise ValueError("give either x (with missing) or soft_evidence, not both")
         logq = _check_soft(circuit, soft_evidence)
         n = logq.shape[0]
-        xj = _zeros_batch(n, circuit.num_vars, jnp.int32)
-        n, b, xp, _, _ = circuit._batch(xj, None)
-        lq = logq if b == n else circuit_pad(logq, b)
-        out = _run(circuit, "marginal_soft", {"options": opts},
-                   {"tables": circuit.tables, "params": params, "x": xp, "missing": None, "soft": lq})
-        return _head(out, n) if b != n else out
+        traced = isinstance(logq, jax.core.Tracer)
+        batch = Batch(_zeros_batch(n, circuit.num_vars, jnp.int32), None, n, check=False, report=False, sync=False,
+                      traced=traced)
+        return _run(circuit, "marginal_soft", {}, {"params": params, "soft": logq}, batch, options=opts,
+                    batched={"soft": 0})
     if x is None:
         raise ValueError("marginal needs x (hard evidence) or soft_evidence")
     return circuit.log_prob(params, x, missing, options=opts, validate=validate)
@@ -177,8 +179,8 @@ def conditional(circuit, params, x, missing=None, *, target_vars=None, validate:
     pass: the gradient of ``log p(evidence)`` with respect to the leaves' indicators. An observed
     target's conditional is the indicator of its observed value.
     """
-    info = circuit._var_info
-    xj, mj = circuit._prepare(x, missing, validate)
+    info = circuit.runtime.var_info
+    batch = circuit.runtime.prepare(x, missing, validate)
     if target_vars is None:
         targets = np.arange(circuit.num_vars)
     else:
@@ -192,11 +194,8 @@ def conditional(circuit, params, x, missing=None, *, target_vars=None, validate:
     if cont.size:
         raise ValueError(f"conditional needs discrete target variables; variable {int(cont[0])} is continuous")
     K = int(info.card.max())
-    n, b, xp, mp, _ = circuit._batch(xj, mj)
-    out = _run(circuit, "conditional", {"num_values": K},
-               {"tables": circuit.tables, "params": params, "x": xp, "missing": mp,
-                "targets": jnp.asarray(targets, jnp.int32)})
-    return _head(out, n) if b != n else out
+    return _run(circuit, "conditional", {"num_values": K},
+                {"params": params, "targets": jnp.asarray(targets, jnp.int32)}, batch)
 
 
 def sample(circuit, params, key: Array, num_samples: int | None = None, *, x=None, missing=None,
@@ -212,18 +211,13 @@ def sample(circuit, params, key: Array, num_samples: int | None = None, *, x=Non
             raise ValueError("missing is only meaningful with evidence x")
         if not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
-        xj, mj = _all_missing_batch(circuit, num_samples)
+        batch = _all_missing_batch(circuit, num_samples)
     else:
-        xj, mj = circuit._prepare(x, missing, validate)
-        if num_samples is not None and num_samples != xj.shape[0]:
-            raise ValueError(f"num_samples={num_samples} but the evidence has {xj.shape[0]} rows (one sample per row)")
-        if mj is None:
-            mj = jnp.zeros((circuit.num_vars,), bool)
-    K = max(int(circuit._var_info.card.max()), 1)
-    n, b, xp, mp, _ = circuit._batch(xj, mj)
-    out = _run(circuit, "sample", {"num_values": K},
-               {"tables": circuit.tables, "params": params, "key": key, "x": xp, "missing": mp})
-    return _head(out, n) if b != n else out
+        batch = _observed(circuit, x, missing, validate)
+        if num_samples is not None and num_samples != batch.n:
+            raise ValueError(f"num_samples={num_samples} but the evidence has {batch.n} rows (one sample per row)")
+    K = max(int(circuit.runtime.var_info.card.max()), 1)
+    return _run(circuit, "sample", {"num_values": K}, {"params": params, "key": key}, batch)
 
 
 def mpe(circuit, params, x=None, missing=None, *, num_samples: int = 1, validate: bool = True) -> tuple[Array, Array]:
@@ -239,13 +233,16 @@ def mpe(circuit, params, x=None, missing=None, *, num_samples: int = 1, validate
     if x is None:
         if missing is not None:
             raise ValueError("missing is only meaningful with evidence x")
-        xj, mj = _all_missing_batch(circuit, num_samples)
+        batch = _all_missing_batch(circuit, num_samples)
     else:
-        xj, mj = circuit._prepare(x, missing, validate)
-        if mj is None:
-            mj = jnp.zeros((circuit.num_vars,), bool)
-    K = max(int(circuit._var_info.card.max()), 1)
-    n, b, xp, mp, _ = circuit._batch(xj, mj)
-    assign, value = _run(circuit, "mpe", {"num_values": K},
-                         {"tables": circuit.tables, "params": params, "x": xp, "missing": mp})
-    return (_head(assign, n), _head(value, n)) if b != n else (assign, value)
+        batch = _observed(circuit, x, missing, validate)
+    K = max(int(circuit.runtime.var_info.card.max()), 1)
+    return _run(circuit, "mpe", {"num_values": K}, {"params": params}, batch)
+
+
+def _observed(circuit, x, missing, validate) -> Batch:
+    """The checked evidence batch of ``sample`` / ``mpe``, with an explicit all-observed mask when none is given."""
+    batch = circuit.runtime.prepare(x, missing, validate)
+    if batch.missing is None:
+        batch.missing = circuit.runtime.constant("none_missing", lambda: jnp.zeros((circuit.num_vars,), bool))
+    return batch

@@ -1,0 +1,336 @@
+"""The one call path of every entry point: check, pad to the bucket, run the cached executable, slice.
+
+A :class:`Runtime` belongs to one circuit and holds everything per circuit that outlives a call: the
+variables' admissible values, the batch buckets, the executable cache, device constants and the input
+checks still in flight. Every public entry point (the :class:`~jaxpc.Circuit` methods, queries,
+``parallel``, ``optim`` and ``nn``) goes through :meth:`Runtime.prepare` and :meth:`Runtime.run`.
+
+**Input checks.** ``validate`` takes three values:
+
+* ``True`` (default): numpy (host) data are checked before anything runs and raise at once. Device
+  arrays are checked inside the executable that does the work: a row with a bad value (an
+  out-of-range or fractional category, a NaN or infinite observed value) gets a NaN log-likelihood
+  (``-1`` for integer outputs), takes no part in flows and EM (its weight is zero, so parameters stay
+  finite), and the executable returns a flag. The flag of a call is read by the circuit's **next call**
+  (any entry point), after that call has been dispatched, so the device is never idle waiting for it;
+  that call then raises the ``ValueError`` naming the variable and the value. :meth:`Runtime.raise_pending`
+  (``circuit.raise_pending()``) waits for and raises it at once.
+* ``"sync"``: the same check, then waits for the call's own flag and raises at once (for debugging).
+* ``False``: no value check at all (a bad value then gives NaN or a clamped value, unchecked).
+
+Inside a user's ``jit`` (tracer inputs) the check still cleans the batch and marks its rows NaN, but
+nothing can raise from inside a trace.
+
+**Precision.** ``Options(precision="default")`` follows JAX's default matmul precision
+(``jax.default_matmul_precision``): TF32 on NVIDIA GPUs, exact float32 elsewhere or when JAX's setting
+is ``"highest"``/``"float32"``. The call resolves it before the key is made, and the key also holds
+JAX's setting, so changing it never replays an executable compiled under another.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import threading
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _validation
+from .executables import BucketPolicy, ExecutableCache
+from .options import Options, matmul_setting, resolve_precision
+
+Array = jax.Array
+
+__all__ = ["Runtime", "Batch", "Entry", "VALIDATE", "resolve_options", "resolve_precision"]
+
+VALIDATE = (True, False, "sync")
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """A pure entry point ``fn(**args, **static)`` and where its outputs hold the batch.
+
+    ``rows``: a pytree prefix of the outputs giving each output's batch axis (None: no batch axis, e.g.
+    flows or parameters). Outputs with a batch axis are sliced back to the caller's rows and, under the
+    input check, set to NaN (floats) or -1 (integers) on bad rows.
+    """
+
+    fn: Callable
+    rows: Any = 0
+
+
+@dataclasses.dataclass
+class Batch:
+    """A checked batch: ``x`` ``[n, V]`` and ``missing`` as jnp arrays, ``n`` rows, and how its values are
+    checked: ``check`` (the executable's device check runs) and ``report`` (its flag is read: the values
+    were a device array and not checked on the host)."""
+
+    x: Array
+    missing: Array | None
+    n: int
+    check: bool
+    report: bool
+    sync: bool
+    traced: bool
+
+
+@dataclasses.dataclass
+class _Pending:
+    flag: Array
+    x: Array
+    missing: Array | None
+    where: str
+
+
+def resolve_options(options: Options) -> Options:
+    """``options`` with ``precision="default"`` resolved (:func:`resolve_precision`)."""
+    if options.precision != "default":
+        return options
+    return options.replace(precision=resolve_precision("default"))
+
+
+def _pad_rows_fn(a: Array, bucket: int, axis: int) -> Array:
+    pad = bucket - a.shape[axis]
+    if pad <= 0:
+        return a
+    first = jax.lax.slice_in_dim(a, 0, 1, axis=axis)
+    shape = list(a.shape)
+    shape[axis] = pad
+    return jnp.concatenate([a, jnp.broadcast_to(first, shape)], axis=axis)
+
+
+pad_rows = jax.jit(_pad_rows_fn, static_argnames=("bucket", "axis"))
+pad_rows.__doc__ = "Pad ``axis`` to ``bucket`` with copies of the first row (valid data)."
+
+
+@functools.partial(jax.jit, static_argnames=("n", "axis"))
+def head(a: Array, n: int, axis: int = 0) -> Array:
+    """The first ``n`` entries along ``axis`` (a compiled static slice: no host transfer)."""
+    return jax.lax.slice_in_dim(a, 0, n, axis=axis)
+
+
+@functools.partial(jax.jit, static_argnames=("bucket", "n", "dtype"))
+def _valid_rows(bucket: int, n: int, dtype) -> Array:
+    return (jnp.arange(bucket) < n).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("bucket", "n", "dtype"))
+def _pad_weights(w: Array, bucket: int, n: int, dtype) -> Array:
+    w = w[:n].astype(dtype)
+    return jnp.concatenate([w, jnp.zeros((bucket - n,), dtype)]) if bucket > n else w
+
+
+def _mark_rows(out, rows, bad):
+    """Outputs with bad rows set to NaN (floats) or -1 (integers), following the ``rows`` prefix."""
+    def mark(axis, a):
+        if axis is None:
+            return a
+        shape = [1] * a.ndim
+        shape[axis] = a.shape[axis]
+        fill = jnp.nan if jnp.issubdtype(a.dtype, jnp.floating) else -1
+        return jnp.where(bad.reshape(shape), jnp.asarray(fill, a.dtype), a)
+    return jax.tree_util.tree_map(mark, rows, out, is_leaf=lambda r: r is None)
+
+
+def checked(entry: Entry) -> Callable:
+    """``entry.fn`` under the input check: ``f(**args, _check=..., **static) -> (outputs, flag)``. With
+    ``_check=None`` the function runs unchanged and the flag is None."""
+    def run(*, _check=None, _matmul=None, **kw):
+        del _matmul  # part of the key only
+        if _check is None:
+            return entry.fn(**kw), None
+        x, bad = _check.apply(kw["x"], kw.get("missing"))
+        kw["x"] = x
+        if kw.get("weights") is not None:
+            kw["weights"] = jnp.where(bad, jnp.zeros((), kw["weights"].dtype), kw["weights"])
+        return _mark_rows(entry.fn(**kw), entry.rows, bad), jnp.any(bad)
+    return run
+
+
+class Runtime:
+    """Per-circuit state of the call path (see the module docstring)."""
+
+    def __init__(self, var_info: _validation.VarInfo, dtype, cache: ExecutableCache | None = None,
+                 buckets: BucketPolicy | None = None):
+        self.var_info = var_info
+        self.dtype = jnp.dtype(dtype)
+        self.cache = cache or ExecutableCache()
+        self.buckets = buckets or BucketPolicy()
+        self.device_check = _validation.DeviceCheck(var_info)
+        self._entries: dict[str, tuple[Entry, Callable]] = {}
+        self._constants: dict = {}
+        self._pending: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+
+    # ---- entry points -------------------------------------------------------------------------
+    def register(self, name: str, entry: Entry) -> None:
+        """Make ``entry`` callable as ``name`` (idempotent for the same name)."""
+        with self._lock:
+            if name not in self._entries:
+                self._entries[name] = (entry, checked(entry))
+
+    def has(self, name: str) -> bool:
+        return name in self._entries
+
+    # ---- checks -------------------------------------------------------------------------------
+    def prepare(self, x, missing=None, validate=True, *, what: str = "x") -> Batch:
+        """Check shapes and dtypes (and host values) of a batch; see the module docstring for ``validate``."""
+        if validate not in VALIDATE:
+            raise ValueError(f"validate must be True, False or 'sync', got {validate!r}")
+        xj, mj, on_device = _validation.check_batch(self.var_info, x, missing, check_values=bool(validate),
+                                                    float_dtype=self.dtype, what=what)
+        traced = isinstance(xj, jax.core.Tracer) or isinstance(mj, jax.core.Tracer)
+        return Batch(xj, mj, int(xj.shape[0]), check=bool(validate), report=bool(validate) and on_device and not traced,
+                     sync=validate == "sync", traced=traced)
+
+    def raise_pending(self) -> None:
+        """Wait for the input checks of earlier calls and raise the first failure (a ``ValueError`` naming the
+        variable and the value); clears them."""
+        self._settle()
+
+    def _settle(self) -> None:
+        while True:
+            with self._lock:
+                if not self._pending:
+                    return
+                p = self._pending.popleft()
+            with jax.transfer_guard_device_to_host("allow"):  # the flag's byte, not the user's data
+                bad = bool(np.asarray(p.flag))
+            if bad:
+                with self._lock:
+                    self._pending.clear()
+                _validation.raise_bad_values(self.var_info, p.x, p.missing, "x", f"circuit.{p.where}, checked on the device; "
+                                             f"its rows gave NaN")
+
+    def _record(self, flag: Array, batch: Batch, where: str) -> None:
+        try:
+            with jax.transfer_guard_device_to_host("allow"):
+                flag.copy_to_host_async()  # the next call reads it from host memory
+        except Exception:  # noqa: BLE001 - a backend without async copies reads it synchronously
+            pass
+        with self._lock:
+            self._pending.append(_Pending(flag, batch.x, batch.missing, where))
+
+    # ---- constants ----------------------------------------------------------------------------
+    def constant(self, key, make) -> Any:
+        """A device constant made by ``make()`` once per ``key`` (bounded)."""
+        hit = self._constants.get(key)
+        if hit is not None:
+            return hit
+        with self._lock:
+            if key not in self._constants:
+                if len(self._constants) > 256:
+                    self._constants.clear()
+                self._constants[key] = make()
+            return self._constants[key]
+
+    def scalar(self, value) -> Array:
+        """A device scalar of the circuit's dtype for a Python number, made once per value."""
+        if isinstance(value, (jax.Array, jax.core.Tracer)):
+            return value.astype(self.dtype) if value.dtype != self.dtype else value
+        key = float(value)
+        return self.constant(("scalar", key), lambda: jnp.asarray(key, self.dtype))
+
+    def weights(self, ll_weights, n: int):
+        """Per-sample weights ``[n]`` of the circuit's dtype, or None."""
+        if ll_weights is None:
+            return None
+        w = ll_weights if isinstance(ll_weights, jax.core.Tracer) else jnp.asarray(ll_weights, self.dtype)
+        if w.shape != (n,):
+            raise ValueError(f"ll_weights must have shape [{n}] (one weight per sample), got {tuple(w.shape)}")
+        return w
+
+    def bucket(self, n: int, multiple: int = 1) -> int:
+        b = self.buckets(n)
+        return -(-b // multiple) * multiple
+
+    # ---- the call -----------------------------------------------------------------------------
+    def run(self, name: str, static: dict, args: dict, batch: Batch | None = None, *, options: Options | None = None,
+            batched: dict[str, int] | None = None, weights: Any = False, multiple: int = 1, sharding=None):
+        """Run entry ``name`` on ``args``: pad the batch to its bucket, run the cached executable (with the
+        device check when ``batch.check``), slice the outputs back to ``batch.n`` rows, and settle the input
+        checks of earlier calls.
+
+        Args:
+            static: static values of the key (besides ``options``).
+            args: traced arguments; ``x`` and ``missing`` are taken from ``batch``.
+            options: the call's :class:`Options` (``precision="default"`` is resolved here).
+            batched: other arguments whose axis (the value) holds the batch and is padded with it (evidence
+                pytrees: every leaf).
+            weights: False (the entry takes none), or None / ``[n]`` weights: padded to the bucket (padding
+                rows weigh 0; None: ones on the real rows).
+            multiple: buckets are rounded up to a multiple of this (devices of a mesh).
+            sharding: where the default weights are made (a mesh's batch sharding), so that a step moves
+                nothing but the data.
+        """
+        entry, fn = self._entries[name]
+        static = dict(static)
+        if options is not None:
+            static["options"] = resolve_options(options)
+            if options.precision == "default":
+                static["_matmul"] = matmul_setting()
+        args = dict(args)
+        n = batch.n if batch is not None else None
+        b = n
+        if batch is not None:
+            static["_check"] = self.device_check if batch.check else None
+            x, m = batch.x, batch.missing
+            if not batch.traced:
+                b = self.bucket(n, multiple)
+            if b != n:
+                x = pad_rows(x, b, 0)
+                m = m if m is None or m.ndim == 1 else pad_rows(m, b, 0)
+            args["x"], args["missing"] = x, m
+            for k, axis in (batched or {}).items():
+                if args.get(k) is not None and b != n:
+                    args[k] = jax.tree_util.tree_map(lambda a, ax=axis: pad_rows(a, b, ax), args[k])
+            if weights is not False:
+                if weights is None:
+                    args["weights"] = (jnp.ones((n,), self.dtype) if batch.traced else self.constant(
+                        ("valid", b, n, sharding), lambda: jax.device_put(_valid_rows(b, n, self.dtype), sharding)))
+                else:
+                    args["weights"] = weights if b == n else _pad_weights(weights, b, n, self.dtype)
+        out, flag = self.cache.run(name, fn, static, args, self._fallback(name, static, args, batched, n)
+                                   if batch is not None and not batch.traced else None)
+        if b != n:
+            out = jax.tree_util.tree_map(lambda axis, a: a if axis is None else head(a, n, axis), entry.rows, out,
+                                         is_leaf=lambda r: r is None)
+        if batch is None or batch.traced or isinstance(flag, jax.core.Tracer):  # (inlined in a user's trace)
+            return out
+        self._settle()
+        if flag is not None and batch.report:
+            self._record(flag, batch, name)
+            if batch.sync:
+                self._settle()
+        return out
+
+    def _fallback(self, name: str, static: dict, args: dict, batched, n: int):
+        """With ``compile_after > 1``: an early sighting of a key runs on a live executable of a larger bucket."""
+        if self.cache.compile_after <= 1:
+            return None
+
+        def fallback(a):
+            b = a["x"].shape[0]
+            for cand in sorted({self.buckets(b * k) for k in (2, 4, 8, 16)}):
+                padded = dict(a)
+                for k in ("x", "missing", *(batched or {})):
+                    v = a.get(k)
+                    if v is None or (k == "missing" and v.ndim == 1):
+                        continue
+                    axis = (batched or {}).get(k, 0)
+                    padded[k] = jax.tree_util.tree_map(lambda t, ax=axis: pad_rows(t, cand, ax), v)
+                if a.get("weights") is not None:
+                    padded["weights"] = _pad_weights(a["weights"], cand, b, self.dtype)
+                exe = self.cache.find(name, static, padded)
+                if exe is not None:
+                    out, flag = exe(*padded.values())
+                    rows = self._entries[name][0].rows
+                    out = jax.tree_util.tree_map(lambda axis, t: t if axis is None else head(t, b, axis), rows, out,
+                                                 is_leaf=lambda r: r is None)
+                    return out, flag
+            return None
+        return fallback

@@ -1,0 +1,159 @@
+"""Input checks without a host round trip, and the default precision (jaxpc.runtime).
+
+A device array's values are checked inside the executable: bad rows give NaN log-likelihoods and take no
+part in flows or EM, and the named error is raised by the circuit's next call (or ``raise_pending``);
+``validate="sync"`` raises at once; numpy data raise before anything runs.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxpc
+from jaxpc import dists, optim, parallel, structures
+from jaxpc.options import resolve_precision
+
+MSG = r"x\[2, 3\] = 7 is out of range: variable 3 \(Categorical"
+
+
+@pytest.fixture
+def hmm():
+    return jaxpc.compile(structures.HMM(6, 4, 5), seed=1)
+
+
+def _data(n=6, seed=0):
+    return np.random.default_rng(seed).integers(0, 5, (n, 6)).astype(np.int32)
+
+
+def _close(a, b, tol=1e-5):
+    for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=tol, atol=tol)
+
+
+def test_bad_device_row_is_nan_and_the_next_call_raises(hmm):
+    x = _data()
+    xd = jnp.asarray(x).at[2, 3].set(7)
+    good = np.asarray(hmm.log_prob(hmm.params, np.delete(x, 2, axis=0), validate=False))
+    ll = np.asarray(hmm.log_prob(hmm.params, xd))  # no error yet: the check's flag is read by the next call
+    assert np.isnan(ll[2]) and np.isfinite(np.delete(ll, 2)).all()
+    np.testing.assert_allclose(np.delete(ll, 2), good, rtol=1e-6)
+    with pytest.raises(ValueError, match=MSG + r".*circuit\.log_prob"):
+        hmm.log_prob(hmm.params, x)
+    hmm.log_prob(hmm.params, x)  # raised once, then cleared
+
+
+@pytest.mark.parametrize("value", [7, -1])
+def test_bad_rows_take_no_part_in_flows_and_em(hmm, value):
+    x = _data(8, seed=3)
+    xd = jnp.asarray(x).at[2, 3].set(value)
+    keep = np.delete(x, 2, axis=0)
+    ref = hmm.flows(hmm.params, keep, validate=False)
+    ref_new = hmm.em_step(hmm.params, keep, step_size=0.5, validate=False)
+    fl, ll = hmm.flows(hmm.params, xd, return_ll=True)
+    assert np.isnan(np.asarray(ll)[2])
+    _close(fl, ref)
+    with pytest.raises(ValueError, match=r"x\[2, 3\] = " + str(value)):
+        hmm.raise_pending()
+    new, ll = hmm.em_step(hmm.params, xd, step_size=0.5, return_ll=True)
+    _close(new, ref_new)
+    assert all(np.isfinite(np.asarray(jnp.exp(a))).all() for a in jax.tree_util.tree_leaves(new))
+    with pytest.raises(ValueError, match=r"x\[2, 3\] = " + str(value) + r".*circuit\.em_step"):
+        hmm.raise_pending()
+
+
+def test_all_rows_bad_leave_the_parameters_unchanged(hmm):
+    xd = jnp.full((4, 6), 9, jnp.int32)
+    new = hmm.em_step(hmm.params, xd)
+    _close(new, hmm.params, tol=1e-6)
+    with pytest.raises(ValueError, match=r"x\[0, 0\] = 9 is out of range.*\(24 bad entries in all\)"):
+        hmm.raise_pending()
+
+
+def test_missing_entries_are_not_checked(hmm):
+    x = jnp.asarray(_data()).at[2, 3].set(7)
+    missing = jnp.zeros((6, 6), bool).at[2, 3].set(True)
+    ll = hmm.log_prob(hmm.params, x, missing)
+    assert np.isfinite(np.asarray(ll)).all()
+    hmm.raise_pending()
+
+
+def test_sync_raises_at_once_and_numpy_raises_before_running(hmm):
+    x = _data()
+    xd = jnp.asarray(x).at[2, 3].set(7)
+    with pytest.raises(ValueError, match=MSG):
+        hmm.flows(hmm.params, xd, validate="sync")
+    hmm.raise_pending()  # nothing left
+    before = hmm.cache_info()
+    bad = x.copy()
+    bad[2, 3] = 7
+    for call in (lambda: hmm.log_prob(hmm.params, bad), lambda: hmm.flows(hmm.params, bad),
+                 lambda: hmm.em_step(hmm.params, bad), lambda: hmm.mpe(hmm.params, bad),
+                 lambda: hmm.conditional(hmm.params, bad)):
+        with pytest.raises(ValueError, match=MSG):
+            call()
+    after = hmm.cache_info()
+    assert (after.hits, after.misses) == (before.hits, before.misses), "host data must raise before running"
+    with pytest.raises(ValueError, match="validate must be True, False or 'sync'"):
+        hmm.log_prob(hmm.params, x, validate="yes")
+
+
+def test_queries_mark_bad_rows(hmm):
+    xd = jnp.asarray(_data()).at[2, 3].set(7)
+    assign, value = hmm.mpe(hmm.params, xd)
+    assert (np.asarray(assign)[2] == -1).all() and np.isnan(np.asarray(value)[2])
+    assert np.isfinite(np.asarray(value)[[0, 1, 3, 4, 5]]).all()
+    with pytest.raises(ValueError, match=MSG + r".*circuit\.mpe"):
+        hmm.raise_pending()
+    cond = np.asarray(hmm.conditional(hmm.params, xd, target_vars=[0, 1]))
+    assert np.isnan(cond[2]).all() and np.isfinite(cond[[0, 1, 3]]).all()
+    with pytest.raises(ValueError, match=MSG + r".*circuit\.conditional"):
+        hmm.sample(hmm.params, jax.random.key(0), x=jnp.asarray(_data()))
+
+
+def test_inside_a_user_jit_bad_rows_are_nan(hmm):
+    f = jax.jit(lambda p, x: hmm.log_prob(p, x))
+    ll = np.asarray(f(hmm.params, jnp.asarray(_data()).at[2, 3].set(7)))
+    assert np.isnan(ll[2]) and np.isfinite(np.delete(ll, 2)).all()
+    hmm.raise_pending()  # nothing can be reported from inside a trace
+
+
+def test_fit_and_parallel_check_device_data(hmm):
+    data = jnp.asarray(_data(16, seed=5)).at[5, 3].set(7)
+    with pytest.raises(ValueError, match=r"data\[5, 3\] = 7 is out of range.*optim\.fit"):
+        optim.fit(hmm, hmm.params, data, epochs=1, batch_size=8, progress=False)
+    mesh = parallel.data_mesh(2)
+    ref = hmm.flows(hmm.params, np.delete(np.asarray(data), 5, axis=0), validate=False)
+    fl, ll = parallel.flows(hmm, hmm.params, data, mesh=mesh, return_ll=True)
+    assert np.isnan(np.asarray(ll)[5])
+    _close(fl, ref)
+    with pytest.raises(ValueError, match=r"x\[5, 3\] = 7.*circuit\.parallel\.flows"):
+        hmm.raise_pending()
+
+
+def test_default_precision_follows_jax():
+    assert jaxpc.Options().precision == "default"
+    expected = "tf32" if jax.default_backend() == "gpu" else "fp32"
+    assert resolve_precision("default") == expected
+    with jax.default_matmul_precision("highest"):
+        assert resolve_precision("default") == "fp32"
+    assert resolve_precision("bf16") == "bf16"
+
+
+def test_changing_jax_matmul_precision_does_not_replay_an_executable():
+    c = jaxpc.compile(structures.HCLT(_data(50, seed=1), 4, input_dist=dists.Categorical(5)))
+    x = jnp.asarray(_data(8, seed=2))
+    c.flows(c.params, x)
+    misses = c.cache_info().misses
+    c.flows(c.params, x)
+    assert c.cache_info().misses == misses
+    with jax.default_matmul_precision("highest"):
+        c.flows(c.params, x)
+    assert c.cache_info().misses == misses + 1, "a new JAX matmul setting must compile its own executable"
+    with jax.default_matmul_precision("tensorfloat32"):
+        c.flows(c.params, x)
+    assert c.cache_info().misses == misses + 2
+    c.flows(c.params, x, options=jaxpc.Options(precision="fp32"))  # explicit: JAX's setting is not read
+    with jax.default_matmul_precision("highest"):
+        c.flows(c.params, x, options=jaxpc.Options(precision="fp32"))
+    assert c.cache_info().misses == misses + 3
