@@ -165,11 +165,12 @@ def compile_all(jobs, threads: int) -> float:
     return time.perf_counter() - t
 
 
-def run(name, root_fn, data_fn, batches, reps, check, precision, tuned_entries=ENTRIES, threads=4):
+def run(name, root_fn, data_fn, batches, reps, check, precision, tuned_entries=ENTRIES, threads=4, check_jobs=None):
     """Build and compile the circuit, compile every executable, then check and time each (B, variant).
 
-    ``check(c, x, kw)`` returns the relative error of the call ``kw`` on batch ``x``. Returns the circuit and
-    one row per batch size."""
+    ``check(c, x, kw)`` returns the relative error of the call ``kw`` on batch ``x``; ``check_jobs(c, data)``
+    the ``(fn, x)`` calls whose executables the checks need beyond the timed ones (compiled with them).
+    Returns the circuit and one row per batch size."""
     t0 = time.perf_counter()
     root = root_fn()
     t1 = time.perf_counter()
@@ -181,6 +182,7 @@ def run(name, root_fn, data_fn, batches, reps, check, precision, tuned_entries=E
                                                     tuple(e for e in ENTRIES if e in tuned_entries))}
     data = {B: [jnp.asarray(data_fn(B, seed)) for seed in range(4)] for B in batches}
     jobs = [(_entry_fn(c, e, kw), data[B][0]) for B in batches for kw, entries in variants.values() for e in entries]
+    jobs += check_jobs(c, data) if check_jobs else []
     compile_wall = compile_all(jobs, threads)
     info = c.cache_info()
     print(f"{name:9s} build {t1 - t0:.1f} s, jaxpc.compile {t2 - t1:.1f} s; {info.misses} executables compiled in "
@@ -272,6 +274,10 @@ def main(argv=None):
                                            jax.tree_util.tree_leaves((ll_ref, fl_ref)))]
         return max(errs)
 
+    def rel_check_jobs(c, data):
+        """The reference executable at the smallest batch."""
+        return [(lambda x: c.flows(c.params, x, options=ref_opts, validate=False), data[B0][0][:B0])]
+
     if "hmm" in work:
         L = args.latents or 1024
         T, V = (16, 256) if args.small else (64, 4096)
@@ -317,12 +323,12 @@ def main(argv=None):
         if "hclt" in work:
             L = args.latents or 256
             rows += run(f"HCLT-{L}", lambda: structures.HCLT(imgs, L, input_dist=cat256), img_data, batches,
-                        args.reps, rel_check, args.precision, tuned_entries, args.compile_threads)[1]
+                        args.reps, rel_check, args.precision, tuned_entries, args.compile_threads, rel_check_jobs)[1]
         if "pd" in work:
             L = args.latents or 128
             rows += run(f"PD-{L}", lambda: structures.PD((28, 28), L, split_intervals=(4, 4), input_dist=cat256),
                         img_data, batches, args.reps, rel_check, args.precision, tuned_entries,
-                        args.compile_threads)[1]
+                        args.compile_threads, rel_check_jobs)[1]
 
     if args.json:
         save_rows(Path(args.json).parent, Path(args.json).name, rows)
