@@ -5,9 +5,11 @@ The same workloads as jaxpc's benchmarks, run in PyJuice on one CUDA GPU: HMM, H
 (a homogeneous HMM with top-k soft evidence). torch and pyjuice are imported inside the functions, so
 this module imports without them; call `available()` first.
 
-Modes: "default" is PyJuice's plain eager path; "graph" first makes one dry run with
-`record_cudagraph=True` (PyJuice then replays the recorded CUDA graphs of its inner layers on later
-calls with the same buffers and batch size; input layers always run eagerly).
+Modes (`CALLS` spells out each one's calls): "graph" is PyJuice's fastest path, an explicit forward
+then `pc.backward(x, flows_memory=1.0)`, after one dry run with `record_cudagraph=True` (PyJuice then
+replays the recorded CUDA graphs of its inner layers on later calls with the same buffers and batch
+size; input layers always run eagerly); "graph_hook" replays the same graphs through the autograd hook
+(`pc(x).mean().backward()`); "eager" is the README loop without graphs.
 """
 
 from __future__ import annotations
@@ -74,20 +76,48 @@ def _batches(torch, model, B, seed, hmm_seq, hmm_vocab, images, n=4):
                             device=_DEVICE) for i in range(n)]
 
 
-def run_structure(model, batches, *, latents, reps=25, warmup=5, modes=("graph",), em=True, seed=0,
-                  hmm_seq=64, hmm_vocab=4096, images=None) -> list[dict]:
-    """Time PyJuice on `model` for each batch size in `batches` and each mode in `modes`.
+# Modes of `run_structure` and the exact calls each one times (x: a [B, V] int64 CUDA tensor; `opt` a
+# `juice.optim.MiniBatchEM(pc, step_size=0.1, pseudocount=0.1)`).
+MODES = ("graph", "graph_hook", "eager")
+CALLS = {
+    "graph": dict(
+        setup="one dry run `with torch.no_grad(): pc(x, record_cudagraph=True)`; "
+              "`pc.backward(x, flows_memory=1.0, record_cudagraph=True)`, then replay",
+        fwd="`with torch.no_grad(): pc(x)`",
+        fwdbwd="`with torch.no_grad(): pc(x)`; `pc.backward(x, flows_memory=1.0)`",
+        em="`with torch.no_grad(): pc(x)`; `pc.backward(x, flows_memory=1.0)`; `opt.step()`"),
+    "graph_hook": dict(
+        setup="the same recorded CUDA graphs as `graph`",
+        fwd="(not timed: graph's forward)",
+        fwdbwd="`pc(x).mean().backward()` (autograd hook calling `pc.backward`)",
+        em="`pc(x).mean().backward()`; `opt.step()`"),
+    "eager": dict(
+        setup="no CUDA graph recorded (PyJuice's README loop)",
+        fwd="`with torch.no_grad(): pc(x)`",
+        fwdbwd="`pc(x).mean().backward()`",
+        em="`pc(x).mean().backward()`; `opt.step()`"),
+}
+_ALIASES = {"default": "eager"}  # the mode's earlier name
 
-    Per (B, mode) row: `fwd_ms` (forward under torch.no_grad), `fwdbwd_ms` (forward + backward with
-    parameter flows, PyJuice's training path `pc(x).mean().backward()`; flows accumulate with
-    flows_memory = 1.0), `em_ms` (the same plus `MiniBatchEM(step_size=0.1, pseudocount=0.1).step()`,
-    or None without `em`), `peak_mib` (max allocated GPU memory during the fwd+bwd timing),
-    `compile_s` (juice.compile + move to the GPU) and `sum_edges` (sum edges in the circuit's DAG, for
-    edges x samples / s). A failing (B, mode) gets `error` instead of the timings.
+
+def run_structure(model, batches, *, latents, reps=25, warmup=5, modes=MODES, em=True, seed=0,
+                  hmm_seq=64, hmm_vocab=4096, images=None) -> list[dict]:
+    """Time PyJuice on `model` for each batch size in `batches` and each mode in `modes` (see `CALLS`).
+
+    Per (B, mode) row: `fwd_ms` (forward), `fwdbwd_ms` (forward + backward with parameter flows, which
+    accumulate: flows_memory = 1.0), `em_ms` (the same plus the mini-batch EM step, or None without `em`),
+    `peak_mib` (max allocated GPU memory during the fwd+bwd timing), `first_fwdbwd_s` (the first eager
+    fwd+bwd at this batch size: kernel JIT and per-shape tuning), `compile_s` (juice.compile + move to the
+    GPU) and `sum_edges` (sum edges in the circuit's DAG). Eager modes run before any graph is recorded at
+    that batch size; the graph modes share one recording. A failing (B, mode) gets `error` instead.
     """
     import torch
     import pyjuice as juice
 
+    modes = tuple(_ALIASES.get(m, m) for m in modes)
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        raise ValueError(f"unknown PyJuice modes {sorted(unknown)}; choose from {MODES}")
     base = dict(system="pyjuice", workload=model)
     try:
         torch.manual_seed(seed)
@@ -106,40 +136,60 @@ def run_structure(model, batches, *, latents, reps=25, warmup=5, modes=("graph",
         with torch.no_grad():
             pc(x)
 
-    def fwdbwd(x):
+    def fwdbwd_explicit(x):
+        with torch.no_grad():
+            pc(x)
+        pc.backward(x, flows_memory=1.0)
+
+    def fwdbwd_hook(x):
         pc(x).mean().backward()  # the autograd hook runs pc.backward, accumulating parameter flows
 
-    def em_step(x):
-        fwdbwd(x)
-        opt.step()  # mini-batch EM update from the flows, then resets them
+    steps = {"graph": fwdbwd_explicit, "graph_hook": fwdbwd_hook, "eager": fwdbwd_hook}
 
+    def em_step(step):
+        def f(x):
+            step(x)
+            opt.step()  # mini-batch EM update from the flows, then resets them
+        return f
+
+    order = [m for m in MODES if m in modes]  # eager first: no graph is recorded yet
     rows = []
     for B in batches:
-        for mode in modes:
-            row = dict(base, B=B, mode=mode)
-            xs = None
+        xs = None
+        recorded = False
+        try:
+            pc._recorded_cuda_graphs.clear()  # graphs hold buffer pointers: never reuse across B
+            xs = _batches(torch, model, B, seed, hmm_seq, hmm_vocab, images)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            fwdbwd_hook(xs[0])  # first call at this shape (kernel JIT, per-shape tuning)
+            torch.cuda.synchronize()
+            first = time.perf_counter() - t
+        except Exception as e:
+            rows += [dict(base, B=B, mode=m, error=repr(e)) for m in order]
+            continue
+        for mode in order:
+            row = dict(base, B=B, mode=mode, first_fwdbwd_s=first, calls=CALLS[mode])
             try:
-                if mode not in ("default", "graph"):
-                    raise ValueError(f"unknown mode {mode!r}")
-                pc._recorded_cuda_graphs.clear()  # graphs hold buffer pointers: never reuse across B
-                xs = _batches(torch, model, B, seed, hmm_seq, hmm_vocab, images)
-                fwdbwd(xs[0])  # first call at this shape (kernel JIT, per-shape tuning), untimed
-                if mode == "graph":
-                    # dry run recording the forward graph and, through the backward hook, the backward one
-                    pc(xs[0], record_cudagraph=True).mean().backward()
-                row["fwd_ms"] = _ms_per_step(torch, fwd, xs, reps, warmup)
+                if mode != "eager" and not recorded:
+                    with torch.no_grad():
+                        pc(xs[0], record_cudagraph=True)
+                    pc.backward(xs[0], flows_memory=1.0, record_cudagraph=True)
+                    torch.cuda.synchronize()
+                    recorded = True
+                # (graph_hook's forward is graph's: the same call replaying the same graph)
+                row["fwd_ms"] = None if mode == "graph_hook" else _ms_per_step(torch, fwd, xs, reps, warmup)
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-                row["fwdbwd_ms"] = _ms_per_step(torch, fwdbwd, xs, reps, warmup)
+                row["fwdbwd_ms"] = _ms_per_step(torch, steps[mode], xs, reps, warmup)
                 row["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
-                row["em_ms"] = _ms_per_step(torch, em_step, xs, reps, warmup) if em else None
+                row["em_ms"] = _ms_per_step(torch, em_step(steps[mode]), xs, reps, warmup) if em else None
             except Exception as e:
                 row["error"] = repr(e)
-            finally:
-                pc._recorded_cuda_graphs.clear()
-                del xs
-                torch.cuda.empty_cache()
             rows.append(row)
+        pc._recorded_cuda_graphs.clear()
+        del xs
+        torch.cuda.empty_cache()
     return rows
 
 

@@ -1,13 +1,26 @@
-"""Time jaxpc's executables on the benchmark workloads (BENCHMARKS.md) on the current device.
+"""Time jaxpc's default call and its tuned path on the benchmark workloads (BENCHMARKS.md) on the current device.
 
     python benchmarks/bench_engine.py [--workloads hmm,hclt,pd] [--batches 16,128,512] [--reps 25]
+                                      [--precision tf32] [--tuned-entries flows,log_prob,em_step]
+                                      [--compile-threads 4] [--small] [--latents N] [--json out.json]
 
-For each workload it first checks the answer at the first and the last batch size (HMM: against a float64 numpy
-forward algorithm; HCLT/PD: log-likelihoods and flows against float32 products), then
-reports median milliseconds of ``log_prob`` (forward), ``flows`` (forward + flows) and
-``em_step`` over rotating input batches, the flows executable's memory (XLA's memory analysis),
-edges x samples per second, and compile seconds. The HMM row also times a plain ``lax.scan``
-forward algorithm under ``jit(value_and_grad)`` (the 20-line baseline of BENCHMARKS.md).
+Two variants of each entry point, each timed as the median of synchronized calls over 4 rotating
+device-resident batches (``CALLS`` spells out the calls): the **default call**, what a user writes
+(``c.flows(params, x)``, ``c.log_prob(params, x)``, ``c.em_step(params, x, step_size=0.1,
+pseudocount=0.1)``: no options, inputs validated), and the **tuned path** (the same with
+``options=jaxpc.Options(precision="tf32")`` and ``validate=False``; ``--precision``, ``--impl`` and
+``--no-fold`` change its options). Every executable is compiled first, ``--compile-threads`` at a time
+(the executable cache compiles distinct keys concurrently), and then timed one after the other.
+
+Each variant's answer is checked at every batch size before it is timed. HMM: the log-likelihoods of the
+first 16 rows against a float64 numpy forward algorithm. HCLT/PD: the log-likelihoods and flows of the
+batch's first ``min(batches)`` rows (the other rows weighted 0 through ``ll_weights``, so the batch's own
+executable runs) against one float32 reference executable at the smallest batch
+(``Options(precision="fp32", impl="reference")``; ``--check-autodiff``: JAX's autodiff through the full
+layout). Reported per variant: ms of ``log_prob``, ``flows`` and ``em_step``, the flows executable's memory
+(XLA's memory analysis), edges x samples per second of flows, the relative error; per workload the host
+build + ``jaxpc.compile`` seconds and the executable cache's compile seconds. The HMM also times a plain
+``lax.scan`` forward algorithm under ``jit(value_and_grad)`` (the 20-line baseline of BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -17,6 +30,7 @@ import json
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -24,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jaxpc  # noqa: E402
 from jaxpc import dists, structures  # noqa: E402
@@ -104,54 +119,137 @@ def scan_hmm(log_alpha, log_beta, log_gamma, x):
     return jnp.sum(ll)
 
 
-def run(name, root_fn, data_fn, batches, reps, check, precision):
+ENTRIES = ("log_prob", "flows", "em_step")
+EM_KW = dict(step_size=0.1, pseudocount=0.1)
+
+
+def tuned_options(precision: str = "tf32"):
+    """The tuned path's options (``IMPL`` and ``FOLD`` follow --impl and --no-fold)."""
+    return jaxpc.Options(precision=precision, impl=IMPL, fold_products=FOLD)
+
+
+def _opts_src(precision: str) -> str:
+    extra = ("" if IMPL == "auto" else f", impl={IMPL!r}") + ("" if FOLD else ", fold_products=False")
+    return f"jaxpc.Options(precision={precision!r}{extra})"
+
+
+def calls(precision: str = "tuned") -> dict:
+    """The exact call behind each figure: ``{variant: {entry: source}}``."""
+    tail = f", options={_opts_src(precision)}, validate=False"
+    em = ", step_size=0.1, pseudocount=0.1"
+    return {"default": {"log_prob": "c.log_prob(params, x)", "flows": "c.flows(params, x)",
+                        "em_step": f"c.em_step(params, x{em})"},
+            "tuned": {"log_prob": f"c.log_prob(params, x{tail})", "flows": f"c.flows(params, x{tail})",
+                      "em_step": f"c.em_step(params, x{em}{tail})"}}
+
+
+def _entry_fn(c, entry: str, kw: dict):
+    """``x -> c.<entry>(c.params, x, **kw)`` (em_step with step size and pseudocount 0.1)."""
+    if entry == "log_prob":
+        return lambda x: c.log_prob(c.params, x, **kw)
+    if entry == "flows":
+        return lambda x: c.flows(c.params, x, **kw)
+    return lambda x: c.em_step(c.params, x, **EM_KW, **kw)
+
+
+def compile_all(jobs, threads: int) -> float:
+    """Run each ``(fn, x)`` of ``jobs`` once (compiling its executable), ``threads`` at a time; the wall seconds."""
+    t = time.perf_counter()
+    if threads <= 1:
+        for fn, x in jobs:
+            jax.block_until_ready(fn(x))
+    else:
+        with ThreadPoolExecutor(threads) as pool:
+            for out in pool.map(lambda job: jax.block_until_ready(job[0](job[1])), jobs):
+                del out
+    return time.perf_counter() - t
+
+
+def run(name, root_fn, data_fn, batches, reps, check, precision, tuned_entries=ENTRIES, threads=4, check_jobs=None):
+    """Build and compile the circuit, compile every executable, then check and time each (B, variant).
+
+    ``check(c, x, kw)`` returns the relative error of the call ``kw`` on batch ``x``; ``check_jobs(c, data)``
+    the ``(fn, x)`` calls whose executables the checks need beyond the timed ones (compiled with them).
+    Returns the circuit and one row per batch size."""
     t0 = time.perf_counter()
     root = root_fn()
+    t1 = time.perf_counter()
     c = jaxpc.compile(root)
-    t_compile = time.perf_counter() - t0
+    jax.block_until_ready(c.params)
+    t2 = time.perf_counter()
     sum_edges = sum(ns.num_edges for ns in c.nodes if ns.is_sum())
+    variants = {"default": ({}, ENTRIES), "tuned": (dict(options=tuned_options(precision), validate=False),
+                                                    tuple(e for e in ENTRIES if e in tuned_entries))}
+    data = {B: [jnp.asarray(data_fn(B, seed)) for seed in range(4)] for B in batches}
+    jobs = [(_entry_fn(c, e, kw), data[B][0]) for B in batches for kw, entries in variants.values() for e in entries]
+    jobs += check_jobs(c, data) if check_jobs else []
+    compile_wall = compile_all(jobs, threads)
+    info = c.cache_info()
+    print(f"{name:9s} build {t1 - t0:.1f} s, jaxpc.compile {t2 - t1:.1f} s; {info.misses} executables compiled in "
+          f"{compile_wall:.1f} s wall ({threads} at a time; {info.compile_seconds:.1f} s summed)", flush=True)
+    src = calls(precision)
     rows = []
     for B in batches:
-        xs = [jnp.asarray(data_fn(B, seed)) for seed in range(4)]
-        # the answer at the smallest and the largest batch (the routes that depend on the batch, e.g. the leaf
-        # kernels from B=64 on a GPU, are checked at both ends)
-        err = check(c, xs[0]) if B in (batches[0], batches[-1]) else float("nan")
-        opts = jaxpc.Options(precision=precision, impl=IMPL, fold_products=FOLD)
-        t = time.perf_counter()
-        jax.block_until_ready(c.log_prob(c.params, xs[0], options=opts, validate=False))
-        t_fwd_compile = time.perf_counter() - t
-        t = time.perf_counter()
-        jax.block_until_ready(c.flows(c.params, xs[0], options=opts, validate=False))
-        t_flows_compile = time.perf_counter() - t
-        fwd = median_ms(lambda xb: c.log_prob(c.params, xb, options=opts, validate=False), xs, reps)
-        flows = median_ms(lambda xb: c.flows(c.params, xb, options=opts, validate=False), xs, reps)
-        em = median_ms(lambda xb: c.em_step(c.params, xb, step_size=0.1, pseudocount=0.1, options=opts,
-                                            validate=False), xs, reps)
-        mem = cached_mib(c, "flows")
-        row = dict(workload=name, precision=precision, impl=IMPL, fold=FOLD, B=B, fwd_ms=fwd, flows_ms=flows, em_ms=em, mem_mib=mem,
-                   gedges_per_s=sum_edges * B / (flows * 1e-3) / 1e9, rel_err=err,
-                   jaxpc_compile_s=t_compile, xla_fwd_s=t_fwd_compile, xla_flows_s=t_flows_compile)
+        xs = data[B]
+        row = dict(workload=name, B=B, precision=precision, impl=IMPL, fold=FOLD, build_s=t1 - t0,
+                   jaxpc_compile_s=t2 - t1, compile_wall_s=compile_wall, xla_compile_s=info.compile_seconds,
+                   executables=info.misses, compile_threads=threads, calls=src)
+        for variant, (kw, entries) in variants.items():
+            pre = "" if variant == "default" else "tuned_"
+            row[pre + "rel_err"] = check(c, xs[0], kw)
+            ms = {}
+            for e in entries:
+                ms[e] = median_ms(_entry_fn(c, e, kw), xs, reps)
+                if e == "flows":
+                    row[pre + "mem_mib"] = cached_mib(c, "flows")
+            row[pre + "fwd_ms"], row[pre + "flows_ms"], row[pre + "em_ms"] = (ms.get(e) for e in ENTRIES)
+        row["gedges_per_s"] = sum_edges * B / (row["flows_ms"] * 1e-3) / 1e9
         rows.append(row)
-        print(f"{name:9s} {precision} {IMPL[:3]} B={B:4d} fwd {fwd:8.3f} ms | fwd+flows {flows:8.3f} ms | em {em:8.3f} ms | "
-              f"mem {mem:8.1f} MiB | {row['gedges_per_s']:7.1f} Gedge*sample/s | err {err:.1e} | "
-              f"compile jaxpc {t_compile:.1f}s xla fwd {t_fwd_compile:.1f}s flows {t_flows_compile:.1f}s", flush=True)
+
+        def f(v):
+            return "       -" if v is None else f"{v:8.3f}"
+
+        for variant in variants:
+            pre = "" if variant == "default" else "tuned_"
+            ratio = (f" | default/tuned flows {row['flows_ms'] / row['tuned_flows_ms']:.2f}x"
+                     if variant == "tuned" and row.get("tuned_flows_ms") else "")
+            print(f"{name:9s} B={B:4d} {variant:7s} fwd {f(row[pre + 'fwd_ms'])} ms | fwd+flows "
+                  f"{f(row[pre + 'flows_ms'])} ms | em {f(row[pre + 'em_ms'])} ms | mem "
+                  f"{row.get(pre + 'mem_mib', float('nan')):8.1f} MiB | err {row[pre + 'rel_err']:.1e}{ratio}",
+                  flush=True)
     return c, rows
 
 
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", default="hmm,hclt,pd")
     p.add_argument("--batches", default="16,128,512")
     p.add_argument("--reps", type=int, default=25)
-    p.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "bf16"])
-    p.add_argument("--impl", default="auto", choices=["auto", "reference", "pallas", "pallas_forward"])
+    p.add_argument("--precision", default="tf32", choices=["fp32", "tf32", "bf16"], help="the tuned path's precision")
+    p.add_argument("--tuned-entries", default=",".join(ENTRIES),
+                   help="entry points timed on the tuned path too (the default call times all three)")
+    p.add_argument("--impl", default="auto", choices=["auto", "reference", "pallas", "pallas_forward"],
+                   help="the tuned path's Options.impl")
     p.add_argument("--no-fold", dest="fold", action="store_false",
-                   help="Options(fold_products=False): the full layout instead of the folded plan")
+                   help="the tuned path with Options(fold_products=False): the full layout instead of the folded plan")
     p.add_argument("--check-autodiff", action="store_true",
                    help="check the flows against float32 autodiff through the full layout (slow to compile for PD)")
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--compile-threads", type=int, default=4, help="executables compiled at a time before timing")
+    p.add_argument("--latents", type=int, default=None, help="every workload with this many latents (smoke runs)")
+    p.add_argument("--small", action="store_true", help="a small HMM (T=16, V=256) and 1,000 images (smoke runs)")
+    p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder of bench_engine.json")
+    p.add_argument("--json", default=None, help="write the rows here instead of OUT/bench_engine.json")
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
+    tuned_entries = tuple(e for e in args.tuned_entries.split(",") if e)
+    bad = set(tuned_entries) - set(ENTRIES)
+    if bad:
+        raise SystemExit(f"unknown --tuned-entries {sorted(bad)}; choose from {ENTRIES}")
     global IMPL, FOLD
     IMPL = args.impl
     FOLD = args.fold
@@ -161,40 +259,44 @@ def main(argv=None):
     rows = []
     work = args.workloads.split(",")
     cat256 = dists.Categorical(num_cats=256)
+    B0 = min(batches)
+    ref_opts = (jaxpc.Options(precision="fp32", backward="autodiff", fold_products=False) if args.check_autodiff
+                else jaxpc.Options(precision="fp32", fold_products=args.fold, impl="reference"))
 
-    def rel_check(c, x):
-        """The larger relative error of the log-likelihoods and of the flows (every array) against the same plan
-        on the XLA path with float32 products (``--check-autodiff``: the flows by JAX's autodiff through the full layout's
-        forward, another code path; its executable took over 5 minutes to compile for PD-128 on the H200)."""
-        opts = jaxpc.Options(precision=args.precision, impl=IMPL, fold_products=args.fold)
-        fl, lo = c.flows(c.params, x, options=opts, return_ll=True, validate=False)
-        ref = (jaxpc.Options(precision="fp32", backward="autodiff", fold_products=False) if args.check_autodiff
-               else jaxpc.Options(precision="fp32", fold_products=args.fold, impl="reference"))
-        fl_ref, hi = c.flows(c.params, x, options=ref, return_ll=True, validate=False)
-        errs = [np.linalg.norm(np.asarray(a, np.float64) - np.asarray(b, np.float64)) / np.linalg.norm(np.asarray(b))
-                for a, b in zip(jax.tree_util.tree_leaves((lo, fl)), jax.tree_util.tree_leaves((hi, fl_ref)))]
-        return float(max(errs))
+    def rel_check(c, x, kw):
+        """The largest relative error (l2 norms) of the log-likelihoods and of each flows array of the call ``kw``
+        on the first ``B0`` rows of ``x`` (the rest weighted 0) against the reference on those rows alone."""
+        n = x.shape[0]
+        fl_ref, ll_ref = c.flows(c.params, x[:B0], options=ref_opts, return_ll=True, validate=False)
+        w = jnp.zeros((n,), jnp.float32).at[:B0].set(1.0)
+        fl, ll = c.flows(c.params, x, ll_weights=w, return_ll=True, **kw)
+        errs = [_rel(a, b) for a, b in zip(jax.tree_util.tree_leaves((ll[:B0], fl)),
+                                           jax.tree_util.tree_leaves((ll_ref, fl_ref)))]
+        return max(errs)
+
+    def rel_check_jobs(c, data):
+        """The reference executable at the smallest batch."""
+        return [(lambda x: c.flows(c.params, x, options=ref_opts, validate=False), data[B0][0][:B0])]
 
     if "hmm" in work:
-        L, T, V = 1024, 64, 4096
+        L = args.latents or 1024
+        T, V = (16, 256) if args.small else (64, 4096)
 
         def hmm_data(B, seed):
             return np.random.default_rng(seed).integers(0, V, (B, T)).astype(np.int32)
 
-        def hmm_check(c, x):
+        def hmm_check(c, x, kw):
+            """Relative error of the first 16 log-likelihoods of the call ``kw`` against float64 numpy."""
             trans = [ns for ns in c.nodes if ns.name.startswith("trans")][0]
             emit = [ns for ns in c.nodes if ns.name.startswith("emit")][0]
             a = np.asarray(c.get_node_params(c.params, trans), np.float64)
             b = np.asarray(c.get_node_params(c.params, emit), np.float64)
             g = np.asarray(c.get_node_params(c.params, c.root), np.float64)[0]
-            xn = np.asarray(x)[:16]
-            ref = hmm_forward_np(a, b, g, xn)
-            got = np.asarray(c.log_prob(c.params, x, options=jaxpc.Options(precision=args.precision),
-                                        validate=False))[:16]
-            return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+            ref = hmm_forward_np(a, b, g, np.asarray(x)[:16])
+            return _rel(np.asarray(c.log_prob(c.params, x, **kw))[:16], ref)
 
-        c, r = run("HMM-1024", lambda: structures.HMM(T, L, V), hmm_data, batches, args.reps, hmm_check,
-                   args.precision)
+        c, r = run(f"HMM-{L}", lambda: structures.HMM(T, L, V), hmm_data, batches, args.reps, hmm_check,
+                   args.precision, tuned_entries, args.compile_threads)
         rows += r
         trans = [ns for ns in c.nodes if ns.name.startswith("trans")][0]
         emit = [ns for ns in c.nodes if ns.name.startswith("emit")][0]
@@ -207,23 +309,31 @@ def main(argv=None):
             xs = [jnp.asarray(hmm_data(B, s)) for s in range(4)]
             f = median_ms(lambda xb: fw(la, lb, lg, xb), xs, args.reps)
             g = median_ms(lambda xb: vg(la, lb, lg, xb), xs, args.reps)
-            rows.append(dict(workload="scan-HMM", B=B, fwd_ms=f, flows_ms=g))
+            rows.append(dict(workload="scan-HMM", B=B, fwd_ms=f, flows_ms=g,
+                             calls={"flows": "jax.jit(jax.value_and_grad(scan_hmm, argnums=(0, 1, 2))) at JAX's "
+                                             "default precision"}))
             print(f"scan-HMM  B={B:4d} fwd {f:8.3f} ms | fwd+grad  {g:8.3f} ms", flush=True)
 
     if "hclt" in work or "pd" in work:
-        imgs = blurred_noise_images(10_000)
+        imgs = blurred_noise_images(1_000 if args.small else 10_000)
 
         def img_data(B, seed):
             return imgs[np.random.default_rng(seed).integers(0, len(imgs), B)]
 
         if "hclt" in work:
-            rows += run("HCLT-256", lambda: structures.HCLT(imgs, 256, input_dist=cat256), img_data, batches,
-                        args.reps, rel_check, args.precision)[1]
+            L = args.latents or 256
+            rows += run(f"HCLT-{L}", lambda: structures.HCLT(imgs, L, input_dist=cat256), img_data, batches,
+                        args.reps, rel_check, args.precision, tuned_entries, args.compile_threads, rel_check_jobs)[1]
         if "pd" in work:
-            rows += run("PD-128", lambda: structures.PD((28, 28), 128, split_intervals=(4, 4), input_dist=cat256),
-                        img_data, batches, args.reps, rel_check, args.precision)[1]
+            L = args.latents or 128
+            rows += run(f"PD-{L}", lambda: structures.PD((28, 28), L, split_intervals=(4, 4), input_dist=cat256),
+                        img_data, batches, args.reps, rel_check, args.precision, tuned_entries,
+                        args.compile_threads, rel_check_jobs)[1]
 
-    save_rows(args.out, "bench_engine.json", rows)
+    if args.json:
+        save_rows(Path(args.json).parent, Path(args.json).name, rows)
+    else:
+        save_rows(args.out, "bench_engine.json", rows)
     return rows
 
 
