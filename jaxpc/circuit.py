@@ -74,7 +74,8 @@ class Circuit:
         self.dtype = jnp.dtype(dtype)
         if not jnp.issubdtype(self.dtype, jnp.floating):
             raise TypeError(f"compile: dtype must be a floating dtype, got {self.dtype}")
-        self.tables = jax.tree_util.tree_map(jnp.asarray, _compile.finalize_tables(struct.tables, self.layout))
+        # one batched transfer (jnp.asarray of a numpy array compiles an identity executable per shape)
+        self.tables = jax.device_put(_compile.finalize_tables(struct.tables, self.layout))
         self.num_vars = self.layout.num_vars
         self._var_info = _validation.VarInfo.from_var_dists(self.num_vars, struct.var_dists)
         self.runtime = Runtime(self._var_info, self.dtype, cache, buckets)

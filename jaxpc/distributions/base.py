@@ -25,6 +25,8 @@ import numpy as np
 
 Array = jax.Array
 
+_HOST_CHUNK = 1 << 20  # host draws per chunk (8 MiB of float64)
+
 
 class Distribution:
     """Base class. Subclasses are small frozen-value objects (equality by configuration)."""
@@ -182,14 +184,23 @@ class RandomSource:
         self._key, sub = jax.random.split(self._key)
         return sub
 
+    def _host_draw(self, draw, shape):
+        """``draw(n)`` (float64) cast to ``self.dtype`` chunk by chunk: the values of one ``draw(size)``
+        call, without its full float64 temporary (8 bytes per parameter at hundreds of millions)."""
+        out = np.empty(shape, self.dtype)
+        flat = out.reshape(-1)
+        for i in range(0, flat.size, _HOST_CHUNK):
+            flat[i:i + _HOST_CHUNK] = draw(min(_HOST_CHUNK, flat.size - i))
+        return out
+
     def uniform(self, shape, lo: float = 0.0, hi: float = 1.0):
         if self._rng is not None:
-            return self._rng.uniform(lo, hi, shape).astype(self.dtype)
+            return self._host_draw(lambda n: self._rng.uniform(lo, hi, n), shape)
         return jax.random.uniform(self._next(), shape, self.dtype, lo, hi)
 
     def normal(self, shape):
         if self._rng is not None:
-            return self._rng.standard_normal(shape).astype(self.dtype)
+            return self._host_draw(self._rng.standard_normal, shape)
         return jax.random.normal(self._next(), shape, self.dtype)
 
 
