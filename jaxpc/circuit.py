@@ -93,13 +93,16 @@ class Circuit:
         sums = {}
         for g in layout.sum_groups:
             seg = tables["groups"][g.key]["seg"]
-            w = xp.exp(-2.0 * rs.uniform((g.num_blocks, g.Kp, g.Kc)))
-            tot = xp.zeros((g.num_segments, g.Kp), w.dtype)
-            if xp is np:
+            if xp is np:  # in place: the host draw is as large as the parameters (2.4 GiB for HCLT-1024)
+                w = rs.uniform((g.num_blocks, g.Kp, g.Kc))
+                np.exp(np.multiply(w, -2.0, out=w), out=w)
+                tot = np.zeros((g.num_segments, g.Kp), w.dtype)
                 np.add.at(tot, seg, w.sum(axis=2))
+                sums[g.key] = np.log(np.divide(w, tot[seg][:, :, None], out=w), out=w)
             else:
-                tot = tot.at[seg].add(w.sum(axis=2))
-            sums[g.key] = xp.log(w / tot[seg][:, :, None])
+                w = xp.exp(-2.0 * rs.uniform((g.num_blocks, g.Kp, g.Kc)))
+                tot = xp.zeros((g.num_segments, g.Kp), w.dtype).at[seg].add(w.sum(axis=2))
+                sums[g.key] = xp.log(w / tot[seg][:, :, None])
         ins = {}
         for spec, tab in zip(layout.input_layers, tables["inputs"]):
             ins[spec.key] = spec.dist.init(rs, spec.num_rows, tab["meta"])
