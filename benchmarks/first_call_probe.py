@@ -1,0 +1,108 @@
+"""Where a first call's seconds go: one fresh process per configuration, each timing the first default call of
+an entry point, split by JAX's compile events (tracing, lowering to MLIR, XLA's backend compile), and then a
+second process on the same persistent cache (warm).
+
+    python benchmarks/first_call_probe.py [--workload hclt] [--batch 16] [--entry flows] [--timeout 200]
+        [--configs "default|autotune0=--xla_gpu_autotune_level=0|xla={\\"impl\\": \\"reference\\"}"] [--warm]
+
+A configuration is ``name=XLA_FLAGS`` or ``name={options as JSON}`` (``jaxpc.Options`` fields); ``default``
+is the plain default call. Prints one JSON line per process: seconds of the structure build, ``jaxpc.compile``,
+the first call, the median of later calls, and the summed durations of JAX's compile events.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def child(workload: str, batch: int, entry: str, options: dict) -> None:
+    sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(HERE.parent))
+    import jax
+    import numpy as np
+
+    events: dict = collections.defaultdict(float)
+    jax.monitoring.register_event_duration_secs_listener(lambda name, secs, **kw: events.__setitem__(
+        name, events[name] + secs))
+
+    import jaxpc
+    from jaxpc import dists, structures
+    from _data import blurred_noise_images
+
+    cat = dists.Categorical(256)
+    t0 = time.perf_counter()
+    if workload == "hmm":
+        root = structures.HMM(64, 1024, 4096)
+        x = np.random.default_rng(0).integers(0, 4096, (batch, 64)).astype(np.int32)
+    else:
+        imgs = blurred_noise_images(max(batch, 2_000))
+        root = (structures.PD((28, 28), 128, split_intervals=(4, 4), input_dist=cat) if workload == "pd"
+                else structures.HCLT(imgs, 256, input_dist=cat))
+        x = imgs[:batch]
+    t1 = time.perf_counter()
+    c = jaxpc.compile(root)
+    t2 = time.perf_counter()
+    xd = jax.device_put(x)
+    opts = jaxpc.Options(**options) if options else None
+    kw = {} if opts is None else {"options": opts}
+    call = {"flows": lambda: c.flows(c.params, xd, **kw), "log_prob": lambda: c.log_prob(c.params, xd, **kw),
+            "em_step": lambda: c.em_step(c.params, xd, **kw)}[entry]
+    t3 = time.perf_counter()
+    jax.block_until_ready(call())
+    t4 = time.perf_counter()
+    steps = []
+    for _ in range(20):
+        t = time.perf_counter()
+        jax.block_until_ready(call())
+        steps.append(time.perf_counter() - t)
+    ev = {k.rsplit("/", 1)[-1]: round(v, 3) for k, v in events.items() if v > 0.01}
+    print("RESULT " + json.dumps(dict(workload=workload, batch=batch, entry=entry, build_s=round(t1 - t0, 2),
+                                      compile_s=round(t2 - t1, 2), first_call_s=round(t4 - t3, 3),
+                                      step_ms=round(1e3 * float(np.median(steps[5:])), 3), events=ev,
+                                      cache=str(c.cache_info()))), flush=True)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", default="hclt", choices=["pd", "hclt", "hmm"])
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--entry", default="flows", choices=["flows", "log_prob", "em_step"])
+    p.add_argument("--timeout", type=float, default=200)
+    p.add_argument("--configs", default="default")
+    p.add_argument("--warm", action="store_true", help="run each configuration a second time on the same cache")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child is not None:
+        return child(args.workload, args.batch, args.entry, json.loads(args.child))
+    for cfg in args.configs.split("|"):
+        name, _, spec = cfg.partition("=")
+        options, flags = ({}, "") if not spec else ((json.loads(spec), "") if spec.startswith("{") else ({}, spec))
+        cache = tempfile.mkdtemp(prefix="jaxpc-probe-")
+        env = dict(os.environ, JAXPC_CACHE_DIR=cache)
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flags).strip()
+        for run in ("cold", "warm") if args.warm else ("cold",):
+            cmd = [sys.executable, __file__, "--workload", args.workload, "--batch", str(args.batch), "--entry",
+                   args.entry, "--child", json.dumps(options)]
+            t = time.perf_counter()
+            try:
+                r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+                lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+                res = json.loads(lines[-1][7:]) if lines else {"error": r.stderr[-1500:]}
+            except subprocess.TimeoutExpired:
+                res = {"error": f"timeout after {args.timeout}s"}
+            res.update(config=name, run=run, process_s=round(time.perf_counter() - t, 1))
+            print(json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()
