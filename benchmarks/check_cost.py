@@ -45,7 +45,7 @@ def main(argv=None):
     tuned = dict(options=jaxpc.Options(precision="tf32"), validate=False)
     record, settle = runtime.Runtime._record, runtime.Runtime._settle
 
-    def no_async(self, flag, batch, where):
+    def no_async(self, flag, batch, where):  # noqa: D401 - the flag read without the early copy
         with self._lock:
             self._pending.append(runtime._Pending(flag, batch.x, batch.missing, where))
 

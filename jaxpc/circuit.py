@@ -276,7 +276,7 @@ class Circuit:
 
     # ---- evaluation ----------------------------------------------------------------------------
     def log_prob(self, params: Params, x, missing=None, *, propagation: str | None = None,
-                 alpha: float | None = None, options: Options | None = None, validate: bool = True,
+                 alpha: float | None = None, options: Options | None = None, validate: bool | str = True,
                  evidence: dict | None = None) -> Array:
         """Log-likelihood (or max-product value) of each sample.
 
@@ -287,7 +287,10 @@ class Circuit:
                 (maximize under MPE).
             propagation: ``"LL"`` (default), ``"MPE"`` or ``"GeneralLL"`` (with ``alpha``).
             options: a full :class:`Options` (keyword overrides apply on top).
-            validate: check values of ``x`` (a host sync for device arrays).
+            validate: ``True`` (default): numpy values are checked before running and raise at once; a device
+                array's are checked inside the executable (bad rows give NaN; the error is raised by the
+                circuit's next call or :meth:`raise_pending`). ``"sync"``: raise at once. ``False``: no check.
+                See :mod:`jaxpc.runtime`.
             evidence: per-call evidence (see :meth:`check_evidence`): soft evidence for
                 ``SoftEvidenceCategorical`` leaves, values of ``External`` leaves, latent log-potentials,
                 per-sample sum parameters (BlockScale gates, LowRank factors). Traced: new evidence
@@ -303,7 +306,7 @@ class Circuit:
                                 options=opts, batched={"evidence": 0})
 
     def node_values(self, params: Params, x, missing=None, *, options: Options | None = None,
-                    validate: bool = True) -> Array:
+                    validate: bool | str = True) -> Array:
         """The value of every node, ``[R, B]`` (the buffer partial evaluation starts from)."""
         batch = self.runtime.prepare(x, missing, validate)
         return self.runtime.run("node_values", {}, {"tables": self.tables, "params": params}, batch,
@@ -324,7 +327,7 @@ class Circuit:
         return PartialEvaluation(self, plan, dev, tuple(sorted({int(v) for v in variables})))
 
     def flows(self, params: Params, x, missing=None, *, ll_weights=None, options: Options | None = None,
-              validate: bool = True, return_ll: bool = False, evidence: dict | None = None):
+              validate: bool | str = True, return_ll: bool = False, evidence: dict | None = None):
         """Expected counts: a pytree like ``params`` (sum groups: expected edge counts ``[P, Kp, Kc]``;
         input layers: their distribution's expected sufficient statistics), obtained with ``jax.grad``.
 
@@ -339,7 +342,7 @@ class Circuit:
         return (fl, ll) if return_ll else fl
 
     def em_step(self, params: Params, x, missing=None, *, step_size: float = 1.0, pseudocount: float = 0.0,
-                ll_weights=None, options: Options | None = None, validate: bool = True, return_ll: bool = False,
+                ll_weights=None, options: Options | None = None, validate: bool | str = True, return_ll: bool = False,
                 keep_zero_params: bool = False, rescale: str = "none", evidence: dict | None = None):
         """One mini-batch EM step in a single executable:
         ``theta <- (1 - step_size) theta + step_size * normalize(flows + pseudocount)``.
@@ -350,7 +353,8 @@ class Circuit:
         probabilities); ``options=Options(propagation="MPE")`` (hard / Viterbi EM from max-product
         flows); ``Options(pflow_temperature=T)`` (tempered EM).
         Returns the new params (and the batch's log-likelihoods under the old ones with ``return_ll``).
-        With ``validate=False`` and device-resident inputs a step makes no host transfer.
+        With device-resident inputs a step makes no host transfer but its input check's one-byte flag (none with
+        ``validate=False``); rows with bad values take no part in the update.
         """
         _check_em_args(step_size, pseudocount)
         if rescale not in ("none", "tdp"):
@@ -380,7 +384,7 @@ class Circuit:
                        "step_size": rt.scalar(step_size), "pseudocount": rt.scalar(pseudocount)})
 
     def full_batch_em(self, params: Params, data, missing=None, *, batch_size: int = 512, step_size: float = 1.0,
-                      pseudocount: float = 0.0, validate: bool = True, return_ll: bool = False):
+                      pseudocount: float = 0.0, validate: bool | str = True, return_ll: bool = False):
         """One full-batch EM step over ``data`` ``[N, V]``: flows are summed over all batches, then one
         update. The last partial batch is padded with zero-weight rows (its bucket's executable).
         With ``return_ll`` also returns the mean log-likelihood of ``data`` under ``params``."""
@@ -471,7 +475,7 @@ class PartialEvaluation:
         self.circuit, self.plan, self.tables, self.variables = circuit, plan, tables, variables
 
     def log_prob(self, params: Params, x, values: Array, missing=None, *, options: Options | None = None,
-                 validate: bool = True) -> tuple[Array, Array]:
+                 validate: bool | str = True) -> tuple[Array, Array]:
         """``(ll [B], values [R, B])``: re-evaluate the plan's nodes on ``x`` on top of ``values``."""
         c = self.circuit
         batch = c.runtime.prepare(x, missing, validate)

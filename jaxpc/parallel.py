@@ -187,7 +187,7 @@ def _run(circuit, name, static, args, x, missing, ll_weights, validate, mesh, op
 
 
 def flows(circuit, params: dict, x, missing=None, *, mesh: Mesh | None = None, ll_weights=None,
-          options: Options | None = None, validate: bool = True, return_ll: bool = False):
+          options: Options | None = None, validate: bool | str = True, return_ll: bool = False):
     """``circuit.flows`` with the batch split over ``mesh`` (default: all devices). Returns the flows
     (replicated), and ``ll`` ``[B]`` with ``return_ll``."""
     fl, ll = _run(circuit, "parallel.flows", {}, {"params": params}, x, missing, ll_weights, validate, mesh, options)
@@ -195,7 +195,7 @@ def flows(circuit, params: dict, x, missing=None, *, mesh: Mesh | None = None, l
 
 
 def em_step(circuit, params: dict, x, missing=None, *, mesh: Mesh | None = None, step_size: float = 1.0,
-            pseudocount: float = 0.0, ll_weights=None, options: Options | None = None, validate: bool = True,
+            pseudocount: float = 0.0, ll_weights=None, options: Options | None = None, validate: bool | str = True,
             return_ll: bool = False):
     """``circuit.em_step`` data-parallel: sharded flows, one psum, the update replicated on every device."""
     from .circuit import _check_em_args
@@ -209,7 +209,7 @@ def em_step(circuit, params: dict, x, missing=None, *, mesh: Mesh | None = None,
 
 
 def loss_and_grad(circuit, params: dict, x, missing=None, *, mesh: Mesh | None = None, normalize: bool = True,
-                  ll_weights=None, options: Options | None = None, validate: bool = True):
+                  ll_weights=None, options: Options | None = None, validate: bool | str = True):
     """``(loss, grads)``: the mean negative log-likelihood of ``normalize(params)`` (``params`` are logits) and
     its gradient with respect to ``params``, data-parallel over ``mesh``."""
     (loss, g), _ = _run(circuit, "parallel.grad", {"normalize": bool(normalize)}, {"params": params}, x, missing,
@@ -218,7 +218,7 @@ def loss_and_grad(circuit, params: dict, x, missing=None, *, mesh: Mesh | None =
 
 
 def train_step(circuit, tx, params: dict, opt_state, x, missing=None, *, mesh: Mesh | None = None,
-               normalize: bool = True, ll_weights=None, options: Options | None = None, validate: bool = True):
+               normalize: bool = True, ll_weights=None, options: Options | None = None, validate: bool | str = True):
     """One data-parallel optimizer step with an EM transformation (:mod:`jaxpc.optim`) or any optax
     transformation: ``(params, opt_state, ll [B])``. See :func:`jaxpc.optim.make_step`."""
     (p, s), ll = _run(circuit, "parallel.train_step", {"normalize": bool(normalize), "tx": tx},

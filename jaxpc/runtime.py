@@ -11,9 +11,11 @@ checks still in flight. Every public entry point (the :class:`~jaxpc.Circuit` me
   arrays are checked inside the executable that does the work: a row with a bad value (an
   out-of-range or fractional category, a NaN or infinite observed value) gets a NaN log-likelihood
   (``-1`` for integer outputs), takes no part in flows and EM (its weight is zero, so parameters stay
-  finite), and the executable returns a flag. The flag of a call is read by the circuit's **next call**
-  (any entry point), after that call has been dispatched, so the device is never idle waiting for it;
-  that call then raises the ``ValueError`` naming the variable and the value. :meth:`Runtime.raise_pending`
+  finite). A one-kernel executable dispatched right after computes the batch's flag (an output of the work's
+  executable that the host holds on to would make XLA's runtime record that executable's kernels again for
+  the next call's new output addresses). The flag of a call is read by the circuit's **next call**
+  (any entry point) right after that call's work has been dispatched, so the device never waits for the
+  host; that call then raises the ``ValueError`` naming the variable and the value. :meth:`Runtime.raise_pending`
   (``circuit.raise_pending()``) waits for and raises it at once.
 * ``"sync"``: the same check, then waits for the call's own flag and raises at once (for debugging).
 * ``False``: no value check at all (a bad value then gives NaN or a clamped value, unchecked).
@@ -137,18 +139,25 @@ def _mark_rows(out, rows, bad):
 
 
 def checked(entry: Entry) -> Callable:
-    """``entry.fn`` under the input check: ``f(**args, _check=..., **static) -> (outputs, flag)``. With
-    ``_check=None`` the function runs unchanged and the flag is None."""
+    """``entry.fn`` under the input check: ``f(**args, _check=..., **static) -> outputs`` with bad entries
+    cleaned, bad rows weighing zero and their outputs marked. With ``_check=None`` it runs unchanged."""
     def run(*, _check=None, _matmul=None, **kw):
         del _matmul  # part of the key only
         if _check is None:
-            return entry.fn(**kw), None
+            return entry.fn(**kw)
         x, bad = _check.apply(kw["x"], kw.get("missing"))
         kw["x"] = x
         if kw.get("weights") is not None:
             kw["weights"] = jnp.where(bad, jnp.zeros((), kw["weights"].dtype), kw["weights"])
-        return _mark_rows(entry.fn(**kw), entry.rows, bad), jnp.any(bad)
+        return _mark_rows(entry.fn(**kw), entry.rows, bad)
     return run
+
+
+@functools.partial(jax.jit, static_argnames=("check",))
+def _any_bad(x, missing, *, check):
+    """The flag of a batch: whether any observed entry is bad (a one-kernel executable of its own, so the
+    work's executable has no output that the host holds on to)."""
+    return jnp.any(check.apply(x, missing)[1])
 
 
 class Runtime:
@@ -193,6 +202,7 @@ class Runtime:
         self._settle()
 
     def _settle(self) -> None:
+        """Read the pending flags in call order and raise the first failure."""
         while True:
             with self._lock:
                 if not self._pending:
@@ -294,15 +304,17 @@ class Runtime:
                         ("valid", b, n, sharding), lambda: jax.device_put(_valid_rows(b, n, self.dtype), sharding)))
                 else:
                     args["weights"] = weights if b == n else _pad_weights(weights, b, n, self.dtype)
-        out, flag = self.cache.run(name, fn, static, args, self._fallback(name, static, args, batched, n)
+        out = self.cache.run(name, fn, static, args, self._fallback(name, static, args, batched, n)
                                    if batch is not None and not batch.traced else None)
         if b != n:
             out = jax.tree_util.tree_map(lambda axis, a: a if axis is None else head(a, n, axis), entry.rows, out,
                                          is_leaf=lambda r: r is None)
-        if batch is None or batch.traced or isinstance(flag, jax.core.Tracer):  # (inlined in a user's trace)
+        if batch is None or batch.traced or isinstance(out, jax.core.Tracer) or any(
+                isinstance(a, jax.core.Tracer) for a in jax.tree_util.tree_leaves(out)):  # inlined in a user's trace
             return out
-        self._settle()
-        if flag is not None and batch.report:
+        flag = _any_bad(batch.x, batch.missing, check=self.device_check) if batch.report else None
+        self._settle()  # the earlier calls' flags, read while this call's work runs
+        if flag is not None:
             self._record(flag, batch, name)
             if batch.sync:
                 self._settle()
@@ -327,10 +339,8 @@ class Runtime:
                     padded["weights"] = _pad_weights(a["weights"], cand, b, self.dtype)
                 exe = self.cache.find(name, static, padded)
                 if exe is not None:
-                    out, flag = exe(*padded.values())
                     rows = self._entries[name][0].rows
-                    out = jax.tree_util.tree_map(lambda axis, t: t if axis is None else head(t, b, axis), rows, out,
-                                                 is_leaf=lambda r: r is None)
-                    return out, flag
+                    return jax.tree_util.tree_map(lambda axis, t: t if axis is None else head(t, b, axis), rows,
+                                                  exe(*padded.values()), is_leaf=lambda r: r is None)
             return None
         return fallback

@@ -138,7 +138,7 @@ def normalize(circuit, params: dict) -> dict:
 
 
 def log_prob(circuit, params: dict, x, missing=None, *, normalize: bool = True, options: Options | None = None,
-             validate: bool = True) -> Array:
+             validate: bool | str = True) -> Array:
     """``circuit.log_prob`` on unconstrained logits: the forward renormalizes ``params`` first.
 
     Args:

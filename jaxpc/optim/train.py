@@ -183,7 +183,7 @@ def _default_em(circuit, step_size, pseudocount):
 def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=None, pseudocount=None,
         key: Array | None = None, missing=None, optimizer=None, opt_state=None, start_epoch: int = 0,
         shuffle: bool = True, drop_remainder: bool = False, normalize: bool = True, mesh=None,
-        options: Options | None = None, progress: bool = True, validate: bool = True) -> FitResult:
+        options: Options | None = None, progress: bool = True, validate: bool | str = True) -> FitResult:
     """Train ``params`` on ``data`` for ``epochs`` epochs; each epoch is one jitted ``lax.scan`` over batches.
 
     Args:

@@ -147,7 +147,7 @@ def _check_soft(circuit, soft):
 
 
 def marginal(circuit, params, x=None, missing=None, *, soft_evidence=None, propagation: str | None = None,
-             alpha: float | None = None, validate: bool = True) -> Array:
+             alpha: float | None = None, validate: bool | str = True) -> Array:
     """``log p(evidence)`` per sample, ``[B]``.
 
     Hard evidence: ``x`` ``[B, V]`` with ``missing`` (``bool[B, V]`` or ``[V]``) marking marginalized
@@ -171,7 +171,7 @@ def marginal(circuit, params, x=None, missing=None, *, soft_evidence=None, propa
     return circuit.log_prob(params, x, missing, options=opts, validate=validate)
 
 
-def conditional(circuit, params, x, missing=None, *, target_vars=None, validate: bool = True) -> Array:
+def conditional(circuit, params, x, missing=None, *, target_vars=None, validate: bool | str = True) -> Array:
     """``p(x_v = k | evidence)`` for target variables ``v``: ``[B, len(target_vars) or V, K]``, normalized over
     ``k`` (``K``: the largest number of values of any variable; impossible values get 0).
 
@@ -199,7 +199,7 @@ def conditional(circuit, params, x, missing=None, *, target_vars=None, validate:
 
 
 def sample(circuit, params, key: Array, num_samples: int | None = None, *, x=None, missing=None,
-           validate: bool = True) -> Array:
+           validate: bool | str = True) -> Array:
     """Ancestral samples ``[num_samples, V]`` (int for discrete circuits, float with continuous variables).
 
     Conditional sampling: pass evidence ``x`` ``[B, V]`` and ``missing``; observed entries are kept and the
@@ -220,7 +220,7 @@ def sample(circuit, params, key: Array, num_samples: int | None = None, *, x=Non
     return _run(circuit, "sample", {"num_values": K}, {"params": params, "key": key}, batch)
 
 
-def mpe(circuit, params, x=None, missing=None, *, num_samples: int = 1, validate: bool = True) -> tuple[Array, Array]:
+def mpe(circuit, params, x=None, missing=None, *, num_samples: int = 1, validate: bool | str = True) -> tuple[Array, Array]:
     """Max-product decoding: ``(assignment [B, V], log-value [B])``.
 
     Fills the missing (or, without ``x``, all) variables with the joint maximizer of the max-product
