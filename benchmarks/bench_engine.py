@@ -16,7 +16,7 @@ Each variant's answer is checked at every batch size before it is timed. HMM: th
 first 16 rows against a float64 numpy forward algorithm. HCLT/PD: the log-likelihoods and flows of the
 batch's first ``min(batches)`` rows (the other rows weighted 0 through ``ll_weights``, so the batch's own
 executable runs) against one float32 reference executable at the smallest batch
-(``Options(precision="fp32", impl="reference")``; ``--check-autodiff``: JAX's autodiff through the full
+(``Options(precision="fp32", impl="xla")``; ``--check-autodiff``: JAX's autodiff through the full
 layout). Reported per variant: ms of ``log_prob``, ``flows`` and ``em_step``, the flows executable's memory
 (XLA's memory analysis), edges x samples per second of flows, the relative error; per workload the host
 build + ``jaxpc.compile`` seconds and the executable cache's compile seconds. The HMM also times a plain
@@ -233,7 +233,7 @@ def main(argv=None):
     p.add_argument("--precision", default="tf32", choices=["fp32", "tf32", "bf16"], help="the tuned path's precision")
     p.add_argument("--tuned-entries", default=",".join(ENTRIES),
                    help="entry points timed on the tuned path too (the default call times all three)")
-    p.add_argument("--impl", default="auto", choices=["auto", "reference", "pallas", "pallas_forward"],
+    p.add_argument("--impl", default="auto", choices=["auto", "xla", "pallas", "pallas_forward"],
                    help="the tuned path's Options.impl")
     p.add_argument("--no-fold", dest="fold", action="store_false",
                    help="the tuned path with Options(fold_products=False): the full layout instead of the folded plan")
@@ -261,7 +261,7 @@ def main(argv=None):
     cat256 = dists.Categorical(num_cats=256)
     B0 = min(batches)
     ref_opts = (jaxpc.Options(precision="fp32", backward="autodiff", fold_products=False) if args.check_autodiff
-                else jaxpc.Options(precision="fp32", fold_products=args.fold, impl="reference"))
+                else jaxpc.Options(precision="fp32", fold_products=args.fold, impl="xla"))
 
     def rel_check(c, x, kw):
         """The largest relative error (l2 norms) of the log-likelihoods and of each flows array of the call ``kw``

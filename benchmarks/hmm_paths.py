@@ -6,9 +6,9 @@
 Paths: the chain scan (``jaxpc.engine.chain``) with the transition flows from one stacked matrix product
 (``stacked``) or accumulated per step (``accumulated``), and the layer-by-layer flows pass
 (``Options(chain_scan=False)``), those of ``--paths``; with ``--unrolls``, also the default chain path with its
-scans unrolled that many steps per loop iteration at every batch (``chain.UNROLL``; ``all``: no loop). Each
+scans unrolled that many steps per loop iteration at every batch (``Tuning.chain_unroll``; ``all``: no loop). Each
 first checks its log-likelihoods and flows against the layer path at fp32; then reports forward + flows median
-ms and the executable's memory (XLA's memory analysis). ``chain.STACK_LIMIT`` picks between the two chain
+ms and the executable's memory (XLA's memory analysis). ``Tuning.chain_stack_limit`` picks between the two chain
 variants by R * K * B; this script shows where each wins. A last row times ``circuit.flows`` (the default
 path through the API): its excess is host time per call.
 """
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench_engine  # noqa: E402
 import jaxpc  # noqa: E402
 from jaxpc import structures  # noqa: E402
-from jaxpc.engine import chain, em  # noqa: E402
+from jaxpc.engine import em  # noqa: E402
 
 T, L, V = 64, 1024, 4096
 
@@ -45,27 +45,27 @@ def main(argv=None):
     args = p.parse_args(argv)
     steps, latents, vocab = (int(v) for v in args.size.split(","))
     c = jaxpc.compile(structures.HMM(steps, latents, vocab))
-    default_limit = chain.STACK_LIMIT
+    default = jaxpc.Tuning()
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; chain {c.layout.chain is not None}", flush=True)
-    default_unroll, default_batch = chain.UNROLL, chain.UNROLL_BATCH
-    paths = {"stacked": (jaxpc.Options(), 10**12, default_unroll), "accumulated": (jaxpc.Options(), 0, default_unroll),
-             "layers": (jaxpc.Options(chain_scan=False), None, default_unroll)}
+    paths = {"stacked": (jaxpc.Options(), 10**12, default.chain_unroll),
+             "accumulated": (jaxpc.Options(), 0, default.chain_unroll),
+             "layers": (jaxpc.Options(chain_scan=False), None, default.chain_unroll)}
     paths = {k: v for k, v in paths.items() if k in args.paths.split(",")}
     for u in args.unrolls.split(",") if args.unrolls else ():
-        paths[f"chain-u{u}"] = (jaxpc.Options(), default_limit, True if u == "all" else int(u))
+        paths[f"chain-u{u}"] = (jaxpc.Options(), default.chain_stack_limit, 10**9 if u == "all" else int(u))
     rows = []
     for B in [int(b) for b in args.batches.split(",")]:
         xs = [jnp.asarray(np.random.default_rng(s).integers(0, vocab, (B, steps)).astype(np.int32)) for s in range(4)]
         ref = None
         for name, (opts, limit, unroll) in paths.items():
-            if limit is not None:
-                chain.STACK_LIMIT = limit
-            chain.UNROLL, chain.UNROLL_BATCH = unroll, (0 if name.startswith("chain-u") else default_batch)
+            opts = opts.replace(tuning=jaxpc.Tuning(
+                chain_stack_limit=default.chain_stack_limit if limit is None else limit, chain_unroll=unroll,
+                chain_unroll_batch=0 if name.startswith("chain-u") else default.chain_unroll_batch))
 
             def make(o):
                 return jax.jit(lambda t, p_, x: em.flows_and_ll(c.layout, t, p_, x, None, None, o))
 
-            exact = make(opts)  # a fresh jit: STACK_LIMIT is read at trace time
+            exact = make(opts)
             fl, ll = exact(c.tables, c.params, xs[0])
             if ref is None:
                 ref = make(jaxpc.Options(chain_scan=False))(c.tables, c.params, xs[0])
@@ -78,7 +78,6 @@ def main(argv=None):
             rows.append(dict(path=name, B=B, flows_ms=ms, mem_mib=mib, err_ll=err_ll, err_flows=err_fl))
             print(f"B={B:4d} {name:12s} fwd+flows {ms:8.3f} ms | mem {mib:8.1f} MiB | fp32 vs layers: "
                   f"ll {err_ll:.1e} flows {err_fl:.1e}", flush=True)
-        chain.STACK_LIMIT, chain.UNROLL, chain.UNROLL_BATCH = default_limit, default_unroll, default_batch
         # the same default executable through the Circuit API: the difference is host time per call
         opts = jaxpc.Options(precision=args.precision)
         ms = bench_engine.median_ms(lambda xb: c.flows(c.params, xb, options=opts, validate=False), xs, args.reps)

@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxpc.compiler.compile import _inverse_tables  # noqa: E402
+from jaxpc.compiler.compile import inverse_tables  # noqa: E402
 from jaxpc.ops import pallas_sum  # noqa: E402
 from jaxpc.ops.sum_layer import child_rows, sum_layer_backward_reference, sum_layer_reference  # noqa: E402
 
@@ -83,7 +83,7 @@ def partition(Kp, Kc, n, C, M, nblk, B, seed=0):
     else:
         ch = base + Kc * rng.integers(0, nblk, (n, C, M))
     pid = np.arange(n * C).reshape(n, C)
-    inv = _inverse_tables(ch, pid)
+    inv = inverse_tables(ch, pid)
     t = {k: jnp.asarray(v, jnp.int32) for k, v in {"ch": ch, "pid": pid, **inv}.items()}
     logw = jnp.asarray(np.log(rng.random((n * C, Kp, Kc)) + 1e-3), jnp.float32)
     return jnp.asarray(buf), t, logw, off

@@ -84,8 +84,8 @@ def partition(Kp, Kc, n, C, B, dense, seed=0):
     else:
         ch = base + (np.arange(n * C) * Kc).reshape(n, C)
     pid = np.arange(n * C).reshape(n, C)
-    from jaxpc.compiler.compile import _inverse_tables
-    inv = _inverse_tables(ch, pid)
+    from jaxpc.compiler.compile import inverse_tables
+    inv = inverse_tables(ch, pid)
     t = {k: jnp.asarray(v, jnp.int32) for k, v in {"ch": ch, "pid": pid, **inv}.items()}
     logw = jnp.asarray(np.log(rng.random((n * C, Kp, Kc)) + 1e-3).astype(np.float32))
     off = R - n * Kp

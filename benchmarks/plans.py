@@ -6,10 +6,10 @@
 
 Plans (all ``backward="flows"``):
 
-* ``layers``: the full layout, XLA sum layers (``Options(fold_products=False, impl="reference")``);
+* ``layers``: the full layout, XLA sum layers (``Options(fold_products=False, impl="xla")``);
 * ``fold``: the folded plan, ``impl="auto"`` (``Options()``, the default: on a GPU the Pallas forward for
   partitions with several child blocks per parent block, XLA elsewhere);
-* ``xla``: the folded plan, XLA sum layers everywhere (``Options(impl="reference")``);
+* ``xla``: the folded plan, XLA sum layers everywhere (``Options(impl="xla")``);
 * ``fused``: the folded plan with the Pallas kernels writing the node and flow buffers in place
   (``Options(fold_products=True, impl="pallas")``): one kernel per sum level forward, three backward
   (a tree level's child flows computed once per parent and written to each row block of its child);
@@ -28,11 +28,11 @@ Plans (all ``backward="flows"``):
   adding the child flows into the flow buffer instead of writing them (a copy of the circuit whose layouts claim
   no single reader);
 * ``<plan>-zeros``: any of these with the rows that are written before they are read zeroed first, as before
-  ``jaxpc.engine.forward.UNSET_ROWS`` (the flow buffer of a single-reader layout, the leaf kernel's rows above
+  ``Options(tuning=Tuning(unset_rows=False))`` (the flow buffer of a single-reader layout, the leaf kernel's rows above
   the leaves);
 * ``<plan>-inline`` / ``<plan>-batched``: the parameter flows computed level by level with the element flows, or
   after them in one batched product per block shape (``Options(param_flow_pass=...)``; the default, ``auto``,
-  batches at batches of at most ``jaxpc.engine.forward.PFLOW_BATCH``).
+  batches at batches of at most ``Options().tuning.pflow_batch``).
 
 One circuit per workload, the same input batches for every plan. Per (plan, batch): compile seconds of the
 flows executable, the relative error of log-likelihoods and of every flow array against the first plan
@@ -64,8 +64,8 @@ from jaxpc.engine import forward  # noqa: E402
 from _data import blurred_noise_images  # noqa: E402
 from bench_engine import cached_mib, median_ms, save_rows  # noqa: E402
 
-PLANS = {"layers": {"fold_products": False, "impl": "reference"}, "fold": {"fold_products": True},
-         "xla": {"fold_products": True, "impl": "reference"},
+PLANS = {"layers": {"fold_products": False, "impl": "xla"}, "fold": {"fold_products": True},
+         "xla": {"fold_products": True, "impl": "xla"},
          "fused": {"fold_products": True, "impl": "pallas"},
          "fusedfwd": {"fold_products": True, "impl": "pallas_forward"},
          "pallas": {"impl": "pallas", "fold_products": False}}
@@ -93,7 +93,7 @@ def options(c, B: int, plan: dict, precision: str) -> jaxpc.Options:
     for spec in layout.stages():
         for part in spec.sums:
             impl = forward.kernel_choice(opts, part, B)[0]
-            if impl != "reference":
+            if impl != "xla":
                 kernels.append((forward.partition_key(part, B), (impl, d.block_b, d.block_k, d.num_warps)))
     return opts.replace(kernels=tuple(dict(kernels).items()))
 
@@ -172,7 +172,7 @@ def main(argv=None):
                 adds, zeros = plan.pop("adds", False), plan.pop("zeros", False)
                 c = fresh(circuit, adds) if adds or zeros else circuit
                 opts = options(c, B, plan, args.precision)
-                forward.UNSET_ROWS = not zeros  # read when the plan's executables are traced
+                opts = opts.replace(tuning=jaxpc.Tuning(unset_rows=not zeros))
                 try:
                     t = time.perf_counter()
                     got = jax.block_until_ready(c.flows(c.params, xs[0], options=opts, return_ll=True, validate=False))
@@ -196,8 +196,6 @@ def main(argv=None):
                 except Exception as e:  # noqa: BLE001 - one failing plan is reported, the others still run
                     print(f"{w} B={B} {name}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
                     continue
-                finally:
-                    forward.UNSET_ROWS = True
                 row = dict(workload=f"{w}-{latents[w]}", B=B, plan=name, precision=args.precision, fwd_ms=fwd,
                            flows_ms=flows, flows_pipelined_ms=pipelined, mem_mib=mem, compile_s=t_compile, ll_err=errs[0], flow_err=errs[1])
                 rows.append(row)

@@ -6,7 +6,7 @@ timed in interleaved rounds (so a process's host speed, which moves synchronized
                                      [--sets "|xla_gpu_graph_min_graph_size=1"]
 
 Each ``|``-separated set is ``name=value`` pairs (comma-separated; empty: XLA's defaults), given to every executable
-of a fresh copy of the circuit (``jaxpc.executables.COMPILER_OPTIONS`` while it compiles). Per set: the median of
+of the circuit through ``Options(tuning=Tuning(compiler_options=...))`` (part of the executable's key). Per set: the median of
 ``--rounds`` synchronized calls (inputs rotating over 4 batches, one call of each set per round, in turn), the
 median time until the call returns (host launch), and a pipelined loop (calls back to back, synchronized once).
 """
@@ -37,7 +37,6 @@ def main(argv=None):
     import jax.numpy as jnp
 
     import jaxpc
-    from plans import fresh
     from profile_step import build
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -52,37 +51,32 @@ def main(argv=None):
     opts = jaxpc.Options(precision=args.precision)
     xs = [jnp.asarray(data[i * args.batch:(i + 1) * args.batch]) for i in range(4)]
     sets = [parse_set(s) for s in args.sets.split("|")]
-    circuits = []
-    for s in sets:
-        c = fresh(c0)
-        jaxpc.executables.COMPILER_OPTIONS = s or None
-        try:
-            t = time.perf_counter()
-            jax.block_until_ready(c.flows(c.params, xs[0], options=opts, validate=False))
-            print(f"set {s or '(defaults)'}: compiled in {time.perf_counter() - t:.1f}s", flush=True)
-        finally:
-            jaxpc.executables.COMPILER_OPTIONS = None
-        circuits.append(c)
-    ref = np.asarray(circuits[0].flows(circuits[0].params, xs[0], options=opts, validate=False, return_ll=True)[1])
-    for c in circuits[1:]:
-        got = np.asarray(c.flows(c.params, xs[0], options=opts, validate=False, return_ll=True)[1])
+    c = c0
+    set_opts = [opts.replace(tuning=jaxpc.Tuning(compiler_options=tuple(sorted((s or {}).items())))) for s in sets]
+    for s, o in zip(sets, set_opts):
+        t = time.perf_counter()
+        jax.block_until_ready(c.flows(c.params, xs[0], options=o, validate=False))
+        print(f"set {s or '(defaults)'}: compiled in {time.perf_counter() - t:.1f}s", flush=True)
+    ref = np.asarray(c.flows(c.params, xs[0], options=set_opts[0], validate=False, return_ll=True)[1])
+    for o in set_opts[1:]:
+        got = np.asarray(c.flows(c.params, xs[0], options=o, validate=False, return_ll=True)[1])
         print(f"log-likelihoods against the first set: {np.abs(got - ref).max():.1e}", flush=True)
     walls = [[] for _ in sets]
     disp = [[] for _ in sets]
     for r in range(args.rounds + 5):
-        for j, c in enumerate(circuits):
+        for j, so in enumerate(set_opts):
             t = time.perf_counter()
-            o = c.flows(c.params, xs[r % 4], options=opts, validate=False)
+            o = c.flows(c.params, xs[r % 4], options=so, validate=False)
             d = time.perf_counter()
             jax.block_until_ready(o)
             if r >= 5:
                 walls[j].append(time.perf_counter() - t)
                 disp[j].append(d - t)
             del o
-    for j, (s, c) in enumerate(zip(sets, circuits)):
+    for j, (s, so) in enumerate(zip(sets, set_opts)):
         t = time.perf_counter()
         for i in range(args.rounds):
-            out = c.flows(c.params, xs[i % 4], options=opts, validate=False)
+            out = c.flows(c.params, xs[i % 4], options=so, validate=False)
         jax.block_until_ready(out)
         pipe = 1e3 * (time.perf_counter() - t) / args.rounds
         print(f"{args.workload}-{args.latents} B={args.batch} {s or '(defaults)'}: fwd+flows "

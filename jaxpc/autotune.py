@@ -183,7 +183,7 @@ def tune_circuit(circuit, params, x, *, precision: str = "tf32", candidates: Seq
     fold = fold_products and circuit.layout.fold is not None
     plan = circuit.layout.fold if fold else circuit.layout
     tables = circuit.tables["fold"] if fold else circuit.tables
-    ref = Options(precision=precision, fold_products=fold, impl="reference")
+    ref = Options(precision=precision, fold_products=fold, impl="xla")
     vals = fw.input_values(circuit.layout, circuit.tables, params, xb, None, ref)
     values = fw.forward_buffer(plan, tables, params["sum"], vals, ref)
     flows = jnp.ones_like(values)
@@ -202,7 +202,7 @@ def tune_circuit(circuit, params, x, *, precision: str = "tf32", candidates: Seq
                 kw = dict(Kp=part.Kp, Kc=part.Kc, precision=precision)
 
                 def run(cfg, part=part, pt=pt, logw=logw, kw=kw):
-                    kc = None if cfg == ("reference",) else pallas_sum.KernelConfig(*cfg[1:])
+                    kc = None if cfg == ("xla",) else pallas_sum.KernelConfig(*cfg[1:])
 
                     def op(v, f):
                         if kc is None:
@@ -221,7 +221,7 @@ def tune_circuit(circuit, params, x, *, precision: str = "tf32", candidates: Seq
 
                 heuristic = _auto_choice(fw.auto_impl(part, values.dtype, B))
                 heuristics[sig] = heuristic
-                choices[sig] = tuner.tune(("sum", sig, precision, heuristic), heuristic, (("reference",),) + cands,
+                choices[sig] = tuner.tune(("sum", sig, precision, heuristic), heuristic, (("xla",),) + cands,
                                           run)
     default = Options(precision=precision, fold_products=fold_products)
     kernels = tuple(sorted((sig, ch) for sig, ch in choices.items() if ch != heuristics[sig]))
@@ -238,8 +238,8 @@ def tune_circuit(circuit, params, x, *, precision: str = "tf32", candidates: Seq
 
 def _auto_choice(impl: str) -> tuple:
     """A route of ``Options.kernels`` equal to what ``impl="auto"`` runs for a partition routed to ``impl``."""
-    if impl == "reference":
-        return ("reference",)
+    if impl == "xla":
+        return ("xla",)
     from .ops.pallas_sum import KernelConfig
 
     cfg = KernelConfig()

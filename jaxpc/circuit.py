@@ -9,19 +9,18 @@ Everything a ``Circuit`` method does is also available as a pure function
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _validation
+from . import checks
 from .compiler import compile as _compile
 from .compiler.layout import Layout, ScanSpec
 from .distributions.base import RandomSource
 from .engine import em, forward
 from .executables import BucketPolicy, CacheInfo, ExecutableCache
-from .runtime import Entry, Runtime
+from .runtime import Entry, Runtime, check_em_args
 from .nodes import CircuitNodes
 from .options import Options
 
@@ -77,7 +76,7 @@ class Circuit:
         # one batched transfer (jnp.asarray of a numpy array compiles an identity executable per shape)
         self.tables = jax.device_put(_compile.finalize_tables(struct.tables, self.layout))
         self.num_vars = self.layout.num_vars
-        self._var_info = _validation.VarInfo.from_var_dists(self.num_vars, struct.var_dists)
+        self._var_info = checks.VarInfo.from_var_dists(self.num_vars, struct.var_dists)
         self.runtime = Runtime(self._var_info, self.dtype, cache, buckets)
         for name, (fn, rows) in _ENTRIES.items():
             self.runtime.register(name, Entry(functools.partial(fn, self.layout), rows))
@@ -119,14 +118,14 @@ class Circuit:
                                                             dtype=np.dtype(self.dtype)))
         st = self._struct
         for sid, pl in st.sum_placement.items():
-            blocks = st.sources[sid]._params
+            blocks = st.sources[sid].own_params
             if blocks is not None:
                 with np.errstate(divide="ignore"):
                     p["sum"][pl.group][pl.start:pl.start + pl.num_edge_blocks] = np.log(blocks)
         for sid, pl in st.input_placement.items():
             src = st.sources[sid]
-            if src.dist.has_full_params(src._params):
-                internal = src.dist.natural_to_internal(src._params)
+            if src.dist.has_full_params(src.own_params):
+                internal = src.dist.natural_to_internal(src.own_params)
                 for name, val in internal.items():
                     p["input"][pl.key][name][pl.row_start:pl.row_start + pl.num_nodes] = val
         return jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype=self.dtype), p)
@@ -356,7 +355,7 @@ class Circuit:
         With device-resident inputs a step makes no host transfer but its input check's one-byte flag (none with
         ``validate=False``); rows with bad values take no part in the update.
         """
-        _check_em_args(step_size, pseudocount)
+        check_em_args(step_size, pseudocount)
         if rescale not in ("none", "tdp"):
             raise ValueError(f"rescale must be 'none' or 'tdp', got {rescale!r}")
         opts = Options.make(options)
@@ -377,7 +376,7 @@ class Circuit:
     def em_update(self, params: Params, flows: dict, *, step_size: float = 1.0, pseudocount: float = 0.0,
                   update_sums: bool = True, keep_zero_params: bool = False) -> Params:
         """The EM M-step from accumulated flows (e.g. summed over batches)."""
-        _check_em_args(step_size, pseudocount)
+        check_em_args(step_size, pseudocount)
         rt = self.runtime
         return rt.run("em_update", {"update_sums": bool(update_sums), "keep_zero_params": bool(keep_zero_params)},
                       {"tables": self.tables, "params": params, "flows": flows,
@@ -388,7 +387,7 @@ class Circuit:
         """One full-batch EM step over ``data`` ``[N, V]``: flows are summed over all batches, then one
         update. The last partial batch is padded with zero-weight rows (its bucket's executable).
         With ``return_ll`` also returns the mean log-likelihood of ``data`` under ``params``."""
-        _check_em_args(step_size, pseudocount)
+        check_em_args(step_size, pseudocount)
         batch = self.runtime.prepare(data, missing, validate)
         data_j, miss_j, n = batch.x, batch.missing, batch.n
         validate = validate if batch.report else False  # host data: checked already
@@ -429,6 +428,12 @@ class Circuit:
     # ------------------------------------------------------------------------------------------
     # introspection
     # ------------------------------------------------------------------------------------------
+    @property
+    def structure(self) -> "_compile.CompiledStructure":
+        """What :func:`jaxpc.compile` built on the host: the node vectors, their placement in the layout's
+        parameter groups and rows, the host index tables."""
+        return self._struct
+
     @property
     def nodes(self) -> list[CircuitNodes]:
         """All node vectors, children before parents."""
@@ -526,19 +531,3 @@ _ENTRIES = {"log_prob": (_e_log_prob, 0), "node_values": (_e_node_values, 1), "p
 
 def _tree_add(a, b):
     return jax.tree_util.tree_map(jnp.add, a, b)
-
-
-def _check_em_args(step_size, pseudocount) -> None:
-    for name, v in (("step_size", step_size), ("pseudocount", pseudocount)):
-        if isinstance(v, jax.core.Tracer):
-            continue
-        try:
-            f = float(v)
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"{name} must be a float, got {type(v).__name__}") from e
-        if not math.isfinite(f):
-            raise ValueError(f"{name} must be finite, got {v!r}")
-    if not isinstance(step_size, jax.core.Tracer) and not 0.0 < float(step_size) <= 1.0:
-        raise ValueError(f"step_size must be in (0, 1], got {step_size!r}")
-    if not isinstance(pseudocount, jax.core.Tracer) and float(pseudocount) < 0:
-        raise ValueError(f"pseudocount must be >= 0, got {pseudocount!r}")

@@ -26,7 +26,7 @@ import os
 import threading
 import time
 import warnings
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Final, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -175,10 +175,7 @@ class PackedTables:
 
 
 _PACKED = _IdentityMemo(PackedTables)
-PACK_TABLES = True  # executables take the index tables packed (PackedTables); False: one argument per array
-# XLA options for the executables compiled from now on (``Compiled`` ``compiler_options``, e.g.
-# {"xla_gpu_graph_min_graph_size": 1}); not part of the key: benchmarks set it before a cache's first compile
-COMPILER_OPTIONS: dict | None = None
+PACK_TABLES: Final = True  # executables take the index tables packed (PackedTables)
 
 
 @dataclasses.dataclass
@@ -333,7 +330,9 @@ class ExecutableCache:
                 return fn(**kw, **static)
 
             t = time.perf_counter()
-            e.compiled = jax.jit(positional).lower(*_call_args(args)).compile(compiler_options=COMPILER_OPTIONS)
+            opts = static.get("options")  # XLA options come with the Options (part of the key) or not at all
+            xla = dict(opts.tuning.compiler_options) if getattr(opts, "tuning", None) is not None else {}
+            e.compiled = jax.jit(positional).lower(*_call_args(args)).compile(compiler_options=xla or None)
             with self._lock:
                 self.compile_seconds += time.perf_counter() - t
         except BaseException as err:  # noqa: BLE001 - re-raised to every waiting caller

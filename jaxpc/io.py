@@ -33,7 +33,7 @@ import numpy as np
 
 from . import distributions as dists
 from .nodes import CircuitNodes, InputNodes, ProdNodes, SumNodes, inputs, multiply, summate, topological_order
-from .nodes.nodes import _check_smooth
+from .nodes.nodes import check_smooth
 
 __all__ = ["FORMAT", "VERSION", "save_structure", "load_structure", "register_distribution", "save_params",
            "load_params", "Checkpoint"]
@@ -102,20 +102,20 @@ def save_structure(root_or_circuit, path) -> None:
         entry: dict[str, Any] = {
             "kind": ns.kind, "name": ns.name, "num_node_blocks": ns.num_node_blocks, "block_size": ns.block_size,
             "children": [index[c.id] for c in ns.children],
-            "source": None if ns._source is None else index[ns._source.id],
+            "source": None if ns.tied_to is None else index[ns.tied_to.id],
         }
         if isinstance(ns, (ProdNodes, SumNodes)):
             arrays[f"n{i}.edge_ids"] = np.asarray(ns.edge_ids, np.int64)
         if isinstance(ns, InputNodes):
             entry["var"] = ns.var
             entry["dist"] = _encode_dist(ns.dist)
-            if ns._params is not None:
-                entry["params"] = sorted(ns._params)
-                for k, v in ns._params.items():
+            if ns.own_params is not None:
+                entry["params"] = sorted(ns.own_params)
+                for k, v in ns.own_params.items():
                     arrays[f"n{i}.params.{k}"] = np.asarray(v)
-        elif isinstance(ns, SumNodes) and ns._params is not None:
+        elif isinstance(ns, SumNodes) and ns.own_params is not None:
             entry["params"] = ["blocks"]
-            arrays[f"n{i}.params.blocks"] = np.asarray(ns._params)
+            arrays[f"n{i}.params.blocks"] = np.asarray(ns.own_params)
         nodes.append(entry)
     from . import __version__
 
@@ -154,7 +154,7 @@ def load_structure(path) -> CircuitNodes:
             else:
                 ns = InputNodes(int(e["var"]), nb, bs, dist, source=src, name=name)
             if params:
-                ns._params = params
+                ns.load_params(params)
         elif e["kind"] == "prod":
             ns = multiply(*children, edge_ids=arrays[f"n{i}.edge_ids"], name=name)
             if ns.block_size != bs or ns.num_node_blocks != nb:
@@ -165,13 +165,13 @@ def load_structure(path) -> CircuitNodes:
                 ns = summate(*children, num_node_blocks=nb, block_size=bs, edge_ids=edge_ids, name=name)
             else:
                 ns = SumNodes(tuple(children), nb, bs, np.asarray(edge_ids, np.int64), source=src, name=name)
-                _check_smooth(ns)
+                check_smooth(ns)
             if params:
                 blocks = np.asarray(params["blocks"], np.float64)
                 if blocks.shape != (edge_ids.shape[1], bs, ns.ch_block_size) or not np.all(np.isfinite(blocks)) \
                         or np.any(blocks < 0):
                     raise ValueError(f"load_structure: {where} has invalid sum parameters")
-                ns._params = blocks
+                ns.load_params(blocks)
         else:
             raise ValueError(f"load_structure: {where} has unknown kind {e['kind']!r}")
         built.append(ns)

@@ -10,19 +10,69 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from typing import Any
 
 import jax
 
-__all__ = ["Options", "PROPAGATIONS", "resolve_precision"]
+__all__ = ["Options", "Tuning", "PROPAGATIONS", "resolve_precision"]
 
 PROPAGATIONS = ("LL", "MPE", "GeneralLL")
 BACKWARDS = ("flows", "autodiff")
 PRECISIONS = ("default", "fp32", "tf32", "bf16")
-IMPLS = ("reference", "pallas", "pallas_forward")
+IMPLS = ("xla", "pallas", "pallas_forward")
 IMPL_CHOICES = ("auto",) + IMPLS  # Options.impl: "auto" picks one of IMPLS per sum partition
 PARAM_FLOW_PASSES = ("auto", "inline", "batched")
 PALLAS_FORWARD = ("pallas", "pallas_forward")  # the impls whose sum layers run the Pallas forward kernel
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Performance knobs of :class:`Options` (``Options(tuning=Tuning(...))``): they choose how an executable
+    computes, never what it computes (same values and flows up to rounding). Defaults were measured on an H200;
+    the figures behind each are in ``benchmarks/RESULTS.md``.
+
+    Attributes:
+        leaf_batch: ``impl="auto"`` on a GPU: the leaf kernels (``leaf_kernel``) run from this many samples on.
+        small_batch: ``impl="auto"`` on a GPU: up to this many samples, tree levels (fan-in one block) run the
+            Pallas forward too.
+        pflow_batch: ``param_flow_pass="auto"``: tree levels' parameter flows are batched up to this many samples.
+        chain_unroll: steps per loop iteration of the HMM chain's scans (from ``chain_unroll_batch`` samples on;
+            one step below).
+        chain_unroll_batch: see ``chain_unroll``.
+        chain_stack_limit: a tied chain's transition flows come from one product over all steps while its stacked
+            messages (steps x latents x samples) stay at most this many values; step by step beyond.
+        unset_rows: buffers whose rows are all written before they are read start unset (``lax.empty``) instead of
+            zeroed.
+        min_unset: on a GPU, buffers of fewer elements start as zeros even where they could start unset.
+        onehot_chunk: the most elements of the one-hot matrices that XLA's leaf counts build at a time.
+        compiler_options: XLA options for the executables, ``((name, value), ...)`` (e.g.
+            ``(("xla_gpu_autotune_level", 0),)``).
+    """
+
+    leaf_batch: int = 64
+    small_batch: int = 32
+    pflow_batch: int = 128
+    chain_unroll: int = 8
+    chain_unroll_batch: int = 128
+    chain_stack_limit: int = 4 * 2**20
+    unset_rows: bool = True
+    min_unset: int = 2**24
+    onehot_chunk: int = 1 << 25
+    compiler_options: tuple = ()
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name == "unset_rows":
+                if not isinstance(v, bool):
+                    raise TypeError(f"Tuning.unset_rows must be a bool, got {v!r}")
+            elif f.name == "compiler_options":
+                if not isinstance(v, tuple) or not all(isinstance(e, tuple) and len(e) == 2 and isinstance(e[0], str)
+                                                       for e in v):
+                    raise TypeError(f"Tuning.compiler_options must be a tuple of (name, value) pairs, got {v!r}")
+            elif isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"Tuning.{f.name} must be a non-negative int, got {v!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,14 +105,15 @@ class Options:
             7.1 ms at batch 512) and, at batches of at most 32, for tree levels too (one kernel per level
             instead of four: HCLT-256 at batch 16, 2.89 against 3.29-3.57 ms before kept shifts), the XLA path
             elsewhere (tree levels at larger batches, as every HCLT level, and dense layers, where XLA was as
-            fast or faster); the XLA path on other backends), ``"reference"`` (plain jnp, XLA),
+            fast or faster); the XLA path on other backends), ``"xla"`` (plain jnp, XLA; ``"reference"``, its
+            name before 0.2, is still accepted with a ``DeprecationWarning``),
             ``"pallas_forward"`` (the Pallas forward kernel, writing the node buffer in place, and the XLA
             backward) or ``"pallas"`` (the Pallas kernels of :mod:`jaxpc.ops.pallas_sum`: Triton on GPU,
             interpret mode elsewhere; a tree level's backward one kernel at batches of at most 64). Max-product
             layers always use the XLA path.
         kernels: per-partition overrides of ``impl`` found by :func:`jaxpc.autotune.tune_circuit`:
             pairs ``((n, C, Kp, Kc, U, D, batch[, M]), choice)`` (``M`` for folded partitions), ``choice``
-            ``("reference",)`` or ``(impl, block_b, block_k, num_warps)``; partitions not named use ``impl``.
+            ``("xla",)`` or ``(impl, block_b, block_k, num_warps)``; partitions not named use ``impl``.
         pflow_temperature: parameter flows split each sum node's flow by the tempered posterior
             ``(w_c p_c)^(1/T) / sum_c' (w_c' p_c')^(1/T)`` (T < 1 sharpens toward hard EM); 1 is EM.
         eflow_temperature: the same tempering for the flows passed down to the children.
@@ -99,7 +150,7 @@ class Options:
             written straight into the group's array when they cover it in order), which takes two kernels
             per level out of the flow pass's chain and gathers the children once more; ``"auto"`` (default):
             tree levels (one child block per parent block) batched at batches of at most
-            :data:`jaxpc.engine.forward.PFLOW_BATCH` = 128, everything else inline. Same flows up to
+            ``tuning.pflow_batch`` = 128, everything else inline. Same flows up to
             rounding. On the H200 (tf32, forward + flows): HCLT-256 1.91-2.13 ms batched against 2.18-2.32
             inline at batch 16, 3.30 against 3.46-3.64 at 128, 7.46-7.64 against 7.11-7.19 at 512; PD-128 with
             its fan-ins of several child blocks batched too 1.52 against 1.44 at 16 and 3.93 against 3.69 at
@@ -116,6 +167,7 @@ class Options:
             (:func:`jaxpc.engine.forward.counts_kernel`; HCLT-256's at batch 512 on the H200: 0.31 ms in the
             step against 0.54 for XLA's one-hot matrices, products and concatenation). Default True; False:
             XLA's. Same values and counts; ``jax.grad`` through the buffer differentiates XLA's gather.
+        tuning: performance knobs (:class:`Tuning`), grouped apart from the fields above that say what is computed.
         scan_stages: run the stages :func:`jaxpc.compile` grouped into repeats (``scan_min_repeats``) under
             ``lax.scan``; False unrolls them into the executable (a longer trace, no device-side loop; no
             faster for HCLT-256 on the H200).
@@ -138,6 +190,7 @@ class Options:
     kernel_shifts: bool = True
     param_flow_pass: str = "auto"
     leaf_kernel: bool = True
+    tuning: Tuning = Tuning()
 
     def __post_init__(self):
         for name in ("pflow_temperature", "eflow_temperature"):
@@ -147,16 +200,24 @@ class Options:
             object.__setattr__(self, name, float(v))
             if v != 1.0 and self.propagation != "LL":
                 raise ValueError(f"{name} applies to propagation='LL' flows, got propagation={self.propagation!r}")
+        if self.impl == "reference" or any(isinstance(e, tuple) and len(e) == 2 and e[1] == ("reference",)
+                                           for e in (self.kernels if isinstance(self.kernels, tuple) else ())):
+            warnings.warn("jaxpc: impl='reference' is now impl='xla' (the XLA route; '*_reference' names the "
+                          "oracles); the old name goes in the next release", DeprecationWarning, stacklevel=3)
+            if self.impl == "reference":
+                object.__setattr__(self, "impl", "xla")
+            object.__setattr__(self, "kernels", tuple((sig, ("xla",) if ch == ("reference",) else ch)
+                                                      for sig, ch in self.kernels))
         if not isinstance(self.kernels, tuple):
             raise TypeError(f"kernels must be a tuple of (partition signature, choice) pairs, got "
                             f"{type(self.kernels).__name__}")
         for entry in self.kernels:
             ok = (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], tuple)
                   and isinstance(entry[1], tuple) and entry[1] and entry[1][0] in IMPLS
-                  and (entry[1] == ("reference",) or (len(entry[1]) == 4 and all(isinstance(v, int) and v > 0
+                  and (entry[1] == ("xla",) or (len(entry[1]) == 4 and all(isinstance(v, int) and v > 0
                                                                                    for v in entry[1][1:]))))
             if not ok:
-                raise ValueError(f"kernels entry {entry!r} is not ((n, C, Kp, Kc, U, D, B[, M]), ('reference',) or "
+                raise ValueError(f"kernels entry {entry!r} is not ((n, C, Kp, Kc, U, D, B[, M]), ('xla',) or "
                                  f"(impl, block_b, block_k, num_warps)) with impl one of {IMPLS[1:]}")
         for name, allowed in (("backward", BACKWARDS), ("precision", PRECISIONS), ("impl", IMPL_CHOICES),
                               ("param_flow_pass", PARAM_FLOW_PASSES)):
@@ -166,6 +227,8 @@ class Options:
                      "kernel_shifts", "leaf_kernel"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.tuning, Tuning):
+            raise TypeError(f"tuning must be a jaxpc.Tuning, got {type(self.tuning).__name__}")
         if isinstance(self.gather_chunk, bool) or not isinstance(self.gather_chunk, int) or self.gather_chunk < 1:
             raise ValueError(f"gather_chunk must be a positive int (elements), got {self.gather_chunk!r}")
         if self.propagation not in PROPAGATIONS:

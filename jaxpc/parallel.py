@@ -40,84 +40,18 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .engine import em
-from .optim.normalize import normalized_log_prob
-from .executables import _PACKED
+from .optim.sharded import AXIS, data_mesh, sharded_flows_and_ll, sharded_loss_and_grad
 from .options import Options
+from .runtime import Entry, check_em_args
 
 Array = jax.Array
 
-AXIS = "data"
-
 __all__ = ["AXIS", "data_mesh", "sharded_flows_and_ll", "sharded_loss_and_grad", "flows", "em_step",
            "loss_and_grad", "train_step"]
-
-
-def data_mesh(num_devices: int | None = None, *, devices=None) -> Mesh:
-    """A 1-D mesh with axis ``'data'`` over the first ``num_devices`` devices (default: all), or over
-    ``devices``. Its axis is of type ``Auto``, so un-annotated inputs are resharded automatically."""
-    if devices is None:
-        avail = jax.devices()
-        n = len(avail) if num_devices is None else num_devices
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= len(avail):
-            raise ValueError(f"data_mesh: num_devices must be an int in [1, {len(avail)}], got {num_devices!r}")
-        devices = avail[:n]
-    devices = list(devices)
-    if not devices:
-        raise ValueError("data_mesh: devices is empty")
-    return jax.make_mesh((len(devices),), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
-
-
-def _missing_spec(missing_ndim: int | None):
-    return () if missing_ndim is None else ((P() if missing_ndim == 1 else P(AXIS)),)
-
-
-def _split(rest, missing_ndim):
-    if missing_ndim is None:
-        return None, rest[0]
-    return rest[0], rest[1]
-
-
-def sharded_flows_and_ll(layout, mesh: Mesh, options: Options, missing_ndim: int | None):
-    """A pure ``f(tables, params, x, [missing,] weights) -> (flows, ll)``: :func:`jaxpc.engine.em.flows_and_ll`
-    with the batch (``x`` ``[B, V]``, ``weights`` ``[B]``, a ``[B, V]`` missing mask) split over the mesh's
-    ``'data'`` axis and the flows summed once. ``B`` must be a multiple of the axis size; ``missing`` is
-    left out when ``missing_ndim`` is None."""
-
-    def body(tables, params, x, *rest):
-        m, w = _split(rest, missing_ndim)
-        fl, ll = em.flows_and_ll(layout, tables, params, x, m, w, options)
-        return jax.lax.psum(fl, AXIS), ll
-
-    in_specs = (P(), P(), P(AXIS)) + _missing_spec(missing_ndim) + (P(AXIS),)
-    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(), P(AXIS)), check_vma=False)
-
-
-def sharded_loss_and_grad(layout, mesh: Mesh, options: Options, missing_ndim: int | None, normalize: bool = True):
-    """A pure ``f(tables, params, x, [missing,] weights) -> ((loss, ll), grads)``: the weighted mean negative
-    log-likelihood of the (renormalized, with ``normalize``) parameters and its gradient, data-parallel
-    (per-device sums, one ``psum`` each for the loss, the weight and the gradient)."""
-
-    def body(tables, params, x, *rest):
-        m, w = _split(rest, missing_ndim)
-
-        def local(p):
-            ll = normalized_log_prob(layout, tables, p, x, m, options, normalize=normalize)
-            wl = jnp.where(w == 0, 0.0, ll * w.astype(ll.dtype))
-            return -jnp.sum(wl), ll
-
-        (nll, ll), g = jax.value_and_grad(local, has_aux=True)(params)
-        total = jax.lax.psum(jnp.sum(w), AXIS)
-        nll = jax.lax.psum(nll, AXIS) / total
-        g = jax.tree_util.tree_map(lambda a: a / total.astype(a.dtype), jax.lax.psum(g, AXIS))
-        return (nll, ll), g
-
-    in_specs = (P(), P(), P(AXIS)) + _missing_spec(missing_ndim) + (P(AXIS),)
-    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=((P(), P(AXIS)), P()), check_vma=False)
 
 
 # ---- circuit-level functions ----------------------------------------------------------------------
@@ -126,16 +60,6 @@ def sharded_loss_and_grad(layout, mesh: Mesh, options: Options, missing_ndim: in
 
 def _mesh(mesh):
     return data_mesh() if mesh is None else mesh
-
-
-def _tables(circuit, mesh, packed: bool = True):
-    """The circuit's index tables replicated on ``mesh``, made once: passed as they are (on one device), they
-    would be copied to every device on every call. ``packed``: one array per dtype
-    (:class:`jaxpc.executables.PackedTables`); else the pytree."""
-    def make():
-        tables = _PACKED.get(circuit.tables).arrays if packed else circuit.tables
-        return jax.device_put(tables, NamedSharding(mesh, P()))
-    return circuit.runtime.constant(("mesh_tables", mesh, packed), make)
 
 
 def _ndim(m):
@@ -172,8 +96,6 @@ _ENTRIES = {"parallel.flows": (_p_flows, (None, 0)), "parallel.em_step": (_p_em_
 
 
 def _run(circuit, name, static, args, x, missing, ll_weights, validate, mesh, options):
-    from .runtime import Entry
-
     rt = circuit.runtime
     if not rt.has(name):
         fn, rows = _ENTRIES[name]
@@ -181,7 +103,7 @@ def _run(circuit, name, static, args, x, missing, ll_weights, validate, mesh, op
     mesh = _mesh(mesh)
     batch = rt.prepare(x, missing, validate)
     w = rt.weights(ll_weights, batch.n)
-    args = {"tables": _tables(circuit, mesh, packed=False), **args}
+    args = {"tables": rt.replicated(circuit.tables, NamedSharding(mesh, P())), **args}
     return rt.run(name, {"mesh": mesh, **static}, args, batch, options=Options.make(options), weights=w,
                   multiple=mesh.shape[AXIS], sharding=NamedSharding(mesh, P(AXIS)))
 
@@ -198,9 +120,7 @@ def em_step(circuit, params: dict, x, missing=None, *, mesh: Mesh | None = None,
             pseudocount: float = 0.0, ll_weights=None, options: Options | None = None, validate: bool | str = True,
             return_ll: bool = False):
     """``circuit.em_step`` data-parallel: sharded flows, one psum, the update replicated on every device."""
-    from .circuit import _check_em_args
-
-    _check_em_args(step_size, pseudocount)
+    check_em_args(step_size, pseudocount)
     rt = circuit.runtime
     new, ll = _run(circuit, "parallel.em_step", {},
                    {"params": params, "step_size": rt.scalar(step_size), "pseudocount": rt.scalar(pseudocount)},

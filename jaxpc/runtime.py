@@ -34,6 +34,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import math
 import threading
 from typing import Any, Callable
 
@@ -41,13 +42,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _validation
+from . import checks
 from .executables import BucketPolicy, ExecutableCache
 from .options import Options, matmul_setting, resolve_precision
 
 Array = jax.Array
 
-__all__ = ["Runtime", "Batch", "Entry", "VALIDATE", "resolve_options", "resolve_precision"]
+__all__ = ["Runtime", "Batch", "Entry", "VALIDATE", "resolve_options", "resolve_precision", "check_em_args"]
 
 VALIDATE = (True, False, "sync")
 
@@ -163,13 +164,13 @@ def _any_bad(x, missing, *, check):
 class Runtime:
     """Per-circuit state of the call path (see the module docstring)."""
 
-    def __init__(self, var_info: _validation.VarInfo, dtype, cache: ExecutableCache | None = None,
+    def __init__(self, var_info: checks.VarInfo, dtype, cache: ExecutableCache | None = None,
                  buckets: BucketPolicy | None = None):
         self.var_info = var_info
         self.dtype = jnp.dtype(dtype)
         self.cache = cache or ExecutableCache()
         self.buckets = buckets or BucketPolicy()
-        self.device_check = _validation.DeviceCheck(var_info)
+        self.device_check = checks.DeviceCheck(var_info)
         self._entries: dict[str, tuple[Entry, Callable]] = {}
         self._constants: dict = {}
         self._pending: collections.deque = collections.deque()
@@ -190,7 +191,7 @@ class Runtime:
         """Check shapes and dtypes (and host values) of a batch; see the module docstring for ``validate``."""
         if validate not in VALIDATE:
             raise ValueError(f"validate must be True, False or 'sync', got {validate!r}")
-        xj, mj, on_device = _validation.check_batch(self.var_info, x, missing, check_values=bool(validate),
+        xj, mj, on_device = checks.check_batch(self.var_info, x, missing, check_values=bool(validate),
                                                     float_dtype=self.dtype, what=what)
         traced = isinstance(xj, jax.core.Tracer) or isinstance(mj, jax.core.Tracer)
         return Batch(xj, mj, int(xj.shape[0]), check=bool(validate), report=bool(validate) and on_device and not traced,
@@ -213,7 +214,7 @@ class Runtime:
             if bad:
                 with self._lock:
                     self._pending.clear()
-                _validation.raise_bad_values(self.var_info, p.x, p.missing, "x", f"circuit.{p.where}, checked on the device; "
+                checks.raise_bad_values(self.var_info, p.x, p.missing, "x", f"circuit.{p.where}, checked on the device; "
                                              f"its rows gave NaN")
 
     def _record(self, flag: Array, batch: Batch, where: str) -> None:
@@ -237,6 +238,12 @@ class Runtime:
                     self._constants.clear()
                 self._constants[key] = make()
             return self._constants[key]
+
+    def replicated(self, tables, sharding) -> Any:
+        """``tables`` (index tables) placed with ``sharding`` (a mesh's replicated sharding), made once: passed
+        from one device they would be copied to every device on every call."""
+        return self.constant(("replicated", id(tables), sharding),
+                             lambda: jax.device_put(tables, sharding))
 
     def scalar(self, value) -> Array:
         """A device scalar of the circuit's dtype for a Python number, made once per value."""
@@ -344,3 +351,20 @@ class Runtime:
                                                   exe(*padded.values()), is_leaf=lambda r: r is None)
             return None
         return fallback
+
+
+def check_em_args(step_size, pseudocount) -> None:
+    """Check EM's ``step_size`` in (0, 1] and ``pseudocount`` >= 0 (finite floats; tracers pass)."""
+    for name, v in (("step_size", step_size), ("pseudocount", pseudocount)):
+        if isinstance(v, jax.core.Tracer):
+            continue
+        try:
+            f = float(v)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"{name} must be a float, got {type(v).__name__}") from e
+        if not math.isfinite(f):
+            raise ValueError(f"{name} must be finite, got {v!r}")
+    if not isinstance(step_size, jax.core.Tracer) and not 0.0 < float(step_size) <= 1.0:
+        raise ValueError(f"step_size must be in (0, 1], got {step_size!r}")
+    if not isinstance(pseudocount, jax.core.Tracer) and float(pseudocount) < 0:
+        raise ValueError(f"pseudocount must be >= 0, got {pseudocount!r}")

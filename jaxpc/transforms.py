@@ -38,7 +38,7 @@ import numpy as np
 
 from . import distributions as dists
 from .nodes import CircuitNodes, InputNodes, ProdNodes, SumNodes, multiply, summate
-from .nodes.nodes import _scope_str
+from .nodes.nodes import scope_str
 from .nodes.traversal import topological_order
 
 __all__ = ["deepcopy", "blockify", "unblockify", "merge", "prune", "grow", "lvd_init", "hclt_latent_regions"]
@@ -138,9 +138,9 @@ class _Params:
         src = ns.source
         if src.id not in self._sums:
             if self.circuit is None:
-                b = None if src._params is None else np.array(src._params, dtype=np.float64)
+                b = None if src.own_params is None else np.array(src.own_params, dtype=np.float64)
             else:
-                pl = self._placement(src, self.circuit._struct.sum_placement)
+                pl = self._placement(src, self.circuit.structure.sum_placement)
                 logw = self._host("sum", pl.group)[pl.start:pl.start + pl.num_edge_blocks]
                 b = np.exp(logw.astype(np.float64))
             self._sums[src.id] = None if b is None else _normalize_blocks(b, src.edge_ids[0], src.num_node_blocks)
@@ -156,10 +156,10 @@ class _Params:
             nat = None
             if dist.natural_fields:
                 if self.circuit is None:
-                    nat = None if src._params is None else dict(src._params)
+                    nat = None if src.own_params is None else dict(src.own_params)
                 else:
                     # circuit.get_node_params(params, src), from host copies of the layer's arrays
-                    pl = self._placement(src, self.circuit._struct.input_placement)
+                    pl = self._placement(src, self.circuit.structure.input_placement)
                     sl = slice(pl.row_start, pl.row_start + pl.num_nodes)
                     p = {k: v[sl] for k, v in self._host("input", pl.key).items()}
                     meta = {k: np.asarray(v)[sl] for k, v in self.circuit.tables["inputs"][pl.layer]["meta"].items()}
@@ -189,7 +189,7 @@ def _set_input_params(ns: InputNodes, nat: dict[str, np.ndarray] | None) -> None
         if "probs" in nat:
             p = np.where(out["mask"], nat["probs"], 0.0)
             out["probs"] = p / p.sum(axis=1, keepdims=True)
-        ns.source._params = out
+        ns.source.load_params(out)
     else:
         ns.set_params(nat)
 
@@ -221,7 +221,7 @@ class _Builder:
                      name=old.name if name is None else name)
         src = self.sources.get(key) if tie else None
         if src is not None and _same_sum_shape(src, ns):
-            ns._source = src
+            ns.tied_to = src
             return ns
         b = blocks()
         if b is not None:
@@ -518,9 +518,9 @@ def unblockify(root: CircuitNodes, block_size: int = 1, *, circuit=None, params=
 
 def _merge_signature(ns: CircuitNodes, rep: Callable[[CircuitNodes], Any], level: int, reader: _Params):
     # vectors with and without parameters cannot share one vector: keep them apart
-    has = ns.is_prod() or reader.circuit is not None or ns.source._params is not None
+    has = ns.is_prod() or reader.circuit is not None or ns.source.own_params is not None
     if ns.is_input():
-        fields = tuple(sorted(ns.source._params)) if has and reader.circuit is None else has
+        fields = tuple(sorted(ns.source.own_params)) if has and reader.circuit is None else has
         return ("input", ns.var, ns.dist, ns.block_size, fields)
     if ns.is_sum():
         return ("sum", ns.scope, ns.block_size, ns.ch_block_size, level, has)
@@ -587,8 +587,8 @@ def _check_merge_group(group, fn: str, in_graph: set[int], root) -> list[Circuit
         if ns.kind != first.kind:
             raise ValueError(f"{fn}: cannot merge {first.name} ({first.kind}) with {ns.name} ({ns.kind})")
         if ns.scope != first.scope:
-            raise ValueError(f"{fn}: cannot merge {first.name} (scope {_scope_str(first.scope)}) with {ns.name} "
-                             f"(scope {_scope_str(ns.scope)}): merged vectors need one scope")
+            raise ValueError(f"{fn}: cannot merge {first.name} (scope {scope_str(first.scope)}) with {ns.name} "
+                             f"(scope {scope_str(ns.scope)}): merged vectors need one scope")
         if ns.block_size != first.block_size:
             raise ValueError(f"{fn}: cannot merge {first.name} (block_size={first.block_size}) with {ns.name} "
                              f"(block_size={ns.block_size}); unblockify first")
@@ -689,7 +689,7 @@ def merge(root: CircuitNodes, groups=None, *, circuit=None, params=None) -> Circ
         """New children (deduplicated) and the new child block of every edge of every old sum."""
         chs, start, mapped = [], {}, []
         for s in old_sums:
-            idx, o = [], 0
+            idx = []
             for c in s.children:
                 nc, off = new[c.id]
                 if nc.id not in start:
@@ -740,7 +740,7 @@ def merge(root: CircuitNodes, groups=None, *, circuit=None, params=None) -> Circ
                 nvs = {new[c.id][0].id for c in picks}
                 if len(nvs) > 1:
                     raise ValueError(f"{fn}: cannot merge products {', '.join(m.name for m in members[:4])}: at "
-                                     f"scope {_scope_str(sc)} they read different vectors "
+                                     f"scope {scope_str(sc)} they read different vectors "
                                      f"({', '.join(c.name for c in picks[:4])}); merge those too")
                 chs.append(new[picks[0].id][0])
             for m in members:
@@ -836,7 +836,7 @@ def prune(root: CircuitNodes, circuit, params=None, flows=None, *, keep_frac: fl
         host: dict[str, np.ndarray] = {}
         for k, members in groups.items():
             src = members[0].source
-            pl = reader._placement(src, circuit._struct.sum_placement)
+            pl = reader._placement(src, circuit.structure.sum_placement)
             if pl.group not in host:
                 try:
                     host[pl.group] = np.asarray(flows["sum"][pl.group], dtype=np.float64)

@@ -140,12 +140,10 @@ def plot_circuit(obj, params=None, *, granularity: str = "vector", ax=None, figs
     import matplotlib.pyplot as plt
     from matplotlib.collections import LineCollection
 
-    from .circuit import Circuit
-
     if granularity not in ("vector", "node"):
         raise ValueError(f"plot_circuit: granularity must be 'vector' or 'node', got {granularity!r}")
     circuit = None
-    if isinstance(obj, Circuit):
+    if _is_circuit(obj):
         circuit, root = obj, obj.root
     elif isinstance(obj, CircuitNodes):
         root = obj
@@ -262,9 +260,7 @@ def summary(circuit) -> str:
     ``blocks`` (block sizes; sums ``parent x child``). The last line totals nodes and edges over all
     repetitions (``circuit.num_nodes``, ``circuit.num_edges``) and gives ``circuit.num_parameters``.
     """
-    from .circuit import Circuit
-
-    if not isinstance(circuit, Circuit):
+    if not _is_circuit(circuit):
         raise TypeError(f"summary: expected a compiled jaxpc.Circuit, got {type(circuit).__name__}")
     layout = circuit.layout
     rows: list[dict[str, Any]] = []
@@ -306,3 +302,9 @@ def summary(circuit) -> str:
             f"{len(layout.steps)} steps ({scans} scanned)")
     sep = "-" * len(line(cols))
     return "\n".join([head, line(cols), sep, *(line(t) for t in table), sep, line(total)])
+
+
+def _is_circuit(obj) -> bool:
+    """A compiled circuit (anything with its root, layout and node vectors: :class:`jaxpc.Circuit`), recognized
+    without importing the shell module that defines it."""
+    return all(hasattr(obj, a) for a in ("root", "layout", "nodes", "num_parameters"))

@@ -197,7 +197,7 @@ def test_tune_circuit_starts_from_the_auto_choice(monkeypatch):
     auto = ("pallas_forward", k.block_b, k.block_k, k.num_warps)
     timer = ScriptedTimer(lambda r: 1.0, lambda o: 1.0)  # ties: every heuristic stays
     assert _tune(c, x, timer, monkeypatch, []) == jaxpc.Options(precision="tf32")
-    assert auto in timer.seen and ("reference",) in timer.seen
-    timer = ScriptedTimer(lambda r: 0.5 if r == ("reference",) else 1.0, lambda o: 0.5 if o.kernels else 1.0)
+    assert auto in timer.seen and ("xla",) in timer.seen
+    timer = ScriptedTimer(lambda r: 0.5 if r == ("xla",) else 1.0, lambda o: 0.5 if o.kernels else 1.0)
     opts = _tune(c, x, timer, monkeypatch, [])
-    assert opts.impl == "auto" and opts.kernels and all(ch == ("reference",) for _, ch in opts.kernels)
+    assert opts.impl == "auto" and opts.kernels and all(ch == ("xla",) for _, ch in opts.kernels)

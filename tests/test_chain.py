@@ -50,12 +50,11 @@ def _check_against_oracle(c, params, x, miss=None, weights=None, options=None):
 @pytest.mark.parametrize("unroll", [1, 4], ids=["loop", "unrolled"])
 @pytest.mark.parametrize("stack", [True, False], ids=["stacked", "accumulated"])
 @pytest.mark.parametrize("case", ["tied", "untied", "gaussian"])
-def test_chain_flows_equal_exact_expected_counts(case, stack, unroll, monkeypatch):
+def test_chain_flows_equal_exact_expected_counts(case, stack, unroll):
     """The scan's flows against the oracle: transition flows stacked or accumulated, the scans' loops one step per
     iteration or unrolled (4 steps per iteration of 5: a remainder), the input flows written over the emissions."""
-    monkeypatch.setattr(chain_engine, "STACK_LIMIT", 10**9 if stack else 0)
-    monkeypatch.setattr(chain_engine, "UNROLL", unroll)
-    monkeypatch.setattr(chain_engine, "UNROLL_BATCH", 0)
+    opts = jaxpc.Options(tuning=jaxpc.Tuning(chain_stack_limit=10**9 if stack else 0, chain_unroll=unroll,
+                                             chain_unroll_batch=0))
     rng = np.random.default_rng(1)
     T, L, V, B = 6, 4, 5, 11
     if case == "gaussian":
@@ -68,7 +67,7 @@ def test_chain_flows_equal_exact_expected_counts(case, stack, unroll, monkeypatc
     assert c.layout.chain is not None
     miss = rng.random((B, T)) < 0.2
     w = rng.uniform(0.5, 2.0, B)
-    _check_against_oracle(c, c.params, x, miss, w)
+    _check_against_oracle(c, c.params, x, miss, w, options=opts)
 
 
 def test_any_block_order_of_the_input_layer():

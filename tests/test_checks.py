@@ -157,3 +157,13 @@ def test_changing_jax_matmul_precision_does_not_replay_an_executable():
     with jax.default_matmul_precision("highest"):
         c.flows(c.params, x, options=jaxpc.Options(precision="fp32"))
     assert c.cache_info().misses == misses + 3
+
+
+def test_impl_reference_is_a_deprecated_name_of_xla():
+    with pytest.warns(DeprecationWarning, match="impl='xla'"):
+        old = jaxpc.Options(impl="reference")
+    assert old == jaxpc.Options(impl="xla")
+    sig = (1, 1, 2, 2, 1, 1, 16)
+    with pytest.warns(DeprecationWarning):
+        tuned = jaxpc.Options(kernels=((sig, ("reference",)),))
+    assert tuned.kernels == ((sig, ("xla",)),)

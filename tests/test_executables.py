@@ -62,8 +62,24 @@ OPTION_CHANGES = {
     "param_flow_pass": ("flows", {"chain_scan": False}, {"chain_scan": False, "param_flow_pass": "inline"}),
     "leaf_kernel": ("flows", {"chain_scan": False, "impl": "pallas_forward"},
                     {"chain_scan": False, "impl": "pallas_forward", "leaf_kernel": False}),
+    "tuning": ("flows", {}, {"tuning": jaxpc.Tuning(chain_unroll=2, chain_unroll_batch=0)}),
 }
 SINGLE_VALUED: dict = {}  # fields with one allowed value (none today)
+# every field of Tuning, changed; each change is a new executable (the knobs are part of the key through Options)
+TUNING_CHANGES = {"leaf_batch": 1, "small_batch": 1, "pflow_batch": 1, "chain_unroll": 2, "chain_unroll_batch": 0,
+                  "chain_stack_limit": 0, "unset_rows": False, "min_unset": 1, "onehot_chunk": 1 << 20,
+                  "compiler_options": (("xla_cpu_enable_fast_math", False),)}
+
+
+def test_every_tuning_field_is_in_the_key():
+    assert set(TUNING_CHANGES) == {f.name for f in dataclasses.fields(jaxpc.Tuning)}, "list the new Tuning field"
+    x = _data(10)
+    c = _hmm()
+    c.flows(c.params, x)
+    for name, value in TUNING_CHANGES.items():
+        misses = c.cache_info().misses
+        c.flows(c.params, x, options=jaxpc.Options(tuning=jaxpc.Tuning(**{name: value})))
+        assert c.cache_info().misses == misses + 1, f"Tuning.{name} must be part of the executable's key"
 
 
 def test_every_option_field_is_covered():
@@ -88,7 +104,7 @@ def test_changing_an_option_never_replays_the_cached_executable(field):
     _same(second, run(_hmm(), o2))  # equal to a fresh circuit with that option
     _same(run(c, o1), first)  # and switching back replays the first one
     if field not in ("backward", "impl", "kernels", "chain_scan", "fold_products", "scan_stages", "gather_chunk",
-                     "kernel_shifts", "param_flow_pass", "leaf_kernel"):  # these agree up to rounding
+                     "kernel_shifts", "param_flow_pass", "leaf_kernel", "tuning"):  # these agree up to rounding
         assert _differs(first, second)
 
 
@@ -414,15 +430,19 @@ def test_compiled_returns_the_most_recently_used_executable():
     assert c.compiled("flows") is first
 
 
-def test_compiler_options_reach_every_new_executable(monkeypatch):
-    """``jaxpc.executables.COMPILER_OPTIONS`` (benchmarks' XLA options A/B) is given to the executables compiled while
-    it is set: an option XLA does not know fails the compile, a known one compiles the same answer."""
+def test_compiler_options_reach_the_executable():
+    """``Options(tuning=Tuning(compiler_options=...))`` reaches XLA (an option XLA does not know fails the compile, a
+    known one compiles the same answer) and is part of the key (a new executable, not a replay)."""
     x = _data(10)
-    ref = _hmm()
-    want = ref.log_prob(ref.params, x)
-    monkeypatch.setattr(jaxpc.executables, "COMPILER_OPTIONS", {"not_an_xla_option": 1})
     c = _hmm()
+    want = c.log_prob(c.params, x)
+
+    def opts(**xla):
+        return jaxpc.Options(tuning=jaxpc.Tuning(compiler_options=tuple(xla.items())))
+
     with pytest.raises(Exception, match="not_an_xla_option"):
-        c.log_prob(c.params, x)
-    monkeypatch.setattr(jaxpc.executables, "COMPILER_OPTIONS", {"xla_gpu_graph_min_graph_size": 1})
-    np.testing.assert_array_equal(np.asarray(c.log_prob(c.params, x)), np.asarray(want))
+        c.log_prob(c.params, x, options=opts(not_an_xla_option=1))
+    misses = c.cache_info().misses
+    np.testing.assert_array_equal(np.asarray(c.log_prob(c.params, x, options=opts(xla_gpu_graph_min_graph_size=1))),
+                                  np.asarray(want))
+    assert c.cache_info().misses == misses + 1

@@ -98,7 +98,7 @@ def test_batched_param_flows_equal_the_inline_ones(monkeypatch, name):
     levels and its single-block top levels, a PD's fan-ins of 1 to 3 child blocks and its root; by default those
     of fan-in 1), gives the inline pass's flows (LL, GeneralLL, tempered, tf32 stored local sums, pieces, unrolled
     stages, full layout), and stands aside for max-product, ``compute_param_flows=False``, the Pallas backward
-    and batches above ``PFLOW_BATCH``. The HCLT's tables cover their groups in parameter order (the flows
+    and batches above ``Options.tuning.pflow_batch``. The HCLT's tables cover their groups in parameter order (the flows
     written whole, no scatter)."""
     if name == "hclt":
         c, x = _chain_hclt()
@@ -123,8 +123,8 @@ def test_batched_param_flows_equal_the_inline_ones(monkeypatch, name):
     assert _batched_blocks(monkeypatch, c, x, opts.replace(propagation="MPE")) == 0
     assert _batched_blocks(monkeypatch, c, x, opts.replace(compute_param_flows=False)) == 0
     assert _batched_blocks(monkeypatch, c, x, opts.replace(impl="pallas")) == 0
-    monkeypatch.setattr(engine_forward, "PFLOW_BATCH", len(x) - 1)
-    assert _batched_blocks(monkeypatch, c, x, opts) == 0  # auto: inline above PFLOW_BATCH
+    below = opts.replace(tuning=jaxpc.Tuning(pflow_batch=len(x) - 1))
+    assert _batched_blocks(monkeypatch, c, x, below) == 0  # auto: inline above tuning.pflow_batch
     assert _batched_blocks(monkeypatch, c, x, opts.replace(param_flow_pass="batched")) > 0
     for kw in ({"propagation": "GeneralLL", "alpha": 2.5},
                {"pflow_temperature": 0.5, "scan_stages": False, "fold_products": False},
@@ -152,7 +152,7 @@ def test_batched_param_flows_kernel_equals_xla(monkeypatch, name):
     route, f32 = engine_forward.pflow_kernel, jax.numpy.float32
     o = jaxpc.Options(precision="tf32")
     assert route(o.replace(impl="pallas_forward"), f32) and route(o.replace(impl="pallas"), f32)
-    assert not route(o.replace(impl="reference"), f32) and not route(o.replace(impl="pallas_forward"), jnp.bfloat16)
+    assert not route(o.replace(impl="xla"), f32) and not route(o.replace(impl="pallas_forward"), jnp.bfloat16)
     assert not route(o.replace(impl="pallas_forward", precision="fp32"), f32)
     assert not route(o.replace(impl="pallas_forward", pflow_temperature=0.5), f32)
     assert route(o, f32) == (jax.default_backend() == "gpu")
@@ -257,20 +257,20 @@ def test_auto_impl_picks_the_pallas_forward_on_a_gpu_for_fan_ins_and_small_batch
     dense = SumPart(n=8, C=4, Kp=4, Kc=4, group="g", dense=True, U=4, D=8)
     auto = jaxpc.Options()
     assert auto.impl == "auto"
-    assert [engine_forward.kernel_choice(auto, p, 16) for p in (fan_in, tree, dense)] == [("reference", None)] * 3
+    assert [engine_forward.kernel_choice(auto, p, 16) for p in (fan_in, tree, dense)] == [("xla", None)] * 3
     monkeypatch.setattr(engine_forward, "on_gpu", lambda: True)
     assert [engine_forward.kernel_choice(auto, p, 128)[0] for p in (fan_in, tree, dense)] == [
-        "pallas_forward", "reference", "reference"]
+        "pallas_forward", "xla", "xla"]
     # at small batches tree levels run the kernel too (one kernel per level instead of XLA's four)
-    small = engine_forward.SMALL_BATCH
+    small = jaxpc.Tuning().small_batch
     assert [engine_forward.kernel_choice(auto, p, small)[0] for p in (fan_in, tree, dense)] == [
-        "pallas_forward", "pallas_forward", "reference"]
-    assert engine_forward.kernel_choice(auto, tree, small + 1)[0] == "reference"
-    assert engine_forward.kernel_choice(auto, fan_in, 16, np.float64)[0] == "reference"
+        "pallas_forward", "pallas_forward", "xla"]
+    assert engine_forward.kernel_choice(auto, tree, small + 1)[0] == "xla"
+    assert engine_forward.kernel_choice(auto, fan_in, 16, np.float64)[0] == "xla"
     # an explicit impl and a tuned route win over the rule
-    assert engine_forward.kernel_choice(auto.replace(impl="reference"), fan_in, 16)[0] == "reference"
-    tuned = auto.replace(kernels=((engine_forward.partition_key(fan_in, 16), ("reference",)),))
-    assert engine_forward.kernel_choice(tuned, fan_in, 16)[0] == "reference"
+    assert engine_forward.kernel_choice(auto.replace(impl="xla"), fan_in, 16)[0] == "xla"
+    tuned = auto.replace(kernels=((engine_forward.partition_key(fan_in, 16), ("xla",)),))
+    assert engine_forward.kernel_choice(tuned, fan_in, 16)[0] == "xla"
 
 
 def test_auto_impl_as_on_a_gpu(pallas_forward_calls):
@@ -288,10 +288,10 @@ def test_auto_impl_as_on_a_gpu(pallas_forward_calls):
     assert any(p.C == 1 for p in sparse) and any(p.C > 1 for p in sparse)
     assert len(calls) == len(sparse) and all(o is not None for o in calls)
     del calls[:]
-    c.flows(c.params, np.tile(x, (4, 1)), options=auto)  # 36 samples: above SMALL_BATCH
+    c.flows(c.params, np.tile(x, (4, 1)), options=auto)  # 36 samples: above tuning.small_batch
     assert len(calls) == sum(p.C > 1 for p in sparse)
     ref = jaxpc.compile(root, seed=1)
-    want = ref.flows(ref.params, x, options=auto.replace(impl="reference"), return_ll=True)
+    want = ref.flows(ref.params, x, options=auto.replace(impl="xla"), return_ll=True)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
     del calls[:]
@@ -458,7 +458,7 @@ def test_single_reader_flows_match_exact_expected_counts(fold):
     x = rng.integers(0, 4, (B, 10)).astype(np.int32)
     miss = rng.random(x.shape) < 0.3
     w = rng.uniform(0.5, 2.0, B)
-    fl = c.flows(c.params, x, missing=miss, ll_weights=w, options=jaxpc.Options(fold_products=fold, impl="reference"))
+    fl = c.flows(c.params, x, missing=miss, ll_weights=w, options=jaxpc.Options(fold_products=fold, impl="xla"))
     totals, in_totals, _ = oracle.flow_totals(c, c.params, x, miss, weights=w)
     assert oracle.check_flows(c, fl, totals, in_totals) > 0
 
@@ -472,7 +472,7 @@ def test_single_reader_flow_pass_writes_every_row_it_reads(monkeypatch, fold):
     cat = dists.Categorical(4)
     rng = np.random.default_rng(5)
     c = jaxpc.compile(structures.HCLT(rng.integers(0, 4, (300, 10)), 4, input_dist=cat))
-    o = jaxpc.Options(fold_products=fold, impl="reference")
+    o = jaxpc.Options(fold_products=fold, impl="xla")
     plan = engine_forward.buffer_plan(c.layout, o)
     assert plan.flow_gaps == ((0, 2 * plan.kmax),)
     assert any(p.dense and p.n == 1 for spec in plan.stages() for p in spec.sums)
@@ -489,7 +489,7 @@ def test_single_reader_flow_pass_writes_every_row_it_reads(monkeypatch, fold):
         return np.asarray(vjp(jnp.ones(B))[0])
 
     unset = whole_flows()
-    monkeypatch.setattr(engine_forward, "UNSET_ROWS", False)
+    o = o.replace(tuning=jaxpc.Tuning(unset_rows=False))
     assert (np.asarray(engine_forward.flow_buffer(plan, o, buf)) == 0).all()
     zeroed = whole_flows()
     assert not np.isnan(unset).any() and np.abs(unset[2 * plan.kmax:]).sum() > 0
@@ -515,7 +515,7 @@ def test_without_the_triton_backend_kernels_fall_back_to_xla_with_one_warning(mo
     root = structures.PD((4, 6), 8, split_intervals=(2, 2), input_dist=dists.Categorical(3))
     x = np.random.default_rng(3).integers(0, 3, (5, 24)).astype(np.int32)
     c, ref = jaxpc.compile(root, seed=5), jaxpc.compile(root, seed=5)
-    want = ref.flows(ref.params, x, options=jaxpc.Options(impl="reference"), return_ll=True)
+    want = ref.flows(ref.params, x, options=jaxpc.Options(impl="xla"), return_ll=True)
     with pytest.warns(RuntimeWarning, match="Triton backend"):
         got = c.flows(c.params, x, options=jaxpc.Options(impl="pallas"), return_ll=True)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
@@ -542,7 +542,7 @@ def _chain_hclt():
 
 @pytest.mark.parametrize("name,fold", [("hclt", True), ("hclt", False), ("pd", True)],
                          ids=["scanned-fold", "scanned-full", "fan-ins-fold"])
-@pytest.mark.parametrize("impl", ["pallas_forward", "reference"])
+@pytest.mark.parametrize("impl", ["pallas_forward", "xla"])
 def test_kept_shifts_equal_the_recomputed_ones(name, fold, impl):
     """``Options(kernel_shifts=True)`` (the default): the forward (the in-place Pallas kernels in interpret mode, or
     XLA's) keeps each block's children max and the XLA flow pass reads it instead of recomputing it. An HCLT whose
@@ -674,8 +674,8 @@ def test_leaf_kernel_matches_exact_expected_counts(monkeypatch, seed, fold):
     assert route(c.layout, c.params, o) and route(c.layout, c.params, o.replace(impl="pallas"))
     assert route(c.layout, c.params, jaxpc.Options()) == (jax.default_backend() == "gpu")
     assert route(c.layout, c.params, o, batch=1)  # the batch rule is impl="auto"'s
-    assert not route(c.layout, c.params, jaxpc.Options(), batch=engine_forward.LEAF_BATCH - 1)
-    for other in (o.replace(impl="reference"), o.replace(backward="autodiff"), o.replace(leaf_kernel=False)):
+    assert not route(c.layout, c.params, jaxpc.Options(), batch=jaxpc.Tuning().leaf_batch - 1)
+    for other in (o.replace(impl="xla"), o.replace(backward="autodiff"), o.replace(leaf_kernel=False)):
         assert not route(c.layout, c.params, other)
     assert not route(c.layout, c.params, o, soft=jnp.zeros((1,)))
     assert not route(c.layout, jax.tree_util.tree_map(lambda a: a.astype(jnp.float16), c.params), o)
@@ -685,7 +685,7 @@ def test_leaf_kernel_matches_exact_expected_counts(monkeypatch, seed, fold):
 
     x, miss, w, _ = check_flows_and_ll(gen, c, options=o)  # traced afresh: this options key is new to the circuit
     assert calls
-    ref = o.replace(impl="reference")
+    ref = o.replace(impl="xla")
     xi = as_input(gen, x)
     bad = xi.copy()
     bad[3, 0] = 9  # out of range: NaN, not a clamped value

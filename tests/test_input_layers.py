@@ -11,7 +11,6 @@ import pytest
 import jaxpc
 from jaxpc import dists, structures
 from jaxpc.compiler.compile import _variable_run
-from jaxpc.distributions import categorical
 from jaxpc.engine import em
 
 
@@ -45,13 +44,13 @@ def _per_node_case(c, data, missing: str):
 @pytest.mark.parametrize("chunk", [None, 3 * 37 * 5])
 @pytest.mark.parametrize("precision", ["fp32", "tf32"])
 @pytest.mark.parametrize("missing", ["none", "per_sample", "per_variable"])
-def test_run_counts_equal_scatter(hclt, precision, missing, chunk, monkeypatch):
-    if chunk:  # one-hot matrices of 3 variables at a time (10 variables: a last chunk of one)
-        monkeypatch.setattr(categorical, "ONEHOT_CHUNK", chunk)
+def test_run_counts_equal_scatter(hclt, precision, missing, chunk):
+    # with chunk: one-hot matrices of 3 variables at a time (10 variables: a last chunk of one)
+    tuning = jaxpc.Tuning(onehot_chunk=chunk) if chunk else jaxpc.Tuning()
     data, c = hclt
     assert [s.run for s in c.layout.input_layers] == [4]
     per_node, x, miss = _per_node_case(c, data, missing)
-    opts = jaxpc.Options(precision=precision)
+    opts = jaxpc.Options(precision=precision, tuning=tuning)
     got, ll = em.flows_and_ll(c.layout, c.tables, c.params, x, miss, None, opts)
     ref, ll_ref = em.flows_and_ll(per_node, c.tables, c.params, x, miss, None, opts)
     np.testing.assert_array_equal(np.asarray(ll), np.asarray(ll_ref))
@@ -92,7 +91,7 @@ def test_counts_kernel_equals_scatter(hclt, precision, missing, monkeypatch):
     data, c = hclt
     per_node, x, miss = _per_node_case(c, data, missing)
     opts = jaxpc.Options(precision=precision, impl="pallas_forward")
-    ref, ll_ref = em.flows_and_ll(per_node, c.tables, c.params, x, miss, None, opts.replace(impl="reference"))
+    ref, ll_ref = em.flows_and_ll(per_node, c.tables, c.params, x, miss, None, opts.replace(impl="xla"))
     # the flows read in the flow pass's buffer (the leaf kernel's), or as the input layer's own array (autodiff)
     for o in (opts, opts.replace(backward="autodiff")):
         got, ll = em.flows_and_ll(c.layout, c.tables, c.params, x, miss, None, o)
@@ -147,12 +146,12 @@ def test_counts_kernel_route_and_shapes():
     c = jaxpc.compile(structures.HCLT(np.random.default_rng(0).integers(0, 5, (50, 6)), 4,
                                       input_dist=dists.Categorical(num_cats=5)), seed=1)
     spec = c.layout.input_layers[0]
-    fl = jnp.zeros((spec.num_nodes, forward.LEAF_BATCH), jnp.float32)
+    fl = jnp.zeros((spec.num_nodes, jaxpc.Tuning().leaf_batch), jnp.float32)
     o = jaxpc.Options(impl="pallas_forward")
     assert forward.counts_kernel(spec, o, fl) and forward.counts_kernel(spec, o.replace(impl="pallas"), fl[:, :1])
     assert forward.counts_kernel(spec, jaxpc.Options(), fl) == (jax.default_backend() == "gpu")
-    assert not forward.counts_kernel(spec, jaxpc.Options(), fl[:, 1:])  # auto: batches of at least LEAF_BATCH
-    for other in (o.replace(impl="reference"), o.replace(leaf_kernel=False)):
+    assert not forward.counts_kernel(spec, jaxpc.Options(), fl[:, 1:])  # auto: batches of at least tuning.leaf_batch
+    for other in (o.replace(impl="xla"), o.replace(leaf_kernel=False)):
         assert not forward.counts_kernel(spec, other, fl)
     assert not forward.counts_kernel(spec, o, fl.astype(jnp.float16))
     assert not forward.counts_kernel(dataclasses.replace(spec, run=1), o, fl)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jaxpc
-from jaxpc.compiler.compile import _inverse_tables
+from jaxpc.compiler.compile import inverse_tables
 from jaxpc.ops import pallas_leaf, pallas_sum
 from jaxpc.ops.sum_layer import child_rows, sum_layer_backward_reference, sum_layer_reference
 
@@ -47,7 +47,7 @@ def make_partition(Kp, Kc, n, C, B, pad_frac, ninf_frac, seed=0, num_param_block
     pad = rng.random((n, C)) < pad_frac
     pad[:, 0] = False
     ch = np.where(pad, -2, ch)  # -2 marks padding, as the compiler does
-    inv = _inverse_tables(ch, pid)
+    inv = inverse_tables(ch, pid)
     ch = np.where(ch == -2, kmax, ch)  # padding reads the -inf rows
     logw = np.log(rng.random((P, Kp, Kc)).astype(np.float32) + 1e-3)
     tab = {k: jnp.asarray(v, jnp.int32) for k, v in {"ch": ch, "pid": pid, **inv}.items()}
@@ -90,7 +90,7 @@ def test_kernels_match_reference(shape, alpha):
 def test_inverse_tables():
     ch = np.array([[10, 20, -2], [20, 30, 10]])
     pid = np.array([[0, 1, 9], [2, 3, 4]])
-    inv = _inverse_tables(ch, pid)
+    inv = inverse_tables(ch, pid)
     np.testing.assert_array_equal(inv["uch"], [10, 20, 30])
     got = {int(u): sorted(zip(p[p >= 0].tolist(), e[e >= 0].tolist()))
            for u, p, e in zip(inv["uch"], inv["par"], inv["ppid"])}
@@ -191,7 +191,7 @@ def test_folded_kernels_in_place_match_reference(shape):
     ch[pad, 1:] = 0
     P = n * C
     pid = rng.permutation(P).reshape(n, C)
-    inv = _inverse_tables(ch, pid)
+    inv = inverse_tables(ch, pid)
     assert set(inv) == {"uch", "par", "ppid", "pcol"}
     ch = np.where(ch == -2, kmax, ch)
     t = {k: jnp.asarray(v, jnp.int32) for k, v in {"ch": ch, "pid": pid, **inv}.items()}
@@ -257,7 +257,7 @@ def make_tree_level(Kp, Kc, n, M, B, alpha=1.0, seed=11):
         short[:, :, 0] = False
         ch[short] = 0  # zero rows: a shorter product
     pid = rng.permutation(n).reshape(n, 1)
-    assert _inverse_tables(ch, pid)["par"].shape[1] == 1
+    assert inverse_tables(ch, pid)["par"].shape[1] == 1
     t = {k: jnp.asarray(v, jnp.int32) for k, v in {"ch": ch, "pid": pid}.items()}
     logw = jnp.asarray(np.log(rng.random((n, Kp, Kc)) + 1e-3), jnp.float32)
     prop = dict(propagation="LL") if alpha == 1.0 else dict(propagation="GeneralLL", alpha=alpha)

@@ -25,7 +25,7 @@ from .test_api import hmm_like
 
 def dense_weights(ns):
     """``[num_nodes, num_ch_nodes]`` weights from the vector's own block parameters."""
-    b = ns.source._params
+    b = ns.source.own_params
     d = np.zeros((ns.num_node_blocks, ns.num_ch_node_blocks, ns.block_size, ns.ch_block_size))
     d[ns.edge_ids[0], ns.edge_ids[1]] = b
     return d.transpose(0, 2, 1, 3).reshape(ns.num_nodes, ns.num_ch_nodes)
@@ -37,7 +37,7 @@ def node_ll(root, x, miss=None):
     vals = {}
     for ns in topological_order(root):
         if ns.is_input():
-            p = ns.source._params
+            p = ns.source.own_params
             fields = ns.dist.natural_fields
             if fields:
                 assert p is not None, f"{ns.name} has no parameters"
@@ -50,7 +50,7 @@ def node_ll(root, x, miss=None):
                 out += vals[c.id][(ns.edge_ids[:, j][:, None] * K + np.arange(K)).reshape(-1)]
             vals[ns.id] = out
         else:
-            assert ns.source._params is not None, f"{ns.name} has no parameters"
+            assert ns.source.own_params is not None, f"{ns.name} has no parameters"
             with np.errstate(divide="ignore"):
                 lw = np.log(dense_weights(ns))
             X = np.concatenate([vals[c.id] for c in ns.children])
@@ -65,7 +65,7 @@ def snapshot(root):
         p = ns._params if not ns.is_prod() else None
         p = {k: v.copy() for k, v in p.items()} if isinstance(p, dict) else (None if p is None else p.copy())
         out.append((ns.id, ns.num_node_blocks, ns.block_size, tuple(c.id for c in ns.children),
-                    None if ns.is_input() else ns.edge_ids.copy(), p, ns._source))
+                    None if ns.is_input() else ns.edge_ids.copy(), p, ns.tied_to))
     return out
 
 

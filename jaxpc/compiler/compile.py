@@ -11,7 +11,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from ..nodes import CircuitNodes, InputNodes, ProdNodes, SumNodes, topological_order
+from ..nodes import CircuitNodes, InputNodes, ProdNodes, topological_order
 from .chain import detect_chain
 from .layout import InputLayerSpec, Layout, PFlowSpec, ProdPart, ScanSpec, StageSpec, SumGroupSpec, SumPart
 
@@ -139,7 +139,7 @@ def build(root: CircuitNodes, *, scan_min_repeats: int = 3, max_exact_fanins: in
             src = ns.source
             if src.id not in input_placement:
                 input_placement[src.id] = InputPlacement(li, key, prow, src.num_nodes)
-                metas.append(src.dist.row_tables(src.num_nodes, src._params, src.name))
+                metas.append(src.dist.row_tables(src.num_nodes, src.own_params, src.name))
                 prow += src.num_nodes
             pl = input_placement[src.id]
             node_vars.append(np.full(ns.num_nodes, ns.var, dtype=np.int32))
@@ -171,7 +171,7 @@ def build(root: CircuitNodes, *, scan_min_repeats: int = 3, max_exact_fanins: in
         stage_tables.append(tab)
         stage_owners.append(owners)
 
-    steps, step_tables = _group_scans(stages, stage_tables, scan_min_repeats)
+    steps, step_tables = group_scans(stages, stage_tables, scan_min_repeats)
 
     root_row = int(block_rows[root.id][0])
     single, gaps = _single_reader(stages, stage_tables, 2 * kmax, row, root_row)
@@ -279,7 +279,7 @@ def _build_stage(members, row, block_rows, sum_placement, max_exact_fanins, chil
             owners["sums"].append([items[v][0] for v in owner[sel]])
             if M == 1:
                 ch = ch[:, :, 0]
-            inv = _inverse_tables(ch, pid)
+            inv = inverse_tables(ch, pid)
             U, D = inv["par"].shape
             unique_pid = (not has_pad) and np.unique(pid).size == pid.size
             sums.append(SumPart(int(sel.size), C, Kp, Kc, group, dense, U, D, M, bool(unique_pid)))
@@ -350,7 +350,7 @@ def _build_fold(nodes, root, input_rows: dict, first_row: int, pad_rows: int, su
                                          lambda ns, M=M: child_rows(ns, M))
         stages.append(spec)
         tabs.append(tab)
-    steps, step_tables = _group_scans(stages, tabs, scan_min_repeats)
+    steps, step_tables = group_scans(stages, tabs, scan_min_repeats)
     root_row = int(rows[root.id][0])
     return steps, step_tables, root_row, row, _single_reader(stages, tabs, pad_rows, row, root_row)
 
@@ -427,7 +427,7 @@ def _pflow_plan(steps, step_tables) -> tuple[tuple[PFlowSpec, ...], list[dict]]:
     return tuple(specs), tabs
 
 
-def _inverse_tables(ch: np.ndarray, pid: np.ndarray) -> dict:
+def inverse_tables(ch: np.ndarray, pid: np.ndarray) -> dict:
     """For each distinct child row block of a partition: its parents (local block index) and the parameter
     block of each edge, padded with -1 (``uch [U]``, ``par [U, D]``, ``ppid [U, D]``). For a folded table
     ``ch [n, C, M]`` every row block of a folded product is listed (the zero padding rows are not), and
@@ -457,7 +457,7 @@ def _inverse_tables(ch: np.ndarray, pid: np.ndarray) -> dict:
     return out
 
 
-def _group_scans(stages, stage_tables, min_repeats):
+def group_scans(stages, stage_tables, min_repeats):
     """Fold runs of stages whose shapes repeat with a period of 1 to 4 into ScanSpecs."""
     sigs = [s.signature for s in stages]
     steps, tabs = [], []

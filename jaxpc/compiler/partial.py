@@ -15,7 +15,7 @@ import dataclasses
 
 import numpy as np
 
-from .compile import CompiledStructure, _group_scans, _inverse_tables
+from .compile import CompiledStructure, group_scans, inverse_tables
 from .layout import StageSpec
 
 
@@ -69,7 +69,7 @@ def build_plan(struct: CompiledStructure, variables) -> tuple[PlanLayout, dict]:
         for part, t, own in zip(spec.sums, tab["sums"], owners["sums"]):
             sel = np.nonzero([bool(o.scope & mask) for o in own])[0]
             if sel.size:
-                inv = _inverse_tables(t["ch"][sel], t["pid"][sel])
+                inv = inverse_tables(t["ch"][sel], t["pid"][sel])
                 sums.append(dataclasses.replace(part, n=int(sel.size), U=inv["par"].shape[0], D=inv["par"].shape[1]))
                 stabs.append({"ch": t["ch"][sel], "pid": t["pid"][sel],
                               "write": (row + sel * part.Kp).astype(np.int32), **inv})
@@ -77,6 +77,6 @@ def build_plan(struct: CompiledStructure, variables) -> tuple[PlanLayout, dict]:
         if prods or sums:
             stages.append(StageSpec(tuple(prods), tuple(sums), 0))
             stage_tabs.append({"prods": ptabs, "sums": stabs, "out": np.int32(0)})
-    steps, step_tabs = _group_scans(stages, stage_tabs, 3)
+    steps, step_tabs = group_scans(stages, stage_tabs, 3)
     plan = PlanLayout(tuple(inputs), tuple(steps), struct.layout.root_row)
     return plan, {"inputs": in_tabs, "steps": step_tabs}

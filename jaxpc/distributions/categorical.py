@@ -7,16 +7,12 @@ masked categorical forbids a value). The gradient of the log-likelihood with res
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from ..ops.pieces import in_order, ranges
 from .base import Distribution, blend, reduce_missing, segment_sum
-
-#: elements of the one-hot matrices built at once by :meth:`Categorical.suff_stats_runs`
-ONEHOT_CHUNK = 1 << 25
 
 
 def _check_probs(probs: np.ndarray, num_nodes: int, num_cats: int, where: str, allowed: np.ndarray | None = None):
@@ -165,12 +161,12 @@ class Categorical(Distribution):
                         + jnp.einsum("grb,gbk->grk", o - hi, onehot, preferred_element_type=flows.dtype))
             return jnp.einsum("grb,gbk->grk", o, onehot, preferred_element_type=flows.dtype)
 
-        # one-hot matrices of at most ONEHOT_CHUNK elements at a time (HCLT-256 at B=512: 784 x 512 x 256 floats,
+        # one-hot matrices of at most Options.tuning.onehot_chunk elements at a time (HCLT-256 at B=512: 784 x 512 x 256 floats,
         # 411 MB, would otherwise be the step's largest temporary). The chunks are unrolled: a loop would be a
         # device-side while loop, which the GPU runtime runs outside the step's command buffer, synchronizing
         # with the host on every trip (2 ms per step on an H200). A barrier orders them: the next chunk's values
         # come out of it together with this chunk's counts, so one one-hot matrix is alive at a time
-        parts = in_order(ranges(G, ONEHOT_CHUNK // (B * K)), lambda a, b: xi[a:b],
+        parts = in_order(ranges(G, options.tuning.onehot_chunk // (B * K)), lambda a, b: xi[a:b],
                          lambda done, a, b, xc: done + [product(obs[a:b], xc)], [])
         counts = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
         return {"counts": self._with_marginalized(p, counts.reshape(N, K), flows, mg, run)}

@@ -13,7 +13,7 @@ import numpy as np
 from .base import Distribution
 
 
-class _IndicatorLeaf(Distribution):
+class IndicatorLeaf(Distribution):
     name = "indicator"
 
     def layer_key(self) -> tuple:
@@ -42,7 +42,7 @@ class _IndicatorLeaf(Distribution):
         return out
 
 
-class Literal(_IndicatorLeaf):
+class Literal(IndicatorLeaf):
     """``P(x = lit) = 1`` (a literal of a binary or categorical variable)."""
 
     def __init__(self, lit: int | bool):
@@ -68,7 +68,7 @@ class Literal(_IndicatorLeaf):
         return {"value": np.full(num_nodes, self.lit, dtype=np.int32)}
 
 
-class Indicator(_IndicatorLeaf):
+class Indicator(IndicatorLeaf):
     """``num_states`` indicators of one variable: node ``j`` of a vector is ``[x == j % num_states]``."""
 
     def __init__(self, num_states: int):

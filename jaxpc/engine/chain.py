@@ -33,18 +33,10 @@ from ..ops.sum_layer import matmul
 
 Array = jax.Array
 
-# Transition flows of tied chains come from one matrix product over all steps when the stacked backward
-# messages (R * K * B values) stay at most this many (fewer, larger products: faster at small batches);
-# beyond it they are accumulated step by step (one [K, B] x [B, K] product per step, no stack).
-STACK_LIMIT = 4 * 2**20
-# steps per iteration of the forward and backward scans' loops (lax.scan's unroll; True: no loop) at batches of at
-# least UNROLL_BATCH samples; one step per iteration below (measurements: benchmarks/RESULTS.md)
-UNROLL = 8
-UNROLL_BATCH = 128
-
-
-def _unroll(B: int):
-    return UNROLL if B >= UNROLL_BATCH else 1
+def _unroll(B: int, tuning):
+    """Steps per iteration of the scans' loops: ``tuning.chain_unroll`` from ``tuning.chain_unroll_batch``
+    samples on, one below."""
+    return tuning.chain_unroll if B >= tuning.chain_unroll_batch else 1
 
 
 def applies(layout, options, evidence_externals: bool) -> bool:
@@ -71,7 +63,7 @@ def _safe(c: Array) -> Array:
     return jnp.where(c == 0, 1.0, c)
 
 
-def _forward(spec: ChainSpec, ctab: dict, sum_params: dict, vals: Array, precision: str):
+def _forward(spec: ChainSpec, ctab: dict, sum_params: dict, vals: Array, precision: str, tuning):
     """The scan. ``vals``: the input layer's ``[N, B]`` values, read in place as ``R + 1`` blocks (chain
     position ``t`` is block ``spec.order[t]``); the emission scales ``e~`` are recomputed where needed."""
     logw = sum_params[spec.group]
@@ -92,7 +84,7 @@ def _forward(spec: ChainSpec, ctab: dict, sum_params: dict, vals: Array, precisi
         c = jnp.sum(p, axis=0)
         return p / _safe(c), (u, c)
 
-    uR, (U, cs) = lax.scan(step, u0, (order[1:], None if spec.tied else ctab["pid"]), unroll=_unroll(B))
+    uR, (U, cs) = lax.scan(step, u0, (order[1:], None if spec.tied else ctab["pid"]), unroll=_unroll(B, tuning))
     g = jnp.exp(sum_params[spec.root_group][ctab["root_pid"]]).reshape(K)  # [1, C, 1, Kc] -> [K]
     rl = matmul("k,kb->b", g, uR, precision)
     ll = jnp.log(rl) + jnp.log(c0) + jnp.sum(jnp.log(cs), axis=0) + jnp.sum(m, axis=0)
@@ -102,11 +94,11 @@ def _forward(spec: ChainSpec, ctab: dict, sum_params: dict, vals: Array, precisi
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4))
 def root_values(spec: ChainSpec, ctab: dict, sum_params: dict, input_vals: list, options) -> Array:
     """Root log-values ``[B]`` of a chain from its sum log-weights and its input layer's values."""
-    return _forward(spec, ctab, sum_params, input_vals[0], options.concrete_precision)[0]
+    return _forward(spec, ctab, sum_params, input_vals[0], options.concrete_precision, options.tuning)[0]
 
 
 def _fwd(spec, ctab, sum_params, input_vals, options):
-    ll, res = _forward(spec, ctab, sum_params, input_vals[0], options.concrete_precision)
+    ll, res = _forward(spec, ctab, sum_params, input_vals[0], options.concrete_precision, options.tuning)
     return ll, (ctab, sum_params, ll, res)
 
 
@@ -118,7 +110,7 @@ def _bwd(spec, options, saved, gbar):
     gbar = jnp.where(ll == -jnp.inf, 0.0, gbar.astype(ll.dtype))  # impossible samples: zero flows, never NaN
     betaR = g[:, None] * (gbar / _safe(rl))[None, :]
     want_params = options.compute_param_flows
-    stack = want_params and (not spec.tied or R * K * B <= STACK_LIMIT)
+    stack = want_params and (not spec.tied or R * K * B <= options.tuning.chain_stack_limit)
     order = jnp.asarray(spec.order, jnp.int32)
 
     def step(carry, xs):
@@ -140,9 +132,9 @@ def _bwd(spec, options, saved, gbar):
     # first), so that the two are not in memory side by side (HMM-1024 at B=512, 8 steps per iteration: 477
     # against 605 MiB). One step per iteration, XLA copies E into the carry instead (81 -> 85 MiB at B=16 on the
     # H200): the flows then go to an unset buffer (zeros while small: uninitialized).
-    unroll = _unroll(B)
+    unroll = _unroll(B, options.tuning)
     over_e = unroll != 1
-    d_in = E if over_e else uninitialized(E.shape, E.dtype)
+    d_in = E if over_e else uninitialized(E.shape, E.dtype, options.tuning.min_unset)
     (beta0, _, dA, d_in), dY = lax.scan(step, (betaR, uR, dA0, d_in), xs, reverse=True, unroll=unroll)
     d_in = lax.dynamic_update_index_in_dim(d_in, beta0 * u0, spec.order[0], 0)
 

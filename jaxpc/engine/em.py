@@ -24,7 +24,7 @@ def flows_and_ll(layout: Layout, tables: dict, params: dict, x: Array, missing: 
                  weights: Array | None, options, evidence: dict | None = None) -> tuple[dict, Array]:
     """``(flows, ll [B])``; ``weights`` ``[B]`` scales each sample's contribution (None = 1). With per-sample
     sum parameters in ``evidence``, sum flows are the posterior edge counts under the per-sample weights."""
-    dtype = forward._param_dtype(params)
+    dtype = forward.param_dtype(params)
     vals = forward.leaf_values(layout, tables, params, x, missing, options, evidence=evidence)
     buffered = isinstance(vals, jax.Array)  # the flow pass's node buffer with the leaves written
     if not buffered:
@@ -47,7 +47,7 @@ def flows_and_ll(layout: Layout, tables: dict, params: dict, x: Array, missing: 
         at = [(f, 0) for f in g_eps]
 
     xt = x.T
-    mt = forward._missing_t(missing)
+    mt = forward.missing_t(missing)
     g_in = {}
     for spec, tab, node_flows, where in zip(layout.input_layers, tables["inputs"], g_eps, at):
         with jax.named_scope(f"jaxpc/input_stats/{spec.key}"):
@@ -132,7 +132,7 @@ def top_down_probabilities(layout: Layout, tables: dict, params: dict, options) 
     x0 = jnp.zeros((1, V), jnp.int32)
     leaves = [spec.dist for spec in layout.input_layers]
     if any(not d.discrete for d in leaves):
-        x0 = x0.astype(forward._param_dtype(params))
+        x0 = x0.astype(forward.param_dtype(params))
     opts = Options(precision=options.concrete_precision, impl=options.impl, kernels=options.kernels,
                    chain_scan=options.chain_scan, fold_products=options.fold_products)
     fl, _ = flows_and_ll(layout, tables, params, x0, jnp.ones((V,), bool), None, opts)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
+from typing import Final
 
 import jax
 import jax.numpy as jnp
@@ -26,12 +27,12 @@ from ..ops.sum_layer import child_rows, child_terms, sum_layer_reference
 from ..ops.sum_layer import sum_layer_backward_reference as sum_layer_backward
 from ..ops.sum_layer import sum_layer_param_flows_reference as sum_layer_param_flows
 from ..ops.sum_layer_external import sum_layer_external_reference
-from ..options import PALLAS_FORWARD
+from ..options import PALLAS_FORWARD, Tuning
 
 Array = jax.Array
 
 
-def _missing_t(missing: Array | None) -> Array | None:
+def missing_t(missing: Array | None) -> Array | None:
     """Missing mask laid out ``[V, B]`` (or ``[V, 1]``)."""
     if missing is None:
         return None
@@ -45,7 +46,7 @@ def input_values(layout: Layout, tables: dict, params: dict, x: Array, missing: 
     leaves that read it (:mod:`jaxpc.distributions.evidence`) and ``evidence["latent"]`` ``[B, V, M]``, an
     additive log-potential on node ``j`` of every leaf vector over variable ``v``."""
     xt = x.T
-    mt = _missing_t(missing)
+    mt = missing_t(missing)
     qt = None if soft is None else jnp.transpose(soft, (1, 2, 0))  # [V, K, B]
     outs = []
     for i, (spec, tab) in enumerate(zip(layout.input_layers, tables["inputs"])):
@@ -67,19 +68,14 @@ def input_values(layout: Layout, tables: dict, params: dict, x: Array, missing: 
     return outs
 
 
-LEAF_BATCH = 64  # impl="auto": the leaf kernels at batches of at least this many samples
-# rows written before they are read start unset: the flow pass's buffer of a single-reader layout (its gaps zeroed;
-# flow_buffer) and the leaf kernel's rows above the leaves (the stages write them); False: zeros (benchmarks compare)
-UNSET_ROWS = True
-
 
 def _leaf_route(options, batch: int | None) -> bool:
     """The options' part of the leaf kernels' routes (:func:`leaf_kernel`, :func:`counts_kernel`):
     ``Options(leaf_kernel=True)`` and ``impl`` ``"pallas"`` / ``"pallas_forward"`` (interpret mode off a GPU) or
-    ``"auto"`` on a GPU at a ``batch`` of at least :data:`LEAF_BATCH` (None: any)."""
-    if not options.leaf_kernel or options.impl == "reference":
+    ``"auto"`` on a GPU at a ``batch`` of at least ``Options.tuning.leaf_batch`` (None: any)."""
+    if not options.leaf_kernel or options.impl == "xla":
         return False
-    return options.impl != "auto" or (on_gpu() and (batch is None or batch >= LEAF_BATCH))
+    return options.impl != "auto" or (on_gpu() and (batch is None or batch >= options.tuning.leaf_batch))
 
 
 def leaf_kernel(layout: Layout, params: dict, options, soft: Array | None = None,
@@ -89,11 +85,11 @@ def leaf_kernel(layout: Layout, params: dict, options, soft: Array | None = None
     not as a chain, no per-call evidence or soft evidence), every input layer is a table of log-values
     (``Distribution.value_table``: categorical leaves), laid out above the padding, the parameters float32,
     and ``Options.impl`` is ``"pallas"`` / ``"pallas_forward"`` (interpret mode off a GPU) or ``"auto"`` on a GPU at
-    a ``batch`` of at least :data:`LEAF_BATCH`, unless ``Options(leaf_kernel=False)``. HCLT-256's buffer on the
+    a ``batch`` of at least ``Options.tuning.leaf_batch``, unless ``Options(leaf_kernel=False)``. HCLT-256's buffer on the
     H200: 0.39 against XLA's 0.73 ms at batch 512 (forward + flows 6.78 against 7.26 ms), 0.18 against 0.28 at
     128, but 0.16-0.23 against 0.14 at 16, where a program's gathers from its rows of parameters are too few."""
     if (not _leaf_route(options, batch) or soft is not None or evidence or not runs_node_buffer(layout, options)
-            or _param_dtype(params) != jnp.float32):
+            or param_dtype(params) != jnp.float32):
         return False
     row = 2 * layout.kmax
     for spec in sorted(layout.input_layers, key=lambda s: s.offset):
@@ -134,16 +130,16 @@ def _leaf_buffer(plan: Layout, in_tables: list, in_params: dict, x: Array, missi
     from ..distributions.base import reduce_missing
 
     xt = x.T if jnp.issubdtype(x.dtype, jnp.integer) else x.T.astype(jnp.int32)  # as Categorical._values casts
-    mt = None if missing is None else jnp.broadcast_to(_missing_t(missing), xt.shape)
+    mt = None if missing is None else jnp.broadcast_to(missing_t(missing), xt.shape)
     specs, tabs = [], []
     for spec, tab in zip(plan.input_layers, in_tables):
         lp = spec.dist.value_table(in_params[spec.key])
         marg = None if mt is None else reduce_missing(lp, options)[tab["rows"]]
         specs.append(pallas_leaf.LeafLayer(spec.offset, spec.num_nodes, lp.shape[1]))
         tabs.append((lp, tab["rows"], tab["vars"], marg))
-    # the stages write every row above the leaves before reading it: those rows are left unset (UNSET_ROWS)
+    # the stages write every row above the leaves before reading it: those rows are left unset (``Options.tuning.unset_rows``)
     return pallas_leaf.categorical_buffer(xt, specs, tabs, num_rows=plan.num_rows, kmax=plan.kmax, missing=mt,
-                                          zero_above=not UNSET_ROWS)
+                                          zero_above=not options.tuning.unset_rows)
 
 
 def _leaf_buffer_fwd(plan, in_tables, in_params, x, missing, options):
@@ -192,7 +188,7 @@ def kernel_choice(options, part, B: int, dtype=jnp.float32):
     (with one warning per process)."""
     impl, cfg = _kernel_choice(options, part, B, dtype)
     if impl in PALLAS_FORWARD and not kernels_available():
-        return "reference", None
+        return "xla", None
     return impl, cfg
 
 
@@ -221,9 +217,9 @@ def _kernel_choice(options, part, B: int, dtype):
             if choice[0] in PALLAS_FORWARD:
                 from ..ops.pallas_sum import KernelConfig
                 return choice[0], KernelConfig(*choice[1:])
-            return "reference", None
+            return "xla", None
     if options.impl == "auto":
-        return auto_impl(part, dtype, B), None
+        return auto_impl(part, dtype, B, options.tuning.small_batch), None
     return options.impl, None
 
 
@@ -232,23 +228,21 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-SMALL_BATCH = 32  # auto: at most this many samples per call, tree levels (C == 1) run the Pallas forward too
 
-
-def auto_impl(part, dtype=jnp.float32, B: int | None = None) -> str:
+def auto_impl(part, dtype=jnp.float32, B: int | None = None, small_batch: int = Tuning.small_batch) -> str:
     """``Options(impl="auto")``'s choice for a sum partition at batch ``B``: on a GPU the Pallas forward (XLA
     backward) when its blocks have several child blocks, which XLA would gather into an ``[n, C*Kc, B]``
     tensor and read twice (PD-128 on the H200: forward 3.1 against 7.1 ms at batch 512, forward + flows 11.7
-    against 12.3), and for tree levels (``C == 1``) at batches of at most :data:`SMALL_BATCH`, where one
+    against 12.3), and for tree levels (``C == 1``) at batches of at most ``Options.tuning.small_batch``, where one
     kernel per level replaces XLA's four (HCLT-256 at batch 16: forward + flows 3.18 against 3.29-3.57 ms
     synchronized, 2.27 against 2.67 in a pipelined loop; at batch 128 XLA's 4.53 against 4.67 ms, at 512
     8.16 against 9.31). The XLA path for dense layers, buffers other than float32 and on backends without
     Triton. (Forwards differentiated by autodiff run on XLA: :func:`evaluate`.)"""
     if part.dense or jnp.dtype(dtype) != jnp.float32 or not on_gpu():
-        return "reference"
-    if part.C > 1 or (B is not None and B <= SMALL_BATCH):
+        return "xla"
+    if part.C > 1 or (B is not None and B <= small_batch):
         return "pallas_forward"
-    return "reference"
+    return "xla"
 
 
 def pieces(part, B: int, limit: int) -> list[tuple[int, int]]:
@@ -336,7 +330,7 @@ def _stage(buf: Array, spec: StageSpec, tab: dict, sum_params: dict, options, of
     return buf if shifts is None else (buf, shifts)
 
 
-SHIFT_MIN_UNIT = 8  # Options.kernel_shifts: blocks of at least this many nodes keep their shifts
+SHIFT_MIN_UNIT: Final = 8  # Options.kernel_shifts: blocks of at least this many nodes keep their shifts
 
 
 def _keeps_shift(part) -> bool:
@@ -448,7 +442,7 @@ def forward_buffer(layout: Layout, tables: dict, sum_params: dict, input_vals, o
     from the buffer with the leaves written (:func:`leaf_values`, an array in place of the list). With
     ``keep_shifts``: ``(buf, shifts or None)``, the shifts of the blocks that keep them (:func:`_writes_shift`:
     ``[ceil(R / unit), B]``, see :func:`shift_unit`; None when the layout's unit is too small)."""
-    dtype = _param_dtype({"sum": sum_params, "v": input_vals})
+    dtype = param_dtype({"sum": sum_params, "v": input_vals})
     buf = input_vals if isinstance(input_vals, jax.Array) else input_buffer(layout, input_vals, dtype)
     unit = shift_unit(layout) if keep_shifts and dtype == jnp.float32 else 0
     if unit and not any(_writes_shift(options, p, buf) for spec in layout.stages() for p in spec.sums):
@@ -565,35 +559,31 @@ root_values.defvjp(_root_fwd, _root_bwd)
 
 def flow_buffer(layout, options, values: Array) -> Array:
     """The flow pass's ``[R, B]`` buffer before the root's flow is written: zeros, or, in a single-reader layout
-    (:attr:`Layout.flow_gaps` set) whose flow pass runs on XLA's scatters alone (:data:`UNSET_ROWS`, no partition
+    (:attr:`Layout.flow_gaps` set) whose flow pass runs on XLA's scatters alone (``Options.tuning.unset_rows``, no partition
     on the Pallas backward, which adds in place), an :func:`uninitialized` buffer with the gaps zeroed: every
     other row but the root's is written by its one reader's backward before it is read."""
     gaps = layout.flow_gaps
     B, dtype = values.shape[1], values.dtype
-    if (not UNSET_ROWS or gaps is None or not layout.single_reader
+    if (not options.tuning.unset_rows or gaps is None or not layout.single_reader
             or 2 * sum(b - a for a, b in gaps) > layout.num_rows
             or any(_pallas_backward(kernel_choice(options, p, B, dtype)[0], options)
                    for spec in layout.stages() for p in spec.sums)):
         return jnp.zeros_like(values)
-    fl = uninitialized(values.shape, dtype)
+    fl = uninitialized(values.shape, dtype, options.tuning.min_unset)
     for a, b in gaps:  # the padding rows (compiled circuits have no other gaps: one root, unpadded blocks)
         fl = lax.dynamic_update_slice_in_dim(fl, jnp.zeros((b - a, B), dtype), a, axis=0)
     return fl
 
 
-# Options.param_flow_pass="auto": the parameter flows of tree levels (fan-in 1) batched at batches of at most this
-# many samples (measurements: the Options docstring)
-PFLOW_BATCH = 128
-
 
 def batched_pflows(layout, tables: dict, options, B: int, dtype) -> list:
     """The batched parameter-flow pass's ``(PFlowSpec, tables)`` for a flow pass at batch ``B``
     (``Options.param_flow_pass``): the sum-product partitions gathered block by block, by block shape and fan-in
-    (``"auto"``: fan-in 1, tree levels, at batches up to :data:`PFLOW_BATCH`), unless one of them runs on the
+    (``"auto"``: fan-in 1, tree levels, at batches up to ``Options.tuning.pflow_batch``), unless one of them runs on the
     Pallas backward (which reduces its parameter flows inside its kernels)."""
     mode = options.param_flow_pass
     if (not options.compute_param_flows or options.propagation == "MPE" or mode == "inline"
-            or (mode == "auto" and B > PFLOW_BATCH)):
+            or (mode == "auto" and B > options.tuning.pflow_batch)):
         return []
     on_pallas = {p.pflow_key for spec in layout.stages() for p in spec.sums
                  if p.blockwise and _pallas_backward(kernel_choice(options, p, B, dtype)[0], options)}
@@ -608,8 +598,8 @@ def pflow_kernel(options, dtype) -> bool:
     in an in-place forward kernel (:func:`_writes_shift`; HCLT-256's 577 tree-level blocks at batch 16 on the
     H200: 0.24 against 0.32 ms): float32 buffers, local sums from the stored values (``precision`` below ``"fp32"``,
     untempered parameter flows), ``Options.impl`` ``"auto"`` on a GPU or ``"pallas"`` / ``"pallas_forward"``
-    (interpret mode off a GPU); never with ``"reference"``."""
-    if (jnp.dtype(dtype) != jnp.float32 or options.impl == "reference" or options.concrete_precision == "fp32"
+    (interpret mode off a GPU); never with ``"xla"``."""
+    if (jnp.dtype(dtype) != jnp.float32 or options.impl == "xla" or options.concrete_precision == "fp32"
             or options.pflow_temperature != 1.0 or not kernels_available()):
         return False
     return options.impl != "auto" or on_gpu()
@@ -761,8 +751,8 @@ def evaluate(layout: Layout, tables: dict, sum_params: dict, input_vals, options
     if options.backward == "autodiff" or has_sum_externals(evidence):
         if options.pflow_temperature != 1.0 or options.eflow_temperature != 1.0:
             raise ValueError("tempered flows need backward='flows' and no per-sample sum parameters")
-        if options.impl != "reference" or options.kernels:  # the in-place Pallas kernels have no autodiff rule:
-            options = options.replace(impl="reference", kernels=())  # reverse mode differentiates XLA's layers
+        if options.impl != "xla" or options.kernels:  # the in-place Pallas kernels have no autodiff rule:
+            options = options.replace(impl="xla", kernels=())  # reverse mode differentiates XLA's layers
         return forward_buffer(layout, tables, sum_params, input_vals, options, evidence, counts)[layout.root_row]
     if chain.applies(layout, options, has_sum_externals(evidence)):
         with jax.named_scope("jaxpc/chain"):
@@ -778,7 +768,7 @@ def log_prob(layout: Layout, tables: dict, params: dict, x: Array, missing: Arra
     return evaluate(layout, tables, params["sum"], vals, options, evidence)
 
 
-def _param_dtype(params) -> jnp.dtype:
+def param_dtype(params) -> jnp.dtype:
     leaves = jax.tree_util.tree_leaves(params)
     floats = [l.dtype for l in leaves if jnp.issubdtype(l.dtype, jnp.floating)]
     return jnp.result_type(*floats) if floats else jnp.float32
@@ -791,7 +781,7 @@ def partial_values(layout: Layout, plan, plan_tables: dict, params: dict, x: Arr
     """Re-evaluate the nodes of ``plan`` (see :mod:`jaxpc.compiler.partial`) on top of a previous node
     buffer ``values`` ``[R, B]``; returns the updated buffer."""
     xt = x.T
-    mt = _missing_t(missing)
+    mt = missing_t(missing)
     buf = values
     untuned = options.replace(kernels=())  # the tuned routes name the full plan's partitions, not these
     for pin, tab in zip(plan.inputs, plan_tables["inputs"]):

@@ -50,7 +50,7 @@ def scope_vars(scope: int) -> list[int]:
     return out
 
 
-def _scope_str(scope: int, limit: int = 6) -> str:
+def scope_str(scope: int, limit: int = 6) -> str:
     vs = scope_vars(scope)
     if len(vs) <= limit:
         return "{" + ", ".join(map(str, vs)) + "}"
@@ -123,16 +123,37 @@ class CircuitNodes:
         return self._source is not None
 
     @property
+    def tied_to(self) -> "CircuitNodes | None":
+        """The vector this one was tied to (``duplicate(tie_params=True)``), or None; :attr:`source` follows the
+        chain to the owner."""
+        return self._source
+
+    @tied_to.setter
+    def tied_to(self, source: "CircuitNodes | None") -> None:
+        self._source = source
+
+    @property
+    def own_params(self):
+        """The parameters stored on this vector itself, in canonical form (None when unset or tied; see
+        ``get_params`` for the owner's)."""
+        return getattr(self, "_params", None)
+
+    def load_params(self, params) -> None:
+        """Store parameters that are already in canonical form (as :attr:`own_params` returns them), unchecked:
+        for loaders and transforms that produced them; ``set_params`` checks and converts user input."""
+        self._params = params
+
+    @property
     def source(self) -> "CircuitNodes":
         """The vector that owns this vector's parameters (itself unless tied)."""
         ns = self
-        while ns._source is not None:
-            ns = ns._source
+        while ns.tied_to is not None:
+            ns = ns.tied_to
         return ns
 
     def __repr__(self) -> str:
         return (f"{self.name}(num_node_blocks={self.num_node_blocks}, block_size={self.block_size}, "
-                f"scope={_scope_str(self.scope)})")
+                f"scope={scope_str(self.scope)})")
 
 
 class InputNodes(CircuitNodes):
@@ -245,7 +266,7 @@ class SumNodes(CircuitNodes):
         dup = SumNodes(tuple(chs), self.num_node_blocks, self.block_size, self.edge_ids.copy(), source=src, name=name)
         if src is None and self._params is not None:
             dup._params = self._params.copy()
-        _check_smooth(dup)
+        check_smooth(dup)
         return dup
 
 
@@ -260,13 +281,13 @@ def _check_same_shapes(ns: CircuitNodes, old: Sequence[CircuitNodes], new: Seque
                 f"num_node_blocks={a.num_node_blocks}, block_size={a.block_size}")
 
 
-def _check_smooth(ns: SumNodes) -> None:
+def check_smooth(ns: SumNodes) -> None:
     s0 = ns.children[0].scope
     for c in ns.children[1:]:
         if c.scope != s0:
             raise ValueError(
                 f"summate: children must share one scope (smoothness), but {ns.children[0].name} has scope "
-                f"{_scope_str(s0)} and {c.name} has scope {_scope_str(c.scope)}")
+                f"{scope_str(s0)} and {c.name} has scope {scope_str(c.scope)}")
 
 
 def _canonical_sum_params(ns: SumNodes, params) -> np.ndarray:
@@ -413,7 +434,7 @@ def summate(*children: CircuitNodes, num_node_blocks: int = 0, block_size: int =
         if np.unique(keys).size != keys.size:
             raise ValueError("summate: edge_ids lists the same (parent block, child block) pair twice")
     ns = SumNodes(children, nb, bs, edges, params=None, name=name)
-    _check_smooth(ns)
+    check_smooth(ns)
     if params is not None:
         ns.set_params(params)
     return ns

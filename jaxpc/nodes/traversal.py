@@ -23,8 +23,8 @@ def topological_order(root: CircuitNodes, follow_ties: bool = False) -> list[Cir
         seen.add(ns.id)
         stack.append((ns, True))
         deps = list(ns.children)
-        if follow_ties and ns._source is not None:
-            deps.append(ns._source)
+        if follow_ties and ns.tied_to is not None:
+            deps.append(ns.tied_to)
         for c in reversed(deps):
             if c.id not in seen:
                 stack.append((c, False))

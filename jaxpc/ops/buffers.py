@@ -3,28 +3,28 @@
 from __future__ import annotations
 
 import math
+from typing import Final
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-# on a GPU, buffers of fewer elements start as zeros: their memset takes microseconds, and leaving HCLT-256's flow
-# buffer at batch 16 (5.6M elements) unset gained nothing (synchronized steps 1.91-2.13 ms unset, 1.78-2.14 zeroed,
-# as processes vary; pipelined 1.39-1.44 both)
-MIN_UNSET = 2**24
+# on a GPU, buffers of fewer elements start as zeros by default (their memset takes microseconds;
+# Options.tuning.min_unset)
+MIN_UNSET: Final = 2**24
 
 
 def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def uninitialized(shape: tuple, dtype) -> jax.Array:
+def uninitialized(shape: tuple, dtype, min_unset: int = MIN_UNSET) -> jax.Array:
     """A buffer for code that writes each element before reading it: on a GPU uninitialized memory
-    (``lax.empty``: no kernel, where zeros cost a memset of the whole buffer; zeros below :data:`MIN_UNSET`
+    (``lax.empty``: no kernel, where zeros cost a memset of the whole buffer; zeros below ``min_unset``
     elements), NaN elsewhere, so that a read before a write shows in the CPU tests (as Pallas' interpret mode
     fills the outputs a kernel leaves unwritten)."""
     if _on_gpu():
-        if math.prod(shape) < MIN_UNSET or not hasattr(lax, "empty"):
+        if math.prod(shape) < min_unset or not hasattr(lax, "empty"):
             return jnp.zeros(shape, dtype)
         return lax.empty(shape, dtype)
     return jnp.full(shape, jnp.nan, dtype)

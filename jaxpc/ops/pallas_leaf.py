@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .pallas_sum import _block_grid, _block_ids, _call, _mm, _p2, available, plgpu
+from .pallas_sum import block_grid, block_ids, call_kernel, mm, p2, available, plgpu
 
 Array = jax.Array
 
@@ -148,8 +148,8 @@ def categorical_buffer(xt: Array, layers: Sequence[LeafLayer], tabs: Sequence[tu
     _check(xt, layers, tabs, num_rows, kmax, missing)
     B = xt.shape[1]
     top = num_rows if zero_above else max([2 * kmax] + [s.offset + s.num_nodes for s in layers])
-    TB = min(config.block_b, _p2(B))
-    TR = max(1, min(config.block_e // TB, _p2(top)))
+    TB = min(config.block_b, p2(B))
+    TR = max(1, min(config.block_e // TB, p2(top)))
     args = [xt.astype(jnp.int32)]
     if missing is not None:
         args.append(missing.astype(jnp.int32))
@@ -159,7 +159,7 @@ def categorical_buffer(xt: Array, layers: Sequence[LeafLayer], tabs: Sequence[tu
             args.append(marg.astype(jnp.float32))
     kernel = functools.partial(_kernel, layers=tuple(layers), missing=missing is not None, R=top, B=B,
                                kmax=kmax, TR=TR, TB=TB)
-    return _call(kernel, config, grid=(pl.cdiv(B, TB), pl.cdiv(top, TR)),
+    return call_kernel(kernel, config, grid=(pl.cdiv(B, TB), pl.cdiv(top, TR)),
                  out_shape=jax.ShapeDtypeStruct((num_rows, B), jnp.float32),
                  name="jaxpc_categorical_buffer")(*args)
 
@@ -177,7 +177,7 @@ class CountsConfig:
 
 
 def _counts_kernel(x_ref, f_ref, out_ref, *, offset, run, K, B, TR, TK, TB, split):
-    g, ri, ki = _block_ids(3)  # the programs of one variable run one after the other (its values stay in L2)
+    g, ri, ki = block_ids(3)  # the programs of one variable run one after the other (its values stay in L2)
     r = ri * TR + jnp.arange(TR)
     k = ki * TK + jnp.arange(TK)
     rmask = r < run
@@ -192,8 +192,8 @@ def _counts_kernel(x_ref, f_ref, out_ref, *, offset, run, K, B, TR, TK, TB, spli
         if split:  # float32 flows as a TF32-exact high part and the remainder: two products
             hi = lax.bitcast_convert_type(lax.bitcast_convert_type(f, jnp.uint32) & jnp.uint32(0xFFFFE000),
                                           jnp.float32)
-            return acc + _mm(hi, onehot, "tf32") + _mm(f - hi, onehot, "tf32")
-        return acc + _mm(f, onehot, "tf32")
+            return acc + mm(hi, onehot, "tf32") + mm(f - hi, onehot, "tf32")
+        return acc + mm(f, onehot, "tf32")
 
     acc = lax.fori_loop(0, pl.cdiv(B, TB), step, jnp.zeros((TR, TK), jnp.float32))
     plgpu.store(out_ref.at[g, r[:, None], k[None, :]], acc, mask=rmask[:, None] & (k < K)[None, :])
@@ -234,12 +234,12 @@ def categorical_counts(flows: Array, xg: Array, *, run: int, num_cats: int, prec
     float32 counts); otherwise one TF32 product (the one-hot side is exact)."""
     _check_counts(flows, xg, run, offset)
     G, B = xg.shape
-    TR = min(config.block_r, _p2(run))
-    TK = min(config.block_k, _p2(num_cats))
-    TB = min(config.block_b, _p2(B))
+    TR = min(config.block_r, p2(run))
+    TK = min(config.block_k, p2(num_cats))
+    TB = min(config.block_b, p2(B))
     kernel = functools.partial(_counts_kernel, offset=int(offset), run=run, K=num_cats, B=B, TR=TR, TK=TK, TB=TB,
                                split=precision == "fp32")
-    return _call(kernel, config, grid=_block_grid(G, pl.cdiv(run, TR), pl.cdiv(num_cats, TK)),
+    return call_kernel(kernel, config, grid=block_grid(G, pl.cdiv(run, TR), pl.cdiv(num_cats, TK)),
                  out_shape=jax.ShapeDtypeStruct((G, run, num_cats), jnp.float32),
                  name="jaxpc_categorical_counts")(xg.astype(jnp.int32), flows)
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Final
 
 import jax
 import jax.numpy as jnp
@@ -68,7 +69,7 @@ def _interpret() -> bool:
     return jax.default_backend() != "gpu"
 
 
-def _p2(n: int) -> int:
+def p2(n: int) -> int:
     return max(1, pl.next_power_of_2(int(n)))
 
 
@@ -76,12 +77,12 @@ def _compiler_params(cfg: KernelConfig):
     return plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def _call(kernel, cfg: KernelConfig, **kw):
+def call_kernel(kernel, cfg: KernelConfig, **kw):
     interp = _interpret()
     return pl.pallas_call(kernel, compiler_params=None if interp else _compiler_params(cfg), interpret=interp, **kw)
 
 
-def _mm(a, b, precision: str, trans_a: bool = False, trans_b: bool = False):
+def mm(a, b, precision: str, trans_a: bool = False, trans_b: bool = False):
     """``op(a) @ op(b)`` inside a kernel (``op`` transposes when asked), float32 result."""
     M, K = (a.shape[1], a.shape[0]) if trans_a else a.shape
     N = b.shape[0] if trans_b else b.shape[1]
@@ -97,16 +98,16 @@ def _mm(a, b, precision: str, trans_a: bool = False, trans_b: bool = False):
     return jnp.sum(a3 * b3, axis=1)
 
 
-def _block_grid(n: int, *tiles: int) -> tuple:
+def block_grid(n: int, *tiles: int) -> tuple:
     """Launch grid over ``n`` blocks and ``tiles`` programs per block, the block axis last: the Triton backend
     runs the first grid axis fastest, so the programs of one block run one after the other and all but the
     first read its weights and children from L2 (with the block axis first, the programs running together
-    belong to different blocks and each fetches its tiles from HBM). :func:`_block_ids` reads the ids back."""
+    belong to different blocks and each fetches its tiles from HBM). :func:`block_ids` reads the ids back."""
     return (*tiles, n)
 
 
-def _block_ids(ndim: int) -> tuple:
-    """``(block, *tile ids)`` of a program of a :func:`_block_grid` grid of ``ndim`` axes."""
+def block_ids(ndim: int) -> tuple:
+    """``(block, *tile ids)`` of a program of a :func:`block_grid` grid of ``ndim`` axes."""
     return (pl.program_id(ndim - 1), *(pl.program_id(a) for a in range(ndim - 1)))
 
 
@@ -149,7 +150,7 @@ def _online_sum(i, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, *, C, M, Kp
         safe = jnp.where(m_new == _NEG, 0.0, m_new)
         rescale = jnp.where(m == _NEG, 0.0, jnp.exp(alpha * (m - safe)))
         y = jnp.exp(alpha * (x - safe[None, :]))
-        return m_new, acc * rescale[None, :] + _mm(w, y, precision)
+        return m_new, acc * rescale[None, :] + mm(w, y, precision)
 
     init = (jnp.full(cols.shape, _NEG, jnp.float32), jnp.zeros((kp.shape[0], cols.shape[0]), jnp.float32))
     return lax.fori_loop(0, C * nq, body, init)
@@ -163,16 +164,16 @@ def _chunk(config: KernelConfig, tile: int, K: int) -> int:
     """Chunk of the reduced dimension (of size ``K``) next to a ``tile``: fewer, larger steps keep a program's
     serial chain of loads short."""
     c = config.block_c or max(16, config.block_r // tile)
-    return min(_p2(c), _p2(K))
+    return min(p2(c), p2(K))
 
 
 def _tiles(config: KernelConfig, B: int, Kp: int, Kc: int):
     """(batch tile, parent-node tile, child-node chunk)."""
-    KT = min(config.block_k, _p2(Kp))
-    return min(config.block_b, _p2(B)), KT, _chunk(config, KT, Kc)
+    KT = min(config.block_k, p2(Kp))
+    return min(config.block_b, p2(B)), KT, _chunk(config, KT, Kc)
 
 
-FILL_PROGRAMS = 128  # about the H200's 132 SMs: a forward grid with fewer programs leaves SMs idle
+FILL_PROGRAMS: Final = 128  # about the H200's 132 SMs: a forward grid with fewer programs leaves SMs idle
 
 
 def forward_config(n: int, Kp: int, B: int, config: KernelConfig | None = None) -> KernelConfig:
@@ -188,7 +189,7 @@ def forward_config(n: int, Kp: int, B: int, config: KernelConfig | None = None) 
     if config is not None:
         return config
     cfg = KernelConfig()
-    BB, KT0 = min(cfg.block_b, _p2(B)), min(cfg.block_k, _p2(Kp))
+    BB, KT0 = min(cfg.block_b, p2(B)), min(cfg.block_k, p2(Kp))
     if B > BB:
         return cfg
     KT = KT0
@@ -204,7 +205,7 @@ def forward_config(n: int, Kp: int, B: int, config: KernelConfig | None = None) 
 def _fwd_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, *refs, C, M, Kp, Kc, KT, KC, BB, B, alpha, precision,
                 unit):
     out_ref, shift_ref = (refs[1], refs[2]) if unit else (refs[0], None)  # with shifts: (shifts in, buf, shifts)
-    i, k, t = _block_ids(3)
+    i, k, t = block_ids(3)
     cols = t * BB + jnp.arange(BB)
     cmask = cols < B
     kp = k * KT + jnp.arange(KT)
@@ -237,19 +238,19 @@ def forward(buf: Array, ch: Array, pid: Array, w: Array, *, Kp: int, Kc: int, al
         raise ValueError(f"shifts are kept by the in-place forward with a unit dividing Kp={Kp}, got unit={unit}")
     kernel = functools.partial(_fwd_kernel, C=C, M=M, Kp=Kp, Kc=Kc, KT=KT, KC=KC, BB=BB, B=B, alpha=float(alpha),
                                precision=precision, unit=unit if keep else 0)
-    grid = _block_grid(n, pl.cdiv(Kp, KT), pl.cdiv(B, BB))
+    grid = block_grid(n, pl.cdiv(Kp, KT), pl.cdiv(B, BB))
     if out_offset is None:
         off = jnp.zeros((1,), jnp.int32)
-        return _call(kernel, config, grid=grid, out_shape=jax.ShapeDtypeStruct((n * Kp, B), jnp.float32),
+        return call_kernel(kernel, config, grid=grid, out_shape=jax.ShapeDtypeStruct((n * Kp, B), jnp.float32),
                      name="jaxpc_sum_forward")(off, ch, pid, w, buf.astype(jnp.float32))
     if buf.dtype != jnp.float32:
         raise TypeError(f"in-place sum layer needs a float32 buffer, got {buf.dtype}")
     off = jnp.asarray(out_offset, jnp.int32).reshape(1)
     if keep:
-        return _call(kernel, config, grid=grid, out_shape=(jax.ShapeDtypeStruct((R, B), jnp.float32),
+        return call_kernel(kernel, config, grid=grid, out_shape=(jax.ShapeDtypeStruct((R, B), jnp.float32),
                                                            jax.ShapeDtypeStruct(shifts.shape, jnp.float32)),
                      input_output_aliases={4: 0, 5: 1}, name="jaxpc_sum_forward_inplace")(off, ch, pid, w, buf, shifts)
-    return _call(kernel, config, grid=grid, out_shape=jax.ShapeDtypeStruct((R, B), jnp.float32),
+    return call_kernel(kernel, config, grid=grid, out_shape=jax.ShapeDtypeStruct((R, B), jnp.float32),
                  input_output_aliases={4: 0}, name="jaxpc_sum_forward_inplace")(off, ch, pid, w, buf)
 
 
@@ -257,7 +258,7 @@ def forward(buf: Array, ch: Array, pid: Array, w: Array, *, Kp: int, Kc: int, al
 
 def _scale_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, flow_ref, a_ref, m_ref, *, C, M, Kp, Kc, KT, KC, BB, B,
                   alpha, precision):
-    i, k, t = _block_ids(3)
+    i, k, t = block_ids(3)
     cols = t * BB + jnp.arange(BB)
     cmask = cols < B
     kp = k * KT + jnp.arange(KT)
@@ -271,7 +272,7 @@ def _scale_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, flow_ref, a_ref, m_r
 
 def _pflow_kernel(ch_ref, pid_ref, w_ref, buf_ref, a_ref, m_ref, pf_ref, *, C, M, Kp, Kc, KT, KC, BB, B, alpha,
                   precision):
-    ic, k, q = _block_ids(3)
+    ic, k, q = block_ids(3)
     i, c = lax.div(ic, jnp.int32(C)), lax.rem(ic, jnp.int32(C))
     kp = k * KT + jnp.arange(KT)
     kc = q * KC + jnp.arange(KC)
@@ -283,7 +284,7 @@ def _pflow_kernel(ch_ref, pid_ref, w_ref, buf_ref, a_ref, m_ref, pf_ref, *, C, M
         m = plgpu.load(m_ref.at[i, cols], mask=cmask, other=0.0)
         safe = jnp.where(m == _NEG, 0.0, m)
         y = jnp.exp(alpha * (_load_child(buf_ref, ch_ref, i, c, kc, cols, cmask, M=M, Kc=Kc) - safe[None, :]))
-        return acc + _mm(a, y, precision, trans_b=True)
+        return acc + mm(a, y, precision, trans_b=True)
 
     acc = lax.fori_loop(0, pl.cdiv(B, BB), tile, jnp.zeros((KT, KC), jnp.float32))
     w = _load_w(w_ref, pid_ref[i, c], kp, kc, Kp, Kc, alpha)
@@ -302,16 +303,16 @@ def backward_parents(buf: Array, flows: Array, out_offset, ch: Array, pid: Array
     static = dict(C=C, M=M, Kp=Kp, Kc=Kc, KT=KT, KC=KC, BB=BB, B=B, alpha=float(alpha), precision=precision)
     off = jnp.asarray(out_offset, jnp.int32).reshape(1)
     buf = buf.astype(jnp.float32)
-    grid = _block_grid(n, pl.cdiv(Kp, KT), pl.cdiv(B, BB))
-    a, m = _call(functools.partial(_scale_kernel, **static), config, grid=grid,
+    grid = block_grid(n, pl.cdiv(Kp, KT), pl.cdiv(B, BB))
+    a, m = call_kernel(functools.partial(_scale_kernel, **static), config, grid=grid,
                  out_shape=(jax.ShapeDtypeStruct((n * Kp, B), jnp.float32), jax.ShapeDtypeStruct((n, B), jnp.float32)),
                  name="jaxpc_sum_backward_scale")(off, ch, pid, w, buf, flows.astype(jnp.float32))
     if not param_flows:
         return a, m, None
-    KC2 = min(config.block_k, _p2(Kc))  # the parameter-flow tile is [KT, KC2], reduced over the batch
+    KC2 = min(config.block_k, p2(Kc))  # the parameter-flow tile is [KT, KC2], reduced over the batch
     static.update(KC=KC2)
-    grid = _block_grid(n * C, pl.cdiv(Kp, KT), pl.cdiv(Kc, KC2))
-    pf = _call(functools.partial(_pflow_kernel, **static), config, grid=grid,
+    grid = block_grid(n * C, pl.cdiv(Kp, KT), pl.cdiv(Kc, KC2))
+    pf = call_kernel(functools.partial(_pflow_kernel, **static), config, grid=grid,
                out_shape=jax.ShapeDtypeStruct((n, C, Kp, Kc), jnp.float32),
                name="jaxpc_sum_backward_param_flows")(ch, pid, w, buf, a, m)
     return a, m, pf
@@ -319,7 +320,7 @@ def backward_parents(buf: Array, flows: Array, out_offset, ch: Array, pid: Array
 
 def _pflow_after_kernel(prow_ref, srow_ref, ch_ref, pid_ref, w_ref, buf_ref, flow_ref, shift_ref, pf_ref, *, C, M, Kp,
                         Kc, KT, KC, KS, BB, B, alpha, precision):
-    ic, k, q = _block_ids(3)
+    ic, k, q = block_ids(3)
     i, c = lax.div(ic, jnp.int32(C)), lax.rem(ic, jnp.int32(C))
     kp = k * KT + jnp.arange(KT)
     kc = q * KC + jnp.arange(KC)
@@ -344,7 +345,7 @@ def _pflow_after_kernel(prow_ref, srow_ref, ch_ref, pid_ref, w_ref, buf_ref, flo
         fp = _load_tile(flow_ref, rows, cols, kp < Kp, cmask, 0.0)
         a = jnp.where((fp == 0) | (s == 0), 0.0, fp / jnp.where(s == 0, 1.0, s))
         y = jnp.exp(alpha * (_load_child(buf_ref, ch_ref, i, c, kc, cols, cmask, M=M, Kc=Kc) - safe[None, :]))
-        return acc + _mm(a, y, precision, trans_b=True)
+        return acc + mm(a, y, precision, trans_b=True)
 
     acc = lax.fori_loop(0, pl.cdiv(B, BB), tile, jnp.zeros((KT, KC), jnp.float32))
     w = _load_w(w_ref, pid_ref[i, c], kp, kc, Kp, Kc, alpha)
@@ -374,10 +375,10 @@ def param_flows_after(values: Array, flows: Array, shifts: Array, srow: Array, p
                          f"got {precision!r}), shifts [S, B={B}] (got {shifts.shape}) and srow [n={n}] (got "
                          f"{srow.shape})")
     BB, KT, KS = _tiles(config, B, Kp, Kc)
-    KC = min(config.block_k, _p2(Kc))
+    KC = min(config.block_k, p2(Kc))
     kernel = functools.partial(_pflow_after_kernel, C=C, M=M, Kp=Kp, Kc=Kc, KT=KT, KC=KC, KS=KS, BB=BB, B=B,
                                alpha=float(alpha), precision=precision)
-    return _call(kernel, config, grid=_block_grid(n * C, pl.cdiv(Kp, KT), pl.cdiv(Kc, KC)),
+    return call_kernel(kernel, config, grid=block_grid(n * C, pl.cdiv(Kp, KT), pl.cdiv(Kc, KC)),
                  out_shape=jax.ShapeDtypeStruct((n, C, Kp, Kc), jnp.float32),
                  name="jaxpc_param_flows_after")(prow.astype(jnp.int32), srow.astype(jnp.int32), ch, pid, w, values,
                                                  flows, shifts)
@@ -392,20 +393,20 @@ def _wt_a(a_ref, w_ref, i, p, kc, cols, cmask, valid, *, Kp, Kc, KPT, alpha, pre
     def chunk(q, wa):
         kp = q * KPT + jnp.arange(KPT)
         a = _load_tile(a_ref, i * Kp + kp, cols, (kp < Kp) & valid, cmask, 0.0)
-        return wa + _mm(_load_w(w_ref, p, kp, kc, Kp, Kc, alpha, valid), a, precision, trans_a=True)
+        return wa + mm(_load_w(w_ref, p, kp, kc, Kp, Kc, alpha, valid), a, precision, trans_a=True)
 
     return lax.fori_loop(0, pl.cdiv(Kp, KPT), chunk, jnp.zeros((kc.shape[0], cols.shape[0]), jnp.float32))
 
 
 def _child_tiles(config: KernelConfig, B: int, Kp: int, Kc: int):
     """(batch tile, child-node tile, parent-node chunk) of the child-side kernels."""
-    KT = min(config.block_k, _p2(Kc))
-    return min(config.block_b, _p2(B)), KT, _chunk(config, KT, Kp)
+    KT = min(config.block_k, p2(Kc))
+    return min(config.block_b, p2(B)), KT, _chunk(config, KT, Kp)
 
 
 def _bwd_child_kernel(uch_ref, par_ref, pcol_ref, ppid_ref, ch_ref, w_ref, buf_ref, a_ref, m_ref, flow_ref, out_ref,
                       *, D, M, Kp, Kc, KT, KPT, BB, B, alpha, precision, accumulate):
-    u, k, t = _block_ids(3)
+    u, k, t = block_ids(3)
     cols = t * BB + jnp.arange(BB)
     cmask = cols < B
     kc = k * KT + jnp.arange(KT)
@@ -451,14 +452,14 @@ def backward_children(buf: Array, a: Array, m: Array, uch: Array, par: Array, pp
     BB, KT, KPT = _child_tiles(config, B, Kp, Kc)
     kernel = functools.partial(_bwd_child_kernel, D=D, M=M, Kp=Kp, Kc=Kc, KT=KT, KPT=KPT, BB=BB, B=B,
                                alpha=float(alpha), precision=precision, accumulate=flows is not None)
-    grid = _block_grid(U, pl.cdiv(Kc, KT), pl.cdiv(B, BB))
+    grid = block_grid(U, pl.cdiv(Kc, KT), pl.cdiv(B, BB))
     args = (uch, par, pcol, ppid, ch, w, buf.astype(jnp.float32), a, m)
     if flows is None:
-        return _call(kernel, config, grid=grid, out_shape=jax.ShapeDtypeStruct((U * Kc, B), jnp.float32),
+        return call_kernel(kernel, config, grid=grid, out_shape=jax.ShapeDtypeStruct((U * Kc, B), jnp.float32),
                      name="jaxpc_sum_backward_children")(*args, jnp.zeros((1, 1), jnp.float32))
     if flows.dtype != jnp.float32:
         raise TypeError(f"in-place child flows need a float32 flow buffer, got {flows.dtype}")
-    return _call(kernel, config, grid=grid, out_shape=jax.ShapeDtypeStruct(flows.shape, jnp.float32),
+    return call_kernel(kernel, config, grid=grid, out_shape=jax.ShapeDtypeStruct(flows.shape, jnp.float32),
                  input_output_aliases={9: 0}, name="jaxpc_sum_backward_children_inplace")(*args, flows)
 
 
@@ -476,7 +477,7 @@ def _add_to_row_blocks(flow_ref, out_ref, ch_ref, i, kc, cols, cmask, cf, *, M, 
 
 def _bwd_slots_kernel(ch_ref, pid_ref, w_ref, buf_ref, a_ref, m_ref, flow_ref, out_ref, *, M, Kp, Kc, KT, KPT, BB, B,
                       alpha, precision, first_row):
-    i, k, t = _block_ids(3)
+    i, k, t = block_ids(3)
     cols = t * BB + jnp.arange(BB)
     cmask = cols < B
     kc = k * KT + jnp.arange(KT)
@@ -511,7 +512,7 @@ def backward_exclusive(buf: Array, flows: Array, out_offset, ch: Array, pid: Arr
     BB, KT, KPT = _child_tiles(config, B, Kp, Kc)
     kernel = functools.partial(_bwd_slots_kernel, M=M, Kp=Kp, Kc=Kc, KT=KT, KPT=KPT, BB=BB, B=B,
                                alpha=float(alpha), precision=precision, first_row=int(first_row))
-    flows = _call(kernel, config, grid=_block_grid(n, pl.cdiv(Kc, KT), pl.cdiv(B, BB)),
+    flows = call_kernel(kernel, config, grid=block_grid(n, pl.cdiv(Kc, KT), pl.cdiv(B, BB)),
                   out_shape=jax.ShapeDtypeStruct(flows.shape, jnp.float32), input_output_aliases={6: 0},
                   name="jaxpc_sum_backward_slots_inplace")(ch, pid, w, buf, a, m, flows)
     return flows, pf
@@ -519,19 +520,19 @@ def backward_exclusive(buf: Array, flows: Array, out_offset, ch: Array, pid: Arr
 
 # ---- backward of a tree level at a small batch: one kernel ------------------------------------------------
 
-LEVEL_BATCH = 64  # backward_level: the most samples (the whole batch is one tile of each program)
+LEVEL_BATCH: Final = 64  # backward_level: the most samples (the whole batch is one tile of each program)
 
 
 def _level_tiles(config: KernelConfig, B: int, Kp: int, Kc: int):
     """(batch tile, child-node tile, parent-node chunk, child-node chunk of the max) of :func:`backward_level`:
     the batch tile is the whole batch, at least 16 wide (the tensor cores' smallest side)."""
-    KT = min(config.block_k, _p2(Kc))
-    return max(16, _p2(B)), KT, min(config.block_c or 64, _p2(Kp)), min(128, _p2(Kc))
+    KT = min(config.block_k, p2(Kc))
+    return max(16, p2(B)), KT, min(config.block_c or 64, p2(Kp)), min(128, p2(Kc))
 
 
 def _bwd_level_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, flow_ref, dp_ref, out_ref, *pf_refs, M, Kp, Kc, KT,
                       KPT, KC, BB, B, alpha, precision, first_row, recompute, pmode):
-    i, k = _block_ids(2)
+    i, k = block_ids(2)
     cols = jnp.arange(BB)
     cmask = cols < B
 
@@ -556,7 +557,7 @@ def _bwd_level_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, flow_ref, dp_ref
         if recompute:  # the local sums, recomputed over the whole child block (exact; see sum_layer_backward)
             def local(r, s):
                 kr = r * KC + jnp.arange(KC)
-                return s + _mm(_load_w(w_ref, p, kp, kr, Kp, Kc, alpha), child_exp(kr, safe), precision)
+                return s + mm(_load_w(w_ref, p, kp, kr, Kp, Kc, alpha), child_exp(kr, safe), precision)
 
             s = lax.fori_loop(0, pl.cdiv(Kc, KC), local, jnp.zeros((KPT, BB), jnp.float32))
         else:  # from the parents' stored values
@@ -564,7 +565,7 @@ def _bwd_level_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, flow_ref, dp_ref
         a = jnp.where((fp == 0) | (s == 0), 0.0, fp / jnp.where(s == 0, 1.0, s))
         w = _load_w(w_ref, p, kp, kc, Kp, Kc, alpha)
         if pmode:  # the batch is whole in this program: the parameter flows need no reduction across programs
-            pf = w * _mm(a, y, precision, trans_b=True)
+            pf = w * mm(a, y, precision, trans_b=True)
             tmask = pmask[:, None] & (kc[None, :] < Kc)
             if pmode == "add":  # into the parameter-flow buffer, in place (distinct blocks per parent)
                 at = dp_ref.at[p, kp[:, None], kc[None, :]]
@@ -572,7 +573,7 @@ def _bwd_level_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, flow_ref, dp_ref
                             mask=tmask)
             else:
                 plgpu.store(pf_refs[0].at[i, kp[:, None], kc[None, :]], pf, mask=tmask)
-        return wa + _mm(w, a, precision, trans_a=True)
+        return wa + mm(w, a, precision, trans_a=True)
 
     wa = lax.fori_loop(0, pl.cdiv(Kp, KPT), chunk, jnp.zeros((KT, BB), jnp.float32))
     cf = y * wa
@@ -619,7 +620,7 @@ def backward_level(buf: Array, flows: Array, out_offset, ch: Array, pid: Array, 
         aliases[6] = 1
     elif pmode == "new":
         shapes.append(jax.ShapeDtypeStruct((n, Kp, Kc), jnp.float32))
-    outs = _call(kernel, config, grid=_block_grid(n, pl.cdiv(Kc, KT)), out_shape=tuple(shapes),
+    outs = call_kernel(kernel, config, grid=block_grid(n, pl.cdiv(Kc, KT)), out_shape=tuple(shapes),
                  input_output_aliases=aliases,
                  name="jaxpc_sum_backward_level")(off, ch, pid, w, buf.astype(jnp.float32), flows, dp)
     if not pmode:

@@ -16,8 +16,8 @@ def product_layer_reference(buf: Array, ch: Array, *, K: int) -> Array:
     return jnp.sum(buf[rows], axis=1).reshape(n * K, buf.shape[1])
 
 
-def product_layer(buf: Array, ch: Array, *, K: int, impl: str = "reference") -> Array:
-    if impl != "reference":
+def product_layer(buf: Array, ch: Array, *, K: int, impl: str = "xla") -> Array:
+    if impl != "xla":
         raise ValueError(f"unknown product-layer impl {impl!r}")
     return product_layer_reference(buf, ch, K=K)
 

@@ -105,9 +105,9 @@ def sum_layer_reference(buf: Array, ch: Array, pid: Array, logw: Array, *, Kp: i
 
 def sum_layer(buf: Array, ch: Array, pid: Array, logw: Array, *, Kp: int, Kc: int, dense: bool,
               propagation: str = "LL", alpha: float | None = None, precision: str = "fp32",
-              impl: str = "reference", config=None) -> Array:
+              impl: str = "xla", config=None) -> Array:
     """Dispatching sum layer: ``impl="pallas"`` or ``"pallas_forward"`` runs the Pallas kernel (LL and
-    GeneralLL; max-product layers always use the reference), ``"reference"`` the plain-jnp version."""
+    GeneralLL; max-product layers always use the reference), ``"xla"`` the plain-jnp version."""
     if impl in PALLAS_FORWARD and propagation != "MPE":
         from . import pallas_sum
 

@@ -27,7 +27,7 @@ from jax import lax
 
 from ..compiler.layout import Layout
 from ..distributions import Categorical, DiscreteLogistic, Gaussian
-from ..distributions.indicator import _IndicatorLeaf
+from ..distributions.indicator import IndicatorLeaf
 from ..engine import forward
 from ..options import Options
 
@@ -67,7 +67,7 @@ def normalize_input(dist, p: dict, tables: dict) -> dict:
         if mask is not None:  # forbidden values take no part in the softmax and stay at probability zero
             logits = jnp.where(mask, logits, -jnp.inf)
         return {**p, "log_probs": _row_log_softmax(logits)}
-    if isinstance(dist, (Gaussian, DiscreteLogistic, _IndicatorLeaf)):
+    if isinstance(dist, (Gaussian, DiscreteLogistic, IndicatorLeaf)):
         return p
     raise TypeError(f"normalize: no normalization is known for {dist!r}; give it a method "
                     f"normalize_internal(p, tables) -> p")

@@ -18,11 +18,13 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ..engine import em as em_engine
-from .._validation import raise_bad_values
+from ..checks import raise_bad_values
 from ..options import Options, matmul_setting
 from ..runtime import resolve_options
+from . import sharded
 from .normalize import mean_nll, normalize_params
 from .transforms import EMTransformation, apply_updates, em, em_apply
 
@@ -60,17 +62,14 @@ def make_step(layout, tx, *, normalize: bool = True, options: Options | None = N
     """
     _check_tx(tx, layout)
     opts = Options.make(options)
-    if mesh is not None:
-        from .. import parallel
-
     if isinstance(tx, EMTransformation):
         if mesh is None:
             flows_fn = functools.partial(em_engine.flows_and_ll, layout, options=opts)
         else:
-            sharded = parallel.sharded_flows_and_ll(layout, mesh, opts, missing_ndim)
+            split_flows = sharded.sharded_flows_and_ll(layout, mesh, opts, missing_ndim)
 
             def flows_fn(tables, params, x, missing, weights):
-                return sharded(tables, params, x, *(() if missing is None else (missing,)), weights)
+                return split_flows(tables, params, x, *(() if missing is None else (missing,)), weights)
 
         def step(tables, params, state, x, missing, weights):
             fl, ll = flows_fn(tables, params, x, missing, weights)
@@ -85,10 +84,10 @@ def make_step(layout, tx, *, normalize: bool = True, options: Options | None = N
             return jax.value_and_grad(
                 lambda p: mean_nll(layout, tables, p, x, missing, weights, opts, normalize), has_aux=True)(params)
     else:
-        sharded = parallel.sharded_loss_and_grad(layout, mesh, opts, missing_ndim, normalize)
+        split_grad = sharded.sharded_loss_and_grad(layout, mesh, opts, missing_ndim, normalize)
 
         def grad_fn(tables, params, x, missing, weights):
-            return sharded(tables, params, x, *(() if missing is None else (missing,)), weights)
+            return split_grad(tables, params, x, *(() if missing is None else (missing,)), weights)
 
     def step(tables, params, state, x, missing, weights):
         (_, ll), g = grad_fn(tables, params, x, missing, weights)
@@ -142,7 +141,7 @@ class FitResult(NamedTuple):
 def _epoch_fn(layout, step, num_samples: int, batch_size: int, shuffle: bool, drop_remainder: bool,
               missing_ndim: int | None, dtype, check=None):
     """One jitted epoch ``run(...) -> (params, state, mean ll, bad)``. With ``check`` (a
-    :class:`jaxpc._validation.DeviceCheck`) the data's bad rows weigh zero and ``bad`` flags them."""
+    :class:`jaxpc.checks.DeviceCheck`) the data's bad rows weigh zero and ``bad`` flags them."""
     def run(tables, params, state, data, missing, key, epoch):
         idx, w = epoch_batches(key, epoch, num_samples, batch_size, shuffle=shuffle, drop_remainder=drop_remainder)
         wts = None if w is None else w.astype(dtype)
@@ -228,9 +227,7 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
     bs = int(min(batch_size, n))
     mndim = None if mj is None else mj.ndim
     if mesh is not None:
-        from ..parallel import AXIS
-
-        nd = mesh.shape[AXIS]
+        nd = mesh.shape[sharded.AXIS]
         if bs % nd:
             raise ValueError(f"fit: batch_size={bs} must be a multiple of the {nd} devices of the mesh")
     if key is None:
@@ -269,9 +266,7 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
     if mesh is None:
         tables = circuit.tables
     else:
-        from .. import parallel
-
-        tables = parallel._tables(circuit, mesh, packed=False)
+        tables = circuit.runtime.replicated(circuit.tables, NamedSharding(mesh, PartitionSpec()))
     for e in epochs_iter:
         params, opt_state, ll, bad = run(tables, params, opt_state, xj, mj, key, jnp.asarray(e, jnp.int32))
         lls.append(ll)

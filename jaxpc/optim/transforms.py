@@ -133,7 +133,7 @@ def _dtype(params: dict):
 
 def _root_info(circuit) -> tuple | None:
     root = circuit.root.source
-    pl = circuit._struct.sum_placement.get(root.id)
+    pl = circuit.structure.sum_placement.get(root.id)
     if pl is None:
         return None
     return (pl.group, pl.start, pl.num_edge_blocks)

@@ -35,7 +35,7 @@ def _conditional_impl(layout, tables, params, x, missing, targets, *, num_values
     B = x.shape[0]
     V = layout.num_vars
     options = Options()
-    dtype = forward._param_dtype(params)
+    dtype = forward.param_dtype(params)
     vals = [v.astype(dtype) for v in forward.input_values(layout, tables, params, x, missing, options)]
 
     def total(vals):
@@ -52,7 +52,7 @@ def _conditional_impl(layout, tables, params, x, missing, targets, *, num_values
         acc = acc + jax.ops.segment_sum(G[:, :, None] * P[:, None, :], tab["vars"], num_segments=V)
     acc = acc / jnp.sum(acc, axis=2, keepdims=True)
     # observed variables are known: their conditional is the indicator of the observed value
-    observed = jnp.ones((V, B), bool) if missing is None else ~forward._missing_t(missing) & jnp.ones((V, B), bool)
+    observed = jnp.ones((V, B), bool) if missing is None else ~forward.missing_t(missing) & jnp.ones((V, B), bool)
     onehot = jax.nn.one_hot(x.T.astype(jnp.int32), num_values, dtype=dtype)
     out = jnp.where(observed[:, :, None], onehot, acc)  # [V, B, K]
     return jnp.transpose(out[targets], (1, 0, 2))
@@ -68,7 +68,7 @@ def _fill_leaves(layout, tables, params, x, missing, values, key, *, num_values:
         reached = select.reached_leaves(layout, tables, params, values, sel_key)
     choice = select.leaf_choice(layout, tables, reached, V)
     out = x.T
-    mt = jnp.broadcast_to(forward._missing_t(missing), out.shape)
+    mt = jnp.broadcast_to(forward.missing_t(missing), out.shape)
     for li, (spec, tab, sel) in enumerate(zip(layout.input_layers, tables["inputs"], choice)):
         prow = tab["rows"][jnp.maximum(sel, 0)]  # [V, B]
         p = params["input"][spec.key]
