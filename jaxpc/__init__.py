@@ -8,9 +8,9 @@ resulting :class:`Circuit` over a pytree of parameters.
 from . import distributions as dists
 from . import io, optim, parallel, queries, structures, transforms, visualize
 from .circuit import Circuit, compile
+from .executables import CacheInfo, default_persistent_cache, enable_persistent_cache
 from .nodes import CircuitNodes, InputNodes, ProdNodes, SumNodes, duplicate, inputs, multiply, summate
 from .options import Options, Tuning
-from .executables import CacheInfo, default_persistent_cache, enable_persistent_cache
 
 default_persistent_cache()  # a per-user compilation cache, unless JAX's own is set (see jaxpc.executables)
 
@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "inputs", "multiply", "summate", "duplicate", "compile", "Circuit", "Options", "Tuning", "dists",
-    "CircuitNodes", "InputNodes", "ProdNodes", "SumNodes", "structures", "queries", "CacheInfo", "enable_persistent_cache",
+    "CircuitNodes", "InputNodes", "ProdNodes", "SumNodes", "structures", "queries", "CacheInfo",
+    "enable_persistent_cache",
     "transforms", "visualize", "optim", "parallel", "io",
 ]

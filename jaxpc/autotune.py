@@ -25,9 +25,10 @@ import os
 import statistics
 import threading
 import time
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp

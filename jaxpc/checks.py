@@ -30,7 +30,7 @@ class VarInfo:
     card: np.ndarray  # int64[V]: number of values of a discrete variable (0 for reals)
 
     @classmethod
-    def from_var_dists(cls, num_vars: int, var_dists: dict[int, list[Distribution]]) -> "VarInfo":
+    def from_var_dists(cls, num_vars: int, var_dists: dict[int, list[Distribution]]) -> VarInfo:
         discrete = np.zeros(num_vars, bool)
         continuous = np.zeros(num_vars, bool)
         lo = np.zeros(num_vars, np.int64)

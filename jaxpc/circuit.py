@@ -20,9 +20,9 @@ from .compiler.layout import Layout, ScanSpec
 from .distributions.base import RandomSource
 from .engine import em, forward
 from .executables import BucketPolicy, CacheInfo, ExecutableCache
-from .runtime import Entry, Runtime, check_em_args
 from .nodes import CircuitNodes
 from .options import Options
+from .runtime import Entry, Runtime, check_em_args
 
 Array = jax.Array
 Params = dict
@@ -32,7 +32,7 @@ __all__ = ["Circuit", "compile"]
 
 def compile(root: CircuitNodes, *, seed: int = 0, dtype=jnp.float32, scan_min_repeats: int = 3,
             max_executables: int = 128, max_layouts_per_entry: int = 8, buckets="pow2", min_bucket: int = 8,
-            compile_after: int = 1) -> "Circuit":
+            compile_after: int = 1) -> Circuit:
     """Compile a node graph into a :class:`Circuit` (host side, once).
 
     Args:
@@ -65,7 +65,7 @@ class Circuit:
         num_vars: number of variables (columns of ``x``).
     """
 
-    def __init__(self, root: CircuitNodes, struct: "_compile.CompiledStructure", *, seed: int = 0,
+    def __init__(self, root: CircuitNodes, struct: _compile.CompiledStructure, *, seed: int = 0,
                  dtype=jnp.float32, cache: ExecutableCache | None = None, buckets: BucketPolicy | None = None):
         self.root = root
         self._struct = struct
@@ -311,7 +311,7 @@ class Circuit:
         return self.runtime.run("node_values", {}, {"tables": self.tables, "params": params}, batch,
                                 options=Options.make(options))
 
-    def partial(self, variables) -> "PartialEvaluation":
+    def partial(self, variables) -> PartialEvaluation:
         """A plan that re-evaluates only the nodes whose scope meets ``variables`` (host side, once).
 
         ``plan.log_prob(params, x, values)`` returns ``(ll, values)``: the log-likelihoods of ``x`` and the
@@ -429,7 +429,7 @@ class Circuit:
     # introspection
     # ------------------------------------------------------------------------------------------
     @property
-    def structure(self) -> "_compile.CompiledStructure":
+    def structure(self) -> _compile.CompiledStructure:
         """What :func:`jaxpc.compile` built on the host: the node vectors, their placement in the layout's
         parameter groups and rows, the host index tables."""
         return self._struct

@@ -68,7 +68,7 @@ def main(argv=None) -> dict:
             params, ll = circuit.em_step(params, xb, step_size=s, pseudocount=args.pseudocount, return_ll=True)
             lls.append(ll)
             step += 1
-        bar.set_postfix(train_ll=f"{float(np.mean(np.concatenate([np.asarray(l) for l in lls]))):.2f}")
+        bar.set_postfix(train_ll=f"{float(np.mean(np.concatenate([np.asarray(v) for v in lls]))):.2f}")
 
     def mean_ll(x):
         return float(np.mean(np.asarray(circuit.log_prob(params, x))))

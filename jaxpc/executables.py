@@ -26,12 +26,13 @@ import os
 import threading
 import time
 import warnings
-from typing import Any, Callable, Final, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Final, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
+from jax import lax
 
 __all__ = ["CacheInfo", "BucketPolicy", "ExecutableCache", "enable_persistent_cache", "default_persistent_cache",
            "persistent_cache_dir"]
@@ -95,7 +96,7 @@ def _leaf_sig(a) -> tuple:
 
 def _tree_sig(val) -> tuple:
     leaves, tree = jax.tree_util.tree_flatten(val)
-    return (tree, tuple(_leaf_sig(l) for l in leaves))
+    return (tree, tuple(_leaf_sig(a) for a in leaves))
 
 
 class _HashedSig:

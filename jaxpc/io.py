@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -93,7 +94,8 @@ def save_structure(root_or_circuit, path) -> None:
     elif isinstance(root_or_circuit, CircuitNodes):
         root = root_or_circuit
     else:
-        raise TypeError(f"save_structure: expected a node vector or a jaxpc.Circuit, got {type(root_or_circuit).__name__}")
+        raise TypeError(f"save_structure: expected a node vector or a jaxpc.Circuit, got "
+                        f"{type(root_or_circuit).__name__}")
     order = topological_order(root, follow_ties=True)
     index = {ns.id: i for i, ns in enumerate(order)}
     arrays: dict[str, np.ndarray] = {}

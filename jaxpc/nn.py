@@ -159,7 +159,8 @@ class CircuitModule(nnx.Module):
             logq = jnp.log(q.astype(c.dtype))
             batch = Batch(jnp.zeros(q.shape[:2], jnp.int32), None, int(q.shape[0]), check=False, report=False,
                           sync=False, traced=isinstance(logq, jax.core.Tracer))
-            return _run(c, "nn.log_prob", {"normalize": self.normalize}, {"tables": tables, "params": raw, "soft": logq},
+            return _run(c, "nn.log_prob", {"normalize": self.normalize},
+                        {"tables": tables, "params": raw, "soft": logq},
                         batch, options=self.options, batched={"soft": 0})
         if x is None:
             raise ValueError("CircuitModule: needs x (hard evidence) or soft_evidence")

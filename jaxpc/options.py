@@ -249,11 +249,11 @@ class Options:
         """``precision`` with ``"default"`` resolved (:func:`resolve_precision`), as traced code reads it."""
         return self.precision if self.precision != "default" else resolve_precision("default")
 
-    def replace(self, **changes: Any) -> "Options":
+    def replace(self, **changes: Any) -> Options:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def make(cls, options: "Options | None" = None, **overrides: Any) -> "Options":
+    def make(cls, options: Options | None = None, **overrides: Any) -> Options:
         """``options`` (default ``Options()``) with the non-None keyword overrides applied; unknown
         names raise a ``TypeError`` listing the valid ones."""
         # (every call of the API comes here: the default options and the field names are made once)

@@ -36,7 +36,8 @@ import dataclasses
 import functools
 import math
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -214,8 +215,8 @@ class Runtime:
             if bad:
                 with self._lock:
                     self._pending.clear()
-                checks.raise_bad_values(self.var_info, p.x, p.missing, "x", f"circuit.{p.where}, checked on the device; "
-                                             f"its rows gave NaN")
+                checks.raise_bad_values(self.var_info, p.x, p.missing, "x",
+                                        f"circuit.{p.where}, checked on the device; its rows gave NaN")
 
     def _record(self, flag: Array, batch: Batch, where: str) -> None:
         try:

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -735,7 +736,7 @@ def merge(root: CircuitNodes, groups=None, *, circuit=None, params=None) -> Circ
         else:
             scopes = [c.scope for c in first.children]
             chs, rows = [], []
-            for j, sc in enumerate(scopes):
+            for sc in scopes:
                 picks = [next(c for c in m.children if c.scope == sc) for m in members]
                 nvs = {new[c.id][0].id for c in picks}
                 if len(nvs) > 1:

@@ -72,7 +72,7 @@ def _graph(nodes, granularity: str, max_nodes: int):
         elif ns.is_sum():
             Kp, Kc = ns.block_size, ns.ch_block_size
             ch_nodes = [(c.id, i) for c in ns.children for i in range(c.num_nodes)]
-            for e, (p, c) in enumerate(ns.edge_ids.T):
+            for p, c in ns.edge_ids.T:
                 for a in range(Kp):
                     for bb in range(Kc):
                         edges.append(((ns.id, int(p) * Kp + a), ch_nodes[int(c) * Kc + bb]))

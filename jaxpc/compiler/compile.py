@@ -417,7 +417,8 @@ def _pflow_plan(steps, step_tables) -> tuple[tuple[PFlowSpec, ...], list[dict]]:
         ch = np.concatenate([np.pad(c, ((0, 0), (0, 0), (0, M - c.shape[2]))) for c in a["ch"]])
         pid = np.concatenate(a["pid"])
         order = np.argsort(pid[:, 0], kind="stable")
-        ch, pid, prow, member = ch[order], pid[order], np.concatenate(a["prow"])[order], np.concatenate(a["part"])[order]
+        ch, pid = ch[order], pid[order]
+        prow, member = np.concatenate(a["prow"])[order], np.concatenate(a["part"])[order]
         flat = pid.reshape(-1)
         start = int(flat[0]) if np.array_equal(flat, flat[0] + np.arange(flat.size)) else -1
         unique = np.unique(flat).size == flat.size

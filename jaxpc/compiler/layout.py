@@ -161,9 +161,9 @@ class ChainSpec:
 class PFlowSpec:
     """The sum partitions of one block shape and fan-in gathered block by block (``SumPart.blockwise``), as one
     table for the batched parameter-flow pass (``Options.param_flow_pass``): ``n`` parent blocks of ``C`` child
-    blocks (each the sum of ``M`` row blocks), sorted by parameter block. Its tables: ``prow [n]`` each block's first parent row,
-    ``ch [n, C]`` (``[n, C, M]`` when ``M > 1``, shorter products padded with the zero rows), ``pid [n, C]`` and
-    ``part [n]``, the block's partition among the members.
+    blocks (each the sum of ``M`` row blocks), sorted by parameter block. Its tables: ``prow [n]`` each block's
+    first parent row, ``ch [n, C]`` (``[n, C, M]`` when ``M > 1``, shorter products padded with the zero rows),
+    ``pid [n, C]`` and ``part [n]``, the block's partition among the members.
 
     Its members are the partitions with ``blockwise`` and ``pflow_key == key``, in the order of the steps, a
     scanned stage's period once (:meth:`Layout.pflow_members`; every repeat's blocks in the table).
@@ -199,7 +199,7 @@ class Layout:
     num_vars: int
     chain: ChainSpec | None = None  # set when the circuit is a chain (an HMM): jaxpc.compiler.chain
     # the folded plan (products folded into the sums' gathers; tables["fold"]), when the circuit has products
-    fold: "Layout | None" = None
+    fold: Layout | None = None
     # the batched parameter-flow pass's tables, one per block shape and fan-in (tables["pflows"])
     pflows: tuple[PFlowSpec, ...] = ()
     # every row above the padding is read by at most one block of one partition (a tree, such as an HCLT): a row's

@@ -104,7 +104,7 @@ class Distribution:
         return natural is not None
 
     # ---- traced ---------------------------------------------------------------------------
-    def init(self, rs: "RandomSource", num_rows: int, tables: dict[str, Array]) -> dict[str, Array]:
+    def init(self, rs: RandomSource, num_rows: int, tables: dict[str, Array]) -> dict[str, Array]:
         """Random internal parameters for ``num_rows`` rows (math through ``rs.xp``)."""
         return {}
 

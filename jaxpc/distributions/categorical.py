@@ -144,7 +144,8 @@ class Categorical(Distribution):
             from ..ops import pallas_leaf
 
             xk = xi if mg is None else jnp.where(mg, -1, xi)  # a missing value counts nowhere
-            counts = pallas_leaf.categorical_counts(kernel[0], xk, run=run, num_cats=K, precision=options.concrete_precision,
+            counts = pallas_leaf.categorical_counts(kernel[0], xk, run=run, num_cats=K,
+                                                    precision=options.concrete_precision,
                                                     offset=kernel[1])
             return {"counts": self._with_marginalized(p, counts.reshape(N, K), flows, mg, run)}
         obs = flows.reshape(G, run, B)
@@ -161,11 +162,11 @@ class Categorical(Distribution):
                         + jnp.einsum("grb,gbk->grk", o - hi, onehot, preferred_element_type=flows.dtype))
             return jnp.einsum("grb,gbk->grk", o, onehot, preferred_element_type=flows.dtype)
 
-        # one-hot matrices of at most Options.tuning.onehot_chunk elements at a time (HCLT-256 at B=512: 784 x 512 x 256 floats,
-        # 411 MB, would otherwise be the step's largest temporary). The chunks are unrolled: a loop would be a
-        # device-side while loop, which the GPU runtime runs outside the step's command buffer, synchronizing
-        # with the host on every trip (2 ms per step on an H200). A barrier orders them: the next chunk's values
-        # come out of it together with this chunk's counts, so one one-hot matrix is alive at a time
+        # one-hot matrices of at most Options.tuning.onehot_chunk elements at a time (HCLT-256 at B=512: 784 x 512 x 256
+        # floats, 411 MB, would otherwise be the step's largest temporary). The chunks are unrolled: a loop would be a
+        # device-side while loop, which the GPU runtime runs outside the step's command buffer, synchronizing with the
+        # host on every trip (2 ms per step on an H200). A barrier orders them: the next chunk's values come out of it
+        # together with this chunk's counts, so one one-hot matrix is alive at a time
         parts = in_order(ranges(G, options.tuning.onehot_chunk // (B * K)), lambda a, b: xi[a:b],
                          lambda done, a, b, xc: done + [product(obs[a:b], xc)], [])
         counts = parts[0] if len(parts) == 1 else jnp.concatenate(parts)

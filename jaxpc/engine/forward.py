@@ -21,13 +21,13 @@ from ..compiler.layout import Layout, ScanSpec, StageSpec
 from ..ops import product_layer, sum_layer
 from ..ops.buffers import uninitialized
 from ..ops.pieces import in_order, ranges
-from . import chain
 from ..ops.product_layer import product_layer_backward_reference as product_layer_backward
 from ..ops.sum_layer import child_rows, child_terms, sum_layer_reference
 from ..ops.sum_layer import sum_layer_backward_reference as sum_layer_backward
 from ..ops.sum_layer import sum_layer_param_flows_reference as sum_layer_param_flows
 from ..ops.sum_layer_external import sum_layer_external_reference
 from ..options import PALLAS_FORWARD, Tuning
+from . import chain
 
 Array = jax.Array
 
@@ -85,9 +85,9 @@ def leaf_kernel(layout: Layout, params: dict, options, soft: Array | None = None
     not as a chain, no per-call evidence or soft evidence), every input layer is a table of log-values
     (``Distribution.value_table``: categorical leaves), laid out above the padding, the parameters float32,
     and ``Options.impl`` is ``"pallas"`` / ``"pallas_forward"`` (interpret mode off a GPU) or ``"auto"`` on a GPU at
-    a ``batch`` of at least ``Options.tuning.leaf_batch``, unless ``Options(leaf_kernel=False)``. HCLT-256's buffer on the
-    H200: 0.39 against XLA's 0.73 ms at batch 512 (forward + flows 6.78 against 7.26 ms), 0.18 against 0.28 at
-    128, but 0.16-0.23 against 0.14 at 16, where a program's gathers from its rows of parameters are too few."""
+    a ``batch`` of at least ``Options.tuning.leaf_batch``, unless ``Options(leaf_kernel=False)``. HCLT-256's
+    buffer on the H200: 0.39 against XLA's 0.73 ms at batch 512, 0.18 against 0.28 at 128, but 0.16-0.23 against
+    0.14 at 16, where a program's gathers from its rows of parameters are too few (docs/performance.md)."""
     if (not _leaf_route(options, batch) or soft is not None or evidence or not runs_node_buffer(layout, options)
             or param_dtype(params) != jnp.float32):
         return False
@@ -126,8 +126,8 @@ def buffer_plan(layout: Layout, options) -> Layout:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5))
 def _leaf_buffer(plan: Layout, in_tables: list, in_params: dict, x: Array, missing: Array | None, options) -> Array:
-    from ..ops import pallas_leaf
     from ..distributions.base import reduce_missing
+    from ..ops import pallas_leaf
 
     xt = x.T if jnp.issubdtype(x.dtype, jnp.integer) else x.T.astype(jnp.int32)  # as Categorical._values casts
     mt = None if missing is None else jnp.broadcast_to(missing_t(missing), xt.shape)
@@ -137,7 +137,8 @@ def _leaf_buffer(plan: Layout, in_tables: list, in_params: dict, x: Array, missi
         marg = None if mt is None else reduce_missing(lp, options)[tab["rows"]]
         specs.append(pallas_leaf.LeafLayer(spec.offset, spec.num_nodes, lp.shape[1]))
         tabs.append((lp, tab["rows"], tab["vars"], marg))
-    # the stages write every row above the leaves before reading it: those rows are left unset (``Options.tuning.unset_rows``)
+    # the stages write every row above the leaves before reading it: those rows are left unset
+    # (Options.tuning.unset_rows)
     return pallas_leaf.categorical_buffer(xt, specs, tabs, num_rows=plan.num_rows, kmax=plan.kmax, missing=mt,
                                           zero_above=not options.tuning.unset_rows)
 
@@ -559,8 +560,8 @@ root_values.defvjp(_root_fwd, _root_bwd)
 
 def flow_buffer(layout, options, values: Array) -> Array:
     """The flow pass's ``[R, B]`` buffer before the root's flow is written: zeros, or, in a single-reader layout
-    (:attr:`Layout.flow_gaps` set) whose flow pass runs on XLA's scatters alone (``Options.tuning.unset_rows``, no partition
-    on the Pallas backward, which adds in place), an :func:`uninitialized` buffer with the gaps zeroed: every
+    (:attr:`Layout.flow_gaps` set) whose flow pass runs on XLA's scatters alone (``Options.tuning.unset_rows``, no
+    partition on the Pallas backward, which adds in place), an :func:`uninitialized` buffer with the gaps zeroed: every
     other row but the root's is written by its one reader's backward before it is read."""
     gaps = layout.flow_gaps
     B, dtype = values.shape[1], values.dtype
@@ -770,7 +771,7 @@ def log_prob(layout: Layout, tables: dict, params: dict, x: Array, missing: Arra
 
 def param_dtype(params) -> jnp.dtype:
     leaves = jax.tree_util.tree_leaves(params)
-    floats = [l.dtype for l in leaves if jnp.issubdtype(l.dtype, jnp.floating)]
+    floats = [a.dtype for a in leaves if jnp.issubdtype(a.dtype, jnp.floating)]
     return jnp.result_type(*floats) if floats else jnp.float32
 
 

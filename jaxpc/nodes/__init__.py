@@ -1,7 +1,6 @@
 """Symbolic node vectors and the functions that build them."""
 
-from .nodes import (CircuitNodes, InputNodes, ProdNodes, SumNodes, duplicate, inputs, multiply, scope_vars,
-                    summate)
+from .nodes import CircuitNodes, InputNodes, ProdNodes, SumNodes, duplicate, inputs, multiply, scope_vars, summate
 from .traversal import topological_order
 
 __all__ = ["CircuitNodes", "InputNodes", "ProdNodes", "SumNodes", "inputs", "multiply", "summate", "duplicate",

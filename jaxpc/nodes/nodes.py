@@ -19,7 +19,8 @@ node is built; the error names the offending nodes.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -91,8 +92,8 @@ class CircuitNodes:
 
     kind = "nodes"
 
-    def __init__(self, num_node_blocks: int, block_size: int, children: Sequence["CircuitNodes"], scope: int,
-                 source: "CircuitNodes | None" = None, name: str | None = None):
+    def __init__(self, num_node_blocks: int, block_size: int, children: Sequence[CircuitNodes], scope: int,
+                 source: CircuitNodes | None = None, name: str | None = None):
         self.num_node_blocks = int(num_node_blocks)
         self.block_size = int(block_size)
         self.children = tuple(children)
@@ -123,13 +124,13 @@ class CircuitNodes:
         return self._source is not None
 
     @property
-    def tied_to(self) -> "CircuitNodes | None":
+    def tied_to(self) -> CircuitNodes | None:
         """The vector this one was tied to (``duplicate(tie_params=True)``), or None; :attr:`source` follows the
         chain to the owner."""
         return self._source
 
     @tied_to.setter
-    def tied_to(self, source: "CircuitNodes | None") -> None:
+    def tied_to(self, source: CircuitNodes | None) -> None:
         self._source = source
 
     @property
@@ -144,7 +145,7 @@ class CircuitNodes:
         self._params = params
 
     @property
-    def source(self) -> "CircuitNodes":
+    def source(self) -> CircuitNodes:
         """The vector that owns this vector's parameters (itself unless tied)."""
         ns = self
         while ns.tied_to is not None:
@@ -162,7 +163,7 @@ class InputNodes(CircuitNodes):
     kind = "input"
 
     def __init__(self, var: int, num_node_blocks: int, block_size: int, dist, params=None,
-                 source: "InputNodes | None" = None, name: str | None = None):
+                 source: InputNodes | None = None, name: str | None = None):
         from ..distributions import Distribution  # local: distributions import nodes for typing only
 
         if not isinstance(var, (int, np.integer)) or isinstance(var, bool) or var < 0:
@@ -190,7 +191,7 @@ class InputNodes(CircuitNodes):
         """The parameters given at construction (natural form), or None."""
         return self.source._params
 
-    def duplicate(self, var: int | None = None, *, tie_params: bool = False, name: str | None = None) -> "InputNodes":
+    def duplicate(self, var: int | None = None, *, tie_params: bool = False, name: str | None = None) -> InputNodes:
         """A new vector of the same shape and distribution over ``var`` (default: same variable)."""
         src = self.source if tie_params else None
         dup = InputNodes(self.var if var is None else var, self.num_node_blocks, self.block_size, self.dist,
@@ -214,7 +215,7 @@ class ProdNodes(CircuitNodes):
     def is_prod(self) -> bool:
         return True
 
-    def duplicate(self, *children: CircuitNodes, name: str | None = None) -> "ProdNodes":
+    def duplicate(self, *children: CircuitNodes, name: str | None = None) -> ProdNodes:
         """The same edge pattern over new children of matching shapes (default: the same children)."""
         chs = children or self.children
         _check_same_shapes(self, self.children, chs)
@@ -225,7 +226,7 @@ class SumNodes(CircuitNodes):
     kind = "sum"
 
     def __init__(self, children: Sequence[CircuitNodes], num_node_blocks: int, block_size: int,
-                 edge_ids: np.ndarray, params=None, source: "SumNodes | None" = None, name: str | None = None):
+                 edge_ids: np.ndarray, params=None, source: SumNodes | None = None, name: str | None = None):
         super().__init__(num_node_blocks, block_size, children, children[0].scope, source=source, name=name)
         self.edge_ids = edge_ids
         self.ch_block_size = children[0].block_size
@@ -258,7 +259,7 @@ class SumNodes(CircuitNodes):
         """The weights given at construction as ``[num_edge_blocks, block_size, ch_block_size]``, or None."""
         return self.source._params
 
-    def duplicate(self, *children: CircuitNodes, tie_params: bool = False, name: str | None = None) -> "SumNodes":
+    def duplicate(self, *children: CircuitNodes, tie_params: bool = False, name: str | None = None) -> SumNodes:
         """The same edge pattern over new children of matching shapes; ``tie_params=True`` shares weights."""
         chs = children or self.children
         _check_same_shapes(self, self.children, chs)
@@ -419,7 +420,8 @@ def summate(*children: CircuitNodes, num_node_blocks: int = 0, block_size: int =
             num_node_blocks = int(edges[0].max()) + 1
     nb, bs = _resolve_sizes("summate", num_node_blocks, num_nodes, block_size)
     if edge_ids is None:
-        edges = np.stack([np.repeat(np.arange(nb), num_ch_blocks), np.tile(np.arange(num_ch_blocks), nb)]).astype(np.int64)
+        edges = np.stack([np.repeat(np.arange(nb), num_ch_blocks),
+                          np.tile(np.arange(num_ch_blocks), nb)]).astype(np.int64)
     else:
         if edges[0].min() < 0 or edges[0].max() >= nb:
             raise ValueError(f"summate: edge_ids[0] must be parent blocks in [0, {nb}), got values in "

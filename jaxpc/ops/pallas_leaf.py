@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .pallas_sum import block_grid, block_ids, call_kernel, mm, p2, available, plgpu
+from .pallas_sum import available, block_grid, block_ids, call_kernel, mm, p2, plgpu
 
 Array = jax.Array
 

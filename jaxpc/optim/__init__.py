@@ -11,8 +11,20 @@ whole-epoch executables.
 
 from .normalize import log_prob, mean_nll, normalize, normalize_params, normalized_log_prob, segment_log_softmax
 from .train import FitResult, epoch_batches, fit, make_step
-from .transforms import (EMConfig, EMState, EMTransformation, FullBatchEMState, anemone, anemone_update, apply,
-                         apply_updates, deltas, em, em_apply, full_batch_em)
+from .transforms import (
+                         EMConfig,
+                         EMState,
+                         EMTransformation,
+                         FullBatchEMState,
+                         anemone,
+                         anemone_update,
+                         apply,
+                         apply_updates,
+                         deltas,
+                         em,
+                         em_apply,
+                         full_batch_em,
+)
 
 __all__ = [
     "em", "full_batch_em", "anemone", "EMTransformation", "EMState", "FullBatchEMState", "EMConfig",

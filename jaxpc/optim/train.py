@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..engine import em as em_engine
 from ..checks import raise_bad_values
+from ..engine import em as em_engine
 from ..options import Options, matmul_setting
 from ..runtime import resolve_options
 from . import sharded

@@ -43,7 +43,8 @@ Variants:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -127,7 +128,7 @@ def _step_value(step_size, count: Array, dtype) -> Array:
 
 
 def _dtype(params: dict):
-    leaves = [l for l in jax.tree_util.tree_leaves(params) if jnp.issubdtype(l.dtype, jnp.floating)]
+    leaves = [a for a in jax.tree_util.tree_leaves(params) if jnp.issubdtype(a.dtype, jnp.floating)]
     return leaves[0].dtype if leaves else jnp.float32
 
 

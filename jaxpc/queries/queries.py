@@ -220,7 +220,8 @@ def sample(circuit, params, key: Array, num_samples: int | None = None, *, x=Non
     return _run(circuit, "sample", {"num_values": K}, {"params": params, "key": key}, batch)
 
 
-def mpe(circuit, params, x=None, missing=None, *, num_samples: int = 1, validate: bool | str = True) -> tuple[Array, Array]:
+def mpe(circuit, params, x=None, missing=None, *, num_samples: int = 1,
+        validate: bool | str = True) -> tuple[Array, Array]:
     """Max-product decoding: ``(assignment [B, V], log-value [B])``.
 
     Fills the missing (or, without ``x``, all) variables with the joint maximizer of the max-product

@@ -46,7 +46,7 @@ def _split_points(data_shape, split_intervals, split_points):
 
 def _cube_vars(cube, data_shape) -> list[int]:
     lo, hi = cube
-    grids = np.meshgrid(*[np.arange(l, h) for l, h in zip(lo, hi)], indexing="ij")
+    grids = np.meshgrid(*[np.arange(a, b) for a, b in zip(lo, hi)], indexing="ij")
     return np.ravel_multi_index([g.ravel() for g in grids], data_shape).tolist()
 
 
@@ -108,7 +108,7 @@ def PD(data_shape, num_latents: int, split_intervals=None, split_points=None, ma
                 sources.setdefault("input", ns)
                 leaves.append(ns)
         prod = multiply(*leaves)
-        shape = tuple(h - l for l, h in zip(*cube))
+        shape = tuple(b - a for a, b in zip(*cube))
         return tied_sum(("leaf", shape), [prod], edge_ids=np.stack([np.arange(nb)] * 2))
 
     def build(cube, depth):
@@ -131,7 +131,7 @@ def PD(data_shape, num_latents: int, split_intervals=None, split_points=None, ma
         elif cube == root_cube:
             ns = summate(*prods, num_node_blocks=1, block_size=1)
         else:
-            shape = (tuple(h - l for l, h in zip(lo, hi)), len(prods))
+            shape = (tuple(b - a for a, b in zip(lo, hi)), len(prods))
             edge_ids = None
             if len(prods) > max_prod_block_conns:
                 chosen = np.argsort(rng.random((nb, len(prods))), axis=1)[:, :max_prod_block_conns]
