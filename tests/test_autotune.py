@@ -167,7 +167,8 @@ def _tune(c, x, timer, monkeypatch, candidates):
     tune = Autotuner.tune
     monkeypatch.setattr(Autotuner, "tune", lambda self, key, h, cands, run: tune(self, key, h, cands, _tag(run)))
     Autotuner._process_cache.clear()
-    return tune_circuit(c, c.params, x, candidates=candidates, tuner=Autotuner(timer=timer, env_key="fake", full_reps=2))
+    tuner = Autotuner(timer=timer, env_key="fake", full_reps=2)
+    return tune_circuit(c, c.params, x, candidates=candidates, tuner=tuner)
 
 
 def test_tune_circuit_keeps_the_default_when_the_whole_step_is_not_faster(monkeypatch):

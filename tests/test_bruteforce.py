@@ -78,8 +78,8 @@ def test_missing_marginals_equal_sums(case):
     # group assignments by their observed part
     keys = [tuple(r) for r in x[:, ~hide]]
     groups = {}
-    for k, l in zip(keys, full):
-        groups[k] = groups.get(k, 0.0) + np.exp(l)
+    for k, ll in zip(keys, full):
+        groups[k] = groups.get(k, 0.0) + np.exp(ll)
     expect = np.log(np.array([groups[k] for k in keys]))
     np.testing.assert_allclose(marg, expect, rtol=1e-5, atol=1e-5)
     # the [V] form of the mask gives the same values

@@ -84,8 +84,10 @@ def test_any_block_order_of_the_input_layer():
     vals2 = vals.reshape(6, 4, -1)[perm].reshape(24, -1)
 
     def run(sp, v):
-        return jax.value_and_grad(lambda sp_, v_: jnp.sum(chain_engine.root_values(sp, ctab, sp_, [v_], jaxpc.Options())),
-                                  argnums=(0, 1))(c.params["sum"], v)
+        def total(sp_, v_):
+            return jnp.sum(chain_engine.root_values(sp, ctab, sp_, [v_], jaxpc.Options()))
+
+        return jax.value_and_grad(total, argnums=(0, 1))(c.params["sum"], v)
 
     (l1, (s1, v1)), (l2, (s2, v2)) = run(spec, vals), run(shuffled, vals2)
     np.testing.assert_allclose(l1, l2, rtol=1e-6)

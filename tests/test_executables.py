@@ -18,8 +18,6 @@ import jaxpc
 from jaxpc import structures
 from jaxpc.executables import BucketPolicy
 
-from .test_api import hmm_like
-
 
 def _hmm(**kw):
     return jaxpc.compile(structures.HMM(6, 4, 5, block_size=2), seed=1, **kw)
@@ -285,7 +283,10 @@ def test_partial_evaluation_matches_full_on_random_circuits():
         x = gen.sample_data(9)
         x2 = gen.sample_data(9)
         x2[:, :2] = x[:, :2]  # variables 2 and 3 change
-        xin = lambda a: a if "gaussian" in gen.kinds else a.astype(np.int32)
+
+        def xin(a):
+            return a if "gaussian" in gen.kinds else a.astype(np.int32)
+
         values = c.node_values(c.params, xin(x))
         ll, buf = c.partial([2, 3]).log_prob(c.params, xin(x2), values)
         np.testing.assert_allclose(np.asarray(ll), np.asarray(c.log_prob(c.params, xin(x2))), rtol=1e-5, atol=1e-5)
@@ -330,7 +331,7 @@ def test_persistent_cache_serves_a_second_process(tmp_path):
 def test_table_signature_is_computed_once_per_tables_object():
     """The key's table component comes from an identity memo; equal tables in another object (a copy, or a
     recompiled circuit) still give an equal key, and tables of another shape a different one."""
-    from jaxpc.executables import ExecutableCache, _TABLE_SIGS
+    from jaxpc.executables import _TABLE_SIGS, ExecutableCache
 
     c = _hmm()
     first = _TABLE_SIGS.get(c.tables)

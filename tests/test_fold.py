@@ -8,8 +8,8 @@ import pytest
 
 import jaxpc
 from jaxpc import dists, structures
-from jaxpc.engine import forward as engine_forward
 from jaxpc.compiler import ScanSpec
+from jaxpc.engine import forward as engine_forward
 from jaxpc.nodes import inputs, multiply, summate
 
 from . import oracle
@@ -245,7 +245,8 @@ def test_in_order_chains_the_pieces_through_barriers():
     def f(x):
         return jax.numpy.concatenate(in_order(ranges(10, 4), lambda a, b: x[a:b], step, []))
 
-    np.testing.assert_array_equal(np.asarray(f(x)), np.r_[np.arange(3.0), 4 * np.arange(3.0, 6), 7 * np.arange(6.0, 10)])
+    expect = np.r_[np.arange(3.0), 4 * np.arange(3.0, 6), 7 * np.arange(6.0, 10)]
+    np.testing.assert_array_equal(np.asarray(f(x)), expect)
     assert seen == [(0, 3), (3, 6), (6, 10)]
     assert str(jax.make_jaxpr(f)(x)).count("optimization_barrier") == 2
 
@@ -302,7 +303,8 @@ def test_auto_impl_as_on_a_gpu(pallas_forward_calls):
 
 
 @pytest.mark.parametrize("kw", [{"propagation": "MPE"}, {"propagation": "GeneralLL", "alpha": 2.5},
-                                {"pflow_temperature": 0.5, "eflow_temperature": 2.0}], ids=["MPE", "GeneralLL", "tempered"])
+                                {"pflow_temperature": 0.5, "eflow_temperature": 2.0}],
+                         ids=["MPE", "GeneralLL", "tempered"])
 def test_other_propagations_equal_the_full_layout(case, kw):
     gen, c = case
     x = as_input(gen, gen.sample_data(B))

@@ -141,7 +141,7 @@ def test_params_and_optimizer_states_round_trip(tmp_path):
     assert ck.opt_state is None and ck.step is None
     with pytest.raises(ValueError, match="opt_state"):
         io.load_params(tmp_path / "ck0", params=circuit.params)
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match="already exists"):
         io.save_params(tmp_path / "p", circuit.params)  # exists
     io.save_params(tmp_path / "p", circuit.params, overwrite=True)
 

@@ -4,7 +4,6 @@ The committed notebooks are saved with the outputs of a full run; this test exec
 writes them back."""
 
 import os
-import sys
 from pathlib import Path
 
 import pytest

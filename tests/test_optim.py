@@ -88,7 +88,7 @@ def test_masked_categorical_keeps_forbidden_values_at_zero():
     a = jaxpc.inputs(0, 1, 2, dists.MaskedCategorical(3, "range"), params={"mask": mask})
     root = jaxpc.summate(a, num_nodes=1)
     c = jaxpc.compile(root)
-    logits = jax.tree_util.tree_map(lambda l: jnp.where(jnp.isfinite(l), l, 5.0), c.params)  # revive -inf
+    logits = jax.tree_util.tree_map(lambda w: jnp.where(jnp.isfinite(w), w, 5.0), c.params)  # revive -inf
     p = optim.normalize(c, logits)
     probs = np.asarray(c.get_node_params(p, a)["probs"])
     assert probs[0, 2] == 0 and probs[1, 0] == 0
@@ -103,7 +103,10 @@ def test_adam_on_logits_stays_normalized_and_improves_ll():
 
     @jax.jit
     def step(params, state):
-        loss, g = jax.value_and_grad(lambda p: optim.mean_nll(layout, tables, p, x, None, None, jaxpc.Options())[0])(params)
+        def loss_fn(p):
+            return optim.mean_nll(layout, tables, p, x, None, None, jaxpc.Options())[0]
+
+        loss, g = jax.value_and_grad(loss_fn)(params)
         updates, state = tx.update(g, state, params)
         return optax.apply_updates(params, updates), state, loss
 

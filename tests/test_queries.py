@@ -14,7 +14,6 @@ from jaxpc import dists, queries, structures
 from . import oracle
 from .random_circuits import CARD, Generator
 from .test_bruteforce import deterministic_circuit
-from .test_hmm import forward_backward
 
 DISCRETE = ("categorical", "bernoulli", "masked", "indicator", "literal", "logistic")
 SEEDS = list(range(8))
@@ -79,7 +78,10 @@ def test_soft_evidence_gradient_is_finite_difference(seed):
     K = int(max(CARD[k] for k in gen.kinds))
     rng = np.random.default_rng(1)
     q = rng.uniform(0.2, 1.0, (2, x.shape[1], K))
-    f = lambda qq: jnp.sum(queries.marginal(c, c.params, soft_evidence=qq))
+
+    def f(qq):
+        return jnp.sum(queries.marginal(c, c.params, soft_evidence=qq))
+
     g = np.asarray(jax.grad(f)(jnp.asarray(q, jnp.float32)))
     i = (1, x.shape[1] - 1, 1)
     h = 1e-3

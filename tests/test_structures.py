@@ -11,7 +11,6 @@ from jaxpc import dists, structures
 
 from .random_circuits import Generator
 
-
 _BUILT: dict = {}
 
 
