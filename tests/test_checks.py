@@ -14,6 +14,8 @@ import jaxpc
 from jaxpc import dists, optim, parallel, structures
 from jaxpc.options import resolve_precision
 
+from .tiers import cases
+
 MSG = r"x\[2, 3\] = 7 is out of range: variable 3 \(Categorical"
 
 
@@ -43,7 +45,7 @@ def test_bad_device_row_is_nan_and_the_next_call_raises(hmm):
     hmm.log_prob(hmm.params, x)  # raised once, then cleared
 
 
-@pytest.mark.parametrize("value", [7, -1])
+@pytest.mark.parametrize("value", cases([7, -1], fast=[7]))
 def test_bad_rows_take_no_part_in_flows_and_em(hmm, value):
     x = _data(8, seed=3)
     xd = jnp.asarray(x).at[2, 3].set(value)
@@ -118,6 +120,7 @@ def test_inside_a_user_jit_bad_rows_are_nan(hmm):
     hmm.raise_pending()  # nothing can be reported from inside a trace
 
 
+@pytest.mark.slow
 def test_fit_and_parallel_check_device_data(hmm):
     data = jnp.asarray(_data(16, seed=5)).at[5, 3].set(7)
     with pytest.raises(ValueError, match=r"data\[5, 3\] = 7 is out of range.*optim\.fit"):

@@ -18,6 +18,8 @@ import jaxpc
 from jaxpc import structures
 from jaxpc.executables import BucketPolicy
 
+from .tiers import cases
+
 
 def _hmm(**kw):
     return jaxpc.compile(structures.HMM(6, 4, 5, block_size=2), seed=1, **kw)
@@ -71,7 +73,7 @@ def test_every_option_field_is_covered():
         assert len(allowed) == 1, f"{name} now has several values: move it to OPTION_CHANGES"
 
 
-@pytest.mark.parametrize("field", sorted(OPTION_CHANGES))
+@pytest.mark.parametrize("field", cases(sorted(OPTION_CHANGES), fast=["precision", "propagation"]))
 def test_changing_an_option_never_replays_the_cached_executable(field):
     entry, base, changed = OPTION_CHANGES[field]
     x = _data(10)
@@ -157,6 +159,7 @@ def test_bucket_policy():
         BucketPolicy("log")
 
 
+@pytest.mark.slow
 def test_varying_batches_equal_unpadded_and_share_executables():
     c = _hmm()
     exact = _hmm(buckets="exact")
@@ -275,6 +278,7 @@ def test_training_step_makes_no_host_transfer():
 
 # ---- partial evaluation ------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_partial_evaluation_matches_full_on_random_circuits():
     from .random_circuits import Generator
     for seed in (2, 6):
@@ -308,6 +312,7 @@ def test_partial_plan_of_a_long_hmm_still_scans():
 
 # ---- persistent compilation cache ----------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_persistent_cache_serves_a_second_process(tmp_path):
     script = textwrap.dedent(f"""
         import time, numpy as np, jax, jaxpc

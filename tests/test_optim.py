@@ -190,6 +190,7 @@ def test_anemone_is_a_per_node_proximal_em_step():
     assert _maxdiff(new, new2) < 1e-6
 
 
+@pytest.mark.slow
 def test_fit_equals_a_python_loop_of_em_steps():
     circuit, _, data = _small_circuit()
     key = jax.random.key(7)
@@ -240,6 +241,7 @@ def test_fit_full_batch_em_equals_circuit_full_batch_em():
     np.testing.assert_allclose(res.epoch_ll, [float(ll0), float(ll1)], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_fit_with_optax_and_anemone_learn_and_stay_normalized():
     circuit, X, data = _small_circuit()
     for tx in (optax.adam(0.05), optim.anemone(circuit, step_size=1.0, pseudocount=0.1)):

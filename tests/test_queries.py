@@ -14,6 +14,7 @@ from jaxpc import dists, queries, structures
 from . import oracle
 from .random_circuits import CARD, Generator
 from .test_bruteforce import deterministic_circuit
+from .tiers import cases
 
 DISCRETE = ("categorical", "bernoulli", "masked", "indicator", "literal", "logistic")
 SEEDS = list(range(8))
@@ -26,7 +27,7 @@ def make(seed):
     return gen, c, x.astype(np.int32)
 
 
-@pytest.fixture(scope="module", params=SEEDS)
+@pytest.fixture(scope="module", params=cases(SEEDS, fast=[2]))
 def case(request):
     return make(request.param)
 
@@ -72,6 +73,7 @@ def test_marginals_hard_and_soft(case):
     np.testing.assert_allclose(np.asarray(c.marginal(c.params, soft_evidence=onehot)), expect, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 5])
 def test_soft_evidence_gradient_is_finite_difference(seed):
     gen, c, x = make(seed)
@@ -138,7 +140,7 @@ def test_mpe_decoding_and_value(case):
     assert float(v0[0]) == pytest.approx(mp_all.max(), abs=1e-5)
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", cases(range(3), fast=[0]))
 def test_mpe_is_exact_map_on_deterministic_circuits(seed):
     c = jaxpc.compile(deterministic_circuit(seed))
     x = np.asarray(list(itertools.product(range(3), repeat=4)), dtype=np.int32)
@@ -213,7 +215,7 @@ def _sampling_circuits():
     return {"hmm": hmm, "random": gen.circuit(), "pd": pd}
 
 
-@pytest.mark.parametrize("name", ["hmm", "random", "pd"])
+@pytest.mark.parametrize("name", cases(["hmm", "random", "pd"], fast=["hmm"]))
 def test_sampling_matches_exact_distribution(name):
     root = _sampling_circuits()[name]
     c = jaxpc.compile(root, seed=1)
@@ -260,6 +262,7 @@ def test_continuous_samples_and_modes():
     np.testing.assert_allclose(np.asarray(assign[0]), [4.0, 1.0])
 
 
+@pytest.mark.slow
 def test_queries_jit_and_vmap_over_params():
     c = jaxpc.compile(structures.HMM(4, 3, 3))
     keys = jax.random.split(jax.random.key(0), 3)
