@@ -25,8 +25,8 @@ _DEVICE = "cuda"
 def available() -> str | None:
     """None if pyjuice and a CUDA device are usable here, else a short reason."""
     try:
-        import torch
         import pyjuice  # noqa: F401
+        import torch
     except Exception as e:  # ImportError, or a broken install
         return f"import failed: {e!r}"
     if not torch.cuda.is_available():
@@ -111,8 +111,8 @@ def run_structure(model, batches, *, latents, reps=25, warmup=5, modes=MODES, em
     GPU) and `sum_edges` (sum edges in the circuit's DAG). Eager modes run before any graph is recorded at
     that batch size; the graph modes share one recording. A failing (B, mode) gets `error` instead.
     """
-    import torch
     import pyjuice as juice
+    import torch
 
     modes = tuple(_ALIASES.get(m, m) for m in modes)
     unknown = set(modes) - set(MODES)
@@ -209,8 +209,8 @@ def run_codd(*, latents=1024, vocab=32768, topk=1024, seq=32, steps=60, seed=0) 
     """
     out = dict(system="pyjuice", workload="codd", mode="default", steps=steps)
     try:
-        import torch
         import pyjuice as juice
+        import torch
 
         torch.manual_seed(seed)
         ns = juice.structures.GeneralizedHMM(

@@ -41,9 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jaxpc  # noqa: E402
-from jaxpc import dists, structures  # noqa: E402
 from _data import blurred_noise_images  # noqa: E402
-
+from jaxpc import dists, structures  # noqa: E402
 
 IMPL = "auto"
 FOLD = True  # Options.fold_products (--no-fold: False)

@@ -71,7 +71,7 @@ def main(argv=None):
     step = jax.jit(jax.grad(objective, argnums=(0, 1)))
     compiled, compile_s = set(), 0.0
     times = []
-    for i in range(args.steps):
+    for _ in range(args.steps):
         n = int(rng.integers(10, 27))
         bucket = c.runtime.bucket(n)
         x, ids, lp = batch(n)

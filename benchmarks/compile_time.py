@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jaxpc  # noqa: E402
-from jaxpc import dists, structures  # noqa: E402
 from _data import blurred_noise_images  # noqa: E402
+from jaxpc import dists, structures  # noqa: E402
 
 
 def _rss_mb() -> float:
@@ -114,8 +114,8 @@ def child(args) -> dict:
     if args.child == "codd":
         import codd
 
-        codd_args = ["--steps", str(args.codd_steps)] + (["--latents", "16", "--vocab", "64", "--topk", "8", "--seq", "8"]
-                                                         if args.small else [])
+        small = ["--latents", "16", "--vocab", "64", "--topk", "8", "--seq", "8"]
+        codd_args = ["--steps", str(args.codd_steps)] + (small if args.small else [])
         r = codd.main(codd_args)
         out.update(first_call_s=r["first_call_s"], executables=r["executables"], median_ms=r["median_ms"])
     else:
@@ -159,8 +159,8 @@ def first_calls(args) -> list:
                     print(f"== {w} {state}: skipped, budget spent", flush=True)
                     continue
                 timeout = min(left, args.child_timeout)
-                cmd = [sys.executable, __file__, "--child", w, "--state", state, "--cache-dir", d, "--calls", args.calls,
-                       "--variant", args.variant, "--codd-steps", str(args.codd_steps)]
+                cmd = [sys.executable, __file__, "--child", w, "--state", state, "--cache-dir", d,
+                       "--calls", args.calls, "--variant", args.variant, "--codd-steps", str(args.codd_steps)]
                 cmd += (["--small"] if args.small else []) + (["--latents", str(args.latents)] if args.latents else [])
                 env = dict(os.environ, JAXPC_CACHE_DIR=d)
                 env.pop("JAXPC_PERSISTENT_CACHE", None)
@@ -200,7 +200,8 @@ def table(results) -> str:
             calls = "; ".join(f"{k} {fc[k]:.2f} / " + (f"{fw[k]:.2f}" if k in fw else "-") for k in fc)
             n = cold.get("cache_info", {}).get("misses", "-")
         err = "; ".join(r["error"] for r in (cold, warm) if "error" in r)
-        out.append(f"| {cold.get('name', WORKLOADS[w])} | {_g(cold.get('build_s'))} | {_g(cold.get('jaxpc_compile_s'))} "
+        out.append(f"| {cold.get('name', WORKLOADS[w])} | {_g(cold.get('build_s'))} "
+                   f"| {_g(cold.get('jaxpc_compile_s'))} "
                    f"| {calls or '-'}{' (' + err + ')' if err else ''} | {n} | {warm.get('cache_files', '-')} "
                    f"| {cold.get('cache_mode', '-')} |")
     return "\n".join(out)

@@ -92,7 +92,8 @@ def timeline(trace_dir: str, steps: int, show: int = 1, min_us: float = 4.0) -> 
             out.append(f"  step {j}: {m['dur'] / 1e3:.3f} ms, no kernels in it")
             continue
         first, last = ks[0]["ts"], max(k["ts"] + k["dur"] for k in ks)
-        out.append(f"  step {j}: {m['dur'] / 1e3:.3f} ms: call to first kernel {(first - t0) / 1e3:.3f} ms ({ks[0]['name'][:40]}), "
+        out.append(f"  step {j}: {m['dur'] / 1e3:.3f} ms: call to first kernel {(first - t0) / 1e3:.3f} ms "
+                   f"({ks[0]['name'][:40]}), "
                    f"kernels' span {(last - first) / 1e3:.3f} ms ({len(ks)} kernels), last kernel to return "
                    f"{(t1 - last) / 1e3:.3f} ms")
         if j >= steps - show:
@@ -252,7 +253,7 @@ def main(argv=None):
         r = subprocess.run([sys.executable, __file__, "--child", *base], env=env, capture_output=True, text=True)
         out = (r.stdout + r.stderr).strip()
         if r.returncode == 0:
-            print("\n".join(l for l in r.stdout.splitlines() if l.strip()), flush=True)
+            print("\n".join(line for line in r.stdout.splitlines() if line.strip()), flush=True)
         else:
             print(f"XLA_FLAGS={flags!r}: failed (rc {r.returncode}): " + " | ".join(out.splitlines()[-3:])[-600:],
                   flush=True)

@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jaxpc  # noqa: E402
-from jaxpc import dists, optim, structures  # noqa: E402
 from _data import blurred_noise_images  # noqa: E402
+from jaxpc import dists, optim, structures  # noqa: E402
 
 
 def rel(a, b) -> float:

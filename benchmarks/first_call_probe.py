@@ -36,8 +36,8 @@ def child(workload: str, batch: int, entry: str, options: dict) -> None:
         name, events[name] + secs))
 
     import jaxpc
-    from jaxpc import dists, structures
     from _data import blurred_noise_images
+    from jaxpc import dists, structures
 
     cat = dists.Categorical(256)
     t0 = time.perf_counter()

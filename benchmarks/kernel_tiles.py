@@ -151,8 +151,8 @@ def main(argv=None):
                     dp = jnp.zeros_like(lw)
                     for _ in range(reps):
                         if C == 1:  # a tree level: the exclusive backward (or the one-kernel level backward)
-                            f, pf = pallas_sum.backward_exclusive(b, f, off, t["ch"], t["pid"], lw, first_row=2 * max(Kp, Kc),
-                                                                  config=cfg, **kw)
+                            f, pf = pallas_sum.backward_exclusive(b, f, off, t["ch"], t["pid"], lw,
+                                                                  first_row=2 * max(Kp, Kc), config=cfg, **kw)
                         else:
                             a, m, pf = pallas_sum.backward_parents(b, f, off, t["ch"], t["pid"], lw, config=cfg, **kw)
                             f = pallas_sum.backward_children(b, a, m, t["uch"], t["par"], t["ppid"], lw, ch=t["ch"],
@@ -164,8 +164,8 @@ def main(argv=None):
                 def k_lvl(b, f, lw, cfg=cfg):
                     dp = jnp.zeros_like(lw)
                     for _ in range(reps):
-                        f, dp = pallas_sum.backward_level(b, f, off, t["ch"], t["pid"], lw, first_row=2 * max(Kp, Kc), config=cfg,
-                                                          dparams=dp, **kw)
+                        f, dp = pallas_sum.backward_level(b, f, off, t["ch"], t["pid"], lw, first_row=2 * max(Kp, Kc),
+                                                          config=cfg, dparams=dp, **kw)
                     return f, dp
 
                 try:

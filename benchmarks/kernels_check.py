@@ -31,8 +31,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from jaxpc.ops import pallas_leaf, pallas_sum  # noqa: E402
-from jaxpc.ops.sum_layer import child_rows, sum_layer_backward_reference, sum_layer_reference  # noqa: E402
-from jaxpc.ops.sum_layer import sum_layer_param_flows_reference  # noqa: E402
+from jaxpc.ops.sum_layer import (  # noqa: E402
+    child_rows,
+    sum_layer_backward_reference,
+    sum_layer_param_flows_reference,
+    sum_layer_reference,
+)
 from tests.test_kernels import AFTER, SHAPES, make_after_case, make_partition, make_tree_level  # noqa: E402
 
 

@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jaxpc  # noqa: E402
-from jaxpc import dists, optim, parallel, structures  # noqa: E402
 from _data import blurred_noise_images  # noqa: E402
+from jaxpc import dists, optim, parallel, structures  # noqa: E402
 
 
 def build(workload: str, latents: int, seed: int = 0):

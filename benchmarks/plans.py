@@ -36,9 +36,9 @@ Plans (all ``backward="flows"``):
 
 One circuit per workload, the same input batches for every plan. Per (plan, batch): compile seconds of the
 flows executable, the relative error of log-likelihoods and of every flow array against the first plan
-listed (e.g. ``layers``) at the same precision, and median milliseconds of ``flows`` (forward + flows; each call synchronized, and
-``pipelined``: calls dispatched back to back, synchronized once, as in a training loop) and ``log_prob``
-(4 rotating input batches; ``--same-batch``: one, as a CUDA-graph replay's static inputs); with
+listed (e.g. ``layers``) at the same precision, and median milliseconds of ``flows`` (forward + flows; each call
+synchronized, and ``pipelined``: calls dispatched back to back, synchronized once, as in a training loop) and
+``log_prob`` (4 rotating input batches; ``--same-batch``: one, as a CUDA-graph replay's static inputs); with
 ``--memory`` also XLA's memory analysis of the flows executable. Rows go to
 ``$OUT/plans.json``.
 """
@@ -59,10 +59,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jaxpc  # noqa: E402
-from jaxpc import dists, structures  # noqa: E402
-from jaxpc.engine import forward  # noqa: E402
 from _data import blurred_noise_images  # noqa: E402
 from bench_engine import cached_mib, median_ms, save_rows  # noqa: E402
+from jaxpc import dists, structures  # noqa: E402
+from jaxpc.engine import forward  # noqa: E402
 
 PLANS = {"layers": {"fold_products": False, "impl": "xla"}, "fold": {"fold_products": True},
          "xla": {"fold_products": True, "impl": "xla"},
@@ -197,10 +197,12 @@ def main(argv=None):
                     print(f"{w} B={B} {name}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
                     continue
                 row = dict(workload=f"{w}-{latents[w]}", B=B, plan=name, precision=args.precision, fwd_ms=fwd,
-                           flows_ms=flows, flows_pipelined_ms=pipelined, mem_mib=mem, compile_s=t_compile, ll_err=errs[0], flow_err=errs[1])
+                           flows_ms=flows, flows_pipelined_ms=pipelined, mem_mib=mem, compile_s=t_compile,
+                           ll_err=errs[0], flow_err=errs[1])
                 rows.append(row)
-                print(f"{w}-{latents[w]} B={B:4d} {name:7s} fwd {fwd:7.3f} ms | fwd+flows {flows:7.3f} ms (pipelined {pipelined:6.3f}) | mem "
-                      f"{mem:7.1f} MiB | compile {t_compile:5.1f}s | vs {base_name}: ll {errs[0]:.1e} flows {errs[1]:.1e}",
+                print(f"{w}-{latents[w]} B={B:4d} {name:7s} fwd {fwd:7.3f} ms | fwd+flows {flows:7.3f} ms "
+                      f"(pipelined {pipelined:6.3f}) | mem {mem:7.1f} MiB | compile {t_compile:5.1f}s "
+                      f"| vs {base_name}: ll {errs[0]:.1e} flows {errs[1]:.1e}",
                       flush=True)
     save_rows(args.out, "plans.json", rows)
     return rows

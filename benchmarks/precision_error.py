@@ -39,9 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jaxpc  # noqa: E402
-from jaxpc import dists, structures  # noqa: E402
-from bench_engine import compile_all  # noqa: E402
 from _data import blurred_noise_images  # noqa: E402
+from bench_engine import compile_all  # noqa: E402
+from jaxpc import dists, structures  # noqa: E402
 
 EM_KW = dict(step_size=0.1, pseudocount=0.1)
 
@@ -123,7 +123,8 @@ def table(rows) -> str:
         if "error" in r:
             out.append(f"| {r['workload']} | {r['B']} | {p} | {r['error']} | | |")
             continue
-        out.append(f"| {r['workload']} | {r['B']} | {p} | {r['ll_max_rel']:.2e} | {r['flows_max_rel_to_group_max']:.2e} "
+        out.append(f"| {r['workload']} | {r['B']} | {p} | {r['ll_max_rel']:.2e} "
+                   f"| {r['flows_max_rel_to_group_max']:.2e} "
                    f"(`{r['flows_worst_group']}`) | {r['em_max_abs']:.2e} (`{r['em_worst_group']}`) |")
     return "\n".join(out)
 

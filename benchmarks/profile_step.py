@@ -10,8 +10,8 @@ is attributed by the ``jaxpc/...`` named scope in its HLO metadata to one of: ``
 ``prod fwd``, ``sum fwd``, ``prod bwd``, ``sum bwd``, ``chain scan`` (HMMs), ``other`` (buffer set-up, parameter-flow
 scatter, gradient of the leaves). Prints per step: wall time, kernel count, summed kernel time
 (``busy``) and the idle time between kernels (``wall - busy``: launch gaps, what a kernel count costs),
-then the table by kind and the ``--top`` most expensive kernels with the HLO op each computes. On a CPU host the trace has no device
-events and the script says so.
+then the table by kind and the ``--top`` most expensive kernels with the HLO op each computes. On a CPU host the trace
+has no device events and the script says so.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jaxpc  # noqa: E402
-from jaxpc import dists, structures  # noqa: E402
 from _data import blurred_noise_images  # noqa: E402
+from jaxpc import dists, structures  # noqa: E402
 
 SCOPE = re.compile(r"jaxpc/(input\d+|chain|partial[\d.]+|stage[\d.]+/(prod|sum)\d+(/backward)?)")
 
@@ -186,15 +186,17 @@ def main(argv=None):
     spans.append(end - start)
     span = float(np.median(spans)) / 1e3
     print(f"device span {span:.2f} ms/step (first kernel start to last kernel end): gaps inside the step "
-          f"{span - busy:.2f} ms ({1e3 * (span - busy) / max(count, 1):.1f} us per kernel), host time {wall - span:.2f} ms")
+          f"{span - busy:.2f} ms ({1e3 * (span - busy) / max(count, 1):.1f} us per kernel), "
+          f"host time {wall - span:.2f} ms")
     print(f"{'kind':9s} {'kernels/step':>12s} {'ms/step':>8s} {'us/kernel':>9s}")
     for kind, (n, us) in sorted(per_kind.items(), key=lambda kv: -kv[1][1]):
         print(f"{kind:9s} {n / steps:12.0f} {us / steps / 1e3:8.3f} {us / max(n, 1):9.1f}")
-    print(f"most expensive kernels (per step; [the HLO op they compute]):")
+    print("most expensive kernels (per step; [the HLO op they compute]):")
     ranked = sorted(per_name.items(), key=lambda kv: -kv[1][1])
     for (kind, name), (n, us) in ranked[:args.top]:
         op = names.get(_norm(name), "")
-        print(f"  {us / steps / 1e3:7.3f} ms  x{n / steps:5.0f}  {kind:8s} {name[:60]}" + (f"  [{op[-90:]}]" if op else ""))
+        tail = f"  [{op[-90:]}]" if op else ""
+        print(f"  {us / steps / 1e3:7.3f} ms  x{n / steps:5.0f}  {kind:8s} {name[:60]}{tail}")
     other = [e for e in events if kind_of(e, names) == "other"]
     print(f"unattributed kernels: {len(other) / steps:.0f}/step; e.g.", json.dumps(other[:2])[:600])
     if args.json:

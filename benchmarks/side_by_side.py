@@ -55,6 +55,7 @@ def _emit(path: str, rows) -> None:
 
 def child_jaxpc(args, w: str) -> list:
     import jax
+
     import bench_engine
 
     with tempfile.TemporaryDirectory() as d:
@@ -78,6 +79,7 @@ def child_dynamax(args, w: str, T=64, V=4096) -> list:
     import jax
     import jax.numpy as jnp
     import numpy as np
+
     import bench_engine
 
     try:
@@ -188,16 +190,20 @@ def tables(rows) -> tuple[str, str]:
             dx, sc = _find(rows, "dynamax", w, B), _find(rows, "scan", w, B)
             name = get(j, "name") or f"{NAMES[w]}-{get(pg or pe, 'latents') or LATENTS[w]}"
             a = get(j, "flows_ms")
-            t1.append(f"| {name} | {B} | {_f(a)} | {_f(get(j, 'tuned_flows_ms'))} | {_ratio(a, get(j, 'tuned_flows_ms'))} "
+            t1.append(f"| {name} | {B} | {_f(a)} | {_f(get(j, 'tuned_flows_ms'))} "
+                      f"| {_ratio(a, get(j, 'tuned_flows_ms'))} "
                       f"| {_f(get(pg, 'fwdbwd_ms'))} | {_f(get(ph, 'fwdbwd_ms'))} | {_f(get(pe, 'fwdbwd_ms'))} "
                       f"| **{_ratio(get(pg, 'fwdbwd_ms'), a)}** | {_ratio(get(pe, 'fwdbwd_ms'), a)} "
-                      f"| {_f(get(j, 'mem_mib'), 0)} / {_f(get(j, 'tuned_mem_mib'), 0)} | {_f(get(pg or pe, 'peak_mib'), 0)} "
+                      f"| {_f(get(j, 'mem_mib'), 0)} / {_f(get(j, 'tuned_mem_mib'), 0)} "
+                      f"| {_f(get(pg or pe, 'peak_mib'), 0)} "
                       f"| {_e(get(j, 'rel_err'))} / {_e(get(j, 'tuned_rel_err'))} "
                       f"| {_f(get(dx, 'flows_ms'))} | {_f(get(sc, 'flows_ms'))} |")
-            t2.append(f"| {name} | {B} | {_f(get(j, 'fwd_ms'))} | {_f(get(j, 'tuned_fwd_ms'))} | {_f(get(pg, 'fwd_ms'))} "
+            t2.append(f"| {name} | {B} | {_f(get(j, 'fwd_ms'))} | {_f(get(j, 'tuned_fwd_ms'))} "
+                      f"| {_f(get(pg, 'fwd_ms'))} "
                       f"| {_f(get(pe, 'fwd_ms'))} | **{_ratio(get(pg, 'fwd_ms'), get(j, 'fwd_ms'))}** "
                       f"| {_f(get(j, 'em_ms'))} | {_f(get(j, 'tuned_em_ms'))} | {_f(get(pg, 'em_ms'))} "
-                      f"| {_f(get(ph, 'em_ms'))} | {_f(get(pe, 'em_ms'))} | **{_ratio(get(pg, 'em_ms'), get(j, 'em_ms'))}** |")
+                      f"| {_f(get(ph, 'em_ms'))} | {_f(get(pe, 'em_ms'))} "
+                      f"| **{_ratio(get(pg, 'em_ms'), get(j, 'em_ms'))}** |")
             if a and get(pg, "fwdbwd_ms"):
                 heads.append(f"{name} B={B}: {get(pg, 'fwdbwd_ms') / a:.2f}x")
     return "\n".join(t1), "\n".join(t2), heads

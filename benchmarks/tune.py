@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jaxpc  # noqa: E402
-from jaxpc.autotune import DEFAULT_CANDIDATES, Autotuner, tune_circuit  # noqa: E402
 from _data import blurred_noise_images  # noqa: E402
 from bench_engine import cached_mib, median_ms, save_rows  # noqa: E402
+from jaxpc.autotune import DEFAULT_CANDIDATES, Autotuner, tune_circuit  # noqa: E402
 from plans import build, rel  # noqa: E402
 
 
@@ -87,7 +87,8 @@ def main(argv=None):
             t_tune = time.perf_counter() - t
             print(f"{w}-{latents[w]} B={B}: tuned in {t_tune:.1f}s", flush=True)
             for e in log:
-                print(f"  {tuple(e['key'])}: {e['choice']} ({e['heuristic']} {e['ref_ms']:.3f} -> {e['win_ms']:.3f} ms)",
+                print(f"  {tuple(e['key'])}: {e['choice']} "
+                      f"({e['heuristic']} {e['ref_ms']:.3f} -> {e['win_ms']:.3f} ms)",
                       flush=True)
             default = jaxpc.Options(precision=args.precision)
             res = {}

@@ -29,9 +29,9 @@ def child(workload: str, batch: int, entry: str) -> None:
     import numpy as np
 
     import jaxpc
+    from _data import blurred_noise_images
     from jaxpc import dists, structures
     from jaxpc.engine import em, forward
-    from _data import blurred_noise_images
 
     cat = dists.Categorical(256)
     t = time.perf_counter()

@@ -6,7 +6,8 @@ timed in interleaved rounds (so a process's host speed, which moves synchronized
                                      [--sets "|xla_gpu_graph_min_graph_size=1"]
 
 Each ``|``-separated set is ``name=value`` pairs (comma-separated; empty: XLA's defaults), given to every executable
-of the circuit through ``Options(tuning=Tuning(compiler_options=...))`` (part of the executable's key). Per set: the median of
+of the circuit through ``Options(tuning=Tuning(compiler_options=...))`` (part of the executable's key).
+Per set: the median of
 ``--rounds`` synchronized calls (inputs rotating over 4 batches, one call of each set per round, in turn), the
 median time until the call returns (host launch), and a pipelined loop (calls back to back, synchronized once).
 """

@@ -27,3 +27,23 @@ def pallas_forward_calls(monkeypatch):
     monkeypatch.setattr(pallas_sum, "forward", lambda *a, **k: calls.append(k["out_offset"]) or kernel(*a, **k))
     monkeypatch.setattr(forward, "on_gpu", lambda: True)
     return calls
+
+
+# Tiers. A plain ``pytest`` runs the fast tier: every test not marked ``slow``. ``pytest -m slow`` runs the slow
+# tier alone, and ``pytest --slow`` (alias ``--all``) runs both. Slow tests are deselected here rather than by
+# ``-m "not slow"`` in addopts, which a command-line ``-m slow`` would not combine with: any ``-m`` expression
+# that names ``slow`` takes over the selection.
+
+
+def pytest_addoption(parser):
+    parser.addoption("--slow", "--all", action="store_true", dest="run_slow",
+                     help="run the slow tier too (the whole suite)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("run_slow") or "slow" in (config.getoption("markexpr") or ""):
+        return
+    kept = [item for item in items if item.get_closest_marker("slow") is None]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("slow") is not None])
+        items[:] = kept

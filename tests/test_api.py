@@ -132,6 +132,7 @@ def hmm_like(T, L=3, V=4, seed=0, tied=True):
     return jaxpc.summate(z, num_nodes=1, params=rng.random((1, L)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [True, False])
 def test_scan_equals_unrolled(tied):
     root = hmm_like(9, tied=tied)

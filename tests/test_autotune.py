@@ -10,6 +10,8 @@ import jaxpc
 from jaxpc import structures
 from jaxpc.autotune import Autotuner, tune_circuit
 
+from .tiers import cases
+
 TIMES = {"H": 1.0, "A": 0.95, "B": 3.0, "C": 0.5}
 
 
@@ -98,7 +100,8 @@ def test_process_and_disk_caches(tmp_path):
     assert sum(calls.values()) > n
 
 
-@pytest.mark.parametrize("impl,fold", [("pallas", False), ("pallas", True), ("pallas_forward", True)],
+@pytest.mark.parametrize("impl,fold", cases([("pallas", False), ("pallas", True), ("pallas_forward", True)],
+                                             fast=[("pallas_forward", True)], unpack=True),
                          ids=["pallas-full-layout", "pallas-folded", "pallas_forward-folded"])
 def test_tune_circuit_routes_partitions_and_stays_exact(impl, fold):
     """Every partition of the tuned plan (the folded plan's carry M in their key) routed to the faster
@@ -167,9 +170,11 @@ def _tune(c, x, timer, monkeypatch, candidates):
     tune = Autotuner.tune
     monkeypatch.setattr(Autotuner, "tune", lambda self, key, h, cands, run: tune(self, key, h, cands, _tag(run)))
     Autotuner._process_cache.clear()
-    return tune_circuit(c, c.params, x, candidates=candidates, tuner=Autotuner(timer=timer, env_key="fake", full_reps=2))
+    tuner = Autotuner(timer=timer, env_key="fake", full_reps=2)
+    return tune_circuit(c, c.params, x, candidates=candidates, tuner=tuner)
 
 
+@pytest.mark.slow
 def test_tune_circuit_keeps_the_default_when_the_whole_step_is_not_faster(monkeypatch):
     """Partitions alone favour the candidate, the whole step does not: the default options come back."""
     c, x = _small_hclt()

@@ -10,6 +10,7 @@ from jaxpc.nodes import topological_order
 
 from . import oracle
 from .random_circuits import Generator
+from .tiers import cases
 
 SEEDS = list(range(20))
 B = 16  # one batch size everywhere: tests share the circuit's compiled executables
@@ -26,7 +27,7 @@ def as_input(gen, x):
     return x if "gaussian" in gen.kinds else x.astype(np.int32)
 
 
-@pytest.fixture(scope="module", params=SEEDS)
+@pytest.fixture(scope="module", params=cases(SEEDS, fast=[0, 16]))
 def case(request):
     gen, circuit = make(request.param)
     return gen, circuit
@@ -78,8 +79,8 @@ def test_missing_marginals_equal_sums(case):
     # group assignments by their observed part
     keys = [tuple(r) for r in x[:, ~hide]]
     groups = {}
-    for k, l in zip(keys, full):
-        groups[k] = groups.get(k, 0.0) + np.exp(l)
+    for k, ll in zip(keys, full):
+        groups[k] = groups.get(k, 0.0) + np.exp(ll)
     expect = np.log(np.array([groups[k] for k in keys]))
     np.testing.assert_allclose(marg, expect, rtol=1e-5, atol=1e-5)
     # the [V] form of the mask gives the same values
@@ -167,7 +168,7 @@ def test_em_update_blends_with_pseudocount(case):
             np.testing.assert_allclose(np.asarray(c.get_node_params(new, ns)), ref, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("seed", [3, 7, 11])
+@pytest.mark.parametrize("seed", cases([3, 7, 11], fast=[3]))
 def test_em_step_is_flows_then_update(seed):
     gen, c = make(seed)
     x = as_input(gen, gen.sample_data(B))
@@ -202,7 +203,7 @@ def deterministic_circuit(seed, num_vars=4, card=3):
     return region(list(rng.permutation(num_vars)))
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", cases(range(4), fast=[0, 1]))
 def test_mpe_is_exact_map_on_deterministic_circuits(seed):
     root = deterministic_circuit(seed)
     c = jaxpc.compile(root)
@@ -235,7 +236,7 @@ def test_oracle_on_hand_computed_circuit():
     np.testing.assert_allclose(edge[root.id], [[p1 / (p1 + p2), p2 / (p1 + p2)]])
 
 
-@pytest.mark.parametrize("seed", [1, 4, 9, 14])
+@pytest.mark.parametrize("seed", cases([1, 4, 9, 14], fast=[9]))
 @pytest.mark.parametrize("prop", ["LL", "MPE", "GeneralLL"])
 def test_top_down_flows_equal_autodiff(seed, prop):
     """The custom top-down backward against JAX's autodiff through the forward, for every propagation."""

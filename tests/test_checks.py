@@ -14,6 +14,8 @@ import jaxpc
 from jaxpc import dists, optim, parallel, structures
 from jaxpc.options import resolve_precision
 
+from .tiers import cases
+
 MSG = r"x\[2, 3\] = 7 is out of range: variable 3 \(Categorical"
 
 
@@ -43,7 +45,7 @@ def test_bad_device_row_is_nan_and_the_next_call_raises(hmm):
     hmm.log_prob(hmm.params, x)  # raised once, then cleared
 
 
-@pytest.mark.parametrize("value", [7, -1])
+@pytest.mark.parametrize("value", cases([7, -1], fast=[7]))
 def test_bad_rows_take_no_part_in_flows_and_em(hmm, value):
     x = _data(8, seed=3)
     xd = jnp.asarray(x).at[2, 3].set(value)
@@ -62,6 +64,7 @@ def test_bad_rows_take_no_part_in_flows_and_em(hmm, value):
         hmm.raise_pending()
 
 
+@pytest.mark.slow
 def test_all_rows_bad_leave_the_parameters_unchanged(hmm):
     xd = jnp.full((4, 6), 9, jnp.int32)
     new = hmm.em_step(hmm.params, xd)
@@ -70,6 +73,7 @@ def test_all_rows_bad_leave_the_parameters_unchanged(hmm):
         hmm.raise_pending()
 
 
+@pytest.mark.slow
 def test_missing_entries_are_not_checked(hmm):
     x = jnp.asarray(_data()).at[2, 3].set(7)
     missing = jnp.zeros((6, 6), bool).at[2, 3].set(True)
@@ -98,6 +102,7 @@ def test_sync_raises_at_once_and_numpy_raises_before_running(hmm):
         hmm.log_prob(hmm.params, x, validate="yes")
 
 
+@pytest.mark.slow
 def test_queries_mark_bad_rows(hmm):
     xd = jnp.asarray(_data()).at[2, 3].set(7)
     assign, value = hmm.mpe(hmm.params, xd)
@@ -111,6 +116,7 @@ def test_queries_mark_bad_rows(hmm):
         hmm.sample(hmm.params, jax.random.key(0), x=jnp.asarray(_data()))
 
 
+@pytest.mark.slow
 def test_inside_a_user_jit_bad_rows_are_nan(hmm):
     f = jax.jit(lambda p, x: hmm.log_prob(p, x))
     ll = np.asarray(f(hmm.params, jnp.asarray(_data()).at[2, 3].set(7)))
@@ -118,6 +124,7 @@ def test_inside_a_user_jit_bad_rows_are_nan(hmm):
     hmm.raise_pending()  # nothing can be reported from inside a trace
 
 
+@pytest.mark.slow
 def test_fit_and_parallel_check_device_data(hmm):
     data = jnp.asarray(_data(16, seed=5)).at[5, 3].set(7)
     with pytest.raises(ValueError, match=r"data\[5, 3\] = 7 is out of range.*optim\.fit"):

@@ -9,9 +9,10 @@ from jaxpc import dists, structures
 
 from . import oracle
 from .random_circuits import Generator
+from .tiers import cases
 
 
-@pytest.mark.parametrize("tp, te", [(0.5, 1.0), (2.0, 2.0), (0.7, 0.3)])
+@pytest.mark.parametrize("tp, te", cases([(0.5, 1.0), (2.0, 2.0), (0.7, 0.3)], fast=[(0.7, 0.3)], unpack=True))
 def test_tempered_flows(tp, te):
     gen = Generator(11, 4, kinds=("categorical", "bernoulli"))
     c = jaxpc.compile(gen.circuit())
@@ -55,6 +56,7 @@ def test_keep_zero_params():
     assert np.all(np.asarray(c.get_node_params(c.em_step(c.params, x, pseudocount=pc), root)) > 0)
 
 
+@pytest.mark.slow
 def test_tdp_step_size_rescaling():
     gen = Generator(4, 3, kinds=("categorical", "bernoulli"))
     c = jaxpc.compile(gen.circuit())

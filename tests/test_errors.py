@@ -118,7 +118,8 @@ def test_unknown_propagation(cat_circuit):
 
 
 def test_unknown_param_flow_pass():
-    with pytest.raises(ValueError, match=r"param_flow_pass must be one of \('auto', 'inline', 'batched'\), got 'later'"):
+    msg = r"param_flow_pass must be one of \('auto', 'inline', 'batched'\), got 'later'"
+    with pytest.raises(ValueError, match=msg):
         jaxpc.Options(param_flow_pass="later")
 
 

@@ -14,6 +14,7 @@ from jaxpc.ops.sum_layer_external import dense_weights_reference
 
 from .random_circuits import Generator
 from .test_hmm import forward_backward
+from .tiers import cases
 
 
 def _hmm_params(c):
@@ -39,7 +40,7 @@ def _reweighted_forward(a, b, g, x, e):
     return np.array(out)
 
 
-@pytest.mark.parametrize("homogeneous", [True, False])
+@pytest.mark.parametrize("homogeneous", cases([True, False], fast=[False]))
 def test_soft_evidence_hmm_dense_and_topk(homogeneous):
     rng = np.random.default_rng(0)
     T, L, V, B = 5, 4, 7, 3
@@ -62,8 +63,8 @@ def test_soft_evidence_hmm_dense_and_topk(homogeneous):
     dense = np.full_like(e, -np.inf)
     np.put_along_axis(dense, ids, lp, 2)
     top = c.log_prob(c.params, x, evidence={"categorical_topk": {"ids": ids, "logp": lp}})
-    np.testing.assert_allclose(np.asarray(top), np.asarray(c.log_prob(c.params, x, evidence={"categorical_logp": dense})),
-                               rtol=1e-5)
+    dense_ll = c.log_prob(c.params, x, evidence={"categorical_logp": dense})
+    np.testing.assert_allclose(np.asarray(top), np.asarray(dense_ll), rtol=1e-5)
     np.testing.assert_allclose(np.asarray(top), _reweighted_forward(a, b, g, x, dense.astype(np.float64)), rtol=1e-5)
     # a value mask drops candidates exactly like -inf evidence does
     mask = rng.random(ids.shape) < 0.7
@@ -98,6 +99,7 @@ def _fd(f, arr, idx, h=1e-2):
     return (float(f(up)) - float(f(dn))) / (2 * h)
 
 
+@pytest.mark.slow
 def test_evidence_gradients_equal_finite_differences():
     rng = np.random.default_rng(2)
     T, L, V, B = 4, 4, 6, 2
@@ -181,7 +183,7 @@ def _per_sample_reference(c, params, x, gates, lowrank):
     return np.array(out)
 
 
-@pytest.mark.parametrize("kind", ["gates", "lowrank", "both"])
+@pytest.mark.parametrize("kind", cases(["gates", "lowrank", "both"], fast=[]))
 def test_blockscale_and_lowrank_match_dense_per_sample_reference(kind):
     gen = Generator(8, 4, kinds=("categorical", "bernoulli"))  # ragged: sparse edges, ties, mixed blocks
     c = jaxpc.compile(gen.circuit())
@@ -229,7 +231,7 @@ def test_shared_parameters_train_by_em_under_gates():
     np.testing.assert_allclose(np.asarray(c.get_node_params(new, c.root)).sum(), 1.0, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["hmm_untied", "hclt", "pd", "rat"])
+@pytest.mark.parametrize("name", cases(["hmm_untied", "hclt", "pd", "rat"], fast=["hclt"]))
 def test_evidence_on_every_structure_with_cache_and_jit_grad(name):
     rng = np.random.default_rng(7)
     sec = dists.SoftEvidenceCategorical(3)
@@ -278,7 +280,8 @@ def test_evidence_errors():
     with pytest.raises(ValueError, match="names sum group '9x9'"):
         c.log_prob(c.params, x, evidence={"sum_gates": {"9x9": np.zeros((2, 1))}})
     with pytest.raises(TypeError, match="'ids'\\] must be integers"):
-        c.log_prob(c.params, x, evidence={"categorical_topk": {"ids": np.zeros((2, 3, 2)), "logp": np.zeros((2, 3, 2))}})
+        c.log_prob(c.params, x,
+                   evidence={"categorical_topk": {"ids": np.zeros((2, 3, 2)), "logp": np.zeros((2, 3, 2))}})
 
 
 def test_topk_logz_dense_and_gather_paths_agree():

@@ -18,7 +18,7 @@ import jaxpc
 from jaxpc import structures
 from jaxpc.executables import BucketPolicy
 
-from .test_api import hmm_like
+from .tiers import cases
 
 
 def _hmm(**kw):
@@ -89,7 +89,7 @@ def test_every_option_field_is_covered():
         assert len(allowed) == 1, f"{name} now has several values: move it to OPTION_CHANGES"
 
 
-@pytest.mark.parametrize("field", sorted(OPTION_CHANGES))
+@pytest.mark.parametrize("field", cases(sorted(OPTION_CHANGES), fast=["precision", "propagation"]))
 def test_changing_an_option_never_replays_the_cached_executable(field):
     entry, base, changed = OPTION_CHANGES[field]
     x = _data(10)
@@ -175,6 +175,7 @@ def test_bucket_policy():
         BucketPolicy("log")
 
 
+@pytest.mark.slow
 def test_varying_batches_equal_unpadded_and_share_executables():
     c = _hmm()
     exact = _hmm(buckets="exact")
@@ -293,6 +294,7 @@ def test_training_step_makes_no_host_transfer():
 
 # ---- partial evaluation ------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_partial_evaluation_matches_full_on_random_circuits():
     from .random_circuits import Generator
     for seed in (2, 6):
@@ -301,7 +303,10 @@ def test_partial_evaluation_matches_full_on_random_circuits():
         x = gen.sample_data(9)
         x2 = gen.sample_data(9)
         x2[:, :2] = x[:, :2]  # variables 2 and 3 change
-        xin = lambda a: a if "gaussian" in gen.kinds else a.astype(np.int32)
+
+        def xin(a):
+            return a if "gaussian" in gen.kinds else a.astype(np.int32)
+
         values = c.node_values(c.params, xin(x))
         ll, buf = c.partial([2, 3]).log_prob(c.params, xin(x2), values)
         np.testing.assert_allclose(np.asarray(ll), np.asarray(c.log_prob(c.params, xin(x2))), rtol=1e-5, atol=1e-5)
@@ -323,6 +328,7 @@ def test_partial_plan_of_a_long_hmm_still_scans():
 
 # ---- persistent compilation cache ----------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_persistent_cache_serves_a_second_process(tmp_path):
     script = textwrap.dedent(f"""
         import time, numpy as np, jax, jaxpc
@@ -346,7 +352,7 @@ def test_persistent_cache_serves_a_second_process(tmp_path):
 def test_table_signature_is_computed_once_per_tables_object():
     """The key's table component comes from an identity memo; equal tables in another object (a copy, or a
     recompiled circuit) still give an equal key, and tables of another shape a different one."""
-    from jaxpc.executables import ExecutableCache, _TABLE_SIGS
+    from jaxpc.executables import _TABLE_SIGS, ExecutableCache
 
     c = _hmm()
     first = _TABLE_SIGS.get(c.tables)

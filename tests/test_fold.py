@@ -8,19 +8,20 @@ import pytest
 
 import jaxpc
 from jaxpc import dists, structures
-from jaxpc.engine import forward as engine_forward
 from jaxpc.compiler import ScanSpec
+from jaxpc.engine import forward as engine_forward
 from jaxpc.nodes import inputs, multiply, summate
 
 from . import oracle
 from .test_bruteforce import B, as_input, check_flows_and_ll, make
+from .tiers import cases
 
 FOLD = jaxpc.Options(fold_products=True)
 FULL = jaxpc.Options(fold_products=False)
 SEEDS = list(range(0, 20, 5))
 
 
-@pytest.fixture(scope="module", params=SEEDS)
+@pytest.fixture(scope="module", params=cases(SEEDS, fast=[0]))
 def case(request):
     return make(request.param)
 
@@ -37,7 +38,8 @@ def test_reduced_precision_flows_match_exact_expected_counts(case, fold):
     check_flows_and_ll(*case, options=jaxpc.Options(precision="tf32", fold_products=fold))
 
 
-@pytest.mark.parametrize("kw", [{"propagation": "GeneralLL", "alpha": 2.5}, {"chain_scan": False}],
+@pytest.mark.parametrize("kw", cases([{"propagation": "GeneralLL", "alpha": 2.5}, {"chain_scan": False}],
+                                     fast=[{"chain_scan": False}]),
                          ids=["GeneralLL", "hmm-layers"])
 def test_reduced_precision_flows_equal_fp32(kw):
     """The stored-value local sums of GeneralLL (``exp(alpha (value - m))``) and of dense partitions (an HMM's
@@ -92,6 +94,7 @@ def _batched_blocks(monkeypatch, c, x, opts) -> int:
     return sum(seen)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["hclt", "pd"])
 def test_batched_param_flows_equal_the_inline_ones(monkeypatch, name):
     """The batched parameter-flow pass covers exactly the sum blocks gathered block by block (a scanned HCLT's
@@ -136,6 +139,7 @@ def test_batched_param_flows_equal_the_inline_ones(monkeypatch, name):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["hclt", "pd"])
 def test_batched_param_flows_kernel_equals_xla(monkeypatch, name):
     """Where the in-place forward kept every batched block's shift, the batched pass runs its Pallas kernel
@@ -200,6 +204,7 @@ def _pieces_equal_whole(c, x, opts):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fold", [True, False], ids=["fold", "full"])
 def test_pd_sum_layers_in_pieces(fold):
     """A PD (levels of four parent blocks, a dense root) in pieces of two parent blocks:
@@ -245,7 +250,8 @@ def test_in_order_chains_the_pieces_through_barriers():
     def f(x):
         return jax.numpy.concatenate(in_order(ranges(10, 4), lambda a, b: x[a:b], step, []))
 
-    np.testing.assert_array_equal(np.asarray(f(x)), np.r_[np.arange(3.0), 4 * np.arange(3.0, 6), 7 * np.arange(6.0, 10)])
+    expect = np.r_[np.arange(3.0), 4 * np.arange(3.0, 6), 7 * np.arange(6.0, 10)]
+    np.testing.assert_array_equal(np.asarray(f(x)), expect)
     assert seen == [(0, 3), (3, 6), (6, 10)]
     assert str(jax.make_jaxpr(f)(x)).count("optimization_barrier") == 2
 
@@ -273,6 +279,7 @@ def test_auto_impl_picks_the_pallas_forward_on_a_gpu_for_fan_ins_and_small_batch
     assert engine_forward.kernel_choice(tuned, fan_in, 16)[0] == "xla"
 
 
+@pytest.mark.slow
 def test_auto_impl_as_on_a_gpu(pallas_forward_calls):
     """The default options with the GPU rule on (the Pallas kernels in interpret mode): at a small batch every
     partition of a PD that is not dense runs the in-place Pallas forward (at a large one its fan-in partitions
@@ -302,7 +309,8 @@ def test_auto_impl_as_on_a_gpu(pallas_forward_calls):
 
 
 @pytest.mark.parametrize("kw", [{"propagation": "MPE"}, {"propagation": "GeneralLL", "alpha": 2.5},
-                                {"pflow_temperature": 0.5, "eflow_temperature": 2.0}], ids=["MPE", "GeneralLL", "tempered"])
+                                {"pflow_temperature": 0.5, "eflow_temperature": 2.0}],
+                         ids=["MPE", "GeneralLL", "tempered"])
 def test_other_propagations_equal_the_full_layout(case, kw):
     gen, c = case
     x = as_input(gen, gen.sample_data(B))
@@ -312,7 +320,7 @@ def test_other_propagations_equal_the_full_layout(case, kw):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["hclt", "pd", "hmm", "rat"])
+@pytest.mark.parametrize("name", cases(["hclt", "pd", "hmm", "rat"], fast=["hmm"]))
 def test_structures_fold_to_sum_stages_with_fewer_rows(name):
     rng = np.random.default_rng(0)
     cat = dists.Categorical(4)
@@ -364,7 +372,7 @@ def test_nested_products_and_mixed_children_fold():
 FUSED = jaxpc.Options(fold_products=True, impl="pallas")
 
 
-@pytest.mark.parametrize("seed", SEEDS[:3])
+@pytest.mark.parametrize("seed", cases(SEEDS[:3], fast=[0]))
 def test_fused_kernels_match_exact_expected_counts(seed):
     """The folded plan on the Pallas kernels (interpret mode here), writing the node and flow buffers in place."""
     check_flows_and_ll(*make(seed), options=FUSED)
@@ -378,8 +386,9 @@ def test_fused_plan_runs_the_in_place_kernels():
     assert "scatter-add" not in text.split("jaxpc_sum_forward_inplace")[0]  # no XLA sum layer on the way up
 
 
-@pytest.mark.parametrize("batch,precision,kernel", [(B, "fp32", "level"), (B, "tf32", "level"),
-                                                    (70, "fp32", "slots_inplace")])
+@pytest.mark.parametrize("batch,precision,kernel",
+                         cases([(B, "fp32", "level"), (B, "tf32", "level"), (70, "fp32", "slots_inplace")],
+                               fast=[(B, "tf32", "level")], unpack=True))
 def test_tree_levels_run_the_level_or_slot_kernel(batch, precision, kernel):
     """An HCLT's folded levels are exclusive (one child per parent, one parent per row block): the Pallas
     backward writes each parent's child flows to all row blocks of its child, in one kernel per level (parameter
@@ -442,7 +451,7 @@ def test_conflict_free_scatters_are_conflict_free(name):
         assert flagged["distinct"] > 0 and flagged["unique_pid"] > 0
 
 
-@pytest.mark.parametrize("fold", [True, False], ids=["fold", "full"])
+@pytest.mark.parametrize("fold", cases([True, False], fast=[False]), ids=["fold", "full"])
 def test_single_reader_flows_match_exact_expected_counts(fold):
     """In a tree (an HCLT) every row has one reader (``Layout.single_reader``, in both plans), so the flow pass's
     XLA scatters write the child flows instead of adding them: flows with missing values and weights against the
@@ -463,7 +472,7 @@ def test_single_reader_flows_match_exact_expected_counts(fold):
     assert oracle.check_flows(c, fl, totals, in_totals) > 0
 
 
-@pytest.mark.parametrize("fold", [True, False], ids=["fold", "full"])
+@pytest.mark.parametrize("fold", cases([True, False], fast=[False]), ids=["fold", "full"])
 def test_single_reader_flow_pass_writes_every_row_it_reads(monkeypatch, fold):
     """A single-reader layout's flow pass starts from an unset buffer (``forward.flow_buffer``: uninitialized on a
     GPU, NaN here) with only its gaps zeroed (``Layout.flow_gaps``: the padding rows in a tree; None in a DAG).
@@ -540,6 +549,7 @@ def _chain_hclt():
     return jaxpc.compile(structures.HCLT(x, 8, input_dist=dists.Categorical(3)), seed=1), x[:11]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,fold", [("hclt", True), ("hclt", False), ("pd", True)],
                          ids=["scanned-fold", "scanned-full", "fan-ins-fold"])
 @pytest.mark.parametrize("impl", ["pallas_forward", "xla"])
@@ -660,6 +670,7 @@ def test_kept_shift_of_a_wrong_shape_is_refused():
     np.testing.assert_allclose(np.asarray(dense), np.asarray(one)[0], rtol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed,fold", [(0, True), (7, False)], ids=["fold", "full"])
 def test_leaf_kernel_matches_exact_expected_counts(monkeypatch, seed, fold):
     """Where every input layer is a table of log-values (categorical, Bernoulli), the Pallas routes build the flow

@@ -6,6 +6,8 @@ import pytest
 import jaxpc
 from jaxpc import structures
 
+from .tiers import cases
+
 
 def forward_backward(alphas, betas, gamma, x):
     """Scaled forward-backward. ``alphas[t]``: transitions t -> t+1, ``betas[t]``: emissions at t.
@@ -41,7 +43,7 @@ def _nodes(c, prefix):
 
 
 @pytest.mark.parametrize("chain_scan", [True, False], ids=["chain-scan", "layers"])
-@pytest.mark.parametrize("homogeneous", [True, False])
+@pytest.mark.parametrize("homogeneous", cases([True, False], fast=[True]))
 def test_hmm_ll_and_em_counts(homogeneous, chain_scan):
     opts = jaxpc.Options(chain_scan=chain_scan)
     rng = np.random.default_rng(0)
@@ -85,6 +87,7 @@ def test_hmm_ll_and_em_counts(homogeneous, chain_scan):
     np.testing.assert_allclose(np.asarray(c.get_node_params(new, root))[0], init_ref / B, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chain_scan", [True, False], ids=["chain-scan", "layers"])
 def test_hmm_10000_steps_float32(chain_scan):
     opts = jaxpc.Options(chain_scan=chain_scan)

@@ -13,6 +13,8 @@ from jaxpc import dists, structures
 from jaxpc.compiler.compile import _variable_run
 from jaxpc.engine import em
 
+from .tiers import cases
+
 
 def test_variable_run():
     ar = np.arange
@@ -43,7 +45,7 @@ def _per_node_case(c, data, missing: str):
 
 @pytest.mark.parametrize("chunk", [None, 3 * 37 * 5])
 @pytest.mark.parametrize("precision", ["fp32", "tf32"])
-@pytest.mark.parametrize("missing", ["none", "per_sample", "per_variable"])
+@pytest.mark.parametrize("missing", cases(["none", "per_sample", "per_variable"], fast=["per_sample"]))
 def test_run_counts_equal_scatter(hclt, precision, missing, chunk):
     # with chunk: one-hot matrices of 3 variables at a time (10 variables: a last chunk of one)
     tuning = jaxpc.Tuning(onehot_chunk=chunk) if chunk else jaxpc.Tuning()
@@ -77,8 +79,8 @@ def test_default_runs_path_for_other_leaves():
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6), got, ref)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "tf32"])
-@pytest.mark.parametrize("missing", ["none", "per_sample", "per_variable"])
+@pytest.mark.parametrize("precision", cases(["fp32", "tf32"], fast=["tf32"]))
+@pytest.mark.parametrize("missing", cases(["none", "per_sample", "per_variable"], fast=["per_variable"]))
 def test_counts_kernel_equals_scatter(hclt, precision, missing, monkeypatch):
     """The Pallas route (interpret mode here) takes the counts of categorical leaves in runs from one kernel
     (``pallas_leaf.categorical_counts``, the one-hot matrices in registers): equal to the per-node scatter, with
@@ -104,6 +106,7 @@ def test_counts_kernel_equals_scatter(hclt, precision, missing, monkeypatch):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_counts_kernel_route_and_shapes():
     """``pallas_leaf.categorical_counts`` against exact counts over runs, categories and batches that are not
     multiples of its tiles (values out of range count nowhere; fp32 splits the flows, exact to float32 rounding),

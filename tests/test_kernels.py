@@ -16,6 +16,8 @@ from jaxpc.compiler.compile import inverse_tables
 from jaxpc.ops import pallas_leaf, pallas_sum
 from jaxpc.ops.sum_layer import child_rows, sum_layer_backward_reference, sum_layer_reference
 
+from .tiers import cases
+
 # (Kp, Kc, n, C, B, pad_frac, ninf_frac)
 SHAPES = [
     (1, 1, 5, 1, 1, 0.0, 0.0),
@@ -54,7 +56,7 @@ def make_partition(Kp, Kc, n, C, B, pad_frac, ninf_frac, seed=0, num_param_block
     return jnp.asarray(buf), tab, jnp.asarray(logw), R
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "Kp{}-Kc{}-n{}-C{}-B{}".format(*s[:5]))
+@pytest.mark.parametrize("shape", cases(SHAPES, fast=SHAPES[:1]), ids=lambda s: "Kp{}-Kc{}-n{}-C{}-B{}".format(*s[:5]))
 @pytest.mark.parametrize("alpha", [1.0, 2.0])
 def test_kernels_match_reference(shape, alpha):
     Kp, Kc, n, C, B = shape[:5]
@@ -97,6 +99,7 @@ def test_inverse_tables():
     assert got == {10: [(0, 0), (1, 4)], 20: [(0, 1), (1, 2)], 30: [(1, 3)]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prop", ["LL"])  # GeneralLL kernels: test_kernels_match_reference[2.0-*]
 def test_circuit_with_pallas_kernels_equals_reference(prop):
     """The full layout (products as their own layers) on the kernels; the folded plan's in-place kernels are
@@ -168,6 +171,7 @@ def test_kernels_lower_for_cuda_without_a_gpu():
 FOLDED = [(4, 4, 3, 2, 3, 7), (16, 32, 2, 1, 4, 19), (2, 8, 5, 3, 2, 40)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", FOLDED, ids=lambda s: "Kp{}-Kc{}-n{}-C{}-M{}-B{}".format(*s))
 def test_folded_kernels_in_place_match_reference(shape):
     """Folded tables (``ch [n, C, M]``: zero-row and -inf padding, row blocks shared between parents) through the
@@ -276,8 +280,9 @@ def make_tree_level(Kp, Kc, n, M, B, alpha=1.0, seed=11):
     return out, flows0, t, logw, off, base, want, pf_ref
 
 
-@pytest.mark.parametrize("alpha", [1.0, 0.5])
-@pytest.mark.parametrize("shape", EXCLUSIVE, ids=lambda s: "Kp{}-Kc{}-n{}-M{}-B{}-bb{}".format(*s))
+@pytest.mark.parametrize("alpha", cases([1.0, 0.5], fast=[0.5]))
+@pytest.mark.parametrize("shape", cases(EXCLUSIVE, fast=EXCLUSIVE[:1]),
+                         ids=lambda s: "Kp{}-Kc{}-n{}-M{}-B{}-bb{}".format(*s))
 def test_exclusive_backward_matches_reference(shape, alpha):
     """Tree levels: child flows computed once per parent and added into every row block of its folded child
     (zero-row padding untouched), over one batch tile or several, LL and GeneralLL."""
@@ -303,8 +308,9 @@ def test_exclusive_backward_rejects_bad_input():
         pallas_sum.backward_exclusive(b, b.astype(jnp.float16), 24, ch[:, :1], pid[:, :1], lw, Kp=4, Kc=4, first_row=8)
 
 
-@pytest.mark.parametrize("shape", EXCLUSIVE, ids=lambda s: "Kp{}-Kc{}-n{}-M{}-B{}".format(*s[:5]))
-@pytest.mark.parametrize("alpha,precision", [(1.0, "fp32"), (0.5, "tf32")])
+@pytest.mark.parametrize("shape", cases(EXCLUSIVE, fast=EXCLUSIVE[:1]),
+                         ids=lambda s: "Kp{}-Kc{}-n{}-M{}-B{}".format(*s[:5]))
+@pytest.mark.parametrize("alpha,precision", cases([(1.0, "fp32"), (0.5, "tf32")], fast=[(1.0, "fp32")], unpack=True))
 def test_level_backward_matches_reference(shape, alpha, precision):
     """A tree level in one kernel (the batch whole in each program): child flows into every row block of the
     folded child, parameter flows as an array or added into a parameter-flow buffer in place; local sums
@@ -371,7 +377,7 @@ def make_after_case(Kp, Kc, n, C, M, B, seed=0, unkept=3):
 AFTER = [(8, 4, 3, 2, 3, 7), (16, 32, 2, 1, 4, 19), (8, 8, 5, 3, 1, 40), (64, 64, 3, 1, 1, 16), (32, 16, 2, 1, 2, 70)]
 
 
-@pytest.mark.parametrize("shape", AFTER, ids=lambda s: "Kp{}-Kc{}-n{}-C{}-M{}-B{}".format(*s))
+@pytest.mark.parametrize("shape", cases(AFTER, fast=AFTER[:1]), ids=lambda s: "Kp{}-Kc{}-n{}-C{}-M{}-B{}".format(*s))
 @pytest.mark.parametrize("propagation", ["LL", "GeneralLL"])
 def test_param_flows_after_match_reference(shape, propagation):
     """The batched parameter-flow kernel (local sums from the stored values; shifts kept, or recomputed where
@@ -418,8 +424,8 @@ def make_leaf_case(B: int, seed: int = 0, missing: bool = False):
     return jnp.asarray(x, jnp.int32), layers, tabs, miss
 
 
-@pytest.mark.parametrize("B", [1, 37, 130])
-@pytest.mark.parametrize("missing", [False, True])
+@pytest.mark.parametrize("B", cases([1, 37, 130], fast=[37]))
+@pytest.mark.parametrize("missing", cases([False, True], fast=[True]))
 @pytest.mark.parametrize("config", [pallas_leaf.LeafConfig(), pallas_leaf.LeafConfig(block_b=16, block_e=64)],
                          ids=["default", "small"])
 def test_categorical_buffer_matches_reference(B, missing, config):

@@ -79,6 +79,7 @@ def test_soft_evidence_model_trains_with_nnx_optimizer(circuit):
     np.testing.assert_allclose(_sum_node_totals(circuit, p), 1.0, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_em_on_the_module_equals_circuit_em_step(circuit):
     m = CircuitModule(circuit)
     ll = nnx.jit(lambda m, x: m.em_step(x, step_size=0.5, pseudocount=0.1))(m, X[:6])

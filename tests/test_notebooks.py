@@ -4,7 +4,6 @@ The committed notebooks are saved with the outputs of a full run; this test exec
 writes them back."""
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +28,7 @@ def test_notebooks_are_committed_with_outputs():
             f"{path.name} shows no figure"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path, monkeypatch):
     monkeypatch.setenv("JAXPC_SMALL", "1")

@@ -88,7 +88,7 @@ def test_masked_categorical_keeps_forbidden_values_at_zero():
     a = jaxpc.inputs(0, 1, 2, dists.MaskedCategorical(3, "range"), params={"mask": mask})
     root = jaxpc.summate(a, num_nodes=1)
     c = jaxpc.compile(root)
-    logits = jax.tree_util.tree_map(lambda l: jnp.where(jnp.isfinite(l), l, 5.0), c.params)  # revive -inf
+    logits = jax.tree_util.tree_map(lambda w: jnp.where(jnp.isfinite(w), w, 5.0), c.params)  # revive -inf
     p = optim.normalize(c, logits)
     probs = np.asarray(c.get_node_params(p, a)["probs"])
     assert probs[0, 2] == 0 and probs[1, 0] == 0
@@ -103,7 +103,10 @@ def test_adam_on_logits_stays_normalized_and_improves_ll():
 
     @jax.jit
     def step(params, state):
-        loss, g = jax.value_and_grad(lambda p: optim.mean_nll(layout, tables, p, x, None, None, jaxpc.Options())[0])(params)
+        def loss_fn(p):
+            return optim.mean_nll(layout, tables, p, x, None, None, jaxpc.Options())[0]
+
+        loss, g = jax.value_and_grad(loss_fn)(params)
         updates, state = tx.update(g, state, params)
         return optax.apply_updates(params, updates), state, loss
 
@@ -187,6 +190,7 @@ def test_anemone_is_a_per_node_proximal_em_step():
     assert _maxdiff(new, new2) < 1e-6
 
 
+@pytest.mark.slow
 def test_fit_equals_a_python_loop_of_em_steps():
     circuit, _, data = _small_circuit()
     key = jax.random.key(7)
@@ -237,6 +241,7 @@ def test_fit_full_batch_em_equals_circuit_full_batch_em():
     np.testing.assert_allclose(res.epoch_ll, [float(ll0), float(ll1)], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_fit_with_optax_and_anemone_learn_and_stay_normalized():
     circuit, X, data = _small_circuit()
     for tx in (optax.adam(0.05), optim.anemone(circuit, step_size=1.0, pseudocount=0.1)):

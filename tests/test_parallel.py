@@ -11,6 +11,7 @@ import jaxpc
 from jaxpc import optim, parallel, structures
 
 from .test_optim import _maxdiff, _small_circuit
+from .tiers import cases
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (fake) devices")
 
@@ -42,7 +43,7 @@ def hmm():
     return circuit, data, missing
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", cases([2, 4], fast=[2]))
 def test_flows_and_em_step_equal_one_device(hmm, n):
     circuit, data, missing = hmm
     mesh = parallel.data_mesh(n)
@@ -82,6 +83,7 @@ def test_vma_checked_gradients_are_already_summed():
     assert _root_flow(circuit, fl) == pytest.approx(40, rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [4])
 def test_gradient_and_optax_steps_equal_one_device(n):
     circuit, _, data = _small_circuit()
@@ -101,6 +103,7 @@ def test_gradient_and_optax_steps_equal_one_device(n):
     assert _maxdiff(p1, p2) < 1e-5
 
 
+@pytest.mark.slow
 def test_fit_on_a_mesh_equals_fit_on_one_device():
     circuit, _, data = _small_circuit()
     kw = dict(step_size=0.3, pseudocount=0.1, key=jax.random.key(2), progress=False)
@@ -119,7 +122,7 @@ def test_data_mesh_rejects_bad_sizes():
         parallel.data_mesh(0)
 
 
-@pytest.mark.parametrize("kind", ["em", "adam"])
+@pytest.mark.parametrize("kind", cases(["em", "adam"], fast=["adam"]))
 def test_steady_state_step_moves_nothing_but_the_data(hmm, kind):
     """After the first call, a data-parallel step runs under jax.transfer_guard("disallow"): the index
     tables and the weights stay on the mesh (passed from one device, the tables' hundreds of small
@@ -137,6 +140,7 @@ def test_steady_state_step_moves_nothing_but_the_data(hmm, kind):
     assert _root_flow(circuit, fl) == pytest.approx(8.0, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_auto_impl_kernels_under_shard_map(pallas_forward_calls):
     """With the GPU rule on (the Pallas kernels in interpret mode here), the default options run the in-place
     Pallas forward, keeping its shifts, inside ``shard_map``: data-parallel flows and gradients equal one

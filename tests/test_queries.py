@@ -14,7 +14,7 @@ from jaxpc import dists, queries, structures
 from . import oracle
 from .random_circuits import CARD, Generator
 from .test_bruteforce import deterministic_circuit
-from .test_hmm import forward_backward
+from .tiers import cases
 
 DISCRETE = ("categorical", "bernoulli", "masked", "indicator", "literal", "logistic")
 SEEDS = list(range(8))
@@ -27,7 +27,7 @@ def make(seed):
     return gen, c, x.astype(np.int32)
 
 
-@pytest.fixture(scope="module", params=SEEDS)
+@pytest.fixture(scope="module", params=cases(SEEDS, fast=[2]))
 def case(request):
     return make(request.param)
 
@@ -73,13 +73,17 @@ def test_marginals_hard_and_soft(case):
     np.testing.assert_allclose(np.asarray(c.marginal(c.params, soft_evidence=onehot)), expect, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 5])
 def test_soft_evidence_gradient_is_finite_difference(seed):
     gen, c, x = make(seed)
     K = int(max(CARD[k] for k in gen.kinds))
     rng = np.random.default_rng(1)
     q = rng.uniform(0.2, 1.0, (2, x.shape[1], K))
-    f = lambda qq: jnp.sum(queries.marginal(c, c.params, soft_evidence=qq))
+
+    def f(qq):
+        return jnp.sum(queries.marginal(c, c.params, soft_evidence=qq))
+
     g = np.asarray(jax.grad(f)(jnp.asarray(q, jnp.float32)))
     i = (1, x.shape[1] - 1, 1)
     h = 1e-3
@@ -136,7 +140,7 @@ def test_mpe_decoding_and_value(case):
     assert float(v0[0]) == pytest.approx(mp_all.max(), abs=1e-5)
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", cases(range(3), fast=[0]))
 def test_mpe_is_exact_map_on_deterministic_circuits(seed):
     c = jaxpc.compile(deterministic_circuit(seed))
     x = np.asarray(list(itertools.product(range(3), repeat=4)), dtype=np.int32)
@@ -211,7 +215,7 @@ def _sampling_circuits():
     return {"hmm": hmm, "random": gen.circuit(), "pd": pd}
 
 
-@pytest.mark.parametrize("name", ["hmm", "random", "pd"])
+@pytest.mark.parametrize("name", cases(["hmm", "random", "pd"], fast=["hmm"]))
 def test_sampling_matches_exact_distribution(name):
     root = _sampling_circuits()[name]
     c = jaxpc.compile(root, seed=1)
@@ -258,6 +262,7 @@ def test_continuous_samples_and_modes():
     np.testing.assert_allclose(np.asarray(assign[0]), [4.0, 1.0])
 
 
+@pytest.mark.slow
 def test_queries_jit_and_vmap_over_params():
     c = jaxpc.compile(structures.HMM(4, 3, 3))
     keys = jax.random.split(jax.random.key(0), 3)

@@ -11,7 +11,6 @@ from jaxpc import dists, structures
 
 from .random_circuits import Generator
 
-
 _BUILT: dict = {}
 
 
@@ -111,6 +110,7 @@ class TestHMMTied(StructureInvariants):
         return structures.HMM(4, 3, 3), [3] * 4
 
 
+@pytest.mark.slow
 class TestHMMUntied(StructureInvariants):
     region_complete = True
 
@@ -128,28 +128,33 @@ class TestHCLT(StructureInvariants):
         return structures.HCLT(x, 4, input_dist=dists.Categorical(3), block_size=2), [3] * 5
 
 
+@pytest.mark.slow
 class TestPD(StructureInvariants):
     def build(self):
         return structures.PD((2, 3), 4, split_intervals=1, input_dist=dists.Categorical(2)), [2] * 6
 
 
+@pytest.mark.slow
 class TestPDProdDominated(StructureInvariants):
     def build(self):
         return structures.PD((2, 3), 2, split_intervals=1, structure_type="prod_dominated",
                              input_dist=dists.Categorical(2), max_prod_block_conns=1), [2] * 6
 
 
+@pytest.mark.slow
 class TestPDTied(StructureInvariants):
     def build(self):
         return structures.PD((3, 2), 4, split_points=([1, 2], [1]), tie_homogeneous_params=True,
                              input_dist=dists.Categorical(2), block_size=2), [2] * 6
 
 
+@pytest.mark.slow
 class TestRATSPN(StructureInvariants):
     def build(self):
         return structures.RAT_SPN(5, 4, depth=2, num_repetitions=3, input_dist=dists.Categorical(3)), [3] * 5
 
 
+@pytest.mark.slow
 class TestPDHCLT(StructureInvariants):
     def build(self):
         rng = np.random.default_rng(2)
@@ -157,6 +162,7 @@ class TestPDHCLT(StructureInvariants):
         return structures.PDHCLT(data, (2, 3), 2, split_intervals=(1, 2), input_dist=dists.Categorical(2)), [2] * 6
 
 
+@pytest.mark.slow
 class TestHandBuilt(StructureInvariants):
     def build(self):
         gen = Generator(5, 4, kinds=("categorical", "bernoulli"))  # full-support leaves: all data possible
