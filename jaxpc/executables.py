@@ -176,6 +176,7 @@ class PackedTables:
 
 
 _PACKED = _IdentityMemo(PackedTables)
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep  # jaxpc/: warnings point past it
 PACK_TABLES: Final = True  # executables take the index tables packed (PackedTables)
 
 
@@ -361,7 +362,8 @@ class ExecutableCache:
             warnings.warn(
                 f"jaxpc: '{entry}' has been compiled for {len(seen)} different layouts; {worst} keeps changing "
                 f"({counts.get(worst, 0)} distinct values). Keep it fixed (or pad it yourself) to reuse executables; "
-                f"varying batch sizes are bucketed automatically.", RuntimeWarning, stacklevel=4)
+                f"varying batch sizes are bucketed automatically.", RuntimeWarning,
+                skip_file_prefixes=(_PACKAGE_DIR,))  # points at the user's call, however deep the call path
 
 
 def _call_args(args: dict) -> list:

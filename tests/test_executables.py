@@ -224,9 +224,10 @@ def test_warns_once_naming_the_changing_option():
         warnings.simplefilter("always")
         for a in (1.1, 1.2, 1.3, 1.4, 1.5, 1.6):
             c.log_prob(c.params, x, propagation="GeneralLL", alpha=a)
-    msgs = [str(w.message) for w in rec if issubclass(w.category, RuntimeWarning)]
-    assert len(msgs) == 1
-    assert "'log_prob'" in msgs[0] and "option 'alpha' keeps changing" in msgs[0]
+    warned = [w for w in rec if issubclass(w.category, RuntimeWarning)]
+    assert len(warned) == 1
+    assert "'log_prob'" in str(warned[0].message) and "option 'alpha' keeps changing" in str(warned[0].message)
+    assert warned[0].filename == __file__, "the warning points at the user's call, not into jaxpc"
 
 
 def test_warning_names_a_changing_argument():
