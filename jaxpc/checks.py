@@ -121,22 +121,29 @@ def check_batch(info: VarInfo, x, missing, *, check_values: bool, float_dtype, w
     return xj, mj, on_device
 
 
+def bad_entries(xp, x, discrete: np.ndarray, lo: np.ndarray, hi: np.ndarray):
+    """``bool[B, V]``: the entries of ``x`` that no leaf of their variable admits (out of a discrete variable's
+    range ``[lo, hi)``, fractional for a discrete variable, or not finite). ``xp``: numpy for host data, jax.numpy
+    inside a trace; integer ``x`` is compared in its own type, so no value is rounded."""
+    if xp.issubdtype(x.dtype, xp.integer):
+        dt = np.iinfo(x.dtype)
+        low = np.clip(lo, dt.min, dt.max).astype(x.dtype)
+        top = np.full(hi.shape, dt.max, x.dtype)
+        bounded = ~np.isinf(hi) & (hi - 1 < dt.max)
+        top[bounded] = (hi[bounded] - 1).astype(x.dtype)
+        return ((x < low) | (x > top)) & discrete
+    frac = (x != xp.round(x)) & discrete
+    oor = ((x < lo.astype(x.dtype)) | (x >= hi.astype(x.dtype))) & discrete
+    return ~xp.isfinite(x) | frac | oor
+
+
 def _check_values(info: VarInfo, x, m, what: str) -> None:
     xh = np.asarray(x)
     mh = None if m is None else np.broadcast_to(np.asarray(m), xh.shape)
     observed = np.ones(xh.shape, bool) if mh is None else ~mh
-    bad = np.zeros(xh.shape, bool)
-    if np.issubdtype(xh.dtype, np.floating):
-        nonfinite = ~np.isfinite(xh)
-        bad |= nonfinite & observed
-        if info.discrete.any():
-            with np.errstate(invalid="ignore"):
-                frac = (xh != np.round(xh)) & ~nonfinite
-            bad |= frac & info.discrete[None, :] & observed
-    vals = xh.astype(np.float64)
+    xc = xh.astype(np.int64) if xh.dtype.kind in "iub" else xh  # booleans and small integers compared as int64
     with np.errstate(invalid="ignore"):
-        oor = ((vals < info.lo[None, :]) | (vals >= info.hi[None, :])) & info.discrete[None, :]
-    bad |= oor & observed
+        bad = bad_entries(np, xc, info.discrete, info.lo, info.hi) & observed
     if bad.any():
         b, v = (int(i) for i in np.argwhere(bad)[0])
         val = xh[b, v]
@@ -160,8 +167,8 @@ def raise_bad_values(info: VarInfo, x, m, what: str, where: str) -> None:
 class DeviceCheck:
     """The value check of a batch inside a traced function (hashable: a static part of the executable key).
 
-    ``apply(x, missing) -> (x_clean, bad_rows)``: every entry that is not admissible (out of a discrete
-    variable's range, fractional for a discrete variable, not finite) is replaced by an admissible value
+    ``apply(x, missing) -> (x_clean, bad_rows)``: every entry that is not admissible (:func:`bad_entries`, the
+    rule the host check applies too) is replaced by an admissible value
     (the variable's smallest value; 0 for a real variable), and ``bad_rows`` ``bool[B]`` marks the rows
     with such an entry among their observed (not missing) variables.
     """
@@ -185,16 +192,7 @@ class DeviceCheck:
         return f"DeviceCheck({self.discrete.size} variables)"
 
     def apply(self, x, missing):
-        if jnp.issubdtype(x.dtype, jnp.integer):
-            imax = np.iinfo(np.int32).max
-            lo = np.minimum(self.lo, imax).astype(np.int32)
-            top = np.where(np.isinf(self.hi), imax, np.minimum(self.hi - 1, imax)).astype(np.int32)
-            bad = ((x < lo) | (x > top)) & self.discrete
-        else:
-            finite = jnp.isfinite(x)
-            frac = (x != jnp.round(x)) & self.discrete
-            oor = ((x < self.lo.astype(x.dtype)) | (x >= self.hi.astype(x.dtype))) & self.discrete
-            bad = ~finite | frac | oor
+        bad = bad_entries(jnp, x, self.discrete, self.lo, self.hi)
         clean = jnp.where(bad, self.safe.astype(x.dtype), x)
         if missing is not None:
             bad = bad & ~missing

@@ -25,8 +25,6 @@ EM works on the module too (:meth:`CircuitModule.em_step`), in place.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -34,7 +32,7 @@ from flax import nnx
 from .engine import em as em_engine
 from .optim.normalize import normalize_params, normalized_log_prob
 from .options import Options
-from .runtime import Batch, Entry
+from .runtime import Batch
 
 Array = jax.Array
 
@@ -57,11 +55,8 @@ _ENTRIES = {"nn.log_prob": (_log_prob_impl, 0), "nn.em_step": (_em_step_impl, (N
 
 
 def _run(circuit, name, static, args, batch, **kw):
-    rt = circuit.runtime
-    if not rt.has(name):
-        fn, rows = _ENTRIES[name]
-        rt.register(name, Entry(functools.partial(fn, circuit.layout), rows))
-    return rt.run(name, static, args, batch, **kw)
+    circuit.runtime.entry(name, *_ENTRIES[name], circuit.layout)
+    return circuit.runtime.run(name, static, args, batch, **kw)
 
 
 class CircuitTables(nnx.Variable):

@@ -37,8 +37,6 @@ Combined with the ``'data'`` axis this is a 2-D mesh ``('data', 'model')``.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -46,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 from .engine import em
 from .optim.sharded import AXIS, data_mesh, sharded_flows_and_ll, sharded_loss_and_grad
 from .options import Options
-from .runtime import Entry, check_em_args
+from .runtime import check_em_args
 
 Array = jax.Array
 
@@ -97,9 +95,7 @@ _ENTRIES = {"parallel.flows": (_p_flows, (None, 0)), "parallel.em_step": (_p_em_
 
 def _run(circuit, name, static, args, x, missing, ll_weights, validate, mesh, options):
     rt = circuit.runtime
-    if not rt.has(name):
-        fn, rows = _ENTRIES[name]
-        rt.register(name, Entry(functools.partial(fn, circuit.layout), rows))
+    rt.entry(name, *_ENTRIES[name], circuit.layout)
     mesh = _mesh(mesh)
     batch = rt.prepare(x, missing, validate)
     w = rt.weights(ll_weights, batch.n)

@@ -49,7 +49,8 @@ from .options import Options, matmul_setting, resolve_precision
 
 Array = jax.Array
 
-__all__ = ["Runtime", "Batch", "Entry", "VALIDATE", "resolve_options", "resolve_precision", "check_em_args"]
+__all__ = ["Runtime", "Batch", "Entry", "VALIDATE", "resolve_options", "options_key", "resolve_precision",
+           "check_em_args"]
 
 VALIDATE = (True, False, "sync")
 
@@ -97,7 +98,18 @@ def resolve_options(options: Options) -> Options:
     return options.replace(precision=resolve_precision("default"))
 
 
-def _pad_rows_fn(a: Array, bucket: int, axis: int) -> Array:
+def options_key(options: Options) -> dict:
+    """What an executable's key holds of ``options``: the resolved options and, where the precision follows
+    JAX's, JAX's matmul setting (``_matmul``; in the key only, see :func:`checked`)."""
+    key = {"options": resolve_options(options)}
+    if options.precision == "default":
+        key["_matmul"] = matmul_setting()
+    return key
+
+
+@functools.partial(jax.jit, static_argnames=("bucket", "axis"))
+def pad_rows(a: Array, bucket: int, axis: int = 0) -> Array:
+    """Pad ``axis`` to ``bucket`` with copies of the first row (valid data)."""
     pad = bucket - a.shape[axis]
     if pad <= 0:
         return a
@@ -105,10 +117,6 @@ def _pad_rows_fn(a: Array, bucket: int, axis: int) -> Array:
     shape = list(a.shape)
     shape[axis] = pad
     return jnp.concatenate([a, jnp.broadcast_to(first, shape)], axis=axis)
-
-
-pad_rows = jax.jit(_pad_rows_fn, static_argnames=("bucket", "axis"))
-pad_rows.__doc__ = "Pad ``axis`` to ``bucket`` with copies of the first row (valid data)."
 
 
 @functools.partial(jax.jit, static_argnames=("n", "axis"))
@@ -138,6 +146,26 @@ def _mark_rows(out, rows, bad):
         fill = jnp.nan if jnp.issubdtype(a.dtype, jnp.floating) else -1
         return jnp.where(bad.reshape(shape), jnp.asarray(fill, a.dtype), a)
     return jax.tree_util.tree_map(mark, rows, out, is_leaf=lambda r: r is None)
+
+
+def _pad_args(args: dict, n: int, b: int, batched: dict | None, dtype) -> dict:
+    """``args`` with their batch axes padded from ``n`` to ``b`` rows: ``x``, a per-sample ``missing``, the
+    ``batched`` arguments (every leaf, along the named axis) and ``weights`` (zero on the padding)."""
+    out = dict(args)
+    for k, axis in (("x", 0), ("missing", 0), *(batched or {}).items()):
+        v = args.get(k)
+        if v is None or (k == "missing" and v.ndim == 1):
+            continue
+        out[k] = jax.tree_util.tree_map(lambda t, ax=axis: pad_rows(t, b, ax), v)
+    if args.get("weights") is not None:
+        out["weights"] = _pad_weights(args["weights"], b, n, dtype)
+    return out
+
+
+def _head_rows(out, rows, n: int):
+    """The outputs cut back to ``n`` rows along each batch axis that ``rows`` names."""
+    return jax.tree_util.tree_map(lambda axis, a: a if axis is None else head(a, n, axis), rows, out,
+                                  is_leaf=lambda r: r is None)
 
 
 def checked(entry: Entry) -> Callable:
@@ -184,8 +212,11 @@ class Runtime:
             if name not in self._entries:
                 self._entries[name] = (entry, checked(entry))
 
-    def has(self, name: str) -> bool:
-        return name in self._entries
+    def entry(self, name: str, fn: Callable, rows: Any, *bind) -> None:
+        """Register ``functools.partial(fn, *bind)`` (e.g. bound to the circuit's layout) as ``name`` on first use;
+        later calls do nothing."""
+        if name not in self._entries:
+            self.register(name, Entry(functools.partial(fn, *bind), rows))
 
     # ---- checks -------------------------------------------------------------------------------
     def prepare(self, x, missing=None, validate=True, *, what: str = "x") -> Batch:
@@ -288,37 +319,27 @@ class Runtime:
         entry, fn = self._entries[name]
         static = dict(static)
         if options is not None:
-            static["options"] = resolve_options(options)
-            if options.precision == "default":
-                static["_matmul"] = matmul_setting()
+            static.update(options_key(options))
         args = dict(args)
         n = batch.n if batch is not None else None
         b = n
         if batch is not None:
             static["_check"] = self.device_check if batch.check else None
-            x, m = batch.x, batch.missing
             if not batch.traced:
                 b = self.bucket(n, multiple)
-            if b != n:
-                x = pad_rows(x, b, 0)
-                m = m if m is None or m.ndim == 1 else pad_rows(m, b, 0)
-            args["x"], args["missing"] = x, m
-            for k, axis in (batched or {}).items():
-                if args.get(k) is not None and b != n:
-                    args[k] = jax.tree_util.tree_map(lambda a, ax=axis: pad_rows(a, b, ax), args[k])
+            args["x"], args["missing"] = batch.x, batch.missing
             if weights is not False:
-                if weights is None:
-                    args["weights"] = (jnp.ones((n,), self.dtype) if batch.traced else self.constant(
-                        ("valid", b, n, sharding), lambda: jax.device_put(_valid_rows(b, n, self.dtype), sharding)))
-                else:
-                    args["weights"] = weights if b == n else _pad_weights(weights, b, n, self.dtype)
+                args["weights"] = weights
+            if b != n:
+                args = _pad_args(args, n, b, batched, self.dtype)
+            if weights is None:
+                args["weights"] = (jnp.ones((n,), self.dtype) if batch.traced else self.constant(
+                    ("valid", b, n, sharding), lambda: jax.device_put(_valid_rows(b, n, self.dtype), sharding)))
         out = self.cache.run(name, fn, static, args, self._fallback(name, static, args, batched, n)
                                    if batch is not None and not batch.traced else None)
         if b != n:
-            out = jax.tree_util.tree_map(lambda axis, a: a if axis is None else head(a, n, axis), entry.rows, out,
-                                         is_leaf=lambda r: r is None)
-        if batch is None or batch.traced or isinstance(out, jax.core.Tracer) or any(
-                isinstance(a, jax.core.Tracer) for a in jax.tree_util.tree_leaves(out)):  # inlined in a user's trace
+            out = _head_rows(out, entry.rows, n)
+        if batch is None or batch.traced:
             return out
         flag = _any_bad(batch.x, batch.missing, check=self.device_check) if batch.report else None
         self._settle()  # the earlier calls' flags, read while this call's work runs
@@ -336,20 +357,10 @@ class Runtime:
         def fallback(a):
             b = a["x"].shape[0]
             for cand in sorted({self.buckets(b * k) for k in (2, 4, 8, 16)}):
-                padded = dict(a)
-                for k in ("x", "missing", *(batched or {})):
-                    v = a.get(k)
-                    if v is None or (k == "missing" and v.ndim == 1):
-                        continue
-                    axis = (batched or {}).get(k, 0)
-                    padded[k] = jax.tree_util.tree_map(lambda t, ax=axis: pad_rows(t, cand, ax), v)
-                if a.get("weights") is not None:
-                    padded["weights"] = _pad_weights(a["weights"], cand, b, self.dtype)
+                padded = _pad_args(a, b, cand, batched, self.dtype)
                 exe = self.cache.find(name, static, padded)
                 if exe is not None:
-                    rows = self._entries[name][0].rows
-                    return jax.tree_util.tree_map(lambda axis, t: t if axis is None else head(t, b, axis), rows,
-                                                  exe(*padded.values()), is_leaf=lambda r: r is None)
+                    return _head_rows(exe(*padded.values()), self._entries[name][0].rows, b)
             return None
         return fallback
 

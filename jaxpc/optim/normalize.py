@@ -19,8 +19,6 @@ stop-gradient, as in every log-softmax). A user distribution can take part by de
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -116,13 +114,6 @@ def mean_nll(layout: Layout, tables: dict, params: dict, x: Array, missing: Arra
 
 # ---- circuit-level wrappers ---------------------------------------------------------------------
 
-def _entry(circuit, name: str, fn, rows):
-    from ..runtime import Entry
-
-    if not circuit.runtime.has(name):
-        circuit.runtime.register(name, Entry(functools.partial(fn, circuit.layout), rows))
-
-
 def _normalize_entry(layout, tables, params):
     return normalize_params(layout, tables, params)
 
@@ -133,7 +124,7 @@ def _log_prob_entry(layout, tables, params, x, missing, *, options, normalize):
 
 def normalize(circuit, params: dict) -> dict:
     """:func:`normalize_params` for ``circuit`` (one cached executable per circuit)."""
-    _entry(circuit, "optim.normalize", _normalize_entry, None)
+    circuit.runtime.entry("optim.normalize", _normalize_entry, None, circuit.layout)
     return circuit.runtime.run("optim.normalize", {}, {"tables": circuit.tables, "params": params})
 
 
@@ -151,7 +142,7 @@ def log_prob(circuit, params: dict, x, missing=None, *, normalize: bool = True, 
     Returns:
         ``float[B]``.
     """
-    _entry(circuit, "optim.log_prob", _log_prob_entry, 0)
+    circuit.runtime.entry("optim.log_prob", _log_prob_entry, 0, circuit.layout)
     batch = circuit.runtime.prepare(x, missing, validate)
     return circuit.runtime.run("optim.log_prob", {"normalize": bool(normalize)},
                                {"tables": circuit.tables, "params": params}, batch, options=Options.make(options))

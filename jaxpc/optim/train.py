@@ -22,8 +22,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ..checks import raise_bad_values
 from ..engine import em as em_engine
-from ..options import Options, matmul_setting
-from ..runtime import resolve_options
+from ..options import Options
+from ..runtime import options_key
 from . import sharded
 from .normalize import mean_nll, normalize_params
 from .transforms import EMTransformation, apply_updates, em, em_apply
@@ -234,10 +234,10 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
         key = jax.random.key(0)
     if opt_state is None:
         opt_state = optimizer.init(params)
-    opts = Options.make(options)
-    opts = resolve_options(opts)
-    ck = ("fit", id(optimizer), normalize, opts, mesh, n, bs, shuffle, drop_remainder, mndim, check is not None,
-          matmul_setting())
+    keyed = options_key(Options.make(options))  # the epoch's executable is keyed as the runtime keys its own
+    opts = keyed["options"]
+    ck = ("fit", id(optimizer), normalize, tuple(keyed.items()), mesh, n, bs, shuffle, drop_remainder, mndim,
+          check is not None)
     entry = circuit.runtime.constant(ck, lambda: [None, None])
     if entry[0] is not optimizer:
         step = make_step(circuit.layout, optimizer, normalize=normalize, options=opts, mesh=mesh, missing_ndim=mndim)

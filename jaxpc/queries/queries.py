@@ -16,7 +16,7 @@ import numpy as np
 
 from ..engine import forward, select
 from ..options import Options
-from ..runtime import Batch, Entry
+from ..runtime import Batch
 
 Array = jax.Array
 
@@ -101,11 +101,8 @@ _QUERY_ENTRIES = {"marginal_soft": (_marginal_impl, 0), "conditional": (_conditi
 
 
 def _run(circuit, entry: str, static: dict, args: dict, batch: Batch, **kw):
-    rt = circuit.runtime
-    if not rt.has(entry):
-        fn, rows = _QUERY_ENTRIES[entry]
-        rt.register(entry, Entry(functools.partial(fn, circuit.layout), rows))
-    return rt.run(entry, static, {"tables": circuit.tables, **args}, batch, **kw)
+    circuit.runtime.entry(entry, *_QUERY_ENTRIES[entry], circuit.layout)
+    return circuit.runtime.run(entry, static, {"tables": circuit.tables, **args}, batch, **kw)
 
 
 @functools.partial(jax.jit, static_argnames=("n", "V", "dtype"))
