@@ -174,9 +174,12 @@ class DeviceCheck:
     """
 
     def __init__(self, info: VarInfo):
-        self.discrete = np.asarray(info.discrete, bool)
-        self.lo = np.asarray(info.lo, np.int64)
-        hi = np.asarray(info.hi, np.float64)
+        self.__setstate__({"discrete": info.discrete, "lo": info.lo, "hi": info.hi})
+
+    def __setstate__(self, state: dict) -> None:
+        self.discrete = np.asarray(state["discrete"], bool)
+        self.lo = np.asarray(state["lo"], np.int64)
+        hi = np.asarray(state["hi"], np.float64)
         self.hi = hi
         self.safe = np.where(self.discrete, self.lo, 0).astype(np.float64)
         self._key = (self.discrete.tobytes(), self.lo.tobytes(), hi.tobytes())
@@ -190,6 +193,10 @@ class DeviceCheck:
 
     def __repr__(self) -> str:
         return f"DeviceCheck({self.discrete.size} variables)"
+
+    def __getstate__(self) -> dict:
+        """What defines the check (its pickled form and its digest in stored executables' fingerprints)."""
+        return {"discrete": self.discrete, "lo": self.lo, "hi": self.hi}
 
     def apply(self, x, missing):
         bad = bad_entries(jnp, x, self.discrete, self.lo, self.hi)

@@ -16,15 +16,27 @@ The cache is bounded (least recently used executables are dropped first), thread
 is compiled once even when several threads ask for it at the same time), and warns once per
 entry point when one layout keeps being recompiled, naming the component of the key that keeps
 changing.
+
+Behind it, an :class:`ExecutableStore` on disk keeps serialized executables across processes under a
+*fingerprint* of the key: a digest of the entry's function and bound layout, the static values, the
+arguments' signatures, the XLA options, the jaxpc source, the JAX version and the device. A second process
+loads its executables from there without tracing, lowering or compiling anything. Keys holding values that
+have no stable digest (a local function, an unknown object) are compiled as usual.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
+import functools
+import hashlib
 import os
+import pickle
+import tempfile
 import threading
 import time
+import types
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Final, NamedTuple
@@ -34,15 +46,20 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["CacheInfo", "BucketPolicy", "ExecutableCache", "enable_persistent_cache", "default_persistent_cache",
-           "persistent_cache_dir"]
+__all__ = ["CacheInfo", "BucketPolicy", "ExecutableCache", "ExecutableStore", "enable_persistent_cache",
+           "default_persistent_cache", "persistent_cache_dir"]
 
 
 class CacheInfo(NamedTuple):
+    """Counters of a circuit's executables: calls served from memory (``hits``), keys not in memory
+    (``misses``), seconds spent compiling, executables in memory (``live``), and misses served by loading a
+    serialized executable from the disk store instead of compiling (``loaded``)."""
+
     hits: int
     misses: int
     compile_seconds: float
     live: int
+    loaded: int = 0
 
 
 class BucketPolicy:
@@ -158,15 +175,26 @@ class PackedTables:
         leaves, self.treedef = jax.tree_util.tree_flatten(tables)
         groups: dict = {}
         self.slots = []
-        for leaf in leaves:
+        for i, leaf in enumerate(leaves):
             dt = np.dtype(leaf.dtype)
             g = groups.setdefault(dt, [len(groups), 0, []])
             size = int(np.prod(np.shape(leaf), dtype=np.int64))
             self.slots.append((g[0], g[1], tuple(np.shape(leaf))))
             g[1] += size
-            g[2].append(jnp.ravel(leaf))
-        self.arrays = tuple(jnp.concatenate(g[2]) if len(g[2]) > 1 else g[2][0]
+            g[2].append(i)
+        # packed on the host (one transfer each way): packing on the device would compile one small
+        # executable per distinct table shape, hundreds of compiles on a circuit's first call
+        with jax.transfer_guard("allow"):
+            host = jax.device_get(leaves)
+        self.arrays = tuple(self._put(np.concatenate([np.ravel(host[i]) for i in g[2]]), [leaves[i] for i in g[2]])
                             for g in sorted(groups.values(), key=lambda g: g[0]))
+
+    @staticmethod
+    def _put(packed: np.ndarray, leaves: list):
+        """``packed`` on the device(s) of ``leaves`` (a mesh's replicated tables stay replicated)."""
+        sharding = getattr(leaves[0], "sharding", None)
+        with jax.transfer_guard("allow"):
+            return jax.device_put(packed, sharding) if isinstance(leaves[0], jax.Array) else jnp.asarray(packed)
 
     def unpack(self, arrays):
         """The tables pytree from (traced) packed arrays."""
@@ -211,12 +239,13 @@ class ExecutableCache:
         self._warned: set[str] = set()
         self.hits = 0
         self.misses = 0
+        self.loaded = 0
         self.compile_seconds = 0.0
 
     # ---- statistics ---------------------------------------------------------------------------
     def info(self) -> CacheInfo:
         with self._lock:
-            return CacheInfo(self.hits, self.misses, self.compile_seconds, len(self._entries))
+            return CacheInfo(self.hits, self.misses, self.compile_seconds, len(self._entries), self.loaded)
 
     def clear(self) -> None:
         with self._lock:
@@ -224,7 +253,7 @@ class ExecutableCache:
             self._sightings.clear()
             self._layouts.clear()
             self._warned.clear()
-            self.hits = self.misses = 0
+            self.hits = self.misses = self.loaded = 0
             self.compile_seconds = 0.0
 
     # ---- keys ---------------------------------------------------------------------------------
@@ -334,9 +363,20 @@ class ExecutableCache:
             t = time.perf_counter()
             opts = static.get("options")  # XLA options come with the Options (part of the key) or not at all
             xla = dict(opts.tuning.compiler_options) if getattr(opts, "tuning", None) is not None else {}
-            e.compiled = jax.jit(positional).lower(*_call_args(args)).compile(compiler_options=xla or None)
-            with self._lock:
-                self.compile_seconds += time.perf_counter() - t
+            call_args = _call_args(args)
+            store = _STORE
+            fp = store.fingerprint(fn, static, args, xla) if store is not None else None
+            compiled = store.load(fp) if fp is not None else None
+            if compiled is not None:
+                with self._lock:
+                    self.loaded += 1
+            else:
+                compiled = jax.jit(positional).lower(*call_args).compile(compiler_options=xla or None)
+                with self._lock:
+                    self.compile_seconds += time.perf_counter() - t
+                if fp is not None:
+                    store.save(fp, compiled)
+            e.compiled = compiled
         except BaseException as err:  # noqa: BLE001 - re-raised to every waiting caller
             e.error = err
             with self._lock:
@@ -371,10 +411,193 @@ def _call_args(args: dict) -> list:
     return [_PACKED.get(v).arrays if k == "tables" and PACK_TABLES else v for k, v in args.items()]
 
 
+class _NoDigest(Exception):
+    """A value with no digest that is stable across processes."""
+
+
+_DIGEST_DEPTH: Final = 64
+
+
+def _digest(h, obj, depth: int = 0) -> None:
+    """Feed ``obj`` into hash ``h`` by value, the same way in every process (no ``id``, no ``hash()`` of
+    strings, sets in sorted order); raise :class:`_NoDigest` for what has no such form."""
+    if depth > _DIGEST_DEPTH:
+        raise _NoDigest("nested too deeply")
+    d = depth + 1
+    h.update(type(obj).__qualname__.encode())
+    if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes)):
+        h.update(repr(obj).encode())
+    elif isinstance(obj, (np.ndarray, np.generic)):
+        a = np.ascontiguousarray(obj)
+        h.update(f"{a.dtype.str}{a.shape}".encode())
+        h.update(a.tobytes())
+    elif isinstance(obj, np.dtype):
+        h.update(obj.str.encode())
+    elif isinstance(obj, (tuple, list)):
+        h.update(str(len(obj)).encode())
+        for v in obj:
+            _digest(h, v, d)
+    elif isinstance(obj, dict):
+        items = sorted(obj.items(), key=lambda kv: repr(kv[0]))
+        h.update(str(len(items)).encode())
+        for k, v in items:
+            _digest(h, k, d)
+            _digest(h, v, d)
+    elif isinstance(obj, (set, frozenset)):
+        parts = []
+        for v in obj:
+            sub = hashlib.sha256()
+            _digest(sub, v, d)
+            parts.append(sub.digest())
+        for part in sorted(parts):
+            h.update(part)
+    elif isinstance(obj, enum.Enum):
+        h.update(f"{type(obj).__module__}.{obj.name}".encode())
+    elif isinstance(obj, functools.partial):
+        _digest(h, obj.func, d)
+        _digest(h, obj.args, d)
+        _digest(h, obj.keywords, d)
+    elif isinstance(obj, (type, types.FunctionType, types.BuiltinFunctionType)):
+        qual, mod = getattr(obj, "__qualname__", ""), getattr(obj, "__module__", None) or ""
+        if "<locals>" in qual or "<lambda>" in qual or not _trusted(mod):
+            raise _NoDigest(f"function or class {mod}.{qual}")
+        h.update(f"{mod}.{qual}".encode())
+    elif isinstance(obj, jax.tree_util.PyTreeDef):
+        h.update(str(obj).encode())
+    elif isinstance(obj, _HashedSig):
+        _digest(h, obj.sig, d)
+    elif isinstance(obj, jax.sharding.SingleDeviceSharding):
+        dev = next(iter(obj.device_set))
+        h.update(f"{dev.platform}:{dev.id}".encode())
+    elif isinstance(obj, jax.sharding.Sharding):
+        raise _NoDigest("an executable of several devices")
+    elif not _trusted(type(obj).__module__):
+        raise _NoDigest(f"object of {type(obj).__module__}.{type(obj).__qualname__}")
+    elif dataclasses.is_dataclass(obj):
+        _digest(h, type(obj), d)
+        for f in dataclasses.fields(obj):
+            h.update(f.name.encode())
+            _digest(h, getattr(obj, f.name), d)
+    elif hasattr(obj, "__dict__"):  # its pickled state: what a class holds besides caches (``__getstate__``)
+        _digest(h, type(obj), d)
+        _digest(h, obj.__getstate__(), d)
+    else:
+        raise _NoDigest(f"no stable digest for {type(obj).__qualname__}")
+
+
+def _trusted(module: str) -> bool:
+    """Code whose version the fingerprint covers: jaxpc's (its source digest), JAX's and NumPy's (versions)."""
+    return module.split(".", 1)[0] in ("jaxpc", "jax", "jaxlib", "numpy")
+
+
+@functools.cache
+def _source_digest() -> str:
+    """A digest of jaxpc's own source: executables stored by another version of the code are never loaded."""
+    h = hashlib.sha256()
+    root = os.path.dirname(os.path.abspath(__file__))
+    for dirpath, dirnames, files in sorted(os.walk(root)):
+        dirnames.sort()
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                h.update(os.path.relpath(path, root).encode())
+                with open(path, "rb") as f:
+                    h.update(f.read())
+    return h.hexdigest()
+
+
+_JAX_SETTINGS: Final = ("jax_enable_x64", "jax_default_matmul_precision", "jax_default_prng_impl",
+                        "jax_threefry_partitionable", "jax_numpy_rank_promotion")
+
+
+def _environment() -> tuple:
+    """What besides the key decides the executable: versions, the device, JAX's settings, XLA's flags."""
+    dev = jax.devices()[0]
+    return (jax.__version__, jax.lib.__version__ if hasattr(jax.lib, "__version__") else "", _source_digest(),
+            dev.platform, getattr(dev.client, "platform_version", ""), dev.device_kind,
+            tuple(str(getattr(jax.config, k, None)) for k in _JAX_SETTINGS), os.environ.get("XLA_FLAGS", ""))
+
+
+class ExecutableStore:
+    """Serialized executables on disk, one file per fingerprint (see the module docstring).
+
+    Writes are atomic (a temporary file renamed into place), so processes sharing the directory never read a
+    partial file; a file that fails to load (another JAX, a damaged file) is ignored and compiled again.
+    Only executables of one device are stored (sharded ones use JAX's persistent cache alone).
+    """
+
+    def __init__(self, directory: str):
+        self.directory = str(directory)
+
+    def fingerprint(self, fn: Callable, static: dict, args: dict, compiler_options: dict) -> str | None:
+        """The hex digest naming the executable of ``fn`` for this key, or None when the key has no stable
+        digest or runs on more than one device."""
+        h = hashlib.sha256()
+        try:
+            _digest(h, _environment())
+            _digest(h, PACK_TABLES)
+            _digest(h, fn)
+            _digest(h, static)
+            _digest(h, compiler_options)
+            for name, val in args.items():
+                _digest(h, name)
+                _digest(h, _TABLE_SIGS.get(val) if name == "tables" else _tree_sig(val))
+        except _NoDigest:
+            return None
+        return h.hexdigest()
+
+    def _path(self, fp: str) -> str:
+        return os.path.join(self.directory, fp[:2], fp + ".jaxpc-exe")
+
+    def load(self, fp: str):
+        """The stored executable (a ``jax.stages.Compiled``), or None."""
+        from jax.experimental import serialize_executable as ser
+        try:
+            with open(self._path(fp), "rb") as f:
+                device_ids, (payload, in_tree, out_tree) = pickle.load(f)
+            by_id = {d.id: d for d in jax.devices()}
+            return ser.deserialize_and_load(payload, in_tree, out_tree,
+                                            execution_devices=[by_id[i] for i in device_ids])
+        except FileNotFoundError:
+            return None
+        except Exception:  # noqa: BLE001 - a file we cannot load is compiled again and replaced
+            return None
+
+    def save(self, fp: str, compiled) -> bool:
+        """Store ``compiled``; False when it cannot be serialized or written (the executable still runs)."""
+        from jax.experimental import serialize_executable as ser
+        path = self._path(fp)
+        try:
+            shardings = jax.tree_util.tree_leaves(compiled.input_shardings)
+            devices = sorted({d.id for d in shardings[0].device_set}) if shardings else [jax.devices()[0].id]
+            if len(devices) != 1:
+                return False
+            blob = pickle.dumps((devices, ser.serialize(compiled)), protocol=pickle.HIGHEST_PROTOCOL)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
+            os.replace(tmp, path)
+            return True
+        except Exception:  # noqa: BLE001 - storing is an optimization: never fail the call for it
+            return False
+
+
+_STORE: ExecutableStore | None = None
+
+
+def executable_store() -> ExecutableStore | None:
+    """The disk store of serialized executables in use, or None (see :func:`enable_persistent_cache`)."""
+    return _STORE
+
+
 def enable_persistent_cache(directory: str, min_compile_seconds: float = 0.0) -> None:
-    """Use JAX's persistent compilation cache in ``directory``: executables compiled once are stored there
-    and loaded by later processes instead of being compiled again. jaxpc turns one on by default
-    (:func:`default_persistent_cache`); call this to choose another directory."""
+    """Store compiled executables in ``directory`` for later processes: jaxpc's own executables serialized
+    under ``directory/executables`` (loaded without tracing or lowering), and JAX's persistent compilation
+    cache for every other jitted function. jaxpc turns one on by default (:func:`default_persistent_cache`);
+    call this to choose another directory."""
+    global _STORE
+    _STORE = ExecutableStore(os.path.join(str(directory), "executables"))
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_seconds))
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
@@ -396,15 +619,17 @@ def persistent_cache_dir() -> str | None:
 
 
 def default_persistent_cache() -> str | None:
-    """Turn on jaxpc's per-user persistent compilation cache (run once, when jaxpc is imported).
+    """Turn on jaxpc's per-user persistent caches (run once, when jaxpc is imported).
 
-    Left alone where the user has set JAX's own ``jax_compilation_cache_dir`` (config or the
-    ``JAX_COMPILATION_CACHE_DIR`` variable); off with ``JAXPC_PERSISTENT_CACHE=0``. Returns the directory
-    in use, or None."""
-    if jax.config.jax_compilation_cache_dir:
-        return None
+    JAX's cache is left alone where the user has set JAX's own ``jax_compilation_cache_dir`` (config or the
+    ``JAX_COMPILATION_CACHE_DIR`` variable); jaxpc's executable store stays in its own directory. Both are off
+    with ``JAXPC_PERSISTENT_CACHE=0``. Returns the directory of JAX's cache when jaxpc set it, else None."""
+    global _STORE
     d = persistent_cache_dir()
     if d is None:
+        return None
+    if jax.config.jax_compilation_cache_dir:
+        _STORE = ExecutableStore(os.path.join(d, "executables"))
         return None
     try:
         os.makedirs(d, exist_ok=True)

@@ -125,9 +125,9 @@ def head(a: Array, n: int, axis: int = 0) -> Array:
     return jax.lax.slice_in_dim(a, 0, n, axis=axis)
 
 
-@functools.partial(jax.jit, static_argnames=("bucket", "n", "dtype"))
-def _valid_rows(bucket: int, n: int, dtype) -> Array:
-    return (jnp.arange(bucket) < n).astype(dtype)
+def _valid_rows(bucket: int, n: int, dtype) -> np.ndarray:
+    """Weights ``[bucket]``: one on the first ``n`` rows, zero on the padding (made on the host: no compile)."""
+    return (np.arange(bucket) < n).astype(dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("bucket", "n", "dtype"))
@@ -170,24 +170,31 @@ def _head_rows(out, rows, n: int):
 
 def checked(entry: Entry) -> Callable:
     """``entry.fn`` under the input check: ``f(**args, _check=..., **static) -> outputs`` with bad entries
-    cleaned, bad rows weighing zero and their outputs marked. With ``_check=None`` it runs unchanged."""
-    def run(*, _check=None, _matmul=None, **kw):
-        del _matmul  # part of the key only
-        if _check is None:
-            return entry.fn(**kw)
-        x, bad = _check.apply(kw["x"], kw.get("missing"))
-        kw["x"] = x
-        if kw.get("weights") is not None:
-            kw["weights"] = jnp.where(bad, jnp.zeros((), kw["weights"].dtype), kw["weights"])
-        return _mark_rows(entry.fn(**kw), entry.rows, bad)
-    return run
+    cleaned, bad rows weighing zero and their outputs marked. With ``_check=None`` it runs unchanged.
+    (A partial of a module function: its digest names the stored executable, see ``jaxpc.executables``.)"""
+    return functools.partial(_run_checked, entry)
 
 
-@functools.partial(jax.jit, static_argnames=("check",))
+def _run_checked(entry: Entry, *, _check=None, _matmul=None, **kw):
+    del _matmul  # part of the key only
+    if _check is None:
+        return entry.fn(**kw)
+    x, bad = _check.apply(kw["x"], kw.get("missing"))
+    kw["x"] = x
+    if kw.get("weights") is not None:
+        kw["weights"] = jnp.where(bad, jnp.zeros((), kw["weights"].dtype), kw["weights"])
+    return _mark_rows(entry.fn(**kw), entry.rows, bad)
+
+
 def _any_bad(x, missing, *, check):
     """The flag of a batch: whether any observed entry is bad (a one-kernel executable of its own, so the
     work's executable has no output that the host holds on to)."""
     return jnp.any(check.apply(x, missing)[1])
+
+
+def _put(a: np.ndarray, sharding=None) -> Array:
+    with jax.transfer_guard_host_to_device("allow"):  # a constant of the call path, made once
+        return jax.device_put(a, sharding)
 
 
 class Runtime:
@@ -200,6 +207,7 @@ class Runtime:
         self.cache = cache or ExecutableCache()
         self.buckets = buckets or BucketPolicy()
         self.device_check = checks.DeviceCheck(var_info)
+        self._helpers = ExecutableCache(max_executables=16)  # the call path's own executables (the flag's)
         self._entries: dict[str, tuple[Entry, Callable]] = {}
         self._constants: dict = {}
         self._pending: collections.deque = collections.deque()
@@ -334,14 +342,15 @@ class Runtime:
                 args = _pad_args(args, n, b, batched, self.dtype)
             if weights is None:
                 args["weights"] = (jnp.ones((n,), self.dtype) if batch.traced else self.constant(
-                    ("valid", b, n, sharding), lambda: jax.device_put(_valid_rows(b, n, self.dtype), sharding)))
+                    ("valid", b, n, sharding), lambda: _put(_valid_rows(b, n, self.dtype), sharding)))
         out = self.cache.run(name, fn, static, args, self._fallback(name, static, args, batched, n)
                                    if batch is not None and not batch.traced else None)
         if b != n:
             out = _head_rows(out, entry.rows, n)
         if batch is None or batch.traced:
             return out
-        flag = _any_bad(batch.x, batch.missing, check=self.device_check) if batch.report else None
+        flag = self._helpers.run("input_flag", _any_bad, {"check": self.device_check},
+                                 {"x": batch.x, "missing": batch.missing}) if batch.report else None
         self._settle()  # the earlier calls' flags, read while this call's work runs
         if flag is not None:
             self._record(flag, batch, name)

@@ -2,6 +2,7 @@
 are bucketed and padded rows never leak, the cache is bounded, thread-safe and sync-free."""
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -331,23 +332,44 @@ def test_partial_plan_of_a_long_hmm_still_scans():
 
 @pytest.mark.slow
 def test_persistent_cache_serves_a_second_process(tmp_path):
+    """A second process loads the stored executable: it traces, lowers and compiles nothing for the call, and
+    its flows equal the first process's. A changed option is a new fingerprint and compiles."""
     script = textwrap.dedent(f"""
-        import time, numpy as np, jax, jaxpc
+        import collections, json, sys, numpy as np, jax, jaxpc
         from jaxpc import structures
+        events = collections.Counter()
+        jax.monitoring.register_event_duration_secs_listener(lambda name, secs, **kw: events.update([name]))
         jaxpc.enable_persistent_cache({str(tmp_path)!r})
-        c = jaxpc.compile(structures.HMM(12, 8, 6))
-        x = np.zeros((16, 12), np.int32)
-        t = time.perf_counter()
-        jax.block_until_ready(c.flows(c.params, x))
-        print(time.perf_counter() - t)
+        c = jaxpc.compile(structures.HMM(12, 8, 6), seed=3)
+        x = np.random.default_rng(0).integers(0, 6, (16, 12)).astype(np.int32)
+        opts = jaxpc.Options(precision=sys.argv[1])
+        events.clear()
+        flows = c.flows(c.params, x, options=opts)
+        ll = c.log_prob(c.params, x, options=opts)
+        jax.block_until_ready((flows, ll))
+        info = c.cache_info()
+        print(json.dumps(dict(loaded=info.loaded, misses=info.misses, compile_s=info.compile_seconds,
+                              traces=events["/jax/core/compile/jaxpr_trace_duration"],
+                              compiles=events["/jax/core/compile/backend_compile_duration"],
+                              ll=np.asarray(ll).tolist(),
+                              flow=float(sum(np.asarray(a).sum() for a in jax.tree_util.tree_leaves(flows))))))
     """)
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
-    t1 = float(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
-                              check=True).stdout.split()[-1])
-    assert any(tmp_path.iterdir()), "nothing was written to the persistent cache"
-    t2 = float(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
-                              check=True).stdout.split()[-1])
-    assert t2 < t1
+    env = dict(os.environ, PYTHONPATH=os.getcwd(), JAXPC_PERSISTENT_CACHE="1")
+
+    def run(precision):
+        r = subprocess.run([sys.executable, "-c", script, precision], capture_output=True, text=True, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.splitlines()[-1])
+
+    first = run("fp32")
+    assert first["loaded"] == 0 and first["compiles"] >= 1
+    assert any((tmp_path / "executables").rglob("*.jaxpc-exe")), "no executable was stored"
+    second = run("fp32")
+    assert second["loaded"] == second["misses"] == 2 and second["compile_s"] == 0.0
+    assert second["traces"] == 0 and second["compiles"] == 0, f"the second process compiled: {second}"
+    assert second["ll"] == first["ll"] and second["flow"] == first["flow"]
+    other = run("bf16")
+    assert other["loaded"] == 0 and other["compiles"] >= 1, "a changed option must not load the stored executable"
 
 
 def test_table_signature_is_computed_once_per_tables_object():
@@ -453,3 +475,27 @@ def test_compiler_options_reach_the_executable():
     np.testing.assert_array_equal(np.asarray(c.log_prob(c.params, x, options=opts(xla_gpu_graph_min_graph_size=1))),
                                   np.asarray(want))
     assert c.cache_info().misses == misses + 1
+
+
+def test_fingerprint_is_by_value_and_refuses_code_it_cannot_version(tmp_path):
+    """A stored executable's name: equal for equal keys, different when an option, a shape or the XLA options
+    change, and None (compile, never load) for a local function or an object of code outside jaxpc."""
+    from jaxpc.checks import bad_entries
+    from jaxpc.executables import ExecutableStore
+
+    store = ExecutableStore(str(tmp_path))
+    x = np.zeros((4, 3), np.int32)
+
+    def fp(fn=bad_entries, static=None, arg=x, xla=None):
+        return store.fingerprint(fn, static or {"options": jaxpc.Options()}, {"x": arg}, xla or {})
+
+    assert fp() is not None and fp() == fp(static={"options": jaxpc.Options()})
+    assert fp(static={"options": jaxpc.Options(precision="fp32")}) != fp()
+    assert fp(arg=np.zeros((8, 3), np.int32)) != fp() and fp(arg=np.zeros((4, 3), np.int64)) != fp()
+    assert fp(xla={"xla_gpu_autotune_level": 0}) != fp()
+    assert fp(fn=lambda x: x) is None
+
+    class Mine:
+        pass
+
+    assert fp(static={"options": jaxpc.Options(), "mine": Mine()}) is None
