@@ -1,7 +1,8 @@
 """Hidden Chow-Liu trees (Liu & Van den Broeck, 2021).
 
 1. Pairwise mutual information of soft-binned data (each value spread over ``num_bins`` bins
-   by a Gaussian kernel of width ``sigma``), computed in chunks with JAX on the default device.
+   by a Gaussian kernel of width ``sigma``): one matrix product per block of variables, with JAX on the
+   default device at its default precision.
 2. The Chow-Liu tree: a maximum spanning tree of the MI graph (``scipy.sparse.csgraph``),
    rooted at its center.
 3. Every variable ``x_v`` gets a latent ``z_v`` with ``num_latents`` states; the circuit mirrors
@@ -10,6 +11,8 @@
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -23,40 +26,47 @@ from ._util import check_latents
 __all__ = ["HCLT", "mutual_information", "chow_liu_tree"]
 
 
-@jax.jit
-def _soft_bins(x, bins, sigma):
-    return jnp.exp(-0.5 * jnp.square(x[:, :, None] - bins[None, None, :]) / (sigma * sigma))  # [B, V, nb]
+@functools.partial(jax.jit, static_argnames=("num_bins", "sigma"))
+def _soft_bins(xs, *, num_bins: int, sigma: float):
+    """Each value spread over ``num_bins`` bins ``[B, V * nb]`` and the variables' entropies ``[V]``."""
+    bins = jnp.linspace(0.0, 1.0, num_bins)
+    p = jnp.exp(-0.5 * jnp.square(xs[:, :, None] - bins[None, None, :]) / (sigma * sigma))  # [B, V, nb]
+    marg = jnp.mean(p / jnp.sum(p, axis=2, keepdims=True), axis=0)
+    return p.reshape(p.shape[0], -1), -jnp.sum(marg * jnp.log(marg + 1e-4), axis=1)
 
 
-@jax.jit
-def _pair_entropy(pa, pb):
-    """Entropy of the soft joint histogram of every variable pair: ``[Va, Vb]``."""
+@functools.partial(jax.jit, static_argnames=("num_bins",))
+def _row_entropy(pa, p, *, num_bins: int):
+    """Entropy of the soft joint histogram of each variable of ``pa`` ``[B, c * nb]`` with each of ``p``
+    ``[B, V * nb]``: ``[c, V]``. One matrix product at JAX's default precision (one shape per circuit: the
+    row blocks are padded, so one compile serves them all)."""
     B = pa.shape[0]
-    joint = jnp.einsum("bia,bjc->iajc", pa, pb, precision=jax.lax.Precision.HIGHEST) / B
-    joint = joint / jnp.sum(joint, axis=(1, 3), keepdims=True)
+    joint = jnp.dot(pa.T, p) / B
+    joint = joint.reshape(pa.shape[1] // num_bins, num_bins, p.shape[1] // num_bins, num_bins)
+    total = jnp.sum(joint, axis=(1, 3), keepdims=True)
+    joint = joint / jnp.where(total > 0, total, 1.0)  # (padding variables: all zero)
     return -jnp.sum(joint * jnp.log(joint + 1e-4), axis=(1, 3))
 
 
 def mutual_information(x, num_bins: int = 32, sigma: float = 0.5 / 32, chunk_size: int = 64) -> np.ndarray:
     """Soft-binned pairwise mutual information ``[V, V]`` of data ``x`` ``[N, V]`` (values are scaled to
-    ``[0, 1]`` by the global min and max first)."""
+    ``[0, 1]`` by the global min and max first), computed with JAX on the default device."""
     x = np.asarray(x, dtype=np.float32)
     if x.ndim != 2:
         raise ValueError(f"mutual_information: x must be [num_samples, num_vars], got shape {x.shape}")
     lo, hi = float(x.min()), float(x.max())
-    xs = jnp.asarray((x - lo) / (hi - lo + 1e-8))
-    bins = jnp.linspace(0.0, 1.0, num_bins)
-    p = _soft_bins(xs, bins, jnp.float32(sigma))
-    marg = jnp.mean(p / jnp.sum(p, axis=2, keepdims=True), axis=0)
-    h1 = np.asarray(-jnp.sum(marg * jnp.log(marg + 1e-4), axis=1))
-    V = x.shape[1]
-    h12 = np.empty((V, V), np.float64)
-    for i in range(0, V, chunk_size):
-        for j in range(i, V, chunk_size):
-            blk = np.asarray(_pair_entropy(p[:, i:i + chunk_size], p[:, j:j + chunk_size]))
-            h12[i:i + chunk_size, j:j + chunk_size] = blk
-            h12[j:j + chunk_size, i:i + chunk_size] = blk.T
-    return h1[:, None] + h1[None, :] - h12
+    V, nb = x.shape[1], int(num_bins)
+    c = max(1, min(int(chunk_size), V))
+    n = -(-V // c) * c
+    xs = np.zeros((x.shape[0], n), np.float32)
+    xs[:, :V] = (x - lo) / (hi - lo + 1e-8)
+    p, h1 = _soft_bins(jnp.asarray(xs), num_bins=nb, sigma=float(sigma))
+    p = p * jnp.repeat(jnp.arange(n) < V, nb)[None, :]  # padding variables hold no mass
+    h12 = np.concatenate([np.asarray(_row_entropy(p[:, i * nb:(i + c) * nb], p, num_bins=nb))
+                          for i in range(0, n, c)])[:V, :V]
+    h12 = np.where(np.triu(np.ones((V, V), bool)), h12, h12.T)  # each pair from its upper-triangle entry
+    h1 = np.asarray(h1)[:V]
+    return h1[:, None] + h1[None, :] - h12.astype(np.float64)
 
 
 def chow_liu_tree(mi: np.ndarray) -> tuple[list[list[int]], int]:
