@@ -69,7 +69,51 @@ def child(workload: str, batch: int, entry: str, options: dict) -> None:
     print("RESULT " + json.dumps(dict(workload=workload, batch=batch, entry=entry, build_s=round(t1 - t0, 2),
                                       compile_s=round(t2 - t1, 2), first_call_s=round(t4 - t3, 3),
                                       step_ms=round(1e3 * float(np.median(steps[5:])), 3), events=ev,
-                                      cache=str(c.cache_info()))), flush=True)
+                                      cache=str(c.cache_info()), kernels=kernel_counts(c.compiled(entry)))),
+          flush=True)
+
+
+def kernel_counts(compiled) -> dict:
+    """Triton custom calls in an executable's optimized HLO: how many, and how many distinct kernels."""
+    import re
+    if compiled is None:
+        return {}
+    try:
+        text = compiled.as_text()
+    except Exception as e:  # noqa: BLE001 - a loaded executable may not keep its HLO text
+        return {"error": type(e).__name__}
+    calls = [ln for ln in text.splitlines() if "custom_call_target=\"__gpu$xla.gpu.triton\"" in ln]
+    configs = {re.sub(r"^.*?backend_config=", "", ln) for ln in calls}
+    return {"triton_calls": len(calls), "triton_distinct": len(configs), "hlo_lines": len(text.splitlines())}
+
+
+def dedupe_probe(n_calls: int = 24) -> None:
+    """Does XLA compile a Pallas kernel once when an executable calls it many times with one shape, and once per
+    shape when the shapes differ? Compile seconds of a chain of ``n_calls`` kernels of one shape and of distinct
+    shapes, against one call."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = jnp.tanh(x_ref[...]) * 1.5 + 0.25
+
+    def call(x):
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                              grid=(x.shape[0] // 16,), in_specs=[pl.BlockSpec((16, 128), lambda i: (i, 0))],
+                              out_specs=pl.BlockSpec((16, 128), lambda i: (i, 0)))(x)
+
+    def chain(sizes):
+        def f(*xs):
+            return [call(x) for x in xs]
+        args = [jnp.ones((n, 128), jnp.float32) for n in sizes]
+        t = time.perf_counter()
+        jax.jit(f).lower(*args).compile()
+        return round(time.perf_counter() - t, 3)
+
+    out = {"one": chain([64]), f"same_x{n_calls}": chain([64] * n_calls),
+           f"distinct_x{n_calls}": chain([16 * (i + 1) for i in range(n_calls)])}
+    print("RESULT " + json.dumps({"dedupe_compile_s": out}), flush=True)
 
 
 def main(argv=None):
@@ -80,8 +124,11 @@ def main(argv=None):
     p.add_argument("--timeout", type=float, default=200)
     p.add_argument("--configs", default="default")
     p.add_argument("--warm", action="store_true", help="run each configuration a second time on the same cache")
+    p.add_argument("--dedupe", action="store_true", help="only probe whether XLA compiles repeated kernels once")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.dedupe:
+        return dedupe_probe()
     if args.child is not None:
         return child(args.workload, args.batch, args.entry, json.loads(args.child))
     for cfg in args.configs.split("|"):
