@@ -3,8 +3,10 @@ call against the tuned one, and the default call with parts of the flag handling
 
     python benchmarks/check_cost.py [--workload hclt] [--batch 16] [--reps 40]
 
-Variants: ``tuned`` (tf32, validate=False), ``default``, ``no-async`` (the flag read without the early
-asynchronous copy), ``no-read`` (the check runs in the executable, the flag is never read), ``sync``."""
+Variants: ``tuned`` (tf32, validate=False), ``default``, ``unchecked`` (default precision, validate=False:
+the same computation as ``tuned`` in an executable compiled and autotuned on its own), ``no-async`` (the
+flag read without the early asynchronous copy), ``no-read`` (the check runs in the executable, the flag is
+never read), ``sync``."""
 
 from __future__ import annotations
 
@@ -49,7 +51,8 @@ def main(argv=None):
         with self._lock:
             self._pending.append(runtime._Pending(flag, batch.x, batch.missing, where))
 
-    variants = {"tuned": (tuned, None), "default": ({}, None), "no-async": ({}, no_async),
+    variants = {"tuned": (tuned, None), "default": ({}, None), "unchecked": (dict(validate=False), None),
+                "no-async": ({}, no_async),
                 "no-read": ({}, lambda self, flag, batch, where: None), "sync": (dict(validate="sync"), None)}
     for entry in args.entries.split(","):
         fn = getattr(c, entry)
