@@ -169,10 +169,6 @@ def tune_circuit(circuit, params, x, *, precision: str = "tf32", candidates: Seq
     routes are then checked the same way on the whole forward + flows step: the tuned options are returned
     only when that step is ``tuner.margin`` faster than with the default options, which are returned
     otherwise (``Options(precision=precision, fold_products=fold_products)``). Both decisions are cached."""
-    from .compiler.layout import ScanSpec
-    from .engine import forward as fw
-    from .ops import pallas_sum
-    from .ops.sum_layer import sum_layer, sum_layer_backward_reference
     from .options import Options
 
     tuner = tuner or Autotuner()
@@ -182,48 +178,8 @@ def tune_circuit(circuit, params, x, *, precision: str = "tf32", candidates: Seq
     B = circuit.runtime.bucket(batch.n)
     xb = jnp.concatenate([xj] * (-(-B // xj.shape[0])))[:B]
     fold = fold_products and circuit.layout.fold is not None
-    plan = circuit.layout.fold if fold else circuit.layout
-    tables = circuit.tables["fold"] if fold else circuit.tables
-    ref = Options(precision=precision, fold_products=fold, impl="xla")
-    vals = fw.input_values(circuit.layout, circuit.tables, params, xb, None, ref)
-    values = fw.forward_buffer(plan, tables, params["sum"], vals, ref)
-    flows = jnp.ones_like(values)
-    choices: dict = {}
-    heuristics: dict = {}
-    for step, tab in zip(plan.steps, tables["steps"]):
-        specs = list(zip(step.period, tab)) if isinstance(step, ScanSpec) else [(step, tab)]
-        for spec, t in specs:
-            for part, pt in zip(spec.sums, t["sums"]):
-                sig = fw.partition_key(part, B)
-                if sig in choices:
-                    continue
-                pt = jax.tree_util.tree_map(lambda a: a[0] if isinstance(step, ScanSpec) else a, pt)
-                logw = params["sum"][part.group]
-                off = 0
-                kw = dict(Kp=part.Kp, Kc=part.Kc, precision=precision)
-
-                def run(cfg, part=part, pt=pt, logw=logw, kw=kw):
-                    kc = None if cfg == ("xla",) else pallas_sum.KernelConfig(*cfg[1:])
-
-                    def op(v, f):
-                        if kc is None:
-                            out = sum_layer(v, pt["ch"], pt["pid"], logw, dense=part.dense, **kw)
-                        else:
-                            out = pallas_sum.forward(v, pt["ch"], pt["pid"], logw, config=kc, **kw)
-                        if cfg[0] == "pallas":
-                            return (out, *fw.pallas_sum_backward(v, f, off, pt, logw, part, alpha=1.0, config=kc,
-                                                                 precision=precision, first_row=2 * plan.kmax))
-                        cf, pf = sum_layer_backward_reference(v, f, pt["ch"], pt["pid"], logw, off, dense=part.dense,
-                                                              **kw)
-                        return out, fw.scatter_child_flows(f, cf, pt["ch"], part, 2 * plan.kmax), pf
-
-                    f = jax.jit(op)
-                    return lambda: f(values, flows)
-
-                heuristic = _auto_choice(fw.auto_impl(part, values.dtype, B))
-                heuristics[sig] = heuristic
-                choices[sig] = tuner.tune(("sum", sig, precision, heuristic), heuristic, (("xla",),) + cands,
-                                          run)
+    choices, heuristics = _tune_partitions(circuit, params, xb, fold=fold, precision=precision, candidates=cands,
+                                           tuner=tuner)
     default = Options(precision=precision, fold_products=fold_products)
     kernels = tuple(sorted((sig, ch) for sig, ch in choices.items() if ch != heuristics[sig]))
     if not kernels:
@@ -235,6 +191,78 @@ def tune_circuit(circuit, params, x, *, precision: str = "tf32", candidates: Seq
 
     return tuner.tune(("plan", precision, fold, B, tuple(sorted(heuristics.items())), kernels), default, [tuned],
                       whole)
+
+
+def _sum_partitions(plan, tables):
+    """Every sum partition of ``plan``'s steps in order: ``(part, tables, scanned)``; a scanned step's tables
+    keep their leading scan axis."""
+    from .compiler.layout import ScanSpec
+
+    for step, tab in zip(plan.steps, tables["steps"]):
+        scanned = isinstance(step, ScanSpec)
+        for spec, t in (list(zip(step.period, tab)) if scanned else [(step, tab)]):
+            for part, pt in zip(spec.sums, t["sums"]):
+                yield part, pt, scanned
+
+
+def _tune_partitions(circuit, params, xb, *, fold: bool, precision: str, candidates: tuple, tuner: Autotuner):
+    """``(choices, heuristics)``: per partition signature (:func:`jaxpc.engine.forward.partition_key` at the batch
+    of ``xb``) the tuned route and ``impl="auto"``'s route, each distinct partition of the plan (folded with
+    ``fold``) timed alone on the buffer of an XLA forward of ``xb``."""
+    from .engine import forward as fw
+    from .options import Options
+
+    B = xb.shape[0]
+    plan = circuit.layout.fold if fold else circuit.layout
+    tables = circuit.tables["fold"] if fold else circuit.tables
+    ref = Options(precision=precision, fold_products=fold, impl="xla")
+    vals = fw.input_values(circuit.layout, circuit.tables, params, xb, None, ref)
+    values = fw.forward_buffer(plan, tables, params["sum"], vals, ref)
+    flows = jnp.ones_like(values)
+    choices: dict = {}
+    heuristics: dict = {}
+    for part, pt, scanned in _sum_partitions(plan, tables):
+        sig = fw.partition_key(part, B)
+        if sig in choices:
+            continue
+        pt = jax.tree_util.tree_map(lambda a: a[0] if scanned else a, pt)
+        run = _partition_runner(part, pt, params["sum"][part.group], values, flows, precision=precision,
+                                first_row=2 * plan.kmax)
+        heuristic = _auto_choice(fw.auto_impl(part, values.dtype, B))
+        heuristics[sig] = heuristic
+        choices[sig] = tuner.tune(("sum", sig, precision, heuristic), heuristic, (("xla",),) + candidates, run)
+    return choices, heuristics
+
+
+def _partition_runner(part, pt, logw, values, flows, *, precision: str, first_row: int):
+    """``run(route)`` for :meth:`Autotuner.tune`: a zero-argument callable running the forward and backward of
+    sum partition ``part`` (tables ``pt``, parameters ``logw``) on ``values`` and ``flows`` under ``route``
+    (``("xla",)`` or ``(impl, block_b, block_k, num_warps)``)."""
+    from .engine import forward as fw
+    from .ops import pallas_sum
+    from .ops.sum_layer import sum_layer, sum_layer_backward_reference
+
+    off = 0  # the parents' first row: timed alone, any rows of the buffer serve
+    kw = dict(Kp=part.Kp, Kc=part.Kc, precision=precision)
+
+    def run(cfg):
+        kc = None if cfg == ("xla",) else pallas_sum.KernelConfig(*cfg[1:])
+
+        def op(v, f):
+            if kc is None:
+                out = sum_layer(v, pt["ch"], pt["pid"], logw, dense=part.dense, **kw)
+            else:
+                out = pallas_sum.forward(v, pt["ch"], pt["pid"], logw, config=kc, **kw)
+            if cfg[0] == "pallas":
+                return (out, *fw.pallas_sum_backward(v, f, off, pt, logw, part, alpha=1.0, config=kc,
+                                                     precision=precision, first_row=first_row))
+            cf, pf = sum_layer_backward_reference(v, f, pt["ch"], pt["pid"], logw, off, dense=part.dense, **kw)
+            return out, fw.scatter_child_flows(f, cf, pt["ch"], part, first_row), pf
+
+        f = jax.jit(op)
+        return lambda: f(values, flows)
+
+    return run
 
 
 def _auto_choice(impl: str) -> tuple:

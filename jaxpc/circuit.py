@@ -222,55 +222,19 @@ class Circuit:
         if unknown:
             raise ValueError(f"unknown evidence key(s) {sorted(unknown)}; valid keys: {list(self.EVIDENCE_KEYS)}")
         V = self.num_vars
-        groups = {g.key: g for g in self.layout.sum_groups}
-
-        def arr(name, a, ndim, last=None):
-            a = a if isinstance(a, (jax.Array, jax.core.Tracer)) else jnp.asarray(a)
-            if a.ndim != ndim or a.shape[0] != batch:
-                raise ValueError(f"evidence['{name}'] must have {ndim} axes with the batch ({batch}) first, got "
-                                 f"shape {tuple(a.shape)}")
-            if last is not None and tuple(a.shape[1:]) != tuple(last):
-                raise ValueError(f"evidence['{name}'] must have shape {[batch, *last]}, got {tuple(a.shape)}")
-            return a
-
         out = {}
         for key, val in evidence.items():
             if val is None:
                 continue
             if key in ("categorical_logp", "external", "latent"):
-                a = arr(key, val, 3)
+                a = _evidence_array(key, val, batch, 3)
                 if a.shape[1] != V:
                     raise ValueError(f"evidence['{key}'] must have shape [{batch}, {V}, ...], got {tuple(a.shape)}")
                 out[key] = a
             elif key == "categorical_topk":
-                if not isinstance(val, dict) or not {"ids", "logp"} <= set(val):
-                    raise ValueError("evidence['categorical_topk'] must be {'ids': int[B, V, k], 'logp': [B, V, k], "
-                                     "'mask': bool[B, V, k] (optional)}")
-                ids = arr("categorical_topk.ids", val["ids"], 3)
-                if not jnp.issubdtype(ids.dtype, jnp.integer):
-                    raise TypeError(f"evidence['categorical_topk']['ids'] must be integers, got {ids.dtype}")
-                topk = {"ids": ids.astype(jnp.int32), "logp": arr("categorical_topk.logp", val["logp"], 3,
-                                                                    ids.shape[1:])}
-                if val.get("mask") is not None:
-                    topk["mask"] = arr("categorical_topk.mask", val["mask"], 3, ids.shape[1:]).astype(bool)
-                out[key] = topk
+                out[key] = _check_topk_evidence(val, batch)
             else:  # sum_gates / sum_lowrank
-                if not isinstance(val, dict):
-                    raise TypeError(f"evidence['{key}'] must map sum groups {sorted(groups)} to arrays")
-                sub = {}
-                for gk, gv in val.items():
-                    if gk not in groups:
-                        raise ValueError(f"evidence['{key}'] names sum group {gk!r}; this circuit's groups are "
-                                         f"{sorted(groups)}")
-                    g = groups[gk]
-                    if key == "sum_gates":
-                        sub[gk] = arr(f"{key}.{gk}", gv, 2, (g.num_blocks,))
-                    else:
-                        u = arr(f"{key}.{gk}.u", gv["u"], 4)
-                        r = u.shape[3]
-                        sub[gk] = {"u": arr(f"{key}.{gk}.u", u, 4, (g.num_blocks, g.Kp, r)),
-                                   "v": arr(f"{key}.{gk}.v", gv["v"], 4, (g.num_blocks, r, g.Kc))}
-                out[key] = sub
+                out[key] = _check_sum_evidence(key, val, batch, {g.key: g for g in self.layout.sum_groups})
         return out or None
 
     # ---- evaluation ----------------------------------------------------------------------------
@@ -531,3 +495,51 @@ _ENTRIES = {"log_prob": (_e_log_prob, 0), "node_values": (_e_node_values, 1), "p
 
 def _tree_add(a, b):
     return jax.tree_util.tree_map(jnp.add, a, b)
+
+
+def _evidence_array(name: str, a, batch: int, ndim: int, last=None):
+    """``evidence[name]`` as an array of ``ndim`` axes, the batch first and the rest ``last`` when given."""
+    a = a if isinstance(a, (jax.Array, jax.core.Tracer)) else jnp.asarray(a)
+    if a.ndim != ndim or a.shape[0] != batch:
+        raise ValueError(f"evidence['{name}'] must have {ndim} axes with the batch ({batch}) first, got "
+                         f"shape {tuple(a.shape)}")
+    if last is not None and tuple(a.shape[1:]) != tuple(last):
+        raise ValueError(f"evidence['{name}'] must have shape {[batch, *last]}, got {tuple(a.shape)}")
+    return a
+
+
+def _check_topk_evidence(val, batch: int) -> dict:
+    """``evidence["categorical_topk"]``: integer ``ids [B, V, k]`` (as int32), ``logp`` and an optional boolean
+    ``mask`` of the same shape."""
+    if not isinstance(val, dict) or not {"ids", "logp"} <= set(val):
+        raise ValueError("evidence['categorical_topk'] must be {'ids': int[B, V, k], 'logp': [B, V, k], "
+                         "'mask': bool[B, V, k] (optional)}")
+    ids = _evidence_array("categorical_topk.ids", val["ids"], batch, 3)
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise TypeError(f"evidence['categorical_topk']['ids'] must be integers, got {ids.dtype}")
+    topk = {"ids": ids.astype(jnp.int32),
+            "logp": _evidence_array("categorical_topk.logp", val["logp"], batch, 3, ids.shape[1:])}
+    if val.get("mask") is not None:
+        topk["mask"] = _evidence_array("categorical_topk.mask", val["mask"], batch, 3, ids.shape[1:]).astype(bool)
+    return topk
+
+
+def _check_sum_evidence(key: str, val, batch: int, groups: dict) -> dict:
+    """``evidence["sum_gates"]`` (``[B, P]`` per sum group) or ``evidence["sum_lowrank"]`` (``u [B, P, Kp, r]``
+    and ``v [B, P, r, Kc]`` per sum group), by group key; ``groups``: the circuit's sum groups by key."""
+    if not isinstance(val, dict):
+        raise TypeError(f"evidence['{key}'] must map sum groups {sorted(groups)} to arrays")
+    sub = {}
+    for gk, gv in val.items():
+        if gk not in groups:
+            raise ValueError(f"evidence['{key}'] names sum group {gk!r}; this circuit's groups are "
+                             f"{sorted(groups)}")
+        g = groups[gk]
+        if key == "sum_gates":
+            sub[gk] = _evidence_array(f"{key}.{gk}", gv, batch, 2, (g.num_blocks,))
+        else:
+            u = _evidence_array(f"{key}.{gk}.u", gv["u"], batch, 4)
+            r = u.shape[3]
+            sub[gk] = {"u": _evidence_array(f"{key}.{gk}.u", u, batch, 4, (g.num_blocks, g.Kp, r)),
+                       "v": _evidence_array(f"{key}.{gk}.v", gv["v"], batch, 4, (g.num_blocks, r, g.Kc))}
+    return sub

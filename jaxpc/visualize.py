@@ -138,19 +138,10 @@ def plot_circuit(obj, params=None, *, granularity: str = "vector", ax=None, figs
         ``LineCollection``, one segment per drawn edge).
     """
     import matplotlib.pyplot as plt
-    from matplotlib.collections import LineCollection
 
     if granularity not in ("vector", "node"):
         raise ValueError(f"plot_circuit: granularity must be 'vector' or 'node', got {granularity!r}")
-    circuit = None
-    if _is_circuit(obj):
-        circuit, root = obj, obj.root
-    elif isinstance(obj, CircuitNodes):
-        root = obj
-        if params is not None:
-            raise ValueError("plot_circuit: params= needs a compiled circuit as the first argument")
-    else:
-        raise TypeError(f"plot_circuit: expected a node vector or a jaxpc.Circuit, got {type(obj).__name__}")
+    circuit, root = _plot_target(obj, params)
     nodes = topological_order(root)
     G, kinds, text, edges, owners = _graph(nodes, granularity, max_nodes)
     pos = _layered_layout(G)
@@ -161,28 +152,8 @@ def plot_circuit(obj, params=None, *, granularity: str = "vector", ax=None, figs
         fig, ax = plt.subplots(figsize=figsize or (min(2.0 + 0.6 * width, 24.0), min(1.5 + 1.2 * n_layers, 18.0)))
     else:
         fig = ax.figure
-
-    segs = np.asarray([[pos[a], pos[b]] for a, b in edges]).reshape(-1, 2, 2)
-    widths, alphas = 0.8, 0.5
-    if granularity == "node" and circuit is not None:
-        p = circuit.params if params is None else params
-        dense = {}
-        w = np.ones(len(edges))
-        for i, (ns, ij) in enumerate(owners):
-            if ij is None:
-                continue
-            if ns.id not in dense:
-                dense[ns.id] = np.asarray(circuit.get_node_params(p, ns))
-            w[i] = dense[ns.id][ij]
-        widths = 0.3 + 2.0 * w
-        alphas = None
-        colors = np.zeros((len(edges), 4))
-        colors[:, 3] = 0.15 + 0.85 * w
-    lc = LineCollection(segs, linewidths=widths, colors=colors if alphas is None else "0.45",
-                        alpha=alphas, zorder=1)
-    lc.set_gid("jaxpc-edges")
-    ax.add_collection(lc)
-
+    weighted = granularity == "node" and circuit is not None
+    ax.add_collection(_edge_lines(edges, pos, _edge_weights(circuit, params, owners) if weighted else None))
     size = 500 if granularity == "vector" else 60
     for kind, (marker, color) in _STYLE.items():
         keys = [k for k in G.nodes if kinds[k] == kind]
@@ -191,18 +162,65 @@ def plot_circuit(obj, params=None, *, granularity: str = "vector", ax=None, figs
                         zorder=2, label=kind)
         sc.set_gid(f"jaxpc-{kind}")
     if labels:
-        fs = 7 if granularity == "vector" else 6
-        for k, t in text.items():
-            x, y = pos[k]
-            if granularity == "vector":
-                ax.text(x, y, t, ha="center", va="center", fontsize=fs, color="white", zorder=3, gid="jaxpc-label")
-            else:
-                ax.text(x, y - 0.12, t, ha="center", va="top", fontsize=fs, zorder=3, gid="jaxpc-label")
+        _draw_labels(ax, text, pos, granularity)
     ax.set_axis_off()
     ax.margins(0.08)
     ax.autoscale_view()
     ax.legend(loc="upper left", fontsize=7, frameon=False, markerscale=0.5)
     return fig
+
+
+def _plot_target(obj, params) -> tuple[Any, CircuitNodes]:
+    """``(circuit or None, root)`` of :func:`plot_circuit`'s first argument; ``params`` need a circuit."""
+    if _is_circuit(obj):
+        return obj, obj.root
+    if isinstance(obj, CircuitNodes):
+        if params is not None:
+            raise ValueError("plot_circuit: params= needs a compiled circuit as the first argument")
+        return None, obj
+    raise TypeError(f"plot_circuit: expected a node vector or a jaxpc.Circuit, got {type(obj).__name__}")
+
+
+def _edge_weights(circuit, params, owners) -> np.ndarray:
+    """The weight of each drawn edge (:func:`_graph`'s edge owners): its sum weight under ``params`` (default
+    ``circuit.params``), 1 for product edges."""
+    p = circuit.params if params is None else params
+    dense = {}
+    w = np.ones(len(owners))
+    for i, (ns, ij) in enumerate(owners):
+        if ij is None:
+            continue
+        if ns.id not in dense:
+            dense[ns.id] = np.asarray(circuit.get_node_params(p, ns))
+        w[i] = dense[ns.id][ij]
+    return w
+
+
+def _edge_lines(edges, pos, weights):
+    """The edges as one ``LineCollection`` (gid ``"jaxpc-edges"``): gray, or with ``weights`` black lines whose
+    width and opacity grow with the weight."""
+    from matplotlib.collections import LineCollection
+
+    segs = np.asarray([[pos[a], pos[b]] for a, b in edges]).reshape(-1, 2, 2)
+    if weights is None:
+        lc = LineCollection(segs, linewidths=0.8, colors="0.45", alpha=0.5, zorder=1)
+    else:
+        colors = np.zeros((len(edges), 4))
+        colors[:, 3] = 0.15 + 0.85 * weights
+        lc = LineCollection(segs, linewidths=0.3 + 2.0 * weights, colors=colors, alpha=None, zorder=1)
+    lc.set_gid("jaxpc-edges")
+    return lc
+
+
+def _draw_labels(ax, text: dict, pos: dict, granularity: str) -> None:
+    """The node labels (gid ``"jaxpc-label"``): inside a vector's marker, below a node's."""
+    fs = 7 if granularity == "vector" else 6
+    for k, t in text.items():
+        x, y = pos[k]
+        if granularity == "vector":
+            ax.text(x, y, t, ha="center", va="center", fontsize=fs, color="white", zorder=3, gid="jaxpc-label")
+        else:
+            ax.text(x, y - 0.12, t, ha="center", va="top", fontsize=fs, zorder=3, gid="jaxpc-label")
 
 
 # ----------------------------------------------------------------------------------------------

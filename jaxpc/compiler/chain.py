@@ -40,6 +40,59 @@ def _one_sum(spec: StageSpec):
     return spec.sums[0] if not spec.prods and len(spec.sums) == 1 and spec.sums[0].dense else None
 
 
+def _emission_block(rows: np.ndarray, inp, K: int) -> int | None:
+    """The ``b`` for which ``rows`` are exactly ``e_b`` (rows ``b K .. b K + K - 1`` of input layer ``inp``),
+    else None."""
+    start = int(rows[0]) - inp.offset if rows.size else -1
+    if start < 0 or start % K or not _is_range(rows, inp.offset + start, K) or start + K > inp.num_nodes:
+        return None
+    return start // K
+
+
+def _product_emission(spec: StageSpec, tab: dict, sum_row: int, inp, K: int) -> int | None:
+    """The emission block ``b`` when stage ``spec`` is a ``P_r`` (see the module docstring): one product
+    partition of ``K`` nodes multiplying the ``K`` rows from ``sum_row`` on (``S_r``) node by node with ``e_b``
+    (in either order), else None."""
+    if spec.sums or len(spec.prods) != 1 or spec.prods[0].m != 2 or spec.prods[0].n * spec.prods[0].K != K:
+        return None
+    cols = [_rows(tab["prods"][0]["ch"][:, j], spec.prods[0].K) for j in range(2)]
+    if _is_range(cols[0], sum_row, K):
+        return _emission_block(cols[1], inp, K)
+    if _is_range(cols[1], sum_row, K):
+        return _emission_block(cols[0], inp, K)
+    return None
+
+
+def _walk_chain(stages: list, stage_tables: list, inp, first, K: int):
+    """Match the stages (without the root's) to ``S_0, P_0, ..., S_{R-1}, P_{R-1}``, every ``S_r`` shaped as
+    ``first`` (the partition of ``S_0``). Returns ``(order, pids, prev)``: the emission block read by ``S_0`` and
+    by each ``P_r``, each ``S_r``'s parameter blocks and the first row of ``P_{R-1}``; or None."""
+    order = []
+    pids = []
+    prev = None  # rows [prev, prev + K) hold P_{r-1}
+    for r in range(len(stages) // 2):
+        s, st = stages[2 * r], stage_tables[2 * r]
+        part = _one_sum(s)
+        if part is None or (part.n, part.C, part.Kp, part.Kc, part.group) != (first.n, first.C, first.Kp, first.Kc,
+                                                                              first.group):
+            return None
+        rows = _rows(st["sums"][0]["ch"][0], part.Kc)
+        if r == 0:
+            b = _emission_block(rows, inp, K)
+            if b is None:
+                return None
+            order.append(b)
+        elif not _is_range(rows, prev, K):
+            return None
+        pids.append(np.asarray(st["sums"][0]["pid"]))
+        b = _product_emission(stages[2 * r + 1], stage_tables[2 * r + 1], s.offset, inp, K)
+        if b is None:
+            return None
+        order.append(b)
+        prev = stages[2 * r + 1].offset
+    return order, pids, prev
+
+
 def detect_chain(layout: Layout, stages: list, stage_tables: list) -> tuple[ChainSpec, dict] | None:
     """``(ChainSpec, numpy tables)`` when the circuit is a chain (see the module docstring), else None.
     ``stages`` / ``stage_tables``: every stage in order with its (unstacked, unfinalized) tables."""
@@ -53,45 +106,10 @@ def detect_chain(layout: Layout, stages: list, stage_tables: list) -> tuple[Chai
     K = first.n * first.Kp
     if first.C * first.Kc != K or inp.num_nodes != (R + 1) * K:
         return None
-
-    def emission_block(rows):
-        start = int(rows[0]) - inp.offset if rows.size else -1
-        if start < 0 or start % K or not _is_range(rows, inp.offset + start, K) or start + K > inp.num_nodes:
-            return None
-        return start // K
-
-    order = []
-    pids = []
-    prev = None  # rows [prev, prev + K) hold P_{r-1}
-    for r in range(R):
-        s, st = stages[2 * r], stage_tables[2 * r]
-        part = _one_sum(s)
-        if part is None or (part.n, part.C, part.Kp, part.Kc, part.group) != (first.n, first.C, first.Kp, first.Kc,
-                                                                              first.group):
-            return None
-        rows = _rows(st["sums"][0]["ch"][0], part.Kc)
-        if r == 0:
-            b = emission_block(rows)
-            if b is None:
-                return None
-            order.append(b)
-        elif not _is_range(rows, prev, K):
-            return None
-        pids.append(np.asarray(st["sums"][0]["pid"]))
-        p, pt = stages[2 * r + 1], stage_tables[2 * r + 1]
-        if p.sums or len(p.prods) != 1 or p.prods[0].m != 2 or p.prods[0].n * p.prods[0].K != K:
-            return None
-        cols = [_rows(pt["prods"][0]["ch"][:, j], p.prods[0].K) for j in range(2)]
-        if _is_range(cols[0], s.offset, K):
-            b = emission_block(cols[1])
-        elif _is_range(cols[1], s.offset, K):
-            b = emission_block(cols[0])
-        else:
-            return None
-        if b is None:
-            return None
-        order.append(b)
-        prev = p.offset
+    walked = _walk_chain(stages[:-1], stage_tables[:-1], inp, first, K)
+    if walked is None:
+        return None
+    order, pids, prev = walked
     root, rt = stages[-1], stage_tables[-1]
     rpart = _one_sum(root)
     if (rpart is None or rpart.n != 1 or rpart.Kp != 1 or rpart.C * rpart.Kc != K or layout.root_row != root.offset

@@ -59,21 +59,66 @@ def _fanin_buckets(fanins: np.ndarray, max_exact: int) -> np.ndarray:
 
 
 def build(root: CircuitNodes, *, scan_min_repeats: int = 3, max_exact_fanins: int = 4) -> CompiledStructure:
+    """Compile the node graph under ``root`` (a single node) into its layout, index tables and parameter
+    placement. ``scan_min_repeats``: see :func:`group_scans`; ``max_exact_fanins``: see :func:`_fanin_buckets`."""
+    _check_root(root)
+    nodes = topological_order(root)
+    kmax = max(ns.block_size for ns in nodes)
+    by_level = _levels(nodes)
+    sources = _sources(nodes)
+    sum_placement, sum_groups, group_tables = _place_sums(sources)
+    block_rows: dict[int, np.ndarray] = {}
+    input_placement, input_specs, input_tables, inputs_end = _place_inputs(nodes, 2 * kmax, block_rows)
+    input_rows = {ns.id: block_rows[ns.id] for ns in nodes if ns.is_input()}
+
+    stages, stage_tables, stage_owners = [], [], []
+    row = inputs_end
+    for members in by_level[1:]:
+        spec, tab, row, owners = _build_stage(members, row, block_rows, sum_placement, max_exact_fanins)
+        stages.append(spec)
+        stage_tables.append(tab)
+        stage_owners.append(owners)
+    steps, step_tables = group_scans(stages, stage_tables, scan_min_repeats)
+
+    root_row = int(block_rows[root.id][0])
+    single, gaps = _single_reader(stages, stage_tables, 2 * kmax, row, root_row)
+    var_dists = _var_dists(nodes)
+    pflows, pflow_tables = _pflow_plan(steps, step_tables)
+    layout = Layout(num_rows=row, kmax=kmax, input_layers=tuple(input_specs), steps=tuple(steps),
+                    sum_groups=sum_groups, root_row=root_row, num_vars=max(var_dists) + 1, pflows=pflows,
+                    single_reader=single, flow_gaps=gaps)
+    tables = {"inputs": input_tables, "steps": step_tables, "groups": group_tables, "pflows": pflow_tables}
+    layout, tables = _with_chain(layout, tables, stages, stage_tables)
+    fold = _build_fold(nodes, root, input_rows, inputs_end, 2 * kmax, sum_placement, max_exact_fanins,
+                       scan_min_repeats)
+    layout, tables = _with_fold(layout, tables, fold)
+    return CompiledStructure(layout, tables, sum_placement, input_placement, sources, nodes, block_rows,
+                             var_dists, stages, stage_tables, stage_owners)
+
+
+def _check_root(root) -> None:
     if not isinstance(root, CircuitNodes):
         raise TypeError(f"compile: root must be a node vector, got {type(root).__name__}")
     if root.num_nodes != 1:
         raise ValueError(f"compile: the root must be a single node, but {root.name} has {root.num_nodes} nodes; "
                          f"add jaxpc.summate(..., num_nodes=1) on top")
-    nodes = topological_order(root)
-    kmax = max(ns.block_size for ns in nodes)
 
-    # ---- levels ----------------------------------------------------------------------------
+
+def _levels(nodes: list[CircuitNodes]) -> list[list[CircuitNodes]]:
+    """The inner (product and sum) vectors by level, in topological order within a level: inputs are level 0
+    (left empty), every other vector one above its highest child."""
     level: dict[int, int] = {}
     for ns in nodes:
         level[ns.id] = 0 if ns.is_input() else 1 + max(level[c.id] for c in ns.children)
-    num_levels = max(level.values()) + 1
+    by_level: list[list[CircuitNodes]] = [[] for _ in range(max(level.values()) + 1)]
+    for ns in nodes:
+        if not ns.is_input():
+            by_level[level[ns.id]].append(ns)
+    return by_level
 
-    # ---- sources and parameter placement ---------------------------------------------------
+
+def _sources(nodes: list[CircuitNodes]) -> dict[int, CircuitNodes]:
+    """The source vector of every vector (itself unless tied), by id; a tied sum must have its source's edges."""
     sources: dict[int, CircuitNodes] = {}
     for ns in nodes:
         src = ns.source
@@ -84,7 +129,14 @@ def build(root: CircuitNodes, *, scan_min_repeats: int = 3, max_exact_fanins: in
                                                                           src.ch_block_size) or \
                     not np.array_equal(ns.edge_ids, src.edge_ids):
                 raise ValueError(f"compile: {ns.name} is tied to {src.name} but their edges differ")
+    return sources
 
+
+def _place_sums(sources: dict[int, CircuitNodes]) -> tuple[dict[int, SumPlacement], tuple[SumGroupSpec, ...], dict]:
+    """Parameter placement of the source sum vectors: one group per block shape ``"{Kp}x{Kc}"``, holding its
+    vectors' edge blocks one after another. Returns ``(placement by vector id, group specs sorted by key, group
+    tables)``; a group's tables give each edge block's normalization segment (``seg``, its parent block) and
+    each parent block's number of child nodes (``nch``)."""
     sum_placement: dict[int, SumPlacement] = {}
     group_sizes: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # blocks, segments
     group_shapes: dict[str, tuple[int, int]] = {}
@@ -106,117 +158,126 @@ def build(root: CircuitNodes, *, scan_min_repeats: int = 3, max_exact_fanins: in
         k: {"seg": np.concatenate(seg_tables[k]).astype(np.int32),
             "nch": np.concatenate(nch_tables[k]).astype(np.int32)}
         for k in group_shapes}
+    return sum_placement, sum_groups, group_tables
 
-    # ---- input layers ----------------------------------------------------------------------
-    block_rows: dict[int, np.ndarray] = {}
+
+def _input_layers(nodes: list[CircuitNodes]) -> list[list[InputNodes]]:
+    """The input vectors grouped by their distribution's ``layer_key()``, layers and members in first-seen order."""
     layer_of_key: dict[tuple, int] = {}
-    layer_members: list[list[InputNodes]] = []
+    layers: list[list[InputNodes]] = []
     for ns in nodes:
         if ns.is_input():
             lk = ns.dist.layer_key()
             if lk not in layer_of_key:
-                layer_of_key[lk] = len(layer_members)
-                layer_members.append([])
-            layer_members[layer_of_key[lk]].append(ns)
+                layer_of_key[lk] = len(layers)
+                layers.append([])
+            layers[layer_of_key[lk]].append(ns)
+    return layers
 
+
+def _place_inputs(nodes: list[CircuitNodes], first_row: int, block_rows: dict[int, np.ndarray]):
+    """Lay the input layers out from buffer row ``first_row`` on, recording each input vector's block rows in
+    ``block_rows``. Returns ``(placement by source id, layer specs, layer tables, first row after them)``; a
+    layer's key is its distribution's name, suffixed ``_1``, ``_2``, ... when taken."""
     input_placement: dict[int, InputPlacement] = {}
-    input_specs = []
-    input_tables = []
-    row = 2 * kmax
+    specs, tables = [], []
+    row = first_row
     used_keys: set[str] = set()
-    for li, members in enumerate(layer_members):
-        dist = members[0].dist
-        key = dist.name
-        i = 1
+    for li, members in enumerate(_input_layers(nodes)):
+        name = members[0].dist.name
+        key, i = name, 1
         while key in used_keys:
-            key = f"{dist.name}_{i}"
+            key = f"{name}_{i}"
             i += 1
         used_keys.add(key)
-        offset = row
-        prow = 0
-        node_vars, node_rows, node_pos, metas = [], [], [], []
-        for ns in members:
-            src = ns.source
-            if src.id not in input_placement:
-                input_placement[src.id] = InputPlacement(li, key, prow, src.num_nodes)
-                metas.append(src.dist.row_tables(src.num_nodes, src.own_params, src.name))
-                prow += src.num_nodes
-            pl = input_placement[src.id]
-            node_vars.append(np.full(ns.num_nodes, ns.var, dtype=np.int32))
-            node_pos.append(np.arange(ns.num_nodes, dtype=np.int32))
-            node_rows.append(pl.row_start + np.arange(ns.num_nodes, dtype=np.int32))
-            block_rows[ns.id] = row + np.arange(ns.num_node_blocks, dtype=np.int64) * ns.block_size
-            row += ns.num_nodes
-        meta = {}
-        if metas and metas[0]:
-            meta = {k: np.concatenate([m[k] for m in metas]) for k in metas[0]}
-        vars_, rows_ = np.concatenate(node_vars), np.concatenate(node_rows)
-        input_specs.append(InputLayerSpec(key, dist, offset, row - offset, prow, _variable_run(vars_, rows_)))
-        input_tables.append({"vars": vars_, "rows": rows_, "pos": np.concatenate(node_pos), "meta": meta})
+        spec, tab = _input_layer(li, key, members, row, input_placement, block_rows)
+        specs.append(spec)
+        tables.append(tab)
+        row += spec.num_nodes
+    return input_placement, specs, tables, row
 
-    # ---- stages ----------------------------------------------------------------------------
-    inputs_end = row
-    input_rows = {ns.id: block_rows[ns.id] for ns in nodes if ns.is_input()}
-    by_level: list[list[CircuitNodes]] = [[] for _ in range(num_levels)]
-    for ns in nodes:
-        if not ns.is_input():
-            by_level[level[ns.id]].append(ns)
 
-    stages: list[StageSpec] = []
-    stage_tables: list[dict] = []
-    stage_owners: list[dict] = []
-    for lv in range(1, num_levels):
-        spec, tab, row, owners = _build_stage(by_level[lv], row, block_rows, sum_placement, max_exact_fanins)
-        stages.append(spec)
-        stage_tables.append(tab)
-        stage_owners.append(owners)
+def _input_layer(li: int, key: str, members: list[InputNodes], offset: int,
+                 input_placement: dict[int, InputPlacement], block_rows: dict[int, np.ndarray]):
+    """One input layer (number ``li``) at buffer row ``offset``: its members' nodes in order, each source vector
+    given parameter rows on first sight (``input_placement``). Returns ``(spec, tables)``: per node its
+    variable, parameter row and position in its vector, and the distribution's per-row ``meta`` tables."""
+    row = offset
+    prow = 0
+    node_vars, node_rows, node_pos, metas = [], [], [], []
+    for ns in members:
+        src = ns.source
+        if src.id not in input_placement:
+            input_placement[src.id] = InputPlacement(li, key, prow, src.num_nodes)
+            metas.append(src.dist.row_tables(src.num_nodes, src.own_params, src.name))
+            prow += src.num_nodes
+        pl = input_placement[src.id]
+        node_vars.append(np.full(ns.num_nodes, ns.var, dtype=np.int32))
+        node_pos.append(np.arange(ns.num_nodes, dtype=np.int32))
+        node_rows.append(pl.row_start + np.arange(ns.num_nodes, dtype=np.int32))
+        block_rows[ns.id] = row + np.arange(ns.num_node_blocks, dtype=np.int64) * ns.block_size
+        row += ns.num_nodes
+    meta = {}
+    if metas and metas[0]:
+        meta = {k: np.concatenate([m[k] for m in metas]) for k in metas[0]}
+    vars_, rows_ = np.concatenate(node_vars), np.concatenate(node_rows)
+    spec = InputLayerSpec(key, members[0].dist, offset, row - offset, prow, _variable_run(vars_, rows_))
+    return spec, {"vars": vars_, "rows": rows_, "pos": np.concatenate(node_pos), "meta": meta}
 
-    steps, step_tables = group_scans(stages, stage_tables, scan_min_repeats)
 
-    root_row = int(block_rows[root.id][0])
-    single, gaps = _single_reader(stages, stage_tables, 2 * kmax, row, root_row)
+def _var_dists(nodes: list[CircuitNodes]) -> dict[int, list]:
+    """The distinct distributions of each variable's input vectors, by variable."""
     var_dists: dict[int, list] = defaultdict(list)
     for ns in nodes:
         if ns.is_input() and ns.dist not in var_dists[ns.var]:
             var_dists[ns.var].append(ns.dist)
-    num_vars = max(var_dists) + 1
+    return dict(var_dists)
 
-    pflows, pflow_tables = _pflow_plan(steps, step_tables)
-    layout = Layout(num_rows=row, kmax=kmax, input_layers=tuple(input_specs), steps=tuple(steps),
-                    sum_groups=sum_groups, root_row=root_row, num_vars=num_vars, pflows=pflows,
-                    single_reader=single, flow_gaps=gaps)
-    tables = {"inputs": input_tables, "steps": step_tables, "groups": group_tables, "pflows": pflow_tables}
+
+def _with_chain(layout: Layout, tables: dict, stages: list, stage_tables: list) -> tuple[Layout, dict]:
+    """``layout`` and ``tables`` with the chain plan (:func:`detect_chain`) added when the circuit is a chain."""
     chain = detect_chain(layout, stages, stage_tables)
-    if chain is not None:
-        layout = dataclasses.replace(layout, chain=chain[0])
-        tables["chain"] = chain[1]
-    fold = _build_fold(nodes, root, input_rows, inputs_end, 2 * kmax, sum_placement, max_exact_fanins,
-                       scan_min_repeats)
-    if fold is not None:
-        f_steps, f_tables, f_root, f_rows, (f_single, f_gaps) = fold
-        f_pflows, f_pflow_tables = _pflow_plan(f_steps, f_tables)
-        layout = dataclasses.replace(layout, fold=dataclasses.replace(
-            layout, num_rows=f_rows, steps=tuple(f_steps), root_row=f_root, chain=None, fold=None, pflows=f_pflows,
-            single_reader=f_single, flow_gaps=f_gaps))
-        tables["fold"] = {"steps": f_tables, "pflows": f_pflow_tables}
-    return CompiledStructure(layout, tables, sum_placement, input_placement, sources, nodes, block_rows,
-                             dict(var_dists), stages, stage_tables, stage_owners)
+    if chain is None:
+        return layout, tables
+    return dataclasses.replace(layout, chain=chain[0]), {**tables, "chain": chain[1]}
+
+
+def _with_fold(layout: Layout, tables: dict, fold) -> tuple[Layout, dict]:
+    """``layout`` and ``tables`` with the folded plan (:func:`_build_fold`'s result, or None) added as
+    ``layout.fold``, a layout of its own without chain or fold, and ``tables["fold"]``."""
+    if fold is None:
+        return layout, tables
+    f_steps, f_tables, f_root, f_rows, (f_single, f_gaps) = fold
+    f_pflows, f_pflow_tables = _pflow_plan(f_steps, f_tables)
+    folded = dataclasses.replace(layout, num_rows=f_rows, steps=tuple(f_steps), root_row=f_root, chain=None,
+                                 fold=None, pflows=f_pflows, single_reader=f_single, flow_gaps=f_gaps)
+    return (dataclasses.replace(layout, fold=folded),
+            {**tables, "fold": {"steps": f_tables, "pflows": f_pflow_tables}})
 
 
 def _build_stage(members, row, block_rows, sum_placement, max_exact_fanins, child_rows=None):
-    """Partition one level's product and sum vectors; assign their rows; return (spec, tables, next row).
+    """Partition one level's product and sum vectors; assign their rows; return (spec, tables, next row, owners).
     ``child_rows(ns)``: ``[child blocks, M]`` buffer rows whose values add up to each child block of sum
     vector ``ns`` (default: the children's own rows, ``M = 1``; the folded plan expands products)."""
     offset = row
-    # products, grouped by (block size, arity)
+    prod_groups, sum_items = _stage_members(members, block_rows, sum_placement, child_rows)
+    prods, prod_tabs, prod_owners, row = _prod_parts(prod_groups, row, block_rows)
+    sums, sum_tabs, sum_owners, row = _sum_parts(sum_items, row, block_rows, max_exact_fanins)
+    spec = StageSpec(tuple(prods), tuple(sums), offset)
+    owners = {"prods": prod_owners, "sums": sum_owners}
+    return spec, {"prods": prod_tabs, "sums": sum_tabs, "out": np.int32(offset)}, row, owners
+
+
+def _stage_members(members, block_rows, sum_placement, child_rows):
+    """A level's vectors by partition shape: products by ``(K, arity)``; sums by ``(Kp, Kc, M)`` as
+    ``(vector, parent block, child rows [E, M], parameter block)`` per edge, edges sorted by (parent, child)."""
     prod_groups: dict[tuple[int, int], list[ProdNodes]] = defaultdict(list)
     sum_items: dict[tuple[int, int, int], list] = defaultdict(list)
     for ns in members:
         if ns.is_prod():
             prod_groups[(ns.block_size, len(ns.children))].append(ns)
         else:
-            src = ns.source
-            pl = sum_placement[src.id]
+            pl = sum_placement[ns.source.id]
             if child_rows is None:
                 ch_rows = np.concatenate([block_rows[c.id] for c in ns.children])[:, None]
             else:
@@ -226,9 +287,13 @@ def _build_stage(members, row, block_rows, sum_placement, max_exact_fanins, chil
             rows_e = ch_rows[ns.edge_ids[1][order]]  # [E, M]
             pids = pl.start + order
             sum_items[(ns.block_size, ns.ch_block_size, ch_rows.shape[1])].append((ns, par, rows_e, pids))
+    return prod_groups, sum_items
 
-    prods, sums, prod_tabs, sum_tabs = [], [], [], []
-    owners = {"prods": [], "sums": []}
+
+def _prod_parts(prod_groups, row, block_rows):
+    """One product partition per ``(K, arity)``, from buffer row ``row`` on, recording each vector's block rows.
+    Returns ``(parts, tables, owners, next row)``; owners: per partition the vector of each block."""
+    parts, tabs, owners = [], [], []
     for (K, m) in sorted(prod_groups):
         chs, n, own = [], 0, []
         for ns in prod_groups[(K, m)]:
@@ -237,56 +302,81 @@ def _build_stage(members, row, block_rows, sum_placement, max_exact_fanins, chil
             block_rows[ns.id] = row + (n + np.arange(ns.num_node_blocks)) * K
             n += ns.num_node_blocks
             own += [ns] * ns.num_node_blocks
-        owners["prods"].append(own)
-        prods.append(ProdPart(n, m, K))
-        prod_tabs.append({"ch": np.concatenate(chs).astype(np.int32)})
+        owners.append(own)
+        parts.append(ProdPart(n, m, K))
+        tabs.append({"ch": np.concatenate(chs).astype(np.int32)})
         row += n * K
+    return parts, tabs, owners, row
 
+
+@dataclasses.dataclass(frozen=True)
+class _SumEdges:
+    """The edges of one stage's sum vectors of one shape, their parent blocks numbered across the vectors
+    (``P`` parent blocks, ``E`` edges sorted by parent)."""
+    gpar: np.ndarray  # [E] parent block
+    rows: np.ndarray  # [E, M] child rows
+    pids: np.ndarray  # [E] parameter block
+    pos: np.ndarray  # [E] position of the edge among its parent's
+    owner: np.ndarray  # [P] the item (vector) of each parent block
+    owner_blk: np.ndarray  # [P] its block in that vector
+    fanins: np.ndarray  # [P]
+
+
+def _sum_edges(items) -> _SumEdges:
+    nbs = np.asarray([ns.num_node_blocks for ns, *_ in items], dtype=np.int64)
+    par_off = np.concatenate([[0], np.cumsum(nbs)[:-1]])
+    gpar = np.concatenate([par + o for (_, par, _, _), o in zip(items, par_off)])
+    fanins = np.bincount(gpar, minlength=int(nbs.sum()))
+    starts = np.concatenate([[0], np.cumsum(fanins)[:-1]])
+    return _SumEdges(gpar=gpar, rows=np.concatenate([it[2] for it in items]),
+                     pids=np.concatenate([it[3] for it in items]), pos=np.arange(gpar.size) - starts[gpar],
+                     owner=np.repeat(np.arange(len(items)), nbs),
+                     owner_blk=np.concatenate([np.arange(n) for n in nbs]), fanins=fanins)
+
+
+def _sum_parts(sum_items, row, block_rows, max_exact_fanins):
+    """The sum partitions, from buffer row ``row`` on: per shape ``(Kp, Kc, M)`` one partition per padded fan-in
+    (:func:`_fanin_buckets`), recording each vector's block rows. Returns ``(parts, tables, owners, next row)``."""
+    parts, tabs, owners = [], [], []
     for (Kp, Kc, M) in sorted(sum_items):
-        group = f"{Kp}x{Kc}"
         items = sum_items[(Kp, Kc, M)]
-        # every parent block of this shape gets a global id; edges are sorted by it
-        nbs = np.asarray([ns.num_node_blocks for ns, *_ in items], dtype=np.int64)
-        par_off = np.concatenate([[0], np.cumsum(nbs)[:-1]])
-        gpar = np.concatenate([par + o for (_, par, _, _), o in zip(items, par_off)])
-        rows_e = np.concatenate([it[2] for it in items])
-        pids = np.concatenate([it[3] for it in items])
-        owner = np.repeat(np.arange(len(items)), nbs)
-        owner_blk = np.concatenate([np.arange(n) for n in nbs])
-        fanins = np.bincount(gpar, minlength=int(nbs.sum()))
-        starts = np.concatenate([[0], np.cumsum(fanins)[:-1]])
-        pos = np.arange(gpar.size) - starts[gpar]
-        padded = _fanin_buckets(fanins, max_exact_fanins)
-        local = np.full(fanins.size, -1, dtype=np.int64)
+        edges = _sum_edges(items)
+        padded = _fanin_buckets(edges.fanins, max_exact_fanins)
         for C in np.unique(padded):
-            C = int(C)
             sel = np.nonzero(padded == C)[0]
-            local[sel] = np.arange(sel.size)
-            emask = padded[gpar] == C
-            # padding: the -inf row (marked -2) plus zero rows for the other terms
-            ch = np.zeros((sel.size, C, M), dtype=np.int64)
-            ch[:, :, 0] = -2
-            pid = np.zeros((sel.size, C), dtype=np.int64)
-            ch[local[gpar[emask]], pos[emask]] = rows_e[emask]
-            pid[local[gpar[emask]], pos[emask]] = pids[emask]
-            has_pad = bool(np.any(ch[:, :, 0] == -2))
-            dense = (not has_pad) and bool(np.all(ch == ch[:1]))
-            for v in np.unique(owner[sel]):
+            part, tab = _sum_partition(edges, sel, padded[edges.gpar] == C, int(C), Kp, Kc, M)
+            for v in np.unique(edges.owner[sel]):
                 ns = items[v][0]
-                mine = sel[owner[sel] == v]
+                mine = np.nonzero(edges.owner[sel] == v)[0]
                 br = block_rows.setdefault(ns.id, np.zeros(ns.num_node_blocks, dtype=np.int64))
-                br[owner_blk[mine]] = row + local[mine] * Kp
-            owners["sums"].append([items[v][0] for v in owner[sel]])
-            if M == 1:
-                ch = ch[:, :, 0]
-            inv = inverse_tables(ch, pid)
-            U, D = inv["par"].shape
-            unique_pid = (not has_pad) and np.unique(pid).size == pid.size
-            sums.append(SumPart(int(sel.size), C, Kp, Kc, group, dense, U, D, M, bool(unique_pid)))
-            sum_tabs.append({"ch": ch, "pid": pid.astype(np.int32), **inv})
+                br[edges.owner_blk[sel[mine]]] = row + mine * Kp
+            owners.append([items[v][0] for v in edges.owner[sel]])
+            parts.append(part)
+            tabs.append(tab)
             row += sel.size * Kp
-    spec = StageSpec(tuple(prods), tuple(sums), offset)
-    return spec, {"prods": prod_tabs, "sums": sum_tabs, "out": np.int32(offset)}, row, owners
+    return parts, tabs, owners, row
+
+
+def _sum_partition(edges: _SumEdges, sel: np.ndarray, emask: np.ndarray, C: int, Kp: int, Kc: int, M: int):
+    """The partition of parent blocks ``sel`` (fan-in padded to ``C``; ``emask``: their edges): ``(SumPart,
+    tables)``, the child rows ``ch [n, C]`` (``[n, C, M]`` when ``M > 1``) padded with the -inf row (marked -2)
+    plus zero rows, the parameter blocks ``pid [n, C]`` and the :func:`inverse_tables`."""
+    local = np.full(edges.fanins.size, -1, dtype=np.int64)
+    local[sel] = np.arange(sel.size)
+    ch = np.zeros((sel.size, C, M), dtype=np.int64)
+    ch[:, :, 0] = -2
+    pid = np.zeros((sel.size, C), dtype=np.int64)
+    ch[local[edges.gpar[emask]], edges.pos[emask]] = edges.rows[emask]
+    pid[local[edges.gpar[emask]], edges.pos[emask]] = edges.pids[emask]
+    has_pad = bool(np.any(ch[:, :, 0] == -2))
+    dense = (not has_pad) and bool(np.all(ch == ch[:1]))
+    if M == 1:
+        ch = ch[:, :, 0]
+    inv = inverse_tables(ch, pid)
+    U, D = inv["par"].shape
+    unique_pid = (not has_pad) and np.unique(pid).size == pid.size
+    part = SumPart(int(sel.size), C, Kp, Kc, f"{Kp}x{Kc}", dense, U, D, M, bool(unique_pid))
+    return part, {"ch": ch, "pid": pid.astype(np.int32), **inv}
 
 
 def _variable_run(node_vars: np.ndarray, node_rows: np.ndarray) -> int:

@@ -209,6 +209,57 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
     Returns:
         :class:`FitResult` ``(params, opt_state, epoch_ll [epochs])``.
     """
+    optimizer = _fit_optimizer(circuit, optimizer, step_size, pseudocount)
+    batch, bs = _fit_batch(circuit, data, missing, validate, epochs=epochs, batch_size=batch_size,
+                           start_epoch=start_epoch, mesh=mesh)
+    check = circuit.runtime.device_check if batch.report else None  # device data: checked inside the epoch
+    if key is None:
+        key = jax.random.key(0)
+    if opt_state is None:
+        opt_state = optimizer.init(params)
+    run = _cached_epoch_fn(circuit, optimizer, options, normalize=normalize, mesh=mesh, num_samples=batch.n,
+                           batch_size=bs, shuffle=shuffle, drop_remainder=drop_remainder,
+                           missing_ndim=None if batch.missing is None else batch.missing.ndim, check=check)
+    if mesh is None:
+        tables = circuit.tables
+    else:
+        tables = circuit.runtime.replicated(circuit.tables, NamedSharding(mesh, PartitionSpec()))
+    epochs_iter, bar = _progress_bar(range(start_epoch, start_epoch + int(epochs)), progress)
+    lls = []
+    for e in epochs_iter:
+        params, opt_state, ll, bad = run(tables, params, opt_state, batch.x, batch.missing, key,
+                                         jnp.asarray(e, jnp.int32))
+        lls.append(ll)
+        if bad is not None and len(lls) == 1 and bool(np.asarray(bad)):
+            # (read once per fit, after the first epoch) the rows with bad values took no part
+            raise_bad_values(circuit.runtime.var_info, batch.x, batch.missing, "data",
+                             "optim.fit, which left those rows out")
+        if bar is not None:
+            bar.set_postfix(ll=f"{float(ll):.4f}")
+    epoch_ll = np.asarray(jnp.stack(lls)) if lls else np.zeros((0,), np.dtype(circuit.dtype))
+    return FitResult(params, opt_state, epoch_ll)
+
+
+def _fit_batch(circuit, data, missing, validate, *, epochs, batch_size, start_epoch, mesh):
+    """``fit``'s checked arguments: ``(batch, batch size)``, the data prepared by the runtime and the batch size
+    clipped to its rows (a multiple of the mesh's devices)."""
+    for name, v, lo in (("epochs", epochs, 0), ("batch_size", batch_size, 1), ("start_epoch", start_epoch, 0)):
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < lo:
+            raise ValueError(f"fit: {name} must be an int >= {lo}, got {v!r}")
+    batch = circuit.runtime.prepare(data, missing, validate, what="data")
+    if batch.n == 0:
+        raise ValueError("fit: data has no rows")
+    bs = int(min(batch_size, batch.n))
+    if mesh is not None:
+        nd = mesh.shape[sharded.AXIS]
+        if bs % nd:
+            raise ValueError(f"fit: batch_size={bs} must be a multiple of the {nd} devices of the mesh")
+    return batch, bs
+
+
+def _fit_optimizer(circuit, optimizer, step_size, pseudocount):
+    """``fit``'s optimizer: ``optimizer``, or the default EM one configured by ``step_size`` and ``pseudocount``
+    (which only it takes), checked against the circuit."""
     if optimizer is None:
         optimizer = _default_em(circuit, 0.1 if step_size is None else step_size,
                                 0.0 if pseudocount is None else pseudocount)
@@ -216,31 +267,22 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
         raise ValueError("fit: step_size and pseudocount configure the default EM optimizer; with optimizer=... set "
                          "them on the optimizer instead")
     _check_tx(optimizer, circuit.layout)
-    for name, v, lo in (("epochs", epochs, 0), ("batch_size", batch_size, 1), ("start_epoch", start_epoch, 0)):
-        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < lo:
-            raise ValueError(f"fit: {name} must be an int >= {lo}, got {v!r}")
-    batch = circuit.runtime.prepare(data, missing, validate, what="data")
-    xj, mj, n = batch.x, batch.missing, batch.n
-    check = circuit.runtime.device_check if batch.report else None  # device data: checked inside the epoch
-    if n == 0:
-        raise ValueError("fit: data has no rows")
-    bs = int(min(batch_size, n))
-    mndim = None if mj is None else mj.ndim
-    if mesh is not None:
-        nd = mesh.shape[sharded.AXIS]
-        if bs % nd:
-            raise ValueError(f"fit: batch_size={bs} must be a multiple of the {nd} devices of the mesh")
-    if key is None:
-        key = jax.random.key(0)
-    if opt_state is None:
-        opt_state = optimizer.init(params)
+    return optimizer
+
+
+def _cached_epoch_fn(circuit, optimizer, options, *, normalize: bool, mesh, num_samples: int, batch_size: int,
+                     shuffle: bool, drop_remainder: bool, missing_ndim: int | None, check):
+    """The jitted epoch (:func:`_epoch_fn`) of this configuration, kept in the circuit's constant cache under
+    everything that shapes it (the optimizer by identity) so a repeated ``fit`` call reuses its executable."""
     keyed = options_key(Options.make(options))  # the epoch's executable is keyed as the runtime keys its own
     opts = keyed["options"]
-    ck = ("fit", id(optimizer), normalize, tuple(keyed.items()), mesh, n, bs, shuffle, drop_remainder, mndim,
+    n, bs = num_samples, batch_size
+    ck = ("fit", id(optimizer), normalize, tuple(keyed.items()), mesh, n, bs, shuffle, drop_remainder, missing_ndim,
           check is not None)
     entry = circuit.runtime.constant(ck, lambda: [None, None])
     if entry[0] is not optimizer:
-        step = make_step(circuit.layout, optimizer, normalize=normalize, options=opts, mesh=mesh, missing_ndim=mndim)
+        step = make_step(circuit.layout, optimizer, normalize=normalize, options=opts, mesh=mesh,
+                         missing_ndim=missing_ndim)
         if mesh is not None and (drop_remainder or n % bs == 0):
             inner = step
 
@@ -248,32 +290,19 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
                 w = jnp.ones((x.shape[0],), circuit.dtype) if weights is None else weights
                 return inner(tables, params, state, x, missing, w)
 
-        entry[:] = [optimizer, _epoch_fn(circuit.layout, step, n, bs, shuffle, drop_remainder, mndim, circuit.dtype,
-                                         check)]
-    run = entry[1]
+        entry[:] = [optimizer, _epoch_fn(circuit.layout, step, n, bs, shuffle, drop_remainder, missing_ndim,
+                                         circuit.dtype, check)]
+    return entry[1]
 
-    lls = []
-    epochs_iter = range(start_epoch, start_epoch + int(epochs))
-    bar = None
-    if progress:
-        try:
-            from tqdm.auto import tqdm
-        except ImportError:  # the bar is optional (pip install tqdm)
-            tqdm = None
-        if tqdm is not None:
-            bar = tqdm(epochs_iter, desc="fit", unit="epoch")
-            epochs_iter = bar
-    if mesh is None:
-        tables = circuit.tables
-    else:
-        tables = circuit.runtime.replicated(circuit.tables, NamedSharding(mesh, PartitionSpec()))
-    for e in epochs_iter:
-        params, opt_state, ll, bad = run(tables, params, opt_state, xj, mj, key, jnp.asarray(e, jnp.int32))
-        lls.append(ll)
-        if bad is not None and len(lls) == 1 and bool(np.asarray(bad)):
-            # (read once per fit, after the first epoch) the rows with bad values took no part
-            raise_bad_values(circuit.runtime.var_info, xj, mj, "data", "optim.fit, which left those rows out")
-        if bar is not None:
-            bar.set_postfix(ll=f"{float(ll):.4f}")
-    epoch_ll = np.asarray(jnp.stack(lls)) if lls else np.zeros((0,), np.dtype(circuit.dtype))
-    return FitResult(params, opt_state, epoch_ll)
+
+def _progress_bar(epochs_iter, progress: bool):
+    """``(iterable, bar)``: the epochs wrapped in a tqdm bar when ``progress`` and tqdm is installed, else
+    unchanged with bar None."""
+    if not progress:
+        return epochs_iter, None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # the bar is optional (pip install tqdm)
+        return epochs_iter, None
+    bar = tqdm(epochs_iter, desc="fit", unit="epoch")
+    return bar, bar

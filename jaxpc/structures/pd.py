@@ -8,7 +8,9 @@ vector per variable. Variables are numbered row-major (``var = i0 * W + i1`` for
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any
 
 import numpy as np
 
@@ -80,72 +82,109 @@ def PD(data_shape, num_latents: int, split_intervals=None, split_points=None, ma
         raise ValueError(f"PD: max_prod_block_conns must be a positive int, got {max_prod_block_conns!r}")
     cap = 16 if num_latents <= 32 else 32
     bs, nb = check_latents("PD", num_latents, block_size, cap)
-    points = _split_points(data_shape, split_intervals, split_points)
-    dist = input_dist or dists.Categorical(num_cats=256)
-    rng = np.random.default_rng(seed)
-    sources: dict = {}
-    memo: dict = {}
-    root_cube = ((0,) * len(data_shape), data_shape)
-
-    def tied_sum(sig, children, **kw):
-        if tie_homogeneous_params and sig in sources:
-            return sources[sig].duplicate(*children, tie_params=True)
-        ns = summate(*children, num_node_blocks=nb, block_size=bs, **kw)
-        if tie_homogeneous_params:
-            sources[sig] = ns
-        return ns
-
-    def leaf_region(cube):
-        vs = _cube_vars(cube, data_shape)
-        if leaf_fn is not None:
-            return leaf_fn(vs, num_latents, bs)
-        leaves = []
-        for v in vs:
-            if tie_homogeneous_params and "input" in sources:
-                leaves.append(sources["input"].duplicate(v, tie_params=True))
-            else:
-                ns = inputs(v, num_node_blocks=nb, block_size=bs, dist=dist)
-                sources.setdefault("input", ns)
-                leaves.append(ns)
-        prod = multiply(*leaves)
-        shape = tuple(b - a for a, b in zip(*cube))
-        return tied_sum(("leaf", shape), [prod], edge_ids=np.stack([np.arange(nb)] * 2))
-
-    def build(cube, depth):
-        if cube in memo:
-            return memo[cube]
-        lo, hi = cube
-        prods = []
-        if max_split_depth is None or depth <= max_split_depth:
-            for a in range(len(data_shape)):
-                for sp in points[a]:
-                    if lo[a] < sp < hi[a]:
-                        left = (lo, hi[:a] + (sp,) + hi[a + 1:])
-                        right = (lo[:a] + (sp,) + lo[a + 1:], hi)
-                        c1, c2 = build(left, depth + 1), build(right, depth + 1)
-                        if structure_type == "prod_dominated":
-                            c1, c2 = c1.duplicate(), c2.duplicate()
-                        prods.append(multiply(c1, c2))
-        if not prods:
-            ns = leaf_region(cube)
-        elif cube == root_cube:
-            ns = summate(*prods, num_node_blocks=1, block_size=1)
-        else:
-            shape = (tuple(b - a for a, b in zip(lo, hi)), len(prods))
-            edge_ids = None
-            if len(prods) > max_prod_block_conns:
-                chosen = np.argsort(rng.random((nb, len(prods))), axis=1)[:, :max_prod_block_conns]
-                par = np.repeat(np.arange(nb), max_prod_block_conns * nb)
-                ch = (chosen[:, :, None] * nb + np.arange(nb)[None, None, :]).reshape(-1)
-                edge_ids = np.stack([par, ch])
-            ns = tied_sum(("inner", shape), prods, edge_ids=edge_ids)
-        memo[cube] = ns
-        return ns
-
-    root = build(root_cube, 1)
+    builder = _PDBuilder(data_shape, _split_points(data_shape, split_intervals, split_points), num_latents, bs, nb,
+                         input_dist or dists.Categorical(num_cats=256), max_split_depth=max_split_depth,
+                         max_prod_block_conns=max_prod_block_conns, structure_type=structure_type,
+                         tie=tie_homogeneous_params, leaf_fn=leaf_fn, rng=np.random.default_rng(seed))
+    root = builder.region(builder.root_cube, 1)
     if root.num_nodes != 1:  # the whole grid was a single leaf region
         root = summate(root, num_node_blocks=1, block_size=1)
     return root
+
+
+@dataclasses.dataclass
+class _PDBuilder:
+    """The region nodes of one PD (see :func:`PD` for the arguments), memoized by hypercube ``(lo, hi)``; with
+    ``tie``, the first sum of each region signature and the first input vector are the sources of the rest."""
+
+    data_shape: tuple[int, ...]
+    points: list[list[int]]  # split points per axis
+    num_latents: int
+    bs: int
+    nb: int
+    dist: dists.Distribution
+    max_split_depth: int | None
+    max_prod_block_conns: int
+    structure_type: str
+    tie: bool
+    leaf_fn: Any
+    rng: np.random.Generator
+    sources: dict = dataclasses.field(default_factory=dict)
+    memo: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def root_cube(self) -> tuple:
+        return (0,) * len(self.data_shape), self.data_shape
+
+    def region(self, cube, depth: int) -> CircuitNodes:
+        """The node vector of region ``cube`` at split depth ``depth``: the root's single sum, an inner region's
+        sum over its split products, or a leaf region."""
+        if cube in self.memo:
+            return self.memo[cube]
+        prods = self._split_products(cube, depth)
+        if not prods:
+            ns = self._leaf_region(cube)
+        elif cube == self.root_cube:
+            ns = summate(*prods, num_node_blocks=1, block_size=1)
+        else:
+            shape = (tuple(b - a for a, b in zip(*cube)), len(prods))
+            ns = self._tied_sum(("inner", shape), prods, edge_ids=self._sparse_edges(len(prods)))
+        self.memo[cube] = ns
+        return ns
+
+    def _split_products(self, cube, depth: int) -> list[CircuitNodes]:
+        """One product of the two halves per split point inside ``cube`` (none below ``max_split_depth``)."""
+        lo, hi = cube
+        prods = []
+        if self.max_split_depth is None or depth <= self.max_split_depth:
+            for a in range(len(self.data_shape)):
+                for sp in self.points[a]:
+                    if lo[a] < sp < hi[a]:
+                        left = (lo, hi[:a] + (sp,) + hi[a + 1:])
+                        right = (lo[:a] + (sp,) + lo[a + 1:], hi)
+                        c1, c2 = self.region(left, depth + 1), self.region(right, depth + 1)
+                        if self.structure_type == "prod_dominated":
+                            c1, c2 = c1.duplicate(), c2.duplicate()
+                        prods.append(multiply(c1, c2))
+        return prods
+
+    def _sparse_edges(self, num_prods: int) -> np.ndarray | None:
+        """Edges of a sum over ``num_prods`` products: None (all of them) up to ``max_prod_block_conns``, else each
+        block joined to that many products drawn at random."""
+        k = self.max_prod_block_conns
+        if num_prods <= k:
+            return None
+        nb = self.nb
+        chosen = np.argsort(self.rng.random((nb, num_prods)), axis=1)[:, :k]
+        par = np.repeat(np.arange(nb), k * nb)
+        ch = (chosen[:, :, None] * nb + np.arange(nb)[None, None, :]).reshape(-1)
+        return np.stack([par, ch])
+
+    def _tied_sum(self, sig, children, **kw) -> CircuitNodes:
+        if self.tie and sig in self.sources:
+            return self.sources[sig].duplicate(*children, tie_params=True)
+        ns = summate(*children, num_node_blocks=self.nb, block_size=self.bs, **kw)
+        if self.tie:
+            self.sources[sig] = ns
+        return ns
+
+    def _leaf_region(self, cube) -> CircuitNodes:
+        """``leaf_fn`` over the region's variables, or a block-diagonal sum over the product of one input vector
+        per variable."""
+        vs = _cube_vars(cube, self.data_shape)
+        if self.leaf_fn is not None:
+            return self.leaf_fn(vs, self.num_latents, self.bs)
+        leaves = []
+        for v in vs:
+            if self.tie and "input" in self.sources:
+                leaves.append(self.sources["input"].duplicate(v, tie_params=True))
+            else:
+                ns = inputs(v, num_node_blocks=self.nb, block_size=self.bs, dist=self.dist)
+                self.sources.setdefault("input", ns)
+                leaves.append(ns)
+        prod = multiply(*leaves)
+        shape = tuple(b - a for a, b in zip(*cube))
+        return self._tied_sum(("leaf", shape), [prod], edge_ids=np.stack([np.arange(self.nb)] * 2))
 
 
 def PDHCLT(data, data_shape, num_latents: int, split_intervals=None, split_points=None,
