@@ -140,8 +140,8 @@ class FitResult(NamedTuple):
 
 def _epoch_fn(layout, step, num_samples: int, batch_size: int, shuffle: bool, drop_remainder: bool,
               missing_ndim: int | None, dtype, check=None):
-    """One jitted epoch ``run(...) -> (params, state, mean ll, bad)``. With ``check`` (a
-    :class:`jaxpc.checks.DeviceCheck`) the data's bad rows weigh zero and ``bad`` flags them."""
+    """One epoch ``run(...) -> (params, state, mean ll, bad)`` (pure: the caller compiles it). With ``check``
+    (a :class:`jaxpc.checks.DeviceCheck`) the data's bad rows weigh zero and ``bad`` flags them."""
     def run(tables, params, state, data, missing, key, epoch):
         idx, w = epoch_batches(key, epoch, num_samples, batch_size, shuffle=shuffle, drop_remainder=drop_remainder)
         wts = None if w is None else w.astype(dtype)
@@ -165,7 +165,41 @@ def _epoch_fn(layout, step, num_samples: int, batch_size: int, shuffle: bool, dr
         count = idx.size if wts is None else jnp.sum(wts)
         return params, state, jnp.sum(sums) / count, bad
 
-    return jax.jit(run)
+    return run
+
+
+class _Same:
+    """A static value equal only to itself (an optimizer: its functions are compared by identity anyway, and
+    it may hold unhashable state); the key holds it, so its id is never reused while the executable lives."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __hash__(self) -> int:
+        return id(self.value)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Same) and other.value is self.value
+
+
+def _epoch_entry(layout, tables, params, state, data, missing, key, epoch, *, optimizer: _Same, normalize: bool,
+                 options: Options, mesh, num_samples: int, batch_size: int, shuffle: bool, drop_remainder: bool,
+                 missing_ndim: int | None, dtype, check, _matmul=None):
+    """The epoch as an entry of the circuit's executable cache: every keyword is static (part of the key)."""
+    del _matmul  # part of the key only
+    step = make_step(layout, optimizer.value, normalize=normalize, options=options, mesh=mesh,
+                     missing_ndim=missing_ndim)
+    if mesh is not None and (drop_remainder or num_samples % batch_size == 0):
+        inner = step
+
+        def step(tables, params, state, x, missing, weights):  # the sharded step needs explicit weights
+            w = jnp.ones((x.shape[0],), dtype) if weights is None else weights
+            return inner(tables, params, state, x, missing, w)
+
+    run = _epoch_fn(layout, step, num_samples, batch_size, shuffle, drop_remainder, missing_ndim, dtype, check)
+    return run(tables, params, state, data, missing, key, epoch)
 
 
 def _default_em(circuit, step_size, pseudocount):
@@ -272,27 +306,19 @@ def _fit_optimizer(circuit, optimizer, step_size, pseudocount):
 
 def _cached_epoch_fn(circuit, optimizer, options, *, normalize: bool, mesh, num_samples: int, batch_size: int,
                      shuffle: bool, drop_remainder: bool, missing_ndim: int | None, check):
-    """The jitted epoch (:func:`_epoch_fn`) of this configuration, kept in the circuit's constant cache under
-    everything that shapes it (the optimizer by identity) so a repeated ``fit`` call reuses its executable."""
-    keyed = options_key(Options.make(options))  # the epoch's executable is keyed as the runtime keys its own
-    opts = keyed["options"]
-    n, bs = num_samples, batch_size
-    ck = ("fit", id(optimizer), normalize, tuple(keyed.items()), mesh, n, bs, shuffle, drop_remainder, missing_ndim,
-          check is not None)
-    entry = circuit.runtime.constant(ck, lambda: [None, None])
-    if entry[0] is not optimizer:
-        step = make_step(circuit.layout, optimizer, normalize=normalize, options=opts, mesh=mesh,
-                         missing_ndim=missing_ndim)
-        if mesh is not None and (drop_remainder or n % bs == 0):
-            inner = step
+    """The epoch of this configuration as a function of its arrays, run through the circuit's executable cache
+    (bounded, locked, counted in ``cache_info``) under everything that shapes it, so a repeated ``fit`` call
+    reuses its executable."""
+    static = dict(options_key(Options.make(options)), optimizer=_Same(optimizer), normalize=bool(normalize),
+                  mesh=mesh, num_samples=int(num_samples), batch_size=int(batch_size), shuffle=bool(shuffle),
+                  drop_remainder=bool(drop_remainder), missing_ndim=missing_ndim, dtype=circuit.dtype, check=check)
+    fn = functools.partial(_epoch_entry, circuit.layout)
+    cache = circuit.runtime.cache
 
-            def step(tables, params, state, x, missing, weights):  # the sharded step needs explicit weights
-                w = jnp.ones((x.shape[0],), circuit.dtype) if weights is None else weights
-                return inner(tables, params, state, x, missing, w)
-
-        entry[:] = [optimizer, _epoch_fn(circuit.layout, step, n, bs, shuffle, drop_remainder, missing_ndim,
-                                         circuit.dtype, check)]
-    return entry[1]
+    def run(tables, params, state, data, missing, key, epoch):
+        return cache.run("optim.fit", fn, static, {"tables": tables, "params": params, "state": state, "data": data,
+                                                   "missing": missing, "key": key, "epoch": epoch})
+    return run
 
 
 def _progress_bar(epochs_iter, progress: bool):
