@@ -13,7 +13,10 @@ the gradient stays per device, and add one ``psum``. ``tests/test_parallel.py`` 
 flow equals the batch size, which a doubled (or missing) psum breaks.
 
 A batch whose size is not a multiple of the device count is padded with zero-weight rows (they
-contribute exactly nothing; the returned log-likelihoods are cut back to the batch).
+contribute exactly nothing; the returned log-likelihoods are cut back to the batch). Per-call ``evidence``
+(soft evidence, external leaf values, per-sample sum parameters; see :meth:`jaxpc.Circuit.check_evidence`)
+has the batch first in every leaf: it is checked like ``Circuit.flows`` checks it, padded and split with
+the batch.
 
 Models too large for one device (not built; how it would go). Data parallelism replicates the
 parameters and the node buffer ``[R, B/n]``; when the parameters or the buffer of one sample no longer
@@ -64,27 +67,28 @@ def _ndim(m):
     return None if m is None else m.ndim
 
 
-def _p_flows(layout, tables, params, x, missing, weights, *, mesh, options):
+def _p_flows(layout, tables, params, x, missing, weights, evidence, *, mesh, options):
     f = sharded_flows_and_ll(layout, mesh, options, _ndim(missing))
-    return f(tables, params, x, *(() if missing is None else (missing,)), weights)
+    return f(tables, params, x, *(() if missing is None else (missing,)), weights, evidence=evidence)
 
 
-def _p_em_step(layout, tables, params, x, missing, weights, step_size, pseudocount, *, mesh, options):
-    fl, ll = _p_flows(layout, tables, params, x, missing, weights, mesh=mesh, options=options)
+def _p_em_step(layout, tables, params, x, missing, weights, evidence, step_size, pseudocount, *, mesh, options):
+    fl, ll = _p_flows(layout, tables, params, x, missing, weights, evidence, mesh=mesh, options=options)
     return em.em_update(layout, tables, params, fl, step_size, pseudocount), ll
 
 
-def _p_grad(layout, tables, params, x, missing, weights, *, mesh, options, normalize):
+def _p_grad(layout, tables, params, x, missing, weights, evidence, *, mesh, options, normalize):
     f = sharded_loss_and_grad(layout, mesh, options, _ndim(missing), normalize)
-    (loss, ll), g = f(tables, params, x, *(() if missing is None else (missing,)), weights)
+    (loss, ll), g = f(tables, params, x, *(() if missing is None else (missing,)), weights, evidence=evidence)
     return (loss, g), ll
 
 
-def _p_train_step(layout, tables, params, opt_state, x, missing, weights, *, mesh, options, normalize, tx):
+def _p_train_step(layout, tables, params, opt_state, x, missing, weights, evidence, *, mesh, options, normalize,
+                  tx):
     from .optim.train import make_step
 
     step = make_step(layout, tx, normalize=normalize, options=options, mesh=mesh, missing_ndim=_ndim(missing))
-    p, s, ll = step(tables, params, opt_state, x, missing, weights)
+    p, s, ll = step(tables, params, opt_state, x, missing, weights, evidence)
     return (p, s), ll
 
 
@@ -93,50 +97,62 @@ _ENTRIES = {"parallel.flows": (_p_flows, (None, 0)), "parallel.em_step": (_p_em_
             "parallel.grad": (_p_grad, ((None, None), 0)), "parallel.train_step": (_p_train_step, ((None, None), 0))}
 
 
-def _run(circuit, name, static, args, x, missing, ll_weights, validate, mesh, options):
+def _run(circuit, name, static, args, x, missing, ll_weights, evidence, validate, mesh, options):
     rt = circuit.runtime
     rt.entry(name, *_ENTRIES[name], circuit.layout)
     mesh = _mesh(mesh)
     batch = rt.prepare(x, missing, validate)
+    ev = circuit.check_evidence(evidence, batch.n)
     w = rt.weights(ll_weights, batch.n)
-    args = {"tables": rt.replicated(circuit.tables, NamedSharding(mesh, P())), **args}
-    return rt.run(name, {"mesh": mesh, **static}, args, batch, options=Options.make(options), weights=w,
-                  multiple=mesh.shape[AXIS], sharding=NamedSharding(mesh, P(AXIS)))
+    args = {"tables": rt.replicated(circuit.tables, NamedSharding(mesh, P())), **args, "evidence": ev}
+    return rt.run(name, {"mesh": mesh, **static}, args, batch, options=Options.make(options), batched={"evidence": 0},
+                  weights=w, multiple=mesh.shape[AXIS], sharding=NamedSharding(mesh, P(AXIS)))
 
 
 def flows(circuit, params: dict, x, missing=None, *, mesh: Mesh | None = None, ll_weights=None,
-          options: Options | None = None, validate: bool | str = True, return_ll: bool = False):
+          options: Options | None = None, validate: bool | str = True, return_ll: bool = False,
+          evidence: dict | None = None):
     """``circuit.flows`` with the batch split over ``mesh`` (default: all devices). Returns the flows
-    (replicated), and ``ll`` ``[B]`` with ``return_ll``."""
-    fl, ll = _run(circuit, "parallel.flows", {}, {"params": params}, x, missing, ll_weights, validate, mesh, options)
+    (replicated), and ``ll`` ``[B]`` with ``return_ll``.
+
+    ``evidence``: per-call evidence as for :meth:`jaxpc.Circuit.flows` (checked by
+    :meth:`~jaxpc.Circuit.check_evidence`); every leaf's leading batch axis is padded and split with ``x``."""
+    fl, ll = _run(circuit, "parallel.flows", {}, {"params": params}, x, missing, ll_weights, evidence, validate, mesh,
+                  options)
     return (fl, ll) if return_ll else fl
 
 
 def em_step(circuit, params: dict, x, missing=None, *, mesh: Mesh | None = None, step_size: float = 1.0,
             pseudocount: float = 0.0, ll_weights=None, options: Options | None = None, validate: bool | str = True,
-            return_ll: bool = False):
-    """``circuit.em_step`` data-parallel: sharded flows, one psum, the update replicated on every device."""
+            return_ll: bool = False, evidence: dict | None = None):
+    """``circuit.em_step`` data-parallel: sharded flows, one psum, the update replicated on every device.
+    ``evidence``: as for :func:`flows`."""
     check_em_args(step_size, pseudocount)
     rt = circuit.runtime
     new, ll = _run(circuit, "parallel.em_step", {},
                    {"params": params, "step_size": rt.scalar(step_size), "pseudocount": rt.scalar(pseudocount)},
-                   x, missing, ll_weights, validate, mesh, options)
+                   x, missing, ll_weights, evidence, validate, mesh, options)
     return (new, ll) if return_ll else new
 
 
 def loss_and_grad(circuit, params: dict, x, missing=None, *, mesh: Mesh | None = None, normalize: bool = True,
-                  ll_weights=None, options: Options | None = None, validate: bool | str = True):
+                  ll_weights=None, options: Options | None = None, validate: bool | str = True,
+                  evidence: dict | None = None):
     """``(loss, grads)``: the mean negative log-likelihood of ``normalize(params)`` (``params`` are logits) and
-    its gradient with respect to ``params``, data-parallel over ``mesh``."""
+    its gradient with respect to ``params``, data-parallel over ``mesh``. ``evidence``: as for :func:`flows`."""
     (loss, g), _ = _run(circuit, "parallel.grad", {"normalize": bool(normalize)}, {"params": params}, x, missing,
-                        ll_weights, validate, mesh, options)
+                        ll_weights, evidence, validate, mesh, options)
     return loss, g
 
 
 def train_step(circuit, tx, params: dict, opt_state, x, missing=None, *, mesh: Mesh | None = None,
-               normalize: bool = True, ll_weights=None, options: Options | None = None, validate: bool | str = True):
+               normalize: bool = True, ll_weights=None, options: Options | None = None, validate: bool | str = True,
+               evidence: dict | None = None):
     """One data-parallel optimizer step with an EM transformation (:mod:`jaxpc.optim`) or any optax
-    transformation: ``(params, opt_state, ll [B])``. See :func:`jaxpc.optim.make_step`."""
+    transformation: ``(params, opt_state, ll [B])``. See :func:`jaxpc.optim.make_step`. ``evidence``: as for
+    :func:`flows`."""
     (p, s), ll = _run(circuit, "parallel.train_step", {"normalize": bool(normalize), "tx": tx},
-                      {"params": params, "opt_state": opt_state}, x, missing, ll_weights, validate, mesh, options)
+                      {"params": params, "opt_state": opt_state}, x, missing, ll_weights, evidence, validate, mesh,
+                      options)
     return p, s, ll
+

@@ -343,7 +343,7 @@ class Runtime:
             if weights is None:
                 args["weights"] = (jnp.ones((n,), self.dtype) if batch.traced else self.constant(
                     ("valid", b, n, sharding), lambda: _put(_valid_rows(b, n, self.dtype), sharding)))
-        out = self.cache.run(name, fn, static, args, self._fallback(name, static, args, batched, n)
+        out = self.cache.run(name, fn, static, args, self._fallback(name, static, batched, multiple)
                                    if batch is not None and not batch.traced else None)
         if b != n:
             out = _head_rows(out, entry.rows, n)
@@ -358,14 +358,15 @@ class Runtime:
                 self._settle()
         return out
 
-    def _fallback(self, name: str, static: dict, args: dict, batched, n: int):
-        """With ``compile_after > 1``: an early sighting of a key runs on a live executable of a larger bucket."""
+    def _fallback(self, name: str, static: dict, batched, multiple: int):
+        """With ``compile_after > 1``: an early sighting of a key runs on a live executable of a larger bucket (of
+        the same ``multiple``), its ``batched`` arguments padded with the batch."""
         if self.cache.compile_after <= 1:
             return None
 
         def fallback(a):
             b = a["x"].shape[0]
-            for cand in sorted({self.buckets(b * k) for k in (2, 4, 8, 16)}):
+            for cand in sorted({self.bucket(b * k, multiple) for k in (2, 4, 8, 16)}):
                 padded = _pad_args(a, b, cand, batched, self.dtype)
                 exe = self.cache.find(name, static, padded)
                 if exe is not None:

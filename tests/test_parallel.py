@@ -1,5 +1,6 @@
-"""jaxpc.parallel on 2 and 4 fake CPU devices (conftest sets --xla_force_host_platform_device_count=4):
-data-parallel flows, EM and gradient steps equal one device's, and flows are summed exactly once."""
+"""jaxpc.parallel on 2, 3 and 4 fake CPU devices (conftest sets --xla_force_host_platform_device_count=4):
+data-parallel flows, EM and gradient steps equal one device's, with and without per-call evidence, and flows
+are summed exactly once."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,7 @@ import optax
 import pytest
 
 import jaxpc
-from jaxpc import optim, parallel, structures
+from jaxpc import distributions, optim, parallel, structures
 
 from .test_optim import _maxdiff, _small_circuit
 from .tiers import cases
@@ -162,3 +163,131 @@ def test_auto_impl_kernels_under_shard_map(pallas_forward_calls):
         lambda p: optim.mean_nll(ref.layout, ref.tables, p, jnp.asarray(data), None, None, xla)[0])(ref.params)
     assert float(loss) == pytest.approx(float(loss_ref), rel=1e-5)
     assert _rel(g, g_ref) < 1e-5
+
+
+# ---- per-call evidence (CoDD: soft evidence per batch) ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def soft_hmm():
+    """A GeneralizedHMM over SoftEvidenceCategorical leaves, 30 samples (not a multiple of 4: padded), and their
+    dense and top-k evidence."""
+    T, L, V, B, k = 5, 4, 7, 30, 3
+    c = jaxpc.compile(structures.GeneralizedHMM(T, L, distributions.SoftEvidenceCategorical(V), homogeneous=False,
+                                                block_size=2), seed=2)
+    rng = np.random.default_rng(5)
+    x = rng.integers(0, V, (B, T)).astype(np.int32)
+    ids = rng.integers(0, V, (B, T, k)).astype(np.int32)
+    ids[:, :, 0] = x  # the observed token is a candidate
+    evidence = {"dense": {"categorical_logp": rng.normal(size=(B, T, V)).astype(np.float32)},
+                "topk": {"categorical_topk": {"ids": ids, "logp": rng.normal(size=(B, T, k)).astype(np.float32)}}}
+    return c, x, evidence
+
+
+def _rows(evidence, rows):
+    return jax.tree_util.tree_map(lambda a: a[rows], evidence)
+
+
+def _misses(circuit):
+    return circuit.cache_info().misses
+
+
+@pytest.mark.parametrize("kind", cases(["dense", "topk"], fast=["topk"]))
+def test_evidence_flows_and_em_step_equal_one_device(soft_hmm, kind):
+    """Evidence is split over the mesh with the batch and padded with it (30 rows on 4 devices: bucket 32), and
+    two batch sizes of one bucket share one executable."""
+    circuit, x, evs = soft_hmm
+    ev = evs[kind]
+    mesh = parallel.data_mesh(4)
+    params = circuit.params
+    ref, ll_ref = circuit.flows(params, x, evidence=ev, return_ll=True)
+    assert _rel(ref, circuit.flows(params, x)) > 1e-2  # the evidence changes the flows
+    fl, ll = parallel.flows(circuit, params, x, mesh=mesh, evidence=ev, return_ll=True)
+    assert _rel(fl, ref) < 1e-5
+    np.testing.assert_allclose(ll, ll_ref, rtol=1e-5)
+    assert _root_flow(circuit, fl) == pytest.approx(len(x), rel=1e-5)
+    # 27 rows: the same bucket, the same executable
+    before = circuit.cache_info()
+    fl27 = parallel.flows(circuit, params, x[:27], mesh=mesh, evidence=_rows(ev, slice(0, 27)))
+    after = circuit.cache_info()
+    assert (after.misses, after.hits) == (before.misses, before.hits + 1)
+    assert _rel(fl27, circuit.flows(params, x[:27], evidence=_rows(ev, slice(0, 27)))) < 1e-5
+    new, ll = parallel.em_step(circuit, params, x, mesh=mesh, evidence=ev, step_size=0.7, pseudocount=0.1,
+                               return_ll=True)
+    want = circuit.em_step(params, x, evidence=ev, step_size=0.7, pseudocount=0.1)
+    assert _maxdiff(new, want) < 1e-5
+    np.testing.assert_allclose(ll, ll_ref, rtol=1e-5)
+
+
+def test_evidence_is_checked_like_circuit_flows(soft_hmm):
+    circuit, x, evs = soft_hmm
+    mesh = parallel.data_mesh(2)
+    dense = evs["dense"]["categorical_logp"]
+    with pytest.raises(ValueError, match=r"evidence\['categorical_logp'\] must have 3 axes with the batch \(30\)"):
+        parallel.flows(circuit, circuit.params, x, mesh=mesh, evidence={"categorical_logp": dense[:20]})
+    with pytest.raises(ValueError, match=r"unknown evidence key\(s\) \['soft'\]"):
+        parallel.em_step(circuit, circuit.params, x, mesh=mesh, evidence={"soft": dense})
+    topk = evs["topk"]["categorical_topk"]
+    with pytest.raises(ValueError, match=r"categorical_topk.logp.*must have shape \[30, 5, 3\]"):
+        parallel.loss_and_grad(circuit, circuit.params, x, mesh=mesh,
+                               evidence={"categorical_topk": {"ids": topk["ids"], "logp": topk["logp"][..., :2]}})
+
+
+def test_compile_after_fallback_pads_the_evidence(soft_hmm):
+    """With compile_after=2 an early sighting of a small bucket runs on the live executable of a larger one: its
+    evidence is padded with the batch. On 3 devices the larger bucket is a multiple of 3 (33 rows), not 32."""
+    _, x, evs = soft_hmm
+    ev = evs["topk"]
+    circuit = jaxpc.compile(structures.GeneralizedHMM(5, 4, distributions.SoftEvidenceCategorical(7), homogeneous=False,
+                                                      block_size=2), seed=2, compile_after=2)
+    mesh = parallel.data_mesh(3)
+    parallel.flows(circuit, circuit.params, x, mesh=mesh, evidence=ev)  # compiles bucket 33 (none larger)
+    assert _misses(circuit) == 1
+    small = _rows(ev, slice(0, 5))
+    ref, ll_ref = circuit.flows(circuit.params, x[:5], evidence=small, return_ll=True)
+    misses = _misses(circuit)
+    fl, ll = parallel.flows(circuit, circuit.params, x[:5], mesh=mesh, evidence=small, return_ll=True)
+    assert _misses(circuit) == misses  # the first sighting of bucket 9 ran on bucket 33
+    assert _rel(fl, ref) < 1e-5
+    np.testing.assert_allclose(ll, ll_ref, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_gradient_and_train_steps_take_evidence(soft_hmm):
+    circuit, x, evs = soft_hmm
+    ev = evs["topk"]
+    mesh = parallel.data_mesh(4)
+    logits = jax.tree_util.tree_map(lambda a: a * 1.3, circuit.params)
+    checked = circuit.check_evidence(ev, len(x))
+    loss_ref, g_ref = jax.jit(jax.value_and_grad(lambda p: optim.mean_nll(
+        circuit.layout, circuit.tables, p, jnp.asarray(x), None, None, jaxpc.Options(), evidence=checked)[0]))(logits)
+    loss, g = parallel.loss_and_grad(circuit, logits, x, mesh=mesh, evidence=ev)
+    assert float(loss) == pytest.approx(float(loss_ref), rel=1e-5)
+    assert _rel(g, g_ref) < 1e-5
+    for tx in (optax.adam(0.05), optim.em(circuit, 0.5, 0.1)):
+        state = tx.init(circuit.params)
+        p1, _, ll1 = parallel.train_step(circuit, tx, circuit.params, state, x, mesh=mesh, evidence=ev)
+        p2, _, ll2 = jax.jit(optim.make_step(circuit.layout, tx))(circuit.tables, circuit.params, state,
+                                                                   jnp.asarray(x), None, None, checked)
+        assert _maxdiff(p1, p2) < 1e-5
+        np.testing.assert_allclose(ll1, ll2, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n", cases([None, 2], fast=[2]))
+def test_fit_indexes_evidence_with_the_batch_rows(soft_hmm, n):
+    """fit's evidence holds every sample's; each batch takes its rows (a Python loop of em_step on the same
+    batches and their evidence is the reference), on one device and on a mesh."""
+    circuit, x, evs = soft_hmm
+    ev = evs["topk"]
+    key = jax.random.key(3)
+    mesh = None if n is None else parallel.data_mesh(n)
+    res = optim.fit(circuit, circuit.params, x, 1, 8, step_size=0.5, pseudocount=0.1, key=key, mesh=mesh,
+                    evidence=ev, progress=False)
+    idx, w = optim.epoch_batches(key, 0, len(x), 8)
+    params = circuit.params
+    for rows, wr in zip(np.asarray(idx), np.asarray(w)):
+        rows = rows[wr > 0]
+        params = circuit.em_step(params, x[rows], evidence=_rows(ev, rows), step_size=0.5, pseudocount=0.1)
+    assert _maxdiff(res.params, params) < 1e-5
+    with pytest.raises(ValueError, match=r"must have 3 axes with the batch \(30\)"):
+        optim.fit(circuit, circuit.params, x, 1, 8, evidence=_rows(ev, slice(0, 8)), progress=False)
+

@@ -93,19 +93,21 @@ def normalize_params(layout: Layout, tables: dict, params: dict) -> dict:
 
 
 def normalized_log_prob(layout: Layout, tables: dict, params: dict, x: Array, missing: Array | None, options,
-                        soft: Array | None = None, normalize: bool = True) -> Array:
+                        soft: Array | None = None, normalize: bool = True, evidence: dict | None = None) -> Array:
     """``log p(x)`` ``[B]`` of the circuit whose parameters are ``normalize_params(params)`` (pure).
 
-    ``soft``: optional ``[B, V, K]`` log-weights of soft evidence (see :func:`jaxpc.queries.marginal`)."""
+    ``soft``: optional ``[B, V, K]`` log-weights of soft evidence (see :func:`jaxpc.queries.marginal`);
+    ``evidence``: per-call evidence as :meth:`jaxpc.Circuit.check_evidence` returns it."""
     p = normalize_params(layout, tables, params) if normalize else params
-    return forward.log_prob(layout, tables, p, x, missing, options, soft=soft)
+    return forward.log_prob(layout, tables, p, x, missing, options, soft=soft, evidence=evidence)
 
 
 def mean_nll(layout: Layout, tables: dict, params: dict, x: Array, missing: Array | None, weights: Array | None,
-             options, normalize: bool = True) -> tuple[Array, Array]:
+             options, normalize: bool = True, evidence: dict | None = None) -> tuple[Array, Array]:
     """``(loss, ll)``: the weighted mean negative log-likelihood ``-sum_b w_b ll_b / sum_b w_b`` (scalar) and
-    the per-sample log-likelihoods ``ll`` ``[B]``. Zero-weight rows (padding) contribute exactly nothing."""
-    ll = normalized_log_prob(layout, tables, params, x, missing, options, normalize=normalize)
+    the per-sample log-likelihoods ``ll`` ``[B]`` (under the per-call ``evidence``, when given). Zero-weight
+    rows (padding) contribute exactly nothing."""
+    ll = normalized_log_prob(layout, tables, params, x, missing, options, normalize=normalize, evidence=evidence)
     if weights is None:
         return -jnp.mean(ll), ll
     w = weights.astype(ll.dtype)

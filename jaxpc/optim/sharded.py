@@ -41,36 +41,51 @@ def _missing_spec(missing_ndim: int | None):
 
 
 def _split(rest, missing_ndim):
+    """``(missing, weights, evidence)`` from the arguments after ``x``: ``[missing,] weights[, evidence]``."""
     if missing_ndim is None:
-        return None, rest[0]
-    return rest[0], rest[1]
+        rest = (None, *rest)
+    return rest[0], rest[1], (rest[2] if len(rest) > 2 else None)
+
+
+def _data_parallel(body, mesh: Mesh, missing_ndim: int | None, out_specs):
+    """``f(tables, params, x, [missing,] weights, evidence=None)``: ``body`` under ``shard_map`` with the tables
+    and parameters replicated and the batch split over ``'data'``: ``x``, ``weights``, a ``[B, V]`` missing
+    mask and every leaf of ``evidence`` (batch first, as :meth:`jaxpc.Circuit.check_evidence` returns it)."""
+    specs = (P(), P(), P(AXIS)) + _missing_spec(missing_ndim) + (P(AXIS),)
+    plain = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False)
+    with_evidence = jax.shard_map(body, mesh=mesh, in_specs=specs + (P(AXIS),), out_specs=out_specs,
+                                  check_vma=False)
+
+    def f(*args, evidence=None):
+        return plain(*args) if evidence is None else with_evidence(*args, evidence)
+    return f
 
 
 def sharded_flows_and_ll(layout, mesh: Mesh, options: Options, missing_ndim: int | None):
-    """A pure ``f(tables, params, x, [missing,] weights) -> (flows, ll)``: :func:`jaxpc.engine.em.flows_and_ll`
-    with the batch (``x`` ``[B, V]``, ``weights`` ``[B]``, a ``[B, V]`` missing mask) split over the mesh's
-    ``'data'`` axis and the flows summed once. ``B`` must be a multiple of the axis size; ``missing`` is
-    left out when ``missing_ndim`` is None."""
+    """A pure ``f(tables, params, x, [missing,] weights, evidence=None) -> (flows, ll)``:
+    :func:`jaxpc.engine.em.flows_and_ll` with the batch (``x`` ``[B, V]``, ``weights`` ``[B]``, a ``[B, V]``
+    missing mask, every leaf of the per-call ``evidence`` pytree) split over the mesh's ``'data'`` axis and the
+    flows summed once. ``B`` must be a multiple of the axis size; ``missing`` is left out when ``missing_ndim``
+    is None."""
 
     def body(tables, params, x, *rest):
-        m, w = _split(rest, missing_ndim)
-        fl, ll = em.flows_and_ll(layout, tables, params, x, m, w, options)
+        m, w, ev = _split(rest, missing_ndim)
+        fl, ll = em.flows_and_ll(layout, tables, params, x, m, w, options, ev)
         return jax.lax.psum(fl, AXIS), ll
 
-    in_specs = (P(), P(), P(AXIS)) + _missing_spec(missing_ndim) + (P(AXIS),)
-    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(), P(AXIS)), check_vma=False)
+    return _data_parallel(body, mesh, missing_ndim, (P(), P(AXIS)))
 
 
 def sharded_loss_and_grad(layout, mesh: Mesh, options: Options, missing_ndim: int | None, normalize: bool = True):
-    """A pure ``f(tables, params, x, [missing,] weights) -> ((loss, ll), grads)``: the weighted mean negative
-    log-likelihood of the (renormalized, with ``normalize``) parameters and its gradient, data-parallel
+    """A pure ``f(tables, params, x, [missing,] weights, evidence=None) -> ((loss, ll), grads)``: the weighted mean
+    negative log-likelihood of the (renormalized, with ``normalize``) parameters and its gradient, data-parallel
     (per-device sums, one ``psum`` each for the loss, the weight and the gradient)."""
 
     def body(tables, params, x, *rest):
-        m, w = _split(rest, missing_ndim)
+        m, w, ev = _split(rest, missing_ndim)
 
         def local(p):
-            ll = normalized_log_prob(layout, tables, p, x, m, options, normalize=normalize)
+            ll = normalized_log_prob(layout, tables, p, x, m, options, normalize=normalize, evidence=ev)
             wl = jnp.where(w == 0, 0.0, ll * w.astype(ll.dtype))
             return -jnp.sum(wl), ll
 
@@ -80,5 +95,4 @@ def sharded_loss_and_grad(layout, mesh: Mesh, options: Options, missing_ndim: in
         g = jax.tree_util.tree_map(lambda a: a / total.astype(a.dtype), jax.lax.psum(g, AXIS))
         return (nll, ll), g
 
-    in_specs = (P(), P(), P(AXIS)) + _missing_spec(missing_ndim) + (P(AXIS),)
-    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=((P(), P(AXIS)), P()), check_vma=False)
+    return _data_parallel(body, mesh, missing_ndim, ((P(), P(AXIS)), P()))

@@ -45,7 +45,8 @@ def _check_tx(tx, layout) -> None:
 
 def make_step(layout, tx, *, normalize: bool = True, options: Options | None = None, mesh=None,
               missing_ndim: int | None = None):
-    """A pure training step ``step(tables, params, state, x, missing, weights) -> (params, state, ll)``.
+    """A pure training step ``step(tables, params, state, x, missing, weights, evidence=None) -> (params, state,
+    ll)``.
 
     Args:
         layout: ``circuit.layout``.
@@ -58,7 +59,9 @@ def make_step(layout, tx, *, normalize: bool = True, options: Options | None = N
             the number of dimensions of ``missing``: None, 1 or 2).
 
     Shapes: ``x`` ``[B, V]``, ``missing`` None / ``bool[V]`` / ``bool[B, V]``, ``weights`` None or ``[B]``
-    (zero-weight rows are padding), ``ll`` ``[B]`` under the parameters before the step.
+    (zero-weight rows are padding), ``evidence`` None or the per-call evidence of the batch (every leaf batch
+    first, as :meth:`jaxpc.Circuit.check_evidence` returns it), ``ll`` ``[B]`` under the parameters before the
+    step.
     """
     _check_tx(tx, layout)
     opts = Options.make(options)
@@ -68,11 +71,12 @@ def make_step(layout, tx, *, normalize: bool = True, options: Options | None = N
         else:
             split_flows = sharded.sharded_flows_and_ll(layout, mesh, opts, missing_ndim)
 
-            def flows_fn(tables, params, x, missing, weights):
-                return split_flows(tables, params, x, *(() if missing is None else (missing,)), weights)
+            def flows_fn(tables, params, x, missing, weights, evidence=None):
+                return split_flows(tables, params, x, *(() if missing is None else (missing,)), weights,
+                                   evidence=evidence)
 
-        def step(tables, params, state, x, missing, weights):
-            fl, ll = flows_fn(tables, params, x, missing, weights)
+        def step(tables, params, state, x, missing, weights, evidence=None):
+            fl, ll = flows_fn(tables, params, x, missing, weights, evidence=evidence)
             n = x.shape[0] if weights is None else jnp.sum(weights)
             params, state = em_apply(layout, tables, tx.config, fl, state, params, n)
             return params, state, ll
@@ -80,17 +84,18 @@ def make_step(layout, tx, *, normalize: bool = True, options: Options | None = N
         return step
 
     if mesh is None:
-        def grad_fn(tables, params, x, missing, weights):
+        def grad_fn(tables, params, x, missing, weights, evidence):
             return jax.value_and_grad(
-                lambda p: mean_nll(layout, tables, p, x, missing, weights, opts, normalize), has_aux=True)(params)
+                lambda p: mean_nll(layout, tables, p, x, missing, weights, opts, normalize, evidence),
+                has_aux=True)(params)
     else:
         split_grad = sharded.sharded_loss_and_grad(layout, mesh, opts, missing_ndim, normalize)
 
-        def grad_fn(tables, params, x, missing, weights):
-            return split_grad(tables, params, x, *(() if missing is None else (missing,)), weights)
+        def grad_fn(tables, params, x, missing, weights, evidence):
+            return split_grad(tables, params, x, *(() if missing is None else (missing,)), weights, evidence=evidence)
 
-    def step(tables, params, state, x, missing, weights):
-        (_, ll), g = grad_fn(tables, params, x, missing, weights)
+    def step(tables, params, state, x, missing, weights, evidence=None):
+        (_, ll), g = grad_fn(tables, params, x, missing, weights, evidence)
         updates, state = tx.update(g, state, params)
         params = apply_updates(params, updates)
         if normalize:
@@ -141,8 +146,9 @@ class FitResult(NamedTuple):
 def _epoch_fn(layout, step, num_samples: int, batch_size: int, shuffle: bool, drop_remainder: bool,
               missing_ndim: int | None, dtype, check=None):
     """One epoch ``run(...) -> (params, state, mean ll, bad)`` (pure: the caller compiles it). With ``check``
-    (a :class:`jaxpc.checks.DeviceCheck`) the data's bad rows weigh zero and ``bad`` flags them."""
-    def run(tables, params, state, data, missing, key, epoch):
+    (a :class:`jaxpc.checks.DeviceCheck`) the data's bad rows weigh zero and ``bad`` flags them. ``evidence``
+    (None, or per-call evidence for every row of ``data``) is indexed with each batch's rows, as ``data`` is."""
+    def run(tables, params, state, data, missing, evidence, key, epoch):
         idx, w = epoch_batches(key, epoch, num_samples, batch_size, shuffle=shuffle, drop_remainder=drop_remainder)
         wts = None if w is None else w.astype(dtype)
         bad = None
@@ -157,7 +163,8 @@ def _epoch_fn(layout, step, num_samples: int, batch_size: int, shuffle: bool, dr
             ib, wb = inp
             xb = data[ib]
             mb = missing[ib] if missing_ndim == 2 else missing
-            params, state, ll = step(tables, params, state, xb, mb, wb)
+            eb = None if evidence is None else jax.tree_util.tree_map(lambda a: a[ib], evidence)
+            params, state, ll = step(tables, params, state, xb, mb, wb, eb)
             tot = jnp.sum(ll) if wb is None else jnp.sum(jnp.where(wb == 0, 0.0, ll * wb))
             return (params, state), tot
 
@@ -184,9 +191,9 @@ class _Same:
         return isinstance(other, _Same) and other.value is self.value
 
 
-def _epoch_entry(layout, tables, params, state, data, missing, key, epoch, *, optimizer: _Same, normalize: bool,
-                 options: Options, mesh, num_samples: int, batch_size: int, shuffle: bool, drop_remainder: bool,
-                 missing_ndim: int | None, dtype, check, _matmul=None):
+def _epoch_entry(layout, tables, params, state, data, missing, evidence, key, epoch, *, optimizer: _Same,
+                 normalize: bool, options: Options, mesh, num_samples: int, batch_size: int, shuffle: bool,
+                 drop_remainder: bool, missing_ndim: int | None, dtype, check, _matmul=None):
     """The epoch as an entry of the circuit's executable cache: every keyword is static (part of the key)."""
     del _matmul  # part of the key only
     step = make_step(layout, optimizer.value, normalize=normalize, options=options, mesh=mesh,
@@ -194,12 +201,12 @@ def _epoch_entry(layout, tables, params, state, data, missing, key, epoch, *, op
     if mesh is not None and (drop_remainder or num_samples % batch_size == 0):
         inner = step
 
-        def step(tables, params, state, x, missing, weights):  # the sharded step needs explicit weights
+        def step(tables, params, state, x, missing, weights, evidence=None):  # the sharded step needs weights
             w = jnp.ones((x.shape[0],), dtype) if weights is None else weights
-            return inner(tables, params, state, x, missing, w)
+            return inner(tables, params, state, x, missing, w, evidence)
 
     run = _epoch_fn(layout, step, num_samples, batch_size, shuffle, drop_remainder, missing_ndim, dtype, check)
-    return run(tables, params, state, data, missing, key, epoch)
+    return run(tables, params, state, data, missing, evidence, key, epoch)
 
 
 def _default_em(circuit, step_size, pseudocount):
@@ -216,7 +223,8 @@ def _default_em(circuit, step_size, pseudocount):
 def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=None, pseudocount=None,
         key: Array | None = None, missing=None, optimizer=None, opt_state=None, start_epoch: int = 0,
         shuffle: bool = True, drop_remainder: bool = False, normalize: bool = True, mesh=None,
-        options: Options | None = None, progress: bool = True, validate: bool | str = True) -> FitResult:
+        options: Options | None = None, progress: bool = True, validate: bool | str = True,
+        evidence: dict | None = None) -> FitResult:
     """Train ``params`` on ``data`` for ``epochs`` epochs; each epoch is one jitted ``lax.scan`` over batches.
 
     Args:
@@ -239,6 +247,9 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
         mesh: a ``'data'`` mesh (:func:`jaxpc.parallel.data_mesh`): each batch is split over its devices
             (``batch_size`` must be a multiple of the device count).
         progress: a tqdm bar across epochs showing the epoch's LL (when tqdm is installed).
+        evidence: per-call evidence of every row of ``data`` (as for :meth:`jaxpc.Circuit.flows`, leaves
+            ``[N, ...]``, checked by :meth:`~jaxpc.Circuit.check_evidence`); each batch takes the rows of its
+            samples. It is an argument of the epoch's executable: it lives on the device with the data.
 
     Returns:
         :class:`FitResult` ``(params, opt_state, epoch_ll [epochs])``.
@@ -246,6 +257,7 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
     optimizer = _fit_optimizer(circuit, optimizer, step_size, pseudocount)
     batch, bs = _fit_batch(circuit, data, missing, validate, epochs=epochs, batch_size=batch_size,
                            start_epoch=start_epoch, mesh=mesh)
+    ev = circuit.check_evidence(evidence, batch.n)
     check = circuit.runtime.device_check if batch.report else None  # device data: checked inside the epoch
     if key is None:
         key = jax.random.key(0)
@@ -261,7 +273,7 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
     epochs_iter, bar = _progress_bar(range(start_epoch, start_epoch + int(epochs)), progress)
     lls = []
     for e in epochs_iter:
-        params, opt_state, ll, bad = run(tables, params, opt_state, batch.x, batch.missing, key,
+        params, opt_state, ll, bad = run(tables, params, opt_state, batch.x, batch.missing, ev, key,
                                          jnp.asarray(e, jnp.int32))
         lls.append(ll)
         if bad is not None and len(lls) == 1 and bool(np.asarray(bad)):
@@ -315,9 +327,10 @@ def _cached_epoch_fn(circuit, optimizer, options, *, normalize: bool, mesh, num_
     fn = functools.partial(_epoch_entry, circuit.layout)
     cache = circuit.runtime.cache
 
-    def run(tables, params, state, data, missing, key, epoch):
+    def run(tables, params, state, data, missing, evidence, key, epoch):
         return cache.run("optim.fit", fn, static, {"tables": tables, "params": params, "state": state, "data": data,
-                                                   "missing": missing, "key": key, "epoch": epoch})
+                                                   "missing": missing, "evidence": evidence, "key": key,
+                                                   "epoch": epoch})
     return run
 
 
