@@ -18,6 +18,12 @@ contribute exactly nothing; the returned log-likelihoods are cut back to the bat
 has the batch first in every leaf: it is checked like ``Circuit.flows`` checks it, padded and split with
 the batch.
 
+``jax.pmap``. The same step written by hand: the per-device body calls the engine's pure
+:func:`jaxpc.engine.em.flows_and_ll` and sums the flows with one ``jax.lax.psum`` (``pmap`` runs its body
+as ``shard_map`` does here, with ``check_vma=False``, so the gradient of the replicated parameters stays
+per device), and :func:`split_batch` lays a checked batch out as ``[devices, B / devices, ...]`` with the
+padding rows weighing zero. ``docs/design.md`` has the recipe; ``tests/test_parallel.py`` runs it.
+
 Models too large for one device (not built; how it would go). Data parallelism replicates the
 parameters and the node buffer ``[R, B/n]``; when the parameters or the buffer of one sample no longer
 fit, partition the *layers* instead. The compiled layout is a sequence of stages, each a set of
@@ -40,19 +46,23 @@ Combined with the ``'data'`` axis this is a 2-D mesh ``('data', 'model')``.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .engine import em
 from .optim.sharded import AXIS, data_mesh, sharded_flows_and_ll, sharded_loss_and_grad
 from .options import Options
-from .runtime import check_em_args
+from .runtime import check_em_args, pad_args
 
 Array = jax.Array
 
 __all__ = ["AXIS", "data_mesh", "sharded_flows_and_ll", "sharded_loss_and_grad", "flows", "em_step",
-           "loss_and_grad", "train_step"]
+           "loss_and_grad", "train_step", "DeviceBatch", "split_batch"]
 
 
 # ---- circuit-level functions ----------------------------------------------------------------------
@@ -156,3 +166,55 @@ def train_step(circuit, tx, params: dict, opt_state, x, missing=None, *, mesh: M
                       options)
     return p, s, ll
 
+
+# ---- a batch laid out for jax.pmap ------------------------------------------------------------------
+
+class DeviceBatch(NamedTuple):
+    """A checked batch laid out for ``jax.pmap`` (:func:`split_batch`): ``D`` devices, ``b`` rows each.
+
+    Attributes:
+        x: ``[D, b, V]``.
+        missing: None, ``bool[D, b, V]``, or ``bool[V]`` shared by every sample (pass it with ``in_axes=None``).
+        weights: ``[D, b]``: the samples' weights (one without ``ll_weights``), zero on the padding rows.
+        evidence: None, or the checked evidence with every leaf ``[D, b, ...]``.
+        n: rows of the caller's batch: ``ll.reshape(-1)[:n]`` are its log-likelihoods.
+    """
+
+    x: Array
+    missing: Array | None
+    weights: Array
+    evidence: dict | None
+    n: int
+
+
+def split_batch(circuit, x, missing=None, *, num_devices: int | None = None, evidence: dict | None = None,
+                ll_weights=None, validate: bool | str = True) -> DeviceBatch:
+    """``x`` ``[B, V]`` (with its ``missing`` mask, per-call ``evidence`` and ``ll_weights``) checked as
+    :meth:`jaxpc.Circuit.flows` checks them, padded to the circuit's bucket rounded up to a multiple of
+    ``num_devices`` (default: ``jax.local_device_count()``) and reshaped to ``[num_devices, bucket /
+    num_devices, ...]`` for a ``jax.pmap``-ed step. Padding rows copy the first row and weigh zero, so a step
+    that weights its samples (``flows_and_ll(..., weights, ...)``) ignores them; batch sizes of one bucket share
+    one shape (one pmap executable).
+
+    ``validate``: as for ``Circuit.flows``, except that the values of a device array are not checked (its
+    shape and dtype are): only the circuit's own entry points run the in-executable check.
+    """
+    d = jax.local_device_count() if num_devices is None else num_devices
+    if not isinstance(d, (int, np.integer)) or isinstance(d, bool) or d < 1:
+        raise ValueError(f"split_batch: num_devices must be a positive int, got {num_devices!r}")
+    rt = circuit.runtime
+    batch = rt.prepare(x, missing, validate)
+    n = batch.n
+    ev = circuit.check_evidence(evidence, n)
+    w = rt.weights(ll_weights, n)
+    args = {"x": batch.x, "missing": batch.missing, "evidence": ev,
+            "weights": jnp.asarray(np.ones((n,), rt.dtype)) if w is None else w}
+    b = rt.bucket(n, int(d))
+    args = pad_args(args, n, b, {"evidence": 0}, rt.dtype)
+
+    def per_device(a):
+        return a.reshape(int(d), b // int(d), *a.shape[1:])
+
+    m = args["missing"]
+    return DeviceBatch(per_device(args["x"]), m if m is None or m.ndim == 1 else per_device(m),
+                       per_device(args["weights"]), jax.tree_util.tree_map(per_device, args["evidence"]), n)

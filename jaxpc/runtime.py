@@ -50,7 +50,7 @@ from .options import Options, matmul_setting, resolve_precision
 Array = jax.Array
 
 __all__ = ["Runtime", "Batch", "Entry", "VALIDATE", "resolve_options", "options_key", "resolve_precision",
-           "check_em_args"]
+           "check_em_args", "pad_args"]
 
 VALIDATE = (True, False, "sync")
 
@@ -148,9 +148,10 @@ def _mark_rows(out, rows, bad):
     return jax.tree_util.tree_map(mark, rows, out, is_leaf=lambda r: r is None)
 
 
-def _pad_args(args: dict, n: int, b: int, batched: dict | None, dtype) -> dict:
+def pad_args(args: dict, n: int, b: int, batched: dict | None, dtype) -> dict:
     """``args`` with their batch axes padded from ``n`` to ``b`` rows: ``x``, a per-sample ``missing``, the
-    ``batched`` arguments (every leaf, along the named axis) and ``weights`` (zero on the padding)."""
+    ``batched`` arguments (every leaf, along the named axis; e.g. ``{"evidence": 0}``) and ``weights`` (zero on
+    the padding); the padding rows of the others are copies of the first row (valid data)."""
     out = dict(args)
     for k, axis in (("x", 0), ("missing", 0), *(batched or {}).items()):
         v = args.get(k)
@@ -339,7 +340,7 @@ class Runtime:
             if weights is not False:
                 args["weights"] = weights
             if b != n:
-                args = _pad_args(args, n, b, batched, self.dtype)
+                args = pad_args(args, n, b, batched, self.dtype)
             if weights is None:
                 args["weights"] = (jnp.ones((n,), self.dtype) if batch.traced else self.constant(
                     ("valid", b, n, sharding), lambda: _put(_valid_rows(b, n, self.dtype), sharding)))
@@ -367,7 +368,7 @@ class Runtime:
         def fallback(a):
             b = a["x"].shape[0]
             for cand in sorted({self.bucket(b * k, multiple) for k in (2, 4, 8, 16)}):
-                padded = _pad_args(a, b, cand, batched, self.dtype)
+                padded = pad_args(a, b, cand, batched, self.dtype)
                 exe = self.cache.find(name, static, padded)
                 if exe is not None:
                     return _head_rows(exe(*padded.values()), self._entries[name][0].rows, b)

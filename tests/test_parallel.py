@@ -1,6 +1,6 @@
 """jaxpc.parallel on 2, 3 and 4 fake CPU devices (conftest sets --xla_force_host_platform_device_count=4):
-data-parallel flows, EM and gradient steps equal one device's, with and without per-call evidence, and flows
-are summed exactly once."""
+data-parallel flows, EM and gradient steps equal one device's, with and without per-call evidence, under
+shard_map and under jax.pmap, and flows are summed exactly once."""
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +10,7 @@ import pytest
 
 import jaxpc
 from jaxpc import distributions, optim, parallel, structures
+from jaxpc.engine import em
 
 from .test_optim import _maxdiff, _small_circuit
 from .tiers import cases
@@ -65,8 +66,6 @@ def test_vma_checked_gradients_are_already_summed():
     """The fact the module relies on: with check_vma=True the gradient of replicated parameters is summed
     over the axis already, so a psum on top would double the flows; check_vma=False needs exactly one."""
     from jax.sharding import PartitionSpec as P
-
-    from jaxpc.engine import em
 
     circuit, _, data = _small_circuit()
     mesh = parallel.data_mesh(2)
@@ -230,6 +229,10 @@ def test_evidence_is_checked_like_circuit_flows(soft_hmm):
     with pytest.raises(ValueError, match=r"categorical_topk.logp.*must have shape \[30, 5, 3\]"):
         parallel.loss_and_grad(circuit, circuit.params, x, mesh=mesh,
                                evidence={"categorical_topk": {"ids": topk["ids"], "logp": topk["logp"][..., :2]}})
+    with pytest.raises(ValueError, match=r"evidence\['categorical_logp'\] must have 3 axes with the batch \(8\)"):
+        parallel.split_batch(circuit, x[:8], evidence={"categorical_logp": dense}, num_devices=2)
+    with pytest.raises(ValueError, match="num_devices"):
+        parallel.split_batch(circuit, x, num_devices=0)
 
 
 def test_compile_after_fallback_pads_the_evidence(soft_hmm):
@@ -291,3 +294,30 @@ def test_fit_indexes_evidence_with_the_batch_rows(soft_hmm, n):
     with pytest.raises(ValueError, match=r"must have 3 axes with the batch \(30\)"):
         optim.fit(circuit, circuit.params, x, 1, 8, evidence=_rows(ev, slice(0, 8)), progress=False)
 
+
+# ---- jax.pmap: the documented recipe (docs/design.md, "Multiple GPUs") ---------------------------------
+
+@pytest.mark.parametrize("n", cases([4, 2], fast=[4]))
+def test_pmap_step_from_the_engine_equals_one_device(soft_hmm, n):
+    """Flows and one EM step under ``jax.pmap``, written with the engine's pure functions and one psum, on a
+    batch laid out by ``parallel.split_batch`` (30 rows: padded), equal one device's."""
+    circuit, x, evs = soft_hmm
+    ev = evs["topk"]
+    opts = jaxpc.Options()
+
+    def step(tables, params, x, weights, evidence):  # one device's share of the batch
+        fl, ll = em.flows_and_ll(circuit.layout, tables, params, x, None, weights, opts, evidence)
+        fl = jax.lax.psum(fl, "data")
+        return fl, em.em_update(circuit.layout, tables, params, fl, 0.7, 0.1), ll
+
+    pstep = jax.pmap(step, axis_name="data", in_axes=(None, None, 0, 0, 0), out_axes=(None, None, 0))
+    b = parallel.split_batch(circuit, x, evidence=ev, num_devices=n)
+    assert b.x.shape == (n, 32 // n, x.shape[1]) and b.n == len(x)
+    assert float(np.asarray(b.weights).sum()) == len(x)
+    fl, new, ll = pstep(circuit.tables, circuit.params, b.x, b.weights, b.evidence)
+    ref, ll_ref = circuit.flows(circuit.params, x, evidence=ev, return_ll=True)
+    assert _rel(fl, ref) < 1e-5
+    assert _root_flow(circuit, fl) == pytest.approx(len(x), rel=1e-5)  # summed exactly once
+    np.testing.assert_allclose(np.asarray(ll).reshape(-1)[:b.n], ll_ref, rtol=1e-5)
+    want = circuit.em_step(circuit.params, x, evidence=ev, step_size=0.7, pseudocount=0.1)
+    assert _maxdiff(new, want) < 1e-5
