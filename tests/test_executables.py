@@ -159,9 +159,22 @@ def test_batch_32_16_32_flows_equal_fresh():
 
 
 def test_first_step_flows_equal_second():
+    """The first call (compile, pad 20 rows to the bucket of 32) and the second (replay) both give the flows of
+    an independent reference: scaled forward-backward in float64 numpy."""
+    from .test_hmm import _nodes, forward_backward
+
     c, x = _hmm(), _data(20)
+    trans, emit = _nodes(c, "trans"), _nodes(c, "emit")
+    alphas = [np.asarray(c.get_node_params(c.params, trans[t]), np.float64) for t in range(5)]
+    betas = [np.asarray(c.get_node_params(c.params, emit[t]), np.float64) for t in range(6)]
+    gamma = np.asarray(c.get_node_params(c.params, c.root), np.float64)[0]
+    _, init_ref, xi_ref, emit_ref = forward_backward(alphas, betas, gamma, x)
     first = c.flows(c.params, x)
     second = c.flows(c.params, x)
+    for fl in (first, second):
+        np.testing.assert_allclose(np.asarray(c.get_node_flows(fl, c.root))[0], init_ref, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(c.get_node_flows(fl, trans[0])), xi_ref.sum(0), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(c.get_node_flows(fl, emit[0])), emit_ref.sum(0), rtol=1e-4, atol=1e-4)
     _same(first, second)
     assert c.cache_info().hits == 1 and c.cache_info().misses == 1
 
