@@ -5,8 +5,10 @@ and block semantics), :func:`compile` them once, then evaluate, differentiate an
 resulting :class:`Circuit` over a pytree of parameters.
 """
 
+import importlib
+
 from . import distributions as dists
-from . import io, optim, parallel, queries, structures, transforms, visualize
+from . import edit, io, optim, parallel, queries, structures, visualize
 from .circuit import Circuit, compile
 from .executables import CacheInfo, default_persistent_cache, enable_persistent_cache
 from .nodes import CircuitNodes, InputNodes, ProdNodes, SumNodes, duplicate, inputs, multiply, summate
@@ -20,5 +22,13 @@ __all__ = [
     "inputs", "multiply", "summate", "duplicate", "compile", "Circuit", "Options", "Tuning", "dists",
     "CircuitNodes", "InputNodes", "ProdNodes", "SumNodes", "structures", "queries", "CacheInfo",
     "enable_persistent_cache",
-    "transforms", "visualize", "optim", "parallel", "io",
+    "edit", "visualize", "optim", "parallel", "io",
 ]
+
+
+def __getattr__(name: str):
+    """``jaxpc.transforms``, deprecated (now ``jaxpc.edit``) and kept for one release: the module warns when
+    first imported."""
+    if name == "transforms":
+        return importlib.import_module(".transforms", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

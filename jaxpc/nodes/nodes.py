@@ -141,7 +141,7 @@ class CircuitNodes:
 
     def load_params(self, params) -> None:
         """Store parameters that are already in canonical form (as :attr:`own_params` returns them), unchecked:
-        for loaders and transforms that produced them; ``set_params`` checks and converts user input."""
+        for loaders and edits (jaxpc.edit) that produced them; ``set_params`` checks and converts user input."""
         self._params = params
 
     @property
