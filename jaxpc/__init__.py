@@ -6,9 +6,10 @@ resulting :class:`Circuit` over a pytree of parameters.
 """
 
 import importlib
+import inspect
+import warnings
 
-from . import distributions as dists
-from . import edit, io, optim, parallel, queries, structures, visualize
+from . import distributions, edit, io, optim, parallel, queries, structures, visualize
 from .circuit import Circuit, compile
 from .executables import CacheInfo, default_persistent_cache, enable_persistent_cache
 from .nodes import CircuitNodes, InputNodes, ProdNodes, SumNodes, duplicate, inputs, multiply, summate
@@ -19,7 +20,7 @@ default_persistent_cache()  # a per-user compilation cache, unless JAX's own is 
 __version__ = "0.1.0"
 
 __all__ = [
-    "inputs", "multiply", "summate", "duplicate", "compile", "Circuit", "Options", "Tuning", "dists",
+    "inputs", "multiply", "summate", "duplicate", "compile", "Circuit", "Options", "Tuning", "distributions",
     "CircuitNodes", "InputNodes", "ProdNodes", "SumNodes", "structures", "queries", "CacheInfo",
     "enable_persistent_cache",
     "edit", "visualize", "optim", "parallel", "io",
@@ -27,8 +28,15 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """``jaxpc.transforms``, deprecated (now ``jaxpc.edit``) and kept for one release: the module warns when
-    first imported."""
+    """Deprecated names, kept for one release: ``jaxpc.dists`` (now ``jaxpc.distributions``) and
+    ``jaxpc.transforms`` (now ``jaxpc.edit``; the module warns when first imported)."""
+    if name == "dists":
+        # ``from jaxpc import dists`` probes the name with hasattr (importlib's _handle_fromlist) before
+        # reading it: warn on the read only, once per use.
+        if inspect.currentframe().f_back.f_code.co_name != "_handle_fromlist":
+            warnings.warn("jaxpc.dists is deprecated and will be removed in the next release; use "
+                          "jaxpc.distributions", DeprecationWarning, stacklevel=2)
+        return distributions
     if name == "transforms":
         return importlib.import_module(".transforms", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

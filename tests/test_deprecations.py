@@ -1,5 +1,5 @@
-"""Deprecated names kept for one release: ``jaxpc.transforms`` (now ``jaxpc.edit``) still works, is the
-same objects, and warns once, at the caller's line."""
+"""Deprecated names kept for one release: ``jaxpc.transforms`` (now ``jaxpc.edit``) and ``jaxpc.dists``
+(now ``jaxpc.distributions``) still work, are the same objects, and warn once, at the caller's line."""
 
 import sys
 import warnings
@@ -32,3 +32,18 @@ def test_transforms_is_a_deprecated_alias_of_edit(how, monkeypatch):
     assert transforms.__all__ == edit.__all__
     for name in edit.__all__:
         assert getattr(transforms, name) is getattr(edit, name), name
+
+
+def test_dists_is_a_deprecated_alias_of_distributions():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert jaxpc.dists is jaxpc.distributions
+    [w] = _deprecations(caught, "jaxpc.dists")
+    assert "jaxpc.distributions" in str(w.message) and w.filename == __file__
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from jaxpc import dists
+    assert dists is jaxpc.distributions and len(_deprecations(caught, "jaxpc.dists")) == 1
+    assert "dists" not in jaxpc.__all__ and "transforms" not in jaxpc.__all__
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        jaxpc.nope  # noqa: B018

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jaxpc
-from jaxpc import dists, edit
+from jaxpc import distributions, edit
 from jaxpc.nodes import topological_order
 from jaxpc.structures.hclt import hidden_tree_circuit
 
@@ -91,7 +91,7 @@ def materialized(seed, num_vars=4, **kw):
 
 def cat_inputs(var, nb, bs, k=3, seed=0):
     rng = np.random.default_rng(seed + 17 * var)
-    return jaxpc.inputs(var, nb, bs, dists.Categorical(k), params=rng.random((nb * bs, k)) + 0.1)
+    return jaxpc.inputs(var, nb, bs, distributions.Categorical(k), params=rng.random((nb * bs, k)) + 0.1)
 
 
 def random_sum(children, nb, bs, edge_ids=None, seed=0):
@@ -127,7 +127,8 @@ def test_edits_preserve_likelihood_on_random_circuits(seed):
         "merge": edit.merge(root),
         "unblock_then_block": edit.blockify(edit.unblockify(root), sparsity_tolerance=0.9, max_block_size=4),
     }
-    indicators = [ns for ns in topological_order(root) if ns.is_input() and isinstance(ns.dist, dists.Indicator)]
+    indicators = [ns for ns in topological_order(root)
+                  if ns.is_input() and isinstance(ns.dist, distributions.Indicator)]
     if all(ns.num_nodes % ns.dist.num_states == 0 for ns in indicators):
         variants["grow"] = edit.grow(root, 2, noise=0.0)
     else:  # the copies of an odd-sized Indicator vector would indicate other values
@@ -390,7 +391,7 @@ def test_merge_errors():
     with pytest.raises(ValueError, match="descendant"):
         edit.merge(r, [[inner, outer]])
     assert len(topological_order(edit.merge(r))) == len(topological_order(r))  # levels differ: nothing merged
-    ind = [jaxpc.inputs(0, 3, 1, dists.Indicator(2)), jaxpc.inputs(0, 2, 1, dists.Indicator(2))]
+    ind = [jaxpc.inputs(0, 3, 1, distributions.Indicator(2)), jaxpc.inputs(0, 2, 1, distributions.Indicator(2))]
     r = jaxpc.summate(*ind, num_node_blocks=1, block_size=1)
     with pytest.raises(ValueError, match="Indicator"):
         edit.merge(r, [ind])
@@ -522,7 +523,7 @@ def test_grow_random_circuits_and_noise():
     assert_same_snapshot(before, snapshot(root))
     with pytest.raises(ValueError, match="num_duplicates"):
         edit.grow(root, 0)
-    bad = jaxpc.summate(jaxpc.inputs(0, 3, 1, dists.Indicator(2)), num_node_blocks=1, block_size=1)
+    bad = jaxpc.summate(jaxpc.inputs(0, 3, 1, distributions.Indicator(2)), num_node_blocks=1, block_size=1)
     with pytest.raises(ValueError, match="Indicator"):
         edit.grow(bad)
 
@@ -534,7 +535,7 @@ def test_grow_random_circuits_and_noise():
 def test_lvd_counts_on_a_tiny_hclt():
     # tree 0 -> {1, 3}, 1 -> {2}; variables 2 and 3 are tree leaves
     L, N = 2, 40
-    root = hidden_tree_circuit([[1, 3], [2], [], []], 0, L, [0, 1, 2, 3], dists.Categorical(3))
+    root = hidden_tree_circuit([[1, 3], [2], [], []], 0, L, [0, 1, 2, 3], distributions.Categorical(3))
     regions = edit.hclt_latent_regions(root)
     assert sorted(regions) == [0, 1]
     rng = np.random.default_rng(0)
@@ -579,7 +580,7 @@ def test_lvd_blocks_ties_and_gaussians():
     # block size 2, a tied sum pair with pooled counts, Gaussian leaves from per-cluster moments
     N = 60
     rng = np.random.default_rng(1)
-    g0 = jaxpc.inputs(0, 2, 2, dists.Gaussian(min_sigma=0.01))
+    g0 = jaxpc.inputs(0, 2, 2, distributions.Gaussian(min_sigma=0.01))
     g1 = g0.duplicate(1, tie_params=True)
     s0 = jaxpc.summate(g0, num_node_blocks=1, block_size=2, edge_ids=[[0], [1]])  # sparse: only child block 1
     s1 = s0.duplicate(g1, tie_params=True)
@@ -642,10 +643,10 @@ def test_lvd_input_rules_per_distribution():
     rng = np.random.default_rng(5)
     z = rng.integers(0, 2, N)
     leaves = {
-        "bernoulli": jaxpc.inputs(0, 2, 1, dists.Bernoulli()),
-        "masked": jaxpc.inputs(1, 2, 1, dists.MaskedCategorical(3, "range"), params={"mask": [[0, 2], [1, 3]]}),
-        "logistic": jaxpc.inputs(2, 2, 1, dists.DiscreteLogistic((0.0, 1.0), 4, min_std=0.01)),
-        "literal": jaxpc.inputs(3, 2, 1, dists.Literal(1)),
+        "bernoulli": jaxpc.inputs(0, 2, 1, distributions.Bernoulli()),
+        "masked": jaxpc.inputs(1, 2, 1, distributions.MaskedCategorical(3, "range"), params={"mask": [[0, 2], [1, 3]]}),
+        "logistic": jaxpc.inputs(2, 2, 1, distributions.DiscreteLogistic((0.0, 1.0), 4, min_std=0.01)),
+        "literal": jaxpc.inputs(3, 2, 1, distributions.Literal(1)),
     }
     root = jaxpc.summate(jaxpc.multiply(*leaves.values()), num_node_blocks=1, block_size=1)
     x = np.stack([rng.integers(0, 2, N), rng.integers(0, 3, N), rng.integers(0, 4, N), np.ones(N, int)], 1)

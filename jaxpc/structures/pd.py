@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from .. import distributions as dists
+from .. import distributions
 from ..nodes import CircuitNodes, inputs, multiply, summate
 from ._util import check_latents
 from .hclt import HCLT
@@ -52,7 +52,7 @@ def _cube_vars(cube, data_shape) -> list[int]:
 
 def PD(data_shape, num_latents: int, split_intervals=None, split_points=None, max_split_depth: int | None = None,
        max_prod_block_conns: int = 4, structure_type: str = "sum_dominated",
-       input_dist: dists.Distribution | None = None, tie_homogeneous_params: bool = False,
+       input_dist: distributions.Distribution | None = None, tie_homogeneous_params: bool = False,
        block_size: int | None = None, leaf_fn=None, seed: int = 0) -> CircuitNodes:
     """A PD circuit over a grid ``data_shape`` (``(H, W)``, ``(H, W, C)``, ``(T,)``, ...).
 
@@ -81,7 +81,7 @@ def PD(data_shape, num_latents: int, split_intervals=None, split_points=None, ma
     cap = 16 if num_latents <= 32 else 32
     bs, nb = check_latents("PD", num_latents, block_size, cap)
     points = _split_points(data_shape, split_intervals, split_points)
-    dist = input_dist or dists.Categorical(num_cats=256)
+    dist = input_dist or distributions.Categorical(num_cats=256)
     rng = np.random.default_rng(seed)
     sources: dict = {}
     memo: dict = {}
@@ -150,7 +150,7 @@ def PD(data_shape, num_latents: int, split_intervals=None, split_points=None, ma
 
 def PDHCLT(data, data_shape, num_latents: int, split_intervals=None, split_points=None,
            max_split_depth: int | None = None, max_prod_block_conns: int = 4, structure_type: str = "sum_dominated",
-           input_dist: dists.Distribution | None = None, hclt_kwargs: dict | None = None,
+           input_dist: distributions.Distribution | None = None, hclt_kwargs: dict | None = None,
            block_size: int | None = None, seed: int = 0) -> CircuitNodes:
     """A PD whose leaf regions are HCLTs learned from ``data`` ``[N, prod(data_shape)]``."""
     data = np.asarray(data)
@@ -159,7 +159,7 @@ def PDHCLT(data, data_shape, num_latents: int, split_intervals=None, split_point
         raise ValueError(f"PDHCLT: data must be [num_samples, {n_vars}] for data_shape {tuple(data_shape)}, "
                          f"got {data.shape}")
     kw = {"num_bins": 32, "sigma": 0.5 / 32, "chunk_size": 32, **(hclt_kwargs or {})}
-    dist = input_dist or dists.Categorical(num_cats=256)
+    dist = input_dist or distributions.Categorical(num_cats=256)
 
     def leaf_fn(vs, L, bs):
         return HCLT(data[:, vs], L, input_dist=dist, num_root_ns=L, block_size=bs, variables=vs, **kw)
