@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jaxpc  # noqa: E402
 from _data import blurred_noise_images  # noqa: E402
-from jaxpc import dists, structures  # noqa: E402
+from jaxpc import distributions, structures  # noqa: E402
 
 IMPL = "auto"
 FOLD = True  # Options.fold_products (--no-fold: False)
@@ -257,7 +257,7 @@ def main(argv=None):
           f"{jax.config.jax_default_matmul_precision}", flush=True)
     rows = []
     work = args.workloads.split(",")
-    cat256 = dists.Categorical(num_cats=256)
+    cat256 = distributions.Categorical(num_cats=256)
     B0 = min(batches)
     ref_opts = (jaxpc.Options(precision="fp32", backward="autodiff", fold_products=False) if args.check_autodiff
                 else jaxpc.Options(precision="fp32", fold_products=args.fold, impl="xla"))

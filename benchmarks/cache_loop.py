@@ -27,7 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jaxpc  # noqa: E402
-from jaxpc import dists, structures  # noqa: E402
+from jaxpc import distributions, structures  # noqa: E402
 
 
 def codd_loop(steps: int, buckets, fixed: int | None):
@@ -49,7 +49,7 @@ def first_calls(names=("HMM-1024", "HCLT-256", "PD-128")):
     from _data import blurred_noise_images
 
     imgs = blurred_noise_images(2000)
-    cat = dists.Categorical(num_cats=256)
+    cat = distributions.Categorical(num_cats=256)
     out = {}
     for name, build, data in (
             ("HMM-1024", lambda: structures.HMM(64, 1024, 4096),

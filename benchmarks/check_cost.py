@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jaxpc  # noqa: E402
 from _data import blurred_noise_images  # noqa: E402
-from jaxpc import dists, runtime, structures  # noqa: E402
+from jaxpc import distributions, runtime, structures  # noqa: E402
 
 
 def main(argv=None):
@@ -39,7 +39,7 @@ def main(argv=None):
         xs = [jax.device_put(np.random.default_rng(s).integers(0, 4096, (B, 64)).astype(np.int32)) for s in range(4)]
     else:
         imgs = blurred_noise_images(2000)
-        cat = dists.Categorical(256)
+        cat = distributions.Categorical(256)
         root = (structures.PD((28, 28), 128, split_intervals=(4, 4), input_dist=cat) if args.workload == "pd"
                 else structures.HCLT(imgs, 256, input_dist=cat))
         c = jaxpc.compile(root)

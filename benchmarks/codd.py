@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxpc
-from jaxpc import dists, structures
+from jaxpc import distributions, structures
 from jaxpc.engine import forward
 
 
@@ -39,7 +39,7 @@ def main(argv=None):
     L, V, K, T = args.latents, args.vocab, args.topk, args.seq
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; HMM L={L} V={V} top-k={K} T={T}", flush=True)
     t0 = time.perf_counter()
-    c = jaxpc.compile(structures.GeneralizedHMM(T, L, dists.SoftEvidenceCategorical(V)))
+    c = jaxpc.compile(structures.GeneralizedHMM(T, L, distributions.SoftEvidenceCategorical(V)))
     print(f"jaxpc.compile {time.perf_counter() - t0:.2f} s", flush=True)
     opts = jaxpc.Options(precision=args.precision)
     rng = np.random.default_rng(0)
@@ -52,7 +52,7 @@ def main(argv=None):
         return jnp.asarray(x), jnp.asarray(ids), jnp.asarray(lp)
 
     # check: top-k evidence covering every token equals dense evidence (small sizes)
-    small = jaxpc.compile(structures.GeneralizedHMM(6, 8, dists.SoftEvidenceCategorical(32)))
+    small = jaxpc.compile(structures.GeneralizedHMM(6, 8, distributions.SoftEvidenceCategorical(32)))
     xs = rng.integers(0, 32, (4, 6)).astype(np.int32)
     e = rng.normal(size=(4, 6, 32)).astype(np.float32)
     ids_all = np.tile(np.arange(32, dtype=np.int32), (4, 6, 1))

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jaxpc  # noqa: E402
 from _data import blurred_noise_images  # noqa: E402
-from jaxpc import dists, structures  # noqa: E402
+from jaxpc import distributions, structures  # noqa: E402
 
 
 def _rss_mb() -> float:
@@ -80,7 +80,7 @@ def _builder(w: str, latents: int | None, small: bool):
         return (f"HMM-{L}", lambda: structures.HMM(T, L, V),
                 lambda b: np.random.default_rng(b).integers(0, V, (b, T)).astype(np.int32))
     imgs = blurred_noise_images(1_000 if small else 10_000)
-    cat = dists.Categorical(num_cats=256)
+    cat = distributions.Categorical(num_cats=256)
     data = lambda b: imgs[np.random.default_rng(b).integers(0, len(imgs), b)]  # noqa: E731
     if w == "hclt":
         L = latents or 256
@@ -244,7 +244,7 @@ def main(argv=None):
                 json.dump({"results": results, "table": table(results), "args": vars(args)}, f, indent=1)
         return results
     x = blurred_noise_images(args.hclt_rows)
-    cat = dists.Categorical(num_cats=256)
+    cat = distributions.Categorical(num_cats=256)
     measure("HMM-1024", lambda: structures.HMM(64, 1024, 4096))
     measure("HCLT-256", lambda: structures.HCLT(x, 256, input_dist=cat))
     measure("HCLT-128", lambda: structures.HCLT(x, 128, input_dist=cat))

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jaxpc  # noqa: E402
 from _data import blurred_noise_images  # noqa: E402
-from jaxpc import dists, optim, structures  # noqa: E402
+from jaxpc import distributions, optim, structures  # noqa: E402
 
 
 def rel(a, b) -> float:
@@ -52,7 +52,7 @@ def main(argv=None):
         raise SystemExit("--epochs must be at least 1")
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     data = blurred_noise_images(args.images)
-    cat = dists.Categorical(num_cats=256)
+    cat = distributions.Categorical(num_cats=256)
     t = time.perf_counter()
     if args.workload == "hclt":
         root = structures.HCLT(data[:10_000], args.latents, input_dist=cat)

@@ -37,9 +37,9 @@ def child(workload: str, batch: int, entry: str, options: dict) -> None:
 
     import jaxpc
     from _data import blurred_noise_images
-    from jaxpc import dists, structures
+    from jaxpc import distributions, structures
 
-    cat = dists.Categorical(256)
+    cat = distributions.Categorical(256)
     t0 = time.perf_counter()
     if workload == "hmm":
         root = structures.HMM(64, 1024, 4096)

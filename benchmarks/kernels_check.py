@@ -245,10 +245,10 @@ def check_counts() -> float:
 def time_counts(B, configs):
     """HCLT-256's leaf counts as the step computes them: XLA's one-hot products (``Categorical.suff_stats_runs``,
     chunked, concatenated) against the kernel per configuration (ms, and TFLOP/s of the product)."""
-    from jaxpc import Options, dists
+    from jaxpc import Options, distributions
 
     flows, xg = counts_case(B)
-    dist, opts = dists.Categorical(256), Options(precision="tf32")
+    dist, opts = distributions.Categorical(256), Options(precision="tf32")
     tf = 2 * flows.shape[0] * B * 256 / 1e9
     ref = jax.jit(lambda f, x: dist.suff_stats_runs({}, None, x, None, f, 256, opts)["counts"])
     t = bench(lambda: ref(flows, xg))

@@ -35,16 +35,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jaxpc  # noqa: E402
 from _data import blurred_noise_images  # noqa: E402
-from jaxpc import dists, optim, parallel, structures  # noqa: E402
+from jaxpc import distributions, optim, parallel, structures  # noqa: E402
 
 
 def build(workload: str, latents: int, seed: int = 0):
     if workload == "hclt":
         data = blurred_noise_images(4096, (28, 28), 256, seed)
-        root = structures.HCLT(data[:2000], num_latents=latents, input_dist=dists.Categorical(256))
+        root = structures.HCLT(data[:2000], num_latents=latents, input_dist=distributions.Categorical(256))
     elif workload == "pd":
         data = blurred_noise_images(4096, (28, 28), 256, seed)
-        root = structures.PD((28, 28), latents, split_intervals=(7, 7), input_dist=dists.Categorical(256))
+        root = structures.PD((28, 28), latents, split_intervals=(7, 7), input_dist=distributions.Categorical(256))
     elif workload == "hmm":
         rng = np.random.default_rng(seed)
         data = rng.integers(0, 1024, size=(4096, 256)).astype(np.int32)

@@ -61,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jaxpc  # noqa: E402
 from _data import blurred_noise_images  # noqa: E402
 from bench_engine import cached_mib, median_ms, save_rows  # noqa: E402
-from jaxpc import dists, structures  # noqa: E402
+from jaxpc import distributions, structures  # noqa: E402
 from jaxpc.engine import forward  # noqa: E402
 
 PLANS = {"layers": {"fold_products": False, "impl": "xla"}, "fold": {"fold_products": True},
@@ -119,7 +119,7 @@ def fresh(c, adds: bool = False):
 
 
 def build(workload: str, latents: int, imgs):
-    cat = dists.Categorical(num_cats=256)
+    cat = distributions.Categorical(num_cats=256)
     if workload == "hclt":
         return structures.HCLT(imgs, latents, input_dist=cat)
     if workload == "pd":

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jaxpc  # noqa: E402
 from _data import blurred_noise_images  # noqa: E402
 from bench_engine import compile_all  # noqa: E402
-from jaxpc import dists, structures  # noqa: E402
+from jaxpc import distributions, structures  # noqa: E402
 
 EM_KW = dict(step_size=0.1, pseudocount=0.1)
 
@@ -143,7 +143,7 @@ def main(argv=None):
           flush=True)
     rng = np.random.default_rng(0)
     B = args.batch
-    cat = dists.Categorical(num_cats=256)
+    cat = distributions.Categorical(num_cats=256)
     rows = []
     imgs = None
     for w in args.workloads.split(","):

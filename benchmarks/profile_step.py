@@ -37,13 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jaxpc  # noqa: E402
 from _data import blurred_noise_images  # noqa: E402
-from jaxpc import dists, structures  # noqa: E402
+from jaxpc import distributions, structures  # noqa: E402
 
 SCOPE = re.compile(r"jaxpc/(input\d+|chain|partial[\d.]+|stage[\d.]+/(prod|sum)\d+(/backward)?)")
 
 
 def build(workload: str, latents: int):
-    cat = dists.Categorical(num_cats=256)
+    cat = distributions.Categorical(num_cats=256)
     if workload == "hmm":
         root = structures.HMM(64, latents, 4096)
         data = np.random.default_rng(0).integers(0, 4096, (4096, 64)).astype(np.int32)

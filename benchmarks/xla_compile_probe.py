@@ -30,10 +30,10 @@ def child(workload: str, batch: int, entry: str) -> None:
 
     import jaxpc
     from _data import blurred_noise_images
-    from jaxpc import dists, structures
+    from jaxpc import distributions, structures
     from jaxpc.engine import em, forward
 
-    cat = dists.Categorical(256)
+    cat = distributions.Categorical(256)
     t = time.perf_counter()
     if workload == "hmm":
         c = jaxpc.compile(structures.HMM(64, 1024, 4096))

@@ -37,7 +37,7 @@ def main(argv=None) -> dict:
     from tqdm.auto import tqdm
 
     import jaxpc
-    from jaxpc import dists, structures
+    from jaxpc import distributions, structures
 
     train, test = load_digits_split(args.seed)
     num_vars = train.shape[1]
@@ -45,7 +45,7 @@ def main(argv=None) -> dict:
           f"jax {jax.__version__} on {jax.devices()[0].platform}")
 
     t0 = time.perf_counter()
-    root = structures.HCLT(train, num_latents=args.latents, input_dist=dists.Categorical(num_cats=17))
+    root = structures.HCLT(train, num_latents=args.latents, input_dist=distributions.Categorical(num_cats=17))
     t1 = time.perf_counter()
     circuit = jaxpc.compile(root, seed=args.seed)
     t2 = time.perf_counter()

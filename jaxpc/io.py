@@ -15,7 +15,7 @@ it is read with ``allow_pickle=False``) holding
 Loading rebuilds node vectors through :func:`jaxpc.inputs` / :func:`~jaxpc.multiply` /
 :func:`~jaxpc.summate` (so a damaged file fails with their checks) with the same edges, block sizes,
 ties, distributions and given parameters: compiling the loaded root gives the same ``circuit.params``
-bit for bit. Readers refuse files of a newer ``version``. Distributions outside :mod:`jaxpc.dists` can
+bit for bit. Readers refuse files of a newer ``version``. Distributions outside :mod:`jaxpc.distributions` can
 take part through :func:`register_distribution`.
 
 Checkpoints (:func:`save_params` / :func:`load_params`) go through orbax (``pip install
@@ -32,7 +32,16 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import distributions as dists
+from .distributions import (
+    Bernoulli,
+    Categorical,
+    DiscreteLogistic,
+    Distribution,
+    Gaussian,
+    Indicator,
+    Literal,
+    MaskedCategorical,
+)
 from .nodes import CircuitNodes, InputNodes, ProdNodes, SumNodes, inputs, multiply, summate, topological_order
 from .nodes.nodes import check_smooth
 
@@ -51,21 +60,21 @@ def register_distribution(cls: type, encode: Callable[[Any], dict], decode: Call
     """Teach the structure format a distribution class: ``encode(dist)`` returns JSON-able constructor
     arguments, ``decode(args)`` rebuilds an equal distribution. ``name`` (default the class name) is
     what the file records."""
-    if not (isinstance(cls, type) and issubclass(cls, dists.Distribution)):
+    if not (isinstance(cls, type) and issubclass(cls, Distribution)):
         raise TypeError(f"register_distribution: cls must be a Distribution subclass, got {cls!r}")
     _DISTS[name or cls.__name__] = (cls, encode, decode)
 
 
-register_distribution(dists.Categorical, lambda d: {"num_cats": d.num_cats}, lambda a: dists.Categorical(**a))
-register_distribution(dists.Bernoulli, lambda d: {}, lambda a: dists.Bernoulli())
-register_distribution(dists.MaskedCategorical, lambda d: {"num_cats": d.num_cats, "mask_mode": d.mask_mode},
-                      lambda a: dists.MaskedCategorical(**a))
-register_distribution(dists.Gaussian, lambda d: {"min_sigma": d.min_sigma}, lambda a: dists.Gaussian(**a))
-register_distribution(dists.DiscreteLogistic,
+register_distribution(Categorical, lambda d: {"num_cats": d.num_cats}, lambda a: Categorical(**a))
+register_distribution(Bernoulli, lambda d: {}, lambda a: Bernoulli())
+register_distribution(MaskedCategorical, lambda d: {"num_cats": d.num_cats, "mask_mode": d.mask_mode},
+                      lambda a: MaskedCategorical(**a))
+register_distribution(Gaussian, lambda d: {"min_sigma": d.min_sigma}, lambda a: Gaussian(**a))
+register_distribution(DiscreteLogistic,
                       lambda d: {"val_range": [d.lo, d.hi], "num_cats": d.num_cats, "min_std": d.min_std},
-                      lambda a: dists.DiscreteLogistic(tuple(a["val_range"]), a["num_cats"], a["min_std"]))
-register_distribution(dists.Indicator, lambda d: {"num_states": d.num_states}, lambda a: dists.Indicator(**a))
-register_distribution(dists.Literal, lambda d: {"lit": d.lit}, lambda a: dists.Literal(**a))
+                      lambda a: DiscreteLogistic(tuple(a["val_range"]), a["num_cats"], a["min_std"]))
+register_distribution(Indicator, lambda d: {"num_states": d.num_states}, lambda a: Indicator(**a))
+register_distribution(Literal, lambda d: {"lit": d.lit}, lambda a: Literal(**a))
 
 
 def _encode_dist(d) -> dict:

@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from jaxpc import dists
+from jaxpc import distributions
 from jaxpc.nodes import topological_order
 
 
@@ -43,25 +43,25 @@ def _sigmoid(z):
 def category_table(dist, params, n):
     """``[n, K]`` log-pmf of a discrete leaf vector (None for Gaussians)."""
     with np.errstate(divide="ignore"):
-        if isinstance(dist, dists.Bernoulli):
+        if isinstance(dist, distributions.Bernoulli):
             p = _np(params)
             return np.log(np.stack([1 - p, p], axis=1))
-        if isinstance(dist, dists.MaskedCategorical):
+        if isinstance(dist, distributions.MaskedCategorical):
             return np.log(_np(params["probs"]))
-        if isinstance(dist, dists.Categorical):
+        if isinstance(dist, distributions.Categorical):
             return np.log(_np(params))
-        if isinstance(dist, dists.DiscreteLogistic):
+        if isinstance(dist, distributions.DiscreteLogistic):
             mu, s = _np(params["mu"])[:, None], _np(params["s"])[:, None]
             i = np.arange(dist.num_cats)[None, :]
             lo = dist.lo + i * dist.width
             cdf_hi = np.where(i == dist.num_cats - 1, 1.0, _sigmoid((lo + dist.width - mu) / s))
             cdf_lo = np.where(i == 0, 0.0, _sigmoid((lo - mu) / s))
             return np.log(cdf_hi - cdf_lo)
-        if isinstance(dist, dists.Literal):
+        if isinstance(dist, distributions.Literal):
             t = np.full((n, 2), -np.inf)
             t[:, dist.lit] = 0.0
             return t
-        if isinstance(dist, dists.Indicator):
+        if isinstance(dist, distributions.Indicator):
             t = np.full((n, dist.num_states), -np.inf)
             t[np.arange(n), np.arange(n) % dist.num_states] = 0.0
             return t
@@ -76,14 +76,14 @@ def leaf_values(ns, params, x, miss, mode, alpha):
     table = category_table(ns.dist, params, n)
     if table is not None:
         xi = np.where(mcol, 0, col).astype(np.int64)
-        if isinstance(ns.dist, dists.Literal):
+        if isinstance(ns.dist, distributions.Literal):
             # a literal accepts any non-negative value; pad the table to cover x
             width = max(int(xi.max()) + 1, table.shape[1])
             t2 = np.full((n, width), -np.inf)
             t2[:, :table.shape[1]] = table
             table = t2
         vals = table[:, xi]
-        if isinstance(ns.dist, (dists.Literal, dists.Indicator)):
+        if isinstance(ns.dist, (distributions.Literal, distributions.Indicator)):
             marg = np.zeros(n)
         else:
             marg = _reduce(table, mode, alpha)
@@ -238,7 +238,7 @@ def input_stats(ns, params, x, miss, node_flows):
     mcol = np.zeros(col.shape, bool) if miss is None else np.asarray(miss)[:, ns.var]
     F = node_flows
     d = ns.dist
-    if isinstance(d, dists.Categorical):
+    if isinstance(d, distributions.Categorical):
         K = d.num_cats
         counts = np.zeros((ns.num_nodes, K))
         xi = np.where(mcol, 0, col).astype(np.int64)
@@ -247,8 +247,8 @@ def input_stats(ns, params, x, miss, node_flows):
         probs = np.exp(category_table(d, params, ns.num_nodes))
         counts += (F * mcol[None, :]).sum(1)[:, None] * probs
         return counts
-    if isinstance(d, (dists.Gaussian, dists.DiscreteLogistic)):
-        if isinstance(d, dists.Gaussian):
+    if isinstance(d, (distributions.Gaussian, distributions.DiscreteLogistic)):
+        if isinstance(d, distributions.Gaussian):
             mu, var = _np(params["mu"]), _np(params["sigma"]) ** 2
             v = np.where(mcol, 0.0, col)
         else:
@@ -278,21 +278,21 @@ def _blend_counts(probs, counts, step):
 
 def em_input_update(d, params, stats, step, pc):
     """Closed-form EM update of one input vector's natural params (as get_node_params returns them)."""
-    if isinstance(d, dists.MaskedCategorical):
+    if isinstance(d, distributions.MaskedCategorical):
         probs = _np(params["probs"])
         mask = np.asarray(params["mask"], bool)
         k_eff = mask.sum(1, keepdims=True)
         c = np.where(mask, stats + pc / k_eff, 0.0)
         return {"probs": _blend_counts(probs, c, step)}
-    if isinstance(d, dists.Bernoulli):
+    if isinstance(d, distributions.Bernoulli):
         p = _np(params)
         probs = np.stack([1 - p, p], 1)
         return _blend_counts(probs, stats + pc / 2, step)[:, 1]
-    if isinstance(d, dists.Categorical):
+    if isinstance(d, distributions.Categorical):
         return _blend_counts(_np(params), stats + pc / d.num_cats, step)
-    if isinstance(d, (dists.Gaussian, dists.DiscreteLogistic)):
+    if isinstance(d, (distributions.Gaussian, distributions.DiscreteLogistic)):
         mu = _np(params["mu"])
-        if isinstance(d, dists.Gaussian):
+        if isinstance(d, distributions.Gaussian):
             scale = _np(params["sigma"])
             var, min_std = scale ** 2, d.min_sigma
         else:
@@ -304,7 +304,7 @@ def em_input_update(d, params, stats, step, pc):
         nmu = np.where(ok, (stats["s1"] + pc * mu) / safe, mu)
         ex2 = (stats["s2"] + pc * (mu * mu + var)) / safe
         nstd = np.where(ok, np.sqrt(np.maximum(ex2 - nmu * nmu, min_std ** 2)), np.sqrt(var))
-        if isinstance(d, dists.DiscreteLogistic):
+        if isinstance(d, distributions.DiscreteLogistic):
             nscale = nstd * math.sqrt(3) / math.pi
             return {"mu": (1 - step) * mu + step * nmu, "s": (1 - step) * scale + step * nscale}
         return {"mu": (1 - step) * mu + step * nmu, "sigma": (1 - step) * scale + step * nstd}

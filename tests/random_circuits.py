@@ -9,7 +9,7 @@ import itertools
 import numpy as np
 
 import jaxpc
-from jaxpc import dists
+from jaxpc import distributions
 
 KINDS = ("categorical", "bernoulli", "masked", "indicator", "literal", "gaussian", "logistic")
 CARD = {"categorical": 3, "bernoulli": 2, "masked": 3, "indicator": 2, "literal": 2, "logistic": 3}
@@ -46,9 +46,10 @@ class Generator:
         n = nb * K
         explicit = rng.random() < 0.5
         if kind == "categorical":
-            ns = jaxpc.inputs(v, nb, K, dists.Categorical(3), params=self._probs(n, 3) if explicit else None)
+            ns = jaxpc.inputs(v, nb, K, distributions.Categorical(3), params=self._probs(n, 3) if explicit else None)
         elif kind == "bernoulli":
-            ns = jaxpc.inputs(v, nb, K, dists.Bernoulli(), params=rng.uniform(0.1, 0.9, n) if explicit else None)
+            params = rng.uniform(0.1, 0.9, n) if explicit else None
+            ns = jaxpc.inputs(v, nb, K, distributions.Bernoulli(), params=params)
         elif kind == "masked":
             lo = rng.integers(0, 2, n)
             hi = np.minimum(lo + 1 + rng.integers(0, 3, n), 3)
@@ -58,20 +59,20 @@ class Generator:
                 ar = np.arange(3)[None, :]
                 p = self._probs(n, 3) * ((ar >= lo[:, None]) & (ar < hi[:, None]))
                 params["probs"] = p / p.sum(1, keepdims=True)
-            ns = jaxpc.inputs(v, nb, K, dists.MaskedCategorical(3, "range"), params=params)
+            ns = jaxpc.inputs(v, nb, K, distributions.MaskedCategorical(3, "range"), params=params)
         elif kind == "indicator":
-            ns = jaxpc.inputs(v, nb, K, dists.Indicator(2))
+            ns = jaxpc.inputs(v, nb, K, distributions.Indicator(2))
         elif kind == "literal":
             Kc = self._bs()
-            l0 = jaxpc.inputs(v, 1, Kc, dists.Literal(0))
-            l1 = jaxpc.inputs(v, 1, Kc, dists.Literal(1))
+            l0 = jaxpc.inputs(v, 1, Kc, distributions.Literal(0))
+            l1 = jaxpc.inputs(v, 1, Kc, distributions.Literal(1))
             return jaxpc.summate(l0, l1, num_node_blocks=nb, block_size=K)
         elif kind == "gaussian":
             params = {"mu": rng.normal(0, 1, n), "sigma": rng.uniform(0.5, 1.5, n)} if explicit else None
-            ns = jaxpc.inputs(v, nb, K, dists.Gaussian(min_sigma=0.05), params=params)
+            ns = jaxpc.inputs(v, nb, K, distributions.Gaussian(min_sigma=0.05), params=params)
         elif kind == "logistic":
             params = {"mu": rng.uniform(0, 1, n), "s": rng.uniform(0.1, 0.5, n)} if explicit else None
-            ns = jaxpc.inputs(v, nb, K, dists.DiscreteLogistic((0.0, 1.0), 3), params=params)
+            ns = jaxpc.inputs(v, nb, K, distributions.DiscreteLogistic((0.0, 1.0), 3), params=params)
         else:
             raise AssertionError(kind)
         self.leaf_registry.setdefault(key, ns)

@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 
 import jaxpc
-from jaxpc import dists
+from jaxpc import distributions
 from jaxpc.compiler.layout import ScanSpec
 
 from . import oracle
 
 
 def test_readme_quick_start():
-    a = jaxpc.inputs(0, num_node_blocks=2, block_size=4, dist=dists.Categorical(num_cats=5))
-    b = jaxpc.inputs(1, num_node_blocks=2, block_size=4, dist=dists.Categorical(num_cats=5))
+    a = jaxpc.inputs(0, num_node_blocks=2, block_size=4, dist=distributions.Categorical(num_cats=5))
+    b = jaxpc.inputs(1, num_node_blocks=2, block_size=4, dist=distributions.Categorical(num_cats=5))
     m = jaxpc.multiply(a, b)
     root = jaxpc.summate(m, num_node_blocks=1, block_size=1)
     circuit = jaxpc.compile(root)
@@ -39,8 +39,8 @@ def test_readme_quick_start():
 
 
 def test_init_params_is_random_and_normalized():
-    a = jaxpc.inputs(0, 3, 2, dists.Categorical(4))
-    b = jaxpc.inputs(1, 3, 2, dists.Categorical(4))
+    a = jaxpc.inputs(0, 3, 2, distributions.Categorical(4))
+    b = jaxpc.inputs(1, 3, 2, distributions.Categorical(4))
     root = jaxpc.summate(jaxpc.multiply(a, b), num_nodes=1)
     c = jaxpc.compile(root)
     p1, p2 = c.init_params(jax.random.key(1)), c.init_params(jax.random.key(2))
@@ -57,9 +57,9 @@ def test_init_params_is_random_and_normalized():
 def test_params_round_trip_dense_and_block_forms():
     rng = np.random.default_rng(0)
     pa = rng.random((6, 3))
-    a = jaxpc.inputs(0, 3, 2, dists.Categorical(3), params=pa)
-    b = jaxpc.inputs(1, 3, 2, dists.Bernoulli(), params=np.linspace(0.1, 0.9, 6))
-    g = jaxpc.inputs(2, 3, 2, dists.Gaussian(), params={"mu": np.arange(6.0), "sigma": np.full(6, 0.5)})
+    a = jaxpc.inputs(0, 3, 2, distributions.Categorical(3), params=pa)
+    b = jaxpc.inputs(1, 3, 2, distributions.Bernoulli(), params=np.linspace(0.1, 0.9, 6))
+    g = jaxpc.inputs(2, 3, 2, distributions.Gaussian(), params={"mu": np.arange(6.0), "sigma": np.full(6, 0.5)})
     m = jaxpc.multiply(a, b, g)
     dense = rng.random((4, 6))
     dense[:2, 2:4] = 0.0  # parent block 0 not connected to child block 1
@@ -88,8 +88,8 @@ def test_params_round_trip_dense_and_block_forms():
 
 
 def test_tied_parameters_are_shared():
-    a = jaxpc.inputs(0, 2, 2, dists.Categorical(3))
-    b = jaxpc.inputs(1, 2, 2, dists.Categorical(3))
+    a = jaxpc.inputs(0, 2, 2, distributions.Categorical(3))
+    b = jaxpc.inputs(1, 2, 2, distributions.Categorical(3))
     a2 = a.duplicate(2, tie_params=True)
     b2 = b.duplicate(3, tie_params=True)
     s1 = jaxpc.summate(jaxpc.multiply(a, b), num_node_blocks=1, block_size=2)
@@ -118,7 +118,7 @@ def test_tied_parameters_are_shared():
 def hmm_like(T, L=3, V=4, seed=0, tied=True):
     """A hand-built HMM over T steps (PyJuice's construction) for scan tests."""
     rng = np.random.default_rng(seed)
-    emit = jaxpc.inputs(T - 1, num_nodes=L, dist=dists.Categorical(V))
+    emit = jaxpc.inputs(T - 1, num_nodes=L, dist=distributions.Categorical(V))
     z = emit
     trans = None
     for t in range(T - 2, -1, -1):
@@ -165,8 +165,8 @@ def test_scan_equals_unrolled(tied):
 
 
 def test_dense_partition_fast_path():
-    a = jaxpc.inputs(0, 3, 2, dists.Categorical(3))
-    b = jaxpc.inputs(1, 3, 2, dists.Categorical(3))
+    a = jaxpc.inputs(0, 3, 2, distributions.Categorical(3))
+    b = jaxpc.inputs(1, 3, 2, distributions.Categorical(3))
     s = jaxpc.summate(jaxpc.multiply(a, b), num_node_blocks=4, block_size=2)
     c = jaxpc.compile(jaxpc.summate(s, num_nodes=1))
     assert any(p.dense and p.n == 4 for st in c.layout.steps for p in st.sums)

@@ -109,7 +109,7 @@ def test_tune_circuit_routes_partitions_and_stays_exact(impl, fold):
     from jaxpc.engine.forward import partition_key
 
     data = np.random.default_rng(0).integers(0, 3, (200, 5))
-    c = jaxpc.compile(structures.HCLT(data, 4, input_dist=jaxpc.dists.Categorical(3)), seed=1)
+    c = jaxpc.compile(structures.HCLT(data, 4, input_dist=jaxpc.distributions.Categorical(3)), seed=1)
     x = data[:10].astype(np.int32)
     plan = c.layout.fold if fold else c.layout
     keys = {partition_key(p, 16) for st in plan.stages() for p in st.sums}
@@ -139,7 +139,7 @@ def test_tune_circuit_routes_partitions_and_stays_exact(impl, fold):
 
 def _small_hclt():
     data = np.random.default_rng(0).integers(0, 3, (200, 5))
-    return jaxpc.compile(structures.HCLT(data, 4, input_dist=jaxpc.dists.Categorical(3)), seed=1), data[:10]
+    return jaxpc.compile(structures.HCLT(data, 4, input_dist=jaxpc.distributions.Categorical(3)), seed=1), data[:10]
 
 
 class ScriptedTimer:

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import jaxpc
-from jaxpc import dists
+from jaxpc import distributions
 from jaxpc.nodes import topological_order
 
 from . import oracle
@@ -191,11 +191,11 @@ def deterministic_circuit(seed, num_vars=4, card=3):
         if len(vars_) == 1:
             v = vars_[0]
             p = rng.random((1, card)) + 0.1
-            return jaxpc.inputs(v, 1, 1, dists.Categorical(card), params=p / p.sum())
+            return jaxpc.inputs(v, 1, 1, distributions.Categorical(card), params=p / p.sum())
         v, rest = vars_[0], vars_[1:]
         prods = []
         for k in range(card):
-            ind = jaxpc.inputs(v, 1, 1, dists.Literal(k))
+            ind = jaxpc.inputs(v, 1, 1, distributions.Literal(k))
             prods.append(jaxpc.multiply(ind, region(rest)))
         w = rng.random(card) + 0.1
         return jaxpc.summate(*prods, num_node_blocks=1, params=(w / w.sum())[None, :])
@@ -222,8 +222,8 @@ def test_mpe_is_exact_map_on_deterministic_circuits(seed):
 
 def test_oracle_on_hand_computed_circuit():
     """The oracle itself against numbers worked out by hand."""
-    a = jaxpc.inputs(0, 1, 2, dists.Categorical(2), params=np.array([[0.9, 0.1], [0.2, 0.8]]))
-    b = jaxpc.inputs(1, 1, 2, dists.Categorical(2), params=np.array([[0.6, 0.4], [0.3, 0.7]]))
+    a = jaxpc.inputs(0, 1, 2, distributions.Categorical(2), params=np.array([[0.9, 0.1], [0.2, 0.8]]))
+    b = jaxpc.inputs(1, 1, 2, distributions.Categorical(2), params=np.array([[0.6, 0.4], [0.3, 0.7]]))
     root = jaxpc.summate(jaxpc.multiply(a, b), num_nodes=1, params=np.array([[0.25, 0.75]]))
     c = jaxpc.compile(root)
     x = np.array([[0, 1]])

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jaxpc
-from jaxpc import dists, structures
+from jaxpc import distributions, structures
 from jaxpc.engine import chain as chain_engine
 from jaxpc.engine import forward
 from jaxpc.nodes import summate
@@ -30,7 +30,7 @@ def test_hmms_are_detected_as_chains(T, L, bs, homogeneous):
 
 def test_other_circuits_are_not_chains():
     x = np.random.default_rng(0).integers(0, 3, (200, 6))
-    assert jaxpc.compile(structures.HCLT(x, 4, input_dist=dists.Categorical(3))).layout.chain is None
+    assert jaxpc.compile(structures.HCLT(x, 4, input_dist=distributions.Categorical(3))).layout.chain is None
     assert jaxpc.compile(structures.HMM(1, 4, 3)).layout.chain is None  # no transition
     # a mixture of two HMMs is no longer a chain (it still compiles and runs, layer by layer)
     c = jaxpc.compile(summate(structures.HMM(4, 4, 3), structures.HMM(4, 4, 3), num_nodes=1))
@@ -59,7 +59,7 @@ def test_chain_flows_equal_exact_expected_counts(case, stack, unroll):
     rng = np.random.default_rng(1)
     T, L, V, B = 6, 4, 5, 11
     if case == "gaussian":
-        root = structures.GeneralizedHMM(T, L, dists.Gaussian(), block_size=2)
+        root = structures.GeneralizedHMM(T, L, distributions.Gaussian(), block_size=2)
         x = rng.normal(size=(B, T)).astype(np.float32)
     else:
         root = structures.HMM(T, L, V, homogeneous=case == "tied", block_size=2)

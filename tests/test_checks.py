@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jaxpc
-from jaxpc import dists, optim, parallel, structures
+from jaxpc import distributions, optim, parallel, structures
 from jaxpc.options import resolve_precision
 
 from .tiers import cases
@@ -148,7 +148,7 @@ def test_default_precision_follows_jax():
 
 
 def test_changing_jax_matmul_precision_does_not_replay_an_executable():
-    c = jaxpc.compile(structures.HCLT(_data(50, seed=1), 4, input_dist=dists.Categorical(5)))
+    c = jaxpc.compile(structures.HCLT(_data(50, seed=1), 4, input_dist=distributions.Categorical(5)))
     x = jnp.asarray(_data(8, seed=2))
     c.flows(c.params, x)
     misses = c.cache_info().misses

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import jaxpc
-from jaxpc import dists, structures
+from jaxpc import distributions, structures
 
 from . import oracle
 from .random_circuits import Generator
@@ -24,7 +24,7 @@ def test_tempered_flows(tp, te):
         if ns.is_sum() and ns.source is ns:
             np.testing.assert_allclose(np.asarray(c.get_node_flows(fl, ns)), totals[ns.id], rtol=1e-4, atol=1e-5)
     for ns in c.nodes:  # leaf statistics follow the tempered element flows
-        if ns.is_input() and not ns.is_tied() and isinstance(ns.dist, dists.Categorical) and \
+        if ns.is_input() and not ns.is_tied() and isinstance(ns.dist, distributions.Categorical) and \
                 not any(m.is_tied() and m.source is ns for m in c.nodes):
             ref = oracle.input_stats(ns, c.get_node_params(c.params, ns), x.astype(np.float64), None, F[ns.id])
             np.testing.assert_allclose(np.asarray(c.get_node_flows(fl, ns)), ref, rtol=1e-4, atol=1e-5)
@@ -33,9 +33,9 @@ def test_tempered_flows(tp, te):
 
 
 def test_keep_zero_params():
-    a = jaxpc.inputs(0, 3, dist=dists.Categorical(3), params=np.array([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5],
+    a = jaxpc.inputs(0, 3, dist=distributions.Categorical(3), params=np.array([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5],
                                                                        [0.0, 1.0, 0.0]]))
-    b = jaxpc.inputs(1, 3, dist=dists.Categorical(2))
+    b = jaxpc.inputs(1, 3, dist=distributions.Categorical(2))
     root = jaxpc.summate(jaxpc.multiply(a, b), num_nodes=1, params=np.array([[0.6, 0.0, 0.4]]))
     c = jaxpc.compile(root)
     x = np.random.default_rng(0).integers(0, 2, (20, 2)).astype(np.int32)

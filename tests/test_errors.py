@@ -6,21 +6,21 @@ import numpy as np
 import pytest
 
 import jaxpc
-from jaxpc import dists
+from jaxpc import distributions
 
 
 @pytest.fixture(scope="module")
 def cat_circuit():
-    a = jaxpc.inputs(0, num_node_blocks=2, block_size=2, dist=dists.Categorical(num_cats=5))
-    b = jaxpc.inputs(1, num_node_blocks=2, block_size=2, dist=dists.Categorical(num_cats=3))
+    a = jaxpc.inputs(0, num_node_blocks=2, block_size=2, dist=distributions.Categorical(num_cats=5))
+    b = jaxpc.inputs(1, num_node_blocks=2, block_size=2, dist=distributions.Categorical(num_cats=3))
     root = jaxpc.summate(jaxpc.multiply(a, b), num_nodes=1)
     return jaxpc.compile(root)
 
 
 @pytest.fixture(scope="module")
 def mixed_circuit():
-    a = jaxpc.inputs(0, num_node_blocks=2, dist=dists.Categorical(num_cats=4))
-    b = jaxpc.inputs(1, num_node_blocks=2, dist=dists.Gaussian())
+    a = jaxpc.inputs(0, num_node_blocks=2, dist=distributions.Categorical(num_cats=4))
+    b = jaxpc.inputs(1, num_node_blocks=2, dist=distributions.Gaussian())
     return jaxpc.compile(jaxpc.summate(jaxpc.multiply(a, b), num_nodes=1))
 
 
@@ -156,29 +156,29 @@ def test_bad_ll_weights(cat_circuit):
 # ---- construction ---------------------------------------------------------------------------------
 
 def test_decomposability_error_names_nodes():
-    a = jaxpc.inputs(0, 1, dist=dists.Categorical(2), name="leaf_a")
-    b = jaxpc.inputs(0, 1, dist=dists.Categorical(2), name="leaf_b")
+    a = jaxpc.inputs(0, 1, dist=distributions.Categorical(2), name="leaf_a")
+    b = jaxpc.inputs(0, 1, dist=distributions.Categorical(2), name="leaf_b")
     with pytest.raises(ValueError, match=r"decomposability.*leaf_b shares variables \[0\] with leaf_a"):
         jaxpc.multiply(a, b)
 
 
 def test_smoothness_error_names_nodes():
-    a = jaxpc.inputs(0, 1, dist=dists.Categorical(2), name="on_x0")
-    b = jaxpc.inputs(1, 1, dist=dists.Categorical(2), name="on_x1")
+    a = jaxpc.inputs(0, 1, dist=distributions.Categorical(2), name="on_x0")
+    b = jaxpc.inputs(1, 1, dist=distributions.Categorical(2), name="on_x1")
     with pytest.raises(ValueError, match=r"smoothness.*on_x0 has scope \{0\} and on_x1 has scope \{1\}"):
         jaxpc.summate(a, b, num_nodes=1)
 
 
 def test_block_size_mismatch():
-    a = jaxpc.inputs(0, 1, 2, dist=dists.Categorical(2), name="k2")
-    b = jaxpc.inputs(1, 1, 4, dist=dists.Categorical(2), name="k4")
+    a = jaxpc.inputs(0, 1, 2, dist=distributions.Categorical(2), name="k2")
+    b = jaxpc.inputs(1, 1, 4, dist=distributions.Categorical(2), name="k4")
     with pytest.raises(ValueError, match="share a block size.*k2 has block_size=2 and k4 has block_size=4"):
         jaxpc.multiply(a, b)
 
 
 def test_edge_ids_errors():
-    a = jaxpc.inputs(0, 2, dist=dists.Categorical(2))
-    b = jaxpc.inputs(1, 2, dist=dists.Categorical(2))
+    a = jaxpc.inputs(0, 2, dist=distributions.Categorical(2))
+    b = jaxpc.inputs(1, 2, dist=distributions.Categorical(2))
     with pytest.raises(ValueError, match=r"edge_ids\[:, 1\] holds block 5"):
         jaxpc.multiply(a, b, edge_ids=np.array([[0, 5]]))
     m = jaxpc.multiply(a, b)
@@ -191,7 +191,7 @@ def test_edge_ids_errors():
 
 
 def test_sum_params_errors():
-    a = jaxpc.inputs(0, 2, dist=dists.Categorical(2))
+    a = jaxpc.inputs(0, 2, dist=distributions.Categorical(2))
     with pytest.raises(ValueError, match=r"params must be dense \[num_nodes, num_ch_nodes\] = \[1, 2\]"):
         jaxpc.summate(a, num_nodes=1, params=np.ones((2, 2)))
     with pytest.raises(ValueError, match="finite and non-negative"):
@@ -202,43 +202,43 @@ def test_sum_params_errors():
 
 def test_input_params_errors():
     with pytest.raises(ValueError, match=r"shape \[num_nodes, num_cats\] = \[2, 3\], got \(2, 2\)"):
-        jaxpc.inputs(0, 2, dist=dists.Categorical(3), params=np.ones((2, 2)))
+        jaxpc.inputs(0, 2, dist=distributions.Categorical(3), params=np.ones((2, 2)))
     with pytest.raises(ValueError, match="Gaussian sigma must be positive"):
-        jaxpc.inputs(0, 1, dist=dists.Gaussian(), params={"mu": [0.0], "sigma": [0.0]})
+        jaxpc.inputs(0, 1, dist=distributions.Gaussian(), params={"mu": [0.0], "sigma": [0.0]})
     with pytest.raises(ValueError, match="MaskedCategorical needs params"):
-        jaxpc.compile(jaxpc.summate(jaxpc.inputs(0, 2, dist=dists.MaskedCategorical(3)), num_nodes=1))
+        jaxpc.compile(jaxpc.summate(jaxpc.inputs(0, 2, dist=distributions.MaskedCategorical(3)), num_nodes=1))
     with pytest.raises(ValueError, match="has no parameters"):
-        jaxpc.inputs(0, 1, dist=dists.Literal(1), params=[1.0])
+        jaxpc.inputs(0, 1, dist=distributions.Literal(1), params=[1.0])
 
 
 def test_bad_sizes_and_dists():
     with pytest.raises(ValueError, match="num_node_blocks .or num_nodes. must be positive"):
-        jaxpc.inputs(0, dist=dists.Categorical(2))
+        jaxpc.inputs(0, dist=distributions.Categorical(2))
     with pytest.raises(ValueError, match="num_nodes=6 is not a multiple of block_size=4"):
-        jaxpc.inputs(0, num_nodes=6, block_size=4, dist=dists.Categorical(2))
-    with pytest.raises(TypeError, match="dist must be a jaxpc.dists distribution"):
+        jaxpc.inputs(0, num_nodes=6, block_size=4, dist=distributions.Categorical(2))
+    with pytest.raises(TypeError, match="dist must be a jaxpc.distributions.Distribution"):
         jaxpc.inputs(0, 1, dist="categorical")
     with pytest.raises(ValueError, match="var must be a non-negative int"):
-        jaxpc.inputs(-1, 1, dist=dists.Categorical(2))
+        jaxpc.inputs(-1, 1, dist=distributions.Categorical(2))
     with pytest.raises(ValueError, match="num_cats must be a positive int"):
-        dists.Categorical(0)
+        distributions.Categorical(0)
 
 
 def test_root_must_be_single_node():
-    a = jaxpc.inputs(0, 2, dist=dists.Categorical(2))
+    a = jaxpc.inputs(0, 2, dist=distributions.Categorical(2))
     with pytest.raises(ValueError, match="root must be a single node.*has 2 nodes"):
         jaxpc.compile(jaxpc.summate(a, num_nodes=2))
 
 
 def test_duplicate_shape_mismatch():
-    a = jaxpc.inputs(0, 2, dist=dists.Categorical(2))
+    a = jaxpc.inputs(0, 2, dist=distributions.Categorical(2))
     s = jaxpc.summate(a, num_nodes=1)
-    b = jaxpc.inputs(1, 3, dist=dists.Categorical(2), name="wrong")
+    b = jaxpc.inputs(1, 3, dist=distributions.Categorical(2), name="wrong")
     with pytest.raises(ValueError, match="child 0 .wrong. has num_node_blocks=3"):
         s.duplicate(b, tie_params=True)
 
 
 def test_get_node_params_of_foreign_node(cat_circuit):
-    other = jaxpc.inputs(0, 1, dist=dists.Categorical(5), name="stranger")
+    other = jaxpc.inputs(0, 1, dist=distributions.Categorical(5), name="stranger")
     with pytest.raises(ValueError, match="stranger is not part of this circuit"):
         cat_circuit.get_node_params(cat_circuit.params, other)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jaxpc
-from jaxpc import dists, structures
+from jaxpc import distributions, structures
 from jaxpc.engine import em
 from jaxpc.ops.sum_layer_external import dense_weights_reference
 
@@ -44,7 +44,7 @@ def _reweighted_forward(a, b, g, x, e):
 def test_soft_evidence_hmm_dense_and_topk(homogeneous):
     rng = np.random.default_rng(0)
     T, L, V, B = 5, 4, 7, 3
-    c = jaxpc.compile(structures.GeneralizedHMM(T, L, dists.SoftEvidenceCategorical(V), homogeneous=homogeneous,
+    c = jaxpc.compile(structures.GeneralizedHMM(T, L, distributions.SoftEvidenceCategorical(V), homogeneous=homogeneous,
                                                 block_size=2), seed=2)
     a, b, g = _hmm_params(c)
     x = rng.integers(0, V, (B, T)).astype(np.int32)
@@ -81,7 +81,7 @@ def test_every_position_reads_its_own_evidence():
     """Fails if evidence (or parameters) of every variable were taken from the first one."""
     rng = np.random.default_rng(1)
     T, L, V = 4, 2, 5
-    c = jaxpc.compile(structures.GeneralizedHMM(T, L, dists.SoftEvidenceCategorical(V), homogeneous=False))
+    c = jaxpc.compile(structures.GeneralizedHMM(T, L, distributions.SoftEvidenceCategorical(V), homogeneous=False))
     a, b, g = _hmm_params(c)
     x = rng.integers(0, V, (2, T)).astype(np.int32)
     e = np.zeros((2, T, V), np.float32)
@@ -103,7 +103,7 @@ def _fd(f, arr, idx, h=1e-2):
 def test_evidence_gradients_equal_finite_differences():
     rng = np.random.default_rng(2)
     T, L, V, B = 4, 4, 6, 2
-    c = jaxpc.compile(structures.GeneralizedHMM(T, L, dists.SoftEvidenceCategorical(V), block_size=2))
+    c = jaxpc.compile(structures.GeneralizedHMM(T, L, distributions.SoftEvidenceCategorical(V), block_size=2))
     x = rng.integers(0, V, (B, T)).astype(np.int32)
     e = rng.normal(size=(B, T, V))
     ids = np.tile(np.arange(V)[None, None, 1:], (B, T, 1)).astype(np.int32)
@@ -150,7 +150,7 @@ def test_latent_potentials_on_an_hmm():
 def test_external_leaves():
     rng = np.random.default_rng(4)
     V, L = 3, 4
-    leaves = [jaxpc.inputs(v, num_nodes=L, dist=dists.External()) for v in range(V)]
+    leaves = [jaxpc.inputs(v, num_nodes=L, dist=distributions.External()) for v in range(V)]
     root = jaxpc.summate(jaxpc.multiply(*leaves), num_nodes=1)
     c = jaxpc.compile(root)
     ext = rng.normal(size=(2, V, L)).astype(np.float32)
@@ -234,7 +234,7 @@ def test_shared_parameters_train_by_em_under_gates():
 @pytest.mark.parametrize("name", cases(["hmm_untied", "hclt", "pd", "rat"], fast=["hclt"]))
 def test_evidence_on_every_structure_with_cache_and_jit_grad(name):
     rng = np.random.default_rng(7)
-    sec = dists.SoftEvidenceCategorical(3)
+    sec = distributions.SoftEvidenceCategorical(3)
     data = rng.integers(0, 3, (200, 4))
     root = {"hmm_untied": lambda: structures.GeneralizedHMM(4, 4, sec, homogeneous=False, block_size=2),
             "hclt": lambda: structures.HCLT(data, 4, input_dist=sec, block_size=2),

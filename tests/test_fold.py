@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jaxpc
-from jaxpc import dists, structures
+from jaxpc import distributions, structures
 from jaxpc.compiler import ScanSpec
 from jaxpc.engine import forward as engine_forward
 from jaxpc.nodes import inputs, multiply, summate
@@ -106,7 +106,8 @@ def test_batched_param_flows_equal_the_inline_ones(monkeypatch, name):
     if name == "hclt":
         c, x = _chain_hclt()
     else:
-        c = jaxpc.compile(structures.PD((2, 4), 8, split_intervals=(1, 1), input_dist=dists.Categorical(5)), seed=3)
+        c = jaxpc.compile(structures.PD((2, 4), 8, split_intervals=(1, 1), input_dist=distributions.Categorical(5)),
+                          seed=3)
         x = np.random.default_rng(0).integers(0, 5, (11, 8)).astype(np.int32)
     opts = jaxpc.Options(chain_scan=False)
     for fold in (True, False):
@@ -151,7 +152,8 @@ def test_batched_param_flows_kernel_equals_xla(monkeypatch, name):
     if name == "hclt":
         c, x = _chain_hclt()
     else:
-        c = jaxpc.compile(structures.PD((2, 4), 8, split_intervals=(1, 1), input_dist=dists.Categorical(5)), seed=3)
+        c = jaxpc.compile(structures.PD((2, 4), 8, split_intervals=(1, 1), input_dist=distributions.Categorical(5)),
+                          seed=3)
         x = np.random.default_rng(0).integers(0, 5, (11, 8)).astype(np.int32)
     route, f32 = engine_forward.pflow_kernel, jax.numpy.float32
     o = jaxpc.Options(precision="tf32")
@@ -209,7 +211,7 @@ def _pieces_equal_whole(c, x, opts):
 def test_pd_sum_layers_in_pieces(fold):
     """A PD (levels of four parent blocks, a dense root) in pieces of two parent blocks:
     log-likelihoods against the oracle, flows equal to the partitions run whole."""
-    c = jaxpc.compile(structures.PD((4, 4), 8, split_intervals=(2, 2), input_dist=dists.Categorical(5)), seed=3)
+    c = jaxpc.compile(structures.PD((4, 4), 8, split_intervals=(2, 2), input_dist=distributions.Categorical(5)), seed=3)
     x = np.random.default_rng(0).integers(0, 5, (11, 16)).astype(np.int32)
     plan = c.layout.fold if fold else c.layout
     limit = 2 * 8 * 11  # two blocks of one child block (Kc = 8) per piece
@@ -286,7 +288,7 @@ def test_auto_impl_as_on_a_gpu(pallas_forward_calls):
     only), the values and flows are those of the XLA path, and reverse-mode autodiff (which the kernels do not
     support) runs on XLA."""
     calls = pallas_forward_calls
-    root = structures.PD((6, 6), 4, split_intervals=(2, 2), input_dist=dists.Categorical(3))
+    root = structures.PD((6, 6), 4, split_intervals=(2, 2), input_dist=distributions.Categorical(3))
     x = np.random.default_rng(1).integers(0, 3, (9, 36)).astype(np.int32)
     auto = jaxpc.Options()
     c = jaxpc.compile(root, seed=1)
@@ -323,7 +325,7 @@ def test_other_propagations_equal_the_full_layout(case, kw):
 @pytest.mark.parametrize("name", cases(["hclt", "pd", "hmm", "rat"], fast=["hmm"]))
 def test_structures_fold_to_sum_stages_with_fewer_rows(name):
     rng = np.random.default_rng(0)
-    cat = dists.Categorical(4)
+    cat = distributions.Categorical(4)
     if name == "hclt":
         data = rng.integers(0, 4, (300, 10))
         root = structures.HCLT(data, 4, input_dist=cat)
@@ -350,14 +352,15 @@ def test_structures_fold_to_sum_stages_with_fewer_rows(name):
 
 
 def test_no_fold_without_products_or_with_a_product_root():
-    a, b = inputs(0, num_nodes=2, dist=dists.Bernoulli()), inputs(1, num_nodes=2, dist=dists.Bernoulli())
+    a = inputs(0, num_nodes=2, dist=distributions.Bernoulli())
+    b = inputs(1, num_nodes=2, dist=distributions.Bernoulli())
     assert jaxpc.compile(summate(a, num_nodes=1)).layout.fold is None  # nothing to fold
     assert jaxpc.compile(multiply(summate(a, num_nodes=1), summate(b, num_nodes=1))).layout.fold is None
 
 
 def test_nested_products_and_mixed_children_fold():
     """A sum over a product of a product (expanded recursively) and a plain input, with padding zero rows."""
-    x0, x1, x2 = (inputs(v, num_nodes=2, dist=dists.Categorical(3)) for v in range(3))
+    x0, x1, x2 = (inputs(v, num_nodes=2, dist=distributions.Categorical(3)) for v in range(3))
     inner = multiply(x0, x1)
     outer = multiply(inner, x2)
     s = summate(outer, multiply(summate(multiply(x0, x1), num_nodes=2), x2), num_nodes=1)
@@ -395,7 +398,7 @@ def test_tree_levels_run_the_level_or_slot_kernel(batch, precision, kernel):
     flows added in place, local sums recomputed at fp32 and read from the stored values below) up to
     ``LEVEL_BATCH`` samples and in three above; its flows equal the reference's."""
     data = np.random.default_rng(5).integers(0, 4, (200, 7))
-    c = jaxpc.compile(structures.HCLT(data, 4, input_dist=dists.Categorical(num_cats=4)), seed=2)
+    c = jaxpc.compile(structures.HCLT(data, 4, input_dist=distributions.Categorical(num_cats=4)), seed=2)
     parts = [p for st in c.layout.fold.stages() for p in st.sums]
     assert sum(engine_forward.exclusive(p) for p in parts) >= len(parts) - 1  # all but (maybe) the root's
     x = data[:batch].astype(np.int32)
@@ -425,7 +428,7 @@ def test_conflict_free_scatters_are_conflict_free(name):
     """The backward's scatters run without atomic adds where the compiler says a partition reads each child row
     block once (``D == 1``) or uses each parameter block once (``unique_pid``); on the GPU a wrong claim would
     lose updates silently, so the claim is checked on the tables themselves."""
-    cat = dists.Categorical(4)
+    cat = distributions.Categorical(4)
     if name == "hclt":
         c = jaxpc.compile(structures.HCLT(np.random.default_rng(0).integers(0, 4, (300, 12)), 4, input_dist=cat))
     elif name == "pd":
@@ -456,7 +459,7 @@ def test_single_reader_flows_match_exact_expected_counts(fold):
     """In a tree (an HCLT) every row has one reader (``Layout.single_reader``, in both plans), so the flow pass's
     XLA scatters write the child flows instead of adding them: flows with missing values and weights against the
     oracle. A PD, a RAT-SPN and a random DAG, whose nodes have several parents, keep the adding scatters."""
-    cat = dists.Categorical(4)
+    cat = distributions.Categorical(4)
     rng = np.random.default_rng(3)
     c = jaxpc.compile(structures.HCLT(rng.integers(0, 4, (300, 10)), 4, input_dist=cat))
     assert c.layout.single_reader and c.layout.fold.single_reader
@@ -478,7 +481,7 @@ def test_single_reader_flow_pass_writes_every_row_it_reads(monkeypatch, fold):
     GPU, NaN here) with only its gaps zeroed (``Layout.flow_gaps``: the padding rows in a tree; None in a DAG).
     Every row's one reader writes it before it is read: the whole flow buffer equals the zero-started pass's,
     without a NaN left, the dense one-block top partitions' writes included."""
-    cat = dists.Categorical(4)
+    cat = distributions.Categorical(4)
     rng = np.random.default_rng(5)
     c = jaxpc.compile(structures.HCLT(rng.integers(0, 4, (300, 10)), 4, input_dist=cat))
     o = jaxpc.Options(fold_products=fold, impl="xla")
@@ -521,7 +524,7 @@ def test_without_the_triton_backend_kernels_fall_back_to_xla_with_one_warning(mo
     monkeypatch.setattr(pallas_sum, "plgpu", None)
     monkeypatch.setattr(engine_forward, "_WARNED_UNAVAILABLE", [])
     monkeypatch.setattr(engine_forward, "on_gpu", lambda: True)
-    root = structures.PD((4, 6), 8, split_intervals=(2, 2), input_dist=dists.Categorical(3))
+    root = structures.PD((4, 6), 8, split_intervals=(2, 2), input_dist=distributions.Categorical(3))
     x = np.random.default_rng(3).integers(0, 3, (5, 24)).astype(np.int32)
     c, ref = jaxpc.compile(root, seed=5), jaxpc.compile(root, seed=5)
     want = ref.flows(ref.params, x, options=jaxpc.Options(impl="xla"), return_ll=True)
@@ -546,7 +549,7 @@ def _chain_hclt():
     x[:, 0] = rng.integers(0, 3, 400)
     for i in range(1, 12):
         x[:, i] = np.where(rng.random(400) < 0.8, x[:, i - 1], rng.integers(0, 3, 400))
-    return jaxpc.compile(structures.HCLT(x, 8, input_dist=dists.Categorical(3)), seed=1), x[:11]
+    return jaxpc.compile(structures.HCLT(x, 8, input_dist=distributions.Categorical(3)), seed=1), x[:11]
 
 
 @pytest.mark.slow
@@ -566,7 +569,8 @@ def test_kept_shifts_equal_the_recomputed_ones(name, fold, impl):
     if name == "hclt":
         c, x = _chain_hclt()
     else:
-        c = jaxpc.compile(structures.PD((2, 4), 8, split_intervals=(1, 1), input_dist=dists.Categorical(5)), seed=3)
+        c = jaxpc.compile(structures.PD((2, 4), 8, split_intervals=(1, 1), input_dist=distributions.Categorical(5)),
+                          seed=3)
         x = np.random.default_rng(0).integers(0, 5, (11, 8)).astype(np.int32)
     plan = c.layout.fold if fold else c.layout
     unit = engine_forward.shift_unit(plan)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jaxpc
-from jaxpc import dists, structures
+from jaxpc import distributions, structures
 from jaxpc.compiler.compile import _variable_run
 from jaxpc.engine import em
 
@@ -29,7 +29,7 @@ def test_variable_run():
 @pytest.fixture(scope="module")
 def hclt():
     data = np.random.default_rng(0).integers(0, 5, (300, 10))
-    return data, jaxpc.compile(structures.HCLT(data, 4, input_dist=dists.Categorical(num_cats=5)), seed=1)
+    return data, jaxpc.compile(structures.HCLT(data, 4, input_dist=distributions.Categorical(num_cats=5)), seed=1)
 
 
 def _per_node_case(c, data, missing: str):
@@ -66,7 +66,7 @@ def test_run_counts_equal_scatter(hclt, precision, missing, chunk):
 def test_default_runs_path_for_other_leaves():
     """Leaves without their own per-run statistics (here Gaussians) repeat the run's values per node."""
     rng = np.random.default_rng(3)
-    xs = [jaxpc.inputs(v, num_node_blocks=3, dist=dists.Gaussian()) for v in range(2)]
+    xs = [jaxpc.inputs(v, num_node_blocks=3, dist=distributions.Gaussian()) for v in range(2)]
     prods = jaxpc.multiply(*xs)
     root = jaxpc.summate(prods, num_node_blocks=1)
     c = jaxpc.compile(root, seed=0)
@@ -147,7 +147,7 @@ def test_counts_kernel_route_and_shapes():
         pallas_leaf.categorical_counts(f, x.astype(jnp.float32), run=4, num_cats=2)
 
     c = jaxpc.compile(structures.HCLT(np.random.default_rng(0).integers(0, 5, (50, 6)), 4,
-                                      input_dist=dists.Categorical(num_cats=5)), seed=1)
+                                      input_dist=distributions.Categorical(num_cats=5)), seed=1)
     spec = c.layout.input_layers[0]
     fl = jnp.zeros((spec.num_nodes, jaxpc.Tuning().leaf_batch), jnp.float32)
     o = jaxpc.Options(impl="pallas_forward")
@@ -158,4 +158,4 @@ def test_counts_kernel_route_and_shapes():
         assert not forward.counts_kernel(spec, other, fl)
     assert not forward.counts_kernel(spec, o, fl.astype(jnp.float16))
     assert not forward.counts_kernel(dataclasses.replace(spec, run=1), o, fl)
-    assert not forward.counts_kernel(dataclasses.replace(spec, dist=dists.Gaussian()), o, fl)  # not categorical
+    assert not forward.counts_kernel(dataclasses.replace(spec, dist=distributions.Gaussian()), o, fl)  # not categorical

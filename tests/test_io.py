@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import jaxpc
-from jaxpc import dists, io, optim, structures
+from jaxpc import distributions, io, optim, structures
 from jaxpc.nodes import topological_order
 
 from .random_circuits import Generator
@@ -70,7 +70,8 @@ def test_random_circuits_round_trip_identically(seed, tmp_path):
 
 def test_structures_and_circuits_round_trip(tmp_path):
     hmm = structures.HMM(7, 4, 5, alpha=np.full((4, 4), 0.25), beta=np.full((4, 5), 0.2), gamma=np.full(4, 0.25))
-    pd = structures.PD((4, 4), 4, split_intervals=2, tie_homogeneous_params=True, input_dist=dists.Categorical(3))
+    pd = structures.PD((4, 4), 4, split_intervals=2, tie_homogeneous_params=True,
+                       input_dist=distributions.Categorical(3))
     for i, root in enumerate((hmm, pd)):
         loaded = _roundtrip(root, tmp_path, f"s{i}.npz")
         _assert_same_graph(root, loaded)
@@ -80,7 +81,7 @@ def test_structures_and_circuits_round_trip(tmp_path):
 
 
 def test_tied_source_outside_the_graph_is_kept(tmp_path):
-    template = jaxpc.inputs(5, 1, 2, dists.Categorical(3), params=np.full((2, 3), 1 / 3))  # not reachable
+    template = jaxpc.inputs(5, 1, 2, distributions.Categorical(3), params=np.full((2, 3), 1 / 3))  # not reachable
     a = template.duplicate(0, tie_params=True)
     b = template.duplicate(1, tie_params=True)
     root = jaxpc.summate(jaxpc.multiply(a, b), num_nodes=1)
@@ -90,7 +91,7 @@ def test_tied_source_outside_the_graph_is_kept(tmp_path):
 
 
 def test_structure_files_are_checked(tmp_path):
-    root = jaxpc.summate(jaxpc.inputs(0, 1, 2, dists.Categorical(3)), num_nodes=1)
+    root = jaxpc.summate(jaxpc.inputs(0, 1, 2, distributions.Categorical(3)), num_nodes=1)
     path = tmp_path / "c.npz"
     io.save_structure(root, path)
     with zipfile.ZipFile(path) as z:  # a plain npz: no pickled objects inside
@@ -111,7 +112,7 @@ def test_structure_files_are_checked(tmp_path):
     with pytest.raises(TypeError, match="node vector or a jaxpc.Circuit"):
         io.save_structure("root", tmp_path / "x.npz")
 
-    class Custom(dists.Categorical):
+    class Custom(distributions.Categorical):
         pass
 
     odd = jaxpc.summate(jaxpc.inputs(0, 1, 2, Custom(3)), num_nodes=1)

@@ -11,7 +11,7 @@ import pytest
 nnx = pytest.importorskip("flax.nnx")
 
 import jaxpc  # noqa: E402
-from jaxpc import dists, optim  # noqa: E402
+from jaxpc import distributions, optim  # noqa: E402
 from jaxpc.nn import CircuitModule, CircuitTables  # noqa: E402
 
 from .test_optim import _maxdiff, _sum_node_totals  # noqa: E402
@@ -19,8 +19,8 @@ from .test_optim import _maxdiff, _sum_node_totals  # noqa: E402
 
 @pytest.fixture(scope="module")
 def circuit():
-    a = jaxpc.inputs(0, 2, 2, dists.Categorical(3))
-    b = jaxpc.inputs(1, 2, 2, dists.Categorical(3))
+    a = jaxpc.inputs(0, 2, 2, distributions.Categorical(3))
+    b = jaxpc.inputs(1, 2, 2, distributions.Categorical(3))
     inner = jaxpc.summate(jaxpc.multiply(a, b), num_node_blocks=2, block_size=2)
     return jaxpc.compile(jaxpc.summate(inner, num_nodes=1), seed=4)
 

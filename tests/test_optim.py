@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import jaxpc
-from jaxpc import dists, optim
+from jaxpc import distributions, optim
 
 from .random_circuits import Generator
 
@@ -52,9 +52,9 @@ def _sum_node_totals(circuit, params):
 
 
 def _small_circuit():
-    a = jaxpc.inputs(0, 2, 2, dists.Categorical(3))
-    b = jaxpc.inputs(1, 2, 2, dists.Categorical(3))
-    c = jaxpc.inputs(2, 2, 2, dists.Bernoulli())
+    a = jaxpc.inputs(0, 2, 2, distributions.Categorical(3))
+    b = jaxpc.inputs(1, 2, 2, distributions.Categorical(3))
+    c = jaxpc.inputs(2, 2, 2, distributions.Bernoulli())
     inner = jaxpc.summate(jaxpc.multiply(b, c), num_node_blocks=2, block_size=2)
     root = jaxpc.summate(jaxpc.multiply(a, inner), jaxpc.multiply(a.duplicate(0), inner), num_nodes=1)
     circuit = jaxpc.compile(root)
@@ -85,7 +85,7 @@ def test_normalize_turns_any_logits_into_a_distribution(seed):
 
 def test_masked_categorical_keeps_forbidden_values_at_zero():
     mask = np.array([[0, 2], [1, 3]])
-    a = jaxpc.inputs(0, 1, 2, dists.MaskedCategorical(3, "range"), params={"mask": mask})
+    a = jaxpc.inputs(0, 1, 2, distributions.MaskedCategorical(3, "range"), params={"mask": mask})
     root = jaxpc.summate(a, num_nodes=1)
     c = jaxpc.compile(root)
     logits = jax.tree_util.tree_map(lambda w: jnp.where(jnp.isfinite(w), w, 5.0), c.params)  # revive -inf
@@ -148,7 +148,7 @@ def test_em_transformation_is_em_step_and_its_deltas_are_optax_updates():
 
 def test_em_deltas_keep_zero_weights_finite():
     mask = np.array([[0, 2], [1, 3]])
-    a = jaxpc.inputs(0, 1, 2, dists.MaskedCategorical(3, "range"), params={"mask": mask})
+    a = jaxpc.inputs(0, 1, 2, distributions.MaskedCategorical(3, "range"), params={"mask": mask})
     root = jaxpc.summate(a, num_nodes=1)
     c = jaxpc.compile(root)
     tx = optim.em(c, 0.5, 1.0)
@@ -177,7 +177,7 @@ def test_anemone_is_a_per_node_proximal_em_step():
             nch = connected.sum(1, keepdims=True)
             want = np.where(connected, F + pc / nch + lam * th, 0.0) / (F.sum(1, keepdims=True) + pc + lam)
             np.testing.assert_allclose(np.asarray(circuit.get_node_params(new, ns)), want, rtol=2e-5, atol=1e-7)
-        if ns.is_input() and not ns.is_tied() and isinstance(ns.dist, dists.Categorical):
+        if ns.is_input() and not ns.is_tied() and isinstance(ns.dist, distributions.Categorical):
             th = np.asarray(circuit.get_node_params(params, ns), np.float64)
             F = np.asarray(circuit.get_node_flows(flows, ns), np.float64)
             if th.ndim == 1:  # Bernoulli returns p
@@ -263,6 +263,6 @@ def test_fit_and_transformations_reject_bad_arguments():
         optim.fit(circuit, circuit.params, data, -1, 10)
     with pytest.raises(TypeError, match="optimizer"):
         optim.fit(circuit, circuit.params, data, 1, 10, optimizer=object())
-    other = jaxpc.compile(jaxpc.summate(jaxpc.inputs(0, 1, 2, dists.Categorical(3)), num_nodes=1))
+    other = jaxpc.compile(jaxpc.summate(jaxpc.inputs(0, 1, 2, distributions.Categorical(3)), num_nodes=1))
     with pytest.raises(ValueError, match="another circuit"):
         optim.fit(circuit, circuit.params, data, 1, 10, optimizer=optim.em(other))

@@ -146,7 +146,7 @@ def test_auto_impl_kernels_under_shard_map(pallas_forward_calls):
     Pallas forward, keeping its shifts, inside ``shard_map``: data-parallel flows and gradients equal one
     device's XLA path."""
     calls = pallas_forward_calls
-    root = structures.PD((6, 6), 4, split_intervals=(2, 2), input_dist=jaxpc.dists.Categorical(3))
+    root = structures.PD((6, 6), 4, split_intervals=(2, 2), input_dist=jaxpc.distributions.Categorical(3))
     data = np.random.default_rng(2).integers(0, 3, (12, 36)).astype(np.int32)
     c, ref = jaxpc.compile(root, seed=4), jaxpc.compile(root, seed=4)
     assert any(p.C > 1 and not p.dense for s in c.layout.fold.stages() for p in s.sums)

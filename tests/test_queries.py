@@ -9,7 +9,7 @@ import pytest
 from scipy import stats
 
 import jaxpc
-from jaxpc import dists, queries, structures
+from jaxpc import distributions, queries, structures
 
 from . import oracle
 from .random_circuits import CARD, Generator
@@ -211,7 +211,7 @@ def _sampling_circuits():
     hmm = structures.HMM(T, L, V, alpha=rng.dirichlet(np.ones(L), L), beta=rng.dirichlet(np.ones(V), L),
                          gamma=rng.dirichlet(np.ones(L)))
     gen = Generator(7, num_vars=3, kinds=DISCRETE)
-    pd = structures.PD((2, 2), 4, split_intervals=1, input_dist=dists.Categorical(3), block_size=2)
+    pd = structures.PD((2, 2), 4, split_intervals=1, input_dist=distributions.Categorical(3), block_size=2)
     return {"hmm": hmm, "random": gen.circuit(), "pd": pd}
 
 
@@ -248,8 +248,9 @@ def test_sampling_is_pure_and_keyed():
 
 
 def test_continuous_samples_and_modes():
-    g = jaxpc.inputs(0, 2, dist=dists.Gaussian(), params={"mu": np.array([-3.0, 4.0]), "sigma": np.array([0.5, 1.0])})
-    b = jaxpc.inputs(1, 2, dist=dists.Categorical(2), params=np.array([[0.9, 0.1], [0.2, 0.8]]))
+    g = jaxpc.inputs(0, 2, dist=distributions.Gaussian(),
+                     params={"mu": np.array([-3.0, 4.0]), "sigma": np.array([0.5, 1.0])})
+    b = jaxpc.inputs(1, 2, dist=distributions.Categorical(2), params=np.array([[0.9, 0.1], [0.2, 0.8]]))
     root = jaxpc.summate(jaxpc.multiply(g, b), num_nodes=1, params=np.array([[0.3, 0.7]]))
     c = jaxpc.compile(root)
     s = np.asarray(c.sample(c.params, jax.random.key(0), 100_000))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jaxpc
-from jaxpc import dists, structures
+from jaxpc import distributions, structures
 
 from .random_circuits import Generator
 
@@ -125,33 +125,33 @@ class TestHCLT(StructureInvariants):
         rng = np.random.default_rng(1)
         z = rng.integers(0, 3, (300, 1))
         x = (z + rng.integers(0, 2, (300, 5))) % 3
-        return structures.HCLT(x, 4, input_dist=dists.Categorical(3), block_size=2), [3] * 5
+        return structures.HCLT(x, 4, input_dist=distributions.Categorical(3), block_size=2), [3] * 5
 
 
 @pytest.mark.slow
 class TestPD(StructureInvariants):
     def build(self):
-        return structures.PD((2, 3), 4, split_intervals=1, input_dist=dists.Categorical(2)), [2] * 6
+        return structures.PD((2, 3), 4, split_intervals=1, input_dist=distributions.Categorical(2)), [2] * 6
 
 
 @pytest.mark.slow
 class TestPDProdDominated(StructureInvariants):
     def build(self):
         return structures.PD((2, 3), 2, split_intervals=1, structure_type="prod_dominated",
-                             input_dist=dists.Categorical(2), max_prod_block_conns=1), [2] * 6
+                             input_dist=distributions.Categorical(2), max_prod_block_conns=1), [2] * 6
 
 
 @pytest.mark.slow
 class TestPDTied(StructureInvariants):
     def build(self):
         return structures.PD((3, 2), 4, split_points=([1, 2], [1]), tie_homogeneous_params=True,
-                             input_dist=dists.Categorical(2), block_size=2), [2] * 6
+                             input_dist=distributions.Categorical(2), block_size=2), [2] * 6
 
 
 @pytest.mark.slow
 class TestRATSPN(StructureInvariants):
     def build(self):
-        return structures.RAT_SPN(5, 4, depth=2, num_repetitions=3, input_dist=dists.Categorical(3)), [3] * 5
+        return structures.RAT_SPN(5, 4, depth=2, num_repetitions=3, input_dist=distributions.Categorical(3)), [3] * 5
 
 
 @pytest.mark.slow
@@ -159,7 +159,8 @@ class TestPDHCLT(StructureInvariants):
     def build(self):
         rng = np.random.default_rng(2)
         data = rng.integers(0, 2, (200, 6))
-        return structures.PDHCLT(data, (2, 3), 2, split_intervals=(1, 2), input_dist=dists.Categorical(2)), [2] * 6
+        root = structures.PDHCLT(data, (2, 3), 2, split_intervals=(1, 2), input_dist=distributions.Categorical(2))
+        return root, [2] * 6
 
 
 @pytest.mark.slow
@@ -196,7 +197,7 @@ def test_hmm_given_matrices_become_params():
 
 
 def test_generalized_hmm_gaussian_emissions():
-    root = structures.GeneralizedHMM(6, 4, dists.Gaussian(), beta={"mu": np.arange(4.0), "sigma": np.ones(4)})
+    root = structures.GeneralizedHMM(6, 4, distributions.Gaussian(), beta={"mu": np.arange(4.0), "sigma": np.ones(4)})
     c = jaxpc.compile(root)
     x = np.random.default_rng(0).normal(1.5, 1, (20, 6))
     p = c.params
@@ -223,7 +224,7 @@ def test_hclt_learns_the_chain():
 
 
 def test_pd_structure_sizes_and_vars():
-    root = structures.PD((4, 4), 8, split_intervals=2, input_dist=dists.Categorical(2))
+    root = structures.PD((4, 4), 8, split_intervals=2, input_dist=distributions.Categorical(2))
     c = jaxpc.compile(root)
     assert c.num_vars == 16
     leaves = sorted({ns.var for ns in c.nodes if ns.is_input()})
@@ -237,8 +238,8 @@ def test_pd_structure_sizes_and_vars():
 
 
 def test_rat_spn_is_seeded():
-    a = jaxpc.compile(structures.RAT_SPN(8, 4, 2, 2, input_dist=dists.Categorical(2), seed=3))
-    b = jaxpc.compile(structures.RAT_SPN(8, 4, 2, 2, input_dist=dists.Categorical(2), seed=3))
+    a = jaxpc.compile(structures.RAT_SPN(8, 4, 2, 2, input_dist=distributions.Categorical(2), seed=3))
+    b = jaxpc.compile(structures.RAT_SPN(8, 4, 2, 2, input_dist=distributions.Categorical(2), seed=3))
     x = np.random.default_rng(0).integers(0, 2, (5, 8)).astype(np.int32)
     np.testing.assert_array_equal(np.asarray(a.log_prob(a.params, x)), np.asarray(b.log_prob(b.params, x)))
 

@@ -8,7 +8,7 @@ import pytest
 matplotlib.use("Agg")
 
 import jaxpc  # noqa: E402
-from jaxpc import dists  # noqa: E402
+from jaxpc import distributions  # noqa: E402
 from jaxpc import visualize as vis  # noqa: E402
 from jaxpc.compiler.layout import ScanSpec  # noqa: E402
 from jaxpc.nodes import topological_order  # noqa: E402
@@ -25,8 +25,8 @@ def _artists(fig):
 
 
 def _small():
-    a = jaxpc.inputs(0, 2, 2, dists.Categorical(3))
-    b = jaxpc.inputs(1, 2, 2, dists.Bernoulli())
+    a = jaxpc.inputs(0, 2, 2, distributions.Categorical(3))
+    b = jaxpc.inputs(1, 2, 2, distributions.Bernoulli())
     m = jaxpc.multiply(a, b)
     s = jaxpc.summate(m, num_node_blocks=1, block_size=2, edge_ids=[[0], [1]])
     return jaxpc.summate(s, jaxpc.multiply(a, b, edge_ids=[[1, 0]]), num_node_blocks=1, block_size=1)

@@ -1,4 +1,4 @@
-"""Input distributions (``jaxpc.dists``)."""
+"""Input distributions (``jaxpc.distributions``)."""
 
 from .base import Distribution
 from .categorical import Bernoulli, Categorical, MaskedCategorical

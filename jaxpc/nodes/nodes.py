@@ -3,7 +3,7 @@
 A node object is a *vector* of ``num_node_blocks * block_size`` nodes that share one
 scope and one edge pattern at block granularity, as in PyJuice:
 
-* ``InputNodes``: leaves over one variable with a distribution from :mod:`jaxpc.dists`.
+* ``InputNodes``: leaves over one variable with a distribution from :mod:`jaxpc.distributions`.
 * ``ProdNodes``: product block ``p`` multiplies block ``edge_ids[p, j]`` of child ``j``
   element-wise (node ``k`` of the block with node ``k`` of each child block).
 * ``SumNodes``: every column ``[i, j]`` of ``edge_ids`` (shape ``[2, num_edges]``)
@@ -141,7 +141,7 @@ class CircuitNodes:
 
     def load_params(self, params) -> None:
         """Store parameters that are already in canonical form (as :attr:`own_params` returns them), unchecked:
-        for loaders and transforms that produced them; ``set_params`` checks and converts user input."""
+        for loaders and edits (jaxpc.edit) that produced them; ``set_params`` checks and converts user input."""
         self._params = params
 
     @property
@@ -158,7 +158,7 @@ class CircuitNodes:
 
 
 class InputNodes(CircuitNodes):
-    """Leaves over one variable; ``dist`` is a :class:`jaxpc.dists.Distribution`."""
+    """Leaves over one variable; ``dist`` is a :class:`jaxpc.distributions.Distribution`."""
 
     kind = "input"
 
@@ -169,7 +169,7 @@ class InputNodes(CircuitNodes):
         if not isinstance(var, (int, np.integer)) or isinstance(var, bool) or var < 0:
             raise ValueError(f"inputs: var must be a non-negative int variable id, got {var!r}")
         if not isinstance(dist, Distribution):
-            raise TypeError(f"inputs: dist must be a jaxpc.dists distribution, got {type(dist).__name__}")
+            raise TypeError(f"inputs: dist must be a jaxpc.distributions.Distribution, got {type(dist).__name__}")
         super().__init__(num_node_blocks, block_size, (), 1 << int(var), source=source, name=name)
         self.var = int(var)
         self.dist = dist
@@ -333,14 +333,14 @@ def inputs(var: int, num_node_blocks: int = 0, block_size: int = 0, dist=None, p
         var: the variable id (column of ``x``).
         num_node_blocks: number of blocks (or give ``num_nodes``).
         block_size: nodes per block (default 1).
-        dist: a distribution from :mod:`jaxpc.dists`.
+        dist: a distribution from :mod:`jaxpc.distributions`.
         params: optional parameters in the distribution's natural form (e.g. ``Categorical``:
             probabilities ``[num_nodes, num_cats]``).
         num_nodes: alternative to ``num_node_blocks``.
         name: optional name used in error messages and summaries.
     """
     if dist is None:
-        raise ValueError("inputs: dist is required (e.g. jaxpc.dists.Categorical(num_cats=...))")
+        raise ValueError("inputs: dist is required (e.g. jaxpc.distributions.Categorical(num_cats=...))")
     nb, bs = _resolve_sizes("inputs", num_node_blocks, num_nodes, block_size)
     return InputNodes(var, nb, bs, dist, params=params, name=name)
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from scipy.sparse import csgraph, csr_matrix
 
-from .. import distributions as dists
+from .. import distributions
 from ..nodes import CircuitNodes, inputs, multiply, summate
 from ._util import check_latents
 
@@ -102,7 +102,7 @@ def _tree_center(adj) -> int:
 
 
 def HCLT(x, num_latents: int, num_bins: int = 32, sigma: float = 0.5 / 32, chunk_size: int = 64,
-         num_root_ns: int = 1, block_size: int | None = None, input_dist: dists.Distribution | None = None,
+         num_root_ns: int = 1, block_size: int | None = None, input_dist: distributions.Distribution | None = None,
          tie_input_params: bool = False, variables=None) -> CircuitNodes:
     """A hidden Chow-Liu tree learned from data ``x`` ``[N, V]``.
 
@@ -126,12 +126,12 @@ def HCLT(x, num_latents: int, num_bins: int = 32, sigma: float = 0.5 / 32, chunk
     if len(variables) != x.shape[1]:
         raise ValueError(f"HCLT: variables has {len(variables)} ids for {x.shape[1]} columns")
     return hidden_tree_circuit(children, root, num_latents, variables,
-                               input_dist or dists.Categorical(num_cats=256), num_root_ns=num_root_ns,
+                               input_dist or distributions.Categorical(num_cats=256), num_root_ns=num_root_ns,
                                block_size=block_size, tie_input_params=tie_input_params)
 
 
 def hidden_tree_circuit(children: list[list[int]], root: int, num_latents: int, variables: list[int],
-                        input_dist: dists.Distribution, num_root_ns: int = 1, block_size: int | None = None,
+                        input_dist: distributions.Distribution, num_root_ns: int = 1, block_size: int | None = None,
                         tie_input_params: bool = False) -> CircuitNodes:
     """The circuit of a tree-shaped latent model (see the module docstring)."""
     bs, nb = check_latents("HCLT", num_latents, block_size, 1024)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import distributions as dists
+from .. import distributions
 from ..nodes import SumNodes, inputs, multiply, summate
 from ._util import check_latents
 
@@ -38,13 +38,13 @@ def HMM(seq_length: int, num_latents: int, num_emits: int, homogeneous: bool = T
         if beta.shape != (num_latents, num_emits):
             raise ValueError(f"HMM: beta must have shape [num_latents, num_emits] = [{num_latents}, {num_emits}], "
                              f"got {beta.shape}")
-    return GeneralizedHMM(seq_length, num_latents, dists.Categorical(num_emits), homogeneous=homogeneous,
+    return GeneralizedHMM(seq_length, num_latents, distributions.Categorical(num_emits), homogeneous=homogeneous,
                           block_size=block_size, alpha=alpha, beta=beta, gamma=gamma)
 
 
-def GeneralizedHMM(seq_length: int, num_latents: int, input_dist: dists.Distribution, homogeneous: bool = True,
+def GeneralizedHMM(seq_length: int, num_latents: int, input_dist: distributions.Distribution, homogeneous: bool = True,
                    block_size: int | None = None, alpha=None, beta=None, gamma=None) -> SumNodes:
-    """An HMM whose emissions are any distribution of :mod:`jaxpc.dists` (``beta``: its natural
+    """An HMM whose emissions are any distribution of :mod:`jaxpc.distributions` (``beta``: its natural
     parameters for ``num_latents`` nodes, e.g. ``{"mu": [L], "sigma": [L]}`` for a Gaussian)."""
     if not isinstance(seq_length, int) or seq_length < 1:
         raise ValueError(f"HMM: seq_length must be a positive int, got {seq_length!r}")

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import distributions as dists
+from .. import distributions
 from ..nodes import CircuitNodes, inputs, multiply, summate
 from ._util import check_latents
 from .hclt import HCLT
@@ -54,7 +54,7 @@ def _cube_vars(cube, data_shape) -> list[int]:
 
 def PD(data_shape, num_latents: int, split_intervals=None, split_points=None, max_split_depth: int | None = None,
        max_prod_block_conns: int = 4, structure_type: str = "sum_dominated",
-       input_dist: dists.Distribution | None = None, tie_homogeneous_params: bool = False,
+       input_dist: distributions.Distribution | None = None, tie_homogeneous_params: bool = False,
        block_size: int | None = None, leaf_fn=None, seed: int = 0) -> CircuitNodes:
     """A PD circuit over a grid ``data_shape`` (``(H, W)``, ``(H, W, C)``, ``(T,)``, ...).
 
@@ -83,7 +83,7 @@ def PD(data_shape, num_latents: int, split_intervals=None, split_points=None, ma
     cap = 16 if num_latents <= 32 else 32
     bs, nb = check_latents("PD", num_latents, block_size, cap)
     builder = _PDBuilder(data_shape, _split_points(data_shape, split_intervals, split_points), num_latents, bs, nb,
-                         input_dist or dists.Categorical(num_cats=256), max_split_depth=max_split_depth,
+                         input_dist or distributions.Categorical(num_cats=256), max_split_depth=max_split_depth,
                          max_prod_block_conns=max_prod_block_conns, structure_type=structure_type,
                          tie=tie_homogeneous_params, leaf_fn=leaf_fn, rng=np.random.default_rng(seed))
     root = builder.region(builder.root_cube, 1)
@@ -102,7 +102,7 @@ class _PDBuilder:
     num_latents: int
     bs: int
     nb: int
-    dist: dists.Distribution
+    dist: distributions.Distribution
     max_split_depth: int | None
     max_prod_block_conns: int
     structure_type: str
@@ -189,7 +189,7 @@ class _PDBuilder:
 
 def PDHCLT(data, data_shape, num_latents: int, split_intervals=None, split_points=None,
            max_split_depth: int | None = None, max_prod_block_conns: int = 4, structure_type: str = "sum_dominated",
-           input_dist: dists.Distribution | None = None, hclt_kwargs: dict | None = None,
+           input_dist: distributions.Distribution | None = None, hclt_kwargs: dict | None = None,
            block_size: int | None = None, seed: int = 0) -> CircuitNodes:
     """A PD whose leaf regions are HCLTs learned from ``data`` ``[N, prod(data_shape)]``."""
     data = np.asarray(data)
@@ -198,7 +198,7 @@ def PDHCLT(data, data_shape, num_latents: int, split_intervals=None, split_point
         raise ValueError(f"PDHCLT: data must be [num_samples, {n_vars}] for data_shape {tuple(data_shape)}, "
                          f"got {data.shape}")
     kw = {"num_bins": 32, "sigma": 0.5 / 32, "chunk_size": 32, **(hclt_kwargs or {})}
-    dist = input_dist or dists.Categorical(num_cats=256)
+    dist = input_dist or distributions.Categorical(num_cats=256)
 
     def leaf_fn(vs, L, bs):
         return HCLT(data[:, vs], L, input_dist=dist, num_root_ns=L, block_size=bs, variables=vs, **kw)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import distributions as dists
+from .. import distributions
 from ..nodes import CircuitNodes, inputs, multiply, summate
 from ._util import check_latents
 
@@ -12,7 +12,7 @@ __all__ = ["RAT_SPN"]
 
 
 def RAT_SPN(num_vars: int, num_latents: int, depth: int, num_repetitions: int, num_pieces: int = 2,
-            input_dist: dists.Distribution | None = None, block_size: int | None = None,
+            input_dist: distributions.Distribution | None = None, block_size: int | None = None,
             seed: int = 0) -> CircuitNodes:
     """A RAT-SPN: ``num_repetitions`` random recursive partitions of the variables, each split into
     ``num_pieces`` near-equal parts down to ``depth`` (or until a scope is smaller than
@@ -30,7 +30,7 @@ def RAT_SPN(num_vars: int, num_latents: int, depth: int, num_repetitions: int, n
         if not isinstance(v, int) or v < lo:
             raise ValueError(f"RAT_SPN: {name} must be an int >= {lo}, got {v!r}")
     bs, nb = check_latents("RAT_SPN", num_latents, block_size, 256)
-    dist = input_dist or dists.Categorical(num_cats=256)
+    dist = input_dist or distributions.Categorical(num_cats=256)
     rng = np.random.default_rng(seed)
     leaves = [inputs(v, num_node_blocks=nb, block_size=bs, dist=dist) for v in range(num_vars)]
 

@@ -1,4 +1,4 @@
-"""Structure transformations (jaxpc.transforms): exact edges on hand-built graphs, unchanged
+"""Structure edits (jaxpc.edit): exact edges on hand-built graphs, unchanged
 likelihoods where the transformation preserves the function (a float64 evaluator over the nodes'
 own parameters, plus compiled log_prob on a few graphs), purity, ties, and the documented
 behaviour of prune, grow and latent variable distillation."""
@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 import jaxpc
-from jaxpc import dists
-from jaxpc import transforms as T
+from jaxpc import distributions, edit
 from jaxpc.nodes import topological_order
 from jaxpc.structures.hclt import hidden_tree_circuit
 
@@ -87,12 +86,12 @@ def materialized(seed, num_vars=4, **kw):
     g = Generator(seed, num_vars, **kw)
     root = g.circuit()
     c = jaxpc.compile(root, seed=seed)
-    return g, T.deepcopy(root, circuit=c), c
+    return g, edit.deepcopy(root, circuit=c), c
 
 
 def cat_inputs(var, nb, bs, k=3, seed=0):
     rng = np.random.default_rng(seed + 17 * var)
-    return jaxpc.inputs(var, nb, bs, dists.Categorical(k), params=rng.random((nb * bs, k)) + 0.1)
+    return jaxpc.inputs(var, nb, bs, distributions.Categorical(k), params=rng.random((nb * bs, k)) + 0.1)
 
 
 def random_sum(children, nb, bs, edge_ids=None, seed=0):
@@ -111,7 +110,7 @@ def all_x(num_vars, k=3):
 # ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("seed", range(6))
-def test_transforms_preserve_likelihood_on_random_circuits(seed):
+def test_edits_preserve_likelihood_on_random_circuits(seed):
     g, root, c = materialized(seed)
     x = g.sample_data(24)
     miss = np.random.default_rng(seed).random(x.shape) < 0.2
@@ -120,20 +119,21 @@ def test_transforms_preserve_likelihood_on_random_circuits(seed):
         np.testing.assert_allclose(np.asarray(c.log_prob(c.params, x, miss)), ref, rtol=1e-5, atol=1e-5)
     before = snapshot(root)
     variants = {
-        "deepcopy": T.deepcopy(root),
-        "unblockify": T.unblockify(root),
-        "unblockify2": T.unblockify(root, block_size=2),
-        "blockify": T.blockify(root, sparsity_tolerance=0.5, max_block_size=8),
-        "blockify_strict": T.blockify(root, sparsity_tolerance=0.0),
-        "merge": T.merge(root),
-        "unblock_then_block": T.blockify(T.unblockify(root), sparsity_tolerance=0.9, max_block_size=4),
+        "deepcopy": edit.deepcopy(root),
+        "unblockify": edit.unblockify(root),
+        "unblockify2": edit.unblockify(root, block_size=2),
+        "blockify": edit.blockify(root, sparsity_tolerance=0.5, max_block_size=8),
+        "blockify_strict": edit.blockify(root, sparsity_tolerance=0.0),
+        "merge": edit.merge(root),
+        "unblock_then_block": edit.blockify(edit.unblockify(root), sparsity_tolerance=0.9, max_block_size=4),
     }
-    indicators = [ns for ns in topological_order(root) if ns.is_input() and isinstance(ns.dist, dists.Indicator)]
+    indicators = [ns for ns in topological_order(root)
+                  if ns.is_input() and isinstance(ns.dist, distributions.Indicator)]
     if all(ns.num_nodes % ns.dist.num_states == 0 for ns in indicators):
-        variants["grow"] = T.grow(root, 2, noise=0.0)
+        variants["grow"] = edit.grow(root, 2, noise=0.0)
     else:  # the copies of an odd-sized Indicator vector would indicate other values
         with pytest.raises(ValueError, match="Indicator"):
-            T.grow(root, 2)
+            edit.grow(root, 2)
     for name, new in variants.items():
         ids = {ns.id for ns in topological_order(new)}
         assert not ids & {ns.id for ns in topological_order(root)}, name
@@ -159,7 +159,7 @@ def test_deepcopy_keeps_sharing_ties_and_maps_variables():
     root = random_sum([shared, jaxpc.multiply(s1, s2, edge_ids=[[1, 0], [0, 1]])], 1, 1)
     before = snapshot(root)
 
-    new = T.deepcopy(root)
+    new = edit.deepcopy(root)
     old_nodes, new_nodes = topological_order(root), topological_order(new)
     assert len(old_nodes) == len(new_nodes)
     old2new = dict(zip([n.id for n in old_nodes], new_nodes))
@@ -180,7 +180,7 @@ def test_deepcopy_keeps_sharing_ties_and_maps_variables():
 
     # variable renaming: the copy over permuted variables gives the same likelihood on permuted data
     perm = {0: 3, 1: 0, 2: 1, 3: 2}
-    moved = T.deepcopy(root, var_mapping=perm)
+    moved = edit.deepcopy(root, var_mapping=perm)
     assert sorted(ns.var for ns in topological_order(moved) if ns.is_input()) == [0, 1, 2, 3]
     x = all_x(4)
     xp = np.empty_like(x)
@@ -188,10 +188,10 @@ def test_deepcopy_keeps_sharing_ties_and_maps_variables():
         xp[:, n] = x[:, o]
     np.testing.assert_allclose(node_ll(moved, xp), node_ll(root, x), rtol=1e-12)
     # an array works too
-    arr = T.deepcopy(root, var_mapping=np.array([3, 0, 1, 2]))
+    arr = edit.deepcopy(root, var_mapping=np.array([3, 0, 1, 2]))
     np.testing.assert_allclose(node_ll(arr, xp), node_ll(root, x), rtol=1e-12)
     with pytest.raises(ValueError, match="deepcopy: copying .*decomposability"):
-        T.deepcopy(root, var_mapping={0: 1})
+        edit.deepcopy(root, var_mapping={0: 1})
 
 
 def test_deepcopy_from_trained_circuit_and_compiled_equality():
@@ -199,7 +199,7 @@ def test_deepcopy_from_trained_circuit_and_compiled_equality():
     c = jaxpc.compile(root)
     x = np.random.default_rng(0).integers(0, 4, (20, 5)).astype(np.int32)
     params = c.em_step(c.params, x, step_size=0.7, pseudocount=0.1)  # trained, not the nodes' values
-    new = T.deepcopy(root, circuit=c, params=params)
+    new = edit.deepcopy(root, circuit=c, params=params)
     c2 = jaxpc.compile(new)
     np.testing.assert_allclose(np.asarray(c2.log_prob(c2.params, x)), np.asarray(c.log_prob(params, x)),
                                rtol=1e-5, atol=1e-5)
@@ -228,7 +228,7 @@ def test_blockify_exact_edges_and_padding():
     ref = node_ll(root, x)
 
     # max 2: everything in blocks of 2; the sum's pattern is block diagonal, so no padding
-    r2 = T.blockify(root, sparsity_tolerance=0.0, max_block_size=2)
+    r2 = edit.blockify(root, sparsity_tolerance=0.0, max_block_size=2)
     s2 = r2.children[0]
     m2 = s2.children[0]
     a2, b2 = m2.children
@@ -241,11 +241,11 @@ def test_blockify_exact_edges_and_padding():
     np.testing.assert_allclose(node_ll(r2, x), ref, rtol=1e-12)
 
     # max 4 and no tolerance: one 4x4 block would be half padding, so the sum keeps 2x2 blocks
-    r4 = T.blockify(root, sparsity_tolerance=0.0, max_block_size=4)
+    r4 = edit.blockify(root, sparsity_tolerance=0.0, max_block_size=4)
     assert (r4.children[0].block_size, r4.children[0].ch_block_size) == (2, 2)
 
     # tolerance 0.5: one 4x4 edge block whose off-diagonal 2x2 blocks are zero-weight padding
-    r4 = T.blockify(root, sparsity_tolerance=0.5, max_block_size=4)
+    r4 = edit.blockify(root, sparsity_tolerance=0.5, max_block_size=4)
     s4 = r4.children[0]
     assert (s4.num_node_blocks, s4.block_size, s4.ch_block_size) == (1, 4, 4)
     np.testing.assert_array_equal(s4.edge_ids, [[0], [0]])
@@ -264,7 +264,7 @@ def test_blockify_exact_edges_and_padding():
     assert np.all(W1[:2, 2:] == 0) and np.isfinite(np.asarray(c4.log_prob(p1, x))).all()
 
     # unblockify restores the block size 1 graph with identical edges
-    back = T.unblockify(r4)
+    back = edit.unblockify(r4)
     sb = back.children[0]
     assert sb.block_size == 1 and sb.ch_block_size == 1
     nz = dense_weights(sb) > 0
@@ -277,13 +277,13 @@ def test_blockify_respects_product_alignment_and_ties():
     a, b = cat_inputs(0, 4, 1), cat_inputs(1, 4, 1)
     m = jaxpc.multiply(a, b, edge_ids=np.array([[0, 3], [1, 2], [2, 1], [3, 0]]))
     root = random_sum([random_sum([m], 4, 1)], 1, 1)
-    new = T.blockify(root, sparsity_tolerance=0.9, max_block_size=8)
+    new = edit.blockify(root, sparsity_tolerance=0.9, max_block_size=8)
     assert new.children[0].children[0].block_size == 1
     np.testing.assert_allclose(node_ll(new, all_x(2)), node_ll(root, all_x(2)), rtol=1e-12)
     # pairs aligned in twos ([0,1] with [2,3] and [2,3] with [0,1]) allow blocks of 2
     m = jaxpc.multiply(a, b, edge_ids=np.array([[0, 2], [1, 3], [2, 0], [3, 1]]))
     root = random_sum([random_sum([m], 4, 1)], 1, 1)
-    new = T.blockify(root, sparsity_tolerance=0.9, max_block_size=8)
+    new = edit.blockify(root, sparsity_tolerance=0.9, max_block_size=8)
     m2 = new.children[0].children[0]
     assert m2.block_size == 2
     np.testing.assert_array_equal(m2.edge_ids, [[0, 1], [1, 0]])
@@ -292,8 +292,8 @@ def test_blockify_respects_product_alignment_and_ties():
     # a tied HMM: every vector goes to blocks of L, the ties survive
     rng = np.random.default_rng(0)
     hmm = hmm_like(6, L=4, V=3)
-    root = T.deepcopy(hmm, circuit=jaxpc.compile(hmm))
-    new = T.blockify(root, max_block_size=16)
+    root = edit.deepcopy(hmm, circuit=jaxpc.compile(hmm))
+    new = edit.blockify(root, max_block_size=16)
     nodes = topological_order(new)
     assert {ns.block_size for ns in nodes if ns is not new} == {4}
     assert sum(ns.is_tied() for ns in nodes) == sum(ns.is_tied() for ns in topological_order(root))
@@ -309,7 +309,7 @@ def test_unblockify_exact_edges():
     s = random_sum([jaxpc.multiply(a, b)], 1, 2)  # one 2x2 edge block
     root = random_sum([s], 1, 1)
     W = dense_weights(s)
-    new = T.unblockify(root)
+    new = edit.unblockify(root)
     s1 = new.children[0]
     assert (s1.num_node_blocks, s1.block_size, s1.ch_block_size) == (2, 1, 1)
     np.testing.assert_array_equal(s1.edge_ids, [[0, 0, 1, 1], [0, 1, 0, 1]])
@@ -340,7 +340,7 @@ def test_merge_by_region_exact_edges():
     x = all_x(2)
     ref = node_ll(root, x)
     before = snapshot(root)
-    new = T.merge(root)
+    new = edit.merge(root)
     P = new.children[0]
     assert len(new.children) == 1 and P.num_node_blocks == 4
     np.testing.assert_array_equal(new.edge_ids, [[0, 0, 0, 0], [0, 1, 2, 3]])  # p1's blocks, then p2's
@@ -355,7 +355,7 @@ def test_merge_by_region_exact_edges():
     assert_same_snapshot(before, snapshot(root))
 
     # explicit groups: only the sums; the products stay apart and read the merged sum at offsets
-    new = T.merge(root, [[s2, s1]])
+    new = edit.merge(root, [[s2, s1]])
     q1, q2 = new.children
     S = q1.children[0]
     assert S is q2.children[1] and S.num_node_blocks == 5
@@ -365,7 +365,7 @@ def test_merge_by_region_exact_edges():
     np.testing.assert_allclose(node_ll(new, x), ref, rtol=1e-12)
 
     # compiled before / after
-    c0, c1 = jaxpc.compile(root), jaxpc.compile(T.merge(root))
+    c0, c1 = jaxpc.compile(root), jaxpc.compile(edit.merge(root))
     np.testing.assert_allclose(np.asarray(c1.log_prob(c1.params, x)), np.asarray(c0.log_prob(c0.params, x)),
                                rtol=1e-5, atol=1e-6)
     assert len(c1.nodes) < len(c0.nodes)
@@ -374,28 +374,28 @@ def test_merge_by_region_exact_edges():
 def test_merge_errors():
     a0, a1, b, s1, s2, p1, p2, root = _two_region_circuit()
     with pytest.raises(ValueError, match="cannot merge .* scope"):
-        T.merge(root, [[a0, b]])
+        edit.merge(root, [[a0, b]])
     with pytest.raises(ValueError, match=r"cannot merge .*\(sum\) with .*\(input\)"):
-        T.merge(root, [[s1, b]])
+        edit.merge(root, [[s1, b]])
     with pytest.raises(ValueError, match="root"):
-        T.merge(root, [[root, s1]])
+        edit.merge(root, [[root, s1]])
     with pytest.raises(ValueError, match="read different vectors"):
-        T.merge(root, [[p1, p2]])  # their sum children were not merged
+        edit.merge(root, [[p1, p2]])  # their sum children were not merged
     with pytest.raises(ValueError, match="more than one group"):
-        T.merge(root, [[s1, s2], [s2, s1]])
+        edit.merge(root, [[s1, s2], [s2, s1]])
     with pytest.raises(ValueError, match="at least two"):
-        T.merge(root, [[s1]])
+        edit.merge(root, [[s1]])
     inner = random_sum([a0], 2, 1)
     outer = random_sum([inner], 1, 1)
     r = random_sum([jaxpc.multiply(outer, cat_inputs(1, 1, 1))], 1, 1)
     with pytest.raises(ValueError, match="descendant"):
-        T.merge(r, [[inner, outer]])
-    assert len(topological_order(T.merge(r))) == len(topological_order(r))  # levels differ: nothing merged
-    ind = [jaxpc.inputs(0, 3, 1, dists.Indicator(2)), jaxpc.inputs(0, 2, 1, dists.Indicator(2))]
+        edit.merge(r, [[inner, outer]])
+    assert len(topological_order(edit.merge(r))) == len(topological_order(r))  # levels differ: nothing merged
+    ind = [jaxpc.inputs(0, 3, 1, distributions.Indicator(2)), jaxpc.inputs(0, 2, 1, distributions.Indicator(2))]
     r = jaxpc.summate(*ind, num_node_blocks=1, block_size=1)
     with pytest.raises(ValueError, match="Indicator"):
-        T.merge(r, [ind])
-    assert T.merge(r, [ind[::-1]]).children[0].num_nodes == 5  # 2 indicators first: positions keep values
+        edit.merge(r, [ind])
+    assert edit.merge(r, [ind[::-1]]).children[0].num_nodes == 5  # 2 indicators first: positions keep values
 
 
 # ----------------------------------------------------------------------------------------------
@@ -423,7 +423,7 @@ def test_prune_by_flows_keeps_ties_and_renormalizes():
     W = np.asarray(circuit.get_node_params(circuit.params, s1), np.float64)
     before = snapshot(root)
 
-    new = T.prune(root, circuit, flows=flows, keep_frac=0.25)
+    new = edit.prune(root, circuit, flows=flows, keep_frac=0.25)
     # expected: the top ceil(0.25 * (12 + 2)) = 4 blocks over s1's 12 and the root's 2 ...
     scores = np.concatenate([F.reshape(-1), np.asarray(circuit.get_node_flows(flows, root)).reshape(-1)])
     top = set(np.argsort(-scores, kind="stable")[:4].tolist())
@@ -450,25 +450,25 @@ def test_prune_by_flows_keeps_ties_and_renormalizes():
     assert_same_snapshot(before, snapshot(root))
 
     # threshold above every score: each parent keeps exactly its best edge block
-    new = T.prune(root, circuit, flows=flows, threshold=1e9)
+    new = edit.prune(root, circuit, flows=flows, threshold=1e9)
     n1 = new.children[0].children[0]
     assert n1.edge_ids.shape[1] == 2 and new.edge_ids.shape[1] == 1
     np.testing.assert_allclose(dense_weights(n1).sum(1), 1)
     # explicit scores (summed over the tie group): keep the first two edges of both parents' rows
     sc = np.zeros(12)
     sc[[0, 1, 6, 7]] = 1.0
-    new = T.prune(root, circuit, scores={s1: sc / 2, s2: sc / 2}, threshold=0.9)
+    new = edit.prune(root, circuit, scores={s1: sc / 2, s2: sc / 2}, threshold=0.9)
     n1 = new.children[0].children[0]
     np.testing.assert_array_equal(n1.edge_ids, [[0, 0, 1, 1], [0, 1, 0, 1]])
     assert len(new.edge_ids[0]) == 2  # the root was not scored: untouched
     with pytest.raises(ValueError, match="exactly one of keep_frac and threshold"):
-        T.prune(root, circuit, flows=flows)
+        edit.prune(root, circuit, flows=flows)
     with pytest.raises(ValueError, match="keep_frac"):
-        T.prune(root, circuit, flows=flows, keep_frac=0.0)
+        edit.prune(root, circuit, flows=flows, keep_frac=0.0)
     with pytest.raises(ValueError, match=r"scores\[.*\] must be finite with shape"):
-        T.prune(root, circuit, scores={s1: np.ones(3)}, threshold=0.5)
+        edit.prune(root, circuit, scores={s1: np.ones(3)}, threshold=0.5)
     with pytest.raises(ValueError, match="prune: .* is not part of"):
-        T.prune(hmm_like(3), circuit, flows=flows, keep_frac=0.5)
+        edit.prune(hmm_like(3), circuit, flows=flows, keep_frac=0.5)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -480,7 +480,7 @@ def test_grow_exact_edges():
     m = jaxpc.multiply(a, b, edge_ids=np.array([[0, 1], [1, 0]]))
     s = random_sum([m], 2, 1, edge_ids=np.array([[0, 1, 1], [0, 0, 1]]))
     root = random_sum([s], 1, 1)
-    new = T.grow(root, num_duplicates=1)
+    new = edit.grow(root, num_duplicates=1)
     s2 = new.children[0]
     m2 = s2.children[0]
     a2, b2 = m2.children
@@ -501,7 +501,7 @@ def test_grow_random_circuits_and_noise():
     g, root, _ = materialized(1, kinds=kinds)
     x = g.sample_data(16)
     before = snapshot(root)
-    new = T.grow(root, num_duplicates=2)
+    new = edit.grow(root, num_duplicates=2)
     for o, n in zip(topological_order(root), topological_order(new)):
         t = 1 if o is root else 3
         assert (n.num_node_blocks, n.block_size) == (t * o.num_node_blocks, o.block_size)
@@ -510,8 +510,8 @@ def test_grow_random_circuits_and_noise():
         assert n.is_tied() == o.is_tied()
     np.testing.assert_allclose(node_ll(new, x), node_ll(root, x), rtol=1e-9, atol=1e-9)
 
-    noisy = T.grow(root, num_duplicates=1, noise=0.5, seed=3)
-    again = T.grow(root, num_duplicates=1, noise=0.5, seed=3)
+    noisy = edit.grow(root, num_duplicates=1, noise=0.5, seed=3)
+    again = edit.grow(root, num_duplicates=1, noise=0.5, seed=3)
     for n, n2 in zip(topological_order(noisy), topological_order(again)):
         if n.is_sum() and not n.is_tied():
             np.testing.assert_array_equal(n.get_params(), n2.get_params())
@@ -522,10 +522,10 @@ def test_grow_random_circuits_and_noise():
     assert np.isfinite(np.asarray(c.log_prob(c.params, x))).all()
     assert_same_snapshot(before, snapshot(root))
     with pytest.raises(ValueError, match="num_duplicates"):
-        T.grow(root, 0)
-    bad = jaxpc.summate(jaxpc.inputs(0, 3, 1, dists.Indicator(2)), num_node_blocks=1, block_size=1)
+        edit.grow(root, 0)
+    bad = jaxpc.summate(jaxpc.inputs(0, 3, 1, distributions.Indicator(2)), num_node_blocks=1, block_size=1)
     with pytest.raises(ValueError, match="Indicator"):
-        T.grow(bad)
+        edit.grow(bad)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -535,14 +535,14 @@ def test_grow_random_circuits_and_noise():
 def test_lvd_counts_on_a_tiny_hclt():
     # tree 0 -> {1, 3}, 1 -> {2}; variables 2 and 3 are tree leaves
     L, N = 2, 40
-    root = hidden_tree_circuit([[1, 3], [2], [], []], 0, L, [0, 1, 2, 3], dists.Categorical(3))
-    regions = T.hclt_latent_regions(root)
+    root = hidden_tree_circuit([[1, 3], [2], [], []], 0, L, [0, 1, 2, 3], distributions.Categorical(3))
+    regions = edit.hclt_latent_regions(root)
     assert sorted(regions) == [0, 1]
     rng = np.random.default_rng(0)
     z = rng.integers(0, L, (N, 4))  # per-variable latents; columns 2, 3 are unused
     x = rng.integers(0, 3, (N, 4))
     pc = 0.5
-    new = T.lvd_init(root, regions, z, x, pseudocount=pc)
+    new = edit.lvd_init(root, regions, z, x, pseudocount=pc)
 
     def counts(a, b, na, nb):
         c = np.full((na, nb), pc)
@@ -567,20 +567,20 @@ def test_lvd_counts_on_a_tiny_hclt():
     # a sequence of regions, with missing values skipped for the leaves
     miss = np.zeros(x.shape, bool)
     miss[:10, 1] = True
-    new2 = T.lvd_init(root, [regions[1], regions[0]], z[:, [1, 0]], x, miss, pseudocount=pc)
+    new2 = edit.lvd_init(root, [regions[1], regions[0]], z[:, [1, 0]], x, miss, pseudocount=pc)
     l1 = new2.children[0].children[0].children[0].children[1]
     np.testing.assert_allclose(l1.get_params()["probs"], counts(z[10:, 1], x[10:, 1], L, 3))
     with pytest.raises(ValueError, match=r"latents\[:, \d\] holds values in \[5, 6\], but .* has 2 nodes"):
-        T.lvd_init(root, regions, z + 5, x)
+        edit.lvd_init(root, regions, z + 5, x)
     with pytest.raises(ValueError, match="not a vector of this graph"):
-        T.lvd_init(root, [hmm_like(3)], z[:, :1])
+        edit.lvd_init(root, [hmm_like(3)], z[:, :1])
 
 
 def test_lvd_blocks_ties_and_gaussians():
     # block size 2, a tied sum pair with pooled counts, Gaussian leaves from per-cluster moments
     N = 60
     rng = np.random.default_rng(1)
-    g0 = jaxpc.inputs(0, 2, 2, dists.Gaussian(min_sigma=0.01))
+    g0 = jaxpc.inputs(0, 2, 2, distributions.Gaussian(min_sigma=0.01))
     g1 = g0.duplicate(1, tie_params=True)
     s0 = jaxpc.summate(g0, num_node_blocks=1, block_size=2, edge_ids=[[0], [1]])  # sparse: only child block 1
     s1 = s0.duplicate(g1, tie_params=True)
@@ -588,7 +588,7 @@ def test_lvd_blocks_ties_and_gaussians():
     za, zb, zc, zd = (rng.integers(0, n, N) for n in (2, 4, 2, 4))
     x = rng.normal(0, 1, (N, 2))
     pc = 1.0
-    new = T.lvd_init(root, {0: s0, 1: g0, 2: s1, 3: g1}, np.stack([za, zb, zc, zd], 1), x, pseudocount=pc)
+    new = edit.lvd_init(root, {0: s0, 1: g0, 2: s1, 3: g1}, np.stack([za, zb, zc, zd], 1), x, pseudocount=pc)
     n0, n1 = new.children[0].children
     assert n1.source is n0
     cnt = np.zeros((2, 4))
@@ -622,7 +622,7 @@ def test_lvd_pd_like_region_with_unassigned_product():
     zr, z1 = rng.integers(0, 3, N), rng.integers(0, 2, N)
     x = rng.integers(0, 3, (N, 2))
     old_c = c.get_params()["probs"].copy()
-    new = T.lvd_init(root, [region, p1], np.stack([zr, z1], 1), x, pseudocount=pc)
+    new = edit.lvd_init(root, [region, p1], np.stack([zr, z1], 1), x, pseudocount=pc)
     R = new.children[0]
     cnt = np.full((3, 4), pc)
     for i, j in zip(zr, z1):
@@ -643,15 +643,15 @@ def test_lvd_input_rules_per_distribution():
     rng = np.random.default_rng(5)
     z = rng.integers(0, 2, N)
     leaves = {
-        "bernoulli": jaxpc.inputs(0, 2, 1, dists.Bernoulli()),
-        "masked": jaxpc.inputs(1, 2, 1, dists.MaskedCategorical(3, "range"), params={"mask": [[0, 2], [1, 3]]}),
-        "logistic": jaxpc.inputs(2, 2, 1, dists.DiscreteLogistic((0.0, 1.0), 4, min_std=0.01)),
-        "literal": jaxpc.inputs(3, 2, 1, dists.Literal(1)),
+        "bernoulli": jaxpc.inputs(0, 2, 1, distributions.Bernoulli()),
+        "masked": jaxpc.inputs(1, 2, 1, distributions.MaskedCategorical(3, "range"), params={"mask": [[0, 2], [1, 3]]}),
+        "logistic": jaxpc.inputs(2, 2, 1, distributions.DiscreteLogistic((0.0, 1.0), 4, min_std=0.01)),
+        "literal": jaxpc.inputs(3, 2, 1, distributions.Literal(1)),
     }
     root = jaxpc.summate(jaxpc.multiply(*leaves.values()), num_node_blocks=1, block_size=1)
     x = np.stack([rng.integers(0, 2, N), rng.integers(0, 3, N), rng.integers(0, 4, N), np.ones(N, int)], 1)
     x[:, 1] = np.where(z == 0, np.minimum(x[:, 1], 1), np.maximum(x[:, 1], 1))  # inside each node's mask
-    new = T.lvd_init(root, [root.children[0]], z[:, None], x, pseudocount=pc)
+    new = edit.lvd_init(root, [root.children[0]], z[:, None], x, pseudocount=pc)
     nb, nm, nl, nlit = new.children[0].children
     c = np.full((2, 2), pc)
     np.add.at(c, (z, x[:, 0]), 1)
@@ -677,21 +677,21 @@ def test_lvd_input_rules_per_distribution():
 # ----------------------------------------------------------------------------------------------
 
 def test_argument_errors_name_the_argument():
-    assert jaxpc.transforms is T and "transforms" in jaxpc.__all__ and "visualize" in jaxpc.__all__
+    assert jaxpc.edit is edit and "edit" in jaxpc.__all__ and "visualize" in jaxpc.__all__
     _, _, _, s, root = _block_diag_circuit()
     with pytest.raises(TypeError, match="blockify: root must be a node vector"):
-        T.blockify("root")
+        edit.blockify("root")
     with pytest.raises(ValueError, match="sparsity_tolerance"):
-        T.blockify(root, sparsity_tolerance=1.0)
+        edit.blockify(root, sparsity_tolerance=1.0)
     with pytest.raises(ValueError, match="max_block_size"):
-        T.blockify(root, max_block_size=0)
+        edit.blockify(root, max_block_size=0)
     with pytest.raises(ValueError, match="unblockify: block_size"):
-        T.unblockify(root, block_size=0)
+        edit.unblockify(root, block_size=0)
     with pytest.raises(ValueError, match="params= is a pytree of a compiled circuit"):
-        T.deepcopy(root, params={})
+        edit.deepcopy(root, params={})
     with pytest.raises(ValueError, match="noise"):
-        T.grow(root, noise=-1.0)
+        edit.grow(root, noise=-1.0)
     with pytest.raises(ValueError, match="pseudocount"):
-        T.lvd_init(root, [s], np.zeros((3, 1), int), pseudocount=-1)
+        edit.lvd_init(root, [s], np.zeros((3, 1), int), pseudocount=-1)
     with pytest.raises(ValueError, match="latents must be an int array"):
-        T.lvd_init(root, [s], np.zeros((3, 1)))
+        edit.lvd_init(root, [s], np.zeros((3, 1)))

@@ -1,0 +1,196 @@
+"""Drop sum edge blocks with low flows or scores (:func:`prune`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..nodes import CircuitNodes, SumNodes, multiply
+from ._graph import check_root, tie_groups
+from ._params import Builder, Params, normalize_blocks
+
+
+def prune(root: CircuitNodes, circuit, params=None, flows=None, *, keep_frac: float | None = None,
+          threshold: float | None = None, scores: Mapping[CircuitNodes, Any] | None = None) -> CircuitNodes:
+    """Drop sum edge blocks with low scores and renormalize the remaining weights.
+
+    The score of an edge block is its total flow (expected count, summed over the ``Kp x Kc`` edges of
+    the block) from ``circuit.get_node_flows(flows, node)``, or ``scores[node]`` ``[num_edge_blocks]``.
+    A tied group is pruned once: its score is the pooled flow (or the sum of its members' scores) and
+    every member keeps the same edges. Every parent block keeps at least its best edge block, so
+    nodes keep at least one child. Children a sum no longer reaches are dropped from its children, and
+    vectors no longer reachable disappear from the graph. Kept weights are renormalized per node (a node
+    whose kept weights are all zero becomes uniform over its kept edges).
+
+    Args:
+        root: the root vector the circuit was compiled from.
+        circuit: the compiled circuit.
+        params: its parameters (default ``circuit.params``).
+        flows: a flows pytree of the circuit (``circuit.flows(...)``, summed over batches); required
+            unless ``scores`` is given.
+        keep_frac: keep the ``ceil(keep_frac * total)`` highest-scoring edge blocks of all scored sums
+            (ties: earlier edges first), plus the per-parent minimum.
+        threshold: or keep edge blocks with score ``>= threshold`` (plus the per-parent minimum).
+        scores: optional ``{sum vector: [num_edge_blocks]}``; sums without a score are not pruned.
+
+    Returns:
+        the new root.
+    """
+    fn = "prune"
+    nodes = check_root(root, fn)
+    if circuit is None:
+        raise ValueError(f"{fn}: needs the compiled circuit (and its params and flows)")
+    reader = Params(fn, circuit, params)
+    _check_selection(keep_frac, threshold, flows, scores, fn)
+    groups = {k: v for k, v in tie_groups(nodes).items() if v[0].is_sum()}
+    if scores is not None:
+        group_scores = _given_scores(nodes, scores, fn)
+    else:
+        group_scores = _flow_scores(groups, flows, reader, fn)
+    kept = _kept_edges(groups, group_scores, keep_frac, threshold)
+    alive = _alive(nodes, root, kept)
+    return _build_pruned(nodes, alive, kept, reader)[root.id]
+
+
+def _check_selection(keep_frac, threshold, flows, scores, fn: str) -> None:
+    if (keep_frac is None) == (threshold is None):
+        raise ValueError(f"{fn}: give exactly one of keep_frac and threshold")
+    if keep_frac is not None and (not isinstance(keep_frac, (int, float)) or not 0.0 < keep_frac <= 1.0):
+        raise ValueError(f"{fn}: keep_frac must be a float in (0, 1], got {keep_frac!r}")
+    if threshold is not None and (not isinstance(threshold, (int, float, np.floating)) or math.isnan(threshold)):
+        raise ValueError(f"{fn}: threshold must be a number, got {threshold!r}")
+    if flows is None and scores is None:
+        raise ValueError(f"{fn}: give flows= (circuit.flows(params, x)) or scores=")
+
+
+def _given_scores(nodes: Sequence[CircuitNodes], scores: Mapping, fn: str) -> dict[int, np.ndarray]:
+    """``{tie group source id: [num_edge_blocks]}``, the sum of the members' ``scores``."""
+    group_scores: dict[int, np.ndarray] = {}
+    in_graph = {ns.id for ns in nodes}
+    for ns, sc in scores.items():
+        if not isinstance(ns, SumNodes) or ns.id not in in_graph:
+            raise ValueError(f"{fn}: scores has a key that is not a sum vector of this graph: {ns!r}")
+        sc = np.asarray(sc, dtype=np.float64)
+        if sc.shape != (ns.edge_ids.shape[1],) or not np.all(np.isfinite(sc)):
+            raise ValueError(f"{fn}: scores[{ns.name}] must be finite with shape [num_edge_blocks] = "
+                             f"[{ns.edge_ids.shape[1]}], got shape {sc.shape}")
+        k = ns.source.id
+        group_scores[k] = group_scores.get(k, 0.0) + sc
+    return group_scores
+
+
+def _flow_scores(groups: dict[int, list[CircuitNodes]], flows, reader: Params, fn: str) -> dict[int, np.ndarray]:
+    """``{tie group source id: [num_edge_blocks]}``: ``circuit.get_node_flows(flows, src)`` summed over
+    each edge block, read from host copies of the flows."""
+    group_scores: dict[int, np.ndarray] = {}
+    host: dict[str, np.ndarray] = {}
+    for k, members in groups.items():
+        src = members[0].source
+        pl = reader.placement(src, reader.circuit.structure.sum_placement)
+        if pl.group not in host:
+            try:
+                host[pl.group] = np.asarray(flows["sum"][pl.group], dtype=np.float64)
+            except (KeyError, TypeError, IndexError):
+                raise ValueError(f"{fn}: flows has no entry ['sum'][{pl.group!r}]; pass a flows pytree of the "
+                                 f"circuit (circuit.flows(params, x))") from None
+        group_scores[k] = host[pl.group][pl.start:pl.start + pl.num_edge_blocks].sum(axis=(1, 2))
+    return group_scores
+
+
+def _kept_edges(groups: dict[int, list[CircuitNodes]], group_scores: dict[int, np.ndarray],
+                keep_frac: float | None, threshold: float | None) -> dict[int, np.ndarray]:
+    """``{tie group source id: bool[num_edge_blocks]}``: the selected edge blocks of every scored group,
+    plus the best edge block of each parent block that lost all of its."""
+    keys = list(group_scores)
+    flat = np.concatenate([group_scores[k] for k in keys]) if keys else np.zeros(0)
+    if keep_frac is not None:
+        n_keep = int(math.ceil(keep_frac * flat.size - 1e-9))
+        order = np.argsort(-flat, kind="stable")
+        keep_flat = np.zeros(flat.size, bool)
+        keep_flat[order[:n_keep]] = True
+    else:
+        keep_flat = flat >= threshold
+    kept: dict[int, np.ndarray] = {}
+    start = 0
+    for k in keys:
+        sc = group_scores[k]
+        keep = keep_flat[start:start + sc.size].copy()
+        start += sc.size
+        src = groups[k][0]
+        par = src.edge_ids[0]
+        has = np.zeros(src.num_node_blocks, bool)
+        has[par[keep]] = True
+        for p in np.nonzero(~has)[0]:
+            cand = np.nonzero(par == p)[0]
+            keep[cand[np.argmax(sc[cand])]] = True
+        kept[k] = keep
+    return kept
+
+
+def _kept_children(ns: SumNodes, kept: dict[int, np.ndarray]) -> list[int]:
+    """Indices of the children of ``ns`` that a kept edge still reaches."""
+    keep = kept.get(ns.source.id)
+    if keep is None:
+        return list(range(len(ns.children)))
+    used = np.zeros(ns.num_ch_node_blocks, bool)
+    used[ns.edge_ids[1][keep]] = True
+    out, o = [], 0
+    for j, c in enumerate(ns.children):
+        if used[o:o + c.num_node_blocks].any():
+            out.append(j)
+        o += c.num_node_blocks
+    return out
+
+
+def _alive(nodes: Sequence[CircuitNodes], root: CircuitNodes, kept: dict[int, np.ndarray]) -> set[int]:
+    """Ids of the vectors still reachable from the root over kept edges."""
+    alive = {root.id}
+    for ns in reversed(nodes):
+        if ns.id not in alive:
+            continue
+        idx = _kept_children(ns, kept) if ns.is_sum() else range(len(ns.children))
+        for j in idx:
+            alive.add(ns.children[j].id)
+    return alive
+
+
+def _build_pruned(nodes: Sequence[CircuitNodes], alive: set[int], kept: dict[int, np.ndarray],
+                  reader: Params) -> dict[int, CircuitNodes]:
+    b = Builder()
+    new: dict[int, CircuitNodes] = {}
+    for ns in nodes:
+        if ns.id not in alive:
+            continue
+        if ns.is_input():
+            new[ns.id] = b.input(ns, ns.var, ns.num_node_blocks, ns.block_size, lambda: reader.input_natural(ns))
+        elif ns.is_prod():
+            new[ns.id] = multiply(*[new[c.id] for c in ns.children], edge_ids=ns.edge_ids.copy(), name=ns.name)
+        else:
+            new[ns.id] = _pruned_sum(ns, kept, new, b, reader)
+    return new
+
+
+def _pruned_sum(ns: SumNodes, kept: dict[int, np.ndarray], new: dict[int, CircuitNodes], b: Builder,
+                reader: Params) -> SumNodes:
+    """The sum ``ns`` over its kept edges and surviving children, weights renormalized."""
+    keep = kept.get(ns.source.id)
+    if keep is None:
+        keep = np.ones(ns.edge_ids.shape[1], bool)
+    idx = _kept_children(ns, kept)
+    remap = np.full(ns.num_ch_node_blocks, -1, dtype=np.int64)
+    n = 0
+    offs = np.concatenate([[0], np.cumsum([c.num_node_blocks for c in ns.children])])
+    for j in idx:
+        c = ns.children[j]
+        remap[offs[j]:offs[j + 1]] = n + np.arange(c.num_node_blocks)
+        n += c.num_node_blocks
+    edges = np.stack([ns.edge_ids[0][keep], remap[ns.edge_ids[1][keep]]])
+
+    def blocks():
+        old = reader.sum_blocks(ns)
+        return None if old is None else normalize_blocks(old[keep], ns.edge_ids[0][keep], ns.num_node_blocks)
+
+    return b.sum(ns, [new[ns.children[j].id] for j in idx], ns.num_node_blocks, ns.block_size, edges, blocks)
