@@ -5,7 +5,7 @@
 
 The first stage of every forward pass: ``V * J`` leaves (``J`` latents per variable, each with its own row
 of ``K`` log-probabilities) read ``x[b, v]`` and write ``[V * J, B]`` values right after the buffer's
-padding rows, zeros above (``jaxpc.engine.forward.input_buffer``). Variants (ms per call, calls dispatched
+padding rows, zeros above (``jaxpc.engine.stages.input_buffer``). Variants (ms per call, calls dispatched
 back to back, synchronized once every ``--reps`` calls; median of 9 such loops), each checked equal to
 ``flat``:
 

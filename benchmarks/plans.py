@@ -62,7 +62,7 @@ import jaxpc  # noqa: E402
 from _data import blurred_noise_images  # noqa: E402
 from bench_engine import cached_mib, median_ms, save_rows  # noqa: E402
 from jaxpc import distributions, structures  # noqa: E402
-from jaxpc.engine import forward  # noqa: E402
+from jaxpc.engine import routing  # noqa: E402
 
 PLANS = {"layers": {"fold_products": False, "impl": "xla"}, "fold": {"fold_products": True},
          "xla": {"fold_products": True, "impl": "xla"},
@@ -87,14 +87,14 @@ def options(c, B: int, plan: dict, precision: str) -> jaxpc.Options:
         return opts
     from jaxpc.ops import pallas_sum
 
-    layout = forward.buffer_plan(c.layout, opts)
+    layout = routing.buffer_plan(c.layout, opts)
     d = pallas_sum.KernelConfig()
     kernels = []
     for spec in layout.stages():
         for part in spec.sums:
-            impl = forward.kernel_choice(opts, part, B)[0]
+            impl = routing.kernel_choice(opts, part, B)[0]
             if impl != "xla":
-                kernels.append((forward.partition_key(part, B), (impl, d.block_b, d.block_k, d.num_warps)))
+                kernels.append((routing.partition_key(part, B), (impl, d.block_b, d.block_k, d.num_warps)))
     return opts.replace(kernels=tuple(dict(kernels).items()))
 
 

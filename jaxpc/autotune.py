@@ -206,29 +206,29 @@ def _sum_partitions(plan, tables):
 
 
 def _tune_partitions(circuit, params, xb, *, fold: bool, precision: str, candidates: tuple, tuner: Autotuner):
-    """``(choices, heuristics)``: per partition signature (:func:`jaxpc.engine.forward.partition_key` at the batch
+    """``(choices, heuristics)``: per partition signature (:func:`jaxpc.engine.routing.partition_key` at the batch
     of ``xb``) the tuned route and ``impl="auto"``'s route, each distinct partition of the plan (folded with
     ``fold``) timed alone on the buffer of an XLA forward of ``xb``."""
-    from .engine import forward as fw
+    from .engine import forward, routing, stages
     from .options import Options
 
     B = xb.shape[0]
     plan = circuit.layout.fold if fold else circuit.layout
     tables = circuit.tables["fold"] if fold else circuit.tables
     ref = Options(precision=precision, fold_products=fold, impl="xla")
-    vals = fw.input_values(circuit.layout, circuit.tables, params, xb, None, ref)
-    values = fw.forward_buffer(plan, tables, params["sum"], vals, ref)
+    vals = forward.input_values(circuit.layout, circuit.tables, params, xb, None, ref)
+    values = stages.forward_buffer(plan, tables, params["sum"], vals, ref)
     flows = jnp.ones_like(values)
     choices: dict = {}
     heuristics: dict = {}
     for part, pt, scanned in _sum_partitions(plan, tables):
-        sig = fw.partition_key(part, B)
+        sig = routing.partition_key(part, B)
         if sig in choices:
             continue
         pt = jax.tree_util.tree_map(lambda a: a[0] if scanned else a, pt)
         run = _partition_runner(part, pt, params["sum"][part.group], values, flows, precision=precision,
                                 first_row=2 * plan.kmax)
-        heuristic = _auto_choice(fw.auto_impl(part, values.dtype, B))
+        heuristic = _auto_choice(routing.auto_impl(part, values.dtype, B))
         heuristics[sig] = heuristic
         choices[sig] = tuner.tune(("sum", sig, precision, heuristic), heuristic, (("xla",),) + candidates, run)
     return choices, heuristics
@@ -238,7 +238,7 @@ def _partition_runner(part, pt, logw, values, flows, *, precision: str, first_ro
     """``run(route)`` for :meth:`Autotuner.tune`: a zero-argument callable running the forward and backward of
     sum partition ``part`` (tables ``pt``, parameters ``logw``) on ``values`` and ``flows`` under ``route``
     (``("xla",)`` or ``(impl, block_b, block_k, num_warps)``)."""
-    from .engine import forward as fw
+    from .engine import flows as flow_pass
     from .ops import pallas_sum
     from .ops.sum_layer import sum_layer, sum_layer_backward_reference
 
@@ -254,10 +254,10 @@ def _partition_runner(part, pt, logw, values, flows, *, precision: str, first_ro
             else:
                 out = pallas_sum.forward(v, pt["ch"], pt["pid"], logw, config=kc, **kw)
             if cfg[0] == "pallas":
-                return (out, *fw.pallas_sum_backward(v, f, off, pt, logw, part, alpha=1.0, config=kc,
-                                                     precision=precision, first_row=first_row))
+                return (out, *flow_pass.pallas_sum_backward(v, f, off, pt, logw, part, alpha=1.0, config=kc,
+                                                            precision=precision, first_row=first_row))
             cf, pf = sum_layer_backward_reference(v, f, pt["ch"], pt["pid"], logw, off, dense=part.dense, **kw)
-            return out, fw.scatter_child_flows(f, cf, pt["ch"], part, first_row), pf
+            return out, flow_pass.scatter_child_flows(f, cf, pt["ch"], part, first_row), pf
 
         f = jax.jit(op)
         return lambda: f(values, flows)

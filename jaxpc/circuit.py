@@ -18,7 +18,7 @@ from . import checks
 from .compiler import compile as _compile
 from .compiler.layout import Layout, ScanSpec
 from .distributions.base import RandomSource
-from .engine import em, forward
+from .engine import em, forward, partial
 from .executables import BucketPolicy, CacheInfo, ExecutableCache
 from .nodes import CircuitNodes
 from .options import Options
@@ -470,7 +470,7 @@ def _e_node_values(layout, tables, params, x, missing, *, options):
 
 
 def _e_partial(layout, tables, params, x, missing, values, plan_tables, *, options, plan):
-    buf = forward.partial_values(layout, plan, plan_tables, params, x, missing, values, options)
+    buf = partial.partial_values(layout, plan, plan_tables, params, x, missing, values, options)
     return buf[layout.root_row], buf
 
 

@@ -156,15 +156,15 @@ class Options:
             its fan-ins of several child blocks batched too 1.52 against 1.44 at 16 and 3.93 against 3.69 at
             128. Below ``precision="fp32"``, block shapes whose shifts the in-place forward kept (``impl="auto"``
             on a GPU: tree levels at batches up to 32) run the batched pass as one Pallas kernel
-            (:func:`jaxpc.engine.forward.pflow_kernel`): HCLT-256 at batch 16, 1.52 ms per pipelined step against
+            (:func:`jaxpc.engine.routing.pflow_kernel`): HCLT-256 at batch 16, 1.52 ms per pipelined step against
             1.59-1.60.
         leaf_kernel: where every input layer is a table of log-values (categorical and Bernoulli leaves) and
             ``impl`` is ``"auto"`` on a GPU or ``"pallas"`` / ``"pallas_forward"``, the flow pass's node buffer is
             written by one Pallas kernel that gathers the leaves' values in registers
-            (:func:`jaxpc.engine.forward.leaf_kernel`, :mod:`jaxpc.ops.pallas_leaf`) instead of XLA's gather
+            (:func:`jaxpc.engine.routing.leaf_kernel`, :mod:`jaxpc.ops.pallas_leaf`) instead of XLA's gather
             into an ``[N, B]`` array and a concatenation into the buffer, and the expected counts of categorical
             leaves in runs over one variable come from one kernel that makes the one-hot matrices in registers
-            (:func:`jaxpc.engine.forward.counts_kernel`; HCLT-256's at batch 512 on the H200: 0.31 ms in the
+            (:func:`jaxpc.engine.routing.counts_kernel`; HCLT-256's at batch 512 on the H200: 0.31 ms in the
             step against 0.54 for XLA's one-hot matrices, products and concatenation). Default True; False:
             XLA's. Same values and counts; ``jax.grad`` through the buffer differentiates XLA's gather.
         tuning: performance knobs (:class:`Tuning`), grouped apart from the fields above that say what is computed.

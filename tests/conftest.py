@@ -19,13 +19,13 @@ import pytest  # noqa: E402
 def pallas_forward_calls(monkeypatch):
     """``impl="auto"`` as on a GPU (the Pallas kernels run in interpret mode): the ``out_offset`` of every Pallas
     forward kernel traced while the test runs, appended to the returned list."""
-    from jaxpc.engine import forward
+    from jaxpc.engine import routing
     from jaxpc.ops import pallas_sum
 
     calls = []
     kernel = pallas_sum.forward
     monkeypatch.setattr(pallas_sum, "forward", lambda *a, **k: calls.append(k["out_offset"]) or kernel(*a, **k))
-    monkeypatch.setattr(forward, "on_gpu", lambda: True)
+    monkeypatch.setattr(routing, "on_gpu", lambda: True)
     return calls
 
 

@@ -106,7 +106,7 @@ def test_process_and_disk_caches(tmp_path):
 def test_tune_circuit_routes_partitions_and_stays_exact(impl, fold):
     """Every partition of the tuned plan (the folded plan's carry M in their key) routed to the faster
     candidate by fake timings, and the tuned options give the reference's values and flows."""
-    from jaxpc.engine.forward import partition_key
+    from jaxpc.engine.routing import partition_key
 
     data = np.random.default_rng(0).integers(0, 3, (200, 5))
     c = jaxpc.compile(structures.HCLT(data, 4, input_dist=jaxpc.distributions.Categorical(3)), seed=1)
@@ -193,10 +193,10 @@ def test_tune_circuit_starts_from_the_auto_choice(monkeypatch):
     """With the GPU rule on, a partition's heuristic is the route impl="auto" takes (the Pallas forward with the
     default configuration at a small batch, run in interpret mode here): the XLA path has to beat it, and
     partitions left on it are not listed in the returned options."""
-    from jaxpc.engine import forward
+    from jaxpc.engine import routing
     from jaxpc.ops.pallas_sum import KernelConfig
 
-    monkeypatch.setattr(forward, "on_gpu", lambda: True)
+    monkeypatch.setattr(routing, "on_gpu", lambda: True)
     c, x = _small_hclt()
     k = KernelConfig()
     auto = ("pallas_forward", k.block_b, k.block_k, k.num_warps)

@@ -9,7 +9,9 @@ import pytest
 import jaxpc
 from jaxpc import distributions, structures
 from jaxpc.compiler import ScanSpec
+from jaxpc.engine import flows as engine_flows
 from jaxpc.engine import forward as engine_forward
+from jaxpc.engine import routing, stages
 from jaxpc.nodes import inputs, multiply, summate
 
 from . import oracle
@@ -65,7 +67,7 @@ def test_sum_layers_in_pieces_match_exact_expected_counts(case):
     gen, c = case
     plan = c.layout.fold if c.layout.fold is not None else c.layout
     for p in (p for s in plan.stages() for p in s.sums):
-        assert engine_forward.pieces(p, B, 1) == ([(0, p.n)] if p.dense else [(i, i + 1) for i in range(p.n)])
+        assert routing.pieces(p, B, 1) == ([(0, p.n)] if p.dense else [(i, i + 1) for i in range(p.n)])
     check_flows_and_ll(gen, c, options=jaxpc.Options(gather_chunk=1))
 
 
@@ -83,13 +85,13 @@ def _batched_blocks(monkeypatch, c, x, opts) -> int:
     from jaxpc.engine import em
 
     seen = []
-    real = engine_forward._batched_param_flows
+    real = engine_flows._batched_param_flows
 
     def spy(values, flows, dp, logw, spec, tab, options, *rest):
         seen.append(spec.n)
         return real(values, flows, dp, logw, spec, tab, options, *rest)
 
-    monkeypatch.setattr(engine_forward, "_batched_param_flows", spy)
+    monkeypatch.setattr(engine_flows, "_batched_param_flows", spy)
     jax.make_jaxpr(lambda p, xb: em.flows_and_ll(c.layout, c.tables, p, xb, None, None, opts))(c.params, x)
     return sum(seen)
 
@@ -155,7 +157,7 @@ def test_batched_param_flows_kernel_equals_xla(monkeypatch, name):
         c = jaxpc.compile(structures.PD((2, 4), 8, split_intervals=(1, 1), input_dist=distributions.Categorical(5)),
                           seed=3)
         x = np.random.default_rng(0).integers(0, 5, (11, 8)).astype(np.int32)
-    route, f32 = engine_forward.pflow_kernel, jax.numpy.float32
+    route, f32 = routing.pflow_kernel, jax.numpy.float32
     o = jaxpc.Options(precision="tf32")
     assert route(o.replace(impl="pallas_forward"), f32) and route(o.replace(impl="pallas"), f32)
     assert not route(o.replace(impl="xla"), f32) and not route(o.replace(impl="pallas_forward"), jnp.bfloat16)
@@ -175,9 +177,11 @@ def test_batched_param_flows_kernel_equals_xla(monkeypatch, name):
         del calls[:]
         got = flows(o)
         assert calls  # the kernel ran (every block of fan-in 1 kept its shift)
+        del calls[:]
         with monkeypatch.context() as m:  # the same forward, XLA's batched pass
-            m.setattr(engine_forward, "pflow_kernel", lambda options, dtype: False)
+            m.setattr(routing, "pflow_kernel", lambda options, dtype: False)
             xla = flows(o)
+        assert not calls  # the route was taken away: XLA's pass ran
         ref = flows(o.replace(param_flow_pass="inline"))
         tol = 2e-2 if o.precision == "bf16" else 1e-5  # bfloat16 operands: 2^-8 per product, rounded in other places
         for a, b, r in zip(*(jax.tree_util.tree_leaves(t) for t in (got, xla, ref))):
@@ -215,7 +219,7 @@ def test_pd_sum_layers_in_pieces(fold):
     x = np.random.default_rng(0).integers(0, 5, (11, 16)).astype(np.int32)
     plan = c.layout.fold if fold else c.layout
     limit = 2 * 8 * 11  # two blocks of one child block (Kc = 8) per piece
-    split = [p for s in plan.stages() for p in s.sums if len(engine_forward.pieces(p, 11, limit)) > 1]
+    split = [p for s in plan.stages() for p in s.sums if len(routing.pieces(p, 11, limit)) > 1]
     assert len(split) >= 2
     opts = jaxpc.Options(fold_products=fold, gather_chunk=limit)
     _, ref = oracle.forward(c, c.params, x)
@@ -226,15 +230,15 @@ def test_pd_sum_layers_in_pieces(fold):
 def test_pieces_cover_the_partition_within_the_limit():
     part = jaxpc.compiler.layout.SumPart(n=10, C=3, Kp=4, Kc=2, group="g", dense=False)
     B = 5  # 30 floats gathered per parent block
-    assert engine_forward.pieces(part, B, 1 << 25) == [(0, 10)]
+    assert routing.pieces(part, B, 1 << 25) == [(0, 10)]
     for limit in (1, 29, 30, 31, 60, 89, 90, 299, 300):
-        r = engine_forward.pieces(part, B, limit)
+        r = routing.pieces(part, B, limit)
         assert r[0][0] == 0 and r[-1][1] == 10 and all(a < b for a, b in r)
         assert all(r[i][1] == r[i + 1][0] for i in range(len(r) - 1))
         sizes = [b - a for a, b in r]
         assert max(sizes) * 30 <= max(limit, 30) and max(sizes) - min(sizes) <= max(sizes) // 2 + 1
     dense = jaxpc.compiler.layout.SumPart(n=10, C=3, Kp=4, Kc=2, group="g", dense=True)
-    assert engine_forward.pieces(dense, B, 1) == [(0, 10)]  # its children are gathered once for all blocks
+    assert routing.pieces(dense, B, 1) == [(0, 10)]  # its children are gathered once for all blocks
 
 
 def test_in_order_chains_the_pieces_through_barriers():
@@ -265,20 +269,20 @@ def test_auto_impl_picks_the_pallas_forward_on_a_gpu_for_fan_ins_and_small_batch
     dense = SumPart(n=8, C=4, Kp=4, Kc=4, group="g", dense=True, U=4, D=8)
     auto = jaxpc.Options()
     assert auto.impl == "auto"
-    assert [engine_forward.kernel_choice(auto, p, 16) for p in (fan_in, tree, dense)] == [("xla", None)] * 3
-    monkeypatch.setattr(engine_forward, "on_gpu", lambda: True)
-    assert [engine_forward.kernel_choice(auto, p, 128)[0] for p in (fan_in, tree, dense)] == [
+    assert [routing.kernel_choice(auto, p, 16) for p in (fan_in, tree, dense)] == [("xla", None)] * 3
+    monkeypatch.setattr(routing, "on_gpu", lambda: True)
+    assert [routing.kernel_choice(auto, p, 128)[0] for p in (fan_in, tree, dense)] == [
         "pallas_forward", "xla", "xla"]
     # at small batches tree levels run the kernel too (one kernel per level instead of XLA's four)
     small = jaxpc.Tuning().small_batch
-    assert [engine_forward.kernel_choice(auto, p, small)[0] for p in (fan_in, tree, dense)] == [
+    assert [routing.kernel_choice(auto, p, small)[0] for p in (fan_in, tree, dense)] == [
         "pallas_forward", "pallas_forward", "xla"]
-    assert engine_forward.kernel_choice(auto, tree, small + 1)[0] == "xla"
-    assert engine_forward.kernel_choice(auto, fan_in, 16, np.float64)[0] == "xla"
+    assert routing.kernel_choice(auto, tree, small + 1)[0] == "xla"
+    assert routing.kernel_choice(auto, fan_in, 16, np.float64)[0] == "xla"
     # an explicit impl and a tuned route win over the rule
-    assert engine_forward.kernel_choice(auto.replace(impl="xla"), fan_in, 16)[0] == "xla"
-    tuned = auto.replace(kernels=((engine_forward.partition_key(fan_in, 16), ("xla",)),))
-    assert engine_forward.kernel_choice(tuned, fan_in, 16)[0] == "xla"
+    assert routing.kernel_choice(auto.replace(impl="xla"), fan_in, 16)[0] == "xla"
+    tuned = auto.replace(kernels=((routing.partition_key(fan_in, 16), ("xla",)),))
+    assert routing.kernel_choice(tuned, fan_in, 16)[0] == "xla"
 
 
 @pytest.mark.slow
@@ -400,7 +404,7 @@ def test_tree_levels_run_the_level_or_slot_kernel(batch, precision, kernel):
     data = np.random.default_rng(5).integers(0, 4, (200, 7))
     c = jaxpc.compile(structures.HCLT(data, 4, input_dist=distributions.Categorical(num_cats=4)), seed=2)
     parts = [p for st in c.layout.fold.stages() for p in st.sums]
-    assert sum(engine_forward.exclusive(p) for p in parts) >= len(parts) - 1  # all but (maybe) the root's
+    assert sum(routing.exclusive(p) for p in parts) >= len(parts) - 1  # all but (maybe) the root's
     x = data[:batch].astype(np.int32)
     fused, fold = FUSED.replace(precision=precision), FOLD.replace(precision=precision)
     text = str(jax.make_jaxpr(lambda p: c.flows(p, x, options=fused))(c.params))
@@ -477,7 +481,7 @@ def test_single_reader_flows_match_exact_expected_counts(fold):
 
 @pytest.mark.parametrize("fold", cases([True, False], fast=[False]), ids=["fold", "full"])
 def test_single_reader_flow_pass_writes_every_row_it_reads(monkeypatch, fold):
-    """A single-reader layout's flow pass starts from an unset buffer (``forward.flow_buffer``: uninitialized on a
+    """A single-reader layout's flow pass starts from an unset buffer (``flows.flow_buffer``: uninitialized on a
     GPU, NaN here) with only its gaps zeroed (``Layout.flow_gaps``: the padding rows in a tree; None in a DAG).
     Every row's one reader writes it before it is read: the whole flow buffer equals the zero-started pass's,
     without a NaN left, the dense one-block top partitions' writes included."""
@@ -485,24 +489,24 @@ def test_single_reader_flow_pass_writes_every_row_it_reads(monkeypatch, fold):
     rng = np.random.default_rng(5)
     c = jaxpc.compile(structures.HCLT(rng.integers(0, 4, (300, 10)), 4, input_dist=cat))
     o = jaxpc.Options(fold_products=fold, impl="xla")
-    plan = engine_forward.buffer_plan(c.layout, o)
+    plan = routing.buffer_plan(c.layout, o)
     assert plan.flow_gaps == ((0, 2 * plan.kmax),)
     assert any(p.dense and p.n == 1 for spec in plan.stages() for p in spec.sums)
     assert jaxpc.compile(structures.PD((4, 4), 3, split_intervals=(2, 2), input_dist=cat)).layout.flow_gaps is None
     x = jnp.asarray(rng.integers(0, 4, (B, 10)).astype(np.int32))
-    buf = engine_forward.input_buffer(plan, engine_forward.input_values(c.layout, c.tables, c.params, x, None, o),
+    buf = stages.input_buffer(plan, engine_forward.input_values(c.layout, c.tables, c.params, x, None, o),
                                       jnp.float32)
-    start = engine_forward.flow_buffer(plan, o, buf)
+    start = engine_flows.flow_buffer(plan, o, buf)
     assert (np.asarray(start[:2 * plan.kmax]) == 0).all() and np.isnan(np.asarray(start[2 * plan.kmax:])).all()
     tabs = c.tables if plan is c.layout else c.tables["fold"]
 
     def whole_flows():
-        _, vjp = jax.vjp(lambda b: engine_forward.root_values(plan, tabs, c.params["sum"], b, o, True), buf)
+        _, vjp = jax.vjp(lambda b: engine_flows.root_values(plan, tabs, c.params["sum"], b, o, True), buf)
         return np.asarray(vjp(jnp.ones(B))[0])
 
     unset = whole_flows()
     o = o.replace(tuning=jaxpc.Tuning(unset_rows=False))
-    assert (np.asarray(engine_forward.flow_buffer(plan, o, buf)) == 0).all()
+    assert (np.asarray(engine_flows.flow_buffer(plan, o, buf)) == 0).all()
     zeroed = whole_flows()
     assert not np.isnan(unset).any() and np.abs(unset[2 * plan.kmax:]).sum() > 0
     np.testing.assert_array_equal(unset[2 * plan.kmax:], zeroed[2 * plan.kmax:])
@@ -522,8 +526,8 @@ def test_without_the_triton_backend_kernels_fall_back_to_xla_with_one_warning(mo
     from jaxpc.ops import pallas_sum
 
     monkeypatch.setattr(pallas_sum, "plgpu", None)
-    monkeypatch.setattr(engine_forward, "_WARNED_UNAVAILABLE", [])
-    monkeypatch.setattr(engine_forward, "on_gpu", lambda: True)
+    monkeypatch.setattr(routing, "_WARNED_UNAVAILABLE", [])
+    monkeypatch.setattr(routing, "on_gpu", lambda: True)
     root = structures.PD((4, 6), 8, split_intervals=(2, 2), input_dist=distributions.Categorical(3))
     x = np.random.default_rng(3).integers(0, 3, (5, 24)).astype(np.int32)
     c, ref = jaxpc.compile(root, seed=5), jaxpc.compile(root, seed=5)
@@ -573,10 +577,10 @@ def test_kept_shifts_equal_the_recomputed_ones(name, fold, impl):
                           seed=3)
         x = np.random.default_rng(0).integers(0, 5, (11, 8)).astype(np.int32)
     plan = c.layout.fold if fold else c.layout
-    unit = engine_forward.shift_unit(plan)
-    assert unit >= engine_forward.SHIFT_MIN_UNIT
+    unit = routing.shift_unit(plan)
+    assert unit >= routing.SHIFT_MIN_UNIT
     sums = [p for s in plan.stages() for p in s.sums]
-    assert any(not engine_forward._keeps_shift(p) for p in sums)
+    assert any(not routing._keeps_shift(p) for p in sums)
     if name == "hclt":
         assert any(isinstance(s, ScanSpec) for s in plan.steps)
     else:
@@ -594,13 +598,13 @@ def test_kept_shifts_equal_the_recomputed_ones(name, fold, impl):
     o = base.replace(kernel_shifts=True, gather_chunk=2 * 8 * 11)
     vals = engine_forward.input_values(c.layout, c.tables, c.params, jnp.asarray(x), None, o)
     tabs = c.tables["fold"] if fold else c.tables
-    buf, shifts = engine_forward.forward_buffer(plan, tabs, c.params["sum"], vals, o, keep_shifts=True)
+    buf, shifts = stages.forward_buffer(plan, tabs, c.params["sum"], vals, o, keep_shifts=True)
     checked = []
 
     def check(carry, spec, tab, offset, name):
         row = int(offset) + sum(p.num_rows for p in spec.prods)
         for part, t in zip(spec.sums, tab["sums"]):
-            if engine_forward._keeps_shift(part):
+            if routing._keeps_shift(part):
                 m = jnp.max(gather_children(buf, t["ch"], part.Kc, False), axis=1)
                 got = shifts[(row + np.arange(part.n) * part.Kp) // unit]
                 np.testing.assert_array_equal(np.asarray(jnp.where(jnp.isfinite(got), got, 0.0)),
@@ -609,7 +613,7 @@ def test_kept_shifts_equal_the_recomputed_ones(name, fold, impl):
             row += part.num_rows
         return carry
 
-    engine_forward.run_stages(plan, tabs, None, check, scan=False)
+    stages.run_stages(plan, tabs, None, check, scan=False)
     assert sum(checked) >= 4
 
     def maxes(opts):
@@ -631,7 +635,7 @@ def test_kept_shifts_equal_the_recomputed_ones(name, fold, impl):
     # no shift buffer where no XLA flow pass reads one (the Pallas backward recomputes its shifts)
     for other, kept in ((impl, True), ("pallas", False)):
         o = base.replace(impl=other, kernel_shifts=True)
-        _, shifts = engine_forward.forward_buffer(plan, tabs, c.params["sum"], vals, o, keep_shifts=True)
+        _, shifts = stages.forward_buffer(plan, tabs, c.params["sum"], vals, o, keep_shifts=True)
         assert (shifts is not None) == kept
 
 
@@ -645,11 +649,11 @@ def test_shift_unit():
     big = SumPart(n=3, C=2, Kp=32, Kc=32, group="g", dense=False)
     root = SumPart(n=1, C=5, Kp=1, Kc=32, group="r", dense=False)
     dense = SumPart(n=2, C=2, Kp=4, Kc=4, group="d", dense=True)
-    assert engine_forward.shift_unit(layout(StageSpec((), (big,), 512), StageSpec((), (root,), 608))) == 32
-    assert engine_forward.shift_unit(layout(StageSpec((), (dense, big), 512))) == 8  # rows 520 on: gcd 8
-    assert engine_forward.shift_unit(layout(StageSpec((), (big,), 516))) == 0  # 4 rows: no shift buffer
+    assert routing.shift_unit(layout(StageSpec((), (big,), 512), StageSpec((), (root,), 608))) == 32
+    assert routing.shift_unit(layout(StageSpec((), (dense, big), 512))) == 8  # rows 520 on: gcd 8
+    assert routing.shift_unit(layout(StageSpec((), (big,), 516))) == 0  # 4 rows: no shift buffer
     small = SumPart(n=3, C=2, Kp=4, Kc=4, group="s", dense=False)
-    assert engine_forward.shift_unit(layout(StageSpec((), (small,), 512))) == 0
+    assert routing.shift_unit(layout(StageSpec((), (small,), 512))) == 0
 
 
 def test_kept_shift_of_a_wrong_shape_is_refused():
@@ -685,7 +689,7 @@ def test_leaf_kernel_matches_exact_expected_counts(monkeypatch, seed, fold):
 
     gen, c = make(seed, kinds=("categorical", "bernoulli"))
     o = jaxpc.Options(impl="pallas_forward", fold_products=fold)
-    route = engine_forward.leaf_kernel
+    route = routing.leaf_kernel
     assert route(c.layout, c.params, o) and route(c.layout, c.params, o.replace(impl="pallas"))
     assert route(c.layout, c.params, jaxpc.Options()) == (jax.default_backend() == "gpu")
     assert route(c.layout, c.params, o, batch=1)  # the batch rule is impl="auto"'s
@@ -708,7 +712,7 @@ def test_leaf_kernel_matches_exact_expected_counts(monkeypatch, seed, fold):
     assert np.isnan(lp[3]) and np.isfinite(np.delete(lp, 3)).all()
 
     buf = engine_forward.leaf_values(c.layout, c.tables, c.params, jnp.asarray(xi), None, o)
-    assert isinstance(buf, jax.Array) and buf.shape == (engine_forward.buffer_plan(c.layout, o).num_rows, len(xi))
+    assert isinstance(buf, jax.Array) and buf.shape == (routing.buffer_plan(c.layout, o).num_rows, len(xi))
     as_float = engine_forward.leaf_values(c.layout, c.tables, c.params, jnp.asarray(xi, jnp.float32), None, o)
     np.testing.assert_array_equal(np.asarray(as_float), np.asarray(buf))  # values given as floats: cast, as XLA's
     with pytest.raises(ValueError, match="flow pass"):  # a buffer reaches only the flow pass

@@ -110,8 +110,8 @@ def test_counts_kernel_equals_scatter(hclt, precision, missing, monkeypatch):
 def test_counts_kernel_route_and_shapes():
     """``pallas_leaf.categorical_counts`` against exact counts over runs, categories and batches that are not
     multiples of its tiles (values out of range count nowhere; fp32 splits the flows, exact to float32 rounding),
-    its errors, and which options route a layer to it (``forward.counts_kernel``)."""
-    from jaxpc.engine import forward
+    its errors, and which options route a layer to it (``routing.counts_kernel``)."""
+    from jaxpc.engine import routing
     from jaxpc.ops import pallas_leaf
 
     rng = np.random.default_rng(0)
@@ -151,11 +151,11 @@ def test_counts_kernel_route_and_shapes():
     spec = c.layout.input_layers[0]
     fl = jnp.zeros((spec.num_nodes, jaxpc.Tuning().leaf_batch), jnp.float32)
     o = jaxpc.Options(impl="pallas_forward")
-    assert forward.counts_kernel(spec, o, fl) and forward.counts_kernel(spec, o.replace(impl="pallas"), fl[:, :1])
-    assert forward.counts_kernel(spec, jaxpc.Options(), fl) == (jax.default_backend() == "gpu")
-    assert not forward.counts_kernel(spec, jaxpc.Options(), fl[:, 1:])  # auto: batches of at least tuning.leaf_batch
+    assert routing.counts_kernel(spec, o, fl) and routing.counts_kernel(spec, o.replace(impl="pallas"), fl[:, :1])
+    assert routing.counts_kernel(spec, jaxpc.Options(), fl) == (jax.default_backend() == "gpu")
+    assert not routing.counts_kernel(spec, jaxpc.Options(), fl[:, 1:])  # auto: batches of at least tuning.leaf_batch
     for other in (o.replace(impl="xla"), o.replace(leaf_kernel=False)):
-        assert not forward.counts_kernel(spec, other, fl)
-    assert not forward.counts_kernel(spec, o, fl.astype(jnp.float16))
-    assert not forward.counts_kernel(dataclasses.replace(spec, run=1), o, fl)
-    assert not forward.counts_kernel(dataclasses.replace(spec, dist=distributions.Gaussian()), o, fl)  # not categorical
+        assert not routing.counts_kernel(spec, other, fl)
+    assert not routing.counts_kernel(spec, o, fl.astype(jnp.float16))
+    assert not routing.counts_kernel(dataclasses.replace(spec, run=1), o, fl)
+    assert not routing.counts_kernel(dataclasses.replace(spec, dist=distributions.Gaussian()), o, fl)  # not categorical

@@ -15,7 +15,7 @@ backward message), reduced in one matrix product over all steps and samples when
 tied. Per step the scan runs one matrix product forward and one backward, where the layer-by-layer path
 runs a gather, a max, a product and a scatter per layer through the ``[R, B]`` node buffer.
 
-Same flows as :func:`jaxpc.engine.forward.root_values` (tests compare the two paths and the forward
+Same flows as :func:`jaxpc.engine.flows.root_values` (tests compare the two paths and the forward
 algorithm); used by :func:`jaxpc.engine.forward.evaluate` when ``options.chain_scan`` allows it.
 """
 

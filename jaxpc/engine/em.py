@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from ..compiler.layout import Layout
 from ..distributions.base import blend
-from . import forward
+from . import forward, routing
 
 Array = jax.Array
 
@@ -24,7 +24,7 @@ def flows_and_ll(layout: Layout, tables: dict, params: dict, x: Array, missing: 
                  weights: Array | None, options, evidence: dict | None = None) -> tuple[dict, Array]:
     """``(flows, ll [B])``; ``weights`` ``[B]`` scales each sample's contribution (None = 1). With per-sample
     sum parameters in ``evidence``, sum flows are the posterior edge counts under the per-sample weights."""
-    dtype = forward.param_dtype(params)
+    dtype = routing.param_dtype(params)
     vals = forward.leaf_values(layout, tables, params, x, missing, options, evidence=evidence)
     buffered = isinstance(vals, jax.Array)  # the flow pass's node buffer with the leaves written
     if not buffered:
@@ -54,7 +54,7 @@ def flows_and_ll(layout: Layout, tables: dict, params: dict, x: Array, missing: 
             if spec.run > 1:
                 gv = tab["vars"][::spec.run]
                 # the kernel reads the flows where they lie (a slice of the buffer would be copied first)
-                kw = {"kernel": where} if forward.counts_kernel(spec, options, node_flows) else {}
+                kw = {"kernel": where} if routing.counts_kernel(spec, options, node_flows) else {}
                 g_in[spec.key] = spec.dist.suff_stats_runs(params["input"][spec.key], tab["meta"], xt[gv],
                                                            None if mt is None else mt[gv], node_flows, spec.run,
                                                            options, **kw)
@@ -132,7 +132,7 @@ def top_down_probabilities(layout: Layout, tables: dict, params: dict, options) 
     x0 = jnp.zeros((1, V), jnp.int32)
     leaves = [spec.dist for spec in layout.input_layers]
     if any(not d.discrete for d in leaves):
-        x0 = x0.astype(forward.param_dtype(params))
+        x0 = x0.astype(routing.param_dtype(params))
     opts = Options(precision=options.concrete_precision, impl=options.impl, kernels=options.kernels,
                    chain_scan=options.chain_scan, fold_products=options.fold_products)
     fl, _ = flows_and_ll(layout, tables, params, x0, jnp.ones((V,), bool), None, opts)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from ..compiler.layout import Layout, StageSpec
 from ..ops.product_layer import product_layer
 from ..ops.sum_layer import gather_children, gather_weights
-from . import forward
+from . import stages
 
 Array = jax.Array
 
@@ -64,12 +64,12 @@ def reached_leaves(layout: Layout, tables: dict, params: dict, values: Array, ke
     eps = [jnp.zeros((spec.num_nodes, B), values.dtype) for spec in layout.input_layers]
 
     def total(eps):
-        z = forward.write_inputs(layout, jnp.zeros_like(values), eps)
+        z = stages.write_inputs(layout, jnp.zeros_like(values), eps)
 
         def stage(b, spec, tab, offset, name):
             return _select_stage(b, spec, tab, values, params, key, offset, name)
 
-        return jnp.sum(forward.run_stages(layout, tables, z, stage)[layout.root_row])
+        return jnp.sum(stages.run_stages(layout, tables, z, stage)[layout.root_row])
 
     return jax.grad(total)(eps)
 

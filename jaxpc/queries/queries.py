@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..engine import forward, select
+from ..engine import forward, routing, select
 from ..options import Options
 from ..runtime import Batch
 
@@ -35,7 +35,7 @@ def _conditional_impl(layout, tables, params, x, missing, targets, *, num_values
     B = x.shape[0]
     V = layout.num_vars
     options = Options()
-    dtype = forward.param_dtype(params)
+    dtype = routing.param_dtype(params)
     vals = [v.astype(dtype) for v in forward.input_values(layout, tables, params, x, missing, options)]
 
     def total(vals):

@@ -1,0 +1,319 @@
+"""The flow pass: the circuit's root values with a top-down flow pass as their VJP.
+
+:func:`root_values` returns ``[B]`` root values; its backward is PyJuice's: node flows pushed top-down stage by
+stage into one ``[R, B]`` flow buffer (:func:`flow_buffer`), each sum partition on XLA's backward in pieces or on
+the Pallas backward kernels (:func:`pallas_sum_backward`), its parameter flows reduced on the way or, for the
+partitions gathered block by block, after it in one batched product per block shape (:func:`batched_pflows`).
+The routes come from :mod:`jaxpc.engine.routing`; the forward is :func:`jaxpc.engine.stages.forward_buffer`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ..compiler.layout import Layout, StageSpec
+from ..ops.buffers import uninitialized
+from ..ops.pieces import in_order, ranges
+from ..ops.product_layer import product_layer_backward_reference as product_layer_backward
+from ..ops.sum_layer import child_rows, child_terms
+from ..ops.sum_layer import sum_layer_backward_reference as sum_layer_backward
+from ..ops.sum_layer import sum_layer_param_flows_reference as sum_layer_param_flows
+from ..options import Options
+from . import routing, stages
+
+Array = jax.Array
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4, 5))
+def root_values(layout: Layout, tables: dict, sum_params: dict, input_vals, options, buffered: bool = False) -> Array:
+    """Root values ``[B]`` as a function of the sum log-weights and the input layers' values (or the node buffer
+    with them written, ``buffered``, whose cotangent is then the whole flow buffer: meaningful at the input rows).
+    Its VJP is PyJuice's backward: node flows pushed top-down layer by layer into one ``[R, B]`` buffer, with the
+    parameter flows of each sum partition reduced on the way (no per-layer cotangent buffers)."""
+    return stages.forward_buffer(layout, tables, sum_params, input_vals, options)[layout.root_row]
+
+
+def _root_fwd(layout, tables, sum_params, input_vals, options, buffered):
+    # the barrier makes the saved buffer a materialized array: without it XLA's GPU compiler may fuse the
+    # whole chain of stage writes into every backward gather (PD-128: each gather re-deriving the buffer
+    # through 27 nested updates; a flows executable that did not finish compiling in 170 s, 10 s with it)
+    out = stages.forward_buffer(layout, tables, sum_params, input_vals, options, keep_shifts=options.kernel_shifts)
+    buf, shifts = lax.optimization_barrier(out if options.kernel_shifts else (out, None))
+    return buf[layout.root_row], (tables, sum_params, buf, shifts)
+
+
+class _Pass(NamedTuple):
+    """What every stage of one flow pass reads."""
+
+    layout: Layout
+    options: Options
+    sum_params: dict
+    values: Array  # the forward's node buffer [R, B]
+    shifts: Array | None  # the forward's kept shifts [ceil(R / unit), B], or None
+    unit: int  # node-buffer rows per shift row; 0 without kept shifts
+    batched: frozenset  # the PFlowSpec keys of the batched parameter-flow pass
+
+    def batched_part(self, part) -> bool:
+        """Whether a sum partition's parameter flows come from the batched pass after the flow pass."""
+        return part.blockwise and part.pflow_key in self.batched
+
+
+def _root_bwd(layout, options, buffered, res, g):
+    tables, sum_params, values, shifts = res
+    unit = routing.shift_unit(layout) if shifts is not None else 0
+    flows = flow_buffer(layout, options, values).at[layout.root_row].set(g.astype(values.dtype))
+    pflows = batched_pflows(layout, tables, options, values.shape[1], values.dtype)
+    ps = _Pass(layout, options, sum_params, values, shifts, unit, frozenset(spec.key for spec, _ in pflows))
+    # a group whose every partition is batched gets its parameter-flow buffer after the flow pass, not carried
+    inline = {p.group for spec in layout.stages() for p in spec.sums if not ps.batched_part(p)}
+    dparams = {k: jnp.zeros_like(v) for k, v in sum_params.items() if k in inline}
+
+    def stage(carry, spec, tab, offset, name):
+        return _stage_flows(ps, carry, spec, tab, offset, name)
+
+    flows, dparams = stages.run_stages(layout, tables, (flows, dparams), stage, reverse=True,
+                                       scan=options.scan_stages)
+    dparams = _after_pass(ps, pflows, flows, dparams)
+    dparams = {k: dparams.get(k, jnp.zeros_like(v)) for k, v in sum_params.items()}
+    if buffered:
+        return None, dparams, flows
+    d_inputs = [lax.dynamic_slice_in_dim(flows, spec.offset, spec.num_nodes, axis=0)
+                for spec in layout.input_layers]
+    return None, dparams, d_inputs
+
+
+root_values.defvjp(_root_fwd, _root_bwd)
+
+
+def _stage_flows(ps: _Pass, carry: tuple, spec: StageSpec, tab: dict, offset, name) -> tuple:
+    """``(flows, dparams)`` with the flows of one stage's nodes pushed to their children's rows and its sum
+    partitions' inline parameter flows added."""
+    fl, dp = carry
+    row = offset
+    for j, (part, t) in enumerate(zip(spec.prods, tab["prods"])):
+        with jax.named_scope(f"jaxpc/stage{name}/prod{j}/backward"):
+            rows, cf = product_layer_backward(fl, t["ch"], row, K=part.K)
+            if ps.layout.single_reader:  # the rows' one reader: their flows are still zero
+                fl = fl.at[rows].set(cf, unique_indices=True)
+            else:
+                fl = fl.at[rows].add(cf)
+        row = row + part.num_rows
+    for j, (part, t) in enumerate(zip(spec.sums, tab["sums"])):
+        with jax.named_scope(f"jaxpc/stage{name}/sum{j}/backward"):
+            impl, cfg = routing.kernel_choice(ps.options, part, ps.values.shape[1], ps.values.dtype)
+            if routing.runs_pallas_backward(impl, ps.options):
+                fl, dp = _sum_flows_pallas(ps, fl, dp, part, t, row, cfg)
+            else:
+                fl, dp = _sum_flows_xla(ps, fl, dp, part, t, row)
+        row = row + part.num_rows
+    return fl, dp
+
+
+def _sum_flows_pallas(ps: _Pass, fl: Array, dp: dict, part, t: dict, row, cfg) -> tuple:
+    """A sum partition's child flows and parameter flows by the Pallas backward kernels."""
+    options = ps.options
+    a = 1.0 if options.propagation == "LL" else options.alpha
+    fl, g = pallas_sum_backward(ps.values, fl, row, t, ps.sum_params[part.group], part, alpha=a,
+                                precision=options.concrete_precision, first_row=2 * ps.layout.kmax, config=cfg,
+                                param_flows=options.compute_param_flows, dparams=dp[part.group])
+    if g is not None:
+        dp = {**dp, part.group: g}
+    return fl, dp
+
+
+def _sum_flows_xla(ps: _Pass, fl: Array, dp: dict, part, t: dict, row) -> tuple:
+    """A sum partition's child flows by XLA's backward, in pieces, reading the forward's kept shifts where it kept
+    them; its parameter flows inline unless the batched pass computes them."""
+    options, values, unit = ps.options, ps.values, ps.unit
+    kept = unit and routing.writes_shift(options, part, values)  # its shifts were kept
+    inline_pf = options.compute_param_flows and not ps.batched_part(part)
+
+    def piece(carry, a, b, sub):
+        fl, dp = carry
+        m = ps.shifts[(row + (a + jnp.arange(b - a)) * part.Kp) // unit] if kept else None
+        cf, pf = sum_layer_backward(values, fl, sub["ch"], sub["pid"], ps.sum_params[part.group],
+                                    row + a * part.Kp, Kp=part.Kp, Kc=part.Kc, dense=part.dense,
+                                    propagation=options.propagation, alpha=options.alpha,
+                                    precision=options.concrete_precision, param_flows=inline_pf,
+                                    pflow_temperature=options.pflow_temperature,
+                                    eflow_temperature=options.eflow_temperature, shift=m)
+        fl = scatter_child_flows(fl, cf, sub["ch"], part, 2 * ps.layout.kmax, ps.layout.single_reader)
+        return fl, (dp if pf is None else add_param_flows(dp, part, sub["pid"], pf))
+
+    return stages.in_pieces(routing.pieces(part, values.shape[1], options.gather_chunk), t, piece, (fl, dp))
+
+
+def _after_pass(ps: _Pass, pflows: list, flows: Array, dparams: dict) -> dict:
+    """``dparams`` with the batched parameter-flow pass's groups (:func:`batched_pflows`) computed from the
+    finished flow buffer, reading the forward's kept shifts where every member partition kept them."""
+    options, values = ps.options, ps.values
+    B, dtype = values.shape[1], values.dtype
+    for spec, tab in pflows:
+        members = ps.layout.pflow_members(spec.key)
+        kept = tuple(bool(ps.unit) and routing.writes_shift(options, p, values) for p in members)
+        by_kernel = any(k and routing.runs_inplace(routing.kernel_choice(options, p, B, dtype)[0], options, values)
+                        for k, p in zip(kept, members))
+        with jax.named_scope(f"jaxpc/param_flows/{spec.group}_C{spec.C}"):
+            dparams[spec.group] = _batched_param_flows(values, flows, dparams.get(spec.group),
+                                                       ps.sum_params[spec.group], spec, tab, options, ps.shifts,
+                                                       ps.unit, kept, by_kernel)
+    return dparams
+
+
+def flow_buffer(layout, options, values: Array) -> Array:
+    """The flow pass's ``[R, B]`` buffer before the root's flow is written: zeros, or, in a single-reader layout
+    (:attr:`Layout.flow_gaps` set) whose flow pass runs on XLA's scatters alone (``Options.tuning.unset_rows``, no
+    partition on the Pallas backward, which adds in place), an :func:`uninitialized` buffer with the gaps zeroed: every
+    other row but the root's is written by its one reader's backward before it is read."""
+    gaps = layout.flow_gaps
+    B, dtype = values.shape[1], values.dtype
+    if (not options.tuning.unset_rows or gaps is None or not layout.single_reader
+            or 2 * sum(b - a for a, b in gaps) > layout.num_rows
+            or any(routing.runs_pallas_backward(routing.kernel_choice(options, p, B, dtype)[0], options)
+                   for spec in layout.stages() for p in spec.sums)):
+        return jnp.zeros_like(values)
+    fl = uninitialized(values.shape, dtype, options.tuning.min_unset)
+    for a, b in gaps:  # the padding rows (compiled circuits have no other gaps: one root, unpadded blocks)
+        fl = lax.dynamic_update_slice_in_dim(fl, jnp.zeros((b - a, B), dtype), a, axis=0)
+    return fl
+
+
+# ---- parameter flows ------------------------------------------------------------------------------------
+
+def batched_pflows(layout, tables: dict, options, B: int, dtype) -> list:
+    """The batched parameter-flow pass's ``(PFlowSpec, tables)`` for a flow pass at batch ``B``
+    (``Options.param_flow_pass``): the sum-product partitions gathered block by block, by block shape and fan-in
+    (``"auto"``: fan-in 1, tree levels, at batches up to ``Options.tuning.pflow_batch``), unless one of them runs on the
+    Pallas backward (which reduces its parameter flows inside its kernels)."""
+    mode = options.param_flow_pass
+    if (not options.compute_param_flows or options.propagation == "MPE" or mode == "inline"
+            or (mode == "auto" and B > options.tuning.pflow_batch)):
+        return []
+    on_pallas = {p.pflow_key for spec in layout.stages() for p in spec.sums
+                 if p.blockwise and routing.runs_pallas_backward(routing.kernel_choice(options, p, B, dtype)[0],
+                                                                 options)}
+    return [(spec, tab) for spec, tab in zip(layout.pflows, tables["pflows"])
+            if (mode == "batched" or spec.C == 1) and spec.key not in on_pallas]
+
+
+def _batched_param_flows(values: Array, flows: Array, dp: Array | None, logw: Array, spec, tab: dict, options,
+                         shifts: Array | None = None, unit: int = 0, kept: tuple = (), by_kernel: bool = False
+                         ) -> Array:
+    """The parameter-flow buffer ``dp`` of ``spec.group`` (None: zeros) with the flows of the blocks of ``spec``
+    added (one batched product, in pieces of at most ``options.gather_chunk`` gathered elements): to one slice
+    of it when their parameter ids are consecutive (``spec.start``), the whole buffer when they cover it.
+    ``shifts`` (rows of ``unit``): the forward's kept shifts; ``kept``: per member partition
+    (``Layout.pflow_members``), whether its blocks' are there; ``by_kernel``: some of them were kept by the
+    in-place kernels. Then, where :func:`jaxpc.engine.routing.pflow_kernel` allows, one Pallas kernel for the whole
+    table (it gathers nothing), which recomputes the others' (on the H200 it is faster than XLA's pass where the
+    forward ran the kernels, at batches up to 32: see :func:`jaxpc.engine.routing.pflow_kernel`; at 128, where the
+    tree levels' forward runs on XLA, HCLT-256's step took 3.15-3.30 ms with it against 2.92-3.10 without). XLA's
+    pass reads the kept shifts when every member kept them, else recomputes them all."""
+    C, Kp, Kc = spec.C, spec.Kp, spec.Kc
+    kernel = shifts is not None and by_kernel and routing.pflow_kernel(options, values.dtype)
+    read = shifts is not None and all(kept) and not kernel
+    spans = [(0, spec.n)] if kernel else ranges(spec.n, options.gather_chunk // max(1, C * Kc * values.shape[1]))
+
+    def flows_of(sub):  # [n', C, Kp, Kc]
+        if kernel:
+            from ..ops import pallas_sum
+
+            srow = jnp.where(jnp.asarray(kept)[sub["part"]], sub["prow"] // unit, -1)
+            pf = pallas_sum.param_flows_after(values, flows, shifts, srow, sub["prow"], sub["ch"], sub["pid"], logw,
+                                              Kp=Kp, Kc=Kc, precision=options.concrete_precision,
+                                              alpha=1.0 if options.propagation == "LL" else options.alpha)
+        else:
+            pf = sum_layer_param_flows(values, flows, sub["ch"], sub["pid"], logw, sub["prow"], Kp=Kp, Kc=Kc,
+                                       propagation=options.propagation, alpha=options.alpha,
+                                       precision=options.concrete_precision, temperature=options.pflow_temperature,
+                                       shift=shifts[sub["prow"] // unit] if read else None)
+        return pf.astype(logw.dtype)
+
+    if dp is None and spec.start == 0 and spec.n * C == logw.shape[0] and len(spans) == 1:
+        return flows_of(tab).reshape(logw.shape)  # every block of the group, in order
+    dp = jnp.zeros_like(logw) if dp is None else dp
+
+    def step(acc, a, b, sub):
+        pf = flows_of(sub)
+        if spec.start >= 0:
+            lo, hi = spec.start + a * C, spec.start + b * C
+            return lax.dynamic_update_slice_in_dim(acc, acc[lo:hi] + pf.reshape(-1, Kp, Kc), lo, axis=0)
+        return acc.at[sub["pid"]].add(pf, unique_indices=spec.unique)
+
+    pieces_of = ("prow", "ch", "pid", "part")
+    return in_order(spans, lambda a, b: {k: tab[k][a:b] for k in pieces_of}, step, dp)
+
+
+def add_param_flows(dp: dict, part, pid: Array, pf: Array) -> dict:
+    """``dp`` with the parameter flows ``pf`` (``[n, C, Kp, Kc]``) of partition ``part`` added at blocks ``pid``."""
+    return {**dp, part.group: _add_flows(dp[part.group], part, pid, pf)}
+
+
+def _add_flows(dparams: Array | None, part, pid: Array, pf: Array | None):
+    """``pf`` added into ``dparams`` at blocks ``pid`` (``pf`` itself without ``dparams``; None without ``pf``)."""
+    if dparams is None or pf is None:
+        return pf
+    return dparams.at[pid].add(pf.astype(dparams.dtype), unique_indices=part.unique_pid)
+
+
+# ---- child flows ------------------------------------------------------------------------------------------
+
+def scatter_child_flows(fl: Array, cf: Array, ch: Array, part, first_row: int, overwrite: bool = False) -> Array:
+    """Add the child flows of sum partition ``part`` (``[n, C*Kc, B]``, the reference backward's) into the flow
+    buffer ``fl``; a folded product's flow goes to each of its row blocks, in one scatter. When every child row
+    block above the padding (rows from ``first_row``) is read once in the partition (``part.D == 1``), the
+    scatter runs without atomic adds, the padding rows' updates dropped. ``overwrite`` (``Layout.single_reader``:
+    no other block reads these rows, so their flows are unset, see :func:`flow_buffer`; a dense partition is then
+    one block) writes the flows instead of adding them, which spares reading the rows first."""
+    terms = child_terms(ch)
+    if len(terms) > 1:
+        rows = jnp.stack([child_rows(c, part.Kc, part.dense) for c in terms])
+        cf = jnp.broadcast_to(cf, (len(terms),) + cf.shape)
+    else:
+        rows = child_rows(terms[0], part.Kc, part.dense)
+    if (part.D == 1 and not part.dense) or overwrite:
+        rows = jnp.where(rows < first_row, fl.shape[0], rows)  # out of range: dropped
+        if overwrite:
+            return fl.at[rows].set(cf.astype(fl.dtype), mode="drop", unique_indices=True)
+        return fl.at[rows].add(cf.astype(fl.dtype), mode="drop", unique_indices=True)
+    return fl.at[rows].add(cf.astype(fl.dtype))
+
+
+def pallas_sum_backward(values, flows, row, t, logw, part, *, alpha, precision, first_row: int, config=None,
+                        param_flows: bool = True, dparams: Array | None = None):
+    """The backward kernels of one sum partition ``part`` (folded or not) whose parents sit at ``row``:
+    ``(flows with the child flows added, param flows)``. A float32 flow buffer is updated in place;
+    ``first_row``: the first row above the padding (``2 * kmax``). The parameter flows are ``[n, C, Kp, Kc]``
+    (None without ``param_flows``), or, given ``dparams`` (the group's parameter-flow buffer), that buffer with
+    them added at the partition's blocks (in place by the kernel where it can). A tree level at a batch of at
+    most :data:`jaxpc.ops.pallas_sum.LEVEL_BATCH` runs as one kernel (:func:`~jaxpc.ops.pallas_sum.backward_level`)."""
+    from ..ops import pallas_sum
+
+    cfg = config or pallas_sum.KernelConfig()
+    Kp, Kc = part.Kp, part.Kc
+    if routing.exclusive(part) and flows.dtype == jnp.float32 and flows.shape[1] <= pallas_sum.LEVEL_BATCH:
+        inplace = param_flows and dparams is not None and part.unique_pid and dparams.dtype == jnp.float32
+        fl, pf = pallas_sum.backward_level(values, flows, row, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc,
+                                           first_row=first_row, alpha=alpha, precision=precision, config=cfg,
+                                           param_flows=param_flows, dparams=dparams if inplace else None)
+        return fl, (pf if inplace else _add_flows(dparams, part, t["pid"], pf))
+    if routing.exclusive(part) and flows.dtype == jnp.float32:
+        fl, pf = pallas_sum.backward_exclusive(values, flows, row, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc,
+                                               first_row=first_row, alpha=alpha, precision=precision, config=cfg,
+                                               param_flows=param_flows)
+        return fl, _add_flows(dparams, part, t["pid"], pf)
+    a, m, pf = pallas_sum.backward_parents(values, flows, row, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, alpha=alpha,
+                                           precision=precision, config=cfg, param_flows=param_flows)
+    pf = _add_flows(dparams, part, t["pid"], pf)
+    args = (values, a, m, t["uch"], t["par"], t["ppid"], logw)
+    kw = dict(Kp=Kp, Kc=Kc, alpha=alpha, precision=precision, config=cfg, ch=t["ch"], pcol=t.get("pcol"))
+    if flows.dtype == jnp.float32:
+        return pallas_sum.backward_children(*args, flows=flows, **kw), pf
+    cf = pallas_sum.backward_children(*args, **kw)
+    rows = (t["uch"][:, None] + jnp.arange(Kc, dtype=t["uch"].dtype)).reshape(-1)
+    return flows.at[rows].add(cf.astype(flows.dtype)), pf

@@ -1,0 +1,249 @@
+"""Routes: which kernel or pass each part of an evaluation runs on.
+
+Predicates of the options, the layout and the shapes, computing nothing on the device: the implementation
+and kernel configuration of a sum partition (:func:`kernel_choice`), its pieces, whether it runs as an in-place
+Pallas kernel or on the Pallas backward, which blocks keep their shifts for the flow pass (:func:`shift_unit`),
+which plan the flow pass runs, and whether the leaves, their expected counts and the batched parameter flows
+come from one kernel. The forward (:mod:`~jaxpc.engine.stages`), the flow pass (:mod:`~jaxpc.engine.flows`)
+and partial evaluation read their routes here, so that each decision is taken by one function.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Final
+
+import jax
+import jax.numpy as jnp
+
+from ..compiler.layout import Layout, ScanSpec
+from ..ops.pieces import ranges
+from ..options import PALLAS_FORWARD, Tuning
+from . import chain
+
+Array = jax.Array
+
+
+def on_gpu() -> bool:
+    """Whether traced code runs on a GPU, where the Pallas kernels compile to Triton."""
+    return jax.default_backend() == "gpu"
+
+
+_WARNED_UNAVAILABLE = []
+
+
+def kernels_available() -> bool:
+    """Whether the Pallas sum-layer kernels can run (Pallas and its Triton backend import); warns once if not."""
+    try:
+        from ..ops import pallas_sum
+
+        ok = pallas_sum.available()
+    except ImportError:
+        ok = False
+    if not ok and not _WARNED_UNAVAILABLE:
+        _WARNED_UNAVAILABLE.append(True)
+        warnings.warn("jaxpc: the Pallas Triton backend (jax.experimental.pallas.triton) is not available in this "
+                      "jax; sum layers run on XLA (impl='reference')", RuntimeWarning, stacklevel=2)
+    return ok
+
+
+def param_dtype(params) -> jnp.dtype:
+    """The floating dtype of a parameter pytree: the node buffer's."""
+    leaves = jax.tree_util.tree_leaves(params)
+    floats = [a.dtype for a in leaves if jnp.issubdtype(a.dtype, jnp.floating)]
+    return jnp.result_type(*floats) if floats else jnp.float32
+
+
+def has_sum_externals(evidence: dict | None) -> bool:
+    """Whether ``evidence`` carries per-sample sum parameters (``sum_gates`` / ``sum_lowrank``)."""
+    return bool(evidence) and bool(evidence.get("sum_gates") or evidence.get("sum_lowrank"))
+
+
+# ---- the flow pass's plan and the leaf kernels ----------------------------------------------------
+
+def runs_node_buffer(layout: Layout, options, evidence: dict | None = None) -> bool:
+    """Whether :func:`jaxpc.engine.forward.evaluate` runs the flow pass over the node buffer
+    (:func:`jaxpc.engine.flows.root_values`): ``backward="flows"``, no per-sample sum parameters in ``evidence``,
+    and not as a chain."""
+    externals = has_sum_externals(evidence)
+    return options.backward == "flows" and not externals and not chain.applies(layout, options, externals)
+
+
+def buffer_plan(layout: Layout, options) -> Layout:
+    """The plan whose node buffer the flow pass runs: the folded one (``Options.fold_products``) or the layout."""
+    return layout.fold if layout.fold is not None and options.fold_products else layout
+
+
+def _leaf_route(options, batch: int | None) -> bool:
+    """The options' part of the leaf kernels' routes (:func:`leaf_kernel`, :func:`counts_kernel`):
+    ``Options(leaf_kernel=True)`` and ``impl`` ``"pallas"`` / ``"pallas_forward"`` (interpret mode off a GPU) or
+    ``"auto"`` on a GPU at a ``batch`` of at least ``Options.tuning.leaf_batch`` (None: any)."""
+    if not options.leaf_kernel or options.impl == "xla":
+        return False
+    return options.impl != "auto" or (on_gpu() and (batch is None or batch >= options.tuning.leaf_batch))
+
+
+def leaf_kernel(layout: Layout, params: dict, options, soft: Array | None = None,
+                evidence: dict | None = None, batch: int | None = None) -> bool:
+    """Whether the node buffer's first rows come from one kernel (:func:`jaxpc.engine.forward.leaf_values`) instead
+    of the input layers' values and a concatenation: when :func:`jaxpc.engine.forward.evaluate` runs the flow pass's
+    buffer (``backward="flows"``, not as a chain, no per-call evidence or soft evidence), every input layer is a table
+    of log-values (``Distribution.value_table``: categorical leaves), laid out above the padding, the parameters
+    float32, and ``Options.impl`` is ``"pallas"`` / ``"pallas_forward"`` (interpret mode off a GPU) or ``"auto"`` on a
+    GPU at a ``batch`` of at least ``Options.tuning.leaf_batch``, unless ``Options(leaf_kernel=False)``. HCLT-256's
+    buffer on the H200: 0.39 against XLA's 0.73 ms at batch 512, 0.18 against 0.28 at 128, but 0.16-0.23 against
+    0.14 at 16, where a program's gathers from its rows of parameters are too few (docs/performance.md)."""
+    if (not _leaf_route(options, batch) or soft is not None or evidence or not runs_node_buffer(layout, options)
+            or param_dtype(params) != jnp.float32):
+        return False
+    row = 2 * layout.kmax
+    for spec in sorted(layout.input_layers, key=lambda s: s.offset):
+        if spec.offset < row or spec.dist.value_table(params["input"][spec.key]) is None:
+            return False
+        row = spec.offset + spec.num_nodes
+    return kernels_available()
+
+
+def counts_kernel(spec, options, flows: Array) -> bool:
+    """Whether the expected counts of input layer ``spec`` (categorical leaves in runs over one variable,
+    ``InputLayerSpec.run``) come from one Pallas kernel (:func:`jaxpc.ops.pallas_leaf.categorical_counts`, the
+    one-hot matrices in registers) instead of XLA's products with one-hot matrices in memory: float32 node flows
+    ``[N, B]``, and the routes of :func:`leaf_kernel` (:func:`_leaf_route`)."""
+    from ..distributions.categorical import Categorical
+
+    if (not _leaf_route(options, flows.shape[1]) or spec.run < 2 or flows.dtype != jnp.float32
+            or type(spec.dist).suff_stats_runs is not Categorical.suff_stats_runs):
+        return False
+    return kernels_available()
+
+
+# ---- sum partitions ---------------------------------------------------------------------------------
+
+def partition_key(part, B: int) -> tuple:
+    """A sum partition's key in ``Options.kernels``: ``(n, C, Kp, Kc, U, D, B)``, with ``M`` appended for a
+    folded partition (``M > 1``)."""
+    sig = (part.n, part.C, part.Kp, part.Kc, part.U, part.D, B)
+    return sig + (part.M,) if part.M > 1 else sig
+
+
+def kernel_choice(options, part, B: int, dtype=jnp.float32):
+    """``(impl, KernelConfig or None)`` for a sum partition: the tuned choice in ``options.kernels`` for this
+    partition and batch, else ``options.impl`` (``"auto"``: :func:`auto_impl` for a ``dtype`` node buffer)
+    with the default kernel configuration. Without the Pallas Triton backend every choice is the reference
+    (with one warning per process)."""
+    impl, cfg = _kernel_choice(options, part, B, dtype)
+    if impl in PALLAS_FORWARD and not kernels_available():
+        return "xla", None
+    return impl, cfg
+
+
+def _kernel_choice(options, part, B: int, dtype):
+    sig = partition_key(part, B)
+    for s, choice in options.kernels:
+        if s == sig:
+            if choice[0] in PALLAS_FORWARD:
+                from ..ops.pallas_sum import KernelConfig
+                return choice[0], KernelConfig(*choice[1:])
+            return "xla", None
+    if options.impl == "auto":
+        return auto_impl(part, dtype, B, options.tuning.small_batch), None
+    return options.impl, None
+
+
+def auto_impl(part, dtype=jnp.float32, B: int | None = None, small_batch: int = Tuning.small_batch) -> str:
+    """``Options(impl="auto")``'s choice for a sum partition at batch ``B``: on a GPU the Pallas forward (XLA
+    backward) when its blocks have several child blocks, which XLA would gather into an ``[n, C*Kc, B]``
+    tensor and read twice (PD-128 on the H200: forward 3.1 against 7.1 ms at batch 512, forward + flows 11.7
+    against 12.3), and for tree levels (``C == 1``) at batches of at most ``Options.tuning.small_batch``, where one
+    kernel per level replaces XLA's four (HCLT-256 at batch 16: forward + flows 3.18 against 3.29-3.57 ms
+    synchronized, 2.27 against 2.67 in a pipelined loop; at batch 128 XLA's 4.53 against 4.67 ms, at 512
+    8.16 against 9.31). The XLA path for dense layers, buffers other than float32 and on backends without
+    Triton. (Forwards differentiated by autodiff run on XLA: :func:`jaxpc.engine.forward.evaluate`.)"""
+    if part.dense or jnp.dtype(dtype) != jnp.float32 or not on_gpu():
+        return "xla"
+    if part.C > 1 or (B is not None and B <= small_batch):
+        return "pallas_forward"
+    return "xla"
+
+
+def pieces(part, B: int, limit: int) -> list[tuple[int, int]]:
+    """Ranges ``[a, b)`` of parent blocks, of near-equal sizes, whose gathered children (``C * Kc * B`` floats per
+    block) stay within ``limit`` elements (``Options.gather_chunk``); one range for a dense partition."""
+    if part.dense:
+        return [(0, part.n)]
+    return ranges(part.n, limit // max(1, part.C * part.Kc * B))
+
+
+def runs_inplace(impl: str, options, buf: Array) -> bool:
+    """Whether a sum partition routed to ``impl`` runs as a Pallas kernel writing the (float32) buffer in place."""
+    return impl in PALLAS_FORWARD and options.propagation != "MPE" and buf.dtype == jnp.float32
+
+
+def runs_pallas_backward(impl: str, options) -> bool:
+    """Whether the flow pass runs a sum partition routed to ``impl`` on the Pallas backward kernels (else XLA's)."""
+    tempered = options.pflow_temperature != 1.0 or options.eflow_temperature != 1.0
+    return impl == "pallas" and options.propagation != "MPE" and not tempered
+
+
+def exclusive(part) -> bool:
+    """Whether a sum partition is a tree level: one child block per parent block and one parent per child
+    row block. The Pallas backward then computes each parent's child flows once and writes them to every row
+    block of its (folded) child (:func:`jaxpc.ops.pallas_sum.backward_exclusive`)."""
+    return part.C == 1 and part.D == 1
+
+
+# ---- kept shifts --------------------------------------------------------------------------------------
+
+SHIFT_MIN_UNIT: Final = 8  # Options.kernel_shifts: blocks of at least this many nodes keep their shifts
+
+
+def _keeps_shift(part) -> bool:
+    """Whether a sum partition may keep its blocks' shifts in the forward (``Options.kernel_shifts``): blocks of at
+    least :data:`SHIFT_MIN_UNIT` nodes gathered block by block (not dense, or one block: a tree's top levels)."""
+    return part.blockwise and part.Kp >= SHIFT_MIN_UNIT
+
+
+def writes_shift(options, part, buf: Array) -> bool:
+    """Whether sum partition ``part`` keeps its blocks' shifts in the forward (the in-place kernel's or XLA's) for
+    the XLA flow pass (the Pallas backward recomputes them): blocks of at least :data:`SHIFT_MIN_UNIT` nodes of a
+    sum-product layer in a float32 buffer. The one test by which the forward decides to carry a shift buffer and
+    to write a partition's shifts, and the flow pass decides to read them."""
+    impl = kernel_choice(options, part, buf.shape[1], buf.dtype)[0]
+    return (_keeps_shift(part) and options.propagation != "MPE" and buf.dtype == jnp.float32
+            and not runs_pallas_backward(impl, options))
+
+
+def shift_unit(layout: Layout) -> int:
+    """Rows of the node buffer per row of the shift buffer (``Options.kernel_shifts``): the greatest common
+    divisor of the first rows and block sizes of the partitions that keep shifts (:func:`_keeps_shift`) and of
+    the scanned periods' rows, so every such block starts at a multiple of it; 0 (no shifts kept) when that is
+    below :data:`SHIFT_MIN_UNIT`."""
+    unit = 0
+    for step in layout.steps:
+        scanned = isinstance(step, ScanSpec)
+        specs = step.period if scanned else (step,)
+        kept = False
+        for spec in specs:
+            row = spec.offset + sum(p.num_rows for p in spec.prods)
+            for part in spec.sums:
+                if _keeps_shift(part):
+                    unit, kept = math.gcd(unit, row, part.Kp), True
+                row += part.num_rows
+        if scanned and kept:  # the later repeats sit whole periods further
+            unit = math.gcd(unit, sum(spec.num_rows for spec in specs))
+    return unit if unit >= SHIFT_MIN_UNIT else 0
+
+
+def pflow_kernel(options, dtype) -> bool:
+    """Whether the batched parameter-flow pass may run :func:`jaxpc.ops.pallas_sum.param_flows_after` (one kernel
+    per block shape: the weights' product in its epilogue, nothing of the gathered children's size in memory)
+    instead of XLA's gather, product and multiply, for the block shapes of which some partition kept its shifts
+    in an in-place forward kernel (:func:`writes_shift`; HCLT-256's 577 tree-level blocks at batch 16 on the
+    H200: 0.24 against 0.32 ms): float32 buffers, local sums from the stored values (``precision`` below ``"fp32"``,
+    untempered parameter flows), ``Options.impl`` ``"auto"`` on a GPU or ``"pallas"`` / ``"pallas_forward"``
+    (interpret mode off a GPU); never with ``"xla"``."""
+    if (jnp.dtype(dtype) != jnp.float32 or options.impl == "xla" or options.concrete_precision == "fp32"
+            or options.pflow_temperature != 1.0 or not kernels_available()):
+        return False
+    return options.impl != "auto" or on_gpu()

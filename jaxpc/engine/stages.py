@@ -1,0 +1,220 @@
+"""The forward pass over the node buffer ``[R, B]``, stage by stage.
+
+The buffer before the first stage (padding rows, the input layers' values), one stage's rows (products; sums on
+XLA in pieces, on external per-sample parameters, or as in-place Pallas kernels, which may keep their blocks'
+shifts for the flow pass) and the loop over the stages (:func:`run_stages`), which the flow pass, selection and
+partial evaluation run too. The routes come from :mod:`jaxpc.engine.routing`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ..compiler.layout import Layout, ScanSpec, StageSpec
+from ..ops import product_layer, sum_layer
+from ..ops.pieces import in_order
+from ..ops.sum_layer import sum_layer_reference
+from ..ops.sum_layer_external import sum_layer_external_reference
+from . import routing
+
+Array = jax.Array
+
+
+# ---- the buffer before the first stage --------------------------------------------------------------
+
+def _padding(layout: Layout, B: int, dtype) -> list:
+    """The buffer's first ``2 * kmax`` rows: ``kmax`` zero rows, then ``kmax`` rows of ``-inf``."""
+    return [jnp.zeros((layout.kmax, B), dtype), jnp.full((layout.kmax, B), -jnp.inf, dtype)]
+
+
+def empty_buffer(layout: Layout, B: int, dtype) -> Array:
+    """``[R, B]`` zeros with the ``-inf`` padding rows set."""
+    return jnp.concatenate(_padding(layout, B, dtype) + [jnp.zeros((layout.num_rows - 2 * layout.kmax, B), dtype)])
+
+
+def write_inputs(layout: Layout, buf: Array, vals: list) -> Array:
+    """``buf`` with the input layers' values ``vals`` (``[N, B]`` each) written at their rows."""
+    for spec, v in zip(layout.input_layers, vals):
+        buf = lax.dynamic_update_slice_in_dim(buf, v.astype(buf.dtype), spec.offset, axis=0)
+    return buf
+
+
+def input_buffer(layout: Layout, vals: list, dtype) -> Array:
+    """The node buffer before the first stage: padding rows, the input layers' values, zeros above. Built
+    as one concatenation (one kernel that computes the leaves and writes the whole buffer on a GPU) when the
+    input layers fill the rows right after the padding, as the compiler lays them out."""
+    B = vals[0].shape[1]
+    specs = sorted(zip(layout.input_layers, vals), key=lambda sv: sv[0].offset)
+    row = 2 * layout.kmax
+    for spec, _ in specs:
+        if spec.offset != row:
+            return write_inputs(layout, empty_buffer(layout, B, dtype), vals)
+        row += spec.num_nodes
+    parts = _padding(layout, B, dtype) + [v.astype(dtype) for _, v in specs]
+    if layout.num_rows > row:
+        parts.append(jnp.zeros((layout.num_rows - row, B), dtype))
+    return jnp.concatenate(parts)
+
+
+# ---- one stage ----------------------------------------------------------------------------------------
+
+def in_pieces(spans, tab: dict, step, carry):
+    """``carry = step(carry, a, b, tables of blocks [a, b))`` over ``spans``, one piece after the other
+    (:func:`jaxpc.ops.pieces.in_order`: a piece's gather cannot start before the previous piece is done)."""
+    return in_order(spans, lambda a, b: {k: tab[k][a:b] for k in ("ch", "pid")}, step, carry)
+
+
+def _product_rows(buf: Array, spec: StageSpec, tab: dict, offset, index) -> tuple[list, object]:
+    """``([(row, values)] of the stage's product partitions, the first row above them)``."""
+    outs, row = [], offset
+    for j, (part, t) in enumerate(zip(spec.prods, tab["prods"])):
+        with jax.named_scope(f"jaxpc/stage{index}/prod{j}"):
+            outs.append((row, product_layer(buf, t["ch"], K=part.K)))
+        row = row + part.num_rows
+    return outs, row
+
+
+def _external_sum(buf: Array, part, t: dict, logw: Array, options, gates, lowrank, counts: bool) -> Array:
+    """A sum partition's values on per-sample parameters (``sum_gates`` / ``sum_lowrank`` evidence)."""
+    if options.propagation != "LL":
+        raise ValueError("external sum parameters (sum_gates / sum_lowrank) support propagation='LL'")
+    return sum_layer_external_reference(buf, t["ch"], t["pid"], logw, Kp=part.Kp, Kc=part.Kc, dense=part.dense,
+                                        gates=gates, lowrank=lowrank, counts=counts,
+                                        precision=options.concrete_precision)
+
+
+def _xla_sum(buf: Array, part, t: dict, logw: Array, options, impl: str, cfg, row, shifts: Array | None, unit: int):
+    """``(values [n * Kp, B], shifts)`` of a sum partition that does not write the buffer in place, in pieces
+    (:func:`jaxpc.engine.routing.pieces`); where :func:`jaxpc.engine.routing.writes_shift` holds, XLA's shifts
+    (one per block) are kept for the flow pass, written into ``shifts`` at rows of ``unit``."""
+    keep = shifts is not None and routing.writes_shift(options, part, buf)
+
+    def piece(done, a, b, sub):
+        kw = dict(Kp=part.Kp, Kc=part.Kc, dense=part.dense, propagation=options.propagation,
+                  alpha=options.alpha, precision=options.concrete_precision)
+        if keep:
+            return done + [sum_layer_reference(buf, sub["ch"], sub["pid"], logw, with_shift=True, **kw)]
+        return done + [(sum_layer(buf, sub["ch"], sub["pid"], logw, impl=impl, config=cfg, **kw), None)]
+
+    done = in_pieces(routing.pieces(part, buf.shape[1], options.gather_chunk), t, piece, [])
+    out, m = (d[0] if len(d) == 1 or d[0] is None else jnp.concatenate(d, axis=0) for d in zip(*done))
+    if keep:
+        shifts = shifts.at[(row + jnp.arange(part.n) * part.Kp) // unit].set(m, unique_indices=True)
+    return out, shifts
+
+
+def _sum_rows(buf: Array, spec: StageSpec, tab: dict, sum_params: dict, options, row, index, evidence: dict | None,
+              counts: bool, shifts: Array | None, unit: int):
+    """``(outs, inplace, shifts)`` for the stage's sum partitions, from ``row`` on: ``outs`` the ``(row, values)``
+    that updates write, ``inplace`` the ``(row, index, part, tables, config)`` that the in-place kernels write."""
+    outs, inplace = [], []
+    gates = (evidence or {}).get("sum_gates") or {}
+    lowrank = (evidence or {}).get("sum_lowrank") or {}
+    for j, (part, t) in enumerate(zip(spec.sums, tab["sums"])):
+        with jax.named_scope(f"jaxpc/stage{index}/sum{j}"):
+            logw = sum_params[part.group]
+            if part.group in gates or part.group in lowrank:
+                outs.append((row, _external_sum(buf, part, t, logw, options, gates.get(part.group),
+                                                lowrank.get(part.group), counts)))
+            else:
+                impl, cfg = routing.kernel_choice(options, part, buf.shape[1], buf.dtype)
+                if routing.runs_inplace(impl, options, buf):
+                    inplace.append((row, j, part, t, cfg))
+                else:
+                    out, shifts = _xla_sum(buf, part, t, logw, options, impl, cfg, row, shifts, unit)
+                    outs.append((row, out))
+        row = row + part.num_rows
+    return outs, inplace, shifts
+
+
+def _inplace_sums(buf: Array, inplace: list, sum_params: dict, options, index, shifts: Array | None, unit: int):
+    """``(buf, shifts)`` with the in-place kernels' partitions written (and their shifts where
+    :func:`jaxpc.engine.routing.writes_shift` holds). A stage's partitions read lower rows only: the order of
+    the kernels does not matter."""
+    from ..ops import pallas_sum
+
+    for r, j, part, t, cfg in inplace:
+        with jax.named_scope(f"jaxpc/stage{index}/sum{j}"):
+            a = 1.0 if options.propagation == "LL" else options.alpha
+            kw = dict(Kp=part.Kp, Kc=part.Kc, alpha=a, precision=options.concrete_precision,
+                      config=pallas_sum.forward_config(part.n, part.Kp, buf.shape[1], cfg), out_offset=r)
+            if shifts is not None and routing.writes_shift(options, part, buf):
+                buf, shifts = pallas_sum.forward(buf, t["ch"], t["pid"], sum_params[part.group], shifts=shifts,
+                                                 unit=unit, **kw)
+            else:
+                buf = pallas_sum.forward(buf, t["ch"], t["pid"], sum_params[part.group], **kw)
+    return buf, shifts
+
+
+def _stage(buf: Array, spec: StageSpec, tab: dict, sum_params: dict, options, offset, index,
+           evidence: dict | None = None, counts: bool = False, shifts: Array | None = None, unit: int = 0):
+    """The node buffer with one stage's rows written; ``(buf, shifts)`` when given ``shifts``, into which the
+    partitions that keep them (the in-place kernels and XLA's) also write their blocks' shifts (rows of
+    ``unit``, see :func:`jaxpc.engine.routing.shift_unit`)."""
+    outs, row = _product_rows(buf, spec, tab, offset, index)
+    sums, inplace, shifts = _sum_rows(buf, spec, tab, sum_params, options, row, index, evidence, counts, shifts, unit)
+    outs += sums
+    if outs and not inplace:  # one write for the whole stage
+        out = outs[0][1] if len(outs) == 1 else jnp.concatenate([o for _, o in outs], axis=0)
+        buf = lax.dynamic_update_slice_in_dim(buf, out.astype(buf.dtype), offset, axis=0)
+    else:
+        for r, out in outs:
+            buf = lax.dynamic_update_slice_in_dim(buf, out.astype(buf.dtype), r, axis=0)
+        if inplace:
+            buf, shifts = _inplace_sums(buf, inplace, sum_params, options, index, shifts, unit)
+    return buf if shifts is None else (buf, shifts)
+
+
+# ---- every stage ----------------------------------------------------------------------------------------
+
+def run_stages(layout, tables: dict, buf: Array, stage_fn, reverse: bool = False, scan: bool = True):
+    """Apply ``stage_fn(carry, spec, tab, offset, name)`` to every stage in order (or in reverse), running
+    repeated stages under ``lax.scan`` (``scan=False``: unrolled, one stage after the other with its slice
+    of the stacked tables). ``carry`` is any pytree (the node buffer, or buffers plus accumulators).
+    ``layout`` is anything with ``steps`` (a Layout or a partial-evaluation plan)."""
+    steps = list(enumerate(zip(layout.steps, tables["steps"])))
+    for si, (step, tab) in (reversed(steps) if reverse else steps):
+        if isinstance(step, ScanSpec):
+            period = list(enumerate(zip(step.period, range(len(step.period)))))
+
+            def body(b, t, step=step, si=si, period=period):
+                for j, (st, _) in (reversed(period) if reverse else period):
+                    b = stage_fn(b, st, t[j], t[j]["out"], f"{si}.{j}")
+                return b, None
+
+            with jax.named_scope(f"jaxpc/scan{si}"):
+                if scan:
+                    buf, _ = lax.scan(body, buf, tab, reverse=reverse)
+                else:
+                    trips = range(step.repeats)
+                    for i in (reversed(trips) if reverse else trips):
+                        buf, _ = body(buf, jax.tree_util.tree_map(lambda a, i=i: a[i], tab))
+        else:
+            buf = stage_fn(buf, step, tab, step.offset, si)
+    return buf
+
+
+def forward_buffer(layout: Layout, tables: dict, sum_params: dict, input_vals, options,
+                   evidence: dict | None = None, counts: bool = False, keep_shifts: bool = False):
+    """The node buffer ``[R, B]`` from the input layers' values (plain forward, differentiable by autodiff), or
+    from the buffer with the leaves written (:func:`jaxpc.engine.forward.leaf_values`, an array in place of the
+    list). With ``keep_shifts``: ``(buf, shifts or None)``, the shifts of the blocks that keep them
+    (:func:`jaxpc.engine.routing.writes_shift`: ``[ceil(R / unit), B]``, see :func:`jaxpc.engine.routing.shift_unit`;
+    None when the layout's unit is too small)."""
+    dtype = routing.param_dtype({"sum": sum_params, "v": input_vals})
+    buf = input_vals if isinstance(input_vals, jax.Array) else input_buffer(layout, input_vals, dtype)
+    unit = routing.shift_unit(layout) if keep_shifts and dtype == jnp.float32 else 0
+    if unit and not any(routing.writes_shift(options, p, buf) for spec in layout.stages() for p in spec.sums):
+        unit = 0  # no kernel would write a shift (e.g. no GPU, or max-product)
+
+    def stage(carry, spec, tab, offset, name):  # carry: the buffer, or (buffer, shifts) with a shift buffer
+        b, s = carry if unit else (carry, None)
+        return _stage(b, spec, tab, sum_params, options, offset, name, evidence, counts, s, unit)
+
+    carry = (buf, jnp.zeros((-(-layout.num_rows // unit), buf.shape[1]), jnp.float32)) if unit else buf
+    carry = run_stages(layout, tables, carry, stage, scan=options.scan_stages)
+    if not keep_shifts:
+        return carry
+    return carry if unit else (carry, None)
