@@ -451,7 +451,14 @@ def _digest(h, obj, depth: int = 0) -> None:
             parts.append(sub.digest())
         for part in sorted(parts):
             h.update(part)
-    elif isinstance(obj, enum.Enum):
+    else:
+        _digest_object(h, obj, d)
+
+
+def _digest_object(h, obj, d: int) -> None:
+    """:func:`_digest` of what is not a scalar, an array or a container: code by its qualified name, jaxpc's
+    objects by their state."""
+    if isinstance(obj, enum.Enum):
         h.update(f"{type(obj).__module__}.{obj.name}".encode())
     elif isinstance(obj, functools.partial):
         _digest(h, obj.func, d)
