@@ -270,14 +270,20 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
         tables = circuit.tables
     else:
         tables = circuit.runtime.replicated(circuit.tables, NamedSharding(mesh, PartitionSpec()))
-    epochs_iter, bar = _progress_bar(range(start_epoch, start_epoch + int(epochs)), progress)
+    return _run_epochs(circuit, run, tables, params, opt_state, batch, ev, key,
+                       range(start_epoch, start_epoch + int(epochs)), progress)
+
+
+def _run_epochs(circuit, run, tables, params, opt_state, batch, ev, key, epochs, progress: bool) -> FitResult:
+    """``fit``'s loop: one executable call per epoch; the data's input flag is read once, after the first."""
+    epochs_iter, bar = _progress_bar(epochs, progress)
     lls = []
     for e in epochs_iter:
         params, opt_state, ll, bad = run(tables, params, opt_state, batch.x, batch.missing, ev, key,
                                          jnp.asarray(e, jnp.int32))
         lls.append(ll)
         if bad is not None and len(lls) == 1 and bool(np.asarray(bad)):
-            # (read once per fit, after the first epoch) the rows with bad values took no part
+            # the rows with bad values took no part
             raise_bad_values(circuit.runtime.var_info, batch.x, batch.missing, "data",
                              "optim.fit, which left those rows out")
         if bar is not None:
