@@ -311,3 +311,26 @@ def test_topk_logz_dense_and_gather_paths_agree():
     with pytest.raises(ValueError, match="unknown top-k evidence method"):
         _topk_logz(jnp.asarray(lt), jnp.asarray(ids), jnp.asarray(lp), None, jnp.asarray(rows), jnp.asarray(vars_),
                    method="sparse")
+
+
+def test_gated_lowrank_em_step_moves_no_host_data():
+    """A steady-state EM step with BlockScale gates and LowRank corrections on device-resident data makes no
+    host transfer (its input check's flag is the runtime's own, read under its own permission), and its
+    parameters stay normalized and finite."""
+    c = jaxpc.compile(structures.HMM(5, 4, 6, block_size=2))
+    rng = np.random.default_rng(7)
+    x = jax.device_put(rng.integers(0, 6, (16, 5)).astype(np.int32))
+    ev = {"sum_gates": {g.key: jax.device_put(rng.normal(size=(16, g.num_blocks)).astype(np.float32))
+                        for g in c.layout.sum_groups},
+          "sum_lowrank": {g.key: {"u": jax.device_put(rng.random((16, g.num_blocks, g.Kp, 2)).astype(np.float32)),
+                                  "v": jax.device_put(rng.random((16, g.num_blocks, 2, g.Kc)).astype(np.float32))}
+                          for g in c.layout.sum_groups}}
+    step, pc = c.runtime.scalar(0.1), c.runtime.scalar(0.1)
+    params = c.em_step(c.params, x, evidence=ev, step_size=step, pseudocount=pc)  # compiles, makes constants
+    with jax.transfer_guard("disallow"):
+        for _ in range(2):
+            params = c.em_step(params, x, evidence=ev, step_size=step, pseudocount=pc)
+        jax.block_until_ready(params)
+    c.raise_pending()
+    assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree_util.tree_leaves(params))
+    np.testing.assert_allclose(np.asarray(c.get_node_params(params, c.root)).sum(), 1.0, rtol=1e-5)
