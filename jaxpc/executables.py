@@ -42,7 +42,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, Final, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
@@ -162,6 +161,13 @@ class _IdentityMemo:
 _TABLE_SIGS = _IdentityMemo()
 
 
+def put_constant(a: np.ndarray, sharding=None) -> jax.Array:
+    """Host array ``a`` on the device(s) of ``sharding`` (default device: None): a constant of the call path,
+    made once, so it is allowed under ``jax.transfer_guard("disallow")``."""
+    with jax.transfer_guard_host_to_device("allow"):
+        return jax.device_put(a, sharding)
+
+
 class PackedTables:
     """An index-table pytree packed into one flat device array per dtype.
 
@@ -186,15 +192,10 @@ class PackedTables:
         # executable per distinct table shape, hundreds of compiles on a circuit's first call
         with jax.transfer_guard("allow"):
             host = jax.device_get(leaves)
-        self.arrays = tuple(self._put(np.concatenate([np.ravel(host[i]) for i in g[2]]), [leaves[i] for i in g[2]])
+        # each packed array goes where its tables are (a mesh's replicated tables stay replicated)
+        self.arrays = tuple(put_constant(np.concatenate([np.ravel(host[i]) for i in g[2]]),
+                                         getattr(leaves[g[2][0]], "sharding", None))
                             for g in sorted(groups.values(), key=lambda g: g[0]))
-
-    @staticmethod
-    def _put(packed: np.ndarray, leaves: list):
-        """``packed`` on the device(s) of ``leaves`` (a mesh's replicated tables stay replicated)."""
-        sharding = getattr(leaves[0], "sharding", None)
-        with jax.transfer_guard("allow"):
-            return jax.device_put(packed, sharding) if isinstance(leaves[0], jax.Array) else jnp.asarray(packed)
 
     def unpack(self, arrays):
         """The tables pytree from (traced) packed arrays."""
@@ -363,7 +364,6 @@ class ExecutableCache:
             t = time.perf_counter()
             opts = static.get("options")  # XLA options come with the Options (part of the key) or not at all
             xla = dict(opts.tuning.compiler_options) if getattr(opts, "tuning", None) is not None else {}
-            call_args = _call_args(args)
             store = _STORE
             fp = store.fingerprint(fn, static, args, xla) if store is not None else None
             compiled = store.load(fp) if fp is not None else None
@@ -371,7 +371,7 @@ class ExecutableCache:
                 with self._lock:
                     self.loaded += 1
             else:
-                compiled = jax.jit(positional).lower(*call_args).compile(compiler_options=xla or None)
+                compiled = jax.jit(positional).lower(*_call_args(args)).compile(compiler_options=xla or None)
                 with self._lock:
                     self.compile_seconds += time.perf_counter() - t
                 if fp is not None:
@@ -565,9 +565,7 @@ class ExecutableStore:
             by_id = {d.id: d for d in jax.devices()}
             return ser.deserialize_and_load(payload, in_tree, out_tree,
                                             execution_devices=[by_id[i] for i in device_ids])
-        except FileNotFoundError:
-            return None
-        except Exception:  # noqa: BLE001 - a file we cannot load is compiled again and replaced
+        except Exception:  # noqa: BLE001 - absent, or one we cannot load: compiled (again) and stored
             return None
 
     def save(self, fp: str, compiled) -> bool:
@@ -590,12 +588,7 @@ class ExecutableStore:
             return False
 
 
-_STORE: ExecutableStore | None = None
-
-
-def executable_store() -> ExecutableStore | None:
-    """The disk store of serialized executables in use, or None (see :func:`enable_persistent_cache`)."""
-    return _STORE
+_STORE: ExecutableStore | None = None  # set by enable_persistent_cache / default_persistent_cache
 
 
 def enable_persistent_cache(directory: str, min_compile_seconds: float = 0.0) -> None:

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import checks
-from .executables import BucketPolicy, ExecutableCache
+from .executables import BucketPolicy, ExecutableCache, put_constant
 from .options import Options, matmul_setting, resolve_precision
 
 Array = jax.Array
@@ -193,11 +193,6 @@ def _any_bad(x, missing, *, check):
     return jnp.any(check.apply(x, missing)[1])
 
 
-def _put(a: np.ndarray, sharding=None) -> Array:
-    with jax.transfer_guard_host_to_device("allow"):  # a constant of the call path, made once
-        return jax.device_put(a, sharding)
-
-
 class Runtime:
     """Per-circuit state of the call path (see the module docstring)."""
 
@@ -343,7 +338,7 @@ class Runtime:
                 args = pad_args(args, n, b, batched, self.dtype)
             if weights is None:
                 args["weights"] = (jnp.ones((n,), self.dtype) if batch.traced else self.constant(
-                    ("valid", b, n, sharding), lambda: _put(_valid_rows(b, n, self.dtype), sharding)))
+                    ("valid", b, n, sharding), lambda: put_constant(_valid_rows(b, n, self.dtype), sharding)))
         out = self.cache.run(name, fn, static, args, self._fallback(name, static, batched, multiple)
                                    if batch is not None and not batch.traced else None)
         if b != n:
