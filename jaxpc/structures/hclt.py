@@ -26,23 +26,26 @@ from ._util import check_latents
 __all__ = ["HCLT", "mutual_information", "chow_liu_tree"]
 
 
-@functools.partial(jax.jit, static_argnames=("num_bins", "sigma"))
-def _soft_bins(xs, *, num_bins: int, sigma: float):
-    """Each value spread over ``num_bins`` bins ``[B, V * nb]`` and the variables' entropies ``[V]``."""
+@functools.partial(jax.jit, static_argnames=("num_bins", "sigma", "num_vars"))
+def _soft_bins(xs, *, num_bins: int, sigma: float, num_vars: int):
+    """Each value of ``xs`` ``[B, n]`` spread over ``num_bins`` bins ``[B, n * nb]`` (the padding variables
+    past ``num_vars`` hold no mass) and the variables' entropies ``[n]``."""
     bins = jnp.linspace(0.0, 1.0, num_bins)
-    p = jnp.exp(-0.5 * jnp.square(xs[:, :, None] - bins[None, None, :]) / (sigma * sigma))  # [B, V, nb]
+    p = jnp.exp(-0.5 * jnp.square(xs[:, :, None] - bins[None, None, :]) / (sigma * sigma))  # [B, n, nb]
     marg = jnp.mean(p / jnp.sum(p, axis=2, keepdims=True), axis=0)
+    p = p * (jnp.arange(xs.shape[1]) < num_vars)[None, :, None]
     return p.reshape(p.shape[0], -1), -jnp.sum(marg * jnp.log(marg + 1e-4), axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("num_bins",))
-def _row_entropy(pa, p, *, num_bins: int):
-    """Entropy of the soft joint histogram of each variable of ``pa`` ``[B, c * nb]`` with each of ``p``
-    ``[B, V * nb]``: ``[c, V]``. One matrix product at JAX's default precision (one shape per circuit: the
-    row blocks are padded, so one compile serves them all)."""
-    B = pa.shape[0]
+@functools.partial(jax.jit, static_argnames=("num_bins", "rows"))
+def _row_entropy(p, start, *, num_bins: int, rows: int):
+    """Entropy of the soft joint histogram of each of the ``rows`` variables from ``start`` with each variable
+    of ``p`` ``[B, V * nb]``: ``[rows, V]``. One matrix product at JAX's default precision (the start is
+    traced, so one compile serves every block)."""
+    B = p.shape[0]
+    pa = jax.lax.dynamic_slice_in_dim(p, start * num_bins, rows * num_bins, axis=1)
     joint = jnp.dot(pa.T, p) / B
-    joint = joint.reshape(pa.shape[1] // num_bins, num_bins, p.shape[1] // num_bins, num_bins)
+    joint = joint.reshape(rows, num_bins, p.shape[1] // num_bins, num_bins)
     total = jnp.sum(joint, axis=(1, 3), keepdims=True)
     joint = joint / jnp.where(total > 0, total, 1.0)  # (padding variables: all zero)
     return -jnp.sum(joint * jnp.log(joint + 1e-4), axis=(1, 3))
@@ -60,9 +63,8 @@ def mutual_information(x, num_bins: int = 32, sigma: float = 0.5 / 32, chunk_siz
     n = -(-V // c) * c
     xs = np.zeros((x.shape[0], n), np.float32)
     xs[:, :V] = (x - lo) / (hi - lo + 1e-8)
-    p, h1 = _soft_bins(jnp.asarray(xs), num_bins=nb, sigma=float(sigma))
-    p = p * jnp.repeat(jnp.arange(n) < V, nb)[None, :]  # padding variables hold no mass
-    h12 = np.concatenate([np.asarray(_row_entropy(p[:, i * nb:(i + c) * nb], p, num_bins=nb))
+    p, h1 = _soft_bins(jnp.asarray(xs), num_bins=nb, sigma=float(sigma), num_vars=V)
+    h12 = np.concatenate([np.asarray(_row_entropy(p, np.int32(i), num_bins=nb, rows=c))
                           for i in range(0, n, c)])[:V, :V]
     h12 = np.where(np.triu(np.ones((V, V), bool)), h12, h12.T)  # each pair from its upper-triangle entry
     h1 = np.asarray(h1)[:V]
