@@ -5,10 +5,12 @@
 A homogeneous HMM (``SoftEvidenceCategorical`` emissions) with ``--latents`` states over ``--vocab``
 tokens; every step draws a batch size in 10..26 and ``--topk`` candidate tokens per position (the
 observed token among them) with random log-probabilities, and computes, in one executable, the
-log-likelihood, its gradient with respect to the evidence log-probabilities, and the parameter flows
-(the gradient with respect to the log-parameters). Batches are padded to the circuit's buckets with
-zero-weight rows. First checks the log-likelihood against the same circuit's dense-evidence path on a
-small batch. Reports the median ms per step, executables compiled and compile seconds.
+log-likelihood, its gradient with respect to the evidence log-probabilities, and the parameter flows: the
+default call ``circuit.flows(params, x, evidence=..., return_ll=True, return_evidence_grad=True)``, which pads
+each batch to the circuit's bucket. First checks the log-likelihood against the same circuit's dense-evidence
+path on a small batch. Reports the median ms per step, the first call of each bucket (with
+``JAXPC_CACHE_DIR`` pointing at an empty directory: cold; a second run on it: warm), peak memory and the
+executable cache's counts.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import numpy as np
 
 import jaxpc
 from jaxpc import distributions, structures
-from jaxpc.engine import forward
 
 
 def main(argv=None):
@@ -33,7 +34,8 @@ def main(argv=None):
     p.add_argument("--topk", type=int, default=1024)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--precision", default="tf32", choices=["fp32", "tf32", "bf16"])
+    p.add_argument("--precision", default="default", choices=["default", "fp32", "tf32", "bf16"],
+                   help="default: the default call (no options)")
     p.add_argument("--json", default=None, help="also write the result here")
     args = p.parse_args(argv)
     L, V, K, T = args.latents, args.vocab, args.topk, args.seq
@@ -41,7 +43,6 @@ def main(argv=None):
     t0 = time.perf_counter()
     c = jaxpc.compile(structures.GeneralizedHMM(T, L, distributions.SoftEvidenceCategorical(V)))
     print(f"jaxpc.compile {time.perf_counter() - t0:.2f} s", flush=True)
-    opts = jaxpc.Options(precision=args.precision)
     rng = np.random.default_rng(0)
 
     def batch(b):
@@ -62,37 +63,33 @@ def main(argv=None):
     print(f"check: top-k vs dense evidence max |diff| = {err:.2e}", flush=True)
     assert err < 1e-3
 
-    def objective(sum_params, logp, x, ids, w):
-        ev = {"categorical_topk": {"ids": ids, "logp": logp}}
-        params = {"sum": sum_params, "input": c.params["input"]}
-        ll = forward.log_prob(c.layout, c.tables, params, x, None, opts, evidence=ev)
-        return jnp.sum(jnp.where(w > 0, ll, 0.0) * w)
-
-    step = jax.jit(jax.grad(objective, argnums=(0, 1)))
-    compiled, compile_s = set(), 0.0
-    times = []
+    kw = {} if args.precision == "default" else {"options": jaxpc.Options(precision=args.precision)}
+    first, times = {}, []
     for _ in range(args.steps):
         n = int(rng.integers(10, 27))
-        bucket = c.runtime.bucket(n)
         x, ids, lp = batch(n)
-        pad = bucket - n
-        w = jnp.concatenate([jnp.ones(n), jnp.zeros(pad)])
-        x, ids, lp = (jnp.concatenate([a, jnp.repeat(a[:1], pad, 0)]) if pad else a for a in (x, ids, lp))
         t = time.perf_counter()
-        flows, grad_e = step(c.params["sum"], lp, x, ids, w)
-        jax.block_until_ready((flows, grad_e))
+        flows, ll, grad = c.flows(c.params, x, evidence={"categorical_topk": {"ids": ids, "logp": lp}},
+                                  return_ll=True, return_evidence_grad=True, **kw)
+        jax.block_until_ready((flows, ll, grad))
         dt = time.perf_counter() - t
-        if bucket not in compiled:
-            compiled.add(bucket)
-            compile_s += dt
+        bucket = c.runtime.bucket(n)
+        if bucket not in first:
+            first[bucket] = dt
         else:
             times.append(dt)
+    compiled = first
+    compile_s = sum(first.values())
+    stats = jax.devices()[0].memory_stats() or {}
     out = dict(system="jaxpc", workload="codd", precision=args.precision, median_ms=1e3 * float(np.median(times)),
                p10_ms=1e3 * float(np.percentile(times, 10)), p90_ms=1e3 * float(np.percentile(times, 90)),
-               steps=len(times), executables=len(compiled), first_call_s=compile_s, check_err=err)
+               steps=len(times), executables=len(compiled), first_call_s=compile_s,
+               first_calls={str(k): round(v, 3) for k, v in sorted(first.items())}, check_err=err,
+               peak_gb=stats.get("peak_bytes_in_use", 0) / 2**30, cache=str(c.cache_info()))
     print(f"forward + evidence gradient + parameter flows: median {out['median_ms']:.2f} ms/step "
           f"(p10 {out['p10_ms']:.2f}, p90 {out['p90_ms']:.2f}) over {len(times)} steps; {len(compiled)} "
-          f"executables, {compile_s:.1f} s first-call time", flush=True)
+          f"executables, {compile_s:.1f} s first-call time {out['first_calls']}; peak {out['peak_gb']:.2f} GB; "
+          f"{out['cache']}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -290,18 +290,29 @@ class Circuit:
         return PartialEvaluation(self, plan, dev, tuple(sorted({int(v) for v in variables})))
 
     def flows(self, params: Params, x, missing=None, *, ll_weights=None, options: Options | None = None,
-              validate: bool | str = True, return_ll: bool = False, evidence: dict | None = None):
+              validate: bool | str = True, return_ll: bool = False, evidence: dict | None = None,
+              return_evidence_grad: bool = False):
         """Expected counts: a pytree like ``params`` (sum groups: expected edge counts ``[P, Kp, Kc]``;
         input layers: their distribution's expected sufficient statistics), obtained with ``jax.grad``.
 
-        ``ll_weights`` ``[B]`` weights each sample. With ``return_ll`` returns ``(flows, ll)``.
+        ``ll_weights`` ``[B]`` weights each sample. With ``return_ll`` returns ``(flows, ll)``. With
+        ``return_evidence_grad`` (``evidence`` given) also returns, last, the gradient of the weighted
+        log-likelihood ``sum_b w_b log p(x_b)`` with respect to ``evidence``: a pytree like the checked evidence,
+        None at its integer leaves (top-k ids), computed in the same executable (the CoDD step: log-likelihoods,
+        evidence gradient and parameter flows in one call).
         """
         opts = Options.make(options)
         batch = self.runtime.prepare(x, missing, validate)
         ev = self.check_evidence(evidence, batch.n)
         w = self.runtime.weights(ll_weights, batch.n)
-        fl, ll = self.runtime.run("flows", {}, {"tables": self.tables, "params": params, "evidence": ev}, batch,
-                                  options=opts, batched={"evidence": 0}, weights=w)
+        args = {"tables": self.tables, "params": params, "evidence": ev}
+        if return_evidence_grad:
+            if ev is None:
+                raise ValueError("return_evidence_grad=True needs evidence= (the gradient is with respect to it)")
+            fl, ll, g = self.runtime.run("flows_evidence_grad", {}, args, batch, options=opts,
+                                         batched={"evidence": 0}, weights=w)
+            return (fl, ll, g) if return_ll else (fl, g)
+        fl, ll = self.runtime.run("flows", {}, args, batch, options=opts, batched={"evidence": 0}, weights=w)
         return (fl, ll) if return_ll else fl
 
     def em_step(self, params: Params, x, missing=None, *, step_size: float = 1.0, pseudocount: float = 0.0,
@@ -478,6 +489,10 @@ def _e_flows(layout, tables, params, x, missing, weights, evidence, *, options):
     return em.flows_and_ll(layout, tables, params, x, missing, weights, options, evidence)
 
 
+def _e_flows_evidence_grad(layout, tables, params, x, missing, weights, evidence, *, options):
+    return em.flows_and_ll(layout, tables, params, x, missing, weights, options, evidence, evidence_grad=True)
+
+
 def _e_em_step(layout, tables, params, x, missing, weights, step_size, pseudocount, evidence, *, options,
                keep_zero_params, rescale):
     return em.em_step(layout, tables, params, x, missing, weights, step_size, pseudocount, options,
@@ -490,7 +505,8 @@ def _e_em_update(layout, tables, params, flows, step_size, pseudocount, *, updat
 
 # name -> (pure function of the layout and keyword arguments, batch axis of each output: see runtime.Entry)
 _ENTRIES = {"log_prob": (_e_log_prob, 0), "node_values": (_e_node_values, 1), "partial": (_e_partial, (0, 1)),
-            "flows": (_e_flows, (None, 0)), "em_step": (_e_em_step, (None, 0)), "em_update": (_e_em_update, None)}
+            "flows": (_e_flows, (None, 0)), "flows_evidence_grad": (_e_flows_evidence_grad, (None, 0, 0)),
+            "em_step": (_e_em_step, (None, 0)), "em_update": (_e_em_update, None)}
 
 
 def _tree_add(a, b):

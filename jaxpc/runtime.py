@@ -139,13 +139,18 @@ def _pad_weights(w: Array, bucket: int, n: int, dtype) -> Array:
 def _mark_rows(out, rows, bad):
     """Outputs with bad rows set to NaN (floats) or -1 (integers), following the ``rows`` prefix."""
     def mark(axis, a):
-        if axis is None:
-            return a
         shape = [1] * a.ndim
         shape[axis] = a.shape[axis]
         fill = jnp.nan if jnp.issubdtype(a.dtype, jnp.floating) else -1
         return jnp.where(bad.reshape(shape), jnp.asarray(fill, a.dtype), a)
-    return jax.tree_util.tree_map(mark, rows, out, is_leaf=lambda r: r is None)
+    return _map_rows(mark, rows, out)
+
+
+def _map_rows(f, rows, out):
+    """``f(axis, leaf)`` on every leaf of ``out`` under a ``rows`` prefix leaf that names a batch axis (the
+    outputs under a None prefix leaf are left as they are)."""
+    return jax.tree_util.tree_map(lambda axis, sub: sub if axis is None else jax.tree_util.tree_map(
+        functools.partial(f, axis), sub), rows, out, is_leaf=lambda r: r is None)
 
 
 def pad_args(args: dict, n: int, b: int, batched: dict | None, dtype) -> dict:
@@ -165,8 +170,32 @@ def pad_args(args: dict, n: int, b: int, batched: dict | None, dtype) -> dict:
 
 def _head_rows(out, rows, n: int):
     """The outputs cut back to ``n`` rows along each batch axis that ``rows`` names."""
-    return jax.tree_util.tree_map(lambda axis, a: a if axis is None else head(a, n, axis), rows, out,
-                                  is_leaf=lambda r: r is None)
+    return _map_rows(lambda axis, a: head(a, n, axis), rows, out)
+
+
+def _pad_entry(*, n: int, b: int, batched: tuple, dtype, **args) -> dict:
+    """:func:`pad_args` of the batch-carrying arguments as one executable (per batch size: one compile)."""
+    return pad_args(args, n, b, dict(batched), dtype)
+
+
+def _head_entry(parts: list, *, axes: tuple, n: int) -> list:
+    """Each of ``parts`` (output subtrees) cut back to ``n`` rows along its axis in ``axes``, as one executable."""
+    return [jax.tree_util.tree_map(lambda a, ax=ax: head(a, n, ax), p) for p, ax in zip(parts, axes)]
+
+
+def _split_rows(out, rows):
+    """``(subtrees with a batch axis, their axes, rebuild)`` of ``out`` under the ``rows`` prefix; ``rebuild(new)``
+    puts ``new`` (one subtree per axis) back among the untouched ones."""
+    axes, treedef = jax.tree_util.tree_flatten(rows, is_leaf=lambda r: r is None)
+    subs = treedef.flatten_up_to(out)
+    idx = [i for i, ax in enumerate(axes) if ax is not None]
+
+    def rebuild(new):
+        full = list(subs)
+        for i, v in zip(idx, new):
+            full[i] = v
+        return jax.tree_util.tree_unflatten(treedef, full)
+    return [subs[i] for i in idx], tuple(axes[i] for i in idx), rebuild
 
 
 def checked(entry: Entry) -> Callable:
@@ -203,7 +232,8 @@ class Runtime:
         self.cache = cache or ExecutableCache()
         self.buckets = buckets or BucketPolicy()
         self.device_check = checks.DeviceCheck(var_info)
-        self._helpers = ExecutableCache(max_executables=16)  # the call path's own executables (the flag's)
+        # the call path's own executables: the input flag (per bucket), padding and slicing (per batch size)
+        self._helpers = ExecutableCache(max_executables=128, max_layouts_per_entry=1 << 30)  # one per size: no warning
         self._entries: dict[str, tuple[Entry, Callable]] = {}
         self._constants: dict = {}
         self._pending: collections.deque = collections.deque()
@@ -335,24 +365,36 @@ class Runtime:
             if weights is not False:
                 args["weights"] = weights
             if b != n:
-                args = pad_args(args, n, b, batched, self.dtype)
+                args = self._pad(args, n, b, batched)
             if weights is None:
                 args["weights"] = (jnp.ones((n,), self.dtype) if batch.traced else self.constant(
                     ("valid", b, n, sharding), lambda: put_constant(_valid_rows(b, n, self.dtype), sharding)))
         out = self.cache.run(name, fn, static, args, self._fallback(name, static, batched, multiple)
                                    if batch is not None and not batch.traced else None)
         if b != n:
-            out = _head_rows(out, entry.rows, n)
+            parts, axes, rebuild = _split_rows(out, entry.rows)
+            out = rebuild(self._helpers.run("head", _head_entry, {"axes": axes, "n": n}, {"parts": parts}))
         if batch is None or batch.traced:
             return out
+        # on the padded batch (padding rows copy the first row): one flag executable per bucket
         flag = self._helpers.run("input_flag", _any_bad, {"check": self.device_check},
-                                 {"x": batch.x, "missing": batch.missing}) if batch.report else None
+                                 {"x": args["x"], "missing": args["missing"]}) if batch.report else None
         self._settle()  # the earlier calls' flags, read while this call's work runs
         if flag is not None:
             self._record(flag, batch, name)
             if batch.sync:
                 self._settle()
         return out
+
+    def _pad(self, args: dict, n: int, b: int, batched: dict | None) -> dict:
+        """:func:`pad_args` through the call path's own cache: one stored executable per batch size and bucket."""
+        keys = ["x", *(k for k in (batched or {}) if args.get(k) is not None)]
+        for k in ("missing", "weights"):
+            if args.get(k) is not None and not (k == "missing" and args[k].ndim == 1):
+                keys.append(k)
+        static = {"n": n, "b": b, "batched": tuple(sorted((batched or {}).items())), "dtype": self.dtype}
+        padded = self._helpers.run("pad", _pad_entry, static, {k: args[k] for k in keys})
+        return {**args, **padded}
 
     def _fallback(self, name: str, static: dict, batched, multiple: int):
         """With ``compile_after > 1``: an early sighting of a key runs on a live executable of a larger bucket (of

@@ -21,22 +21,83 @@ Array = jax.Array
 
 
 def flows_and_ll(layout: Layout, tables: dict, params: dict, x: Array, missing: Array | None,
-                 weights: Array | None, options, evidence: dict | None = None) -> tuple[dict, Array]:
+                 weights: Array | None, options, evidence: dict | None = None,
+                 evidence_grad: bool = False) -> tuple:
     """``(flows, ll [B])``; ``weights`` ``[B]`` scales each sample's contribution (None = 1). With per-sample
-    sum parameters in ``evidence``, sum flows are the posterior edge counts under the per-sample weights."""
-    dtype = routing.param_dtype(params)
-    vals = forward.leaf_values(layout, tables, params, x, missing, options, evidence=evidence)
-    buffered = isinstance(vals, jax.Array)  # the flow pass's node buffer with the leaves written
-    if not buffered:
-        vals = [v.astype(dtype) for v in vals]
+    sum parameters in ``evidence``, sum flows are the posterior edge counts under the per-sample weights.
 
+    With ``evidence_grad``: ``(flows, ll, g)``, ``g`` the gradient of ``sum_b w_b log p(x_b)`` with respect to
+    ``evidence``, a pytree like it with None for its integer leaves (top-k ids)."""
+    if evidence_grad:
+        if evidence is None:
+            raise ValueError("evidence_grad needs evidence")
+        ll, g_sum, g_eps, buffered, g_ev = _grads_with_evidence(layout, tables, params, x, missing, weights,
+                                                                options, evidence)
+    else:
+        ll, g_sum, g_eps, buffered = _grads(layout, tables, params, x, missing, weights, options, evidence)
+    out = _assemble_flows(layout, tables, params, x, missing, options, g_sum, g_eps, buffered)
+    return (out, ll, g_ev) if evidence_grad else (out, ll)
+
+
+def _objective(layout, tables, weights, options, evidence):
+    """``(sum_params, vals) -> (sum_b w_b ll_b, ll)``: zero-weight rows (padding) contribute exactly nothing,
+    even where their ll is -inf."""
     def objective(sum_params, vals):
         ll = forward.evaluate(layout, tables, sum_params, vals, options, evidence, counts=True)
-        # zero-weight rows (padding) contribute exactly nothing, even where their ll is -inf
         wll = ll if weights is None else jnp.where(weights == 0, 0.0, ll * weights.astype(ll.dtype))
         return jnp.sum(wll), ll
+    return objective
 
+
+def _leaves(layout, tables, params, x, missing, options, evidence):
+    """The input layers' values (:func:`forward.leaf_values`) in the parameters' dtype, and whether they are the
+    flow pass's node buffer."""
+    vals = forward.leaf_values(layout, tables, params, x, missing, options, evidence=evidence)
+    if isinstance(vals, jax.Array):
+        return vals, True
+    dtype = routing.param_dtype(params)
+    return [v.astype(dtype) for v in vals], False
+
+
+def _grads(layout, tables, params, x, missing, weights, options, evidence):
+    vals, buffered = _leaves(layout, tables, params, x, missing, options, evidence)
+    objective = _objective(layout, tables, weights, options, evidence)
     (_, ll), (g_sum, g_eps) = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)(params["sum"], vals)
+    return ll, g_sum, g_eps, buffered
+
+
+def _grads_with_evidence(layout, tables, params, x, missing, weights, options, evidence):
+    """:func:`_grads` and the gradient with respect to the floating leaves of ``evidence``: through the sum
+    layers (per-sample sum parameters) and, by the chain rule on the leaves' node flows, through the input
+    layers (soft evidence, external values)."""
+    leaves, treedef = jax.tree_util.tree_flatten(evidence)
+    floating = [i for i, a in enumerate(leaves) if jnp.issubdtype(a.dtype, jnp.floating)]
+
+    def rebuild(values):
+        full = list(leaves)
+        for i, v in zip(floating, values):
+            full[i] = v
+        return jax.tree_util.tree_unflatten(treedef, full)
+
+    fl_ev = [leaves[i] for i in floating]
+    vals, leaf_vjp = jax.vjp(lambda e: _leaves(layout, tables, params, x, missing, options, rebuild(e))[0], fl_ev)
+    buffered = isinstance(vals, jax.Array)
+
+    def objective(sum_params, vals, e):
+        return _objective(layout, tables, weights, options, rebuild(e))(sum_params, vals)
+
+    (_, ll), (g_sum, g_eps, g_direct) = jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True)(
+        params["sum"], vals, fl_ev)
+    g_leaf, = leaf_vjp(g_eps)
+    g = [a + b for a, b in zip(g_direct, g_leaf)]
+    full = [None] * len(leaves)
+    for i, v in zip(floating, g):
+        full[i] = v
+    return ll, g_sum, g_eps, buffered, jax.tree_util.tree_unflatten(treedef, full)
+
+
+def _assemble_flows(layout, tables, params, x, missing, options, g_sum, g_eps, buffered) -> dict:
+    """The flows pytree from the sum parameters' gradient and the input layers' node flows."""
     if not options.compute_param_flows:
         g_sum = jax.tree_util.tree_map(jnp.zeros_like, g_sum)
     # per input layer: its node flows, and (buffer, first row) where they lie in a larger array
@@ -66,7 +127,7 @@ def flows_and_ll(layout: Layout, tables: dict, params: dict, x: Array, missing: 
     out = {"sum": g_sum, "input": g_in}
     if options.negate_flows:
         out = jax.tree_util.tree_map(jnp.negative, out)
-    return out, ll
+    return out
 
 
 def normalize_sum_params(layout: Layout, tables: dict, sum_counts: dict, pseudocount, keep: dict | None = None) -> dict:
