@@ -57,7 +57,7 @@ def param_dtype(params) -> jnp.dtype:
 
 def has_sum_externals(evidence: dict | None) -> bool:
     """Whether ``evidence`` carries per-sample sum parameters (``sum_gates`` / ``sum_lowrank``)."""
-    return bool(evidence) and bool(evidence.get("sum_gates") or evidence.get("sum_lowrank"))
+    return bool(evidence) and (evidence.get("sum_gates") is not None or bool(evidence.get("sum_lowrank")))
 
 
 # ---- the flow pass's plan and the leaf kernels ----------------------------------------------------
