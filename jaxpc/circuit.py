@@ -199,6 +199,8 @@ class Circuit:
         if node.source.id not in st.sources:
             raise ValueError(f"gate_slice: {node.name} is not part of this circuit")
         pl = st.gate_placement.get(node.id)
+        if not node.is_sum():
+            raise ValueError(f"gate_slice: {node.name} is not a sum vector; only sum vectors have gates")
         if pl is None:
             raise ValueError(f"gate_slice: {node.name} has no gates; declare them with {node.name}.set_gates() "
                              f"before jaxpc.compile")

@@ -578,6 +578,8 @@ def test_gate_declaration_and_evidence_errors():
         c.gate_slice(top)
     with pytest.raises(ValueError, match=f"gate_slice: {outside.name} is not part of this circuit"):
         c.gate_slice(outside)
+    with pytest.raises(ValueError, match="gate_slice: .* is not a sum vector"):
+        c.gate_slice(c.nodes[0])
     x = np.zeros((2, 2), np.int32)
     with pytest.raises(ValueError, match=r"evidence\['sum_gates'\] must have shape \[2, 4\], got \(2, 5\)"):
         c.log_prob(c.params, x, evidence={"sum_gates": np.zeros((2, 5), np.float32)})
