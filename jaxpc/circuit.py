@@ -183,6 +183,39 @@ class Circuit:
             return next(iter(stats.values())) if len(stats) == 1 else stats
         raise ValueError(f"get_node_flows: {node.name} is a product vector; products have no parameters")
 
+    # ---- per-sample sum parameters -------------------------------------------------------------
+    @property
+    def num_gates(self) -> int:
+        """Columns of ``evidence["sum_gates"]`` ``[B, num_gates]``: the gates of the sum vectors declared with
+        :meth:`~jaxpc.nodes.SumNodes.set_gates` (0 when there are none)."""
+        return self.layout.num_gates
+
+    def gate_slice(self, node: CircuitNodes) -> slice:
+        """The columns of ``evidence["sum_gates"]`` that gated sum vector ``node`` reads: ``[E, Kp // gate block]``
+        row-major (``E`` its edge blocks in the order of ``node.edge_ids``' columns, ``Kp`` its block size), so
+        ``gates[:, circuit.gate_slice(ns)] = g.reshape(B, -1)`` sets them from ``g [B, E, Kp // gate block]``.
+        Vectors tied with ``tie_to`` return their owner's columns."""
+        st = self._struct
+        if node.source.id not in st.sources:
+            raise ValueError(f"gate_slice: {node.name} is not part of this circuit")
+        pl = st.gate_placement.get(node.id)
+        if not node.is_sum():
+            raise ValueError(f"gate_slice: {node.name} is not a sum vector; only sum vectors have gates")
+        if pl is None:
+            raise ValueError(f"gate_slice: {node.name} has no gates; declare them with {node.name}.set_gates() "
+                             f"before jaxpc.compile")
+        return slice(pl.start, pl.stop)
+
+    def param_slice(self, node: CircuitNodes) -> tuple[str, slice]:
+        """``(group, blocks)``: where sum vector ``node``'s parameter blocks lie, ``params["sum"][group][blocks]``
+        (``[E, Kp, Kc]``, its edge blocks in the order of ``node.edge_ids``' columns); the rows of the per-block
+        evidence (``sum_lowrank``, ``sum_gates {group: [B, P]}``) that it reads. Tied vectors share them."""
+        st = self._struct
+        if not node.is_sum() or node.source.id not in st.sum_placement:
+            raise ValueError(f"param_slice: {node.name} is not a sum vector of this circuit")
+        pl = st.sum_placement[node.source.id]
+        return pl.group, slice(pl.start, pl.start + pl.num_edge_blocks)
+
     # ------------------------------------------------------------------------------------------
     # evaluation
     # ------------------------------------------------------------------------------------------
@@ -211,8 +244,11 @@ class Circuit:
         Keys: ``categorical_logp [B, V, K]`` or ``categorical_topk {"ids" int[B, V, k], "logp" [B, V, k],
         "mask" bool[B, V, k] optional}`` (``SoftEvidenceCategorical`` leaves); ``external [B, V, M]``
         (``External`` leaves); ``latent [B, V, M]`` (added to node ``j`` of each leaf vector over ``v``);
-        ``sum_gates {group: [B, P]}`` (BlockScale log-gates per parameter block of ``params["sum"][group]``);
-        ``sum_lowrank {group: {"u": [B, P, Kp, r], "v": [B, P, r, Kc]}}`` (non-negative LowRank factors).
+        ``sum_gates [B, G]`` (BlockScale log-gates of the sum vectors declared with
+        :meth:`~jaxpc.nodes.SumNodes.set_gates`, G = :attr:`num_gates`, each vector's columns at :meth:`gate_slice`)
+        or ``sum_gates {group: [B, P]}`` (one log-gate per parameter block of ``params["sum"][group]``, every sum
+        vector reading that block); ``sum_lowrank {group: {"u": [B, P, Kp, r], "v": [B, P, r, Kc]}}`` (non-negative
+        LowRank factors per parameter block, :meth:`param_slice`).
         """
         if evidence is None:
             return None
@@ -234,7 +270,8 @@ class Circuit:
             elif key == "categorical_topk":
                 out[key] = _check_topk_evidence(val, batch)
             else:  # sum_gates / sum_lowrank
-                out[key] = _check_sum_evidence(key, val, batch, {g.key: g for g in self.layout.sum_groups})
+                out[key] = _check_sum_evidence(key, val, batch, {g.key: g for g in self.layout.sum_groups},
+                                               self.num_gates)
         return out or None
 
     # ---- evaluation ----------------------------------------------------------------------------
@@ -540,9 +577,16 @@ def _check_topk_evidence(val, batch: int) -> dict:
     return topk
 
 
-def _check_sum_evidence(key: str, val, batch: int, groups: dict) -> dict:
-    """``evidence["sum_gates"]`` (``[B, P]`` per sum group) or ``evidence["sum_lowrank"]`` (``u [B, P, Kp, r]``
-    and ``v [B, P, r, Kc]`` per sum group), by group key; ``groups``: the circuit's sum groups by key."""
+def _check_sum_evidence(key: str, val, batch: int, groups: dict, num_gates: int):
+    """``evidence["sum_gates"]`` (gate columns ``[B, num_gates]``, or ``[B, P]`` per sum group) or
+    ``evidence["sum_lowrank"]`` (``u [B, P, Kp, r]`` and ``v [B, P, r, Kc]`` per sum group), by group key;
+    ``groups``: the circuit's sum groups by key."""
+    if key == "sum_gates" and not isinstance(val, dict):
+        if not num_gates:
+            raise ValueError("evidence['sum_gates'] is an array of gate columns, but no sum vector of this circuit "
+                             "has gates: declare them with ns.set_gates() before jaxpc.compile, or give "
+                             f"{{group: [B, P]}} (one gate per parameter block; groups {sorted(groups)})")
+        return _evidence_array(key, val, batch, 2, (num_gates,))
     if not isinstance(val, dict):
         raise TypeError(f"evidence['{key}'] must map sum groups {sorted(groups)} to arrays")
     sub = {}
@@ -553,9 +597,12 @@ def _check_sum_evidence(key: str, val, batch: int, groups: dict) -> dict:
         g = groups[gk]
         if key == "sum_gates":
             sub[gk] = _evidence_array(f"{key}.{gk}", gv, batch, 2, (g.num_blocks,))
-        else:
-            u = _evidence_array(f"{key}.{gk}.u", gv["u"], batch, 4)
-            r = u.shape[3]
-            sub[gk] = {"u": _evidence_array(f"{key}.{gk}.u", u, batch, 4, (g.num_blocks, g.Kp, r)),
-                       "v": _evidence_array(f"{key}.{gk}.v", gv["v"], batch, 4, (g.num_blocks, r, g.Kc))}
+            continue
+        if not isinstance(gv, dict) or set(gv) != {"u", "v"}:
+            raise ValueError(f"evidence['{key}']['{gk}'] must be {{'u': [B, P, Kp, r], 'v': [B, P, r, Kc]}}, got "
+                             f"{sorted(gv) if isinstance(gv, dict) else type(gv).__name__}")
+        u = _evidence_array(f"{key}.{gk}.u", gv["u"], batch, 4)
+        r = u.shape[3]
+        sub[gk] = {"u": _evidence_array(f"{key}.{gk}.u", u, batch, 4, (g.num_blocks, g.Kp, r)),
+                   "v": _evidence_array(f"{key}.{gk}.v", gv["v"], batch, 4, (g.num_blocks, r, g.Kc))}
     return sub

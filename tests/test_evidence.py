@@ -214,21 +214,282 @@ def test_blockscale_and_lowrank_match_dense_per_sample_reference(kind):
         assert grad[idx] == pytest.approx(_fd(f, lowrank[key]["u"].astype(np.float64), idx), rel=2e-2, abs=2e-3)
 
 
-def test_shared_parameters_train_by_em_under_gates():
-    c = jaxpc.compile(structures.HMM(5, 4, 6, block_size=2))
+# ---- the dense per-sample reference: every sample's own weight matrices, node by node in float64 -------------
+
+def _sum_edges(c, params, ns):
+    """Host data of sum vector ``ns``: shared weights ``w [Np, Nc]``, its edge blocks ``(rows, cols)`` and its
+    parameter blocks ``(group, first block)``."""
+    Kp, Kc = ns.block_size, ns.ch_block_size
+    rows = [slice(int(i) * Kp, (int(i) + 1) * Kp) for i in ns.edge_ids[0]]
+    cols = [slice(int(j) * Kc, (int(j) + 1) * Kc) for j in ns.edge_ids[1]]
+    group, blocks = c.param_slice(ns)
+    return np.asarray(c.get_node_params(params, ns), np.float64), list(zip(rows, cols)), (group, blocks.start)
+
+
+def _gate_columns(c, ns, edges, gates):
+    """``(key, cols [Np, Nc])``: which log-gate each weight of ``ns`` reads in ``gates`` (``key`` None: the
+    gate columns ``[B, G]``; a group: ``{group: [B, P]}``), -1 where none; None when ``ns`` runs ungated."""
+    w_shape = (ns.num_nodes, ns.num_ch_nodes)
+    if isinstance(gates, dict):
+        group, blocks = c.param_slice(ns)
+        if group not in gates:
+            return None
+        cols = np.full(w_shape, -1)
+        for e, (r, q) in enumerate(edges):
+            cols[r, q] = blocks.start + e
+        return group, cols
+    if gates is None or ns.gates is None:
+        return None
+    sl, gb = c.gate_slice(ns), ns.gates.block_size
+    per = ns.block_size // gb
+    cols = np.full(w_shape, -1)
+    for e, (r, q) in enumerate(edges):
+        cols[r, q] = (sl.start + e * per + np.arange(ns.block_size) // gb)[:, None]
+    return None, cols
+
+
+def _effective(vec, b, gates, lowrank):
+    """Sample ``b``'s unnormalized weights of one sum vector: ``((w + U V) * exp(g), U V)``."""
+    w, edges, (group, start), gcols = vec
+    uv = np.zeros_like(w)
+    if lowrank is not None and group in lowrank:
+        u, v = (np.asarray(lowrank[group][k], np.float64)[b] for k in ("u", "v"))
+        for e, (r, q) in enumerate(edges):
+            uv[r, q] = u[start + e] @ v[start + e]
+    a = w + uv
+    if gcols is not None:
+        key, cols = gcols
+        g = np.asarray(gates if key is None else gates[key], np.float64)[b]
+        a = a * np.where(cols >= 0, np.exp(g[np.maximum(cols, 0)]), 1.0)
+    return a, uv
+
+
+def _dense_reference(c, params, x, gates=None, lowrank=None):
+    """An independent reference for per-sample sum parameters: each sample's own normalized weight matrices
+    (``(w + U V) * exp(g)`` per sum vector, renormalized per node), the circuit evaluated node by node and flows
+    passed top-down in float64. Returns ``ll [B]``, ``flows`` (per source sum vector id, the shared weights' flows
+    ``[Np, Nc]``: each edge's posterior count times ``w / (w + U V)``, pooled over tied vectors) and ``grads``
+    (``d sum_b log p_b`` by the evidence: ``{"sum_gates": like gates, "sum_lowrank": like lowrank}``)."""
+    nodes = c.nodes
+    vecs = {}
+    for ns in nodes:
+        if ns.is_sum():
+            w, edges, pl = _sum_edges(c, params, ns)
+            vecs[ns.id] = (w, edges, pl, _gate_columns(c, ns, edges, gates))
+    leaf_p = {ns.id: np.asarray(c.get_node_params(params, ns), np.float64) for ns in nodes if ns.is_input()}
+    flows = {ns.source.id: np.zeros((ns.num_nodes, ns.num_ch_nodes)) for ns in nodes if ns.is_sum()}
+    grads = {"sum_gates": jax.tree_util.tree_map(lambda a: np.zeros(np.shape(a)), gates),
+             "sum_lowrank": jax.tree_util.tree_map(lambda a: np.zeros(np.shape(a)), lowrank)}
+    ll = []
+    for b in range(x.shape[0]):
+        vals, wts = _dense_forward(nodes, vecs, leaf_p, x[b], b, gates, lowrank)
+        ll.append(np.log(vals[c.root.id][0]))
+        _dense_backward(c, nodes, vecs, vals, wts, b, lowrank, flows, grads)
+    return np.array(ll), flows, grads
+
+
+def _dense_forward(nodes, vecs, leaf_p, xb, b, gates, lowrank):
+    """Node values (linear space) of one sample and, per sum vector, ``(normalized weights, U V)``."""
+    vals, wts = {}, {}
+    for ns in nodes:
+        if ns.is_input():
+            vals[ns.id] = leaf_p[ns.id][:, xb[ns.var]]
+        elif ns.is_prod():
+            K = ns.block_size
+            vals[ns.id] = np.prod([vals[ch.id][(ns.edge_ids[:, j][:, None] * K + np.arange(K)).ravel()]
+                                   for j, ch in enumerate(ns.children)], axis=0)
+        else:
+            a, uv = _effective(vecs[ns.id], b, gates, lowrank)
+            wts[ns.id] = (a / a.sum(1, keepdims=True), uv)
+            vals[ns.id] = wts[ns.id][0] @ np.concatenate([vals[ch.id] for ch in ns.children])
+    return vals, wts
+
+
+def _dense_backward(c, nodes, vecs, vals, wts, b, lowrank, flows, grads):
+    """Add one sample's shared-weight flows and evidence gradients to ``flows`` and ``grads``: with ``E`` the edge
+    posteriors and ``F`` the parents' flows, ``d log p / d log a = E - F w'`` for each unnormalized weight ``a``."""
+    F = {ns.id: np.zeros(ns.num_nodes) for ns in nodes}
+    F[c.root.id][:] = 1.0
+    for ns in reversed(nodes):
+        f = F[ns.id]
+        if ns.is_prod():
+            K = ns.block_size
+            for j, ch in enumerate(ns.children):
+                np.add.at(F[ch.id], (ns.edge_ids[:, j][:, None] * K + np.arange(K)).ravel(), f)
+            continue
+        if not ns.is_sum():
+            continue
+        wp, uv = wts[ns.id]
+        w, edges, (group, start), gcols = vecs[ns.id]
+        vc = np.concatenate([vals[ch.id] for ch in ns.children])
+        edge = f[:, None] * wp * vc[None, :] / vals[ns.id][:, None]
+        wuv = np.where(w + uv > 0, w + uv, 1.0)
+        flows[ns.source.id] += edge * w / wuv
+        d = edge - f[:, None] * wp
+        if gcols is not None:
+            key, cols = gcols
+            g = grads["sum_gates"] if key is None else grads["sum_gates"][key]
+            g[b] += np.bincount(cols[cols >= 0], d[cols >= 0], minlength=g.shape[1])
+        if lowrank is not None and group in lowrank:  # d a / d U = exp(g) V: d log p / d U = (d / (w + U V)) V^T
+            u, v = (np.asarray(lowrank[group][k], np.float64)[b] for k in "uv")
+            m, gl = d / wuv, grads["sum_lowrank"][group]
+            for e, (r, q) in enumerate(edges):
+                gl["u"][b, start + e] += m[r, q] @ v[start + e].T
+                gl["v"][b, start + e] += u[start + e].T @ m[r, q]
+        off = 0
+        for ch in ns.children:
+            F[ch.id] += edge.sum(0)[off:off + ch.num_nodes]
+            off += ch.num_nodes
+
+
+def _gated_circuit(case: str):
+    """Four categorical variables; at one level four sum vectors of 4-node blocks over products: ``s01`` (dense),
+    ``s23`` (its parameter-tied copy), ``r01`` and ``r23`` (fan-ins 1, 2, 3, 5 and 6: padded partitions); a root
+    over their products. ``case`` declares the gates: ``"edge_block"`` one per edge block on two chosen vectors,
+    ``"rows"`` a gate per 2 or per 1 parent nodes (``s23`` its own gates on ``s01``'s parameters, the root too),
+    ``"tied"`` gate columns shared by ``s01``/``s23`` and by ``r01``/``r23``; anything else none."""
+    cat = distributions.Categorical(3)
+    leaves = [jaxpc.inputs(v, num_node_blocks=6, block_size=2, dist=cat) for v in range(4)]
+    p01, p23 = jaxpc.multiply(leaves[0], leaves[1]), jaxpc.multiply(leaves[2], leaves[3])
+    s01 = jaxpc.summate(p01, num_node_blocks=2, block_size=4, name="s01")
+    s23 = s01.duplicate(p23, tie_params=True, name="s23")
+    fan = [1, 2, 3, 5, 6]
+    edges = np.array([[p for p, f in enumerate(fan) for _ in range(f)],
+                      [(k + 2 * p) % 6 for p, f in enumerate(fan) for k in range(f)]])
+    r01 = jaxpc.summate(p01, edge_ids=edges, block_size=4, name="r01")
+    r23 = jaxpc.summate(p23, edge_ids=edges, block_size=4, name="r23")
+    root = jaxpc.summate(jaxpc.multiply(s01, s23), jaxpc.multiply(r01, r23), num_nodes=1, name="root")
+    if case == "edge_block":
+        s01.set_gates()
+        r23.set_gates()
+    elif case == "rows":
+        s01.set_gates(2)
+        s23.set_gates(1)
+        r01.set_gates(1)
+        root.set_gates()
+    elif case == "tied":
+        s01.set_gates(2)
+        s23.set_gates(tie_to=s01)
+        r01.set_gates(4)
+        r23.set_gates(tie_to=r01)
+    return jaxpc.compile(root, seed=3)
+
+
+def _check_against_dense(c, params, x, ev, rtol=1e-4):
+    """LL, shared-parameter flows per parameter and evidence gradients of ``c`` under evidence ``ev``
+    (``sum_gates`` / ``sum_lowrank``) against :func:`_dense_reference`; returns the reference flows."""
+    gates, lowrank = ev.get("sum_gates"), ev.get("sum_lowrank")
+    ll_ref, fl_ref, g_ref = _dense_reference(c, params, x, gates, lowrank)
+    fl, ll = c.flows(params, x, evidence=ev, return_ll=True)
+    np.testing.assert_allclose(np.asarray(ll), ll_ref, rtol=1e-5, atol=1e-5)
+    for ns in c.nodes:
+        if ns.is_sum() and ns.source is ns:
+            np.testing.assert_allclose(np.asarray(c.get_node_flows(fl, ns)), fl_ref[ns.id], rtol=rtol, atol=1e-5,
+                                       err_msg=ns.name)
+    grad = jax.jit(jax.grad(lambda e: jnp.sum(c.log_prob(params, x, evidence=e))))  # jitted: one executable
+    got = grad(jax.tree_util.tree_map(jnp.asarray, ev))
+    for key in ev:
+        for u, v in zip(jax.tree_util.tree_leaves(got[key]), jax.tree_util.tree_leaves(g_ref[key])):
+            np.testing.assert_allclose(np.asarray(u), v, rtol=rtol, atol=1e-5, err_msg=key)
+    return fl_ref
+
+
+GRANULARITIES = [("rows", True), ("tied", False), ("edge_block", False), ("rows", False), ("legacy", False),
+                 ("none", True), ("legacy", True), ("tied", True)]
+
+
+@pytest.mark.parametrize("case,lowrank", cases(GRANULARITIES, fast=[("rows", True), ("tied", False)], unpack=True))
+def test_gates_and_lowrank_match_dense_per_sample_reference(case, lowrank):
+    """Gates per edge block, per group of parent nodes, on chosen vectors only, tied across vectors, and per
+    parameter block (``{group: [B, P]}``), with and without LowRank, on padded partitions: LL, every shared
+    parameter's flow and the gradients by the gates and factors equal the dense per-sample reference."""
+    c = _gated_circuit(case)
+    rng = np.random.default_rng(11)
+    B = 4
+    x = rng.integers(0, 3, (B, 4)).astype(np.int32)
+    ev = {}
+    if case == "legacy":
+        ev["sum_gates"] = {g.key: rng.normal(size=(B, g.num_blocks)) for g in c.layout.sum_groups}
+    elif case != "none":
+        ev["sum_gates"] = rng.normal(size=(B, c.num_gates))
+    if lowrank:
+        ev["sum_lowrank"] = {g.key: {"u": rng.random((B, g.num_blocks, g.Kp, 2)),
+                                     "v": rng.random((B, g.num_blocks, 2, g.Kc))} for g in c.layout.sum_groups}
+    ev = jax.tree_util.tree_map(lambda a: a.astype(np.float32), ev)
+    _check_against_dense(c, c.params, x, ev)
+
+
+def _eqns(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs inside its equations (scans, jitted calls)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for val in eqn.params.values():
+            for sub in val if isinstance(val, (tuple, list)) else (val,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _eqns(inner)
+
+
+def test_gate_and_lowrank_products_run_at_the_options_precision():
+    """Under ``Options(precision="fp32")`` every product of the gated and LowRank sum layers asks for exact
+    float32 (``lax.Precision.HIGHEST``) like the engine's other matmuls, and under ``"bf16"`` multiplies
+    bfloat16 operands: with the gate columns and with one gate per parameter block."""
+    from jaxpc.engine import forward
+
+    c = _gated_circuit("rows")
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.integers(0, 3, (2, 4)).astype(np.int32))
+    lowrank = {g.key: {"u": rng.random((2, g.num_blocks, g.Kp, 2)), "v": rng.random((2, g.num_blocks, 2, g.Kc))}
+               for g in c.layout.sum_groups}
+    per_block = {g.key: rng.normal(size=(2, g.num_blocks)) for g in c.layout.sum_groups}
+    for gates in (rng.normal(size=(2, c.num_gates)), per_block):
+        ev = c.check_evidence(jax.tree_util.tree_map(lambda a: a.astype(np.float32),
+                                                     {"sum_gates": gates, "sum_lowrank": lowrank}), 2)
+        for prec in ("fp32", "bf16"):
+            opts = jaxpc.Options(precision=prec)
+            jaxpr = jax.make_jaxpr(lambda p, e, o=opts: forward.log_prob(c.layout, c.tables, p, x, None, o,
+                                                                          evidence=e))(c.params, ev)
+            dots = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+            assert len(dots) >= 8  # per layer: the shared weights, gates (2), LowRank (4 or 6)
+            for e in dots:
+                if prec == "fp32":
+                    assert e.params["precision"] == (jax.lax.Precision.HIGHEST,) * 2, e
+                else:
+                    assert all(v.aval.dtype == jnp.bfloat16 for v in e.invars), e
+
+
+@pytest.mark.parametrize("form", cases(["columns", "per_block"], fast=["columns"]))
+def test_shared_parameters_train_by_em_under_gates(form):
+    """A homogeneous HMM (tied transitions) whose transition steps each read their own gate columns (one gate per
+    parent node and edge block): zero gates are no gates; under random gates (``form``: the columns, or one per
+    parameter block) with LowRank corrections every shared parameter's flow, the LL and the evidence gradients
+    equal the dense per-sample reference, and one EM step moves each weight to its normalized reference flow."""
+    root = structures.HMM(5, 4, 6, block_size=2)
+    for ns in jaxpc.nodes.topological_order(root):
+        if ns.name.startswith("trans"):
+            ns.set_gates(1)
+    c = jaxpc.compile(root)
     rng = np.random.default_rng(6)
-    x = rng.integers(0, 6, (16, 5)).astype(np.int32)
-    zero = {g.key: np.zeros((16, g.num_blocks), np.float32) for g in c.layout.sum_groups}
-    # zero gates are no gates at all
+    B = 16
+    x = rng.integers(0, 6, (B, 5)).astype(np.int32)
+    zero = np.zeros((B, c.num_gates), np.float32)
     for u, v in zip(jax.tree_util.tree_leaves(c.em_step(c.params, x, evidence={"sum_gates": zero})),
                     jax.tree_util.tree_leaves(c.em_step(c.params, x))):
         np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-5, atol=1e-6)
-    gates = {g.key: rng.normal(size=(16, g.num_blocks)).astype(np.float32) for g in c.layout.sum_groups}
-    fl = c.flows(c.params, x, evidence={"sum_gates": gates})
-    # the flows are posterior edge counts: each sum node's outgoing flow totals the batch for the root
-    assert float(np.asarray(c.get_node_flows(fl, c.root)).sum()) == pytest.approx(16, rel=1e-5)
-    new = c.em_step(c.params, x, evidence={"sum_gates": gates}, pseudocount=0.1)
-    np.testing.assert_allclose(np.asarray(c.get_node_params(new, c.root)).sum(), 1.0, rtol=1e-5)
+    lowrank = {g.key: {"u": rng.random((B, g.num_blocks, g.Kp, 2)) * 0.3,
+                       "v": rng.random((B, g.num_blocks, 2, g.Kc)) * 0.3} for g in c.layout.sum_groups}
+    if form == "columns":
+        gates = rng.normal(size=(B, c.num_gates))
+    else:
+        gates = {g.key: rng.normal(size=(B, g.num_blocks)) for g in c.layout.sum_groups}
+    ev = jax.tree_util.tree_map(lambda a: a.astype(np.float32), {"sum_gates": gates, "sum_lowrank": lowrank})
+    fl_ref = _check_against_dense(c, c.params, x, ev)
+    new = c.em_step(c.params, x, evidence=ev, pseudocount=0.1)
+    for ns in c.nodes:
+        if ns.is_sum() and ns.source is ns:  # every HMM sum is dense: (flows + 0.1 / children) / (total + 0.1)
+            f = fl_ref[ns.id]
+            want = (f + 0.1 / f.shape[1]) / (f.sum(1, keepdims=True) + 0.1)
+            np.testing.assert_allclose(np.asarray(c.get_node_params(new, ns)), want, rtol=1e-4, err_msg=ns.name)
 
 
 @pytest.mark.parametrize("name", cases(["hmm_untied", "hclt", "pd", "rat"], fast=["hclt"]))
@@ -282,6 +543,54 @@ def test_evidence_errors():
     with pytest.raises(TypeError, match="'ids'\\] must be integers"):
         c.log_prob(c.params, x,
                    evidence={"categorical_topk": {"ids": np.zeros((2, 3, 2)), "logp": np.zeros((2, 3, 2))}})
+
+
+def test_gate_declaration_and_evidence_errors():
+    """Bad gate declarations and bad per-sample sum evidence raise a ValueError naming what is wrong."""
+    cat = distributions.Categorical(3)
+
+    def vectors():
+        a, b = (jaxpc.inputs(v, num_node_blocks=2, block_size=2, dist=cat) for v in range(2))
+        m = jaxpc.multiply(a, b)
+        s1 = jaxpc.summate(m, num_node_blocks=2, block_size=4, name="s1")
+        s2 = jaxpc.summate(m, num_node_blocks=2, block_size=4, name="s2")
+        return s1, s2, jaxpc.summate(s1, s2, num_nodes=1, name="top")
+
+    s1, s2, top = vectors()
+    with pytest.raises(ValueError, match="block_size must be a positive divisor of s1's block size 4, got 3"):
+        s1.set_gates(3)
+    with pytest.raises(ValueError, match="s1 .4 edge blocks of 4 nodes. cannot read the gates of top"):
+        s1.set_gates(tie_to=top)
+    s2.set_gates(2, tie_to=s1)
+    with pytest.raises(ValueError, match="s2 reads the gates of s1, which has no gates"):
+        jaxpc.compile(top)
+    s1.set_gates(4)
+    with pytest.raises(ValueError, match="s2 .gate block size 2. cannot read the gates of s1 .gate block size 4."):
+        jaxpc.compile(top)
+    outside, _, _ = vectors()
+    s2.set_gates(tie_to=outside.set_gates())
+    with pytest.raises(ValueError, match=f"s2 reads the gates of {outside.name}, which is not part of this circuit"):
+        jaxpc.compile(top)
+    s2.set_gates(tie_to=s1)
+    c = jaxpc.compile(top)
+    assert c.num_gates == 4 and c.gate_slice(s1) == c.gate_slice(s2) == slice(0, 4)
+    with pytest.raises(ValueError, match="gate_slice: top has no gates; declare them with top.set_gates()"):
+        c.gate_slice(top)
+    with pytest.raises(ValueError, match=f"gate_slice: {outside.name} is not part of this circuit"):
+        c.gate_slice(outside)
+    with pytest.raises(ValueError, match="gate_slice: .* is not a sum vector"):
+        c.gate_slice(c.nodes[0])
+    x = np.zeros((2, 2), np.int32)
+    with pytest.raises(ValueError, match=r"evidence\['sum_gates'\] must have shape \[2, 4\], got \(2, 5\)"):
+        c.log_prob(c.params, x, evidence={"sum_gates": np.zeros((2, 5), np.float32)})
+    ungated = jaxpc.compile(vectors()[2])
+    with pytest.raises(ValueError, match="no sum vector of this circuit has gates: declare them with ns.set_gates"):
+        ungated.log_prob(ungated.params, x, evidence={"sum_gates": np.zeros((2, 4), np.float32)})
+    g = ungated.layout.sum_groups[0]
+    with pytest.raises(ValueError, match=rf"evidence\['sum_lowrank'\]\['{g.key}'\] must be .*, got \['u'\]"):
+        ungated.log_prob(ungated.params, x, evidence={"sum_lowrank": {g.key: {"u": np.zeros((2, 1, 1, 1))}}})
+    with pytest.raises(ValueError, match="param_slice: .* is not a sum vector of this circuit"):
+        ungated.param_slice(ungated.nodes[0])
 
 
 def test_topk_logz_dense_and_gather_paths_agree():

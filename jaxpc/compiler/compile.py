@@ -11,7 +11,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from ..nodes import CircuitNodes, InputNodes, ProdNodes, topological_order
+from ..nodes import CircuitNodes, InputNodes, ProdNodes, SumNodes, topological_order
 from .chain import detect_chain
 from .layout import InputLayerSpec, Layout, PFlowSpec, ProdPart, ScanSpec, StageSpec, SumGroupSpec, SumPart
 
@@ -24,6 +24,21 @@ class SumPlacement:
     start: int  # first parameter block
     num_edge_blocks: int
     seg_start: int  # first normalization segment (parent block)
+
+
+@dataclasses.dataclass(frozen=True)
+class GatePlacement:
+    """The gate columns of a gated sum vector (``SumNodes.set_gates``): ``[num_edge_blocks, per_block]`` row-major
+    from column ``start``; ``block_size`` parent nodes share a gate. Vectors tied by ``tie_to`` share one."""
+
+    start: int
+    num_edge_blocks: int
+    per_block: int
+    block_size: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.num_edge_blocks * self.per_block
 
 
 @dataclasses.dataclass
@@ -47,6 +62,7 @@ class CompiledStructure:
     stages: list  # every stage in order (scans unrolled), for partial evaluation plans
     stage_tables: list  # their numpy tables
     stage_owners: list  # per stage {"prods": [...], "sums": [...]}: the node vector of each block
+    gate_placement: dict[int, GatePlacement] = dataclasses.field(default_factory=dict)  # by gated vector id
 
 
 def _fanin_buckets(fanins: np.ndarray, max_exact: int) -> np.ndarray:
@@ -78,6 +94,9 @@ def build(root: CircuitNodes, *, scan_min_repeats: int = 3, max_exact_fanins: in
         stages.append(spec)
         stage_tables.append(tab)
         stage_owners.append(owners)
+    gate_placement, num_gates = _place_gates(nodes)
+    if gate_placement:
+        stages = _with_gate_tables(stages, stage_tables, stage_owners, gate_placement, sum_placement, num_gates)
     steps, step_tables = group_scans(stages, stage_tables, scan_min_repeats)
 
     root_row = int(block_rows[root.id][0])
@@ -86,14 +105,14 @@ def build(root: CircuitNodes, *, scan_min_repeats: int = 3, max_exact_fanins: in
     pflows, pflow_tables = _pflow_plan(steps, step_tables)
     layout = Layout(num_rows=row, kmax=kmax, input_layers=tuple(input_specs), steps=tuple(steps),
                     sum_groups=sum_groups, root_row=root_row, num_vars=max(var_dists) + 1, pflows=pflows,
-                    single_reader=single, flow_gaps=gaps)
+                    single_reader=single, flow_gaps=gaps, num_gates=num_gates)
     tables = {"inputs": input_tables, "steps": step_tables, "groups": group_tables, "pflows": pflow_tables}
     layout, tables = _with_chain(layout, tables, stages, stage_tables)
     fold = _build_fold(nodes, root, input_rows, inputs_end, 2 * kmax, sum_placement, max_exact_fanins,
                        scan_min_repeats)
     layout, tables = _with_fold(layout, tables, fold)
     return CompiledStructure(layout, tables, sum_placement, input_placement, sources, nodes, block_rows,
-                             var_dists, stages, stage_tables, stage_owners)
+                             var_dists, stages, stage_tables, stage_owners, gate_placement)
 
 
 def _check_root(root) -> None:
@@ -159,6 +178,79 @@ def _place_sums(sources: dict[int, CircuitNodes]) -> tuple[dict[int, SumPlacemen
             "nch": np.concatenate(nch_tables[k]).astype(np.int32)}
         for k in group_shapes}
     return sum_placement, sum_groups, group_tables
+
+
+def _gate_owner(ns: SumNodes) -> SumNodes:
+    """The vector whose gate columns ``ns`` reads: the end of its ``tie_to`` chain."""
+    seen = {ns.id}
+    while ns.gates is not None and ns.gates.tie_to is not None:
+        ns = ns.gates.tie_to
+        if ns.id in seen:
+            raise ValueError(f"compile: the gate ties through {ns.name} form a cycle")
+        seen.add(ns.id)
+    return ns
+
+
+def _place_gates(nodes: list[CircuitNodes]) -> tuple[dict[int, GatePlacement], int]:
+    """``(placement by gated vector id, number of gate columns)``: the vectors with gates of their own get columns
+    in topological order; a vector with ``tie_to`` shares its owner's (:func:`_gate_owner`), which must be a gated
+    vector of this circuit with the same number of edge blocks, block size and gate block size."""
+    placement: dict[int, GatePlacement] = {}
+    G = 0
+    gated = [ns for ns in nodes if ns.is_sum() and ns.gates is not None]
+    for ns in gated:
+        if ns.gates.tie_to is None:
+            E, gb = ns.edge_ids.shape[1], ns.gates.block_size
+            placement[ns.id] = GatePlacement(G, E, ns.block_size // gb, gb)
+            G += E * (ns.block_size // gb)
+    for ns in gated:
+        owner = _gate_owner(ns)
+        if owner.id not in placement:
+            why = "has no gates" if owner.gates is None else "is not part of this circuit"
+            raise ValueError(f"compile: {ns.name} reads the gates of {owner.name}, which {why}")
+        pl = placement[owner.id]
+        if (ns.edge_ids.shape[1], ns.block_size, ns.gates.block_size) != (pl.num_edge_blocks, owner.block_size,
+                                                                         pl.block_size):
+            raise ValueError(f"compile: {ns.name} (gate block size {ns.gates.block_size}) cannot read the gates of "
+                             f"{owner.name} (gate block size {pl.block_size}): their gate columns differ in shape")
+        placement[ns.id] = pl
+    return placement, G
+
+
+def _gate_ids(tab: dict, owners: list, Kp: int, gates: dict[int, GatePlacement], sum_placement, G: int):
+    """``gid [n, C, Kp]``, the gate column of each slot's parent rows in one sum partition (``tab``, the vector of
+    each block ``owners``): edge block ``e`` of a gated vector, row ``r`` reads column ``start + e * per_block +
+    r // block_size``; blocks without gates and padded slots read column ``G`` (a zero log-gate). None when no
+    block of the partition has gates."""
+    oid = np.asarray([ns.id for ns in owners])
+    if not any(i in gates for i in np.unique(oid)):
+        return None
+    pid, pad = tab["pid"], tab["ch"] == -2  # the main layout's partitions: ch [n, C]
+    gid = np.full(pid.shape + (Kp,), G, dtype=np.int64)
+    for ns in {ns.id: ns for ns in owners}.values():
+        if ns.id in gates:
+            pl = gates[ns.id]
+            rows = np.nonzero(oid == ns.id)[0]
+            e = pid[rows] - sum_placement[ns.source.id].start  # the column of ns.edge_ids
+            cols = pl.start + e[:, :, None] * pl.per_block + (np.arange(Kp) // pl.block_size)[None, None, :]
+            gid[rows] = np.where(pad[rows][:, :, None], G, cols)
+    return gid.astype(np.int32)
+
+
+def _with_gate_tables(stages: list, stage_tables: list, stage_owners: list, gates: dict[int, GatePlacement],
+                      sum_placement, G: int) -> list:
+    """The stages with every sum partition that holds a gated block marked ``gated``; their tables (in place) get
+    :func:`_gate_ids`."""
+    out = []
+    for spec, tab, owners in zip(stages, stage_tables, stage_owners):
+        sums = list(spec.sums)
+        for j, (part, t, own) in enumerate(zip(spec.sums, tab["sums"], owners["sums"])):
+            gid = _gate_ids(t, own, part.Kp, gates, sum_placement, G)
+            if gid is not None:
+                t["gid"] = gid
+                sums[j] = dataclasses.replace(part, gated=True)
+        out.append(dataclasses.replace(spec, sums=tuple(sums)))
+    return out
 
 
 def _input_layers(nodes: list[CircuitNodes]) -> list[list[InputNodes]]:

@@ -67,6 +67,8 @@ class SumPart:
     ``U``/``D``: shape of the inverse tables (``uch [U]``, ``par``/``ppid [U, D]``) the backward kernels walk;
     ``D == 1``: every child row block is read once in the partition. ``unique_pid``: no parameter block is used
     twice in it. Either makes the matching scatter of the backward free of conflicts (no atomic adds).
+    ``gated``: a block of it has BlockScale gates (``SumNodes.set_gates``); its tables then hold ``gid [n, C, Kp]``,
+    the gate column of each slot's parent rows (``Layout.num_gates`` where the slot has no gate).
     """
 
     n: int
@@ -79,6 +81,7 @@ class SumPart:
     D: int = 0  # most parents of one child block within the partition
     M: int = 1  # rows added up per child block (> 1 in the folded plan: a folded product's children)
     unique_pid: bool = False  # every edge has its own parameter block (no padding, no tying inside the partition)
+    gated: bool = False  # tables["gid"]: gate columns (SumNodes.set_gates)
 
     @property
     def num_rows(self) -> int:
@@ -209,6 +212,8 @@ class Layout:
     # nodes without a parent), all but the root's row; the flow pass zeros these and leaves the rest unset.
     # None: unknown, the flow pass starts from zeros
     flow_gaps: tuple[tuple[int, int], ...] | None = None
+    # columns of evidence["sum_gates"] [B, num_gates] (SumNodes.set_gates; 0: no sum vector has gates)
+    num_gates: int = 0
 
     @property
     def ninf_row(self) -> int:

@@ -70,7 +70,9 @@ def build_plan(struct: CompiledStructure, variables) -> tuple[PlanLayout, dict]:
             sel = np.nonzero([bool(o.scope & mask) for o in own])[0]
             if sel.size:
                 inv = inverse_tables(t["ch"][sel], t["pid"][sel])
-                sums.append(dataclasses.replace(part, n=int(sel.size), U=inv["par"].shape[0], D=inv["par"].shape[1]))
+                # partial evaluation takes no evidence: no gate tables
+                sums.append(dataclasses.replace(part, n=int(sel.size), U=inv["par"].shape[0], D=inv["par"].shape[1],
+                                                gated=False))
                 stabs.append({"ch": t["ch"][sel], "pid": t["pid"][sel],
                               "write": (row + sel * part.Kp).astype(np.int32), **inv})
             row += part.num_rows

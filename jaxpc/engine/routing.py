@@ -57,7 +57,10 @@ def param_dtype(params) -> jnp.dtype:
 
 def has_sum_externals(evidence: dict | None) -> bool:
     """Whether ``evidence`` carries per-sample sum parameters (``sum_gates`` / ``sum_lowrank``)."""
-    return bool(evidence) and bool(evidence.get("sum_gates") or evidence.get("sum_lowrank"))
+    if not evidence:
+        return False
+    gates = evidence.get("sum_gates")  # gate columns [B, G], or {group: [B, P]}
+    return (gates is not None and (not isinstance(gates, dict) or bool(gates))) or bool(evidence.get("sum_lowrank"))
 
 
 # ---- the flow pass's plan and the leaf kernels ----------------------------------------------------

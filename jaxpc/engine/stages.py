@@ -76,13 +76,32 @@ def _product_rows(buf: Array, spec: StageSpec, tab: dict, offset, index) -> tupl
     return outs, row
 
 
-def _external_sum(buf: Array, part, t: dict, logw: Array, options, gates, lowrank, counts: bool) -> Array:
-    """A sum partition's values on per-sample parameters (``sum_gates`` / ``sum_lowrank`` evidence)."""
+def _slot_gates(gates, part, t: dict) -> Array | None:
+    """``[n, C, Kp, B]`` log-gates of each slot's parent rows of a sum partition, or None when it runs ungated:
+    ``gates`` is ``evidence["sum_gates"]``, the gate columns ``[B, G]`` (read through the partition's ``gid``
+    table; column ``G`` is a zero log-gate) or ``{group: [B, P]}``, one log-gate per parameter block."""
+    if gates is None:
+        return None
+    if isinstance(gates, dict):
+        g = gates.get(part.group)
+        if g is None:
+            return None
+        g = jnp.transpose(g[:, t["pid"]], (1, 2, 0))[:, :, None, :]  # [n, C, 1, B]
+        return jnp.broadcast_to(g, g.shape[:2] + (part.Kp,) + g.shape[3:])
+    if not part.gated:
+        return None
+    cols = jnp.concatenate([gates, jnp.zeros((gates.shape[0], 1), gates.dtype)], axis=1)
+    return jnp.transpose(cols[:, t["gid"]], (1, 2, 3, 0))
+
+
+def _external_sum(buf: Array, part, t: dict, logw: Array, options, gates, lowrank, counts: bool, pad_row):
+    """A sum partition's values on per-sample parameters (``sum_gates`` / ``sum_lowrank`` evidence; ``gates``:
+    :func:`_slot_gates`)."""
     if options.propagation != "LL":
         raise ValueError("external sum parameters (sum_gates / sum_lowrank) support propagation='LL'")
     return sum_layer_external_reference(buf, t["ch"], t["pid"], logw, Kp=part.Kp, Kc=part.Kc, dense=part.dense,
                                         gates=gates, lowrank=lowrank, counts=counts,
-                                        precision=options.concrete_precision)
+                                        precision=options.concrete_precision, pad_row=pad_row)
 
 
 def _xla_sum(buf: Array, part, t: dict, logw: Array, options, impl: str, cfg, row, shifts: Array | None, unit: int):
@@ -106,18 +125,20 @@ def _xla_sum(buf: Array, part, t: dict, logw: Array, options, impl: str, cfg, ro
 
 
 def _sum_rows(buf: Array, spec: StageSpec, tab: dict, sum_params: dict, options, row, index, evidence: dict | None,
-              counts: bool, shifts: Array | None, unit: int):
+              counts: bool, shifts: Array | None, unit: int, pad_row: int | None):
     """``(outs, inplace, shifts)`` for the stage's sum partitions, from ``row`` on: ``outs`` the ``(row, values)``
-    that updates write, ``inplace`` the ``(row, index, part, tables, config)`` that the in-place kernels write."""
+    that updates write, ``inplace`` the ``(row, index, part, tables, config)`` that the in-place kernels write.
+    ``pad_row``: the row that padded slots read (``Layout.ninf_row``)."""
     outs, inplace = [], []
-    gates = (evidence or {}).get("sum_gates") or {}
-    lowrank = (evidence or {}).get("sum_lowrank") or {}
+    evidence = evidence or {}
+    lowrank = evidence.get("sum_lowrank") or {}
     for j, (part, t) in enumerate(zip(spec.sums, tab["sums"])):
         with jax.named_scope(f"jaxpc/stage{index}/sum{j}"):
             logw = sum_params[part.group]
-            if part.group in gates or part.group in lowrank:
-                outs.append((row, _external_sum(buf, part, t, logw, options, gates.get(part.group),
-                                                lowrank.get(part.group), counts)))
+            gates = _slot_gates(evidence.get("sum_gates"), part, t)
+            if gates is not None or part.group in lowrank:
+                outs.append((row, _external_sum(buf, part, t, logw, options, gates, lowrank.get(part.group), counts,
+                                                pad_row)))
             else:
                 impl, cfg = routing.kernel_choice(options, part, buf.shape[1], buf.dtype)
                 if routing.runs_inplace(impl, options, buf):
@@ -149,12 +170,14 @@ def _inplace_sums(buf: Array, inplace: list, sum_params: dict, options, index, s
 
 
 def _stage(buf: Array, spec: StageSpec, tab: dict, sum_params: dict, options, offset, index,
-           evidence: dict | None = None, counts: bool = False, shifts: Array | None = None, unit: int = 0):
+           evidence: dict | None = None, counts: bool = False, shifts: Array | None = None, unit: int = 0,
+           pad_row: int | None = None):
     """The node buffer with one stage's rows written; ``(buf, shifts)`` when given ``shifts``, into which the
     partitions that keep them (the in-place kernels and XLA's) also write their blocks' shifts (rows of
-    ``unit``, see :func:`jaxpc.engine.routing.shift_unit`)."""
+    ``unit``, see :func:`jaxpc.engine.routing.shift_unit`). ``pad_row``: ``Layout.ninf_row``."""
     outs, row = _product_rows(buf, spec, tab, offset, index)
-    sums, inplace, shifts = _sum_rows(buf, spec, tab, sum_params, options, row, index, evidence, counts, shifts, unit)
+    sums, inplace, shifts = _sum_rows(buf, spec, tab, sum_params, options, row, index, evidence, counts, shifts, unit,
+                                      pad_row)
     outs += sums
     if outs and not inplace:  # one write for the whole stage
         out = outs[0][1] if len(outs) == 1 else jnp.concatenate([o for _, o in outs], axis=0)
@@ -211,7 +234,7 @@ def forward_buffer(layout: Layout, tables: dict, sum_params: dict, input_vals, o
 
     def stage(carry, spec, tab, offset, name):  # carry: the buffer, or (buffer, shifts) with a shift buffer
         b, s = carry if unit else (carry, None)
-        return _stage(b, spec, tab, sum_params, options, offset, name, evidence, counts, s, unit)
+        return _stage(b, spec, tab, sum_params, options, offset, name, evidence, counts, s, unit, layout.ninf_row)
 
     carry = (buf, jnp.zeros((-(-layout.num_rows // unit), buf.shape[1]), jnp.float32)) if unit else buf
     carry = run_stages(layout, tables, carry, stage, scan=options.scan_stages)

@@ -18,6 +18,7 @@ node is built; the error names the offending nodes.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -29,6 +30,7 @@ __all__ = [
     "InputNodes",
     "ProdNodes",
     "SumNodes",
+    "Gates",
     "inputs",
     "multiply",
     "summate",
@@ -222,6 +224,19 @@ class ProdNodes(CircuitNodes):
         return multiply(*chs, edge_ids=self.edge_ids.copy(), name=name)
 
 
+@dataclasses.dataclass(frozen=True)
+class Gates:
+    """A sum vector's per-sample BlockScale gates (:meth:`SumNodes.set_gates`).
+
+    Attributes:
+        block_size: parent nodes per gate inside a node block (it divides the vector's ``block_size``).
+        tie_to: the sum vector whose gate columns this one reads, or None for columns of its own.
+    """
+
+    block_size: int
+    tie_to: SumNodes | None = None
+
+
 class SumNodes(CircuitNodes):
     kind = "sum"
 
@@ -232,11 +247,40 @@ class SumNodes(CircuitNodes):
         self.ch_block_size = children[0].block_size
         self.num_ch_node_blocks = sum(c.num_node_blocks for c in children)
         self._params = None
+        self.gates: Gates | None = None
         if params is not None:
             self.set_params(params)
 
     def is_sum(self) -> bool:
         return True
+
+    def set_gates(self, block_size: int | None = None, *, tie_to: SumNodes | None = None) -> SumNodes:
+        """Give this vector per-sample BlockScale gates, read from ``evidence["sum_gates"]`` (``[B, G]``, G =
+        ``circuit.num_gates``); vectors without gates keep their shared weights.
+
+        Each edge block ``e`` (column ``e`` of ``edge_ids``) gets one log-gate per ``block_size`` consecutive
+        parent nodes of its node block (default: the vector's block size, one gate per edge block; 1: one per
+        parent node). Sample ``b``'s weight of parent ``i`` and child ``j`` on edge block ``e`` is
+        ``w[i, j] * exp(g[b, col(e, i)])``, renormalized over the node's children. The vector's columns form
+        ``[num_edge_blocks, self.block_size // block_size]`` (row-major) at :meth:`jaxpc.Circuit.gate_slice`.
+        ``tie_to``: read the columns of another gated sum vector with as many edge blocks, the same block size and
+        gate block size (checked by :func:`jaxpc.compile`) instead of columns of its own. Declare gates before
+        compiling; copies (:meth:`duplicate`) have none. Returns ``self``."""
+        if tie_to is not None:
+            if not isinstance(tie_to, SumNodes) or tie_to is self:
+                raise ValueError(f"set_gates: tie_to must be another sum vector, got {tie_to!r}")
+            if (tie_to.edge_ids.shape[1], tie_to.block_size) != (self.edge_ids.shape[1], self.block_size):
+                raise ValueError(f"set_gates: {self.name} ({self.edge_ids.shape[1]} edge blocks of "
+                                 f"{self.block_size} nodes) cannot read the gates of {tie_to.name} "
+                                 f"({tie_to.edge_ids.shape[1]} edge blocks of {tie_to.block_size} nodes)")
+            if block_size is None and tie_to.gates is not None:
+                block_size = tie_to.gates.block_size
+        bs = self.block_size if block_size is None else block_size
+        if not isinstance(bs, (int, np.integer)) or bs < 1 or self.block_size % bs:
+            raise ValueError(f"set_gates: block_size must be a positive divisor of {self.name}'s block size "
+                             f"{self.block_size}, got {block_size!r}")
+        self.gates = Gates(int(bs), tie_to)
+        return self
 
     @property
     def num_ch_nodes(self) -> int:
