@@ -4,9 +4,9 @@ call against the tuned one, and the default call with parts of the flag handling
     python benchmarks/check_cost.py [--workload hclt] [--batch 16] [--reps 40]
 
 Variants: ``tuned`` (tf32, validate=False), ``default``, ``unchecked`` (default precision, validate=False:
-the same computation as ``tuned`` in an executable compiled and autotuned on its own), ``no-async`` (the
-flag read without the early asynchronous copy), ``no-read`` (the check runs in the executable, the flag is
-never read), ``sync``."""
+the same computation as ``tuned`` in an executable compiled and autotuned on its own), ``early-copy`` (the
+flag copied to the host asynchronously as soon as it is dispatched), ``no-read`` (the check runs in the
+executable, the flag is never read), ``sync``."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--reps", type=int, default=40)
     p.add_argument("--entries", default="log_prob,flows")
+    p.add_argument("--host-profile", action="store_true", help="also split the default call's host time")
     args = p.parse_args(argv)
     B = args.batch
     if args.workload == "hmm":
@@ -47,12 +48,13 @@ def main(argv=None):
     tuned = dict(options=jaxpc.Options(precision="tf32"), validate=False)
     record, settle = runtime.Runtime._record, runtime.Runtime._settle
 
-    def no_async(self, flag, batch, where):  # noqa: D401 - the flag read without the early copy
-        with self._lock:
-            self._pending.append(runtime._Pending(flag, batch.x, batch.missing, where))
+    def early_copy(self, flag, batch, where):  # noqa: D401 - the flag copied to the host as soon as dispatched
+        with jax.transfer_guard_device_to_host("allow"):
+            flag.copy_to_host_async()
+        record(self, flag, batch, where)
 
     variants = {"tuned": (tuned, None), "default": ({}, None), "unchecked": (dict(validate=False), None),
-                "no-async": ({}, no_async),
+                "early-copy": ({}, early_copy),
                 "no-read": ({}, lambda self, flag, batch, where: None), "sync": (dict(validate="sync"), None)}
     for entry in args.entries.split(","):
         fn = getattr(c, entry)
@@ -71,6 +73,34 @@ def main(argv=None):
             print(f"{args.workload} B={B} {entry:9s} {name:9s} {1e3 * np.median(ts[5:]):7.3f} ms "
                   f"(min {1e3 * np.min(ts[5:]):.3f})", flush=True)
     del settle
+    if args.host_profile:
+        host_profile(c, xs, args.reps)
+
+
+def host_profile(c, xs, reps: int) -> None:
+    """Host microseconds per default ``flows`` call spent in each part of the check's flag handling: the flag
+    executable's dispatch, the asynchronous copy and the read of the previous call's flag."""
+    import collections
+    spent: dict = collections.defaultdict(float)
+    rt = c.runtime
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[name] += time.perf_counter() - t
+        return wrapper
+
+    helpers_run, record, settle = rt._helpers.run, rt._record, rt._settle
+    rt._helpers.run, rt._record, rt._settle = (timed("flag dispatch", helpers_run), timed("record", record),
+                                               timed("settle", settle))
+    run = timed("whole call", c.flows)
+    for i in range(reps):
+        jax.block_until_ready(run(c.params, xs[i % 4]))
+    rt._helpers.run, rt._record, rt._settle = helpers_run, record, settle
+    print("host us per call: " + ", ".join(f"{k} {1e6 * v / reps:.1f}" for k, v in spent.items()), flush=True)
 
 
 if __name__ == "__main__":

@@ -343,6 +343,14 @@ class ExecutableCache:
         names = list(args)
         return lambda *vals: e.compiled(*_call_args(dict(zip(names, vals))))
 
+    def executable(self, entry: str, static: dict, args: dict):
+        """The compiled executable (``jax.stages.Compiled``, called with ``args``' values in order) for exactly this
+        key, if live; for callers that call it again and again with arguments of the same layout."""
+        key = self.key(entry, static, args)
+        with self._lock:
+            e = self._entries.get(key)
+        return e.compiled if e is not None and e.usable else None
+
     def latest(self, entry: str):
         """The most recently used compiled executable of ``entry`` (a ``jax.stages.Compiled``: its
         ``memory_analysis()``, ``cost_analysis()``, ``as_text()``), or None when none is live."""

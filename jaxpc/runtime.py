@@ -11,11 +11,12 @@ checks still in flight. Every public entry point (the :class:`~jaxpc.Circuit` me
   arrays are checked inside the executable that does the work: a row with a bad value (an
   out-of-range or fractional category, a NaN or infinite observed value) gets a NaN log-likelihood
   (``-1`` for integer outputs), takes no part in flows and EM (its weight is zero, so parameters stay
-  finite). A one-kernel executable dispatched right after computes the batch's flag (an output of the work's
-  executable that the host holds on to would make XLA's runtime record that executable's kernels again for
-  the next call's new output addresses). The flag of a call is read by the circuit's **next call**
+  finite). A one-kernel executable dispatched right after the work computes the batch's flag (an output of
+  the work's executable that the host holds on to would make XLA's runtime record that executable's kernels
+  again for the next call's new output addresses). The flag of a call is read by the circuit's **next call**
   (any entry point) right after that call's work has been dispatched, so the device never waits for the
-  host; that call then raises the ``ValueError`` naming the variable and the value. :meth:`Runtime.raise_pending`
+  host and the read's latency overlaps the work (``benchmarks/check_cost.py`` measures the alternatives);
+  that call then raises the ``ValueError`` naming the variable and the value. :meth:`Runtime.raise_pending`
   (``circuit.raise_pending()``) waits for and raises it at once.
 * ``"sync"``: the same check, then waits for the call's own flag and raises at once (for debugging).
 * ``False``: no value check at all (a bad value then gives NaN or a clamped value, unchecked).
@@ -236,6 +237,7 @@ class Runtime:
         self._helpers = ExecutableCache(max_executables=128, max_layouts_per_entry=1 << 30)  # one per size: no warning
         self._entries: dict[str, tuple[Entry, Callable]] = {}
         self._constants: dict = {}
+        self._flag_exes: dict = {}  # layout -> the flag's executable
         self._pending: collections.deque = collections.deque()
         self._lock = threading.Lock()
 
@@ -283,12 +285,22 @@ class Runtime:
                 checks.raise_bad_values(self.var_info, p.x, p.missing, "x",
                                         f"circuit.{p.where}, checked on the device; its rows gave NaN")
 
+    def _flag(self, x: Array, missing: Array | None) -> Array:
+        """The flag of a padded batch: one stored executable per layout (made through the call path's cache),
+        then called directly."""
+        key = (x.shape, x.dtype, None if missing is None else missing.shape)
+        exe = self._flag_exes.get(key)
+        if exe is not None:
+            return exe(x, missing)
+        static, args = {"check": self.device_check}, {"x": x, "missing": missing}
+        out = self._helpers.run("input_flag", _any_bad, static, args)
+        exe = self._helpers.executable("input_flag", static, args)
+        with self._lock:
+            if exe is not None and len(self._flag_exes) < 64:
+                self._flag_exes[key] = exe
+        return out
+
     def _record(self, flag: Array, batch: Batch, where: str) -> None:
-        try:
-            with jax.transfer_guard_device_to_host("allow"):
-                flag.copy_to_host_async()  # the next call reads it from host memory
-        except Exception:  # noqa: BLE001 - a backend without async copies reads it synchronously
-            pass
         with self._lock:
             self._pending.append(_Pending(flag, batch.x, batch.missing, where))
 
@@ -377,8 +389,7 @@ class Runtime:
         if batch is None or batch.traced:
             return out
         # on the padded batch (padding rows copy the first row): one flag executable per bucket
-        flag = self._helpers.run("input_flag", _any_bad, {"check": self.device_check},
-                                 {"x": args["x"], "missing": args["missing"]}) if batch.report else None
+        flag = self._flag(args["x"], args["missing"]) if batch.report else None
         self._settle()  # the earlier calls' flags, read while this call's work runs
         if flag is not None:
             self._record(flag, batch, name)
