@@ -155,6 +155,16 @@ class Distribution:
         """Expected sufficient statistics per row from node flows ``[N, B]``."""
         return {}
 
+    def log_suff_stats(self, p: dict[str, Array], tables: dict[str, Array], rows: Array, xv: Array, mv: Array | None,
+                       log_flows: Array, num_rows: int) -> dict[str, Array]:
+        """The logarithms of :meth:`suff_stats` from log node flows ``[N, B]`` (``Options(logspace_flows=True)``),
+        computed in the log domain. Distributions without statistics return {}; statistics that can be negative
+        (moments) have no logarithm, and their distributions raise."""
+        if type(self).suff_stats is Distribution.suff_stats:
+            return {}
+        raise ValueError(f"logspace_flows: the expected statistics of {self!r} leaves are moments, which have no "
+                         f"logarithm; use logspace_flows=False for circuits with such leaves")
+
     def suff_stats_runs(self, p: dict[str, Array], tables: dict[str, Array], xg: Array, mg: Array | None,
                         flows: Array, run: int, options) -> dict[str, Array]:
         """:meth:`suff_stats` of a layer whose node ``i`` reads row ``i`` and whose nodes come in runs of ``run``

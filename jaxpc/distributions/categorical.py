@@ -7,10 +7,12 @@ masked categorical forbids a value). The gradient of the log-likelihood with res
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..ops.logspace import segment_logsumexp
 from ..ops.pieces import in_order, ranges
 from .base import Distribution, blend, reduce_missing, segment_sum
 
@@ -117,6 +119,20 @@ class Categorical(Distribution):
         counts = counts.reshape(num_rows, self.num_cats)
         if mv is not None:
             counts = counts + self._marginalized(p, jnp.sum(jnp.where(mv, flows, 0.0), axis=1), rows, num_rows)
+        return {"counts": counts}
+
+    def log_suff_stats(self, p, tables, rows, xv, mv, log_flows, num_rows):
+        """:meth:`suff_stats` in the log domain: ``{"counts": log counts}``, each a ``log sum exp`` of the log flows
+        of the (node, sample) pairs that observed the value, and for marginalized values their log flows plus the
+        node's log-probabilities."""
+        K = self.num_cats
+        xi = jnp.clip(self._values(xv, mv), 0, K - 1)
+        obs = log_flows if mv is None else jnp.where(mv, -jnp.inf, log_flows)
+        counts = segment_logsumexp(obs.reshape(-1), self._flat(rows, xi).reshape(-1), num_rows * K)
+        counts = counts.reshape(num_rows, K)
+        if mv is not None:
+            miss = jax.nn.logsumexp(jnp.where(mv, log_flows, -jnp.inf), axis=1)  # [N]
+            counts = jnp.logaddexp(counts, segment_logsumexp(miss[:, None] + p["log_probs"][rows], rows, num_rows))
         return {"counts": counts}
 
     def _marginalized(self, p, miss, rows=None, num_rows=None):

@@ -170,6 +170,9 @@ class External(Categorical):
     def suff_stats(self, p, tables, rows, xv, mv, flows, num_rows):
         return {}
 
+    def log_suff_stats(self, p, tables, rows, xv, mv, log_flows, num_rows):
+        return {}
+
     def em_update(self, p, tables, stats, step_size, pseudocount):
         return p
 
