@@ -337,6 +337,11 @@ class Circuit:
         log-likelihood ``sum_b w_b log p(x_b)`` with respect to ``evidence``: a pytree like the checked evidence,
         None at its integer leaves (top-k ids), computed in the same executable (the CoDD step: log-likelihoods,
         evidence gradient and parameter flows in one call).
+        ``options=Options(node_flows=True)`` adds ``"node"``, the M-step's denominators (each parameter block's
+        parent totals ``[P, Kp]``, each input row's total ``[rows]``: ``flows["sum"][g] / flows["node"]["sum"][g][...,
+        None]`` is EM's update without pseudocount); ``Options(logspace_flows=True)`` returns the logarithm of every
+        flow, computed in the log domain (no underflow; exactly zero is ``-inf``; not with ``return_evidence_grad``).
+        See :class:`Options`.
         """
         opts = Options.make(options)
         batch = self.runtime.prepare(x, missing, validate)
@@ -362,7 +367,8 @@ class Circuit:
         Variants: ``keep_zero_params`` (zero parameters stay zero); ``rescale="tdp"`` (new parameters
         ``normalize(step_size * flows / batch + (1 - step_size) * TDP)``, TDP the model's top-down
         probabilities); ``options=Options(propagation="MPE")`` (hard / Viterbi EM from max-product
-        flows); ``Options(pflow_temperature=T)`` (tempered EM).
+        flows); ``Options(pflow_temperature=T)`` (tempered EM). ``Options(logspace_flows=True)`` is refused: EM takes
+        linear flows.
         Returns the new params (and the batch's log-likelihoods under the old ones with ``return_ll``).
         With device-resident inputs a step makes no host transfer but its input check's one-byte flag (none with
         ``validate=False``); rows with bad values take no part in the update.
@@ -373,6 +379,7 @@ class Circuit:
         opts = Options.make(options)
         if opts.negate_flows:
             raise ValueError("em_step needs flows, not negated flows (options.negate_flows=True)")
+        em.check_linear(opts, "em_step")
         batch = self.runtime.prepare(x, missing, validate)
         ev = self.check_evidence(evidence, batch.n)
         if ev is not None and rescale == "tdp":

@@ -99,6 +99,19 @@ class Options:
         compute_param_flows: with False, ``flows`` skips the sum-edge flows (returned as zeros) and
             ``em_step`` leaves the sum parameters untouched (only the leaves are refitted).
         negate_flows: return ``-flows`` (for contrastive objectives); EM refuses negated flows.
+        logspace_flows: ``flows`` returns the logarithm of every expected count (sum edges, categorical counts,
+            ``node_flows``), from a flow pass run in the log domain (:mod:`jaxpc.engine.logflows`, PyJuice's
+            ``logspace_flows``): a count far below float32's smallest number is still a finite log, and a count
+            that is exactly zero is ``-inf``. The node values come from the plain forward on the full layout; the
+            flow pass is one XLA pass over it without matrix products (``kernels``, ``fold_products`` and
+            ``chain_scan`` do not apply to it). Leaves whose statistics are moments (Gaussian, DiscreteLogistic)
+            have no log form and raise. EM takes linear flows: ``em_step`` refuses it.
+        node_flows: ``flows`` also returns, under ``"node"``, each node's flow summed over the batch, the
+            denominators of the M-step (PyJuice's ``cum_pflows``): ``{"sum": {group: [P, Kp]}, "input": {layer:
+            [rows]}}``, for every parameter block the total of its parent nodes' edge flows (pooled over tied
+            blocks, as the M-step normalizes them) and for every input parameter row the total flow of its
+            nodes. ``flows["sum"][g] / node["sum"][g][..., None]`` is EM's update without pseudocount. Needs
+            ``compute_param_flows``.
         impl: implementation of the sum layers: ``"auto"`` (default: per sum partition, on a GPU the Pallas
             forward and the XLA backward for partitions whose blocks have several child blocks, where the
             kernel's in-register gather beats XLA's materialized one (PD-128's forward on the H200: 3.1 against
@@ -179,6 +192,8 @@ class Options:
     precision: str = "default"
     compute_param_flows: bool = True
     negate_flows: bool = False
+    logspace_flows: bool = False
+    node_flows: bool = False
     impl: str = "auto"
     kernels: tuple = ()
     pflow_temperature: float = 1.0
@@ -223,10 +238,15 @@ class Options:
                               ("param_flow_pass", PARAM_FLOW_PASSES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        for name in ("compute_param_flows", "negate_flows", "chain_scan", "fold_products", "scan_stages",
-                     "kernel_shifts", "leaf_kernel"):
+        for name in ("compute_param_flows", "negate_flows", "logspace_flows", "node_flows", "chain_scan",
+                     "fold_products", "scan_stages", "kernel_shifts", "leaf_kernel"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.logspace_flows and self.negate_flows:
+            raise ValueError("logspace_flows=True returns logarithms of flows, which negate_flows=True cannot negate")
+        if self.node_flows and not self.compute_param_flows:
+            raise ValueError("node_flows=True needs compute_param_flows=True (a sum node's flow is the total of its "
+                             "edge flows)")
         if not isinstance(self.tuning, Tuning):
             raise TypeError(f"tuning must be a jaxpc.Tuning, got {type(self.tuning).__name__}")
         if isinstance(self.gather_chunk, bool) or not isinstance(self.gather_chunk, int) or self.gather_chunk < 1:

@@ -48,6 +48,8 @@ OPTION_CHANGES = {
     "precision": ("log_prob", {}, {"precision": "bf16"}),
     "compute_param_flows": ("flows", {}, {"compute_param_flows": False}),
     "negate_flows": ("flows", {}, {"negate_flows": True}),
+    "logspace_flows": ("flows", {}, {"logspace_flows": True}),
+    "node_flows": ("flows", {}, {"node_flows": True}),
     "impl": ("flows", {"chain_scan": False}, {"chain_scan": False, "impl": "pallas"}),
     "pflow_temperature": ("flows", {}, {"pflow_temperature": 0.5}),
     "eflow_temperature": ("flows", {}, {"eflow_temperature": 0.5}),

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from ..compiler.layout import Layout
 from ..distributions.base import blend
-from . import forward, routing
+from . import forward, logflows, routing
 
 Array = jax.Array
 
@@ -27,7 +27,14 @@ def flows_and_ll(layout: Layout, tables: dict, params: dict, x: Array, missing: 
     sum parameters in ``evidence``, sum flows are the posterior edge counts under the per-sample weights.
 
     With ``evidence_grad``: ``(flows, ll, g)``, ``g`` the gradient of ``sum_b w_b log p(x_b)`` with respect to
-    ``evidence``, a pytree like it with None for its integer leaves (top-k ids)."""
+    ``evidence``, a pytree like it with None for its integer leaves (top-k ids).
+    ``options.logspace_flows``: every flow a logarithm (:func:`jaxpc.engine.logflows.flows_and_ll`);
+    ``options.node_flows``: the flows also hold the M-step's denominators under ``"node"``."""
+    if options.logspace_flows:
+        if evidence_grad:
+            raise ValueError("logspace_flows=True computes flows only: the evidence gradient comes with linear "
+                             "flows (logspace_flows=False)")
+        return logflows.flows_and_ll(layout, tables, params, x, missing, weights, options, evidence)
     if evidence_grad:
         if evidence is None:
             raise ValueError("evidence_grad needs evidence")
@@ -125,9 +132,18 @@ def _assemble_flows(layout, tables, params, x, missing, options, g_sum, g_eps, b
             g_in[spec.key] = spec.dist.suff_stats(params["input"][spec.key], tab["meta"], tab["rows"], xv, mv,
                                                   node_flows, spec.num_rows)
     out = {"sum": g_sum, "input": g_in}
+    if options.node_flows:
+        out["node"] = logflows.node_totals(layout, tables, g_sum, g_eps)
     if options.negate_flows:
         out = jax.tree_util.tree_map(jnp.negative, out)
     return out
+
+
+def check_linear(options, where: str) -> None:
+    """Raise unless ``options`` give linear flows, which an EM update takes."""
+    if options.logspace_flows:
+        raise ValueError(f"{where}: Options(logspace_flows=True) gives log flows, but EM's update takes linear flows "
+                         f"(the M-step from log flows: exp(log flows - log node flows), see Options.node_flows)")
 
 
 def normalize_sum_params(layout: Layout, tables: dict, sum_counts: dict, pseudocount, keep: dict | None = None) -> dict:
@@ -208,6 +224,7 @@ def em_step(layout: Layout, tables: dict, params: dict, x: Array, missing: Array
     ``rescale="tdp"``: instead of blending parameters, the new parameters are
     ``normalize(s * flows / total_weight + (1 - s) * TDP + pseudocount)`` with ``TDP`` the model's own
     top-down probabilities (:func:`top_down_probabilities`): nodes the batch rarely reaches move less."""
+    check_linear(options, "em_step")
     fl, ll = flows_and_ll(layout, tables, params, x, missing, weights, options, evidence)
     if rescale == "tdp":
         tdp = top_down_probabilities(layout, tables, params, options)

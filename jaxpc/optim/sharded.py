@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ..engine import em
+from ..ops.logspace import log_psum
 from ..options import Options
 from .normalize import normalized_log_prob
 
@@ -65,13 +66,13 @@ def sharded_flows_and_ll(layout, mesh: Mesh, options: Options, missing_ndim: int
     """A pure ``f(tables, params, x, [missing,] weights, evidence=None) -> (flows, ll)``:
     :func:`jaxpc.engine.em.flows_and_ll` with the batch (``x`` ``[B, V]``, ``weights`` ``[B]``, a ``[B, V]``
     missing mask, every leaf of the per-call ``evidence`` pytree) split over the mesh's ``'data'`` axis and the
-    flows summed once. ``B`` must be a multiple of the axis size; ``missing`` is left out when ``missing_ndim``
-    is None."""
+    flows summed once (log flows, ``options.logspace_flows``, by a log-domain sum). ``B`` must be a multiple of
+    the axis size; ``missing`` is left out when ``missing_ndim`` is None."""
 
     def body(tables, params, x, *rest):
         m, w, ev = _split(rest, missing_ndim)
         fl, ll = em.flows_and_ll(layout, tables, params, x, m, w, options, ev)
-        return jax.lax.psum(fl, AXIS), ll
+        return (log_psum(fl, AXIS) if options.logspace_flows else jax.lax.psum(fl, AXIS)), ll
 
     return _data_parallel(body, mesh, missing_ndim, (P(), P(AXIS)))
 

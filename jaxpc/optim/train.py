@@ -33,10 +33,12 @@ Array = jax.Array
 __all__ = ["make_step", "epoch_batches", "fit", "FitResult"]
 
 
-def _check_tx(tx, layout) -> None:
+def _check_tx(tx, layout, options: Options | None = None) -> None:
     if isinstance(tx, EMTransformation):
         if tx.config.layout is not None and tx.config.layout != layout:
             raise ValueError("optimizer: this EM transformation was built for another circuit")
+        if options is not None:
+            em_engine.check_linear(options, "an EM training step")
         return
     if not (hasattr(tx, "init") and hasattr(tx, "update")):
         raise TypeError(f"optimizer must be a jaxpc.optim EM transformation or an optax transformation "
@@ -63,8 +65,8 @@ def make_step(layout, tx, *, normalize: bool = True, options: Options | None = N
     first, as :meth:`jaxpc.Circuit.check_evidence` returns it), ``ll`` ``[B]`` under the parameters before the
     step.
     """
-    _check_tx(tx, layout)
     opts = Options.make(options)
+    _check_tx(tx, layout, opts)
     if isinstance(tx, EMTransformation):
         if mesh is None:
             flows_fn = functools.partial(em_engine.flows_and_ll, layout, options=opts)

@@ -1,0 +1,188 @@
+"""Flow variants: log-space flows (``Options(logspace_flows=True)``) and node flows (``Options(node_flows=True)``).
+
+**Log-space flows** are PyJuice's ``logspace_flows`` (``pyjuice/model/tensorcircuit.py``, ``backward``): the
+flow pass keeps each node's flow per sample as a logarithm, the root's starting at ``log(ll_weights)`` and
+every other at ``-inf``, so a flow far below the dtype's smallest number stays a finite log. PyJuice then adds
+the parameter flows up in linear space; here they are added up in the log domain too and returned as
+logarithms, so the expected counts themselves cannot underflow. A sum node passes each child
+
+    ``log f_c += log f_n + a (log w_nc + v_c) - log sum_c' exp(a (log w_nc' + v_c'))``
+
+(``a`` = 1 for LL, ``alpha`` for GeneralLL, ``1 / T`` for tempered flows; for MPE ``log f_n - log(#ties)`` on
+the maximizing children), a product node passes ``log f_n`` to each child, and every sum is a ``log sum exp``
+kept as a running max and a scaled sum (:mod:`jaxpc.ops.logspace`): nothing is the log of an underflowed linear
+value, and a flow that is exactly zero is ``-inf``. The pass runs on the full layout with XLA, a parent block's
+terms ``[Kp, C * Kc, B]`` at a time in pieces of at most ``Options.gather_chunk`` elements.
+
+**Node flows** are the denominators of the M-step, PyJuice's ``cum_pflows`` (``pyjuice/model/backend/
+par_update.py``): for a sum node, the total of its edge flows pooled over the nodes that share its parameters
+(as EM normalizes them); for an input parameter row, the total flow of the nodes that read it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ..compiler.layout import Layout, StageSpec
+from ..distributions.base import segment_sum
+from ..ops.logspace import LogSum, log_sum_add, log_sum_rows, log_sum_value, log_sum_zeros, segment_logsumexp
+from ..ops.pieces import ranges
+from ..ops.sum_layer import child_rows, child_terms, gather_children, gather_weights
+from ..options import Options
+from . import forward, routing, stages
+
+Array = jax.Array
+
+
+# ---- node flows (linear and log) ---------------------------------------------------------------------
+
+def node_totals(layout: Layout, tables: dict, sum_flows: dict, input_flows: list, log: bool = False) -> dict:
+    """The ``"node"`` entry of the flows (``Options.node_flows``): ``{"sum": {group: [P, Kp]}, "input": {layer:
+    [rows]}}``, every parameter block's parent totals (its edge flows ``[P, Kp, Kc]`` summed over the children
+    and over the blocks of its segment, the blocks the M-step normalizes together) and every input row's total
+    (its nodes' flows ``input_flows`` ``[N, B]`` per layer, summed over the samples and the nodes that read the
+    row). With ``log``, the flows are logarithms and so are the totals."""
+    out = {"sum": {}, "input": {}}
+    for g in layout.sum_groups:
+        seg = tables["groups"][g.key]["seg"]
+        f = sum_flows[g.key]
+        if log:
+            out["sum"][g.key] = segment_logsumexp(jax.nn.logsumexp(f, axis=2), seg, g.num_segments)[seg]
+        else:
+            out["sum"][g.key] = segment_sum(jnp.sum(f, axis=2), seg, g.num_segments)[seg]
+    for spec, tab, f in zip(layout.input_layers, tables["inputs"], input_flows):
+        if log:
+            out["input"][spec.key] = segment_logsumexp(jax.nn.logsumexp(f, axis=1), tab["rows"], spec.num_rows)
+        else:
+            out["input"][spec.key] = segment_sum(jnp.sum(f, axis=1), tab["rows"], spec.num_rows)
+    return out
+
+
+# ---- log-space flows ------------------------------------------------------------------------------------
+
+def flows_and_ll(layout: Layout, tables: dict, params: dict, x: Array, missing: Array | None,
+                 weights: Array | None, options, evidence: dict | None = None) -> tuple[dict, Array]:
+    """``(log flows, ll [B])``: :func:`jaxpc.engine.em.flows_and_ll` with every flow a logarithm (``-inf``: zero),
+    computed in the log domain. ``weights`` must be non-negative (a zero weight is a row without flow)."""
+    if routing.has_sum_externals(evidence):
+        raise ValueError("logspace_flows: per-sample sum parameters (sum_gates, sum_lowrank) have no log-space "
+                         "flow pass; use logspace_flows=False")
+    values = forward.node_values(layout, tables, params, x, missing, options, evidence=evidence)
+    log_nodes, log_sums = _log_pass(layout, tables, params["sum"], values, weights, options)
+    xt, mt = x.T, forward.missing_t(missing)
+    stats, node_flows = {}, []
+    for spec, tab in zip(layout.input_layers, tables["inputs"]):
+        lf = lax.slice_in_dim(log_nodes, spec.offset, spec.offset + spec.num_nodes)
+        node_flows.append(lf)
+        with jax.named_scope(f"jaxpc/input_log_stats/{spec.key}"):
+            stats[spec.key] = spec.dist.log_suff_stats(params["input"][spec.key], tab["meta"], tab["rows"],
+                                                       xt[tab["vars"]], None if mt is None else mt[tab["vars"]],
+                                                       lf, spec.num_rows)
+    out = {"sum": log_sums, "input": stats}
+    if options.node_flows:
+        out["node"] = node_totals(layout, tables, log_sums, node_flows, log=True)
+    return out, values[layout.root_row]
+
+
+class _Pass(NamedTuple):
+    """What every stage of one log-space flow pass reads."""
+
+    options: Options
+    sum_params: dict
+    values: Array  # the forward's node buffer [R, B]
+
+
+def _log_pass(layout: Layout, tables: dict, sum_params: dict, values: Array, weights: Array | None,
+              options) -> tuple[Array, dict]:
+    """``(log node flows [R, B], {group: log edge flows [P, Kp, Kc]})``: the flow pass in the log domain."""
+    R, B = values.shape
+    dtype = values.dtype
+    root = jnp.zeros((B,), dtype) if weights is None else jnp.log(weights.astype(dtype))
+    acc = log_sum_zeros((R, B), dtype)
+    acc = LogSum(acc.m.at[layout.root_row].set(root), acc.s.at[layout.root_row].set(1.0))
+    groups = {k: log_sum_zeros(v.shape, dtype) for k, v in sum_params.items()} if options.compute_param_flows else {}
+    ps = _Pass(options, sum_params, values)
+
+    def stage(carry, spec, tab, offset, name):
+        return _stage(ps, carry, spec, tab, offset, name)
+
+    acc, groups = stages.run_stages(layout, tables, (acc, groups), stage, reverse=True, scan=options.scan_stages)
+    log_sums = {k: log_sum_value(groups[k]) if k in groups else jnp.full(v.shape, -jnp.inf, v.dtype)
+                for k, v in sum_params.items()}
+    return log_sum_value(acc), log_sums
+
+
+def _stage(ps: _Pass, carry: tuple, spec: StageSpec, tab: dict, offset, name) -> tuple:
+    """``(node accumulator, group accumulators)`` with one stage's log flows pushed to its children."""
+    acc, groups = carry
+    B = ps.values.shape[1]
+    row = offset
+    for j, (part, t) in enumerate(zip(spec.prods, tab["prods"])):
+        with jax.named_scope(f"jaxpc/stage{name}/prod{j}/log_backward"):
+            n, m = t["ch"].shape
+            lf = log_sum_rows(acc, row, part.num_rows).reshape(n, 1, part.K, B)
+            rows = t["ch"][:, :, None] + jnp.arange(part.K, dtype=t["ch"].dtype)
+            acc = log_sum_add(acc, rows.reshape(-1), jnp.broadcast_to(lf, (n, m, part.K, B)).reshape(-1, B))
+        row = row + part.num_rows
+    for j, (part, t) in enumerate(zip(spec.sums, tab["sums"])):
+        with jax.named_scope(f"jaxpc/stage{name}/sum{j}/log_backward"):
+            acc, groups = _sum_part(ps, acc, groups, part, t, row)
+        row = row + part.num_rows
+    return acc, groups
+
+
+def _sum_part(ps: _Pass, acc: LogSum, groups: dict, part, t: dict, row) -> tuple:
+    """One sum partition's log child flows and log edge flows, a piece of parent blocks at a time."""
+    B = ps.values.shape[1]
+    spans = ranges(part.n, ps.options.gather_chunk // max(1, part.Kp * part.C * part.Kc * B))
+
+    def piece(carry, a, b, sub):
+        acc, groups = carry
+        terms = child_terms(sub["ch"])
+        if len(terms) != 1:
+            raise ValueError("log-space flows run on the full layout, whose sum children are single row blocks")
+        lf = log_sum_rows(acc, row + a * part.Kp, (b - a) * part.Kp).reshape(b - a, part.Kp, B)
+        cf, pf = log_split(ps.values, lf, sub["ch"], sub["pid"], ps.sum_params[part.group], row + a * part.Kp,
+                           part, ps.options, param_flows=part.group in groups)
+        acc = log_sum_add(acc, child_rows(terms[0], part.Kc, part.dense).reshape(-1), cf.reshape(-1, B))
+        if pf is not None:
+            groups = {**groups, part.group: log_sum_add(groups[part.group], sub["pid"].reshape(-1),
+                                                        pf.reshape(-1, part.Kp, part.Kc))}
+        return acc, groups
+
+    return stages.in_pieces(spans, t, piece, (acc, groups))
+
+
+def log_split(values: Array, lf: Array, ch: Array, pid: Array, logw: Array, row, part, options, *,
+              param_flows: bool = True) -> tuple[Array, Array | None]:
+    """The log flows ``lf [n, Kp, B]`` of ``n`` sum blocks (parents at rows ``row + [0, n * Kp)``) split over their
+    children: ``(log child flows [n, C*Kc, B] ([C*Kc, B] when dense), log edge flows [n, C, Kp, Kc] or None)``."""
+    n, C = ch.shape[:2]
+    Kp, Kc, B = part.Kp, part.Kc, values.shape[1]
+    x = gather_children(values, ch, part.Kc, part.dense)
+    t = gather_weights(logw, pid)[..., None] + (x[None, None] if part.dense else x[:, None])  # [n, Kp, CK, B]
+    vp = lax.dynamic_slice_in_dim(values, row, n * Kp, axis=0).reshape(n, Kp, 1, B)
+    dead = jnp.isneginf(lf)[:, :, None]  # parents without flow pass nothing (never -inf + inf)
+
+    def terms(temperature: float) -> Array:
+        if options.propagation == "MPE":  # ties share the flow, as jax.grad of max
+            hit = (t == vp) & jnp.isfinite(vp)
+            share = -jnp.log(jnp.maximum(jnp.sum(hit, axis=2, keepdims=True), 1).astype(t.dtype))
+            split = jnp.where(hit, share, -jnp.inf)
+        else:
+            z = ((1.0 if options.propagation == "LL" else options.alpha) / temperature) * t
+            norm = jax.nn.logsumexp(z, axis=2, keepdims=True)
+            split = jnp.where(jnp.isfinite(norm), z - norm, -jnp.inf)  # impossible parents pass nothing
+        return jnp.where(dead, -jnp.inf, lf[:, :, None] + split)
+
+    ce = terms(options.eflow_temperature)
+    cf = jax.nn.logsumexp(ce, axis=(0, 1) if part.dense else 1)
+    if not param_flows:
+        return cf, None
+    cp = ce if options.pflow_temperature == options.eflow_temperature else terms(options.pflow_temperature)
+    pf = jax.nn.logsumexp(cp, axis=3).reshape(n, Kp, C, Kc).transpose(0, 2, 1, 3)
+    return cf, pf
