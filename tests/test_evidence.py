@@ -493,7 +493,12 @@ def test_shared_parameters_train_by_em_under_gates(form):
 
 
 @pytest.mark.parametrize("name", cases(["hmm_untied", "hclt", "pd", "rat"], fast=["hclt"]))
-def test_evidence_on_every_structure_with_cache_and_jit_grad(name):
+def test_evidence_on_every_structure_with_cache_and_jit_grad(name, monkeypatch):
+    """Dense soft evidence with latent potentials and gates: no recompilation for new evidence, jit(grad) against
+    finite differences; then top-k evidence by each of its routes (the dense product, and the gather per node in
+    chunks that leave padding) against the same evidence given densely."""
+    from jaxpc.distributions import evidence as evidence_leaves
+
     rng = np.random.default_rng(7)
     sec = distributions.SoftEvidenceCategorical(3)
     data = rng.integers(0, 3, (200, 4))
@@ -529,6 +534,39 @@ def test_evidence_on_every_structure_with_cache_and_jit_grad(name):
     idx = (0, 1, 2)
     fd = _fd(lambda a: loss(jnp.asarray(a, jnp.float32)), np.asarray(q, np.float64), idx)
     assert float(g[idx]) == pytest.approx(fd, rel=3e-2, abs=3e-3)
+
+    # top-k evidence k = 2 (the observed value, and another one masked at random) and the same evidence given
+    # densely (-inf off the unmasked candidates)
+    e = ev(9)
+    dense = e.pop("categorical_logp")
+    ids = np.stack([x, (x + rng.integers(1, 3, x.shape)) % 3], axis=2).astype(np.int32)
+    mask = np.stack([np.ones(x.shape, bool), rng.random(x.shape) < 0.7], axis=2)
+    topk = {"ids": ids, "logp": np.take_along_axis(dense, ids, axis=2), "mask": mask}
+    same = np.full_like(dense, -np.inf)
+    np.put_along_axis(same, ids, np.where(mask, topk["logp"], -np.inf), axis=2)
+    off = np.ones(same.shape, bool)  # where the evidence has no weight
+    np.put_along_axis(off, ids, ~mask, axis=2)
+
+    def step(c, key, val):  # log-likelihoods, flows, and the gradient of the log-likelihood in the evidence
+        def total(v):
+            return jnp.sum(c.log_prob(c.params, x, evidence={**e, key: val(v)}))
+
+        fl, ll = c.flows(c.params, x, evidence={**e, key: val(None)}, return_ll=True)
+        return ll, fl, jax.jit(jax.grad(total))(jnp.asarray(topk["logp"] if key != "categorical_logp" else same))
+
+    topk_logz = evidence_leaves._topk_logz
+    for method in ("dense", "gather"):  # a fresh circuit each: the route is traced into its executables
+        monkeypatch.setattr(evidence_leaves, "_topk_logz", lambda *a, m=method, **k: topk_logz(
+            *a, **k, method=m, budget=3 * x.shape[0] * 2))  # gather: 3 nodes per chunk, the last one padded
+        c = jaxpc.compile(root)
+        llk, fk, gk = step(c, "categorical_topk", lambda v: topk if v is None else {**topk, "logp": v})
+        lld, fd, gd = step(c, "categorical_logp", lambda v: same if v is None else v)
+        np.testing.assert_allclose(np.asarray(llk), np.asarray(lld), rtol=1e-5, atol=1e-5)
+        for u, v in zip(jax.tree_util.tree_leaves(fk), jax.tree_util.tree_leaves(fd), strict=True):
+            np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-4, atol=1e-5)
+        gd = np.asarray(gd)
+        np.testing.assert_allclose(np.asarray(gk), np.take_along_axis(gd, ids, axis=2), rtol=1e-4, atol=1e-6)
+        assert np.all(gd[off] == 0)
 
 
 def test_evidence_errors():
