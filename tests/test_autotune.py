@@ -1,4 +1,5 @@
-"""The autotuner's rules with fake timers: call counts, the 2x drop, the 10% margin, the caches."""
+"""The autotuner's rules with fake timers: call counts, the 2x drop, the 10% margin, the caches; and every route it
+may pick against the reference's values and flows."""
 
 import collections
 
@@ -206,3 +207,58 @@ def test_tune_circuit_starts_from_the_auto_choice(monkeypatch):
     timer = ScriptedTimer(lambda r: 0.5 if r == ("xla",) else 1.0, lambda o: 0.5 if o.kernels else 1.0)
     opts = _tune(c, x, timer, monkeypatch, [])
     assert opts.impl == "auto" and opts.kernels and all(ch == ("xla",) for _, ch in opts.kernels)
+
+
+def _routes():
+    """Every route the tuner may put on a partition: the XLA path, ``impl="auto"``'s choice as a route (the
+    heuristic every partition starts from) and every default candidate."""
+    from jaxpc.autotune import DEFAULT_CANDIDATES
+    from jaxpc.ops.pallas_sum import KernelConfig
+
+    k = KernelConfig()
+    auto = [(impl, k.block_b, k.block_k, k.num_warps) for impl in ("pallas", "pallas_forward")]
+    return list(dict.fromkeys([("xla",)] + auto + list(DEFAULT_CANDIDATES)))
+
+
+# (structure, folded plan, batch, routes): every route in the slow tier, on each structure, plan and batch (every
+# pair of them once), one route in the fast tier
+ACCURACY_CASES = [pytest.param(s, fold, b, "every", marks=pytest.mark.slow,
+                               id=f"{s}-{'folded' if fold else 'full'}-{b}")
+                  for s, fold, b in (("hclt", True, 16), ("hclt", False, 128), ("pd", True, 128), ("pd", False, 16))]
+ACCURACY_CASES.append(pytest.param("hclt", True, 16, ("pallas", 16, 32, 4), id="hclt-folded-16-one-route"))
+
+
+@pytest.mark.parametrize("structure,fold,batch,routes", ACCURACY_CASES)
+def test_every_candidate_route_gives_the_reference(structure, fold, batch, routes, monkeypatch):
+    """Whatever the tuner picks is exact: each route it may choose (:func:`_routes`), put on every sum partition of
+    the plan it tunes (folded or not), gives the XLA reference's log-likelihoods and flows (the Pallas kernels in
+    interpret mode: at batch 16 a tree level's backward as one kernel, at 128 the exclusive and the parent / child
+    backward kernels; PD's partitions have several child blocks)."""
+    from jaxpc.engine import routing
+    from jaxpc.ops import pallas_sum
+
+    assert routing.kernels_available()
+    calls = []  # the Pallas forward kernel runs (a route that fell back to XLA would not)
+    kernel = pallas_sum.forward
+    monkeypatch.setattr(pallas_sum, "forward", lambda *a, **k: calls.append(k["config"]) or kernel(*a, **k))
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 3, (200, 4))
+    cat = jaxpc.distributions.Categorical(3)
+    root = (structures.HCLT(data, 4, input_dist=cat, block_size=2) if structure == "hclt" else
+            structures.PD((2, 2), 4, split_intervals=1, input_dist=cat, block_size=2))
+    c = jaxpc.compile(root, seed=1)
+    x = data[rng.integers(0, 200, batch)].astype(np.int32)
+    plan = c.layout.fold if fold else c.layout
+    keys = sorted({routing.partition_key(p, batch) for st in plan.stages() for p in st.sums})
+    ref = jaxpc.Options(precision="tf32", fold_products=fold, impl="xla")
+    ll_ref, fl_ref = c.log_prob(c.params, x, options=ref), c.flows(c.params, x, options=ref)
+    for route in _routes() if routes == "every" else [routes]:
+        opts = ref.replace(impl="auto", kernels=tuple((k, route) for k in keys))
+        before = len(calls)
+        np.testing.assert_allclose(np.asarray(c.log_prob(c.params, x, options=opts)), np.asarray(ll_ref), rtol=1e-5,
+                                   atol=1e-5, err_msg=str(route))
+        fl, ll = c.flows(c.params, x, options=opts, return_ll=True)
+        np.testing.assert_allclose(np.asarray(ll), np.asarray(ll_ref), rtol=1e-5, atol=1e-5, err_msg=str(route))
+        for a, b in zip(jax.tree_util.tree_leaves(fl), jax.tree_util.tree_leaves(fl_ref), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5, err_msg=str(route))
+        assert (len(calls) > before) == (route[0] != "xla"), route
