@@ -49,8 +49,8 @@ def _ms_per_step(torch, fn, xs, reps, warmup):
     return float(np.median(ts))
 
 
-def _structure(juice, torch, model, latents, hmm_seq, hmm_vocab, images):
-    """The circuit DAG of `model` ("hmm", "hclt" or "pd")."""
+def _structure(juice, torch, model, latents, hmm_seq, hmm_vocab, images, split_intervals=(4, 4)):
+    """The circuit DAG of `model` ("hmm", "hclt" or "pd"; a PD splits every `split_intervals` pixels per axis)."""
     if model == "hmm":
         return juice.structures.HMM(seq_length=hmm_seq, num_latents=latents, num_emits=hmm_vocab,
                                     homogeneous=True)
@@ -60,7 +60,7 @@ def _structure(juice, torch, model, latents, hmm_seq, hmm_vocab, images):
         tree_x = torch.as_tensor(np.asarray(images[:10000]), dtype=torch.float32, device=_DEVICE)
         return juice.structures.HCLT(tree_x, num_latents=latents, input_dist=cat)
     if model == "pd":
-        return juice.structures.PD(data_shape=(28, 28), num_latents=latents, split_intervals=(4, 4),
+        return juice.structures.PD(data_shape=(28, 28), num_latents=latents, split_intervals=tuple(split_intervals),
                                    structure_type="sum_dominated", input_dist=cat)
     raise ValueError(f"unknown model {model!r}")
 

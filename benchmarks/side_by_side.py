@@ -29,8 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +38,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
+import _children  # noqa: E402
+
 LATENTS = {"hmm": 1024, "hclt": 256, "pd": 128}
 NAMES = {"hmm": "HMM", "hclt": "HCLT", "pd": "PD"}
 
@@ -47,12 +47,6 @@ NAMES = {"hmm": "HMM", "hclt": "HCLT", "pd": "PD"}
 # ---------------------------------------------------------------------------------------------------------
 # children: one system on one workload, rows appended as JSON lines to --rows-file
 # ---------------------------------------------------------------------------------------------------------
-def _emit(path: str, rows) -> None:
-    with open(path, "a") as f:
-        for r in rows:
-            f.write(json.dumps(r, default=float) + "\n")
-
-
 def child_jaxpc(args, w: str) -> list:
     import jax
 
@@ -275,7 +269,7 @@ def main(argv=None):
     if args.child:
         system, w = args.child.split(":")
         rows = child_codd(args, system) if w == "codd" else CHILDREN[system](args, w)
-        _emit(args.rows_file, rows)
+        _children.append_rows(args.rows_file, rows)
         return rows
 
     systems = [s for s in args.systems.split(",") if s]
@@ -296,29 +290,11 @@ def main(argv=None):
     passthrough += ["--latents", str(args.latents)] if args.latents else []
     t_end = time.perf_counter() + args.budget_s
     rows = []
-    with tempfile.TemporaryDirectory() as d:
-        for i, (s, w) in enumerate(jobs):
-            left = t_end - time.perf_counter()
-            if left < 10:
-                print(f"== {s} {w}: skipped, budget spent", flush=True)
-                rows.append(dict(system=s, workload=w, error="skipped: --budget-s spent"))
-                continue
-            timeout = min(left, args.child_timeout)
-            rows_file = str(Path(d) / f"rows{i}.jsonl")
-            print(f"== {s} {w} (child, timeout {timeout:.0f} s)", flush=True)
-            t = time.perf_counter()
-            try:
-                rc = subprocess.run([sys.executable, __file__, *passthrough, "--child", f"{s}:{w}",
-                                     "--rows-file", rows_file], timeout=timeout).returncode
-                err = None if rc == 0 else f"child exited with {rc}"
-            except subprocess.TimeoutExpired:
-                err = f"child stopped after {timeout:.0f} s"
-            got = [json.loads(line) for line in open(rows_file)] if os.path.exists(rows_file) else []
-            rows += got
-            if err:
-                print(f"== {s} {w}: {err}", flush=True)
-                rows.append(dict(system=s, workload=w, error=err))
-            print(f"== {s} {w}: {time.perf_counter() - t:.0f} s", flush=True)
+    for s, w in jobs:
+        got, err = _children.run(__file__, passthrough, f"{s}:{w}", f"{s} {w}", t_end, args.child_timeout)
+        rows += got
+        if err:
+            rows.append(dict(system=s, workload=w, error=err))
     t1, t2, heads = tables(rows)
     leg = legend(rows)
     print("\n### Forward + flows (ms)\n\n" + t1 + "\n\n### Forward and EM step (ms)\n\n" + t2 + "\n\n" + "\n".join(leg),
