@@ -8,8 +8,10 @@ The tree is learned once (mutual information and Chow-Liu tree, timed), then for
 the circuit over it is built (``structure``) and compiled. ``jaxpc.compile``'s seconds are split by timing
 the library's phase functions (each call counted once, in its outermost timed phase; ``other`` is the
 rest): layering, placement of sums and inputs, the stages, scans, the single-reader check, the batched
-parameter-flow tables, chain detection, the folded plan, ``finalize_tables``, the index tables'
-``device_put`` and the initial parameters (the seeded host draw and its transfer, ``Circuit._initial_params``).
+parameter-flow tables, chain detection, the folded plan, ``finalize_tables``, the initial parameters' seeded
+host draw (``Circuit._host_params``) and the ``device_put`` of the index tables and of the parameters (on a GPU
+the transfer may finish later: ``other`` then holds the wait, as the compile is timed to ``block_until_ready``
+of the parameters).
 The process's resident memory is sampled every 2 ms: ``peak`` is its highest value during the compile above
 the value before it. Each phase is printed as wall / CPU seconds (CPU: all threads). ``--profile L``: cProfile
 of L's compile, top 25 by cumulative time. Each answer is checked: the parameters of every sum group are
@@ -59,8 +61,8 @@ PHASES = (
     ("fold", _compile, "_build_fold"),
     ("fold", _compile, "_with_fold"),
     ("finalize", _compile, "finalize_tables"),
-    ("device_put tables", _circuit.jax, "device_put"),
-    ("params", _circuit.Circuit, "_initial_params"),
+    ("device_put", _circuit.jax, "device_put"),
+    ("params (host)", _circuit.Circuit, "_host_params"),
 )
 
 

@@ -101,7 +101,12 @@ class Circuit:
         return self.runtime.run("init", {}, {"tables": self.tables, "key": key})
 
     def _initial_params(self, seed: int) -> Params:
-        """Node-given parameters, with a host-side seeded random draw elsewhere (no XLA compile)."""
+        """Node-given parameters, with a host-side seeded random draw elsewhere (no XLA compile), on the device:
+        one batched transfer; on a CPU the aligned arrays (the large draws) become device arrays without a copy."""
+        return jax.device_put(self._host_params(seed))
+
+    def _host_params(self, seed: int) -> dict:
+        """The initial parameters as numpy arrays of the circuit's dtype."""
         # the groups' and input layers' tables, which finalize_tables leaves as they are
         p = self._init_params_fn(self._struct.tables, RandomSource(rng=np.random.default_rng(seed),
                                                                     dtype=np.dtype(self.dtype)))
@@ -117,8 +122,7 @@ class Circuit:
                 internal = src.dist.natural_to_internal(src.own_params)
                 for name, val in internal.items():
                     p["input"][pl.key][name][pl.row_start:pl.row_start + pl.num_nodes] = val
-        # one batched transfer; on a CPU an aligned array (the large draws) becomes the device array without a copy
-        return jax.device_put(jax.tree_util.tree_map(lambda a: np.asarray(a, dtype=self.dtype), p))
+        return jax.tree_util.tree_map(lambda a: np.asarray(a, dtype=self.dtype), p)
 
     def get_node_params(self, params: Params, node: CircuitNodes):
         """The parameters of ``node`` in its natural dense form.
