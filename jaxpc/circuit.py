@@ -88,20 +88,9 @@ class Circuit:
     # parameters
     # ------------------------------------------------------------------------------------------
     def _init_params_fn(self, tables: dict, rs: RandomSource) -> Params:
-        layout, xp = self.layout, rs.xp
-        sums = {}
-        for g in layout.sum_groups:
-            seg = tables["groups"][g.key]["seg"]
-            if xp is np:  # in place: the host draw is as large as the parameters (2.4 GiB for HCLT-1024)
-                w = rs.uniform((g.num_blocks, g.Kp, g.Kc))
-                np.exp(np.multiply(w, -2.0, out=w), out=w)
-                tot = np.zeros((g.num_segments, g.Kp), w.dtype)
-                np.add.at(tot, seg, w.sum(axis=2))
-                sums[g.key] = np.log(np.divide(w, tot[seg][:, :, None], out=w), out=w)
-            else:
-                w = xp.exp(-2.0 * rs.uniform((g.num_blocks, g.Kp, g.Kc)))
-                tot = xp.zeros((g.num_segments, g.Kp), w.dtype).at[seg].add(w.sum(axis=2))
-                sums[g.key] = xp.log(w / tot[seg][:, :, None])
+        layout = self.layout
+        sums = {g.key: rs.log_weights((g.num_blocks, g.Kp, g.Kc), tables["groups"][g.key]["seg"], g.num_segments)
+                for g in layout.sum_groups}
         ins = {}
         for spec, tab in zip(layout.input_layers, tables["inputs"]):
             ins[spec.key] = spec.dist.init(rs, spec.num_rows, tab["meta"])
@@ -112,10 +101,15 @@ class Circuit:
         return self.runtime.run("init", {}, {"tables": self.tables, "key": key})
 
     def _initial_params(self, seed: int) -> Params:
-        """Node-given parameters, with a host-side seeded random draw elsewhere (no XLA compile)."""
-        host_tables = _compile.finalize_tables(self._struct.tables, self.layout)
-        p = self._init_params_fn(host_tables, RandomSource(rng=np.random.default_rng(seed),
-                                                            dtype=np.dtype(self.dtype)))
+        """Node-given parameters, with a host-side seeded random draw elsewhere (no XLA compile), on the device:
+        one batched transfer; on a CPU the aligned arrays (the large draws) become device arrays without a copy."""
+        return jax.device_put(self._host_params(seed))
+
+    def _host_params(self, seed: int) -> dict:
+        """The initial parameters as numpy arrays of the circuit's dtype."""
+        # the groups' and input layers' tables, which finalize_tables leaves as they are
+        p = self._init_params_fn(self._struct.tables, RandomSource(rng=np.random.default_rng(seed),
+                                                                    dtype=np.dtype(self.dtype)))
         st = self._struct
         for sid, pl in st.sum_placement.items():
             blocks = st.sources[sid].own_params
@@ -128,7 +122,7 @@ class Circuit:
                 internal = src.dist.natural_to_internal(src.own_params)
                 for name, val in internal.items():
                     p["input"][pl.key][name][pl.row_start:pl.row_start + pl.num_nodes] = val
-        return jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype=self.dtype), p)
+        return jax.tree_util.tree_map(lambda a: np.asarray(a, dtype=self.dtype), p)
 
     def get_node_params(self, params: Params, node: CircuitNodes):
         """The parameters of ``node`` in its natural dense form.

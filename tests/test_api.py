@@ -54,6 +54,50 @@ def test_init_params_is_random_and_normalized():
     np.testing.assert_array_equal(np.asarray(c2.params["sum"]["1x2"]), np.asarray(c3.params["sum"]["1x2"]))
 
 
+def _log_weights_reference(rng, shape, dtype, seg=None, num_segments=0, mask=None):
+    """One sequential draw, normalized over the whole array at once (the formula of host_init.log_weights)."""
+    w = rng.uniform(0.0, 1.0, int(np.prod(shape))).astype(dtype).reshape(shape)
+    w = np.exp(-2.0 * w)
+    if mask is not None:
+        w = np.where(mask, w, 0.0)
+    if seg is None:
+        tot = w.sum(axis=1, keepdims=True)
+    else:
+        tot = np.zeros((num_segments, shape[1]), w.dtype)
+        np.add.at(tot, seg, w.sum(axis=2))
+        tot = tot[seg][:, :, None]
+    with np.errstate(divide="ignore"):
+        return np.log(w / tot)
+
+
+@pytest.mark.parametrize("chunk,threads", [(1, 3), (40, 2), (1 << 20, 4)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_host_log_weights_equal_one_sequential_draw(monkeypatch, chunk, threads, dtype):
+    """Chunks drawn from jumped copies of the generator on several threads give the sequential draw's bits, with
+    segments inside and across chunks, masks, and the generator left where the sequential draw leaves it."""
+    from jaxpc.distributions import host_init
+    monkeypatch.setattr(host_init, "CHUNK", chunk)
+    monkeypatch.setattr(host_init, "num_threads", lambda: threads)
+    rng = np.random.default_rng(0)
+    seg = np.concatenate([np.repeat(np.arange(12), rng.integers(1, 4, 12)), rng.integers(12, 16, 30),
+                          np.arange(16, 20)])
+    mask = rng.random((50, 7)) < 0.7
+    mask[:, 0] = True
+    cases = [((seg.size, 3, 5), dict(seg=seg, num_segments=21)), ((50, 7), dict(mask=mask)), ((50, 7), {}),
+             ((4, 1, 1), dict(seg=np.zeros(4, np.int64), num_segments=1))]
+    for shape, kw in cases:
+        a, b = np.random.default_rng(7), np.random.default_rng(7)
+        a.integers(0, 5, 3, dtype=np.int32)  # a cached 32-bit half stays for the next 32-bit draw
+        b.integers(0, 5, 3, dtype=np.int32)
+        assert a.bit_generator.state["has_uint32"] == 1
+        got = host_init.log_weights(a, shape, dtype, **kw)
+        want = _log_weights_reference(b, shape, dtype, **kw)
+        assert got.dtype == dtype and got.ctypes.data % 64 == 0
+        np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+        assert a.bit_generator.state == b.bit_generator.state
+        assert a.integers(0, 2**31, 5, dtype=np.int32).tolist() == b.integers(0, 2**31, 5, dtype=np.int32).tolist()
+
+
 def test_params_round_trip_dense_and_block_forms():
     rng = np.random.default_rng(0)
     pa = rng.random((6, 3))

@@ -509,7 +509,7 @@ def _build_fold(nodes, root, input_rows: dict, first_row: int, pad_rows: int, su
 
     def child_rows(ns, M: int) -> np.ndarray:
         # zero rows (0 .. Kmax) pad the shorter expansions: adding zeros leaves the log-value unchanged
-        return np.concatenate([np.pad(p, ((0, 0), (0, M - p.shape[1]))) for p in (expand(c) for c in ns.children)])
+        return _pad_columns([expand(c) for c in ns.children], M)
 
     level: dict[int, int] = {}
     for ns in nodes:
@@ -535,6 +535,16 @@ def _build_fold(nodes, root, input_rows: dict, first_row: int, pad_rows: int, su
     steps, step_tables = group_scans(stages, tabs, scan_min_repeats)
     root_row = int(rows[root.id][0])
     return steps, step_tables, root_row, row, _single_reader(stages, tabs, pad_rows, row, root_row)
+
+
+def _pad_columns(parts: list[np.ndarray], M: int) -> np.ndarray:
+    """``parts`` (``[n_i, m_i]``, ``m_i <= M``) one under the other in ``[sum n_i, M]``, zeros right of each."""
+    out = np.zeros((sum(p.shape[0] for p in parts), M), np.result_type(*parts))
+    r = 0
+    for p in parts:
+        out[r:r + p.shape[0], :p.shape[1]] = p
+        r += p.shape[0]
+    return out
 
 
 def _read_blocks(stages, stage_tables, first_row: int) -> tuple[np.ndarray, np.ndarray]:

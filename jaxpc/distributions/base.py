@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import host_init
+
 Array = jax.Array
 
 _HOST_CHUNK = 1 << 20  # host draws per chunk (8 MiB of float64)
@@ -212,6 +214,22 @@ class RandomSource:
         if self._rng is not None:
             return self._host_draw(self._rng.standard_normal, shape)
         return jax.random.normal(self._next(), shape, self.dtype)
+
+    def log_weights(self, shape, seg=None, num_segments: int = 0, mask=None):
+        """Random normalized log-weights ``log(w / total)``, ``w = exp(-2 u)`` with ``u`` uniform in ``[0, 1)``:
+        for ``shape = [N, K]`` the total of each row; for ``[N, Kp, Kc]`` with ``seg [N]`` (the segment of each
+        block) the total of row ``r`` over the blocks of each of the ``num_segments`` segments. ``mask`` (the
+        shape of ``w``): ``w`` is 0 where False (a log-weight of ``-inf``). The host draw runs on several
+        threads (:func:`jaxpc.distributions.host_init.log_weights`, the same values)."""
+        if self._rng is not None:
+            return host_init.log_weights(self._rng, shape, self.dtype, seg, num_segments, mask)
+        w = jnp.exp(-2.0 * self.uniform(shape))
+        if mask is not None:
+            w = jnp.where(mask, w, 0.0)
+        if seg is None:
+            return jnp.log(w / jnp.sum(w, axis=1, keepdims=True))
+        tot = jnp.zeros((num_segments, shape[1]), w.dtype).at[seg].add(w.sum(axis=2))
+        return jnp.log(w / tot[seg][:, :, None])
 
 
 def segment_sum(values: Array, rows: Array, num_rows: int) -> Array:

@@ -70,13 +70,7 @@ class Categorical(Distribution):
         return None if m is None or m is True else m
 
     def init(self, rs, num_rows, tables):
-        xp = rs.xp
-        w = xp.exp(-2.0 * rs.uniform((num_rows, self.num_cats)))
-        mask = self._mask(tables)
-        if mask is not None:
-            w = xp.where(mask, w, 0.0)
-        with np.errstate(divide="ignore"):
-            return {"log_probs": xp.log(w / xp.sum(w, axis=1, keepdims=True))}
+        return {"log_probs": rs.log_weights((num_rows, self.num_cats), mask=self._mask(tables))}
 
     def internal_to_natural(self, p, tables):
         return {"probs": jnp.exp(p["log_probs"])}
