@@ -192,6 +192,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=1, help="compiles per size; the fastest is reported")
     p.add_argument("--profile", type=int, default=None, help="cProfile the compile of this many latents")
     p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None, help="write a log-log plot of compile seconds against edges here (PNG)")
     args = p.parse_args(argv)
     print(f"jax {jax.__version__}, numpy {np.__version__}, device {jax.devices()[0].device_kind}")
     x = blurred_noise_images(args.hclt_rows)
@@ -211,7 +212,30 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(mutual_information_s=t_mi, tree_s=t_tree, results=results), f, indent=1)
+    if args.plot:
+        plot(results, args.plot)
     return results
+
+
+def plot(results: list, path: str) -> None:
+    """``jaxpc.compile``'s wall seconds against the edges, log-log, beside the line through the smallest size
+    that grows linearly in the edges: points on or under it grow at most linearly."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    edges = np.array([r["edges"] for r in results], float)
+    secs = np.array([r["compile_s"] for r in results], float)
+    fig, ax = plt.subplots(figsize=(5, 3.6))
+    ax.loglog(edges, secs, "o-", label="jaxpc.compile (HCLT)")
+    ax.loglog(edges, secs[0] * edges / edges[0], "--", color="gray", label="linear in the edges")
+    for r, e, s in zip(results, edges, secs):
+        ax.annotate(f"L={r['L']}", (e, s), textcoords="offset points", xytext=(4, -10), fontsize=8)
+    ax.set_xlabel("edges")
+    ax.set_ylabel("host seconds")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
