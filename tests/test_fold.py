@@ -143,7 +143,7 @@ def test_batched_param_flows_equal_the_inline_ones(monkeypatch, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["hclt", "pd"])
+@pytest.mark.parametrize("name", ["pd"])  # PD's partitions hold every kind of block HCLT's do
 def test_batched_param_flows_kernel_equals_xla(monkeypatch, name):
     """Where the in-place forward kept every batched block's shift, the batched pass runs its Pallas kernel
     (interpret mode here; on a GPU with the default impl) and gives XLA's batched flows and the inline ones
@@ -557,8 +557,7 @@ def _chain_hclt():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,fold", [("hclt", True), ("hclt", False), ("pd", True)],
-                         ids=["scanned-fold", "scanned-full", "fan-ins-fold"])
+@pytest.mark.parametrize("name,fold", [("hclt", True), ("pd", True)], ids=["scanned-fold", "fan-ins-fold"])
 @pytest.mark.parametrize("impl", ["pallas_forward", "xla"])
 def test_kept_shifts_equal_the_recomputed_ones(name, fold, impl):
     """``Options(kernel_shifts=True)`` (the default): the forward (the in-place Pallas kernels in interpret mode, or
@@ -679,7 +678,7 @@ def test_kept_shift_of_a_wrong_shape_is_refused():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed,fold", [(0, True), (7, False)], ids=["fold", "full"])
+@pytest.mark.parametrize("seed,fold", [(0, True)], ids=["fold"])  # the leaf buffer is the same on both plans
 def test_leaf_kernel_matches_exact_expected_counts(monkeypatch, seed, fold):
     """Where every input layer is a table of log-values (categorical, Bernoulli), the Pallas routes build the flow
     pass's node buffer in one kernel (``forward.leaf_values``; interpret mode here): flows with missing values and
