@@ -557,8 +557,8 @@ def _chain_hclt():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,fold", [("hclt", True), ("pd", True)], ids=["scanned-fold", "fan-ins-fold"])
-@pytest.mark.parametrize("impl", ["pallas_forward", "xla"])
+@pytest.mark.parametrize("name,fold,impl", [("hclt", True, "xla"), ("pd", True, "pallas_forward")],
+                         ids=["xla-scanned-fold", "pallas_forward-fan-ins-fold"])  # each impl, each structure once
 def test_kept_shifts_equal_the_recomputed_ones(name, fold, impl):
     """``Options(kernel_shifts=True)`` (the default): the forward (the in-place Pallas kernels in interpret mode, or
     XLA's) keeps each block's children max and the XLA flow pass reads it instead of recomputing it. An HCLT whose
