@@ -169,11 +169,6 @@ def pad_args(args: dict, n: int, b: int, batched: dict | None, dtype) -> dict:
     return out
 
 
-def _head_rows(out, rows, n: int):
-    """The outputs cut back to ``n`` rows along each batch axis that ``rows`` names."""
-    return _map_rows(lambda axis, a: head(a, n, axis), rows, out)
-
-
 def _pad_entry(*, n: int, b: int, batched: tuple, dtype, **args) -> dict:
     """:func:`pad_args` of the batch-carrying arguments as one executable (per batch size: one compile)."""
     return pad_args(args, n, b, dict(batched), dtype)
@@ -384,8 +379,7 @@ class Runtime:
         out = self.cache.run(name, fn, static, args, self._fallback(name, static, batched, multiple)
                                    if batch is not None and not batch.traced else None)
         if b != n:
-            parts, axes, rebuild = _split_rows(out, entry.rows)
-            out = rebuild(self._helpers.run("head", _head_entry, {"axes": axes, "n": n}, {"parts": parts}))
+            out = self._head(out, entry.rows, n)
         if batch is None or batch.traced:
             return out
         # on the padded batch (padding rows copy the first row): one flag executable per bucket
@@ -407,6 +401,12 @@ class Runtime:
         padded = self._helpers.run("pad", _pad_entry, static, {k: args[k] for k in keys})
         return {**args, **padded}
 
+    def _head(self, out, rows, n: int):
+        """The outputs cut back to ``n`` rows along each batch axis that ``rows`` names, through the call path's own
+        cache: one stored executable per batch size."""
+        parts, axes, rebuild = _split_rows(out, rows)
+        return rebuild(self._helpers.run("head", _head_entry, {"axes": axes, "n": n}, {"parts": parts}))
+
     def _fallback(self, name: str, static: dict, batched, multiple: int):
         """With ``compile_after > 1``: an early sighting of a key runs on a live executable of a larger bucket (of
         the same ``multiple``), its ``batched`` arguments padded with the batch."""
@@ -419,7 +419,7 @@ class Runtime:
                 padded = pad_args(a, b, cand, batched, self.dtype)
                 exe = self.cache.find(name, static, padded)
                 if exe is not None:
-                    return _head_rows(exe(*padded.values()), self._entries[name][0].rows, b)
+                    return self._head(exe(*padded.values()), self._entries[name][0].rows, b)
             return None
         return fallback
 
