@@ -1,6 +1,6 @@
 """Check the Pallas sum-layer kernels against the reference on the GPU and time them per partition.
 
-    python benchmarks/kernels_check.py [--no-timing] [--leaves]
+    python benchmarks/kernels_check.py [--no-timing] [--leaves] [--levels]
 
 1. Correctness: forward, child flows and parameter flows of ``jaxpc.ops.pallas_sum`` against the
    plain-jnp reference on the device, over the shapes of ``tests/test_kernels.py`` plus large ones, and
@@ -15,6 +15,8 @@
    node buffer with HCLT-256's leaves written at batch 16, 128 and 512 (XLA's gather and concatenation against
    the leaf kernel per tile) and HCLT-256's leaf counts (XLA's one-hot products against the counts kernel per
    tile). ``--leaves``: the leaf kernels only.
+3. ``--levels`` (alone): HCLT-256 end to end with its tree levels evened into scans against the same circuit
+   without them (:func:`check_evened_levels`).
 """
 
 from __future__ import annotations
@@ -275,14 +277,44 @@ LEAF_CONFIGS = [pallas_leaf.LeafConfig(), pallas_leaf.LeafConfig(64, 4096), pall
                 pallas_leaf.LeafConfig(16, 2048, 4), pallas_leaf.LeafConfig(16, 1024, 2)]
 
 
+def check_evened_levels(batches=(16, 128, 512)) -> float:
+    """HCLT-256 with its tree levels evened into scans (``jaxpc.compiler.levels``, the default) against the same
+    circuit compiled without them (``scan_min_repeats=0``): the default call's log-likelihoods and flows, relative
+    error of each leaf at fp32 and at the default precision. Returns the worst fp32 error."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import jaxpc
+    from _data import blurred_noise_images
+    from jaxpc import distributions, structures
+
+    imgs = blurred_noise_images(2000)
+    root = structures.HCLT(imgs, 256, input_dist=distributions.Categorical(256))
+    even, plain = jaxpc.compile(root), jaxpc.compile(root, scan_min_repeats=0)
+    worst = 0.0
+    for B in batches:
+        x = jax.device_put(imgs[:B].astype(np.int32))
+        for precision in ("fp32", "default"):
+            opts = jaxpc.Options(precision=precision)
+            got = even.flows(even.params, x, options=opts, return_ll=True)
+            want = plain.flows(plain.params, x, options=opts, return_ll=True)
+            err = max(rel(a, b) for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)))
+            if precision == "fp32":
+                worst = max(worst, err)
+            print(f"check evened HCLT-256 levels B={B} {precision}: worst leaf {err:.1e}", flush=True)
+    return worst
+
+
 def main(argv=None):
     import argparse
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--no-timing", action="store_true", help="correctness only")
     p.add_argument("--leaves", action="store_true", help="only the leaf kernel (pallas_leaf): check and time")
+    p.add_argument("--levels", action="store_true", help="only the evened tree levels of HCLT-256, end to end")
     args = p.parse_args(argv)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+    if args.levels:
+        print(f"worst fp32 relative error of the evened levels: {check_evened_levels():.2e}", flush=True)
+        return
     leaves_ok = check_leaves()
     counts_err = check_counts()
     if args.leaves:

@@ -14,6 +14,7 @@ import numpy as np
 from ..nodes import CircuitNodes, InputNodes, ProdNodes, SumNodes, topological_order
 from .chain import detect_chain
 from .layout import InputLayerSpec, Layout, PFlowSpec, ProdPart, ScanSpec, StageSpec, SumGroupSpec, SumPart
+from .levels import even_levels, is_padding
 
 __all__ = ["CompiledStructure", "build"]
 
@@ -532,8 +533,13 @@ def _build_fold(nodes, root, input_rows: dict, first_row: int, pad_rows: int, su
                                          lambda ns, M=M: child_rows(ns, M))
         stages.append(spec)
         tabs.append(tab)
-    steps, step_tables = group_scans(stages, tabs, scan_min_repeats)
     root_row = int(rows[root.id][0])
+    group_blocks: dict[str, int] = {}
+    for pl in sum_placement.values():
+        group_blocks[pl.group] = max(group_blocks.get(pl.group, 0), pl.start + pl.num_edge_blocks)
+    stages, tabs, row, root_row = even_levels(stages, tabs, row, root_row, group_blocks, scan_min_repeats,
+                                               inverse_tables)
+    steps, step_tables = group_scans(stages, tabs, scan_min_repeats)
     return steps, step_tables, root_row, row, _single_reader(stages, tabs, pad_rows, row, root_row)
 
 
@@ -596,11 +602,13 @@ def _pflow_plan(steps, step_tables) -> tuple[tuple[PFlowSpec, ...], list[dict]]:
                 if part.blockwise:
                     a = acc.setdefault(part.pflow_key, {"prow": [], "ch": [], "pid": [], "part": []})
                     local = row + np.arange(part.n, dtype=np.int64) * part.Kp
-                    a["prow"].append((np.atleast_1d(t["out"]).astype(np.int64)[:, None] + local).reshape(-1))
-                    a["part"].append(np.full(a["prow"][-1].size, len(a["part"]), np.int32))
+                    prow = (np.atleast_1d(t["out"]).astype(np.int64)[:, None] + local).reshape(-1)
                     ch = pt["ch"].reshape((-1,) + pt["ch"].shape[(2 if scanned else 1):])
-                    a["ch"].append(ch if ch.ndim == 3 else ch[:, :, None])
-                    a["pid"].append(pt["pid"].reshape(-1, part.C))
+                    real = ~is_padding(ch)  # an evened level's padding blocks have no flows
+                    a["prow"].append(prow[real])
+                    a["part"].append(np.full(int(real.sum()), len(a["part"]), np.int32))
+                    a["ch"].append((ch if ch.ndim == 3 else ch[:, :, None])[real])
+                    a["pid"].append(pt["pid"].reshape(-1, part.C)[real])
                 row += part.num_rows
     specs, tabs = [], []
     for (group, C, Kp, Kc), a in acc.items():
