@@ -62,6 +62,7 @@ def main(argv=None):
             runtime.Runtime._record = rec or record
             out = fn(c.params, xs[0], **kw)
             jax.block_until_ready(out)
+            c.wait_compiled()
             ts = []
             for i in range(args.reps):
                 t = time.perf_counter()

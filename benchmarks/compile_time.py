@@ -13,7 +13,8 @@ and parameter bytes, and the growth of the process's peak RSS during compile.
 (``JAXPC_CACHE_DIR``; where the installed jaxpc does not set JAX's cache directory by itself on import, the
 child calls ``jaxpc.enable_persistent_cache`` with it before anything compiles and says so): the first
 (cold) compiles every executable, the second (warm) should load them. Each child reports its structure
-build and ``jaxpc.compile`` seconds, then the seconds of the first call of each ``entry:B`` in ``--calls``
+build and ``jaxpc.compile`` seconds, then the seconds of the first call of each ``entry:B`` in ``--calls`` (and
+the wait until its optimized executable replaced the quick first compile, ``Tuning.quick_first_compile``)
 (``--variant default``: the default call, ``c.flows(params, x)``, ``c.log_prob(params, x)``,
 ``c.em_step(params, x, step_size=0.1, pseudocount=0.1)``; ``tuned``: with
 ``options=jaxpc.Options(precision="tf32"), validate=False``), its ``cache_info()`` and the files in the
@@ -127,7 +128,7 @@ def child(args) -> dict:
         jax.block_until_ready(c.params)
         out.update(name=name, build_s=t1 - t0, jaxpc_compile_s=time.perf_counter() - t1)
         kw = {} if args.variant == "default" else dict(options=jaxpc.Options(precision="tf32"), validate=False)
-        calls = {}
+        calls, upgrades = {}, {}
         for spec in args.calls.split(","):
             entry, b = spec.split(":")
             x = jax.device_put(data(int(b)))
@@ -136,8 +137,13 @@ def child(args) -> dict:
             t = time.perf_counter()
             jax.block_until_ready(fn())
             calls[spec] = time.perf_counter() - t
-            print(f"  {name} {args.state}: first {spec} {calls[spec]:.2f} s", flush=True)
+            t = time.perf_counter()
+            c.wait_compiled()  # the optimized executable replacing the quick first compile
+            upgrades[spec] = time.perf_counter() - t
+            print(f"  {name} {args.state}: first {spec} {calls[spec]:.2f} s, optimized {upgrades[spec]:.2f} s later",
+                  flush=True)
         out["first_call_s"] = calls
+        out["upgrade_wait_s"] = upgrades
         out["cache_info"] = c.cache_info()._asdict()
     out["cache_files"] = _files(args.cache_dir)
     print("RESULT " + json.dumps(out), flush=True)

@@ -149,6 +149,7 @@ def floor(c, call, xs, reps: int) -> dict:
         jax.block_until_ready(call(xs[0]))
     finally:
         executables.ExecutableCache.run = run
+    c.wait_compiled()  # the optimized executable, not the quick first compile (Tuning.quick_first_compile)
     exe, raw_args = c.compiled("flows"), got["args"]
     inc = jax.jit(lambda x: x + 1)
 

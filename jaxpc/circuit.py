@@ -217,6 +217,13 @@ class Circuit:
         """``CacheInfo(hits, misses, compile_seconds, live)`` of this circuit's executables."""
         return self.runtime.cache.info()
 
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Wait until this circuit's executables compiling in the background are done: on a GPU a new executable
+        first runs a quick compile and is swapped for the fully optimized one when that is ready
+        (``Tuning.quick_first_compile``). True when none is left; False when ``timeout`` seconds passed first.
+        Benchmarks call it before timing; training loops need not."""
+        return self.runtime.cache.wait_upgrades(timeout)
+
     def compiled(self, entry: str = "flows"):
         """The most recently used compiled executable of an entry point (``"log_prob"``, ``"flows"``,
         ``"em_step"``, ...), a ``jax.stages.Compiled`` for inspection (``.memory_analysis()``: the step's

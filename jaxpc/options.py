@@ -46,6 +46,9 @@ class Tuning:
             zeroed.
         min_unset: on a GPU, buffers of fewer elements start as zeros even where they could start unset.
         onehot_chunk: the most elements of the one-hot matrices that XLA's leaf counts build at a time.
+        quick_first_compile: on a GPU, a new executable is compiled first without XLA's Triton GEMM fusions and
+            autotuning (seconds instead of tens of seconds), runs at once, and is replaced by the fully optimized
+            compile from a background thread (:func:`jaxpc.executables.quick_options`; ``Circuit.wait_compiled``).
         compiler_options: XLA options for the executables, ``((name, value), ...)`` (e.g.
             ``(("xla_gpu_autotune_level", 0),)``).
     """
@@ -59,14 +62,15 @@ class Tuning:
     unset_rows: bool = True
     min_unset: int = 2**24
     onehot_chunk: int = 1 << 25
+    quick_first_compile: bool = True
     compiler_options: tuple = ()
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name == "unset_rows":
+            if f.name in ("unset_rows", "quick_first_compile"):
                 if not isinstance(v, bool):
-                    raise TypeError(f"Tuning.unset_rows must be a bool, got {v!r}")
+                    raise TypeError(f"Tuning.{f.name} must be a bool, got {v!r}")
             elif f.name == "compiler_options":
                 if not isinstance(v, tuple) or not all(isinstance(e, tuple) and len(e) == 2 and isinstance(e[0], str)
                                                        for e in v):

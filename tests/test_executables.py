@@ -71,7 +71,7 @@ SINGLE_VALUED: dict = {}  # fields with one allowed value (none today)
 # every field of Tuning, changed; each change is a new executable (the knobs are part of the key through Options)
 TUNING_CHANGES = {"leaf_batch": 1, "small_batch": 1, "pflow_batch": 1, "chain_unroll": 2, "chain_unroll_batch": 0,
                   "chain_stack_limit": 0, "unset_rows": False, "min_unset": 1, "onehot_chunk": 1 << 20,
-                  "compiler_options": (("xla_cpu_enable_fast_math", False),)}
+                  "quick_first_compile": False, "compiler_options": (("xla_cpu_enable_fast_math", False),)}
 
 
 def test_every_tuning_field_is_in_the_key():
@@ -540,3 +540,65 @@ def test_fingerprint_is_by_value_and_refuses_code_it_cannot_version(tmp_path):
         pass
 
     assert fp(static={"options": jaxpc.Options(), "mine": Mine()}) is None
+
+
+@pytest.fixture
+def quick_store(tmp_path, monkeypatch):
+    """A persistent store in ``tmp_path`` and quick first compiles as on a GPU (the quick compile's GPU options
+    mean nothing to the CPU compiler: both executables compute the same)."""
+    from jaxpc import executables
+
+    monkeypatch.setattr(executables, "_on_gpu", lambda: True)
+    monkeypatch.setattr(executables, "_STORE", executables.ExecutableStore(str(tmp_path)))
+    return tmp_path
+
+
+def test_quick_first_compile_is_replaced_by_the_optimized_one(quick_store):
+    """A new key runs its quick compile at once; a background thread compiles it again with the options' XLA
+    settings, stores both and swaps the optimized one in; a later cache loads the optimized one, with no
+    quick compile and no upgrade."""
+    from jaxpc import executables
+
+    x = _data(10)
+    with pytest.MonkeyPatch.context() as mp:  # without the quick compile, in a store of its own
+        mp.setattr(executables, "_STORE", executables.ExecutableStore(str(quick_store / "once")))
+        once = _hmm()
+        ref = once.log_prob(once.params, x, options=jaxpc.Options(tuning=jaxpc.Tuning(quick_first_compile=False)))
+        assert once.cache_info().upgrading == 0
+    stored_once = len(list((quick_store / "once").rglob("*.jaxpc-exe")))
+    c = _hmm()
+    first = c.log_prob(c.params, x)
+    quick = c.compiled("log_prob")
+    assert c.wait_compiled(timeout=120)
+    assert c.cache_info().upgrading == 0
+    assert c.compiled("log_prob") is not quick
+    _same(first, ref)
+    _same(c.log_prob(c.params, x), ref)
+    # the call path's own executables, the quick and the optimized one: one more than without the quick compile
+    assert len(list(quick_store.rglob("*.jaxpc-exe"))) - stored_once == stored_once + 1
+    again = _hmm()
+    _same(again.log_prob(again.params, x), ref)
+    assert again.cache_info().loaded >= 1 and again.cache_info().upgrading == 0
+    assert again.cache_info().compile_seconds == 0
+
+
+def test_no_quick_compile_where_the_options_say_so(quick_store):
+    """Off with ``Tuning(quick_first_compile=False)`` or when the caller sets one of the quick compile's XLA
+    options; a failed optimized compile warns and leaves the quick executable running."""
+    from jaxpc import executables
+
+    x = _data(10)
+    for tuning in (jaxpc.Tuning(quick_first_compile=False),
+                   jaxpc.Tuning(compiler_options=(("xla_gpu_autotune_level", 4),))):
+        c = _hmm()
+        c.log_prob(c.params, x, options=jaxpc.Options(tuning=tuning))
+        assert c.cache_info().upgrading == 0 and c.wait_compiled(timeout=0)
+        assert executables.quick_options(jaxpc.Options(tuning=tuning), dict(tuning.compiler_options)) is None
+    c = _hmm()
+    bad = jaxpc.Options(tuning=jaxpc.Tuning(compiler_options=(("not_an_xla_option", 1),)))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(executables, "quick_options", lambda options, xla: {})
+        with pytest.warns(RuntimeWarning, match="optimized compile of an executable failed"):
+            got = c.log_prob(c.params, x, options=bad)
+            assert c.wait_compiled(timeout=120)
+    _same(got, _hmm().log_prob(_hmm().params, x))
