@@ -37,7 +37,6 @@ def _soft_bins(xs, *, num_bins: int, sigma: float, num_vars: int):
     return p.reshape(p.shape[0], -1), -jnp.sum(marg * jnp.log(marg + 1e-4), axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("num_bins", "rows"))
 def _row_entropy(p, start, *, num_bins: int, rows: int):
     """Entropy of the soft joint histogram of each of the ``rows`` variables from ``start`` with each variable
     of ``p`` ``[B, V * nb]``: ``[rows, V]``. One matrix product at JAX's default precision (the start is
@@ -49,6 +48,20 @@ def _row_entropy(p, start, *, num_bins: int, rows: int):
     total = jnp.sum(joint, axis=(1, 3), keepdims=True)
     joint = joint / jnp.where(total > 0, total, 1.0)  # (padding variables: all zero)
     return -jnp.sum(joint * jnp.log(joint + 1e-4), axis=(1, 3))
+
+
+# XLA's Triton GEMM fusions of this one product and their autotuning took 42 s to compile on the H200 (the
+# product runs a few times per tree): compiled without them it takes about a second
+_ROW_ENTROPY_XLA = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
+
+
+@functools.lru_cache(maxsize=8)
+def _row_entropy_exe(shape: tuple, num_bins: int, rows: int, backend: str, precision):
+    """:func:`_row_entropy` compiled for ``p`` of ``shape`` (float32) on ``backend`` under JAX's matmul
+    ``precision`` setting."""
+    lowered = jax.jit(functools.partial(_row_entropy, num_bins=num_bins, rows=rows)).lower(
+        jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct((), jnp.int32))
+    return lowered.compile(compiler_options=_ROW_ENTROPY_XLA if backend == "gpu" else None)
 
 
 def mutual_information(x, num_bins: int = 32, sigma: float = 0.5 / 32, chunk_size: int = 64) -> np.ndarray:
@@ -64,8 +77,8 @@ def mutual_information(x, num_bins: int = 32, sigma: float = 0.5 / 32, chunk_siz
     xs = np.zeros((x.shape[0], n), np.float32)
     xs[:, :V] = (x - lo) / (hi - lo + 1e-8)
     p, h1 = _soft_bins(jnp.asarray(xs), num_bins=nb, sigma=float(sigma), num_vars=V)
-    h12 = np.concatenate([np.asarray(_row_entropy(p, np.int32(i), num_bins=nb, rows=c))
-                          for i in range(0, n, c)])[:V, :V]
+    exe = _row_entropy_exe(tuple(p.shape), nb, c, jax.default_backend(), jax.config.jax_default_matmul_precision)
+    h12 = np.concatenate([np.asarray(exe(p, np.int32(i))) for i in range(0, n, c)])[:V, :V]
     h12 = np.where(np.triu(np.ones((V, V), bool)), h12, h12.T)  # each pair from its upper-triangle entry
     h1 = np.asarray(h1)[:V]
     return h1[:, None] + h1[None, :] - h12.astype(np.float64)
