@@ -1,11 +1,12 @@
 """Where the host seconds of an HCLT's build and ``jaxpc.compile`` go, per phase, and whether they grow
 linearly in the edges.
 
-    python benchmarks/compile_phases.py [--latents 128,256,512,1024] [--hclt-rows 1000] [--reps 1]
-                                        [--profile 1024] [--json out.json]
+    python benchmarks/compile_phases.py [--latents 128,256,512,1024] [--pd 64,128,256,512] [--hclt-rows 1000]
+                                        [--reps 1] [--profile 1024] [--json out.json] [--plot out.png]
 
 The tree is learned once (mutual information and Chow-Liu tree, timed), then for each number of latents
-the circuit over it is built (``structure``) and compiled. ``jaxpc.compile``'s seconds are split by timing
+the circuit over it is built (``structure``) and compiled; ``--pd``: PDs over 28x28 images too (the
+hyper-parameters of ``benchmarks/scale.py``). ``jaxpc.compile``'s seconds are split by timing
 the library's phase functions (each call counted once, in its outermost timed phase; ``other`` is the
 rest): layering, placement of sums and inputs, the stages, scans, the single-reader check, the batched
 parameter-flow tables, chain detection, the folded plan, ``finalize_tables``, the initial parameters' seeded
@@ -41,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jaxpc  # noqa: E402
 from _data import blurred_noise_images  # noqa: E402
 from jaxpc import circuit as _circuit  # noqa: E402
-from jaxpc import distributions  # noqa: E402
+from jaxpc import distributions, structures  # noqa: E402
 from jaxpc.compiler import compile as _compile  # noqa: E402
 from jaxpc.structures import hclt  # noqa: E402
 
@@ -150,11 +151,11 @@ def check(c) -> None:
     assert all(int(np.asarray(a).min(initial=0)) != -2 for a in jax.tree_util.tree_leaves(c.tables))
 
 
-def one(children, root, L: int, profile: bool) -> dict:
+def one(build, L: int, profile: bool, kind: str = "HCLT") -> dict:
+    """Build (``build(L)``: the root node) and compile one circuit, timing each phase."""
     gc.collect()  # the last circuit's arrays (a Circuit is part of reference cycles)
-    cat = distributions.Categorical(num_cats=256)
     t = time.perf_counter()
-    node = hclt.hidden_tree_circuit(children, root, L, list(range(len(children))), cat)
+    node = build(L)
     structure = time.perf_counter() - t
     prof = cProfile.Profile() if profile else None
     with PhaseTimer().active() as timer, PeakRSS() as mem:
@@ -172,15 +173,15 @@ def one(children, root, L: int, profile: bool) -> dict:
     phases, phases_cpu = dict(timer.seconds), dict(timer.cpu)
     phases["other"] = total - sum(phases.values())
     phases_cpu["other"] = cpu - sum(phases_cpu.values())
-    return dict(L=L, edges=c.num_edges, structure_s=structure, compile_s=total, compile_cpu_s=cpu, phases=phases,
-                phases_cpu=phases_cpu, peak_mb=mem.peak_mb, s_per_medge=total / (c.num_edges / 1e6))
+    return dict(kind=kind, L=L, edges=c.num_edges, structure_s=structure, compile_s=total, compile_cpu_s=cpu,
+                phases=phases, phases_cpu=phases_cpu, peak_mb=mem.peak_mb, s_per_medge=total / (c.num_edges / 1e6))
 
 
 def summary(r: dict) -> str:
     """Two lines: the totals, then each phase's wall / CPU seconds, largest first."""
     split = ", ".join(f"{k} {v:.3f}/{r['phases_cpu'][k]:.3f}"
                       for k, v in sorted(r["phases"].items(), key=lambda kv: -kv[1]) if v >= 5e-4)
-    return (f"HCLT-{r['L']}: {r['edges'] / 1e6:.1f}M edges | structure {r['structure_s']:.3f} s | jaxpc.compile "
+    return (f"{r['kind']}-{r['L']}: {r['edges'] / 1e6:.1f}M edges | structure {r['structure_s']:.3f} s | jaxpc.compile "
             f"{r['compile_s']:.2f} s, CPU {r['compile_cpu_s']:.2f} s ({r['s_per_medge'] * 1e3:.2f} ms per M edges) | "
             f"peak RSS +{r['peak_mb']:.0f} MiB\n  wall/CPU s: {split}")
 
@@ -188,6 +189,7 @@ def summary(r: dict) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--latents", default="128,256,512,1024")
+    p.add_argument("--pd", default="", help="PD latents too (split_intervals=(2, 7), as benchmarks/scale.py)")
     p.add_argument("--hclt-rows", type=int, default=1000, help="images the tree is learned from")
     p.add_argument("--reps", type=int, default=1, help="compiles per size; the fastest is reported")
     p.add_argument("--profile", type=int, default=None, help="cProfile the compile of this many latents")
@@ -203,9 +205,14 @@ def main(argv=None):
     t_tree = time.perf_counter() - t - t_mi
     print(f"tree learning ({args.hclt_rows} images, {x.shape[1]} variables): mutual information {t_mi:.2f} s, "
           f"Chow-Liu tree {t_tree:.2f} s")
+    cat = distributions.Categorical(num_cats=256)
+    builds = [("HCLT", int(v), lambda L: hclt.hidden_tree_circuit(children, root, L, list(range(len(children))), cat))
+              for v in args.latents.split(",") if v]
+    builds += [("PD", int(v), lambda L: structures.PD((28, 28), L, split_intervals=(2, 7), input_dist=cat))
+               for v in args.pd.split(",") if v]
     results = []
-    for L in (int(v) for v in args.latents.split(",")):
-        runs = [one(children, root, L, args.profile == L and r == 0) for r in range(args.reps)]
+    for kind, L, build in builds:
+        runs = [one(build, L, args.profile == L and r == 0, kind) for r in range(args.reps)]
         best = min(runs, key=lambda r: r["compile_s"])
         results.append(best)
         print(summary(best), flush=True)
@@ -218,19 +225,24 @@ def main(argv=None):
 
 
 def plot(results: list, path: str) -> None:
-    """``jaxpc.compile``'s wall seconds against the edges, log-log, beside the line through the smallest size
-    that grows linearly in the edges: points on or under it grow at most linearly."""
+    """``jaxpc.compile``'s wall seconds against the edges, log-log, per structure beside the line through its
+    smallest size that grows linearly in the edges: points on or under it grow at most linearly."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    edges = np.array([r["edges"] for r in results], float)
-    secs = np.array([r["compile_s"] for r in results], float)
-    fig, ax = plt.subplots(figsize=(5, 3.6))
-    ax.loglog(edges, secs, "o-", label="jaxpc.compile (HCLT)")
-    ax.loglog(edges, secs[0] * edges / edges[0], "--", color="gray", label="linear in the edges")
-    for r, e, s in zip(results, edges, secs):
-        ax.annotate(f"L={r['L']}", (e, s), textcoords="offset points", xytext=(4, -10), fontsize=8)
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for kind, mark in (("HCLT", "o-"), ("PD", "s-")):
+        rs = [r for r in results if r.get("kind", "HCLT") == kind]
+        if not rs:
+            continue
+        edges = np.array([r["edges"] for r in rs], float)
+        secs = np.array([r["compile_s"] for r in rs], float)
+        line, = ax.loglog(edges, secs, mark, label=f"jaxpc.compile ({kind})")
+        ax.loglog(edges, secs[0] * edges / edges[0], "--", color=line.get_color(), alpha=0.5,
+                  label=f"linear from {kind}-{rs[0]['L']}")
+        for r, e, s in zip(rs, edges, secs):
+            ax.annotate(f"L={r['L']}", (e, s), textcoords="offset points", xytext=(4, -10), fontsize=8)
     ax.set_xlabel("edges")
     ax.set_ylabel("host seconds")
     ax.legend(fontsize=8)
