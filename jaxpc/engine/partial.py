@@ -23,7 +23,8 @@ def partial_values(layout: Layout, plan, plan_tables: dict, params: dict, x: Arr
     xt = x.T
     mt = forward.missing_t(missing)
     buf = values
-    untuned = options.replace(kernels=())  # the tuned routes name the full plan's partitions, not these
+    # the tuned routes name the full plan's partitions, not these; a buffer past int32 offsets runs on XLA
+    untuned = routing.within_int32(layout, options.replace(kernels=()), values.shape[1])
     for pin, tab in zip(plan.inputs, plan_tables["inputs"]):
         spec = layout.input_layers[pin.layer]
         xv = xt[tab["vars"]]

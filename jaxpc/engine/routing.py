@@ -78,6 +78,24 @@ def buffer_plan(layout: Layout, options) -> Layout:
     return layout.fold if layout.fold is not None and options.fold_products else layout
 
 
+INT32_ELEMENTS: Final = 2**31  # the Pallas kernels address the node buffer with int32 offsets
+
+
+def within_int32(layout: Layout, options, batch: int):
+    """``options`` for a call of ``batch`` samples: where the node buffer (the larger of the layout's and the folded
+    plan's, ``[rows, batch]``) reaches :data:`INT32_ELEMENTS` elements, which the Pallas kernels' int32 offsets
+    cannot address, every layer runs on XLA (64-bit indexing): ``impl="auto"`` and tuned kernels fall back, and an
+    explicit Pallas ``impl`` is refused with the sizes (a 2B-edge PD's 1.4M rows at a batch of 1,536 and more)."""
+    rows = max(layout.num_rows, layout.fold.num_rows if layout.fold is not None else 0)
+    if rows * batch < INT32_ELEMENTS or (options.impl == "xla" and not options.kernels and not options.leaf_kernel):
+        return options
+    if options.impl in PALLAS_FORWARD:
+        raise ValueError(f"impl={options.impl!r}: the node buffer of {rows:,} rows x {batch:,} samples has "
+                         f"{rows * batch:,} elements, more than the Pallas kernels' int32 offsets address (2^31); "
+                         f"use impl='auto' or 'xla', or smaller batches")
+    return options.replace(impl="xla", kernels=(), leaf_kernel=False)
+
+
 def _leaf_route(options, batch: int | None) -> bool:
     """The options' part of the leaf kernels' routes (:func:`leaf_kernel`, :func:`counts_kernel`):
     ``Options(leaf_kernel=True)`` and ``impl`` ``"pallas"`` / ``"pallas_forward"`` (interpret mode off a GPU) or
