@@ -151,6 +151,7 @@ class Options:
             partition runs in pieces of parent blocks, one after the other, forward and backward, so the
             sum layers' temporaries stay within a few pieces (default ``2**24`` floats: 64 MiB pieces; PD-128's
             flows step at batch 512 on the H200: 1,410 MiB in all, 1,633 with pieces of 2**25, PyJuice 2,429).
+            At most 16 pieces per partition (``jaxpc.engine.routing.MAX_PIECES``): beyond, pieces grow.
         kernel_shifts: the forward of the flow pass (the in-place Pallas kernels and XLA's sum layers) keeps each
             parent block's shift, the max over its children's values per sample, for the XLA flow pass (not
             for partitions whose flows run on the Pallas backward, which recomputes it), whose element flows

@@ -239,6 +239,11 @@ def test_pieces_cover_the_partition_within_the_limit():
         assert max(sizes) * 30 <= max(limit, 30) and max(sizes) - min(sizes) <= max(sizes) // 2 + 1
     dense = jaxpc.compiler.layout.SumPart(n=10, C=3, Kp=4, Kc=2, group="g", dense=True)
     assert routing.pieces(dense, B, 1) == [(0, 10)]  # its children are gathered once for all blocks
+    # at most MAX_PIECES pieces: past that the pieces outgrow the limit (a 2B-edge PD's stage at a large batch)
+    big = jaxpc.compiler.layout.SumPart(n=2784, C=16, Kp=32, Kc=32, group="g", dense=False)
+    r = routing.pieces(big, 8192, 1 << 24)
+    assert len(r) == routing.MAX_PIECES and r[0][0] == 0 and r[-1][1] == 2784
+    assert all(r[i][1] == r[i + 1][0] for i in range(len(r) - 1))
 
 
 def test_in_order_chains_the_pieces_through_barriers():

@@ -188,12 +188,17 @@ def auto_impl(part, dtype=jnp.float32, B: int | None = None, small_batch: int = 
     return "xla"
 
 
+MAX_PIECES: Final = 16  # pieces of one partition: each is traced and compiled on its own
+
+
 def pieces(part, B: int, limit: int) -> list[tuple[int, int]]:
     """Ranges ``[a, b)`` of parent blocks, of near-equal sizes, whose gathered children (``C * Kc * B`` floats per
-    block) stay within ``limit`` elements (``Options.gather_chunk``); one range for a dense partition."""
+    block) stay within ``limit`` elements (``Options.gather_chunk``), but at most :data:`MAX_PIECES` of them (the
+    pieces then outgrow the limit: a 2B-edge PD's stages at a batch of 8,192 would take hundreds of pieces each,
+    and as many traced copies of the layer); one range for a dense partition."""
     if part.dense:
         return [(0, part.n)]
-    return ranges(part.n, limit // max(1, part.C * part.Kc * B))
+    return ranges(part.n, max(limit // max(1, part.C * part.Kc * B), -(-part.n // MAX_PIECES)))
 
 
 def runs_inplace(impl: str, options, buf: Array) -> bool:
