@@ -26,6 +26,7 @@ have no stable digest (a local function, an unknown object) are compiled as usua
 
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
 import enum
@@ -232,6 +233,22 @@ def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+_UPGRADING: set[threading.Thread] = set()  # every cache's background compiles
+_UPGRADING_LOCK = threading.Lock()
+EXIT_WAIT_S: Final = 300.0
+
+
+@atexit.register  # registered after JAX's own exit hooks, so it runs before they tear the backends down
+def _finish_upgrades() -> None:
+    """At exit, wait (at most :data:`EXIT_WAIT_S`) for the background compiles still running, so that none is cut
+    off inside XLA while the process shuts down; each is stored for the next process."""
+    end = time.perf_counter() + EXIT_WAIT_S
+    with _UPGRADING_LOCK:
+        pending = list(_UPGRADING)
+    for thread in pending:
+        thread.join(max(0.0, end - time.perf_counter()))
+
+
 def quick_options(options, xla: dict) -> dict | None:
     """The XLA options of a key's first, quick compile, or None when a key compiles once.
 
@@ -240,7 +257,8 @@ def quick_options(options, xla: dict) -> dict | None:
     options (``Tuning.quick_first_compile``, the default) allow it is compiled first without them
     (:data:`QUICK_XLA`), runs at once, and is compiled again with ``xla`` (the executable the disk store keeps)
     on a background thread that swaps the result in (:meth:`ExecutableCache.wait_upgrades`). Not where the caller
-    sets either option, and not off a GPU, where the two compiles would be the same."""
+    sets either option, and not off a GPU, where the two compiles would be the same. A process that ends while
+    an optimized compile runs waits for it at exit (it is stored for the next process)."""
     tuning = getattr(options, "tuning", None)
     if tuning is None or not tuning.quick_first_compile or not _on_gpu():
         return None
@@ -467,10 +485,14 @@ class ExecutableCache:
             finally:
                 with self._lock:
                     self._upgrades.discard(threading.current_thread())
+                with _UPGRADING_LOCK:
+                    _UPGRADING.discard(threading.current_thread())
 
         thread = threading.Thread(target=work, name="jaxpc-upgrade", daemon=True)
         with self._lock:
             self._upgrades.add(thread)
+        with _UPGRADING_LOCK:
+            _UPGRADING.add(thread)
         thread.start()
 
     def _evict(self):

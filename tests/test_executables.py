@@ -602,3 +602,38 @@ def test_no_quick_compile_where_the_options_say_so(quick_store):
             got = c.log_prob(c.params, x, options=bad)
             assert c.wait_compiled(timeout=120)
     _same(got, _hmm().log_prob(_hmm().params, x))
+
+
+def test_a_process_that_ends_during_the_optimized_compile_waits_and_stores_it(tmp_path):
+    """A script that ends right after its first call (the optimized compile still running on its thread, made
+    slow here) exits cleanly after that compile, which it stores: the next process loads the optimized
+    executable and starts no background compile."""
+    script = textwrap.dedent(f"""
+        import json, sys, time, numpy as np, jax, jaxpc
+        from jaxpc import executables, structures
+        executables._on_gpu = lambda: True  # quick first compiles as on a GPU
+        compile_ = jax.stages.Lowered.compile
+        def slow(self, compiler_options=None):
+            if not compiler_options or "xla_gpu_autotune_level" not in compiler_options:
+                time.sleep(2.0)  # the optimized compile
+            return compile_(self, compiler_options=compiler_options)
+        jax.stages.Lowered.compile = slow
+        jaxpc.enable_persistent_cache({str(tmp_path)!r})
+        c = jaxpc.compile(structures.HMM(12, 8, 6), seed=3)
+        x = np.random.default_rng(0).integers(0, 6, (16, 12)).astype(np.int32)
+        ll = c.log_prob(c.params, x)
+        info = c.cache_info()
+        print(json.dumps(dict(loaded=info.loaded, upgrading=info.upgrading, ll=np.asarray(ll).tolist())), flush=True)
+    """)
+    env = dict(os.environ, PYTHONPATH=os.getcwd(), JAXPC_PERSISTENT_CACHE="1")
+
+    def run():
+        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.splitlines()[-1])
+
+    first = run()
+    assert first["loaded"] == 0 and first["upgrading"] == 1
+    second = run()
+    assert second["loaded"] >= 1 and second["upgrading"] == 0, second
+    np.testing.assert_allclose(second["ll"], first["ll"], rtol=1e-6)
