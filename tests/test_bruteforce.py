@@ -12,7 +12,10 @@ from . import oracle
 from .random_circuits import Generator
 from .tiers import cases
 
-SEEDS = list(range(20))
+# Seeds whose random circuits together hold every distribution, tied sums and inputs, sparse edges, block sizes 1-4
+# (test_generator_covers_everything checks these), sums over sums, products of three, fan-ins of 1 to 3 child blocks,
+# dense and blockwise partitions and 2 to 4 variables: 0 and 16 in the fast tier, the rest slow.
+SEEDS = [0, 16, 1, 5, 8, 11, 14, 19]
 B = 16  # one batch size everywhere: tests share the circuit's compiled executables
 
 
@@ -34,9 +37,10 @@ def case(request):
 
 
 def test_generator_covers_everything():
+    """The circuits of SEEDS (as :func:`make` builds them) hold every feature of the generator."""
     kinds, tied_sum, tied_in, sparse, bsizes = set(), 0, 0, 0, set()
     for s in SEEDS:
-        gen = Generator(s, num_vars=2 + s % 4)
+        gen = Generator(s, num_vars=2 + s % 3)
         kinds |= set(gen.kinds)
         for ns in topological_order(gen.circuit()):
             bsizes.add(ns.block_size)
@@ -236,7 +240,7 @@ def test_oracle_on_hand_computed_circuit():
     np.testing.assert_allclose(edge[root.id], [[p1 / (p1 + p2), p2 / (p1 + p2)]])
 
 
-@pytest.mark.parametrize("seed", cases([1, 4, 9, 14], fast=[9]))
+@pytest.mark.parametrize("seed", cases([9, 14], fast=[9]))  # a small circuit, and one with every feature
 @pytest.mark.parametrize("prop", ["LL", "MPE", "GeneralLL"])
 def test_top_down_flows_equal_autodiff(seed, prop):
     """The custom top-down backward against JAX's autodiff through the forward, for every propagation."""

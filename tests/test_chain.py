@@ -88,7 +88,7 @@ def test_any_block_order_of_the_input_layer():
         def total(sp_, v_):
             return jnp.sum(chain_engine.root_values(sp, ctab, sp_, [v_], jaxpc.Options()))
 
-        return jax.value_and_grad(total, argnums=(0, 1))(c.params["sum"], v)
+        return jax.jit(jax.value_and_grad(total, argnums=(0, 1)))(c.params["sum"], v)
 
     (l1, (s1, v1)), (l2, (s2, v2)) = run(spec, vals), run(shuffled, vals2)
     np.testing.assert_allclose(l1, l2, rtol=1e-6)

@@ -33,7 +33,7 @@ def _reference(c, params, x, ev, w):
                               ref, evidence=c.check_evidence(e, x.shape[0]))
         return jnp.sum(ll * w), ll
 
-    (_, ll), (g_sum, g_lp) = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)(
+    (_, ll), (g_sum, g_lp) = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))(
         params["sum"], jnp.asarray(ev["categorical_topk"]["logp"]))
     return g_sum, g_lp, ll
 
@@ -79,7 +79,7 @@ def test_codd_step_gradient_of_gates_and_dense_evidence():
     def total(e_, gates_):
         return jnp.sum(c.log_prob(c.params, x, evidence={"categorical_logp": e_, "sum_gates": gates_}, options=opts))
 
-    ge, gg = jax.grad(total, argnums=(0, 1))(jnp.asarray(e), jax.tree_util.tree_map(jnp.asarray, gates))
+    ge, gg = jax.jit(jax.grad(total, argnums=(0, 1)))(jnp.asarray(e), jax.tree_util.tree_map(jnp.asarray, gates))
     np.testing.assert_allclose(np.asarray(g["categorical_logp"]), np.asarray(ge), rtol=1e-4, atol=1e-6)
     for key in gates:
         np.testing.assert_allclose(np.asarray(g["sum_gates"][key]), np.asarray(gg[key]), rtol=1e-4, atol=1e-6)

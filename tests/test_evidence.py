@@ -117,8 +117,8 @@ def test_evidence_gradients_equal_finite_differences():
         return jnp.sum(c.log_prob(c.params, x, evidence={"categorical_topk": {"ids": ids,
                                                                                 "logp": jnp.asarray(ll, jnp.float32)}}))
 
-    gd = np.asarray(jax.grad(dense_total)(jnp.asarray(e, jnp.float32)))
-    gt = np.asarray(jax.grad(topk_total)(jnp.asarray(lp, jnp.float32)))
+    gd = np.asarray(jax.jit(jax.grad(dense_total))(jnp.asarray(e, jnp.float32)))  # jit: no op-by-op autodiff
+    gt = np.asarray(jax.jit(jax.grad(topk_total))(jnp.asarray(lp, jnp.float32)))
     for idx in [(0, 1, 2), (1, 3, int(x[1, 3])), (1, 0, 5)]:
         assert gd[idx] == pytest.approx(_fd(dense_total, e, idx), rel=2e-2, abs=2e-3)
     for idx in [(0, 2, 0), (1, 1, 3)]:
@@ -130,7 +130,7 @@ def test_evidence_gradients_equal_finite_differences():
         return jnp.sum(c.log_prob(c.params, x, evidence={"categorical_logp": jnp.asarray(e, jnp.float32),
                                                          "latent": jnp.asarray(pp, jnp.float32)}))
 
-    gl = np.asarray(jax.grad(latent_total)(jnp.asarray(lat, jnp.float32)))
+    gl = np.asarray(jax.jit(jax.grad(latent_total))(jnp.asarray(lat, jnp.float32)))
     assert gl[0, 2, 1] == pytest.approx(_fd(latent_total, lat, (0, 2, 1)), rel=2e-2, abs=2e-3)
 
 
@@ -158,7 +158,8 @@ def test_external_leaves():
     w = np.asarray(c.get_node_params(c.params, root))[0]
     ref = np.log(np.einsum("l,bl->b", w, np.exp(ext.sum(1))))
     np.testing.assert_allclose(np.asarray(c.log_prob(c.params, x, evidence={"external": ext})), ref, rtol=1e-5)
-    g = np.asarray(jax.grad(lambda q: jnp.sum(c.log_prob(c.params, x, evidence={"external": q})))(jnp.asarray(ext)))
+    g = np.asarray(jax.jit(jax.grad(lambda q: jnp.sum(c.log_prob(c.params, x, evidence={"external": q}))))(
+        jnp.asarray(ext)))
     post = w[None] * np.exp(ext.sum(1))
     np.testing.assert_allclose(g, np.repeat((post / post.sum(1, keepdims=True))[:, None, :], V, 1), rtol=1e-4)
     with pytest.raises(ValueError, match="External leaves need evidence"):
@@ -202,14 +203,14 @@ def test_blockscale_and_lowrank_match_dense_per_sample_reference(kind):
     if "sum_gates" in ev:
         def f(gk):
             return jnp.sum(c.log_prob(c.params, x, evidence={**ev, "sum_gates": {**gates, key: jnp.asarray(gk)}}))
-        grad = np.asarray(jax.grad(f)(jnp.asarray(gates[key])))
+        grad = np.asarray(jax.jit(jax.grad(f))(jnp.asarray(gates[key])))  # jit: no op-by-op autodiff
         idx = (2, 0)
         assert grad[idx] == pytest.approx(_fd(f, gates[key].astype(np.float64), idx), rel=2e-2, abs=2e-3)
     if "sum_lowrank" in ev:
         def f(u):
             lr = {**lowrank, key: {"u": jnp.asarray(u, jnp.float32), "v": lowrank[key]["v"]}}
             return jnp.sum(c.log_prob(c.params, x, evidence={**ev, "sum_lowrank": lr}))
-        grad = np.asarray(jax.grad(f)(jnp.asarray(lowrank[key]["u"])))
+        grad = np.asarray(jax.jit(jax.grad(f))(jnp.asarray(lowrank[key]["u"])))
         idx = (1, 0, 0, 1)
         assert grad[idx] == pytest.approx(_fd(f, lowrank[key]["u"].astype(np.float64), idx), rel=2e-2, abs=2e-3)
 
@@ -495,8 +496,9 @@ def test_shared_parameters_train_by_em_under_gates(form):
 @pytest.mark.parametrize("name", cases(["hmm_untied", "hclt", "pd", "rat"], fast=["hclt"]))
 def test_evidence_on_every_structure_with_cache_and_jit_grad(name, monkeypatch):
     """Dense soft evidence with latent potentials and gates: no recompilation for new evidence, jit(grad) against
-    finite differences; then top-k evidence by each of its routes (the dense product, and the gather per node in
-    chunks that leave padding) against the same evidence given densely."""
+    finite differences; then (on a tree and on a DAG: the routes are the leaves') top-k evidence by each of its
+    routes (the dense product, and the gather per node in chunks that leave padding) against the same evidence
+    given densely."""
     from jaxpc.distributions import evidence as evidence_leaves
 
     rng = np.random.default_rng(7)
@@ -534,6 +536,8 @@ def test_evidence_on_every_structure_with_cache_and_jit_grad(name, monkeypatch):
     idx = (0, 1, 2)
     fd = _fd(lambda a: loss(jnp.asarray(a, jnp.float32)), np.asarray(q, np.float64), idx)
     assert float(g[idx]) == pytest.approx(fd, rel=3e-2, abs=3e-3)
+    if name not in ("hclt", "pd"):
+        return
 
     # top-k evidence k = 2 (the observed value, and another one masked at random) and the same evidence given
     # densely (-inf off the unmasked candidates)

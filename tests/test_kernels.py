@@ -18,6 +18,23 @@ from jaxpc.ops.sum_layer import child_rows, sum_layer_backward_reference, sum_la
 
 from .tiers import cases
 
+
+def whole(f):
+    """``f`` compiled as one program (array arguments traced; the others and keyword arguments fixed). Called
+    eagerly, its operations would each compile on their own: most of the time these tests take."""
+    def call(*args, **kw):
+        pos = [i for i, a in enumerate(args) if isinstance(a, (jax.Array, np.ndarray))]
+
+        def g(*arrays):
+            full = list(args)
+            for i, a in zip(pos, arrays):
+                full[i] = a
+            return f(*full, **kw)
+
+        return jax.jit(g)(*(args[i] for i in pos))
+    return call
+
+
 # (Kp, Kc, n, C, B, pad_frac, ninf_frac)
 SHAPES = [
     (1, 1, 5, 1, 1, 0.0, 0.0),
@@ -56,37 +73,41 @@ def make_partition(Kp, Kc, n, C, B, pad_frac, ninf_frac, seed=0, num_param_block
     return jnp.asarray(buf), tab, jnp.asarray(logw), R
 
 
-@pytest.mark.parametrize("shape", cases(SHAPES, fast=SHAPES[:1]), ids=lambda s: "Kp{}-Kc{}-n{}-C{}-B{}".format(*s[:5]))
-@pytest.mark.parametrize("alpha", [1.0, 2.0])
+# GeneralLL's exponent on the shapes with padding, -inf children, chunked fan-ins, several batch tiles or large tiles
+GENERAL_LL = [SHAPES[i] for i in (0, 1, 2, 7, 8, 9)]
+
+
+@pytest.mark.parametrize("shape,alpha", cases([(s, a) for a in (1.0, 2.0) for s in SHAPES
+                                               if a == 1.0 or s in GENERAL_LL],
+                                              fast=[(SHAPES[0], 1.0), (SHAPES[0], 2.0)], unpack=True),
+                         ids=lambda v: "Kp{}-Kc{}-n{}-C{}-B{}".format(*v[:5]) if isinstance(v, tuple) else str(v))
 def test_kernels_match_reference(shape, alpha):
     Kp, Kc, n, C, B = shape[:5]
     buf, t, logw, R = make_partition(*shape)
     prop = "LL" if alpha == 1.0 else "GeneralLL"
-    al = None if alpha == 1.0 else alpha
-    ref = sum_layer_reference(buf, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, dense=False, propagation=prop, alpha=al)
-    out = pallas_sum.forward(buf, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, alpha=alpha)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-5)
+    kw = dict(Kp=Kp, Kc=Kc, dense=False, propagation=prop, alpha=None if alpha == 1.0 else alpha)
+    noise = np.random.default_rng(1).random((n * Kp, B)).astype(np.float32)
 
-    # backward: parents write their values into the buffer, flows arrive on them
-    off = R - 64 - n * Kp if R - 64 - n * Kp > 2 * max(Kp, Kc) else R
-    full = jnp.concatenate([buf, jnp.zeros((n * Kp, B), buf.dtype)])
-    off = R
-    full = jax.lax.dynamic_update_slice(full, ref, (off, 0))
-    rng = np.random.default_rng(1)
-    flows = jnp.zeros_like(full).at[off:off + n * Kp].set(
-        jnp.where(jnp.isfinite(ref), jnp.asarray(rng.random(ref.shape), jnp.float32), 0.0))
-    cf_ref, pf_ref = sum_layer_backward_reference(full, flows, t["ch"], t["pid"], logw, off, Kp=Kp, Kc=Kc,
-                                                  dense=False, propagation=prop, alpha=al)
-    rows_ref = child_rows(t["ch"], Kc, False)
-    want = jnp.zeros_like(full).at[rows_ref].add(cf_ref)
-    a, m, pf = pallas_sum.backward_parents(full, flows, off, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, alpha=alpha)
-    cf = pallas_sum.backward_children(full, a, m, t["uch"], t["par"], t["ppid"], logw, Kp=Kp, Kc=Kc, alpha=alpha)
-    rows = (t["uch"][:, None] + jnp.arange(Kc)).reshape(-1)
-    got = jnp.zeros_like(full).at[rows].add(cf)
-    keep = np.ones(full.shape[0], bool)
+    @jax.jit  # the kernels and the reference as one program (op by op, each operation would compile on its own)
+    def run(buf, t, logw, noise):
+        ref = sum_layer_reference(buf, t["ch"], t["pid"], logw, **kw)
+        out = pallas_sum.forward(buf, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, alpha=alpha)
+        # backward: parents write their values into the buffer, flows arrive on them
+        full = jnp.concatenate([buf, ref])
+        flows = jnp.zeros_like(full).at[R:].set(jnp.where(jnp.isfinite(ref), noise, 0.0))
+        cf_ref, pf_ref = sum_layer_backward_reference(full, flows, t["ch"], t["pid"], logw, R, **kw)
+        want = jnp.zeros_like(full).at[child_rows(t["ch"], Kc, False)].add(cf_ref)
+        a, m, pf = pallas_sum.backward_parents(full, flows, R, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, alpha=alpha)
+        cf = pallas_sum.backward_children(full, a, m, t["uch"], t["par"], t["ppid"], logw, Kp=Kp, Kc=Kc, alpha=alpha)
+        got = jnp.zeros_like(full).at[(t["uch"][:, None] + jnp.arange(Kc)).reshape(-1)].add(cf)
+        return out, ref, got, want, pf, pf_ref
+
+    out, ref, got, want, pf, pf_ref = (np.asarray(a) for a in run(buf, t, logw, noise))
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
+    keep = np.ones(got.shape[0], bool)
     keep[max(Kp, Kc):2 * max(Kp, Kc)] = False  # the -inf padding rows collect nothing meaningful
-    np.testing.assert_allclose(np.asarray(got)[keep], np.asarray(want)[keep], rtol=2e-4, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(pf), np.asarray(pf_ref), rtol=2e-4, atol=1e-5)
+    np.testing.assert_allclose(got[keep], want[keep], rtol=2e-4, atol=1e-5)
+    np.testing.assert_allclose(pf, pf_ref, rtol=2e-4, atol=1e-5)
 
 
 def test_inverse_tables():
@@ -202,24 +223,24 @@ def test_folded_kernels_in_place_match_reference(shape):
     logw = jnp.asarray(np.log(rng.random((P, Kp, Kc)) + 1e-3), jnp.float32)
     buf = jnp.asarray(buf)
 
-    ref = sum_layer_reference(buf, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, dense=False)
-    out = pallas_sum.forward(buf, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, out_offset=off)
+    ref = whole(sum_layer_reference)(buf, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, dense=False)
+    out = whole(pallas_sum.forward)(buf, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, out_offset=off)
     np.testing.assert_allclose(np.asarray(out[off:]), np.asarray(ref), rtol=2e-5, atol=2e-5)
     np.testing.assert_array_equal(np.asarray(out[:off]), np.asarray(buf[:off]))  # nothing else written
 
     flows0 = jnp.asarray(rng.random((R, B)), jnp.float32)  # flows already on the children: added to
     flows0 = flows0.at[off:].set(jnp.where(jnp.isfinite(ref), flows0[off:], 0.0))
-    cf_ref, pf_ref = sum_layer_backward_reference(out, flows0, t["ch"], t["pid"], logw, off, Kp=Kp, Kc=Kc,
+    cf_ref, pf_ref = whole(sum_layer_backward_reference)(out, flows0, t["ch"], t["pid"], logw, off, Kp=Kp, Kc=Kc,
                                                   dense=False)
     want = flows0
     for m in range(M):
         want = want.at[child_rows(t["ch"][:, :, m], Kc, False)].add(cf_ref)
-    a, mx, pf = pallas_sum.backward_parents(out, flows0, off, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc)
+    a, mx, pf = whole(pallas_sum.backward_parents)(out, flows0, off, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc)
     # the forward keeping its shifts (Options.kernel_shifts): the same values, and each block's children max
     # (the parent-side kernel's recomputed one, -inf where every child is) at row first parent row / unit
     unit = math.gcd(off, Kp)
     untouched = jnp.full((-(-R // unit), B), 7.0, jnp.float32)
-    out2, kept = pallas_sum.forward(buf, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, out_offset=off, shifts=untouched,
+    out2, kept = whole(pallas_sum.forward)(buf, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, out_offset=off, shifts=untouched,
                                     unit=unit)
     np.testing.assert_array_equal(np.asarray(out2), np.asarray(out))
     rows = (off + Kp * np.arange(n)) // unit
@@ -227,7 +248,7 @@ def test_folded_kernels_in_place_match_reference(shape):
     np.testing.assert_array_equal(np.delete(np.asarray(kept), rows, axis=0), 7.0)
     with pytest.raises(ValueError, match="unit"):
         pallas_sum.forward(buf, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, out_offset=off, shifts=untouched, unit=3 * Kp)
-    got = pallas_sum.backward_children(out, a, mx, t["uch"], t["par"], t["ppid"], logw, Kp=Kp, Kc=Kc, ch=t["ch"],
+    got = whole(pallas_sum.backward_children)(out, a, mx, t["uch"], t["par"], t["ppid"], logw, Kp=Kp, Kc=Kc, ch=t["ch"],
                                        pcol=t["pcol"], flows=flows0)
     keep = np.r_[base:off]  # the padding rows (zero and -inf) collect nothing meaningful
     np.testing.assert_allclose(np.asarray(got)[keep], np.asarray(want)[keep], rtol=2e-4, atol=1e-5)
@@ -265,18 +286,22 @@ def make_tree_level(Kp, Kc, n, M, B, alpha=1.0, seed=11):
     t = {k: jnp.asarray(v, jnp.int32) for k, v in {"ch": ch, "pid": pid}.items()}
     logw = jnp.asarray(np.log(rng.random((n, Kp, Kc)) + 1e-3), jnp.float32)
     prop = dict(propagation="LL") if alpha == 1.0 else dict(propagation="GeneralLL", alpha=alpha)
-    out = jnp.asarray(buf)
-    vals = sum_layer_reference(out, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, dense=False, **prop)
-    out = out.at[off:].set(vals)
-    flows0 = jnp.asarray(rng.random((R, B)), jnp.float32)
-    flows0 = flows0.at[off:].set(jnp.where(jnp.isfinite(vals), flows0[off:], 0.0))
-    flows0 = flows0.at[off:off + Kp, :2].set(0.0)  # parents without flow
-    cf_ref, pf_ref = sum_layer_backward_reference(out, flows0, t["ch"], t["pid"], logw, off, Kp=Kp, Kc=Kc,
-                                                  dense=False, **prop)
-    want = flows0
-    for m in range(M):
-        rows = child_rows(t["ch"][:, :, m], Kc, False)
-        want = want.at[rows].add(jnp.where(rows[:, :, None] >= base, cf_ref, 0.0))
+
+    @jax.jit  # one program (op by op, each operation would compile on its own)
+    def reference(out, flows0, t, logw):
+        vals = sum_layer_reference(out, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, dense=False, **prop)
+        out = out.at[off:].set(vals)
+        flows0 = flows0.at[off:].set(jnp.where(jnp.isfinite(vals), flows0[off:], 0.0))
+        flows0 = flows0.at[off:off + Kp, :2].set(0.0)  # parents without flow
+        cf_ref, pf_ref = sum_layer_backward_reference(out, flows0, t["ch"], t["pid"], logw, off, Kp=Kp, Kc=Kc,
+                                                      dense=False, **prop)
+        want = flows0
+        for m in range(M):
+            rows = child_rows(t["ch"][:, :, m], Kc, False)
+            want = want.at[rows].add(jnp.where(rows[:, :, None] >= base, cf_ref, 0.0))
+        return out, flows0, want, pf_ref
+
+    out, flows0, want, pf_ref = reference(jnp.asarray(buf), jnp.asarray(rng.random((R, B)), jnp.float32), t, logw)
     return out, flows0, t, logw, off, base, want, pf_ref
 
 
@@ -289,11 +314,11 @@ def test_exclusive_backward_matches_reference(shape, alpha):
     Kp, Kc, n, M, B, bb = shape
     out, flows0, t, logw, off, base, want, pf_ref = make_tree_level(Kp, Kc, n, M, B, alpha)
     cfg = pallas_sum.KernelConfig(block_b=bb)
-    got, pf = pallas_sum.backward_exclusive(out, flows0, off, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, first_row=base,
-                                            alpha=alpha, config=cfg)
+    got, pf = whole(pallas_sum.backward_exclusive)(out, flows0, off, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc,
+                                                   first_row=base, alpha=alpha, config=cfg)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=1e-5)  # padding rows untouched
     np.testing.assert_allclose(np.asarray(pf), np.asarray(pf_ref), rtol=2e-4, atol=1e-5)
-    got2, none = pallas_sum.backward_exclusive(out, flows0, off, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc,
+    got2, none = whole(pallas_sum.backward_exclusive)(out, flows0, off, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc,
                                                first_row=base, alpha=alpha, config=cfg, param_flows=False)
     assert none is None
     np.testing.assert_allclose(np.asarray(got2), np.asarray(want), rtol=2e-4, atol=1e-5)
@@ -318,11 +343,11 @@ def test_level_backward_matches_reference(shape, alpha, precision):
     Kp, Kc, n, M, B = shape[:5]
     out, flows0, t, logw, off, base, want, pf_ref = make_tree_level(Kp, Kc, n, M, B, alpha)
     kw = dict(Kp=Kp, Kc=Kc, first_row=base, alpha=alpha, precision=precision)
-    got, pf = pallas_sum.backward_level(out, flows0, off, t["ch"], t["pid"], logw, **kw)
+    got, pf = whole(pallas_sum.backward_level)(out, flows0, off, t["ch"], t["pid"], logw, **kw)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=1e-5)  # padding rows untouched
     np.testing.assert_allclose(np.asarray(pf), np.asarray(pf_ref), rtol=2e-4, atol=1e-5)
     dp0 = jnp.asarray(np.random.default_rng(1).random((n + 2, Kp, Kc)), jnp.float32)
-    got2, dp = pallas_sum.backward_level(out, flows0, off, t["ch"], t["pid"], logw, dparams=dp0, **kw)
+    got2, dp = whole(pallas_sum.backward_level)(out, flows0, off, t["ch"], t["pid"], logw, dparams=dp0, **kw)
     np.testing.assert_allclose(np.asarray(got2), np.asarray(got), rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(np.asarray(dp), np.asarray(dp0.at[t["pid"]].add(pf_ref)), rtol=2e-4, atol=1e-5)
 
@@ -388,10 +413,10 @@ def test_param_flows_after_match_reference(shape, propagation):
     Kp, Kc = shape[:2]
     vals, fl, shifts, srow, prow, ch, pid, logw = make_after_case(*shape)
     alpha = 2.5 if propagation == "GeneralLL" else None
-    want = sum_layer_param_flows_reference(vals, fl, ch, pid, logw, prow, Kp=Kp, Kc=Kc, propagation=propagation,
+    want = whole(sum_layer_param_flows_reference)(vals, fl, ch, pid, logw, prow, Kp=Kp, Kc=Kc, propagation=propagation,
                                            alpha=alpha, precision="tf32")
     kw = dict(Kp=Kp, Kc=Kc, alpha=alpha or 1.0)
-    got = pallas_sum.param_flows_after(vals, fl, shifts, srow, prow, ch, pid, logw, **kw)
+    got = whole(pallas_sum.param_flows_after)(vals, fl, shifts, srow, prow, ch, pid, logw, **kw)
     assert got.shape == want.shape and bool(jnp.all(jnp.isfinite(got)))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=1e-6 * float(jnp.abs(want).max()))
     with pytest.raises(TypeError, match="float32"):
@@ -432,8 +457,8 @@ def test_categorical_buffer_matches_reference(B, missing, config):
     """The leaf kernel writes every row: padding (zeros, then -inf), the leaves (NaN out of range, the marginal
     where missing), zeros in the gap between the layers and above them; exactly the reference's buffer."""
     xt, layers, tabs, miss = make_leaf_case(B, missing=missing)
-    got = pallas_leaf.categorical_buffer(xt, layers, tabs, num_rows=47, kmax=4, missing=miss, config=config)
-    ref = pallas_leaf.categorical_buffer_reference(xt, layers, tabs, num_rows=47, kmax=4, missing=miss)
+    got = whole(pallas_leaf.categorical_buffer)(xt, layers, tabs, num_rows=47, kmax=4, missing=miss, config=config)
+    ref = whole(pallas_leaf.categorical_buffer_reference)(xt, layers, tabs, num_rows=47, kmax=4, missing=miss)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
     g = np.asarray(got)
     assert (g[:4] == 0).all() and (g[4:8] == -np.inf).all() and (g[21:30] == 0).all() and (g[41:] == 0).all()
@@ -450,9 +475,10 @@ def test_categorical_buffer_can_leave_the_rows_above_the_leaves_unwritten(missin
     """``zero_above=False`` (the flow pass's buffer, whose stages write those rows): the rows up to the last layer
     are the reference's; the kernel writes none above (interpret mode shows them as NaN)."""
     xt, layers, tabs, miss = make_leaf_case(37, missing=missing)
-    got = np.asarray(pallas_leaf.categorical_buffer(xt, layers, tabs, num_rows=47, kmax=4, missing=miss,
+    got = np.asarray(whole(pallas_leaf.categorical_buffer)(xt, layers, tabs, num_rows=47, kmax=4, missing=miss,
                                                     zero_above=False))
-    ref = np.asarray(pallas_leaf.categorical_buffer_reference(xt, layers, tabs, num_rows=47, kmax=4, missing=miss))
+    ref = np.asarray(whole(pallas_leaf.categorical_buffer_reference)(xt, layers, tabs, num_rows=47, kmax=4,
+                                                                     missing=miss))
     np.testing.assert_array_equal(got[:41], ref[:41])
     assert got.shape == ref.shape and np.isnan(got[41:]).all()
 
@@ -481,8 +507,8 @@ def test_forward_kernel_keeps_nan_children():
     row = int(t["ch"][1, 0]) + 2
     buf = buf.at[row, 3].set(jnp.nan).at[int(t["ch"][2, 0]):int(t["ch"][2, 0]) + 8].set(-jnp.inf)
     buf = buf.at[int(t["ch"][2, 1]):int(t["ch"][2, 1]) + 8].set(-jnp.inf)
-    ref = np.asarray(sum_layer_reference(buf, t["ch"], t["pid"], logw, Kp=4, Kc=8, dense=False))
-    out = np.asarray(pallas_sum.forward(buf, t["ch"], t["pid"], logw, Kp=4, Kc=8))
+    ref = np.asarray(whole(sum_layer_reference)(buf, t["ch"], t["pid"], logw, Kp=4, Kc=8, dense=False))
+    out = np.asarray(whole(pallas_sum.forward)(buf, t["ch"], t["pid"], logw, Kp=4, Kc=8))
     assert np.isnan(ref).any() and np.isneginf(ref).any()
     np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
     np.testing.assert_array_equal(np.isneginf(out), np.isneginf(ref))
@@ -511,7 +537,7 @@ def test_forward_on_small_grid_tiles_matches_reference(n, M):
     summed = sum(buf[(ch3[:, :, m][:, :, None] + jnp.arange(Kc)).reshape(n, -1)] for m in range(M))  # [n, Kc, B]
     cfg = pallas_sum.forward_config(n, Kp, 16)
     assert cfg != pallas_sum.KernelConfig()
-    out = pallas_sum.forward(buf, ch3, pid, logw, Kp=Kp, Kc=Kc, config=cfg, precision="fp32")
+    out = whole(pallas_sum.forward)(buf, ch3, pid, logw, Kp=Kp, Kc=Kc, config=cfg, precision="fp32")
     w = jnp.exp(logw[pid[:, 0]])  # [n, Kp, Kc]
     m = jnp.max(summed, axis=1, keepdims=True)
     ref = jnp.log(jnp.einsum("npk,nkb->npb", w, jnp.exp(summed - m), precision="highest")) + m
