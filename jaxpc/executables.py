@@ -446,14 +446,15 @@ class ExecutableCache:
                 if quick is not None:
                     fq = store.fingerprint(fn, static, args, quick) if fp is not None else None
                     compiled = store.load(fq) if fq is not None else None
+                    fresh = False
                     if compiled is None:
-                        compiled = lowered.compile(compiler_options=quick)
-                    upgrade = (lowered, xla, store, fp, fq)
+                        compiled, fresh = _compile(lowered, quick)
+                    upgrade = (lowered, xla, store, fp, fq if fresh else None)
                 else:
-                    compiled = lowered.compile(compiler_options=xla or None)
+                    compiled, fresh = _compile(lowered, xla)
                 with self._lock:
                     self.compile_seconds += time.perf_counter() - t
-                if fp is not None and quick is None:
+                if fp is not None and quick is None and fresh:
                     store.save(fp, compiled)
             e.compiled = compiled
             if upgrade is not None:
@@ -475,8 +476,8 @@ class ExecutableCache:
             try:
                 if fq is not None:
                     store.save(fq, quick)
-                full = lowered.compile(compiler_options=xla or None)
-                if fp is not None:
+                full, fresh = _compile(lowered, xla)
+                if fp is not None and fresh:
                     store.save(fp, full)
                 e.compiled = full  # (one attribute store: a call reads either executable whole)
             except Exception as err:  # noqa: BLE001 - the quick executable stays; the calls go on
@@ -694,6 +695,27 @@ class ExecutableStore:
             return True
         except Exception:  # noqa: BLE001 - storing is an optimization: never fail the call for it
             return False
+
+
+_JAX_CACHE_HITS = threading.local()  # per thread: executables JAX's persistent cache served
+
+
+def _count_jax_cache_hit(event: str, **_) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _JAX_CACHE_HITS.n = getattr(_JAX_CACHE_HITS, "n", 0) + 1
+
+
+jax.monitoring.register_event_listener(_count_jax_cache_hit)
+
+
+def _compile(lowered, compiler_options: dict):
+    """``(compiled, fresh)``: ``lowered`` compiled with ``compiler_options``; ``fresh`` is False where JAX's own
+    persistent cache served it. Only fresh executables go to the store: one that JAX deserialized does not
+    serialize whole again (on jax 0.12's CPU backend the copy loads but fails at its first call with
+    ``NOT_FOUND: Function ... not found``)."""
+    before = getattr(_JAX_CACHE_HITS, "n", 0)
+    compiled = lowered.compile(compiler_options=compiler_options or None)
+    return compiled, getattr(_JAX_CACHE_HITS, "n", 0) == before
 
 
 _STORE: ExecutableStore | None = None  # set by enable_persistent_cache / default_persistent_cache

@@ -5,6 +5,7 @@ import dataclasses
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -419,6 +420,15 @@ def test_persistent_cache_serves_a_second_process(tmp_path):
     assert second["ll"] == first["ll"] and second["flow"] == first["flow"]
     other = run("bf16")
     assert other["loaded"] == 0 and other["compiles"] >= 1, "a changed option must not load the stored executable"
+    # JAX's own cache serves a process whose store lost its files (another jaxpc version, a cleaned directory):
+    # what JAX deserialized is not stored again (on the CPU such a copy fails at its first call), and the process
+    # after it still runs and agrees
+    shutil.rmtree(tmp_path / "executables")
+    served = run("fp32")
+    assert served["loaded"] == 0 and served["ll"] == first["ll"]
+    assert not any((tmp_path / "executables").rglob("*.jaxpc-exe")), "an executable JAX loaded was stored again"
+    after = run("fp32")
+    assert after["ll"] == first["ll"] and after["flow"] == first["flow"]
 
 
 def test_table_signature_is_computed_once_per_tables_object():
