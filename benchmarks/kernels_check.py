@@ -17,6 +17,10 @@
    tile). ``--leaves``: the leaf kernels only.
 3. ``--levels`` (alone): HCLT-256 end to end with its tree levels evened into scans against the same circuit
    without them (:func:`check_evened_levels`).
+4. ``--chain`` (alone): HMM-1024's and HMM-256's default ``flows`` call on the persistent chain kernels
+   (``jaxpc.ops.pallas_chain``) against the scans (``Tuning(chain_kernel_batch=0)``): relative error of each leaf
+   at fp32 and at the default precision, and the median milliseconds of both calls per batch
+   (:func:`check_chain`).
 """
 
 from __future__ import annotations
@@ -303,6 +307,42 @@ def check_evened_levels(batches=(16, 128, 512)) -> float:
     return worst
 
 
+def check_chain(cases=((1024, (8, 16, 32)), (256, (16, 32, 64, 128))), reps=30) -> float:
+    """HMMs of 64 steps and 4,096 symbols, ``(latents, batches)`` per case: the default call (persistent kernels
+    where ``jaxpc.engine.chain.persistent`` says so) against the scans; returns the worst fp32 relative error."""
+    import jaxpc
+    from jaxpc import structures
+
+    rng = np.random.default_rng(0)
+    worst = 0.0
+    for L, batches in cases:
+        worst = max(worst, _check_chain(jaxpc.compile(structures.HMM(64, L, 4096)), L, batches, reps, rng))
+    return worst
+
+
+def _check_chain(c, L, batches, reps, rng) -> float:
+    import jaxpc
+
+    worst = 0.0
+    for B in batches:
+        x = jax.device_put(rng.integers(0, 4096, (B, 64)).astype(np.int32))
+        for precision in ("fp32", "default"):
+            kern = jaxpc.Options(precision=precision)
+            scan = jaxpc.Options(precision=precision, tuning=jaxpc.Tuning(chain_kernel_batch=0))
+            got = c.flows(c.params, x, options=kern, return_ll=True)
+            want = c.flows(c.params, x, options=scan, return_ll=True)
+            err = max(rel(a, b) for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)))
+            if precision == "fp32":
+                worst = max(worst, err)
+            line = f"check chain HMM-{L} B={B} {precision}: worst leaf {err:.1e}"
+            if precision == "default":
+                c.wait_compiled()
+                ms = [bench(lambda o=o: c.flows(c.params, x, options=o), reps) for o in (kern, scan)]
+                line += f"; flows ms kernels {ms[0]:.3f} scans {ms[1]:.3f}"
+            print(line, flush=True)
+    return worst
+
+
 def main(argv=None):
     import argparse
 
@@ -310,8 +350,12 @@ def main(argv=None):
     p.add_argument("--no-timing", action="store_true", help="correctness only")
     p.add_argument("--leaves", action="store_true", help="only the leaf kernel (pallas_leaf): check and time")
     p.add_argument("--levels", action="store_true", help="only the evened tree levels of HCLT-256, end to end")
+    p.add_argument("--chain", action="store_true", help="only HMM-1024 on the persistent chain kernels, end to end")
     args = p.parse_args(argv)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+    if args.chain:
+        print(f"worst fp32 relative error of the chain kernels: {check_chain():.2e}", flush=True)
+        return
     if args.levels:
         print(f"worst fp32 relative error of the evened levels: {check_evened_levels():.2e}", flush=True)
         return

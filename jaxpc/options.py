@@ -40,6 +40,9 @@ class Tuning:
         chain_unroll: steps per loop iteration of the HMM chain's scans (from ``chain_unroll_batch`` samples on;
             one step below).
         chain_unroll_batch: see ``chain_unroll``.
+        chain_kernel_batch: up to this many samples, a tied chain's scans run as one persistent Pallas kernel each
+            way (:mod:`jaxpc.ops.pallas_chain`) where ``impl`` is ``"auto"`` on a GPU or ``"pallas"`` and the
+            messages fit a program's registers (1,024 latents up to 16 samples, 256 up to 64); 0: never.
         chain_stack_limit: a tied chain's transition flows come from one product over all steps while its stacked
             messages (steps x latents x samples) stay at most this many values; step by step beyond.
         unset_rows: buffers whose rows are all written before they are read start unset (``lax.empty``) instead of
@@ -58,6 +61,7 @@ class Tuning:
     pflow_batch: int = 128
     chain_unroll: int = 8
     chain_unroll_batch: int = 128
+    chain_kernel_batch: int = 64
     chain_stack_limit: int = 4 * 2**20
     unset_rows: bool = True
     min_unset: int = 2**24
@@ -137,7 +141,8 @@ class Options:
         chain_scan: evaluate chain-structured circuits (HMMs: a chain of dense sum layers over one input
             layer, found by :func:`jaxpc.compile`) by the rescaled forward-backward scan of
             :mod:`jaxpc.engine.chain` (same values and flows, one matrix product per step each way, no
-            node buffer) for ``propagation="LL"`` with ``backward="flows"`` and untempered flows; False
+            node buffer; at small batches one persistent Pallas kernel each way, ``Tuning.chain_kernel_batch``)
+            for ``propagation="LL"`` with ``backward="flows"`` and untempered flows; False
             runs them layer by layer like any circuit (``impl`` and ``kernels`` apply only then).
         fold_products: evaluate log-likelihoods and flows on the circuit's folded plan (``layout.fold``;
             default): every product folded into the gathers of the sums that read it, so the node buffer

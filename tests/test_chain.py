@@ -97,7 +97,11 @@ def test_any_block_order_of_the_input_layer():
     np.testing.assert_allclose(v1.reshape(6, 4, -1)[perm].reshape(24, -1), v2, rtol=1e-5, atol=1e-7)
 
 
-def test_impossible_samples_get_minus_inf_and_zero_flows():
+KERNELS = jaxpc.Options(impl="pallas")  # the persistent chain kernels (interpret mode off a GPU)
+
+
+@pytest.mark.parametrize("options", [None, KERNELS], ids=["scan", "kernels"])
+def test_impossible_samples_get_minus_inf_and_zero_flows(options):
     L, V, T = 4, 3, 5
     beta = np.random.default_rng(0).dirichlet(np.ones(V), L)
     beta[:, 2] = 0.0
@@ -105,9 +109,9 @@ def test_impossible_samples_get_minus_inf_and_zero_flows():
     c = jaxpc.compile(structures.HMM(T, L, V, beta=beta, block_size=2))
     x = np.random.default_rng(1).integers(0, 2, (6, T)).astype(np.int32)
     x[[1, 4], 2] = 2  # symbol 2 is never emitted
-    fl = _check_against_oracle(c, c.params, x)
+    fl = _check_against_oracle(c, c.params, x, options=options)
     assert all(np.all(np.isfinite(np.asarray(a))) for a in jax.tree_util.tree_leaves(fl))
-    ll = np.asarray(c.log_prob(c.params, x))
+    ll = np.asarray(c.log_prob(c.params, x, options=options))
     assert np.isneginf(ll[[1, 4]]).all() and np.isfinite(np.delete(ll, [1, 4])).all()
 
 
@@ -160,3 +164,67 @@ def test_queries_and_other_propagations_use_the_layer_path():
     for prop, kw in (("MPE", {}), ("GeneralLL", {"alpha": 2.0})):
         np.testing.assert_allclose(c.log_prob(c.params, x, propagation=prop, **kw),
                                    c.log_prob(c.params, x, propagation=prop, options=LAYERS, **kw), rtol=1e-6)
+
+
+# ---- the persistent kernels (jaxpc.ops.pallas_chain) ------------------------------------------------------------
+
+def test_persistent_kernels_equal_exact_expected_counts():
+    """The kernels' path (one launch per direction) against the oracle: LL, transition, root and emission flows,
+    with missing values and sample weights, at a latent count and batch that the kernels pad (5 -> 16, 11 -> 16)."""
+    rng = np.random.default_rng(4)
+    T, L, V, B = 7, 5, 6, 11
+    c = jaxpc.compile(structures.HMM(T, L, V, homogeneous=True), seed=5)
+    assert chain_engine.persistent(c.layout.chain, B, jnp.float32, KERNELS)
+    x = rng.integers(0, V, (B, T)).astype(np.int32)
+    miss = rng.random((B, T)) < 0.2
+    _check_against_oracle(c, c.params, x, miss, rng.uniform(0.5, 2.0, B), options=KERNELS)
+
+
+def test_kernels_route():
+    """Where the kernels run: a tied float32 chain up to ``Tuning.chain_kernel_batch`` samples, ``impl="pallas"``
+    anywhere, ``"auto"`` only on a GPU; never untied, wider, in float64 or on the XLA route."""
+    tied = jaxpc.compile(structures.HMM(4, 4, 3)).layout.chain
+    untied = jaxpc.compile(structures.HMM(4, 4, 3, homogeneous=False)).layout.chain
+    f32 = jnp.float32
+    assert chain_engine.persistent(tied, 64, f32, KERNELS)
+    assert not chain_engine.persistent(tied, 65, f32, KERNELS)
+    assert not chain_engine.persistent(tied, 8, f32, jaxpc.Options(impl="pallas",
+                                                                   tuning=jaxpc.Tuning(chain_kernel_batch=0)))
+    assert not chain_engine.persistent(untied, 8, f32, KERNELS)
+    assert not chain_engine.persistent(tied, 8, jnp.float64, KERNELS)
+    assert not chain_engine.persistent(tied, 8, f32, jaxpc.Options(impl="xla"))
+    assert chain_engine.persistent(tied, 8, f32, jaxpc.Options()) == (jax.default_backend() == "gpu")
+    from jaxpc.ops import pallas_chain  # a program's tiles: 1,024 latents up to 16 samples, 256 up to 64
+
+    assert pallas_chain.fits(1024, 16) and not pallas_chain.fits(1024, 17) and not pallas_chain.fits(2048, 8)
+    assert pallas_chain.fits(256, 64) and not pallas_chain.fits(256, 65)
+
+
+def test_kernel_messages_equal_the_recurrences():
+    """:func:`pallas_chain.forward` and :func:`pallas_chain.backward` against the recurrences of their docstring in
+    float64, with padding (K 20 -> 32, B 3 -> 16) and a sample whose emissions are all zero at one step (its
+    states stay zero: no NaN)."""
+    from jaxpc.ops import pallas_chain
+
+    rng = np.random.default_rng(6)
+    R, K, B = 5, 20, 3
+    A = rng.uniform(0.1, 1.0, (K, K))
+    Et = rng.uniform(0.0, 1.0, (R + 1, K, B))
+    Et[3, :, 1] = 0.0
+    P = [Et[0]]
+    for r in range(R):
+        c = P[r].sum(0)
+        P.append(A @ (P[r] / np.where(c == 0, 1, c)) * Et[r + 1])
+    P = np.stack(P)
+    got = np.asarray(pallas_chain.forward(jnp.asarray(A, jnp.float32), jnp.asarray(Et, jnp.float32), "fp32"))
+    np.testing.assert_allclose(got, P, rtol=1e-5, atol=1e-7)
+    c = P.sum(1)
+    beta = [rng.uniform(0.0, 1.0, (K, B))]
+    for r in reversed(range(R)):
+        beta.insert(0, A.T @ (beta[0] / np.where(c[r + 1] == 0, 1, c[r + 1]) * Et[r + 1]))
+    beta = np.stack(beta)
+    Ec = Et / np.where(c == 0, 1, c)[:, None, :]
+    got, dy = pallas_chain.backward(jnp.asarray(A, jnp.float32), jnp.asarray(Ec, jnp.float32),
+                                    jnp.asarray(beta[-1], jnp.float32), "fp32")
+    np.testing.assert_allclose(np.asarray(got), beta, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(dy), beta * Ec, rtol=1e-5, atol=1e-7)

@@ -15,6 +15,11 @@ backward message), reduced in one matrix product over all steps and samples when
 tied. Per step the scan runs one matrix product forward and one backward, where the layer-by-layer path
 runs a gather, a max, a product and a scatter per layer through the ``[R, B]`` node buffer.
 
+At small batches (:func:`persistent`) the two scans run as one persistent Pallas kernel each
+(:mod:`jaxpc.ops.pallas_chain`: every step in one launch, a grid-wide barrier between steps), and the posteriors
+and transition flows come after them from the stacked messages; on the H200, HMM-1024's forward + flows at batch 16
+took 1.28 against 1.75 ms on the scans, HMM-256's at batches 16 to 64 0.90-0.98 against 1.81-1.90.
+
 Same flows as :func:`jaxpc.engine.flows.root_values` (tests compare the two paths and the forward
 algorithm); used by :func:`jaxpc.engine.forward.evaluate` when ``options.chain_scan`` allows it.
 """
@@ -25,9 +30,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from ..compiler.layout import ChainSpec
+from ..ops import pallas_chain
 from ..ops.buffers import uninitialized
 from ..ops.sum_layer import matmul
 
@@ -44,6 +51,17 @@ def applies(layout, options, evidence_externals: bool) -> bool:
     return (layout.chain is not None and options.chain_scan and options.backward == "flows"
             and options.propagation == "LL" and options.pflow_temperature == 1.0
             and options.eflow_temperature == 1.0 and not evidence_externals)
+
+
+def persistent(spec: ChainSpec, B: int, dtype, options) -> bool:
+    """Whether the scans run as the persistent kernels of :mod:`jaxpc.ops.pallas_chain` (one launch each way): a
+    tied float32 chain at most ``tuning.chain_kernel_batch`` samples wide whose messages fit the kernels' tiles
+    (:func:`jaxpc.ops.pallas_chain.fits`: 1,024 latents up to 16 samples), with ``impl="auto"`` on a GPU or
+    ``"pallas"`` / ``"pallas_forward"`` anywhere (interpret mode off a GPU)."""
+    if not (spec.tied and B <= options.tuning.chain_kernel_batch and jnp.dtype(dtype) == jnp.float32
+            and pallas_chain.available() and pallas_chain.fits(spec.K, B)):
+        return False
+    return options.impl in ("pallas", "pallas_forward") or (options.impl == "auto" and jax.default_backend() == "gpu")
 
 
 def _matrix(logw: Array, pid: Array, K: int) -> Array:
@@ -94,15 +112,21 @@ def _forward(spec: ChainSpec, ctab: dict, sum_params: dict, vals: Array, precisi
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4))
 def root_values(spec: ChainSpec, ctab: dict, sum_params: dict, input_vals: list, options) -> Array:
     """Root log-values ``[B]`` of a chain from its sum log-weights and its input layer's values."""
-    return _forward(spec, ctab, sum_params, input_vals[0], options.concrete_precision, options.tuning)[0]
+    return _fwd(spec, ctab, sum_params, input_vals, options)[0]
 
 
 def _fwd(spec, ctab, sum_params, input_vals, options):
-    ll, res = _forward(spec, ctab, sum_params, input_vals[0], options.concrete_precision, options.tuning)
+    vals = input_vals[0]
+    if persistent(spec, vals.shape[1], vals.dtype, options):
+        ll, res = _forward_kernels(spec, ctab, sum_params, vals, options.concrete_precision)
+    else:
+        ll, res = _forward(spec, ctab, sum_params, vals, options.concrete_precision, options.tuning)
     return ll, (ctab, sum_params, ll, res)
 
 
 def _bwd(spec, options, saved, gbar):
+    if persistent(spec, gbar.shape[0], saved[2].dtype, options):
+        return _bwd_kernels(spec, options, saved, gbar)
     ctab, sum_params, ll, (E, m, u0, U, uR, cs, rl, A, g) = saved
     K, R, B = spec.K, spec.R, u0.shape[1]
     prec = options.concrete_precision
@@ -140,20 +164,62 @@ def _bwd(spec, options, saved, gbar):
 
     dparams = {k: jnp.zeros_like(v) for k, v in sum_params.items()}
     if want_params:
-        n, C = K // spec.Kp, K // spec.Kc
         if spec.tied:
             if stack:
                 dA = matmul("rkb,rjb->kj", dY, U, prec)
-            blocks = _blocks(A * dA, n, C, spec.Kp, spec.Kc)
         else:
             Ar = jax.vmap(lambda p: _matrix(logw, p, K))(ctab["pid"])
-            blocks = _blocks(Ar * matmul("rkb,rjb->rkj", dY, U, prec), n, C, spec.Kp, spec.Kc)
-        dparams[spec.group] = dparams[spec.group].at[ctab["pid"]].add(blocks.astype(logw.dtype))
-        dg = g * matmul("kb,b->k", uR, gbar / _safe(rl), prec)  # [K]
-        rg = spec.root_group
-        rblocks = dg.reshape(1, K // spec.root_Kc, 1, spec.root_Kc)
-        dparams[rg] = dparams[rg].at[ctab["root_pid"]].add(rblocks.astype(dparams[rg].dtype))
+            dA = Ar * matmul("rkb,rjb->rkj", dY, U, prec)
+        dparams = _param_flows(spec, ctab, dparams, A, dA, g, uR, gbar / _safe(rl), prec)
     return None, dparams, [d_in.reshape(-1, B)]
+
+
+def _param_flows(spec: ChainSpec, ctab: dict, dparams: dict, A, dA, g, uR, groot, prec) -> dict:
+    """``dparams`` with the transitions' flows (``A * dA`` for a tied chain; per step ``dA [R, K, K]``, already
+    times its matrix, otherwise) and the root's (``g * uR groot``) added into their parameter blocks."""
+    K = spec.K
+    n, C = K // spec.Kp, K // spec.Kc
+    blocks = _blocks(A * dA if spec.tied else dA, n, C, spec.Kp, spec.Kc)
+    dparams[spec.group] = dparams[spec.group].at[ctab["pid"]].add(blocks.astype(dparams[spec.group].dtype))
+    dg = g * matmul("kb,b->k", uR, groot, prec)  # [K]
+    rg = spec.root_group
+    rblocks = dg.reshape(1, K // spec.root_Kc, 1, spec.root_Kc)
+    dparams[rg] = dparams[rg].at[ctab["root_pid"]].add(rblocks.astype(dparams[rg].dtype))
+    return dparams
+
+
+def _forward_kernels(spec: ChainSpec, ctab: dict, sum_params: dict, vals: Array, precision: str):
+    """:func:`_forward` on the persistent kernel: the states ``P`` of all positions at once (chain order)."""
+    K, B = spec.K, vals.shape[1]
+    E = vals.reshape(spec.R + 1, K, B)[jnp.asarray(spec.order, jnp.int32)]
+    m = jnp.max(E, axis=1)  # [R+1, B]
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    Et = jnp.exp(E - m[:, None, :])
+    A = _matrix(sum_params[spec.group], ctab["pid"], K)
+    P = pallas_chain.forward(A, Et, precision)
+    c = jnp.sum(P, axis=1)  # [R+1, B]: the scales
+    U = P / _safe(c)[:, None, :]
+    g = jnp.exp(sum_params[spec.root_group][ctab["root_pid"]]).reshape(K)
+    rl = matmul("k,kb->b", g, U[-1], precision)
+    ll = jnp.log(rl) + jnp.sum(jnp.log(c), axis=0) + jnp.sum(m, axis=0)
+    return ll, (Et, c, U, rl, A, g)
+
+
+def _bwd_kernels(spec: ChainSpec, options, saved, gbar):
+    """:func:`_bwd` on the persistent kernel: all backward messages at once, then the posteriors and the
+    transition flows in one product over steps and samples."""
+    ctab, sum_params, ll, (Et, c, U, rl, A, g) = saved
+    prec = options.concrete_precision
+    gbar = jnp.where(ll == -jnp.inf, 0.0, gbar.astype(ll.dtype))
+    Ec = Et / _safe(c)[:, None, :]
+    beta, dY = pallas_chain.backward(A, Ec, g[:, None] * (gbar / _safe(rl))[None, :], prec)  # [R+1, K, B]
+    inverse = np.argsort(np.asarray(spec.order))  # chain position of each emission block
+    d_in = (beta * U)[jnp.asarray(inverse, jnp.int32)].reshape(-1, U.shape[2])
+    dparams = {k: jnp.zeros_like(v) for k, v in sum_params.items()}
+    if options.compute_param_flows:
+        dA = matmul("rkb,rjb->kj", dY[1:], U[:-1], prec)
+        dparams = _param_flows(spec, ctab, dparams, A, dA, g, U[-1], gbar / _safe(rl), prec)
+    return None, dparams, [d_in]
 
 
 root_values.defvjp(_fwd, _bwd)
