@@ -2,11 +2,12 @@
 
     python benchmarks/dispatch.py [--workload hclt] [--latents 256] [--batches 16,512] [--impl auto]
                                   [--flags "|--xla_gpu_enable_command_buffer="] [--trace] [--timeline] [--floor]
-                                  [--unrolled]
+                                  [--unrolled] [--entry flows|log_prob] [--default-call]
 
 Each ``|``-separated entry of ``--flags`` runs in its own process with those ``XLA_FLAGS`` (the empty entry:
-none). Per process and batch size, medians over ``--reps`` synchronized ``flows`` calls (``validate=False``,
-the library's call path: packed tables, cached executable) in four loops:
+none). Per process and batch size, medians over ``--reps`` synchronized ``flows`` (``--entry``) calls
+(``validate=False``, the library's call path: packed tables, cached executable; ``--default-call``: the call with
+no options) in four loops:
 
 * ``rotate``: 4 input batches in turn, the previous outputs freed before the call (the benchmarks' loop);
 * ``same``: one input batch every call, outputs freed: every buffer the step reads or writes can land at
@@ -191,6 +192,10 @@ def measure(args):
         xs = [jnp.asarray(data[i * batch:(i + 1) * batch]) for i in range(4)]
 
         def call(x):
+            if args.default_call:
+                return getattr(c, args.entry)(c.params, x)
+            if args.entry == "log_prob":
+                return c.log_prob(c.params, x, options=opts, validate=False)
             return c.flows(c.params, x, options=opts, validate=False, return_ll=True)
 
         for i in range(5):
@@ -208,10 +213,11 @@ def measure(args):
             out = call(xs[i % 4])
         jax.block_until_ready(out)
         res["pipelined"] = f"{1e3 * (time.perf_counter() - t) / args.reps:.3f} ms"
-        print(f"{args.workload}-{args.latents} B={batch} {args.impl}{' unrolled' * args.unrolled} XLA_FLAGS={flags}: "
+        what = f"c.{args.entry}(c.params, x)" if args.default_call else f"{args.entry} {args.impl}"
+        print(f"{args.workload}-{args.latents} B={batch} {what}{' unrolled' * args.unrolled} XLA_FLAGS={flags}: "
               + " | ".join(f"{k} {v}" for k, v in res.items()), flush=True)
         if args.trace:
-            print("  HLO: " + hlo_census(c.compiled("flows").as_text()), flush=True)
+            print("  HLO: " + hlo_census(c.compiled(args.entry).as_text()), flush=True)
             with tempfile.TemporaryDirectory() as d:
                 with jax.profiler.trace(d):
                     for i in range(5):
@@ -240,6 +246,9 @@ def main(argv=None):
     p.add_argument("--timeline", action="store_true",
                    help="per step of a profiler trace: call to first kernel, kernels' span, last kernel to return, "
                         "and the last step's host events in order")
+    p.add_argument("--entry", default="flows", choices=["flows", "log_prob"], help="the entry point timed")
+    p.add_argument("--default-call", action="store_true",
+                   help="time the default call (no options, inputs validated) instead of validate=False")
     p.add_argument("--flags", default="", help="'|'-separated XLA_FLAGS settings, one process each")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -248,7 +257,7 @@ def main(argv=None):
     base = [f"--workload={args.workload}", f"--latents={args.latents}", f"--batches={args.batches}",
             f"--precision={args.precision}", f"--impl={args.impl}", f"--reps={args.reps}"]
     base += (["--trace"] * args.trace + ["--timeline"] * args.timeline + ["--floor"] * args.floor
-             + ["--unrolled"] * args.unrolled)
+             + ["--unrolled"] * args.unrolled + [f"--entry={args.entry}"] + ["--default-call"] * args.default_call)
     for flags in args.flags.split("|"):
         env = {**os.environ, "XLA_FLAGS": flags}
         r = subprocess.run([sys.executable, __file__, "--child", *base], env=env, capture_output=True, text=True)

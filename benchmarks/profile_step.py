@@ -3,7 +3,7 @@
     python benchmarks/profile_step.py [--workload hclt|hmm|pd] [--latents 256] [--batch 16]
                                       [--precision tf32] [--impl auto] [--no-fold] [--unrolled] [--steps 5]
                                       [--param-flow-pass auto|inline|batched] [--top 15] [--json out.json]
-                                      [--hlo out.hlo]
+                                      [--hlo out.hlo] [--public log_prob|flows|em_step]
 
 Runs ``circuit.flows`` under ``jax.profiler.trace`` and reads the trace's device events. Every kernel
 is attributed by the ``jaxpc/...`` named scope in its HLO metadata to one of: ``input`` (leaf layers),
@@ -131,6 +131,8 @@ def main(argv=None):
     p.add_argument("--unrolled", action="store_true", help="Options(scan_stages=False): repeated stages unrolled")
     p.add_argument("--param-flow-pass", default="auto", choices=["auto", "inline", "batched"],
                    help="Options.param_flow_pass")
+    p.add_argument("--public", default=None, choices=["log_prob", "flows", "em_step"],
+                   help="profile this entry point's default public call (c.log_prob(c.params, x), ...) instead")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--top", type=int, default=15, help="how many of the most expensive kernels to print")
     p.add_argument("--json", default=None, help="also write the summary and every kernel's time here")
@@ -140,23 +142,40 @@ def main(argv=None):
     opts = jaxpc.Options(precision=args.precision, impl=args.impl, fold_products=args.fold,
                          scan_stages=not args.unrolled, param_flow_pass=args.param_flow_pass)
     xs = [jnp.asarray(data[i * args.batch:(i + 1) * args.batch]) for i in range(4)]
-    step = jax.jit(lambda t, p, x: jaxpc.engine.em.flows_and_ll(c.layout, t, p, x, None, None, opts))
-    exe = step.lower(c.tables, c.params, xs[0]).compile()
-    names = op_names(exe.as_text())
+    if args.public:
+        entry = getattr(c, args.public)
+
+        def call(x):
+            return entry(c.params, x)
+
+        jax.block_until_ready(call(xs[0]))
+        c.wait_compiled()
+        text = c.compiled(args.public).as_text()
+    else:
+        step = jax.jit(lambda t, p, x: jaxpc.engine.em.flows_and_ll(c.layout, t, p, x, None, None, opts))
+        exe = step.lower(c.tables, c.params, xs[0]).compile()
+        text = exe.as_text()
+
+        def call(x):
+            return exe(c.tables, c.params, x)
+
+    names = op_names(text)
     if args.hlo:
-        Path(args.hlo).write_text(exe.as_text())
+        Path(args.hlo).write_text(text)
     for x in xs:
-        jax.block_until_ready(exe(c.tables, c.params, x))
+        jax.block_until_ready(call(x))
     walls = []
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             for i in range(args.steps):
                 t = time.perf_counter()
-                jax.block_until_ready(exe(c.tables, c.params, xs[i % 4]))
+                jax.block_until_ready(call(xs[i % 4]))
                 walls.append(time.perf_counter() - t)
         events = device_events(d, os.environ.get("JAXPC_PROFILE_HOST") == "1")
     wall = 1e3 * float(np.median(walls))
-    head = f"{args.workload}-{args.latents} B={args.batch} {args.precision} {args.impl}: wall {wall:.2f} ms/step"
+    head = (f"{args.workload}-{args.latents} B={args.batch} "
+            + (f"c.{args.public}(c.params, x)" if args.public else f"{args.precision} {args.impl}")
+            + f": wall {wall:.2f} ms/step")
     if not events:
         print(head + "; the trace holds no device kernels (CPU host?)")
         return
