@@ -130,42 +130,71 @@ def fits(K: int, B: int) -> bool:
     return Kp * Bp <= MAX_TILE and max(16, Kp // MAX_PROGRAMS) * Kp <= MAX_TILE
 
 
-@functools.partial(jax.jit, static_argnames=("precision",))
+def _unbatched(fn):
+    """``fn`` (array arguments, array outputs) under ``vmap`` as a loop of unbatched calls. A batched
+    ``pallas_call`` would add a grid axis, and the barrier counts programs of axis 0 only, with one counter for
+    the whole grid."""
+    fn = jax.custom_batching.custom_vmap(fn)
+
+    @fn.def_vmap
+    def _rule(axis_size, in_batched, *args):
+        args = [a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in zip(args, in_batched)]
+        out = lax.map(lambda xs: fn(*xs), tuple(args))
+        return out, jax.tree_util.tree_map(lambda _: True, out)
+
+    return fn
+
+
+@functools.cache
+def _forward_call(precision: str):
+    def call(A, Et):
+        R1, K, B = Et.shape
+        Kp, Bp = _sizes(K, B)
+        interpret = _interpret()
+        G, bm = _grid(Kp, interpret)
+        kernel = functools.partial(_forward_kernel, R=R1 - 1, bm=bm, precision=precision, interpret=interpret)
+        P, _ = call_kernel(kernel, _CONFIG, grid=(G,),
+                           out_shape=(jax.ShapeDtypeStruct((R1, Kp, Bp), jnp.float32),
+                                      jax.ShapeDtypeStruct((1,), jnp.int32)),
+                           input_output_aliases={2: 1})(
+            _padded(A.astype(jnp.float32), Kp, Kp, 0.0), _padded(Et.astype(jnp.float32), Kp, Bp, 1.0),
+            jnp.zeros((1,), jnp.int32))
+        return P[:, :K, :B]
+
+    return _unbatched(call)
+
+
+@functools.cache
+def _backward_call(precision: str):
+    def call(A, Ec, beta_R):
+        R1, K, B = Ec.shape
+        Kp, Bp = _sizes(K, B)
+        interpret = _interpret()
+        G, bm = _grid(Kp, interpret)
+        kernel = functools.partial(_backward_kernel, R=R1 - 1, bm=bm, precision=precision, interpret=interpret)
+        beta, dy, _ = call_kernel(kernel, _CONFIG, grid=(G,),
+                                  out_shape=(jax.ShapeDtypeStruct((R1, Kp, Bp), jnp.float32),
+                                             jax.ShapeDtypeStruct((R1, Kp, Bp), jnp.float32),
+                                             jax.ShapeDtypeStruct((1,), jnp.int32)),
+                                  input_output_aliases={3: 2})(
+            _padded(A.T.astype(jnp.float32), Kp, Kp, 0.0), _padded(Ec.astype(jnp.float32), Kp, Bp, 1.0),
+            _padded(beta_R.astype(jnp.float32), Kp, Bp, 0.0), jnp.zeros((1,), jnp.int32))
+        return beta[:, :K, :B], dy[:, :K, :B]
+
+    return _unbatched(call)
+
+
 def forward(A: Array, Et: Array, precision: str) -> Array:
     """The unnormalized states ``P [R+1, K, B]`` (module docstring) of transitions ``A [K, K]`` and scaled
-    emissions ``Et [R+1, K, B]``, float32."""
-    R1, K, B = Et.shape
-    Kp, Bp = _sizes(K, B)
-    interpret = _interpret()
-    G, bm = _grid(Kp, interpret)
-    kernel = functools.partial(_forward_kernel, R=R1 - 1, bm=bm, precision=precision, interpret=interpret)
-    P, _ = call_kernel(kernel, _CONFIG, grid=(G,),
-                       out_shape=(jax.ShapeDtypeStruct((R1, Kp, Bp), jnp.float32),
-                                  jax.ShapeDtypeStruct((1,), jnp.int32)),
-                       input_output_aliases={2: 1})(
-        _padded(A.astype(jnp.float32), Kp, Kp, 0.0), _padded(Et.astype(jnp.float32), Kp, Bp, 1.0),
-        jnp.zeros((1,), jnp.int32))
-    return P[:, :K, :B]
+    emissions ``Et [R+1, K, B]``, float32. Under ``vmap``: one launch per batch element."""
+    return _forward_call(precision)(A, Et)
 
 
-@functools.partial(jax.jit, static_argnames=("precision",))
 def backward(A: Array, Ec: Array, beta_R: Array, precision: str) -> tuple[Array, Array]:
     """The backward messages ``beta [R+1, K, B]`` (module docstring) from ``beta_R [K, B]`` and the scaled
     emissions over the scales, ``Ec_t = Et_t / c_t``; and ``dy = beta * Ec``, the messages each step multiplies
-    by ``A^T`` (``dy[0]`` is unused). Float32."""
-    R1, K, B = Ec.shape
-    Kp, Bp = _sizes(K, B)
-    interpret = _interpret()
-    G, bm = _grid(Kp, interpret)
-    kernel = functools.partial(_backward_kernel, R=R1 - 1, bm=bm, precision=precision, interpret=interpret)
-    beta, dy, _ = call_kernel(kernel, _CONFIG, grid=(G,),
-                              out_shape=(jax.ShapeDtypeStruct((R1, Kp, Bp), jnp.float32),
-                                         jax.ShapeDtypeStruct((R1, Kp, Bp), jnp.float32),
-                                         jax.ShapeDtypeStruct((1,), jnp.int32)),
-                              input_output_aliases={3: 2})(
-        _padded(A.T.astype(jnp.float32), Kp, Kp, 0.0), _padded(Ec.astype(jnp.float32), Kp, Bp, 1.0),
-        _padded(beta_R.astype(jnp.float32), Kp, Bp, 0.0), jnp.zeros((1,), jnp.int32))
-    return beta[:, :K, :B], dy[:, :K, :B]
+    by ``A^T`` (``dy[0]`` is unused). Float32. Under ``vmap``: one launch per batch element."""
+    return _backward_call(precision)(A, Ec, beta_R)
 
 
 __all__ = ["MAX_PROGRAMS", "MAX_TILE", "available", "backward", "fits", "forward"]
