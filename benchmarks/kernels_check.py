@@ -350,7 +350,7 @@ def main(argv=None):
     p.add_argument("--no-timing", action="store_true", help="correctness only")
     p.add_argument("--leaves", action="store_true", help="only the leaf kernel (pallas_leaf): check and time")
     p.add_argument("--levels", action="store_true", help="only the evened tree levels of HCLT-256, end to end")
-    p.add_argument("--chain", action="store_true", help="only HMM-1024 on the persistent chain kernels, end to end")
+    p.add_argument("--chain", action="store_true", help="only HMM-1024 and HMM-256 on the chain kernels, end to end")
     args = p.parse_args(argv)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     if args.chain:

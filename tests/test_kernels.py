@@ -177,7 +177,7 @@ def test_kernels_lower_for_cuda_without_a_gpu():
 
     from unittest import mock
     tabs = (buf, t["ch"], t["pid"], logw, t["uch"], t["par"], t["ppid"])
-    with mock.patch.object(pallas_sum, "_interpret", lambda: False), \
+    with mock.patch.object(pallas_sum, "interpret_mode", lambda: False), \
             jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
         for f, args in ((fwd, tabs[:4]), (bwd, tabs), (in_place, tabs),
                         (functools.partial(level, precision="fp32"), tabs),

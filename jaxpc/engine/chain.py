@@ -81,14 +81,24 @@ def _safe(c: Array) -> Array:
     return jnp.where(c == 0, 1.0, c)
 
 
+def _shifts(E: Array) -> Array:
+    """Each position's max over the latents of its emission log-values ``E [R+1, K, B]``: ``[R+1, B]``."""
+    m = jnp.max(E, axis=1)
+    return jnp.where(jnp.isfinite(m), m, 0.0)  # an all -inf step gives e~ = 0: log p = -inf, zero flows
+
+
+def _root_weights(spec: ChainSpec, ctab: dict, sum_params: dict) -> Array:
+    """The root sum's linear weights ``[K]``."""
+    return jnp.exp(sum_params[spec.root_group][ctab["root_pid"]]).reshape(spec.K)  # [1, C, 1, Kc] -> [K]
+
+
 def _forward(spec: ChainSpec, ctab: dict, sum_params: dict, vals: Array, precision: str, tuning):
     """The scan. ``vals``: the input layer's ``[N, B]`` values, read in place as ``R + 1`` blocks (chain
     position ``t`` is block ``spec.order[t]``); the emission scales ``e~`` are recomputed where needed."""
     logw = sum_params[spec.group]
     K, B = spec.K, vals.shape[1]
     E = vals.reshape(spec.R + 1, K, B)
-    m = jnp.max(E, axis=1)  # [R+1, B]
-    m = jnp.where(jnp.isfinite(m), m, 0.0)  # an all -inf step gives e~ = 0: log p = -inf, zero flows
+    m = _shifts(E)
     order = jnp.asarray(spec.order, jnp.int32)
     e0 = jnp.exp(E[spec.order[0]] - m[spec.order[0]])
     c0 = jnp.sum(e0, axis=0)
@@ -103,7 +113,7 @@ def _forward(spec: ChainSpec, ctab: dict, sum_params: dict, vals: Array, precisi
         return p / _safe(c), (u, c)
 
     uR, (U, cs) = lax.scan(step, u0, (order[1:], None if spec.tied else ctab["pid"]), unroll=_unroll(B, tuning))
-    g = jnp.exp(sum_params[spec.root_group][ctab["root_pid"]]).reshape(K)  # [1, C, 1, Kc] -> [K]
+    g = _root_weights(spec, ctab, sum_params)
     rl = matmul("k,kb->b", g, uR, precision)
     ll = jnp.log(rl) + jnp.log(c0) + jnp.sum(jnp.log(cs), axis=0) + jnp.sum(m, axis=0)
     return ll, (E, m, u0, U, uR, cs, rl, A, g)
@@ -192,14 +202,13 @@ def _forward_kernels(spec: ChainSpec, ctab: dict, sum_params: dict, vals: Array,
     """:func:`_forward` on the persistent kernel: the states ``P`` of all positions at once (chain order)."""
     K, B = spec.K, vals.shape[1]
     E = vals.reshape(spec.R + 1, K, B)[jnp.asarray(spec.order, jnp.int32)]
-    m = jnp.max(E, axis=1)  # [R+1, B]
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    m = _shifts(E)
     Et = jnp.exp(E - m[:, None, :])
     A = _matrix(sum_params[spec.group], ctab["pid"], K)
     P = pallas_chain.forward(A, Et, precision)
     c = jnp.sum(P, axis=1)  # [R+1, B]: the scales
     U = P / _safe(c)[:, None, :]
-    g = jnp.exp(sum_params[spec.root_group][ctab["root_pid"]]).reshape(K)
+    g = _root_weights(spec, ctab, sum_params)
     rl = matmul("k,kb->b", g, U[-1], precision)
     ll = jnp.log(rl) + jnp.sum(jnp.log(c), axis=0) + jnp.sum(m, axis=0)
     return ll, (Et, c, U, rl, A, g)
@@ -211,14 +220,15 @@ def _bwd_kernels(spec: ChainSpec, options, saved, gbar):
     ctab, sum_params, ll, (Et, c, U, rl, A, g) = saved
     prec = options.concrete_precision
     gbar = jnp.where(ll == -jnp.inf, 0.0, gbar.astype(ll.dtype))
+    groot = gbar / _safe(rl)
     Ec = Et / _safe(c)[:, None, :]
-    beta, dY = pallas_chain.backward(A, Ec, g[:, None] * (gbar / _safe(rl))[None, :], prec)  # [R+1, K, B]
+    beta, dY = pallas_chain.backward(A, Ec, g[:, None] * groot[None, :], prec)  # [R+1, K, B]
     inverse = np.argsort(np.asarray(spec.order))  # chain position of each emission block
     d_in = (beta * U)[jnp.asarray(inverse, jnp.int32)].reshape(-1, U.shape[2])
     dparams = {k: jnp.zeros_like(v) for k, v in sum_params.items()}
     if options.compute_param_flows:
         dA = matmul("rkb,rjb->kj", dY[1:], U[:-1], prec)
-        dparams = _param_flows(spec, ctab, dparams, A, dA, g, U[-1], gbar / _safe(rl), prec)
+        dparams = _param_flows(spec, ctab, dparams, A, dA, g, U[-1], groot, prec)
     return None, dparams, [d_in]
 
 

@@ -37,17 +37,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .pallas_sum import KernelConfig, available, call_kernel, mm, p2, plgpu
+from .pallas_sum import KernelConfig, available, call_kernel, interpret_mode, mm, p2, plgpu
 
 Array = jax.Array
 
 MAX_PROGRAMS: Final = 64  # programs of one persistent kernel (all resident at once: well below the SMs)
 MAX_TILE: Final = 16384  # values of one register tile of a program (eight warps: 64 registers per thread)
 _CONFIG: Final = KernelConfig(num_warps=8, num_stages=1)
-
-
-def _interpret() -> bool:
-    return jax.default_backend() != "gpu"
 
 
 def _grid(K: int, interpret: bool) -> tuple[int, int]:
@@ -66,7 +62,6 @@ def _barrier(cnt_ref, target, interpret: bool) -> None:
     # polled with atomic reads (acquire): volatile loads and one atomic read after them gave stale messages on the H200.
     # Index and value traced from the carry: the interpreter's while-loop discharge takes no constants
     lax.while_loop(lambda v: v < target, lambda v: plgpu.atomic_add(cnt_ref, v * 0, v * 0), seen)
-
 
 
 def _forward_kernel(a_ref, et_ref, cnt_in, p_ref, cnt_ref, *, R, bm, precision, interpret):
@@ -150,7 +145,7 @@ def _forward_call(precision: str):
     def call(A, Et):
         R1, K, B = Et.shape
         Kp, Bp = _sizes(K, B)
-        interpret = _interpret()
+        interpret = interpret_mode()
         G, bm = _grid(Kp, interpret)
         kernel = functools.partial(_forward_kernel, R=R1 - 1, bm=bm, precision=precision, interpret=interpret)
         P, _ = call_kernel(kernel, _CONFIG, grid=(G,),
@@ -169,7 +164,7 @@ def _backward_call(precision: str):
     def call(A, Ec, beta_R):
         R1, K, B = Ec.shape
         Kp, Bp = _sizes(K, B)
-        interpret = _interpret()
+        interpret = interpret_mode()
         G, bm = _grid(Kp, interpret)
         kernel = functools.partial(_backward_kernel, R=R1 - 1, bm=bm, precision=precision, interpret=interpret)
         beta, dy, _ = call_kernel(kernel, _CONFIG, grid=(G,),

@@ -65,7 +65,8 @@ def available() -> bool:
     return plgpu is not None
 
 
-def _interpret() -> bool:
+def interpret_mode() -> bool:
+    """Whether the kernels run in Pallas's interpret mode: everywhere but on a GPU."""
     return jax.default_backend() != "gpu"
 
 
@@ -78,7 +79,7 @@ def _compiler_params(cfg: KernelConfig):
 
 
 def call_kernel(kernel, cfg: KernelConfig, **kw):
-    interp = _interpret()
+    interp = interpret_mode()
     return pl.pallas_call(kernel, compiler_params=None if interp else _compiler_params(cfg), interpret=interp, **kw)
 
 
