@@ -121,20 +121,30 @@ def check_batch(info: VarInfo, x, missing, *, check_values: bool, float_dtype, w
     return xj, mj, on_device
 
 
-def bad_entries(xp, x, discrete: np.ndarray, lo: np.ndarray, hi: np.ndarray):
+def bad_entries(xp, x, discrete: np.ndarray, lo: np.ndarray, hi: np.ndarray, limits=None):
     """``bool[B, V]``: the entries of ``x`` that no leaf of their variable admits (out of a discrete variable's
     range ``[lo, hi)``, fractional for a discrete variable, or not finite). ``xp``: numpy for host data, jax.numpy
-    inside a trace; integer ``x`` is compared in its own type, so no value is rounded."""
+    inside a trace; integer ``x`` is compared in its own type, so no value is rounded. ``limits``: :func:`bounds`
+    of ``x``'s dtype, when the caller keeps them."""
+    low, top = limits if limits is not None else bounds(np.dtype(x.dtype), lo, hi)
     if xp.issubdtype(x.dtype, xp.integer):
-        dt = np.iinfo(x.dtype)
-        low = np.clip(lo, dt.min, dt.max).astype(x.dtype)
-        top = np.full(hi.shape, dt.max, x.dtype)
-        bounded = ~np.isinf(hi) & (hi - 1 < dt.max)
-        top[bounded] = (hi[bounded] - 1).astype(x.dtype)
         return ((x < low) | (x > top)) & discrete
     frac = (x != xp.round(x)) & discrete
-    oor = ((x < lo.astype(x.dtype)) | (x >= hi.astype(x.dtype))) & discrete
+    oor = ((x < low) | (x >= top)) & discrete
     return ~xp.isfinite(x) | frac | oor
+
+
+def bounds(dtype: np.dtype, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``lo`` and ``hi`` in ``dtype``: for integers the inclusive range ``[lo, hi - 1]`` clipped to the type's,
+    for floats ``lo`` and the exclusive ``hi``."""
+    if np.issubdtype(dtype, np.integer):
+        dt = np.iinfo(dtype)
+        low = np.clip(lo, dt.min, dt.max).astype(dtype)
+        top = np.full(hi.shape, dt.max, dtype)
+        bounded = ~np.isinf(hi) & (hi - 1 < dt.max)
+        top[bounded] = (hi[bounded] - 1).astype(dtype)
+        return low, top
+    return lo.astype(dtype), hi.astype(dtype)
 
 
 def _check_values(info: VarInfo, x, m, what: str) -> None:
@@ -182,6 +192,7 @@ class DeviceCheck:
         hi = np.asarray(state["hi"], np.float64)
         self.hi = hi
         self.safe = np.where(self.discrete, self.lo, 0).astype(np.float64)
+        self._consts: dict = {}
         self._key = (self.discrete.tobytes(), self.lo.tobytes(), hi.tobytes())
         self._hash = hash(self._key)
 
@@ -198,9 +209,19 @@ class DeviceCheck:
         """What defines the check (its pickled form and its digest in stored executables' fingerprints)."""
         return {"discrete": self.discrete, "lo": self.lo, "hi": self.hi}
 
+    def _constants(self, dtype: np.dtype) -> tuple:
+        """``(bounds, safe values)`` in ``dtype``, made once per dtype and kept: the traced program's numpy
+        constants stay the same objects for every trace (JAX's lowering keys constants by ``id``, and a
+        temporary's ``id`` can come back for another array while a trace on another thread runs)."""
+        hit = self._consts.get(dtype)
+        if hit is None:
+            hit = self._consts.setdefault(dtype, (bounds(dtype, self.lo, self.hi), self.safe.astype(dtype)))
+        return hit
+
     def apply(self, x, missing):
-        bad = bad_entries(jnp, x, self.discrete, self.lo, self.hi)
-        clean = jnp.where(bad, self.safe.astype(x.dtype), x)
+        limits, safe = self._constants(np.dtype(x.dtype))
+        bad = bad_entries(jnp, x, self.discrete, self.lo, self.hi, limits)
+        clean = jnp.where(bad, safe, x)
         if missing is not None:
             bad = bad & ~missing
         return clean, jnp.any(bad, axis=1)
