@@ -13,7 +13,7 @@ import pytest
 
 import jaxpc
 from jaxpc.compiler.compile import inverse_tables
-from jaxpc.ops import pallas_leaf, pallas_sum
+from jaxpc.ops import pallas_chain, pallas_leaf, pallas_sum
 from jaxpc.ops.sum_layer import child_rows, sum_layer_backward_reference, sum_layer_reference
 
 from .tiers import cases
@@ -185,6 +185,14 @@ def test_kernels_lower_for_cuda_without_a_gpu():
                         (functools.partial(after, precision="tf32"), tabs),
                         (functools.partial(after, precision="bf16"), tabs), (leaves, tabs)):
             text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            assert "__gpu$xla.gpu.triton" in text
+    A, Et = jnp.ones((256, 256)), jnp.ones((5, 256, 16))  # the chain kernels, 64 programs, products in 2 blocks
+    with mock.patch.object(pallas_chain, "interpret_mode", lambda: False), \
+            mock.patch.object(pallas_sum, "interpret_mode", lambda: False), \
+            jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
+        for f in (lambda a, e: pallas_chain.forward(a, e, "tf32"),
+                  lambda a, e: pallas_chain.backward(a, e, e[0], "fp32")):
+            text = jax.jit(f).trace(A, Et).lower(lowering_platforms=("cuda",)).as_text()
             assert "__gpu$xla.gpu.triton" in text
 
 
