@@ -281,10 +281,13 @@ LEAF_CONFIGS = [pallas_leaf.LeafConfig(), pallas_leaf.LeafConfig(64, 4096), pall
                 pallas_leaf.LeafConfig(16, 2048, 4), pallas_leaf.LeafConfig(16, 1024, 2)]
 
 
-def check_evened_levels(batches=(16, 128, 512)) -> float:
+def check_evened_levels(batches=(16, 128, 512), timing: bool = True, reps: int = 40) -> float:
     """HCLT-256 with its tree levels evened into scans (``jaxpc.compiler.levels``, the default) against the same
     circuit compiled without them (``scan_min_repeats=0``): the default call's log-likelihoods and flows, relative
-    error of each leaf at fp32 and at the default precision. Returns the worst fp32 error."""
+    error of each leaf at fp32 and at the default precision, and (``timing``) the default call ``c.flows(params,
+    x)`` of each (on a GPU the evened circuit's optimized executable runs its levels unrolled:
+    ``Tuning.unroll_optimized``) and the evened circuit's with its levels kept in scans
+    (``Tuning(unroll_optimized=False)``), timed in turns. Returns the worst fp32 error."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import jaxpc
     from _data import blurred_noise_images
@@ -296,7 +299,7 @@ def check_evened_levels(batches=(16, 128, 512)) -> float:
     worst = 0.0
     for B in batches:
         x = jax.device_put(imgs[:B].astype(np.int32))
-        for precision in ("fp32", "default"):
+        for precision in ("fp32", "default") if B == batches[0] else ("default",):  # (the timed executables)
             opts = jaxpc.Options(precision=precision)
             got = even.flows(even.params, x, options=opts, return_ll=True)
             want = plain.flows(plain.params, x, options=opts, return_ll=True)
@@ -304,6 +307,22 @@ def check_evened_levels(batches=(16, 128, 512)) -> float:
             if precision == "fp32":
                 worst = max(worst, err)
             print(f"check evened HCLT-256 levels B={B} {precision}: worst leaf {err:.1e}", flush=True)
+        if timing:
+            scanned = jaxpc.Options(tuning=jaxpc.Tuning(unroll_optimized=False))
+            calls = {"evened": lambda: even.flows(even.params, x), "plain": lambda: plain.flows(plain.params, x),
+                     "evened scanned": lambda: even.flows(even.params, x, options=scanned)}
+            for f in calls.values():
+                jax.block_until_ready(f())
+            even.wait_compiled()
+            plain.wait_compiled()  # (the optimized executables, not the quick first compiles)
+            ms = {k: [] for k in calls}
+            for _ in range(3):  # in turns, so that clocks and caches treat all alike
+                for k, f in calls.items():
+                    ms[k].append(bench(f, reps))
+            print(f"time HCLT-256 B={B} c.flows(params, x) ms: "
+                  + " | ".join(f"{k} {min(v):.3f}" for k, v in ms.items()), flush=True)
+            last = even.compiled("flows").as_text()  # (the variant timed last)
+            print(f"loops in the scanned variant's executable: {last.count(' while(')}", flush=True)
     return worst
 
 
@@ -357,7 +376,8 @@ def main(argv=None):
         print(f"worst fp32 relative error of the chain kernels: {check_chain():.2e}", flush=True)
         return
     if args.levels:
-        print(f"worst fp32 relative error of the evened levels: {check_evened_levels():.2e}", flush=True)
+        print(f"worst fp32 relative error of the evened levels: {check_evened_levels(timing=not args.no_timing):.2e}",
+              flush=True)
         return
     leaves_ok = check_leaves()
     counts_err = check_counts()

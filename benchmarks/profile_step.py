@@ -3,7 +3,7 @@
     python benchmarks/profile_step.py [--workload hclt|hmm|pd] [--latents 256] [--batch 16]
                                       [--precision tf32] [--impl auto] [--no-fold] [--unrolled] [--steps 5]
                                       [--param-flow-pass auto|inline|batched] [--top 15] [--json out.json]
-                                      [--hlo out.hlo] [--public log_prob|flows|em_step]
+                                      [--hlo out.hlo] [--public log_prob|flows|em_step] [--no-validate]
 
 Runs ``circuit.flows`` under ``jax.profiler.trace`` and reads the trace's device events. Every kernel
 is attributed by the ``jaxpc/...`` named scope in its HLO metadata to one of: ``input`` (leaf layers),
@@ -133,6 +133,8 @@ def main(argv=None):
                    help="Options.param_flow_pass")
     p.add_argument("--public", default=None, choices=["log_prob", "flows", "em_step"],
                    help="profile this entry point's default public call (c.log_prob(c.params, x), ...) instead")
+    p.add_argument("--no-validate", dest="validate", action="store_false",
+                   help="with --public: the call with validate=False (no input check in the executable)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--top", type=int, default=15, help="how many of the most expensive kernels to print")
     p.add_argument("--json", default=None, help="also write the summary and every kernel's time here")
@@ -146,7 +148,7 @@ def main(argv=None):
         entry = getattr(c, args.public)
 
         def call(x):
-            return entry(c.params, x)
+            return entry(c.params, x, validate=args.validate)
 
         jax.block_until_ready(call(xs[0]))
         c.wait_compiled()
@@ -174,7 +176,8 @@ def main(argv=None):
         events = device_events(d, os.environ.get("JAXPC_PROFILE_HOST") == "1")
     wall = 1e3 * float(np.median(walls))
     head = (f"{args.workload}-{args.latents} B={args.batch} "
-            + (f"c.{args.public}(c.params, x)" if args.public else f"{args.precision} {args.impl}")
+            + (f"c.{args.public}(c.params, x{'' if args.validate else ', validate=False'})" if args.public
+               else f"{args.precision} {args.impl}")
             + f": wall {wall:.2f} ms/step")
     if not events:
         print(head + "; the trace holds no device kernels (CPU host?)")

@@ -78,6 +78,9 @@ class Circuit:
         self.num_vars = self.layout.num_vars
         self._var_info = checks.VarInfo.from_var_dists(self.num_vars, struct.var_dists)
         self.runtime = Runtime(self._var_info, self.dtype, cache, buckets)
+        # (a chain's propagations run its own scans, not the stages)
+        self.runtime.cache.scans = self.layout.chain is None and any(
+            isinstance(s, ScanSpec) for plan in (self.layout, self.layout.fold) if plan is not None for s in plan.steps)
         for name, (fn, rows) in _ENTRIES.items():
             self.runtime.register(name, Entry(functools.partial(fn, self.layout), rows))
         self.runtime.register("init", Entry(lambda tables, key: self._init_params_fn(

@@ -39,6 +39,7 @@ import threading
 import time
 import types
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Final, NamedTuple
 
@@ -219,6 +220,8 @@ class _Entry:
     ready: threading.Event
     error: BaseException | None = None
     used: int = 0  # the cache's call count at its last use (least recently used: smallest)
+    # (lower, upgrade arguments): the optimized compile's trace, done by the key's next call (on its thread)
+    pending: Any = None
 
     @property
     def usable(self) -> bool:
@@ -235,14 +238,20 @@ def _on_gpu() -> bool:
 
 _UPGRADING: set[threading.Thread] = set()  # every cache's background compiles
 _UPGRADING_LOCK = threading.Lock()
+_WAITING: weakref.WeakSet = weakref.WeakSet()  # caches with optimized compiles still to trace (optimized_options)
 EXIT_WAIT_S: Final = 300.0
 
 
 @atexit.register  # registered after JAX's own exit hooks, so it runs before they tear the backends down
 def _finish_upgrades() -> None:
-    """At exit, wait (at most :data:`EXIT_WAIT_S`) for the background compiles still running, so that none is cut
-    off inside XLA while the process shuts down; each is stored for the next process."""
+    """At exit, trace the optimized compiles still waiting for it and wait (at most :data:`EXIT_WAIT_S`) for the
+    background compiles, so that none is cut off inside XLA while the process shuts down; each is stored for
+    the next process."""
     end = time.perf_counter() + EXIT_WAIT_S
+    with _UPGRADING_LOCK:
+        waiting = list(_WAITING)
+    for cache in waiting:
+        cache.start_upgrades(background=False)  # (no new threads at interpreter shutdown)
     with _UPGRADING_LOCK:
         pending = list(_UPGRADING)
     for thread in pending:
@@ -267,6 +276,39 @@ def quick_options(options, xla: dict) -> dict | None:
     return {**xla, **dict(QUICK_XLA)}
 
 
+def optimized_options(options):
+    """The options that a key's optimized compile traces (where :func:`quick_options` gives it a quick one
+    first): with ``Tuning.unroll_optimized`` (the default) the stages that :func:`jaxpc.compile` grouped into
+    scans run unrolled (``scan_stages=False``). XLA's loops cost an evened tree's steps on a GPU (HCLT-256's
+    flows at B=16 on the H200: 2.22-2.25 ms scanned, 1.93-1.97 ms unrolled; XLA's own full unrolling leaves
+    these loops alone); the quick compile keeps the scans, which trace, lower and compile in a fraction of the
+    time. The unrolled trace runs on the key's next call (or :meth:`ExecutableCache.wait_upgrades`), on the
+    caller's thread, and only its compile in the background (a process that ends first traces it at exit).
+    ``options`` itself where nothing changes."""
+    tuning = getattr(options, "tuning", None)
+    if tuning is None or not tuning.unroll_optimized or not options.scan_stages:
+        return options
+    return options.replace(scan_stages=False)
+
+
+def _signature(a):
+    """An argument's shape, dtype and sharding: what lowering reads of it."""
+    if not hasattr(a, "shape"):
+        return a
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None))
+
+
+def _lower(fn, static: dict, names: list, pack, sig: list):
+    """``fn(**args, **static)`` traced and lowered for the arguments (or their signatures) ``sig``, in ``names``
+    order; ``tables`` packed by ``pack`` when given."""
+    def positional(*vals):
+        kw = dict(zip(names, vals))
+        if pack is not None:
+            kw["tables"] = pack.unpack(kw["tables"])
+        return fn(**kw, **static)
+    return jax.jit(positional).lower(*sig)
+
+
 class ExecutableCache:
     """A bounded LRU cache of compiled executables, keyed by construction (see the module docstring)."""
 
@@ -288,16 +330,22 @@ class ExecutableCache:
         self.loaded = 0
         self.compile_seconds = 0.0
         self._upgrades: set[threading.Thread] = set()
+        # whether the executables may hold scanned stages for the optimized compile to unroll
+        # (optimized_options); a circuit without them sets False and spares that compile a second trace
+        self.scans = True
 
     # ---- statistics ---------------------------------------------------------------------------
     def info(self) -> CacheInfo:
         with self._lock:
+            waiting = sum(e.pending is not None for e in self._entries.values())
             return CacheInfo(self.hits, self.misses, self.compile_seconds, len(self._entries), self.loaded,
-                             len(self._upgrades))
+                             len(self._upgrades) + waiting)
 
     def wait_upgrades(self, timeout: float | None = None) -> bool:
         """Wait until the optimized executables compiling in the background (:func:`quick_options`) have replaced
-        the quick ones; True when none is left (False: ``timeout`` seconds passed first)."""
+        the quick ones; True when none is left (False: ``timeout`` seconds passed first). Optimized compiles
+        still waiting for their trace (:func:`optimized_options`) are traced here first, on the caller's thread."""
+        self.start_upgrades()
         end = None if timeout is None else time.perf_counter() + timeout
         while True:
             with self._lock:
@@ -391,7 +439,10 @@ class ExecutableCache:
             e.ready.wait()
         if e.error is not None:
             raise e.error
-        return e.compiled(*_call_args(args))
+        out = e.compiled(*_call_args(args))
+        if e.pending is not None and not owner:  # traced while the device runs this call
+            self._start_upgrade(e)
+        return out
 
     def find(self, entry: str, static: dict, args: dict):
         """The compiled executable for exactly this key, if live (no statistics change), as a function of the
@@ -423,13 +474,6 @@ class ExecutableCache:
         try:
             names = list(args)
             pack = _PACKED.get(args["tables"]) if "tables" in args and PACK_TABLES else None
-
-            def positional(*vals):
-                kw = dict(zip(names, vals))
-                if pack is not None:
-                    kw["tables"] = pack.unpack(kw["tables"])
-                return fn(**kw, **static)
-
             t = time.perf_counter()
             upgrade = None
             opts = static.get("options")  # XLA options come with the Options (part of the key) or not at all
@@ -441,7 +485,7 @@ class ExecutableCache:
                 with self._lock:
                     self.loaded += 1
             else:
-                lowered = jax.jit(positional).lower(*_call_args(args))
+                lowered = _lower(fn, static, names, pack, _call_args(args))
                 quick = quick_options(opts, xla)
                 if quick is not None:
                     fq = store.fingerprint(fn, static, args, quick) if fp is not None else None
@@ -450,6 +494,14 @@ class ExecutableCache:
                     if compiled is None:
                         compiled, fresh = _compile(lowered, quick)
                     upgrade = (lowered, xla, store, fp, fq if fresh else None)
+                    full = optimized_options(opts) if self.scans else opts
+                    if full is not opts:  # traced by the key's next call, on its own thread (not in the background)
+                        sig = jax.tree_util.tree_map(_signature, _call_args(args))
+                        e.pending = (functools.partial(_lower, fn, {**static, "options": full}, names, pack, sig),
+                                     upgrade[1:])
+                        upgrade = None
+                        with _UPGRADING_LOCK:
+                            _WAITING.add(self)
                 else:
                     compiled, fresh = _compile(lowered, xla)
                 with self._lock:
@@ -469,9 +521,34 @@ class ExecutableCache:
         finally:
             e.ready.set()
 
-    def _upgrade(self, e: _Entry, quick, lowered, xla: dict, store, fp: str | None, fq: str | None) -> None:
-        """Compile ``lowered`` with ``xla`` on a background thread, store it under ``fp`` (and the ``quick``
-        executable under ``fq``, for a process that starts before this one finishes) and swap it in."""
+    def start_upgrades(self, background: bool = True) -> None:
+        """Trace the optimized compiles still waiting for their trace (:func:`optimized_options`) on this thread and
+        start their compiles (``background=False``: compile them here too)."""
+        with self._lock:
+            waiting = [e for e in self._entries.values() if e.pending is not None]
+        for e in waiting:
+            self._start_upgrade(e, background)
+
+    def _start_upgrade(self, e: _Entry, background: bool = True) -> None:
+        """Trace and lower ``e``'s optimized compile on this thread (tracing stays off the background threads: JAX
+        traces on two threads at once were seen to mix their variables), then compile it in the background."""
+        with self._lock:
+            pending, e.pending = e.pending, None
+        if pending is None:
+            return
+        lower, rest = pending
+        try:
+            lowered = lower()
+        except Exception as err:  # noqa: BLE001 - the quick executable stays; the calls go on
+            warnings.warn(f"jaxpc: the optimized trace of an executable failed ({type(err).__name__}: {err}); it "
+                          "keeps running its quick compile", RuntimeWarning, stacklevel=3)
+            return
+        self._upgrade(e, e.compiled, lowered, *rest, background=background)
+
+    def _upgrade(self, e: _Entry, quick, lowered, xla: dict, store, fp: str | None, fq: str | None,
+                 background: bool = True) -> None:
+        """Compile ``lowered`` with ``xla`` on a background thread (or this one), store it under ``fp`` (and the
+        ``quick`` executable under ``fq``, for a process that starts before this one finishes) and swap it in."""
         def work():
             try:
                 if fq is not None:
@@ -489,6 +566,9 @@ class ExecutableCache:
                 with _UPGRADING_LOCK:
                     _UPGRADING.discard(threading.current_thread())
 
+        if not background:
+            work()  # (the discards in its finally find nothing)
+            return
         thread = threading.Thread(target=work, name="jaxpc-upgrade", daemon=True)
         with self._lock:
             self._upgrades.add(thread)

@@ -52,6 +52,8 @@ class Tuning:
         quick_first_compile: on a GPU, a new executable is compiled first without XLA's Triton GEMM fusions and
             autotuning (seconds instead of tens of seconds), runs at once, and is replaced by the fully optimized
             compile from a background thread (:func:`jaxpc.executables.quick_options`; ``Circuit.wait_compiled``).
+        unroll_optimized: that optimized compile runs the scanned stages unrolled (no loop overhead per step;
+            :func:`jaxpc.executables.optimized_options`), the quick one keeps the scans.
         compiler_options: XLA options for the executables, ``((name, value), ...)`` (e.g.
             ``(("xla_gpu_autotune_level", 0),)``).
     """
@@ -67,12 +69,13 @@ class Tuning:
     min_unset: int = 2**24
     onehot_chunk: int = 1 << 25
     quick_first_compile: bool = True
+    unroll_optimized: bool = True
     compiler_options: tuple = ()
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("unset_rows", "quick_first_compile"):
+            if f.name in ("unset_rows", "quick_first_compile", "unroll_optimized"):
                 if not isinstance(v, bool):
                     raise TypeError(f"Tuning.{f.name} must be a bool, got {v!r}")
             elif f.name == "compiler_options":

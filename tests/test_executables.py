@@ -74,7 +74,8 @@ SINGLE_VALUED: dict = {}  # fields with one allowed value (none today)
 TUNING_CHANGES = {"leaf_batch": 1, "small_batch": 1, "pflow_batch": 1, "chain_unroll": 2, "chain_unroll_batch": 0,
                   "chain_kernel_batch": 0,
                   "chain_stack_limit": 0, "unset_rows": False, "min_unset": 1, "onehot_chunk": 1 << 20,
-                  "quick_first_compile": False, "compiler_options": (("xla_cpu_enable_fast_math", False),)}
+                  "quick_first_compile": False, "unroll_optimized": False,
+                  "compiler_options": (("xla_cpu_enable_fast_math", False),)}
 
 
 def test_every_tuning_field_is_in_the_key():
@@ -601,6 +602,47 @@ def test_quick_first_compile_is_replaced_by_the_optimized_one(quick_store):
     assert again.cache_info().compile_seconds == 0
 
 
+def test_the_optimized_compile_runs_the_scanned_stages_unrolled(quick_store):
+    """The quick compile keeps the stages that ``jaxpc.compile`` grouped into scans (XLA while loops); the
+    optimized one that replaces it traces them unrolled (``Tuning.unroll_optimized``) at the key's next call (or
+    in ``wait_compiled``), on the caller's thread, computes the same, and is what the store serves a later
+    process; ``unroll_optimized=False`` keeps the loops."""
+    from jaxpc import distributions
+
+    rng = np.random.default_rng(0)
+    data = np.zeros((300, 12), np.int32)  # a chain of copies: a path-shaped tree, its levels scanned
+    data[:, 0] = rng.integers(0, 3, 300)
+    for i in range(1, 12):
+        data[:, i] = np.where(rng.random(300) < 0.8, data[:, i - 1], rng.integers(0, 3, 300))
+    root = structures.HCLT(data, 4, input_dist=distributions.Categorical(3))
+    x = data[:9]
+
+    def loops(c):
+        return c.compiled("flows").as_text().count(" while(")
+
+    c = jaxpc.compile(root)
+    ref = c.flows(c.params, x, options=jaxpc.Options(tuning=jaxpc.Tuning(quick_first_compile=False)),
+                  return_ll=True)
+    got = c.flows(c.params, x, return_ll=True)
+    assert loops(c) > 0 and c.cache_info().upgrading == 1  # its unrolled trace waits for the next call
+    c.flows(c.params, x)  # traces it; the compile runs in the background
+    assert c.wait_compiled(timeout=120)
+    assert loops(c) == 0 and c.cache_info().upgrading == 0
+    for a, b in zip(jax.tree_util.tree_leaves((got, c.flows(c.params, x, return_ll=True))),
+                    jax.tree_util.tree_leaves((ref, ref))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    again = jaxpc.compile(root)
+    again.flows(again.params, x)
+    assert again.cache_info().loaded >= 1 and loops(again) == 0
+    kept = jaxpc.Options(tuning=jaxpc.Tuning(unroll_optimized=False))
+    c.flows(c.params, x, options=kept)
+    assert c.wait_compiled(timeout=120)
+    assert c.compiled("flows").as_text().count(" while(") > 0
+    # a circuit without scanned stages: its optimized compile is not traced a second time
+    pd = jaxpc.compile(structures.PD((2, 4), 4, split_intervals=(1, 1), input_dist=distributions.Categorical(3)))
+    assert c.runtime.cache.scans and not pd.runtime.cache.scans
+
+
 def test_no_quick_compile_where_the_options_say_so(quick_store):
     """Off with ``Tuning(quick_first_compile=False)`` or when the caller sets one of the quick compile's XLA
     options; a failed optimized compile warns and leaves the quick executable running."""
@@ -623,10 +665,14 @@ def test_no_quick_compile_where_the_options_say_so(quick_store):
     _same(got, _hmm().log_prob(_hmm().params, x))
 
 
-def test_a_process_that_ends_during_the_optimized_compile_waits_and_stores_it(tmp_path):
+@pytest.mark.parametrize("structure", ["hmm", pytest.param("hclt", marks=pytest.mark.slow)])
+def test_a_process_that_ends_during_the_optimized_compile_waits_and_stores_it(tmp_path, structure):
     """A script that ends right after its first call (the optimized compile still running on its thread, made
-    slow here) exits cleanly after that compile, which it stores: the next process loads the optimized
-    executable and starts no background compile."""
+    slow here; for an HCLT with scanned levels, not traced yet) exits cleanly after that compile, which it
+    stores: the next process loads the optimized executable and starts no background compile."""
+    make = {"hmm": "structures.HMM(12, 8, 3)",  # or an HCLT of a chain of copies: its levels are scanned
+            "hclt": "structures.HCLT(np.cumsum(np.random.default_rng(1).random((300, 12)) < 0.1, axis=1) % 3, 4, "
+                    "input_dist=jaxpc.distributions.Categorical(3))"}[structure]
     script = textwrap.dedent(f"""
         import json, sys, time, numpy as np, jax, jaxpc
         from jaxpc import executables, structures
@@ -638,8 +684,8 @@ def test_a_process_that_ends_during_the_optimized_compile_waits_and_stores_it(tm
             return compile_(self, compiler_options=compiler_options)
         jax.stages.Lowered.compile = slow
         jaxpc.enable_persistent_cache({str(tmp_path)!r})
-        c = jaxpc.compile(structures.HMM(12, 8, 6), seed=3)
-        x = np.random.default_rng(0).integers(0, 6, (16, 12)).astype(np.int32)
+        c = jaxpc.compile({make}, seed=3)
+        x = np.random.default_rng(0).integers(0, 3, (16, 12)).astype(np.int32)
         ll = c.log_prob(c.params, x)
         info = c.cache_info()
         print(json.dumps(dict(loaded=info.loaded, upgrading=info.upgrading, ll=np.asarray(ll).tolist())), flush=True)
