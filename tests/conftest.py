@@ -40,7 +40,13 @@ def pytest_addoption(parser):
                      help="run the slow tier too (the whole suite)")
 
 
+# The longest tests (the notebooks, each in a kernel of its own) run first: with two workers, one of them left
+# for the end would keep a worker busy while the other has nothing left to run.
+FIRST = ("tests/test_notebooks.py::test_notebook_runs",)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: not item.nodeid.startswith(FIRST))  # (stable: the rest keep their order)
     if config.getoption("run_slow") or "slow" in (config.getoption("markexpr") or ""):
         return
     kept = [item for item in items if item.get_closest_marker("slow") is None]

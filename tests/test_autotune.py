@@ -251,11 +251,12 @@ def test_every_candidate_route_gives_the_reference(structure, fold, batch, route
     keys = sorted({routing.partition_key(p, batch) for st in plan.stages() for p in st.sums})
     ref = jaxpc.Options(precision="tf32", fold_products=fold, impl="xla")
     ll_ref, fl_ref = c.log_prob(c.params, x, options=ref), c.flows(c.params, x, options=ref)
-    for route in {"every": _routes(), "impls": _routes()[:3]}.get(routes, [routes]):
+    for i, route in enumerate({"every": _routes(), "impls": _routes()[:3]}.get(routes, [routes])):
         opts = ref.replace(impl="auto", kernels=tuple((k, route) for k in keys))
         before = len(calls)
-        np.testing.assert_allclose(np.asarray(c.log_prob(c.params, x, options=opts)), np.asarray(ll_ref), rtol=1e-5,
-                                   atol=1e-5, err_msg=str(route))
+        if i < 3:  # the forward-only entry once per impl (the other routes differ from these in their tiles only)
+            np.testing.assert_allclose(np.asarray(c.log_prob(c.params, x, options=opts)), np.asarray(ll_ref),
+                                       rtol=1e-5, atol=1e-5, err_msg=str(route))
         fl, ll = c.flows(c.params, x, options=opts, return_ll=True)
         np.testing.assert_allclose(np.asarray(ll), np.asarray(ll_ref), rtol=1e-5, atol=1e-5, err_msg=str(route))
         for a, b in zip(jax.tree_util.tree_leaves(fl), jax.tree_util.tree_leaves(fl_ref), strict=True):

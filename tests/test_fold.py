@@ -598,9 +598,10 @@ def test_kept_shifts_equal_the_recomputed_ones(name, fold, impl):
     else:
         assert max(p.C for p in sums if not p.dense) == 3
     base = jaxpc.Options(fold_products=fold, impl=impl, kernel_shifts=False)
-    # (plain LL: the batched pass's check below)
+    # (plain LL: the batched pass's check below; tempered flows and pieces on XLA's forward only: the kernels
+    # write the same shifts whatever the flow pass does with them)
     for kw in ({"propagation": "GeneralLL", "alpha": 2.5},
-               {"eflow_temperature": 0.5, "precision": "tf32", "gather_chunk": 2 * 8 * 11}):
+               {"eflow_temperature": 0.5, "precision": "tf32", "gather_chunk": 2 * 8 * 11})[:2 if impl == "xla" else 1]:
         got = c.flows(c.params, x, options=base.replace(kernel_shifts=True, **kw), return_ll=True)
         ref = c.flows(c.params, x, options=base.replace(**kw), return_ll=True)
         for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):

@@ -13,7 +13,7 @@ from jaxpc import distributions, structures
 from jaxpc.compiler.compile import _variable_run
 from jaxpc.engine import em
 
-from .tiers import cases
+from .tiers import slow
 
 
 def test_variable_run():
@@ -43,9 +43,15 @@ def _per_node_case(c, data, missing: str):
     return per_node, jnp.asarray(data[:37], jnp.int32), miss
 
 
-@pytest.mark.parametrize("chunk", [None, 3 * 37 * 5])
-@pytest.mark.parametrize("precision", ["fp32", "tf32"])
-@pytest.mark.parametrize("missing", cases(["none", "per_sample", "per_variable"], fast=["per_sample"]))
+# (missing, precision, chunk): every precision and chunk with per-sample masks (fast), and each other kind of
+# mask with each precision and each chunk once (slow)
+RUN_COUNT_CASES = [("per_sample", p, k) for p in ("fp32", "tf32") for k in (None, 3 * 37 * 5)] + [
+    pytest.param(m, p, k, marks=slow) for m, p, k in (("none", "fp32", None), ("none", "tf32", 3 * 37 * 5),
+                                                      ("per_variable", "fp32", 3 * 37 * 5),
+                                                      ("per_variable", "tf32", None))]
+
+
+@pytest.mark.parametrize("missing,precision,chunk", RUN_COUNT_CASES)
 def test_run_counts_equal_scatter(hclt, precision, missing, chunk):
     # with chunk: one-hot matrices of 3 variables at a time (10 variables: a last chunk of one)
     tuning = jaxpc.Tuning(onehot_chunk=chunk) if chunk else jaxpc.Tuning()
@@ -79,8 +85,8 @@ def test_default_runs_path_for_other_leaves():
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6), got, ref)
 
 
-@pytest.mark.parametrize("precision", cases(["fp32", "tf32"], fast=["tf32"]))
-@pytest.mark.parametrize("missing", cases(["none", "per_sample", "per_variable"], fast=["per_variable"]))
+@pytest.mark.parametrize("missing,precision", [("per_variable", "tf32")] + [
+    pytest.param(m, p, marks=slow) for m, p in (("none", "fp32"), ("per_sample", "tf32"), ("per_variable", "fp32"))])
 def test_counts_kernel_equals_scatter(hclt, precision, missing, monkeypatch):
     """The Pallas route (interpret mode here) takes the counts of categorical leaves in runs from one kernel
     (``pallas_leaf.categorical_counts``, the one-hot matrices in registers): equal to the per-node scatter, with
