@@ -223,8 +223,10 @@ class Circuit:
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Wait until this circuit's executables compiling in the background are done: on a GPU a new executable
         first runs a quick compile and is swapped for the fully optimized one when that is ready
-        (``Tuning.quick_first_compile``). True when none is left; False when ``timeout`` seconds passed first.
-        Benchmarks call it before timing; training loops need not."""
+        (``Tuning.quick_first_compile``). Optimized executables that run scanned stages unrolled
+        (``Tuning.unroll_optimized``) are traced here first, on this thread, where the key's second call has not
+        done it yet. True when none is left; False when ``timeout`` seconds passed first. Benchmarks call it
+        before timing; training loops need not."""
         return self.runtime.cache.wait_upgrades(timeout)
 
     def compiled(self, entry: str = "flows"):

@@ -55,8 +55,8 @@ class CacheInfo(NamedTuple):
     """Counters of a circuit's executables: calls served from memory (``hits``), keys not in memory
     (``misses``), seconds spent compiling (the first, quick compile of a key where :func:`quick_options`
     applies), executables in memory (``live``), misses served by loading a serialized executable from the disk
-    store instead of compiling (``loaded``), and optimized executables still compiling in the background
-    (``upgrading``)."""
+    store instead of compiling (``loaded``), and optimized executables still compiling in the background or
+    waiting for their trace at the key's next call (``upgrading``; :func:`optimized_options`)."""
 
     hits: int
     misses: int
