@@ -90,7 +90,7 @@ def to_jaxpc(root_ns):
             if src is not None:
                 made[ns] = made[src].duplicate(var[0], tie_params=True)
                 continue
-            if ns._params is None:
+            if getattr(ns, "_params", None) is None:
                 raise ValueError("input nodes without parameters: call init_parameters() first")
             probs = arr(ns._params).astype(np.float64).reshape(ns.num_nodes, ns.dist.num_cats)
             made[ns] = jaxpc.inputs(var[0], num_node_blocks=ns.num_node_blocks, block_size=ns.block_size,

@@ -493,13 +493,13 @@ class ExecutableCache:
                     fresh = False
                     if compiled is None:
                         compiled, fresh = _compile(lowered, quick)
-                    upgrade = (lowered, xla, store, fp, fq if fresh else None)
+                    rest = (xla, store, fp, fq if fresh else None)
                     full = optimized_options(opts) if self.scans else opts
-                    if full is not opts:  # traced by the key's next call, on its own thread (not in the background)
+                    if full is opts:
+                        upgrade = (lowered, *rest)
+                    else:  # traced by the key's next call, on its own thread (not in the background)
                         sig = jax.tree_util.tree_map(_signature, _call_args(args))
-                        e.pending = (functools.partial(_lower, fn, {**static, "options": full}, names, pack, sig),
-                                     upgrade[1:])
-                        upgrade = None
+                        e.pending = (functools.partial(_lower, fn, {**static, "options": full}, names, pack, sig), rest)
                         with _UPGRADING_LOCK:
                             _WAITING.add(self)
                 else:
@@ -531,7 +531,8 @@ class ExecutableCache:
 
     def _start_upgrade(self, e: _Entry, background: bool = True) -> None:
         """Trace and lower ``e``'s optimized compile on this thread (tracing stays off the background threads: JAX
-        traces on two threads at once were seen to mix their variables), then compile it in the background."""
+        traces on two threads at once were seen to mix their variables), then compile it in the background
+        (``background=False``: here)."""
         with self._lock:
             pending, e.pending = e.pending, None
         if pending is None:
