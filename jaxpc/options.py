@@ -20,10 +20,11 @@ __all__ = ["Options", "Tuning", "PROPAGATIONS", "resolve_precision"]
 PROPAGATIONS = ("LL", "MPE", "GeneralLL")
 BACKWARDS = ("flows", "autodiff")
 PRECISIONS = ("default", "fp32", "tf32", "bf16")
-IMPLS = ("xla", "pallas", "pallas_forward")
+IMPLS = ("xla", "pallas", "pallas_forward", "triton")
 IMPL_CHOICES = ("auto",) + IMPLS  # Options.impl: "auto" picks one of IMPLS per sum partition
 PARAM_FLOW_PASSES = ("auto", "inline", "batched")
 PALLAS_FORWARD = ("pallas", "pallas_forward")  # the impls whose sum layers run the Pallas forward kernel
+KERNEL_IMPLS = PALLAS_FORWARD + ("triton",)  # the impls whose sum layers run a forward kernel in place
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,9 +133,12 @@ class Options:
             fast or faster); the XLA path on other backends), ``"xla"`` (plain jnp, XLA; ``"reference"``, its
             name before 0.2, is still accepted with a ``DeprecationWarning``),
             ``"pallas_forward"`` (the Pallas forward kernel, writing the node buffer in place, and the XLA
-            backward) or ``"pallas"`` (the Pallas kernels of :mod:`jaxpc.ops.pallas_sum`: Triton on GPU,
-            interpret mode elsewhere; a tree level's backward one kernel at batches of at most 64). Max-product
-            layers always use the XLA path.
+            backward), ``"pallas"`` (the Pallas kernels of :mod:`jaxpc.ops.pallas_sum`: Triton on GPU,
+            interpret mode elsewhere; a tree level's backward one kernel at batches of at most 64) or
+            ``"triton"`` (raw Triton kernels through jax-triton, :mod:`jaxpc.ops.triton_sum` and the leaf buffer
+            of :mod:`jaxpc.ops.triton_leaf`, forward and backward, where jax-triton runs: checked once per process
+            by :func:`jaxpc.ops.triton_base.status`; elsewhere one warning with the reason and ``"auto"``'s
+            routes). Max-product layers always use the XLA path.
         kernels: per-partition overrides of ``impl`` found by :func:`jaxpc.autotune.tune_circuit`:
             pairs ``((n, C, Kp, Kc, U, D, batch[, M]), choice)`` (``M`` for folded partitions), ``choice``
             ``("xla",)`` or ``(impl, block_b, block_k, num_warps)``; partitions not named use ``impl``.

@@ -1,6 +1,7 @@
 """Test configuration. The suite checks correctness, not speed: compile XLA's CPU code at a low
-optimization level (about 2x faster compiles), expose fake CPU devices for shard_map tests, and keep the
-persistent compilation cache off (each test compiles what it checks; tests of the cache turn it on)."""
+optimization level (about 2x faster compiles), expose fake CPU devices for shard_map tests, keep the
+persistent compilation cache off (each test compiles what it checks; tests of the cache turn it on), and run raw
+Triton kernels in Triton's interpreter."""
 
 import os
 
@@ -11,6 +12,7 @@ if "xla_force_host_platform_device_count" not in _flags:
     _flags += " --xla_force_host_platform_device_count=4"
 os.environ["XLA_FLAGS"] = _flags.strip()
 os.environ.setdefault("JAXPC_PERSISTENT_CACHE", "0")
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the raw Triton kernels run in Triton's interpreter (no GPU here)
 
 import pytest  # noqa: E402
 

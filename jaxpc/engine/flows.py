@@ -106,21 +106,22 @@ def _stage_flows(ps: _Pass, carry: tuple, spec: StageSpec, tab: dict, offset, na
     for j, (part, t) in enumerate(zip(spec.sums, tab["sums"])):
         with jax.named_scope(f"jaxpc/stage{name}/sum{j}/backward"):
             impl, cfg = routing.kernel_choice(ps.options, part, ps.values.shape[1], ps.values.dtype)
-            if routing.runs_pallas_backward(impl, ps.options):
-                fl, dp = _sum_flows_pallas(ps, fl, dp, part, t, row, cfg)
+            if routing.runs_kernel_backward(impl, ps.options):
+                fl, dp = _sum_flows_kernels(ps, fl, dp, part, t, row, impl, cfg)
             else:
                 fl, dp = _sum_flows_xla(ps, fl, dp, part, t, row)
         row = row + part.num_rows
     return fl, dp
 
 
-def _sum_flows_pallas(ps: _Pass, fl: Array, dp: dict, part, t: dict, row, cfg) -> tuple:
-    """A sum partition's child flows and parameter flows by the Pallas backward kernels."""
+def _sum_flows_kernels(ps: _Pass, fl: Array, dp: dict, part, t: dict, row, impl: str, cfg) -> tuple:
+    """A sum partition's child flows and parameter flows by the backward kernels of ``impl`` (Pallas's or
+    jax-triton's)."""
     options = ps.options
     a = 1.0 if options.propagation == "LL" else options.alpha
     fl, g = pallas_sum_backward(ps.values, fl, row, t, ps.sum_params[part.group], part, alpha=a,
                                 precision=options.concrete_precision, first_row=2 * ps.layout.kmax, config=cfg,
-                                param_flows=options.compute_param_flows, dparams=dp[part.group])
+                                param_flows=options.compute_param_flows, dparams=dp[part.group], impl=impl)
     if g is not None:
         dp = {**dp, part.group: g}
     return fl, dp
@@ -174,7 +175,7 @@ def flow_buffer(layout, options, values: Array) -> Array:
     B, dtype = values.shape[1], values.dtype
     if (not options.tuning.unset_rows or gaps is None or not layout.single_reader
             or 2 * sum(b - a for a, b in gaps) > layout.num_rows
-            or any(routing.runs_pallas_backward(routing.kernel_choice(options, p, B, dtype)[0], options)
+            or any(routing.runs_kernel_backward(routing.kernel_choice(options, p, B, dtype)[0], options)
                    for spec in layout.stages() for p in spec.sums)):
         return jnp.zeros_like(values)
     fl = uninitialized(values.shape, dtype, options.tuning.min_unset)
@@ -195,7 +196,7 @@ def batched_pflows(layout, tables: dict, options, B: int, dtype) -> list:
             or (mode == "auto" and B > options.tuning.pflow_batch)):
         return []
     on_pallas = {p.pflow_key for spec in layout.stages() for p in spec.sums
-                 if p.blockwise and routing.runs_pallas_backward(routing.kernel_choice(options, p, B, dtype)[0],
+                 if p.blockwise and routing.runs_kernel_backward(routing.kernel_choice(options, p, B, dtype)[0],
                                                                  options)}
     return [(spec, tab) for spec, tab in zip(layout.pflows, tables["pflows"])
             if (mode == "batched" or spec.C == 1) and spec.key not in on_pallas]
@@ -285,17 +286,21 @@ def scatter_child_flows(fl: Array, cf: Array, ch: Array, part, first_row: int, o
 
 
 def pallas_sum_backward(values, flows, row, t, logw, part, *, alpha, precision, first_row: int, config=None,
-                        param_flows: bool = True, dparams: Array | None = None):
+                        param_flows: bool = True, dparams: Array | None = None, impl: str = "pallas"):
     """The backward kernels of one sum partition ``part`` (folded or not) whose parents sit at ``row``:
     ``(flows with the child flows added, param flows)``. A float32 flow buffer is updated in place;
     ``first_row``: the first row above the padding (``2 * kmax``). The parameter flows are ``[n, C, Kp, Kc]``
     (None without ``param_flows``), or, given ``dparams`` (the group's parameter-flow buffer), that buffer with
     them added at the partition's blocks (in place by the kernel where it can). A tree level at a batch of at
-    most :data:`jaxpc.ops.pallas_sum.LEVEL_BATCH` runs as one kernel (:func:`~jaxpc.ops.pallas_sum.backward_level`)."""
+    most :data:`jaxpc.ops.pallas_sum.LEVEL_BATCH` runs as one kernel (:func:`~jaxpc.ops.pallas_sum.backward_level`).
+    ``impl="triton"``: jax-triton's parent- and child-side kernels (:mod:`jaxpc.ops.triton_sum`) for every partition."""
     from ..ops import pallas_sum
 
     cfg = config or pallas_sum.KernelConfig()
     Kp, Kc = part.Kp, part.Kc
+    if impl == "triton":
+        return _parents_then_children(routing.sum_kernels(impl), values, flows, row, t, logw, part, cfg,
+                                      alpha=alpha, precision=precision, param_flows=param_flows, dparams=dparams)
     if routing.exclusive(part) and flows.dtype == jnp.float32 and flows.shape[1] <= pallas_sum.LEVEL_BATCH:
         inplace = param_flows and dparams is not None and part.unique_pid and dparams.dtype == jnp.float32
         fl, pf = pallas_sum.backward_level(values, flows, row, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc,
@@ -307,13 +312,21 @@ def pallas_sum_backward(values, flows, row, t, logw, part, *, alpha, precision, 
                                                first_row=first_row, alpha=alpha, precision=precision, config=cfg,
                                                param_flows=param_flows)
         return fl, _add_flows(dparams, part, t["pid"], pf)
-    a, m, pf = pallas_sum.backward_parents(values, flows, row, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, alpha=alpha,
-                                           precision=precision, config=cfg, param_flows=param_flows)
+    return _parents_then_children(pallas_sum, values, flows, row, t, logw, part, cfg, alpha=alpha,
+                                  precision=precision, param_flows=param_flows, dparams=dparams)
+
+
+def _parents_then_children(kernels, values, flows, row, t, logw, part, cfg, *, alpha, precision, param_flows,
+                           dparams):
+    """The parent-side kernels, then the child-side one (through the inverse tables) of module ``kernels``."""
+    Kp, Kc = part.Kp, part.Kc
+    a, m, pf = kernels.backward_parents(values, flows, row, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, alpha=alpha,
+                                        precision=precision, config=cfg, param_flows=param_flows)
     pf = _add_flows(dparams, part, t["pid"], pf)
     args = (values, a, m, t["uch"], t["par"], t["ppid"], logw)
     kw = dict(Kp=Kp, Kc=Kc, alpha=alpha, precision=precision, config=cfg, ch=t["ch"], pcol=t.get("pcol"))
     if flows.dtype == jnp.float32:
-        return pallas_sum.backward_children(*args, flows=flows, **kw), pf
-    cf = pallas_sum.backward_children(*args, **kw)
+        return kernels.backward_children(*args, flows=flows, **kw), pf
+    cf = kernels.backward_children(*args, **kw)
     rows = (t["uch"][:, None] + jnp.arange(Kc, dtype=t["uch"].dtype)).reshape(-1)
     return flows.at[rows].add(cf.astype(flows.dtype)), pf

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from ..compiler.layout import Layout, ScanSpec
 from ..ops.pieces import ranges
-from ..options import PALLAS_FORWARD, Tuning
+from ..options import KERNEL_IMPLS, PALLAS_FORWARD, Tuning
 from . import chain
 
 Array = jax.Array
@@ -46,6 +46,43 @@ def kernels_available() -> bool:
         warnings.warn("jaxpc: the Pallas Triton backend (jax.experimental.pallas.triton) is not available in this "
                       "jax; sum layers run on XLA (impl='reference')", RuntimeWarning, stacklevel=2)
     return ok
+
+
+_WARNED_TRITON = []
+
+
+def triton_route(options) -> bool:
+    """Whether ``options`` ask for the jax-triton route (``impl="triton"``, or a tuned partition on it) and it runs
+    here (:func:`jaxpc.ops.triton_base.status`: checked once per process). Where it does not, jaxpc warns once
+    with the reason and those partitions take ``impl="auto"``'s routes (Pallas or XLA)."""
+    if options.impl != "triton" and not any(choice[0] == "triton" for _, choice in options.kernels):
+        return False
+    from ..ops import triton_base
+
+    ok, reason = triton_base.status()
+    if not ok and not _WARNED_TRITON:
+        _WARNED_TRITON.append(True)
+        warnings.warn(f"jaxpc: impl='triton' is not available here: {reason}; its sum layers and leaves take "
+                      f"impl='auto''s routes (Pallas or XLA)", RuntimeWarning, stacklevel=2)
+    return ok
+
+
+def route_impl(options) -> str:
+    """``options.impl`` as the routes read it: ``"auto"`` for ``"triton"`` where the jax-triton route does not run
+    (:func:`triton_route`)."""
+    return "auto" if options.impl == "triton" and not triton_route(options) else options.impl
+
+
+def sum_kernels(impl: str):
+    """The kernel module of a sum partition routed to ``impl``: :mod:`jaxpc.ops.triton_sum` for ``"triton"``, else
+    :mod:`jaxpc.ops.pallas_sum` (the same functions and arguments)."""
+    if impl == "triton":
+        from ..ops import triton_sum
+
+        return triton_sum
+    from ..ops import pallas_sum
+
+    return pallas_sum
 
 
 def param_dtype(params) -> jnp.dtype:
@@ -89,9 +126,9 @@ def within_int32(layout: Layout, options, batch: int):
     rows = max(layout.num_rows, layout.fold.num_rows if layout.fold is not None else 0)
     if rows * batch < INT32_ELEMENTS or (options.impl == "xla" and not options.kernels and not options.leaf_kernel):
         return options
-    if options.impl in PALLAS_FORWARD:
+    if options.impl in KERNEL_IMPLS:
         raise ValueError(f"impl={options.impl!r}: the node buffer of {rows:,} rows x {batch:,} samples has "
-                         f"{rows * batch:,} elements, more than the Pallas kernels' int32 offsets address (2^31); "
+                         f"{rows * batch:,} elements, more than the kernels' int32 offsets address (2^31); "
                          f"use impl='auto' or 'xla', or smaller batches")
     return options.replace(impl="xla", kernels=(), leaf_kernel=False)
 
@@ -99,10 +136,12 @@ def within_int32(layout: Layout, options, batch: int):
 def _leaf_route(options, batch: int | None) -> bool:
     """The options' part of the leaf kernels' routes (:func:`leaf_kernel`, :func:`counts_kernel`):
     ``Options(leaf_kernel=True)`` and ``impl`` ``"pallas"`` / ``"pallas_forward"`` (interpret mode off a GPU) or
-    ``"auto"`` on a GPU at a ``batch`` of at least ``Options.tuning.leaf_batch`` (None: any)."""
-    if not options.leaf_kernel or options.impl == "xla":
+    ``"auto"`` on a GPU at a ``batch`` of at least ``Options.tuning.leaf_batch`` (None: any), or ``"triton"`` where
+    the jax-triton route runs (else as ``"auto"``)."""
+    impl = route_impl(options)
+    if not options.leaf_kernel or impl == "xla":
         return False
-    return options.impl != "auto" or (on_gpu() and (batch is None or batch >= options.tuning.leaf_batch))
+    return impl != "auto" or (on_gpu() and (batch is None or batch >= options.tuning.leaf_batch))
 
 
 def leaf_kernel(layout: Layout, params: dict, options, soft: Array | None = None,
@@ -123,7 +162,13 @@ def leaf_kernel(layout: Layout, params: dict, options, soft: Array | None = None
         if spec.offset < row or spec.dist.value_table(params["input"][spec.key]) is None:
             return False
         row = spec.offset + spec.num_nodes
-    return kernels_available()
+    return True if leaf_triton(options) else kernels_available()
+
+
+def leaf_triton(options) -> bool:
+    """Whether the leaf kernel of :func:`leaf_kernel` is the jax-triton one (:mod:`jaxpc.ops.triton_leaf`): with
+    ``impl="triton"`` where that route runs."""
+    return options.impl == "triton" and triton_route(options)
 
 
 def counts_kernel(spec, options, flows: Array) -> bool:
@@ -133,7 +178,7 @@ def counts_kernel(spec, options, flows: Array) -> bool:
     ``[N, B]``, and the routes of :func:`leaf_kernel` (:func:`_leaf_route`)."""
     from ..distributions.categorical import Categorical
 
-    if (not _leaf_route(options, flows.shape[1]) or spec.run < 2 or flows.dtype != jnp.float32
+    if (not _leaf_route(options, flows.shape[1]) or leaf_triton(options) or spec.run < 2 or flows.dtype != jnp.float32
             or type(spec.dist).suff_stats_runs is not Categorical.suff_stats_runs):
         return False
     return kernels_available()
@@ -151,9 +196,12 @@ def partition_key(part, B: int) -> tuple:
 def kernel_choice(options, part, B: int, dtype=jnp.float32):
     """``(impl, KernelConfig or None)`` for a sum partition: the tuned choice in ``options.kernels`` for this
     partition and batch, else ``options.impl`` (``"auto"``: :func:`auto_impl` for a ``dtype`` node buffer)
-    with the default kernel configuration. Without the Pallas Triton backend every choice is the reference
-    (with one warning per process)."""
+    with the default kernel configuration. ``"triton"`` where the jax-triton route does not run is ``"auto"``'s choice
+    (:func:`triton_route`). Without the Pallas Triton backend every Pallas choice is the reference (with one warning
+    per process)."""
     impl, cfg = _kernel_choice(options, part, B, dtype)
+    if impl == "triton" and not triton_route(options):
+        impl = auto_impl(part, dtype, B, options.tuning.small_batch)
     if impl in PALLAS_FORWARD and not kernels_available():
         return "xla", None
     return impl, cfg
@@ -163,7 +211,7 @@ def _kernel_choice(options, part, B: int, dtype):
     sig = partition_key(part, B)
     for s, choice in options.kernels:
         if s == sig:
-            if choice[0] in PALLAS_FORWARD:
+            if choice[0] in KERNEL_IMPLS:
                 from ..ops.pallas_sum import KernelConfig
                 return choice[0], KernelConfig(*choice[1:])
             return "xla", None
@@ -202,14 +250,16 @@ def pieces(part, B: int, limit: int) -> list[tuple[int, int]]:
 
 
 def runs_inplace(impl: str, options, buf: Array) -> bool:
-    """Whether a sum partition routed to ``impl`` runs as a Pallas kernel writing the (float32) buffer in place."""
-    return impl in PALLAS_FORWARD and options.propagation != "MPE" and buf.dtype == jnp.float32
+    """Whether a sum partition routed to ``impl`` runs as a kernel (Pallas or jax-triton: :func:`sum_kernels`)
+    writing the (float32) buffer in place."""
+    return impl in KERNEL_IMPLS and options.propagation != "MPE" and buf.dtype == jnp.float32
 
 
-def runs_pallas_backward(impl: str, options) -> bool:
-    """Whether the flow pass runs a sum partition routed to ``impl`` on the Pallas backward kernels (else XLA's)."""
+def runs_kernel_backward(impl: str, options) -> bool:
+    """Whether the flow pass runs a sum partition routed to ``impl`` on backward kernels (Pallas's or jax-triton's:
+    :func:`sum_kernels`), else on XLA's."""
     tempered = options.pflow_temperature != 1.0 or options.eflow_temperature != 1.0
-    return impl == "pallas" and options.propagation != "MPE" and not tempered
+    return impl in ("pallas", "triton") and options.propagation != "MPE" and not tempered
 
 
 def exclusive(part) -> bool:
@@ -237,7 +287,7 @@ def writes_shift(options, part, buf: Array) -> bool:
     to write a partition's shifts, and the flow pass decides to read them."""
     impl = kernel_choice(options, part, buf.shape[1], buf.dtype)[0]
     return (_keeps_shift(part) and options.propagation != "MPE" and buf.dtype == jnp.float32
-            and not runs_pallas_backward(impl, options))
+            and not runs_kernel_backward(impl, options))
 
 
 def shift_unit(layout: Layout) -> int:
@@ -269,7 +319,8 @@ def pflow_kernel(options, dtype) -> bool:
     H200: 0.24 against 0.32 ms): float32 buffers, local sums from the stored values (``precision`` below ``"fp32"``,
     untempered parameter flows), ``Options.impl`` ``"auto"`` on a GPU or ``"pallas"`` / ``"pallas_forward"``
     (interpret mode off a GPU); never with ``"xla"``."""
-    if (jnp.dtype(dtype) != jnp.float32 or options.impl == "xla" or options.concrete_precision == "fp32"
+    impl = route_impl(options)
+    if (jnp.dtype(dtype) != jnp.float32 or impl in ("xla", "triton") or options.concrete_precision == "fp32"
             or options.pflow_temperature != 1.0 or not kernels_available()):
         return False
-    return options.impl != "auto" or on_gpu()
+    return impl != "auto" or on_gpu()

@@ -142,7 +142,7 @@ def _sum_rows(buf: Array, spec: StageSpec, tab: dict, sum_params: dict, options,
             else:
                 impl, cfg = routing.kernel_choice(options, part, buf.shape[1], buf.dtype)
                 if routing.runs_inplace(impl, options, buf):
-                    inplace.append((row, j, part, t, cfg))
+                    inplace.append((row, j, part, t, impl, cfg))
                 else:
                     out, shifts = _xla_sum(buf, part, t, logw, options, impl, cfg, row, shifts, unit)
                     outs.append((row, out))
@@ -154,18 +154,17 @@ def _inplace_sums(buf: Array, inplace: list, sum_params: dict, options, index, s
     """``(buf, shifts)`` with the in-place kernels' partitions written (and their shifts where
     :func:`jaxpc.engine.routing.writes_shift` holds). A stage's partitions read lower rows only: the order of
     the kernels does not matter."""
-    from ..ops import pallas_sum
-
-    for r, j, part, t, cfg in inplace:
+    for r, j, part, t, impl, cfg in inplace:
+        kernels = routing.sum_kernels(impl)
         with jax.named_scope(f"jaxpc/stage{index}/sum{j}"):
             a = 1.0 if options.propagation == "LL" else options.alpha
             kw = dict(Kp=part.Kp, Kc=part.Kc, alpha=a, precision=options.concrete_precision,
-                      config=pallas_sum.forward_config(part.n, part.Kp, buf.shape[1], cfg), out_offset=r)
+                      config=kernels.forward_config(part.n, part.Kp, buf.shape[1], cfg), out_offset=r)
             if shifts is not None and routing.writes_shift(options, part, buf):
-                buf, shifts = pallas_sum.forward(buf, t["ch"], t["pid"], sum_params[part.group], shifts=shifts,
-                                                 unit=unit, **kw)
+                buf, shifts = kernels.forward(buf, t["ch"], t["pid"], sum_params[part.group], shifts=shifts,
+                                              unit=unit, **kw)
             else:
-                buf = pallas_sum.forward(buf, t["ch"], t["pid"], sum_params[part.group], **kw)
+                buf = kernels.forward(buf, t["ch"], t["pid"], sum_params[part.group], **kw)
     return buf, shifts
 
 

@@ -54,7 +54,7 @@ class LeafLayer:
     num_cats: int
 
 
-def _check(xt: Array, layers: Sequence[LeafLayer], tabs: Sequence[tuple], num_rows: int, kmax: int,
+def check_buffer_args(xt: Array, layers: Sequence[LeafLayer], tabs: Sequence[tuple], num_rows: int, kmax: int,
            missing: Array | None):
     if xt.ndim != 2 or not jnp.issubdtype(xt.dtype, jnp.integer):
         raise TypeError(f"categorical_buffer takes the batch transposed as integers [V, B], got {xt.dtype} "
@@ -84,7 +84,7 @@ def categorical_buffer_reference(xt: Array, layers: Sequence[LeafLayer], tabs: S
                                  kmax: int, missing: Array | None = None) -> Array:
     """:func:`categorical_buffer` from ``jnp`` gathers and one concatenation (the layers in row order, the gaps
     between them zero)."""
-    _check(xt, layers, tabs, num_rows, kmax, missing)
+    check_buffer_args(xt, layers, tabs, num_rows, kmax, missing)
     B = xt.shape[1]
     parts, row = [jnp.zeros((kmax, B), jnp.float32), jnp.full((kmax, B), -jnp.inf, jnp.float32)], 2 * kmax
     for spec, (lp, rows, vars_, marg) in sorted(zip(layers, tabs), key=lambda st: st[0].offset):
@@ -145,7 +145,7 @@ def categorical_buffer(xt: Array, layers: Sequence[LeafLayer], tabs: Sequence[tu
     where a leaf takes its ``marg``. A value outside ``[0, K)`` (not missing) gives NaN, as the reference does.
     ``zero_above=False`` leaves the rows above the last layer unwritten (uninitialized memory on a GPU, NaN in
     interpret mode), for a caller whose stages write each of them before reading it."""
-    _check(xt, layers, tabs, num_rows, kmax, missing)
+    check_buffer_args(xt, layers, tabs, num_rows, kmax, missing)
     B = xt.shape[1]
     top = num_rows if zero_above else max([2 * kmax] + [s.offset + s.num_nodes for s in layers])
     TB = min(config.block_b, p2(B))

@@ -157,7 +157,7 @@ def _online_sum(i, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, *, C, M, Kp
     return lax.fori_loop(0, C * nq, body, init)
 
 
-def _tables3(ch: Array) -> Array:
+def tables3(ch: Array) -> Array:
     return ch if ch.ndim == 3 else ch[:, :, None]
 
 
@@ -168,7 +168,7 @@ def _chunk(config: KernelConfig, tile: int, K: int) -> int:
     return min(p2(c), p2(K))
 
 
-def _tiles(config: KernelConfig, B: int, Kp: int, Kc: int):
+def tiles(config: KernelConfig, B: int, Kp: int, Kc: int):
     """(batch tile, parent-node tile, child-node chunk)."""
     KT = min(config.block_k, p2(Kp))
     return min(config.block_b, p2(B)), KT, _chunk(config, KT, Kc)
@@ -230,10 +230,10 @@ def forward(buf: Array, ch: Array, pid: Array, w: Array, *, Kp: int, Kc: int, al
     ``out_offset`` and every parent block's first row multiples of ``unit``) it returns ``(buf, shifts)``,
     ``shifts`` updated in place with each parent block's shift: the max over its children's values per sample
     (``-inf`` when they all are), at row ``first parent row / unit``."""
-    ch = _tables3(ch)
+    ch = tables3(ch)
     n, C, M = ch.shape
     R, B = buf.shape
-    BB, KT, KC = _tiles(config, B, Kp, Kc)
+    BB, KT, KC = tiles(config, B, Kp, Kc)
     keep = shifts is not None
     if keep and (out_offset is None or unit < 1 or Kp % unit):
         raise ValueError(f"shifts are kept by the in-place forward with a unit dividing Kp={Kp}, got unit={unit}")
@@ -297,10 +297,10 @@ def backward_parents(buf: Array, flows: Array, out_offset, ch: Array, pid: Array
                      param_flows: bool = True):
     """``(a [n*Kp, B], m [n, B], param_flows [n, C, Kp, Kc] or None)`` of one sum partition whose parents
     sit at rows ``out_offset + [0, n * Kp)``."""
-    ch = _tables3(ch)
+    ch = tables3(ch)
     n, C, M = ch.shape
     B = buf.shape[1]
-    BB, KT, KC = _tiles(config, B, Kp, Kc)
+    BB, KT, KC = tiles(config, B, Kp, Kc)
     static = dict(C=C, M=M, Kp=Kp, Kc=Kc, KT=KT, KC=KC, BB=BB, B=B, alpha=float(alpha), precision=precision)
     off = jnp.asarray(out_offset, jnp.int32).reshape(1)
     buf = buf.astype(jnp.float32)
@@ -365,7 +365,7 @@ def param_flows_after(values: Array, flows: Array, shifts: Array, srow: Array, p
     tile) program ``exp(alpha log W) * (a @ y^T)`` over the batch in chunks, ``a = flow / local sum`` and
     ``y = exp(alpha (x - shift))`` made in the program: nothing of the gathered children's size in memory, the
     weights' product in the epilogue."""
-    ch = _tables3(ch)
+    ch = tables3(ch)
     n, C, M = ch.shape
     B = values.shape[1]
     if values.dtype != jnp.float32 or flows.dtype != jnp.float32 or shifts.dtype != jnp.float32:
@@ -375,7 +375,7 @@ def param_flows_after(values: Array, flows: Array, shifts: Array, srow: Array, p
         raise ValueError(f"param_flows_after takes the local sums from the stored values (precision below fp32, "
                          f"got {precision!r}), shifts [S, B={B}] (got {shifts.shape}) and srow [n={n}] (got "
                          f"{srow.shape})")
-    BB, KT, KS = _tiles(config, B, Kp, Kc)
+    BB, KT, KS = tiles(config, B, Kp, Kc)
     KC = min(config.block_k, p2(Kc))
     kernel = functools.partial(_pflow_after_kernel, C=C, M=M, Kp=Kp, Kc=Kc, KT=KT, KC=KC, KS=KS, BB=BB, B=B,
                                alpha=float(alpha), precision=precision)
@@ -399,10 +399,20 @@ def _wt_a(a_ref, w_ref, i, p, kc, cols, cmask, valid, *, Kp, Kc, KPT, alpha, pre
     return lax.fori_loop(0, pl.cdiv(Kp, KPT), chunk, jnp.zeros((kc.shape[0], cols.shape[0]), jnp.float32))
 
 
-def _child_tiles(config: KernelConfig, B: int, Kp: int, Kc: int):
+def child_tiles(config: KernelConfig, B: int, Kp: int, Kc: int):
     """(batch tile, child-node tile, parent-node chunk) of the child-side kernels."""
     KT = min(config.block_k, p2(Kc))
     return min(config.block_b, p2(B)), KT, _chunk(config, KT, Kp)
+
+
+def child_side_tables(ch: Array | None, par: Array, pcol: Array | None) -> tuple[Array, Array, int]:
+    """``(ch [n, C, M], pcol, M)`` as the child-side kernels read them: a placeholder table where ``ch`` is None
+    (unfolded: the children are the row blocks themselves), ``par`` standing in for ``pcol`` there; a folded
+    partition (``ch [n, C, M]``, ``M > 1``) must give ``pcol``."""
+    M = 1 if ch is None or ch.ndim == 2 else ch.shape[2]
+    if M > 1 and pcol is None:
+        raise ValueError("a folded partition (ch [n, C, M]) needs pcol")
+    return (jnp.zeros((1, 1, 1), jnp.int32) if ch is None else tables3(ch)), (par if pcol is None else pcol), M
 
 
 def _bwd_child_kernel(uch_ref, par_ref, pcol_ref, ppid_ref, ch_ref, w_ref, buf_ref, a_ref, m_ref, flow_ref, out_ref,
@@ -445,12 +455,8 @@ def backward_children(buf: Array, a: Array, m: Array, uch: Array, par: Array, pp
     with ``flows`` (float32 ``[R, B]``) the flow buffer with them added to the child rows in place."""
     U, D = par.shape
     B = buf.shape[1]
-    M = 1 if ch is None or ch.ndim == 2 else ch.shape[2]
-    if M > 1 and pcol is None:
-        raise ValueError("a folded partition (ch [n, C, M]) needs pcol")
-    ch = jnp.zeros((1, 1, 1), jnp.int32) if ch is None else _tables3(ch)
-    pcol = par if pcol is None else pcol
-    BB, KT, KPT = _child_tiles(config, B, Kp, Kc)
+    ch, pcol, M = child_side_tables(ch, par, pcol)
+    BB, KT, KPT = child_tiles(config, B, Kp, Kc)
     kernel = functools.partial(_bwd_child_kernel, D=D, M=M, Kp=Kp, Kc=Kc, KT=KT, KPT=KPT, BB=BB, B=B,
                                alpha=float(alpha), precision=precision, accumulate=flows is not None)
     grid = block_grid(U, pl.cdiv(Kc, KT), pl.cdiv(B, BB))
@@ -500,7 +506,7 @@ def backward_exclusive(buf: Array, flows: Array, out_offset, ch: Array, pid: Arr
     once and adds the child flows into every row block of the (folded) child in place, where
     :func:`backward_children` would recompute it per row block. Rows below ``first_row`` are padding and stay
     untouched. Returns ``(flows, param_flows [n, 1, Kp, Kc] or None)``."""
-    ch = _tables3(ch)
+    ch = tables3(ch)
     n, C, M = ch.shape
     if C != 1:
         raise ValueError(f"backward_exclusive needs one child block per parent block, got C={C}")
@@ -510,7 +516,7 @@ def backward_exclusive(buf: Array, flows: Array, out_offset, ch: Array, pid: Arr
     buf = buf.astype(jnp.float32)
     a, m, pf = backward_parents(buf, flows, out_offset, ch, pid, w, Kp=Kp, Kc=Kc, alpha=alpha, precision=precision,
                                 config=config, param_flows=param_flows)
-    BB, KT, KPT = _child_tiles(config, B, Kp, Kc)
+    BB, KT, KPT = child_tiles(config, B, Kp, Kc)
     kernel = functools.partial(_bwd_slots_kernel, M=M, Kp=Kp, Kc=Kc, KT=KT, KPT=KPT, BB=BB, B=B,
                                alpha=float(alpha), precision=precision, first_row=int(first_row))
     flows = call_kernel(kernel, config, grid=block_grid(n, pl.cdiv(Kc, KT), pl.cdiv(B, BB)),
@@ -594,7 +600,7 @@ def backward_level(buf: Array, flows: Array, out_offset, ch: Array, pid: Array, 
     Returns ``(flows, param flows)``: with ``dparams`` (float32 ``[P, Kp, Kc]``; the partition's parameter
     blocks ``pid`` must be distinct) that buffer with the parameter flows added at ``pid`` in place, else
     ``[n, 1, Kp, Kc]`` (None without ``param_flows``)."""
-    ch = _tables3(ch)
+    ch = tables3(ch)
     n, C, M = ch.shape
     R, B = buf.shape
     if C != 1:

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..options import IMPLS, PALLAS_FORWARD
+from ..options import IMPLS, KERNEL_IMPLS
 
 Array = jax.Array
 
@@ -106,15 +106,17 @@ def sum_layer_reference(buf: Array, ch: Array, pid: Array, logw: Array, *, Kp: i
 def sum_layer(buf: Array, ch: Array, pid: Array, logw: Array, *, Kp: int, Kc: int, dense: bool,
               propagation: str = "LL", alpha: float | None = None, precision: str = "fp32",
               impl: str = "xla", config=None) -> Array:
-    """Dispatching sum layer: ``impl="pallas"`` or ``"pallas_forward"`` runs the Pallas kernel (LL and
-    GeneralLL; max-product layers always use the reference), ``"xla"`` the plain-jnp version."""
-    if impl in PALLAS_FORWARD and propagation != "MPE":
-        from . import pallas_sum
+    """Dispatching sum layer: ``impl="pallas"`` or ``"pallas_forward"`` runs the Pallas kernel, ``"triton"`` the
+    jax-triton one (LL and GeneralLL; max-product layers always use the reference), ``"xla"`` the plain-jnp
+    version."""
+    if impl in KERNEL_IMPLS and propagation != "MPE":
+        from . import pallas_sum, triton_sum
 
+        kernels = triton_sum if impl == "triton" else pallas_sum
         a = 1.0 if propagation == "LL" else float(alpha)
         cfg = config or pallas_sum.KernelConfig()
-        return pallas_sum.forward(buf, ch, pid, logw, Kp=Kp, Kc=Kc, alpha=a, precision=precision,
-                                  config=cfg).astype(buf.dtype)
+        return kernels.forward(buf, ch, pid, logw, Kp=Kp, Kc=Kc, alpha=a, precision=precision,
+                               config=cfg).astype(buf.dtype)
     if impl not in IMPLS:
         raise ValueError(f"unknown sum-layer impl {impl!r}")
     return sum_layer_reference(buf, ch, pid, logw, Kp=Kp, Kc=Kc, dense=dense, propagation=propagation,

@@ -1,0 +1,328 @@
+"""Block-sparse sum layer as raw Triton kernels called through jax-triton (``Options(impl="triton")``).
+
+The same layer, tiles and arithmetic as :mod:`jaxpc.ops.pallas_sum` (whose docstring has the math), written as
+``triton.jit`` kernels over flat row-major buffers (``buf [R, B]``: element ``(r, b)`` at ``r * B + b``), each
+launched on a one-axis grid whose programs run the node tiles of a block, then its batch tiles, then the next
+block (the order of the Pallas kernels' grids, without their 65,535-program limit on the block axis):
+
+* :func:`forward`: the online log-sum-exp over the child blocks, written in place at ``out_offset`` (and each
+  block's shift with ``shifts``);
+* :func:`backward_parents`: ``a = flow / local sum`` and the shift per parent block, then the parameter flows
+  ``W * (a @ y^T)`` reduced over the batch inside each program;
+* :func:`backward_children`: each distinct child row block's flows through the inverse tables, added into the
+  flow buffer in place.
+
+Each public function builds a :class:`~jaxpc.ops.triton_base.Launch` (``*_launch``) and runs it
+(:func:`jaxpc.ops.triton_base.run`); the tests run the same launches in Triton's interpreter
+(:func:`jaxpc.ops.triton_base.interpret`). Offsets are int32, as the Pallas kernels' (the routes refuse buffers of
+2^31 elements and more: :func:`jaxpc.engine.routing.within_int32`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .pallas_sum import KernelConfig, child_side_tables, child_tiles, forward_config, p2, tables3, tiles
+from .triton_base import NAN, NEG, PRECISION_CODES, Launch, out_shapes, run, tl, triton
+
+Array = jax.Array
+DEFAULT_CONFIG = KernelConfig()
+
+__all__ = ["KernelConfig", "forward", "forward_config", "backward_parents", "backward_children", "forward_launch",
+           "parents_launches", "children_launch"]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _t(n: int) -> int:
+    """A tile side of at least 16: every product in these kernels is a ``tl.dot`` (16 or more on each side; the
+    masks cover the padding). Products of smaller tiles written as broadcast multiply-adds gave wrong values on
+    the H200 with triton 3.6 (reduced sides of 2 to 16), though right ones in Triton's interpreter."""
+    return max(16, n)
+
+
+if triton is not None:
+    @triton.jit
+    def _mm(a, b, PREC: tl.constexpr):
+        """``a @ b`` in float32 on the tensor cores at PREC (0 exact, 1 TF32, 2 bfloat16 operands)."""
+        if PREC == 2:
+            out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), out_dtype=tl.float32)
+        elif PREC == 1:
+            out = tl.dot(a, b, input_precision="tf32", out_dtype=tl.float32)
+        else:
+            out = tl.dot(a, b, input_precision="ieee", out_dtype=tl.float32)
+        return out
+
+    @triton.jit
+    def _tile(ptr, rows, cols, rmask, cmask, other, B: tl.constexpr):
+        return tl.load(ptr + rows[:, None] * B + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=other)
+
+    @triton.jit
+    def _put(ptr, rows, cols, val, rmask, cmask, B: tl.constexpr):
+        tl.store(ptr + rows[:, None] * B + cols[None, :], val, mask=rmask[:, None] & cmask[None, :])
+
+    @triton.jit
+    def _child(buf_ptr, ch_ptr, i, c, kc, cols, cmask, B: tl.constexpr, C: tl.constexpr, M: tl.constexpr,
+               Kc: tl.constexpr):
+        """Values ``[len(kc), BB]`` of child block ``c`` of parent block ``i``: the sum of its ``M`` row blocks
+        (masked entries -inf)."""
+        rmask = kc < Kc
+        base = (i * C + c) * M
+        x = _tile(buf_ptr, tl.load(ch_ptr + base) + kc, cols, rmask, cmask, NEG, B)
+        for s in tl.static_range(1, M):
+            x += _tile(buf_ptr, tl.load(ch_ptr + base + s) + kc, cols, rmask, cmask, 0.0, B)
+        return x
+
+    @triton.jit
+    def _weights(w_ptr, p, kp, kc, valid, Kp: tl.constexpr, Kc: tl.constexpr, ALPHA: tl.constexpr):
+        """``exp(ALPHA * log w)`` of the ``[len(kp), len(kc)]`` tile of weight block ``p`` (0 where masked)."""
+        mask = (kp[:, None] < Kp) & (kc[None, :] < Kc) & valid
+        lw = tl.load(w_ptr + p * (Kp * Kc) + kp[:, None] * Kc + kc[None, :], mask=mask, other=NEG)
+        return tl.exp(ALPHA * lw)
+
+    @triton.jit
+    def _online_sum(i, ch_ptr, pid_ptr, w_ptr, buf_ptr, cols, cmask, kp, B: tl.constexpr, C: tl.constexpr,
+                    M: tl.constexpr, Kp: tl.constexpr, Kc: tl.constexpr, KT: tl.constexpr, KC: tl.constexpr,
+                    BB: tl.constexpr, ALPHA: tl.constexpr, PREC: tl.constexpr):
+        """Running max ``[BB]`` and sum ``[KT, BB]`` over the children of parent block ``i`` for its nodes
+        ``kp``, the child blocks read ``KC`` nodes at a time."""
+        NQ: tl.constexpr = (Kc + KC - 1) // KC
+        m = tl.full([BB], NEG, tl.float32)
+        acc = tl.zeros([KT, BB], tl.float32)
+        for cq in range(0, C * NQ):
+            c = cq // NQ
+            kc = (cq % NQ) * KC + tl.arange(0, KC)
+            x = _child(buf_ptr, ch_ptr, i, c, kc, cols, cmask, B, C, M, Kc)
+            w = _weights(w_ptr, tl.load(pid_ptr + i * C + c), kp, kc, True, Kp, Kc, ALPHA)
+            m_new = tl.maximum(m, tl.max(x, axis=0))
+            safe = tl.where(m_new == NEG, 0.0, m_new)
+            rescale = tl.where(m == NEG, 0.0, tl.exp(ALPHA * (m - safe)))
+            y = tl.exp(ALPHA * (x - safe[None, :]))
+            acc = acc * rescale[None, :] + _mm(w, y, PREC)
+            m = m_new
+        return m, acc
+
+    @triton.jit
+    def _program(NK: tl.constexpr, NB: tl.constexpr):
+        """``(block, batch tile, node tile)`` of this program of a one-axis grid: the node tiles of a block run
+        first, then its batch tiles, then the next block's."""
+        pid = tl.program_id(0)
+        return pid // (NK * NB), (pid // NK) % NB, pid % NK
+
+    @triton.jit
+    def _parent_tile(ch_ptr, pid_ptr, w_ptr, buf_ptr, B: tl.constexpr, C: tl.constexpr, M: tl.constexpr,
+                     Kp: tl.constexpr, Kc: tl.constexpr, KT: tl.constexpr, KC: tl.constexpr, BB: tl.constexpr,
+                     NK: tl.constexpr, NB: tl.constexpr, ALPHA: tl.constexpr, PREC: tl.constexpr):
+        """This program's parent block ``i``, node tile ``k`` (its nodes ``kp``), columns and their mask, and its
+        online sum ``(m, acc)``."""
+        i, t, k = _program(NK, NB)
+        cols = t * BB + tl.arange(0, BB)
+        cmask = cols < B
+        kp = k * KT + tl.arange(0, KT)
+        m, acc = _online_sum(i, ch_ptr, pid_ptr, w_ptr, buf_ptr, cols, cmask, kp, B, C, M, Kp, Kc, KT, KC, BB,
+                             ALPHA, PREC)
+        return i, k, kp, cols, cmask, m, acc
+
+    @triton.jit
+    def _forward_kernel(off_ptr, ch_ptr, pid_ptr, w_ptr, buf_ptr, shift_in_ptr, out_ptr, shift_ptr,
+                        B: tl.constexpr, C: tl.constexpr, M: tl.constexpr, Kp: tl.constexpr, Kc: tl.constexpr,
+                        KT: tl.constexpr, KC: tl.constexpr, BB: tl.constexpr, NK: tl.constexpr, NB: tl.constexpr,
+                        ALPHA: tl.constexpr, PREC: tl.constexpr, UNIT: tl.constexpr):
+        i, k, kp, cols, cmask, m, acc = _parent_tile(ch_ptr, pid_ptr, w_ptr, buf_ptr, B, C, M, Kp, Kc, KT, KC, BB,
+                                                     NK, NB, ALPHA, PREC)
+        safe = tl.where(m == NEG, 0.0, m)
+        pos = acc > 0
+        # an empty sum is -inf; a NaN child (a value out of range with validation off) stays NaN
+        out = tl.where(pos, tl.log(tl.where(pos, acc, 1.0)) / ALPHA + safe[None, :],
+                       tl.where(acc == 0, NEG, NAN))
+        first = tl.load(off_ptr) + i * Kp
+        _put(out_ptr, first + kp, cols, out, kp < Kp, cmask, B)
+        if UNIT > 0:  # the block's shift, at shift row (first parent row) / UNIT
+            tl.store(shift_ptr + (first // UNIT) * B + cols, m, mask=cmask & (k == 0))
+
+    @triton.jit
+    def _scale_kernel(off_ptr, ch_ptr, pid_ptr, w_ptr, buf_ptr, flow_ptr, a_ptr, m_ptr, B: tl.constexpr,
+                      C: tl.constexpr, M: tl.constexpr, Kp: tl.constexpr, Kc: tl.constexpr, KT: tl.constexpr,
+                      KC: tl.constexpr, BB: tl.constexpr, NK: tl.constexpr, NB: tl.constexpr, ALPHA: tl.constexpr,
+                      PREC: tl.constexpr):
+        i, k, kp, cols, cmask, m, s = _parent_tile(ch_ptr, pid_ptr, w_ptr, buf_ptr, B, C, M, Kp, Kc, KT, KC, BB,
+                                                   NK, NB, ALPHA, PREC)
+        fp = _tile(flow_ptr, tl.load(off_ptr) + i * Kp + kp, cols, kp < Kp, cmask, 0.0, B)
+        a = tl.where((fp == 0) | (s == 0), 0.0, fp / tl.where(s == 0, 1.0, s))
+        _put(a_ptr, i * Kp + kp, cols, a, kp < Kp, cmask, B)
+        tl.store(m_ptr + i * B + cols, m, mask=cmask & (k == 0))
+
+    @triton.jit
+    def _pflow_kernel(ch_ptr, pid_ptr, w_ptr, buf_ptr, a_ptr, m_ptr, pf_ptr, B: tl.constexpr, C: tl.constexpr,
+                      M: tl.constexpr, Kp: tl.constexpr, Kc: tl.constexpr, KT: tl.constexpr, KC: tl.constexpr,
+                      BB: tl.constexpr, NK: tl.constexpr, NQ: tl.constexpr, ALPHA: tl.constexpr,
+                      PREC: tl.constexpr):
+        ic, q, k = _program(NK, NQ)
+        i = ic // C
+        c = ic % C
+        kp = k * KT + tl.arange(0, KT)
+        kc = q * KC + tl.arange(0, KC)
+        acc = tl.zeros([KT, KC], tl.float32)
+        for t in range(0, (B + BB - 1) // BB):
+            cols = t * BB + tl.arange(0, BB)
+            cmask = cols < B
+            a = _tile(a_ptr, i * Kp + kp, cols, kp < Kp, cmask, 0.0, B)
+            m = tl.load(m_ptr + i * B + cols, mask=cmask, other=0.0)
+            safe = tl.where(m == NEG, 0.0, m)
+            y = tl.exp(ALPHA * (_child(buf_ptr, ch_ptr, i, c, kc, cols, cmask, B, C, M, Kc) - safe[None, :]))
+            acc += _mm(a, tl.trans(y), PREC)
+        w = _weights(w_ptr, tl.load(pid_ptr + i * C + c), kp, kc, True, Kp, Kc, ALPHA)
+        tl.store(pf_ptr + (ic * Kp + kp[:, None]) * Kc + kc[None, :], w * acc,
+                 mask=(kp[:, None] < Kp) & (kc[None, :] < Kc))
+
+    @triton.jit
+    def _children_kernel(uch_ptr, par_ptr, pcol_ptr, ppid_ptr, ch_ptr, w_ptr, buf_ptr, a_ptr, m_ptr, flow_ptr,
+                         out_ptr, B: tl.constexpr, C: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
+                         Kp: tl.constexpr, Kc: tl.constexpr, KT: tl.constexpr, KPT: tl.constexpr, BB: tl.constexpr,
+                         NK: tl.constexpr, NB: tl.constexpr, ALPHA: tl.constexpr, PREC: tl.constexpr,
+                         ACCUMULATE: tl.constexpr):
+        u, t, k = _program(NK, NB)
+        cols = t * BB + tl.arange(0, BB)
+        cmask = cols < B
+        kc = k * KT + tl.arange(0, KT)
+        rows = tl.load(uch_ptr + u) + kc
+        own = _tile(buf_ptr, rows, cols, kc < Kc, cmask, NEG, B)
+        acc = tl.zeros([KT, BB], tl.float32)
+        for d in range(0, D):
+            i = tl.load(par_ptr + u * D + d)
+            e = tl.load(ppid_ptr + u * D + d)
+            valid = i >= 0
+            ii = tl.maximum(i, 0)
+            ee = tl.maximum(e, 0)
+            if M == 1:
+                x = own
+            else:  # the folded product this row block belongs to under parent ii
+                x = _child(buf_ptr, ch_ptr, ii, tl.maximum(tl.load(pcol_ptr + u * D + d), 0), kc, cols, cmask, B,
+                           C, M, Kc)
+            m = tl.load(m_ptr + ii * B + cols, mask=cmask & valid, other=0.0)
+            safe = tl.where(m == NEG, 0.0, m)
+            wa = tl.zeros([KT, BB], tl.float32)  # W_e^T @ a_ii over chunks of KPT parent nodes
+            for q in range(0, (Kp + KPT - 1) // KPT):
+                kp = q * KPT + tl.arange(0, KPT)
+                a = _tile(a_ptr, ii * Kp + kp, cols, (kp < Kp) & valid, cmask, 0.0, B)
+                w = _weights(w_ptr, ee, kp, kc, valid, Kp, Kc, ALPHA)
+                wa += _mm(tl.trans(w), a, PREC)
+            acc += tl.exp(ALPHA * (x - safe[None, :])) * wa
+        if ACCUMULATE:
+            acc += _tile(flow_ptr, rows, cols, kc < Kc, cmask, 0.0, B)
+            _put(out_ptr, rows, cols, acc, kc < Kc, cmask, B)
+        else:
+            _put(out_ptr, u * Kc + kc, cols, acc, kc < Kc, cmask, B)
+
+
+def forward_launch(buf: Array, ch: Array, pid: Array, w: Array, *, Kp: int, Kc: int, alpha: float = 1.0,
+                   precision: str = "fp32", config: KernelConfig = DEFAULT_CONFIG, out_offset=None, shifts=None,
+                   unit: int = 0) -> Launch:
+    """The launch of :func:`forward` (outputs: the values or the buffer, then the shifts or a placeholder)."""
+    ch = tables3(ch)
+    n, C, M = ch.shape
+    R, B = buf.shape
+    BB, KT, KC = (_t(v) for v in tiles(config, B, Kp, Kc))
+    keep = shifts is not None
+    if keep and (out_offset is None or unit < 1 or Kp % unit):
+        raise ValueError(f"shifts are kept by the in-place forward with a unit dividing Kp={Kp}, got unit={unit}")
+    if out_offset is not None and buf.dtype != jnp.float32:
+        raise TypeError(f"in-place sum layer needs a float32 buffer, got {buf.dtype}")
+    NK, NB = _cdiv(Kp, KT), _cdiv(B, BB)
+    meta = dict(B=B, C=C, M=M, Kp=Kp, Kc=Kc, KT=KT, KC=KC, BB=BB, NK=NK, NB=NB, ALPHA=float(alpha),
+                PREC=PRECISION_CODES[precision], UNIT=unit if keep else 0)
+    off = jnp.zeros((1,), jnp.int32) if out_offset is None else jnp.asarray(out_offset, jnp.int32).reshape(1)
+    sh = shifts if keep else jnp.zeros((1,), jnp.float32)
+    rows = n * Kp if out_offset is None else R
+    aliases = ({4: 0} if out_offset is not None else {}) | ({5: 1} if keep else {})
+    return Launch(_forward_kernel, n * NK * NB, (off, ch, pid, w, buf.astype(jnp.float32), sh),
+                  out_shapes([(rows, B), sh.shape]), aliases, meta, "jaxpc_triton_sum_forward",
+                  config.num_warps, config.num_stages)
+
+
+def forward(buf: Array, ch: Array, pid: Array, w: Array, *, Kp: int, Kc: int, alpha: float = 1.0,
+            precision: str = "fp32", config: KernelConfig = DEFAULT_CONFIG, out_offset=None, shifts=None,
+            unit: int = 0):
+    """:func:`jaxpc.ops.pallas_sum.forward` on Triton: ``[n * Kp, B]``; with ``out_offset`` the buffer with the
+    parents' rows written in place; with ``shifts`` ``(buf, shifts)``."""
+    out, sh = run(forward_launch(buf, ch, pid, w, Kp=Kp, Kc=Kc, alpha=alpha, precision=precision, config=config,
+                                 out_offset=out_offset, shifts=shifts, unit=unit))
+    return (out, sh) if shifts is not None else out
+
+
+def parents_launches(buf: Array, flows: Array, out_offset, ch: Array, pid: Array, w: Array, *, Kp: int, Kc: int,
+                     alpha: float = 1.0, precision: str = "fp32", config: KernelConfig = DEFAULT_CONFIG,
+                     param_flows: bool = True):
+    """``(scale launch, parameter-flow launch or None)`` of :func:`backward_parents`; the second reads the first's
+    outputs ``(a, m)``, passed to it as ``pflow(a, m)`` (a function of them)."""
+    ch = tables3(ch)
+    n, C, M = ch.shape
+    B = buf.shape[1]
+    BB, KT, KC = (_t(v) for v in tiles(config, B, Kp, Kc))
+    NK, NB = _cdiv(Kp, KT), _cdiv(B, BB)
+    prec = PRECISION_CODES[precision]
+    meta = dict(B=B, C=C, M=M, Kp=Kp, Kc=Kc, KT=KT, KC=KC, BB=BB, NK=NK, NB=NB, ALPHA=float(alpha), PREC=prec,
+               )
+    off = jnp.asarray(out_offset, jnp.int32).reshape(1)
+    buf = buf.astype(jnp.float32)
+    scale = Launch(_scale_kernel, n * NK * NB, (off, ch, pid, w, buf, flows.astype(jnp.float32)),
+                   out_shapes([(n * Kp, B), (n, B)]), {}, meta, "jaxpc_triton_sum_backward_scale",
+                   config.num_warps, config.num_stages)
+    if not param_flows:
+        return scale, None
+    KC2 = _t(min(config.block_k, p2(Kc)))  # the parameter-flow tile is [KT, KC2], reduced over the batch
+    NQ = _cdiv(Kc, KC2)
+    meta2 = dict(B=B, C=C, M=M, Kp=Kp, Kc=Kc, KT=KT, KC=KC2, BB=BB, NK=NK, NQ=NQ, ALPHA=float(alpha), PREC=prec,
+                )
+
+    def pflow(a, m) -> Launch:
+        return Launch(_pflow_kernel, n * C * NK * NQ, (ch, pid, w, buf, a, m), out_shapes([(n, C, Kp, Kc)]), {},
+                      meta2, "jaxpc_triton_sum_backward_param_flows", config.num_warps, config.num_stages)
+
+    return scale, pflow
+
+
+def backward_parents(buf: Array, flows: Array, out_offset, ch: Array, pid: Array, w: Array, *, Kp: int, Kc: int,
+                     alpha: float = 1.0, precision: str = "fp32", config: KernelConfig = DEFAULT_CONFIG,
+                     param_flows: bool = True):
+    """:func:`jaxpc.ops.pallas_sum.backward_parents` on Triton: ``(a [n*Kp, B], m [n, B], param flows
+    [n, C, Kp, Kc] or None)``."""
+    scale, pflow = parents_launches(buf, flows, out_offset, ch, pid, w, Kp=Kp, Kc=Kc, alpha=alpha,
+                                    precision=precision, config=config, param_flows=param_flows)
+    a, m = run(scale)
+    return a, m, (run(pflow(a, m))[0] if pflow is not None else None)
+
+
+def children_launch(buf: Array, a: Array, m: Array, uch: Array, par: Array, ppid: Array, w: Array, *, Kp: int,
+                    Kc: int, alpha: float = 1.0, precision: str = "fp32", config: KernelConfig = DEFAULT_CONFIG,
+                    ch: Array | None = None, pcol: Array | None = None, flows: Array | None = None) -> Launch:
+    """The launch of :func:`backward_children`."""
+    U, D = par.shape
+    B = buf.shape[1]
+    ch, pcol, M = child_side_tables(ch, par, pcol)
+    BB, KT, KPT = (_t(v) for v in child_tiles(config, B, Kp, Kc))
+    NK, NB = _cdiv(Kc, KT), _cdiv(B, BB)
+    meta = dict(B=B, C=ch.shape[1], D=D, M=M, Kp=Kp, Kc=Kc, KT=KT, KPT=KPT, BB=BB, NK=NK, NB=NB,
+                ALPHA=float(alpha), PREC=PRECISION_CODES[precision],
+                ACCUMULATE=flows is not None)
+    args = (uch, par, pcol, ppid, ch, w, buf.astype(jnp.float32), a, m)
+    if flows is None:
+        return Launch(_children_kernel, U * NK * NB, (*args, jnp.zeros((1,), jnp.float32)),
+                      out_shapes([(U * Kc, B)]), {}, meta, "jaxpc_triton_sum_backward_children",
+                      config.num_warps, config.num_stages)
+    if flows.dtype != jnp.float32:
+        raise TypeError(f"in-place child flows need a float32 flow buffer, got {flows.dtype}")
+    return Launch(_children_kernel, U * NK * NB, (*args, flows), out_shapes([flows.shape]), {9: 0}, meta,
+                  "jaxpc_triton_sum_backward_children_inplace", config.num_warps, config.num_stages)
+
+
+def backward_children(buf: Array, a: Array, m: Array, uch: Array, par: Array, ppid: Array, w: Array, *, Kp: int,
+                      Kc: int, alpha: float = 1.0, precision: str = "fp32", config: KernelConfig = DEFAULT_CONFIG,
+                      ch: Array | None = None, pcol: Array | None = None, flows: Array | None = None) -> Array:
+    """:func:`jaxpc.ops.pallas_sum.backward_children` on Triton: ``[U * Kc, B]``, or with ``flows`` the flow
+    buffer with the child flows added in place."""
+    return run(children_launch(buf, a, m, uch, par, ppid, w, Kp=Kp, Kc=Kc, alpha=alpha, precision=precision,
+                               config=config, ch=ch, pcol=pcol, flows=flows))[0]
