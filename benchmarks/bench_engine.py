@@ -240,7 +240,7 @@ def main(argv=None):
     p.add_argument("--precision", default="tf32", choices=["fp32", "tf32", "bf16"], help="the tuned path's precision")
     p.add_argument("--tuned-entries", default=",".join(ENTRIES),
                    help="entry points timed on the tuned path too (the default call times all three)")
-    p.add_argument("--impl", default="auto", choices=["auto", "xla", "pallas", "pallas_forward"],
+    p.add_argument("--impl", default="auto", choices=["auto", "xla", "pallas", "pallas_forward", "triton"],
                    help="the tuned path's Options.impl")
     p.add_argument("--no-fold", dest="fold", action="store_false",
                    help="the tuned path with Options(fold_products=False): the full layout instead of the folded plan")

@@ -45,7 +45,7 @@ def main(argv=None):
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--step-size", type=float, default=0.1)
     p.add_argument("--precision", default="tf32", choices=["fp32", "tf32", "bf16"])
-    p.add_argument("--impl", default="auto", choices=["auto", "xla", "pallas", "pallas_forward"])
+    p.add_argument("--impl", default="auto", choices=["auto", "xla", "pallas", "pallas_forward", "triton"])
     p.add_argument("--no-fold", dest="fold", action="store_false")
     args = p.parse_args(argv)
     if args.epochs < 1:

@@ -17,7 +17,11 @@
    tile). ``--leaves``: the leaf kernels only.
 3. ``--levels`` (alone): HCLT-256 end to end with its tree levels evened into scans against the same circuit
    without them (:func:`check_evened_levels`).
-4. ``--chain`` (alone): HMM-1024's and HMM-256's default ``flows`` call on the persistent chain kernels
+4. ``--triton`` (alone): the jax-triton route (``jaxpc.ops.triton_sum``, ``jaxpc.ops.triton_leaf``): whether it
+   runs here and why not, its sum-layer kernels against the reference over the shapes of 1. (fp32 and tf32), its
+   leaf buffer at HCLT-256's size, and the median milliseconds of one partition's forward and forward + backward,
+   Pallas against jax-triton, shaped like HCLT-256's and PD-128's (:func:`check_triton`).
+5. ``--chain`` (alone): HMM-1024's and HMM-256's default ``flows`` call on the persistent chain kernels
    (``jaxpc.ops.pallas_chain``) against the scans (``Tuning(chain_kernel_batch=0)``): relative error of each leaf
    at fp32 and at the default precision, and the median milliseconds of both calls per batch
    (:func:`check_chain`).
@@ -54,22 +58,43 @@ def rel(a, b):
     return float(np.linalg.norm((a - b)[ok]) / max(np.linalg.norm(b[ok]), 1e-30))
 
 
-def check(shape, precision):
+def check(shape, precision, kernels=pallas_sum):
+    """Relative errors (forward, child flows, parameter flows) of the sum-layer kernels of module ``kernels``
+    (``pallas_sum`` or ``triton_sum``: the same functions) against the fp32 reference on one partition."""
     Kp, Kc, n, C, B = shape[:5]
     buf, t, logw, R = make_partition(*shape)
     ref = sum_layer_reference(buf, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, dense=False, precision="fp32")
-    out = pallas_sum.forward(buf, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, precision=precision)
+    out = kernels.forward(buf, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, precision=precision)
     full = jnp.concatenate([buf, ref])
     flows = jnp.zeros_like(full).at[R:].set(jnp.where(jnp.isfinite(ref), 1.0, 0.0))
     cf_r, pf_r = sum_layer_backward_reference(full, flows, t["ch"], t["pid"], logw, R, Kp=Kp, Kc=Kc, dense=False)
     want = jnp.zeros_like(full).at[child_rows(t["ch"], Kc, False)].add(cf_r)
-    a, m, pf = pallas_sum.backward_parents(full, flows, R, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, precision=precision)
-    cf = pallas_sum.backward_children(full, a, m, t["uch"], t["par"], t["ppid"], logw, Kp=Kp, Kc=Kc,
-                                      precision=precision)
+    a, m, pf = kernels.backward_parents(full, flows, R, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, precision=precision)
+    cf = kernels.backward_children(full, a, m, t["uch"], t["par"], t["ppid"], logw, Kp=Kp, Kc=Kc,
+                                   precision=precision)
     got = jnp.zeros_like(full).at[(t["uch"][:, None] + jnp.arange(Kc)).reshape(-1)].add(cf)
     k = max(Kp, Kc)
     keep = np.r_[0:k, 2 * k:full.shape[0]]
     return rel(out, ref), rel(np.asarray(got)[keep], np.asarray(want)[keep]), rel(pf, pf_r)
+
+
+def check_shapes(kernels, label: str) -> float:
+    """:func:`check` of module ``kernels`` over the test shapes and two large ones, at fp32 and tf32, printed one
+    line each; returns the worst fp32 error (inf where a shape fails)."""
+    worst = 0.0
+    for shape in SHAPES + [(64, 64, 8, 4, 256, 0.1, 0.1), (256, 256, 2, 1, 128, 0.0, 0.0)]:
+        for precision in ("fp32", "tf32"):
+            try:
+                errs = check(shape, precision, kernels)
+            except Exception as e:  # noqa: BLE001 - report and go on
+                print(f"{label} {shape[:5]} {precision}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
+                worst = float("inf")
+                continue
+            if precision == "fp32":
+                worst = max(worst, max(errs))
+            print(f"{label} Kp={shape[0]} Kc={shape[1]} n={shape[2]} C={shape[3]} B={shape[4]} {precision}: "
+                  f"fwd {errs[0]:.1e} child flows {errs[1]:.1e} param flows {errs[2]:.1e}", flush=True)
+    return worst
 
 
 def bench(fn, reps=30):
@@ -102,7 +127,7 @@ def partition(Kp, Kc, n, C, B, dense, seed=0):
     return buf, t, logw, off
 
 
-def time_partition(name, Kp, Kc, n, C, dense, B, precision, configs):
+def time_partition(name, Kp, Kc, n, C, dense, B, precision, configs, kernels=pallas_sum):
     buf, t, logw, off = partition(Kp, Kc, n, C, B, dense)
     flows = jnp.zeros_like(buf).at[off:].set(1.0)
 
@@ -120,14 +145,14 @@ def time_partition(name, Kp, Kc, n, C, dense, B, precision, configs):
     for cfg in configs:
         @jax.jit
         def k_fwd(buf, logw, cfg=cfg):
-            return pallas_sum.forward(buf, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, precision=precision, config=cfg)
+            return kernels.forward(buf, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, precision=precision, config=cfg)
 
         @jax.jit
         def k_bwd(buf, flows, logw, cfg=cfg):
-            a, m, pf = pallas_sum.backward_parents(buf, flows, off, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc,
-                                                   precision=precision, config=cfg)
-            cf = pallas_sum.backward_children(buf, a, m, t["uch"], t["par"], t["ppid"], logw, Kp=Kp, Kc=Kc,
-                                              precision=precision, config=cfg)
+            a, m, pf = kernels.backward_parents(buf, flows, off, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc,
+                                                precision=precision, config=cfg)
+            cf = kernels.backward_children(buf, a, m, t["uch"], t["par"], t["ppid"], logw, Kp=Kp, Kc=Kc,
+                                           precision=precision, config=cfg)
             return flows.at[(t["uch"][:, None] + jnp.arange(Kc)).reshape(-1)].add(cf), pf
 
         try:
@@ -137,8 +162,9 @@ def time_partition(name, Kp, Kc, n, C, dense, B, precision, configs):
             row[f"b{cfg.block_b}k{cfg.block_k}w{cfg.num_warps}"] = (float("nan"), float("nan"))
             print(f"  {name} B={B} {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
     best = min((k for k in row if k != "ref"), key=lambda k: row[k][0] + row[k][1])
-    print(f"{name:10s} {precision} B={B:4d} ref fwd {row['ref'][0]:.3f} bwd {row['ref'][1]:.3f} ms | best kernel "
-          f"{best}: fwd {row[best][0]:.3f} bwd {row[best][1]:.3f} ms | "
+    mod = kernels.__name__.split(".")[-1]
+    print(f"{name:10s} {mod} {precision} B={B:4d} ref fwd {row['ref'][0]:.3f} bwd {row['ref'][1]:.3f} ms | "
+          f"best kernel {best}: fwd {row[best][0]:.3f} bwd {row[best][1]:.3f} ms | "
           + " ".join(f"{k}={v[0]:.3f}/{v[1]:.3f}" for k, v in row.items() if k not in ("ref", best)), flush=True)
     return row
 
@@ -326,6 +352,44 @@ def check_evened_levels(batches=(16, 128, 512), timing: bool = True, reps: int =
     return worst
 
 
+def check_triton(timing: bool = True) -> float:
+    """The jax-triton route on this machine: its status, its kernels against the reference (the shapes of
+    :func:`check`, fp32 and tf32), its leaf buffer at HCLT-256's size against the reference, and (``timing``)
+    one partition's forward and forward + backward on Pallas and on jax-triton (HCLT-like 256 x 256 blocks of
+    fan-in 1, PD-like 32 x 32 blocks of fan-in 16, at batches 16 and 512). Returns the worst fp32 error."""
+    from jaxpc.ops import triton_base, triton_leaf, triton_sum
+
+    ok, reason = triton_base.status()
+    print(f"jax-triton route: {'runs' if ok else 'does not run'} ({reason})", flush=True)
+    if not ok:
+        return float("inf")
+    worst = check_shapes(triton_sum, "check triton")
+    for B in (16, 512):
+        for missing in (False, True):
+            xt, layers, tabs, miss, kw = leaf_case(B, missing)
+            got = triton_leaf.categorical_buffer(xt, layers, tabs, missing=miss, **kw)
+            ref = pallas_leaf.categorical_buffer_reference(xt, layers, tabs, missing=miss, **kw)
+            same = bool(np.array_equal(np.asarray(got), np.asarray(ref), equal_nan=True))
+            worst = worst if same else float("inf")
+            print(f"check triton leaf buffer HCLT-256 B={B} missing={missing}: {'equal' if same else 'DIFFERENT'}",
+                  flush=True)
+        if timing:
+            xt, layers, tabs, _, kw = leaf_case(B)
+            ms = {}
+            for name, mod in (("pallas", pallas_leaf), ("triton", triton_leaf)):
+                f = jax.jit(lambda x, mod=mod: mod.categorical_buffer(x, layers, tabs, **kw))
+                ms[name] = bench(lambda f=f: f(xt))
+            print(f"time leaf buffer HCLT-256 B={B} ms: " + " | ".join(f"{k} {v:.3f}" for k, v in ms.items()),
+                  flush=True)
+    if timing:
+        cfg = [pallas_sum.KernelConfig()]
+        for B in (16, 512):
+            for kernels in (pallas_sum, triton_sum):
+                time_partition("HCLT-like", 256, 256, 8, 1, False, B, "tf32", cfg, kernels)
+                time_partition("PD-like", 32, 32, 256, 16, False, B, "tf32", cfg, kernels)
+    return worst
+
+
 def check_chain(cases=((1024, (8, 16, 32)), (256, (16, 32, 64, 128))), reps=30) -> float:
     """HMMs of 64 steps and 4,096 symbols, ``(latents, batches)`` per case: the default call (persistent kernels
     where ``jaxpc.engine.chain.persistent`` says so) against the scans; returns the worst fp32 relative error."""
@@ -370,8 +434,13 @@ def main(argv=None):
     p.add_argument("--leaves", action="store_true", help="only the leaf kernel (pallas_leaf): check and time")
     p.add_argument("--levels", action="store_true", help="only the evened tree levels of HCLT-256, end to end")
     p.add_argument("--chain", action="store_true", help="only HMM-1024 and HMM-256 on the chain kernels, end to end")
+    p.add_argument("--triton", action="store_true", help="only the jax-triton route: check and time")
     args = p.parse_args(argv)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+    if args.triton:
+        print(f"worst fp32 relative error of the jax-triton kernels: {check_triton(not args.no_timing):.2e}",
+              flush=True)
+        return
     if args.chain:
         print(f"worst fp32 relative error of the chain kernels: {check_chain():.2e}", flush=True)
         return
@@ -387,19 +456,7 @@ def main(argv=None):
             time_counts(B, COUNTS_CONFIGS)
         return
     print(f"leaf buffers equal: {leaves_ok}; leaf counts' fp32 relative error {counts_err:.1e}", flush=True)
-    worst = 0.0
-    for shape in SHAPES + [(64, 64, 8, 4, 256, 0.1, 0.1), (256, 256, 2, 1, 128, 0.0, 0.0)]:
-        for precision in ("fp32", "tf32"):
-            try:
-                errs = check(shape, precision)
-            except Exception as e:  # noqa: BLE001 - report and go on
-                print(f"check {shape[:5]} {precision}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-                worst = float("inf")
-                continue
-            if precision == "fp32":
-                worst = max(worst, max(errs))
-            print(f"check Kp={shape[0]} Kc={shape[1]} n={shape[2]} C={shape[3]} B={shape[4]} {precision}: "
-                  f"fwd {errs[0]:.1e} child flows {errs[1]:.1e} param flows {errs[2]:.1e}", flush=True)
+    worst = check_shapes(pallas_sum, "check")
     levels = [(16, 32, 2, 4, 19), (256, 256, 4, 3, 128), (64, 64, 8, 2, 600), (256, 256, 5, 3, 16), (1, 256, 1, 2, 64)]
     for Kp, Kc, n, M, B in levels:
         for precision in ("fp32", "tf32"):  # tree levels: backward_exclusive / _level (child flows into M row blocks)

@@ -120,7 +120,7 @@ def add_step_args(p: argparse.ArgumentParser):
     p.add_argument("--latents", type=int, default=256)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--precision", default="tf32", choices=["fp32", "tf32", "bf16"])
-    p.add_argument("--impl", default="auto", choices=["auto", "xla", "pallas", "pallas_forward"])
+    p.add_argument("--impl", default="auto", choices=["auto", "xla", "pallas", "pallas_forward", "triton"])
 
 
 def main(argv=None):

@@ -16,9 +16,19 @@ flows_memory=1.0)``, ``MiniBatchEM.step()``. Test bits per dimension: ``-mean(lo
 (``epoch_s``: seconds per epoch, the first with its compiles) and, with both systems, the largest gap at equal
 epochs.
 
-``--same-circuit``: both systems train one circuit, PyJuice's structure with its seeded initial parameters, which
-``_pyjuice.to_jaxpc`` converts to jaxpc nodes (the same blocks, edges and parameters); their initial test bpd must
-agree to 0.1%, and the curves then differ only by the two implementations of EM.
+``--same-circuit``: both systems train one circuit, PyJuice's structure with its seeded initial parameters as
+``juice.compile`` left it, which ``_pyjuice.to_jaxpc`` converts to jaxpc nodes (the same blocks, edges and
+parameters); their initial test bpd must agree to 0.1%, and the curves then differ only by the two implementations
+of EM. (``juice.compile`` adds zero-weight "pseudo edges" to sum nodes to fill its layers, up to
+``layer_sparsity_tol=0.5`` of a layer's edges, in the nodes themselves: PyJuice's PD-32 grows from 2.66M to 3.27M
+edges. They leave the initial likelihood unchanged, but EM's pseudocount gives them weight, so PyJuice trains a
+denser circuit than the one it was given; converted after the compile, jaxpc trains that denser circuit too.)
+
+``--step-check`` (with ``--same-circuit``'s circuit): one EM step on the first training batch in both systems, then
+PyJuice's updated parameters (``pc.update_parameters()``) converted again and compared with jaxpc's ``em_step``
+result per parameter group: the largest absolute difference of the weights and probabilities after the step, and
+of the batch's log-likelihoods before it. Where the two EM rules or flows differ, the
+groups that differ show where.
 """
 
 from __future__ import annotations
@@ -102,8 +112,20 @@ def pyjuice_nodes(structure: str, latents: int, train):
     return ns
 
 
-def run_pyjuice(structure: str, latents: int, train, test, orders, batch: int, ns=None) -> dict:
-    """PyJuice's run; ``ns``: the circuit's nodes (:func:`pyjuice_nodes`), built here when None."""
+def pyjuice_circuit(structure: str, latents: int, train):
+    """PyJuice's compiled circuit of :func:`pyjuice_nodes`, its nodes holding its initial parameters (with the
+    pseudo edges its compile added: ``pc.root_ns``)."""
+    import pyjuice as juice
+
+    import _pyjuice
+
+    pc = juice.compile(pyjuice_nodes(structure, latents, train), verbose=False).to(_pyjuice._DEVICE)
+    pc.update_parameters()
+    return pc
+
+
+def run_pyjuice(structure: str, latents: int, train, test, orders, batch: int, pc=None) -> dict:
+    """PyJuice's run; ``pc``: the compiled circuit (:func:`pyjuice_circuit`), built here when None."""
     import pyjuice as juice
     import torch
 
@@ -111,8 +133,8 @@ def run_pyjuice(structure: str, latents: int, train, test, orders, batch: int, n
 
     dev = _pyjuice._DEVICE
     t = time.perf_counter()
-    ns = pyjuice_nodes(structure, latents, train) if ns is None else ns
-    pc = juice.compile(ns, verbose=False).to(dev)
+    if pc is None:
+        pc = juice.compile(pyjuice_nodes(structure, latents, train), verbose=False).to(dev)
     build_s = time.perf_counter() - t
     opt = juice.optim.MiniBatchEM(pc, **EM)
     xtr = torch.as_tensor(train, dtype=torch.long, device=dev)
@@ -140,6 +162,46 @@ def run_pyjuice(structure: str, latents: int, train, test, orders, batch: int, n
                 test_bpd=curve, epoch_s=epoch_s, device=torch.cuda.get_device_name())
 
 
+def step_check(structure: str, latents: int, train, batch: int) -> dict:
+    """One EM step from one circuit in both systems (see the module docstring): per parameter group of the
+    compiled jaxpc circuit, the largest absolute difference of the linear-space parameters after the step."""
+    import jax
+    import jax.numpy as jnp
+    import pyjuice as juice
+    import torch
+
+    import _pyjuice
+    import jaxpc
+
+    pc = pyjuice_circuit(structure, latents, train)
+    ns = pc.root_ns
+    c = jaxpc.compile(_pyjuice.to_jaxpc(ns))
+    opt = juice.optim.MiniBatchEM(pc, **EM)
+    xb = train[:batch]
+    xt = torch.as_tensor(xb, dtype=torch.long, device=_pyjuice._DEVICE)
+    with torch.no_grad():
+        ll_pj = pc(xt).detach().cpu().numpy().reshape(-1)
+    ll_jx = np.asarray(c.log_prob(c.params, jnp.asarray(xb)))
+    pc.backward(xt, flows_memory=1.0)
+    opt.step()
+    pc.update_parameters()
+    after = jaxpc.compile(_pyjuice.to_jaxpc(ns)).params  # PyJuice's updated parameters in jaxpc's layout
+    mine = c.em_step(c.params, jnp.asarray(xb), **EM)
+
+    def diffs(a, b) -> dict:
+        out = {}
+        for (path, u), v in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves(b)):
+            u, v = np.exp(np.asarray(u, np.float64)), np.exp(np.asarray(v, np.float64))
+            ok = np.isfinite(u) & np.isfinite(v)
+            out[jax.tree_util.keystr(path)] = float(np.max(np.abs(u - v)[ok])) if ok.any() else 0.0
+        return out
+
+    row = dict(check="em_step", structure=structure, latents=latents, batch=batch,
+               ll_max_abs_diff=float(np.max(np.abs(ll_pj - ll_jx))), after=diffs(mine, after))
+    row["after_max"] = max(row["after"].values())
+    return row
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--systems", default="jaxpc,pyjuice")
@@ -151,9 +213,16 @@ def main(argv=None):
     p.add_argument("--same-circuit", action="store_true",
                    help="both systems train PyJuice's structure from the same initial parameters (converted by "
                         "_pyjuice.to_jaxpc); their test bpd at epoch 0 must agree")
+    p.add_argument("--step-check", action="store_true",
+                   help="one EM step of one circuit in both systems: the parameters' differences per group")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     train, test = mnist()
+    if args.step_check:
+        for structure in args.structures.split(","):
+            latents = args.hclt_latents if structure == "hclt" else args.pd_latents
+            print(json.dumps(step_check(structure, latents, train, args.batch)), flush=True)
+        return
     orders = epoch_orders(train.shape[0], args.epochs)
     runners = {"jaxpc": run_jaxpc, "pyjuice": run_pyjuice}
     rows = []
@@ -166,8 +235,8 @@ def main(argv=None):
             reason = _pyjuice.available()
             if reason is not None:
                 raise SystemExit(f"--same-circuit needs PyJuice: {reason}")
-            ns = pyjuice_nodes(structure, latents, train)
-            shared = {"jaxpc": {"root": _pyjuice.to_jaxpc(ns)}, "pyjuice": {"ns": ns}}
+            pc = pyjuice_circuit(structure, latents, train)
+            shared = {"jaxpc": {"root": _pyjuice.to_jaxpc(pc.root_ns)}, "pyjuice": {"pc": pc}}
         for system in args.systems.split(","):
             if system == "pyjuice":
                 import _pyjuice

@@ -252,7 +252,7 @@ def main(argv=None):
     p.add_argument("--systems", default="jaxpc,pyjuice,dynamax",
                    help="which systems to run (split a long comparison over several calls)")
     p.add_argument("--codd", action="store_true", help="also run the CoDD workload in both systems")
-    p.add_argument("--impl", default="auto", choices=["auto", "xla", "pallas", "pallas_forward"],
+    p.add_argument("--impl", default="auto", choices=["auto", "xla", "pallas", "pallas_forward", "triton"],
                    help="the tuned path's Options.impl")
     p.add_argument("--no-fold", dest="fold", action="store_false",
                    help="the tuned path with Options(fold_products=False) (the full layout)")
