@@ -19,10 +19,11 @@ epochs.
 ``--same-circuit``: both systems train one circuit, PyJuice's structure with its seeded initial parameters as
 ``juice.compile`` left it, which ``_pyjuice.to_jaxpc`` converts to jaxpc nodes (the same blocks, edges and
 parameters); their initial test bpd must agree to 0.1%, and the curves then differ only by the two implementations
-of EM. (``juice.compile`` adds zero-weight "pseudo edges" to sum nodes to fill its layers, up to
-``layer_sparsity_tol=0.5`` of a layer's edges, in the nodes themselves: PyJuice's PD-32 grows from 2.66M to 3.27M
-edges. They leave the initial likelihood unchanged, but EM's pseudocount gives them weight, so PyJuice trains a
-denser circuit than the one it was given; converted after the compile, jaxpc trains that denser circuit too.)
+of EM. (``juice.compile`` changes the nodes it is given: where a sum node's child sits at a lower depth than its
+other children, it puts a pass-through sum node (identity weights over each block) and a one-child product
+between them, in ``ns.chs`` itself. PyJuice's PD-32 grows from 2.66M to 3.27M edges; HCLT has none. The
+pass-through nodes are ordinary sum nodes to EM, whose pseudocount moves them off the identity; converted after the
+compile, jaxpc trains them too.)
 
 ``--step-check`` (with ``--same-circuit``'s circuit): one EM step on the first training batch in both systems, then
 PyJuice's updated parameters (``pc.update_parameters()``) converted again and compared with jaxpc's ``em_step``
@@ -114,7 +115,7 @@ def pyjuice_nodes(structure: str, latents: int, train):
 
 def pyjuice_circuit(structure: str, latents: int, train):
     """PyJuice's compiled circuit of :func:`pyjuice_nodes`, its nodes holding its initial parameters (with the
-    pseudo edges its compile added: ``pc.root_ns``)."""
+    pass-through nodes its compile added: ``pc.root_ns``)."""
     import pyjuice as juice
 
     import _pyjuice
