@@ -65,11 +65,11 @@ def _structure(juice, torch, model, latents, hmm_seq, hmm_vocab, images, split_i
     raise ValueError(f"unknown model {model!r}")
 
 
-def to_jaxpc(root_ns):
+def to_jaxpc(root_ns, made: dict | None = None):
     """PyJuice node vectors as jaxpc node vectors with the same blocks, edges, ties and parameters: compiling each
     gives one circuit in both systems. Every node must hold its parameters (``root_ns.init_parameters()`` or
     given); input nodes must be categorical and product edges block-sparse (what PyJuice's HCLT, PD and HMM
-    build)."""
+    build). ``made``: a dict filled with each PyJuice node vector's jaxpc counterpart."""
     from pyjuice.nodes.nodes import node_iterator
 
     import jaxpc
@@ -78,7 +78,7 @@ def to_jaxpc(root_ns):
     def arr(t):
         return t.detach().cpu().numpy()
 
-    made = {}
+    made = {} if made is None else made
     for ns in node_iterator(root_ns):  # children first
         src = ns._source_node
         if src is not None and src not in made:

@@ -28,7 +28,9 @@ compile, jaxpc trains them too.)
 ``--step-check`` (with ``--same-circuit``'s circuit): one EM step on the first training batch in both systems, then
 PyJuice's updated parameters (``pc.update_parameters()``) converted again and compared with jaxpc's ``em_step``
 result per parameter group: the largest absolute difference of the weights and probabilities after the step, and
-of the batch's log-likelihoods before it. Where the two EM rules or flows differ, the
+of the batch's log-likelihoods before it; and before the M-step, each sum node vector's parameter flows (PyJuice's
+``get_param_flows(as_matrix=True)`` against jaxpc's ``c.flows``): how many differ by more than 1% of their largest
+entry, and the five that differ most. Where the two EM rules or flows differ, the
 groups that differ show where.
 """
 
@@ -176,7 +178,8 @@ def step_check(structure: str, latents: int, train, batch: int) -> dict:
 
     pc = pyjuice_circuit(structure, latents, train)
     ns = pc.root_ns
-    c = jaxpc.compile(_pyjuice.to_jaxpc(ns))
+    made: dict = {}
+    c = jaxpc.compile(_pyjuice.to_jaxpc(ns, made))
     opt = juice.optim.MiniBatchEM(pc, **EM)
     xb = train[:batch]
     xt = torch.as_tensor(xb, dtype=torch.long, device=_pyjuice._DEVICE)
@@ -184,6 +187,18 @@ def step_check(structure: str, latents: int, train, batch: int) -> dict:
         ll_pj = pc(xt).detach().cpu().numpy().reshape(-1)
     ll_jx = np.asarray(c.log_prob(c.params, jnp.asarray(xb)))
     pc.backward(xt, flows_memory=1.0)
+    pc.update_param_flows()
+    fl = c.flows(c.params, jnp.asarray(xb))
+    logf = {"sum": {g: jnp.log(v) for g, v in fl["sum"].items()}, "input": c.params["input"]}
+    per_node = []  # sum node vectors' parameter flows (dense), PyJuice against jaxpc
+    for p_ns, j_ns in made.items():
+        if p_ns.is_sum() and not p_ns.is_tied():
+            a = p_ns.get_param_flows(as_matrix=True).numpy().astype(np.float64)
+            b = np.asarray(c.get_node_params(logf, j_ns), np.float64)
+            err = float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(a))), 1e-30))
+            per_node.append(dict(err=err, shape=list(a.shape), children=len(p_ns.chs), flow_pj=float(a.sum()),
+                                 flow_jx=float(b.sum()), name=str(getattr(p_ns, "name", type(p_ns).__name__))))
+    per_node.sort(key=lambda r: -r["err"])
     opt.step()
     pc.update_parameters()
     after = jaxpc.compile(_pyjuice.to_jaxpc(ns)).params  # PyJuice's updated parameters in jaxpc's layout
@@ -198,7 +213,8 @@ def step_check(structure: str, latents: int, train, batch: int) -> dict:
         return out
 
     row = dict(check="em_step", structure=structure, latents=latents, batch=batch,
-               ll_max_abs_diff=float(np.max(np.abs(ll_pj - ll_jx))), after=diffs(mine, after))
+               ll_max_abs_diff=float(np.max(np.abs(ll_pj - ll_jx))), after=diffs(mine, after),
+               flows_nodes=len(per_node), flows_off=sum(r["err"] > 1e-2 for r in per_node), flows_worst=per_node[:5])
     row["after_max"] = max(row["after"].values())
     return row
 
