@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 import jaxpc
-from jaxpc.engine import routing
 from jaxpc.ops import triton_base
 from jaxpc.ops.sum_layer import child_rows, sum_layer_backward_reference, sum_layer_reference
 
@@ -134,7 +133,7 @@ def test_triton_route_reports_why_it_is_unavailable():
 def test_impl_triton_falls_back_with_one_warning_and_stays_exact(monkeypatch):
     """``impl="triton"`` where jax-triton cannot run: one warning naming the reason, then every call on the
     fallback route, with the reference's log-likelihoods and flows."""
-    monkeypatch.setattr(routing, "_WARNED_TRITON", [])
+    monkeypatch.setattr(triton_base, "_WARNED", [])
     c = jaxpc.compile(jaxpc.structures.HCLT(np.random.default_rng(0).integers(0, 3, (200, 6)), num_latents=4,
                                             input_dist=jaxpc.distributions.Categorical(num_cats=3)))
     p = c.init_params(jax.random.key(0))

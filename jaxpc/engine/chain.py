@@ -37,6 +37,7 @@ from ..compiler.layout import ChainSpec
 from ..ops import pallas_chain
 from ..ops.buffers import uninitialized
 from ..ops.sum_layer import matmul
+from ..ops.triton_base import route_impl
 
 Array = jax.Array
 
@@ -57,11 +58,13 @@ def persistent(spec: ChainSpec, B: int, dtype, options) -> bool:
     """Whether the scans run as the persistent kernels of :mod:`jaxpc.ops.pallas_chain` (one launch each way): a
     tied float32 chain at most ``tuning.chain_kernel_batch`` samples wide whose messages fit the kernels' tiles
     (:func:`jaxpc.ops.pallas_chain.fits`: 1,024 latents up to 16 samples), with ``impl="auto"`` on a GPU or
-    ``"pallas"`` / ``"pallas_forward"`` anywhere (interpret mode off a GPU)."""
+    ``"pallas"`` / ``"pallas_forward"`` anywhere (interpret mode off a GPU); ``"triton"`` where the jax-triton
+    route does not run counts as ``"auto"`` (:func:`jaxpc.ops.triton_base.route_impl`)."""
     if not (spec.tied and B <= options.tuning.chain_kernel_batch and jnp.dtype(dtype) == jnp.float32
             and pallas_chain.available() and pallas_chain.fits(spec.K, B)):
         return False
-    return options.impl in ("pallas", "pallas_forward") or (options.impl == "auto" and jax.default_backend() == "gpu")
+    impl = route_impl(options)
+    return impl in ("pallas", "pallas_forward") or (impl == "auto" and jax.default_backend() == "gpu")
 
 
 def _matrix(logw: Array, pid: Array, K: int) -> Array:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from ..compiler.layout import Layout, ScanSpec
 from ..ops.pieces import ranges
+from ..ops.triton_base import route_impl, triton_route
 from ..options import KERNEL_IMPLS, PALLAS_FORWARD, Tuning
 from . import chain
 
@@ -46,31 +47,6 @@ def kernels_available() -> bool:
         warnings.warn("jaxpc: the Pallas Triton backend (jax.experimental.pallas.triton) is not available in this "
                       "jax; sum layers run on XLA (impl='reference')", RuntimeWarning, stacklevel=2)
     return ok
-
-
-_WARNED_TRITON = []
-
-
-def triton_route(options) -> bool:
-    """Whether ``options`` ask for the jax-triton route (``impl="triton"``, or a tuned partition on it) and it runs
-    here (:func:`jaxpc.ops.triton_base.status`: checked once per process). Where it does not, jaxpc warns once
-    with the reason and those partitions take ``impl="auto"``'s routes (Pallas or XLA)."""
-    if options.impl != "triton" and not any(choice[0] == "triton" for _, choice in options.kernels):
-        return False
-    from ..ops import triton_base
-
-    ok, reason = triton_base.status()
-    if not ok and not _WARNED_TRITON:
-        _WARNED_TRITON.append(True)
-        warnings.warn(f"jaxpc: impl='triton' is not available here: {reason}; its sum layers and leaves take "
-                      f"impl='auto''s routes (Pallas or XLA)", RuntimeWarning, stacklevel=2)
-    return ok
-
-
-def route_impl(options) -> str:
-    """``options.impl`` as the routes read it: ``"auto"`` for ``"triton"`` where the jax-triton route does not run
-    (:func:`triton_route`)."""
-    return "auto" if options.impl == "triton" and not triton_route(options) else options.impl
 
 
 def sum_kernels(impl: str):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,15 +25,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - reported by status()
-    triton = None
-    tl = None
 
-NEG = tl.constexpr(float("-inf")) if tl is not None else float("-inf")  # the kernels' constants
-NAN = tl.constexpr(float("nan")) if tl is not None else float("nan")
+def load_triton():
+    """``(triton, triton.language)``, or ``(None, None)`` where Triton is not installed. Imported when a kernel
+    module or the route's check first needs it, not with jaxpc."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None, None
+    return triton, tl
 
 Array = jax.Array
 
@@ -123,6 +125,7 @@ class _HostTensor:
 def interpreting() -> bool:
     """Whether Triton's kernels run in its interpreter in this process (``TRITON_INTERPRET=1`` when it was
     imported: ``triton.jit`` then makes interpreted functions, its library's too)."""
+    triton, tl = load_triton()
     if triton is None:
         return False
     from triton.runtime.interpreter import InterpretedFunction
@@ -158,6 +161,8 @@ _LOCK = threading.Lock()
 
 
 def _probe_kernel():
+    triton, tl = load_triton()
+
     @triton.jit
     def probe(x_ptr, y_ptr, N: tl.constexpr):
         r = tl.arange(0, N)
@@ -167,6 +172,7 @@ def _probe_kernel():
 
 
 def _check() -> tuple[bool, str]:
+    triton, _ = load_triton()
     if triton is None:
         return False, "triton is not installed"
     if jax.default_backend() != "gpu":
@@ -224,3 +230,28 @@ def reset_status() -> None:
 def out_shapes(shapes: Sequence[tuple], dtype=jnp.float32) -> tuple:
     return tuple(jax.ShapeDtypeStruct(tuple(s), dtype) for s in shapes)
 
+
+
+# ---- the route's gate ---------------------------------------------------------------------------------------
+
+_WARNED: list = []
+
+
+def triton_route(options) -> bool:
+    """Whether ``options`` (:class:`jaxpc.Options`) ask for the jax-triton route (``impl="triton"``, or a tuned
+    partition on it) and it runs here (:func:`status`). Where it does not, jaxpc warns once with the reason and
+    those partitions take ``impl="auto"``'s routes (Pallas or XLA)."""
+    if options.impl != "triton" and not any(choice[0] == "triton" for _, choice in options.kernels):
+        return False
+    ok, reason = status()
+    if not ok and not _WARNED:
+        _WARNED.append(True)
+        warnings.warn(f"jaxpc: impl='triton' is not available here: {reason}; its sum layers and leaves take "
+                      f"impl='auto''s routes (Pallas or XLA)", RuntimeWarning, stacklevel=2)
+    return ok
+
+
+def route_impl(options) -> str:
+    """``options.impl`` as the routes read it: ``"auto"`` for ``"triton"`` where the jax-triton route does not run
+    (:func:`triton_route`)."""
+    return "auto" if options.impl == "triton" and not triton_route(options) else options.impl

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 
 from .pallas_leaf import LeafConfig, LeafLayer, check_buffer_args
 from .pallas_sum import p2
-from .triton_base import NAN, NEG, Launch, out_shapes, run, tl, triton
+from .triton_base import Launch, out_shapes, run
+from .triton_sum import NAN, NEG, tl, triton
 
 Array = jax.Array
 DEFAULT_CONFIG = LeafConfig()

@@ -24,7 +24,11 @@ import jax
 import jax.numpy as jnp
 
 from .pallas_sum import KernelConfig, child_side_tables, child_tiles, forward_config, p2, tables3, tiles
-from .triton_base import NAN, NEG, PRECISION_CODES, Launch, out_shapes, run, tl, triton
+from .triton_base import PRECISION_CODES, Launch, load_triton, out_shapes, run
+
+triton, tl = load_triton()
+NEG = tl.constexpr(float("-inf")) if tl is not None else float("-inf")  # the kernels' constants
+NAN = tl.constexpr(float("nan")) if tl is not None else float("nan")
 
 Array = jax.Array
 DEFAULT_CONFIG = KernelConfig()
