@@ -18,9 +18,10 @@
 3. ``--levels`` (alone): HCLT-256 end to end with its tree levels evened into scans against the same circuit
    without them (:func:`check_evened_levels`).
 4. ``--triton`` (alone): the jax-triton route (``jaxpc.ops.triton_sum``, ``jaxpc.ops.triton_leaf``): whether it
-   runs here and why not, its sum-layer kernels against the reference over the shapes of 1. (fp32 and tf32), its
-   leaf buffer at HCLT-256's size, and the median milliseconds of one partition's forward and forward + backward,
-   Pallas against jax-triton, shaped like HCLT-256's and PD-128's (:func:`check_triton`).
+   runs here and why not, its sum-layer kernels against the reference over the shapes of 1. (fp32 and tf32) and
+   its tree-level backwards on the levels of 1., its leaf buffer at HCLT-256's size, and the median milliseconds
+   of one partition's forward and forward + backward, Pallas against jax-triton, shaped like HCLT-256's and
+   PD-128's (:func:`check_triton`).
 5. ``--chain`` (alone): HMM-1024's and HMM-256's default ``flows`` call on the persistent chain kernels
    (``jaxpc.ops.pallas_chain``) against the scans (``Tuning(chain_kernel_batch=0)``): relative error of each leaf
    at fp32 and at the default precision, and the median milliseconds of both calls per batch
@@ -94,6 +95,34 @@ def check_shapes(kernels, label: str) -> float:
                 worst = max(worst, max(errs))
             print(f"{label} Kp={shape[0]} Kc={shape[1]} n={shape[2]} C={shape[3]} B={shape[4]} {precision}: "
                   f"fwd {errs[0]:.1e} child flows {errs[1]:.1e} param flows {errs[2]:.1e}", flush=True)
+    return worst
+
+
+def check_levels(kernels, label: str) -> float:
+    """The tree-level backwards of module ``kernels`` (``backward_exclusive``, and ``backward_level`` up to its
+    batch: child flows into the M row blocks of folded children) against the reference on five levels, fp32 and
+    tf32, printed one line each; returns the worst fp32 error."""
+    worst = 0.0
+    levels = [(16, 32, 2, 4, 19), (256, 256, 4, 3, 128), (64, 64, 8, 2, 600), (256, 256, 5, 3, 16), (1, 256, 1, 2, 64)]
+    for Kp, Kc, n, M, B in levels:
+        for precision in ("fp32", "tf32"):
+            out, flows0, t, logw, off, base, want, pf_ref = make_tree_level(Kp, Kc, n, M, B)
+            fns = {"exclusive": kernels.backward_exclusive}
+            if B <= kernels.LEVEL_BATCH:
+                fns["level"] = kernels.backward_level
+            for kname, kernel in fns.items():
+                try:
+                    got, pf = kernel(out, flows0, off, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, first_row=base,
+                                     precision=precision)
+                    errs = (rel(got, want), rel(pf, pf_ref))
+                except Exception as e:  # noqa: BLE001 - report and go on
+                    print(f"{label} {kname} {(Kp, Kc, n, M, B)} {precision}: FAILED {type(e).__name__}: "
+                          f"{str(e)[:300]}", flush=True)
+                    errs = (float("inf"),)
+                if precision == "fp32":
+                    worst = max(worst, max(errs))
+                print(f"{label} ({kname}) Kp={Kp} Kc={Kc} n={n} M={M} B={B} {precision}: flows "
+                      f"{errs[0]:.1e} param flows {errs[-1]:.1e}", flush=True)
     return worst
 
 
@@ -363,7 +392,7 @@ def check_triton(timing: bool = True) -> float:
     print(f"jax-triton route: {'runs' if ok else 'does not run'} ({reason})", flush=True)
     if not ok:
         return float("inf")
-    worst = check_shapes(triton_sum, "check triton")
+    worst = max(check_shapes(triton_sum, "check triton"), check_levels(triton_sum, "check triton tree level"))
     for B in (16, 512):
         for missing in (False, True):
             xt, layers, tabs, miss, kw = leaf_case(B, missing)
@@ -457,26 +486,7 @@ def main(argv=None):
         return
     print(f"leaf buffers equal: {leaves_ok}; leaf counts' fp32 relative error {counts_err:.1e}", flush=True)
     worst = check_shapes(pallas_sum, "check")
-    levels = [(16, 32, 2, 4, 19), (256, 256, 4, 3, 128), (64, 64, 8, 2, 600), (256, 256, 5, 3, 16), (1, 256, 1, 2, 64)]
-    for Kp, Kc, n, M, B in levels:
-        for precision in ("fp32", "tf32"):  # tree levels: backward_exclusive / _level (child flows into M row blocks)
-            out, flows0, t, logw, off, base, want, pf_ref = make_tree_level(Kp, Kc, n, M, B)
-            kernels = {"exclusive": pallas_sum.backward_exclusive}
-            if B <= pallas_sum.LEVEL_BATCH:
-                kernels["level"] = pallas_sum.backward_level
-            for kname, kernel in kernels.items():
-                try:
-                    got, pf = kernel(out, flows0, off, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc, first_row=base,
-                                     precision=precision)
-                    errs = (rel(got, want), rel(pf, pf_ref))
-                except Exception as e:  # noqa: BLE001 - report and go on
-                    print(f"check tree level {kname} {(Kp, Kc, n, M, B)} {precision}: FAILED {type(e).__name__}: "
-                          f"{str(e)[:300]}", flush=True)
-                    errs = (float("inf"),)
-                if precision == "fp32":
-                    worst = max(worst, max(errs))
-                print(f"check tree level ({kname}) Kp={Kp} Kc={Kc} n={n} M={M} B={B} {precision}: flows "
-                      f"{errs[0]:.1e} param flows {errs[-1]:.1e}", flush=True)
+    worst = max(worst, check_levels(pallas_sum, "check tree level"))
     print(f"worst fp32 relative error: {worst:.2e}", flush=True)
     print(f"worst tf32 relative error of the batched parameter-flow kernel: {check_after():.2e}", flush=True)
     if args.no_timing:

@@ -16,7 +16,7 @@ import jaxpc
 from jaxpc.ops import triton_base
 from jaxpc.ops.sum_layer import child_rows, sum_layer_backward_reference, sum_layer_reference
 
-from .test_kernels import SHAPES, make_leaf_case, make_partition, make_tree_level
+from .test_kernels import EXCLUSIVE, SHAPES, make_leaf_case, make_partition, make_tree_level
 from .tiers import cases
 
 needs_interpreter = pytest.mark.skipif(not triton_base.interpreting(),
@@ -100,6 +100,41 @@ def test_triton_in_place_forward_and_folded_backward(M):
     keep = np.r_[base:off]  # zero and -inf padding rows collect nothing meaningful
     np.testing.assert_allclose(np.asarray(fl)[keep], np.asarray(want)[keep], rtol=2e-4, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(fl)[off:], np.asarray(flows0)[off:])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("shape", cases(EXCLUSIVE, fast=EXCLUSIVE[1:2]),
+                         ids=lambda s: "Kp{}-Kc{}-n{}-M{}-B{}".format(*s[:5]))
+@pytest.mark.parametrize("alpha,precision", cases([(1.0, "fp32"), (0.5, "tf32")], fast=[(1.0, "fp32")], unpack=True))
+def test_triton_tree_level_backwards_match_reference(shape, alpha, precision):
+    """Tree levels (one child block per parent, folded children of M row blocks, zero-row padding): the exclusive
+    backward (parent-side kernels, then W^T a once per parent added into every row block) and the one-kernel level
+    backward (parameter flows as an array, or added into a parameter-flow buffer in place; local sums recomputed
+    at fp32, from the stored values at tf32)."""
+    from jaxpc.ops import triton_sum
+
+    Kp, Kc, n, M, B = shape[:5]
+    out, flows0, t, logw, off, base, want, pf_ref = make_tree_level(Kp, Kc, n, M, B, alpha)
+    kw = dict(Kp=Kp, Kc=Kc, alpha=alpha, precision=precision)
+    scale, pflow = triton_sum.parents_launches(out, flows0, off, t["ch"], t["pid"], logw, **kw)
+    a, m = _run(scale)
+    (pf,) = _run(pflow(a, m))
+    (got,) = _run(triton_sum.exclusive_launch(out, a, m, flows0, t["ch"], t["pid"], logw, first_row=base, **kw))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=1e-5)  # padding rows untouched
+    np.testing.assert_allclose(np.asarray(pf), np.asarray(pf_ref), rtol=2e-4, atol=1e-5)
+    if B > triton_sum.LEVEL_BATCH:
+        return
+    got, pf = _run(triton_sum.level_launch(out, flows0, off, t["ch"], t["pid"], logw, first_row=base, **kw))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(pf).reshape(pf_ref.shape), np.asarray(pf_ref), rtol=2e-4, atol=1e-5)
+    dp0 = jnp.asarray(np.random.default_rng(1).random((n + 2, Kp, Kc)), jnp.float32)
+    got2, dp = _run(triton_sum.level_launch(out, flows0, off, t["ch"], t["pid"], logw, first_row=base, dparams=dp0,
+                                            **kw))
+    np.testing.assert_allclose(np.asarray(got2), np.asarray(got), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(dp), np.asarray(dp0.at[t["pid"]].add(pf_ref)), rtol=2e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="one child block"):
+        triton_sum.level_launch(out, flows0, off, jnp.concatenate([t["ch"], t["ch"]], axis=1), t["pid"], logw,
+                                first_row=base, **kw)
 
 
 @needs_interpreter

@@ -293,26 +293,23 @@ def pallas_sum_backward(values, flows, row, t, logw, part, *, alpha, precision, 
     (None without ``param_flows``), or, given ``dparams`` (the group's parameter-flow buffer), that buffer with
     them added at the partition's blocks (in place by the kernel where it can). A tree level at a batch of at
     most :data:`jaxpc.ops.pallas_sum.LEVEL_BATCH` runs as one kernel (:func:`~jaxpc.ops.pallas_sum.backward_level`).
-    ``impl="triton"``: jax-triton's parent- and child-side kernels (:mod:`jaxpc.ops.triton_sum`) for every partition."""
-    from ..ops import pallas_sum
-
-    cfg = config or pallas_sum.KernelConfig()
+    ``impl``: the kernels' module (:func:`jaxpc.engine.routing.sum_kernels`: Pallas's, or jax-triton's for
+    ``"triton"``, which has the same functions)."""
+    kernels = routing.sum_kernels(impl)
+    cfg = config or kernels.KernelConfig()
     Kp, Kc = part.Kp, part.Kc
-    if impl == "triton":
-        return _parents_then_children(routing.sum_kernels(impl), values, flows, row, t, logw, part, cfg,
-                                      alpha=alpha, precision=precision, param_flows=param_flows, dparams=dparams)
-    if routing.exclusive(part) and flows.dtype == jnp.float32 and flows.shape[1] <= pallas_sum.LEVEL_BATCH:
+    if routing.exclusive(part) and flows.dtype == jnp.float32 and flows.shape[1] <= kernels.LEVEL_BATCH:
         inplace = param_flows and dparams is not None and part.unique_pid and dparams.dtype == jnp.float32
-        fl, pf = pallas_sum.backward_level(values, flows, row, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc,
-                                           first_row=first_row, alpha=alpha, precision=precision, config=cfg,
-                                           param_flows=param_flows, dparams=dparams if inplace else None)
+        fl, pf = kernels.backward_level(values, flows, row, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc,
+                                        first_row=first_row, alpha=alpha, precision=precision, config=cfg,
+                                        param_flows=param_flows, dparams=dparams if inplace else None)
         return fl, (pf if inplace else _add_flows(dparams, part, t["pid"], pf))
     if routing.exclusive(part) and flows.dtype == jnp.float32:
-        fl, pf = pallas_sum.backward_exclusive(values, flows, row, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc,
-                                               first_row=first_row, alpha=alpha, precision=precision, config=cfg,
-                                               param_flows=param_flows)
+        fl, pf = kernels.backward_exclusive(values, flows, row, t["ch"], t["pid"], logw, Kp=Kp, Kc=Kc,
+                                            first_row=first_row, alpha=alpha, precision=precision, config=cfg,
+                                            param_flows=param_flows)
         return fl, _add_flows(dparams, part, t["pid"], pf)
-    return _parents_then_children(pallas_sum, values, flows, row, t, logw, part, cfg, alpha=alpha,
+    return _parents_then_children(kernels, values, flows, row, t, logw, part, cfg, alpha=alpha,
                                   precision=precision, param_flows=param_flows, dparams=dparams)
 
 

@@ -497,6 +497,17 @@ def _bwd_slots_kernel(ch_ref, pid_ref, w_ref, buf_ref, a_ref, m_ref, flow_ref, o
     _add_to_row_blocks(flow_ref, out_ref, ch_ref, i, kc, cols, cmask, cf, M=M, Kc=Kc, first_row=first_row)
 
 
+def check_exclusive_args(ch: Array, flows: Array) -> Array:
+    """``ch`` as ``[n, 1, M]`` for :func:`backward_exclusive`, which refuses more than one child block per parent
+    block and flow buffers other than float32."""
+    ch = tables3(ch)
+    if ch.shape[1] != 1:
+        raise ValueError(f"backward_exclusive needs one child block per parent block, got C={ch.shape[1]}")
+    if flows.dtype != jnp.float32:
+        raise TypeError(f"in-place child flows need a float32 flow buffer, got {flows.dtype}")
+    return ch
+
+
 def backward_exclusive(buf: Array, flows: Array, out_offset, ch: Array, pid: Array, w: Array, *, Kp: int, Kc: int,
                        first_row: int, alpha: float = 1.0, precision: str = "fp32",
                        config: KernelConfig = KernelConfig(), param_flows: bool = True):
@@ -506,12 +517,8 @@ def backward_exclusive(buf: Array, flows: Array, out_offset, ch: Array, pid: Arr
     once and adds the child flows into every row block of the (folded) child in place, where
     :func:`backward_children` would recompute it per row block. Rows below ``first_row`` are padding and stay
     untouched. Returns ``(flows, param_flows [n, 1, Kp, Kc] or None)``."""
-    ch = tables3(ch)
+    ch = check_exclusive_args(ch, flows)
     n, C, M = ch.shape
-    if C != 1:
-        raise ValueError(f"backward_exclusive needs one child block per parent block, got C={C}")
-    if flows.dtype != jnp.float32:
-        raise TypeError(f"in-place child flows need a float32 flow buffer, got {flows.dtype}")
     B = buf.shape[1]
     buf = buf.astype(jnp.float32)
     a, m, pf = backward_parents(buf, flows, out_offset, ch, pid, w, Kp=Kp, Kc=Kc, alpha=alpha, precision=precision,
@@ -530,7 +537,7 @@ def backward_exclusive(buf: Array, flows: Array, out_offset, ch: Array, pid: Arr
 LEVEL_BATCH: Final = 64  # backward_level: the most samples (the whole batch is one tile of each program)
 
 
-def _level_tiles(config: KernelConfig, B: int, Kp: int, Kc: int):
+def level_tiles(config: KernelConfig, B: int, Kp: int, Kc: int):
     """(batch tile, child-node tile, parent-node chunk, child-node chunk of the max) of :func:`backward_level`:
     the batch tile is the whole batch, at least 16 wide (the tensor cores' smallest side)."""
     KT = min(config.block_k, p2(Kc))
@@ -587,6 +594,21 @@ def _bwd_level_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, flow_ref, dp_ref
     _add_to_row_blocks(flow_ref, out_ref, ch_ref, i, kc, cols, cmask, cf, M=M, Kc=Kc, first_row=first_row)
 
 
+def check_level_args(C: int, B: int, flows: Array, dparams: Array | None, Kp: int, Kc: int) -> None:
+    """The arguments :func:`backward_level` refuses: more than one child block per parent, more than
+    :data:`LEVEL_BATCH` samples, buffers other than float32, a parameter-flow buffer of other blocks."""
+    if C != 1:
+        raise ValueError(f"backward_level needs one child block per parent block, got C={C}")
+    if B > LEVEL_BATCH:
+        raise ValueError(f"backward_level holds the whole batch in each program: at most {LEVEL_BATCH} samples, "
+                         f"got {B}")
+    if flows.dtype != jnp.float32 or (dparams is not None and dparams.dtype != jnp.float32):
+        raise TypeError(f"in-place flows need float32 buffers, got flows {flows.dtype}"
+                        + ("" if dparams is None else f" and dparams {dparams.dtype}"))
+    if dparams is not None and dparams.shape[1:] != (Kp, Kc):
+        raise ValueError(f"dparams must be [P, {Kp}, {Kc}], got {list(dparams.shape)}")
+
+
 def backward_level(buf: Array, flows: Array, out_offset, ch: Array, pid: Array, w: Array, *, Kp: int, Kc: int,
                    first_row: int, alpha: float = 1.0, precision: str = "fp32", config: KernelConfig = KernelConfig(),
                    param_flows: bool = True, dparams: Array | None = None):
@@ -603,17 +625,8 @@ def backward_level(buf: Array, flows: Array, out_offset, ch: Array, pid: Array, 
     ch = tables3(ch)
     n, C, M = ch.shape
     R, B = buf.shape
-    if C != 1:
-        raise ValueError(f"backward_level needs one child block per parent block, got C={C}")
-    if B > LEVEL_BATCH:
-        raise ValueError(f"backward_level holds the whole batch in each program: at most {LEVEL_BATCH} samples, "
-                         f"got {B}")
-    if flows.dtype != jnp.float32 or (dparams is not None and dparams.dtype != jnp.float32):
-        raise TypeError(f"in-place flows need float32 buffers, got flows {flows.dtype}"
-                        + ("" if dparams is None else f" and dparams {dparams.dtype}"))
-    if dparams is not None and dparams.shape[1:] != (Kp, Kc):
-        raise ValueError(f"dparams must be [P, {Kp}, {Kc}], got {list(dparams.shape)}")
-    BB, KT, KPT, KC = _level_tiles(config, B, Kp, Kc)
+    check_level_args(C, B, flows, dparams, Kp, Kc)
+    BB, KT, KPT, KC = level_tiles(config, B, Kp, Kc)
     pmode = "" if not param_flows else ("add" if dparams is not None else "new")
     kernel = functools.partial(_bwd_level_kernel, M=M, Kp=Kp, Kc=Kc, KT=KT, KPT=KPT, KC=KC, BB=BB, B=B,
                                alpha=float(alpha), precision=precision, first_row=int(first_row),

@@ -10,7 +10,11 @@ block (the order of the Pallas kernels' grids, without their 65,535-program limi
 * :func:`backward_parents`: ``a = flow / local sum`` and the shift per parent block, then the parameter flows
   ``W * (a @ y^T)`` reduced over the batch inside each program;
 * :func:`backward_children`: each distinct child row block's flows through the inverse tables, added into the
-  flow buffer in place.
+  flow buffer in place;
+* tree levels (one child block per parent, one parent per child row block): :func:`backward_exclusive` (the
+  parent-side kernels, then ``W^T a`` once per parent block, added into every row block of its folded child) and
+  :func:`backward_level` (the whole backward in one kernel, the batch whole in each program, up to
+  :data:`LEVEL_BATCH` samples).
 
 Each public function builds a :class:`~jaxpc.ops.triton_base.Launch` (``*_launch``) and runs it
 (:func:`jaxpc.ops.triton_base.run`); the tests run the same launches in Triton's interpreter
@@ -23,7 +27,19 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .pallas_sum import KernelConfig, child_side_tables, child_tiles, forward_config, p2, tables3, tiles
+from .pallas_sum import (
+    LEVEL_BATCH,
+    KernelConfig,
+    check_exclusive_args,
+    check_level_args,
+    child_side_tables,
+    child_tiles,
+    forward_config,
+    level_tiles,
+    p2,
+    tables3,
+    tiles,
+)
 from .triton_base import PRECISION_CODES, Launch, load_triton, out_shapes, run
 
 triton, tl = load_triton()
@@ -33,8 +49,9 @@ NAN = tl.constexpr(float("nan")) if tl is not None else float("nan")
 Array = jax.Array
 DEFAULT_CONFIG = KernelConfig()
 
-__all__ = ["KernelConfig", "forward", "forward_config", "backward_parents", "backward_children", "forward_launch",
-           "parents_launches", "children_launch"]
+__all__ = ["KernelConfig", "LEVEL_BATCH", "forward", "forward_config", "backward_parents", "backward_children",
+           "backward_exclusive", "backward_level", "forward_launch", "parents_launches", "children_launch",
+           "exclusive_launch", "level_launch"]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -221,6 +238,84 @@ if triton is not None:
         else:
             _put(out_ptr, u * Kc + kc, cols, acc, kc < Kc, cmask, B)
 
+    @triton.jit
+    def _add_to_row_blocks(flow_ptr, out_ptr, ch_ptr, i, kc, cols, cmask, cf, B: tl.constexpr, M: tl.constexpr,
+                           Kc: tl.constexpr, FIRST_ROW: tl.constexpr):
+        """Add child flows ``cf [len(kc), BB]`` into every row block of parent block ``i``'s (folded) child
+        (``ch [n, 1, M]``), in place: the calling program is their only writer; rows below ``FIRST_ROW``
+        (padding) are left alone."""
+        for s in tl.static_range(0, M):
+            r0 = tl.load(ch_ptr + i * M + s)
+            rmask = (kc < Kc) & (r0 >= FIRST_ROW)
+            old = _tile(flow_ptr, r0 + kc, cols, rmask, cmask, 0.0, B)
+            _put(out_ptr, r0 + kc, cols, old + cf, rmask, cmask, B)
+
+    @triton.jit
+    def _slots_kernel(ch_ptr, pid_ptr, w_ptr, buf_ptr, a_ptr, m_ptr, flow_ptr, out_ptr, B: tl.constexpr,
+                      M: tl.constexpr, Kp: tl.constexpr, Kc: tl.constexpr, KT: tl.constexpr, KPT: tl.constexpr,
+                      BB: tl.constexpr, NK: tl.constexpr, NB: tl.constexpr, ALPHA: tl.constexpr, PREC: tl.constexpr,
+                      FIRST_ROW: tl.constexpr):
+        i, t, k = _program(NK, NB)
+        cols = t * BB + tl.arange(0, BB)
+        cmask = cols < B
+        kc = k * KT + tl.arange(0, KT)
+        x = _child(buf_ptr, ch_ptr, i, 0, kc, cols, cmask, B, 1, M, Kc)
+        m = tl.load(m_ptr + i * B + cols, mask=cmask, other=0.0)
+        safe = tl.where(m == NEG, 0.0, m)
+        p = tl.load(pid_ptr + i)
+        wa = tl.zeros([KT, BB], tl.float32)  # W^T a once for all M row blocks
+        for q in range(0, (Kp + KPT - 1) // KPT):
+            kp = q * KPT + tl.arange(0, KPT)
+            a = _tile(a_ptr, i * Kp + kp, cols, kp < Kp, cmask, 0.0, B)
+            wa += _mm(tl.trans(_weights(w_ptr, p, kp, kc, True, Kp, Kc, ALPHA)), a, PREC)
+        cf = tl.exp(ALPHA * (x - safe[None, :])) * wa
+        _add_to_row_blocks(flow_ptr, out_ptr, ch_ptr, i, kc, cols, cmask, cf, B, M, Kc, FIRST_ROW)
+
+    @triton.jit
+    def _level_kernel(off_ptr, ch_ptr, pid_ptr, w_ptr, buf_ptr, flow_ptr, dp_ptr, out_ptr, pf_ptr, B: tl.constexpr,
+                      M: tl.constexpr, Kp: tl.constexpr, Kc: tl.constexpr, KT: tl.constexpr, KPT: tl.constexpr,
+                      KC: tl.constexpr, BB: tl.constexpr, NK: tl.constexpr, ALPHA: tl.constexpr,
+                      PREC: tl.constexpr, FIRST_ROW: tl.constexpr, RECOMPUTE: tl.constexpr, PMODE: tl.constexpr):
+        pid = tl.program_id(0)
+        i = pid // NK
+        k = pid % NK
+        cols = tl.arange(0, BB)
+        cmask = cols < B
+        m = tl.full([BB], NEG, tl.float32)  # the forward's shift: the block's children's max
+        for q in range(0, (Kc + KC - 1) // KC):
+            x = _child(buf_ptr, ch_ptr, i, 0, q * KC + tl.arange(0, KC), cols, cmask, B, 1, M, Kc)
+            m = tl.maximum(m, tl.max(x, axis=0))
+        safe = tl.where(m == NEG, 0.0, m)
+        kc = k * KT + tl.arange(0, KT)
+        y = tl.exp(ALPHA * (_child(buf_ptr, ch_ptr, i, 0, kc, cols, cmask, B, 1, M, Kc) - safe[None, :]))
+        p = tl.load(pid_ptr + i)
+        first = tl.load(off_ptr) + i * Kp  # the block's first parent row
+        wa = tl.zeros([KT, BB], tl.float32)
+        for q in range(0, (Kp + KPT - 1) // KPT):
+            kp = q * KPT + tl.arange(0, KPT)
+            pmask = kp < Kp
+            fp = _tile(flow_ptr, first + kp, cols, pmask, cmask, 0.0, B)
+            if RECOMPUTE:  # the local sums over the whole child block (exact)
+                s = tl.zeros([KPT, BB], tl.float32)
+                for r in range(0, (Kc + KC - 1) // KC):
+                    kr = r * KC + tl.arange(0, KC)
+                    yr = tl.exp(ALPHA * (_child(buf_ptr, ch_ptr, i, 0, kr, cols, cmask, B, 1, M, Kc) - safe[None, :]))
+                    s += _mm(_weights(w_ptr, p, kp, kr, True, Kp, Kc, ALPHA), yr, PREC)
+            else:  # from the parents' stored values
+                s = tl.exp(ALPHA * (_tile(buf_ptr, first + kp, cols, pmask, cmask, NEG, B) - safe[None, :]))
+            a = tl.where((fp == 0) | (s == 0), 0.0, fp / tl.where(s == 0, 1.0, s))
+            w = _weights(w_ptr, p, kp, kc, True, Kp, Kc, ALPHA)
+            if PMODE > 0:  # the whole batch is in this program: no reduction across programs
+                pf = w * _mm(a, tl.trans(y), PREC)
+                tmask = pmask[:, None] & (kc[None, :] < Kc)
+                if PMODE == 1:  # added into the parameter-flow buffer at block p, in place
+                    at = (p * Kp + kp[:, None]) * Kc + kc[None, :]
+                    tl.store(pf_ptr + at, tl.load(dp_ptr + at, mask=tmask, other=0.0) + pf, mask=tmask)
+                else:
+                    tl.store(pf_ptr + (i * Kp + kp[:, None]) * Kc + kc[None, :], pf, mask=tmask)
+            wa += _mm(tl.trans(w), a, PREC)
+        _add_to_row_blocks(flow_ptr, out_ptr, ch_ptr, i, kc, cols, cmask, y * wa, B, M, Kc, FIRST_ROW)
+
 
 def forward_launch(buf: Array, ch: Array, pid: Array, w: Array, *, Kp: int, Kc: int, alpha: float = 1.0,
                    precision: str = "fp32", config: KernelConfig = DEFAULT_CONFIG, out_offset=None, shifts=None,
@@ -330,3 +425,69 @@ def backward_children(buf: Array, a: Array, m: Array, uch: Array, par: Array, pp
     buffer with the child flows added in place."""
     return run(children_launch(buf, a, m, uch, par, ppid, w, Kp=Kp, Kc=Kc, alpha=alpha, precision=precision,
                                config=config, ch=ch, pcol=pcol, flows=flows))[0]
+
+
+def exclusive_launch(buf: Array, a: Array, m: Array, flows: Array, ch: Array, pid: Array, w: Array, *, Kp: int,
+                     Kc: int, first_row: int, alpha: float = 1.0, precision: str = "fp32",
+                     config: KernelConfig = DEFAULT_CONFIG) -> Launch:
+    """The child-side launch of :func:`backward_exclusive` (after the parent-side ones' ``a``, ``m``)."""
+    ch = check_exclusive_args(ch, flows)
+    n, C, M = ch.shape
+    B = buf.shape[1]
+    BB, KT, KPT = (_t(v) for v in child_tiles(config, B, Kp, Kc))
+    NK, NB = _cdiv(Kc, KT), _cdiv(B, BB)
+    meta = dict(B=B, M=M, Kp=Kp, Kc=Kc, KT=KT, KPT=KPT, BB=BB, NK=NK, NB=NB, ALPHA=float(alpha),
+                PREC=PRECISION_CODES[precision], FIRST_ROW=int(first_row))
+    return Launch(_slots_kernel, n * NK * NB, (ch, pid, w, buf.astype(jnp.float32), a, m, flows),
+                  out_shapes([flows.shape]), {6: 0}, meta, "jaxpc_triton_sum_backward_slots_inplace",
+                  config.num_warps, config.num_stages)
+
+
+def backward_exclusive(buf: Array, flows: Array, out_offset, ch: Array, pid: Array, w: Array, *, Kp: int, Kc: int,
+                       first_row: int, alpha: float = 1.0, precision: str = "fp32",
+                       config: KernelConfig = DEFAULT_CONFIG, param_flows: bool = True):
+    """:func:`jaxpc.ops.pallas_sum.backward_exclusive` on Triton: ``(flows, param flows [n, 1, Kp, Kc] or
+    None)``, the child flows computed once per parent block and added into every row block of its child."""
+    check_exclusive_args(ch, flows)
+    a, m, pf = backward_parents(buf, flows, out_offset, ch, pid, w, Kp=Kp, Kc=Kc, alpha=alpha, precision=precision,
+                                config=config, param_flows=param_flows)
+    (flows,) = run(exclusive_launch(buf, a, m, flows, ch, pid, w, Kp=Kp, Kc=Kc, first_row=first_row, alpha=alpha,
+                                    precision=precision, config=config))
+    return flows, pf
+
+
+def level_launch(buf: Array, flows: Array, out_offset, ch: Array, pid: Array, w: Array, *, Kp: int, Kc: int,
+                 first_row: int, alpha: float = 1.0, precision: str = "fp32", config: KernelConfig = DEFAULT_CONFIG,
+                 param_flows: bool = True, dparams: Array | None = None) -> Launch:
+    """The launch of :func:`backward_level` (outputs: the flow buffer, then the parameter flows, the parameter-flow
+    buffer or a placeholder)."""
+    ch = tables3(ch)
+    n, C, M = ch.shape
+    R, B = buf.shape
+    check_level_args(C, B, flows, dparams, Kp, Kc)
+    BB, KT, KPT, KC = (_t(v) for v in level_tiles(config, B, Kp, Kc))
+    pmode = 0 if not param_flows else (1 if dparams is not None else 2)
+    meta = dict(B=B, M=M, Kp=Kp, Kc=Kc, KT=KT, KPT=KPT, KC=KC, BB=BB, NK=_cdiv(Kc, KT), ALPHA=float(alpha),
+                PREC=PRECISION_CODES[precision], FIRST_ROW=int(first_row), RECOMPUTE=precision == "fp32",
+                PMODE=pmode)
+    off = jnp.asarray(out_offset, jnp.int32).reshape(1)
+    dp = dparams if pmode == 1 else jnp.zeros((1,), jnp.float32)
+    second = {0: (1,), 1: dp.shape, 2: (n, Kp, Kc)}[pmode]
+    aliases = {5: 0} | ({6: 1} if pmode == 1 else {})
+    return Launch(_level_kernel, n * meta["NK"], (off, ch, pid, w, buf.astype(jnp.float32), flows, dp),
+                  out_shapes([(R, B), second]), aliases, meta, "jaxpc_triton_sum_backward_level",
+                  config.num_warps, config.num_stages)
+
+
+def backward_level(buf: Array, flows: Array, out_offset, ch: Array, pid: Array, w: Array, *, Kp: int, Kc: int,
+                   first_row: int, alpha: float = 1.0, precision: str = "fp32", config: KernelConfig = DEFAULT_CONFIG,
+                   param_flows: bool = True, dparams: Array | None = None):
+    """:func:`jaxpc.ops.pallas_sum.backward_level` on Triton: a tree level's whole backward in one kernel at a
+    batch of at most :data:`LEVEL_BATCH`; ``(flows, param flows)`` as that function returns them."""
+    fl, second = run(level_launch(buf, flows, out_offset, ch, pid, w, Kp=Kp, Kc=Kc, first_row=first_row,
+                                  alpha=alpha, precision=precision, config=config, param_flows=param_flows,
+                                  dparams=dparams))
+    if not param_flows:
+        return fl, None
+    n = tables3(ch).shape[0]
+    return fl, (second if dparams is not None else second.reshape(n, 1, Kp, Kc))
