@@ -29,13 +29,15 @@ def _run(launch):
 
 @needs_interpreter
 @pytest.mark.parametrize("shape,alpha", cases([(s, a) for s in SHAPES for a in (1.0, 2.0)
-                                               if s[4] <= 40 and (a == 1.0 or s[0] <= 3)],
+                                               if s[4] <= 40 and s[3] <= 8 and (a == 1.0 or s[0] <= 3)],
                                               fast=[(SHAPES[1], 1.0), (SHAPES[3], 1.0), (SHAPES[1], 2.0)],
                                               unpack=True),
                          ids=lambda v: "Kp{}-Kc{}-n{}-C{}-B{}".format(*v[:5]) if isinstance(v, tuple) else str(v))
 def test_triton_sum_kernels_match_reference(shape, alpha):
     """Forward, parent-side and child-side backward on padded blocks, -inf children, tied parameters, chunked
-    fan-ins and several batch tiles (tensor-core products where every side is 16 or more)."""
+    fan-ins and several batch tiles (tensor-core products where every side is 16 or more). Fan-ins up to 8 child
+    blocks: the interpreter takes 16 s for the 64 of ``SHAPES``' widest (``kernels_check.py --triton`` runs it on
+    the GPU)."""
     from jaxpc.ops import triton_sum
 
     Kp, Kc, n, C, B = shape[:5]
