@@ -20,7 +20,7 @@ from ..compiler.layout import Layout, StageSpec
 from ..ops.buffers import uninitialized
 from ..ops.pieces import in_order, ranges
 from ..ops.product_layer import product_layer_backward_reference as product_layer_backward
-from ..ops.sum_layer import child_rows, child_terms
+from ..ops.sum_layer import child_rows, child_terms, sum_kernels
 from ..ops.sum_layer import sum_layer_backward_reference as sum_layer_backward
 from ..ops.sum_layer import sum_layer_param_flows_reference as sum_layer_param_flows
 from ..options import Options
@@ -293,9 +293,9 @@ def pallas_sum_backward(values, flows, row, t, logw, part, *, alpha, precision, 
     (None without ``param_flows``), or, given ``dparams`` (the group's parameter-flow buffer), that buffer with
     them added at the partition's blocks (in place by the kernel where it can). A tree level at a batch of at
     most :data:`jaxpc.ops.pallas_sum.LEVEL_BATCH` runs as one kernel (:func:`~jaxpc.ops.pallas_sum.backward_level`).
-    ``impl``: the kernels' module (:func:`jaxpc.engine.routing.sum_kernels`: Pallas's, or jax-triton's for
+    ``impl``: the kernels' module (:func:`jaxpc.ops.sum_layer.sum_kernels`: Pallas's, or jax-triton's for
     ``"triton"``, which has the same functions)."""
-    kernels = routing.sum_kernels(impl)
+    kernels = sum_kernels(impl)
     cfg = config or kernels.KernelConfig()
     Kp, Kc = part.Kp, part.Kc
     if routing.exclusive(part) and flows.dtype == jnp.float32 and flows.shape[1] <= kernels.LEVEL_BATCH:

@@ -76,12 +76,11 @@ def _leaf_buffer(plan: Layout, in_tables: list, in_params: dict, x: Array, missi
     # the stages write every row above the leaves before reading it: those rows are left unset
     # (Options.tuning.unset_rows)
     if routing.leaf_triton(options):
-        from ..ops import triton_leaf
-
-        return triton_leaf.categorical_buffer(xt, specs, tabs, num_rows=plan.num_rows, kmax=plan.kmax, missing=mt,
-                                              zero_above=not options.tuning.unset_rows)
-    return pallas_leaf.categorical_buffer(xt, specs, tabs, num_rows=plan.num_rows, kmax=plan.kmax, missing=mt,
-                                          zero_above=not options.tuning.unset_rows)
+        from ..ops import triton_leaf as kernels
+    else:
+        kernels = pallas_leaf
+    return kernels.categorical_buffer(xt, specs, tabs, num_rows=plan.num_rows, kmax=plan.kmax, missing=mt,
+                                      zero_above=not options.tuning.unset_rows)
 
 
 def _leaf_buffer_fwd(plan, in_tables, in_params, x, missing, options):

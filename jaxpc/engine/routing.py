@@ -49,18 +49,6 @@ def kernels_available() -> bool:
     return ok
 
 
-def sum_kernels(impl: str):
-    """The kernel module of a sum partition routed to ``impl``: :mod:`jaxpc.ops.triton_sum` for ``"triton"``, else
-    :mod:`jaxpc.ops.pallas_sum` (the same functions and arguments)."""
-    if impl == "triton":
-        from ..ops import triton_sum
-
-        return triton_sum
-    from ..ops import pallas_sum
-
-    return pallas_sum
-
-
 def param_dtype(params) -> jnp.dtype:
     """The floating dtype of a parameter pytree: the node buffer's."""
     leaves = jax.tree_util.tree_leaves(params)
@@ -138,7 +126,7 @@ def leaf_kernel(layout: Layout, params: dict, options, soft: Array | None = None
         if spec.offset < row or spec.dist.value_table(params["input"][spec.key]) is None:
             return False
         row = spec.offset + spec.num_nodes
-    return True if leaf_triton(options) else kernels_available()
+    return leaf_triton(options) or kernels_available()
 
 
 def leaf_triton(options) -> bool:
@@ -226,14 +214,14 @@ def pieces(part, B: int, limit: int) -> list[tuple[int, int]]:
 
 
 def runs_inplace(impl: str, options, buf: Array) -> bool:
-    """Whether a sum partition routed to ``impl`` runs as a kernel (Pallas or jax-triton: :func:`sum_kernels`)
-    writing the (float32) buffer in place."""
+    """Whether a sum partition routed to ``impl`` runs as a kernel (Pallas or jax-triton:
+    :func:`jaxpc.ops.sum_layer.sum_kernels`) writing the (float32) buffer in place."""
     return impl in KERNEL_IMPLS and options.propagation != "MPE" and buf.dtype == jnp.float32
 
 
 def runs_kernel_backward(impl: str, options) -> bool:
     """Whether the flow pass runs a sum partition routed to ``impl`` on backward kernels (Pallas's or jax-triton's:
-    :func:`sum_kernels`), else on XLA's."""
+    :func:`jaxpc.ops.sum_layer.sum_kernels`), else on XLA's."""
     tempered = options.pflow_temperature != 1.0 or options.eflow_temperature != 1.0
     return impl in ("pallas", "triton") and options.propagation != "MPE" and not tempered
 

@@ -15,7 +15,7 @@ from jax import lax
 from ..compiler.layout import Layout, ScanSpec, StageSpec
 from ..ops import product_layer, sum_layer
 from ..ops.pieces import in_order
-from ..ops.sum_layer import sum_layer_reference
+from ..ops.sum_layer import sum_kernels, sum_layer_reference
 from ..ops.sum_layer_external import sum_layer_external_reference
 from . import routing
 
@@ -155,7 +155,7 @@ def _inplace_sums(buf: Array, inplace: list, sum_params: dict, options, index, s
     :func:`jaxpc.engine.routing.writes_shift` holds). A stage's partitions read lower rows only: the order of
     the kernels does not matter."""
     for r, j, part, t, impl, cfg in inplace:
-        kernels = routing.sum_kernels(impl)
+        kernels = sum_kernels(impl)
         with jax.named_scope(f"jaxpc/stage{index}/sum{j}"):
             a = 1.0 if options.propagation == "LL" else options.alpha
             kw = dict(Kp=part.Kp, Kc=part.Kc, alpha=a, precision=options.concrete_precision,

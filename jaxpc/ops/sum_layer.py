@@ -103,6 +103,18 @@ def sum_layer_reference(buf: Array, ch: Array, pid: Array, logw: Array, *, Kp: i
     return (out, m.reshape(-1, buf.shape[1])) if with_shift else out
 
 
+def sum_kernels(impl: str):
+    """The kernel module of a sum partition routed to ``impl``: :mod:`jaxpc.ops.triton_sum` for ``"triton"``, else
+    :mod:`jaxpc.ops.pallas_sum` (the same functions and arguments)."""
+    if impl == "triton":
+        from . import triton_sum
+
+        return triton_sum
+    from . import pallas_sum
+
+    return pallas_sum
+
+
 def sum_layer(buf: Array, ch: Array, pid: Array, logw: Array, *, Kp: int, Kc: int, dense: bool,
               propagation: str = "LL", alpha: float | None = None, precision: str = "fp32",
               impl: str = "xla", config=None) -> Array:
@@ -110,11 +122,9 @@ def sum_layer(buf: Array, ch: Array, pid: Array, logw: Array, *, Kp: int, Kc: in
     jax-triton one (LL and GeneralLL; max-product layers always use the reference), ``"xla"`` the plain-jnp
     version."""
     if impl in KERNEL_IMPLS and propagation != "MPE":
-        from . import pallas_sum, triton_sum
-
-        kernels = triton_sum if impl == "triton" else pallas_sum
+        kernels = sum_kernels(impl)
         a = 1.0 if propagation == "LL" else float(alpha)
-        cfg = config or pallas_sum.KernelConfig()
+        cfg = config or kernels.KernelConfig()
         return kernels.forward(buf, ch, pid, logw, Kp=Kp, Kc=Kc, alpha=a, precision=precision,
                                config=cfg).astype(buf.dtype)
     if impl not in IMPLS:

@@ -227,6 +227,11 @@ def reset_status() -> None:
         _STATUS.clear()
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` of positive ints: programs over ``a`` elements in tiles of ``b``."""
+    return -(-a // b)
+
+
 def out_shapes(shapes: Sequence[tuple], dtype=jnp.float32) -> tuple:
     return tuple(jax.ShapeDtypeStruct(tuple(s), dtype) for s in shapes)
 

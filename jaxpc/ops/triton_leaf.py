@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from .pallas_leaf import LeafConfig, LeafLayer, check_buffer_args
 from .pallas_sum import p2
-from .triton_base import Launch, out_shapes, run
+from .triton_base import Launch, cdiv, out_shapes, run
 from .triton_sum import NAN, NEG, tl, triton
 
 Array = jax.Array
@@ -67,7 +67,7 @@ def buffer_launches(xt: Array, layers: Sequence[LeafLayer], tabs: Sequence[tuple
     B = xt.shape[1]
     top = num_rows if zero_above else max([2 * kmax] + [s.offset + s.num_nodes for s in layers])
     TB = min(config.block_b, p2(B))
-    NB = -(-B // TB)
+    NB = cdiv(B, TB)
     xt = xt.astype(jnp.int32)
     mt = jnp.zeros((1,), jnp.int32) if missing is None else missing.astype(jnp.int32)
     order = sorted(zip(layers, tabs), key=lambda st: st[0].offset)
@@ -81,7 +81,9 @@ def buffer_launches(xt: Array, layers: Sequence[LeafLayer], tabs: Sequence[tuple
         args = (xt, mt, lp.reshape(-1), rows.astype(jnp.int32), vars_.astype(jnp.int32),
                 jnp.zeros((1,), jnp.float32) if missing is None else marg.astype(jnp.float32))
 
-        def launch(buf, args=args, meta=meta, grid=-(-span // TR) * NB, j=j) -> Launch:
+        grid = cdiv(span, TR) * NB
+
+        def launch(buf, args=args, meta=meta, grid=grid, j=j) -> Launch:
             aliases = {} if j == 0 else {6: 0}
             return Launch(_leaf_kernel, grid, (*args, jnp.zeros((1,), jnp.float32) if buf is None else buf), out,
                           aliases, meta, "jaxpc_triton_categorical_buffer", config.num_warps, config.num_stages)

@@ -40,7 +40,7 @@ from .pallas_sum import (
     tables3,
     tiles,
 )
-from .triton_base import PRECISION_CODES, Launch, load_triton, out_shapes, run
+from .triton_base import PRECISION_CODES, Launch, cdiv, load_triton, out_shapes, run
 
 triton, tl = load_triton()
 NEG = tl.constexpr(float("-inf")) if tl is not None else float("-inf")  # the kernels' constants
@@ -52,10 +52,6 @@ DEFAULT_CONFIG = KernelConfig()
 __all__ = ["KernelConfig", "LEVEL_BATCH", "forward", "forward_config", "backward_parents", "backward_children",
            "backward_exclusive", "backward_level", "forward_launch", "parents_launches", "children_launch",
            "exclusive_launch", "level_launch"]
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _t(n: int) -> int:
@@ -330,7 +326,7 @@ def forward_launch(buf: Array, ch: Array, pid: Array, w: Array, *, Kp: int, Kc: 
         raise ValueError(f"shifts are kept by the in-place forward with a unit dividing Kp={Kp}, got unit={unit}")
     if out_offset is not None and buf.dtype != jnp.float32:
         raise TypeError(f"in-place sum layer needs a float32 buffer, got {buf.dtype}")
-    NK, NB = _cdiv(Kp, KT), _cdiv(B, BB)
+    NK, NB = cdiv(Kp, KT), cdiv(B, BB)
     meta = dict(B=B, C=C, M=M, Kp=Kp, Kc=Kc, KT=KT, KC=KC, BB=BB, NK=NK, NB=NB, ALPHA=float(alpha),
                 PREC=PRECISION_CODES[precision], UNIT=unit if keep else 0)
     off = jnp.zeros((1,), jnp.int32) if out_offset is None else jnp.asarray(out_offset, jnp.int32).reshape(1)
@@ -361,10 +357,9 @@ def parents_launches(buf: Array, flows: Array, out_offset, ch: Array, pid: Array
     n, C, M = ch.shape
     B = buf.shape[1]
     BB, KT, KC = (_t(v) for v in tiles(config, B, Kp, Kc))
-    NK, NB = _cdiv(Kp, KT), _cdiv(B, BB)
+    NK, NB = cdiv(Kp, KT), cdiv(B, BB)
     prec = PRECISION_CODES[precision]
-    meta = dict(B=B, C=C, M=M, Kp=Kp, Kc=Kc, KT=KT, KC=KC, BB=BB, NK=NK, NB=NB, ALPHA=float(alpha), PREC=prec,
-               )
+    meta = dict(B=B, C=C, M=M, Kp=Kp, Kc=Kc, KT=KT, KC=KC, BB=BB, NK=NK, NB=NB, ALPHA=float(alpha), PREC=prec)
     off = jnp.asarray(out_offset, jnp.int32).reshape(1)
     buf = buf.astype(jnp.float32)
     scale = Launch(_scale_kernel, n * NK * NB, (off, ch, pid, w, buf, flows.astype(jnp.float32)),
@@ -373,9 +368,8 @@ def parents_launches(buf: Array, flows: Array, out_offset, ch: Array, pid: Array
     if not param_flows:
         return scale, None
     KC2 = _t(min(config.block_k, p2(Kc)))  # the parameter-flow tile is [KT, KC2], reduced over the batch
-    NQ = _cdiv(Kc, KC2)
-    meta2 = dict(B=B, C=C, M=M, Kp=Kp, Kc=Kc, KT=KT, KC=KC2, BB=BB, NK=NK, NQ=NQ, ALPHA=float(alpha), PREC=prec,
-                )
+    NQ = cdiv(Kc, KC2)
+    meta2 = dict(B=B, C=C, M=M, Kp=Kp, Kc=Kc, KT=KT, KC=KC2, BB=BB, NK=NK, NQ=NQ, ALPHA=float(alpha), PREC=prec)
 
     def pflow(a, m) -> Launch:
         return Launch(_pflow_kernel, n * C * NK * NQ, (ch, pid, w, buf, a, m), out_shapes([(n, C, Kp, Kc)]), {},
@@ -403,10 +397,9 @@ def children_launch(buf: Array, a: Array, m: Array, uch: Array, par: Array, ppid
     B = buf.shape[1]
     ch, pcol, M = child_side_tables(ch, par, pcol)
     BB, KT, KPT = (_t(v) for v in child_tiles(config, B, Kp, Kc))
-    NK, NB = _cdiv(Kc, KT), _cdiv(B, BB)
+    NK, NB = cdiv(Kc, KT), cdiv(B, BB)
     meta = dict(B=B, C=ch.shape[1], D=D, M=M, Kp=Kp, Kc=Kc, KT=KT, KPT=KPT, BB=BB, NK=NK, NB=NB,
-                ALPHA=float(alpha), PREC=PRECISION_CODES[precision],
-                ACCUMULATE=flows is not None)
+                ALPHA=float(alpha), PREC=PRECISION_CODES[precision], ACCUMULATE=flows is not None)
     args = (uch, par, pcol, ppid, ch, w, buf.astype(jnp.float32), a, m)
     if flows is None:
         return Launch(_children_kernel, U * NK * NB, (*args, jnp.zeros((1,), jnp.float32)),
@@ -435,7 +428,7 @@ def exclusive_launch(buf: Array, a: Array, m: Array, flows: Array, ch: Array, pi
     n, C, M = ch.shape
     B = buf.shape[1]
     BB, KT, KPT = (_t(v) for v in child_tiles(config, B, Kp, Kc))
-    NK, NB = _cdiv(Kc, KT), _cdiv(B, BB)
+    NK, NB = cdiv(Kc, KT), cdiv(B, BB)
     meta = dict(B=B, M=M, Kp=Kp, Kc=Kc, KT=KT, KPT=KPT, BB=BB, NK=NK, NB=NB, ALPHA=float(alpha),
                 PREC=PRECISION_CODES[precision], FIRST_ROW=int(first_row))
     return Launch(_slots_kernel, n * NK * NB, (ch, pid, w, buf.astype(jnp.float32), a, m, flows),
@@ -467,7 +460,7 @@ def level_launch(buf: Array, flows: Array, out_offset, ch: Array, pid: Array, w:
     check_level_args(C, B, flows, dparams, Kp, Kc)
     BB, KT, KPT, KC = (_t(v) for v in level_tiles(config, B, Kp, Kc))
     pmode = 0 if not param_flows else (1 if dparams is not None else 2)
-    meta = dict(B=B, M=M, Kp=Kp, Kc=Kc, KT=KT, KPT=KPT, KC=KC, BB=BB, NK=_cdiv(Kc, KT), ALPHA=float(alpha),
+    meta = dict(B=B, M=M, Kp=Kp, Kc=Kc, KT=KT, KPT=KPT, KC=KC, BB=BB, NK=cdiv(Kc, KT), ALPHA=float(alpha),
                 PREC=PRECISION_CODES[precision], FIRST_ROW=int(first_row), RECOMPUTE=precision == "fp32",
                 PMODE=pmode)
     off = jnp.asarray(out_offset, jnp.int32).reshape(1)
