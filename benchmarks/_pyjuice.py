@@ -49,8 +49,10 @@ def _ms_per_step(torch, fn, xs, reps, warmup):
     return float(np.median(ts))
 
 
-def _structure(juice, torch, model, latents, hmm_seq, hmm_vocab, images, split_intervals=(4, 4)):
-    """The circuit DAG of `model` ("hmm", "hclt" or "pd"; a PD splits every `split_intervals` pixels per axis)."""
+def _structure(juice, torch, model, latents, hmm_seq, hmm_vocab, images, split_intervals=(4, 4),
+               max_prod_block_conns=4):
+    """The circuit DAG of `model` ("hmm", "hclt" or "pd"; a PD splits every `split_intervals` pixels per axis and
+    joins each sum block to at most `max_prod_block_conns` of its products, PyJuice's default 4)."""
     if model == "hmm":
         return juice.structures.HMM(seq_length=hmm_seq, num_latents=latents, num_emits=hmm_vocab,
                                     homogeneous=True)
@@ -61,7 +63,8 @@ def _structure(juice, torch, model, latents, hmm_seq, hmm_vocab, images, split_i
         return juice.structures.HCLT(tree_x, num_latents=latents, input_dist=cat)
     if model == "pd":
         return juice.structures.PD(data_shape=(28, 28), num_latents=latents, split_intervals=tuple(split_intervals),
-                                   structure_type="sum_dominated", input_dist=cat)
+                                   structure_type="sum_dominated", input_dist=cat,
+                                   max_prod_block_conns=max_prod_block_conns)
     raise ValueError(f"unknown model {model!r}")
 
 

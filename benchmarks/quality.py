@@ -29,9 +29,16 @@ compile, jaxpc trains them too.)
 PyJuice's updated parameters (``pc.update_parameters()``) converted again and compared with jaxpc's ``em_step``
 result per parameter group: the largest absolute difference of the weights and probabilities after the step, and
 of the batch's log-likelihoods before it; and before the M-step, each sum node vector's parameter flows (PyJuice's
-``get_param_flows(as_matrix=True)`` against jaxpc's ``c.flows``): how many differ by more than 1% of their largest
-entry, and the five that differ most. Where the two EM rules or flows differ, the
-groups that differ show where.
+``get_param_flows(as_matrix=True)`` against jaxpc's ``c.flows``, and jaxpc's against the same circuit's on XLA's
+sum layers at fp32): how many differ by more than 1% of their largest entry, split into block-sparse and dense
+sums, the five that differ most, and the sum nodes no path from the root reaches (zero jaxpc flow) with PyJuice's
+flow on them.
+
+``--pd-max-conns K``: each PD sum block joins at most K of its region's products, drawn at random (both libraries'
+default 4). A product that no block draws is joined by no edge and unreachable; PyJuice 2.6.3 gives such nodes
+(the pass-through nodes ``juice.compile`` puts above them) nonzero parameter flows, which reach live nodes below
+them, so its PD steps differ from exact EM. ``--pd-max-conns 1000`` joins every product: then the two systems'
+curves agree (docs/performance.md, "Quality at equal training").
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 EM = dict(step_size=0.1, pseudocount=0.1)
+PD_CONNS = {"max_prod_block_conns": 4}  # PD: products per sum block (--pd-max-conns; 4 is both libraries' default)
 BPD = 1.0 / (784 * math.log(2))
 
 
@@ -80,7 +88,7 @@ def run_jaxpc(structure: str, latents: int, train, test, orders, batch: int, roo
     t = time.perf_counter()
     if root is None:
         root = (structures.HCLT(train, latents, input_dist=cat) if structure == "hclt"
-                else structures.PD((28, 28), latents, split_intervals=(4, 4), input_dist=cat))
+                else structures.PD((28, 28), latents, split_intervals=(4, 4), input_dist=cat, **PD_CONNS))
     c = jaxpc.compile(root)
     build_s = time.perf_counter() - t
     test_d = jax.device_put(test)
@@ -110,7 +118,7 @@ def pyjuice_nodes(structure: str, latents: int, train):
     import _pyjuice
 
     torch.manual_seed(0)
-    ns = _pyjuice._structure(juice, torch, structure, latents, None, None, train, split_intervals=(4, 4))
+    ns = _pyjuice._structure(juice, torch, structure, latents, None, None, train, split_intervals=(4, 4), **PD_CONNS)
     ns.init_parameters(perturbation=2.0)
     return ns
 
@@ -190,19 +198,37 @@ def step_check(structure: str, latents: int, train, batch: int) -> dict:
     pc.update_param_flows()
     fl = c.flows(c.params, jnp.asarray(xb))
     logf = {"sum": {g: jnp.log(v) for g, v in fl["sum"].items()}, "input": c.params["input"]}
+    ref_made: dict = {}  # a third opinion: the same circuit's flows on XLA's sum layers at exact fp32
+    ref = jaxpc.compile(_pyjuice.to_jaxpc(ns, ref_made))
+    fl_ref = ref.flows(ref.params, jnp.asarray(xb), options=jaxpc.Options(impl="xla", precision="fp32"))
+    logf_ref = {"sum": {g: jnp.log(v) for g, v in fl_ref["sum"].items()}, "input": ref.params["input"]}
     per_node = []  # sum node vectors' parameter flows (dense), PyJuice against jaxpc
     for p_ns, j_ns in made.items():
         if p_ns.is_sum() and not p_ns.is_tied():
             a = p_ns.get_param_flows(as_matrix=True).numpy().astype(np.float64)
             b = np.asarray(c.get_node_params(logf, j_ns), np.float64)
-            err = float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(a))), 1e-30))
-            per_node.append(dict(err=err, shape=list(a.shape), children=len(p_ns.chs), flow_pj=float(a.sum()),
-                                 flow_jx=float(b.sum()), name=str(getattr(p_ns, "name", type(p_ns).__name__))))
+            r = np.asarray(ref.get_node_params(logf_ref, ref_made[p_ns]), np.float64)
+            scale = max(float(np.max(np.abs(a))), 1e-30)
+            full = p_ns.num_node_blocks * sum(ch.num_node_blocks for ch in p_ns.chs)
+            per_node.append(dict(err=float(np.max(np.abs(a - b)) / scale),
+                                 err_xla_fp32=float(np.max(np.abs(r - b)) / max(float(np.max(np.abs(r))), 1e-30)),
+                                 shape=list(a.shape), children=len(p_ns.chs), edge_blocks=int(p_ns.edge_ids.size(1)),
+                                 full_blocks=int(full), flow_pj=float(a.sum()), flow_jx=float(b.sum()),
+                                 flow_xla=float(r.sum()), node=p_ns, name=type(p_ns).__name__))
     per_node.sort(key=lambda r: -r["err"])
     opt.step()
     pc.update_parameters()
-    after = jaxpc.compile(_pyjuice.to_jaxpc(ns)).params  # PyJuice's updated parameters in jaxpc's layout
+    made_after: dict = {}
+    after_c = jaxpc.compile(_pyjuice.to_jaxpc(ns, made_after))  # PyJuice's updated parameters in jaxpc's layout
+    after = after_c.params
     mine = c.em_step(c.params, jnp.asarray(xb), **EM)
+    for r in per_node:  # the node's weights after the step, PyJuice against jaxpc
+        p_ns = r.pop("node")
+        u = np.asarray(c.get_node_params(mine, made[p_ns]), np.float64)
+        v = np.asarray(after_c.get_node_params(after, made_after[p_ns]), np.float64)
+        r["after_diff"] = float(np.max(np.abs(u - v)))
+    sparse = [r for r in per_node if r["edge_blocks"] < r["full_blocks"]]
+    dense = [r for r in per_node if r["edge_blocks"] >= r["full_blocks"]]
 
     def diffs(a, b) -> dict:
         out = {}
@@ -214,7 +240,16 @@ def step_check(structure: str, latents: int, train, batch: int) -> dict:
 
     row = dict(check="em_step", structure=structure, latents=latents, batch=batch,
                ll_max_abs_diff=float(np.max(np.abs(ll_pj - ll_jx))), after=diffs(mine, after),
-               flows_nodes=len(per_node), flows_off=sum(r["err"] > 1e-2 for r in per_node), flows_worst=per_node[:5])
+               flows_nodes=len(per_node), flows_off=sum(r["err"] > 1e-2 for r in per_node), flows_worst=per_node[:5],
+               jaxpc_vs_xla_fp32=max((r["err_xla_fp32"] for r in per_node), default=0.0),
+               sparse_nodes=len(sparse), sparse_off=sum(r["err"] > 1e-2 for r in sparse),
+               dense_nodes=len(dense), dense_off=sum(r["err"] > 1e-2 for r in dense),
+               after_worst_sparse=max((r["after_diff"] for r in sparse), default=0.0),
+               after_worst_dense=max((r["after_diff"] for r in dense), default=0.0),
+               # sum nodes that no path from the root reaches (their product is joined by no edge of its parent):
+               # jaxpc's flows there are exactly zero, as the gradient says
+               unreached=sum(r["flow_jx"] == 0.0 for r in per_node),
+               unreached_pyjuice_flow=sum(r["flow_pj"] for r in per_node if r["flow_jx"] == 0.0))
     row["after_max"] = max(row["after"].values())
     return row
 
@@ -232,8 +267,12 @@ def main(argv=None):
                         "_pyjuice.to_jaxpc); their test bpd at epoch 0 must agree")
     p.add_argument("--step-check", action="store_true",
                    help="one EM step of one circuit in both systems: the parameters' differences per group")
+    p.add_argument("--pd-max-conns", type=int, default=4,
+                   help="PD: each sum block joins at most this many of its products (default 4, as both libraries); "
+                        "above a sum's product count every product is joined and no product is left unreachable")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    PD_CONNS["max_prod_block_conns"] = args.pd_max_conns
     train, test = mnist()
     if args.step_check:
         for structure in args.structures.split(","):

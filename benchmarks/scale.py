@@ -33,9 +33,12 @@ its persistent compile cache is off (``--warm-cache`` keeps it), so the first ca
 ``--mem-fraction`` of the GPU. PyJuice 2.6.3 on its fastest path: per step ``pc(x)`` under ``no_grad``,
 ``pc.backward(x, flows_memory=1.0)``, ``opt.step()`` with ``juice.optim.MiniBatchEM(pc, step_size=0.1,
 pseudocount=0.1)``, CUDA graphs recorded at the batch size, ceil(N / B) steps over consecutive rows (wrapping).
-The batch: the largest power of two that fits (or all N samples), found by trying down from an estimate of
-the memory per sample (``--start-batch`` overrides it) and catching the out-of-memory error; after a failure
-the next try is scaled by the memory the failed allocation asked for, and at least halved.
+The batch: the largest power of two that fits (or all N samples), at most ``--max-batch`` and at most the
+largest with the node buffer ``[rows, B]`` under 2^31 elements (``index_cap``: PyJuice's kernels address it with
+32-bit offsets and fail with an illegal memory access past it; jaxpc's kernels then give way to XLA's sum layers,
+slower and slow to compile), found by trying down from an estimate of the memory per sample (``--start-batch``
+overrides it) and catching the out-of-memory error; after a failure the next try is scaled by the memory the
+failed allocation asked for, and at least halved.
 
 Columns: ``edges`` sum + product edges (PyJuice's count from its own DAG; README: PyJuice's published count); ``B``
 the batch used; ``s/epoch`` mean seconds of the timed epochs (``--epochs`` of them, fewer when they would pass
@@ -153,6 +156,13 @@ def start_batch(n: int, per_sample: float, free: float, optimism: float) -> int:
     return n if est >= n else _pow2_floor(est)
 
 
+def index_cap(rows: int) -> int:
+    """The largest power of two B with ``rows * B`` below 2^31: both systems' kernels address the node buffer
+    ``[rows, B]`` with 32-bit offsets (PyJuice's fail with an illegal memory access past it; jaxpc's
+    ``impl="auto"`` then leaves its kernels for XLA's sum layers)."""
+    return _pow2_floor((2**31 - 1) / max(rows, 1))
+
+
 def search(row: dict, try_batch, start: int, args, free_now, log, emit):
     """:func:`largest_batch` with its outcome in ``row``: ``(B, result)``, B None (and ``row`` emitted with the
     error "OOM") when no batch fits."""
@@ -236,7 +246,8 @@ def child_jaxpc(args, name: str, emit) -> None:
     # per sample: node values and their flows, with room for the layers' temporaries; fixed: parameters, flows,
     # the updated parameters and the EM temporaries
     per_sample = args.bytes_per_node * (counts["nodes"] + counts["prod_nodes"])
-    start = args.start_batch or start_batch(n, per_sample, free_now() - 16 * nparams, optimism)
+    start = args.start_batch or min(start_batch(n, per_sample, free_now() - 16 * nparams, optimism),
+                                    index_cap(counts["nodes"] + counts["prod_nodes"]), args.max_batch)
 
     def first_fit(B):
         before = c.cache_info().compile_seconds
@@ -326,7 +337,8 @@ def child_pyjuice(args, name: str, emit) -> None:
 
     # per sample: node and element values and their flows (float32)
     per_sample = 8.0 * (pc.num_nodes + pc.num_elements)
-    start = args.start_batch or start_batch(n, per_sample, free_now(), args.optimism)
+    start = args.start_batch or min(start_batch(n, per_sample, free_now(), args.optimism),
+                                    index_cap(pc.num_nodes + pc.num_elements), args.max_batch)
     state = {}
 
     def step(x, ll_sum=None):
@@ -489,6 +501,8 @@ def main(argv=None):
     p.add_argument("--epochs", type=int, default=2, help="timed epochs after the first call")
     p.add_argument("--max-timed-s", type=float, default=60.0, help="stop timing epochs past this many seconds")
     p.add_argument("--start-batch", type=int, default=None, help="first batch to try (default: estimated)")
+    p.add_argument("--max-batch", type=int, default=60_000,
+                   help="largest batch to try (beside the 32-bit node-buffer cap, see index_cap)")
     p.add_argument("--min-batch", type=int, default=2, help="smallest batch to try before reporting OOM")
     p.add_argument("--optimism", type=float, default=2.0,
                    help="the first try on a GPU is this many times the estimated batch that fits")

@@ -237,6 +237,31 @@ def test_pd_structure_sizes_and_vars():
         structures.PD((4, 4), 12, split_intervals=2, block_size=8)
 
 
+def test_products_no_edge_joins_get_no_flow():
+    """A sparse sum (as PD builds past ``max_prod_block_conns``) may join none of a product's blocks: that product
+    and what only it reaches get exactly zero flow (the likelihood's gradient there is zero), so one EM step moves
+    their weights towards the pseudocount's uniform target alone."""
+    cat, bs = distributions.Categorical(3), 4
+    leaf = [jaxpc.inputs(v, num_node_blocks=2, block_size=bs, dist=cat) for v in range(2)]
+    dead_sum = jaxpc.summate(jaxpc.multiply(*leaf), num_node_blocks=2, block_size=bs)
+    dead = jaxpc.multiply(dead_sum)
+    live = jaxpc.multiply(*[jaxpc.summate(n, num_node_blocks=2, block_size=bs) for n in leaf])
+    # both blocks of the root region join blocks 2 and 3 (the live product's) only
+    top = jaxpc.summate(dead, live, num_node_blocks=2, block_size=bs, edge_ids=np.array([[0, 0, 1, 1], [2, 3, 2, 3]]))
+    root = jaxpc.summate(top, num_node_blocks=1, block_size=1)
+    c = jaxpc.compile(root, seed=1)
+    x = np.random.default_rng(0).integers(0, 3, (16, 2)).astype(np.int32)
+    fl = c.flows(c.params, x)
+    logf = {"sum": {k: jax.numpy.log(v) for k, v in fl["sum"].items()}, "input": c.params["input"]}
+    assert float(np.sum(c.get_node_params(logf, dead_sum))) == 0.0
+    assert float(np.sum(c.get_node_params(logf, top))) == pytest.approx(len(x), rel=1e-5)
+    step, pc = 0.3, 0.2
+    new = c.em_step(c.params, x, step_size=step, pseudocount=pc)
+    old_w = np.asarray(c.get_node_params(c.params, dead_sum))
+    np.testing.assert_allclose(np.asarray(c.get_node_params(new, dead_sum)),
+                               (1 - step) * old_w + step / (2 * bs), rtol=1e-5)
+
+
 def test_rat_spn_is_seeded():
     a = jaxpc.compile(structures.RAT_SPN(8, 4, 2, 2, input_dist=distributions.Categorical(2), seed=3))
     b = jaxpc.compile(structures.RAT_SPN(8, 4, 2, 2, input_dist=distributions.Categorical(2), seed=3))
