@@ -78,8 +78,12 @@ TUNING_CHANGES = {"leaf_batch": 1, "small_batch": 1, "pflow_batch": 1, "chain_un
                   "compiler_options": (("xla_cpu_enable_fast_math", False),)}
 
 
-def test_every_tuning_field_is_in_the_key():
+def test_every_tuning_field_is_listed():
     assert set(TUNING_CHANGES) == {f.name for f in dataclasses.fields(jaxpc.Tuning)}, "list the new Tuning field"
+
+
+@pytest.mark.slow
+def test_every_tuning_field_is_in_the_key():
     x = _data(10)
     c = _hmm()
     c.flows(c.params, x)
