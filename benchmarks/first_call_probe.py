@@ -7,9 +7,10 @@ second process on the same persistent cache (warm).
 
 A configuration is ``name=XLA_FLAGS`` or ``name={options as JSON}`` (``jaxpc.Options`` fields); ``default``
 is the plain default call. Prints one JSON line per process: seconds of the structure build, ``jaxpc.compile``,
-the first call, the median of the calls right after it (``first_steps_ms``: the quick compile's while the optimized
-one compiles in the background, ``Tuning.quick_first_compile``), the wait for the optimized executable, the median
-of calls on it (``step_ms``), and the summed durations of JAX's compile events.
+the first call (``store_s``: of it, the executable store's digests and loads; ``--profile N``: its N functions
+of most cumulative time under cProfile), the median of the calls right after it (``first_steps_ms``: the quick
+compile's while the optimized one compiles in the background, ``Tuning.quick_first_compile``), the wait for the
+optimized executable, the median of calls on it (``step_ms``), and the summed durations of JAX's compile events.
 """
 
 from __future__ import annotations
@@ -59,9 +60,36 @@ def child(workload: str, batch: int, entry: str, options: dict) -> None:
     kw = {} if opts is None else {"options": opts}
     call = {"flows": lambda: c.flows(c.params, xd, **kw), "log_prob": lambda: c.log_prob(c.params, xd, **kw),
             "em_step": lambda: c.em_step(c.params, xd, **kw)}[entry]
+    from jaxpc import executables
+
+    store_s = collections.defaultdict(float)  # seconds in the executable store's digest and load
+
+    def timed(name, f):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                store_s[name] += time.perf_counter() - t
+        return wrapper
+
+    for name in ("fingerprint", "load", "save"):
+        setattr(executables.ExecutableStore, name, timed(name, getattr(executables.ExecutableStore, name)))
+    prof = None
+    if os.environ.get("PROBE_PROFILE"):
+        import cProfile
+        prof = cProfile.Profile()
+        prof.enable()
     t3 = time.perf_counter()
     jax.block_until_ready(call())
     t4 = time.perf_counter()
+    top = []
+    if prof is not None:
+        import pstats
+        prof.disable()
+        st = pstats.Stats(prof)
+        rows = sorted(st.stats.items(), key=lambda kv: -kv[1][3])[:int(os.environ["PROBE_PROFILE"])]
+        top = [f"{v[3]:.3f}s cum {v[2]:.3f}s own {Path(k[0]).name}:{k[1]}({k[2]})" for k, v in rows]
 
     def step_ms():
         steps = []
@@ -80,6 +108,7 @@ def child(workload: str, batch: int, entry: str, options: dict) -> None:
                                       compile_s=round(t2 - t1, 2), first_call_s=round(t4 - t3, 3),
                                       first_steps_ms=first_steps, upgrade_wait_s=round(upgrade, 2),
                                       step_ms=step_ms(), events=ev,
+                                      store_s={k: round(v, 3) for k, v in store_s.items()}, profile=top,
                                       cache=str(c.cache_info()), kernels=kernel_counts(c.compiled(entry)))),
           flush=True)
 
@@ -139,6 +168,8 @@ def main(argv=None):
     p.add_argument("--timeout", type=float, default=200)
     p.add_argument("--configs", default="default")
     p.add_argument("--warm", action="store_true", help="run each configuration a second time on the same cache")
+    p.add_argument("--profile", type=int, default=0,
+                   help="profile each first call (cProfile) and report its N functions of most cumulative time")
     p.add_argument("--dedupe", action="store_true", help="only probe whether XLA compiles repeated kernels once")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -151,6 +182,8 @@ def main(argv=None):
         options, flags = ({}, "") if not spec else ((json.loads(spec), "") if spec.startswith("{") else ({}, spec))
         cache = tempfile.mkdtemp(prefix="jaxpc-probe-")
         env = dict(os.environ, JAXPC_CACHE_DIR=cache)
+        if args.profile:
+            env["PROBE_PROFILE"] = str(args.profile)
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flags).strip()
         for run in ("cold", "warm") if args.warm else ("cold",):
             cmd = [sys.executable, __file__, "--workload", args.workload, "--batch", str(args.batch), "--entry",
