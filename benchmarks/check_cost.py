@@ -21,6 +21,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import _timing  # noqa: E402
 import jaxpc  # noqa: E402
 from _data import blurred_noise_images  # noqa: E402
 from jaxpc import distributions, runtime, structures  # noqa: E402
@@ -86,13 +87,7 @@ def host_profile(c, xs, reps: int) -> None:
     rt = c.runtime
 
     def timed(name, fn):
-        def wrapper(*a, **k):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                spent[name] += time.perf_counter() - t
-        return wrapper
+        return _timing.timed(spent, name, fn)
 
     helpers_run, record, settle = rt._helpers.run, rt._record, rt._settle
     rt._helpers.run, rt._record, rt._settle = (timed("flag dispatch", helpers_run), timed("record", record),

@@ -60,21 +60,12 @@ def child(workload: str, batch: int, entry: str, options: dict) -> None:
     kw = {} if opts is None else {"options": opts}
     call = {"flows": lambda: c.flows(c.params, xd, **kw), "log_prob": lambda: c.log_prob(c.params, xd, **kw),
             "em_step": lambda: c.em_step(c.params, xd, **kw)}[entry]
+    from _timing import timed
     from jaxpc import executables
 
     store_s = collections.defaultdict(float)  # seconds in the executable store's digest and load
-
-    def timed(name, f):
-        def wrapper(*a, **k):
-            t = time.perf_counter()
-            try:
-                return f(*a, **k)
-            finally:
-                store_s[name] += time.perf_counter() - t
-        return wrapper
-
     for name in ("fingerprint", "load", "save"):
-        setattr(executables.ExecutableStore, name, timed(name, getattr(executables.ExecutableStore, name)))
+        setattr(executables.ExecutableStore, name, timed(store_s, name, getattr(executables.ExecutableStore, name)))
     prof = None
     if os.environ.get("PROBE_PROFILE"):
         import cProfile

@@ -196,22 +196,25 @@ def step_check(structure: str, latents: int, train, batch: int) -> dict:
     ll_jx = np.asarray(c.log_prob(c.params, jnp.asarray(xb)))
     pc.backward(xt, flows_memory=1.0)
     pc.update_param_flows()
-    fl = c.flows(c.params, jnp.asarray(xb))
-    logf = {"sum": {g: jnp.log(v) for g, v in fl["sum"].items()}, "input": c.params["input"]}
-    ref_made: dict = {}  # a third opinion: the same circuit's flows on XLA's sum layers at exact fp32
-    ref = jaxpc.compile(_pyjuice.to_jaxpc(ns, ref_made))
-    fl_ref = ref.flows(ref.params, jnp.asarray(xb), options=jaxpc.Options(impl="xla", precision="fp32"))
-    logf_ref = {"sum": {g: jnp.log(v) for g, v in fl_ref["sum"].items()}, "input": ref.params["input"]}
+
+    def node_flows(options=None):
+        """Per sum node vector, its dense parameter flows (``get_node_params`` reads log flows as log weights)."""
+        fl = c.flows(c.params, jnp.asarray(xb), options=options)
+        logf = {"sum": {g: jnp.log(v) for g, v in fl["sum"].items()}, "input": c.params["input"]}
+        return lambda node: np.asarray(c.get_node_params(logf, node), np.float64)
+
+    def rel_err(a, ref) -> float:
+        return float(np.max(np.abs(a - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
+
+    mine_flows = node_flows()
+    xla_flows = node_flows(jaxpc.Options(impl="xla", precision="fp32"))  # a third opinion, exact fp32
     per_node = []  # sum node vectors' parameter flows (dense), PyJuice against jaxpc
     for p_ns, j_ns in made.items():
         if p_ns.is_sum() and not p_ns.is_tied():
             a = p_ns.get_param_flows(as_matrix=True).numpy().astype(np.float64)
-            b = np.asarray(c.get_node_params(logf, j_ns), np.float64)
-            r = np.asarray(ref.get_node_params(logf_ref, ref_made[p_ns]), np.float64)
-            scale = max(float(np.max(np.abs(a))), 1e-30)
+            b, r = mine_flows(j_ns), xla_flows(j_ns)
             full = p_ns.num_node_blocks * sum(ch.num_node_blocks for ch in p_ns.chs)
-            per_node.append(dict(err=float(np.max(np.abs(a - b)) / scale),
-                                 err_xla_fp32=float(np.max(np.abs(r - b)) / max(float(np.max(np.abs(r))), 1e-30)),
+            per_node.append(dict(err=rel_err(b, a), err_xla_fp32=rel_err(b, r),
                                  shape=list(a.shape), children=len(p_ns.chs), edge_blocks=int(p_ns.edge_ids.size(1)),
                                  full_blocks=int(full), flow_pj=float(a.sum()), flow_jx=float(b.sum()),
                                  flow_xla=float(r.sum()), node=p_ns, name=type(p_ns).__name__))
