@@ -1,6 +1,6 @@
 """Check the Pallas sum-layer kernels against the reference on the GPU and time them per partition.
 
-    python benchmarks/kernels_check.py [--no-timing] [--leaves] [--levels]
+    python benchmarks/kernels_check.py [--no-timing] [--leaves] [--levels] [--triton] [--chain] [--fanin]
 
 1. Correctness: forward, child flows and parameter flows of ``jaxpc.ops.pallas_sum`` against the
    plain-jnp reference on the device, over the shapes of ``tests/test_kernels.py`` plus large ones, and
@@ -26,6 +26,9 @@
    (``jaxpc.ops.pallas_chain``) against the scans (``Tuning(chain_kernel_batch=0)``): relative error of each leaf
    at fp32 and at the default precision, and the median milliseconds of both calls per batch
    (:func:`check_chain`).
+6. ``--fanin`` (alone): PD-128's default ``flows`` call, whose fan-in partitions run the one-kernel backward
+   (``pallas_sum.backward_atomic``), against XLA's backward for them (``Tuning(fanin_kernel_batch=0)``): relative
+   error of each leaf and the median milliseconds of both calls at batch 16, 128 and 512 (:func:`check_fanin`).
 """
 
 from __future__ import annotations
@@ -455,6 +458,35 @@ def _check_chain(c, L, batches, reps, rng) -> float:
     return worst
 
 
+def check_fanin(batches=(16, 128, 512), reps=30, latents=128) -> float:
+    """PD-``latents`` (28x28, splits (4, 4)): the default call, whose fan-in partitions run
+    ``pallas_sum.backward_atomic`` (``jaxpc.engine.routing.atomic_backward``), against XLA's backward for them
+    (``Tuning(fanin_kernel_batch=0)``), both at JAX's default precision; returns the worst relative error of any
+    leaf (log-likelihoods, flows) and prints both calls' ms."""
+    import jaxpc
+    from jaxpc import distributions, structures
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _data import blurred_noise_images
+
+    c = jaxpc.compile(structures.PD((28, 28), latents, split_intervals=(4, 4),
+                                    input_dist=distributions.Categorical(256)))
+    data = blurred_noise_images(max(batches) * 4)
+    worst = 0.0
+    for B in batches:
+        xs = [jax.device_put(data[i * B:(i + 1) * B]) for i in range(4)]
+        kern, xla = jaxpc.Options(), jaxpc.Options(tuning=jaxpc.Tuning(fanin_kernel_batch=0))
+        got = c.flows(c.params, xs[0], options=kern, return_ll=True)
+        want = c.flows(c.params, xs[0], options=xla, return_ll=True)
+        err = max(rel(a, b) for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)))
+        worst = max(worst, err)
+        c.wait_compiled()
+        ms = [bench(lambda o=o: c.flows(c.params, xs[0], options=o), reps) for o in (kern, xla)]
+        print(f"check fan-in PD-{latents} B={B}: worst leaf {err:.1e}; flows ms atomic kernel {ms[0]:.3f} "
+              f"XLA {ms[1]:.3f}", flush=True)
+    return worst
+
+
 def main(argv=None):
     import argparse
 
@@ -464,11 +496,15 @@ def main(argv=None):
     p.add_argument("--levels", action="store_true", help="only the evened tree levels of HCLT-256, end to end")
     p.add_argument("--chain", action="store_true", help="only HMM-1024 and HMM-256 on the chain kernels, end to end")
     p.add_argument("--triton", action="store_true", help="only the jax-triton route: check and time")
+    p.add_argument("--fanin", action="store_true", help="only PD-128's fan-in backward kernel, end to end")
     args = p.parse_args(argv)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     if args.triton:
         print(f"worst fp32 relative error of the jax-triton kernels: {check_triton(not args.no_timing):.2e}",
               flush=True)
+        return
+    if args.fanin:
+        print(f"worst relative error of the fan-in backward kernel: {check_fanin():.2e}", flush=True)
         return
     if args.chain:
         print(f"worst fp32 relative error of the chain kernels: {check_chain():.2e}", flush=True)

@@ -10,12 +10,13 @@ On the H200 (one command may run 10 minutes: split the sizes over calls, then me
 travels in the git-ignored ``.whl_pj``)::
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl_pj/*.whl && export PYTHONPATH=/tmp/site
-    python3 benchmarks/scale.py --structures hclt1,pd1,hclt2,pd2 --epochs 1 --json $OUT/scale_1.json
-    python3 benchmarks/scale.py --structures hclt3,pd3,hclt4 --epochs 1 --json $OUT/scale_2.json
-    python3 benchmarks/scale.py --structures pd4 --epochs 1 --json $OUT/scale_3.json   # then hclt5, pd5 alike
+    python3 benchmarks/scale.py --structures hclt1,pd1 --epochs 1 --json $OUT/scale_1.json
+    python3 benchmarks/scale.py --structures hclt2,pd2,hclt3 --epochs 1 --json $OUT/scale_2.json
+    python3 benchmarks/scale.py --structures hclt4 --epochs 1 --json $OUT/scale_3.json   # then pd3, hclt5, pd4, pd5
 
 (On the H200, hclt1 and pd1 took 50 + 27 s and 43 + 57 s for jaxpc + PyJuice: build, compile, the first call and
-one timed epoch; PyJuice's ``juice.compile`` alone 4.1 s at 2.45M edges and 23.5 s at 14.6M.)
+one timed epoch; hclt2, pd2 and hclt3 318 s together, hclt4 about 150 s; PyJuice's ``juice.compile`` alone 4.1 s at
+2.45M edges, 23.5-26.3 s for the PDs of 14.6M and 56.5M, 18.1 s for hclt4's 152M.)
 
 The ten structures are those of PyJuice's README (RTX 4090; edges 15.6M / 56.3M / 213M / 829M / 2.03B for PD,
 2.56M / 10.1M / 39.9M / 159M / 633M for HCLT). Edges are counted as PyJuice counts them in ``pc.num_edges``:

@@ -57,6 +57,9 @@ class Tuning:
             :func:`jaxpc.executables.optimized_options`), the quick one keeps the scans.
         compiler_options: XLA options for the executables, ``((name, value), ...)`` (e.g.
             ``(("xla_gpu_autotune_level", 0),)``).
+        fanin_kernel_batch: from this many samples on, a sum partition whose child row blocks are read by several
+            parent blocks (a PD's fan-ins) and whose forward kept its shifts runs its whole backward as one Pallas
+            kernel, the child flows added by atomic adds (:func:`jaxpc.engine.routing.atomic_backward`); 0: never.
     """
 
     leaf_batch: int = 64
@@ -72,6 +75,7 @@ class Tuning:
     quick_first_compile: bool = True
     unroll_optimized: bool = True
     compiler_options: tuple = ()
+    fanin_kernel_batch: int = 1
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

@@ -772,3 +772,36 @@ def test_buffers_past_int32_offsets_run_on_xla(monkeypatch, pallas_forward_calls
     small = jaxpc.compile(root, seed=2)
     small.flows(small.params, x, return_ll=True)
     assert pallas_forward_calls
+
+
+@pytest.mark.slow
+def test_fanin_partitions_run_the_atomic_backward_and_equal_xla(monkeypatch):
+    """Where the forward kept the shifts of a partition whose child row blocks several parent blocks read (a PD's
+    fan-ins), the flow pass runs it as one kernel (interpret mode here; on a GPU with the default impl) and gives
+    XLA's flows, parameter flows and log-likelihoods (GeneralLL's exponent: the kernel's own test); which options
+    and batches route to it."""
+    from types import SimpleNamespace
+
+    c = jaxpc.compile(structures.PD((2, 4), 8, split_intervals=(1, 1), input_dist=distributions.Categorical(5)),
+                      seed=3)
+    x = np.random.default_rng(0).integers(0, 5, (13, 8)).astype(np.int32)
+    plan = c.layout.fold
+    fanin = [p for s in plan.stages() for p in s.sums if p.D > 1 and p.C > 1]
+    assert fanin and all(not routing.exclusive(p) for p in fanin)
+    part = max(fanin, key=lambda p: p.D)
+    values = SimpleNamespace(shape=(0, 13), dtype=jnp.float32)
+    o = jaxpc.Options(impl="pallas_forward", precision="tf32")
+    assert routing.atomic_backward(o, part, values)
+    for off in ({"precision": "fp32"}, {"impl": "xla"}, {"eflow_temperature": 0.5}, {"pflow_temperature": 0.5},
+                {"propagation": "MPE"}, {"tuning": jaxpc.Tuning(fanin_kernel_batch=14)},
+                {"tuning": jaxpc.Tuning(fanin_kernel_batch=0)}):
+        assert not routing.atomic_backward(o.replace(**off), part, values), off
+    assert routing.atomic_backward(jaxpc.Options(precision="tf32"), part, values) == (jax.default_backend() == "gpu")
+    calls = []
+    real = engine_flows._sum_flows_atomic
+    monkeypatch.setattr(engine_flows, "_sum_flows_atomic", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = c.flows(c.params, x, options=o, return_ll=True)
+    assert len(calls) == len([p for p in fanin if not p.dense])
+    ref = c.flows(c.params, x, options=o.replace(tuning=jaxpc.Tuning(fanin_kernel_batch=0)), return_ll=True)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6 * float(np.abs(b).max()))

@@ -196,6 +196,43 @@ def test_kernels_lower_for_cuda_without_a_gpu():
             assert "__gpu$xla.gpu.triton" in text
 
 
+def test_atomic_adds_are_relaxed_in_the_fanin_kernel_only():
+    """Cross-lowered for CUDA: the fan-in backward's atomic adds get relaxed memory order
+    (``pallas_sum.relaxed_atomics``), the chain kernels' grid-barrier atomics keep Pallas's acquire-release order."""
+    from unittest import mock
+
+    from jax._src.pallas.triton import lowering as tl
+    from jax._src.pallas.triton import primitives as tp
+
+    assert pallas_sum.relaxed_atomics()
+    seen = []
+    rule = tl.triton_lowering_rules[tp.atomic_rmw_p]
+
+    def spy(ctx, *args, **kw):
+        out = rule(ctx, *args, **kw)
+        seen.append((ctx.context.name, str(out.owner.attributes["sem"])))
+        return out
+
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    b, ch, pid = jnp.zeros((256, 40)), jnp.full((3, 2, 2), 64, jnp.int32), jnp.zeros((3, 2), jnp.int32)
+
+    def fanin(b, ch, pid, lw):
+        return pallas_sum.backward_atomic(b, b, b[::16], 128, ch, pid, lw, Kp=16, Kc=32, unit=16, first_row=64)
+
+    A, Et = jnp.ones((256, 256)), jnp.ones((5, 256, 16))
+    with mock.patch.dict(tl.triton_lowering_rules, {tp.atomic_rmw_p: spy}), \
+            mock.patch.object(pallas_sum, "interpret_mode", lambda: False), \
+            mock.patch.object(pallas_chain, "interpret_mode", lambda: False), \
+            jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
+        jax.jit(fanin).trace(b, ch, pid, jnp.zeros((6, 16, 32))).lower(lowering_platforms=("cuda",))
+        jax.jit(lambda a, e: pallas_chain.forward(a, e, "tf32")).trace(A, Et).lower(lowering_platforms=("cuda",))
+    ours = [sem for name, sem in seen if name.startswith("jaxpc_sum_backward_atomic")]
+    others = [sem for name, sem in seen if not name.startswith("jaxpc_sum_backward_atomic")]
+    relaxed = f"{int(tl.tt_dialect.MemSemantic.RELAXED)} : i32"
+    assert ours and all(sem == relaxed for sem in ours), seen
+    assert others and not any(sem == relaxed for sem in others), seen
+
+
 # (Kp, Kc, n, C, M, B): folded partitions (each child block the sum of M row blocks)
 FOLDED = [(4, 4, 3, 2, 3, 7), (16, 32, 2, 1, 4, 19), (2, 8, 5, 3, 2, 40)]
 
@@ -433,6 +470,63 @@ def test_param_flows_after_match_reference(shape, propagation):
         pallas_sum.param_flows_after(vals, fl, shifts, srow, prow, ch, pid, logw, precision="fp32", **kw)
     with pytest.raises(ValueError, match="srow"):
         pallas_sum.param_flows_after(vals, fl, shifts, srow[1:], prow, ch, pid, logw, **kw)
+
+
+# (Kp, Kc, n, C, M, B): fan-in partitions whose child row blocks several parent blocks share
+ATOMIC = [(16, 16, 6, 3, 2, 20), (8, 32, 5, 4, 1, 70), (32, 8, 3, 2, 3, 9)]
+
+
+@pytest.mark.parametrize("shape", cases(ATOMIC, fast=ATOMIC[:1]), ids=lambda s: "Kp{}-Kc{}-n{}-C{}-M{}-B{}".format(*s))
+@pytest.mark.parametrize("propagation", ["LL", "GeneralLL"])
+def test_fanin_backward_atomic_matches_reference(shape, propagation):
+    """The one-kernel backward of a fan-in partition (the kept shifts read, local sums from the stored values, the
+    child flows added to rows that several parent blocks share) against the XLA reference at tf32 (exact on a CPU):
+    parameter flows, and the flow buffer with the child flows added to every row block of each folded child, the
+    padding rows (zero rows of shorter products, the -inf rows) untouched; -inf values, zero flows; bad input."""
+    from types import SimpleNamespace
+
+    from jaxpc.engine.flows import scatter_child_flows
+
+    Kp, Kc, n, C, M, B = shape
+    rng = np.random.default_rng(1)
+    kmax = max(Kp, Kc)
+    first, U = 2 * kmax, 4  # the padding rows, then U child row blocks that the n * C edge blocks share
+    off = -(-(first + U * Kc) // Kp) * Kp
+    R = off + n * Kp
+    vals = (rng.normal(size=(R, B)) * 3).astype(np.float32)
+    vals[:kmax], vals[kmax:first] = 0.0, -np.inf
+    vals[rng.random((R, B)) < 0.05] = -np.inf
+    ch = (first + Kc * rng.integers(0, U, (n, C, M))).astype(np.int32)
+    ch[0, 0, 0] = kmax  # a padding child: the -inf rows
+    if M > 1:
+        ch[1, :, M - 1] = 0  # a shorter product: the zero rows
+    pid = rng.integers(0, n * C, (n, C)).astype(np.int32)
+    logw = jax.nn.log_softmax(jnp.asarray(rng.normal(size=(n * C, Kp, Kc)), jnp.float32), axis=-1)
+    alpha = 2.5 if propagation == "GeneralLL" else None
+    tab = jnp.asarray(ch if M > 1 else ch[:, :, 0])
+    out, m = whole(sum_layer_reference)(jnp.asarray(vals), tab, jnp.asarray(pid), logw, Kp=Kp, Kc=Kc, dense=False,
+                                        propagation=propagation, alpha=alpha, precision="tf32", with_shift=True)
+    vals = jnp.asarray(vals).at[off:].set(out)
+    shifts = jnp.asarray(rng.normal(size=(R // Kp, B)), jnp.float32).at[off // Kp + jnp.arange(n)].set(m)
+    fl = np.abs(rng.normal(size=(R, B))).astype(np.float32)
+    fl[rng.random((R, B)) < 0.2] = 0.0
+    fl = jnp.asarray(fl)
+    cf, pf = whole(sum_layer_backward_reference)(vals, fl, tab, jnp.asarray(pid), logw, off, Kp=Kp, Kc=Kc,
+                                                  dense=False, propagation=propagation, alpha=alpha, precision="tf32",
+                                                  shift=m)
+    want = scatter_child_flows(fl, cf, tab, SimpleNamespace(Kc=Kc, dense=False, D=2), first)[first:]  # (and padding)
+    kw = dict(Kp=Kp, Kc=Kc, unit=Kp, first_row=first, alpha=alpha or 1.0, precision="tf32")
+    got, gpf = whole(pallas_sum.backward_atomic)(vals, fl, shifts, off, tab, jnp.asarray(pid), logw, **kw)
+    assert bool(jnp.all(jnp.isfinite(got))) and bool(jnp.all(got[:first] == fl[:first]))
+    np.testing.assert_allclose(np.asarray(got[first:]), np.asarray(want), rtol=2e-5,
+                               atol=1e-6 * float(jnp.abs(want).max()))
+    np.testing.assert_allclose(np.asarray(gpf), np.asarray(pf), rtol=2e-5, atol=1e-6 * float(jnp.abs(pf).max()))
+    with pytest.raises(TypeError, match="float32"):
+        pallas_sum.backward_atomic(vals.astype(jnp.bfloat16), fl, shifts, off, tab, jnp.asarray(pid), logw, **kw)
+    with pytest.raises(ValueError, match="precision below fp32"):
+        pallas_sum.backward_atomic(vals, fl, shifts, off, tab, jnp.asarray(pid), logw, **{**kw, "precision": "fp32"})
+    with pytest.raises(ValueError, match="at most 64"):
+        pallas_sum.backward_atomic(vals, fl, shifts, off, tab, jnp.asarray(pid), logw, **{**kw, "Kp": 128})
 
 
 # ---- the node buffer's leaves (pallas_leaf) ----------------------------------------------------------

@@ -108,6 +108,8 @@ def _stage_flows(ps: _Pass, carry: tuple, spec: StageSpec, tab: dict, offset, na
             impl, cfg = routing.kernel_choice(ps.options, part, ps.values.shape[1], ps.values.dtype)
             if routing.runs_kernel_backward(impl, ps.options):
                 fl, dp = _sum_flows_kernels(ps, fl, dp, part, t, row, impl, cfg)
+            elif ps.unit and not ps.batched_part(part) and routing.atomic_backward(ps.options, part, ps.values):
+                fl, dp = _sum_flows_atomic(ps, fl, dp, part, t, row)
             else:
                 fl, dp = _sum_flows_xla(ps, fl, dp, part, t, row)
         row = row + part.num_rows
@@ -125,6 +127,19 @@ def _sum_flows_kernels(ps: _Pass, fl: Array, dp: dict, part, t: dict, row, impl:
     if g is not None:
         dp = {**dp, part.group: g}
     return fl, dp
+
+
+def _sum_flows_atomic(ps: _Pass, fl: Array, dp: dict, part, t: dict, row) -> tuple:
+    """A sum partition's child flows and parameter flows by one Pallas kernel reading the forward's kept shifts
+    (:func:`jaxpc.ops.pallas_sum.backward_atomic`; route: :func:`jaxpc.engine.routing.atomic_backward`)."""
+    from ..ops import pallas_sum
+
+    options = ps.options
+    fl, pf = pallas_sum.backward_atomic(ps.values, fl, ps.shifts, row, t["ch"], t["pid"], ps.sum_params[part.group],
+                                        Kp=part.Kp, Kc=part.Kc, unit=ps.unit, first_row=2 * ps.layout.kmax,
+                                        alpha=1.0 if options.propagation == "LL" else options.alpha,
+                                        precision=options.concrete_precision)
+    return fl, (add_param_flows(dp, part, t["pid"], pf) if options.compute_param_flows else dp)
 
 
 def _sum_flows_xla(ps: _Pass, fl: Array, dp: dict, part, t: dict, row) -> tuple:
@@ -176,7 +191,7 @@ def flow_buffer(layout, options, values: Array) -> Array:
     if (not options.tuning.unset_rows or gaps is None or not layout.single_reader
             or 2 * sum(b - a for a, b in gaps) > layout.num_rows
             or any(routing.runs_kernel_backward(routing.kernel_choice(options, p, B, dtype)[0], options)
-                   for spec in layout.stages() for p in spec.sums)):
+                   or routing.atomic_backward(options, p, values) for spec in layout.stages() for p in spec.sums)):
         return jnp.zeros_like(values)
     fl = uninitialized(values.shape, dtype, options.tuning.min_unset)
     for a, b in gaps:  # the padding rows (compiled circuits have no other gaps: one root, unpadded blocks)

@@ -275,6 +275,24 @@ def shift_unit(layout: Layout) -> int:
     return unit if unit >= SHIFT_MIN_UNIT else 0
 
 
+def atomic_backward(options, part, values: Array) -> bool:
+    """Whether the flow pass runs sum partition ``part`` as :func:`jaxpc.ops.pallas_sum.backward_atomic` (its
+    parameter flows and its child flows in one kernel, the child flows added by atomic adds) instead of XLA's
+    backward, which writes ``W^T a`` for every edge block and scatters its products by atomic adds of its own:
+    child row blocks read by several parent blocks (``D > 1``), blocks of at most
+    :data:`~jaxpc.ops.pallas_sum.ATOMIC_MAX_KP` nodes, the forward's shifts kept (:func:`writes_shift`), local sums
+    from the stored values (:func:`pflow_kernel`'s routes), parameter flows inline (not the batched pass), a
+    batch of at least ``Options.tuning.fanin_kernel_batch`` samples, and on a GPU its atomic adds lowered relaxed
+    (:func:`jaxpc.ops.pallas_sum.relaxed_atomics`)."""
+    from ..ops import pallas_sum
+
+    B, tuning = values.shape[1], options.tuning
+    return (0 < tuning.fanin_kernel_batch <= B and part.D > 1 and not part.dense
+            and part.Kp <= pallas_sum.ATOMIC_MAX_KP and options.eflow_temperature == 1.0
+            and writes_shift(options, part, values) and pflow_kernel(options, values.dtype)
+            and (pallas_sum.interpret_mode() or pallas_sum.relaxed_atomics()))
+
+
 def pflow_kernel(options, dtype) -> bool:
     """Whether the batched parameter-flow pass may run :func:`jaxpc.ops.pallas_sum.param_flows_after` (one kernel
     per block shape: the weights' product in its epilogue, nothing of the gathered children's size in memory)

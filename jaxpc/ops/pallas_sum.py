@@ -120,6 +120,16 @@ def _store_tile(ref, rows, cols, val, rmask, cmask):
     plgpu.store(ref.at[rows[:, None], cols[None, :]], val, mask=rmask[:, None] & cmask[None, :])
 
 
+def _add_tile(ref, rows, cols, val, rmask, cmask):
+    """``ref[rows, cols] += val`` by atomic adds (other programs add to the same entries); in interpret mode, where
+    the programs run one by one (and Pallas has no masked atomics), a load and a store."""
+    mask = rmask[:, None] & cmask[None, :]
+    if interpret_mode():
+        _store_tile(ref, rows, cols, _load_tile(ref, rows, cols, rmask, cmask, 0.0) + val, rmask, cmask)
+    else:
+        plgpu.atomic_add(ref, (rows[:, None], cols[None, :]), val, mask=mask)
+
+
 def _load_child(buf_ref, ch_ref, i, c, kc, cols, cmask, *, M, Kc):
     """Values ``[len(kc), BB]`` of child block ``c`` of parent block ``i``: the sum of its ``M`` row blocks
     (masked entries ``-inf``)."""
@@ -383,6 +393,130 @@ def param_flows_after(values: Array, flows: Array, shifts: Array, srow: Array, p
                  out_shape=jax.ShapeDtypeStruct((n, C, Kp, Kc), jnp.float32),
                  name="jaxpc_param_flows_after")(prow.astype(jnp.int32), srow.astype(jnp.int32), ch, pid, w, values,
                                                  flows, shifts)
+
+
+# ---- backward of a fan-in partition from the kept shifts: one kernel, child flows by atomic adds --------
+
+ATOMIC_MAX_KP: Final = 64  # backward_atomic: the most parent nodes per block (one program holds the block's)
+RELAXED_KERNELS: Final = ("jaxpc_sum_backward_atomic",)  # kernels whose atomic adds are lowered relaxed
+_RELAXED: list = []  # [installed: bool], once per process
+
+
+def relaxed_atomics() -> bool:
+    """Whether the atomic adds of the kernels named in :data:`RELAXED_KERNELS` are lowered with relaxed memory order
+    (installed on the first call). Pallas's Triton lowering gives every atomic acquire-release order, a fence per
+    element: :func:`backward_atomic` then ran slower than XLA's backward (PD-128's flows at batch 512 on the H200,
+    12.44 against 10.95 ms), and with relaxed adds faster (8.29 against 11.23). Their adds need no order: no
+    program reads the rows they add to. Atomics of every other kernel keep their order (the chain kernels'
+    grid barrier needs it). The lowering rule of Pallas's atomics is wrapped to set the order of the ops it
+    emits for those kernels; False where this JAX's lowering has another shape (the fan-in route then stays off
+    on a GPU: :func:`jaxpc.engine.routing.atomic_backward`)."""
+    if not _RELAXED:
+        _RELAXED.append(_install_relaxed())
+    return _RELAXED[0]
+
+
+def _install_relaxed() -> bool:
+    try:
+        from jax._src.lib.mlir import ir
+        from jax._src.pallas.triton import lowering as tl
+        from jax._src.pallas.triton import primitives as tp
+
+        rules, prim = tl.triton_lowering_rules, tp.atomic_rmw_p
+        original = rules[prim]
+        relaxed = ir.AttrBuilder.get("TT_MemSemanticAttr")
+        order = tl.tt_dialect.MemSemantic.RELAXED
+    except Exception:  # noqa: BLE001 - another JAX: the atomics keep Pallas's order
+        return False
+    if getattr(original, "jaxpc_relaxed", False):
+        return True
+
+    def rule(ctx, *args, **kw):
+        out = original(ctx, *args, **kw)
+        if ctx.context.name.startswith(RELAXED_KERNELS):
+            op = out.owner
+            op.attributes["sem"] = relaxed(order, context=op.context)
+        return out
+
+    rule.jaxpc_relaxed = True
+    rules[prim] = rule
+    return True
+
+
+def _bwd_atomic_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, shift_ref, flow_ref, out_ref, pf_ref, *, C, M, Kp,
+                       Kc, KT, KC, BB, B, alpha, precision, unit, first_row):
+    ic, q = block_ids(2)
+    i, c = lax.div(ic, jnp.int32(C)), lax.rem(ic, jnp.int32(C))
+    kp = jnp.arange(KT)
+    kc = q * KC + jnp.arange(KC)
+    pmask = kp < Kp
+    first = off_ref[0] + i * Kp  # the block's first parent row; its kept shift at row first / unit
+    srow = lax.div(first, jnp.int32(unit))
+    w = _load_w(w_ref, pid_ref[i, c], kp, kc, Kp, Kc, alpha)  # [KT, KC]
+
+    def tile(t, acc):
+        cols = t * BB + jnp.arange(BB)
+        cmask = cols < B
+        m = plgpu.load(shift_ref.at[srow, cols], mask=cmask, other=0.0)
+        safe = jnp.where(m == _NEG, 0.0, m)
+        s = jnp.exp(alpha * (_load_tile(buf_ref, first + kp, cols, pmask, cmask, _NEG) - safe[None, :]))
+        fp = _load_tile(flow_ref, first + kp, cols, pmask, cmask, 0.0)
+        a = jnp.where((fp == 0) | (s == 0), 0.0, fp / jnp.where(s == 0, 1.0, s))  # [KT, BB]
+        y = jnp.exp(alpha * (_load_child(buf_ref, ch_ref, i, c, kc, cols, cmask, M=M, Kc=Kc) - safe[None, :]))
+        cf = y * mm(w, a, precision, trans_a=True)  # [KC, BB]: this edge block's share of the child's flows
+        for r in range(M):  # into every row block of the (folded) child; other parents add to the same rows
+            r0 = ch_ref[i, c, r]
+            rmask = (kc < Kc) & (r0 >= first_row)
+            _add_tile(out_ref, r0 + kc, cols, cf, rmask, cmask)
+        return acc + mm(a, y, precision, trans_b=True)
+
+    acc = lax.fori_loop(0, pl.cdiv(B, BB), tile, jnp.zeros((KT, KC), jnp.float32))
+    plgpu.store(pf_ref.at[i, c, kp[:, None], kc[None, :]], w * acc, mask=pmask[:, None] & (kc[None, :] < Kc))
+
+
+def check_atomic_args(Kp: int, values: Array, flows: Array, shifts: Array, precision: str, unit: int) -> None:
+    """The arguments :func:`backward_atomic` refuses: blocks of more than :data:`ATOMIC_MAX_KP` parents, buffers
+    other than float32, fp32 precision (it takes the local sums from the stored values), a shift unit that does not
+    divide the block size."""
+    if Kp > ATOMIC_MAX_KP:
+        raise ValueError(f"backward_atomic holds a block's parents in one program: at most {ATOMIC_MAX_KP}, "
+                         f"got Kp={Kp}")
+    if values.dtype != jnp.float32 or flows.dtype != jnp.float32 or shifts.dtype != jnp.float32:
+        raise TypeError(f"backward_atomic needs float32 node values, flows and shifts, got {values.dtype}, "
+                        f"{flows.dtype} and {shifts.dtype}")
+    if precision == "fp32" or unit < 1 or Kp % unit:
+        raise ValueError(f"backward_atomic takes the local sums from the stored values (precision below fp32, got "
+                         f"{precision!r}) and the kept shifts (a unit dividing Kp={Kp}, got {unit})")
+
+
+def backward_atomic(values: Array, flows: Array, shifts: Array, out_offset, ch: Array, pid: Array, w: Array, *, Kp: int,
+                    Kc: int, unit: int, first_row: int, alpha: float = 1.0, precision: str = "tf32",
+                    config: KernelConfig = KernelConfig()):
+    """The whole backward of a sum partition whose forward kept its shifts (the in-place forward's, at rows ``first
+    parent row / unit`` of ``shifts``) in one kernel, for local sums from the parents' stored values (precision
+    below fp32; untempered): one program per (parent block and child, child-node tile) loops over the batch,
+    splits the parents' flows (``a = flow / exp(alpha (value - shift))``), reduces the edge block's parameter
+    flows ``W * (a @ y^T)`` and adds its share of the child flows, ``y * (W^T a)``, into every row block of the
+    (folded) child by atomic adds (several parent blocks share a child). Nothing of the gathered children's size
+    is written: XLA's backward writes ``W^T a`` and scatters its products by atomic adds of its own. Rows below
+    ``first_row`` (padding) stay untouched. Returns ``(flows with the child flows added in place, param flows
+    [n, C, Kp, Kc])``; the order of the atomic adds makes the child flows' last bits vary from run to run."""
+    ch = tables3(ch)
+    n, C, M = ch.shape
+    B = values.shape[1]
+    check_atomic_args(Kp, values, flows, shifts, precision, unit)
+    relaxed_atomics()
+    BB = min(config.block_b, p2(B))
+    KT, KC = p2(Kp), min(config.block_k, p2(Kc))
+    kernel = functools.partial(_bwd_atomic_kernel, C=C, M=M, Kp=Kp, Kc=Kc, KT=KT, KC=KC, BB=BB, B=B,
+                               alpha=float(alpha), precision=precision, unit=int(unit), first_row=int(first_row))
+    off = jnp.asarray(out_offset, jnp.int32).reshape(1)
+    fl, pf = call_kernel(kernel, config, grid=block_grid(n * C, pl.cdiv(Kc, KC)),
+                         out_shape=(jax.ShapeDtypeStruct(flows.shape, jnp.float32),
+                                    jax.ShapeDtypeStruct((n, C, Kp, Kc), jnp.float32)),
+                         input_output_aliases={6: 0},
+                         name="jaxpc_sum_backward_atomic")(off, ch, pid, w, values, shifts, flows)
+    return fl, pf
 
 
 # ---- backward: child side ---------------------------------------------------------------------------
