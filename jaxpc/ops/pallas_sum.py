@@ -123,11 +123,23 @@ def _store_tile(ref, rows, cols, val, rmask, cmask):
 def _add_tile(ref, rows, cols, val, rmask, cmask):
     """``ref[rows, cols] += val`` by atomic adds (other programs add to the same entries); in interpret mode, where
     the programs run one by one (and Pallas has no masked atomics), a load and a store."""
-    mask = rmask[:, None] & cmask[None, :]
     if interpret_mode():
         _store_tile(ref, rows, cols, _load_tile(ref, rows, cols, rmask, cmask, 0.0) + val, rmask, cmask)
     else:
-        plgpu.atomic_add(ref, (rows[:, None], cols[None, :]), val, mask=mask)
+        plgpu.atomic_add(ref, (rows[:, None], cols[None, :]), val, mask=rmask[:, None] & cmask[None, :])
+
+
+def _split(fp, s):
+    """The parents' flows per unit of their local sums, ``fp / s``: 0 for parents that carry no flow or are
+    impossible, never ``0 / 0``."""
+    return jnp.where((fp == 0) | (s == 0), 0.0, fp / jnp.where(s == 0, 1.0, s))
+
+
+def _stored_split(buf_ref, flow_ref, rows, cols, rmask, cmask, safe, alpha):
+    """:func:`_split` of the parents at ``rows`` with the local sums from their stored values, ``exp(alpha (value -
+    shift))`` (``safe``: the block's finite shift per sample): ``[len(rows), BB]``."""
+    s = jnp.exp(alpha * (_load_tile(buf_ref, rows, cols, rmask, cmask, _NEG) - safe[None, :]))
+    return _split(_load_tile(flow_ref, rows, cols, rmask, cmask, 0.0), s)
 
 
 def _load_child(buf_ref, ch_ref, i, c, kc, cols, cmask, *, M, Kc):
@@ -275,8 +287,7 @@ def _scale_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, flow_ref, a_ref, m_r
     kp = k * KT + jnp.arange(KT)
     m, s = _online_sum(i, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, C=C, M=M, Kp=Kp, Kc=Kc, KC=KC,
                        alpha=alpha, precision=precision)
-    fp = _load_tile(flow_ref, off_ref[0] + i * Kp + kp, cols, kp < Kp, cmask, 0.0)
-    a = jnp.where((fp == 0) | (s == 0), 0.0, fp / jnp.where(s == 0, 1.0, s))
+    a = _split(_load_tile(flow_ref, off_ref[0] + i * Kp + kp, cols, kp < Kp, cmask, 0.0), s)
     _store_tile(a_ref, i * Kp + kp, cols, a, kp < Kp, cmask)
     plgpu.store(m_ref.at[i, cols], m, mask=cmask & (k == 0))
 
@@ -352,9 +363,7 @@ def _pflow_after_kernel(prow_ref, srow_ref, ch_ref, pid_ref, w_ref, buf_ref, flo
         kept = plgpu.load(shift_ref.at[jnp.maximum(srow, 0), cols], mask=cmask & (srow >= 0), other=0.0)
         m = jnp.where(srow < 0, lax.fori_loop(0, C * nq, child_max, jnp.full((BB,), _NEG, jnp.float32)), kept)
         safe = jnp.where(m == _NEG, 0.0, m)
-        s = jnp.exp(alpha * (_load_tile(buf_ref, rows, cols, kp < Kp, cmask, _NEG) - safe[None, :]))
-        fp = _load_tile(flow_ref, rows, cols, kp < Kp, cmask, 0.0)
-        a = jnp.where((fp == 0) | (s == 0), 0.0, fp / jnp.where(s == 0, 1.0, s))
+        a = _stored_split(buf_ref, flow_ref, rows, cols, kp < Kp, cmask, safe, alpha)
         y = jnp.exp(alpha * (_load_child(buf_ref, ch_ref, i, c, kc, cols, cmask, M=M, Kc=Kc) - safe[None, :]))
         return acc + mm(a, y, precision, trans_b=True)
 
@@ -459,9 +468,7 @@ def _bwd_atomic_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, shift_ref, flow
         cmask = cols < B
         m = plgpu.load(shift_ref.at[srow, cols], mask=cmask, other=0.0)
         safe = jnp.where(m == _NEG, 0.0, m)
-        s = jnp.exp(alpha * (_load_tile(buf_ref, first + kp, cols, pmask, cmask, _NEG) - safe[None, :]))
-        fp = _load_tile(flow_ref, first + kp, cols, pmask, cmask, 0.0)
-        a = jnp.where((fp == 0) | (s == 0), 0.0, fp / jnp.where(s == 0, 1.0, s))  # [KT, BB]
+        a = _stored_split(buf_ref, flow_ref, first + kp, cols, pmask, cmask, safe, alpha)  # [KT, BB]
         y = jnp.exp(alpha * (_load_child(buf_ref, ch_ref, i, c, kc, cols, cmask, M=M, Kc=Kc) - safe[None, :]))
         cf = y * mm(w, a, precision, trans_a=True)  # [KC, BB]: this edge block's share of the child's flows
         for r in range(M):  # into every row block of the (folded) child; other parents add to the same rows
@@ -710,7 +717,7 @@ def _bwd_level_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, flow_ref, dp_ref
             s = lax.fori_loop(0, pl.cdiv(Kc, KC), local, jnp.zeros((KPT, BB), jnp.float32))
         else:  # from the parents' stored values
             s = jnp.exp(alpha * (_load_tile(buf_ref, first + kp, cols, pmask, cmask, _NEG) - safe[None, :]))
-        a = jnp.where((fp == 0) | (s == 0), 0.0, fp / jnp.where(s == 0, 1.0, s))
+        a = _split(fp, s)
         w = _load_w(w_ref, p, kp, kc, Kp, Kc, alpha)
         if pmode:  # the batch is whole in this program: the parameter flows need no reduction across programs
             pf = w * mm(a, y, precision, trans_b=True)
