@@ -64,7 +64,7 @@ def child(workload: str, batch: int, entry: str, options: dict) -> None:
     from jaxpc import executables
 
     store_s = collections.defaultdict(float)  # seconds in the executable store's digest and load
-    for name in ("fingerprint", "load", "save"):
+    for name in ("fingerprints", "load", "save"):
         setattr(executables.ExecutableStore, name, timed(store_s, name, getattr(executables.ExecutableStore, name)))
     prof = None
     if os.environ.get("PROBE_PROFILE"):
