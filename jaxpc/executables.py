@@ -231,7 +231,9 @@ class _Entry:
         return self.ready.is_set() and self.error is None
 
 
-QUICK_XLA: Final = (("xla_gpu_enable_triton_gemm", False), ("xla_gpu_autotune_level", 0))
+QUICK_XLA: Final = (("xla_gpu_enable_triton_gemm", False), ("xla_gpu_autotune_level", 0),
+                     ("xla_llvm_disable_expensive_passes", True))
+UNROLLED_XLA: Final = (("xla_gpu_enable_triton_gemm", False),)
 
 
 def _on_gpu() -> bool:
@@ -265,11 +267,12 @@ def quick_options(options, xla: dict) -> dict | None:
 
     On a GPU, XLA's Triton GEMM fusions and its autotuning of them take most of a first compile (HCLT-256's
     flows on the H200: 24 s cold, 14 s without the fusions) but make the steps 3-14% faster. A key whose
-    options (``Tuning.quick_first_compile``, the default) allow it is compiled first without them
-    (:data:`QUICK_XLA`), runs at once, and is compiled again with ``xla`` (the executable the disk store keeps)
-    on a background thread that swaps the result in (:meth:`ExecutableCache.wait_upgrades`). Not where the caller
-    sets either option, and not off a GPU, where the two compiles would be the same. A process that ends while
-    an optimized compile runs waits for it at exit (it is stored for the next process)."""
+    options (``Tuning.quick_first_compile``, the default) allow it is compiled first without them and without
+    LLVM's expensive passes (:data:`QUICK_XLA`; PD-128's flows at B=128: XLA's part of the first call 1.54
+    against 1.78 s, steps no slower), runs at once, and is compiled again with ``xla`` (the executable the disk
+    store keeps) on a background thread that swaps the result in (:meth:`ExecutableCache.wait_upgrades`). Not
+    where the caller sets one of these options, and not off a GPU, where the two compiles would be the same. A
+    process that ends while an optimized compile runs waits for it at exit (it is stored for the next process)."""
     tuning = getattr(options, "tuning", None)
     if tuning is None or not tuning.quick_first_compile or not _on_gpu():
         return None
@@ -285,12 +288,23 @@ def optimized_options(options):
     flows at B=16 on the H200: 2.22-2.25 ms scanned, 1.93-1.97 ms unrolled; XLA's own full unrolling leaves
     these loops alone); the quick compile keeps the scans, which trace, lower and compile in a fraction of the
     time. The unrolled trace runs on the key's next call (or :meth:`ExecutableCache.wait_upgrades`), on the
-    caller's thread, and only its compile in the background (a process that ends first traces it at exit).
-    ``options`` itself where nothing changes."""
+    caller's thread, and only its compile in the background (a process that ends first traces it at exit),
+    with :func:`optimized_xla`'s XLA options. ``options`` itself where nothing changes."""
     tuning = getattr(options, "tuning", None)
     if tuning is None or not tuning.unroll_optimized or not options.scan_stages:
         return options
     return options.replace(scan_stages=False)
+
+
+def optimized_xla(xla: dict) -> dict:
+    """The XLA options of an optimized compile that runs scanned stages unrolled (:func:`optimized_options`):
+    ``xla`` without XLA's Triton GEMM fusions (:data:`UNROLLED_XLA`) unless it sets them. The unrolled levels of a
+    tree hold many small products of distinct shapes, for which cuBLAS beats the autotuned Triton fusions
+    (HCLT-256's flows on the H200, B = 16 / 128 / 512: 2.01-2.89 / 3.06-3.42 / 5.43-5.52 ms in two runs against
+    3.56 / 3.51 / 6.02 with the fusions), and autotuning those fusions was most of that compile's work."""
+    if any(k in xla for k, _ in UNROLLED_XLA):
+        return xla
+    return {**xla, **dict(UNROLLED_XLA)}
 
 
 def _signature(a):
@@ -482,7 +496,9 @@ class ExecutableCache:
             xla = dict(opts.tuning.compiler_options) if getattr(opts, "tuning", None) is not None else {}
             store = _STORE
             quick = quick_options(opts, xla)
-            fp, fq = store.fingerprints(fn, static, args, xla, quick) if store is not None else (None, None)
+            full = optimized_options(opts) if quick is not None and self.scans else opts
+            xla_full = optimized_xla(xla) if full is not opts else xla
+            fp, fq = store.fingerprints(fn, static, args, xla_full, quick) if store is not None else (None, None)
             compiled = behind = None
             if fq is not None and store.has(fp):
                 # both stored: the quick executable (the scanned stages: HCLT-256's flows 1 MB against 7 MB)
@@ -502,8 +518,7 @@ class ExecutableCache:
                     fresh = False
                     if compiled is None:
                         compiled, fresh = _compile(lowered, quick)
-                    rest = (xla, store, fp, fq if fresh else None)
-                    full = optimized_options(opts) if self.scans else opts
+                    rest = (xla_full, store, fp, fq if fresh else None)
                     if full is opts:
                         upgrade = (lowered, *rest)
                     else:  # traced by the key's next call, on its own thread (not in the background)

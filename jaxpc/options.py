@@ -50,11 +50,13 @@ class Tuning:
             zeroed.
         min_unset: on a GPU, buffers of fewer elements start as zeros even where they could start unset.
         onehot_chunk: the most elements of the one-hot matrices that XLA's leaf counts build at a time.
-        quick_first_compile: on a GPU, a new executable is compiled first without XLA's Triton GEMM fusions and
-            autotuning (seconds instead of tens of seconds), runs at once, and is replaced by the fully optimized
-            compile from a background thread (:func:`jaxpc.executables.quick_options`; ``Circuit.wait_compiled``).
+        quick_first_compile: on a GPU, a new executable is compiled first without XLA's Triton GEMM fusions,
+            autotuning and LLVM's expensive passes (seconds instead of tens of seconds), runs at once, and is
+            replaced by the fully optimized compile from a background thread
+            (:func:`jaxpc.executables.quick_options`; ``Circuit.wait_compiled``).
         unroll_optimized: that optimized compile runs the scanned stages unrolled (no loop overhead per step;
-            :func:`jaxpc.executables.optimized_options`), the quick one keeps the scans.
+            :func:`jaxpc.executables.optimized_options`) and without Triton GEMM fusions (cuBLAS is faster on
+            the unrolled levels' products: :func:`jaxpc.executables.optimized_xla`); the quick one keeps the scans.
         compiler_options: XLA options for the executables, ``((name, value), ...)`` (e.g.
             ``(("xla_gpu_autotune_level", 0),)``).
         fanin_kernel_batch: from this many samples on, a sum partition whose child row blocks are read by several

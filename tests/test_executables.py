@@ -612,8 +612,8 @@ def test_the_optimized_compile_runs_the_scanned_stages_unrolled(quick_store):
     optimized one that replaces it traces them unrolled (``Tuning.unroll_optimized``) at the key's next call (or
     in ``wait_compiled``), on the caller's thread, computes the same, and is what the store serves a later
     process (behind the quick one, which it loads first: it loads faster); ``unroll_optimized=False`` keeps the
-    loops."""
-    from jaxpc import distributions
+    loops. The unrolled compile runs without XLA's Triton GEMM fusions but with its autotuning."""
+    from jaxpc import distributions, executables
 
     rng = np.random.default_rng(0)
     data = np.zeros((300, 12), np.int32)  # a chain of copies: a path-shaped tree, its levels scanned
@@ -629,11 +629,16 @@ def test_the_optimized_compile_runs_the_scanned_stages_unrolled(quick_store):
     c = jaxpc.compile(root)
     ref = c.flows(c.params, x, options=jaxpc.Options(tuning=jaxpc.Tuning(quick_first_compile=False)),
                   return_ll=True)
-    got = c.flows(c.params, x, return_ll=True)
-    assert loops(c) > 0 and c.cache_info().upgrading == 1  # its unrolled trace waits for the next call
-    c.flows(c.params, x)  # traces it; the compile runs in the background
-    assert c.wait_compiled(timeout=120)
+    seen = []  # the XLA options of every compile from here on
+    compile_ = executables._compile
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(executables, "_compile", lambda lowered, xla: seen.append(dict(xla)) or compile_(lowered, xla))
+        got = c.flows(c.params, x, return_ll=True)
+        assert loops(c) > 0 and c.cache_info().upgrading == 1  # its unrolled trace waits for the next call
+        c.flows(c.params, x)  # traces it; the compile runs in the background
+        assert c.wait_compiled(timeout=120)
     assert loops(c) == 0 and c.cache_info().upgrading == 0
+    assert seen == [dict(executables.QUICK_XLA), dict(executables.UNROLLED_XLA)]
     for a, b in zip(jax.tree_util.tree_leaves((got, c.flows(c.params, x, return_ll=True))),
                     jax.tree_util.tree_leaves((ref, ref))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
