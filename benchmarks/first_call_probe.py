@@ -4,6 +4,7 @@ second process on the same persistent cache (warm).
 
     python benchmarks/first_call_probe.py [--workload hclt] [--batch 16] [--entry flows] [--timeout 200]
         [--configs "default|autotune0=--xla_gpu_autotune_level=0|xla={\\"impl\\": \\"reference\\"}"] [--warm]
+        [--profile N] [--xla-timers N] [--quick-only]
 
 A configuration is ``name=XLA_FLAGS`` or ``name={options as JSON}`` (``jaxpc.Options`` fields); ``default``
 is the plain default call. Prints one JSON line per process: seconds of the structure build, ``jaxpc.compile``,
@@ -91,17 +92,23 @@ def child(workload: str, batch: int, entry: str, options: dict) -> None:
         return round(1e3 * float(np.median(steps[5:])), 3)
 
     first_steps = step_ms()  # the quick compile's, where the optimized one is still compiling
+    quick_only = bool(os.environ.get("PROBE_QUICK_ONLY"))
+    kernels = kernel_counts(c.compiled(entry)) if quick_only else None
     t5 = time.perf_counter()
-    c.wait_compiled()
+    if not quick_only:
+        c.wait_compiled()
     upgrade = time.perf_counter() - t5
     ev = {k.rsplit("/", 1)[-1]: round(v, 3) for k, v in events.items() if v > 0.01}
     print("RESULT " + json.dumps(dict(workload=workload, batch=batch, entry=entry, build_s=round(t1 - t0, 2),
                                       compile_s=round(t2 - t1, 2), first_call_s=round(t4 - t3, 3),
                                       first_steps_ms=first_steps, upgrade_wait_s=round(upgrade, 2),
-                                      step_ms=step_ms(), events=ev,
+                                      step_ms=None if quick_only else step_ms(), events=ev,
                                       store_s={k: round(v, 3) for k, v in store_s.items()}, profile=top,
-                                      cache=str(c.cache_info()), kernels=kernel_counts(c.compiled(entry)))),
+                                      cache=str(c.cache_info()),
+                                      kernels=kernels or kernel_counts(c.compiled(entry)))),
           flush=True)
+    if quick_only:
+        os._exit(0)  # (not waiting for the optimized compile at exit)
 
 
 def kernel_counts(compiled) -> dict:
@@ -151,6 +158,24 @@ def dedupe_probe(n_calls: int = 24) -> None:
     print("RESULT " + json.dumps({"dedupe_compile_s": out}), flush=True)
 
 
+XLA_TIMER_MODULES = ("gpu_compiler=1,nvptx_compiler=1,compile_module_to_llvm_ir=1,ir_emitter_unnested=1,"
+                     "triton_fusion_emitter=1,gpu_executable=1,autotuner_util=1")
+
+
+def xla_timers(stderr: str, n: int) -> list[str]:
+    """The ``n`` longest of XLA's scoped timers in a process's log (lines ``<label> time: <duration> ...``), with
+    the seconds of each, summed over repeats of one label."""
+    import re
+    total: dict = collections.defaultdict(float)
+    units = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9, "min": 60.0}
+    for line in stderr.splitlines():
+        m = re.search(r"\] (.*?) time: ([0-9.]+) ?(min|ms|us|ns|s)\b", line)
+        if m:
+            label = re.sub(r"\d+", "#", m.group(1))[:120]
+            total[label] += float(m.group(2)) * units[m.group(3)]
+    return [f"{v:.3f}s {k}" for k, v in sorted(total.items(), key=lambda kv: -kv[1])[:n]]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", default="hclt", choices=["pd", "hclt", "hmm"])
@@ -162,6 +187,11 @@ def main(argv=None):
     p.add_argument("--profile", type=int, default=0,
                    help="profile each first call (cProfile) and report its N functions of most cumulative time")
     p.add_argument("--dedupe", action="store_true", help="only probe whether XLA compiles repeated kernels once")
+    p.add_argument("--quick-only", action="store_true",
+                   help="stop after the calls on the quick executable (no optimized compile; JAX's events then"
+                        " hold the quick compile alone, and the process does not wait for the optimized one)")
+    p.add_argument("--xla-timers", type=int, default=0,
+                   help="log XLA's scoped compile timers (TF_CPP_VMODULE) and report the N longest of each process")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.dedupe:
@@ -175,7 +205,11 @@ def main(argv=None):
         env = dict(os.environ, JAXPC_CACHE_DIR=cache)
         if args.profile:
             env["PROBE_PROFILE"] = str(args.profile)
+        if args.quick_only:
+            env["PROBE_QUICK_ONLY"] = "1"
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flags).strip()
+        if args.xla_timers:
+            env.update(TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE=XLA_TIMER_MODULES)
         for run in ("cold", "warm") if args.warm else ("cold",):
             cmd = [sys.executable, __file__, "--workload", args.workload, "--batch", str(args.batch), "--entry",
                    args.entry, "--child", json.dumps(options)]
@@ -184,6 +218,8 @@ def main(argv=None):
                 r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
                 lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
                 res = json.loads(lines[-1][7:]) if lines else {"error": r.stderr[-1500:]}
+                if args.xla_timers:
+                    res["xla_timers"] = xla_timers(r.stderr, args.xla_timers)
             except subprocess.TimeoutExpired:
                 res = {"error": f"timeout after {args.timeout}s"}
             res.update(config=name, run=run, process_s=round(time.perf_counter() - t, 1))

@@ -1,0 +1,107 @@
+"""Steps and compile seconds of one workload's flows executable compiled each way: the scanned or the unrolled
+stages, with or without XLA's Triton GEMM fusions and their autotuning. Tells whether the optimized compile that
+the default call swaps in (``Tuning.quick_first_compile``, ``Tuning.unroll_optimized``) is faster than the
+quick one it replaces, per batch size.
+
+    python benchmarks/compile_variants.py [--workload hclt] [--batches 128,512] [--reps 30]
+                                          [--variants default,quick,scanned,unrolled,unrolled-notg,unrolled-quick]
+
+Variants (``c.flows(params, x, options=...)``, each its own executable, compiled one after the other):
+
+* ``default``: ``Options()``, the default call, timed after ``c.wait_compiled()`` (the optimized executable);
+* ``quick``: the scanned stages without Triton GEMM fusions at autotune level 0 (the default call's quick
+  executable: ``Tuning(compiler_options=QUICK_XLA, quick_first_compile=False)``);
+* ``scanned``: the scanned stages with XLA's default options (``Tuning(quick_first_compile=False)``);
+* ``unrolled``: the unrolled stages with XLA's default options (the default call's optimized executable);
+* ``unrolled-notg``: the unrolled stages without Triton GEMM fusions (autotuning on);
+* ``unrolled-quick``: the unrolled stages with the quick executable's XLA options.
+
+Per variant and batch: the first call's seconds (trace, lower, compile, run), the median ms of synchronized calls
+over 4 rotating device-resident batches, and the largest relative difference of its log-likelihoods and flows
+from the first variant's. One JSON line per variant and batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jaxpc  # noqa: E402
+from _data import blurred_noise_images  # noqa: E402
+from bench_engine import median_ms  # noqa: E402
+from jaxpc import distributions, executables, structures  # noqa: E402
+
+NO_TG = (("xla_gpu_enable_triton_gemm", False),)
+
+
+def variant_options(name: str):
+    """``jaxpc.Options`` of a variant (None: the default call)."""
+    T = jaxpc.Tuning
+    table = {
+        "default": None,
+        "quick": jaxpc.Options(tuning=T(compiler_options=executables.QUICK_XLA, quick_first_compile=False)),
+        "scanned": jaxpc.Options(tuning=T(quick_first_compile=False)),
+        "unrolled": jaxpc.Options(scan_stages=False, tuning=T(quick_first_compile=False)),
+        "unrolled-notg": jaxpc.Options(scan_stages=False, tuning=T(compiler_options=NO_TG, quick_first_compile=False)),
+        "unrolled-quick": jaxpc.Options(scan_stages=False, tuning=T(compiler_options=executables.QUICK_XLA,
+                                                                    quick_first_compile=False)),
+    }
+    if name not in table:
+        raise SystemExit(f"unknown variant {name!r}; choose from {', '.join(table)}")
+    return table[name]
+
+
+def rel_diff(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    ok = np.isfinite(a) & np.isfinite(b)
+    return float(np.max(np.abs(a[ok] - b[ok]) / (np.abs(b[ok]) + 1e-6))) if ok.any() else 0.0
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", default="hclt", choices=["hclt", "pd"])
+    p.add_argument("--batches", default="128,512")
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--variants", default="default,quick,scanned,unrolled,unrolled-notg,unrolled-quick")
+    args = p.parse_args(argv)
+    names = args.variants.split(",")
+    opts = {n: variant_options(n) for n in names}
+    imgs = blurred_noise_images(4 * 512 + 2_000)
+    cat = distributions.Categorical(256)
+    root = (structures.PD((28, 28), 128, split_intervals=(4, 4), input_dist=cat) if args.workload == "pd"
+            else structures.HCLT(imgs[:2_000], 256, input_dist=cat))
+    c = jaxpc.compile(root)
+    for B in (int(b) for b in args.batches.split(",")):
+        xs = [jax.device_put(imgs[2_000 + i * B: 2_000 + (i + 1) * B]) for i in range(4)]
+        ref = None
+        for n in names:
+            kw = {} if opts[n] is None else {"options": opts[n]}
+
+            def call(x, kw=kw):
+                return c.flows(c.params, x, **kw)
+            t = time.perf_counter()
+            out = jax.block_until_ready(call(xs[0]))
+            first = time.perf_counter() - t
+            if opts[n] is None:
+                c.wait_compiled()
+                out = jax.block_until_ready(call(xs[0]))
+            leaves = [np.asarray(v) for v in jax.tree_util.tree_leaves(out)]
+            diff = 0.0 if ref is None else max(rel_diff(a, b) for a, b in zip(leaves, ref))
+            ref = leaves if ref is None else ref
+            print(json.dumps(dict(workload=args.workload, batch=B, variant=n, first_call_s=round(first, 2),
+                                  ms=round(median_ms(call, xs, args.reps, warmup_s=1.0), 3),
+                                  rel_diff_vs_first=float(f"{diff:.2e}"), device=jax.devices()[0].device_kind)),
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
