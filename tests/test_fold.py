@@ -779,8 +779,8 @@ def test_buffers_past_int32_offsets_run_on_xla(monkeypatch, pallas_forward_calls
 def test_fanin_partitions_run_the_atomic_backward_and_equal_xla(monkeypatch):
     """Where the forward kept the shifts of a partition whose child row blocks several parent blocks read (a PD's
     fan-ins), the flow pass runs it as one kernel (interpret mode here; on a GPU with the default impl) and gives
-    XLA's flows, parameter flows and log-likelihoods (GeneralLL's exponent: the kernel's own test); which options
-    and batches route to it."""
+    XLA's flows, parameter flows and log-likelihoods (GeneralLL's exponent: the kernel's own test), also under
+    ``vmap`` over parameter sets; which options and batches route to it."""
     from types import SimpleNamespace
 
     c = jaxpc.compile(structures.PD((2, 4), 8, split_intervals=(1, 1), input_dist=distributions.Categorical(5)),
@@ -806,3 +806,14 @@ def test_fanin_partitions_run_the_atomic_backward_and_equal_xla(monkeypatch):
     ref = c.flows(c.params, x, options=o.replace(tuning=jaxpc.Tuning(fanin_kernel_batch=0)), return_ll=True)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6 * float(np.abs(b).max()))
+    # under vmap over parameter sets (Pallas batches the kernel, its atomic adds per set) as set by set on XLA
+    sets = jax.tree_util.tree_map(lambda *v: jnp.stack(v), c.params, c.init_params(jax.random.key(1)))
+    calls.clear()
+    got = jax.jit(jax.vmap(lambda p: c.flows(p, x, options=o, return_ll=True)))(sets)
+    assert calls
+    for i in range(2):
+        p_i = jax.tree_util.tree_map(lambda v, i=i: v[i], sets)
+        ref = c.flows(p_i, x, options=o.replace(impl="xla"), return_ll=True)
+        for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+            np.testing.assert_allclose(np.asarray(a)[i], np.asarray(b), rtol=2e-5,
+                                       atol=1e-6 * float(np.abs(b).max()))
