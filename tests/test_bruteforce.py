@@ -13,9 +13,9 @@ from .random_circuits import Generator
 from .tiers import cases
 
 # Seeds whose random circuits together hold every distribution, tied sums and inputs, sparse edges, block sizes 1-4
-# (test_generator_covers_everything checks these), sums over sums, products of three, fan-ins of 1 to 3 child blocks,
+# (test_generator_covers_everything checks these), sums over sums, products of three, fan-ins of 1 to 6 child blocks,
 # dense and blockwise partitions and 2 to 4 variables: 0 and 16 in the fast tier, the rest slow.
-SEEDS = [0, 16, 1, 5, 8, 11, 14, 19]
+SEEDS = [0, 16, 1, 8, 11, 14]
 B = 16  # one batch size everywhere: tests share the circuit's compiled executables
 
 

@@ -92,7 +92,9 @@ def test_log_and_node_flows_match_brute_force(seed):
             assert_log_close(c.get_node_flows(lg, ns), ins[ns.id])
 
 
-@pytest.mark.parametrize("seed", cases([3, 8, 10], fast=[]))
+# one seed: its circuit holds tied sums and leaves, a sum over a sum, sparse edges, block sizes 1-4, fan-ins of 1 to 3
+# child blocks, dense and blockwise partitions and products of three (the update reads only the sums' flows)
+@pytest.mark.parametrize("seed", cases([8], fast=[]))
 def test_m_step_from_node_flows_is_em_update(seed):
     """EM's update is ``(flows + c / children) / (node flows + c)``, from linear flows or from log flows."""
     gen, c = make(seed)

@@ -42,10 +42,9 @@ def _nodes(c, prefix):
     return {int(ns.name[len(prefix):]): ns for ns in c.nodes if ns.name.startswith(prefix)}
 
 
-@pytest.mark.parametrize("chain_scan", [True, False], ids=["chain-scan", "layers"])
 @pytest.mark.parametrize("homogeneous", cases([True, False], fast=[True]))
-def test_hmm_ll_and_em_counts(homogeneous, chain_scan):
-    opts = jaxpc.Options(chain_scan=chain_scan)
+def test_hmm_ll_and_em_counts(homogeneous):
+    """Both flow paths (the chain's scan and the layers) on one compiled HMM against one forward-backward."""
     rng = np.random.default_rng(0)
     T, L, V, B = 7, 4, 5, 33
     root = structures.HMM(T, L, V, homogeneous=homogeneous, block_size=2)
@@ -62,35 +61,44 @@ def test_hmm_ll_and_em_counts(homogeneous, chain_scan):
     x = rng.integers(0, V, (B, T)).astype(np.int32)
     ll_ref, init_ref, xi_ref, emit_ref = forward_backward(alphas, betas, gamma, x)
     assert c.layout.chain is not None
-    np.testing.assert_allclose(np.asarray(c.log_prob(params, x, options=opts)), ll_ref, rtol=1e-5)
+    for chain_scan in (True, False):
+        opts = jaxpc.Options(chain_scan=chain_scan)
+        msg = f"chain_scan={chain_scan}"
+        np.testing.assert_allclose(np.asarray(c.log_prob(params, x, options=opts)), ll_ref, rtol=1e-5, err_msg=msg)
 
-    fl = c.flows(params, x, options=opts)
-    np.testing.assert_allclose(np.asarray(c.get_node_flows(fl, root))[0], init_ref, rtol=1e-4, atol=1e-5)
-    if homogeneous:
-        np.testing.assert_allclose(np.asarray(c.get_node_flows(fl, trans[0])), xi_ref.sum(0), rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(np.asarray(c.get_node_flows(fl, emit[0])), emit_ref.sum(0), rtol=1e-4, atol=1e-4)
-    else:
-        for t in range(T - 1):
-            np.testing.assert_allclose(np.asarray(c.get_node_flows(fl, trans[t])), xi_ref[t], rtol=1e-4, atol=1e-4)
-        for t in range(T):
-            np.testing.assert_allclose(np.asarray(c.get_node_flows(fl, emit[t])), emit_ref[t], rtol=1e-4, atol=1e-4)
+        fl = c.flows(params, x, options=opts)
+        np.testing.assert_allclose(np.asarray(c.get_node_flows(fl, root))[0], init_ref, rtol=1e-4, atol=1e-5,
+                                   err_msg=msg)
+        if homogeneous:
+            np.testing.assert_allclose(np.asarray(c.get_node_flows(fl, trans[0])), xi_ref.sum(0), rtol=1e-4,
+                                       atol=1e-4, err_msg=msg)
+            np.testing.assert_allclose(np.asarray(c.get_node_flows(fl, emit[0])), emit_ref.sum(0), rtol=1e-4,
+                                       atol=1e-4, err_msg=msg)
+        else:
+            for t in range(T - 1):
+                np.testing.assert_allclose(np.asarray(c.get_node_flows(fl, trans[t])), xi_ref[t], rtol=1e-4,
+                                           atol=1e-4, err_msg=msg)
+            for t in range(T):
+                np.testing.assert_allclose(np.asarray(c.get_node_flows(fl, emit[t])), emit_ref[t], rtol=1e-4,
+                                           atol=1e-4, err_msg=msg)
 
-    # one EM step is the Baum-Welch update
-    new = c.em_step(params, x, options=opts)
-    if homogeneous:
-        xs = xi_ref.sum(0)
-        np.testing.assert_allclose(np.asarray(c.get_node_params(new, trans[0])), xs / xs.sum(1, keepdims=True),
-                                   rtol=1e-4, atol=1e-6)
-        es = emit_ref.sum(0)
-        np.testing.assert_allclose(np.asarray(c.get_node_params(new, emit[0])), es / es.sum(1, keepdims=True),
-                                   rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(c.get_node_params(new, root))[0], init_ref / B, rtol=1e-4, atol=1e-6)
+        # one EM step is the Baum-Welch update
+        new = c.em_step(params, x, options=opts)
+        if homogeneous:
+            xs = xi_ref.sum(0)
+            np.testing.assert_allclose(np.asarray(c.get_node_params(new, trans[0])), xs / xs.sum(1, keepdims=True),
+                                       rtol=1e-4, atol=1e-6, err_msg=msg)
+            es = emit_ref.sum(0)
+            np.testing.assert_allclose(np.asarray(c.get_node_params(new, emit[0])), es / es.sum(1, keepdims=True),
+                                       rtol=1e-4, atol=1e-6, err_msg=msg)
+        np.testing.assert_allclose(np.asarray(c.get_node_params(new, root))[0], init_ref / B, rtol=1e-4, atol=1e-6,
+                                   err_msg=msg)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("chain_scan", [True, False], ids=["chain-scan", "layers"])
-def test_hmm_10000_steps_float32(chain_scan):
-    opts = jaxpc.Options(chain_scan=chain_scan)
+def test_hmm_10000_steps_float32():
+    """Both flow paths (the chain's scan and the layers) on one 10,000-step HMM: the circuit and the float64
+    reference are built once for the two."""
     T, L, V = 10_000, 6, 4
     rng = np.random.default_rng(0)
     alpha = rng.dirichlet(np.ones(L) * 2, L)
@@ -99,12 +107,16 @@ def test_hmm_10000_steps_float32(chain_scan):
     c = jaxpc.compile(structures.HMM(T, L, V, alpha=alpha, beta=beta, gamma=gamma))
     x = rng.integers(0, V, (2, T)).astype(np.int32)
     ll_ref, init_ref, xi_ref, emit_ref = forward_backward([alpha] * (T - 1), [beta] * T, gamma, x)
-    ll, = [np.asarray(c.log_prob(c.params, x, options=opts), np.float64)]
-    assert np.all(np.isfinite(ll)) and ll_ref.min() < -10_000
-    np.testing.assert_allclose(ll, ll_ref, rtol=1e-5)
-    fl = c.flows(c.params, x, options=opts)
+    assert ll_ref.min() < -10_000
     trans = _nodes(c, "trans")[0]
-    got = np.asarray(c.get_node_flows(fl, trans), np.float64)
-    assert np.all(np.isfinite(got))
-    np.testing.assert_allclose(got, xi_ref.sum(0), rtol=2e-4, atol=1e-3)
-    assert got.sum() == pytest.approx(2 * (T - 1), rel=1e-4)
+    for chain_scan in (True, False):
+        opts = jaxpc.Options(chain_scan=chain_scan)
+        msg = f"chain_scan={chain_scan}"
+        ll = np.asarray(c.log_prob(c.params, x, options=opts), np.float64)
+        assert np.all(np.isfinite(ll)), msg
+        np.testing.assert_allclose(ll, ll_ref, rtol=1e-5, err_msg=msg)
+        fl = c.flows(c.params, x, options=opts)
+        got = np.asarray(c.get_node_flows(fl, trans), np.float64)
+        assert np.all(np.isfinite(got)), msg
+        np.testing.assert_allclose(got, xi_ref.sum(0), rtol=2e-4, atol=1e-3, err_msg=msg)
+        assert got.sum() == pytest.approx(2 * (T - 1), rel=1e-4), msg

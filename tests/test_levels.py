@@ -98,7 +98,9 @@ def test_flows_and_ll_match_the_oracle(evened, impl, batch):
     np.testing.assert_allclose(np.asarray(ll), ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("mode", cases(["batched", "inline"], fast=["batched"]))
+# slow: in the fast tier test_flows_and_ll_match_the_oracle[8-auto] runs the batched pass (auto's choice for the
+# levels' fan-in 1 at that batch) over the padded plan against the oracle
+@pytest.mark.parametrize("mode", cases(["batched", "inline"], fast=[]))
 def test_parameter_flow_passes_equal_the_unpadded_plan(evened, mode):
     """The batched parameter-flow pass leaves the padding blocks out; the inline one adds their zero flows."""
     c, data = evened
