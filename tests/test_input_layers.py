@@ -43,6 +43,12 @@ def _per_node_case(c, data, missing: str):
     return per_node, jnp.asarray(data[:37], jnp.int32), miss
 
 
+def _flows_and_ll(c, layout, x, miss, options):
+    """``em.flows_and_ll`` of ``c``'s parameters on ``layout`` as one program (op by op, every operation would
+    compile on its own, and an interpreted kernel would run operation by operation)."""
+    return jax.jit(lambda p, xb, m: em.flows_and_ll(layout, c.tables, p, xb, m, None, options))(c.params, x, miss)
+
+
 # (missing, precision, chunk): every precision and chunk with per-sample masks (fast), and each other kind of
 # mask with each precision and each chunk once (slow)
 RUN_COUNT_CASES = [("per_sample", p, k) for p in ("fp32", "tf32") for k in (None, 3 * 37 * 5)] + [
@@ -59,8 +65,8 @@ def test_run_counts_equal_scatter(hclt, precision, missing, chunk):
     assert [s.run for s in c.layout.input_layers] == [4]
     per_node, x, miss = _per_node_case(c, data, missing)
     opts = jaxpc.Options(precision=precision, tuning=tuning)
-    got, ll = em.flows_and_ll(c.layout, c.tables, c.params, x, miss, None, opts)
-    ref, ll_ref = em.flows_and_ll(per_node, c.tables, c.params, x, miss, None, opts)
+    got, ll = _flows_and_ll(c, c.layout, x, miss, opts)
+    ref, ll_ref = _flows_and_ll(c, per_node, x, miss, opts)
     np.testing.assert_array_equal(np.asarray(ll), np.asarray(ll_ref))
     g, r = np.asarray(got["input"]["categorical"]["counts"]), np.asarray(ref["input"]["categorical"]["counts"])
     assert g.shape == r.shape == (40, 5)
@@ -99,10 +105,10 @@ def test_counts_kernel_equals_scatter(hclt, precision, missing, monkeypatch):
     data, c = hclt
     per_node, x, miss = _per_node_case(c, data, missing)
     opts = jaxpc.Options(precision=precision, impl="pallas_forward")
-    ref, ll_ref = em.flows_and_ll(per_node, c.tables, c.params, x, miss, None, opts.replace(impl="xla"))
+    ref, ll_ref = _flows_and_ll(c, per_node, x, miss, opts.replace(impl="xla"))
     # the flows read in the flow pass's buffer (the leaf kernel's), or as the input layer's own array (autodiff)
     for o in (opts, opts.replace(backward="autodiff")):
-        got, ll = em.flows_and_ll(c.layout, c.tables, c.params, x, miss, None, o)
+        got, ll = _flows_and_ll(c, c.layout, x, miss, o)
         assert calls
         del calls[:]
         np.testing.assert_allclose(np.asarray(ll), np.asarray(ll_ref), rtol=1e-6)

@@ -40,7 +40,7 @@ def chains_tree(lengths, extra_leaves=(0, 2)):
     return children, 0
 
 
-def tree_circuit(lengths=(2, 3, 4, 5, 6, 7, 7, 8, 8), latents=4, block_size=4, scan_min_repeats=3, seed=1):
+def tree_circuit(lengths=(2, 3, 4, 4, 5, 5), latents=4, block_size=4, scan_min_repeats=3, seed=1):
     children, root = chains_tree(lengths)
     V = len(children)
     circuit = hidden_tree_circuit(children, root, latents, list(range(V)), distributions.Categorical(CAT),
