@@ -185,7 +185,7 @@ def measure(args):
     import jaxpc
     from profile_step import build
 
-    c, data = build(args.workload, args.latents)
+    c, data = build(args.workload, args.latents, tuple(int(v) for v in args.split_intervals.split(",")))
     opts = jaxpc.Options(precision=args.precision, impl=args.impl, scan_stages=not args.unrolled)
     flags = os.environ.get("XLA_FLAGS", "") or "(none)"
     for batch in (int(b) for b in args.batches.split(",")):

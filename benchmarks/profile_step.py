@@ -1,6 +1,6 @@
 """Where a forward + flows step spends its GPU time: a ``jax.profiler`` trace, summarized per layer kind.
 
-    python benchmarks/profile_step.py [--workload hclt|hmm|pd] [--latents 256] [--batch 16]
+    python benchmarks/profile_step.py [--workload hclt|hmm|pd] [--latents 256] [--batch 16] [--split-intervals 4,4]
                                       [--precision tf32] [--impl auto] [--no-fold] [--unrolled] [--steps 5]
                                       [--param-flow-pass auto|inline|batched] [--top 15] [--json out.json]
                                       [--hlo out.hlo] [--public log_prob|flows|em_step] [--no-validate]
@@ -42,7 +42,8 @@ from jaxpc import distributions, structures  # noqa: E402
 SCOPE = re.compile(r"jaxpc/(input\d+|chain|partial[\d.]+|stage[\d.]+/(prod|sum)\d+(/backward)?)")
 
 
-def build(workload: str, latents: int):
+def build(workload: str, latents: int, split_intervals: tuple[int, int] = (4, 4)):
+    """The workload's compiled circuit and data (PD: ``split_intervals``; ``(2, 7)`` gives ``scale.py``'s PDs)."""
     cat = distributions.Categorical(num_cats=256)
     if workload == "hmm":
         root = structures.HMM(64, latents, 4096)
@@ -52,7 +53,7 @@ def build(workload: str, latents: int):
         if workload == "hclt":
             root = structures.HCLT(data, latents, input_dist=cat)
         else:
-            root = structures.PD((28, 28), latents, split_intervals=(4, 4), input_dist=cat)
+            root = structures.PD((28, 28), latents, split_intervals=split_intervals, input_dist=cat)
     return jaxpc.compile(root), data
 
 
@@ -121,6 +122,8 @@ def add_step_args(p: argparse.ArgumentParser):
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--precision", default="tf32", choices=["fp32", "tf32", "bf16"])
     p.add_argument("--impl", default="auto", choices=["auto", "xla", "pallas", "pallas_forward", "triton"])
+    p.add_argument("--split-intervals", default="4,4",
+                   help="PD's split intervals a,b (2,7 with --latents 256 --batch 1024: scale.py's pd3)")
 
 
 def main(argv=None):
@@ -140,7 +143,7 @@ def main(argv=None):
     p.add_argument("--json", default=None, help="also write the summary and every kernel's time here")
     p.add_argument("--hlo", default=None, help="also write the compiled step's HLO text here")
     args = p.parse_args(argv)
-    c, data = build(args.workload, args.latents)
+    c, data = build(args.workload, args.latents, tuple(int(v) for v in args.split_intervals.split(",")))
     opts = jaxpc.Options(precision=args.precision, impl=args.impl, fold_products=args.fold,
                          scan_stages=not args.unrolled, param_flow_pass=args.param_flow_pass)
     xs = [jnp.asarray(data[i * args.batch:(i + 1) * args.batch]) for i in range(4)]
