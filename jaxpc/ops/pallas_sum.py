@@ -79,8 +79,46 @@ def _compiler_params(cfg: KernelConfig):
 
 
 def call_kernel(kernel, cfg: KernelConfig, **kw):
+    """``pl.pallas_call(kernel, ...)`` under ``jax.jit``, one jitted function per kernel and settings: calls with
+    equal settings and argument shapes (an unrolled tree's levels of one shape, the entry points of one batch
+    bucket) share one trace of the kernel and, within an executable, one lowering."""
     interp = interpret_mode()
-    return pl.pallas_call(kernel, compiler_params=None if interp else _compiler_params(cfg), interpret=interp, **kw)
+    try:
+        key = (_partial_key(kernel), cfg, interp, tuple(sorted((k, _hashable(v)) for k, v in kw.items())))
+        hash(key)
+    except TypeError:
+        key = None
+    if key is None:
+        return pl.pallas_call(kernel, compiler_params=None if interp else _compiler_params(cfg), interpret=interp,
+                              **kw)
+    return _jitted_kernel(key, kernel, cfg, interp, **kw)
+
+
+def _partial_key(kernel):
+    if isinstance(kernel, functools.partial):
+        return (kernel.func, kernel.args, tuple(sorted(kernel.keywords.items())))
+    return kernel
+
+
+def _hashable(v):
+    if isinstance(v, dict):
+        return tuple(sorted(v.items()))
+    if isinstance(v, list):
+        return tuple(v)
+    return v
+
+
+_KERNELS: dict = {}
+
+
+def _jitted_kernel(key, kernel, cfg, interp, **kw):
+    fn = _KERNELS.get(key)
+    if fn is None:
+        if len(_KERNELS) >= 4096:
+            _KERNELS.clear()
+        fn = _KERNELS[key] = jax.jit(pl.pallas_call(kernel, compiler_params=None if interp else _compiler_params(cfg),
+                                                    interpret=interp, **kw))
+    return fn
 
 
 def mm(a, b, precision: str, trans_a: bool = False, trans_b: bool = False):
