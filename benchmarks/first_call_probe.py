@@ -93,7 +93,7 @@ def child(workload: str, batch: int, entry: str, options: dict) -> None:
 
     first_steps = step_ms()  # the quick compile's, where the optimized one is still compiling
     quick_only = bool(os.environ.get("PROBE_QUICK_ONLY"))
-    kernels = kernel_counts(c.compiled(entry)) if quick_only else None
+    quick = c.compiled(entry)  # (a background upgrade may swap it out before the report)
     t5 = time.perf_counter()
     if not quick_only:
         c.wait_compiled()
@@ -105,7 +105,7 @@ def child(workload: str, batch: int, entry: str, options: dict) -> None:
                                       step_ms=None if quick_only else step_ms(), events=ev,
                                       store_s={k: round(v, 3) for k, v in store_s.items()}, profile=top,
                                       cache=str(c.cache_info()),
-                                      kernels=kernels or kernel_counts(c.compiled(entry)))),
+                                      kernels=kernel_counts(quick if quick_only else c.compiled(entry)))),
           flush=True)
     if quick_only:
         os._exit(0)  # (not waiting for the optimized compile at exit)

@@ -81,17 +81,23 @@ def _compiler_params(cfg: KernelConfig):
 def call_kernel(kernel, cfg: KernelConfig, **kw):
     """``pl.pallas_call(kernel, ...)`` under ``jax.jit``, one jitted function per kernel and settings: calls with
     equal settings and argument shapes (an unrolled tree's levels of one shape, the entry points of one batch
-    bucket) share one trace of the kernel and, within an executable, one lowering."""
+    bucket) share one trace of the kernel and, within an executable, one lowering. Settings that do not hash
+    (none of this module's) get a plain ``pallas_call``."""
     interp = interpret_mode()
-    try:
-        key = (_partial_key(kernel), cfg, interp, tuple(sorted((k, _hashable(v)) for k, v in kw.items())))
-        hash(key)
-    except TypeError:
-        key = None
-    if key is None:
+
+    def make():
         return pl.pallas_call(kernel, compiler_params=None if interp else _compiler_params(cfg), interpret=interp,
                               **kw)
-    return _jitted_kernel(key, kernel, cfg, interp, **kw)
+    try:
+        key = (_partial_key(kernel), cfg, interp, tuple(sorted((k, _hashable(v)) for k, v in kw.items())))
+        fn = _KERNELS.get(key)
+    except TypeError:
+        return make()
+    if fn is None:
+        if len(_KERNELS) >= 4096:
+            _KERNELS.clear()
+        fn = _KERNELS[key] = jax.jit(make())
+    return fn
 
 
 def _partial_key(kernel):
@@ -108,17 +114,7 @@ def _hashable(v):
     return v
 
 
-_KERNELS: dict = {}
-
-
-def _jitted_kernel(key, kernel, cfg, interp, **kw):
-    fn = _KERNELS.get(key)
-    if fn is None:
-        if len(_KERNELS) >= 4096:
-            _KERNELS.clear()
-        fn = _KERNELS[key] = jax.jit(pl.pallas_call(kernel, compiler_params=None if interp else _compiler_params(cfg),
-                                                    interpret=interp, **kw))
-    return fn
+_KERNELS: dict = {}  # call_kernel's jitted pallas_calls by kernel and settings
 
 
 def mm(a, b, precision: str, trans_a: bool = False, trans_b: bool = False):
