@@ -1,6 +1,6 @@
 """Check the Pallas sum-layer kernels against the reference on the GPU and time them per partition.
 
-    python benchmarks/kernels_check.py [--no-timing] [--leaves] [--levels] [--triton] [--chain] [--fanin]
+    python benchmarks/kernels_check.py [--no-timing] [--leaves] [--levels] [--triton] [--chain] [--fanin] [--tree]
 
 1. Correctness: forward, child flows and parameter flows of ``jaxpc.ops.pallas_sum`` against the
    plain-jnp reference on the device, over the shapes of ``tests/test_kernels.py`` plus large ones, and
@@ -29,6 +29,10 @@
 6. ``--fanin`` (alone): PD-128's default ``flows`` call, whose fan-in partitions run the one-kernel backward
    (``pallas_sum.backward_atomic``), against XLA's backward for them (``Tuning(fanin_kernel_batch=0)``): relative
    error of each leaf and the median milliseconds of both calls at batch 16, 128 and 512 (:func:`check_fanin`).
+7. ``--tree`` (alone): HCLT-256's ``flows`` call on the persistent tree kernels (``jaxpc.ops.pallas_tree``,
+   ``Tuning(tree_kernel_batch=64)``) against the default call (the per-level kernels): relative error of each leaf
+   at fp32 and at the default precision, and the median milliseconds of both ``flows`` and ``em_step`` calls at
+   batch 8 to 64 (:func:`check_tree`).
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from jaxpc.ops import pallas_leaf, pallas_sum  # noqa: E402
+from jaxpc.ops import pallas_leaf, pallas_sum, pallas_tree  # noqa: E402
 from jaxpc.ops.sum_layer import (  # noqa: E402
     child_rows,
     sum_layer_backward_reference,
@@ -438,24 +442,58 @@ def check_chain(cases=((1024, (8, 16, 32)), (256, (16, 32, 64, 128))), reps=30) 
 def _check_chain(c, L, batches, reps, rng) -> float:
     import jaxpc
 
+    inputs = {B: jax.device_put(rng.integers(0, 4096, (B, 64)).astype(np.int32)) for B in batches}
+    return compare_routes(c, f"chain HMM-{L}", inputs, (jaxpc.Tuning(), jaxpc.Tuning(chain_kernel_batch=0)),
+                          ("kernels", "scans"), reps)
+
+
+def compare_routes(c, label: str, inputs: dict, tunings: tuple, names: tuple, reps: int, em_step: bool = False
+                   ) -> float:
+    """``c.flows`` on two routes (``Options(tuning=t)`` for each of ``tunings``) at each batch of ``inputs`` (batch:
+    device array), at fp32 and at the default precision: the worst relative error of any leaf of the first against
+    the second, and at the default precision the median milliseconds of both calls (and of both ``em_step`` calls).
+    Returns the worst fp32 error."""
+    import jaxpc
+
     worst = 0.0
-    for B in batches:
-        x = jax.device_put(rng.integers(0, 4096, (B, 64)).astype(np.int32))
+    for B, x in inputs.items():
         for precision in ("fp32", "default"):
-            kern = jaxpc.Options(precision=precision)
-            scan = jaxpc.Options(precision=precision, tuning=jaxpc.Tuning(chain_kernel_batch=0))
-            got = c.flows(c.params, x, options=kern, return_ll=True)
-            want = c.flows(c.params, x, options=scan, return_ll=True)
+            opts = [jaxpc.Options(precision=precision, tuning=t) for t in tunings]
+            got, want = (c.flows(c.params, x, options=o, return_ll=True) for o in opts)
             err = max(rel(a, b) for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)))
             if precision == "fp32":
                 worst = max(worst, err)
-            line = f"check chain HMM-{L} B={B} {precision}: worst leaf {err:.1e}"
+            line = f"check {label} B={B} {precision}: worst leaf {err:.1e}"
             if precision == "default":
                 c.wait_compiled()
-                ms = [bench(lambda o=o: c.flows(c.params, x, options=o), reps) for o in (kern, scan)]
-                line += f"; flows ms kernels {ms[0]:.3f} scans {ms[1]:.3f}"
+                ms = [bench(lambda o=o: c.flows(c.params, x, options=o), reps) for o in opts]
+                line += f"; flows ms {names[0]} {ms[0]:.3f} {names[1]} {ms[1]:.3f}"
+                if em_step:
+                    em = [bench(lambda o=o: c.em_step(c.params, x, options=o), reps) for o in opts]
+                    line += f"; em_step ms {em[0]:.3f} / {em[1]:.3f}"
             print(line, flush=True)
     return worst
+
+
+def check_tree(batches=(8, 16, 32, 64), reps=30) -> float:
+    """HCLT-256's ``flows`` call with its tree levels on the persistent kernels of ``jaxpc.ops.pallas_tree``
+    (``Tuning(tree_kernel_batch=64)``, ``jaxpc.engine.routing.tree_kernel``) against the default call (the per-level
+    kernels): relative error of each leaf (log-likelihoods, flows) at fp32 and at the default precision, and the
+    median milliseconds of both calls and of both ``em_step`` calls per batch. Returns the worst fp32 error."""
+    import jaxpc
+    from jaxpc import distributions, structures
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _data import blurred_noise_images
+
+    imgs = blurred_noise_images(2000)
+    c = jaxpc.compile(structures.HCLT(imgs, 256, input_dist=distributions.Categorical(256)))
+    tree = c.layout.fold.tree
+    print(f"HCLT-256 tree: {tree.levels} levels, {tree.blocks} blocks of {tree.Kp}x{tree.Kc}, M={tree.M}; "
+          f"programs {pallas_tree.programs(False)}", flush=True)
+    inputs = {B: jax.device_put(imgs[:B].astype(np.int32)) for B in batches}
+    return compare_routes(c, "tree HCLT-256", inputs, (jaxpc.Tuning(tree_kernel_batch=64), jaxpc.Tuning()),
+                          ("tree kernels", "per level"), reps, em_step=True)
 
 
 def check_fanin(batches=(16, 128, 512), reps=30, latents=128) -> float:
@@ -497,8 +535,18 @@ def main(argv=None):
     p.add_argument("--chain", action="store_true", help="only HMM-1024 and HMM-256 on the chain kernels, end to end")
     p.add_argument("--triton", action="store_true", help="only the jax-triton route: check and time")
     p.add_argument("--fanin", action="store_true", help="only PD-128's fan-in backward kernel, end to end")
+    p.add_argument("--tree", action="store_true", help="only HCLT-256 on the persistent tree kernels, end to end")
+    p.add_argument("--tree-programs", type=int, default=0, help="with --tree: programs of the tree kernels "
+                   "(pallas_tree.MAX_PROGRAMS)")
+    p.add_argument("--batches", default="8,16,32,64", help="with --tree: batches")
     args = p.parse_args(argv)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+    if args.tree:
+        if args.tree_programs:
+            pallas_tree.MAX_PROGRAMS = args.tree_programs
+        batches = tuple(int(b) for b in args.batches.split(","))
+        print(f"worst fp32 relative error of the tree kernels: {check_tree(batches):.2e}", flush=True)
+        return
     if args.triton:
         print(f"worst fp32 relative error of the jax-triton kernels: {check_triton(not args.no_timing):.2e}",
               flush=True)

@@ -59,6 +59,12 @@ class Tuning:
             the unrolled levels' products: :func:`jaxpc.executables.optimized_xla`); the quick one keeps the scans.
         compiler_options: XLA options for the executables, ``((name, value), ...)`` (e.g.
             ``(("xla_gpu_autotune_level", 0),)``).
+        tree_kernel_batch: up to this many samples (at most 64), the folded plan's run of tree levels (an HCLT's:
+            :class:`jaxpc.compiler.layout.TreeSpec`) runs as one persistent Pallas kernel each way
+            (:mod:`jaxpc.ops.pallas_tree`) where ``impl`` is ``"auto"`` on a GPU or ``"pallas"`` /
+            ``"pallas_forward"``; 0 (the default): never. Off by default: on the H200, HCLT-256's forward + flows
+            took 2.4-2.9 ms this way at batch 16 against 2.0-2.2 level by level in the side-by-side runs (3.2-3.3
+            in two other processes), and 3.1-3.4 against 2.3 at batch 32.
         fanin_kernel_batch: from this many samples on, a sum partition whose child row blocks are read by several
             parent blocks (a PD's fan-ins) and whose forward kept its shifts runs its whole backward as one Pallas
             kernel, the child flows added by atomic adds (:func:`jaxpc.engine.routing.atomic_backward`); 0: never.
@@ -78,6 +84,7 @@ class Tuning:
     unroll_optimized: bool = True
     compiler_options: tuple = ()
     fanin_kernel_batch: int = 1
+    tree_kernel_batch: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

@@ -15,6 +15,7 @@ from ..nodes import CircuitNodes, InputNodes, ProdNodes, SumNodes, topological_o
 from .chain import detect_chain
 from .layout import InputLayerSpec, Layout, PFlowSpec, ProdPart, ScanSpec, StageSpec, SumGroupSpec, SumPart
 from .levels import even_levels, is_padding
+from .tree import detect_tree
 
 __all__ = ["CompiledStructure", "build"]
 
@@ -342,10 +343,14 @@ def _with_fold(layout: Layout, tables: dict, fold) -> tuple[Layout, dict]:
         return layout, tables
     f_steps, f_tables, f_root, f_rows, (f_single, f_gaps) = fold
     f_pflows, f_pflow_tables = _pflow_plan(f_steps, f_tables)
+    tree = detect_tree(f_steps, f_tables)
     folded = dataclasses.replace(layout, num_rows=f_rows, steps=tuple(f_steps), root_row=f_root, chain=None,
-                                 fold=None, pflows=f_pflows, single_reader=f_single, flow_gaps=f_gaps)
-    return (dataclasses.replace(layout, fold=folded),
-            {**tables, "fold": {"steps": f_tables, "pflows": f_pflow_tables}})
+                                 fold=None, pflows=f_pflows, single_reader=f_single, flow_gaps=f_gaps,
+                                 tree=None if tree is None else tree[0])
+    f_tabs = {"steps": f_tables, "pflows": f_pflow_tables}
+    if tree is not None:
+        f_tabs["tree"] = tree[1]
+    return dataclasses.replace(layout, fold=folded), {**tables, "fold": f_tabs}
 
 
 def _build_stage(members, row, block_rows, sum_placement, max_exact_fanins, child_rows=None):
@@ -724,4 +729,6 @@ def finalize_tables(tables: dict, layout: Layout) -> dict:
     if "fold" in tables:
         out["fold"] = {"steps": steps(tables["fold"]["steps"]),
                        "pflows": [fix(t) for t in tables["fold"].get("pflows", [])]}
+        if "tree" in tables["fold"]:
+            out["fold"]["tree"] = fix(tables["fold"]["tree"])
     return out

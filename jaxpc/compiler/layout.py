@@ -161,6 +161,29 @@ class ChainSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class TreeSpec:
+    """A run of tree levels in the folded plan (an HCLT's), found by :func:`jaxpc.compiler.tree.detect_tree`, which
+    the persistent kernels of :mod:`jaxpc.ops.pallas_tree` evaluate in one launch per direction at small batches.
+
+    Steps ``start .. stop - 1`` of the plan are ``levels`` stages of one sum partition each, every parent block
+    reading one child block (the sum of at most ``M`` row blocks) that no other block reads, with its own
+    parameter block of ``params["sum"][group]`` (``[P, Kp, Kc]``). Its tables (``tables["tree"]``) list the
+    ``blocks`` real parent blocks level by level (padding blocks of evened levels left out): ``lev [levels + 1]``
+    the first block of each level, ``prow [blocks]`` each block's first parent row, ``ch [blocks, 1, M]`` the rows
+    of its child's row blocks (the zero rows pad shorter ones) and ``pid [blocks, 1]`` its parameter block.
+    """
+
+    start: int
+    stop: int
+    levels: int
+    blocks: int
+    group: str
+    Kp: int
+    Kc: int
+    M: int
+
+
+@dataclasses.dataclass(frozen=True)
 class PFlowSpec:
     """The sum partitions of one block shape and fan-in gathered block by block (``SumPart.blockwise``), as one
     table for the batched parameter-flow pass (``Options.param_flow_pass``): ``n`` parent blocks of ``C`` child
@@ -214,6 +237,8 @@ class Layout:
     flow_gaps: tuple[tuple[int, int], ...] | None = None
     # columns of evidence["sum_gates"] [B, num_gates] (SumNodes.set_gates; 0: no sum vector has gates)
     num_gates: int = 0
+    # the folded plan's run of tree levels (tables["tree"]), when it has one: jaxpc.compiler.tree
+    tree: TreeSpec | None = None
 
     @property
     def ninf_row(self) -> int:

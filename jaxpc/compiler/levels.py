@@ -38,9 +38,9 @@ def is_padding(ch: np.ndarray) -> np.ndarray:
     return np.all(c == 0, axis=1)
 
 
-def _candidate(spec: StageSpec):
-    """The one sum partition of a stage that may be padded (a tree level: fan-in one block, every child row block
-    read once, its own parameter blocks, ungated), or None."""
+def tree_level(spec: StageSpec):
+    """The one sum partition of a tree-level stage (fan-in one block, every child row block read once, its own
+    parameter blocks, neither dense nor gated), which may be padded, or None."""
     if spec.prods or len(spec.sums) != 1:
         return None
     p = spec.sums[0]
@@ -54,13 +54,13 @@ def _runs(stages, min_repeats: int) -> list[tuple[int, int]]:
     :data:`RATIO`, at least ``min_repeats`` long and not all of one shape already."""
     out, i, S = [], 0, len(stages)
     while i < S:
-        p = _candidate(stages[i])
+        p = tree_level(stages[i])
         if p is None:
             i += 1
             continue
         j, lo, hi = i + 1, p.n, p.n
         while j < S:
-            q = _candidate(stages[j])
+            q = tree_level(stages[j])
             if q is None or (q.group, q.Kp, q.Kc) != (p.group, p.Kp, p.Kc):
                 break
             if max(hi, q.n) > RATIO * min(lo, q.n):

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..compiler.layout import Layout, StageSpec
+from ..ops import pallas_tree
 from ..ops.buffers import uninitialized
 from ..ops.pieces import in_order, ranges
 from ..ops.product_layer import product_layer_backward_reference as product_layer_backward
@@ -76,8 +77,23 @@ def _root_bwd(layout, options, buffered, res, g):
     def stage(carry, spec, tab, offset, name):
         return _stage_flows(ps, carry, spec, tab, offset, name)
 
-    flows, dparams = stages.run_stages(layout, tables, (flows, dparams), stage, reverse=True,
-                                       scan=options.scan_stages)
+    B = values.shape[1]
+    if routing.tree_kernel(layout, options, B, values.dtype):
+        tree = layout.tree
+        carry = stages.run_stages(layout, tables, (flows, dparams), stage, reverse=True, scan=options.scan_stages,
+                                  span=(tree.stop, len(layout.steps)))
+        flows, dparams = carry
+        with jax.named_scope("jaxpc/tree/backward"):
+            flows, dp = pallas_tree.backward(values, flows, dparams[tree.group] if options.compute_param_flows
+                                             else None, tables["tree"], sum_params[tree.group], tree,
+                                             options.concrete_precision, 2 * layout.kmax, layout.single_reader)
+        if dp is not None:
+            dparams = {**dparams, tree.group: dp}
+        flows, dparams = stages.run_stages(layout, tables, (flows, dparams), stage, reverse=True,
+                                           scan=options.scan_stages, span=(0, tree.start))
+    else:
+        flows, dparams = stages.run_stages(layout, tables, (flows, dparams), stage, reverse=True,
+                                           scan=options.scan_stages)
     dparams = _after_pass(ps, pflows, flows, dparams)
     dparams = {k: dparams.get(k, jnp.zeros_like(v)) for k, v in sum_params.items()}
     if buffered:
@@ -205,7 +221,8 @@ def batched_pflows(layout, tables: dict, options, B: int, dtype) -> list:
     """The batched parameter-flow pass's ``(PFlowSpec, tables)`` for a flow pass at batch ``B``
     (``Options.param_flow_pass``): the sum-product partitions gathered block by block, by block shape and fan-in
     (``"auto"``: fan-in 1, tree levels, at batches up to ``Options.tuning.pflow_batch``), unless one of them runs on the
-    Pallas backward (which reduces its parameter flows inside its kernels)."""
+    Pallas backward or on the tree's persistent kernel (:func:`jaxpc.engine.routing.tree_kernel`), which reduce their
+    parameter flows inside their kernels."""
     mode = options.param_flow_pass
     if (not options.compute_param_flows or options.propagation == "MPE" or mode == "inline"
             or (mode == "auto" and B > options.tuning.pflow_batch)):
@@ -213,6 +230,8 @@ def batched_pflows(layout, tables: dict, options, B: int, dtype) -> list:
     on_pallas = {p.pflow_key for spec in layout.stages() for p in spec.sums
                  if p.blockwise and routing.runs_kernel_backward(routing.kernel_choice(options, p, B, dtype)[0],
                                                                  options)}
+    if routing.tree_kernel(layout, options, B, dtype):  # the tree's kernel adds its levels' flows in place
+        on_pallas.add((layout.tree.group, 1, layout.tree.Kp, layout.tree.Kc))
     return [(spec, tab) for spec, tab in zip(layout.pflows, tables["pflows"])
             if (mode == "batched" or spec.C == 1) and spec.key not in on_pallas]
 

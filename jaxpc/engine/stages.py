@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..compiler.layout import Layout, ScanSpec, StageSpec
-from ..ops import product_layer, sum_layer
+from ..ops import pallas_tree, product_layer, sum_layer
 from ..ops.pieces import in_order
 from ..ops.sum_layer import sum_kernels, sum_layer_reference
 from ..ops.sum_layer_external import sum_layer_external_reference
@@ -191,12 +191,16 @@ def _stage(buf: Array, spec: StageSpec, tab: dict, sum_params: dict, options, of
 
 # ---- every stage ----------------------------------------------------------------------------------------
 
-def run_stages(layout, tables: dict, buf: Array, stage_fn, reverse: bool = False, scan: bool = True):
+def run_stages(layout, tables: dict, buf: Array, stage_fn, reverse: bool = False, scan: bool = True,
+               span: tuple[int, int] | None = None):
     """Apply ``stage_fn(carry, spec, tab, offset, name)`` to every stage in order (or in reverse), running
     repeated stages under ``lax.scan`` (``scan=False``: unrolled, one stage after the other with its slice
     of the stacked tables). ``carry`` is any pytree (the node buffer, or buffers plus accumulators).
-    ``layout`` is anything with ``steps`` (a Layout or a partial-evaluation plan)."""
+    ``layout`` is anything with ``steps`` (a Layout or a partial-evaluation plan); ``span``: only steps
+    ``[start, stop)``."""
     steps = list(enumerate(zip(layout.steps, tables["steps"])))
+    if span is not None:
+        steps = steps[span[0]:span[1]]
     for si, (step, tab) in (reversed(steps) if reverse else steps):
         if isinstance(step, ScanSpec):
             period = list(enumerate(zip(step.period, range(len(step.period)))))
@@ -236,7 +240,17 @@ def forward_buffer(layout: Layout, tables: dict, sum_params: dict, input_vals, o
         return _stage(b, spec, tab, sum_params, options, offset, name, evidence, counts, s, unit, layout.ninf_row)
 
     carry = (buf, jnp.zeros((-(-layout.num_rows // unit), buf.shape[1]), jnp.float32)) if unit else buf
-    carry = run_stages(layout, tables, carry, stage, scan=options.scan_stages)
+    if routing.tree_kernel(layout, options, buf.shape[1], dtype, evidence):
+        tree = layout.tree
+        carry = run_stages(layout, tables, carry, stage, scan=options.scan_stages, span=(0, tree.start))
+        with jax.named_scope("jaxpc/tree"):
+            b = pallas_tree.forward(carry[0] if unit else carry, tables["tree"], sum_params[tree.group], tree,
+                                    options.concrete_precision)
+        carry = (b, carry[1]) if unit else b
+        carry = run_stages(layout, tables, carry, stage, scan=options.scan_stages,
+                           span=(tree.stop, len(layout.steps)))
+    else:
+        carry = run_stages(layout, tables, carry, stage, scan=options.scan_stages)
     if not keep_shifts:
         return carry
     return carry if unit else (carry, None)

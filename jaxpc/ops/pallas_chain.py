@@ -54,7 +54,7 @@ def _grid(K: int, interpret: bool) -> tuple[int, int]:
     return K // bm, bm
 
 
-def _barrier(cnt_ref, target, interpret: bool) -> None:
+def grid_barrier(cnt_ref, target, interpret: bool) -> None:
     """Wait until every program has arrived ``target // G`` times (the counter reaches ``target``)."""
     if not interpret:
         plgpu.debug_barrier()  # every thread's stores of this step come before the release below
@@ -71,14 +71,14 @@ def _forward_kernel(a_ref, et_ref, cnt_in, p_ref, cnt_ref, *, R, bm, precision, 
     rows = pl.ds(i * bm, bm)
     a = plgpu.load(a_ref.at[rows, :])  # [bm, K]: the program's rows of A, in registers for all steps
     plgpu.store(p_ref.at[jnp.int32(0), rows, :], plgpu.load(et_ref.at[jnp.int32(0), rows, :]))
-    _barrier(cnt_ref, G, interpret)
+    grid_barrier(cnt_ref, G, interpret)
 
     def step(r, carry):
         s = plgpu.load(p_ref.at[r])  # [K, B]: every program's rows of the previous step
         tot = jnp.sum(s, axis=0, keepdims=True)
         tot = jnp.where(tot == 0, 1.0, tot)  # an impossible sample: the state stays zero
         plgpu.store(p_ref.at[r + 1, rows, :], mm(a, s, precision) / tot * plgpu.load(et_ref.at[r + 1, rows, :]))
-        _barrier(cnt_ref, (r + 2) * G, interpret)
+        grid_barrier(cnt_ref, (r + 2) * G, interpret)
         return carry
 
     lax.fori_loop(0, R, step, 0)
@@ -94,14 +94,14 @@ def _backward_kernel(at_ref, ec_ref, b_ref, cnt_in, beta_ref, dy_ref, cnt_ref, *
     beta = plgpu.load(b_ref.at[rows, :])
     plgpu.store(beta_ref.at[last, rows, :], beta)
     plgpu.store(dy_ref.at[last, rows, :], beta * plgpu.load(ec_ref.at[last, rows, :]))
-    _barrier(cnt_ref, G, interpret)
+    grid_barrier(cnt_ref, G, interpret)
 
     def step(j, carry):
         r = R - 1 - j
         beta = mm(at, plgpu.load(dy_ref.at[r + 1]), precision)  # [bm, B] from every program's rows of dy
         plgpu.store(beta_ref.at[r, rows, :], beta)
         plgpu.store(dy_ref.at[r, rows, :], beta * plgpu.load(ec_ref.at[r, rows, :]))
-        _barrier(cnt_ref, (j + 2) * G, interpret)
+        grid_barrier(cnt_ref, (j + 2) * G, interpret)
         return carry
 
     lax.fori_loop(0, R, step, 0)
@@ -125,7 +125,7 @@ def fits(K: int, B: int) -> bool:
     return Kp * Bp <= MAX_TILE and max(16, Kp // MAX_PROGRAMS) * Kp <= MAX_TILE
 
 
-def _unbatched(fn):
+def unbatched(fn):
     """``fn`` (array arguments, array outputs) under ``vmap`` as a loop of unbatched calls. A batched
     ``pallas_call`` would add a grid axis, and the barrier counts programs of axis 0 only, with one counter for
     the whole grid."""
@@ -156,7 +156,7 @@ def _forward_call(precision: str):
             jnp.zeros((1,), jnp.int32))
         return P[:, :K, :B]
 
-    return _unbatched(call)
+    return unbatched(call)
 
 
 @functools.cache
@@ -176,7 +176,7 @@ def _backward_call(precision: str):
             _padded(beta_R.astype(jnp.float32), Kp, Bp, 0.0), jnp.zeros((1,), jnp.int32))
         return beta[:, :K, :B], dy[:, :K, :B]
 
-    return _unbatched(call)
+    return unbatched(call)
 
 
 def forward(A: Array, Et: Array, precision: str) -> Array:
@@ -192,4 +192,4 @@ def backward(A: Array, Ec: Array, beta_R: Array, precision: str) -> tuple[Array,
     return _backward_call(precision)(A, Ec, beta_R)
 
 
-__all__ = ["MAX_PROGRAMS", "MAX_TILE", "available", "backward", "fits", "forward"]
+__all__ = ["MAX_PROGRAMS", "MAX_TILE", "available", "backward", "fits", "forward", "grid_barrier", "unbatched"]

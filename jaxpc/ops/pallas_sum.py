@@ -259,6 +259,20 @@ def forward_config(n: int, Kp: int, B: int, config: KernelConfig | None = None) 
 
 # ---- forward -------------------------------------------------------------------------------------
 
+def forward_tile(i, first, kp, cols, cmask, ch_ref, pid_ref, w_ref, buf_ref, out_ref, *, C, M, Kp, Kc, KC, alpha,
+                 precision):
+    """The values of parent nodes ``kp`` of block ``i`` (rows ``first + kp``) for samples ``cols``, read from
+    ``buf_ref`` and stored into ``out_ref``; returns the block's shift (its children's max) per sample."""
+    m, acc = _online_sum(i, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, C=C, M=M, Kp=Kp, Kc=Kc, KC=KC,
+                         alpha=alpha, precision=precision)
+    safe = jnp.where(m == _NEG, 0.0, m)
+    pos = acc > 0
+    # an empty sum is -inf; a NaN child (a value out of range with validation off) stays NaN, never -inf
+    out = jnp.where(pos, jnp.log(jnp.where(pos, acc, 1.0)) / alpha + safe[None, :], jnp.where(acc == 0, _NEG, jnp.nan))
+    _store_tile(out_ref, first + kp, cols, out, kp < Kp, cmask)
+    return m
+
+
 def _fwd_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, *refs, C, M, Kp, Kc, KT, KC, BB, B, alpha, precision,
                 unit):
     out_ref, shift_ref = (refs[1], refs[2]) if unit else (refs[0], None)  # with shifts: (shifts in, buf, shifts)
@@ -266,13 +280,8 @@ def _fwd_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, *refs, C, M, Kp, Kc, K
     cols = t * BB + jnp.arange(BB)
     cmask = cols < B
     kp = k * KT + jnp.arange(KT)
-    m, acc = _online_sum(i, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, C=C, M=M, Kp=Kp, Kc=Kc, KC=KC,
-                         alpha=alpha, precision=precision)
-    safe = jnp.where(m == _NEG, 0.0, m)
-    pos = acc > 0
-    # an empty sum is -inf; a NaN child (a value out of range with validation off) stays NaN, never -inf
-    out = jnp.where(pos, jnp.log(jnp.where(pos, acc, 1.0)) / alpha + safe[None, :], jnp.where(acc == 0, _NEG, jnp.nan))
-    _store_tile(out_ref, off_ref[0] + i * Kp + kp, cols, out, kp < Kp, cmask)
+    m = forward_tile(i, off_ref[0] + i * Kp, kp, cols, cmask, ch_ref, pid_ref, w_ref, buf_ref, out_ref, C=C, M=M,
+                     Kp=Kp, Kc=Kc, KC=KC, alpha=alpha, precision=precision)
     if unit:  # the block's shift, the children's max, at shift row (first parent row) / unit
         plgpu.store(shift_ref.at[lax.div(off_ref[0] + i * Kp, jnp.int32(unit)), cols], m, mask=cmask & (k == 0))
 
@@ -647,14 +656,15 @@ def backward_children(buf: Array, a: Array, m: Array, uch: Array, par: Array, pp
 
 # ---- backward of an exclusive partition (a tree level): child flows per parent, written to every row block --
 
-def _add_to_row_blocks(flow_ref, out_ref, ch_ref, i, kc, cols, cmask, cf, *, M, Kc, first_row):
+def _add_to_row_blocks(flow_ref, out_ref, ch_ref, i, kc, cols, cmask, cf, *, M, Kc, first_row, overwrite=False):
     """Add child flows ``cf [len(kc), BB]`` into every row block of parent block ``i``'s (folded) child, in place:
-    the calling program is their only writer; rows below ``first_row`` (padding) are left alone."""
+    the calling program is their only writer; rows below ``first_row`` (padding) are left alone. ``overwrite``:
+    store them instead (the rows have no other reader in the whole circuit: their flows are unset until now)."""
     for s in range(M):
         r0 = ch_ref[i, 0, s]
         rmask = (kc < Kc) & (r0 >= first_row)
-        old = _load_tile(flow_ref, r0 + kc, cols, rmask, cmask, 0.0)
-        _store_tile(out_ref, r0 + kc, cols, old + cf, rmask, cmask)
+        new = cf if overwrite else _load_tile(flow_ref, r0 + kc, cols, rmask, cmask, 0.0) + cf
+        _store_tile(out_ref, r0 + kc, cols, new, rmask, cmask)
 
 
 def _bwd_slots_kernel(ch_ref, pid_ref, w_ref, buf_ref, a_ref, m_ref, flow_ref, out_ref, *, M, Kp, Kc, KT, KPT, BB, B,
@@ -722,6 +732,17 @@ def level_tiles(config: KernelConfig, B: int, Kp: int, Kc: int):
 def _bwd_level_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, flow_ref, dp_ref, out_ref, *pf_refs, M, Kp, Kc, KT,
                       KPT, KC, BB, B, alpha, precision, first_row, recompute, pmode):
     i, k = block_ids(2)
+    level_backward_tile(i, k, off_ref[0] + i * Kp, ch_ref, pid_ref, w_ref, buf_ref, flow_ref, dp_ref, out_ref,
+                        pf_refs[0] if pf_refs else None, M=M, Kp=Kp, Kc=Kc, KT=KT, KPT=KPT, KC=KC, BB=BB, B=B,
+                        alpha=alpha, precision=precision, first_row=first_row, recompute=recompute, pmode=pmode)
+
+
+def level_backward_tile(i, k, first, ch_ref, pid_ref, w_ref, buf_ref, flow_ref, dp_ref, out_ref, pf_ref, *, M, Kp,
+                        Kc, KT, KPT, KC, BB, B, alpha, precision, first_row, recompute, pmode, overwrite=False):
+    """:func:`backward_level`'s program for parent block ``i`` (parent rows ``first + [0, Kp)``) and child-node tile
+    ``k``: reads values from ``buf_ref`` and flows from ``flow_ref``, adds the child flows through ``out_ref``
+    (``overwrite``: stores them, see :func:`_add_to_row_blocks`); the parameter flows go to ``pf_ref`` (``pmode``
+    ``"add"``: at the block's ``pid``, added to ``dp_ref``'s; ``"new"``: at ``i``; ``""``: none)."""
     cols = jnp.arange(BB)
     cmask = cols < B
 
@@ -737,7 +758,6 @@ def _bwd_level_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, flow_ref, dp_ref
     kc = k * KT + jnp.arange(KT)
     y = child_exp(kc, safe)
     p = pid_ref[i, 0]
-    first = off_ref[0] + i * Kp  # the block's first parent row
 
     def chunk(q, wa):
         kp = q * KPT + jnp.arange(KPT)
@@ -758,15 +778,16 @@ def _bwd_level_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, flow_ref, dp_ref
             tmask = pmask[:, None] & (kc[None, :] < Kc)
             if pmode == "add":  # into the parameter-flow buffer, in place (distinct blocks per parent)
                 at = dp_ref.at[p, kp[:, None], kc[None, :]]
-                plgpu.store(pf_refs[0].at[p, kp[:, None], kc[None, :]], plgpu.load(at, mask=tmask, other=0.0) + pf,
+                plgpu.store(pf_ref.at[p, kp[:, None], kc[None, :]], plgpu.load(at, mask=tmask, other=0.0) + pf,
                             mask=tmask)
             else:
-                plgpu.store(pf_refs[0].at[i, kp[:, None], kc[None, :]], pf, mask=tmask)
+                plgpu.store(pf_ref.at[i, kp[:, None], kc[None, :]], pf, mask=tmask)
         return wa + mm(w, a, precision, trans_a=True)
 
     wa = lax.fori_loop(0, pl.cdiv(Kp, KPT), chunk, jnp.zeros((KT, BB), jnp.float32))
     cf = y * wa
-    _add_to_row_blocks(flow_ref, out_ref, ch_ref, i, kc, cols, cmask, cf, M=M, Kc=Kc, first_row=first_row)
+    _add_to_row_blocks(flow_ref, out_ref, ch_ref, i, kc, cols, cmask, cf, M=M, Kc=Kc, first_row=first_row,
+                       overwrite=overwrite)
 
 
 def check_level_args(C: int, B: int, flows: Array, dparams: Array | None, Kp: int, Kc: int) -> None:

@@ -1,0 +1,171 @@
+"""The folded plan's run of tree levels (:mod:`jaxpc.compiler.tree`) on the persistent kernels of
+:mod:`jaxpc.ops.pallas_tree` (interpret mode off a GPU): the detected table, log-likelihoods and flows against the
+float64 oracle, EM steps and parameter-flow variants against the per-level kernels, and the route's conditions."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxpc
+from jaxpc.compiler import ScanSpec
+from jaxpc.compiler.levels import is_padding
+from jaxpc.engine import routing
+
+from . import oracle
+from .test_levels import CAT, tree_circuit
+from .tiers import slow
+
+LEVELS = jaxpc.Options(fold_products=True, impl="pallas")  # the default: the Pallas kernels, one level at a time
+PALLAS = LEVELS.replace(tuning=jaxpc.Tuning(tree_kernel_batch=64))  # the tree's levels on the persistent kernels
+
+
+@pytest.fixture(scope="module")
+def deep():
+    """Chains of up to 7 nodes under the root, evened into scans (padding blocks among the levels)."""
+    c, V, _ = tree_circuit(lengths=(2, 3, 5, 6, 7, 7))
+    data = np.random.default_rng(5).integers(0, CAT, (40, V)).astype(np.int32)
+    return c, data
+
+
+def _real_blocks(c):
+    """``(first parent row, level)`` of every real (not padding) block of the folded plan's tree levels."""
+    out, level = [], 0
+    tree = c.layout.fold.tree
+    for step, tab in zip(c.layout.fold.steps[tree.start:tree.stop], c.tables["fold"]["steps"][tree.start:tree.stop]):
+        reps = [(tab[0], r) for r in range(step.repeats)] if isinstance(step, ScanSpec) else [(tab, None)]
+        for t, r in reps:
+            ch = np.asarray(t["sums"][0]["ch"] if r is None else t["sums"][0]["ch"][r])
+            first = int(np.asarray(t["out"]) if r is None else np.asarray(t["out"])[r])
+            for i in np.flatnonzero(~is_padding(ch)):
+                out.append((first + i * tree.Kp, level))
+            level += 1
+    return out
+
+
+def test_the_tree_table_lists_every_real_block_level_by_level(deep):
+    c, _ = deep
+    tree = c.layout.fold.tree
+    assert tree is not None and tree.levels >= 6 and (tree.Kp, tree.Kc) == (4, 4)
+    assert c.layout.fold.single_reader  # the backward stores its child flows (rows of no other reader)
+    assert any(isinstance(s, ScanSpec) for s in c.layout.fold.steps[tree.start:tree.stop])  # padded levels inside
+    tab = {k: np.asarray(v) for k, v in c.tables["fold"]["tree"].items()}
+    real = _real_blocks(c)
+    assert tree.blocks == len(real) == tab["prow"].shape[0] and tab["ch"].shape == (tree.blocks, 1, tree.M)
+    assert tab["lev"][0] == 0 and tab["lev"][-1] == tree.blocks and np.all(np.diff(tab["lev"]) > 0)
+    level_of = np.repeat(np.arange(tree.levels), np.diff(tab["lev"]))
+    assert [(int(r), int(lv)) for r, lv in zip(tab["prow"], level_of)] == real
+    assert len(set(tab["pid"][:, 0].tolist())) == tree.blocks  # a parameter block of its own each
+    # a level's children were written by lower levels or are inputs
+    for b in range(tree.blocks):
+        lower = tab["prow"][level_of < level_of[b]]
+        for r in tab["ch"][b, 0]:
+            assert r < tab["prow"].min() or r in lower or r < 2 * c.layout.kmax
+
+
+def test_no_tree_without_a_run_of_levels():
+    c, _, _ = tree_circuit(lengths=(1, 2))  # two levels below the top
+    assert c.layout.fold.tree is None
+
+
+@pytest.mark.parametrize("batch", [8, 33])
+def test_flows_and_ll_on_the_tree_kernels_match_the_oracle(deep, batch):
+    """With missing values and per-sample weights, fp32 (the local sums recomputed) and tf32's route (the local sums
+    from the stored values; exact on a CPU)."""
+    c, data = deep
+    rng = np.random.default_rng(batch)
+    x = np.resize(data, (batch, data.shape[1]))
+    miss = rng.random(x.shape) < 0.2
+    w = rng.uniform(0.5, 2.0, batch)
+    totals, in_totals, _ = oracle.flow_totals(c, c.params, x, miss, weights=w)
+    _, ref = oracle.forward(c, c.params, x, miss)
+    for precision in ("fp32", "tf32"):
+        opts = PALLAS.replace(precision=precision)
+        assert routing.tree_kernel(c.layout.fold, opts, batch, jnp.float32)
+        fl, ll = c.flows(c.params, x, missing=miss, ll_weights=w, options=opts, return_ll=True)
+        assert oracle.check_flows(c, fl, totals, in_totals) > 0
+        np.testing.assert_allclose(np.asarray(ll), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_the_tree_kernels_run_one_launch_each_way(deep):
+    c, data = deep
+    x = jnp.asarray(data[:8])
+
+    def loss(p):
+        return jnp.sum(c.log_prob(p, x, options=PALLAS))
+
+    text = str(jax.make_jaxpr(jax.grad(loss))(c.params))
+    assert text.count("jaxpc_tree_forward") == 1 and text.count("jaxpc_tree_backward") == 1
+    text = str(jax.make_jaxpr(jax.grad(lambda p: jnp.sum(c.log_prob(p, x, options=LEVELS))))(c.params))
+    assert "jaxpc_tree" not in text
+
+
+def test_em_step_and_flow_variants_equal_the_per_level_kernels(deep):
+    c, data = deep
+    x = data[:16]
+    # (the default flows: test_flows_and_ll_on_the_tree_kernels_match_the_oracle, and the EM step below)
+    for opts in (PALLAS.replace(compute_param_flows=False), PALLAS.replace(param_flow_pass="batched")):
+        got = c.flows(c.params, x, options=opts, return_ll=True)
+        ref = c.flows(c.params, x, options=opts.replace(tuning=jaxpc.Tuning()), return_ll=True)
+        for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)
+    got = c.em_step(c.params, x, pseudocount=0.1, options=PALLAS)
+    ref = c.em_step(c.params, x, pseudocount=0.1, options=LEVELS)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)
+
+
+def test_the_route_takes_small_float32_sum_product_batches_only(deep):
+    c, _ = deep
+    fold = c.layout.fold
+    f32 = jnp.float32
+    assert routing.tree_kernel(fold, PALLAS, 64, f32)
+    assert not routing.tree_kernel(fold, PALLAS, 65, f32)  # the whole batch is one tile of each program
+    assert not routing.tree_kernel(fold, PALLAS.replace(tuning=jaxpc.Tuning(tree_kernel_batch=16)), 17, f32)
+    assert not routing.tree_kernel(fold, LEVELS, 8, f32)  # off by default
+    assert not routing.tree_kernel(fold, PALLAS, 8, jnp.float64)
+    assert not routing.tree_kernel(fold, PALLAS.replace(impl="xla"), 8, f32)
+    assert not routing.tree_kernel(fold, PALLAS.replace(propagation="MPE"), 8, f32)
+    assert not routing.tree_kernel(fold, PALLAS.replace(pflow_temperature=2.0), 8, f32)
+    assert not routing.tree_kernel(fold, PALLAS, 8, f32, evidence={"sum_gates": {fold.tree.group: jnp.zeros((8, 3))}})
+    # impl="auto" runs it on a GPU only
+    assert routing.tree_kernel(fold, PALLAS.replace(impl="auto"), 8, f32) == (jax.default_backend() == "gpu")
+    assert not routing.tree_kernel(c.layout, PALLAS, 8, f32)  # the unfolded layout has no tree
+
+
+@slow
+def test_the_tree_kernels_under_vmap_over_parameter_sets(deep):
+    """``jit(vmap)`` over two parameter sets: one launch per set (a batched grid would break the barrier)."""
+    c, data = deep
+    x = data[:8]
+    p2 = jax.tree_util.tree_map(lambda a, b: jnp.stack([a, b]), c.params, c.init_params(jax.random.PRNGKey(7)))
+    got = jax.jit(jax.vmap(lambda p: c.flows(p, x, options=PALLAS, return_ll=True)))(p2)
+    for i in range(2):
+        pi = jax.tree_util.tree_map(lambda a, i=i: a[i], p2)
+        ref = c.flows(pi, x, options=LEVELS, return_ll=True)
+        for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+            np.testing.assert_allclose(np.asarray(a)[i], np.asarray(b), rtol=2e-5, atol=1e-6)
+
+
+def test_the_tree_kernels_lower_to_triton_for_the_h200(deep):
+    """Cross-lowered for CUDA with 128 programs (the CPU runs them in interpret mode): both directions, the local sums
+    recomputed (fp32) and from the stored values (tf32), child flows added and stored."""
+    from unittest import mock
+
+    from jaxpc.ops import pallas_sum, pallas_tree
+
+    c, _ = deep
+    spec = c.layout.fold.tree
+    tab = {k: jnp.asarray(v) for k, v in c.tables["fold"]["tree"].items()}
+    logw = c.params["sum"][spec.group]
+    buf = jnp.zeros((c.layout.fold.num_rows, 16))
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    with mock.patch.object(pallas_sum, "interpret_mode", lambda: False), \
+            mock.patch.object(pallas_tree, "interpret_mode", lambda: False), \
+            jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
+        for precision, overwrite in (("tf32", True), ("fp32", False)):
+            fns = (lambda b, lw: pallas_tree.forward(b, tab, lw, spec, precision, G=128),
+                   lambda b, lw: pallas_tree.backward(b, b, lw, tab, lw, spec, precision, 8, overwrite, G=128))
+            for f in fns:
+                text = jax.jit(f).trace(buf, logw).lower(lowering_platforms=("cuda",)).as_text()
+                assert "__gpu$xla.gpu.triton" in text
