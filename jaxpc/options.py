@@ -63,7 +63,7 @@ class Tuning:
             :class:`jaxpc.compiler.layout.TreeSpec`) runs as one persistent Pallas kernel each way
             (:mod:`jaxpc.ops.pallas_tree`) where ``impl`` is ``"auto"`` on a GPU or ``"pallas"`` /
             ``"pallas_forward"``; 0 (the default): never. Off by default: on the H200, HCLT-256's forward + flows
-            took 2.4-2.9 ms this way at batch 16 against 2.0-2.2 level by level in the side-by-side runs (3.2-3.3
+            took 2.4-2.9 ms this way at batch 16 against 2.0-2.2 level by level in the side-by-side runs (3.1-3.3
             in two other processes), and 3.1-3.4 against 2.3 at batch 32.
         fanin_kernel_batch: from this many samples on, a sum partition whose child row blocks are read by several
             parent blocks (a PD's fan-ins) and whose forward kept its shifts runs its whole backward as one Pallas
