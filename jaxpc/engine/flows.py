@@ -77,23 +77,19 @@ def _root_bwd(layout, options, buffered, res, g):
     def stage(carry, spec, tab, offset, name):
         return _stage_flows(ps, carry, spec, tab, offset, name)
 
-    B = values.shape[1]
-    if routing.tree_kernel(layout, options, B, values.dtype):
-        tree = layout.tree
-        carry = stages.run_stages(layout, tables, (flows, dparams), stage, reverse=True, scan=options.scan_stages,
-                                  span=(tree.stop, len(layout.steps)))
-        flows, dparams = carry
+    tree = layout.tree if routing.tree_kernel(layout, options, values.shape[1], values.dtype) else None
+    start, stop = stages.tree_span(layout, tree)
+    flows, dparams = stages.run_stages(layout, tables, (flows, dparams), stage, reverse=True,
+                                       scan=options.scan_stages, span=(stop, len(layout.steps)))
+    if tree is not None:
         with jax.named_scope("jaxpc/tree/backward"):
             flows, dp = pallas_tree.backward(values, flows, dparams[tree.group] if options.compute_param_flows
                                              else None, tables["tree"], sum_params[tree.group], tree,
                                              options.concrete_precision, 2 * layout.kmax, layout.single_reader)
         if dp is not None:
             dparams = {**dparams, tree.group: dp}
-        flows, dparams = stages.run_stages(layout, tables, (flows, dparams), stage, reverse=True,
-                                           scan=options.scan_stages, span=(0, tree.start))
-    else:
-        flows, dparams = stages.run_stages(layout, tables, (flows, dparams), stage, reverse=True,
-                                           scan=options.scan_stages)
+    flows, dparams = stages.run_stages(layout, tables, (flows, dparams), stage, reverse=True,
+                                       scan=options.scan_stages, span=(0, start))
     dparams = _after_pass(ps, pflows, flows, dparams)
     dparams = {k: dparams.get(k, jnp.zeros_like(v)) for k, v in sum_params.items()}
     if buffered:

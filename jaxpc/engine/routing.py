@@ -165,7 +165,7 @@ def tree_kernel(layout: Layout, options, B: int, dtype, evidence: dict | None = 
     from ..ops import pallas_tree
 
     impl = route_impl(options)
-    if not pallas_tree.fits(layout.tree, B) or not (impl in PALLAS_FORWARD or (impl == "auto" and on_gpu())):
+    if not pallas_tree.fits(B) or not (impl in PALLAS_FORWARD or (impl == "auto" and on_gpu())):
         return False
     return kernels_available()
 

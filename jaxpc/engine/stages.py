@@ -222,6 +222,12 @@ def run_stages(layout, tables: dict, buf: Array, stage_fn, reverse: bool = False
     return buf
 
 
+def tree_span(layout, tree) -> tuple[int, int]:
+    """The steps ``[start, stop)`` that the tree's persistent kernels run in place of :func:`run_stages` (``tree``:
+    ``layout.tree`` where :func:`jaxpc.engine.routing.tree_kernel` takes that route, else None: no steps)."""
+    return (tree.start, tree.stop) if tree is not None else (len(layout.steps), len(layout.steps))
+
+
 def forward_buffer(layout: Layout, tables: dict, sum_params: dict, input_vals, options,
                    evidence: dict | None = None, counts: bool = False, keep_shifts: bool = False):
     """The node buffer ``[R, B]`` from the input layers' values (plain forward, differentiable by autodiff), or
@@ -240,17 +246,15 @@ def forward_buffer(layout: Layout, tables: dict, sum_params: dict, input_vals, o
         return _stage(b, spec, tab, sum_params, options, offset, name, evidence, counts, s, unit, layout.ninf_row)
 
     carry = (buf, jnp.zeros((-(-layout.num_rows // unit), buf.shape[1]), jnp.float32)) if unit else buf
-    if routing.tree_kernel(layout, options, buf.shape[1], dtype, evidence):
-        tree = layout.tree
-        carry = run_stages(layout, tables, carry, stage, scan=options.scan_stages, span=(0, tree.start))
+    tree = layout.tree if routing.tree_kernel(layout, options, buf.shape[1], dtype, evidence) else None
+    start, stop = tree_span(layout, tree)
+    carry = run_stages(layout, tables, carry, stage, scan=options.scan_stages, span=(0, start))
+    if tree is not None:
         with jax.named_scope("jaxpc/tree"):
             b = pallas_tree.forward(carry[0] if unit else carry, tables["tree"], sum_params[tree.group], tree,
                                     options.concrete_precision)
         carry = (b, carry[1]) if unit else b
-        carry = run_stages(layout, tables, carry, stage, scan=options.scan_stages,
-                           span=(tree.stop, len(layout.steps)))
-    else:
-        carry = run_stages(layout, tables, carry, stage, scan=options.scan_stages)
+    carry = run_stages(layout, tables, carry, stage, scan=options.scan_stages, span=(stop, len(layout.steps)))
     if not keep_shifts:
         return carry
     return carry if unit else (carry, None)

@@ -61,7 +61,7 @@ def programs(interpret: bool) -> int:
     return max(1, min(MAX_PROGRAMS, int(cores))) if cores else 64
 
 
-def fits(spec, B: int) -> bool:
+def fits(B: int) -> bool:
     """Whether the kernels take a batch of ``B`` samples (whole in each program)."""
     return 1 <= B <= MAX_BATCH
 
@@ -137,10 +137,10 @@ def _static(spec, B: int, precision: str) -> dict:
                 **_tiles(spec, B, precision))
 
 
-def _check(spec, buf: Array, name: str) -> None:
+def _check(buf: Array, name: str) -> None:
     if buf.dtype != jnp.float32 or buf.ndim != 2:
         raise TypeError(f"pallas_tree.{name} needs a float32 node buffer [R, B], got {buf.dtype}{list(buf.shape)}")
-    if not fits(spec, buf.shape[1]):
+    if not fits(buf.shape[1]):
         raise ValueError(f"pallas_tree.{name} holds the whole batch in each program: 1 to {MAX_BATCH} samples, "
                          f"got {buf.shape[1]}")
 
@@ -179,7 +179,7 @@ def forward(buf: Array, tab: dict, logw: Array, spec, precision: str, G: int | N
     """The node buffer ``buf`` (float32 ``[R, B]``) with the parent rows of every level of ``spec`` (a
     :class:`jaxpc.compiler.layout.TreeSpec`) written, from its tables ``tab`` (``tables["tree"]``) and the group's
     log-weights ``logw [P, Kp, Kc]``. ``G``: programs (default :func:`programs`)."""
-    _check(spec, buf, "forward")
+    _check(buf, "forward")
     G = G or programs(interpret_mode())
     return _forward_call(spec, precision, G)(buf, tab["lev"], tab["prow"], tab["ch"], tab["pid"],
                                              logw.astype(jnp.float32))
@@ -194,7 +194,7 @@ def backward(values: Array, flows: Array, dparams: Array | None, tab: dict, logw
     parameter-flow buffer ``dparams`` (float32 ``[P, Kp, Kc]``, or None: no parameter flows) with the levels'
     parameter flows added at their blocks. ``values``: the forward's node buffer; rows below ``first_row``
     (padding) get no flows."""
-    _check(spec, values, "backward")
+    _check(values, "backward")
     G = G or programs(interpret_mode())
     dp = jnp.zeros((1, 1, 1), jnp.float32) if dparams is None else dparams.astype(jnp.float32)
     fl, dp = _backward_call(spec, precision, dparams is not None, int(first_row), bool(overwrite), G)(
