@@ -6,7 +6,11 @@ call against the tuned one, and the default call with parts of the flag handling
 Variants: ``tuned`` (tf32, validate=False), ``default``, ``unchecked`` (default precision, validate=False:
 the same computation as ``tuned`` in an executable compiled and autotuned on its own), ``early-copy`` (the
 flag copied to the host asynchronously as soon as it is dispatched), ``no-read`` (the check runs in the
-executable, the flag is never read), ``sync``."""
+executable, the flag is never read), ``sync``, ``pinned`` (the flag written to pinned host memory by its
+executable), ``poll`` (only flags already computed are read; never waits), ``pinned-poll`` (both).
+
+``--read-latency`` times the host's read of a computed one-byte flag while the device runs a call, and idle.
+"""
 
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=40, help="timed calls per variant; the first WARMUP (5) are not counted")
     p.add_argument("--entries", default="log_prob,flows")
     p.add_argument("--host-profile", action="store_true", help="also split the default call's host time")
+    p.add_argument("--read-latency", action="store_true", help="also time reads of a computed flag")
     args = p.parse_args(argv)
     if args.reps <= WARMUP:
         p.error(f"--reps must be more than {WARMUP}: the first {WARMUP} calls of each variant are warm-up, not counted")
@@ -60,11 +65,15 @@ def main(argv=None):
 
     variants = {"tuned": (tuned, None), "default": ({}, None), "unchecked": (dict(validate=False), None),
                 "early-copy": ({}, early_copy),
-                "no-read": ({}, lambda self, flag, batch, where: None), "sync": (dict(validate="sync"), None)}
+                "no-read": ({}, lambda self, flag, batch, where: None), "sync": (dict(validate="sync"), None),
+                "pinned": ({}, None), "poll": ({}, None), "pinned-poll": ({}, None)}
+    flag_fn, pinned_flag = runtime.Runtime._flag, _pinned_flag()
     for entry in args.entries.split(","):
         fn = getattr(c, entry)
         for name, (kw, rec) in variants.items():
             runtime.Runtime._record = rec or record
+            runtime.Runtime._flag = pinned_flag if name.startswith("pinned") else flag_fn
+            runtime.Runtime._settle = _poll_settle if name.endswith("poll") else settle
             out = fn(c.params, xs[0], **kw)
             jax.block_until_ready(out)
             c.wait_compiled()
@@ -75,12 +84,73 @@ def main(argv=None):
                 jax.block_until_ready(out)
                 ts.append(time.perf_counter() - t)
                 del out
-            runtime.Runtime._record = record
+            runtime.Runtime._record, runtime.Runtime._flag, runtime.Runtime._settle = record, flag_fn, settle
+            c.raise_pending()
             print(f"{args.workload} B={B} {entry:9s} {name:9s} {1e3 * np.median(ts[WARMUP:]):7.3f} ms "
                   f"(min {1e3 * np.min(ts[WARMUP:]):.3f})", flush=True)
-    del settle
     if args.host_profile:
         host_profile(c, xs, args.reps)
+    if args.read_latency:
+        read_latency(c, xs, args.reps)
+
+
+def _pinned_flag():
+    """``Runtime._flag`` with the flag's executable writing its byte to pinned host memory."""
+    exes: dict = {}
+
+    def flag(self, x, missing):
+        key = (id(self), x.shape, x.dtype, None if missing is None else missing.shape)
+        exe = exes.get(key)
+        if exe is None:
+            dev = next(iter(x.devices()))
+            out = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+            exe = exes[key] = jax.jit(lambda x, m: runtime._any_bad(x, m, check=self.device_check),
+                                      out_shardings=out).lower(x, missing).compile()
+        return exe(x, missing)
+    return flag
+
+
+def _poll_settle(self):
+    """``Runtime._settle`` that reads only flags already computed, in call order, and never waits."""
+    while True:
+        with self._lock:
+            if not self._pending or not self._pending[0].flag.is_ready():
+                return
+            p = self._pending.popleft()
+        with jax.transfer_guard_device_to_host("allow"):
+            bad = bool(np.asarray(p.flag))
+        if bad:
+            raise ValueError(f"bad value in a batch of circuit.{p.where}")
+
+
+def read_latency(c, xs, reps: int) -> None:
+    """Microseconds to read a computed one-byte flag (device or pinned host memory): idle, and right after a
+    ``flows`` call has been dispatched (the device busy)."""
+    dev = next(iter(xs[0].devices()))
+    flags = {"device": jax.jit(lambda x: x.sum() < 0)(xs[0]),
+             "pinned": jax.jit(lambda x: x.sum() < 0, out_shardings=jax.sharding.SingleDeviceSharding(
+                 dev, memory_kind="pinned_host"))(xs[0])}
+    opts = dict(options=jaxpc.Options(precision="tf32"), validate=False)
+    for kind, f in flags.items():
+        jax.block_until_ready(f)
+        for busy in (False, True):
+            ts, tr = [], []
+            for i in range(reps):
+                out = c.flows(c.params, xs[i % 4], **opts) if busy else None
+                f2 = jax.device_put(f, f.sharding)  # a new array each time: no cached host copy
+                jax.block_until_ready(f2)
+                if busy:
+                    out = c.flows(c.params, xs[i % 4], **opts)
+                t = time.perf_counter()
+                ready = f2.is_ready()
+                tr.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                with jax.transfer_guard_device_to_host("allow"):
+                    bool(np.asarray(f2))
+                ts.append(time.perf_counter() - t)
+                jax.block_until_ready(out)
+            print(f"read {kind:6s} {'busy' if busy else 'idle'}: read {1e6 * np.median(ts):.1f} us "
+                  f"(max {1e6 * np.max(ts):.1f}), is_ready {1e6 * np.median(tr):.1f} us, ready={ready}", flush=True)
 
 
 def host_profile(c, xs, reps: int) -> None:

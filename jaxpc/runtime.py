@@ -13,9 +13,10 @@ checks still in flight. Every public entry point (the :class:`~jaxpc.Circuit` me
   (``-1`` for integer outputs), takes no part in flows and EM (its weight is zero, so parameters stay
   finite). A one-kernel executable dispatched right after the work computes the batch's flag (an output of
   the work's executable that the host holds on to would make XLA's runtime record that executable's kernels
-  again for the next call's new output addresses). The flag of a call is read by the circuit's **next call**
-  (any entry point) right after that call's work has been dispatched, so the device never waits for the
-  host and the read's latency overlaps the work (``benchmarks/check_cost.py`` measures the alternatives);
+  again for the next call's new output addresses) and writes it to pinned host memory, where reading it
+  takes microseconds. The flag of a call is read by the circuit's **next call** (any entry point) right
+  after that call's work has been dispatched, so the device never waits for the host
+  (``benchmarks/check_cost.py`` measures the alternatives);
   that call then raises the ``ValueError`` naming the variable and the value. :meth:`Runtime.raise_pending`
   (``circuit.raise_pending()``) waits for and raises it at once.
 * ``"sync"``: the same check, then waits for the call's own flag and raises at once (for debugging).
@@ -221,10 +222,24 @@ def _run_checked(entry: Entry, *, _check=None, _matmul=None, **kw):
     return _mark_rows(entry.fn(**kw), entry.rows, bad)
 
 
-def _any_bad(x, missing, *, check):
+def _any_bad(x, missing, *, check, host: bool):
     """The flag of a batch: whether any observed entry is bad (a one-kernel executable of its own, so the
-    work's executable has no output that the host holds on to)."""
-    return jnp.any(check.apply(x, missing)[1])
+    work's executable has no output that the host holds on to). ``host``: the flag is written to pinned host
+    memory, where the host reads it in microseconds (a read from device memory takes 0.3-0.6 ms on the H200)."""
+    bad = jnp.any(check.apply(x, missing)[1])
+    return jax.device_put(bad, jax.memory.Space.Host) if host else bad
+
+
+def _pinned_host(x: Array) -> bool:
+    """Whether ``x`` lives on one device that has pinned host memory for the flag (GPUs and CPUs do)."""
+    devices = x.devices()
+    if len(devices) != 1:
+        return False
+    (device,) = devices
+    try:
+        return any(m.kind == "pinned_host" for m in device.addressable_memories())
+    except Exception:  # noqa: BLE001 - a backend without memory kinds: the flag stays in device memory
+        return False
 
 
 class Runtime:
@@ -296,7 +311,7 @@ class Runtime:
         exe = self._flag_exes.get(key)
         if exe is not None:
             return exe(x, missing)
-        static, args = {"check": self.device_check}, {"x": x, "missing": missing}
+        static, args = {"check": self.device_check, "host": _pinned_host(x)}, {"x": x, "missing": missing}
         out = self._helpers.run("input_flag", _any_bad, static, args)
         exe = self._helpers.executable("input_flag", static, args)
         with self._lock:

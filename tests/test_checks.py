@@ -45,6 +45,14 @@ def test_bad_device_row_is_nan_and_the_next_call_raises(hmm):
     hmm.log_prob(hmm.params, x)  # raised once, then cleared
 
 
+def test_the_flag_is_written_to_pinned_host_memory(hmm):
+    """The host reads a flag in pinned host memory without a device-to-host copy."""
+    hmm.log_prob(hmm.params, jnp.asarray(_data()))
+    (pending,) = hmm.runtime._pending
+    assert pending.flag.sharding.memory_kind == "pinned_host"
+    hmm.raise_pending()
+
+
 @pytest.mark.parametrize("value", cases([7, -1], fast=[7]))
 def test_bad_rows_take_no_part_in_flows_and_em(hmm, value):
     x = _data(8, seed=3)
