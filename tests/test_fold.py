@@ -817,3 +817,26 @@ def test_fanin_partitions_run_the_atomic_backward_and_equal_xla(monkeypatch):
         for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
             np.testing.assert_allclose(np.asarray(a)[i], np.asarray(b), rtol=2e-5,
                                        atol=1e-6 * float(np.abs(b).max()))
+
+
+def test_tuned_fanin_tiles_reach_the_atomic_backward(monkeypatch):
+    """``Options.kernels`` tiles of a fan-in partition set its one-kernel backward's tiles too (the batch tile
+    below the batch: several tiles per program), with the flows of the default tiles."""
+    from jaxpc.ops import pallas_sum
+
+    c = jaxpc.compile(structures.PD((2, 4), 8, split_intervals=(1, 1), input_dist=distributions.Categorical(5)),
+                      seed=3)
+    x = np.random.default_rng(0).integers(0, 5, (13, 8)).astype(np.int32)
+    o = jaxpc.Options(impl="pallas_forward", precision="tf32")
+    keys = {routing.partition_key(p, 16) for s in c.layout.fold.stages() for p in s.sums if p.C > 1 and not p.dense}
+    tuned = o.replace(kernels=tuple((k, ("pallas_forward", 8, 16, 4)) for k in sorted(keys)))
+    seen = []
+    real = pallas_sum.backward_atomic
+    monkeypatch.setattr(pallas_sum, "backward_atomic", lambda *a, **k: seen.append(k["config"]) or real(*a, **k))
+    got = c.flows(c.params, x, options=tuned, return_ll=True)
+    assert seen and all(cfg.block_b == 8 and cfg.block_k == 16 for cfg in seen)
+    seen.clear()
+    ref = c.flows(c.params, x, options=o, return_ll=True)
+    assert seen and all(cfg == pallas_sum.KernelConfig() for cfg in seen)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6 * float(np.abs(b).max()))

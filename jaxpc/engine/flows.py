@@ -121,7 +121,7 @@ def _stage_flows(ps: _Pass, carry: tuple, spec: StageSpec, tab: dict, offset, na
             if routing.runs_kernel_backward(impl, ps.options):
                 fl, dp = _sum_flows_kernels(ps, fl, dp, part, t, row, impl, cfg)
             elif ps.unit and not ps.batched_part(part) and routing.atomic_backward(ps.options, part, ps.values):
-                fl, dp = _sum_flows_atomic(ps, fl, dp, part, t, row)
+                fl, dp = _sum_flows_atomic(ps, fl, dp, part, t, row, cfg)
             else:
                 fl, dp = _sum_flows_xla(ps, fl, dp, part, t, row)
         row = row + part.num_rows
@@ -141,16 +141,17 @@ def _sum_flows_kernels(ps: _Pass, fl: Array, dp: dict, part, t: dict, row, impl:
     return fl, dp
 
 
-def _sum_flows_atomic(ps: _Pass, fl: Array, dp: dict, part, t: dict, row) -> tuple:
+def _sum_flows_atomic(ps: _Pass, fl: Array, dp: dict, part, t: dict, row, cfg=None) -> tuple:
     """A sum partition's child flows and parameter flows by one Pallas kernel reading the forward's kept shifts
-    (:func:`jaxpc.ops.pallas_sum.backward_atomic`; route: :func:`jaxpc.engine.routing.atomic_backward`)."""
+    (:func:`jaxpc.ops.pallas_sum.backward_atomic`; route: :func:`jaxpc.engine.routing.atomic_backward`), with the
+    partition's tuned kernel configuration ``cfg`` where ``Options.kernels`` gives one."""
     from ..ops import pallas_sum
 
     options = ps.options
     fl, pf = pallas_sum.backward_atomic(ps.values, fl, ps.shifts, row, t["ch"], t["pid"], ps.sum_params[part.group],
                                         Kp=part.Kp, Kc=part.Kc, unit=ps.unit, first_row=2 * ps.layout.kmax,
                                         alpha=1.0 if options.propagation == "LL" else options.alpha,
-                                        precision=options.concrete_precision)
+                                        precision=options.concrete_precision, config=cfg or pallas_sum.KernelConfig())
     return fl, (add_param_flows(dp, part, t["pid"], pf) if options.compute_param_flows else dp)
 
 

@@ -1,0 +1,98 @@
+"""PD's fan-in kernels at training batches: the whole step with every fan-in partition's kernel tiles set through
+``Options.kernels``, against the default tiles, each variant's flows checked against the default's.
+
+    python benchmarks/pd_tiles.py [--latents 256] [--split-intervals 2,7] [--batch 1024] [--reps 10]
+                                  [--configs 64:64:4,64:64:8,128:64:8] [--entry em_step]
+
+A configuration ``bb:bk:warps`` sets ``KernelConfig(block_b=bb, block_k=bk, num_warps=warps)`` for the Pallas
+forward of every partition whose blocks have several child blocks (``impl="auto"``'s fan-in route) and for its
+one-kernel atomic backward: ``bb`` the batch tile both loop over, ``bk`` the forward's parent-node tile and the
+backward's child-node tile. Prints one line per variant: median ms of ``--entry`` (``em_step`` or ``flows``) at
+``--batch``, and the largest relative difference of its parameter flows from the default tiles'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jaxpc  # noqa: E402
+from _data import blurred_noise_images  # noqa: E402
+from jaxpc import autotune, distributions, structures  # noqa: E402
+from jaxpc.engine import routing  # noqa: E402
+
+
+def fanin_keys(circuit, B: int) -> list[tuple]:
+    """``Options.kernels`` keys of the folded plan's partitions that ``impl="auto"`` runs on the fan-in route."""
+    plan, tables = circuit.layout.fold, circuit.tables["fold"]
+    keys = []
+    for part, _, _ in autotune._sum_partitions(plan, tables):
+        if not part.dense and part.C > 1:
+            key = routing.partition_key(part, B)
+            if key not in keys:
+                keys.append(key)
+    return keys
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--latents", type=int, default=256)
+    p.add_argument("--split-intervals", default="2,7")
+    p.add_argument("--batch", type=int, default=1024)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--configs", default="64:64:4,64:64:8,128:64:8,32:32:4")
+    p.add_argument("--entry", default="em_step", choices=["em_step", "flows"])
+    args = p.parse_args(argv)
+    B = args.batch
+    split = tuple(int(s) for s in args.split_intervals.split(","))
+    cat = distributions.Categorical(num_cats=256)
+    t = time.perf_counter()
+    c = jaxpc.compile(structures.PD((28, 28), args.latents, split_intervals=split, input_dist=cat))
+    print(f"PD-{args.latents} {split}: built and compiled in {time.perf_counter() - t:.1f} s", flush=True)
+    imgs = blurred_noise_images(4 * B)
+    xs = [jax.device_put(imgs[i * B:(i + 1) * B]) for i in range(4)]
+    keys = fanin_keys(c, B)
+    print(f"{len(keys)} fan-in partitions: " + ", ".join(f"n={k[0]} C={k[1]} Kp={k[2]} Kc={k[3]}" for k in keys),
+          flush=True)
+    variants = {"default": jaxpc.Options()}
+    for cfg in args.configs.split(","):
+        bb, bk, warps = (int(v) for v in cfg.split(":"))
+        variants[cfg] = jaxpc.Options(kernels=tuple((k, ("pallas_forward", bb, bk, warps)) for k in keys))
+    ref = None
+    for name, opts in variants.items():
+        try:
+            t = time.perf_counter()
+            pf = c.flows(c.params, xs[0], options=opts)
+            jax.block_until_ready(pf)
+            c.wait_compiled()
+            first = time.perf_counter() - t
+            leaves = [np.asarray(a, np.float64) for a in jax.tree_util.tree_leaves(pf)]
+            if ref is None:
+                ref, err = leaves, 0.0
+            else:
+                err = max(float(np.max(np.abs(a - r)) / max(np.max(np.abs(r)), 1e-30)) for a, r in zip(leaves, ref))
+            fn = getattr(c, args.entry)
+            kw = dict(step_size=0.1, pseudocount=0.1) if args.entry == "em_step" else {}
+            jax.block_until_ready(fn(c.params, xs[0], options=opts, **kw))
+            ts = []
+            for i in range(args.reps):
+                t = time.perf_counter()
+                jax.block_until_ready(fn(c.params, xs[i % 4], options=opts, **kw))
+                ts.append(time.perf_counter() - t)
+            print(f"{name:10s} {args.entry} B={B}: {1e3 * np.median(ts):8.2f} ms (min {1e3 * np.min(ts):.2f}), "
+                  f"param flows max rel diff {err:.1e}, first call {first:.1f} s", flush=True)
+        except Exception as e:  # noqa: BLE001 - a variant that does not compile or run is reported, not fatal
+            print(f"{name:10s} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        jax.clear_caches()
+
+
+if __name__ == "__main__":
+    main()
