@@ -85,6 +85,8 @@ class Circuit:
             self.runtime.register(name, Entry(functools.partial(fn, self.layout), rows))
         self.runtime.register("init", Entry(lambda tables, key: self._init_params_fn(
             tables, RandomSource(key=key, dtype=self.dtype)), None))
+        # (before the initial draw, which takes seconds on the host for a large circuit: the loads overlap it)
+        self.runtime.load_ahead("circuit", self.layout, str(self.dtype))
         self.params: Params = self._initial_params(seed)
 
     # ------------------------------------------------------------------------------------------

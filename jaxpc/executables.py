@@ -24,6 +24,11 @@ loads its executables from there without tracing, lowering or compiling anything
 executable beside its optimized one (:func:`quick_options`), it loads the smaller quick one first and the optimized
 one on a background thread. Keys holding values that
 have no stable digest (a local function, an unknown object) are compiled as usual.
+
+The store also keeps an index per circuit (a digest of its layout and dtype): the executables its calls ran, most
+recent first. A circuit of the same structure in a later process starts loading those on a background thread when it
+is compiled (:meth:`ExecutableCache.load_ahead`), so that its first call finds them loaded or waits only for the rest
+of that load.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import dataclasses
 import enum
 import functools
 import hashlib
+import json
 import os
 import pickle
 import tempfile
@@ -349,6 +355,10 @@ class ExecutableCache:
         # whether the executables may hold scanned stages for the optimized compile to unroll
         # (optimized_options); a circuit without them sets False and spares that compile a second trace
         self.scans = True
+        self._owner: str | None = None  # the circuit's name in the store's index (load_ahead)
+        self._owner_ready = threading.Event()
+        self._owner_ready.set()
+        self._ahead: threading.Thread | None = None
 
     # ---- statistics ---------------------------------------------------------------------------
     def info(self) -> CacheInfo:
@@ -372,6 +382,46 @@ class ExecutableCache:
             if left is not None and left <= 0:
                 return False
             pending[0].join(left)
+
+    def load_ahead(self, *owner) -> None:
+        """Name the circuit whose executables this cache holds by ``owner`` (values with a stable digest: its
+        layout and dtype) and start loading, on a background thread, the stored executables that earlier processes
+        ran for it (the store's index of the circuit, most recent first). A call that needs one of them then waits
+        for that load instead of starting its own: a second process's first call loads nothing itself when it comes
+        after the circuit's compile. Does nothing without the persistent store."""
+        store = _STORE
+        if store is None:
+            return
+        self._owner_ready.clear()
+
+        def work():
+            try:
+                self._owner = owner_digest(*owner)
+            finally:
+                self._owner_ready.set()
+            if self._owner is not None:
+                store.load_ahead(store.recent(self._owner))
+            with _UPGRADING_LOCK:
+                _UPGRADING.discard(threading.current_thread())
+
+        thread = threading.Thread(target=work, name="jaxpc-load-ahead", daemon=True)
+        with _UPGRADING_LOCK:  # the process's exit waits for it, as for the background compiles
+            _UPGRADING.add(thread)
+        self._ahead = thread
+        thread.start()
+
+    def wait_loaded_ahead(self, timeout: float | None = None) -> bool:
+        """Wait for :meth:`load_ahead`'s thread; True when it has finished (or none was started)."""
+        thread = self._ahead
+        if thread is not None:
+            thread.join(timeout)
+            return not thread.is_alive()
+        return True
+
+    def _note(self, store: ExecutableStore, fps: list) -> None:
+        """Put the executables of a call (its first one first) at the head of the circuit's index in the store."""
+        if self._owner_ready.wait(OWNER_WAIT_S) and self._owner is not None:
+            store.note(self._owner, [fp for fp in fps if fp is not None])
 
     def clear(self) -> None:
         with self._lock:
@@ -532,6 +582,8 @@ class ExecutableCache:
                     self.compile_seconds += time.perf_counter() - t
                 if fp is not None and quick is None and fresh:
                     store.save(fp, compiled)
+            if fp is not None:
+                self._note(store, [fq, fp])
             e.compiled = compiled
             if upgrade is not None:
                 self._upgrade(e, compiled, *upgrade)
@@ -762,6 +814,9 @@ class ExecutableStore:
 
     def __init__(self, directory: str):
         self.directory = str(directory)
+        self._lock = threading.Lock()
+        self._slots: dict[str, _Slot] = {}  # fp -> a load in progress, or one done ahead and not yet taken
+        self.loaded_ahead = 0  # executables that a call took from a load ahead (:meth:`load_ahead`)
 
     def fingerprint(self, fn: Callable, static: dict, args: dict, compiler_options: dict) -> str | None:
         """The hex digest naming the executable of ``fn`` for this key, or None when the key has no stable
@@ -800,7 +855,73 @@ class ExecutableStore:
         return os.path.join(self.directory, fp[:2], fp + ".jaxpc-exe")
 
     def load(self, fp: str):
-        """The stored executable (a ``jax.stages.Compiled``), or None."""
+        """The stored executable (a ``jax.stages.Compiled``), or None. Where :meth:`load_ahead` is loading it or has
+        loaded it, that load is waited for and taken; two threads asking at once load it once."""
+        with self._lock:
+            slot = self._slots.get(fp)
+            mine = slot is None
+            if mine:
+                slot = self._slots[fp] = _Slot()
+        if not mine:
+            slot.done.wait()
+            with self._lock:
+                if self._slots.get(fp) is slot:
+                    del self._slots[fp]
+                    if slot.ahead and slot.compiled is not None:
+                        self.loaded_ahead += 1
+            return slot.compiled if slot.compiled is not None else self._load(fp)
+        try:
+            slot.compiled = self._load(fp)
+        finally:
+            with self._lock:
+                self._slots.pop(fp, None)
+            slot.done.set()
+        return slot.compiled
+
+    def load_ahead(self, fps: Sequence[str]) -> None:
+        """Load the executables ``fps`` on this thread, one after the other, for the calls that will ask for them
+        (:meth:`load`); each one that a call is already loading is skipped."""
+        for fp in fps:
+            with self._lock:
+                if fp in self._slots:
+                    continue
+                slot = self._slots[fp] = _Slot(ahead=True)
+            try:
+                slot.compiled = self._load(fp) if self.has(fp) else None
+            finally:
+                slot.done.set()
+
+    def recent(self, owner: str) -> list[str]:
+        """The fingerprints that earlier processes ran for ``owner`` (:meth:`note`), most recent first."""
+        try:
+            with open(self._index_path(owner), encoding="utf-8") as f:
+                fps = json.load(f)
+            return [fp for fp in fps if isinstance(fp, str)][:RECENT_EXECUTABLES]
+        except (OSError, ValueError):
+            return []
+
+    def note(self, owner: str, fps: Sequence[str]) -> None:
+        """Put ``fps`` (the executables a call of ``owner`` runs, the first one first) at the head of ``owner``'s
+        index, which keeps the :data:`RECENT_EXECUTABLES` most recent."""
+        fps = [fp for fp in fps if fp]
+        old = self.recent(owner)
+        new = (fps + [fp for fp in old if fp not in fps])[:RECENT_EXECUTABLES]
+        if new == old:
+            return
+        path = self._index_path(owner)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(new, f)
+            os.replace(tmp, path)
+        except OSError:  # the index is an optimization: never fail the call for it
+            pass
+
+    def _index_path(self, owner: str) -> str:
+        return os.path.join(self.directory, "index", owner + ".json")
+
+    def _load(self, fp: str):
         from jax.experimental import serialize_executable as ser
         try:
             with open(self._path(fp), "rb") as f:
@@ -829,6 +950,30 @@ class ExecutableStore:
             return True
         except Exception:  # noqa: BLE001 - storing is an optimization: never fail the call for it
             return False
+
+
+RECENT_EXECUTABLES: Final = 12  # executables a circuit's index keeps for the next process to load ahead
+OWNER_WAIT_S: Final = 5.0  # the longest a compile waits for its circuit's name in the index (a digest)
+
+
+@dataclasses.dataclass
+class _Slot:
+    """A load of one stored executable: in progress until ``done``; ``ahead``: by :meth:`ExecutableStore.load_ahead`."""
+    ahead: bool = False
+    compiled: Any = None
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+def owner_digest(*parts) -> str | None:
+    """A digest naming a circuit in the store's index (its layout and dtype, say), the same in every process of
+    this environment; None where ``parts`` have no stable digest."""
+    h = hashlib.sha256()
+    try:
+        _digest(h, _environment())
+        _digest(h, parts)
+    except _NoDigest:
+        return None
+    return h.hexdigest()
 
 
 _JAX_CACHE_HITS = threading.local()  # per thread: executables JAX's persistent cache served

@@ -260,6 +260,12 @@ class Runtime:
         self._pending: collections.deque = collections.deque()
         self._lock = threading.Lock()
 
+    def load_ahead(self, *owner) -> None:
+        """Start loading the stored executables that earlier processes ran for the circuit named by ``owner`` (its
+        entry points' and the call path's own; :meth:`ExecutableCache.load_ahead`)."""
+        self.cache.load_ahead(*owner)
+        self._helpers.load_ahead(*owner, "call path")
+
     # ---- entry points -------------------------------------------------------------------------
     def register(self, name: str, entry: Entry) -> None:
         """Make ``entry`` callable as ``name`` (idempotent for the same name)."""

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import warnings
 
 import jax
@@ -565,6 +566,69 @@ def test_fingerprint_is_by_value_and_refuses_code_it_cannot_version(tmp_path):
         pass
 
     assert fp(static={"options": jaxpc.Options(), "mine": Mine()}) is None
+
+
+def test_a_new_circuit_loads_its_earlier_executables_ahead(tmp_path, monkeypatch):
+    """A circuit of a structure that ran before (here: in this process, with its own cache, as a second process
+    would) starts loading the stored executables of that run when it is compiled; its first call takes them
+    from that load and gives the same flows."""
+    from jaxpc import executables
+
+    store = executables.ExecutableStore(str(tmp_path))
+    monkeypatch.setattr(executables, "_STORE", store)
+    x = jnp.asarray(np.random.default_rng(0).integers(0, 6, (16, 12)).astype(np.int32))
+    first = jaxpc.compile(structures.HMM(12, 8, 6), seed=3)
+    assert first.runtime.cache.wait_loaded_ahead(60)
+    want = first.flows(first.params, x)
+    first.raise_pending()
+    owner = first.runtime.cache._owner
+    assert owner is not None and len(store.recent(owner)) == 1
+    second = jaxpc.compile(structures.HMM(12, 8, 6), seed=3)
+    assert second.runtime.cache._owner == owner
+    assert second.runtime.cache.wait_loaded_ahead(60)
+    got = second.flows(second.params, x)
+    assert second.cache_info().loaded == 1 and second.cache_info().compile_seconds == 0.0
+    assert store.loaded_ahead >= 1
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    other = jaxpc.compile(structures.HMM(12, 8, 5), seed=3)  # another structure: another index, nothing loaded
+    assert other.runtime.cache.wait_loaded_ahead(60) and other.runtime.cache._owner != owner
+
+
+def test_a_load_ahead_and_a_call_load_an_executable_once(tmp_path, monkeypatch):
+    """A call asking for an executable that is being loaded ahead waits for that load; the index keeps the most
+    recent executables first, at most ``RECENT_EXECUTABLES``."""
+    from jaxpc import executables
+
+    store = executables.ExecutableStore(str(tmp_path))
+    loads, gate = [], threading.Event()
+
+    def slow_load(fp):
+        loads.append(fp)
+        gate.wait(10)
+        return f"executable {fp}"
+
+    monkeypatch.setattr(store, "_load", slow_load)
+    monkeypatch.setattr(store, "has", lambda fp: True)
+    ahead = threading.Thread(target=store.load_ahead, args=(["a", "b"],))
+    ahead.start()
+    while not loads:
+        time.sleep(0.01)
+    got = []
+    caller = threading.Thread(target=lambda: got.append(store.load("a")))
+    caller.start()
+    time.sleep(0.05)
+    assert not got  # waiting for the load ahead
+    gate.set()
+    ahead.join(10)
+    caller.join(10)
+    assert got == ["executable a"] and loads == ["a", "b"] and store.loaded_ahead == 1
+    assert store.load("b") == "executable b" and store.load("b") == "executable b" and loads == ["a", "b", "b"]
+    store.note("c1", ["x", "y"])
+    store.note("c1", ["z", None, "x"])
+    assert store.recent("c1") == ["z", "x", "y"] and store.recent("c2") == []
+    store.note("c1", [f"f{i}" for i in range(20)])
+    assert store.recent("c1") == [f"f{i}" for i in range(executables.RECENT_EXECUTABLES)]
 
 
 @pytest.fixture
