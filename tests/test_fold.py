@@ -819,6 +819,7 @@ def test_fanin_partitions_run_the_atomic_backward_and_equal_xla(monkeypatch):
                                        atol=1e-6 * float(np.abs(b).max()))
 
 
+@pytest.mark.slow
 def test_tuned_fanin_tiles_reach_the_atomic_backward(monkeypatch):
     """``Options.kernels`` tiles of a fan-in partition set its one-kernel backward's tiles too (the batch tile
     below the batch: several tiles per program), with the flows of the default tiles."""
