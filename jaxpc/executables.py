@@ -248,6 +248,7 @@ def _on_gpu() -> bool:
 
 _UPGRADING: set[threading.Thread] = set()  # every cache's background compiles
 _UPGRADING_LOCK = threading.Lock()
+_EXITING = threading.Event()  # set at exit: loads ahead stop after the one in progress
 _WAITING: weakref.WeakSet = weakref.WeakSet()  # caches with optimized compiles still to trace (optimized_options)
 EXIT_WAIT_S: Final = 300.0
 
@@ -256,7 +257,8 @@ EXIT_WAIT_S: Final = 300.0
 def _finish_upgrades() -> None:
     """At exit, trace the optimized compiles still waiting for it and wait (at most :data:`EXIT_WAIT_S`) for the
     background compiles, so that none is cut off inside XLA while the process shuts down; each is stored for
-    the next process."""
+    the next process. Loads ahead (:meth:`ExecutableCache.load_ahead`) stop after the executable in progress."""
+    _EXITING.set()
     end = time.perf_counter() + EXIT_WAIT_S
     with _UPGRADING_LOCK:
         waiting = list(_WAITING)
@@ -882,6 +884,8 @@ class ExecutableStore:
         """Load the executables ``fps`` on this thread, one after the other, for the calls that will ask for them
         (:meth:`load`); each one that a call is already loading is skipped."""
         for fp in fps:
+            if _EXITING.is_set():
+                return
             with self._lock:
                 if fp in self._slots:
                     continue

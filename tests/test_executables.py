@@ -596,8 +596,8 @@ def test_a_new_circuit_loads_its_earlier_executables_ahead(tmp_path, monkeypatch
 
 
 def test_a_load_ahead_and_a_call_load_an_executable_once(tmp_path, monkeypatch):
-    """A call asking for an executable that is being loaded ahead waits for that load; the index keeps the most
-    recent executables first, at most ``RECENT_EXECUTABLES``."""
+    """A call asking for an executable that is being loaded ahead waits for that load; at exit no further load
+    starts; the index keeps the most recent executables first, at most ``RECENT_EXECUTABLES``."""
     from jaxpc import executables
 
     store = executables.ExecutableStore(str(tmp_path))
@@ -624,6 +624,10 @@ def test_a_load_ahead_and_a_call_load_an_executable_once(tmp_path, monkeypatch):
     caller.join(10)
     assert got == ["executable a"] and loads == ["a", "b"] and store.loaded_ahead == 1
     assert store.load("b") == "executable b" and store.load("b") == "executable b" and loads == ["a", "b", "b"]
+    monkeypatch.setattr(executables, "_EXITING", threading.Event())
+    executables._EXITING.set()  # at exit a load ahead stops before its next executable
+    store.load_ahead(["c", "d"])
+    assert loads == ["a", "b", "b"] and not store._slots
     store.note("c1", ["x", "y"])
     store.note("c1", ["z", None, "x"])
     assert store.recent("c1") == ["z", "x", "y"] and store.recent("c2") == []
