@@ -6,8 +6,8 @@ call against the tuned one, and the default call with parts of the flag handling
 Variants: ``tuned`` (tf32, validate=False), ``default``, ``unchecked`` (default precision, validate=False:
 the same computation as ``tuned`` in an executable compiled and autotuned on its own), ``early-copy`` (the
 flag copied to the host asynchronously as soon as it is dispatched), ``no-read`` (the check runs in the
-executable, the flag is never read), ``sync``, ``pinned`` (the flag written to pinned host memory by its
-executable), ``poll`` (only flags already computed are read; never waits), ``pinned-poll`` (both).
+executable, the flag is never read), ``sync``, ``device-flag`` (the flag left in device memory instead of the
+pinned host memory it is written to), ``poll`` (only flags already computed are read; never waits).
 
 ``--read-latency`` times the host's read of a computed one-byte flag while the device runs a call, and idle.
 """
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import _timing  # noqa: E402
 import jaxpc  # noqa: E402
 from _data import blurred_noise_images  # noqa: E402
-from jaxpc import distributions, runtime, structures  # noqa: E402
+from jaxpc import checks, distributions, runtime, structures  # noqa: E402
 
 WARMUP = 5  # calls of each variant not counted
 
@@ -66,14 +66,15 @@ def main(argv=None):
     variants = {"tuned": (tuned, None), "default": ({}, None), "unchecked": (dict(validate=False), None),
                 "early-copy": ({}, early_copy),
                 "no-read": ({}, lambda self, flag, batch, where: None), "sync": (dict(validate="sync"), None),
-                "pinned": ({}, None), "poll": ({}, None), "pinned-poll": ({}, None)}
-    flag_fn, pinned_flag = runtime.Runtime._flag, _pinned_flag()
+                "device-flag": ({}, None), "poll": ({}, None)}
+    pinned_host = runtime._pinned_host
     for entry in args.entries.split(","):
         fn = getattr(c, entry)
         for name, (kw, rec) in variants.items():
             runtime.Runtime._record = rec or record
-            runtime.Runtime._flag = pinned_flag if name.startswith("pinned") else flag_fn
-            runtime.Runtime._settle = _poll_settle if name.endswith("poll") else settle
+            runtime._pinned_host = (lambda x: False) if name == "device-flag" else pinned_host
+            c.runtime._flag_exes.clear()  # (stored per batch layout, whichever memory they write to)
+            runtime.Runtime._settle = _poll_settle if name == "poll" else settle
             out = fn(c.params, xs[0], **kw)
             jax.block_until_ready(out)
             c.wait_compiled()
@@ -84,7 +85,8 @@ def main(argv=None):
                 jax.block_until_ready(out)
                 ts.append(time.perf_counter() - t)
                 del out
-            runtime.Runtime._record, runtime.Runtime._flag, runtime.Runtime._settle = record, flag_fn, settle
+            runtime.Runtime._record, runtime.Runtime._settle, runtime._pinned_host = record, settle, pinned_host
+            c.runtime._flag_exes.clear()
             c.raise_pending()
             print(f"{args.workload} B={B} {entry:9s} {name:9s} {1e3 * np.median(ts[WARMUP:]):7.3f} ms "
                   f"(min {1e3 * np.min(ts[WARMUP:]):.3f})", flush=True)
@@ -92,22 +94,6 @@ def main(argv=None):
         host_profile(c, xs, args.reps)
     if args.read_latency:
         read_latency(c, xs, args.reps)
-
-
-def _pinned_flag():
-    """``Runtime._flag`` with the flag's executable writing its byte to pinned host memory."""
-    exes: dict = {}
-
-    def flag(self, x, missing):
-        key = (id(self), x.shape, x.dtype, None if missing is None else missing.shape)
-        exe = exes.get(key)
-        if exe is None:
-            dev = next(iter(x.devices()))
-            out = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
-            exe = exes[key] = jax.jit(lambda x, m: runtime._any_bad(x, m, check=self.device_check),
-                                      out_shardings=out).lower(x, missing).compile()
-        return exe(x, missing)
-    return flag
 
 
 def _poll_settle(self):
@@ -120,7 +106,8 @@ def _poll_settle(self):
         with jax.transfer_guard_device_to_host("allow"):
             bad = bool(np.asarray(p.flag))
         if bad:
-            raise ValueError(f"bad value in a batch of circuit.{p.where}")
+            self._pending.clear()
+            checks.raise_bad_values(self.var_info, p.x, p.missing, "x", f"circuit.{p.where}")
 
 
 def read_latency(c, xs, reps: int) -> None:

@@ -385,12 +385,13 @@ class ExecutableCache:
                 return False
             pending[0].join(left)
 
-    def load_ahead(self, *owner) -> None:
-        """Name the circuit whose executables this cache holds by ``owner`` (values with a stable digest: its
-        layout and dtype) and start loading, on a background thread, the stored executables that earlier processes
-        ran for it (the store's index of the circuit, most recent first). A call that needs one of them then waits
-        for that load instead of starting its own: a second process's first call loads nothing itself when it comes
-        after the circuit's compile. Does nothing without the persistent store."""
+    def load_ahead(self, name: Callable[[], str | None]) -> None:
+        """Name the circuit whose executables this cache holds by ``name()`` (computed on a background thread: a
+        digest such as :func:`owner_digest` of its layout and dtype; None: no name) and start loading there the
+        stored executables that earlier processes ran for it (the store's index of the circuit, most recent first).
+        A call that needs one of them then waits for that load instead of starting its own: a second process's
+        first call loads nothing itself when it comes after the circuit's compile. Does nothing without the
+        persistent store."""
         store = _STORE
         if store is None:
             return
@@ -398,19 +399,27 @@ class ExecutableCache:
 
         def work():
             try:
-                self._owner = owner_digest(*owner)
+                try:
+                    self._owner = name()
+                finally:
+                    self._owner_ready.set()
+                if self._owner is not None:
+                    store.load_ahead(store.recent(self._owner))
             finally:
-                self._owner_ready.set()
-            if self._owner is not None:
-                store.load_ahead(store.recent(self._owner))
-            with _UPGRADING_LOCK:
-                _UPGRADING.discard(threading.current_thread())
+                with _UPGRADING_LOCK:
+                    _UPGRADING.discard(threading.current_thread())
 
         thread = threading.Thread(target=work, name="jaxpc-load-ahead", daemon=True)
         with _UPGRADING_LOCK:  # the process's exit waits for it, as for the background compiles
             _UPGRADING.add(thread)
         self._ahead = thread
         thread.start()
+
+    def owner(self, timeout: float | None = None) -> str | None:
+        """The circuit's name in the store's index (:meth:`load_ahead`), waiting for it at most ``timeout``
+        seconds (default :data:`OWNER_WAIT_S`); None where it has none (yet)."""
+        self._owner_ready.wait(OWNER_WAIT_S if timeout is None else timeout)
+        return self._owner if self._owner_ready.is_set() else None
 
     def wait_loaded_ahead(self, timeout: float | None = None) -> bool:
         """Wait for :meth:`load_ahead`'s thread; True when it has finished (or none was started)."""
@@ -422,8 +431,9 @@ class ExecutableCache:
 
     def _note(self, store: ExecutableStore, fps: list) -> None:
         """Put the executables of a call (its first one first) at the head of the circuit's index in the store."""
-        if self._owner_ready.wait(OWNER_WAIT_S) and self._owner is not None:
-            store.note(self._owner, [fp for fp in fps if fp is not None])
+        owner = self.owner()
+        if owner is not None:
+            store.note(owner, [fp for fp in fps if fp is not None])
 
     def clear(self) -> None:
         with self._lock:
@@ -891,7 +901,7 @@ class ExecutableStore:
                     continue
                 slot = self._slots[fp] = _Slot(ahead=True)
             try:
-                slot.compiled = self._load(fp) if self.has(fp) else None
+                slot.compiled = self._load(fp)
             finally:
                 slot.done.set()
 

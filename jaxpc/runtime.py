@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import checks
-from .executables import BucketPolicy, ExecutableCache, put_constant
+from .executables import BucketPolicy, ExecutableCache, owner_digest, put_constant
 from .options import Options, matmul_setting, resolve_precision
 
 Array = jax.Array
@@ -262,9 +262,10 @@ class Runtime:
 
     def load_ahead(self, *owner) -> None:
         """Start loading the stored executables that earlier processes ran for the circuit named by ``owner`` (its
-        entry points' and the call path's own; :meth:`ExecutableCache.load_ahead`)."""
-        self.cache.load_ahead(*owner)
-        self._helpers.load_ahead(*owner, "call path")
+        entry points' and the call path's own, under the digest of ``owner`` computed once;
+        :meth:`ExecutableCache.load_ahead`)."""
+        self.cache.load_ahead(lambda: owner_digest(*owner))
+        self._helpers.load_ahead(lambda: (name := self.cache.owner()) and f"{name}-call-path")
 
     # ---- entry points -------------------------------------------------------------------------
     def register(self, name: str, entry: Entry) -> None:

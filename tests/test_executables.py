@@ -609,7 +609,6 @@ def test_a_load_ahead_and_a_call_load_an_executable_once(tmp_path, monkeypatch):
         return f"executable {fp}"
 
     monkeypatch.setattr(store, "_load", slow_load)
-    monkeypatch.setattr(store, "has", lambda fp: True)
     ahead = threading.Thread(target=store.load_ahead, args=(["a", "b"],))
     ahead.start()
     while not loads:
