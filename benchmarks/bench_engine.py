@@ -64,6 +64,25 @@ def median_ms(fn, batches, reps, warmup=5, warmup_s=0.5):
     return 1e3 * float(np.median(times))
 
 
+def paired_ms(fns, batches, reps, warmup=5, warmup_s=0.5) -> list[float]:
+    """Median ms of each of ``fns`` over ``reps`` rounds that call them one after the other (each synchronized,
+    the same batch in a round): the calls share the GPU's clocks and the host's state, so the ratio of the
+    medians compares the calls and not the moments they were timed at."""
+    t0, i = time.perf_counter(), 0
+    while i < warmup or time.perf_counter() - t0 < warmup_s:
+        for fn in fns:
+            jax.block_until_ready(fn(batches[i % len(batches)]))
+        i += 1
+    times = [[] for _ in fns]
+    for i in range(reps):
+        xb = batches[i % len(batches)]
+        for k in (range(len(fns)) if i % 2 == 0 else reversed(range(len(fns)))):  # alternate which goes first
+            t = time.perf_counter()
+            jax.block_until_ready(fns[k](xb))
+            times[k].append(time.perf_counter() - t)
+    return [1e3 * float(np.median(t)) for t in times]
+
+
 def compiled_mib(compiled) -> float:
     """XLA's memory analysis of a compiled executable in MiB: temporaries, arguments and outputs (NaN where the
     backend reports none)."""
@@ -210,6 +229,9 @@ def run(name, root_fn, data_fn, batches, reps, check, precision, tuned_entries=E
                 if e == "flows":
                     row[pre + "mem_mib"] = cached_mib(c, "flows")
             row[pre + "fwd_ms"], row[pre + "flows_ms"], row[pre + "em_ms"] = (ms.get(e) for e in ENTRIES)
+        if "flows" in variants["tuned"][1]:  # default and tuned flows alternated: the A / B of side_by_side.py
+            pair = paired_ms([_entry_fn(c, "flows", kw) for kw, _ in variants.values()], xs, 2 * reps)
+            row["paired_flows_ms"], row["paired_ratio"] = pair, pair[0] / pair[1]
         row["gedges_per_s"] = sum_edges * B / (row["flows_ms"] * 1e-3) / 1e9
         rows.append(row)
 
@@ -218,8 +240,10 @@ def run(name, root_fn, data_fn, batches, reps, check, precision, tuned_entries=E
 
         for variant in variants:
             pre = "" if variant == "default" else "tuned_"
-            ratio = (f" | default/tuned flows {row['flows_ms'] / row['tuned_flows_ms']:.2f}x"
-                     if variant == "tuned" and row.get("tuned_flows_ms") else "")
+            pair = row.get("paired_flows_ms")
+            ratio = (f" | default/tuned flows {row['flows_ms'] / row['tuned_flows_ms']:.2f}x, alternated "
+                     f"{pair[0]:.3f} / {pair[1]:.3f} ms = {row['paired_ratio']:.2f}x"
+                     if variant == "tuned" and pair else "")
             print(f"{name:9s} B={B:4d} {variant:7s} fwd {f(row[pre + 'fwd_ms'])} ms | fwd+flows "
                   f"{f(row[pre + 'flows_ms'])} ms | em {f(row[pre + 'em_ms'])} ms | mem "
                   f"{row.get(pre + 'mem_mib', float('nan')):8.1f} MiB | err {row[pre + 'rel_err']:.1e}{ratio}",

@@ -185,7 +185,7 @@ def tables(rows) -> tuple[str, str]:
             name = get(j, "name") or f"{NAMES[w]}-{get(pg or pe, 'latents') or LATENTS[w]}"
             a = get(j, "flows_ms")
             t1.append(f"| {name} | {B} | {_f(a)} | {_f(get(j, 'tuned_flows_ms'))} "
-                      f"| {_ratio(a, get(j, 'tuned_flows_ms'))} "
+                      f"| {_pair(j) or _ratio(a, get(j, 'tuned_flows_ms'))} "
                       f"| {_f(get(pg, 'fwdbwd_ms'))} | {_f(get(ph, 'fwdbwd_ms'))} | {_f(get(pe, 'fwdbwd_ms'))} "
                       f"| **{_ratio(get(pg, 'fwdbwd_ms'), a)}** | {_ratio(get(pe, 'fwdbwd_ms'), a)} "
                       f"| {_f(get(j, 'mem_mib'), 0)} / {_f(get(j, 'tuned_mem_mib'), 0)} "
@@ -201,6 +201,12 @@ def tables(rows) -> tuple[str, str]:
             if a and get(pg, "fwdbwd_ms"):
                 heads.append(f"{name} B={B}: {get(pg, 'fwdbwd_ms') / a:.2f}x")
     return "\n".join(t1), "\n".join(t2), heads
+
+
+def _pair(j):
+    """A / B from [A] and [B] called alternately (``bench_engine.paired_ms``), or None where not measured."""
+    r = None if j is None else j.get("paired_ratio")
+    return None if r is None else f"{r:.2f}x"
 
 
 def _e(v):
@@ -220,6 +226,8 @@ def legend(rows) -> list[str]:
         lines += [f"- [A] `{jc['default']['flows']}`", f"- [B] `{jc['tuned']['flows']}`",
                   f"- [H] `{jc['default']['log_prob']}`", f"- [I] `{jc['tuned']['log_prob']}`",
                   f"- [L] `{jc['default']['em_step']}`", f"- [M] `{jc['tuned']['em_step']}`",
+                  "- A / B: the ratio of the medians of [A] and [B] called alternately in one loop (twice the "
+                  "repetitions; the two calls see the same clocks), else of their separate timings",
                   "- jaxpc MiB: XLA's memory analysis of the flows executable (temporaries + arguments + outputs); "
                   "rel. err: largest relative l2 error of log-likelihoods and flows against the float32 reference "
                   "(HMM: log-likelihoods against float64 numpy)"]
