@@ -3,17 +3,24 @@
 
     python benchmarks/pd_tiles.py [--latents 256] [--split-intervals 2,7] [--batch 1024] [--reps 10]
                                   [--configs 64:64:4,64:64:8,128:64:8] [--entry em_step]
+                                  [--tunings fanin_order_batch=0,fanin_prefetch=1+fanin_forward_prefetch=1]
+                                  [--prefetch-config] [--no-atomics]
 
 A configuration ``bb:bk:warps`` sets ``KernelConfig(block_b=bb, block_k=bk, num_warps=warps)`` for the Pallas
 forward of every partition whose blocks have several child blocks (``impl="auto"``'s fan-in route) and for its
 one-kernel atomic backward: ``bb`` the batch tile both loop over, ``bk`` the forward's parent-node tile and the
-backward's child-node tile. Prints one line per variant: median ms of ``--entry`` (``em_step`` or ``flows``) at
-``--batch``, and the largest relative difference of its parameter flows from the default tiles'.
+backward's child-node tile. A tuning ``field=value`` (several joined by ``+``) is a variant with those
+:class:`jaxpc.Tuning` fields set (e.g. the kernels' launch orders). Prints one line per variant: median ms of
+``--entry`` (``em_step`` or ``flows``) at ``--batch``, and the largest relative difference of its parameter flows
+from the default's. ``--prefetch-config`` adds every configuration again with both kernels' loads prefetched.
+``--no-atomics`` (a diagnostic: its flows are wrong) adds the default with the atomic backward's adds made plain
+stores, which tells what the atomic adds cost.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -49,7 +56,12 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=1024)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--configs", default="64:64:4,64:64:8,128:64:8,32:32:4")
+    p.add_argument("--tunings", default="", help="variants of jaxpc.Tuning fields: a=1+b=0,c=2")
     p.add_argument("--entry", default="em_step", choices=["em_step", "flows"])
+    p.add_argument("--prefetch-config", action="store_true",
+                   help="also each --configs entry with Tuning(fanin_prefetch=True, fanin_forward_prefetch=True)")
+    p.add_argument("--no-atomics", action="store_true",
+                   help="diagnostic: also the default with the atomic backward's adds as plain stores (wrong flows)")
     args = p.parse_args(argv)
     B = args.batch
     split = tuple(int(s) for s in args.split_intervals.split(","))
@@ -63,11 +75,27 @@ def main(argv=None):
     print(f"{len(keys)} fan-in partitions: " + ", ".join(f"n={k[0]} C={k[1]} Kp={k[2]} Kc={k[3]}" for k in keys),
           flush=True)
     variants = {"default": jaxpc.Options()}
-    for cfg in args.configs.split(","):
-        bb, bk, warps = (int(v) for v in cfg.split(":"))
-        variants[cfg] = jaxpc.Options(kernels=tuple((k, ("pallas_forward", bb, bk, warps)) for k in keys))
+    for cfg in filter(None, args.configs.split(",")):
+        variants[cfg] = jaxpc.Options(kernels=tuple((k, ("pallas_forward", *(int(v) for v in cfg.split(":"))))
+                                                    for k in keys))
+    for spec in filter(None, args.tunings.split(",")):
+        fields = dict(kv.split("=") for kv in spec.split("+"))
+        kind = {f.name: f.type for f in dataclasses.fields(jaxpc.Tuning)}
+        variants[spec] = jaxpc.Options(tuning=jaxpc.Tuning(**{
+            k: bool(int(v)) if kind[k] in (bool, "bool") else int(v) for k, v in fields.items()}))
+    if args.prefetch_config:  # every configuration again with the fan-in kernels' prefetching loops
+        for cfg in filter(None, args.configs.split(",")):
+            variants[cfg + "+prefetch"] = variants[cfg].replace(
+                tuning=jaxpc.Tuning(fanin_prefetch=True, fanin_forward_prefetch=True))
+    if args.no_atomics:  # a distinct Options value, so that its executable is compiled after the patch
+        variants["no-atomics"] = jaxpc.Options(tuning=jaxpc.Tuning(leaf_batch=jaxpc.Tuning().leaf_batch + 1))
     ref = None
     for name, opts in variants.items():
+        if name == "no-atomics":
+            from jaxpc.ops import pallas_sum
+            pallas_sum._add_tile = lambda ref, rows, cols, val, rmask, cmask: pallas_sum._store_tile(
+                ref, rows, cols, val, rmask, cmask)
+            pallas_sum._KERNELS.clear()
         try:
             t = time.perf_counter()
             pf = c.flows(c.params, xs[0], options=opts)
@@ -87,7 +115,7 @@ def main(argv=None):
                 t = time.perf_counter()
                 jax.block_until_ready(fn(c.params, xs[i % 4], options=opts, **kw))
                 ts.append(time.perf_counter() - t)
-            print(f"{name:10s} {args.entry} B={B}: {1e3 * np.median(ts):8.2f} ms (min {1e3 * np.min(ts):.2f}), "
+            print(f"{name:20s} {args.entry} B={B}: {1e3 * np.median(ts):8.2f} ms (min {1e3 * np.min(ts):.2f}), "
                   f"param flows max rel diff {err:.1e}, first call {first:.1f} s", flush=True)
         except Exception as e:  # noqa: BLE001 - a variant that does not compile or run is reported, not fatal
             print(f"{name:10s} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)

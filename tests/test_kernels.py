@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jaxpc
-from jaxpc.compiler.compile import inverse_tables
+from jaxpc.compiler.compile import child_order, inverse_tables
 from jaxpc.ops import pallas_chain, pallas_leaf, pallas_sum
 from jaxpc.ops.sum_layer import child_rows, sum_layer_backward_reference, sum_layer_reference
 
@@ -118,6 +118,8 @@ def test_inverse_tables():
     got = {int(u): sorted(zip(p[p >= 0].tolist(), e[e >= 0].tolist()))
            for u, p, e in zip(inv["uch"], inv["par"], inv["ppid"])}
     assert got == {10: [(0, 0), (1, 4)], 20: [(0, 1), (1, 2)], 30: [(1, 3)]}
+    # the edge blocks i * C + c by child (rows 10, 10, 20, 20, 30), then parent; the padding slot (0, 2) last
+    np.testing.assert_array_equal(inv["eorder"], [0, 5, 1, 3, 4, 2])
 
 
 @pytest.mark.slow
@@ -516,11 +518,19 @@ def test_fanin_backward_atomic_matches_reference(shape, propagation):
                                                   shift=m)
     want = scatter_child_flows(fl, cf, tab, SimpleNamespace(Kc=Kc, dense=False, D=2), first)[first:]  # (and padding)
     kw = dict(Kp=Kp, Kc=Kc, unit=Kp, first_row=first, alpha=alpha or 1.0, precision="tf32")
-    got, gpf = whole(pallas_sum.backward_atomic)(vals, fl, shifts, off, tab, jnp.asarray(pid), logw, **kw)
-    assert bool(jnp.all(jnp.isfinite(got))) and bool(jnp.all(got[:first] == fl[:first]))
-    np.testing.assert_allclose(np.asarray(got[first:]), np.asarray(want), rtol=2e-5,
-                               atol=1e-6 * float(jnp.abs(want).max()))
-    np.testing.assert_allclose(np.asarray(gpf), np.asarray(pf), rtol=2e-5, atol=1e-6 * float(jnp.abs(pf).max()))
+    # child by child, each program's batch loop starting at its own tile; with the next tile's loads issued first
+    order = child_order(ch)
+    assert sorted(order.tolist()) == list(range(n * C))
+    for got_order, prefetch in ((None, False), (jnp.asarray(order), False), (jnp.asarray(order), True)):
+        got, gpf = whole(pallas_sum.backward_atomic)(vals, fl, shifts, off, tab, jnp.asarray(pid), logw, **kw,
+                                                     order=got_order, prefetch=prefetch)
+        assert bool(jnp.all(jnp.isfinite(got))) and bool(jnp.all(got[:first] == fl[:first]))
+        np.testing.assert_allclose(np.asarray(got[first:]), np.asarray(want), rtol=2e-5,
+                                   atol=1e-6 * float(jnp.abs(want).max()))
+        np.testing.assert_allclose(np.asarray(gpf), np.asarray(pf), rtol=2e-5, atol=1e-6 * float(jnp.abs(pf).max()))
+    with pytest.raises(ValueError, match="order must list"):
+        pallas_sum.backward_atomic(vals, fl, shifts, off, tab, jnp.asarray(pid), logw, **kw,
+                                   order=jnp.asarray(order[1:]))
     with pytest.raises(TypeError, match="float32"):
         pallas_sum.backward_atomic(vals.astype(jnp.bfloat16), fl, shifts, off, tab, jnp.asarray(pid), logw, **kw)
     with pytest.raises(ValueError, match="precision below fp32"):

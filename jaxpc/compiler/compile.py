@@ -637,7 +637,9 @@ def inverse_tables(ch: np.ndarray, pid: np.ndarray) -> dict:
     """For each distinct child row block of a partition: its parents (local block index) and the parameter
     block of each edge, padded with -1 (``uch [U]``, ``par [U, D]``, ``ppid [U, D]``). For a folded table
     ``ch [n, C, M]`` every row block of a folded product is listed (the zero padding rows are not), and
-    ``pcol [U, D]`` gives the child position under each parent."""
+    ``pcol [U, D]`` gives the child position under each parent. ``eorder [n * C]``: the edge blocks ``i * C + c``
+    ordered by their child (its row blocks, padding last), then by parent: the atomic backward runs its programs in
+    this order, so the parents that share a child run together and read and add to it while it is in L2."""
     folded = ch.ndim == 3
     ch3 = ch if folded else ch[:, :, None]
     real = ch3 != -2  # -2 marks padding (the -inf rows)
@@ -655,12 +657,20 @@ def inverse_tables(ch: np.ndarray, pid: np.ndarray) -> dict:
     ppid = np.full((uniq.size, D), -1, np.int32)
     par[inv_s, pos] = rr[order]
     ppid[inv_s, pos] = pid[rr[order], cc[order]]
-    out = {"uch": uniq.astype(np.int32), "par": par, "ppid": ppid}
+    out = {"uch": uniq.astype(np.int32), "par": par, "ppid": ppid, "eorder": child_order(ch3)}
     if folded:
         pcol = np.full((uniq.size, D), -1, np.int32)
         pcol[inv_s, pos] = cc[order]
         out["pcol"] = pcol
     return out
+
+
+def child_order(ch3: np.ndarray) -> np.ndarray:
+    """``eorder`` of :func:`inverse_tables` for ``ch [n, C, M]`` (padding, -2, sorts last)."""
+    n, C, M = ch3.shape
+    key = np.where(ch3 == -2, np.iinfo(np.int64).max, ch3.astype(np.int64)).reshape(n * C, M)
+    parent = np.repeat(np.arange(n), C)
+    return np.lexsort((parent, *(key[:, m] for m in reversed(range(M))))).astype(np.int32)
 
 
 def group_scans(stages, stage_tables, min_repeats):

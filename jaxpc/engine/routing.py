@@ -297,6 +297,13 @@ def shift_unit(layout: Layout) -> int:
     return unit if unit >= SHIFT_MIN_UNIT else 0
 
 
+def child_order(options, values) -> bool:
+    """Whether :func:`jaxpc.ops.pallas_sum.backward_atomic` runs its edge blocks child by child at this batch
+    (``Tuning.fanin_order_batch``)."""
+    n = options.tuning.fanin_order_batch
+    return bool(n) and values.shape[1] >= n
+
+
 def atomic_backward(options, part, values: Array) -> bool:
     """Whether the flow pass runs sum partition ``part`` as :func:`jaxpc.ops.pallas_sum.backward_atomic` (its
     parameter flows and its child flows in one kernel, the child flows added by atomic adds) instead of XLA's

@@ -8,6 +8,8 @@ partial evaluation run too. The routes come from :mod:`jaxpc.engine.routing`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -158,8 +160,11 @@ def _inplace_sums(buf: Array, inplace: list, sum_params: dict, options, index, s
         kernels = sum_kernels(impl)
         with jax.named_scope(f"jaxpc/stage{index}/sum{j}"):
             a = 1.0 if options.propagation == "LL" else options.alpha
-            kw = dict(Kp=part.Kp, Kc=part.Kc, alpha=a, precision=options.concrete_precision,
-                      config=kernels.forward_config(part.n, part.Kp, buf.shape[1], cfg), out_offset=r)
+            config = kernels.forward_config(part.n, part.Kp, buf.shape[1], cfg)
+            if options.tuning.fanin_forward_prefetch and part.C > 1 and not part.dense and impl != "triton":
+                config = dataclasses.replace(config, prefetch=True)
+            kw = dict(Kp=part.Kp, Kc=part.Kc, alpha=a, precision=options.concrete_precision, config=config,
+                      out_offset=r)
             if shifts is not None and routing.writes_shift(options, part, buf):
                 buf, shifts = kernels.forward(buf, t["ch"], t["pid"], sum_params[part.group], shifts=shifts,
                                               unit=unit, **kw)

@@ -59,6 +59,7 @@ class KernelConfig:
     num_stages: int = 2
     block_c: int = 0  # chunk of the reduced dimension (child nodes / parent nodes); 0: block_r elements per tile
     block_r: int = 8192  # (with block_c=0) elements of a weight tile: the chunk is block_r // tile, capped by the size
+    prefetch: bool = False  # forward: each step over the children issues the next chunk's loads before its arithmetic
 
 
 def available() -> bool:
@@ -192,17 +193,23 @@ def _load_w(w_ref, p, kp, kc, Kp, Kc, alpha, valid=True):
     return jnp.exp(alpha * plgpu.load(w_ref.at[p, kp[:, None], kc[None, :]], mask=mask, other=_NEG))
 
 
-def _online_sum(i, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, *, C, M, Kp, Kc, KC, alpha, precision):
+def _online_sum(i, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, *, C, M, Kp, Kc, KC, alpha, precision,
+                prefetch=False):
     """Running max ``m [BB]`` and sum ``acc [len(kp), BB]`` over the children of parent block ``i`` for the
-    parent nodes ``kp`` of the block. Child blocks are read in chunks of ``KC`` nodes."""
+    parent nodes ``kp`` of the block. Child blocks are read in chunks of ``KC`` nodes; with ``prefetch`` each step
+    issues the next chunk's loads before its own arithmetic."""
     nq = -(-Kc // KC)
+    steps = C * nq
 
-    def body(cq, carry):
-        m, acc = carry
+    def fetch(cq, live=True):
         c, q = lax.div(cq, jnp.int32(nq)), lax.rem(cq, jnp.int32(nq))  # (jnp's // and % don't lower)
+        c = jnp.minimum(c, C - 1)  # the step after the last one (prefetch) reads nothing
         kc = q * KC + jnp.arange(KC)
-        x = _load_child(buf_ref, ch_ref, i, c, kc, cols, cmask, M=M, Kc=Kc)
-        w = _load_w(w_ref, pid_ref[i, c], kp, kc, Kp, Kc, alpha)
+        x = _load_child(buf_ref, ch_ref, i, c, kc, cols, cmask & live, M=M, Kc=Kc)
+        return x, _load_w(w_ref, pid_ref[i, c], kp, kc, Kp, Kc, alpha, live)
+
+    def add(carry, x, w):
+        m, acc = carry
         m_new = jnp.maximum(m, jnp.max(x, axis=0))
         safe = jnp.where(m_new == _NEG, 0.0, m_new)
         rescale = jnp.where(m == _NEG, 0.0, jnp.exp(alpha * (m - safe)))
@@ -210,7 +217,15 @@ def _online_sum(i, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, *, C, M, Kp
         return m_new, acc * rescale[None, :] + mm(w, y, precision)
 
     init = (jnp.full(cols.shape, _NEG, jnp.float32), jnp.zeros((kp.shape[0], cols.shape[0]), jnp.float32))
-    return lax.fori_loop(0, C * nq, body, init)
+    if not prefetch:
+        return lax.fori_loop(0, steps, lambda cq, carry: add(carry, *fetch(cq)), init)
+
+    def body(cq, carry):
+        carry, tiles = carry
+        nxt = fetch(cq + 1, cq + 1 < steps)
+        return add(carry, *tiles), nxt
+
+    return lax.fori_loop(0, steps, body, (init, fetch(0)))[0]
 
 
 def tables3(ch: Array) -> Array:
@@ -260,11 +275,11 @@ def forward_config(n: int, Kp: int, B: int, config: KernelConfig | None = None) 
 # ---- forward -------------------------------------------------------------------------------------
 
 def forward_tile(i, first, kp, cols, cmask, ch_ref, pid_ref, w_ref, buf_ref, out_ref, *, C, M, Kp, Kc, KC, alpha,
-                 precision):
+                 precision, prefetch=False):
     """The values of parent nodes ``kp`` of block ``i`` (rows ``first + kp``) for samples ``cols``, read from
     ``buf_ref`` and stored into ``out_ref``; returns the block's shift (its children's max) per sample."""
     m, acc = _online_sum(i, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, C=C, M=M, Kp=Kp, Kc=Kc, KC=KC,
-                         alpha=alpha, precision=precision)
+                         alpha=alpha, precision=precision, prefetch=prefetch)
     safe = jnp.where(m == _NEG, 0.0, m)
     pos = acc > 0
     # an empty sum is -inf; a NaN child (a value out of range with validation off) stays NaN, never -inf
@@ -274,14 +289,14 @@ def forward_tile(i, first, kp, cols, cmask, ch_ref, pid_ref, w_ref, buf_ref, out
 
 
 def _fwd_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, *refs, C, M, Kp, Kc, KT, KC, BB, B, alpha, precision,
-                unit):
+                unit, prefetch):
     out_ref, shift_ref = (refs[1], refs[2]) if unit else (refs[0], None)  # with shifts: (shifts in, buf, shifts)
     i, k, t = block_ids(3)
     cols = t * BB + jnp.arange(BB)
     cmask = cols < B
     kp = k * KT + jnp.arange(KT)
     m = forward_tile(i, off_ref[0] + i * Kp, kp, cols, cmask, ch_ref, pid_ref, w_ref, buf_ref, out_ref, C=C, M=M,
-                     Kp=Kp, Kc=Kc, KC=KC, alpha=alpha, precision=precision)
+                     Kp=Kp, Kc=Kc, KC=KC, alpha=alpha, precision=precision, prefetch=prefetch)
     if unit:  # the block's shift, the children's max, at shift row (first parent row) / unit
         plgpu.store(shift_ref.at[lax.div(off_ref[0] + i * Kp, jnp.int32(unit)), cols], m, mask=cmask & (k == 0))
 
@@ -303,7 +318,7 @@ def forward(buf: Array, ch: Array, pid: Array, w: Array, *, Kp: int, Kc: int, al
     if keep and (out_offset is None or unit < 1 or Kp % unit):
         raise ValueError(f"shifts are kept by the in-place forward with a unit dividing Kp={Kp}, got unit={unit}")
     kernel = functools.partial(_fwd_kernel, C=C, M=M, Kp=Kp, Kc=Kc, KT=KT, KC=KC, BB=BB, B=B, alpha=float(alpha),
-                               precision=precision, unit=unit if keep else 0)
+                               precision=precision, unit=unit if keep else 0, prefetch=config.prefetch)
     grid = block_grid(n, pl.cdiv(Kp, KT), pl.cdiv(B, BB))
     if out_offset is None:
         off = jnp.zeros((1,), jnp.int32)
@@ -495,33 +510,56 @@ def _install_relaxed() -> bool:
     return True
 
 
-def _bwd_atomic_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, shift_ref, flow_ref, out_ref, pf_ref, *, C, M, Kp,
-                       Kc, KT, KC, BB, B, alpha, precision, unit, first_row):
-    ic, q = block_ids(2)
+def _bwd_atomic_kernel(off_ref, ord_ref, ch_ref, pid_ref, w_ref, buf_ref, shift_ref, flow_ref, out_ref, pf_ref, *, C,
+                       M, Kp, Kc, KT, KC, BB, B, alpha, precision, unit, first_row, ordered, prefetch):
+    e, q = block_ids(2)
+    ic = ord_ref[e] if ordered else e
     i, c = lax.div(ic, jnp.int32(C)), lax.rem(ic, jnp.int32(C))
     kp = jnp.arange(KT)
     kc = q * KC + jnp.arange(KC)
-    pmask = kp < Kp
+    pmask, kmask = kp < Kp, kc < Kc
     first = off_ref[0] + i * Kp  # the block's first parent row; its kept shift at row first / unit
     srow = lax.div(first, jnp.int32(unit))
     w = _load_w(w_ref, pid_ref[i, c], kp, kc, Kp, Kc, alpha)  # [KT, KC]
+    rows = [ch_ref[i, c, r] for r in range(M)]  # the (folded) child's row blocks, read once
+    T = pl.cdiv(B, BB)
+    # in child order, the programs of one child start at different batch tiles: their adds meet no one else's
+    rot = lax.rem(e, jnp.int32(T)) if ordered else 0
 
-    def tile(t, acc):
+    def fetch(s, live=True):
+        """The batch tile of step ``s``: its columns, the parents' shift, values and flows, the child's values."""
+        t = lax.rem(s + rot, jnp.int32(T)) if ordered else s
         cols = t * BB + jnp.arange(BB)
-        cmask = cols < B
+        cmask = (cols < B) & live
         m = plgpu.load(shift_ref.at[srow, cols], mask=cmask, other=0.0)
+        v = _load_tile(buf_ref, first + kp, cols, pmask, cmask, _NEG)
+        f = _load_tile(flow_ref, first + kp, cols, pmask, cmask, 0.0)
+        x = _load_tile(buf_ref, rows[0] + kc, cols, kmask, cmask, _NEG)
+        for r in range(1, M):
+            x = x + _load_tile(buf_ref, rows[r] + kc, cols, kmask, cmask, 0.0)
+        return cols, cmask, m, v, f, x
+
+    def use(tile, acc):
+        cols, cmask, m, v, f, x = tile
         safe = jnp.where(m == _NEG, 0.0, m)
-        a = _stored_split(buf_ref, flow_ref, first + kp, cols, pmask, cmask, safe, alpha)  # [KT, BB]
-        y = jnp.exp(alpha * (_load_child(buf_ref, ch_ref, i, c, kc, cols, cmask, M=M, Kc=Kc) - safe[None, :]))
+        a = _split(f, jnp.exp(alpha * (v - safe[None, :])))  # [KT, BB]
+        y = jnp.exp(alpha * (x - safe[None, :]))
         cf = y * mm(w, a, precision, trans_a=True)  # [KC, BB]: this edge block's share of the child's flows
         for r in range(M):  # into every row block of the (folded) child; other parents add to the same rows
-            r0 = ch_ref[i, c, r]
-            rmask = (kc < Kc) & (r0 >= first_row)
-            _add_tile(out_ref, r0 + kc, cols, cf, rmask, cmask)
+            _add_tile(out_ref, rows[r] + kc, cols, cf, kmask & (rows[r] >= first_row), cmask)
         return acc + mm(a, y, precision, trans_b=True)
 
-    acc = lax.fori_loop(0, pl.cdiv(B, BB), tile, jnp.zeros((KT, KC), jnp.float32))
-    plgpu.store(pf_ref.at[i, c, kp[:, None], kc[None, :]], w * acc, mask=pmask[:, None] & (kc[None, :] < Kc))
+    acc = jnp.zeros((KT, KC), jnp.float32)
+    if prefetch:  # the next tile's loads are issued before this tile's arithmetic: they overlap it
+        def step(s, carry):
+            acc, tile = carry
+            nxt = fetch(s + 1, s + 1 < T)
+            return use(tile, acc), nxt
+
+        acc, _ = lax.fori_loop(0, T, step, (acc, fetch(0)))
+    else:
+        acc = lax.fori_loop(0, T, lambda s, acc: use(fetch(s), acc), acc)
+    plgpu.store(pf_ref.at[i, c, kp[:, None], kc[None, :]], w * acc, mask=pmask[:, None] & kmask[None, :])
 
 
 def check_atomic_args(Kp: int, values: Array, flows: Array, shifts: Array, precision: str, unit: int) -> None:
@@ -541,7 +579,7 @@ def check_atomic_args(Kp: int, values: Array, flows: Array, shifts: Array, preci
 
 def backward_atomic(values: Array, flows: Array, shifts: Array, out_offset, ch: Array, pid: Array, w: Array, *, Kp: int,
                     Kc: int, unit: int, first_row: int, alpha: float = 1.0, precision: str = "tf32",
-                    config: KernelConfig = KernelConfig()):
+                    config: KernelConfig = KernelConfig(), order: Array | None = None, prefetch: bool = False):
     """The whole backward of a sum partition whose forward kept its shifts (the in-place forward's, at rows ``first
     parent row / unit`` of ``shifts``) in one kernel, for local sums from the parents' stored values (precision
     below fp32; untempered): one program per (parent block and child, child-node tile) loops over the batch,
@@ -549,8 +587,12 @@ def backward_atomic(values: Array, flows: Array, shifts: Array, out_offset, ch: 
     flows ``W * (a @ y^T)`` and adds its share of the child flows, ``y * (W^T a)``, into every row block of the
     (folded) child by atomic adds (several parent blocks share a child). Nothing of the gathered children's size
     is written: XLA's backward writes ``W^T a`` and scatters its products by atomic adds of its own. Rows below
-    ``first_row`` (padding) stay untouched. Returns ``(flows with the child flows added in place, param flows
-    [n, C, Kp, Kc])``; the order of the atomic adds makes the child flows' last bits vary from run to run."""
+    ``first_row`` (padding) stay untouched. ``order`` (``[n * C]``, a permutation of the edge blocks ``i * C + c``;
+    the partition's ``eorder`` table): the programs run the edge blocks in this order (by default parent by parent),
+    and in it each program starts its batch loop at tile ``position mod tiles``. ``prefetch``: each step of the batch
+    loop issues the next tile's loads before its own arithmetic. Returns ``(flows with the child
+    flows added in place, param flows [n, C, Kp, Kc])``; the order of the atomic adds makes the child flows' last
+    bits vary from run to run."""
     ch = tables3(ch)
     n, C, M = ch.shape
     B = values.shape[1]
@@ -558,14 +600,18 @@ def backward_atomic(values: Array, flows: Array, shifts: Array, out_offset, ch: 
     relaxed_atomics()
     BB = min(config.block_b, p2(B))
     KT, KC = p2(Kp), min(config.block_k, p2(Kc))
+    if order is not None and order.shape != (n * C,):
+        raise ValueError(f"backward_atomic: order must list the {n * C} edge blocks, got shape {order.shape}")
     kernel = functools.partial(_bwd_atomic_kernel, C=C, M=M, Kp=Kp, Kc=Kc, KT=KT, KC=KC, BB=BB, B=B,
-                               alpha=float(alpha), precision=precision, unit=int(unit), first_row=int(first_row))
+                               alpha=float(alpha), precision=precision, unit=int(unit), first_row=int(first_row),
+                               ordered=order is not None, prefetch=bool(prefetch))
     off = jnp.asarray(out_offset, jnp.int32).reshape(1)
+    order = jnp.zeros((1,), jnp.int32) if order is None else order.astype(jnp.int32)
     fl, pf = call_kernel(kernel, config, grid=block_grid(n * C, pl.cdiv(Kc, KC)),
                          out_shape=(jax.ShapeDtypeStruct(flows.shape, jnp.float32),
                                     jax.ShapeDtypeStruct((n, C, Kp, Kc), jnp.float32)),
-                         input_output_aliases={6: 0},
-                         name="jaxpc_sum_backward_atomic")(off, ch, pid, w, values, shifts, flows)
+                         input_output_aliases={7: 0},
+                         name="jaxpc_sum_backward_atomic")(off, order, ch, pid, w, values, shifts, flows)
     return fl, pf
 
 
