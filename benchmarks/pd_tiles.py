@@ -3,8 +3,8 @@
 
     python benchmarks/pd_tiles.py [--latents 256] [--split-intervals 2,7] [--batch 1024] [--reps 10]
                                   [--configs 64:64:4,64:64:8,128:64:8] [--entry em_step]
-                                  [--tunings fanin_order_batch=0,fanin_prefetch=1+fanin_forward_prefetch=1]
-                                  [--prefetch-config] [--no-atomics]
+                                  [--tunings fanin_group_batch=0,fanin_prefetch=0+fanin_order_batch=1024]
+                                  [--no-atomics]
 
 A configuration ``bb:bk:warps`` sets ``KernelConfig(block_b=bb, block_k=bk, num_warps=warps)`` for the Pallas
 forward of every partition whose blocks have several child blocks (``impl="auto"``'s fan-in route) and for its
@@ -12,9 +12,8 @@ one-kernel atomic backward: ``bb`` the batch tile both loop over, ``bk`` the for
 backward's child-node tile. A tuning ``field=value`` (several joined by ``+``) is a variant with those
 :class:`jaxpc.Tuning` fields set (e.g. the kernels' launch orders). Prints one line per variant: median ms of
 ``--entry`` (``em_step`` or ``flows``) at ``--batch``, and the largest relative difference of its parameter flows
-from the default's. ``--prefetch-config`` adds every configuration again with both kernels' loads prefetched.
-``--no-atomics`` (a diagnostic: its flows are wrong) adds the default with the atomic backward's adds made plain
-stores, which tells what the atomic adds cost.
+from the default's. ``--no-atomics`` (a diagnostic: its flows are wrong) adds the default with the atomic
+backward's adds made plain stores, which tells what the atomic adds cost.
 """
 
 from __future__ import annotations
@@ -58,8 +57,6 @@ def main(argv=None):
     p.add_argument("--configs", default="64:64:4,64:64:8,128:64:8,32:32:4")
     p.add_argument("--tunings", default="", help="variants of jaxpc.Tuning fields: a=1+b=0,c=2")
     p.add_argument("--entry", default="em_step", choices=["em_step", "flows"])
-    p.add_argument("--prefetch-config", action="store_true",
-                   help="also each --configs entry with Tuning(fanin_prefetch=True, fanin_forward_prefetch=True)")
     p.add_argument("--no-atomics", action="store_true",
                    help="diagnostic: also the default with the atomic backward's adds as plain stores (wrong flows)")
     args = p.parse_args(argv)
@@ -83,10 +80,6 @@ def main(argv=None):
         kind = {f.name: f.type for f in dataclasses.fields(jaxpc.Tuning)}
         variants[spec] = jaxpc.Options(tuning=jaxpc.Tuning(**{
             k: bool(int(v)) if kind[k] in (bool, "bool") else int(v) for k, v in fields.items()}))
-    if args.prefetch_config:  # every configuration again with the fan-in kernels' prefetching loops
-        for cfg in filter(None, args.configs.split(",")):
-            variants[cfg + "+prefetch"] = variants[cfg].replace(
-                tuning=jaxpc.Tuning(fanin_prefetch=True, fanin_forward_prefetch=True))
     if args.no_atomics:  # a distinct Options value, so that its executable is compiled after the patch
         variants["no-atomics"] = jaxpc.Options(tuning=jaxpc.Tuning(leaf_batch=jaxpc.Tuning().leaf_batch + 1))
     ref = None

@@ -68,14 +68,26 @@ class Tuning:
         fanin_kernel_batch: from this many samples on, a sum partition whose child row blocks are read by several
             parent blocks (a PD's fan-ins) and whose forward kept its shifts runs its whole backward as one Pallas
             kernel, the child flows added by atomic adds (:func:`jaxpc.engine.routing.atomic_backward`); 0: never.
-        fanin_order_batch: from this many samples on, that kernel runs its edge blocks child by child (the
-            partition's ``eorder`` table: the parents of a child read it and add to it together, while it is in L2),
-            each starting its batch loop at another tile; below, parent by parent; 0: never. On the H200
-            (``pd_tiles.py``), a PD-256's ``em_step`` at batch 1,024 took 71.8 ms child by child against 73.9 ms,
-            PD-128's flows at batch 512 8.14 against 7.94 ms.
-        fanin_prefetch: that kernel's batch loop issues the next tile's loads before each tile's arithmetic.
-        fanin_forward_prefetch: the Pallas forward of those partitions issues the next child chunk's loads before
-            each chunk's arithmetic (``KernelConfig.prefetch``).
+        fanin_group: from ``fanin_group_batch`` samples on, each of that kernel's programs takes this many children
+            of its parent block (the largest power of two up to it that divides the fan-in), which read the
+            parents' tiles and split their flows once for all of them.
+        fanin_group_batch: see ``fanin_group``; 0: one child per program at every batch.
+        fanin_prefetch: where a program of that kernel takes one child, its batch loop issues the next tile's loads
+            before each tile's arithmetic (with several children the loads held in flight cost more than they hide).
+        fanin_order_batch: from this many samples on, that kernel takes one child per program and runs its edge
+            blocks child by child (the partition's ``eorder`` table: the parents of a child read it and add to it
+            together, while it is in L2), each starting its batch loop at another tile; 0 (the default): never.
+        fanin_forward_prefetch_batch: from this many samples on, the Pallas forward of those partitions issues the
+            next child chunk's loads before each chunk's arithmetic (``KernelConfig.prefetch``); 0: never. On the
+            H200, PD-128's forward at batch 16 took 0.93 ms with it and 0.56 without (two calls), at 128 / 512
+            1.05 / 2.59 with it against 1.11 / 2.63 (the session before).
+
+            On the H200 (``benchmarks/pd_tiles.py``), a PD-256's ``em_step`` at batch 1,024 (222M edges) took 69.9
+            ms with one child per program in child order, 65.9 with four children per program, 102.8 with eight,
+            68.0 in child order with prefetch, 68.4 with the forward's prefetch, 72.2 with four children, prefetch
+            and the forward's prefetch; PD-128's flows at batch 512 8.53 ms with one child per program, 8.26 with
+            four, 7.79 with prefetch, 8.32 with the forward's prefetch, 8.66 with four children and both
+            prefetches. Parent by parent against child by child: 73.9 against 71.8 ms and 7.94 against 8.14.
     """
 
     leaf_batch: int = 64
@@ -93,15 +105,16 @@ class Tuning:
     compiler_options: tuple = ()
     fanin_kernel_batch: int = 1
     tree_kernel_batch: int = 0
-    fanin_order_batch: int = 1024
-    fanin_forward_prefetch: bool = False
-    fanin_prefetch: bool = False
+    fanin_group: int = 4
+    fanin_group_batch: int = 1024
+    fanin_prefetch: bool = True
+    fanin_order_batch: int = 0
+    fanin_forward_prefetch_batch: int = 128
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("unset_rows", "quick_first_compile", "unroll_optimized", "fanin_forward_prefetch",
-                          "fanin_prefetch"):
+            if f.name in ("unset_rows", "quick_first_compile", "unroll_optimized", "fanin_prefetch"):
                 if not isinstance(v, bool):
                     raise TypeError(f"Tuning.{f.name} must be a bool, got {v!r}")
             elif f.name == "compiler_options":

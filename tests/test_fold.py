@@ -847,8 +847,9 @@ def test_tuned_fanin_tiles_reach_the_atomic_backward(monkeypatch):
 def test_fanin_kernel_orders_give_the_same_flows(monkeypatch):
     """The fan-in kernels' launch and load orders (``Tuning.fanin_order_batch``: the backward's edge blocks child by
     child, the partition's ``eorder``, from that batch on; ``Tuning.fanin_prefetch`` and
-    ``Tuning.fanin_forward_prefetch``: the next tile's loads issued before each tile's arithmetic) reach the kernels
-    and change no log-likelihood, flow or parameter flow beyond rounding."""
+    ``Tuning.fanin_forward_prefetch_batch``: the next tile's loads issued before each tile's arithmetic;
+    ``Tuning.fanin_group``: a parent block's children in one program) reach the kernels and change no
+    log-likelihood, flow or parameter flow beyond rounding."""
     from jaxpc.ops import pallas_sum
 
     c = jaxpc.compile(structures.PD((2, 4), 8, split_intervals=(1, 1), input_dist=distributions.Categorical(5)),
@@ -857,14 +858,25 @@ def test_fanin_kernel_orders_give_the_same_flows(monkeypatch):
     o = jaxpc.Options(impl="pallas_forward", precision="tf32")
     seen, fwd_seen = [], []
     bwd, fwd = pallas_sum.backward_atomic, pallas_sum.forward
-    monkeypatch.setattr(pallas_sum, "backward_atomic",
-                        lambda *a, **k: seen.append((k["order"] is not None, k["prefetch"])) or bwd(*a, **k))
+    monkeypatch.setattr(pallas_sum, "backward_atomic", lambda *a, **k: seen.append(
+        (k["order"] is not None, k["prefetch"], k["group"])) or bwd(*a, **k))
     monkeypatch.setattr(pallas_sum, "forward", lambda *a, **k: fwd_seen.append(k["config"].prefetch) or fwd(*a, **k))
-    ref = c.flows(c.params, x, options=o, return_ll=True)  # below the default's 1,024 samples: parent by parent
-    assert seen and set(seen) == {(False, False)} and fwd_seen and not any(fwd_seen)
-    tuned = o.replace(tuning=jaxpc.Tuning(fanin_order_batch=16, fanin_prefetch=True, fanin_forward_prefetch=True))
+    plain = o.replace(tuning=jaxpc.Tuning(fanin_prefetch=False))
+    ref = c.flows(c.params, x, options=plain, return_ll=True)
+    assert seen and set(seen) == {(False, False, 1)} and fwd_seen and not any(fwd_seen)
     seen.clear(), fwd_seen.clear()
-    got = c.flows(c.params, x, options=tuned, return_ll=True)  # 13 rows: bucket 16
-    assert set(seen) == {(True, True)} and any(fwd_seen)
-    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6 * float(np.abs(b).max()))
+    default = c.flows(c.params, x, options=o, return_ll=True)  # 13 rows (bucket 16): one child per program
+    assert set(seen) == {(False, True, 1)} and not any(fwd_seen)
+    seen.clear()
+    ordered = c.flows(c.params, x, options=o.replace(tuning=jaxpc.Tuning(fanin_order_batch=16,
+                                                                         fanin_forward_prefetch_batch=16)),
+                      return_ll=True)
+    assert set(seen) == {(True, True, 1)} and any(fwd_seen)
+    seen.clear()
+    grouped = c.flows(c.params, x, options=o.replace(tuning=jaxpc.Tuning(fanin_group=8, fanin_group_batch=16)),
+                      return_ll=True)
+    assert max(g for *_, g in seen) > 1  # every child of a parent block in one program where the fan-in allows
+    assert all(not prefetch for _, prefetch, g in seen if g > 1)
+    for run in (default, ordered, grouped):
+        for a, b in zip(jax.tree_util.tree_leaves(run), jax.tree_util.tree_leaves(ref)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6 * float(np.abs(b).max()))

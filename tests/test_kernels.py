@@ -518,16 +518,21 @@ def test_fanin_backward_atomic_matches_reference(shape, propagation):
                                                   shift=m)
     want = scatter_child_flows(fl, cf, tab, SimpleNamespace(Kc=Kc, dense=False, D=2), first)[first:]  # (and padding)
     kw = dict(Kp=Kp, Kc=Kc, unit=Kp, first_row=first, alpha=alpha or 1.0, precision="tf32")
-    # child by child, each program's batch loop starting at its own tile; with the next tile's loads issued first
+    # child by child, each program's batch loop starting at its own tile; with the next tile's loads issued first;
+    # a parent block's children in one program
     order = child_order(ch)
     assert sorted(order.tolist()) == list(range(n * C))
-    for got_order, prefetch in ((None, False), (jnp.asarray(order), False), (jnp.asarray(order), True)):
+    variants = [dict(order=None), dict(order=jnp.asarray(order)), dict(order=jnp.asarray(order), prefetch=True),
+                dict(group=C), dict(group=C, prefetch=True)]  # all children of a parent block in one program
+    for variant in variants:
         got, gpf = whole(pallas_sum.backward_atomic)(vals, fl, shifts, off, tab, jnp.asarray(pid), logw, **kw,
-                                                     order=got_order, prefetch=prefetch)
+                                                     **variant)
         assert bool(jnp.all(jnp.isfinite(got))) and bool(jnp.all(got[:first] == fl[:first]))
         np.testing.assert_allclose(np.asarray(got[first:]), np.asarray(want), rtol=2e-5,
                                    atol=1e-6 * float(jnp.abs(want).max()))
         np.testing.assert_allclose(np.asarray(gpf), np.asarray(pf), rtol=2e-5, atol=1e-6 * float(jnp.abs(pf).max()))
+    with pytest.raises(ValueError, match="group must divide"):
+        pallas_sum.backward_atomic(vals, fl, shifts, off, tab, jnp.asarray(pid), logw, **kw, group=C + 1)
     with pytest.raises(ValueError, match="order must list"):
         pallas_sum.backward_atomic(vals, fl, shifts, off, tab, jnp.asarray(pid), logw, **kw,
                                    order=jnp.asarray(order[1:]))

@@ -639,7 +639,8 @@ def inverse_tables(ch: np.ndarray, pid: np.ndarray) -> dict:
     ``ch [n, C, M]`` every row block of a folded product is listed (the zero padding rows are not), and
     ``pcol [U, D]`` gives the child position under each parent. ``eorder [n * C]``: the edge blocks ``i * C + c``
     ordered by their child (its row blocks, padding last), then by parent: the atomic backward runs its programs in
-    this order, so the parents that share a child run together and read and add to it while it is in L2."""
+    this order where ``Tuning.fanin_order_batch`` asks for it: the parents that share a child run together and read
+    and add to it while it is in L2."""
     folded = ch.ndim == 3
     ch3 = ch if folded else ch[:, :, None]
     real = ch3 != -2  # -2 marks padding (the -inf rows)

@@ -148,12 +148,13 @@ def _sum_flows_atomic(ps: _Pass, fl: Array, dp: dict, part, t: dict, row, cfg=No
     from ..ops import pallas_sum
 
     options = ps.options
+    ordered, group = routing.child_order(options, ps.values), routing.fanin_group(options, part, ps.values)
     fl, pf = pallas_sum.backward_atomic(ps.values, fl, ps.shifts, row, t["ch"], t["pid"], ps.sum_params[part.group],
                                         Kp=part.Kp, Kc=part.Kc, unit=ps.unit, first_row=2 * ps.layout.kmax,
                                         alpha=1.0 if options.propagation == "LL" else options.alpha,
                                         precision=options.concrete_precision, config=cfg or pallas_sum.KernelConfig(),
-                                        order=t.get("eorder") if routing.child_order(options, ps.values) else None,
-                                        prefetch=options.tuning.fanin_prefetch)
+                                        order=t.get("eorder") if ordered else None,
+                                        prefetch=options.tuning.fanin_prefetch and group == 1, group=group)
     return fl, (add_param_flows(dp, part, t["pid"], pf) if options.compute_param_flows else dp)
 
 

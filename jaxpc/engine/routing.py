@@ -304,6 +304,18 @@ def child_order(options, values) -> bool:
     return bool(n) and values.shape[1] >= n
 
 
+def fanin_group(options, part, values) -> int:
+    """Children per program of :func:`jaxpc.ops.pallas_sum.backward_atomic` for sum partition ``part`` at this
+    batch: one in child order or below ``Tuning.fanin_group_batch``, else the largest power of two up to
+    ``Tuning.fanin_group`` that divides its fan-in."""
+    tuning, g = options.tuning, 1
+    if child_order(options, values) or not tuning.fanin_group_batch or values.shape[1] < tuning.fanin_group_batch:
+        return g
+    while 2 * g <= tuning.fanin_group and part.C % (2 * g) == 0:
+        g *= 2
+    return g
+
+
 def atomic_backward(options, part, values: Array) -> bool:
     """Whether the flow pass runs sum partition ``part`` as :func:`jaxpc.ops.pallas_sum.backward_atomic` (its
     parameter flows and its child flows in one kernel, the child flows added by atomic adds) instead of XLA's

@@ -511,55 +511,62 @@ def _install_relaxed() -> bool:
 
 
 def _bwd_atomic_kernel(off_ref, ord_ref, ch_ref, pid_ref, w_ref, buf_ref, shift_ref, flow_ref, out_ref, pf_ref, *, C,
-                       M, Kp, Kc, KT, KC, BB, B, alpha, precision, unit, first_row, ordered, prefetch):
+                       M, Kp, Kc, KT, KC, BB, B, alpha, precision, unit, first_row, ordered, prefetch, G):
     e, q = block_ids(2)
-    ic = ord_ref[e] if ordered else e
-    i, c = lax.div(ic, jnp.int32(C)), lax.rem(ic, jnp.int32(C))
+    ic = ord_ref[e] if ordered else e * G  # the program's first edge block; G children of one parent block
+    i, c0 = lax.div(ic, jnp.int32(C)), lax.rem(ic, jnp.int32(C))
     kp = jnp.arange(KT)
     kc = q * KC + jnp.arange(KC)
     pmask, kmask = kp < Kp, kc < Kc
     first = off_ref[0] + i * Kp  # the block's first parent row; its kept shift at row first / unit
     srow = lax.div(first, jnp.int32(unit))
-    w = _load_w(w_ref, pid_ref[i, c], kp, kc, Kp, Kc, alpha)  # [KT, KC]
-    rows = [ch_ref[i, c, r] for r in range(M)]  # the (folded) child's row blocks, read once
+    ws = [_load_w(w_ref, pid_ref[i, c0 + j], kp, kc, Kp, Kc, alpha) for j in range(G)]  # [KT, KC] each
+    rows = [[ch_ref[i, c0 + j, r] for r in range(M)] for j in range(G)]  # each child's row blocks, read once
     T = pl.cdiv(B, BB)
     # in child order, the programs of one child start at different batch tiles: their adds meet no one else's
     rot = lax.rem(e, jnp.int32(T)) if ordered else 0
 
     def fetch(s, live=True):
-        """The batch tile of step ``s``: its columns, the parents' shift, values and flows, the child's values."""
+        """The batch tile of step ``s``: its columns, the parents' shift, values and flows, the children's values."""
         t = lax.rem(s + rot, jnp.int32(T)) if ordered else s
         cols = t * BB + jnp.arange(BB)
         cmask = (cols < B) & live
         m = plgpu.load(shift_ref.at[srow, cols], mask=cmask, other=0.0)
         v = _load_tile(buf_ref, first + kp, cols, pmask, cmask, _NEG)
         f = _load_tile(flow_ref, first + kp, cols, pmask, cmask, 0.0)
-        x = _load_tile(buf_ref, rows[0] + kc, cols, kmask, cmask, _NEG)
-        for r in range(1, M):
-            x = x + _load_tile(buf_ref, rows[r] + kc, cols, kmask, cmask, 0.0)
-        return cols, cmask, m, v, f, x
+        xs = []
+        for rj in rows:
+            x = _load_tile(buf_ref, rj[0] + kc, cols, kmask, cmask, _NEG)
+            for r in range(1, M):
+                x = x + _load_tile(buf_ref, rj[r] + kc, cols, kmask, cmask, 0.0)
+            xs.append(x)
+        return cols, cmask, m, v, f, xs
 
-    def use(tile, acc):
-        cols, cmask, m, v, f, x = tile
+    def use(tile, accs):
+        cols, cmask, m, v, f, xs = tile
         safe = jnp.where(m == _NEG, 0.0, m)
         a = _split(f, jnp.exp(alpha * (v - safe[None, :])))  # [KT, BB]
-        y = jnp.exp(alpha * (x - safe[None, :]))
-        cf = y * mm(w, a, precision, trans_a=True)  # [KC, BB]: this edge block's share of the child's flows
-        for r in range(M):  # into every row block of the (folded) child; other parents add to the same rows
-            _add_tile(out_ref, rows[r] + kc, cols, cf, kmask & (rows[r] >= first_row), cmask)
-        return acc + mm(a, y, precision, trans_b=True)
+        out = []
+        for w, rj, x, acc in zip(ws, rows, xs, accs):
+            y = jnp.exp(alpha * (x - safe[None, :]))
+            cf = y * mm(w, a, precision, trans_a=True)  # [KC, BB]: this edge block's share of the child's flows
+            for r0 in rj:  # into every row block of the (folded) child; other parents add to the same rows
+                _add_tile(out_ref, r0 + kc, cols, cf, kmask & (r0 >= first_row), cmask)
+            out.append(acc + mm(a, y, precision, trans_b=True))
+        return tuple(out)
 
-    acc = jnp.zeros((KT, KC), jnp.float32)
+    accs = tuple(jnp.zeros((KT, KC), jnp.float32) for _ in range(G))
     if prefetch:  # the next tile's loads are issued before this tile's arithmetic: they overlap it
         def step(s, carry):
-            acc, tile = carry
+            accs, tile = carry
             nxt = fetch(s + 1, s + 1 < T)
-            return use(tile, acc), nxt
+            return use(tile, accs), nxt
 
-        acc, _ = lax.fori_loop(0, T, step, (acc, fetch(0)))
+        accs, _ = lax.fori_loop(0, T, step, (accs, fetch(0)))
     else:
-        acc = lax.fori_loop(0, T, lambda s, acc: use(fetch(s), acc), acc)
-    plgpu.store(pf_ref.at[i, c, kp[:, None], kc[None, :]], w * acc, mask=pmask[:, None] & kmask[None, :])
+        accs = lax.fori_loop(0, T, lambda s, accs: use(fetch(s), accs), accs)
+    for j, (w, acc) in enumerate(zip(ws, accs)):
+        plgpu.store(pf_ref.at[i, c0 + j, kp[:, None], kc[None, :]], w * acc, mask=pmask[:, None] & kmask[None, :])
 
 
 def check_atomic_args(Kp: int, values: Array, flows: Array, shifts: Array, precision: str, unit: int) -> None:
@@ -579,7 +586,8 @@ def check_atomic_args(Kp: int, values: Array, flows: Array, shifts: Array, preci
 
 def backward_atomic(values: Array, flows: Array, shifts: Array, out_offset, ch: Array, pid: Array, w: Array, *, Kp: int,
                     Kc: int, unit: int, first_row: int, alpha: float = 1.0, precision: str = "tf32",
-                    config: KernelConfig = KernelConfig(), order: Array | None = None, prefetch: bool = False):
+                    config: KernelConfig = KernelConfig(), order: Array | None = None, prefetch: bool = False,
+                    group: int = 1):
     """The whole backward of a sum partition whose forward kept its shifts (the in-place forward's, at rows ``first
     parent row / unit`` of ``shifts``) in one kernel, for local sums from the parents' stored values (precision
     below fp32; untempered): one program per (parent block and child, child-node tile) loops over the batch,
@@ -587,12 +595,15 @@ def backward_atomic(values: Array, flows: Array, shifts: Array, out_offset, ch: 
     flows ``W * (a @ y^T)`` and adds its share of the child flows, ``y * (W^T a)``, into every row block of the
     (folded) child by atomic adds (several parent blocks share a child). Nothing of the gathered children's size
     is written: XLA's backward writes ``W^T a`` and scatters its products by atomic adds of its own. Rows below
-    ``first_row`` (padding) stay untouched. ``order`` (``[n * C]``, a permutation of the edge blocks ``i * C + c``;
-    the partition's ``eorder`` table): the programs run the edge blocks in this order (by default parent by parent),
-    and in it each program starts its batch loop at tile ``position mod tiles``. ``prefetch``: each step of the batch
-    loop issues the next tile's loads before its own arithmetic. Returns ``(flows with the child
-    flows added in place, param flows [n, C, Kp, Kc])``; the order of the atomic adds makes the child flows' last
-    bits vary from run to run."""
+    ``first_row`` (padding) stay untouched.
+
+    ``order`` (``[n * C]``, a permutation of the edge blocks ``i * C + c``; the partition's ``eorder`` table): the
+    programs run the edge blocks in this order (by default parent by parent), and in it each program starts its
+    batch loop at tile ``position mod tiles``. ``prefetch``: each step of the batch loop issues the next tile's
+    loads before its own arithmetic (with more than one batch tile). ``group``: each program takes that many
+    children of its parent block (dividing ``C``; not with ``order``), which read the parents' tiles and split
+    their flows once for all of them. Returns ``(flows with the child flows added in place, param flows [n, C, Kp,
+    Kc])``; the order of the atomic adds makes the child flows' last bits vary from run to run."""
     ch = tables3(ch)
     n, C, M = ch.shape
     B = values.shape[1]
@@ -602,12 +613,14 @@ def backward_atomic(values: Array, flows: Array, shifts: Array, out_offset, ch: 
     KT, KC = p2(Kp), min(config.block_k, p2(Kc))
     if order is not None and order.shape != (n * C,):
         raise ValueError(f"backward_atomic: order must list the {n * C} edge blocks, got shape {order.shape}")
+    if group < 1 or C % group or (group > 1 and order is not None):
+        raise ValueError(f"backward_atomic: group must divide the fan-in C={C} and go without order, got {group}")
     kernel = functools.partial(_bwd_atomic_kernel, C=C, M=M, Kp=Kp, Kc=Kc, KT=KT, KC=KC, BB=BB, B=B,
                                alpha=float(alpha), precision=precision, unit=int(unit), first_row=int(first_row),
-                               ordered=order is not None, prefetch=bool(prefetch))
+                               ordered=order is not None, prefetch=bool(prefetch) and B > BB, G=int(group))
     off = jnp.asarray(out_offset, jnp.int32).reshape(1)
     order = jnp.zeros((1,), jnp.int32) if order is None else order.astype(jnp.int32)
-    fl, pf = call_kernel(kernel, config, grid=block_grid(n * C, pl.cdiv(Kc, KC)),
+    fl, pf = call_kernel(kernel, config, grid=block_grid(n * C // group, pl.cdiv(Kc, KC)),
                          out_shape=(jax.ShapeDtypeStruct(flows.shape, jnp.float32),
                                     jax.ShapeDtypeStruct((n, C, Kp, Kc), jnp.float32)),
                          input_output_aliases={7: 0},
