@@ -264,7 +264,7 @@ def test_folded_kernels_in_place_match_reference(shape):
     P = n * C
     pid = rng.permutation(P).reshape(n, C)
     inv = inverse_tables(ch, pid)
-    assert set(inv) == {"uch", "par", "ppid", "pcol"}
+    assert set(inv) == {"uch", "par", "ppid", "pcol", "eorder"}
     ch = np.where(ch == -2, kmax, ch)
     t = {k: jnp.asarray(v, jnp.int32) for k, v in {"ch": ch, "pid": pid, **inv}.items()}
     logw = jnp.asarray(np.log(rng.random((P, Kp, Kc)) + 1e-3), jnp.float32)
