@@ -147,8 +147,8 @@ def test_kernels_lower_for_cuda_without_a_gpu():
     buf, t, logw, R = make_partition(16, 32, 3, 4, 40, 0.2, 0.1)
     device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
 
-    def fwd(b, ch, pid, lw):
-        return pallas_sum.forward(b, ch, pid, lw, Kp=16, Kc=32)
+    def fwd(b, ch, pid, lw, prefetch=False):
+        return pallas_sum.forward(b, ch, pid, lw, Kp=16, Kc=32, config=pallas_sum.KernelConfig(prefetch=prefetch))
 
     def bwd(b, ch, pid, lw, uch, par, ppid):
         a, m, pf = pallas_sum.backward_parents(b, b, 0, ch, pid, lw, Kp=16, Kc=32)
@@ -181,7 +181,8 @@ def test_kernels_lower_for_cuda_without_a_gpu():
     tabs = (buf, t["ch"], t["pid"], logw, t["uch"], t["par"], t["ppid"])
     with mock.patch.object(pallas_sum, "interpret_mode", lambda: False), \
             jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
-        for f, args in ((fwd, tabs[:4]), (bwd, tabs), (in_place, tabs),
+        for f, args in ((fwd, tabs[:4]), (functools.partial(fwd, prefetch=True), tabs[:4]), (bwd, tabs),
+                        (in_place, tabs),
                         (functools.partial(level, precision="fp32"), tabs),
                         (functools.partial(level, precision="tf32"), tabs),
                         (functools.partial(after, precision="tf32"), tabs),
@@ -218,15 +219,18 @@ def test_atomic_adds_are_relaxed_in_the_fanin_kernel_only():
     device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
     b, ch, pid = jnp.zeros((256, 40)), jnp.full((3, 2, 2), 64, jnp.int32), jnp.zeros((3, 2), jnp.int32)
 
-    def fanin(b, ch, pid, lw):
-        return pallas_sum.backward_atomic(b, b, b[::16], 128, ch, pid, lw, Kp=16, Kc=32, unit=16, first_row=64)
+    def fanin(b, ch, pid, lw, **variant):  # B=40: two batch tiles, so that the prefetching loop is lowered too
+        return pallas_sum.backward_atomic(b, b, b[::16], 128, ch, pid, lw, Kp=16, Kc=32, unit=16, first_row=64,
+                                          **variant)
 
     A, Et = jnp.ones((256, 256)), jnp.ones((5, 256, 16))
     with mock.patch.dict(tl.triton_lowering_rules, {tp.atomic_rmw_p: spy}), \
             mock.patch.object(pallas_sum, "interpret_mode", lambda: False), \
             mock.patch.object(pallas_chain, "interpret_mode", lambda: False), \
             jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
-        jax.jit(fanin).trace(b, ch, pid, jnp.zeros((6, 16, 32))).lower(lowering_platforms=("cuda",))
+        for variant in ({}, {"order": jnp.arange(6), "prefetch": True}, {"group": 2}, {"prefetch": True}):
+            jax.jit(functools.partial(fanin, **variant)).trace(b, ch, pid, jnp.zeros((6, 16, 32))).lower(
+                lowering_platforms=("cuda",))
         jax.jit(lambda a, e: pallas_chain.forward(a, e, "tf32")).trace(A, Et).lower(lowering_platforms=("cuda",))
     ours = [sem for name, sem in seen if name.startswith("jaxpc_sum_backward_atomic")]
     others = [sem for name, sem in seen if not name.startswith("jaxpc_sum_backward_atomic")]
