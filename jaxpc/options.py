@@ -69,7 +69,8 @@ class Tuning:
             parent blocks (a PD's fan-ins) and whose forward kept its shifts runs its whole backward as one Pallas
             kernel, the child flows added by atomic adds (:func:`jaxpc.engine.routing.atomic_backward`); 0: never.
         fanin_group: from ``fanin_group_batch`` samples on, each of that kernel's programs takes this many children
-            of its parent block (the largest power of two up to it that divides the fan-in), which read the
+            of its parent block (the largest power of two up to it that divides the fan-in and keeps the program's
+            tiles within four 32 x 32 edge blocks: :func:`jaxpc.engine.routing.fanin_group`), which read the
             parents' tiles and split their flows once for all of them.
         fanin_group_batch: see ``fanin_group``; 0: one child per program at every batch.
         fanin_prefetch: where a program of that kernel takes one child, its batch loop issues the next tile's loads

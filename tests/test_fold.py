@@ -880,3 +880,23 @@ def test_fanin_kernel_orders_give_the_same_flows(monkeypatch):
     for run in (default, ordered, grouped):
         for a, b in zip(jax.tree_util.tree_leaves(run), jax.tree_util.tree_leaves(ref)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6 * float(np.abs(b).max()))
+
+
+def test_fanin_group_sizes():
+    """Children per program of the atomic backward: ``Tuning.fanin_group`` from ``fanin_group_batch`` samples on, a
+    power of two dividing the fan-in, its tiles within ``routing.GROUP_ELEMENTS``; one in child order or below."""
+    from types import SimpleNamespace
+
+    o = jaxpc.Options()
+    part = SimpleNamespace(C=32, Kp=32, Kc=32)
+    batch = lambda B: SimpleNamespace(shape=(0, B))  # noqa: E731
+    assert routing.fanin_group(o, part, batch(1024)) == 4
+    assert routing.fanin_group(o, part, batch(512)) == 1
+    assert routing.fanin_group(o, SimpleNamespace(C=6, Kp=32, Kc=32), batch(2048)) == 2
+    assert routing.fanin_group(o, SimpleNamespace(C=32, Kp=16, Kc=16), batch(1024)) == 4
+    assert routing.fanin_group(o, SimpleNamespace(C=32, Kp=64, Kc=64), batch(1024)) == 1  # 4 x 64 x 64: too large
+    assert routing.fanin_group(o, SimpleNamespace(C=32, Kp=32, Kc=64), batch(1024)) == 2
+    for tuning in (jaxpc.Tuning(fanin_order_batch=1024), jaxpc.Tuning(fanin_group_batch=0),
+                   jaxpc.Tuning(fanin_group=1)):
+        assert routing.fanin_group(o.replace(tuning=tuning), part, batch(1024)) == 1
+    assert routing.fanin_group(o.replace(tuning=jaxpc.Tuning(fanin_group_batch=8)), part, batch(16)) == 4

@@ -304,16 +304,26 @@ def child_order(options, values) -> bool:
     return bool(n) and values.shape[1] >= n
 
 
+GROUP_ELEMENTS: Final = 4 * 32 * 32  # a grouped atomic-backward program's edge-block tiles: four 32 x 32 ones fit
+
+
 def fanin_group(options, part, values) -> int:
     """Children per program of :func:`jaxpc.ops.pallas_sum.backward_atomic` for sum partition ``part`` at this
     batch: one in child order or below ``Tuning.fanin_group_batch``, else the largest power of two up to
-    ``Tuning.fanin_group`` that divides its fan-in."""
+    ``Tuning.fanin_group`` that divides its fan-in and keeps the program's weight and accumulator tiles within
+    :data:`GROUP_ELEMENTS` elements each (eight 32 x 32 edge blocks ran out of registers on the H200)."""
     tuning, g = options.tuning, 1
     if child_order(options, values) or not tuning.fanin_group_batch or values.shape[1] < tuning.fanin_group_batch:
         return g
-    while 2 * g <= tuning.fanin_group and part.C % (2 * g) == 0:
+    tile = _p2(part.Kp) * min(64, _p2(part.Kc))
+    while 2 * g <= tuning.fanin_group and part.C % (2 * g) == 0 and 2 * g * tile <= GROUP_ELEMENTS:
         g *= 2
     return g
+
+
+def _p2(n: int) -> int:
+    """The next power of two of ``n`` (the kernels' tile sizes)."""
+    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def atomic_backward(options, part, values: Array) -> bool:
