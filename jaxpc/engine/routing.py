@@ -312,18 +312,22 @@ def fanin_group(options, part, values) -> int:
     batch: one in child order or below ``Tuning.fanin_group_batch``, else the largest power of two up to
     ``Tuning.fanin_group`` that divides its fan-in and keeps the program's weight and accumulator tiles within
     :data:`GROUP_ELEMENTS` elements each (eight 32 x 32 edge blocks ran out of registers on the H200)."""
+    from ..ops.pallas_sum import KernelConfig, p2
+
     tuning, g = options.tuning, 1
     if child_order(options, values) or not tuning.fanin_group_batch or values.shape[1] < tuning.fanin_group_batch:
         return g
-    tile = _p2(part.Kp) * min(64, _p2(part.Kc))
+    tile = p2(part.Kp) * min(KernelConfig.block_k, p2(part.Kc))
     while 2 * g <= tuning.fanin_group and part.C % (2 * g) == 0 and 2 * g * tile <= GROUP_ELEMENTS:
         g *= 2
     return g
 
 
-def _p2(n: int) -> int:
-    """The next power of two of ``n`` (the kernels' tile sizes)."""
-    return 1 << max(0, int(n) - 1).bit_length()
+def forward_prefetch(options, part, B: int, impl: str) -> bool:
+    """Whether the in-place Pallas forward of sum partition ``part`` prefetches its next child chunk at batch ``B``
+    (``Tuning.fanin_forward_prefetch_batch``): fan-ins of several child blocks, not on jax-triton's kernels."""
+    return (0 < options.tuning.fanin_forward_prefetch_batch <= B and part.C > 1 and not part.dense
+            and impl != "triton")
 
 
 def atomic_backward(options, part, values: Array) -> bool:

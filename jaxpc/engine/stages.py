@@ -161,8 +161,7 @@ def _inplace_sums(buf: Array, inplace: list, sum_params: dict, options, index, s
         with jax.named_scope(f"jaxpc/stage{index}/sum{j}"):
             a = 1.0 if options.propagation == "LL" else options.alpha
             config = kernels.forward_config(part.n, part.Kp, buf.shape[1], cfg)
-            if (0 < options.tuning.fanin_forward_prefetch_batch <= buf.shape[1] and part.C > 1 and not part.dense
-                    and impl != "triton"):
+            if routing.forward_prefetch(options, part, buf.shape[1], impl):
                 config = dataclasses.replace(config, prefetch=True)
             kw = dict(Kp=part.Kp, Kc=part.Kc, alpha=a, precision=options.concrete_precision, config=config,
                       out_offset=r)

@@ -180,10 +180,15 @@ def _stored_split(buf_ref, flow_ref, rows, cols, rmask, cmask, safe, alpha):
 def _load_child(buf_ref, ch_ref, i, c, kc, cols, cmask, *, M, Kc):
     """Values ``[len(kc), BB]`` of child block ``c`` of parent block ``i``: the sum of its ``M`` row blocks
     (masked entries ``-inf``)."""
+    return _load_rows(buf_ref, [ch_ref[i, c, m] for m in range(M)], kc, cols, cmask, Kc)
+
+
+def _load_rows(buf_ref, starts, kc, cols, cmask, Kc):
+    """The sum of the row blocks that begin at ``starts`` (a folded child's), nodes ``kc``: ``[len(kc), BB]``."""
     rmask = kc < Kc
-    x = _load_tile(buf_ref, ch_ref[i, c, 0] + kc, cols, rmask, cmask, _NEG)
-    for m in range(1, M):
-        x = x + _load_tile(buf_ref, ch_ref[i, c, m] + kc, cols, rmask, cmask, 0.0)
+    x = _load_tile(buf_ref, starts[0] + kc, cols, rmask, cmask, _NEG)
+    for r0 in starts[1:]:
+        x = x + _load_tile(buf_ref, r0 + kc, cols, rmask, cmask, 0.0)
     return x
 
 
@@ -203,9 +208,11 @@ def _online_sum(i, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, *, C, M, Kp
 
     def fetch(cq, live=True):
         c, q = lax.div(cq, jnp.int32(nq)), lax.rem(cq, jnp.int32(nq))  # (jnp's // and % don't lower)
-        c = jnp.minimum(c, C - 1)  # the step after the last one (prefetch) reads nothing
+        mask = cmask
+        if live is not True:  # the step after the last one (prefetch) reads nothing
+            c, mask = jnp.minimum(c, C - 1), cmask & live
         kc = q * KC + jnp.arange(KC)
-        x = _load_child(buf_ref, ch_ref, i, c, kc, cols, cmask & live, M=M, Kc=Kc)
+        x = _load_child(buf_ref, ch_ref, i, c, kc, cols, mask, M=M, Kc=Kc)
         return x, _load_w(w_ref, pid_ref[i, c], kp, kc, Kp, Kc, alpha, live)
 
     def add(carry, x, w):
@@ -530,17 +537,11 @@ def _bwd_atomic_kernel(off_ref, ord_ref, ch_ref, pid_ref, w_ref, buf_ref, shift_
         """The batch tile of step ``s``: its columns, the parents' shift, values and flows, the children's values."""
         t = lax.rem(s + rot, jnp.int32(T)) if ordered else s
         cols = t * BB + jnp.arange(BB)
-        cmask = (cols < B) & live
+        cmask = cols < B if live is True else (cols < B) & live
         m = plgpu.load(shift_ref.at[srow, cols], mask=cmask, other=0.0)
         v = _load_tile(buf_ref, first + kp, cols, pmask, cmask, _NEG)
         f = _load_tile(flow_ref, first + kp, cols, pmask, cmask, 0.0)
-        xs = []
-        for rj in rows:
-            x = _load_tile(buf_ref, rj[0] + kc, cols, kmask, cmask, _NEG)
-            for r in range(1, M):
-                x = x + _load_tile(buf_ref, rj[r] + kc, cols, kmask, cmask, 0.0)
-            xs.append(x)
-        return cols, cmask, m, v, f, xs
+        return cols, cmask, m, v, f, [_load_rows(buf_ref, rj, kc, cols, cmask, Kc) for rj in rows]
 
     def use(tile, accs):
         cols, cmask, m, v, f, xs = tile
