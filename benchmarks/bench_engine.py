@@ -51,17 +51,7 @@ FOLD = True  # Options.fold_products (--no-fold: False)
 def median_ms(fn, batches, reps, warmup=5, warmup_s=0.5):
     """Median ms of ``reps`` synchronized calls over rotating ``batches``, after at least ``warmup`` calls and
     ``warmup_s`` seconds of them (after seconds of compiling, the GPU's clocks ramp up again first)."""
-    t0, i = time.perf_counter(), 0
-    while i < warmup or time.perf_counter() - t0 < warmup_s:
-        jax.block_until_ready(fn(batches[i % len(batches)]))
-        i += 1
-    times = []
-    for i in range(reps):
-        xb = batches[i % len(batches)]
-        t = time.perf_counter()
-        jax.block_until_ready(fn(xb))
-        times.append(time.perf_counter() - t)
-    return 1e3 * float(np.median(times))
+    return paired_ms([fn], batches, reps, warmup, warmup_s)[0]
 
 
 def paired_ms(fns, batches, reps, warmup=5, warmup_s=0.5) -> list[float]:

@@ -19,7 +19,6 @@ backward's adds made plain stores, which tells what the atomic adds cost.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jaxpc  # noqa: E402
 from _data import blurred_noise_images  # noqa: E402
+from cross_lower import tuning  # noqa: E402
 from jaxpc import autotune, distributions, structures  # noqa: E402
 from jaxpc.engine import routing  # noqa: E402
 
@@ -76,10 +76,7 @@ def main(argv=None):
         variants[cfg] = jaxpc.Options(kernels=tuple((k, ("pallas_forward", *(int(v) for v in cfg.split(":"))))
                                                     for k in keys))
     for spec in filter(None, args.tunings.split(",")):
-        fields = dict(kv.split("=") for kv in spec.split("+"))
-        kind = {f.name: f.type for f in dataclasses.fields(jaxpc.Tuning)}
-        variants[spec] = jaxpc.Options(tuning=jaxpc.Tuning(**{
-            k: bool(int(v)) if kind[k] in (bool, "bool") else int(v) for k, v in fields.items()}))
+        variants[spec] = jaxpc.Options(tuning=tuning(spec))
     if args.no_atomics:  # a distinct Options value, so that its executable is compiled after the patch
         variants["no-atomics"] = jaxpc.Options(tuning=jaxpc.Tuning(leaf_batch=jaxpc.Tuning().leaf_batch + 1))
     ref = None
