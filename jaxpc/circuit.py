@@ -74,7 +74,8 @@ class Circuit:
         if not jnp.issubdtype(self.dtype, jnp.floating):
             raise TypeError(f"compile: dtype must be a floating dtype, got {self.dtype}")
         # one batched transfer (jnp.asarray of a numpy array compiles an identity executable per shape)
-        self.tables = jax.device_put(_compile.finalize_tables(struct.tables, self.layout))
+        self.tables = jax.device_put(_compile.shared_kernel_tables(_compile.finalize_tables(struct.tables, self.layout),
+                                                                   self.layout))
         self.num_vars = self.layout.num_vars
         self._var_info = checks.VarInfo.from_var_dists(self.num_vars, struct.var_dists)
         self.runtime = Runtime(self._var_info, self.dtype, cache, buckets)

@@ -882,6 +882,48 @@ def test_fanin_kernel_orders_give_the_same_flows(monkeypatch):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6 * float(np.abs(b).max()))
 
 
+def test_shared_kernel_tables_pad_a_class_to_one_shape(monkeypatch):
+    """The fan-in partitions of one kernel class (group, fold depth, block shape) run their Pallas kernels on tables
+    of one shape, the class's largest block count and fan-in, with their own shape: the padding's programs write
+    nothing, and the log-likelihoods, flows and parameter flows are the reference's."""
+    from jaxpc.ops import pallas_sum
+
+    c = jaxpc.compile(structures.PD((4, 6), 8, split_intervals=(1, 1), input_dist=distributions.Categorical(5)),
+                      seed=2)
+    members = [(p, t) for s, tab in zip(c.layout.fold.steps, c.tables["fold"]["steps"])
+               for p, t in zip(s.sums, tab["sums"]) if p.C > 1 and p.Kp == 8]
+    n, C = max(p.n for p, _ in members), max(p.C for p, _ in members)
+    assert len(members) >= 4 and len({p.C for p, _ in members}) >= 3
+    for p, t in members:
+        ch, pid, eorder, extent = routing.kernel_tables(t, p, "pallas")
+        assert ch.shape[:2] == pid.shape == (n, C) and extent == {"blocks": p.n, "fanin": p.C}
+        np.testing.assert_array_equal(np.asarray(ch[:p.n, :p.C]), np.asarray(t["ch"]))
+        np.testing.assert_array_equal(np.asarray(pid[:p.n, :p.C]), np.asarray(t["pid"]))
+        e = np.asarray(t["eorder"])
+        np.testing.assert_array_equal(np.asarray(eorder[:e.size]), (e // p.C) * C + e % p.C)
+        assert sorted(np.asarray(eorder).tolist()) == list(range(n * C))
+        assert routing.kernel_tables(t, p, "triton")[3] == {}
+    seen = {"forward": [], "backward_atomic": []}
+    for name in seen:
+        real = getattr(pallas_sum, name)
+        monkeypatch.setattr(pallas_sum, name, lambda *a, _real=real, _name=name, **k: seen[_name].append(
+            ((a[1] if _name == "forward" else a[4]).shape[:2], k.get("blocks"), k.get("fanin"))) or _real(*a, **k))
+    into = []
+    atomic = pallas_sum.backward_atomic
+    monkeypatch.setattr(pallas_sum, "backward_atomic", lambda *a, **k: into.append(k.get("dparams") is not None)
+                        or atomic(*a, **k))
+    x = np.random.default_rng(1).integers(0, 5, (24, 24)).astype(np.int32)
+    got = c.flows(c.params, x, options=jaxpc.Options(impl="pallas_forward", precision="tf32"), return_ll=True)
+    want = {(p.n, p.C) for p, _ in members}
+    for calls in seen.values():
+        padded = [(shape, b, f) for shape, b, f in calls if b is not None]
+        assert {shape for shape, *_ in padded} == {(n, C)} and {(b, f) for _, b, f in padded} == want
+    assert into and all(into)  # PD's edge blocks own their parameter blocks: the flows are added in place
+    ref = c.flows(c.params, x, options=jaxpc.Options(impl="xla", precision="fp32"), return_ll=True)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=1e-5 * float(np.abs(b).max()))
+
+
 def test_fanin_group_sizes():
     """Children per program of the atomic backward: ``Tuning.fanin_group`` from ``fanin_group_batch`` samples on, a
     power of two dividing the fan-in, its tiles within ``routing.GROUP_ELEMENTS``; one in child order or below."""

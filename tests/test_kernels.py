@@ -150,6 +150,10 @@ def test_kernels_lower_for_cuda_without_a_gpu():
     def fwd(b, ch, pid, lw, prefetch=False):
         return pallas_sum.forward(b, ch, pid, lw, Kp=16, Kc=32, config=pallas_sum.KernelConfig(prefetch=prefetch))
 
+    def padded(b, ch, pid, lw, prefetch=False):  # a kernel class's tables: the fan-in read at run time
+        return pallas_sum.forward(b, ch, pid, lw, Kp=16, Kc=32, config=pallas_sum.KernelConfig(prefetch=prefetch),
+                                  out_offset=0, blocks=2, fanin=3)
+
     def bwd(b, ch, pid, lw, uch, par, ppid):
         a, m, pf = pallas_sum.backward_parents(b, b, 0, ch, pid, lw, Kp=16, Kc=32)
         return pallas_sum.backward_children(b, a, m, uch, par, ppid, lw, Kp=16, Kc=32), pf
@@ -181,7 +185,8 @@ def test_kernels_lower_for_cuda_without_a_gpu():
     tabs = (buf, t["ch"], t["pid"], logw, t["uch"], t["par"], t["ppid"])
     with mock.patch.object(pallas_sum, "interpret_mode", lambda: False), \
             jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
-        for f, args in ((fwd, tabs[:4]), (functools.partial(fwd, prefetch=True), tabs[:4]), (bwd, tabs),
+        for f, args in ((fwd, tabs[:4]), (functools.partial(fwd, prefetch=True), tabs[:4]), (padded, tabs[:4]),
+                        (functools.partial(padded, prefetch=True), tabs[:4]), (bwd, tabs),
                         (in_place, tabs),
                         (functools.partial(level, precision="fp32"), tabs),
                         (functools.partial(level, precision="tf32"), tabs),
@@ -228,7 +233,8 @@ def test_atomic_adds_are_relaxed_in_the_fanin_kernel_only():
             mock.patch.object(pallas_sum, "interpret_mode", lambda: False), \
             mock.patch.object(pallas_chain, "interpret_mode", lambda: False), \
             jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
-        for variant in ({}, {"order": jnp.arange(6), "prefetch": True}, {"group": 2}, {"prefetch": True}):
+        for variant in ({}, {"order": jnp.arange(6), "prefetch": True}, {"group": 2}, {"prefetch": True},
+                        {"blocks": 2, "fanin": 1, "dparams": jnp.zeros((6, 16, 32))}):  # padded tables, in place
             jax.jit(functools.partial(fanin, **variant)).trace(b, ch, pid, jnp.zeros((6, 16, 32))).lower(
                 lowering_platforms=("cuda",))
         jax.jit(lambda a, e: pallas_chain.forward(a, e, "tf32")).trace(A, Et).lower(lowering_platforms=("cuda",))
@@ -546,6 +552,67 @@ def test_fanin_backward_atomic_matches_reference(shape, propagation):
         pallas_sum.backward_atomic(vals, fl, shifts, off, tab, jnp.asarray(pid), logw, **{**kw, "precision": "fp32"})
     with pytest.raises(ValueError, match="at most 64"):
         pallas_sum.backward_atomic(vals, fl, shifts, off, tab, jnp.asarray(pid), logw, **{**kw, "Kp": 128})
+
+
+def test_padded_tables_run_the_real_blocks_only():
+    """Tables padded to a kernel class's shape (:func:`jaxpc.compiler.compile.shared_kernel_tables`: more parent blocks
+    and children) with the partition's own ``blocks`` and ``fanin``: the in-place forward writes the real blocks' rows
+    and shifts and nothing above, the atomic backward adds the real edge blocks' child flows and returns their
+    parameter flows, both as on the unpadded tables; an extent out of range is refused."""
+    Kp, Kc, n, C, B, extra, wide = 8, 8, 3, 2, 11, 2, 4
+    rng = np.random.default_rng(5)
+    first, U = 2 * Kp, 3
+    off = first + U * Kc
+    R = off + (n + extra) * Kp  # the rows above the partition: where padding blocks would write
+    vals = (rng.normal(size=(R, B)) * 2).astype(np.float32)
+    vals[:Kp], vals[Kp:first] = 0.0, -np.inf
+    ch = (first + Kc * rng.integers(0, U, (n, C))).astype(np.int32)
+    pid = rng.permutation(n * C).reshape(n, C).astype(np.int32)
+    logw = jax.nn.log_softmax(jnp.asarray(rng.normal(size=(n * C, Kp, Kc)), jnp.float32), axis=-1)
+    kch = jnp.asarray(np.pad(ch, ((0, extra), (0, wide - C)), mode="edge"))
+    kpid = jnp.asarray(np.pad(pid, ((0, extra), (0, wide - C)), mode="edge"))
+    order = child_order(ch[:, :, None])
+    real = (order // C) * wide + order % C
+    korder = jnp.asarray(np.concatenate([real, np.setdiff1d(np.arange((n + extra) * wide), real)]), jnp.int32)
+    vals, ch, pid = jnp.asarray(vals), jnp.asarray(ch), jnp.asarray(pid)
+    shifts = jnp.full((R // Kp, B), 7.0, jnp.float32)
+    ext = dict(blocks=n, fanin=C)
+    kw = dict(Kp=Kp, Kc=Kc, out_offset=off, shifts=shifts, unit=Kp, precision="tf32")
+    want, want_m = whole(pallas_sum.forward)(vals, ch, pid, logw, **kw)
+    for prefetch in (False, True):
+        cfg = pallas_sum.KernelConfig(prefetch=prefetch)
+        got, got_m = whole(pallas_sum.forward)(vals, kch, kpid, logw, **kw, **ext, config=cfg)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(got_m), np.asarray(want_m))
+        np.testing.assert_array_equal(np.asarray(got[off + n * Kp:]), np.asarray(vals[off + n * Kp:]))  # untouched
+        np.testing.assert_array_equal(np.asarray(got_m[off // Kp + n:]), 7.0)
+    fl = jnp.asarray(np.abs(rng.normal(size=(R, B))), jnp.float32)
+    bkw = dict(Kp=Kp, Kc=Kc, unit=Kp, first_row=first, precision="tf32")
+    for variant in (dict(), dict(prefetch=True), dict(group=C)):
+        want_f, want_pf = whole(pallas_sum.backward_atomic)(want, fl, want_m, off, ch, pid, logw, **bkw, **variant)
+        got_f, got_pf = whole(pallas_sum.backward_atomic)(want, fl, want_m, off, kch, kpid, logw, **bkw, **variant,
+                                                          **ext)
+        assert got_pf.shape == (n, C, Kp, Kc)
+        np.testing.assert_allclose(np.asarray(got_f), np.asarray(want_f), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(got_pf), np.asarray(want_pf), rtol=1e-6, atol=1e-6)
+        # the parameter flows added in place into a group's [P, Kp, Kc] accumulator at the blocks pid
+        dp0 = jnp.asarray(rng.random((n * C + 3, Kp, Kc)), jnp.float32)
+        got_f, got_dp = whole(pallas_sum.backward_atomic)(want, fl, want_m, off, kch, kpid, logw, **bkw, **variant,
+                                                          **ext, dparams=dp0)
+        np.testing.assert_allclose(np.asarray(got_f), np.asarray(want_f), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(got_dp), np.asarray(dp0.at[pid].add(want_pf)), rtol=1e-6, atol=1e-6)
+    want_f, _ = whole(pallas_sum.backward_atomic)(want, fl, want_m, off, ch, pid, logw, **bkw, order=jnp.asarray(order))
+    got_f, _ = whole(pallas_sum.backward_atomic)(want, fl, want_m, off, kch, kpid, logw, **bkw, order=korder, **ext)
+    np.testing.assert_allclose(np.asarray(got_f), np.asarray(want_f), rtol=1e-6, atol=1e-6)
+    for bad in (dict(blocks=0), dict(blocks=n + extra + 1), dict(fanin=wide + 1)):
+        with pytest.raises(ValueError, match="blocks and fanin must be in"):
+            pallas_sum.forward(vals, kch, kpid, logw, **kw, **bad)
+    with pytest.raises(ValueError, match="below it in place only"):
+        pallas_sum.forward(vals, kch, kpid, logw, Kp=Kp, Kc=Kc, **ext)
+    with pytest.raises(ValueError, match="group must divide"):
+        pallas_sum.backward_atomic(want, fl, want_m, off, kch, kpid, logw, **bkw, group=4, **ext)
+    with pytest.raises(TypeError, match="dparams must be float32"):
+        pallas_sum.backward_atomic(want, fl, want_m, off, ch, pid, logw, **bkw, dparams=jnp.zeros((6, Kp, Kc + 1)))
 
 
 # ---- the node buffer's leaves (pallas_leaf) ----------------------------------------------------------

@@ -714,6 +714,56 @@ def _stack_tables(group):
     return out
 
 
+def shared_kernel_tables(tables: dict, layout: Layout) -> dict:
+    """``tables`` with the sum partitions of one kernel class padded to one shape, so that the class traces, lowers
+    and compiles one forward and one atomic-backward kernel instead of one per partition. A class: the fan-in
+    partitions (several child blocks, not dense) of one plan's unscanned stages with the same parameter group, fold
+    depth and block shape (PD-128's folded plan: eleven partitions of fan-ins 4 to 16 and 16 to 464 parent blocks).
+    Where a class has partitions of different shapes, each member gets ``kch`` / ``kpid``, its ``ch`` / ``pid``
+    padded to the class's largest block count and fan-in (that rounded up to a multiple of :data:`FANIN_MULTIPLE`;
+    by repeating its last block and child), and ``keorder``,
+    its ``eorder`` in the padded tables' edge-block numbering with the padding's edge blocks last. The kernels take
+    the member's real block count and fan-in (``blocks`` and ``fanin`` of :func:`jaxpc.ops.pallas_sum.forward` and
+    :func:`jaxpc.ops.pallas_sum.backward_atomic`): the programs of padding blocks return at once, and the forward
+    reads its fan-in at run time. Other routes read ``ch`` and ``pid``."""
+    out = {**tables, "steps": _shared_steps(layout.steps, tables["steps"])}
+    if layout.fold is not None and "fold" in tables:
+        out["fold"] = {**tables["fold"], "steps": _shared_steps(layout.fold.steps, tables["fold"]["steps"])}
+    return out
+
+
+FANIN_MULTIPLE = 4  # padded fan-ins are multiples of Tuning.fanin_group's default: a grouped backward stays grouped
+
+
+def _shared_steps(steps, step_tables) -> list:
+    classes: dict[tuple, list] = defaultdict(list)
+    for s, step in enumerate(steps):
+        if isinstance(step, ScanSpec):
+            continue
+        for j, part in enumerate(step.sums):
+            if part.C > 1 and not part.dense:
+                classes[(part.group, part.M, part.Kp, part.Kc)].append((s, j, part.n, part.C))
+    out = list(step_tables)
+    for members in classes.values():
+        if len({(k, c) for _, _, k, c in members}) < 2:
+            continue
+        n, C = max(k for _, _, k, _ in members), -(-max(c for *_, c in members) // FANIN_MULTIPLE) * FANIN_MULTIPLE
+        for s, j, k, c in members:
+            t = out[s]["sums"][j]
+            ch = t["ch"]
+            pad = ((0, n - k), (0, C - c)) + ((0, 0),) * (ch.ndim - 2)
+            padded = {"kch": np.pad(ch, pad, mode="edge"), "kpid": np.pad(t["pid"], pad[:2], mode="edge")}
+            if "eorder" in t:
+                e = t["eorder"].astype(np.int64)
+                real = (e // c) * C + e % c
+                rest = np.setdiff1d(np.arange(n * C), real)
+                padded["keorder"] = np.concatenate([real, rest]).astype(t["eorder"].dtype)
+            sums = list(out[s]["sums"])
+            sums[j] = {**t, **padded}
+            out[s] = {**out[s], "sums": sums}
+    return out
+
+
 def finalize_tables(tables: dict, layout: Layout) -> dict:
     """Replace padding markers (-2) by the first ``-inf`` row and cast everything to int32."""
 

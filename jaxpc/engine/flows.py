@@ -10,6 +10,7 @@ The routes come from :mod:`jaxpc.engine.routing`; the forward is :func:`jaxpc.en
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -148,13 +149,21 @@ def _sum_flows_atomic(ps: _Pass, fl: Array, dp: dict, part, t: dict, row, cfg=No
     from ..ops import pallas_sum
 
     options = ps.options
-    ordered, group = routing.child_order(options, ps.values), routing.fanin_group(options, part, ps.values)
-    fl, pf = pallas_sum.backward_atomic(ps.values, fl, ps.shifts, row, t["ch"], t["pid"], ps.sum_params[part.group],
+    ch, pid, eorder, extent = routing.kernel_tables(t, part, "pallas")
+    # parameter flows added into the group's in place where no two of the partition's edge blocks share a block
+    g = dp.get(part.group) if options.compute_param_flows and part.unique_pid else None
+    into = g if g is not None and g.dtype == jnp.float32 else None
+    ordered = routing.child_order(options, ps.values)
+    group = math.gcd(routing.fanin_group(options, part, ps.values), ch.shape[1])  # (padded tables: both fan-ins)
+    fl, pf = pallas_sum.backward_atomic(ps.values, fl, ps.shifts, row, ch, pid, ps.sum_params[part.group],
                                         Kp=part.Kp, Kc=part.Kc, unit=ps.unit, first_row=2 * ps.layout.kmax,
                                         alpha=1.0 if options.propagation == "LL" else options.alpha,
                                         precision=options.concrete_precision, config=cfg or pallas_sum.KernelConfig(),
-                                        order=t.get("eorder") if ordered else None,
-                                        prefetch=options.tuning.fanin_prefetch and group == 1, group=group)
+                                        order=eorder if ordered else None,
+                                        prefetch=options.tuning.fanin_prefetch and group == 1, group=group,
+                                        dparams=into, **extent)
+    if into is not None:
+        return fl, {**dp, part.group: pf}
     return fl, (add_param_flows(dp, part, t["pid"], pf) if options.compute_param_flows else dp)
 
 

@@ -323,6 +323,16 @@ def fanin_group(options, part, values) -> int:
     return g
 
 
+def kernel_tables(t: dict, part, impl: str) -> tuple:
+    """``(ch, pid, eorder, extent)`` that the Pallas kernels of sum partition ``part`` read: the tables padded to
+    their kernel class's shape and ``extent = {"blocks": n, "fanin": C}``, the partition's own shape in them, where
+    it has them (:func:`jaxpc.compiler.compile.shared_kernel_tables`), else its own tables and ``{}``. jax-triton's
+    kernels read the partition's own."""
+    if impl == "triton" or "kch" not in t:
+        return t["ch"], t["pid"], t.get("eorder"), {}
+    return t["kch"], t["kpid"], t.get("keorder"), {"blocks": part.n, "fanin": part.C}
+
+
 def forward_prefetch(options, part, B: int, impl: str) -> bool:
     """Whether the in-place Pallas forward of sum partition ``part`` prefetches its next child chunk at batch ``B``
     (``Tuning.fanin_forward_prefetch_batch``): fan-ins of several child blocks, not on jax-triton's kernels."""

@@ -163,13 +163,13 @@ def _inplace_sums(buf: Array, inplace: list, sum_params: dict, options, index, s
             config = kernels.forward_config(part.n, part.Kp, buf.shape[1], cfg)
             if routing.forward_prefetch(options, part, buf.shape[1], impl):
                 config = dataclasses.replace(config, prefetch=True)
+            ch, pid, _, extent = routing.kernel_tables(t, part, impl)
             kw = dict(Kp=part.Kp, Kc=part.Kc, alpha=a, precision=options.concrete_precision, config=config,
-                      out_offset=r)
+                      out_offset=r, **extent)
             if shifts is not None and routing.writes_shift(options, part, buf):
-                buf, shifts = kernels.forward(buf, t["ch"], t["pid"], sum_params[part.group], shifts=shifts,
-                                              unit=unit, **kw)
+                buf, shifts = kernels.forward(buf, ch, pid, sum_params[part.group], shifts=shifts, unit=unit, **kw)
             else:
-                buf = kernels.forward(buf, t["ch"], t["pid"], sum_params[part.group], **kw)
+                buf = kernels.forward(buf, ch, pid, sum_params[part.group], **kw)
     return buf, shifts
 
 

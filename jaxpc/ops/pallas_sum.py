@@ -200,9 +200,9 @@ def _load_w(w_ref, p, kp, kc, Kp, Kc, alpha, valid=True):
 
 def _online_sum(i, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, *, C, M, Kp, Kc, KC, alpha, precision,
                 prefetch=False):
-    """Running max ``m [BB]`` and sum ``acc [len(kp), BB]`` over the children of parent block ``i`` for the
-    parent nodes ``kp`` of the block. Child blocks are read in chunks of ``KC`` nodes; with ``prefetch`` each step
-    issues the next chunk's loads before its own arithmetic."""
+    """Running max ``m [BB]`` and sum ``acc [len(kp), BB]`` over the ``C`` children (static, or a traced count) of
+    parent block ``i`` for the parent nodes ``kp`` of the block. Child blocks are read in chunks of ``KC`` nodes; with
+    ``prefetch`` each step issues the next chunk's loads before its own arithmetic."""
     nq = -(-Kc // KC)
     steps = C * nq
 
@@ -237,6 +237,22 @@ def _online_sum(i, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, *, C, M, Kp
 
 def tables3(ch: Array) -> Array:
     return ch if ch.ndim == 3 else ch[:, :, None]
+
+
+def check_extent(n: int, C: int, blocks: int | None, fanin: int | None, out_offset) -> tuple[int, int]:
+    """``(blocks, fanin)``: the partition's parent blocks and fan-in in tables of ``n`` blocks of ``C`` children (all of
+    them by default); padded tables run in place only."""
+    b, f = n if blocks is None else int(blocks), C if fanin is None else int(fanin)
+    if not (0 < b <= n and 0 < f <= C) or ((b, f) != (n, C) and out_offset is None):
+        raise ValueError(f"blocks and fanin must be in [1, {n}] and [1, {C}] (the tables' shape), below it in place "
+                         f"only; got {blocks} and {fanin}")
+    return b, f
+
+
+def block_offsets(out_offset, extent: tuple[int, int]) -> Array:
+    """The ``[3]`` int32 operand of the fan-in kernels: the partition's first row, then its parent blocks and fan-in
+    in the tables (:func:`check_extent`; the programs of padding blocks return at once)."""
+    return jnp.stack([jnp.asarray(out_offset, jnp.int32).reshape(()), jnp.int32(extent[0]), jnp.int32(extent[1])])
 
 
 def _chunk(config: KernelConfig, tile: int, K: int) -> int:
@@ -299,41 +315,50 @@ def _fwd_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, *refs, C, M, Kp, Kc, K
                 unit, prefetch):
     out_ref, shift_ref = (refs[1], refs[2]) if unit else (refs[0], None)  # with shifts: (shifts in, buf, shifts)
     i, k, t = block_ids(3)
-    cols = t * BB + jnp.arange(BB)
-    cmask = cols < B
-    kp = k * KT + jnp.arange(KT)
-    m = forward_tile(i, off_ref[0] + i * Kp, kp, cols, cmask, ch_ref, pid_ref, w_ref, buf_ref, out_ref, C=C, M=M,
-                     Kp=Kp, Kc=Kc, KC=KC, alpha=alpha, precision=precision, prefetch=prefetch)
-    if unit:  # the block's shift, the children's max, at shift row (first parent row) / unit
-        plgpu.store(shift_ref.at[lax.div(off_ref[0] + i * Kp, jnp.int32(unit)), cols], m, mask=cmask & (k == 0))
+    C = off_ref[2] if C is None else C  # padded tables: the partition's fan-in, read at run time
+
+    @pl.when(i < off_ref[1])  # the tables' real blocks; the programs of padding blocks do nothing
+    def _():
+        cols = t * BB + jnp.arange(BB)
+        cmask = cols < B
+        kp = k * KT + jnp.arange(KT)
+        m = forward_tile(i, off_ref[0] + i * Kp, kp, cols, cmask, ch_ref, pid_ref, w_ref, buf_ref, out_ref, C=C,
+                         M=M, Kp=Kp, Kc=Kc, KC=KC, alpha=alpha, precision=precision, prefetch=prefetch)
+        if unit:  # the block's shift, the children's max, at shift row (first parent row) / unit
+            plgpu.store(shift_ref.at[lax.div(off_ref[0] + i * Kp, jnp.int32(unit)), cols], m, mask=cmask & (k == 0))
 
 
 def forward(buf: Array, ch: Array, pid: Array, w: Array, *, Kp: int, Kc: int, alpha: float = 1.0,
             precision: str = "fp32", config: KernelConfig = KernelConfig(), out_offset=None, shifts=None,
-            unit: int = 0):
+            unit: int = 0, blocks: int | None = None, fanin: int | None = None):
     """Sum-layer values. ``ch [n, C]`` or ``[n, C, M]``, ``w``: log-weights ``[P, Kp, Kc]`` (exponentiated per
     tile). Returns ``[n * Kp, B]``; with ``out_offset`` (a float32 ``buf``) the buffer with the parents'
     rows ``out_offset + [0, n * Kp)`` written in place. With ``shifts`` (float32 ``[ceil(R / unit), B]``,
     ``out_offset`` and every parent block's first row multiples of ``unit``) it returns ``(buf, shifts)``,
     ``shifts`` updated in place with each parent block's shift: the max over its children's values per sample
-    (``-inf`` when they all are), at row ``first parent row / unit``."""
+    (``-inf`` when they all are), at row ``first parent row / unit``. ``blocks`` and ``fanin`` (in place only):
+    padded tables (:func:`jaxpc.compiler.compile.shared_kernel_tables`), of which the first ``blocks`` parent blocks
+    and the first ``fanin`` children of each are the partition's; the programs of padding blocks write nothing. With
+    ``fanin`` the kernel reads the fan-in at run time: one kernel serves tables of one shape."""
     ch = tables3(ch)
     n, C, M = ch.shape
     R, B = buf.shape
+    extent, dynamic = check_extent(n, C, blocks, fanin, out_offset), fanin is not None
     BB, KT, KC = tiles(config, B, Kp, Kc)
     keep = shifts is not None
     if keep and (out_offset is None or unit < 1 or Kp % unit):
         raise ValueError(f"shifts are kept by the in-place forward with a unit dividing Kp={Kp}, got unit={unit}")
-    kernel = functools.partial(_fwd_kernel, C=C, M=M, Kp=Kp, Kc=Kc, KT=KT, KC=KC, BB=BB, B=B, alpha=float(alpha),
+    kernel = functools.partial(_fwd_kernel, C=None if dynamic else C, M=M, Kp=Kp, Kc=Kc, KT=KT, KC=KC, BB=BB, B=B,
+                               alpha=float(alpha),
                                precision=precision, unit=unit if keep else 0, prefetch=config.prefetch)
     grid = block_grid(n, pl.cdiv(Kp, KT), pl.cdiv(B, BB))
     if out_offset is None:
-        off = jnp.zeros((1,), jnp.int32)
+        off = block_offsets(0, extent)
         return call_kernel(kernel, config, grid=grid, out_shape=jax.ShapeDtypeStruct((n * Kp, B), jnp.float32),
                      name="jaxpc_sum_forward")(off, ch, pid, w, buf.astype(jnp.float32))
     if buf.dtype != jnp.float32:
         raise TypeError(f"in-place sum layer needs a float32 buffer, got {buf.dtype}")
-    off = jnp.asarray(out_offset, jnp.int32).reshape(1)
+    off = block_offsets(out_offset, extent)
     if keep:
         return call_kernel(kernel, config, grid=grid, out_shape=(jax.ShapeDtypeStruct((R, B), jnp.float32),
                                                            jax.ShapeDtypeStruct(shifts.shape, jnp.float32)),
@@ -517,57 +542,67 @@ def _install_relaxed() -> bool:
     return True
 
 
-def _bwd_atomic_kernel(off_ref, ord_ref, ch_ref, pid_ref, w_ref, buf_ref, shift_ref, flow_ref, out_ref, pf_ref, *, C,
-                       M, Kp, Kc, KT, KC, BB, B, alpha, precision, unit, first_row, ordered, prefetch, G):
+def _bwd_atomic_kernel(off_ref, ord_ref, ch_ref, pid_ref, w_ref, buf_ref, shift_ref, flow_ref, *refs, C, M, Kp, Kc,
+                       KT, KC, BB, B, alpha, precision, unit, first_row, ordered, prefetch, G, into):
+    out_ref, pf_ref = refs[-2:]  # (with into: the parameter flows in, then the aliased flows and parameter flows)
     e, q = block_ids(2)
     ic = ord_ref[e] if ordered else e * G  # the program's first edge block; G children of one parent block
     i, c0 = lax.div(ic, jnp.int32(C)), lax.rem(ic, jnp.int32(C))
-    kp = jnp.arange(KT)
-    kc = q * KC + jnp.arange(KC)
-    pmask, kmask = kp < Kp, kc < Kc
-    first = off_ref[0] + i * Kp  # the block's first parent row; its kept shift at row first / unit
-    srow = lax.div(first, jnp.int32(unit))
-    ws = [_load_w(w_ref, pid_ref[i, c0 + j], kp, kc, Kp, Kc, alpha) for j in range(G)]  # [KT, KC] each
-    rows = [[ch_ref[i, c0 + j, r] for r in range(M)] for j in range(G)]  # each child's row blocks, read once
-    T = pl.cdiv(B, BB)
-    # in child order, the programs of one child start at different batch tiles: their adds meet no one else's
-    rot = lax.rem(e, jnp.int32(T)) if ordered else 0
 
-    def fetch(s, live=True):
-        """The batch tile of step ``s``: its columns, the parents' shift, values and flows, the children's values."""
-        t = lax.rem(s + rot, jnp.int32(T)) if ordered else s
-        cols = t * BB + jnp.arange(BB)
-        cmask = cols < B if live is True else (cols < B) & live
-        m = plgpu.load(shift_ref.at[srow, cols], mask=cmask, other=0.0)
-        v = _load_tile(buf_ref, first + kp, cols, pmask, cmask, _NEG)
-        f = _load_tile(flow_ref, first + kp, cols, pmask, cmask, 0.0)
-        return cols, cmask, m, v, f, [_load_rows(buf_ref, rj, kc, cols, cmask, Kc) for rj in rows]
+    @pl.when((i < off_ref[1]) & (c0 < off_ref[2]))  # the partition's edge blocks; padding programs do nothing
+    def _():
+        kp = jnp.arange(KT)
+        kc = q * KC + jnp.arange(KC)
+        pmask, kmask = kp < Kp, kc < Kc
+        first = off_ref[0] + i * Kp  # the block's first parent row; its kept shift at row first / unit
+        srow = lax.div(first, jnp.int32(unit))
+        ws = [_load_w(w_ref, pid_ref[i, c0 + j], kp, kc, Kp, Kc, alpha) for j in range(G)]  # [KT, KC] each
+        rows = [[ch_ref[i, c0 + j, r] for r in range(M)] for j in range(G)]  # each child's row blocks, read once
+        T = pl.cdiv(B, BB)
+        # in child order, the programs of one child start at different batch tiles: their adds meet no one else's
+        rot = lax.rem(e, jnp.int32(T)) if ordered else 0
 
-    def use(tile, accs):
-        cols, cmask, m, v, f, xs = tile
-        safe = jnp.where(m == _NEG, 0.0, m)
-        a = _split(f, jnp.exp(alpha * (v - safe[None, :])))  # [KT, BB]
-        out = []
-        for w, rj, x, acc in zip(ws, rows, xs, accs):
-            y = jnp.exp(alpha * (x - safe[None, :]))
-            cf = y * mm(w, a, precision, trans_a=True)  # [KC, BB]: this edge block's share of the child's flows
-            for r0 in rj:  # into every row block of the (folded) child; other parents add to the same rows
-                _add_tile(out_ref, r0 + kc, cols, cf, kmask & (r0 >= first_row), cmask)
-            out.append(acc + mm(a, y, precision, trans_b=True))
-        return tuple(out)
+        def fetch(s, live=True):
+            """The batch tile of step ``s``: its columns, the parents' shift, values and flows, the children's
+            values."""
+            t = lax.rem(s + rot, jnp.int32(T)) if ordered else s
+            cols = t * BB + jnp.arange(BB)
+            cmask = cols < B if live is True else (cols < B) & live
+            m = plgpu.load(shift_ref.at[srow, cols], mask=cmask, other=0.0)
+            v = _load_tile(buf_ref, first + kp, cols, pmask, cmask, _NEG)
+            f = _load_tile(flow_ref, first + kp, cols, pmask, cmask, 0.0)
+            return cols, cmask, m, v, f, [_load_rows(buf_ref, rj, kc, cols, cmask, Kc) for rj in rows]
 
-    accs = tuple(jnp.zeros((KT, KC), jnp.float32) for _ in range(G))
-    if prefetch:  # the next tile's loads are issued before this tile's arithmetic: they overlap it
-        def step(s, carry):
-            accs, tile = carry
-            nxt = fetch(s + 1, s + 1 < T)
-            return use(tile, accs), nxt
+        def use(tile, accs):
+            cols, cmask, m, v, f, xs = tile
+            safe = jnp.where(m == _NEG, 0.0, m)
+            a = _split(f, jnp.exp(alpha * (v - safe[None, :])))  # [KT, BB]
+            out = []
+            for w, rj, x, acc in zip(ws, rows, xs, accs):
+                y = jnp.exp(alpha * (x - safe[None, :]))
+                cf = y * mm(w, a, precision, trans_a=True)  # [KC, BB]: this edge block's share of the child's flows
+                for r0 in rj:  # into every row block of the (folded) child; other parents add to the same rows
+                    _add_tile(out_ref, r0 + kc, cols, cf, kmask & (r0 >= first_row), cmask)
+                out.append(acc + mm(a, y, precision, trans_b=True))
+            return tuple(out)
 
-        accs, _ = lax.fori_loop(0, T, step, (accs, fetch(0)))
-    else:
-        accs = lax.fori_loop(0, T, lambda s, accs: use(fetch(s), accs), accs)
-    for j, (w, acc) in enumerate(zip(ws, accs)):
-        plgpu.store(pf_ref.at[i, c0 + j, kp[:, None], kc[None, :]], w * acc, mask=pmask[:, None] & kmask[None, :])
+        accs = tuple(jnp.zeros((KT, KC), jnp.float32) for _ in range(G))
+        if prefetch:  # the next tile's loads are issued before this tile's arithmetic: they overlap it
+            def step(s, carry):
+                accs, tile = carry
+                nxt = fetch(s + 1, s + 1 < T)
+                return use(tile, accs), nxt
+
+            accs, _ = lax.fori_loop(0, T, step, (accs, fetch(0)))
+        else:
+            accs = lax.fori_loop(0, T, lambda s, accs: use(fetch(s), accs), accs)
+        for j, (w, acc) in enumerate(zip(ws, accs)):
+            mask = pmask[:, None] & kmask[None, :]
+            if into:  # added to the edge block's parameter block, which no other program of the kernel writes
+                at = pf_ref.at[pid_ref[i, c0 + j], kp[:, None], kc[None, :]]
+                plgpu.store(at, plgpu.load(at, mask=mask, other=0.0) + w * acc, mask=mask)
+            else:
+                plgpu.store(pf_ref.at[i, c0 + j, kp[:, None], kc[None, :]], w * acc, mask=mask)
 
 
 def check_atomic_args(Kp: int, values: Array, flows: Array, shifts: Array, precision: str, unit: int) -> None:
@@ -588,7 +623,7 @@ def check_atomic_args(Kp: int, values: Array, flows: Array, shifts: Array, preci
 def backward_atomic(values: Array, flows: Array, shifts: Array, out_offset, ch: Array, pid: Array, w: Array, *, Kp: int,
                     Kc: int, unit: int, first_row: int, alpha: float = 1.0, precision: str = "tf32",
                     config: KernelConfig = KernelConfig(), order: Array | None = None, prefetch: bool = False,
-                    group: int = 1):
+                    group: int = 1, blocks: int | None = None, fanin: int | None = None, dparams: Array | None = None):
     """The whole backward of a sum partition whose forward kept its shifts (the in-place forward's, at rows ``first
     parent row / unit`` of ``shifts``) in one kernel, for local sums from the parents' stored values (precision
     below fp32; untempered): one program per (parent block and child, child-node tile) loops over the batch,
@@ -603,10 +638,19 @@ def backward_atomic(values: Array, flows: Array, shifts: Array, out_offset, ch: 
     batch loop at tile ``position mod tiles``. ``prefetch``: each step of the batch loop issues the next tile's
     loads before its own arithmetic (with more than one batch tile). ``group``: each program takes that many
     children of its parent block (dividing ``C``; not with ``order``), which read the parents' tiles and split
-    their flows once for all of them. Returns ``(flows with the child flows added in place, param flows [n, C, Kp,
-    Kc])``; the order of the atomic adds makes the child flows' last bits vary from run to run."""
+    their flows once for all of them. ``blocks`` and ``fanin``: padded tables (as in :func:`forward`; ``group``
+    divides both fan-ins, ``order`` indexes the padded edge blocks and lists the padding's last). Returns ``(flows
+    with the child flows added in place, param flows [blocks, fanin, Kp, Kc])``; the order of the atomic adds makes
+    the child flows' last bits vary from run to run. With ``dparams`` (float32 ``[P, Kp, Kc]``; the partition's
+    parameter blocks ``pid`` distinct) the parameter flows are added into it in place instead, and it is returned
+    in their stead: no ``[n, C, Kp, Kc]`` array and no scatter."""
     ch = tables3(ch)
     n, C, M = ch.shape
+    blocks, fanin = extent = check_extent(n, C, blocks, fanin, out_offset)
+    into = dparams is not None
+    if into and (dparams.dtype != jnp.float32 or dparams.shape[1:] != (Kp, Kc)):
+        raise TypeError(f"backward_atomic: dparams must be float32 [P, {Kp}, {Kc}], got {dparams.dtype} "
+                        f"{dparams.shape}")
     B = values.shape[1]
     check_atomic_args(Kp, values, flows, shifts, precision, unit)
     relaxed_atomics()
@@ -614,19 +658,22 @@ def backward_atomic(values: Array, flows: Array, shifts: Array, out_offset, ch: 
     KT, KC = p2(Kp), min(config.block_k, p2(Kc))
     if order is not None and order.shape != (n * C,):
         raise ValueError(f"backward_atomic: order must list the {n * C} edge blocks, got shape {order.shape}")
-    if group < 1 or C % group or (group > 1 and order is not None):
-        raise ValueError(f"backward_atomic: group must divide the fan-in C={C} and go without order, got {group}")
+    if group < 1 or C % group or fanin % group or (group > 1 and order is not None):
+        raise ValueError(f"backward_atomic: group must divide the fan-in C={C} (and {fanin}) and go without order, "
+                         f"got {group}")
     kernel = functools.partial(_bwd_atomic_kernel, C=C, M=M, Kp=Kp, Kc=Kc, KT=KT, KC=KC, BB=BB, B=B,
                                alpha=float(alpha), precision=precision, unit=int(unit), first_row=int(first_row),
-                               ordered=order is not None, prefetch=bool(prefetch) and B > BB, G=int(group))
-    off = jnp.asarray(out_offset, jnp.int32).reshape(1)
+                               ordered=order is not None, prefetch=bool(prefetch) and B > BB, G=int(group), into=into)
+    off = block_offsets(out_offset, extent)
     order = jnp.zeros((1,), jnp.int32) if order is None else order.astype(jnp.int32)
+    pf_shape = dparams.shape if into else (n, C, Kp, Kc)
     fl, pf = call_kernel(kernel, config, grid=block_grid(n * C // group, pl.cdiv(Kc, KC)),
                          out_shape=(jax.ShapeDtypeStruct(flows.shape, jnp.float32),
-                                    jax.ShapeDtypeStruct((n, C, Kp, Kc), jnp.float32)),
-                         input_output_aliases={7: 0},
-                         name="jaxpc_sum_backward_atomic")(off, order, ch, pid, w, values, shifts, flows)
-    return fl, pf
+                                    jax.ShapeDtypeStruct(pf_shape, jnp.float32)),
+                         input_output_aliases={7: 0, 8: 1} if into else {7: 0},
+                         name="jaxpc_sum_backward_atomic")(off, order, ch, pid, w, values, shifts, flows,
+                                                           *((dparams,) if into else ()))
+    return fl, (pf if into or extent == (n, C) else pf[:blocks, :fanin])
 
 
 # ---- backward: child side ---------------------------------------------------------------------------
