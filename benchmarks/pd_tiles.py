@@ -4,7 +4,7 @@
     python benchmarks/pd_tiles.py [--latents 256] [--split-intervals 2,7] [--batch 1024] [--reps 10]
                                   [--configs 64:64:4,64:64:8,128:64:8] [--entry em_step]
                                   [--tunings fanin_group_batch=0,fanin_prefetch=0+fanin_order_batch=1024]
-                                  [--no-atomics]
+                                  [--no-atomics] [--own-tables]
 
 A configuration ``bb:bk:warps`` sets ``KernelConfig(block_b=bb, block_k=bk, num_warps=warps)`` for the Pallas
 forward of every partition whose blocks have several child blocks (``impl="auto"``'s fan-in route) and for its
@@ -13,7 +13,9 @@ backward's child-node tile. A tuning ``field=value`` (several joined by ``+``) i
 :class:`jaxpc.Tuning` fields set (e.g. the kernels' launch orders). Prints one line per variant: median ms of
 ``--entry`` (``em_step`` or ``flows``) at ``--batch``, and the largest relative difference of its parameter flows
 from the default's. ``--no-atomics`` (a diagnostic: its flows are wrong) adds the default with the atomic
-backward's adds made plain stores, which tells what the atomic adds cost.
+backward's adds made plain stores, which tells what the atomic adds cost. ``--own-tables`` adds the default on each
+partition's own tables instead of its fan-in class's padded ones (``jaxpc.compiler.compile.shared_kernel_tables``):
+what the padding's idle programs cost, against one kernel per partition shape.
 """
 
 from __future__ import annotations
@@ -48,6 +50,17 @@ def fanin_keys(circuit, B: int) -> list[tuple]:
     return keys
 
 
+def own_tables(tables: dict) -> dict:
+    """``tables`` without the fan-in classes' padded tables (``kch``, ``kpid``, ``keorder``)."""
+    def strip(t):
+        if isinstance(t, dict):
+            return {k: strip(v) for k, v in t.items() if k not in ("kch", "kpid", "keorder")}
+        if isinstance(t, list):
+            return [strip(v) for v in t]
+        return t
+    return strip(tables)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--latents", type=int, default=256)
@@ -59,6 +72,8 @@ def main(argv=None):
     p.add_argument("--entry", default="em_step", choices=["em_step", "flows"])
     p.add_argument("--no-atomics", action="store_true",
                    help="diagnostic: also the default with the atomic backward's adds as plain stores (wrong flows)")
+    p.add_argument("--own-tables", action="store_true",
+                   help="also the default on each partition's own tables (no kernels shared by a fan-in class)")
     args = p.parse_args(argv)
     B = args.batch
     split = tuple(int(s) for s in args.split_intervals.split(","))
@@ -79,8 +94,12 @@ def main(argv=None):
         variants[spec] = jaxpc.Options(tuning=tuning(spec))
     if args.no_atomics:  # a distinct Options value, so that its executable is compiled after the patch
         variants["no-atomics"] = jaxpc.Options(tuning=jaxpc.Tuning(leaf_batch=jaxpc.Tuning().leaf_batch + 1))
+    if args.own_tables:
+        variants["own-tables"] = jaxpc.Options()
+    shared = c.tables
     ref = None
     for name, opts in variants.items():
+        c.tables = own_tables(shared) if name == "own-tables" else shared
         if name == "no-atomics":
             from jaxpc.ops import pallas_sum
             pallas_sum._add_tile = lambda ref, rows, cols, val, rmask, cmask: pallas_sum._store_tile(

@@ -24,6 +24,11 @@ Weights enter as log-weights and are exponentiated per loaded tile (never the wh
   program: no reduction across programs; added into the parameter-flow buffer in place) and its child
   flows into every row block of the folded child.
 
+``forward`` and ``backward_atomic`` also run on tables padded to a kernel class's shape
+(:func:`jaxpc.compiler.compile.shared_kernel_tables`) with the partition's own ``blocks`` and ``fanin`` in their
+offsets operand: the programs of padding blocks return at once and the forward reads its fan-in at run time, so the
+partitions of one class share one traced, lowered and compiled kernel.
+
 Shapes are padded to powers of two inside the kernels (masked loads and stores); products with
 all dimensions >= 16 use the tensor cores (``pl.dot`` at the requested precision), smaller ones
 a broadcast multiply-add in float32.
