@@ -756,8 +756,9 @@ def _shared_steps(steps, step_tables) -> list:
             if "eorder" in t:
                 e = t["eorder"].astype(np.int64)
                 real = (e // c) * C + e % c
-                rest = np.setdiff1d(np.arange(n * C), real)
-                padded["keorder"] = np.concatenate([real, rest]).astype(t["eorder"].dtype)
+                idle = np.ones(n * C, bool)
+                idle[real] = False
+                padded["keorder"] = np.concatenate([real, np.flatnonzero(idle)]).astype(t["eorder"].dtype)
             sums = list(out[s]["sums"])
             sums[j] = {**t, **padded}
             out[s] = {**out[s], "sums": sums}
