@@ -3,6 +3,7 @@ for CUDA (an H200 as the abstract device), without compiling or running it.
 
     python benchmarks/cross_lower.py [--workload pd|hclt|hmm] [--latents 128] [--batch 128] [--reps 2]
                                      [--tunings fanin_prefetch=0+fanin_forward_prefetch_batch=0] [--profile 30]
+                                     [--sort tottime]
 
 A first call's host seconds on the GPU are JAX's tracing, its lowering (the Pallas kernels' Triton IR is built in
 Python) and XLA's compile; the first two do not need a GPU. Each variant (the default options with the precision
@@ -71,6 +72,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--tunings", default="", help="variants: a=1+b=0,c=2")
     p.add_argument("--profile", type=int, default=0, help="cProfile of one trace: the top N by cumulative time")
+    p.add_argument("--sort", default="cumulative", help="the profile's order: cumulative, tottime, ...")
     args = p.parse_args(argv)
     latents = args.latents or {"pd": 128, "hclt": 256, "hmm": 1024}[args.workload]
     c, data = build(args.workload, latents)
@@ -102,7 +104,7 @@ def main(argv=None):
             prof.enable()
             fn.trace(c.params, x)
             prof.disable()
-            pstats.Stats(prof).sort_stats("cumulative").print_stats(args.profile)
+            pstats.Stats(prof).sort_stats(args.sort).print_stats(args.profile)
 
 
 if __name__ == "__main__":
