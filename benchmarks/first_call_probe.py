@@ -4,12 +4,14 @@ second process on the same persistent cache (warm).
 
     python benchmarks/first_call_probe.py [--workload hclt] [--batch 16] [--entry flows] [--timeout 200]
         [--configs "default|autotune0=--xla_gpu_autotune_level=0|xla={\\"impl\\": \\"reference\\"}"] [--warm]
-        [--profile N] [--xla-timers N] [--quick-only]
+        [--profile N] [--xla-timers N] [--host-trace N] [--quick-only]
 
 A configuration is ``name=XLA_FLAGS`` or ``name={options as JSON}`` (``jaxpc.Options`` fields); ``default``
 is the plain default call. Prints one JSON line per process: seconds of the structure build, ``jaxpc.compile``,
 the first call (``store_s``: of it, the executable store's digests and loads; ``--profile N``: its N functions
-of most cumulative time under cProfile), the median of the calls right after it (``first_steps_ms``: the quick
+of most cumulative time under cProfile; ``--host-trace N``: the first call under ``jax.profiler.trace``, the N host
+events of most summed time, named with their count, threads and wall span, which places XLA's passes, LLVM and
+ptxas on the call's timeline), the median of the calls right after it (``first_steps_ms``: the quick
 compile's while the optimized one compiles in the background, ``Tuning.quick_first_compile``), the wait for the
 optimized executable, the median of calls on it (``step_ms``), and the summed durations of JAX's compile events.
 """
@@ -72,9 +74,16 @@ def child(workload: str, batch: int, entry: str, options: dict) -> None:
         import cProfile
         prof = cProfile.Profile()
         prof.enable()
+    trace_dir = tempfile.mkdtemp(prefix="probe-trace-") if os.environ.get("PROBE_HOST_TRACE") else None
+    if trace_dir:
+        jax.profiler.start_trace(trace_dir)
     t3 = time.perf_counter()
     jax.block_until_ready(call())
     t4 = time.perf_counter()
+    host = []
+    if trace_dir:
+        jax.profiler.stop_trace()
+        host = host_events(trace_dir, int(os.environ["PROBE_HOST_TRACE"]))
     top = []
     if prof is not None:
         import pstats
@@ -104,11 +113,37 @@ def child(workload: str, batch: int, entry: str, options: dict) -> None:
                                       first_steps_ms=first_steps, upgrade_wait_s=round(upgrade, 2),
                                       step_ms=None if quick_only else step_ms(), events=ev,
                                       store_s={k: round(v, 3) for k, v in store_s.items()}, profile=top,
+                                      host_trace=host,
                                       cache=str(c.cache_info()),
                                       kernels=kernel_counts(quick if quick_only else c.compiled(entry)))),
           flush=True)
     if quick_only:
         os._exit(0)  # (not waiting for the optimized compile at exit)
+
+
+def host_events(trace_dir: str, n: int) -> list[str]:
+    """The ``n`` host event names of a profiler trace with the most summed seconds (nested events count in their
+    parents too): ``"<sum>s x<count> <threads>t span <first start .. last end, s after the trace's start> <name>"``."""
+    from profile_step import load_trace
+    trace = load_trace(trace_dir)
+    if trace is None:
+        return ["no trace written"]
+    events, gpu_pids = trace
+    host = [e for e in events if e.get("ph") == "X" and e.get("pid") not in gpu_pids and "dur" in e]
+    if not host:
+        return ["no host events"]
+    t0 = min(float(e["ts"]) for e in host)
+    by = collections.defaultdict(lambda: [0.0, 0, set(), float("inf"), 0.0])
+    for e in host:
+        name = e.get("name", "?")[:100]
+        b, ts, dur = by[name], float(e["ts"]), float(e["dur"])
+        b[0] += dur
+        b[1] += 1
+        b[2].add(e.get("tid"))
+        b[3] = min(b[3], ts - t0)
+        b[4] = max(b[4], ts - t0 + dur)
+    top = sorted(by.items(), key=lambda kv: -kv[1][0])[:n]
+    return [f"{v[0] / 1e6:.3f}s x{v[1]} {len(v[2])}t span {v[3] / 1e6:.2f}..{v[4] / 1e6:.2f} {k}" for k, v in top]
 
 
 def kernel_counts(compiled) -> dict:
@@ -190,6 +225,8 @@ def main(argv=None):
     p.add_argument("--quick-only", action="store_true",
                    help="stop after the calls on the quick executable (no optimized compile; JAX's events then"
                         " hold the quick compile alone, and the process does not wait for the optimized one)")
+    p.add_argument("--host-trace", type=int, default=0,
+                   help="trace the first call with jax.profiler and report its N host events of most summed time")
     p.add_argument("--xla-timers", type=int, default=0,
                    help="log XLA's scoped compile timers (TF_CPP_VMODULE) and report the N longest of each process")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -207,6 +244,8 @@ def main(argv=None):
             env["PROBE_PROFILE"] = str(args.profile)
         if args.quick_only:
             env["PROBE_QUICK_ONLY"] = "1"
+        if args.host_trace:
+            env["PROBE_HOST_TRACE"] = str(args.host_trace)
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flags).strip()
         if args.xla_timers:
             env.update(TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE=XLA_TIMER_MODULES)
