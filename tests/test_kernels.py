@@ -727,3 +727,22 @@ def test_forward_on_small_grid_tiles_matches_reference(n, M):
     m = jnp.max(summed, axis=1, keepdims=True)
     ref = jnp.log(jnp.einsum("npk,nkb->npb", w, jnp.exp(summed - m), precision="highest")) + m
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref.reshape(n * Kp, 16)), rtol=2e-5, atol=2e-5)
+
+
+def test_table_gathers_leave_out_the_negative_index_wrap():
+    """``jaxpc.ops.rows``: the same values as ``x[idx]`` and ``x.at[idx]`` for the tables' indices (never
+    negative), with no compare-and-select of a wrap in the trace; out-of-range scatter rows are dropped."""
+    from jaxpc.ops.rows import add_rows, put_rows, take_rows
+
+    x = jnp.arange(40.0).reshape(10, 4)
+    idx = jnp.array([[3, 0], [9, 3]], jnp.int32)
+    v = jnp.ones((2, 2, 4))
+    np.testing.assert_array_equal(take_rows(x, idx), x[idx])
+    np.testing.assert_array_equal(add_rows(x, idx, v), x.at[idx].add(v))
+    np.testing.assert_array_equal(put_rows(x, idx[:1], v[:1], unique_indices=True), x.at[idx[:1]].set(v[:1]))
+    np.testing.assert_array_equal(add_rows(x, jnp.array([10]), jnp.ones((1, 4))), x)  # past the end: dropped
+    np.testing.assert_array_equal(take_rows(np.asarray(x), np.array([2])), np.asarray(x)[[2]])
+    for f in (lambda x, i: take_rows(x, i), lambda x, i: add_rows(x, i, v)):
+        prims = {e.primitive.name for e in jax.make_jaxpr(f)(x, idx).jaxpr.eqns}
+        assert not prims & {"lt", "select_n"}, prims
+    assert "select_n" in {e.primitive.name for e in jax.make_jaxpr(lambda x, i: x[i])(x, idx).jaxpr.eqns}

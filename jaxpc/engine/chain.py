@@ -36,6 +36,7 @@ from jax import lax
 from ..compiler.layout import ChainSpec
 from ..ops import pallas_chain
 from ..ops.buffers import uninitialized
+from ..ops.rows import add_rows, take_rows
 from ..ops.sum_layer import matmul
 from ..ops.triton_base import route_impl
 
@@ -69,7 +70,7 @@ def persistent(spec: ChainSpec, B: int, dtype, options) -> bool:
 
 def _matrix(logw: Array, pid: Array, K: int) -> Array:
     """``[K, K]`` linear weights (parents by children) of one dense sum partition with blocks ``pid [n, C]``."""
-    w = jnp.exp(logw[pid])  # [n, C, Kp, Kc]
+    w = jnp.exp(take_rows(logw, pid))  # [n, C, Kp, Kc]
     return w.transpose(0, 2, 1, 3).reshape(K, K)
 
 
@@ -92,7 +93,7 @@ def _shifts(E: Array) -> Array:
 
 def _root_weights(spec: ChainSpec, ctab: dict, sum_params: dict) -> Array:
     """The root sum's linear weights ``[K]``."""
-    return jnp.exp(sum_params[spec.root_group][ctab["root_pid"]]).reshape(spec.K)  # [1, C, 1, Kc] -> [K]
+    return jnp.exp(take_rows(sum_params[spec.root_group], ctab["root_pid"])).reshape(spec.K)  # [1, C, 1, Kc] -> [K]
 
 
 def _forward(spec: ChainSpec, ctab: dict, sum_params: dict, vals: Array, precision: str, tuning):
@@ -193,11 +194,11 @@ def _param_flows(spec: ChainSpec, ctab: dict, dparams: dict, A, dA, g, uR, groot
     K = spec.K
     n, C = K // spec.Kp, K // spec.Kc
     blocks = _blocks(A * dA if spec.tied else dA, n, C, spec.Kp, spec.Kc)
-    dparams[spec.group] = dparams[spec.group].at[ctab["pid"]].add(blocks.astype(dparams[spec.group].dtype))
+    dparams[spec.group] = add_rows(dparams[spec.group], ctab["pid"], blocks.astype(dparams[spec.group].dtype))
     dg = g * matmul("kb,b->k", uR, groot, prec)  # [K]
     rg = spec.root_group
     rblocks = dg.reshape(1, K // spec.root_Kc, 1, spec.root_Kc)
-    dparams[rg] = dparams[rg].at[ctab["root_pid"]].add(rblocks.astype(dparams[rg].dtype))
+    dparams[rg] = add_rows(dparams[rg], ctab["root_pid"], rblocks.astype(dparams[rg].dtype))
     return dparams
 
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from ..compiler.layout import Layout
 from ..distributions.base import blend
+from ..ops.rows import take_rows
 from . import forward, logflows, routing
 
 Array = jax.Array
@@ -124,12 +125,12 @@ def _assemble_flows(layout, tables, params, x, missing, options, g_sum, g_eps, b
                 gv = tab["vars"][::spec.run]
                 # the kernel reads the flows where they lie (a slice of the buffer would be copied first)
                 kw = {"kernel": where} if routing.counts_kernel(spec, options, node_flows) else {}
-                g_in[spec.key] = spec.dist.suff_stats_runs(params["input"][spec.key], tab["meta"], xt[gv],
-                                                           None if mt is None else mt[gv], node_flows, spec.run,
-                                                           options, **kw)
+                mv = None if mt is None else take_rows(mt, gv)
+                g_in[spec.key] = spec.dist.suff_stats_runs(params["input"][spec.key], tab["meta"], take_rows(xt, gv),
+                                                           mv, node_flows, spec.run, options, **kw)
                 continue
-            xv = xt[tab["vars"]]
-            mv = None if mt is None else mt[tab["vars"]]
+            xv = take_rows(xt, tab["vars"])
+            mv = None if mt is None else take_rows(mt, tab["vars"])
             g_in[spec.key] = spec.dist.suff_stats(params["input"][spec.key], tab["meta"], tab["rows"], xv, mv,
                                                   node_flows, spec.num_rows)
     out = {"sum": g_sum, "input": g_in}

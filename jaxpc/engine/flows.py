@@ -22,6 +22,7 @@ from ..ops import pallas_tree
 from ..ops.buffers import uninitialized
 from ..ops.pieces import in_order, ranges
 from ..ops.product_layer import product_layer_backward_reference as product_layer_backward
+from ..ops.rows import add_rows, put_rows, take_rows
 from ..ops.sum_layer import child_rows, child_terms, sum_kernels
 from ..ops.sum_layer import sum_layer_backward_reference as sum_layer_backward
 from ..ops.sum_layer import sum_layer_param_flows_reference as sum_layer_param_flows
@@ -112,9 +113,9 @@ def _stage_flows(ps: _Pass, carry: tuple, spec: StageSpec, tab: dict, offset, na
         with jax.named_scope(f"jaxpc/stage{name}/prod{j}/backward"):
             rows, cf = product_layer_backward(fl, t["ch"], row, K=part.K)
             if ps.layout.single_reader:  # the rows' one reader: their flows are still zero
-                fl = fl.at[rows].set(cf, unique_indices=True)
+                fl = put_rows(fl, rows, cf, unique_indices=True)
             else:
-                fl = fl.at[rows].add(cf)
+                fl = add_rows(fl, rows, cf)
         row = row + part.num_rows
     for j, (part, t) in enumerate(zip(spec.sums, tab["sums"])):
         with jax.named_scope(f"jaxpc/stage{name}/sum{j}/backward"):
@@ -176,7 +177,7 @@ def _sum_flows_xla(ps: _Pass, fl: Array, dp: dict, part, t: dict, row) -> tuple:
 
     def piece(carry, a, b, sub):
         fl, dp = carry
-        m = ps.shifts[(row + (a + jnp.arange(b - a)) * part.Kp) // unit] if kept else None
+        m = take_rows(ps.shifts, (row + (a + jnp.arange(b - a)) * part.Kp) // unit) if kept else None
         cf, pf = sum_layer_backward(values, fl, sub["ch"], sub["pid"], ps.sum_params[part.group],
                                     row + a * part.Kp, Kp=part.Kp, Kc=part.Kc, dense=part.dense,
                                     propagation=options.propagation, alpha=options.alpha,
@@ -275,7 +276,7 @@ def _batched_param_flows(values: Array, flows: Array, dp: Array | None, logw: Ar
             pf = sum_layer_param_flows(values, flows, sub["ch"], sub["pid"], logw, sub["prow"], Kp=Kp, Kc=Kc,
                                        propagation=options.propagation, alpha=options.alpha,
                                        precision=options.concrete_precision, temperature=options.pflow_temperature,
-                                       shift=shifts[sub["prow"] // unit] if read else None)
+                                       shift=take_rows(shifts, sub["prow"] // unit) if read else None)
         return pf.astype(logw.dtype)
 
     if dp is None and spec.start == 0 and spec.n * C == logw.shape[0] and len(spans) == 1:
@@ -287,7 +288,7 @@ def _batched_param_flows(values: Array, flows: Array, dp: Array | None, logw: Ar
         if spec.start >= 0:
             lo, hi = spec.start + a * C, spec.start + b * C
             return lax.dynamic_update_slice_in_dim(acc, acc[lo:hi] + pf.reshape(-1, Kp, Kc), lo, axis=0)
-        return acc.at[sub["pid"]].add(pf, unique_indices=spec.unique)
+        return add_rows(acc, sub["pid"], pf, unique_indices=spec.unique)
 
     pieces_of = ("prow", "ch", "pid", "part")
     return in_order(spans, lambda a, b: {k: tab[k][a:b] for k in pieces_of}, step, dp)
@@ -302,7 +303,7 @@ def _add_flows(dparams: Array | None, part, pid: Array, pf: Array | None):
     """``pf`` added into ``dparams`` at blocks ``pid`` (``pf`` itself without ``dparams``; None without ``pf``)."""
     if dparams is None or pf is None:
         return pf
-    return dparams.at[pid].add(pf.astype(dparams.dtype), unique_indices=part.unique_pid)
+    return add_rows(dparams, pid, pf.astype(dparams.dtype), unique_indices=part.unique_pid)
 
 
 # ---- child flows ------------------------------------------------------------------------------------------
@@ -323,9 +324,9 @@ def scatter_child_flows(fl: Array, cf: Array, ch: Array, part, first_row: int, o
     if (part.D == 1 and not part.dense) or overwrite:
         rows = jnp.where(rows < first_row, fl.shape[0], rows)  # out of range: dropped
         if overwrite:
-            return fl.at[rows].set(cf.astype(fl.dtype), mode="drop", unique_indices=True)
-        return fl.at[rows].add(cf.astype(fl.dtype), mode="drop", unique_indices=True)
-    return fl.at[rows].add(cf.astype(fl.dtype))
+            return put_rows(fl, rows, cf.astype(fl.dtype), mode="drop", unique_indices=True)
+        return add_rows(fl, rows, cf.astype(fl.dtype), mode="drop", unique_indices=True)
+    return add_rows(fl, rows, cf.astype(fl.dtype))
 
 
 def pallas_sum_backward(values, flows, row, t, logw, part, *, alpha, precision, first_row: int, config=None,
@@ -369,4 +370,4 @@ def _parents_then_children(kernels, values, flows, row, t, logw, part, cfg, *, a
         return kernels.backward_children(*args, flows=flows, **kw), pf
     cf = kernels.backward_children(*args, **kw)
     rows = (t["uch"][:, None] + jnp.arange(Kc, dtype=t["uch"].dtype)).reshape(-1)
-    return flows.at[rows].add(cf.astype(flows.dtype)), pf
+    return add_rows(flows, rows, cf.astype(flows.dtype)), pf

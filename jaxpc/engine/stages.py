@@ -17,6 +17,7 @@ from jax import lax
 from ..compiler.layout import Layout, ScanSpec, StageSpec
 from ..ops import pallas_tree, product_layer, sum_layer
 from ..ops.pieces import in_order
+from ..ops.rows import put_rows
 from ..ops.sum_layer import sum_kernels, sum_layer_reference
 from ..ops.sum_layer_external import sum_layer_external_reference
 from . import routing
@@ -122,7 +123,7 @@ def _xla_sum(buf: Array, part, t: dict, logw: Array, options, impl: str, cfg, ro
     done = in_pieces(routing.pieces(part, buf.shape[1], options.gather_chunk), t, piece, [])
     out, m = (d[0] if len(d) == 1 or d[0] is None else jnp.concatenate(d, axis=0) for d in zip(*done))
     if keep:
-        shifts = shifts.at[(row + jnp.arange(part.n) * part.Kp) // unit].set(m, unique_indices=True)
+        shifts = put_rows(shifts, (row + jnp.arange(part.n) * part.Kp) // unit, m, unique_indices=True)
     return out, shifts
 
 

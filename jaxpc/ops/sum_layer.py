@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..options import IMPLS, KERNEL_IMPLS
+from .rows import take_rows
 
 Array = jax.Array
 
@@ -42,15 +43,15 @@ def child_terms(ch: Array) -> list[Array]:
 def gather_children(buf: Array, ch: Array, Kc: int, dense: bool) -> Array:
     """``[n, C*Kc, B]`` child values (``[C*Kc, B]`` when ``dense``)."""
     terms = child_terms(ch)
-    x = buf[child_rows(terms[0], Kc, dense)]
+    x = take_rows(buf, child_rows(terms[0], Kc, dense))
     for t in terms[1:]:
-        x = x + buf[child_rows(t, Kc, dense)]
+        x = x + take_rows(buf, child_rows(t, Kc, dense))
     return x
 
 
 def gather_weights(logw: Array, pid: Array) -> Array:
     """``[n, Kp, C*Kc]`` log-weights of each parent block."""
-    w = logw[pid]  # [n, C, Kp, Kc]
+    w = take_rows(logw, pid)  # [n, C, Kp, Kc]
     n, C, Kp, Kc = w.shape
     return w.transpose(0, 2, 1, 3).reshape(n, Kp, C * Kc)
 
@@ -227,6 +228,7 @@ def sum_layer_param_flows_reference(values: Array, flows: Array, ch: Array, pid:
         raise ValueError(f"shift must be [n, B] = {[n, values.shape[1]]}, got {list(shift.shape)}")
     m = jnp.max(x, axis=1, keepdims=True) if shift is None else shift[:, None, :]
     m = jnp.where(jnp.isfinite(m), m, 0.0)
-    w, y, scale = flow_split(x, lw, values[rows], flows[rows], m, base / temperature, base, False, precision)
+    w, y, scale = flow_split(x, lw, take_rows(values, rows), take_rows(flows, rows), m, base / temperature, base,
+                             False, precision)
     pf = w * matmul("nkb,ncb->nkc", scale, y, precision)
     return pf.reshape(n, Kp, C, Kc).transpose(0, 2, 1, 3)
