@@ -123,7 +123,8 @@ def child(workload: str, batch: int, entry: str, options: dict) -> None:
 
 def host_events(trace_dir: str, n: int) -> list[str]:
     """The ``n`` host event names of a profiler trace with the most summed seconds (nested events count in their
-    parents too): ``"<sum>s x<count> <threads>t span <first start .. last end, s after the trace's start> <name>"``."""
+    parents too): ``"<sum>s x<count> <threads>t span <first start .. last end, s after the trace's start> <name>"``,
+    then its ``n // 4`` longest events other than Python calls, with their thread and arguments."""
     from profile_step import load_trace
     trace = load_trace(trace_dir)
     if trace is None:
@@ -143,7 +144,10 @@ def host_events(trace_dir: str, n: int) -> list[str]:
         b[3] = min(b[3], ts - t0)
         b[4] = max(b[4], ts - t0 + dur)
     top = sorted(by.items(), key=lambda kv: -kv[1][0])[:n]
-    return [f"{v[0] / 1e6:.3f}s x{v[1]} {len(v[2])}t span {v[3] / 1e6:.2f}..{v[4] / 1e6:.2f} {k}" for k, v in top]
+    longest = sorted((e for e in host if not e.get("name", "").startswith("$")), key=lambda e: -float(e["dur"]))
+    return ([f"{v[0] / 1e6:.3f}s x{v[1]} {len(v[2])}t span {v[3] / 1e6:.2f}..{v[4] / 1e6:.2f} {k}" for k, v in top]
+            + [f"longest: {float(e['dur']) / 1e6:.3f}s at {(float(e['ts']) - t0) / 1e6:.2f} t{e.get('tid')} "
+               f"{e.get('name', '?')[:80]} {json.dumps(e.get('args', {}))[:160]}" for e in longest[:n // 4]])
 
 
 def kernel_counts(compiled) -> dict:
