@@ -304,6 +304,19 @@ def optimized_options(options):
     return options.replace(scan_stages=False)
 
 
+def quick_trace_options(options):
+    """The options that a key's quick compile traces where its optimized compile traces its own
+    (:func:`optimized_options` changes them): the leaf layers on XLA's gathers and products instead of the leaf
+    kernels (``Options.leaf_kernel``). XLA compiles the Triton kernels of an executable one after the other while it
+    emits the module's IR, ahead of its parallel LLVM and ptxas work, so the two leaf kernels lengthen a first call
+    by their compiles (HCLT-256's flows at B=512 on the H200: 3.13 against 3.83-3.99 s cold, quick steps 6.62
+    against 5.73-5.83 ms until the optimized executable, with the kernels, replaces it). A key whose optimized
+    compile reuses the quick one's trace keeps its kernels: leaving them out there would cost a second trace."""
+    if not getattr(options, "leaf_kernel", False):
+        return options
+    return options.replace(leaf_kernel=False)
+
+
 def optimized_xla(xla: dict) -> dict:
     """The XLA options of an optimized compile that runs scanned stages unrolled (:func:`optimized_options`):
     ``xla`` without XLA's Triton GEMM fusions (:data:`UNROLLED_XLA`) unless it sets them. The unrolled levels of a
@@ -574,7 +587,8 @@ class ExecutableCache:
                 with self._lock:
                     self.loaded += 1
             else:
-                lowered = _lower(fn, static, names, pack, _call_args(args))
+                traced = {**static, "options": quick_trace_options(opts)} if full is not opts else static
+                lowered = _lower(fn, traced, names, pack, _call_args(args))
                 if quick is not None:
                     compiled = store.load(fq) if fq is not None else None
                     fresh = False

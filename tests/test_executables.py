@@ -698,16 +698,21 @@ def test_the_optimized_compile_runs_the_scanned_stages_unrolled(quick_store):
     c = jaxpc.compile(root)
     ref = c.flows(c.params, x, options=jaxpc.Options(tuning=jaxpc.Tuning(quick_first_compile=False)),
                   return_ll=True)
-    seen = []  # the XLA options of every compile from here on
-    compile_ = executables._compile
+    seen, traced = [], []  # the XLA options of every compile from here on, the Options of every trace
+    compile_, lower_ = executables._compile, executables._lower
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(executables, "_compile", lambda lowered, xla: seen.append(dict(xla)) or compile_(lowered, xla))
+        mp.setattr(executables, "_lower", lambda fn, static, *a: traced.append(static["options"])
+                   or lower_(fn, static, *a))
         got = c.flows(c.params, x, return_ll=True)
         assert loops(c) > 0 and c.cache_info().upgrading == 1  # its unrolled trace waits for the next call
         c.flows(c.params, x)  # traces it; the compile runs in the background
         assert c.wait_compiled(timeout=120)
     assert loops(c) == 0 and c.cache_info().upgrading == 0
     assert seen == [dict(executables.QUICK_XLA), dict(executables.UNROLLED_XLA)]
+    # the quick trace leaves the leaf kernels out (their Triton compiles lengthen a first call); the optimized
+    # trace keeps them
+    assert [(o.scan_stages, o.leaf_kernel) for o in traced] == [(True, False), (False, True)]
     for a, b in zip(jax.tree_util.tree_leaves((got, c.flows(c.params, x, return_ll=True))),
                     jax.tree_util.tree_leaves((ref, ref))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
