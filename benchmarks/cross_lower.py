@@ -3,7 +3,7 @@ for CUDA (an H200 as the abstract device), without compiling or running it.
 
     python benchmarks/cross_lower.py [--workload pd|hclt|hmm] [--latents 128] [--batch 128] [--reps 2]
                                      [--tunings fanin_prefetch=0+fanin_forward_prefetch_batch=0] [--profile 30]
-                                     [--sort tottime]
+                                     [--sort tottime] [--search-dialects]
 
 A first call's host seconds on the GPU are JAX's tracing, its lowering (the Pallas kernels' Triton IR is built in
 Python) and XLA's compile; the first two do not need a GPU. Each variant (the default options with the precision
@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jaxpc  # noqa: E402
+from jaxpc import executables  # noqa: E402
 from jaxpc.engine import routing  # noqa: E402
 from jaxpc.ops import pallas_sum  # noqa: E402
 from profile_step import build  # noqa: E402
@@ -73,6 +74,8 @@ def main(argv=None):
     p.add_argument("--tunings", default="", help="variants: a=1+b=0,c=2")
     p.add_argument("--profile", type=int, default=0, help="cProfile of one trace: the top N by cumulative time")
     p.add_argument("--sort", default="cumulative", help="the profile's order: cumulative, tottime, ...")
+    p.add_argument("--search-dialects", action="store_true",
+                   help="leave MLIR's failed dialect-module lookups uncached (as before the executables cached them)")
     args = p.parse_args(argv)
     latents = args.latents or {"pd": 128, "hclt": 256, "hmm": 1024}[args.workload]
     c, data = build(args.workload, latents)
@@ -83,6 +86,8 @@ def main(argv=None):
         variants[spec] = base.replace(tuning=tuning(spec))
     print(f"{args.workload}-{latents} B={args.batch}, jax {jax.__version__} on {jax.default_backend()}, lowered for "
           f"CUDA ({H200.device_kind})", flush=True)
+    if not args.search_dialects:
+        executables.cache_missing_dialect_modules()  # as the executables' lowering does
     with as_on_gpu():
         for name, opts in variants.items():
             fn = jax.jit(lambda params, x, opts=opts: c.flows(params, x, options=opts, validate=False))

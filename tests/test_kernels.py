@@ -204,6 +204,44 @@ def test_kernels_lower_for_cuda_without_a_gpu():
             assert "__gpu$xla.gpu.triton" in text
 
 
+@pytest.mark.slow
+def test_a_kernel_lowering_repeats_no_failed_dialect_import():
+    """``executables.cache_missing_dialect_modules``: after it, lowering a Pallas kernel for CUDA searches the
+    import path for no Python module of the Triton dialect (MLIR's bindings look one up per operation and prefix,
+    and without it each lookup walked the path again)."""
+    import importlib.machinery
+    import sys
+    from unittest import mock
+
+    from jaxpc import executables
+
+    buf, t, logw, _ = make_partition(16, 32, 3, 4, 40, 0.2, 0.1)
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    searched, real = [], importlib.machinery.PathFinder.find_spec
+
+    def spy(name, path=None, target=None):
+        if name.endswith(".tt"):
+            searched.append(name)
+        return real(name, path, target)
+
+    def lower():
+        searched.clear()
+        with mock.patch.object(pallas_sum, "interpret_mode", lambda: False), \
+                mock.patch.object(importlib.machinery.PathFinder, "find_spec", staticmethod(spy)), \
+                jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
+            f = jax.jit(lambda b, ch, pid, lw: pallas_sum.forward(b, ch, pid, lw, Kp=16, Kc=32))
+            text = f.trace(buf, t["ch"], t["pid"], logw).lower(lowering_platforms=("cuda",)).as_text()
+        assert "__gpu$xla.gpu.triton" in text
+        return len(searched)
+
+    for n in [n for n in sys.modules if n.endswith(".tt") and sys.modules[n] is None]:
+        del sys.modules[n]  # as in a process before its first call
+    assert lower() > 0  # every operation searched every prefix
+    executables.cache_missing_dialect_modules()
+    assert [n for n in sys.modules if n.endswith(".tt") and sys.modules[n] is None]
+    assert lower() == 0
+
+
 def test_atomic_adds_are_relaxed_in_the_fanin_kernel_only():
     """Cross-lowered for CUDA: the fan-in backward's atomic adds get relaxed memory order
     (``pallas_sum.relaxed_atomics``), the chain kernels' grid-barrier atomics keep Pallas's acquire-release order."""
