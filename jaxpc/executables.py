@@ -335,43 +335,9 @@ def _signature(a):
     return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None))
 
 
-DIALECTS_WITHOUT_MODULES: Final = ("tt",)  # MLIR dialects that the kernels' lowering builds with no Python module
-
-
-def cache_missing_dialect_modules(namespaces: Sequence[str] = DIALECTS_WITHOUT_MODULES) -> None:
-    """Record as missing (``None`` in ``sys.modules``) the Python modules that MLIR's bindings look for, and do
-    not find, for each operation of dialects ``namespaces`` that a lowering builds: one module per dialect search
-    prefix (``jaxlib.mlir.dialects.tt`` and three more under jax 0.12). MLIR keeps only the modules it found, so
-    without this every Triton operation of a Pallas kernel's lowering walks the import path for each prefix again
-    (PD-128's flows at B=16, cross-lowered for CUDA on the CPU: 4,912 failed imports, lowering 0.46-0.95 against
-    0.31-0.33 s with them recorded). Modules that exist are left alone; the first lookup of a recorded name raises
-    ``ModuleNotFoundError`` at once, as the search did."""
-    import importlib.util
-    import sys
-
-    try:
-        from jaxlib.mlir._mlir_libs import _mlir
-        prefixes = list(_mlir.globals.dialect_search_modules)
-    except (ImportError, AttributeError):
-        return
-    for ns in namespaces:
-        for prefix in prefixes:
-            name = f"{prefix}.{ns}"
-            if name in sys.modules:
-                continue
-            try:
-                found = importlib.util.find_spec(name) is not None
-            except (ImportError, ValueError):
-                found = False
-            if not found:
-                sys.modules[name] = None
-
-
 def _lower(fn, static: dict, names: list, pack, sig: list):
     """``fn(**args, **static)`` traced and lowered for the arguments (or their signatures) ``sig``, in ``names``
     order; ``tables`` packed by ``pack`` when given."""
-    cache_missing_dialect_modules()
-
     def positional(*vals):
         kw = dict(zip(names, vals))
         if pack is not None:
