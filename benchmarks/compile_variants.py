@@ -5,6 +5,7 @@ quick one it replaces, per batch size.
 
     python benchmarks/compile_variants.py [--workload hclt] [--batches 128,512] [--reps 30]
                                           [--variants default,quick,scanned,unrolled,unrolled-notg,unrolled-quick]
+                                          [--tunings xla.xla_gpu_enable_cublaslt=true,leaf_batch=0]
 
 Variants (``c.flows(params, x, options=...)``, each its own executable, compiled one after the other):
 
@@ -14,7 +15,10 @@ Variants (``c.flows(params, x, options=...)``, each its own executable, compiled
 * ``scanned``: the scanned stages with XLA's default options (``Tuning(quick_first_compile=False)``);
 * ``unrolled``: the unrolled stages with XLA's default options (the default call's optimized executable);
 * ``unrolled-notg``: the unrolled stages without Triton GEMM fusions (autotuning on);
-* ``unrolled-quick``: the unrolled stages with the quick executable's XLA options.
+* ``unrolled-quick``: the unrolled stages with the quick executable's XLA options;
+* each of ``--tunings`` (``field=value`` pairs of :class:`jaxpc.Tuning` joined by ``+``, ``xla.<option>=<value>``
+  for an XLA option): ``Options(tuning=Tuning(...))``, compiled as the default call is (quick, then optimized),
+  timed after ``c.wait_compiled()``.
 
 Per variant and batch: the first call's seconds (trace, lower, compile, run), the median ms of synchronized calls
 over 4 rotating device-resident batches, and the largest relative difference of its log-likelihoods and flows
@@ -37,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jaxpc  # noqa: E402
 from _data import blurred_noise_images  # noqa: E402
+from _options import tuning  # noqa: E402
 from bench_engine import median_ms  # noqa: E402
 from jaxpc import distributions, executables, structures  # noqa: E402
 
@@ -72,9 +77,13 @@ def main(argv=None):
     p.add_argument("--batches", default="128,512")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--variants", default="default,quick,scanned,unrolled,unrolled-notg,unrolled-quick")
+    p.add_argument("--tunings", default="", help="more variants: Tuning fields a=1+xla.b=true,c=2")
     args = p.parse_args(argv)
-    names = args.variants.split(",")
+    names = [n for n in args.variants.split(",") if n]
     opts = {n: variant_options(n) for n in names}
+    for spec in filter(None, args.tunings.split(",")):
+        names.append(spec)
+        opts[spec] = jaxpc.Options(tuning=tuning(spec))
     imgs = blurred_noise_images(4 * 512 + 2_000)
     cat = distributions.Categorical(256)
     root = (structures.PD((28, 28), 128, split_intervals=(4, 4), input_dist=cat) if args.workload == "pd"
@@ -91,7 +100,7 @@ def main(argv=None):
             t = time.perf_counter()
             out = jax.block_until_ready(call(xs[0]))
             first = time.perf_counter() - t
-            if opts[n] is None:
+            if opts[n] is None or n in args.tunings.split(","):
                 c.wait_compiled()
                 out = jax.block_until_ready(call(xs[0]))
             leaves = [np.asarray(v) for v in jax.tree_util.tree_leaves(out)]

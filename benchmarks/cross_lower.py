@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import dataclasses
 import pstats
 import sys
 import time
@@ -33,18 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jaxpc  # noqa: E402
+from _options import tuning  # noqa: E402
 from jaxpc.engine import routing  # noqa: E402
 from jaxpc.ops import pallas_sum  # noqa: E402
 from profile_step import build  # noqa: E402
 
 H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
-
-
-def tuning(spec: str) -> jaxpc.Tuning:
-    """A :class:`jaxpc.Tuning` from ``field=value`` pairs joined by ``+``."""
-    kinds = {f.name: f.type for f in dataclasses.fields(jaxpc.Tuning)}
-    fields = dict(kv.split("=") for kv in spec.split("+"))
-    return jaxpc.Tuning(**{k: bool(int(v)) if kinds[k] in (bool, "bool") else int(v) for k, v in fields.items()})
 
 
 def as_on_gpu():

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jaxpc  # noqa: E402
 from _data import blurred_noise_images  # noqa: E402
-from cross_lower import tuning  # noqa: E402
+from _options import tuning  # noqa: E402
 from jaxpc import autotune, distributions, structures  # noqa: E402
 from jaxpc.engine import routing  # noqa: E402
 

@@ -4,14 +4,18 @@
                                       [--precision tf32] [--impl auto] [--no-fold] [--unrolled] [--steps 5]
                                       [--param-flow-pass auto|inline|batched] [--top 15] [--json out.json]
                                       [--hlo out.hlo] [--public log_prob|flows|em_step] [--no-validate]
+                                      [--tuning field=value+xla.option=value] [--neighbors NAME]
 
 Runs ``circuit.flows`` under ``jax.profiler.trace`` and reads the trace's device events. Every kernel
 is attributed by the ``jaxpc/...`` named scope in its HLO metadata to one of: ``input`` (leaf layers),
 ``prod fwd``, ``sum fwd``, ``prod bwd``, ``sum bwd``, ``chain scan`` (HMMs), ``other`` (buffer set-up, parameter-flow
 scatter, gradient of the leaves). Prints per step: wall time, kernel count, summed kernel time
 (``busy``) and the idle time between kernels (``wall - busy``: launch gaps, what a kernel count costs),
-then the table by kind and the ``--top`` most expensive kernels with the HLO op each computes. On a CPU host the trace
-has no device events and the script says so.
+then the table by kind and the ``--top`` most expensive kernels with the HLO op each computes. ``--tuning``: the call
+with ``Options(tuning=Tuning(...))`` (:func:`_options.tuning`'s spelling). ``--neighbors NAME``: for the first
+occurrences of kernels whose name holds ``NAME`` in one step, the kernels just before and after (what a kernel that
+carries no HLO op, such as a library's helper, belongs to). On a CPU host the trace has no device events and the
+script says so.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jaxpc  # noqa: E402
 from _data import blurred_noise_images  # noqa: E402
+from _options import tuning  # noqa: E402
 from jaxpc import distributions, structures  # noqa: E402
 
 SCOPE = re.compile(r"jaxpc/(input\d+|chain|partial[\d.]+|stage[\d.]+/(prod|sum)\d+(/backward)?)")
@@ -115,6 +120,22 @@ def device_events(trace_dir: str, host: bool = False) -> list[dict]:
             and (not stream_tids or (e["pid"], e.get("tid")) in stream_tids)]
 
 
+def print_neighbors(ev: list[dict], needle: str, names: dict, per_step: int, shown: int = 8) -> None:
+    """The kernels just before and after the first ``shown`` kernels of one step (``ev``: time-ordered) whose name
+    holds ``needle``, each with its HLO op where it has one."""
+    def label(e):
+        hlo = str(e.get("args", {}).get("hlo_op", ""))
+        op = names.get(_norm(hlo), "") or names.get(_norm(e.get("name", "")), "")
+        return f"{e.get('name', '?')[:50]} {float(e.get('dur', 0.0)):.1f}us [{hlo or '-'}] {op[-70:]}"
+
+    hits = [i for i, e in enumerate(ev[:per_step]) if needle in e.get("name", "")]
+    print(f"{len(hits)} kernels named *{needle}* in the first step; around the first {min(shown, len(hits))}:")
+    for i in hits[:shown]:
+        for j in range(max(0, i - 2), min(len(ev), i + 3)):
+            print(("  > " if j == i else "    ") + label(ev[j]))
+        print("    --")
+
+
 def add_step_args(p: argparse.ArgumentParser):
     """The step's workload, size, batch, precision and sum-layer impl (shared with ``dispatch.py``)."""
     p.add_argument("--workload", default="hclt", choices=["hclt", "hmm", "pd"])
@@ -142,16 +163,21 @@ def main(argv=None):
     p.add_argument("--top", type=int, default=15, help="how many of the most expensive kernels to print")
     p.add_argument("--json", default=None, help="also write the summary and every kernel's time here")
     p.add_argument("--hlo", default=None, help="also write the compiled step's HLO text here")
+    p.add_argument("--tuning", default="", help="the call with Options(tuning=Tuning(...)): a=1+xla.b=true")
+    p.add_argument("--neighbors", default=None, help="print the kernels around those whose name holds this")
     args = p.parse_args(argv)
     c, data = build(args.workload, args.latents, tuple(int(v) for v in args.split_intervals.split(",")))
     opts = jaxpc.Options(precision=args.precision, impl=args.impl, fold_products=args.fold,
                          scan_stages=not args.unrolled, param_flow_pass=args.param_flow_pass)
+    extra = {"options": jaxpc.Options(tuning=tuning(args.tuning))} if args.tuning else {}
+    if args.tuning:
+        opts = opts.replace(tuning=extra["options"].tuning)
     xs = [jnp.asarray(data[i * args.batch:(i + 1) * args.batch]) for i in range(4)]
     if args.public:
         entry = getattr(c, args.public)
 
         def call(x):
-            return entry(c.params, x, validate=args.validate)
+            return entry(c.params, x, validate=args.validate, **extra)
 
         jax.block_until_ready(call(xs[0]))
         c.wait_compiled()
@@ -222,6 +248,8 @@ def main(argv=None):
         op = names.get(_norm(name), "")
         tail = f"  [{op[-90:]}]" if op else ""
         print(f"  {us / steps / 1e3:7.3f} ms  x{n / steps:5.0f}  {kind:8s} {name[:60]}{tail}")
+    if args.neighbors:
+        print_neighbors(ev, args.neighbors, names, len(ev) // steps)
     other = [e for e in events if kind_of(e, names) == "other"]
     print(f"unattributed kernels: {len(other) / steps:.0f}/step; e.g.", json.dumps(other[:2])[:600])
     if args.json:

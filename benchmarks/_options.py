@@ -1,0 +1,28 @@
+"""Command-line spellings of jaxpc's options, shared by the benchmark scripts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jaxpc
+
+
+def tuning(spec: str) -> jaxpc.Tuning:
+    """A :class:`jaxpc.Tuning` from ``field=value`` pairs joined by ``+``; ``xla.<option>=<value>`` pairs go into
+    ``Tuning.compiler_options`` (``true`` / ``false`` / an int / a string)."""
+    kinds = {f.name: f.type for f in dataclasses.fields(jaxpc.Tuning)}
+    fields = dict(kv.split("=", 1) for kv in spec.split("+"))
+    xla = tuple((k[4:], xla_value(v)) for k, v in fields.items() if k.startswith("xla."))
+    kw = {k: bool(int(v)) if kinds[k] in (bool, "bool") else int(v) for k, v in fields.items()
+          if not k.startswith("xla.")}
+    return jaxpc.Tuning(**kw, **({"compiler_options": xla} if xla else {}))
+
+
+def xla_value(v: str):
+    """An XLA option's value from its spelling on the command line."""
+    if v in ("true", "false"):
+        return v == "true"
+    try:
+        return int(v)
+    except ValueError:
+        return v
