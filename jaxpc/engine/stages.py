@@ -161,10 +161,11 @@ def _inplace_sums(buf: Array, inplace: list, sum_params: dict, options, index, s
         kernels = sum_kernels(impl)
         with jax.named_scope(f"jaxpc/stage{index}/sum{j}"):
             a = 1.0 if options.propagation == "LL" else options.alpha
-            config = kernels.forward_config(part.n, part.Kp, buf.shape[1], cfg)
+            ch, pid, _, extent = routing.kernel_tables(t, part, impl)
+            # tiles from the (class-padded) table's block count: a class's partitions share one kernel
+            config = kernels.forward_config(ch.shape[0], part.Kp, buf.shape[1], cfg)
             if routing.forward_prefetch(options, part, buf.shape[1], impl):
                 config = dataclasses.replace(config, prefetch=True)
-            ch, pid, _, extent = routing.kernel_tables(t, part, impl)
             kw = dict(Kp=part.Kp, Kc=part.Kc, alpha=a, precision=options.concrete_precision, config=config,
                       out_offset=r, **extent)
             if shifts is not None and routing.writes_shift(options, part, buf):
