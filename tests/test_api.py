@@ -206,6 +206,25 @@ def test_scan_equals_unrolled(tied):
         np.testing.assert_allclose(np.asarray(ll2), ref, rtol=1e-5, atol=1e-5)
         for l1, l2 in zip(jax.tree_util.tree_leaves(g1), jax.tree_util.tree_leaves(g2)):
             np.testing.assert_allclose(np.asarray(l2), np.asarray(l1), rtol=1e-5, atol=1e-6)
+        # unrolled, a repetition's first rows are constants: the scans' offsets are the stacked tables' rows
+        tabs = scanned.tables["fold"] if fold else scanned.tables
+        for step, tab in zip(plan.steps, tabs["steps"]):
+            if isinstance(step, ScanSpec):
+                assert len(step.offsets) == step.repeats
+                for j in range(len(step.period)):
+                    np.testing.assert_array_equal([o[j] for o in step.offsets], np.asarray(tab[j]["out"]))
+
+
+def test_kernel_row_operand_is_a_constant_or_one_select():
+    """The fan-in kernels' ``[row, blocks, fan-in]`` operand: a constant for a static row; for a traced one a
+    select, never a concatenation (XLA runs that as a kernel and two device copies)."""
+    from jaxpc.ops import pallas_sum
+
+    np.testing.assert_array_equal(np.asarray(pallas_sum.block_offsets(np.int32(7), (3, 2))), [7, 3, 2])
+    np.testing.assert_array_equal(np.asarray(pallas_sum.block_offsets(7, (3, 2))), [7, 3, 2])
+    fn = jax.jit(lambda r: pallas_sum.block_offsets(r, (3, 2)))
+    np.testing.assert_array_equal(np.asarray(fn(jnp.int32(11))), [11, 3, 2])
+    assert "concatenate" not in str(jax.make_jaxpr(fn)(jnp.int32(11)))
 
 
 def test_dense_partition_fast_path():

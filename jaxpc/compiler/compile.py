@@ -699,7 +699,8 @@ def group_scans(stages, stage_tables, min_repeats):
         for j in range(p):
             group = [stage_tables[i + r * p + j] for r in range(k)]
             stacked.append(_stack_tables(group))
-        steps.append(ScanSpec(period, k))
+        offsets = tuple(tuple(int(stage_tables[i + r * p + j]["out"]) for j in range(p)) for r in range(k))
+        steps.append(ScanSpec(period, k, offsets))
         tabs.append(stacked)
         i += p * k
     return steps, tabs

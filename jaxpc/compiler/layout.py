@@ -116,10 +116,13 @@ class StageSpec:
 
 @dataclasses.dataclass(frozen=True)
 class ScanSpec:
-    """``repeats`` repetitions of a period of stages with identical shapes, run by ``lax.scan``."""
+    """``repeats`` repetitions of a period of stages with identical shapes, run by ``lax.scan``. ``offsets[r][j]``:
+    the first row of repetition ``r``'s stage ``j`` (the stacked tables' ``"out"``), which the stages run unrolled
+    read as constants (empty: read from the tables)."""
 
     period: tuple[StageSpec, ...]
     repeats: int
+    offsets: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

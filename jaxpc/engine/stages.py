@@ -204,7 +204,8 @@ def run_stages(layout, tables: dict, buf: Array, stage_fn, reverse: bool = False
     repeated stages under ``lax.scan`` (``scan=False``: unrolled, one stage after the other with its slice
     of the stacked tables). ``carry`` is any pytree (the node buffer, or buffers plus accumulators).
     ``layout`` is anything with ``steps`` (a Layout or a partial-evaluation plan); ``span``: only steps
-    ``[start, stop)``."""
+    ``[start, stop)``. Unrolled, a repeated stage's first row is a constant (``ScanSpec.offsets``): XLA slices and
+    updates the buffers at static rows, and the in-place kernels' row operands are constants, not a kernel each."""
     steps = list(enumerate(zip(layout.steps, tables["steps"])))
     if span is not None:
         steps = steps[span[0]:span[1]]
@@ -212,9 +213,9 @@ def run_stages(layout, tables: dict, buf: Array, stage_fn, reverse: bool = False
         if isinstance(step, ScanSpec):
             period = list(enumerate(zip(step.period, range(len(step.period)))))
 
-            def body(b, t, step=step, si=si, period=period):
+            def body(b, t, step=step, si=si, period=period, offsets=None):
                 for j, (st, _) in (reversed(period) if reverse else period):
-                    b = stage_fn(b, st, t[j], t[j]["out"], f"{si}.{j}")
+                    b = stage_fn(b, st, t[j], t[j]["out"] if offsets is None else offsets[j], f"{si}.{j}")
                 return b, None
 
             with jax.named_scope(f"jaxpc/scan{si}"):
@@ -223,7 +224,8 @@ def run_stages(layout, tables: dict, buf: Array, stage_fn, reverse: bool = False
                 else:
                     trips = range(step.repeats)
                     for i in (reversed(trips) if reverse else trips):
-                        buf, _ = body(buf, jax.tree_util.tree_map(lambda a, i=i: a[i], tab))
+                        buf, _ = body(buf, jax.tree_util.tree_map(lambda a, i=i: a[i], tab),
+                                      offsets=step.offsets[i] if step.offsets else None)
         else:
             buf = stage_fn(buf, step, tab, step.offset, si)
     return buf

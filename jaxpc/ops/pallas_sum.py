@@ -42,6 +42,7 @@ from typing import Final
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -291,8 +292,13 @@ def check_extent(n: int, C: int, blocks: int | None, fanin: int | None, out_offs
 
 def block_offsets(out_offset, extent: tuple[int, int]) -> Array:
     """The ``[3]`` int32 operand of the fan-in kernels: the partition's first row, then its parent blocks and fan-in
-    in the tables (:func:`check_extent`; the programs of padding blocks return at once)."""
-    return jnp.stack([jnp.asarray(out_offset, jnp.int32).reshape(()), jnp.int32(extent[0]), jnp.int32(extent[1])])
+    in the tables (:func:`check_extent`; the programs of padding blocks return at once). A constant for a static
+    ``out_offset``; for a traced one, one select (a stack of the scalar and two constants is a concatenation, which
+    XLA runs as a kernel and two device copies)."""
+    rest = np.array([0, extent[0], extent[1]], np.int32)
+    if isinstance(out_offset, (int, np.integer, np.ndarray)):
+        return jnp.asarray(np.array([int(out_offset), extent[0], extent[1]], np.int32))
+    return jnp.where(jnp.arange(3) == 0, jnp.asarray(out_offset, jnp.int32).reshape(()), rest)
 
 
 def _chunk(config: KernelConfig, tile: int, K: int) -> int:
