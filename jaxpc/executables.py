@@ -55,6 +55,8 @@ import jax
 import numpy as np
 from jax import lax
 
+from .ops import tables as table_places
+
 __all__ = ["CacheInfo", "BucketPolicy", "ExecutableCache", "ExecutableStore", "enable_persistent_cache",
            "default_persistent_cache", "persistent_cache_dir"]
 
@@ -191,7 +193,9 @@ class PackedTables:
     with the same signature (a mesh's replicated copy)."""
 
     def __init__(self, tables):
-        leaves, self.treedef = jax.tree_util.tree_flatten(tables)
+        with_paths, self.treedef = jax.tree_util.tree_flatten_with_path(tables)
+        self.paths = [p for p, _ in with_paths]
+        leaves = [leaf for _, leaf in with_paths]
         groups: dict = {}
         self.slots = []
         for i, leaf in enumerate(leaves):
@@ -211,10 +215,12 @@ class PackedTables:
                             for g in sorted(groups.values(), key=lambda g: g[0]))
 
     def unpack(self, arrays):
-        """The tables pytree from (traced) packed arrays."""
+        """The tables pytree from (traced) packed arrays, with the packed arrays and the kernel tables' places in
+        them (:func:`jaxpc.ops.tables.mark`: kernels read their tables there, not from copies of the slices)."""
         leaves = [lax.slice_in_dim(arrays[g], off, off + int(np.prod(shape, dtype=np.int64))).reshape(shape)
                   for g, off, shape in self.slots]
-        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+        return table_places.mark(jax.tree_util.tree_unflatten(self.treedef, leaves), self.paths, self.slots,
+                                 tuple(arrays))
 
 
 _PACKED = _IdentityMemo(PackedTables)

@@ -496,6 +496,10 @@ def test_packed_tables_round_trip_and_serve_equal_tables():
     pack = PackedTables(tables)
     assert len(pack.arrays) == 3  # int32, float32, bool
     back = jax.jit(pack.unpack)(pack.arrays)
+    packed = back.pop("packed")  # the packed arrays themselves ride along, for the kernels (jaxpc.ops.tables)
+    for u, v in zip(packed, pack.arrays):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+    assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(tables)
     for u, v in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(tables)):
         assert u.shape == v.shape and u.dtype == v.dtype
         np.testing.assert_array_equal(np.asarray(u), np.asarray(v))

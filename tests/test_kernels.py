@@ -784,3 +784,37 @@ def test_table_gathers_leave_out_the_negative_index_wrap():
         prims = {e.primitive.name for e in jax.make_jaxpr(f)(x, idx).jaxpr.eqns}
         assert not prims & {"lt", "select_n"}, prims
     assert "select_n" in {e.primitive.name for e in jax.make_jaxpr(lambda x, i: x[i])(x, idx).jaxpr.eqns}
+
+
+@pytest.mark.slow
+def test_in_place_forward_reads_its_tables_from_the_packed_array(monkeypatch):
+    """An executable's in-place forward kernels read ``ch`` and ``pid`` in the packed table array (a copy of each
+    would be a device copy per call) wherever the tables lie whole in it: in unscanned stages and in unrolled
+    repetitions of a scan (``jaxpc.ops.tables``), not inside a scan. The flows equal XLA's either way."""
+    from jaxpc import distributions, structures
+    from jaxpc.compiler.layout import ScanSpec
+    from jaxpc.ops import tables
+
+    data = np.random.default_rng(0).integers(0, 3, (300, 30))
+    c = jaxpc.compile(structures.HCLT(data, 4, input_dist=distributions.Categorical(3)))
+    assert any(isinstance(s, ScanSpec) for s in c.layout.fold.steps)
+    seen = []
+    forward = pallas_sum.forward
+
+    def spy(*a, **k):  # (wrong offsets would read other tables: the flows below would differ)
+        seen.append(k.get("source") is not None)
+        return forward(*a, **k)
+
+    monkeypatch.setattr(pallas_sum, "forward", spy)
+    x = data[:8].astype(np.int32)
+    g_ref, ll_ref = c.flows(c.params, x, options=jaxpc.Options(impl="xla", precision="fp32"), return_ll=True)
+    for scan in (True, False):
+        seen.clear()
+        g, ll = c.flows(c.params, x, options=jaxpc.Options(impl="pallas", precision="fp32", scan_stages=scan),
+                        return_ll=True)
+        np.testing.assert_allclose(np.asarray(ll), np.asarray(ll_ref), rtol=1e-6, atol=1e-6)
+        for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(g_ref)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+        assert all(seen) if not scan else (any(seen) and not all(seen)), (scan, seen)
+    t = tables.TableAt(0, 10, (3, 2, 4))
+    assert t.take(2) == tables.TableAt(0, 26, (2, 4))

@@ -16,6 +16,7 @@ from jax import lax
 
 from ..compiler.layout import Layout, ScanSpec, StageSpec
 from ..ops import pallas_tree, product_layer, sum_layer
+from ..ops import tables as table_places
 from ..ops.pieces import in_order
 from ..ops.rows import put_rows
 from ..ops.sum_layer import sum_kernels, sum_layer_reference
@@ -153,21 +154,25 @@ def _sum_rows(buf: Array, spec: StageSpec, tab: dict, sum_params: dict, options,
     return outs, inplace, shifts
 
 
-def _inplace_sums(buf: Array, inplace: list, sum_params: dict, options, index, shifts: Array | None, unit: int):
+def _inplace_sums(buf: Array, inplace: list, sum_params: dict, options, index, shifts: Array | None, unit: int,
+                  packed=None):
     """``(buf, shifts)`` with the in-place kernels' partitions written (and their shifts where
     :func:`jaxpc.engine.routing.writes_shift` holds). A stage's partitions read lower rows only: the order of
-    the kernels does not matter."""
+    the kernels does not matter. ``packed``: the executable's packed table arrays, from which the Pallas kernels
+    read their tables where they lie whole in one (:func:`jaxpc.ops.tables.kernel_source`)."""
     for r, j, part, t, impl, cfg in inplace:
         kernels = sum_kernels(impl)
         with jax.named_scope(f"jaxpc/stage{index}/sum{j}"):
             a = 1.0 if options.propagation == "LL" else options.alpha
             ch, pid, _, extent = routing.kernel_tables(t, part, impl)
+            names = ("kch", "kpid") if extent else ("ch", "pid")
+            source = table_places.kernel_source(t, packed, names, (ch, pid)) if impl != "triton" else None
             # tiles from the (class-padded) table's block count: a class's partitions share one kernel
             config = kernels.forward_config(ch.shape[0], part.Kp, buf.shape[1], cfg)
             if routing.forward_prefetch(options, part, buf.shape[1], impl):
                 config = dataclasses.replace(config, prefetch=True)
             kw = dict(Kp=part.Kp, Kc=part.Kc, alpha=a, precision=options.concrete_precision, config=config,
-                      out_offset=r, **extent)
+                      out_offset=r, **extent, **({"source": source} if source is not None else {}))
             if shifts is not None and routing.writes_shift(options, part, buf):
                 buf, shifts = kernels.forward(buf, ch, pid, sum_params[part.group], shifts=shifts, unit=unit, **kw)
             else:
@@ -192,7 +197,7 @@ def _stage(buf: Array, spec: StageSpec, tab: dict, sum_params: dict, options, of
         for r, out in outs:
             buf = lax.dynamic_update_slice_in_dim(buf, out.astype(buf.dtype), r, axis=0)
         if inplace:
-            buf, shifts = _inplace_sums(buf, inplace, sum_params, options, index, shifts, unit)
+            buf, shifts = _inplace_sums(buf, inplace, sum_params, options, index, shifts, unit, tab.get("packed"))
     return buf if shifts is None else (buf, shifts)
 
 
@@ -207,6 +212,7 @@ def run_stages(layout, tables: dict, buf: Array, stage_fn, reverse: bool = False
     ``[start, stop)``. Unrolled, a repeated stage's first row is a constant (``ScanSpec.offsets``): XLA slices and
     updates the buffers at static rows, and the in-place kernels' row operands are constants, not a kernel each."""
     steps = list(enumerate(zip(layout.steps, tables["steps"])))
+    packed = tables.get("packed") if isinstance(tables, dict) else None
     if span is not None:
         steps = steps[span[0]:span[1]]
     for si, (step, tab) in (reversed(steps) if reverse else steps):
@@ -215,7 +221,8 @@ def run_stages(layout, tables: dict, buf: Array, stage_fn, reverse: bool = False
 
             def body(b, t, step=step, si=si, period=period, offsets=None):
                 for j, (st, _) in (reversed(period) if reverse else period):
-                    b = stage_fn(b, st, t[j], t[j]["out"] if offsets is None else offsets[j], f"{si}.{j}")
+                    tj = t[j] if offsets is None else _with_packed(t[j], packed)
+                    b = stage_fn(b, st, tj, t[j]["out"] if offsets is None else offsets[j], f"{si}.{j}")
                 return b, None
 
             with jax.named_scope(f"jaxpc/scan{si}"):
@@ -224,11 +231,17 @@ def run_stages(layout, tables: dict, buf: Array, stage_fn, reverse: bool = False
                 else:
                     trips = range(step.repeats)
                     for i in (reversed(trips) if reverse else trips):
-                        buf, _ = body(buf, jax.tree_util.tree_map(lambda a, i=i: a[i], tab),
+                        buf, _ = body(buf, table_places.take_step(tab, i),
                                       offsets=step.offsets[i] if step.offsets else None)
         else:
-            buf = stage_fn(buf, step, tab, step.offset, si)
+            buf = stage_fn(buf, step, _with_packed(tab, packed), step.offset, si)
     return buf
+
+
+def _with_packed(tab: dict, packed) -> dict:
+    """A stage's tables with the executable's packed table arrays (``"packed"``, where it has them), from which
+    its in-place kernels read their tables (:func:`jaxpc.ops.tables.kernel_source`)."""
+    return tab if packed is None or not isinstance(tab, dict) else {**tab, "packed": packed}
 
 
 def tree_span(layout, tree) -> tuple[int, int]:

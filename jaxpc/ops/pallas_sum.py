@@ -290,15 +290,32 @@ def check_extent(n: int, C: int, blocks: int | None, fanin: int | None, out_offs
     return b, f
 
 
-def block_offsets(out_offset, extent: tuple[int, int]) -> Array:
-    """The ``[3]`` int32 operand of the fan-in kernels: the partition's first row, then its parent blocks and fan-in
-    in the tables (:func:`check_extent`; the programs of padding blocks return at once). A constant for a static
-    ``out_offset``; for a traced one, one select (a stack of the scalar and two constants is a concatenation, which
-    XLA runs as a kernel and two device copies)."""
-    rest = np.array([0, extent[0], extent[1]], np.int32)
+def block_offsets(out_offset, extent: tuple[int, int], tables: tuple[int, ...] = ()) -> Array:
+    """The int32 operand of the fan-in kernels: the partition's first row, then its parent blocks and fan-in in the
+    tables (:func:`check_extent`; the programs of padding blocks return at once), then ``tables``, the offsets of
+    its tables in a packed table array. A constant for a static ``out_offset``; for a traced one, one select (a
+    stack of the scalar and constants is a concatenation, which XLA runs as a kernel and device copies)."""
+    rest = np.array([0, extent[0], extent[1], *tables], np.int32)
     if isinstance(out_offset, (int, np.integer, np.ndarray)):
-        return jnp.asarray(np.array([int(out_offset), extent[0], extent[1]], np.int32))
-    return jnp.where(jnp.arange(3) == 0, jnp.asarray(out_offset, jnp.int32).reshape(()), rest)
+        rest[0] = int(out_offset)
+        return jnp.asarray(rest)
+    return jnp.where(jnp.arange(rest.size) == 0, jnp.asarray(out_offset, jnp.int32).reshape(()), rest)
+
+
+class FlatTable:
+    """An index table of static ``shape`` read at element ``base`` of a flat ref (a packed table array): indexed
+    like the table's own ref, one scalar per index tuple."""
+
+    def __init__(self, ref, base, shape: tuple[int, ...]):
+        self.ref, self.base = ref, base
+        self.strides = tuple(int(np.prod(shape[k + 1:], dtype=np.int64)) for k in range(len(shape)))
+
+    def __getitem__(self, idx):
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        flat = self.base
+        for i, stride in zip(idx, self.strides):
+            flat = flat + i * stride
+        return self.ref[flat]
 
 
 def _chunk(config: KernelConfig, tile: int, K: int) -> int:
@@ -358,8 +375,10 @@ def forward_tile(i, first, kp, cols, cmask, ch_ref, pid_ref, w_ref, buf_ref, out
 
 
 def _fwd_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, *refs, C, M, Kp, Kc, KT, KC, BB, B, alpha, precision,
-                unit, prefetch):
+                unit, prefetch, flat=None):
     out_ref, shift_ref = (refs[1], refs[2]) if unit else (refs[0], None)  # with shifts: (shifts in, buf, shifts)
+    if flat is not None:  # ch_ref and pid_ref: a packed table array, the tables at off_ref[3] and off_ref[4]
+        ch_ref, pid_ref = FlatTable(ch_ref, off_ref[3], flat), FlatTable(pid_ref, off_ref[4], flat[:2])
     i, k, t = block_ids(3)
     C = off_ref[2] if C is None else C  # padded tables: the partition's fan-in, read at run time
 
@@ -376,7 +395,7 @@ def _fwd_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, *refs, C, M, Kp, Kc, K
 
 def forward(buf: Array, ch: Array, pid: Array, w: Array, *, Kp: int, Kc: int, alpha: float = 1.0,
             precision: str = "fp32", config: KernelConfig = KernelConfig(), out_offset=None, shifts=None,
-            unit: int = 0, blocks: int | None = None, fanin: int | None = None):
+            unit: int = 0, blocks: int | None = None, fanin: int | None = None, source=None):
     """Sum-layer values. ``ch [n, C]`` or ``[n, C, M]``, ``w``: log-weights ``[P, Kp, Kc]`` (exponentiated per
     tile). Returns ``[n * Kp, B]``; with ``out_offset`` (a float32 ``buf``) the buffer with the parents'
     rows ``out_offset + [0, n * Kp)`` written in place. With ``shifts`` (float32 ``[ceil(R / unit), B]``,
@@ -385,7 +404,9 @@ def forward(buf: Array, ch: Array, pid: Array, w: Array, *, Kp: int, Kc: int, al
     (``-inf`` when they all are), at row ``first parent row / unit``. ``blocks`` and ``fanin`` (in place only):
     padded tables (:func:`jaxpc.compiler.compile.shared_kernel_tables`), of which the first ``blocks`` parent blocks
     and the first ``fanin`` children of each are the partition's; the programs of padding blocks write nothing. With
-    ``fanin`` the kernel reads the fan-in at run time: one kernel serves tables of one shape."""
+    ``fanin`` the kernel reads the fan-in at run time: one kernel serves tables of one shape. ``source`` (in place
+    only): ``(packed, (ch offset, pid offset))``, an int32 array in which ``ch`` and ``pid`` lie whole at those
+    offsets (:func:`jaxpc.ops.tables.kernel_source`), which the kernel then reads instead of copies of them."""
     ch = tables3(ch)
     n, C, M = ch.shape
     R, B = buf.shape
@@ -394,9 +415,10 @@ def forward(buf: Array, ch: Array, pid: Array, w: Array, *, Kp: int, Kc: int, al
     keep = shifts is not None
     if keep and (out_offset is None or unit < 1 or Kp % unit):
         raise ValueError(f"shifts are kept by the in-place forward with a unit dividing Kp={Kp}, got unit={unit}")
+    flat = (n, C, M) if source is not None and out_offset is not None else None
     kernel = functools.partial(_fwd_kernel, C=None if dynamic else C, M=M, Kp=Kp, Kc=Kc, KT=KT, KC=KC, BB=BB, B=B,
-                               alpha=float(alpha),
-                               precision=precision, unit=unit if keep else 0, prefetch=config.prefetch)
+                               alpha=float(alpha), precision=precision, unit=unit if keep else 0,
+                               prefetch=config.prefetch, flat=flat)
     grid = block_grid(n, pl.cdiv(Kp, KT), pl.cdiv(B, BB))
     if out_offset is None:
         off = block_offsets(0, extent)
@@ -404,7 +426,9 @@ def forward(buf: Array, ch: Array, pid: Array, w: Array, *, Kp: int, Kc: int, al
                      name="jaxpc_sum_forward")(off, ch, pid, w, buf.astype(jnp.float32))
     if buf.dtype != jnp.float32:
         raise TypeError(f"in-place sum layer needs a float32 buffer, got {buf.dtype}")
-    off = block_offsets(out_offset, extent)
+    off = block_offsets(out_offset, extent, () if flat is None else tuple(source[1]))
+    if flat is not None:
+        ch = pid = source[0]
     if keep:
         return call_kernel(kernel, config, grid=grid, out_shape=(jax.ShapeDtypeStruct((R, B), jnp.float32),
                                                            jax.ShapeDtypeStruct(shifts.shape, jnp.float32)),
