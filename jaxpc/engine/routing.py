@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from ..compiler.layout import Layout, ScanSpec
+from ..ops import tables as table_places
 from ..ops.pieces import ranges
 from ..ops.triton_base import route_impl, triton_route
 from ..options import KERNEL_IMPLS, PALLAS_FORWARD, Tuning
@@ -323,14 +324,30 @@ def fanin_group(options, part, values) -> int:
     return g
 
 
+def _kernel_table_names(t: dict, impl: str) -> tuple[str, str, str]:
+    """The keys of :func:`kernel_tables`'s ``(ch, pid, eorder)`` in a partition's tables ``t``."""
+    if impl == "triton" or "kch" not in t:
+        return "ch", "pid", "eorder"
+    return "kch", "kpid", "keorder"
+
+
 def kernel_tables(t: dict, part, impl: str) -> tuple:
     """``(ch, pid, eorder, extent)`` that the Pallas kernels of sum partition ``part`` read: the tables padded to
     their kernel class's shape and ``extent = {"blocks": n, "fanin": C}``, the partition's own shape in them, where
     it has them (:func:`jaxpc.compiler.compile.shared_kernel_tables`), else its own tables and ``{}``. jax-triton's
     kernels read the partition's own."""
-    if impl == "triton" or "kch" not in t:
-        return t["ch"], t["pid"], t.get("eorder"), {}
-    return t["kch"], t["kpid"], t.get("keorder"), {"blocks": part.n, "fanin": part.C}
+    ch, pid, eorder = _kernel_table_names(t, impl)
+    extent = {} if ch == "ch" else {"blocks": part.n, "fanin": part.C}
+    return t[ch], t[pid], t.get(eorder), extent
+
+
+def kernel_source(t: dict, impl: str, packed):
+    """Where :func:`kernel_tables`'s ``ch`` and ``pid`` lie whole in the executable's packed table arrays
+    ``packed`` (:func:`jaxpc.ops.tables.kernel_source`), for a Pallas kernel to read them there; None on
+    jax-triton's kernels, or where they do not."""
+    if impl == "triton":
+        return None
+    return table_places.kernel_source(t, packed, _kernel_table_names(t, impl)[:2])
 
 
 def forward_prefetch(options, part, B: int, impl: str) -> bool:

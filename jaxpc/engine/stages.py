@@ -159,14 +159,13 @@ def _inplace_sums(buf: Array, inplace: list, sum_params: dict, options, index, s
     """``(buf, shifts)`` with the in-place kernels' partitions written (and their shifts where
     :func:`jaxpc.engine.routing.writes_shift` holds). A stage's partitions read lower rows only: the order of
     the kernels does not matter. ``packed``: the executable's packed table arrays, from which the Pallas kernels
-    read their tables where they lie whole in one (:func:`jaxpc.ops.tables.kernel_source`)."""
+    read their tables where they lie whole in one (:func:`jaxpc.engine.routing.kernel_source`)."""
     for r, j, part, t, impl, cfg in inplace:
         kernels = sum_kernels(impl)
         with jax.named_scope(f"jaxpc/stage{index}/sum{j}"):
             a = 1.0 if options.propagation == "LL" else options.alpha
             ch, pid, _, extent = routing.kernel_tables(t, part, impl)
-            names = ("kch", "kpid") if extent else ("ch", "pid")
-            source = table_places.kernel_source(t, packed, names, (ch, pid)) if impl != "triton" else None
+            source = routing.kernel_source(t, impl, packed)
             # tiles from the (class-padded) table's block count: a class's partitions share one kernel
             config = kernels.forward_config(ch.shape[0], part.Kp, buf.shape[1], cfg)
             if routing.forward_prefetch(options, part, buf.shape[1], impl):

@@ -67,13 +67,14 @@ def take_step(tab, i: int):
                                   is_leaf=lambda a: isinstance(a, TableAt))
 
 
-def kernel_source(t: dict, packed, names: tuple[str, ...], arrays: tuple[Array, ...]):
+def kernel_source(t: dict, packed, names: tuple[str, ...]):
     """``(packed array, offsets)``: where the tables ``t[name]`` for ``names`` lie, when all of them lie whole in one
     int32 packed array (not sliced by a scan: each table's shape is its ``TableAt``'s); else None."""
     at = t.get("at")
     if packed is None or not at or any(n not in at for n in names):
         return None
     places = [at[n] for n in names]
+    arrays = [t[n] for n in names]
     if len({p.array for p in places}) != 1 or any(tuple(a.shape) != p.shape for a, p in zip(arrays, places)):
         return None
     src = packed[places[0].array]
