@@ -72,7 +72,12 @@ class Tuning:
             of its parent block (the largest power of two up to it that divides the fan-in and keeps the program's
             tiles within four 32 x 32 edge blocks: :func:`jaxpc.engine.routing.fanin_group`), which read the
             parents' tiles and split their flows once for all of them.
-        fanin_group_batch: see ``fanin_group``; 0: one child per program at every batch.
+        fanin_group_batch: see ``fanin_group``; 0: one child per program at every batch (except as below).
+        fanin_group_blocks: ``fanin_group`` also applies below ``fanin_group_batch`` in partitions of at least this
+            many edge blocks (parent blocks x fan-in), whose grids stay wide with several children per program; 0:
+            never. On the H200, a PD-512's ``em_step`` at batch 512 took 128.7 ms with four children per program
+            against 134.2 with one, a PD-768's at batch 256 152.9 against 161.4 (both with two-block forward
+            steps); PD-128's partitions (at most 7,360 edge blocks) keep one child below batch 1,024.
         fanin_prefetch: where a program of that kernel takes one child, its batch loop issues the next tile's loads
             before each tile's arithmetic (with several children the loads held in flight cost more than they hide).
         fanin_order_batch: from this many samples on, that kernel takes one child per program and runs its edge
@@ -82,6 +87,12 @@ class Tuning:
             next child chunk's loads before each chunk's arithmetic (``KernelConfig.prefetch``); 0: never. On the
             H200, PD-128's forward at batch 16 took 0.93 ms with it and 0.56 without (two calls), at 128 / 512
             1.05 / 2.59 with it against 1.11 / 2.63 (the session before).
+        fanin_forward_span: child blocks per step of that forward's loop over the children
+            (``KernelConfig.span``, a power of two; blocks of a power-of-two size): one running max, one rescale
+            and one product per ``span`` blocks, their loads in flight together; 1: one block per step. On the
+            H200, PD-128's flows at batch 16 / 128 / 512 took 1.37 / 2.50 / 7.18 ms with two blocks per step against
+            1.47 / 2.65 / 7.27 with one; a PD-256's ``em_step`` at batch 1,024 62.6 ms with two, 65.0 with four,
+            64.1 with one; a PD-512's at batch 512 130.2 / 133.6 / 134.2.
 
             On the H200 (``benchmarks/pd_tiles.py``), a PD-256's ``em_step`` at batch 1,024 (222M edges) took 69.9
             ms with one child per program in child order, 65.9 with four children per program, 102.8 with eight,
@@ -108,9 +119,11 @@ class Tuning:
     tree_kernel_batch: int = 0
     fanin_group: int = 4
     fanin_group_batch: int = 1024
+    fanin_group_blocks: int = 16384
     fanin_prefetch: bool = True
     fanin_order_batch: int = 0
     fanin_forward_prefetch_batch: int = 128
+    fanin_forward_span: int = 2
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -124,6 +137,8 @@ class Tuning:
                     raise TypeError(f"Tuning.compiler_options must be a tuple of (name, value) pairs, got {v!r}")
             elif isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"Tuning.{f.name} must be a non-negative int, got {v!r}")
+        if self.fanin_forward_span < 1 or self.fanin_forward_span & (self.fanin_forward_span - 1):
+            raise ValueError(f"Tuning.fanin_forward_span must be a power of two, got {self.fanin_forward_span!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -848,7 +848,8 @@ def test_fanin_kernel_orders_give_the_same_flows(monkeypatch):
     """The fan-in kernels' launch and load orders (``Tuning.fanin_order_batch``: the backward's edge blocks child by
     child, the partition's ``eorder``, from that batch on; ``Tuning.fanin_prefetch`` and
     ``Tuning.fanin_forward_prefetch_batch``: the next tile's loads issued before each tile's arithmetic;
-    ``Tuning.fanin_group``: a parent block's children in one program) reach the kernels and change no
+    ``Tuning.fanin_group``: a parent block's children in one program; ``Tuning.fanin_forward_span``: several child
+    blocks per step of the forward's loop) reach the kernels and change no
     log-likelihood, flow or parameter flow beyond rounding."""
     from jaxpc.ops import pallas_sum
 
@@ -877,7 +878,11 @@ def test_fanin_kernel_orders_give_the_same_flows(monkeypatch):
                       return_ll=True)
     assert max(g for *_, g in seen) > 1  # every child of a parent block in one program where the fan-in allows
     assert all(not prefetch for _, prefetch, g in seen if g > 1)
-    for run in (default, ordered, grouped):
+    spans = []
+    monkeypatch.setattr(pallas_sum, "forward", lambda *a, **k: spans.append(k["config"].span) or fwd(*a, **k))
+    spanned = c.flows(c.params, x, options=o.replace(tuning=jaxpc.Tuning(fanin_forward_span=4)), return_ll=True)
+    assert max(spans) == 4
+    for run in (default, ordered, grouped, spanned):
         for a, b in zip(jax.tree_util.tree_leaves(run), jax.tree_util.tree_leaves(ref)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6 * float(np.abs(b).max()))
 
@@ -925,20 +930,24 @@ def test_shared_kernel_tables_pad_a_class_to_one_shape(monkeypatch):
 
 
 def test_fanin_group_sizes():
-    """Children per program of the atomic backward: ``Tuning.fanin_group`` from ``fanin_group_batch`` samples on, a
-    power of two dividing the fan-in, its tiles within ``routing.GROUP_ELEMENTS``; one in child order or below."""
+    """Children per program of the atomic backward: ``Tuning.fanin_group`` from ``fanin_group_batch`` samples on or
+    in partitions of ``fanin_group_blocks`` edge blocks, a power of two dividing the fan-in, its tiles within
+    ``routing.GROUP_ELEMENTS``; one in child order or below."""
     from types import SimpleNamespace
 
     o = jaxpc.Options()
-    part = SimpleNamespace(C=32, Kp=32, Kc=32)
+    part = SimpleNamespace(n=100, C=32, Kp=32, Kc=32)
     batch = lambda B: SimpleNamespace(shape=(0, B))  # noqa: E731
     assert routing.fanin_group(o, part, batch(1024)) == 4
     assert routing.fanin_group(o, part, batch(512)) == 1
-    assert routing.fanin_group(o, SimpleNamespace(C=6, Kp=32, Kc=32), batch(2048)) == 2
-    assert routing.fanin_group(o, SimpleNamespace(C=32, Kp=16, Kc=16), batch(1024)) == 4
-    assert routing.fanin_group(o, SimpleNamespace(C=32, Kp=64, Kc=64), batch(1024)) == 1  # 4 x 64 x 64: too large
-    assert routing.fanin_group(o, SimpleNamespace(C=32, Kp=32, Kc=64), batch(1024)) == 2
+    assert routing.fanin_group(o, SimpleNamespace(n=512, C=32, Kp=32, Kc=32), batch(512)) == 4  # 16,384 edge blocks
+    assert routing.fanin_group(o, SimpleNamespace(n=100, C=6, Kp=32, Kc=32), batch(2048)) == 2
+    assert routing.fanin_group(o, SimpleNamespace(n=100, C=32, Kp=16, Kc=16), batch(1024)) == 4
+    assert routing.fanin_group(o, SimpleNamespace(n=100, C=32, Kp=64, Kc=64), batch(1024)) == 1  # 4 x 64 x 64
+    assert routing.fanin_group(o, SimpleNamespace(n=100, C=32, Kp=32, Kc=64), batch(1024)) == 2
     for tuning in (jaxpc.Tuning(fanin_order_batch=1024), jaxpc.Tuning(fanin_group_batch=0),
                    jaxpc.Tuning(fanin_group=1)):
         assert routing.fanin_group(o.replace(tuning=tuning), part, batch(1024)) == 1
+    wide = SimpleNamespace(n=512, C=32, Kp=32, Kc=32)
+    assert routing.fanin_group(o.replace(tuning=jaxpc.Tuning(fanin_group_blocks=0)), wide, batch(512)) == 1
     assert routing.fanin_group(o.replace(tuning=jaxpc.Tuning(fanin_group_batch=8)), part, batch(16)) == 4

@@ -150,9 +150,15 @@ def test_kernels_lower_for_cuda_without_a_gpu():
     def fwd(b, ch, pid, lw, prefetch=False):
         return pallas_sum.forward(b, ch, pid, lw, Kp=16, Kc=32, config=pallas_sum.KernelConfig(prefetch=prefetch))
 
-    def padded(b, ch, pid, lw, prefetch=False):  # a kernel class's tables: the fan-in read at run time
-        return pallas_sum.forward(b, ch, pid, lw, Kp=16, Kc=32, config=pallas_sum.KernelConfig(prefetch=prefetch),
-                                  out_offset=0, blocks=2, fanin=3)
+    def padded(b, ch, pid, lw, prefetch=False, span=1):  # a kernel class's tables: the fan-in read at run time
+        return pallas_sum.forward(b, ch, pid, lw, Kp=16, Kc=32, out_offset=0, blocks=2, fanin=3,
+                                  config=pallas_sum.KernelConfig(prefetch=prefetch, span=span))
+
+    def packed(b, ch, pid, lw, span=1):  # the tables read in a packed table array, several child blocks per step
+        ch3 = jnp.stack([ch, ch], axis=2)
+        flat = jnp.concatenate([ch3.ravel(), pid.ravel()]).astype(jnp.int32)
+        return pallas_sum.forward(b, ch3, pid, lw, Kp=16, Kc=32, out_offset=0, source=(flat, (0, ch3.size)),
+                                  config=pallas_sum.KernelConfig(span=span, prefetch=True))
 
     def bwd(b, ch, pid, lw, uch, par, ppid):
         a, m, pf = pallas_sum.backward_parents(b, b, 0, ch, pid, lw, Kp=16, Kc=32)
@@ -187,6 +193,7 @@ def test_kernels_lower_for_cuda_without_a_gpu():
             jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
         for f, args in ((fwd, tabs[:4]), (functools.partial(fwd, prefetch=True), tabs[:4]), (padded, tabs[:4]),
                         (functools.partial(padded, prefetch=True), tabs[:4]), (bwd, tabs),
+                        (functools.partial(padded, span=2), tabs[:4]), (functools.partial(packed, span=4), tabs[:4]),
                         (in_place, tabs),
                         (functools.partial(level, precision="fp32"), tabs),
                         (functools.partial(level, precision="tf32"), tabs),
@@ -624,6 +631,19 @@ def test_padded_tables_run_the_real_blocks_only():
     np.testing.assert_array_equal(np.asarray(got_m), np.asarray(want_m))
     np.testing.assert_array_equal(np.asarray(got[off + n * Kp:]), np.asarray(vals[off + n * Kp:]))  # untouched
     np.testing.assert_array_equal(np.asarray(got_m[off // Kp + n:]), 7.0)
+    # several child blocks per step of the forward's loop (KernelConfig.span; the fan-in static or read at run
+    # time, children past it masked), the tables read in place from a packed array
+    packed = jnp.concatenate([jnp.full((5,), 99, jnp.int32), kch.ravel(), kpid.ravel()])
+    spans = [(dict(), 2), (ext, 2), (ext, 4), (dict(ext, source=(packed, (5, 5 + kch.size))), 4)]
+    for extent, span in spans:
+        tabs = (kch, kpid) if extent else (ch, pid)
+        for prefetch in (False, True):
+            cfg = pallas_sum.KernelConfig(span=span, prefetch=prefetch)
+            got, got_m = whole(pallas_sum.forward)(vals, *tabs, logw, **kw, **extent, config=cfg)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+            np.testing.assert_array_equal(np.asarray(got_m), np.asarray(want_m))
+    with pytest.raises(ValueError, match="span must be a power of two"):
+        pallas_sum.forward(vals, ch, pid, logw, **kw, config=pallas_sum.KernelConfig(span=3))
     fl = jnp.asarray(np.abs(rng.normal(size=(R, B))), jnp.float32)
     bkw = dict(Kp=Kp, Kc=Kc, unit=Kp, first_row=first, precision="tf32")
     want_f, want_pf = whole(pallas_sum.backward_atomic)(want, fl, want_m, off, ch, pid, logw, **bkw)
@@ -634,11 +654,14 @@ def test_padded_tables_run_the_real_blocks_only():
     # the parameter flows added in place into a group's [P, Kp, Kc] accumulator at the blocks pid; the edge blocks
     # one program each with the next tile prefetched, a parent block's children in one program, in child order
     dp0 = jnp.asarray(rng.random((n * C + 3, Kp, Kc)), jnp.float32)
-    for variant in (dict(prefetch=True, dparams=dp0), dict(group=C, dparams=dp0), dict(order=korder)):
+    for variant in (dict(prefetch=True, dparams=dp0), dict(group=C, dparams=dp0), dict(order=korder),
+                    dict(group=C)):
         got_f, got = whole(pallas_sum.backward_atomic)(want, fl, want_m, off, kch, kpid, logw, **bkw, **variant, **ext)
         np.testing.assert_allclose(np.asarray(got_f), np.asarray(want_f), rtol=1e-5, atol=1e-6)
         if "dparams" in variant:
             np.testing.assert_allclose(np.asarray(got), np.asarray(dp0.at[pid].add(want_pf)), rtol=1e-5, atol=1e-6)
+        elif "group" in variant:
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want_pf), rtol=1e-5, atol=1e-6)
     for bad in (dict(blocks=0), dict(blocks=n + extra + 1), dict(fanin=wide + 1)):
         with pytest.raises(ValueError, match="blocks and fanin must be in"):
             pallas_sum.forward(vals, kch, kpid, logw, **kw, **bad)

@@ -310,13 +310,16 @@ GROUP_ELEMENTS: Final = 4 * 32 * 32  # a grouped atomic-backward program's edge-
 
 def fanin_group(options, part, values) -> int:
     """Children per program of :func:`jaxpc.ops.pallas_sum.backward_atomic` for sum partition ``part`` at this
-    batch: one in child order or below ``Tuning.fanin_group_batch``, else the largest power of two up to
-    ``Tuning.fanin_group`` that divides its fan-in and keeps the program's weight and accumulator tiles within
-    :data:`GROUP_ELEMENTS` elements each (eight 32 x 32 edge blocks ran out of registers on the H200)."""
+    batch: one in child order, or below ``Tuning.fanin_group_batch`` in a partition of fewer than
+    ``Tuning.fanin_group_blocks`` edge blocks; else the largest power of two up to ``Tuning.fanin_group`` that
+    divides its fan-in and keeps the program's weight and accumulator tiles within :data:`GROUP_ELEMENTS` elements
+    each (eight 32 x 32 edge blocks ran out of registers on the H200)."""
     from ..ops.pallas_sum import KernelConfig, p2
 
     tuning, g = options.tuning, 1
-    if child_order(options, values) or not tuning.fanin_group_batch or values.shape[1] < tuning.fanin_group_batch:
+    batch = 0 < tuning.fanin_group_batch <= values.shape[1]
+    wide = 0 < tuning.fanin_group_blocks <= part.n * part.C
+    if child_order(options, values) or not (batch or wide):
         return g
     tile = p2(part.Kp) * min(KernelConfig.block_k, p2(part.Kc))
     while 2 * g <= tuning.fanin_group and part.C % (2 * g) == 0 and 2 * g * tile <= GROUP_ELEMENTS:
@@ -355,6 +358,12 @@ def forward_prefetch(options, part, B: int, impl: str) -> bool:
     (``Tuning.fanin_forward_prefetch_batch``): fan-ins of several child blocks, not on jax-triton's kernels."""
     return (0 < options.tuning.fanin_forward_prefetch_batch <= B and part.C > 1 and not part.dense
             and impl != "triton")
+
+
+def forward_span(options, part, impl: str) -> int:
+    """Child blocks per step of the in-place Pallas forward of sum partition ``part`` (``Tuning.fanin_forward_span``,
+    :attr:`jaxpc.ops.pallas_sum.KernelConfig.span`): fan-ins of several child blocks, not on jax-triton's kernels."""
+    return options.tuning.fanin_forward_span if part.C > 1 and not part.dense and impl != "triton" else 1
 
 
 def atomic_backward(options, part, values: Array) -> bool:

@@ -170,6 +170,8 @@ def _inplace_sums(buf: Array, inplace: list, sum_params: dict, options, index, s
             config = kernels.forward_config(ch.shape[0], part.Kp, buf.shape[1], cfg)
             if routing.forward_prefetch(options, part, buf.shape[1], impl):
                 config = dataclasses.replace(config, prefetch=True)
+            if (span := routing.forward_span(options, part, impl)) > 1:
+                config = dataclasses.replace(config, span=span)
             kw = dict(Kp=part.Kp, Kc=part.Kc, alpha=a, precision=options.concrete_precision, config=config,
                       out_offset=r, **extent, **({"source": source} if source is not None else {}))
             if shifts is not None and routing.writes_shift(options, part, buf):

@@ -66,6 +66,7 @@ class KernelConfig:
     block_c: int = 0  # chunk of the reduced dimension (child nodes / parent nodes); 0: block_r elements per tile
     block_r: int = 8192  # (with block_c=0) elements of a weight tile: the chunk is block_r // tile, capped by the size
     prefetch: bool = False  # forward: each step over the children issues the next chunk's loads before its arithmetic
+    span: int = 1  # forward: child blocks per step over the children (blocks of a power-of-two size, read whole)
 
 
 def available() -> bool:
@@ -240,21 +241,29 @@ def _load_w(w_ref, p, kp, kc, Kp, Kc, alpha, valid=True):
 
 
 def _online_sum(i, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, *, C, M, Kp, Kc, KC, alpha, precision,
-                prefetch=False):
+                prefetch=False, span=1):
     """Running max ``m [BB]`` and sum ``acc [len(kp), BB]`` over the ``C`` children (static, or a traced count) of
-    parent block ``i`` for the parent nodes ``kp`` of the block. Child blocks are read in chunks of ``KC`` nodes; with
-    ``prefetch`` each step issues the next chunk's loads before its own arithmetic."""
-    nq = -(-Kc // KC)
-    steps = C * nq
+    parent block ``i`` for the parent nodes ``kp`` of the block. Child blocks are read in chunks of ``KC`` nodes, or
+    with ``span > 1`` ``span`` whole blocks per step (:func:`_span_tiles`); with ``prefetch`` each step issues the
+    next chunk's loads before its own arithmetic."""
+    if span > 1:
+        steps = lax.div(C + span - 1, jnp.int32(span)) if isinstance(C, jax.Array) else -(-C // span)
 
-    def fetch(cq, live=True):
-        c, q = lax.div(cq, jnp.int32(nq)), lax.rem(cq, jnp.int32(nq))  # (jnp's // and % don't lower)
-        mask = cmask
-        if live is not True:  # the step after the last one (prefetch) reads nothing
-            c, mask = jnp.minimum(c, C - 1), cmask & live
-        kc = q * KC + jnp.arange(KC)
-        x = _load_child(buf_ref, ch_ref, i, c, kc, cols, mask, M=M, Kc=Kc)
-        return x, _load_w(w_ref, pid_ref[i, c], kp, kc, Kp, Kc, alpha, live)
+        def fetch(s, live=True):
+            return _span_tiles(i, s, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, live, C=C, M=M, Kp=Kp,
+                               Kc=Kc, span=span, alpha=alpha)
+    else:
+        nq = -(-Kc // KC)
+        steps = C * nq
+
+        def fetch(cq, live=True):
+            c, q = lax.div(cq, jnp.int32(nq)), lax.rem(cq, jnp.int32(nq))  # (jnp's // and % don't lower)
+            mask = cmask
+            if live is not True:  # the step after the last one (prefetch) reads nothing
+                c, mask = jnp.minimum(c, C - 1), cmask & live
+            kc = q * KC + jnp.arange(KC)
+            x = _load_child(buf_ref, ch_ref, i, c, kc, cols, mask, M=M, Kc=Kc)
+            return x, _load_w(w_ref, pid_ref[i, c], kp, kc, Kp, Kc, alpha, live)
 
     def add(carry, x, w):
         m, acc = carry
@@ -274,6 +283,34 @@ def _online_sum(i, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, *, C, M, Kp
         return add(carry, *tiles), nxt
 
     return lax.fori_loop(0, steps, body, (init, fetch(0)))[0]
+
+
+def _table_vec(tab, idx: tuple, mask):
+    """Entries of an index table (a ref, or a :class:`FlatTable`) at ``idx`` (scalars and one vector), 0 where not
+    ``mask``: one gathering load."""
+    if isinstance(tab, FlatTable):
+        return plgpu.load(tab.ref.at[tab.flat(idx)], mask=mask, other=0)
+    return plgpu.load(tab.at[idx], mask=mask, other=0)
+
+
+def _span_tiles(i, s, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, live, *, C, M, Kp, Kc, span, alpha):
+    """Step ``s`` of :func:`_online_sum` over ``span`` whole child blocks of parent block ``i`` (children ``s * span``
+    on, those from ``C`` on masked): their values ``[span * Kc, BB]`` (the sum of their ``M`` row blocks, gathered
+    row by row) and the weights ``exp(alpha log w)`` ``[len(kp), span * Kc]``. One step's tiles span several blocks:
+    fewer, larger steps (one max and one product per ``span`` blocks, their loads in flight together)."""
+    j = jnp.arange(span * Kc)
+    c = s * span + lax.div(j, jnp.int32(Kc))
+    r = lax.rem(j, jnp.int32(Kc))
+    valid = (c < C) & live
+    pmask = kp < Kp
+    x = None
+    for m in range(M):
+        rows = _table_vec(ch_ref, (i, c, m), valid) + r
+        t = _load_tile(buf_ref, rows, cols, valid, cmask, _NEG if m == 0 else 0.0)
+        x = t if x is None else x + t
+    p = _table_vec(pid_ref, (i, c), valid)
+    w = plgpu.load(w_ref.at[p[None, :], kp[:, None], r[None, :]], mask=pmask[:, None] & valid[None, :], other=_NEG)
+    return x, jnp.exp(alpha * w)
 
 
 def tables3(ch: Array) -> Array:
@@ -310,12 +347,16 @@ class FlatTable:
         self.ref, self.base = ref, base
         self.strides = tuple(int(np.prod(shape[k + 1:], dtype=np.int64)) for k in range(len(shape)))
 
-    def __getitem__(self, idx):
+    def flat(self, idx):
+        """The element offsets of ``idx`` (scalars or arrays) in the flat ref."""
         idx = idx if isinstance(idx, tuple) else (idx,)
         flat = self.base
         for i, stride in zip(idx, self.strides):
             flat = flat + i * stride
-        return self.ref[flat]
+        return flat
+
+    def __getitem__(self, idx):
+        return self.ref[self.flat(idx)]
 
 
 def _chunk(config: KernelConfig, tile: int, K: int) -> int:
@@ -360,12 +401,20 @@ def forward_config(n: int, Kp: int, B: int, config: KernelConfig | None = None) 
 
 # ---- forward -------------------------------------------------------------------------------------
 
+def forward_span(config: KernelConfig, C: int, Kc: int) -> int:
+    """Child blocks per step of the forward's loop: ``config.span`` (a power of two) up to the fan-in's, for blocks
+    of a power-of-two size (read whole); else 1."""
+    if config.span < 1 or config.span & (config.span - 1):
+        raise ValueError(f"KernelConfig.span must be a power of two, got {config.span}")
+    return min(config.span, p2(C)) if Kc == p2(Kc) and C > 1 else 1
+
+
 def forward_tile(i, first, kp, cols, cmask, ch_ref, pid_ref, w_ref, buf_ref, out_ref, *, C, M, Kp, Kc, KC, alpha,
-                 precision, prefetch=False):
+                 precision, prefetch=False, span=1):
     """The values of parent nodes ``kp`` of block ``i`` (rows ``first + kp``) for samples ``cols``, read from
     ``buf_ref`` and stored into ``out_ref``; returns the block's shift (its children's max) per sample."""
     m, acc = _online_sum(i, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, C=C, M=M, Kp=Kp, Kc=Kc, KC=KC,
-                         alpha=alpha, precision=precision, prefetch=prefetch)
+                         alpha=alpha, precision=precision, prefetch=prefetch, span=span)
     safe = jnp.where(m == _NEG, 0.0, m)
     pos = acc > 0
     # an empty sum is -inf; a NaN child (a value out of range with validation off) stays NaN, never -inf
@@ -375,7 +424,7 @@ def forward_tile(i, first, kp, cols, cmask, ch_ref, pid_ref, w_ref, buf_ref, out
 
 
 def _fwd_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, *refs, C, M, Kp, Kc, KT, KC, BB, B, alpha, precision,
-                unit, prefetch, flat=None):
+                unit, prefetch, flat=None, span=1):
     out_ref, shift_ref = (refs[1], refs[2]) if unit else (refs[0], None)  # with shifts: (shifts in, buf, shifts)
     if flat is not None:  # ch_ref and pid_ref: a packed table array, the tables at off_ref[3] and off_ref[4]
         ch_ref, pid_ref = FlatTable(ch_ref, off_ref[3], flat), FlatTable(pid_ref, off_ref[4], flat[:2])
@@ -388,7 +437,7 @@ def _fwd_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, *refs, C, M, Kp, Kc, K
         cmask = cols < B
         kp = k * KT + jnp.arange(KT)
         m = forward_tile(i, off_ref[0] + i * Kp, kp, cols, cmask, ch_ref, pid_ref, w_ref, buf_ref, out_ref, C=C,
-                         M=M, Kp=Kp, Kc=Kc, KC=KC, alpha=alpha, precision=precision, prefetch=prefetch)
+                         M=M, Kp=Kp, Kc=Kc, KC=KC, alpha=alpha, precision=precision, prefetch=prefetch, span=span)
         if unit:  # the block's shift, the children's max, at shift row (first parent row) / unit
             plgpu.store(shift_ref.at[lax.div(off_ref[0] + i * Kp, jnp.int32(unit)), cols], m, mask=cmask & (k == 0))
 
@@ -418,7 +467,7 @@ def forward(buf: Array, ch: Array, pid: Array, w: Array, *, Kp: int, Kc: int, al
     flat = (n, C, M) if source is not None and out_offset is not None else None
     kernel = functools.partial(_fwd_kernel, C=None if dynamic else C, M=M, Kp=Kp, Kc=Kc, KT=KT, KC=KC, BB=BB, B=B,
                                alpha=float(alpha), precision=precision, unit=unit if keep else 0,
-                               prefetch=config.prefetch, flat=flat)
+                               prefetch=config.prefetch, flat=flat, span=forward_span(config, C, Kc))
     grid = block_grid(n, pl.cdiv(Kp, KT), pl.cdiv(B, BB))
     if out_offset is None:
         off = block_offsets(0, extent)
