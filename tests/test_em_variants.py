@@ -118,3 +118,28 @@ def test_hard_em_counts_viterbi_paths():
     np.testing.assert_allclose(np.asarray(c.get_node_params(new, trans)),
                                np.where(tc.sum(1, keepdims=True) > 0, tc / np.maximum(tc.sum(1, keepdims=True), 1),
                                         alpha), rtol=1e-5, atol=1e-6)
+
+
+def test_nodes_without_flow_keep_their_sum_parameters():
+    """EM's update moves a sum node only where its flows and the pseudocount carry mass: with the flows of one node
+    vector zeroed and no pseudocount its parameters stay, the others' are blended toward their normalized flows;
+    any pseudocount moves the zeroed ones toward uniform."""
+    c = jaxpc.compile(structures.PD((2, 4), 8, split_intervals=(1, 1), input_dist=distributions.Categorical(5)),
+                      seed=1)
+    x = np.random.default_rng(0).integers(0, 5, (6, 8)).astype(np.int32)
+    fl = c.flows(c.params, x)
+    sums = [ns for ns in c.nodes if ns.is_sum() and ns.source is ns and ns.num_nodes > 1]
+    zeroed, moved = sums[0], sums[-1]
+    assert zeroed is not moved and float(np.asarray(c.get_node_flows(fl, zeroed)).sum()) > 0
+    pl = c._struct.sum_placement[zeroed.id]
+    fl = {**fl, "sum": {**fl["sum"], pl.group: fl["sum"][pl.group].at[pl.start:pl.start + pl.num_edge_blocks].set(0)}}
+    for pc in (0.0, 0.3):
+        new = c.em_update(c.params, fl, step_size=0.5, pseudocount=pc)
+        old_z = np.asarray(c.get_node_params(c.params, zeroed), np.float64)
+        got_z = np.asarray(c.get_node_params(new, zeroed), np.float64)
+        want_z = old_z if pc == 0 else 0.5 * old_z + 0.5 / old_z.shape[1]
+        np.testing.assert_allclose(got_z, want_z, rtol=1e-5, atol=1e-6)
+        fm = np.asarray(c.get_node_flows(fl, moved), np.float64) + pc / c.get_node_params(c.params, moved).shape[1]
+        old_m = np.asarray(c.get_node_params(c.params, moved), np.float64)
+        want_m = 0.5 * old_m + 0.5 * fm / fm.sum(axis=1, keepdims=True)
+        np.testing.assert_allclose(np.asarray(c.get_node_params(new, moved)), want_m, rtol=1e-5, atol=1e-6)

@@ -152,7 +152,12 @@ def normalize_sum_params(layout: Layout, tables: dict, sum_counts: dict, pseudoc
     """``(counts + c / num_children) / (node total + c)`` per node, in linear space; nodes with no
     mass keep a uniform distribution over their children. ``keep`` (per group, bool like the counts)
     restricts each node to those children: the others get exactly zero and no pseudocount."""
-    out = {}
+    return _normalized(layout, tables, sum_counts, pseudocount, keep)[0]
+
+
+def _normalized(layout: Layout, tables: dict, sum_counts: dict, pseudocount, keep: dict | None) -> tuple[dict, dict]:
+    """:func:`normalize_sum_params` and each group's node totals ``[segments, Kp]`` (counts and pseudocount)."""
+    out, totals = {}, {}
     for g in layout.sum_groups:
         t = tables["groups"][g.key]
         seg = t["seg"]
@@ -171,7 +176,8 @@ def normalize_sum_params(layout: Layout, tables: dict, sum_counts: dict, pseudoc
         tot_e = tot[seg][:, :, None]
         uniform = 1.0 / nch if mask is None else jnp.where(mask, 1.0 / nch, 0.0)
         out[g.key] = jnp.where(tot_e > 0, counts / jnp.where(tot_e > 0, tot_e, 1.0), uniform)
-    return out
+        totals[g.key] = tot
+    return out, totals
 
 
 def em_update(layout: Layout, tables: dict, params: dict, flows: dict, step_size, pseudocount,
@@ -183,12 +189,16 @@ def em_update(layout: Layout, tables: dict, params: dict, flows: dict, step_size
     parameters that are exactly zero stay zero (no pseudocount on them)."""
     new_sum = {}
     keep = {g.key: jnp.isfinite(params["sum"][g.key]) for g in layout.sum_groups} if keep_zero_params else None
-    targets = normalize_sum_params(layout, tables, flows["sum"], pseudocount, keep)
+    targets, totals = _normalized(layout, tables, flows["sum"], pseudocount, keep)
     for g in layout.sum_groups if update_sums else ():
         t = tables["groups"][g.key]
         old = jnp.exp(params["sum"][g.key])
-        tot = jax.ops.segment_sum(jnp.sum(flows["sum"][g.key], axis=2), t["seg"], num_segments=g.num_segments)
-        has_mass = ((tot[t["seg"]] + pseudocount) > 0)[:, :, None]
+        if keep is None:  # the node totals of the counts and pseudocount: one pass over the flows, not two
+            tot = totals[g.key]
+        else:
+            tot = jax.ops.segment_sum(jnp.sum(flows["sum"][g.key], axis=2), t["seg"], num_segments=g.num_segments)
+            tot = tot + pseudocount
+        has_mass = (tot[t["seg"]] > 0)[:, :, None]
         new = jnp.where(has_mass, blend(old, targets[g.key], step_size), old)
         new_sum[g.key] = jnp.log(new)
     if not update_sums:
