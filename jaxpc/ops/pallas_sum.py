@@ -6,7 +6,8 @@ Kernels reading children straight out of the node buffer through the index table
 Weights enter as log-weights and are exponentiated per loaded tile (never the whole group).
 
 * ``forward``: per (parent block, node tile, batch tile): an online log-sum-exp over the child
-  blocks, ``acc = acc * exp(m_old - m_new) + W_c @ exp(x_c - m_new)``, then ``log(acc) + m``.
+  blocks, ``acc = acc * exp(m_old - m_new) + W_c @ exp(x_c - m_new)``, then ``log(acc) + m``
+  (``KernelConfig.span`` whole child blocks per step, gathered into one tile).
   With ``out_offset`` it writes the parents' rows of the node buffer in place (aliased output).
 * ``backward_parents``: (1) per (parent block, node tile, batch tile): recompute the max ``m`` and
   the local sum ``s`` (never ``exp(m - value)``, which loses ``|value| * eps``) and write ``a =
