@@ -4,13 +4,16 @@
     python benchmarks/pd_tiles.py [--latents 256] [--split-intervals 2,7] [--batch 1024] [--reps 10]
                                   [--configs 64:64:4,64:64:8,128:64:8] [--entry em_step]
                                   [--tunings fanin_group_batch=0,fanin_prefetch=0+fanin_order_batch=1024]
-                                  [--no-atomics] [--own-tables]
+                                  [--options fold_products=0] [--no-atomics] [--own-tables]
 
 A configuration ``bb:bk:warps`` sets ``KernelConfig(block_b=bb, block_k=bk, num_warps=warps)`` for the Pallas
 forward of every partition whose blocks have several child blocks (``impl="auto"``'s fan-in route) and for its
 one-kernel atomic backward: ``bb`` the batch tile both loop over, ``bk`` the forward's parent-node tile and the
 backward's child-node tile. A tuning ``field=value`` (several joined by ``+``) is a variant with those
-:class:`jaxpc.Tuning` fields set (e.g. the kernels' launch orders). Prints one line per variant: median ms of
+:class:`jaxpc.Tuning` fields set (e.g. the kernels' launch orders); an option ``field=value`` (several joined by ``+``)
+a variant with those :class:`jaxpc.Options` fields (ints; ``fold_products=0``: the full layout, each product's values
+written once to the node buffer and read from there by its parents, instead of the folded plan's sums of the
+products' child rows in every read). Prints one line per variant: median ms of
 ``--entry`` (``em_step`` or ``flows``) at ``--batch``, and the largest relative difference of its parameter flows
 from the default's. ``--no-atomics`` (a diagnostic: its flows are wrong) adds the default with the atomic
 backward's adds made plain stores, which tells what the atomic adds cost. ``--own-tables`` adds the default on each
@@ -21,6 +24,7 @@ what the padding's idle programs cost, against one kernel per partition shape.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -69,6 +73,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--configs", default="64:64:4,64:64:8,128:64:8,32:32:4")
     p.add_argument("--tunings", default="", help="variants of jaxpc.Tuning fields: a=1+b=0,c=2")
+    p.add_argument("--options", default="", help="variants of jaxpc.Options fields (ints): a=0+b=1,c=2")
     p.add_argument("--entry", default="em_step", choices=["em_step", "flows"])
     p.add_argument("--no-atomics", action="store_true",
                    help="diagnostic: also the default with the atomic backward's adds as plain stores (wrong flows)")
@@ -92,6 +97,11 @@ def main(argv=None):
                                                     for k in keys))
     for spec in filter(None, args.tunings.split(",")):
         variants[spec] = jaxpc.Options(tuning=tuning(spec))
+    kinds = {f.name: f.type for f in dataclasses.fields(jaxpc.Options)}
+    for spec in filter(None, args.options.split(",")):
+        fields = dict(kv.split("=", 1) for kv in spec.split("+"))
+        variants[spec] = jaxpc.Options(**{k: bool(int(v)) if kinds[k] in (bool, "bool") else int(v)
+                                          for k, v in fields.items()})
     if args.no_atomics:  # a distinct Options value, so that its executable is compiled after the patch
         variants["no-atomics"] = jaxpc.Options(tuning=jaxpc.Tuning(leaf_batch=jaxpc.Tuning().leaf_batch + 1))
     if args.own_tables:
