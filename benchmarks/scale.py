@@ -42,7 +42,10 @@ largest with the node buffer ``[rows, B]`` under 2^31 elements (``index_cap``: P
 32-bit offsets and fail with an illegal memory access past it; jaxpc's kernels then give way to XLA's sum layers,
 slower and slow to compile), found by trying down from an estimate of the memory per sample (``--start-batch``
 overrides it) and catching the out-of-memory error; after a failure the next try is scaled by the memory the
-failed allocation asked for, and at least halved.
+failed allocation asked for, and at least halved. Each system's rows are its own: PyJuice's nodes and product
+elements, jaxpc's folded plan's rows (:func:`jaxpc_rows`: input and sum nodes, the products never stored), so a
+PD's jaxpc batch may be several times PyJuice's. ``--shared-cap`` caps jaxpc as if it stored its product nodes too
+(the batches of the runs up to 2026-12-03).
 
 Columns: ``edges`` sum + product edges (PyJuice's count from its own DAG; README: PyJuice's published count); ``B``
 the batch used; ``s/epoch`` mean seconds of the timed epochs (``--epochs`` of them, fewer when they would pass
@@ -169,6 +172,12 @@ def index_cap(rows: int) -> int:
     return _pow2_floor((2**31 - 1) / max(rows, 1))
 
 
+def jaxpc_rows(circuit) -> int:
+    """Rows of the node buffer that jaxpc's default call runs on: the folded plan's (input and sum nodes and the
+    padding; products are summed from their children's rows in each read, never stored), else the layout's."""
+    return (circuit.layout.fold or circuit.layout).num_rows
+
+
 def search(row: dict, try_batch, start: int, args, free_now, log, emit):
     """:func:`largest_batch` with its outcome in ``row``: ``(B, result)``, B None (and ``row`` emitted with the
     error "OOM") when no batch fits."""
@@ -251,9 +260,11 @@ def child_jaxpc(args, name: str, emit) -> None:
     nparams = sum(a.size for a in jax.tree_util.tree_leaves(c.params))
     # per sample: node values and their flows, with room for the layers' temporaries; fixed: parameters, flows,
     # the updated parameters and the EM temporaries
-    per_sample = args.bytes_per_node * (counts["nodes"] + counts["prod_nodes"])
+    rows = counts["nodes"] + counts["prod_nodes"] if args.shared_cap else jaxpc_rows(c)
+    per_sample = args.bytes_per_node * rows
     start = args.start_batch or min(start_batch(n, per_sample, free_now() - 16 * nparams, optimism),
-                                    index_cap(counts["nodes"] + counts["prod_nodes"]), args.max_batch)
+                                    index_cap(rows), args.max_batch)
+    row.update(buffer_rows=rows)
 
     try:  # a user's first EM step at the estimated batch, before anything else compiles: em_step's executable
         t = time.perf_counter()
@@ -521,6 +532,8 @@ def main(argv=None):
     p.add_argument("--max-batch", type=int, default=60_000,
                    help="largest batch to try (beside the 32-bit node-buffer cap, see index_cap)")
     p.add_argument("--min-batch", type=int, default=2, help="smallest batch to try before reporting OOM")
+    p.add_argument("--shared-cap", action="store_true",
+                   help="cap jaxpc's batch as if its node buffer held its product nodes too (PyJuice's rows)")
     p.add_argument("--optimism", type=float, default=2.0,
                    help="the first try on a GPU is this many times the estimated batch that fits")
     p.add_argument("--bytes-per-node", type=float, default=16.0,
