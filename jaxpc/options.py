@@ -88,7 +88,8 @@ class Tuning:
             H200, PD-128's forward at batch 16 took 0.93 ms with it and 0.56 without (two calls), at 128 / 512
             1.05 / 2.59 with it against 1.11 / 2.63 (the session before).
         fanin_forward_span: child blocks per step of that forward's loop over the children
-            (``KernelConfig.span``, a power of two; blocks of a power-of-two size): one running max, one rescale
+            (``KernelConfig.span``, a power of two; blocks of a power-of-two size, at most 64 child nodes a step:
+            :func:`jaxpc.ops.pallas_sum.forward_span`): one running max, one rescale
             and one product per ``span`` blocks, their loads in flight together; 1: one block per step. On the
             H200, PD-128's flows at batch 16 / 128 / 512 took 1.37 / 2.50 / 7.18 ms with two blocks per step against
             1.47 / 2.65 / 7.27 with one; a PD-256's ``em_step`` at batch 1,024 62.6 ms with two, 65.0 with four,

@@ -644,6 +644,10 @@ def test_padded_tables_run_the_real_blocks_only():
             np.testing.assert_array_equal(np.asarray(got_m), np.asarray(want_m))
     with pytest.raises(ValueError, match="span must be a power of two"):
         pallas_sum.forward(vals, ch, pid, logw, **kw, config=pallas_sum.KernelConfig(span=3))
+    span = lambda s, C, Kc: pallas_sum.forward_span(pallas_sum.KernelConfig(span=s), C, Kc)  # noqa: E731
+    # up to the fan-in and to SPAN_NODES (64) child nodes a step, whole blocks of a power-of-two size only
+    assert (span(4, 8, 32), span(4, 8, 16), span(4, 3, 8), span(2, 1, 32), span(2, 8, 64), span(2, 8, 24)) == \
+        (2, 4, 4, 1, 1, 1)
     fl = jnp.asarray(np.abs(rng.normal(size=(R, B))), jnp.float32)
     bkw = dict(Kp=Kp, Kc=Kc, unit=Kp, first_row=first, precision="tf32")
     want_f, want_pf = whole(pallas_sum.backward_atomic)(want, fl, want_m, off, ch, pid, logw, **bkw)
