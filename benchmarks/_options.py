@@ -10,12 +10,22 @@ import jaxpc
 def tuning(spec: str) -> jaxpc.Tuning:
     """A :class:`jaxpc.Tuning` from ``field=value`` pairs joined by ``+``; ``xla.<option>=<value>`` pairs go into
     ``Tuning.compiler_options`` (``true`` / ``false`` / an int / a string)."""
-    kinds = {f.name: f.type for f in dataclasses.fields(jaxpc.Tuning)}
     fields = dict(kv.split("=", 1) for kv in spec.split("+"))
     xla = tuple((k[4:], xla_value(v)) for k, v in fields.items() if k.startswith("xla."))
-    kw = {k: bool(int(v)) if kinds[k] in (bool, "bool") else int(v) for k, v in fields.items()
-          if not k.startswith("xla.")}
+    kw = int_fields(jaxpc.Tuning, {k: v for k, v in fields.items() if not k.startswith("xla.")})
     return jaxpc.Tuning(**kw, **({"compiler_options": xla} if xla else {}))
+
+
+def options(spec: str) -> jaxpc.Options:
+    """A :class:`jaxpc.Options` from ``field=value`` pairs joined by ``+`` (bool and int fields)."""
+    return jaxpc.Options(**int_fields(jaxpc.Options, dict(kv.split("=", 1) for kv in spec.split("+"))))
+
+
+def int_fields(cls, fields: dict) -> dict:
+    """``fields`` (names to spellings) of dataclass ``cls`` as values: ``0`` / ``1`` for its bool fields, ints for
+    the rest."""
+    kinds = {f.name: f.type for f in dataclasses.fields(cls)}
+    return {k: bool(int(v)) if kinds[k] in (bool, "bool") else int(v) for k, v in fields.items()}
 
 
 def xla_value(v: str):

@@ -24,7 +24,6 @@ what the padding's idle programs cost, against one kernel per partition shape.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -37,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jaxpc  # noqa: E402
 from _data import blurred_noise_images  # noqa: E402
-from _options import tuning  # noqa: E402
+from _options import options, tuning  # noqa: E402
 from jaxpc import autotune, distributions, structures  # noqa: E402
 from jaxpc.engine import routing  # noqa: E402
 
@@ -97,11 +96,8 @@ def main(argv=None):
                                                     for k in keys))
     for spec in filter(None, args.tunings.split(",")):
         variants[spec] = jaxpc.Options(tuning=tuning(spec))
-    kinds = {f.name: f.type for f in dataclasses.fields(jaxpc.Options)}
     for spec in filter(None, args.options.split(",")):
-        fields = dict(kv.split("=", 1) for kv in spec.split("+"))
-        variants[spec] = jaxpc.Options(**{k: bool(int(v)) if kinds[k] in (bool, "bool") else int(v)
-                                          for k, v in fields.items()})
+        variants[spec] = options(spec)
     if args.no_atomics:  # a distinct Options value, so that its executable is compiled after the patch
         variants["no-atomics"] = jaxpc.Options(tuning=jaxpc.Tuning(leaf_batch=jaxpc.Tuning().leaf_batch + 1))
     if args.own_tables:
