@@ -10,6 +10,7 @@ and partial evaluation read their routes here, so that each decision is taken by
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from typing import Final
@@ -353,17 +354,16 @@ def kernel_source(t: dict, impl: str, packed):
     return table_places.kernel_source(t, packed, _kernel_table_names(t, impl)[:2])
 
 
-def forward_prefetch(options, part, B: int, impl: str) -> bool:
-    """Whether the in-place Pallas forward of sum partition ``part`` prefetches its next child chunk at batch ``B``
-    (``Tuning.fanin_forward_prefetch_batch``): fan-ins of several child blocks, not on jax-triton's kernels."""
-    return (0 < options.tuning.fanin_forward_prefetch_batch <= B and part.C > 1 and not part.dense
-            and impl != "triton")
-
-
-def forward_span(options, part, impl: str) -> int:
-    """Child blocks per step of the in-place Pallas forward of sum partition ``part`` (``Tuning.fanin_forward_span``,
-    :attr:`jaxpc.ops.pallas_sum.KernelConfig.span`): fan-ins of several child blocks, not on jax-triton's kernels."""
-    return options.tuning.fanin_forward_span if part.C > 1 and not part.dense and impl != "triton" else 1
+def fanin_forward_config(options, part, B: int, impl: str, config):
+    """``config`` (the in-place forward's tiles) for sum partition ``part`` at batch ``B``: a fan-in of several
+    child blocks on Pallas's kernel (not jax-triton's) prefetches its next child chunk from
+    ``Tuning.fanin_forward_prefetch_batch`` samples on and takes ``Tuning.fanin_forward_span`` child blocks per
+    step (:attr:`jaxpc.ops.pallas_sum.KernelConfig.span`); other partitions keep ``config``."""
+    if part.C < 2 or part.dense or impl == "triton":
+        return config
+    tuning = options.tuning
+    return dataclasses.replace(config, prefetch=config.prefetch or 0 < tuning.fanin_forward_prefetch_batch <= B,
+                               span=tuning.fanin_forward_span)
 
 
 def atomic_backward(options, part, values: Array) -> bool:

@@ -8,8 +8,6 @@ partial evaluation run too. The routes come from :mod:`jaxpc.engine.routing`.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -167,11 +165,8 @@ def _inplace_sums(buf: Array, inplace: list, sum_params: dict, options, index, s
             ch, pid, _, extent = routing.kernel_tables(t, part, impl)
             source = routing.kernel_source(t, impl, packed)
             # tiles from the (class-padded) table's block count: a class's partitions share one kernel
-            config = kernels.forward_config(ch.shape[0], part.Kp, buf.shape[1], cfg)
-            if routing.forward_prefetch(options, part, buf.shape[1], impl):
-                config = dataclasses.replace(config, prefetch=True)
-            if (span := routing.forward_span(options, part, impl)) > 1:
-                config = dataclasses.replace(config, span=span)
+            config = routing.fanin_forward_config(options, part, buf.shape[1], impl,
+                                                  kernels.forward_config(ch.shape[0], part.Kp, buf.shape[1], cfg))
             kw = dict(Kp=part.Kp, Kc=part.Kc, alpha=a, precision=options.concrete_precision, config=config,
                       out_offset=r, **extent, **({"source": source} if source is not None else {}))
             if shifts is not None and routing.writes_shift(options, part, buf):

@@ -226,9 +226,10 @@ def _load_child(buf_ref, ch_ref, i, c, kc, cols, cmask, *, M, Kc):
     return _load_rows(buf_ref, [ch_ref[i, c, m] for m in range(M)], kc, cols, cmask, Kc)
 
 
-def _load_rows(buf_ref, starts, kc, cols, cmask, Kc):
-    """The sum of the row blocks that begin at ``starts`` (a folded child's), nodes ``kc``: ``[len(kc), BB]``."""
-    rmask = kc < Kc
+def _load_rows(buf_ref, starts, kc, cols, cmask, Kc, valid=True):
+    """The sum of the row blocks that begin at ``starts`` (a folded child's; scalars, or a start per node), nodes
+    ``kc``: ``[len(kc), BB]`` (``-inf`` where masked; ``valid``: a further mask per node)."""
+    rmask = (kc < Kc) & valid
     x = _load_tile(buf_ref, starts[0] + kc, cols, rmask, cmask, _NEG)
     for r0 in starts[1:]:
         x = x + _load_tile(buf_ref, r0 + kc, cols, rmask, cmask, 0.0)
@@ -236,7 +237,8 @@ def _load_rows(buf_ref, starts, kc, cols, cmask, Kc):
 
 
 def _load_w(w_ref, p, kp, kc, Kp, Kc, alpha, valid=True):
-    """``exp(alpha * log w)`` of the ``[len(kp), len(kc)]`` tile of weight block ``p`` (0 where masked)."""
+    """``exp(alpha * log w)`` of the ``[len(kp), len(kc)]`` tile of weight block ``p`` (a scalar, or ``[1,
+    len(kc)]``: a block per child node; 0 where masked, ``valid`` a scalar or per child node)."""
     mask = (kp[:, None] < Kp) & (kc[None, :] < Kc) & valid
     return jnp.exp(alpha * plgpu.load(w_ref.at[p, kp[:, None], kc[None, :]], mask=mask, other=_NEG))
 
@@ -303,15 +305,8 @@ def _span_tiles(i, s, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, live, *,
     c = s * span + lax.div(j, jnp.int32(Kc))
     r = lax.rem(j, jnp.int32(Kc))
     valid = (c < C) & live
-    pmask = kp < Kp
-    x = None
-    for m in range(M):
-        rows = _table_vec(ch_ref, (i, c, m), valid) + r
-        t = _load_tile(buf_ref, rows, cols, valid, cmask, _NEG if m == 0 else 0.0)
-        x = t if x is None else x + t
-    p = _table_vec(pid_ref, (i, c), valid)
-    w = plgpu.load(w_ref.at[p[None, :], kp[:, None], r[None, :]], mask=pmask[:, None] & valid[None, :], other=_NEG)
-    return x, jnp.exp(alpha * w)
+    x = _load_rows(buf_ref, [_table_vec(ch_ref, (i, c, m), valid) for m in range(M)], r, cols, cmask, Kc, valid)
+    return x, _load_w(w_ref, _table_vec(pid_ref, (i, c), valid)[None, :], kp, r, Kp, Kc, alpha, valid)
 
 
 def tables3(ch: Array) -> Array:
