@@ -755,22 +755,30 @@ def test_leaf_kernel_matches_exact_expected_counts(monkeypatch, seed, fold):
 def test_buffers_past_int32_offsets_run_on_xla(monkeypatch, pallas_forward_calls):
     """The Pallas kernels address the node buffer with int32 offsets. From 2^31 elements (lowered here to this
     circuit's buffer at the batch) ``impl="auto"`` runs every layer on XLA with the same answers, and an explicit
-    Pallas ``impl`` is refused, naming the sizes; below it the kernels run."""
+    Pallas ``impl`` is refused, naming the sizes; below it the kernels run. The limit counts the rows of the buffer
+    the call runs on: the folded plan's for the flow pass, the layout's (products stored) for the plain forward."""
     data = np.random.default_rng(5).integers(0, 4, (200, 7))
     root = structures.HCLT(data, 4, input_dist=distributions.Categorical(num_cats=4))
     x = data[:B].astype(np.int32)
     c = jaxpc.compile(root, seed=2)
     ref = c.flows(c.params, x, options=jaxpc.Options(impl="xla"), return_ll=True)
-    rows = max(c.layout.num_rows, c.layout.fold.num_rows)
+    rows, full = c.layout.fold.num_rows, c.layout.num_rows
+    assert rows < full
     monkeypatch.setattr(routing, "INT32_ELEMENTS", rows * B)
     got = c.flows(c.params, x, return_ll=True)
     assert not pallas_forward_calls
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="int32 offsets"):
+    with pytest.raises(ValueError, match=f"node buffer of {rows:,} rows"):
         c.log_prob(c.params, x, options=jaxpc.Options(impl="pallas"))
+    # between the two plans' sizes: the flow pass (folded) keeps its kernels, the full layout's forward refuses them
     monkeypatch.setattr(routing, "INT32_ELEMENTS", rows * B + 1)
     small = jaxpc.compile(root, seed=2)
+    assert routing.within_int32(small.layout, jaxpc.Options(), B) == jaxpc.Options()
+    assert routing.within_int32(small.layout, jaxpc.Options(backward="autodiff"), B).impl == "xla"
+    assert routing.within_int32(small.layout, jaxpc.Options(logspace_flows=True), B).impl == "xla"
+    with pytest.raises(ValueError, match=f"node buffer of {full:,} rows"):
+        small.log_prob(small.params, x, options=jaxpc.Options(impl="pallas", backward="autodiff"))
     small.flows(small.params, x, return_ll=True)
     assert pallas_forward_calls
 

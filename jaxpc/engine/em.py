@@ -31,7 +31,7 @@ def flows_and_ll(layout: Layout, tables: dict, params: dict, x: Array, missing: 
     ``evidence``, a pytree like it with None for its integer leaves (top-k ids).
     ``options.logspace_flows``: every flow a logarithm (:func:`jaxpc.engine.logflows.flows_and_ll`);
     ``options.node_flows``: the flows also hold the M-step's denominators under ``"node"``."""
-    options = routing.within_int32(layout, options, x.shape[0])
+    options = routing.within_int32(layout, options, x.shape[0], evidence)
     if options.logspace_flows:
         if evidence_grad:
             raise ValueError("logspace_flows=True computes flows only: the evidence gradient comes with linear "

@@ -115,7 +115,7 @@ def leaf_values(layout: Layout, tables: dict, params: dict, x: Array, missing: A
 def node_values(layout: Layout, tables: dict, params: dict, x: Array, missing: Array | None, options,
                 soft: Array | None = None, evidence: dict | None = None) -> Array:
     """The whole node buffer ``[R, B]`` (plain forward)."""
-    options = routing.within_int32(layout, options, x.shape[0])
+    options = routing.within_int32(layout, options, x.shape[0], rows=layout.num_rows)
     vals = input_values(layout, tables, params, x, missing, options, soft, evidence)
     return stages.forward_buffer(layout, tables, params["sum"], vals, options, evidence)
 
@@ -151,6 +151,6 @@ def evaluate(layout: Layout, tables: dict, sum_params: dict, input_vals, options
 def log_prob(layout: Layout, tables: dict, params: dict, x: Array, missing: Array | None, options,
              soft: Array | None = None, evidence: dict | None = None) -> Array:
     """Root log-value per sample, ``[B]``."""
-    options = routing.within_int32(layout, options, x.shape[0])
+    options = routing.within_int32(layout, options, x.shape[0], evidence)
     vals = leaf_values(layout, tables, params, x, missing, options, soft, evidence)
     return evaluate(layout, tables, params["sum"], vals, options, evidence)

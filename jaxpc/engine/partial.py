@@ -24,7 +24,7 @@ def partial_values(layout: Layout, plan, plan_tables: dict, params: dict, x: Arr
     mt = forward.missing_t(missing)
     buf = values
     # the tuned routes name the full plan's partitions, not these; a buffer past int32 offsets runs on XLA
-    untuned = routing.within_int32(layout, options.replace(kernels=()), values.shape[1])
+    untuned = routing.within_int32(layout, options.replace(kernels=()), values.shape[1], rows=values.shape[0])
     for pin, tab in zip(plan.inputs, plan_tables["inputs"]):
         spec = layout.input_layers[pin.layer]
         xv = xt[tab["vars"]]

@@ -84,12 +84,22 @@ def buffer_plan(layout: Layout, options) -> Layout:
 INT32_ELEMENTS: Final = 2**31  # the Pallas kernels address the node buffer with int32 offsets
 
 
-def within_int32(layout: Layout, options, batch: int):
-    """``options`` for a call of ``batch`` samples: where the node buffer (the larger of the layout's and the folded
-    plan's, ``[rows, batch]``) reaches :data:`INT32_ELEMENTS` elements, which the Pallas kernels' int32 offsets
-    cannot address, every layer runs on XLA (64-bit indexing): ``impl="auto"`` and tuned kernels fall back, and an
-    explicit Pallas ``impl`` is refused with the sizes (a 2B-edge PD's 1.4M rows at a batch of 1,536 and more)."""
-    rows = max(layout.num_rows, layout.fold.num_rows if layout.fold is not None else 0)
+def buffer_rows(layout: Layout, options, evidence: dict | None = None) -> int:
+    """Rows of the node buffer that a call with ``options`` runs on: the flow pass's plan (:func:`buffer_plan`, the
+    folded one by default) where :func:`runs_node_buffer`, else the layout's (the plain forward, autodiff, per-sample
+    sum parameters, log-space flows, chains)."""
+    if runs_node_buffer(layout, options, evidence) and not options.logspace_flows:
+        return buffer_plan(layout, options).num_rows
+    return layout.num_rows
+
+
+def within_int32(layout: Layout, options, batch: int, evidence: dict | None = None, rows: int | None = None):
+    """``options`` for a call of ``batch`` samples: where the node buffer the call runs on (``rows`` rows, by default
+    :func:`buffer_rows`) reaches :data:`INT32_ELEMENTS` elements, which the Pallas kernels' int32 offsets cannot
+    address, every layer runs on XLA (64-bit indexing): ``impl="auto"`` and tuned kernels fall back, and an explicit
+    Pallas ``impl`` is refused with the sizes (a 2B-edge PD's folded plan of 1.4M rows at a batch of 1,536 and
+    more)."""
+    rows = buffer_rows(layout, options, evidence) if rows is None else rows
     if rows * batch < INT32_ELEMENTS or (options.impl == "xla" and not options.kernels and not options.leaf_kernel):
         return options
     if options.impl in KERNEL_IMPLS:
