@@ -42,10 +42,12 @@ largest with the node buffer ``[rows, B]`` under 2^31 elements (``index_cap``: P
 32-bit offsets and fail with an illegal memory access past it; jaxpc's kernels then give way to XLA's sum layers,
 slower and slow to compile), found by trying down from an estimate of the memory per sample (``--start-batch``
 overrides it) and catching the out-of-memory error; after a failure the next try is scaled by the memory the
-failed allocation asked for, and at least halved. Each system's rows are its own: PyJuice's nodes and product
-elements, jaxpc's folded plan's rows (:func:`jaxpc_rows`: input and sum nodes, the products never stored), so a
-PD's jaxpc batch may be several times PyJuice's. ``--shared-cap`` caps jaxpc as if it stored its product nodes too
-(the batches of the runs up to 2026-12-03).
+failed allocation asked for, and at least halved. Both systems' caps count PyJuice's rows (its nodes and product
+elements), so that they train at the same batch and take as many EM steps per epoch. ``--own-cap`` caps jaxpc by
+its own rows instead, its folded plan's (:func:`jaxpc_rows`: input and sum nodes, the products never stored): a
+PD's jaxpc batch then goes up to 4x PyJuice's, and on the H200 its epochs took longer there (``pd3`` 4.00 s at B =
+4,096 against 3.62 at 1,024, ``pd4`` 15.53 at 2,048 against 14.78 at 512, ``pd5`` 35.42 at 1,024 against 35.26 at
+256). ``--tuning field=value+...``: jaxpc's calls with ``Options(tuning=Tuning(...))``.
 
 Columns: ``edges`` sum + product edges (PyJuice's count from its own DAG; README: PyJuice's published count); ``B``
 the batch used; ``s/epoch`` mean seconds of the timed epochs (``--epochs`` of them, fewer when they would pass
@@ -221,12 +223,16 @@ def child_jaxpc(args, name: str, emit) -> None:
     import jax.numpy as jnp
 
     import jaxpc
+    from _options import tuning
     from jaxpc import distributions, optim, structures
     from jaxpc.nodes import topological_order
 
     spec, log = SPECS[name], _log(name, "jaxpc")
     dev = jax.devices()[0]
     row = dict(system="jaxpc", structure=name, device=dev.device_kind, version=jax.__version__)
+    em = dict(EM, options=jaxpc.Options(tuning=tuning(args.tuning))) if args.tuning else EM
+    if args.tuning:
+        row.update(tuning=args.tuning)
     data = images(args)
     cat = distributions.Categorical(num_cats=256)
     t0 = time.perf_counter()
@@ -260,7 +266,7 @@ def child_jaxpc(args, name: str, emit) -> None:
     nparams = sum(a.size for a in jax.tree_util.tree_leaves(c.params))
     # per sample: node values and their flows, with room for the layers' temporaries; fixed: parameters, flows,
     # the updated parameters and the EM temporaries
-    rows = counts["nodes"] + counts["prod_nodes"] if args.shared_cap else jaxpc_rows(c)
+    rows = jaxpc_rows(c) if args.own_cap else counts["nodes"] + counts["prod_nodes"]
     per_sample = args.bytes_per_node * rows
     start = args.start_batch or min(start_batch(n, per_sample, free_now() - 16 * nparams, optimism),
                                     index_cap(rows), args.max_batch)
@@ -268,7 +274,7 @@ def child_jaxpc(args, name: str, emit) -> None:
 
     try:  # a user's first EM step at the estimated batch, before anything else compiles: em_step's executable
         t = time.perf_counter()
-        jax.block_until_ready(c.em_step(c.params, x[:start], **EM))
+        jax.block_until_ready(c.em_step(c.params, x[:start], **em))
         row.update(first_step_s=time.perf_counter() - t, first_step_B=start)
         log(f"first em_step at B={start}: {row['first_step_s']:.1f} s")
     except Exception as e:  # noqa: BLE001 - out of memory at the estimate: the search below finds the batch
@@ -280,7 +286,7 @@ def child_jaxpc(args, name: str, emit) -> None:
         before = c.cache_info().compile_seconds
         t = time.perf_counter()
         try:
-            res = optim.fit(c, c.params, x, 1, B, **EM, progress=False)
+            res = optim.fit(c, c.params, x, 1, B, **em, progress=False)
             jax.block_until_ready(res.params)
         except Exception as e:  # noqa: BLE001 - only an out-of-memory error is a verdict on B
             msg = str(e)
@@ -308,7 +314,7 @@ def child_jaxpc(args, name: str, emit) -> None:
     epoch_s = max(first_s - xla_s, 1e-3)  # the first call's epoch, compiling aside
     while len(times) < max(args.epochs, 1) and (not times or sum(times) + epoch_s <= args.max_timed_s):
         t = time.perf_counter()
-        res = optim.fit(c, params, x, 1, B, **EM, progress=False, start_epoch=1 + len(times))
+        res = optim.fit(c, params, x, 1, B, **em, progress=False, start_epoch=1 + len(times))
         jax.block_until_ready(res.params)
         times.append(time.perf_counter() - t)
         params = res.params
@@ -532,8 +538,9 @@ def main(argv=None):
     p.add_argument("--max-batch", type=int, default=60_000,
                    help="largest batch to try (beside the 32-bit node-buffer cap, see index_cap)")
     p.add_argument("--min-batch", type=int, default=2, help="smallest batch to try before reporting OOM")
-    p.add_argument("--shared-cap", action="store_true",
-                   help="cap jaxpc's batch as if its node buffer held its product nodes too (PyJuice's rows)")
+    p.add_argument("--own-cap", action="store_true",
+                   help="cap jaxpc's batch by its own node buffer's rows (the folded plan's), not PyJuice's")
+    p.add_argument("--tuning", default="", help="jaxpc's calls with Options(tuning=Tuning(...)): a=1+b=0")
     p.add_argument("--optimism", type=float, default=2.0,
                    help="the first try on a GPU is this many times the estimated batch that fits")
     p.add_argument("--bytes-per-node", type=float, default=16.0,
