@@ -193,6 +193,7 @@ def test_tune_circuit_keeps_the_default_when_the_whole_step_is_not_faster(monkey
     assert opts.kernels and all(ch == cand for _, ch in opts.kernels)
 
 
+@pytest.mark.slow
 def test_tune_circuit_starts_from_the_auto_choice(monkeypatch):
     """With the GPU rule on, a partition's heuristic is the route impl="auto" takes (the Pallas forward with the
     default configuration at a small batch, run in interpret mode here): the XLA path has to beat it, and

@@ -155,6 +155,7 @@ def test_default_precision_follows_jax():
     assert resolve_precision("bf16") == "bf16"
 
 
+@pytest.mark.slow
 def test_changing_jax_matmul_precision_does_not_replay_an_executable():
     c = jaxpc.compile(structures.HCLT(_data(50, seed=1), 4, input_dist=distributions.Categorical(5)))
     x = jnp.asarray(_data(8, seed=2))

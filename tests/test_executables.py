@@ -190,7 +190,7 @@ def _sum_evidence(c, B, seed):
 
 
 @pytest.mark.parametrize("evidence", [False, True])
-@pytest.mark.parametrize("sizes", [(32, 16), (30, 13)])
+@pytest.mark.parametrize("sizes", cases([(32, 16), (30, 13)], fast=[(32, 16)]))
 def test_batch_32_16_32_flows_equal_fresh(evidence, sizes):
     """Batches of 32, 16 and 32 rows (and 30, 13, 30: padded to those buckets) through one circuit's cache (with
     gate and LowRank evidence or none): the third call's flows and LL equal a fresh circuit's, bit for bit."""
@@ -681,6 +681,7 @@ def test_quick_first_compile_is_replaced_by_the_optimized_one(quick_store):
     _same(again.log_prob(again.params, x), ref)
 
 
+@pytest.mark.slow
 def test_the_optimized_compile_runs_the_scanned_stages_unrolled(quick_store):
     """The quick compile keeps the stages that ``jaxpc.compile`` grouped into scans (XLA while loops); the
     optimized one that replaces it traces them unrolled (``Tuning.unroll_optimized``) at the key's next call (or
@@ -773,7 +774,8 @@ def test_no_quick_compile_where_the_options_say_so(quick_store):
     _same(got, _hmm().log_prob(_hmm().params, x))
 
 
-@pytest.mark.parametrize("structure", ["hmm", pytest.param("hclt", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("structure", ["hmm", "hclt"])
 def test_a_process_that_ends_during_the_optimized_compile_waits_and_stores_it(tmp_path, structure):
     """A script that ends right after its first call (the optimized compile still running on its thread, made
     slow here; for an HCLT with scanned levels, not traced yet) exits cleanly after that compile, which it

@@ -178,7 +178,8 @@ def check_exp_equal(lin, lg, rtol=2e-4, atol=1e-6):
         np.testing.assert_allclose(np.exp(v), u, rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("name", cases(["hmm", "hclt", "pd"], fast=["hmm"]))
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["hmm", "hclt", "pd"])
 def test_log_flows_on_structures(name):
     """On the structures' layouts (an HMM's chain, whose linear flows come from the forward-backward scan; a tree;
     a PD's fan-ins) with soft evidence on an HMM, the log pass in pieces of one parent block (``gather_chunk=1``:

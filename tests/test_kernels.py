@@ -534,7 +534,7 @@ ATOMIC = [(16, 16, 6, 3, 2, 20), (8, 32, 5, 4, 1, 70), (32, 8, 3, 2, 3, 9)]
 
 
 @pytest.mark.parametrize("shape", cases(ATOMIC, fast=ATOMIC[:1]), ids=lambda s: "Kp{}-Kc{}-n{}-C{}-M{}-B{}".format(*s))
-@pytest.mark.parametrize("propagation", ["LL", "GeneralLL"])
+@pytest.mark.parametrize("propagation", cases(["LL", "GeneralLL"], fast=["LL"]))
 def test_fanin_backward_atomic_matches_reference(shape, propagation):
     """The one-kernel backward of a fan-in partition (the kept shifts read, local sums from the stored values, the
     child flows added to rows that several parent blocks share) against the XLA reference at tf32 (exact on a CPU):
@@ -599,6 +599,7 @@ def test_fanin_backward_atomic_matches_reference(shape, propagation):
         pallas_sum.backward_atomic(vals, fl, shifts, off, tab, jnp.asarray(pid), logw, **{**kw, "Kp": 128})
 
 
+@pytest.mark.slow
 def test_padded_tables_run_the_real_blocks_only():
     """Tables padded to a kernel class's shape (:func:`jaxpc.compiler.compile.shared_kernel_tables`: more parent blocks
     and children) with the partition's own ``blocks`` and ``fanin``: the in-place forward writes the real blocks' rows

@@ -190,7 +190,8 @@ def _misses(circuit):
     return circuit.cache_info().misses
 
 
-@pytest.mark.parametrize("kind", cases(["dense", "topk"], fast=["topk"]))
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dense", "topk"])
 def test_evidence_flows_and_em_step_equal_one_device(soft_hmm, kind):
     """Evidence is split over the mesh with the batch and padded with it (30 rows on 4 devices: bucket 32), and
     two batch sizes of one bucket share one executable."""
@@ -235,6 +236,7 @@ def test_evidence_is_checked_like_circuit_flows(soft_hmm):
         parallel.split_batch(circuit, x, num_devices=0)
 
 
+@pytest.mark.slow
 def test_compile_after_fallback_pads_the_evidence(soft_hmm):
     """With compile_after=2 an early sighting of a small bucket runs on the live executable of a larger one: its
     evidence is padded with the batch. On 3 devices the larger bucket is a multiple of 3 (33 rows), not 32."""

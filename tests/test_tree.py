@@ -14,7 +14,7 @@ from jaxpc.engine import routing
 
 from . import oracle
 from .test_levels import CAT, tree_circuit
-from .tiers import slow
+from .tiers import cases, slow
 
 LEVELS = jaxpc.Options(fold_products=True, impl="pallas")  # the default: the Pallas kernels, one level at a time
 PALLAS = LEVELS.replace(tuning=jaxpc.Tuning(tree_kernel_batch=64))  # the tree's levels on the persistent kernels
@@ -68,7 +68,7 @@ def test_no_tree_without_a_run_of_levels():
     assert c.layout.fold.tree is None
 
 
-@pytest.mark.parametrize("batch,precision", [(8, "fp32"), (33, "tf32")])
+@pytest.mark.parametrize("batch,precision", cases([(8, "fp32"), (33, "tf32")], fast=[(8, "fp32")], unpack=True))
 def test_flows_and_ll_on_the_tree_kernels_match_the_oracle(deep, batch, precision):
     """With missing values and per-sample weights; fp32 recomputes the local sums, tf32's route takes them from the
     stored values (exact on a CPU). 33 samples: a batch tile of 64 with padding."""
@@ -99,6 +99,7 @@ def test_the_tree_kernels_run_one_launch_each_way(deep):
     assert "jaxpc_tree" not in text
 
 
+@slow
 def test_flow_variants_equal_the_per_level_kernels(deep):
     """Without parameter flows (the backward's other mode) and with the batched parameter-flow pass forced (which
     leaves the tree's group to the kernel). The default flows: the oracle test above; an EM step reads them."""
