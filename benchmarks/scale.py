@@ -1,9 +1,10 @@
 """PyJuice's runtime table side by side: seconds per training epoch of 60,000 samples on PD and HCLT
-circuits of growing size, each system at the largest batch that fits, on one GPU.
+circuits of growing size, each system at the largest batch that fits under one cap for both, on one GPU.
 
     python benchmarks/scale.py [--structures pd1,...,pd5,hclt1,...,hclt5] [--systems jaxpc,pyjuice]
                                [--epoch-samples 60000] [--epochs 2] [--max-timed-s 60] [--start-batch B]
                                [--images-npy imgs.npy] [--budget-s 570] [--child-timeout 560] [--json out.json]
+                               [--own-cap] [--tuning field=value+...]
     python benchmarks/scale.py --merge a.json,b.json       # one table from several runs
 
 On the H200 (one command may run 10 minutes: split the sizes over calls, then merge; the PyJuice 2.6.3 wheel
