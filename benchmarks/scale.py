@@ -231,8 +231,9 @@ def child_jaxpc(args, name: str, emit) -> None:
     spec, log = SPECS[name], _log(name, "jaxpc")
     dev = jax.devices()[0]
     row = dict(system="jaxpc", structure=name, device=dev.device_kind, version=jax.__version__)
-    em = dict(EM, options=jaxpc.Options(tuning=tuning(args.tuning))) if args.tuning else EM
+    em = EM
     if args.tuning:
+        em = dict(EM, options=jaxpc.Options(tuning=tuning(args.tuning)))
         row.update(tuning=args.tuning)
     data = images(args)
     cat = distributions.Categorical(num_cats=256)
