@@ -1,7 +1,7 @@
 """Test configuration. The suite checks correctness, not speed: compile XLA's CPU code at a low
-optimization level (about 2x faster compiles), expose fake CPU devices for shard_map tests, keep the
-persistent compilation cache off (each test compiles what it checks; tests of the cache turn it on), and run raw
-Triton kernels in Triton's interpreter."""
+optimization level (about 2x faster compiles), expose fake CPU devices for shard_map tests, keep jaxpc's executable
+store off (it skips the tracing that tests watch; tests of the store turn it on) but share JAX's compilation cache
+among the run's workers, and run raw Triton kernels in Triton's interpreter."""
 
 import os
 
@@ -12,6 +12,18 @@ if "xla_force_host_platform_device_count" not in _flags:
     _flags += " --xla_force_host_platform_device_count=4"
 os.environ["XLA_FLAGS"] = _flags.strip()
 os.environ.setdefault("JAXPC_PERSISTENT_CACHE", "0")
+if "PYTEST_XDIST_WORKER" not in os.environ and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    # JAX's compilation cache (not jaxpc's executable store, which skips the tracing that tests watch), fresh for
+    # each run and shared by its workers: tests that build the same circuits compile each executable once
+    import atexit
+    import shutil
+    import tempfile
+
+    _cache = tempfile.mkdtemp(prefix="jaxpc-tests-xla-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 os.environ.setdefault("TRITON_INTERPRET", "1")  # the raw Triton kernels run in Triton's interpreter (no GPU here)
 
 import pytest  # noqa: E402

@@ -648,7 +648,14 @@ def quick_store(tmp_path, monkeypatch):
 
     monkeypatch.setattr(executables, "_on_gpu", lambda: True)
     monkeypatch.setattr(executables, "_STORE", executables.ExecutableStore(str(tmp_path)))
-    return tmp_path
+    # JAX's own cache off (the suite's, tests/conftest.py): XLA's CPU client does not load back an executable that it
+    # compiled with the quick compile's GPU options and cached (a "function ... not found" error at its first run)
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    executables._reset_jax_cache()
+    yield tmp_path
+    jax.config.update("jax_enable_compilation_cache", was)
+    executables._reset_jax_cache()
 
 
 def test_quick_first_compile_is_replaced_by_the_optimized_one(quick_store):
