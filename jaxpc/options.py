@@ -44,6 +44,10 @@ class Tuning:
         chain_kernel_batch: up to this many samples, a tied chain's scans run as one persistent Pallas kernel each
             way (:mod:`jaxpc.ops.pallas_chain`) where ``impl`` is ``"auto"`` on a GPU or ``"pallas"`` and the
             messages fit a program's registers (1,024 latents up to 16 samples, 256 up to 64); 0: never.
+        chain_side_by_side: where the persistent kernels run, the flows' forward runs the backward messages in the
+            same launch, beside the forward ones (normalized on their own, rescaled afterwards), so that the
+            backward does not wait for the forward; both halves must fit the device at once
+            (:func:`jaxpc.ops.pallas_chain.fits_both`).
         chain_stack_limit: a tied chain's transition flows come from one product over all steps while its stacked
             messages (steps x latents x samples) stay at most this many values; step by step beyond.
         unset_rows: buffers whose rows are all written before they are read start unset (``lax.empty``) instead of
@@ -109,6 +113,7 @@ class Tuning:
     chain_unroll: int = 8
     chain_unroll_batch: int = 128
     chain_kernel_batch: int = 64
+    chain_side_by_side: bool = True
     chain_stack_limit: int = 4 * 2**20
     unset_rows: bool = True
     min_unset: int = 2**24
@@ -129,7 +134,8 @@ class Tuning:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("unset_rows", "quick_first_compile", "unroll_optimized", "fanin_prefetch"):
+            if f.name in ("unset_rows", "quick_first_compile", "unroll_optimized", "fanin_prefetch",
+                          "chain_side_by_side"):
                 if not isinstance(v, bool):
                     raise TypeError(f"Tuning.{f.name} must be a bool, got {v!r}")
             elif f.name == "compiler_options":

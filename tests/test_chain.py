@@ -168,16 +168,20 @@ def test_queries_and_other_propagations_use_the_layer_path():
 
 # ---- the persistent kernels (jaxpc.ops.pallas_chain) ------------------------------------------------------------
 
-def test_persistent_kernels_equal_exact_expected_counts():
-    """The kernels' path (one launch per direction) against the oracle: LL, transition, root and emission flows,
-    with missing values and sample weights, at a latent count and batch that the kernels pad (5 -> 16, 11 -> 16)."""
+@pytest.mark.parametrize("side", [True, False], ids=["side-by-side", "one-way"])
+def test_persistent_kernels_equal_exact_expected_counts(side):
+    """The kernels' path (both directions in one launch, or one launch per direction) against the oracle: LL,
+    transition, root and emission flows, with missing values and sample weights, at a latent count and batch that
+    the kernels pad (5 -> 16, 11 -> 16)."""
     rng = np.random.default_rng(4)
     T, L, V, B = 7, 5, 6, 11
     c = jaxpc.compile(structures.HMM(T, L, V, homogeneous=True), seed=5)
-    assert chain_engine.persistent(c.layout.chain, B, jnp.float32, KERNELS)
+    options = KERNELS.replace(tuning=jaxpc.Tuning(chain_side_by_side=side))
+    assert chain_engine.persistent(c.layout.chain, B, jnp.float32, options)
+    assert chain_engine.side_by_side(c.layout.chain, B, jnp.float32, options) == side
     x = rng.integers(0, V, (B, T)).astype(np.int32)
     miss = rng.random((B, T)) < 0.2
-    _check_against_oracle(c, c.params, x, miss, rng.uniform(0.5, 2.0, B), options=KERNELS)
+    _check_against_oracle(c, c.params, x, miss, rng.uniform(0.5, 2.0, B), options=options)
 
 
 def test_kernels_route():
@@ -230,6 +234,43 @@ def test_kernel_messages_equal_the_recurrences():
     np.testing.assert_allclose(np.asarray(dy), beta * Ec, rtol=1e-5, atol=1e-7)
 
 
+def test_side_by_side_messages_equal_the_backward_up_to_their_factors():
+    """:func:`pallas_chain.forward_backward` against the float64 recurrences, with padding (K 20 -> 32, B 3 -> 16)
+    and a sample impossible from one step on: its states equal :func:`forward`'s, and its backward messages times
+    the factors ``F`` of its docstring (as :mod:`jaxpc.engine.chain` computes them) equal :func:`backward`'s for
+    ``beta_R = g groot``; the impossible sample's are zero, never NaN."""
+    from jaxpc.ops import pallas_chain
+
+    rng = np.random.default_rng(7)
+    R, K, B = 5, 20, 3
+    A = rng.uniform(0.1, 1.0, (K, K))
+    A /= A.sum(1, keepdims=True)
+    Et = rng.uniform(0.0, 1.0, (R + 1, K, B))
+    Et[3, :, 1] = 0.0
+    g = rng.dirichlet(np.ones(K))
+    groot = np.array([0.7, 0.0, 1.3])  # the impossible sample's cotangent, as the engine zeroes it
+    P = [Et[0]]
+    for r in range(R):
+        c = P[r].sum(0)
+        P.append(A @ (P[r] / np.where(c == 0, 1, c)) * Et[r + 1])
+    P = np.stack(P)
+    c = np.where(P.sum(1) == 0, 1, P.sum(1))
+    beta = [g[:, None] * groot[None, :]]
+    for r in reversed(range(R)):
+        beta.insert(0, A.T @ (beta[0] / c[r + 1] * Et[r + 1]))
+    beta = np.stack(beta)
+    out = pallas_chain.forward_backward(*(jnp.asarray(a, jnp.float32) for a in (A, Et, g)), "fp32")
+    got_p, got_b, got_dy = (np.asarray(a, np.float64) for a in out)
+    np.testing.assert_allclose(got_p, P, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(got_dy, got_b * Et, rtol=1e-6, atol=1e-9)
+    n = got_dy.sum(1)
+    lr = np.log(np.where(n == 0, 1, n)) - np.log(c)
+    F = np.where(groot == 0, 0.0, groot * np.exp(np.cumsum(lr[::-1], 0)[::-1] - lr))
+    np.testing.assert_allclose(got_b * F[:, None, :], beta, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(got_dy * (F / c)[:, None, :], beta * Et / c[:, None, :], rtol=1e-5, atol=1e-7)
+    assert np.isfinite(got_b).all() and np.isfinite(got_dy).all()
+
+
 def _pallas_grids(jaxpr) -> list:
     """The grids of every ``pallas_call`` in ``jaxpr`` and its sub-jaxprs."""
     grids = []
@@ -264,6 +305,7 @@ def test_kernels_under_vmap_run_one_unbatched_launch_per_element():
     A = jnp.ones((3, 4, 4)) / 4
     Et = jnp.ones((6, 4, 2))
     for f in (lambda a: pallas_chain.forward(a, Et, "fp32"),
-              lambda a: pallas_chain.backward(a, Et, jnp.ones((4, 2)), "fp32")):
+              lambda a: pallas_chain.backward(a, Et, jnp.ones((4, 2)), "fp32"),
+              lambda a: pallas_chain.forward_backward(a, Et, jnp.ones(4) / 4, "fp32")):
         grids = _pallas_grids(jax.make_jaxpr(jax.vmap(f))(A).jaxpr)
         assert grids and all(len(g) == 1 for g in grids), grids

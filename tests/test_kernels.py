@@ -206,7 +206,8 @@ def test_kernels_lower_for_cuda_without_a_gpu():
             mock.patch.object(pallas_sum, "interpret_mode", lambda: False), \
             jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
         for f in (lambda a, e: pallas_chain.forward(a, e, "tf32"),
-                  lambda a, e: pallas_chain.backward(a, e, e[0], "fp32")):
+                  lambda a, e: pallas_chain.backward(a, e, e[0], "fp32"),
+                  lambda a, e: pallas_chain.forward_backward(a, e, a[0], "tf32")):
             text = jax.jit(f).trace(A, Et).lower(lowering_platforms=("cuda",)).as_text()
             assert "__gpu$xla.gpu.triton" in text
 

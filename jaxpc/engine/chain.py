@@ -123,22 +123,39 @@ def _forward(spec: ChainSpec, ctab: dict, sum_params: dict, vals: Array, precisi
     return ll, (E, m, u0, U, uR, cs, rl, A, g)
 
 
+def side_by_side(spec: ChainSpec, B: int, dtype, options) -> bool:
+    """Whether the flows' forward runs the backward messages beside the forward ones in one persistent kernel
+    (:func:`jaxpc.ops.pallas_chain.forward_backward`; ``Tuning.chain_side_by_side``): where the persistent kernels
+    run (:func:`persistent`) and both halves of the launch fit the device at once."""
+    return (options.tuning.chain_side_by_side and persistent(spec, B, dtype, options)
+            and pallas_chain.fits_both(spec.K, B))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4))
 def root_values(spec: ChainSpec, ctab: dict, sum_params: dict, input_vals: list, options) -> Array:
     """Root log-values ``[B]`` of a chain from its sum log-weights and its input layer's values."""
-    return _fwd(spec, ctab, sum_params, input_vals, options)[0]
+    return _forward_pass(spec, ctab, sum_params, input_vals, options)[0]
+
+
+def _forward_pass(spec, ctab, sum_params, input_vals, options):
+    vals = input_vals[0]
+    if persistent(spec, vals.shape[1], vals.dtype, options):
+        return _forward_kernels(spec, ctab, sum_params, vals, options.concrete_precision)
+    return _forward(spec, ctab, sum_params, vals, options.concrete_precision, options.tuning)
 
 
 def _fwd(spec, ctab, sum_params, input_vals, options):
     vals = input_vals[0]
-    if persistent(spec, vals.shape[1], vals.dtype, options):
-        ll, res = _forward_kernels(spec, ctab, sum_params, vals, options.concrete_precision)
+    if side_by_side(spec, vals.shape[1], vals.dtype, options):
+        ll, res = _both_kernels(spec, ctab, sum_params, vals, options.concrete_precision)
     else:
-        ll, res = _forward(spec, ctab, sum_params, vals, options.concrete_precision, options.tuning)
+        ll, res = _forward_pass(spec, ctab, sum_params, input_vals, options)
     return ll, (ctab, sum_params, ll, res)
 
 
 def _bwd(spec, options, saved, gbar):
+    if side_by_side(spec, gbar.shape[0], saved[2].dtype, options):
+        return _bwd_side_by_side(spec, options, saved, gbar)
     if persistent(spec, gbar.shape[0], saved[2].dtype, options):
         return _bwd_kernels(spec, options, saved, gbar)
     ctab, sum_params, ll, (E, m, u0, U, uR, cs, rl, A, g) = saved
@@ -232,6 +249,43 @@ def _bwd_kernels(spec: ChainSpec, options, saved, gbar):
     dparams = {k: jnp.zeros_like(v) for k, v in sum_params.items()}
     if options.compute_param_flows:
         dA = matmul("rkb,rjb->kj", dY[1:], U[:-1], prec)
+        dparams = _param_flows(spec, ctab, dparams, A, dA, g, U[-1], groot, prec)
+    return None, dparams, [d_in]
+
+
+def _both_kernels(spec: ChainSpec, ctab: dict, sum_params: dict, vals: Array, precision: str):
+    """:func:`_forward_kernels` with the backward messages up to their scale factors from the same launch
+    (:func:`jaxpc.ops.pallas_chain.forward_backward`)."""
+    K, B = spec.K, vals.shape[1]
+    E = vals.reshape(spec.R + 1, K, B)[jnp.asarray(spec.order, jnp.int32)]
+    m = _shifts(E)
+    Et = jnp.exp(E - m[:, None, :])
+    A = _matrix(sum_params[spec.group], ctab["pid"], K)
+    g = _root_weights(spec, ctab, sum_params)
+    P, beta, dy = pallas_chain.forward_backward(A, Et, g, precision)
+    c = jnp.sum(P, axis=1)  # [R+1, B]: the scales
+    U = P / _safe(c)[:, None, :]
+    rl = matmul("k,kb->b", g, U[-1], precision)
+    ll = jnp.log(rl) + jnp.sum(jnp.log(c), axis=0) + jnp.sum(m, axis=0)
+    return ll, (c, U, rl, A, g, beta, dy)
+
+
+def _bwd_side_by_side(spec: ChainSpec, options, saved, gbar):
+    """:func:`_bwd_kernels` from the messages of :func:`_both_kernels`: each step's and sample's factor ``F``
+    (:func:`jaxpc.ops.pallas_chain.forward_backward`) from the two chains' column sums, then the posteriors and
+    the transition flows as there."""
+    ctab, sum_params, ll, (c, U, rl, A, g, beta, dy) = saved
+    prec = options.concrete_precision
+    gbar = jnp.where(ll == -jnp.inf, 0.0, gbar.astype(ll.dtype))
+    groot = gbar / _safe(rl)
+    lr = jnp.log(_safe(jnp.sum(dy, axis=1))) - jnp.log(_safe(c))  # [R+1, B]: log(n_s / c_s)
+    after = jnp.cumsum(lr[::-1], axis=0)[::-1] - lr  # sum over s > r
+    F = jnp.where(groot == 0, 0.0, groot * jnp.exp(after))  # [R+1, B]; impossible samples: zero flows
+    inverse = np.argsort(np.asarray(spec.order))  # chain position of each emission block
+    d_in = (beta * (F[:, None, :] * U))[jnp.asarray(inverse, jnp.int32)].reshape(-1, U.shape[2])
+    dparams = {k: jnp.zeros_like(v) for k, v in sum_params.items()}
+    if options.compute_param_flows:
+        dA = matmul("rkb,rjb->kj", dy[1:], U[:-1] * (F / _safe(c))[1:, None, :], prec)
         dparams = _param_flows(spec, ctab, dparams, A, dA, g, U[-1], groot, prec)
     return None, dparams, [d_in]
 
