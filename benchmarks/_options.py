@@ -17,8 +17,12 @@ def tuning(spec: str) -> jaxpc.Tuning:
 
 
 def options(spec: str) -> jaxpc.Options:
-    """A :class:`jaxpc.Options` from ``field=value`` pairs joined by ``+`` (bool and int fields)."""
-    return jaxpc.Options(**int_fields(jaxpc.Options, dict(kv.split("=", 1) for kv in spec.split("+"))))
+    """A :class:`jaxpc.Options` from ``field=value`` pairs joined by ``+`` (bool and int fields; ``tuning.<field>``
+    pairs go into its :class:`jaxpc.Tuning`, as :func:`tuning` spells them)."""
+    fields = dict(kv.split("=", 1) for kv in spec.split("+"))
+    tun = "+".join(f"{k[7:]}={v}" for k, v in fields.items() if k.startswith("tuning."))
+    kw = int_fields(jaxpc.Options, {k: v for k, v in fields.items() if not k.startswith("tuning.")})
+    return jaxpc.Options(**kw, **({"tuning": tuning(tun)} if tun else {}))
 
 
 def int_fields(cls, fields: dict) -> dict:

@@ -4,7 +4,8 @@
     python benchmarks/pd_tiles.py [--latents 256] [--split-intervals 2,7] [--batch 1024] [--reps 10]
                                   [--configs 64:64:4,64:64:8,128:64:8] [--entry em_step]
                                   [--tunings fanin_group_batch=0,fanin_prefetch=0+fanin_order_batch=1024]
-                                  [--options fold_products=0] [--no-atomics] [--own-tables]
+                                  [--options fold_products=0+tuning.product_kernel_batch=0] [--no-atomics]
+                                  [--own-tables]
 
 A configuration ``bb:bk:warps`` sets ``KernelConfig(block_b=bb, block_k=bk, num_warps=warps)`` for the Pallas
 forward of every partition whose blocks have several child blocks (``impl="auto"``'s fan-in route) and for its
@@ -108,7 +109,7 @@ def main(argv=None):
         c.tables = own_tables(shared) if name == "own-tables" else shared
         if name == "no-atomics":
             from jaxpc.ops import pallas_sum
-            pallas_sum._add_tile = lambda ref, rows, cols, val, rmask, cmask: pallas_sum._store_tile(
+            pallas_sum.add_tile = lambda ref, rows, cols, val, rmask, cmask: pallas_sum.store_tile(
                 ref, rows, cols, val, rmask, cmask)
             pallas_sum._KERNELS.clear()
         try:

@@ -48,6 +48,9 @@ class Tuning:
             same launch, beside the forward ones (normalized on their own, rescaled afterwards), so that the
             backward does not wait for the forward; both halves must fit the device at once
             (:func:`jaxpc.ops.pallas_chain.fits_both`).
+        product_kernel_batch: from this many samples, a node buffer's product layers run as in-place Pallas
+            kernels (:mod:`jaxpc.ops.pallas_product`; :func:`jaxpc.engine.routing.product_kernels`) where the sum
+            layers may run Pallas kernels; 0: never.
         chain_stack_limit: a tied chain's transition flows come from one product over all steps while its stacked
             messages (steps x latents x samples) stay at most this many values; step by step beyond.
         unset_rows: buffers whose rows are all written before they are read start unset (``lax.empty``) instead of
@@ -114,6 +117,7 @@ class Tuning:
     chain_unroll_batch: int = 128
     chain_kernel_batch: int = 64
     chain_side_by_side: bool = True
+    product_kernel_batch: int = 1
     chain_stack_limit: int = 4 * 2**20
     unset_rows: bool = True
     min_unset: int = 2**24

@@ -33,6 +33,44 @@ def test_full_layout_flows_match_exact_expected_counts(case):
     check_flows_and_ll(*case, options=FULL)
 
 
+@pytest.mark.parametrize("impl", cases(["pallas", "pallas_forward"], fast=["pallas"]))
+def test_product_kernels_on_the_full_layout_match_exact_expected_counts(case, impl):
+    """The full layout with its product layers written and their flows passed down by the in-place kernels of
+    ``jaxpc.ops.pallas_product`` (interpret mode here), against the oracle; ``Tuning.product_kernel_batch=0`` routes
+    them back to XLA's layers."""
+    options = jaxpc.Options(impl=impl, fold_products=False)
+    assert routing.product_kernels(options, jnp.zeros((2, B), jnp.float32))
+    off = options.replace(tuning=jaxpc.Tuning(product_kernel_batch=0))
+    assert not routing.product_kernels(off, jnp.zeros((2, B), jnp.float32))
+    assert not routing.product_kernels(jaxpc.Options(impl="xla"), jnp.zeros((2, B), jnp.float32))
+    check_flows_and_ll(*case, options=options)
+
+
+def test_product_kernels_write_and_pass_down_in_place():
+    """:func:`pallas_product.forward` and :func:`pallas_product.backward` against the product layer's definition,
+    at a traced row offset, with a product that reads a padding row (its flow stays out of the padding) and children
+    shared by several products (their flows add up)."""
+    from jaxpc.ops import pallas_product
+
+    rng = np.random.default_rng(3)
+    K, B, first = 4, 5, 8
+    buf = jnp.asarray(rng.normal(size=(40, B)), jnp.float32)
+    ch = jnp.asarray([[8, 12], [12, 16], [0, 20], [16, 8]], jnp.int32)  # row 0: padding; rows 8, 12, 16 shared
+    got = jax.jit(lambda b, r: pallas_product.forward(b, ch, r, K=K))(buf, jnp.int32(24))
+    rows = np.asarray(ch)[:, :, None] + np.arange(K)
+    want = np.asarray(buf).copy()
+    want[24:40] = np.asarray(buf)[rows].sum(1).reshape(16, B)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
+    fl = jnp.asarray(rng.uniform(size=(40, B)), jnp.float32)
+    got = jax.jit(lambda f, r: pallas_product.backward(f, ch, r, K=K, first_row=first))(fl, jnp.int32(24))
+    want = np.asarray(fl).copy()
+    for i, (a, b) in enumerate(np.asarray(ch)):
+        for r0 in (a, b):
+            if r0 >= first:
+                want[r0:r0 + K] += np.asarray(fl)[24 + i * K:24 + (i + 1) * K]
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
+
+
 @pytest.mark.parametrize("fold", [True, False], ids=["fold", "full"])
 def test_reduced_precision_flows_match_exact_expected_counts(case, fold):
     """Below fp32 the flow pass takes each sum node's local sum from its stored value (no recomputed product).

@@ -13,7 +13,7 @@ import pytest
 
 import jaxpc
 from jaxpc.compiler.compile import child_order, inverse_tables
-from jaxpc.ops import pallas_chain, pallas_leaf, pallas_sum
+from jaxpc.ops import pallas_chain, pallas_leaf, pallas_product, pallas_sum
 from jaxpc.ops.sum_layer import child_rows, sum_layer_backward_reference, sum_layer_reference
 
 from .tiers import cases
@@ -209,6 +209,13 @@ def test_kernels_lower_for_cuda_without_a_gpu():
                   lambda a, e: pallas_chain.backward(a, e, e[0], "fp32"),
                   lambda a, e: pallas_chain.forward_backward(a, e, a[0], "tf32")):
             text = jax.jit(f).trace(A, Et).lower(lowering_platforms=("cuda",)).as_text()
+            assert "__gpu$xla.gpu.triton" in text
+    buf, pch = jnp.zeros((256, 512)), jnp.asarray([[64, 96], [96, 128]], jnp.int32)  # the product kernels
+    with mock.patch.object(pallas_sum, "interpret_mode", lambda: False), \
+            jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
+        for f in (lambda b, r: pallas_product.forward(b, pch, r, K=32),
+                  lambda b, r: pallas_product.backward(b, pch, r, K=32, first_row=64)):
+            text = jax.jit(f).trace(buf, jnp.int32(160)).lower(lowering_platforms=("cuda",)).as_text()
             assert "__gpu$xla.gpu.triton" in text
 
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..compiler.layout import Layout, StageSpec
-from ..ops import pallas_tree
+from ..ops import pallas_product, pallas_tree
 from ..ops.buffers import uninitialized
 from ..ops.pieces import in_order, ranges
 from ..ops.product_layer import product_layer_backward_reference as product_layer_backward
@@ -109,13 +109,17 @@ def _stage_flows(ps: _Pass, carry: tuple, spec: StageSpec, tab: dict, offset, na
     partitions' inline parameter flows added."""
     fl, dp = carry
     row = offset
+    kernels = bool(spec.prods) and routing.product_kernels(ps.options, fl)
     for j, (part, t) in enumerate(zip(spec.prods, tab["prods"])):
         with jax.named_scope(f"jaxpc/stage{name}/prod{j}/backward"):
-            rows, cf = product_layer_backward(fl, t["ch"], row, K=part.K)
-            if ps.layout.single_reader:  # the rows' one reader: their flows are still zero
-                fl = put_rows(fl, rows, cf, unique_indices=True)
+            if kernels:
+                fl = pallas_product.backward(fl, t["ch"], row, K=part.K, first_row=2 * ps.layout.kmax)
             else:
-                fl = add_rows(fl, rows, cf)
+                rows, cf = product_layer_backward(fl, t["ch"], row, K=part.K)
+                if ps.layout.single_reader:  # the rows' one reader: their flows are still zero
+                    fl = put_rows(fl, rows, cf, unique_indices=True)
+                else:
+                    fl = add_rows(fl, rows, cf)
         row = row + part.num_rows
     for j, (part, t) in enumerate(zip(spec.sums, tab["sums"])):
         with jax.named_scope(f"jaxpc/stage{name}/sum{j}/backward"):
@@ -209,15 +213,16 @@ def _after_pass(ps: _Pass, pflows: list, flows: Array, dparams: dict) -> dict:
 
 def flow_buffer(layout, options, values: Array) -> Array:
     """The flow pass's ``[R, B]`` buffer before the root's flow is written: zeros, or, in a single-reader layout
-    (:attr:`Layout.flow_gaps` set) whose flow pass runs on XLA's scatters alone (``Options.tuning.unset_rows``, no
-    partition on the Pallas backward, which adds in place), an :func:`uninitialized` buffer with the gaps zeroed: every
+    (:attr:`Layout.flow_gaps` set) whose flow pass runs on XLA's scatters alone (``Options.tuning.unset_rows``; the
+    Pallas backwards and product kernels add in place), an :func:`uninitialized` buffer with the gaps zeroed: every
     other row but the root's is written by its one reader's backward before it is read."""
     gaps = layout.flow_gaps
     B, dtype = values.shape[1], values.dtype
     if (not options.tuning.unset_rows or gaps is None or not layout.single_reader
             or 2 * sum(b - a for a, b in gaps) > layout.num_rows
             or any(routing.runs_kernel_backward(routing.kernel_choice(options, p, B, dtype)[0], options)
-                   or routing.atomic_backward(options, p, values) for spec in layout.stages() for p in spec.sums)):
+                   or routing.atomic_backward(options, p, values) for spec in layout.stages() for p in spec.sums)
+            or (routing.product_kernels(options, values) and any(spec.prods for spec in layout.stages()))):
         return jnp.zeros_like(values)
     fl = uninitialized(values.shape, dtype, options.tuning.min_unset)
     for a, b in gaps:  # the padding rows (compiled circuits have no other gaps: one root, unpadded blocks)

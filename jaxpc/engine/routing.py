@@ -394,6 +394,22 @@ def atomic_backward(options, part, values: Array) -> bool:
             and (pallas_sum.interpret_mode() or pallas_sum.relaxed_atomics()))
 
 
+def product_kernels(options, buf: Array) -> bool:
+    """Whether a node buffer's product partitions run as the in-place kernels of :mod:`jaxpc.ops.pallas_product`
+    (forward and flow pass) instead of XLA's gathers, updates and scatters, which copy each stage's products and
+    their flows through temporaries: a float32 buffer of at least ``Options.tuning.product_kernel_batch`` samples,
+    ``impl`` ``"pallas"`` / ``"pallas_forward"``, or ``"auto"`` / ``"triton"`` on a GPU, the Pallas Triton backend
+    present, and on a GPU the kernels' atomic adds lowered relaxed (:func:`jaxpc.ops.pallas_sum.relaxed_atomics`).
+    Forwards that autodiff differentiates run on XLA (:func:`jaxpc.engine.forward.evaluate`)."""
+    from ..ops import pallas_sum
+
+    if buf.dtype != jnp.float32 or not 0 < options.tuning.product_kernel_batch <= buf.shape[1]:
+        return False
+    if not (options.impl in PALLAS_FORWARD or (options.impl in ("auto", "triton") and on_gpu())):
+        return False
+    return kernels_available() and (pallas_sum.interpret_mode() or pallas_sum.relaxed_atomics())
+
+
 def pflow_kernel(options, dtype) -> bool:
     """Whether the batched parameter-flow pass may run :func:`jaxpc.ops.pallas_sum.param_flows_after` (one kernel
     per block shape: the weights' product in its epilogue, nothing of the gathered children's size in memory)

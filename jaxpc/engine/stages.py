@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..compiler.layout import Layout, ScanSpec, StageSpec
-from ..ops import pallas_tree, product_layer, sum_layer
+from ..ops import pallas_product, pallas_tree, product_layer, sum_layer
 from ..ops import tables as table_places
 from ..ops.pieces import in_order
 from ..ops.rows import put_rows
@@ -66,6 +66,17 @@ def in_pieces(spans, tab: dict, step, carry):
     """``carry = step(carry, a, b, tables of blocks [a, b))`` over ``spans``, one piece after the other
     (:func:`jaxpc.ops.pieces.in_order`: a piece's gather cannot start before the previous piece is done)."""
     return in_order(spans, lambda a, b: {k: tab[k][a:b] for k in ("ch", "pid")}, step, carry)
+
+
+def _product_kernels(buf: Array, spec: StageSpec, tab: dict, offset, index) -> tuple[Array, object]:
+    """``(buf with the stage's product partitions written in place, the first row above them)``
+    (:mod:`jaxpc.ops.pallas_product`)."""
+    row = offset
+    for j, (part, t) in enumerate(zip(spec.prods, tab["prods"])):
+        with jax.named_scope(f"jaxpc/stage{index}/prod{j}"):
+            buf = pallas_product.forward(buf, t["ch"], row, K=part.K)
+        row = row + part.num_rows
+    return buf, row
 
 
 def _product_rows(buf: Array, spec: StageSpec, tab: dict, offset, index) -> tuple[list, object]:
@@ -182,13 +193,17 @@ def _stage(buf: Array, spec: StageSpec, tab: dict, sum_params: dict, options, of
     """The node buffer with one stage's rows written; ``(buf, shifts)`` when given ``shifts``, into which the
     partitions that keep them (the in-place kernels and XLA's) also write their blocks' shifts (rows of
     ``unit``, see :func:`jaxpc.engine.routing.shift_unit`). ``pad_row``: ``Layout.ninf_row``."""
-    outs, row = _product_rows(buf, spec, tab, offset, index)
+    if spec.prods and routing.product_kernels(options, buf):
+        buf, row = _product_kernels(buf, spec, tab, offset, index)
+        outs = []
+    else:
+        outs, row = _product_rows(buf, spec, tab, offset, index)
     sums, inplace, shifts = _sum_rows(buf, spec, tab, sum_params, options, row, index, evidence, counts, shifts, unit,
                                       pad_row)
     outs += sums
-    if outs and not inplace:  # one write for the whole stage
+    if outs and not inplace:  # one write for the stage's rows from the first out on (contiguous)
         out = outs[0][1] if len(outs) == 1 else jnp.concatenate([o for _, o in outs], axis=0)
-        buf = lax.dynamic_update_slice_in_dim(buf, out.astype(buf.dtype), offset, axis=0)
+        buf = lax.dynamic_update_slice_in_dim(buf, out.astype(buf.dtype), outs[0][0], axis=0)
     else:
         for r, out in outs:
             buf = lax.dynamic_update_slice_in_dim(buf, out.astype(buf.dtype), r, axis=0)

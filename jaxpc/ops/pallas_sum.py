@@ -190,19 +190,19 @@ def block_ids(ndim: int) -> tuple:
     return (pl.program_id(ndim - 1), *(pl.program_id(a) for a in range(ndim - 1)))
 
 
-def _load_tile(ref, rows, cols, rmask, cmask, other):
+def load_tile(ref, rows, cols, rmask, cmask, other):
     return plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=rmask[:, None] & cmask[None, :], other=other)
 
 
-def _store_tile(ref, rows, cols, val, rmask, cmask):
+def store_tile(ref, rows, cols, val, rmask, cmask):
     plgpu.store(ref.at[rows[:, None], cols[None, :]], val, mask=rmask[:, None] & cmask[None, :])
 
 
-def _add_tile(ref, rows, cols, val, rmask, cmask):
+def add_tile(ref, rows, cols, val, rmask, cmask):
     """``ref[rows, cols] += val`` by atomic adds (other programs add to the same entries); in interpret mode, where
     the programs run one by one (and Pallas has no masked atomics), a load and a store."""
     if interpret_mode():
-        _store_tile(ref, rows, cols, _load_tile(ref, rows, cols, rmask, cmask, 0.0) + val, rmask, cmask)
+        store_tile(ref, rows, cols, load_tile(ref, rows, cols, rmask, cmask, 0.0) + val, rmask, cmask)
     else:
         plgpu.atomic_add(ref, (rows[:, None], cols[None, :]), val, mask=rmask[:, None] & cmask[None, :])
 
@@ -216,8 +216,8 @@ def _split(fp, s):
 def _stored_split(buf_ref, flow_ref, rows, cols, rmask, cmask, safe, alpha):
     """:func:`_split` of the parents at ``rows`` with the local sums from their stored values, ``exp(alpha (value -
     shift))`` (``safe``: the block's finite shift per sample): ``[len(rows), BB]``."""
-    s = jnp.exp(alpha * (_load_tile(buf_ref, rows, cols, rmask, cmask, _NEG) - safe[None, :]))
-    return _split(_load_tile(flow_ref, rows, cols, rmask, cmask, 0.0), s)
+    s = jnp.exp(alpha * (load_tile(buf_ref, rows, cols, rmask, cmask, _NEG) - safe[None, :]))
+    return _split(load_tile(flow_ref, rows, cols, rmask, cmask, 0.0), s)
 
 
 def _load_child(buf_ref, ch_ref, i, c, kc, cols, cmask, *, M, Kc):
@@ -230,9 +230,9 @@ def _load_rows(buf_ref, starts, kc, cols, cmask, Kc, valid=True):
     """The sum of the row blocks that begin at ``starts`` (a folded child's; scalars, or a start per node), nodes
     ``kc``: ``[len(kc), BB]`` (``-inf`` where masked; ``valid``: a further mask per node)."""
     rmask = (kc < Kc) & valid
-    x = _load_tile(buf_ref, starts[0] + kc, cols, rmask, cmask, _NEG)
+    x = load_tile(buf_ref, starts[0] + kc, cols, rmask, cmask, _NEG)
     for r0 in starts[1:]:
-        x = x + _load_tile(buf_ref, r0 + kc, cols, rmask, cmask, 0.0)
+        x = x + load_tile(buf_ref, r0 + kc, cols, rmask, cmask, 0.0)
     return x
 
 
@@ -421,7 +421,7 @@ def forward_tile(i, first, kp, cols, cmask, ch_ref, pid_ref, w_ref, buf_ref, out
     pos = acc > 0
     # an empty sum is -inf; a NaN child (a value out of range with validation off) stays NaN, never -inf
     out = jnp.where(pos, jnp.log(jnp.where(pos, acc, 1.0)) / alpha + safe[None, :], jnp.where(acc == 0, _NEG, jnp.nan))
-    _store_tile(out_ref, first + kp, cols, out, kp < Kp, cmask)
+    store_tile(out_ref, first + kp, cols, out, kp < Kp, cmask)
     return m
 
 
@@ -498,8 +498,8 @@ def _scale_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, flow_ref, a_ref, m_r
     kp = k * KT + jnp.arange(KT)
     m, s = _online_sum(i, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, C=C, M=M, Kp=Kp, Kc=Kc, KC=KC,
                        alpha=alpha, precision=precision)
-    a = _split(_load_tile(flow_ref, off_ref[0] + i * Kp + kp, cols, kp < Kp, cmask, 0.0), s)
-    _store_tile(a_ref, i * Kp + kp, cols, a, kp < Kp, cmask)
+    a = _split(load_tile(flow_ref, off_ref[0] + i * Kp + kp, cols, kp < Kp, cmask, 0.0), s)
+    store_tile(a_ref, i * Kp + kp, cols, a, kp < Kp, cmask)
     plgpu.store(m_ref.at[i, cols], m, mask=cmask & (k == 0))
 
 
@@ -513,7 +513,7 @@ def _pflow_kernel(ch_ref, pid_ref, w_ref, buf_ref, a_ref, m_ref, pf_ref, *, C, M
     def tile(t, acc):
         cols = t * BB + jnp.arange(BB)
         cmask = cols < B
-        a = _load_tile(a_ref, i * Kp + kp, cols, kp < Kp, cmask, 0.0)
+        a = load_tile(a_ref, i * Kp + kp, cols, kp < Kp, cmask, 0.0)
         m = plgpu.load(m_ref.at[i, cols], mask=cmask, other=0.0)
         safe = jnp.where(m == _NEG, 0.0, m)
         y = jnp.exp(alpha * (_load_child(buf_ref, ch_ref, i, c, kc, cols, cmask, M=M, Kc=Kc) - safe[None, :]))
@@ -618,7 +618,7 @@ def param_flows_after(values: Array, flows: Array, shifts: Array, srow: Array, p
 # ---- backward of a fan-in partition from the kept shifts: one kernel, child flows by atomic adds --------
 
 ATOMIC_MAX_KP: Final = 64  # backward_atomic: the most parent nodes per block (one program holds the block's)
-RELAXED_KERNELS: Final = ("jaxpc_sum_backward_atomic",)  # kernels whose atomic adds are lowered relaxed
+RELAXED_KERNELS: Final = ("jaxpc_sum_backward_atomic", "jaxpc_product_backward")  # atomic adds lowered relaxed
 _RELAXED: list = []  # [installed: bool], once per process
 
 
@@ -690,8 +690,8 @@ def _bwd_atomic_kernel(off_ref, ord_ref, ch_ref, pid_ref, w_ref, buf_ref, shift_
             cols = t * BB + jnp.arange(BB)
             cmask = cols < B if live is True else (cols < B) & live
             m = plgpu.load(shift_ref.at[srow, cols], mask=cmask, other=0.0)
-            v = _load_tile(buf_ref, first + kp, cols, pmask, cmask, _NEG)
-            f = _load_tile(flow_ref, first + kp, cols, pmask, cmask, 0.0)
+            v = load_tile(buf_ref, first + kp, cols, pmask, cmask, _NEG)
+            f = load_tile(flow_ref, first + kp, cols, pmask, cmask, 0.0)
             return cols, cmask, m, v, f, [_load_rows(buf_ref, rj, kc, cols, cmask, Kc) for rj in rows]
 
         def use(tile, accs):
@@ -703,7 +703,7 @@ def _bwd_atomic_kernel(off_ref, ord_ref, ch_ref, pid_ref, w_ref, buf_ref, shift_
                 y = jnp.exp(alpha * (x - safe[None, :]))
                 cf = y * mm(w, a, precision, trans_a=True)  # [KC, BB]: this edge block's share of the child's flows
                 for r0 in rj:  # into every row block of the (folded) child; other parents add to the same rows
-                    _add_tile(out_ref, r0 + kc, cols, cf, kmask & (r0 >= first_row), cmask)
+                    add_tile(out_ref, r0 + kc, cols, cf, kmask & (r0 >= first_row), cmask)
                 out.append(acc + mm(a, y, precision, trans_b=True))
             return tuple(out)
 
@@ -805,7 +805,7 @@ def _wt_a(a_ref, w_ref, i, p, kc, cols, cmask, valid, *, Kp, Kc, KPT, alpha, pre
 
     def chunk(q, wa):
         kp = q * KPT + jnp.arange(KPT)
-        a = _load_tile(a_ref, i * Kp + kp, cols, (kp < Kp) & valid, cmask, 0.0)
+        a = load_tile(a_ref, i * Kp + kp, cols, (kp < Kp) & valid, cmask, 0.0)
         return wa + mm(_load_w(w_ref, p, kp, kc, Kp, Kc, alpha, valid), a, precision, trans_a=True)
 
     return lax.fori_loop(0, pl.cdiv(Kp, KPT), chunk, jnp.zeros((kc.shape[0], cols.shape[0]), jnp.float32))
@@ -834,7 +834,7 @@ def _bwd_child_kernel(uch_ref, par_ref, pcol_ref, ppid_ref, ch_ref, w_ref, buf_r
     cmask = cols < B
     kc = k * KT + jnp.arange(KT)
     rows = uch_ref[u] + kc
-    own = _load_tile(buf_ref, rows, cols, kc < Kc, cmask, _NEG) if M == 1 else None
+    own = load_tile(buf_ref, rows, cols, kc < Kc, cmask, _NEG) if M == 1 else None
 
     def body(d, acc):
         i, e = par_ref[u, d], ppid_ref[u, d]
@@ -852,10 +852,10 @@ def _bwd_child_kernel(uch_ref, par_ref, pcol_ref, ppid_ref, ch_ref, w_ref, buf_r
 
     acc = lax.fori_loop(0, D, body, jnp.zeros((KT, BB), jnp.float32))
     if accumulate:
-        acc = acc + _load_tile(flow_ref, rows, cols, kc < Kc, cmask, 0.0)
-        _store_tile(out_ref, rows, cols, acc, kc < Kc, cmask)
+        acc = acc + load_tile(flow_ref, rows, cols, kc < Kc, cmask, 0.0)
+        store_tile(out_ref, rows, cols, acc, kc < Kc, cmask)
     else:
-        _store_tile(out_ref, u * Kc + kc, cols, acc, kc < Kc, cmask)
+        store_tile(out_ref, u * Kc + kc, cols, acc, kc < Kc, cmask)
 
 
 def backward_children(buf: Array, a: Array, m: Array, uch: Array, par: Array, ppid: Array, w: Array, *, Kp: int,
@@ -891,8 +891,8 @@ def _add_to_row_blocks(flow_ref, out_ref, ch_ref, i, kc, cols, cmask, cf, *, M, 
     for s in range(M):
         r0 = ch_ref[i, 0, s]
         rmask = (kc < Kc) & (r0 >= first_row)
-        new = cf if overwrite else _load_tile(flow_ref, r0 + kc, cols, rmask, cmask, 0.0) + cf
-        _store_tile(out_ref, r0 + kc, cols, new, rmask, cmask)
+        new = cf if overwrite else load_tile(flow_ref, r0 + kc, cols, rmask, cmask, 0.0) + cf
+        store_tile(out_ref, r0 + kc, cols, new, rmask, cmask)
 
 
 def _bwd_slots_kernel(ch_ref, pid_ref, w_ref, buf_ref, a_ref, m_ref, flow_ref, out_ref, *, M, Kp, Kc, KT, KPT, BB, B,
@@ -990,7 +990,7 @@ def level_backward_tile(i, k, first, ch_ref, pid_ref, w_ref, buf_ref, flow_ref, 
     def chunk(q, wa):
         kp = q * KPT + jnp.arange(KPT)
         pmask = kp < Kp
-        fp = _load_tile(flow_ref, first + kp, cols, pmask, cmask, 0.0)
+        fp = load_tile(flow_ref, first + kp, cols, pmask, cmask, 0.0)
         if recompute:  # the local sums, recomputed over the whole child block (exact; see sum_layer_backward)
             def local(r, s):
                 kr = r * KC + jnp.arange(KC)
@@ -998,7 +998,7 @@ def level_backward_tile(i, k, first, ch_ref, pid_ref, w_ref, buf_ref, flow_ref, 
 
             s = lax.fori_loop(0, pl.cdiv(Kc, KC), local, jnp.zeros((KPT, BB), jnp.float32))
         else:  # from the parents' stored values
-            s = jnp.exp(alpha * (_load_tile(buf_ref, first + kp, cols, pmask, cmask, _NEG) - safe[None, :]))
+            s = jnp.exp(alpha * (load_tile(buf_ref, first + kp, cols, pmask, cmask, _NEG) - safe[None, :]))
         a = _split(fp, s)
         w = _load_w(w_ref, p, kp, kc, Kp, Kc, alpha)
         if pmode:  # the batch is whole in this program: the parameter flows need no reduction across programs
