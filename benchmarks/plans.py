@@ -87,7 +87,7 @@ def options(c, B: int, plan: dict, precision: str) -> jaxpc.Options:
         return opts
     from jaxpc.ops import pallas_sum
 
-    layout = routing.buffer_plan(c.layout, opts)
+    layout = routing.buffer_plan(c.layout, opts, B)
     d = pallas_sum.KernelConfig()
     kernels = []
     for spec in layout.stages():

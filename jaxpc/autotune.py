@@ -177,7 +177,10 @@ def tune_circuit(circuit, params, x, *, precision: str = "tf32", candidates: Seq
     xj = batch.x
     B = circuit.runtime.bucket(batch.n)
     xb = jnp.concatenate([xj] * (-(-B // xj.shape[0])))[:B]
-    fold = fold_products and circuit.layout.fold is not None
+    from .engine import routing
+
+    fold = routing.buffer_plan(circuit.layout, Options(precision=precision, fold_products=fold_products),
+                               B) is not circuit.layout
     choices, heuristics = _tune_partitions(circuit, params, xb, fold=fold, precision=precision, candidates=cands,
                                            tuner=tuner)
     default = Options(precision=precision, fold_products=fold_products)

@@ -51,6 +51,9 @@ class Tuning:
         product_kernel_batch: from this many samples, a node buffer's product layers run as in-place Pallas
             kernels (:mod:`jaxpc.ops.pallas_product`; :func:`jaxpc.engine.routing.product_kernels`) where the sum
             layers may run Pallas kernels; 0: never.
+        full_layout_reads: with ``fold_products``, the flow pass runs the full layout instead of the folded plan
+            where the circuit's products have at least this many reading edge blocks per block
+            (:func:`jaxpc.engine.routing.full_layout_pays`) and run as kernels (``product_kernel_batch``); 0: never.
         chain_stack_limit: a tied chain's transition flows come from one product over all steps while its stacked
             messages (steps x latents x samples) stay at most this many values; step by step beyond.
         unset_rows: buffers whose rows are all written before they are read start unset (``lax.empty``) instead of
@@ -118,6 +121,7 @@ class Tuning:
     chain_kernel_batch: int = 64
     chain_side_by_side: bool = True
     product_kernel_batch: int = 1
+    full_layout_reads: int = 8
     chain_stack_limit: int = 4 * 2**20
     unset_rows: bool = True
     min_unset: int = 2**24
@@ -220,7 +224,8 @@ class Options:
             default): every product folded into the gathers of the sums that read it, so the node buffer
             holds input and sum rows only and each tree level is one sum stage (same values and flows;
             PD-128's buffer has a third of the rows). ``kernels`` route the partitions of whichever plan
-            runs; node values, queries and autodiff use the full layout; False evaluates the full layout.
+            runs; node values, queries and autodiff use the full layout; False evaluates the full layout. Where
+            the products have many readers the flow pass runs the full layout anyway (``Tuning.full_layout_reads``).
             On the H200 (tf32, forward + flows): HCLT-256 4.66 / 9.60 ms against 5.12 / 10.76 ms at batch
             128 / 512; PD-128 4.43 ms at batch 128, whose full-layout flows executable did not finish
             compiling within 50 s there (the folded one: 14 s).

@@ -46,6 +46,41 @@ def test_product_kernels_on_the_full_layout_match_exact_expected_counts(case, im
     check_flows_and_ll(*case, options=options)
 
 
+def test_full_layout_runs_where_products_have_many_readers(case, monkeypatch):
+    """``Tuning.full_layout_reads``: with ``fold_products`` (the default) the flow pass runs the full layout where the
+    products have at least that many reading edge blocks per block and run as kernels, within int32 offsets and a
+    quarter of the device's memory; the oracle's flows either way."""
+    gen, c = case
+    lay = c.layout
+    if lay.fold is None:
+        pytest.skip("no products to fold")
+    assert lay.product_reads > 0
+    many = jaxpc.Options(impl="pallas", tuning=jaxpc.Tuning(full_layout_reads=1))
+    assert routing.buffer_plan(lay, many, B) is lay
+    assert routing.buffer_plan(lay, many, 2**31 // lay.num_rows + 1) is lay.fold  # past int32 offsets
+    assert routing.buffer_plan(lay, many.replace(impl="xla"), B) is lay.fold  # XLA's products: no kernels
+    assert routing.buffer_plan(lay, jaxpc.Options(impl="pallas"), B) is lay.fold  # default: 8 readers
+    assert routing.buffer_plan(lay, many.replace(fold_products=False), B) is lay
+    monkeypatch.setattr(routing, "device_memory", lambda: 4 * 8 * lay.num_rows * B)
+    assert routing.buffer_plan(lay, many, B) is lay
+    monkeypatch.setattr(routing, "device_memory", lambda: 4 * 8 * lay.num_rows * B - 4)
+    assert routing.buffer_plan(lay, many, B) is lay.fold
+    monkeypatch.undo()
+    check_flows_and_ll(gen, c, options=many)
+
+
+def test_product_reads_count_the_edge_blocks_into_products():
+    """:attr:`Layout.product_reads`: the sums' edge blocks whose child block is a product's, per product block."""
+    xs = [inputs(v, num_node_blocks=1, block_size=2, dist=distributions.Categorical(3)) for v in range(4)]
+    p1 = multiply(xs[0], xs[1])  # one product block
+    p2 = multiply(xs[2], xs[3], edge_ids=np.zeros((2, 2), np.int64))  # two product blocks, the same children
+    s1 = summate(p1, num_node_blocks=3, block_size=2)  # 3 edge blocks into p1
+    s2 = summate(p2, num_node_blocks=2, block_size=2)  # 4 edge blocks into p2
+    top = multiply(s1, s2, edge_ids=np.zeros((1, 2), np.int64))
+    root = summate(top, num_node_blocks=1, block_size=1)  # 1 edge block into top
+    assert jaxpc.compile(root).layout.product_reads == pytest.approx((3 + 4 + 1) / 4)
+
+
 def test_product_kernels_write_and_pass_down_in_place():
     """:func:`pallas_product.forward` and :func:`pallas_product.backward` against the product layer's definition,
     at a traced row offset, with a product that reads a padding row (its flow stays out of the padding) and children
@@ -538,7 +573,7 @@ def test_single_reader_flow_pass_writes_every_row_it_reads(monkeypatch, fold):
     rng = np.random.default_rng(5)
     c = jaxpc.compile(structures.HCLT(rng.integers(0, 4, (300, 10)), 4, input_dist=cat))
     o = jaxpc.Options(fold_products=fold, impl="xla")
-    plan = routing.buffer_plan(c.layout, o)
+    plan = routing.buffer_plan(c.layout, o, 16)
     assert plan.flow_gaps == ((0, 2 * plan.kmax),)
     assert any(p.dense and p.n == 1 for spec in plan.stages() for p in spec.sums)
     assert jaxpc.compile(structures.PD((4, 4), 3, split_intervals=(2, 2), input_dist=cat)).layout.flow_gaps is None
@@ -771,7 +806,7 @@ def test_leaf_kernel_matches_exact_expected_counts(monkeypatch, seed, fold):
     assert np.isnan(lp[3]) and np.isfinite(np.delete(lp, 3)).all()
 
     buf = engine_forward.leaf_values(c.layout, c.tables, c.params, jnp.asarray(xi), None, o)
-    assert isinstance(buf, jax.Array) and buf.shape == (routing.buffer_plan(c.layout, o).num_rows, len(xi))
+    assert isinstance(buf, jax.Array) and buf.shape == (routing.buffer_plan(c.layout, o, len(xi)).num_rows, len(xi))
     as_float = engine_forward.leaf_values(c.layout, c.tables, c.params, jnp.asarray(xi, jnp.float32), None, o)
     np.testing.assert_array_equal(np.asarray(as_float), np.asarray(buf))  # values given as floats: cast, as XLA's
     with pytest.raises(ValueError, match="flow pass"):  # a buffer reaches only the flow pass

@@ -107,7 +107,7 @@ def build(root: CircuitNodes, *, scan_min_repeats: int = 3, max_exact_fanins: in
     pflows, pflow_tables = _pflow_plan(steps, step_tables)
     layout = Layout(num_rows=row, kmax=kmax, input_layers=tuple(input_specs), steps=tuple(steps),
                     sum_groups=sum_groups, root_row=root_row, num_vars=max(var_dists) + 1, pflows=pflows,
-                    single_reader=single, flow_gaps=gaps, num_gates=num_gates)
+                    single_reader=single, flow_gaps=gaps, num_gates=num_gates, product_reads=_product_reads(nodes))
     tables = {"inputs": input_tables, "steps": step_tables, "groups": group_tables, "pflows": pflow_tables}
     layout, tables = _with_chain(layout, tables, stages, stage_tables)
     fold = _build_fold(nodes, root, input_rows, inputs_end, 2 * kmax, sum_placement, max_exact_fanins,
@@ -115,6 +115,18 @@ def build(root: CircuitNodes, *, scan_min_repeats: int = 3, max_exact_fanins: in
     layout, tables = _with_fold(layout, tables, fold)
     return CompiledStructure(layout, tables, sum_placement, input_placement, sources, nodes, block_rows,
                              var_dists, stages, stage_tables, stage_owners, gate_placement)
+
+
+def _product_reads(nodes) -> float:
+    """:attr:`Layout.product_reads`: the sums' edge blocks whose child block is a product's, per product block."""
+    blocks = reads = 0
+    for ns in nodes:
+        if ns.is_prod():
+            blocks += ns.num_node_blocks
+        elif ns.is_sum():
+            prod = np.concatenate([np.full(c.num_node_blocks, c.is_prod()) for c in ns.children])
+            reads += int(prod[ns.edge_ids[1]].sum())
+    return reads / blocks if blocks else 0.0
 
 
 def _check_root(root) -> None:

@@ -242,6 +242,9 @@ class Layout:
     num_gates: int = 0
     # the folded plan's run of tree levels (tables["tree"]), when it has one: jaxpc.compiler.tree
     tree: TreeSpec | None = None
+    # reading edge blocks per product block (sums' edge blocks whose child is a product, over the product blocks;
+    # 0 without products): what the folded plan reads each product's child rows for, against writing it once
+    product_reads: float = 0.0
 
     @property
     def ninf_row(self) -> int:

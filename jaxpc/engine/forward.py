@@ -107,8 +107,8 @@ def leaf_values(layout: Layout, tables: dict, params: dict, x: Array, missing: A
     :func:`jaxpc.engine.routing.leaf_kernel` applies, else the list of the layers' values (:func:`input_values`)."""
     if routing.leaf_kernel(layout, params, options, soft, evidence, x.shape[0]):
         with jax.named_scope("jaxpc/leaf_buffer"):
-            return _leaf_buffer(routing.buffer_plan(layout, options), tables["inputs"], params["input"], x, missing,
-                                options)
+            plan = routing.buffer_plan(layout, options, x.shape[0])
+            return _leaf_buffer(plan, tables["inputs"], params["input"], x, missing, options)
     return input_values(layout, tables, params, x, missing, options, soft, evidence)
 
 
@@ -143,7 +143,7 @@ def evaluate(layout: Layout, tables: dict, sum_params: dict, input_vals, options
     if chain.applies(layout, options, routing.has_sum_externals(evidence)):
         with jax.named_scope("jaxpc/chain"):
             return chain.root_values(layout.chain, tables["chain"], sum_params, input_vals, options)
-    plan = routing.buffer_plan(layout, options)
+    plan = routing.buffer_plan(layout, options, (input_vals if buffered else input_vals[0]).shape[1])
     return flows.root_values(plan, tables if plan is layout else tables["fold"], sum_params, input_vals, options,
                              buffered)
 

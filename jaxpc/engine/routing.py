@@ -11,6 +11,7 @@ and partial evaluation read their routes here, so that each decision is taken by
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from typing import Final
@@ -76,20 +77,47 @@ def runs_node_buffer(layout: Layout, options, evidence: dict | None = None) -> b
     return options.backward == "flows" and not externals and not chain.applies(layout, options, externals)
 
 
-def buffer_plan(layout: Layout, options) -> Layout:
-    """The plan whose node buffer the flow pass runs: the folded one (``Options.fold_products``) or the layout."""
-    return layout.fold if layout.fold is not None and options.fold_products else layout
+def buffer_plan(layout: Layout, options, batch: int) -> Layout:
+    """The plan whose node buffer the flow pass runs at ``batch`` samples: the folded one (``Options.fold_products``)
+    unless the full layout pays (:func:`full_layout_pays`), else the layout."""
+    if layout.fold is None or not options.fold_products or full_layout_pays(layout, options, batch):
+        return layout
+    return layout.fold
+
+
+def full_layout_pays(layout: Layout, options, batch: int) -> bool:
+    """Whether the flow pass runs the full layout although ``options.fold_products`` asks for the folded plan: its
+    products have at least ``Options.tuning.full_layout_reads`` reading edge blocks per block
+    (:attr:`Layout.product_reads`), which the folded plan would read two child rows each for, where the full layout
+    writes each product once and reads one row (PD-512 / PD-768 on the H200: 9.5 / 14.2 readers, `em_step` 3.5% /
+    4.7% faster; PD-256: 4.7, 20% slower with XLA's products); its products run as kernels (:func:`product_routes`),
+    its buffer stays within the kernels' int32 offsets at ``batch``, and its node and flow buffers (products
+    stored: PD-512's 3.8M rows, its folded plan's under 1.1M) within a quarter of the device's memory."""
+    reads = options.tuning.full_layout_reads
+    return (layout.fold is not None and 0 < reads <= layout.product_reads
+            and 0 < options.tuning.product_kernel_batch <= batch and product_routes(options)
+            and layout.num_rows * batch < INT32_ELEMENTS
+            and (not device_memory() or 8 * layout.num_rows * batch <= device_memory() // 4))
+
+
+@functools.cache
+def device_memory() -> int:
+    """Bytes that JAX may allocate on the first device, 0 where it does not say (the CPU)."""
+    try:
+        return int((jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0))
+    except Exception:  # noqa: BLE001 - no memory statistics: no bound from them
+        return 0
 
 
 INT32_ELEMENTS: Final = 2**31  # the Pallas kernels address the node buffer with int32 offsets
 
 
-def buffer_rows(layout: Layout, options, evidence: dict | None = None) -> int:
+def buffer_rows(layout: Layout, options, batch: int, evidence: dict | None = None) -> int:
     """Rows of the node buffer that a call with ``options`` runs on: the flow pass's plan (:func:`buffer_plan`, the
     folded one by default) where :func:`runs_node_buffer`, else the layout's (the plain forward, autodiff, per-sample
     sum parameters, log-space flows, chains)."""
     if runs_node_buffer(layout, options, evidence) and not options.logspace_flows:
-        return buffer_plan(layout, options).num_rows
+        return buffer_plan(layout, options, batch).num_rows
     return layout.num_rows
 
 
@@ -99,7 +127,7 @@ def within_int32(layout: Layout, options, batch: int, evidence: dict | None = No
     address, every layer runs on XLA (64-bit indexing): ``impl="auto"`` and tuned kernels fall back, and an explicit
     Pallas ``impl`` is refused with the sizes (a 2B-edge PD's folded plan of 1.4M rows at a batch of 1,536 and
     more)."""
-    rows = buffer_rows(layout, options, evidence) if rows is None else rows
+    rows = buffer_rows(layout, options, batch, evidence) if rows is None else rows
     if rows * batch < INT32_ELEMENTS or (options.impl == "xla" and not options.kernels and not options.leaf_kernel):
         return options
     if options.impl in KERNEL_IMPLS:
@@ -401,10 +429,14 @@ def product_kernels(options, buf: Array) -> bool:
     ``impl`` ``"pallas"`` / ``"pallas_forward"``, or ``"auto"`` / ``"triton"`` on a GPU, the Pallas Triton backend
     present, and on a GPU the kernels' atomic adds lowered relaxed (:func:`jaxpc.ops.pallas_sum.relaxed_atomics`).
     Forwards that autodiff differentiates run on XLA (:func:`jaxpc.engine.forward.evaluate`)."""
+    return (buf.dtype == jnp.float32 and 0 < options.tuning.product_kernel_batch <= buf.shape[1]
+            and product_routes(options))
+
+
+def product_routes(options) -> bool:
+    """:func:`product_kernels`' conditions on the options and the backend alone."""
     from ..ops import pallas_sum
 
-    if buf.dtype != jnp.float32 or not 0 < options.tuning.product_kernel_batch <= buf.shape[1]:
-        return False
     if not (options.impl in PALLAS_FORWARD or (options.impl in ("auto", "triton") and on_gpu())):
         return False
     return kernels_available() and (pallas_sum.interpret_mode() or pallas_sum.relaxed_atomics())
