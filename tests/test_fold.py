@@ -33,12 +33,11 @@ def test_full_layout_flows_match_exact_expected_counts(case):
     check_flows_and_ll(*case, options=FULL)
 
 
-@pytest.mark.parametrize("impl", cases(["pallas", "pallas_forward"], fast=["pallas"]))
-def test_product_kernels_on_the_full_layout_match_exact_expected_counts(case, impl):
+def test_product_kernels_on_the_full_layout_match_exact_expected_counts(case):
     """The full layout with its product layers written and their flows passed down by the in-place kernels of
     ``jaxpc.ops.pallas_product`` (interpret mode here), against the oracle; ``Tuning.product_kernel_batch=0`` routes
     them back to XLA's layers."""
-    options = jaxpc.Options(impl=impl, fold_products=False)
+    options = jaxpc.Options(impl="pallas", fold_products=False)
     assert routing.product_kernels(options, jnp.zeros((2, B), jnp.float32))
     off = options.replace(tuning=jaxpc.Tuning(product_kernel_batch=0))
     assert not routing.product_kernels(off, jnp.zeros((2, B), jnp.float32))
@@ -46,15 +45,13 @@ def test_product_kernels_on_the_full_layout_match_exact_expected_counts(case, im
     check_flows_and_ll(*case, options=options)
 
 
-def test_full_layout_runs_where_products_have_many_readers(case, monkeypatch):
+def test_full_layout_runs_where_products_have_many_readers(monkeypatch):
     """``Tuning.full_layout_reads``: with ``fold_products`` (the default) the flow pass runs the full layout where the
     products have at least that many reading edge blocks per block and run as kernels, within int32 offsets and a
-    quarter of the device's memory; the oracle's flows either way."""
-    gen, c = case
+    quarter of the device's memory; the oracle's flows then."""
+    gen, c = make(0)
     lay = c.layout
-    if lay.fold is None:
-        pytest.skip("no products to fold")
-    assert lay.product_reads > 0
+    assert lay.fold is not None and lay.product_reads > 0
     many = jaxpc.Options(impl="pallas", tuning=jaxpc.Tuning(full_layout_reads=1))
     assert routing.buffer_plan(lay, many, B) is lay
     assert routing.buffer_plan(lay, many, 2**31 // lay.num_rows + 1) is lay.fold  # past int32 offsets
