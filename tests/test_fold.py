@@ -78,6 +78,18 @@ def test_product_reads_count_the_edge_blocks_into_products():
     assert jaxpc.compile(root).layout.product_reads == pytest.approx((3 + 4 + 1) / 4)
 
 
+def test_product_kernels_in_scanned_stages_equal_xla():
+    """An HMM's full layout without the chain scan, its repeated stages under ``lax.scan`` (a traced first row per
+    step), each with a product partition: the product kernels' log-likelihoods and flows equal XLA's layers'."""
+    c = jaxpc.compile(structures.HMM(12, 4, 5), seed=2)
+    assert any(isinstance(s, ScanSpec) and any(p.prods for p in s.period) for s in c.layout.steps)
+    x = np.random.default_rng(0).integers(0, 5, (7, 12)).astype(np.int32)
+    got, want = (c.flows(c.params, x, options=jaxpc.Options(impl=impl, chain_scan=False, fold_products=False),
+                         return_ll=True) for impl in ("pallas", "xla"))
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
 def test_product_kernels_write_and_pass_down_in_place():
     """:func:`pallas_product.forward` and :func:`pallas_product.backward` against the product layer's definition,
     at a traced row offset, with a product that reads a padding row (its flow stays out of the padding) and children
