@@ -1,6 +1,7 @@
 """Check the Pallas sum-layer kernels against the reference on the GPU and time them per partition.
 
-    python benchmarks/kernels_check.py [--no-timing] [--leaves] [--levels] [--triton] [--chain] [--fanin] [--tree]
+    python benchmarks/kernels_check.py [--no-timing] [--leaves] [--levels] [--triton] [--chain] [--fanin] [--products]
+                                       [--tree]
 
 1. Correctness: forward, child flows and parameter flows of ``jaxpc.ops.pallas_sum`` against the
    plain-jnp reference on the device, over the shapes of ``tests/test_kernels.py`` plus large ones, and
@@ -34,6 +35,9 @@
    ``Tuning(tree_kernel_batch=64)``) against the default call (the per-level kernels): relative error of each leaf
    at fp32 and at the default precision, and the median milliseconds of both ``flows`` and ``em_step`` calls at
    batch 8 to 64 (:func:`check_tree`).
+8. ``--products`` (alone): PD-128's full layout with its product layers on ``jaxpc.ops.pallas_product`` against
+   the same layout on XLA's product layers: relative error of each leaf at fp32 and the default precision, and the
+   median milliseconds of both calls and of the folded plan (:func:`check_products`).
 """
 
 from __future__ import annotations
@@ -533,6 +537,40 @@ def check_fanin(batches=(16, 128, 512), reps=30, latents=128) -> float:
     return worst
 
 
+def check_products(batches=(16, 128, 512), reps=20, latents=128) -> float:
+    """PD-``latents`` (28x28, splits (4, 4)) on its full layout with the product kernels
+    (``jaxpc.ops.pallas_product``; ``Tuning(full_layout_reads=1)`` makes the flow pass take it), against the same
+    layout with XLA's product layers (``Options(fold_products=False)`` with ``Tuning(product_kernel_batch=0)``),
+    at fp32 and at the default precision: relative error of each leaf and the median milliseconds of both calls and
+    of the folded plan's (the default) per batch. Returns the worst fp32 error."""
+    import jaxpc
+    from jaxpc import distributions, structures
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _data import blurred_noise_images
+
+    c = jaxpc.compile(structures.PD((28, 28), latents, split_intervals=(4, 4),
+                                    input_dist=distributions.Categorical(256)))
+    data = blurred_noise_images(max(batches))
+    worst = 0.0
+    for B in batches:
+        x = jax.device_put(data[:B])
+        for precision in ("fp32", "default"):
+            kern = jaxpc.Options(precision=precision, tuning=jaxpc.Tuning(full_layout_reads=1))
+            xla = jaxpc.Options(precision=precision, fold_products=False, tuning=jaxpc.Tuning(product_kernel_batch=0))
+            got, want = (c.flows(c.params, x, options=o, return_ll=True) for o in (kern, xla))
+            err = max(rel(a, b) for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)))
+            line = f"check products PD-{latents} B={B} {precision}: worst leaf {err:.1e}"
+            if precision == "fp32":
+                worst = max(worst, err)
+            else:
+                c.wait_compiled()
+                ms = [bench(lambda o=o: c.flows(c.params, x, options=o), reps) for o in (kern, xla, jaxpc.Options())]
+                line += f"; flows ms product kernels {ms[0]:.3f} XLA's products {ms[1]:.3f} folded plan {ms[2]:.3f}"
+            print(line, flush=True)
+    return worst
+
+
 def main(argv=None):
     import argparse
 
@@ -543,6 +581,7 @@ def main(argv=None):
     p.add_argument("--chain", action="store_true", help="only HMM-1024 and HMM-256 on the chain kernels, end to end")
     p.add_argument("--triton", action="store_true", help="only the jax-triton route: check and time")
     p.add_argument("--fanin", action="store_true", help="only PD-128's fan-in backward kernel, end to end")
+    p.add_argument("--products", action="store_true", help="only PD-128's full layout on the product kernels")
     p.add_argument("--tree", action="store_true", help="only HCLT-256 on the persistent tree kernels, end to end")
     p.add_argument("--tree-programs", type=int, default=0, help="with --tree: programs of the tree kernels "
                    "(pallas_tree.MAX_PROGRAMS)")
@@ -564,6 +603,9 @@ def main(argv=None):
         return
     if args.chain:
         print(f"worst fp32 relative error of the chain kernels: {check_chain():.2e}", flush=True)
+        return
+    if args.products:
+        print(f"worst fp32 relative error of the product kernels: {check_products():.2e}", flush=True)
         return
     if args.levels:
         print(f"worst fp32 relative error of the evened levels: {check_evened_levels(timing=not args.no_timing):.2e}",
