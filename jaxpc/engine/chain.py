@@ -137,25 +137,22 @@ def root_values(spec: ChainSpec, ctab: dict, sum_params: dict, input_vals: list,
     return _forward_pass(spec, ctab, sum_params, input_vals, options)[0]
 
 
-def _forward_pass(spec, ctab, sum_params, input_vals, options):
+def _forward_pass(spec, ctab, sum_params, input_vals, options, backward: bool = False):
+    """``(log-values, residuals)``; ``backward``: for the flows, whose backward messages then come from the forward's
+    launch where :func:`side_by_side`."""
     vals = input_vals[0]
     if persistent(spec, vals.shape[1], vals.dtype, options):
-        return _forward_kernels(spec, ctab, sum_params, vals, options.concrete_precision)
+        return _forward_kernels(spec, ctab, sum_params, vals, options.concrete_precision,
+                                backward and side_by_side(spec, vals.shape[1], vals.dtype, options))
     return _forward(spec, ctab, sum_params, vals, options.concrete_precision, options.tuning)
 
 
 def _fwd(spec, ctab, sum_params, input_vals, options):
-    vals = input_vals[0]
-    if side_by_side(spec, vals.shape[1], vals.dtype, options):
-        ll, res = _both_kernels(spec, ctab, sum_params, vals, options.concrete_precision)
-    else:
-        ll, res = _forward_pass(spec, ctab, sum_params, input_vals, options)
+    ll, res = _forward_pass(spec, ctab, sum_params, input_vals, options, backward=True)
     return ll, (ctab, sum_params, ll, res)
 
 
 def _bwd(spec, options, saved, gbar):
-    if side_by_side(spec, gbar.shape[0], saved[2].dtype, options):
-        return _bwd_side_by_side(spec, options, saved, gbar)
     if persistent(spec, gbar.shape[0], saved[2].dtype, options):
         return _bwd_kernels(spec, options, saved, gbar)
     ctab, sum_params, ll, (E, m, u0, U, uR, cs, rl, A, g) = saved
@@ -219,42 +216,10 @@ def _param_flows(spec: ChainSpec, ctab: dict, dparams: dict, A, dA, g, uR, groot
     return dparams
 
 
-def _forward_kernels(spec: ChainSpec, ctab: dict, sum_params: dict, vals: Array, precision: str):
-    """:func:`_forward` on the persistent kernel: the states ``P`` of all positions at once (chain order)."""
-    K, B = spec.K, vals.shape[1]
-    E = vals.reshape(spec.R + 1, K, B)[jnp.asarray(spec.order, jnp.int32)]
-    m = _shifts(E)
-    Et = jnp.exp(E - m[:, None, :])
-    A = _matrix(sum_params[spec.group], ctab["pid"], K)
-    P = pallas_chain.forward(A, Et, precision)
-    c = jnp.sum(P, axis=1)  # [R+1, B]: the scales
-    U = P / _safe(c)[:, None, :]
-    g = _root_weights(spec, ctab, sum_params)
-    rl = matmul("k,kb->b", g, U[-1], precision)
-    ll = jnp.log(rl) + jnp.sum(jnp.log(c), axis=0) + jnp.sum(m, axis=0)
-    return ll, (Et, c, U, rl, A, g)
-
-
-def _bwd_kernels(spec: ChainSpec, options, saved, gbar):
-    """:func:`_bwd` on the persistent kernel: all backward messages at once, then the posteriors and the
-    transition flows in one product over steps and samples."""
-    ctab, sum_params, ll, (Et, c, U, rl, A, g) = saved
-    prec = options.concrete_precision
-    gbar = jnp.where(ll == -jnp.inf, 0.0, gbar.astype(ll.dtype))
-    groot = gbar / _safe(rl)
-    Ec = Et / _safe(c)[:, None, :]
-    beta, dY = pallas_chain.backward(A, Ec, g[:, None] * groot[None, :], prec)  # [R+1, K, B]
-    inverse = np.argsort(np.asarray(spec.order))  # chain position of each emission block
-    d_in = (beta * U)[jnp.asarray(inverse, jnp.int32)].reshape(-1, U.shape[2])
-    dparams = {k: jnp.zeros_like(v) for k, v in sum_params.items()}
-    if options.compute_param_flows:
-        dA = matmul("rkb,rjb->kj", dY[1:], U[:-1], prec)
-        dparams = _param_flows(spec, ctab, dparams, A, dA, g, U[-1], groot, prec)
-    return None, dparams, [d_in]
-
-
-def _both_kernels(spec: ChainSpec, ctab: dict, sum_params: dict, vals: Array, precision: str):
-    """:func:`_forward_kernels` with the backward messages up to their scale factors from the same launch
+def _forward_kernels(spec: ChainSpec, ctab: dict, sum_params: dict, vals: Array, precision: str,
+                     backward: bool = False):
+    """:func:`_forward` on the persistent kernel: the states ``P`` of all positions at once (chain order); with
+    ``backward``, the backward messages up to their factors from the same launch
     (:func:`jaxpc.ops.pallas_chain.forward_backward`)."""
     K, B = spec.K, vals.shape[1]
     E = vals.reshape(spec.R + 1, K, B)[jnp.asarray(spec.order, jnp.int32)]
@@ -262,30 +227,39 @@ def _both_kernels(spec: ChainSpec, ctab: dict, sum_params: dict, vals: Array, pr
     Et = jnp.exp(E - m[:, None, :])
     A = _matrix(sum_params[spec.group], ctab["pid"], K)
     g = _root_weights(spec, ctab, sum_params)
-    P, beta, dy = pallas_chain.forward_backward(A, Et, g, precision)
+    if backward:
+        P, beta, dy = pallas_chain.forward_backward(A, Et, g, precision)
+        Et = None  # the backward messages are computed: the emissions are not needed again
+    else:
+        P, beta, dy = pallas_chain.forward(A, Et, precision), None, None
     c = jnp.sum(P, axis=1)  # [R+1, B]: the scales
     U = P / _safe(c)[:, None, :]
     rl = matmul("k,kb->b", g, U[-1], precision)
     ll = jnp.log(rl) + jnp.sum(jnp.log(c), axis=0) + jnp.sum(m, axis=0)
-    return ll, (c, U, rl, A, g, beta, dy)
+    return ll, (Et, c, U, rl, A, g, beta, dy)
 
 
-def _bwd_side_by_side(spec: ChainSpec, options, saved, gbar):
-    """:func:`_bwd_kernels` from the messages of :func:`_both_kernels`: each step's and sample's factor ``F``
-    (:func:`jaxpc.ops.pallas_chain.forward_backward`) from the two chains' column sums, then the posteriors and
-    the transition flows as there."""
-    ctab, sum_params, ll, (c, U, rl, A, g, beta, dy) = saved
+def _bwd_kernels(spec: ChainSpec, options, saved, gbar):
+    """:func:`_bwd` on the persistent kernels: all backward messages at once (from the backward kernel, or, where
+    the forward's launch computed them, scaled by each step's and sample's factor ``F`` of
+    :func:`jaxpc.ops.pallas_chain.forward_backward`, from the two chains' column sums), then the posteriors and the
+    transition flows in one product over steps and samples."""
+    ctab, sum_params, ll, (Et, c, U, rl, A, g, beta, dY) = saved
     prec = options.concrete_precision
     gbar = jnp.where(ll == -jnp.inf, 0.0, gbar.astype(ll.dtype))
     groot = gbar / _safe(rl)
-    lr = jnp.log(_safe(jnp.sum(dy, axis=1))) - jnp.log(_safe(c))  # [R+1, B]: log(n_s / c_s)
-    after = jnp.cumsum(lr[::-1], axis=0)[::-1] - lr  # sum over s > r
-    F = jnp.where(groot == 0, 0.0, groot * jnp.exp(after))  # [R+1, B]; impossible samples: zero flows
+    if beta is None:
+        beta, dY = pallas_chain.backward(A, Et / _safe(c)[:, None, :], g[:, None] * groot[None, :], prec)
+    else:
+        lr = jnp.log(_safe(jnp.sum(dY, axis=1))) - jnp.log(_safe(c))  # [R+1, B]: log(n_s / c_s)
+        after = jnp.cumsum(lr[::-1], axis=0)[::-1] - lr  # sum over s > r
+        F = jnp.where(groot == 0, 0.0, groot * jnp.exp(after))  # [R+1, B]; impossible samples: zero flows
+        beta, dY = beta * F[:, None, :], dY * (F / _safe(c))[:, None, :]
     inverse = np.argsort(np.asarray(spec.order))  # chain position of each emission block
-    d_in = (beta * (F[:, None, :] * U))[jnp.asarray(inverse, jnp.int32)].reshape(-1, U.shape[2])
+    d_in = (beta * U)[jnp.asarray(inverse, jnp.int32)].reshape(-1, U.shape[2])
     dparams = {k: jnp.zeros_like(v) for k, v in sum_params.items()}
     if options.compute_param_flows:
-        dA = matmul("rkb,rjb->kj", dy[1:], U[:-1] * (F / _safe(c))[1:, None, :], prec)
+        dA = matmul("rkb,rjb->kj", dY[1:], U[:-1], prec)
         dparams = _param_flows(spec, ctab, dparams, A, dA, g, U[-1], groot, prec)
     return None, dparams, [d_in]
 

@@ -68,25 +68,19 @@ def in_pieces(spans, tab: dict, step, carry):
     return in_order(spans, lambda a, b: {k: tab[k][a:b] for k in ("ch", "pid")}, step, carry)
 
 
-def _product_kernels(buf: Array, spec: StageSpec, tab: dict, offset, index) -> tuple[Array, object]:
-    """``(buf with the stage's product partitions written in place, the first row above them)``
-    (:mod:`jaxpc.ops.pallas_product`)."""
-    row = offset
-    for j, (part, t) in enumerate(zip(spec.prods, tab["prods"])):
-        with jax.named_scope(f"jaxpc/stage{index}/prod{j}"):
-            buf = pallas_product.forward(buf, t["ch"], row, K=part.K)
-        row = row + part.num_rows
-    return buf, row
-
-
-def _product_rows(buf: Array, spec: StageSpec, tab: dict, offset, index) -> tuple[list, object]:
-    """``([(row, values)] of the stage's product partitions, the first row above them)``."""
+def _product_rows(buf: Array, spec: StageSpec, tab: dict, offset, index,
+                  in_place: bool) -> tuple[Array, list, object]:
+    """``(buf, [(row, values)] of the stage's product partitions, the first row above them)``: with ``in_place``
+    the products are written into ``buf`` by the kernels of :mod:`jaxpc.ops.pallas_product` and the list is empty."""
     outs, row = [], offset
     for j, (part, t) in enumerate(zip(spec.prods, tab["prods"])):
         with jax.named_scope(f"jaxpc/stage{index}/prod{j}"):
-            outs.append((row, product_layer(buf, t["ch"], K=part.K)))
+            if in_place:
+                buf = pallas_product.forward(buf, t["ch"], row, K=part.K)
+            else:
+                outs.append((row, product_layer(buf, t["ch"], K=part.K)))
         row = row + part.num_rows
-    return outs, row
+    return buf, outs, row
 
 
 def _slot_gates(gates, part, t: dict) -> Array | None:
@@ -193,11 +187,8 @@ def _stage(buf: Array, spec: StageSpec, tab: dict, sum_params: dict, options, of
     """The node buffer with one stage's rows written; ``(buf, shifts)`` when given ``shifts``, into which the
     partitions that keep them (the in-place kernels and XLA's) also write their blocks' shifts (rows of
     ``unit``, see :func:`jaxpc.engine.routing.shift_unit`). ``pad_row``: ``Layout.ninf_row``."""
-    if spec.prods and routing.product_kernels(options, buf):
-        buf, row = _product_kernels(buf, spec, tab, offset, index)
-        outs = []
-    else:
-        outs, row = _product_rows(buf, spec, tab, offset, index)
+    buf, outs, row = _product_rows(buf, spec, tab, offset, index,
+                                   bool(spec.prods) and routing.product_kernels(options, buf))
     sums, inplace, shifts = _sum_rows(buf, spec, tab, sum_params, options, row, index, evidence, counts, shifts, unit,
                                       pad_row)
     outs += sums
