@@ -5,7 +5,7 @@
                                   [--configs 64:64:4,64:64:8,128:64:8] [--entry em_step]
                                   [--tunings fanin_group_batch=0,fanin_prefetch=0+fanin_order_batch=1024]
                                   [--options fold_products=0+tuning.product_kernel_batch=0] [--no-atomics]
-                                  [--own-tables]
+                                  [--own-tables] [--no-weight-exp]
 
 A configuration ``bb:bk:warps`` sets ``KernelConfig(block_b=bb, block_k=bk, num_warps=warps)`` for the Pallas
 forward of every partition whose blocks have several child blocks (``impl="auto"``'s fan-in route) and for its
@@ -19,7 +19,9 @@ products' child rows in every read). Prints one line per variant: median ms of
 from the default's. ``--no-atomics`` (a diagnostic: its flows are wrong) adds the default with the atomic
 backward's adds made plain stores, which tells what the atomic adds cost. ``--own-tables`` adds the default on each
 partition's own tables instead of its fan-in class's padded ones (``jaxpc.compiler.compile.shared_kernel_tables``):
-what the padding's idle programs cost, against one kernel per partition shape.
+what the padding's idle programs cost, against one kernel per partition shape. ``--no-weight-exp`` (a diagnostic:
+wrong values) adds the default with the kernels' weight tiles used as loaded, without ``exp(alpha * log w)``: what
+exponentiating each weight tile in every program costs, against weights made linear once per step.
 """
 
 from __future__ import annotations
@@ -79,6 +81,8 @@ def main(argv=None):
                    help="diagnostic: also the default with the atomic backward's adds as plain stores (wrong flows)")
     p.add_argument("--own-tables", action="store_true",
                    help="also the default on each partition's own tables (no kernels shared by a fan-in class)")
+    p.add_argument("--no-weight-exp", action="store_true",
+                   help="diagnostic: also the default with the kernels' weight tiles not exponentiated (wrong values)")
     args = p.parse_args(argv)
     B = args.batch
     split = tuple(int(s) for s in args.split_intervals.split(","))
@@ -103,6 +107,8 @@ def main(argv=None):
         variants["no-atomics"] = jaxpc.Options(tuning=jaxpc.Tuning(leaf_batch=jaxpc.Tuning().leaf_batch + 1))
     if args.own_tables:
         variants["own-tables"] = jaxpc.Options()
+    if args.no_weight_exp:  # last: the patch stays for the variants after it
+        variants["no-weight-exp"] = jaxpc.Options(tuning=jaxpc.Tuning(leaf_batch=jaxpc.Tuning().leaf_batch + 2))
     shared = c.tables
     ref = None
     for name, opts in variants.items():
@@ -111,6 +117,12 @@ def main(argv=None):
             from jaxpc.ops import pallas_sum
             pallas_sum.add_tile = lambda ref, rows, cols, val, rmask, cmask: pallas_sum.store_tile(
                 ref, rows, cols, val, rmask, cmask)
+            pallas_sum._KERNELS.clear()
+        if name == "no-weight-exp":
+            from jaxpc.ops import pallas_sum
+            from weight_exp import plain_load_w
+
+            pallas_sum._load_w = plain_load_w
             pallas_sum._KERNELS.clear()
         try:
             t = time.perf_counter()
