@@ -415,9 +415,10 @@ def make_tree_level(Kp, Kc, n, M, B, alpha=1.0, seed=11):
     return out, flows0, t, logw, off, base, want, pf_ref
 
 
-@pytest.mark.parametrize("alpha", cases([1.0, 0.5], fast=[0.5]))
-@pytest.mark.parametrize("shape", cases(EXCLUSIVE, fast=EXCLUSIVE[:1]),
-                         ids=lambda s: "Kp{}-Kc{}-n{}-M{}-B{}-bb{}".format(*s))
+# each shape once, LL (alpha 1) and GeneralLL (alpha 0.5) in turn: one batch tile or several, 1 to 4 row blocks
+@pytest.mark.parametrize("shape,alpha", cases(list(zip(EXCLUSIVE, [0.5, 1.0, 0.5, 1.0])), fast=[(EXCLUSIVE[0], 0.5)],
+                                              unpack=True),
+                         ids=lambda v: "Kp{}-Kc{}-n{}-M{}-B{}-bb{}".format(*v) if isinstance(v, tuple) else str(v))
 def test_exclusive_backward_matches_reference(shape, alpha):
     """Tree levels: child flows computed once per parent and added into every row block of its folded child
     (zero-row padding untouched), over one batch tile or several, LL and GeneralLL."""
@@ -541,8 +542,11 @@ def test_param_flows_after_match_reference(shape, propagation):
 ATOMIC = [(16, 16, 6, 3, 2, 20), (8, 32, 5, 4, 1, 70), (32, 8, 3, 2, 3, 9)]
 
 
-@pytest.mark.parametrize("shape", cases(ATOMIC, fast=ATOMIC[:1]), ids=lambda s: "Kp{}-Kc{}-n{}-C{}-M{}-B{}".format(*s))
-@pytest.mark.parametrize("propagation", cases(["LL", "GeneralLL"], fast=["LL"]))
+# both propagations on the first shape, one each on the others
+@pytest.mark.parametrize("shape,propagation", cases([(ATOMIC[0], "LL"), (ATOMIC[0], "GeneralLL"),
+                                                     (ATOMIC[1], "GeneralLL"), (ATOMIC[2], "LL")],
+                                                    fast=[(ATOMIC[0], "LL")], unpack=True),
+                         ids=lambda v: "Kp{}-Kc{}-n{}-C{}-M{}-B{}".format(*v) if isinstance(v, tuple) else str(v))
 def test_fanin_backward_atomic_matches_reference(shape, propagation):
     """The one-kernel backward of a fan-in partition (the kept shifts read, local sums from the stored values, the
     child flows added to rows that several parent blocks share) against the XLA reference at tf32 (exact on a CPU):
