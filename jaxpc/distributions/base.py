@@ -237,6 +237,15 @@ def segment_sum(values: Array, rows: Array, num_rows: int) -> Array:
     return jax.ops.segment_sum(values, rows, num_segments=num_rows)
 
 
+def block_totals(values: Array, seg: Array, num_segments: int) -> Array:
+    """``[S, Kp]``: parameter blocks' ``values [P, Kp, Kc]`` summed over their ``Kc`` children and over the blocks of
+    each segment ``seg [P]`` (a sum node block's edge blocks, which the M-step normalizes together). The sum over the
+    children is a reduction of its own, kept apart from the scatter-add by an optimization barrier: fused into it,
+    XLA's scatter reads the ``[P, Kp, Kc]`` array at a fraction of the bandwidth of a reduction."""
+    rows = jax.lax.optimization_barrier(jnp.sum(values, axis=2))
+    return jax.ops.segment_sum(rows, seg, num_segments=num_segments)
+
+
 def reduce_missing(logp: Array, options, axis: int = -1) -> Array:
     """Marginalize (LL), maximize (MPE) or temper (GeneralLL) a discrete log-pmf over ``axis``."""
     if options.propagation == "MPE":

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from ..compiler.layout import Layout
-from ..distributions.base import blend
+from ..distributions.base import blend, block_totals
 from ..ops.rows import take_rows
 from . import forward, logflows, routing
 
@@ -172,7 +172,7 @@ def _normalized(layout: Layout, tables: dict, sum_counts: dict, pseudocount, kee
         counts = sum_counts[g.key] + pseudocount / nch
         if mask is not None:
             counts = jnp.where(mask, counts, 0.0)
-        tot = jax.ops.segment_sum(jnp.sum(counts, axis=2), seg, num_segments=g.num_segments)  # [S, Kp]
+        tot = block_totals(counts, seg, g.num_segments)  # [S, Kp]
         tot_e = tot[seg][:, :, None]
         uniform = 1.0 / nch if mask is None else jnp.where(mask, 1.0 / nch, 0.0)
         out[g.key] = jnp.where(tot_e > 0, counts / jnp.where(tot_e > 0, tot_e, 1.0), uniform)
@@ -196,8 +196,7 @@ def em_update(layout: Layout, tables: dict, params: dict, flows: dict, step_size
         if keep is None:  # the node totals of the counts and pseudocount: one pass over the flows, not two
             tot = totals[g.key]
         else:
-            tot = jax.ops.segment_sum(jnp.sum(flows["sum"][g.key], axis=2), t["seg"], num_segments=g.num_segments)
-            tot = tot + pseudocount
+            tot = block_totals(flows["sum"][g.key], t["seg"], g.num_segments) + pseudocount
         has_mass = (tot[t["seg"]] > 0)[:, :, None]
         new = jnp.where(has_mass, blend(old, targets[g.key], step_size), old)
         new_sum[g.key] = jnp.log(new)

@@ -25,6 +25,7 @@ from jax import lax
 
 from ..compiler.layout import Layout
 from ..distributions import Categorical, DiscreteLogistic, Gaussian
+from ..distributions.base import block_totals
 from ..distributions.indicator import IndicatorLeaf
 from ..engine import forward
 from ..options import Options
@@ -43,8 +44,7 @@ def segment_log_softmax(logits: Array, seg: Array, num_segments: int) -> Array:
     segment ``seg[p]`` (``int32[P]``), for each of the ``Kp`` rows. Returns ``[P, Kp, Kc]``."""
     m = jax.ops.segment_max(jnp.max(logits, axis=2), seg, num_segments=num_segments)  # [S, Kp]
     m = lax.stop_gradient(_finite_or_zero(m))
-    tot = jax.ops.segment_sum(jnp.sum(jnp.exp(logits - m[seg][:, :, None]), axis=2), seg,
-                              num_segments=num_segments)  # [S, Kp]
+    tot = block_totals(jnp.exp(logits - m[seg][:, :, None]), seg, num_segments)  # [S, Kp]
     lse = jnp.log(tot) + m
     return logits - lse[seg][:, :, None]
 

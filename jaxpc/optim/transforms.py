@@ -49,7 +49,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ..distributions.base import blend
+from ..distributions.base import blend, block_totals
 from ..engine import em as em_engine
 from ..options import Options
 
@@ -172,7 +172,7 @@ def anemone_update(layout, tables, params: dict, flows: dict, eta, pseudocount, 
     new_sum = {}
     for g in layout.sum_groups:
         seg = tables["groups"][g.key]["seg"]
-        tot = jax.ops.segment_sum(jnp.sum(flows["sum"][g.key], axis=2), seg, num_segments=g.num_segments)  # [S, Kp]
+        tot = block_totals(flows["sum"][g.key], seg, g.num_segments)  # [S, Kp]
         s = node_step(tot + pc)[seg][:, :, None]
         old = jnp.exp(params["sum"][g.key])
         new_sum[g.key] = jnp.log(blend(old, targets[g.key], s))
