@@ -18,19 +18,20 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jaxpc  # noqa: E402
 from jaxpc import distributions, structures  # noqa: E402
 from jaxpc.distributions.base import block_totals  # noqa: E402
 from jaxpc.engine import em  # noqa: E402
+from kernels_check import bench  # noqa: E402
 
 
 def fused_totals(values, seg, num_segments):
@@ -39,13 +40,7 @@ def fused_totals(values, seg, num_segments):
 
 
 def median_ms(fn, *args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t)
-    return 1e3 * float(np.median(ts))
+    return bench(lambda: fn(*args), reps)
 
 
 def main(argv=None) -> None:
