@@ -172,7 +172,9 @@ def _normalized(layout: Layout, tables: dict, sum_counts: dict, pseudocount, kee
         counts = sum_counts[g.key] + pseudocount / nch
         if mask is not None:
             counts = jnp.where(mask, counts, 0.0)
-        tot = block_totals(counts, seg, g.num_segments)  # [S, Kp]
+            tot = block_totals(counts, seg, g.num_segments)  # [S, Kp]
+        else:  # each row of a segment holds nch entries, pseudocount / nch each: the reduction reads the flows alone
+            tot = block_totals(sum_counts[g.key], seg, g.num_segments) + pseudocount
         tot_e = tot[seg][:, :, None]
         uniform = 1.0 / nch if mask is None else jnp.where(mask, 1.0 / nch, 0.0)
         out[g.key] = jnp.where(tot_e > 0, counts / jnp.where(tot_e > 0, tot_e, 1.0), uniform)
