@@ -143,3 +143,22 @@ def test_nodes_without_flow_keep_their_sum_parameters():
         old_m = np.asarray(c.get_node_params(c.params, moved), np.float64)
         want_m = 0.5 * old_m + 0.5 * fm / fm.sum(axis=1, keepdims=True)
         np.testing.assert_allclose(np.asarray(c.get_node_params(new, moved)), want_m, rtol=1e-5, atol=1e-6)
+
+
+def test_block_totals_are_each_segments_sums_and_differentiate():
+    """The node totals behind the EM update and the normalization: per segment and parent row, the sum over its
+    blocks' children (blocks in any order, segments of one to three blocks), jit-compiled and differentiated."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpc.distributions.base import block_totals
+
+    rng = np.random.default_rng(0)
+    seg = np.array([2, 0, 2, 1, 2, 0], np.int32)
+    values = rng.random((6, 3, 4)).astype(np.float32)
+    want = np.stack([values[seg == s].sum(axis=(0, 2)) for s in range(3)])
+    got = jax.jit(block_totals, static_argnums=2)(jnp.asarray(values), jnp.asarray(seg), 3)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
+    weights = rng.random((3, 3)).astype(np.float32)
+    grad = jax.grad(lambda v: jnp.sum(weights * block_totals(v, jnp.asarray(seg), 3)))(jnp.asarray(values))
+    np.testing.assert_allclose(np.asarray(grad), np.broadcast_to(weights[seg][:, :, None], values.shape), rtol=1e-6)
