@@ -152,10 +152,11 @@ def normalize_sum_params(layout: Layout, tables: dict, sum_counts: dict, pseudoc
     """``(counts + c / num_children) / (node total + c)`` per node, in linear space; nodes with no
     mass keep a uniform distribution over their children. ``keep`` (per group, bool like the counts)
     restricts each node to those children: the others get exactly zero and no pseudocount."""
-    return _normalized(layout, tables, sum_counts, pseudocount, keep)[0]
+    return normalized_with_totals(layout, tables, sum_counts, pseudocount, keep)[0]
 
 
-def _normalized(layout: Layout, tables: dict, sum_counts: dict, pseudocount, keep: dict | None) -> tuple[dict, dict]:
+def normalized_with_totals(layout: Layout, tables: dict, sum_counts: dict, pseudocount,
+                           keep: dict | None = None) -> tuple[dict, dict]:
     """:func:`normalize_sum_params` and each group's node totals ``[segments, Kp]`` (counts and pseudocount)."""
     out, totals = {}, {}
     for g in layout.sum_groups:
@@ -191,7 +192,7 @@ def em_update(layout: Layout, tables: dict, params: dict, flows: dict, step_size
     parameters that are exactly zero stay zero (no pseudocount on them)."""
     new_sum = {}
     keep = {g.key: jnp.isfinite(params["sum"][g.key]) for g in layout.sum_groups} if keep_zero_params else None
-    targets, totals = _normalized(layout, tables, flows["sum"], pseudocount, keep)
+    targets, totals = normalized_with_totals(layout, tables, flows["sum"], pseudocount, keep)
     for g in layout.sum_groups if update_sums else ():
         t = tables["groups"][g.key]
         old = jnp.exp(params["sum"][g.key])

@@ -49,7 +49,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ..distributions.base import blend, block_totals
+from ..distributions.base import blend
 from ..engine import em as em_engine
 from ..options import Options
 
@@ -168,12 +168,11 @@ def anemone_update(layout, tables, params: dict, flows: dict, eta, pseudocount, 
         t = eta * mass / n
         return t / (1.0 + t)
 
-    targets = em_engine.normalize_sum_params(layout, tables, flows["sum"], pc)
+    targets, totals = em_engine.normalized_with_totals(layout, tables, flows["sum"], pc)  # totals: flows + pc
     new_sum = {}
     for g in layout.sum_groups:
         seg = tables["groups"][g.key]["seg"]
-        tot = block_totals(flows["sum"][g.key], seg, g.num_segments)  # [S, Kp]
-        s = node_step(tot + pc)[seg][:, :, None]
+        s = node_step(totals[g.key])[seg][:, :, None]
         old = jnp.exp(params["sum"][g.key])
         new_sum[g.key] = jnp.log(blend(old, targets[g.key], s))
     new_in = {}
