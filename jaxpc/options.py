@@ -104,6 +104,11 @@ class Tuning:
             H200, PD-128's flows at batch 16 / 128 / 512 took 1.37 / 2.50 / 7.18 ms with two blocks per step against
             1.47 / 2.65 / 7.27 with one; a PD-256's ``em_step`` at batch 1,024 62.6 ms with two, 65.0 with four,
             64.1 with one; a PD-512's at batch 512 130.2 / 133.6 / 134.2.
+        fanin_forward_wide_tile: in partitions of at least ``fanin_group_blocks`` edge blocks, that forward takes
+            batch tiles of this many samples (a power of two) and one child block per step, unless
+            ``Options.kernels`` tunes the partition; 0: the tiles and ``fanin_forward_span`` of the others. On the
+            H200 a PD-512's forward at batch 512 took 25.3 ms this way against 30.8 with 32-sample tiles and two
+            blocks per step (27.5 with 64-sample tiles and two blocks: 212 registers a thread against 128).
 
             On the H200 (``benchmarks/pd_tiles.py``), a PD-256's ``em_step`` at batch 1,024 (222M edges) took 69.9
             ms with one child per program in child order, 65.9 with four children per program, 102.8 with eight,
@@ -138,6 +143,7 @@ class Tuning:
     fanin_order_batch: int = 0
     fanin_forward_prefetch_batch: int = 128
     fanin_forward_span: int = 2
+    fanin_forward_wide_tile: int = 64
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -154,6 +160,9 @@ class Tuning:
                 raise ValueError(f"Tuning.{f.name} must be a non-negative int, got {v!r}")
         if self.fanin_forward_span < 1 or self.fanin_forward_span & (self.fanin_forward_span - 1):
             raise ValueError(f"Tuning.fanin_forward_span must be a power of two, got {self.fanin_forward_span!r}")
+        if self.fanin_forward_wide_tile & (self.fanin_forward_wide_tile - 1):
+            raise ValueError(f"Tuning.fanin_forward_wide_tile must be 0 or a power of two, got "
+                             f"{self.fanin_forward_wide_tile!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -939,7 +939,8 @@ def test_fanin_kernel_orders_give_the_same_flows(monkeypatch):
     child, the partition's ``eorder``, from that batch on; ``Tuning.fanin_prefetch`` and
     ``Tuning.fanin_forward_prefetch_batch``: the next tile's loads issued before each tile's arithmetic;
     ``Tuning.fanin_group``: a parent block's children in one program; ``Tuning.fanin_forward_span``: several child
-    blocks per step of the forward's loop) reach the kernels and change no
+    blocks per step of the forward's loop; ``Tuning.fanin_forward_wide_tile``: the wide partitions' batch tile) reach
+    the kernels and change no
     log-likelihood, flow or parameter flow beyond rounding."""
     from jaxpc.ops import pallas_sum
 
@@ -969,10 +970,15 @@ def test_fanin_kernel_orders_give_the_same_flows(monkeypatch):
     assert max(g for *_, g in seen) > 1  # every child of a parent block in one program where the fan-in allows
     assert all(not prefetch for _, prefetch, g in seen if g > 1)
     spans = []
-    monkeypatch.setattr(pallas_sum, "forward", lambda *a, **k: spans.append(k["config"].span) or fwd(*a, **k))
+    monkeypatch.setattr(pallas_sum, "forward", lambda *a, **k: spans.append(
+        (k["config"].span, k["config"].block_b)) or fwd(*a, **k))
     spanned = c.flows(c.params, x, options=o.replace(tuning=jaxpc.Tuning(fanin_forward_span=4)), return_ll=True)
-    assert max(spans) == 4
-    for run in (default, ordered, grouped, spanned):
+    assert max(span for span, _ in spans) == 4
+    spans.clear()
+    wide = c.flows(c.params, x, options=o.replace(tuning=jaxpc.Tuning(fanin_group_blocks=1, fanin_forward_wide_tile=8,
+                                                                      fanin_forward_span=4)), return_ll=True)
+    assert (1, 8) in spans and all(span == 1 for span, block_b in spans if block_b == 8)  # 2 batch tiles of 8
+    for run in (default, ordered, grouped, spanned, wide):
         for a, b in zip(jax.tree_util.tree_leaves(run), jax.tree_util.tree_leaves(ref)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6 * float(np.abs(b).max()))
 
@@ -1017,6 +1023,31 @@ def test_shared_kernel_tables_pad_a_class_to_one_shape(monkeypatch):
     ref = c.flows(c.params, x, options=jaxpc.Options(impl="xla", precision="fp32"), return_ll=True)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=1e-5 * float(np.abs(b).max()))
+
+
+def test_fanin_forward_tiles():
+    """The fan-in forward's tiles: in partitions of ``Tuning.fanin_group_blocks`` edge blocks batch tiles of
+    ``Tuning.fanin_forward_wide_tile`` samples and one child block per step, unless tuned or set to 0; elsewhere the
+    given tiles with ``Tuning.fanin_forward_span`` blocks per step; dense partitions and single children as given."""
+    from types import SimpleNamespace
+
+    from jaxpc.ops.pallas_sum import KernelConfig
+
+    o, cfg = jaxpc.Options(), KernelConfig()
+    wide = SimpleNamespace(n=512, C=32, Kp=32, Kc=32, dense=False)
+    narrow = SimpleNamespace(n=100, C=32, Kp=32, Kc=32, dense=False)
+    got = routing.fanin_forward_config(o, wide, 512, "pallas_forward", cfg)
+    assert (got.block_b, got.span, got.prefetch) == (64, 1, True)
+    got = routing.fanin_forward_config(o, narrow, 512, "pallas_forward", cfg)
+    assert (got.block_b, got.span) == (cfg.block_b, 2)
+    assert routing.fanin_forward_config(o, wide, 512, "pallas_forward", cfg, tuned=True).block_b == cfg.block_b
+    off = o.replace(tuning=jaxpc.Tuning(fanin_forward_wide_tile=0))
+    assert routing.fanin_forward_config(off, wide, 512, "pallas_forward", cfg).span == 2
+    for part in (SimpleNamespace(n=512, C=32, Kp=32, Kc=32, dense=True),
+                 SimpleNamespace(n=20000, C=1, Kp=32, Kc=32, dense=False)):
+        assert routing.fanin_forward_config(o, part, 512, "pallas_forward", cfg) == cfg
+    with pytest.raises(ValueError, match="fanin_forward_wide_tile"):
+        jaxpc.Tuning(fanin_forward_wide_tile=48)
 
 
 def test_fanin_group_sizes():

@@ -344,6 +344,12 @@ def child_order(options, values) -> bool:
     return bool(n) and values.shape[1] >= n
 
 
+def wide_fanin(options, part) -> bool:
+    """Whether sum partition ``part`` has at least ``Tuning.fanin_group_blocks`` edge blocks (parent blocks x
+    fan-in): its fan-in kernels' grids stay wide with several children per program and larger batch tiles."""
+    return 0 < options.tuning.fanin_group_blocks <= part.n * part.C
+
+
 GROUP_ELEMENTS: Final = 4 * 32 * 32  # a grouped atomic-backward program's edge-block tiles: four 32 x 32 ones fit
 
 
@@ -357,8 +363,7 @@ def fanin_group(options, part, values) -> int:
 
     tuning, g = options.tuning, 1
     batch = 0 < tuning.fanin_group_batch <= values.shape[1]
-    wide = 0 < tuning.fanin_group_blocks <= part.n * part.C
-    if child_order(options, values) or not (batch or wide):
+    if child_order(options, values) or not (batch or wide_fanin(options, part)):
         return g
     tile = p2(part.Kp) * min(KernelConfig.block_k, p2(part.Kc))
     while 2 * g <= tuning.fanin_group and part.C % (2 * g) == 0 and 2 * g * tile <= GROUP_ELEMENTS:
@@ -392,16 +397,20 @@ def kernel_source(t: dict, impl: str, packed):
     return table_places.kernel_source(t, packed, _kernel_table_names(t, impl)[:2])
 
 
-def fanin_forward_config(options, part, B: int, impl: str, config):
+def fanin_forward_config(options, part, B: int, impl: str, config, tuned: bool = False):
     """``config`` (the in-place forward's tiles) for sum partition ``part`` at batch ``B``: a fan-in of several
     child blocks on Pallas's kernel (not jax-triton's) prefetches its next child chunk from
     ``Tuning.fanin_forward_prefetch_batch`` samples on and takes ``Tuning.fanin_forward_span`` child blocks per
-    step (:attr:`jaxpc.ops.pallas_sum.KernelConfig.span`); other partitions keep ``config``."""
+    step (:attr:`jaxpc.ops.pallas_sum.KernelConfig.span`), or, unless ``config`` is ``tuned`` (from
+    ``Options.kernels``), in a wide partition (:func:`wide_fanin`) batch tiles of ``Tuning.fanin_forward_wide_tile``
+    samples and one child block per step; other partitions keep ``config``."""
     if part.C < 2 or part.dense or impl == "triton":
         return config
     tuning = options.tuning
-    return dataclasses.replace(config, prefetch=config.prefetch or 0 < tuning.fanin_forward_prefetch_batch <= B,
-                               span=tuning.fanin_forward_span)
+    prefetch = config.prefetch or 0 < tuning.fanin_forward_prefetch_batch <= B
+    if tuning.fanin_forward_wide_tile and wide_fanin(options, part) and not tuned:
+        return dataclasses.replace(config, prefetch=prefetch, span=1, block_b=tuning.fanin_forward_wide_tile)
+    return dataclasses.replace(config, prefetch=prefetch, span=tuning.fanin_forward_span)
 
 
 def atomic_backward(options, part, values: Array) -> bool:

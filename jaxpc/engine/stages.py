@@ -171,7 +171,8 @@ def _inplace_sums(buf: Array, inplace: list, sum_params: dict, options, index, s
             source = routing.kernel_source(t, impl, packed)
             # tiles from the (class-padded) table's block count: a class's partitions share one kernel
             config = routing.fanin_forward_config(options, part, buf.shape[1], impl,
-                                                  kernels.forward_config(ch.shape[0], part.Kp, buf.shape[1], cfg))
+                                                  kernels.forward_config(ch.shape[0], part.Kp, buf.shape[1], cfg),
+                                                  tuned=cfg is not None)
             kw = dict(Kp=part.Kp, Kc=part.Kc, alpha=a, precision=options.concrete_precision, config=config,
                       out_offset=r, **extent, **({"source": source} if source is not None else {}))
             if shifts is not None and routing.writes_shift(options, part, buf):

@@ -717,6 +717,8 @@ def _bwd_atomic_kernel(off_ref, ord_ref, ch_ref, pid_ref, w_ref, buf_ref, shift_
             accs, _ = lax.fori_loop(0, T, step, (accs, fetch(0)))
         else:
             accs = lax.fori_loop(0, T, lambda s, accs: use(fetch(s), accs), accs)
+        # the weights read again, not the loop's: both live through the batch loop spill registers
+        ws = [_load_w(w_ref, pid_ref[i, c0 + j], kp, kc, Kp, Kc, alpha) for j in range(G)]
         for j, (w, acc) in enumerate(zip(ws, accs)):
             mask = pmask[:, None] & kmask[None, :]
             if into:  # added to the edge block's parameter block, which no other program of the kernel writes
