@@ -4,7 +4,7 @@ the ``triton`` package and its ``ptxas -v``.
 
     pip install --target /tmp/tsite "triton==3.6.0"   # once; not a dependency of jaxpc
     PYTHONPATH=/tmp/tsite python benchmarks/kernel_registers.py [--batch 512] [--blocks 1000] [--fanin 64]
-        [--block 32] [--kernels forward:32:2,backward:4,backward:4:noadd] [--stages 1,2] [--num-warps 4]
+        [--block 32] [--rows 1] [--kernels forward:32:2,backward:4,backward:4:noadd] [--stages 1,2] [--num-warps 4]
 
 A kernel spec is ``forward:BB:SPAN`` (the in-place fan-in forward with batch tile ``BB`` and ``SPAN`` child blocks
 per step, prefetching) or ``backward:G[:prefetch][:noadd]`` (the atomic backward with ``G`` children per program, its
@@ -57,11 +57,11 @@ def triton_ir(fn, *args) -> str:
     return captured[-1]
 
 
-def kernel_fn(spec: str, B: int, n: int, C: int, K: int):
-    """``(fn, args)`` whose lowering builds the kernel of ``spec``."""
+def kernel_fn(spec: str, B: int, n: int, C: int, K: int, M: int = 1):
+    """``(fn, args)`` whose lowering builds the kernel of ``spec`` (children the sums of ``M`` row blocks)."""
     S, R = jax.ShapeDtypeStruct, 64 * K + 2 * n * C * K
     kind, *rest = spec.split(":")
-    tables = (S((n, C), jnp.int32), S((n, C), jnp.int32), S((n * C, K, K), jnp.float32))
+    tables = (S((n, C, M) if M > 1 else (n, C), jnp.int32), S((n, C), jnp.int32), S((n * C, K, K), jnp.float32))
     if kind == "forward":
         cfg = dataclasses.replace(pallas_sum.KernelConfig(), block_b=int(rest[0]), span=int(rest[1]), prefetch=True)
 
@@ -114,13 +114,14 @@ def main(argv=None):
     p.add_argument("--blocks", type=int, default=1000, help="parent blocks")
     p.add_argument("--fanin", type=int, default=64, help="child blocks per parent block")
     p.add_argument("--block", type=int, default=32, help="nodes per block (parents and children)")
+    p.add_argument("--rows", type=int, default=1, help="row blocks per child (2: the folded plan's products)")
     p.add_argument("--kernels",
                    default="forward:32:2,forward:64:1,backward:4,backward:4:noadd,backward:2,backward:1:prefetch")
     p.add_argument("--stages", default="1,2")
     p.add_argument("--num-warps", type=int, default=4)
     args = p.parse_args(argv)
     for spec in args.kernels.split(","):
-        fn, fargs = kernel_fn(spec, args.batch, args.blocks, args.fanin, args.block)
+        fn, fargs = kernel_fn(spec, args.batch, args.blocks, args.fanin, args.block, args.rows)
         pallas_sum._KERNELS.clear()  # each spec traces its kernel afresh (``noadd`` patches its body)
         jax.clear_caches()
         ir = triton_ir(fn, *fargs)
