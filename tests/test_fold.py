@@ -169,9 +169,9 @@ def _batched_blocks(monkeypatch, c, x, opts) -> int:
     seen = []
     real = engine_flows._batched_param_flows
 
-    def spy(values, flows, dp, logw, spec, tab, options, *rest):
+    def spy(values, flows, dp, logw, spec, tab, options, *rest, **kw):
         seen.append(spec.n)
-        return real(values, flows, dp, logw, spec, tab, options, *rest)
+        return real(values, flows, dp, logw, spec, tab, options, *rest, **kw)
 
     monkeypatch.setattr(engine_flows, "_batched_param_flows", spy)
     jax.make_jaxpr(lambda p, xb: em.flows_and_ll(c.layout, c.tables, p, xb, None, None, opts))(c.params, x)
@@ -1011,18 +1011,34 @@ def test_shared_kernel_tables_pad_a_class_to_one_shape(monkeypatch):
             ((a[1] if _name == "forward" else a[4]).shape[:2], k.get("blocks"), k.get("fanin"))) or _real(*a, **k))
     into = []
     atomic = pallas_sum.backward_atomic
-    monkeypatch.setattr(pallas_sum, "backward_atomic", lambda *a, **k: into.append(k.get("dparams") is not None)
-                        or atomic(*a, **k))
+    monkeypatch.setattr(pallas_sum, "backward_atomic", lambda *a, **k: into.append(
+        (k.get("dparams") is not None, k.get("overwrite"))) or atomic(*a, **k))
     x = np.random.default_rng(1).integers(0, 5, (24, 24)).astype(np.int32)
     got = c.flows(c.params, x, options=jaxpc.Options(impl="pallas_forward", precision="tf32"), return_ll=True)
     want = {(p.n, p.C) for p, _ in members}
     for calls in seen.values():
         padded = [(shape, b, f) for shape, b, f in calls if b is not None]
         assert {shape for shape, *_ in padded} == {(n, C)} and {(b, f) for _, b, f in padded} == want
-    assert into and all(into)  # PD's edge blocks own their parameter blocks: the flows are added in place
+    # PD's edge blocks own their parameter blocks: the flows are stored in place, the accumulator starting unset
+    # (NaN here: a block left unwritten would show below)
+    assert into and all(a and b for a, b in into)
     ref = c.flows(c.params, x, options=jaxpc.Options(impl="xla", precision="fp32"), return_ll=True)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=1e-5 * float(np.abs(b).max()))
+
+
+def test_untied_groups():
+    """``SumGroupSpec.untied``: no vector of the group tied to another (each parameter block one edge block's, so the
+    flow pass may write its parameter flows instead of adding them); a PD with tied regions and a homogeneous HMM
+    have tied groups."""
+    cat = distributions.Categorical(5)
+    untied = jaxpc.compile(structures.PD((2, 4), 8, split_intervals=(1, 1), input_dist=cat))
+    assert untied.layout.sum_groups and all(g.untied for g in untied.layout.sum_groups)
+    tied = jaxpc.compile(structures.PD((2, 4), 8, split_intervals=(1, 1), input_dist=cat,
+                                       tie_homogeneous_params=True))
+    assert not all(g.untied for g in tied.layout.sum_groups)
+    hmm = jaxpc.compile(structures.HMM(6, 8, 5))
+    assert not all(g.untied for g in hmm.layout.sum_groups)
 
 
 def test_fanin_forward_tiles():

@@ -85,6 +85,8 @@ def build(root: CircuitNodes, *, scan_min_repeats: int = 3, max_exact_fanins: in
     by_level = _levels(nodes)
     sources = _sources(nodes)
     sum_placement, sum_groups, group_tables = _place_sums(sources)
+    tied = {sum_placement[ns.source.id].group for ns in nodes if ns.is_sum() and ns is not ns.source}
+    sum_groups = tuple(dataclasses.replace(g, untied=g.key not in tied) for g in sum_groups)
     block_rows: dict[int, np.ndarray] = {}
     input_placement, input_specs, input_tables, inputs_end = _place_inputs(nodes, 2 * kmax, block_rows)
     input_rows = {ns.id: block_rows[ns.id] for ns in nodes if ns.is_input()}

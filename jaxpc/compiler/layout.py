@@ -128,13 +128,15 @@ class ScanSpec:
 @dataclasses.dataclass(frozen=True)
 class SumGroupSpec:
     """Sum parameters of one block shape: ``params["sum"][key]`` is ``[num_blocks, Kp, Kc]`` log-weights,
-    normalized per node over ``num_segments`` parent blocks."""
+    normalized per node over ``num_segments`` parent blocks. ``untied``: no vector of the group is tied to another,
+    so each parameter block belongs to exactly one edge block of the circuit."""
 
     key: str
     Kp: int
     Kc: int
     num_blocks: int
     num_segments: int
+    untied: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

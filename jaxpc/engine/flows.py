@@ -60,10 +60,46 @@ class _Pass(NamedTuple):
     shifts: Array | None  # the forward's kept shifts [ceil(R / unit), B], or None
     unit: int  # node-buffer rows per shift row; 0 without kept shifts
     batched: frozenset  # the PFlowSpec keys of the batched parameter-flow pass
+    stored: frozenset = frozenset()  # the groups whose parameter flows are stored, not added (:func:`_stored_groups`)
 
     def batched_part(self, part) -> bool:
         """Whether a sum partition's parameter flows come from the batched pass after the flow pass."""
         return part.blockwise and part.pflow_key in self.batched
+
+    def atomic_part(self, part) -> bool:
+        """Whether a sum partition's backward is :func:`jaxpc.ops.pallas_sum.backward_atomic` (else the backward
+        kernels of its route or XLA's)."""
+        impl, _ = routing.kernel_choice(self.options, part, self.values.shape[1], self.values.dtype)
+        return (not routing.runs_kernel_backward(impl, self.options) and bool(self.unit)
+                and not self.batched_part(part) and routing.atomic_backward(self.options, part, self.values))
+
+
+def _stored_groups(ps: _Pass, tree_group: str | None) -> frozenset:
+    """The parameter groups whose flows the pass stores instead of adding, their accumulators starting unset
+    (``Tuning.unset_rows``): untied groups (each parameter block one edge block's) whose every partition writes its
+    blocks' flows once (:func:`_stores`) and some partition runs :func:`jaxpc.ops.pallas_sum.backward_atomic`
+    with them in place, which then skips reading the accumulator."""
+    options = ps.options
+    if not (options.compute_param_flows and options.tuning.unset_rows and ps.unit):
+        return frozenset()
+    parts: dict = {}
+    for spec in ps.layout.stages():
+        for p in spec.sums:
+            parts.setdefault(p.group, []).append(p)
+    return frozenset(g.key for g in ps.layout.sum_groups
+                     if g.untied and g.key in parts and g.key != tree_group
+                     and ps.sum_params[g.key].dtype == jnp.float32
+                     and all(p.unique_pid and _stores(ps, p) for p in parts[g.key])
+                     and any(ps.atomic_part(p) for p in parts[g.key]))
+
+
+def _stores(ps: _Pass, part) -> bool:
+    """Whether a sum partition's parameter flows reach the accumulator by a write per block: the atomic backward's
+    in place, XLA's backward's inline scatter or the batched pass's (not the backward kernels' accumulation)."""
+    if ps.batched_part(part):
+        return any(spec.key == part.pflow_key and spec.unique for spec in ps.layout.pflows)
+    impl, _ = routing.kernel_choice(ps.options, part, ps.values.shape[1], ps.values.dtype)
+    return not routing.runs_kernel_backward(impl, ps.options)
 
 
 def _root_bwd(layout, options, buffered, res, g):
@@ -71,15 +107,17 @@ def _root_bwd(layout, options, buffered, res, g):
     unit = routing.shift_unit(layout) if shifts is not None else 0
     flows = flow_buffer(layout, options, values).at[layout.root_row].set(g.astype(values.dtype))
     pflows = batched_pflows(layout, tables, options, values.shape[1], values.dtype)
-    ps = _Pass(layout, options, sum_params, values, shifts, unit, frozenset(spec.key for spec, _ in pflows))
+    common = (layout, options, sum_params, values, shifts, unit, frozenset(spec.key for spec, _ in pflows))
+    tree = layout.tree if routing.tree_kernel(layout, options, values.shape[1], values.dtype) else None
+    ps = _Pass(*common, _stored_groups(_Pass(*common), tree.group if tree is not None else None))
     # a group whose every partition is batched gets its parameter-flow buffer after the flow pass, not carried
     inline = {p.group for spec in layout.stages() for p in spec.sums if not ps.batched_part(p)}
-    dparams = {k: jnp.zeros_like(v) for k, v in sum_params.items() if k in inline}
+    dparams = {k: (uninitialized(v.shape, v.dtype, options.tuning.min_unset) if k in ps.stored else jnp.zeros_like(v))
+               for k, v in sum_params.items() if k in inline}
 
     def stage(carry, spec, tab, offset, name):
         return _stage_flows(ps, carry, spec, tab, offset, name)
 
-    tree = layout.tree if routing.tree_kernel(layout, options, values.shape[1], values.dtype) else None
     start, stop = stages.tree_span(layout, tree)
     flows, dparams = stages.run_stages(layout, tables, (flows, dparams), stage, reverse=True,
                                        scan=options.scan_stages, span=(stop, len(layout.steps)))
@@ -126,7 +164,7 @@ def _stage_flows(ps: _Pass, carry: tuple, spec: StageSpec, tab: dict, offset, na
             impl, cfg = routing.kernel_choice(ps.options, part, ps.values.shape[1], ps.values.dtype)
             if routing.runs_kernel_backward(impl, ps.options):
                 fl, dp = _sum_flows_kernels(ps, fl, dp, part, t, row, impl, cfg)
-            elif ps.unit and not ps.batched_part(part) and routing.atomic_backward(ps.options, part, ps.values):
+            elif ps.atomic_part(part):
                 fl, dp = _sum_flows_atomic(ps, fl, dp, part, t, row, cfg)
             else:
                 fl, dp = _sum_flows_xla(ps, fl, dp, part, t, row)
@@ -166,7 +204,7 @@ def _sum_flows_atomic(ps: _Pass, fl: Array, dp: dict, part, t: dict, row, cfg=No
                                         precision=options.concrete_precision, config=cfg or pallas_sum.KernelConfig(),
                                         order=eorder if ordered else None,
                                         prefetch=options.tuning.fanin_prefetch and group == 1, group=group,
-                                        dparams=into, **extent)
+                                        dparams=into, overwrite=part.group in ps.stored, **extent)
     if into is not None:
         return fl, {**dp, part.group: pf}
     return fl, (add_param_flows(dp, part, t["pid"], pf) if options.compute_param_flows else dp)
@@ -189,7 +227,7 @@ def _sum_flows_xla(ps: _Pass, fl: Array, dp: dict, part, t: dict, row) -> tuple:
                                     pflow_temperature=options.pflow_temperature,
                                     eflow_temperature=options.eflow_temperature, shift=m)
         fl = scatter_child_flows(fl, cf, sub["ch"], part, 2 * ps.layout.kmax, ps.layout.single_reader)
-        return fl, (dp if pf is None else add_param_flows(dp, part, sub["pid"], pf))
+        return fl, (dp if pf is None else add_param_flows(dp, part, sub["pid"], pf, store=part.group in ps.stored))
 
     return stages.in_pieces(routing.pieces(part, values.shape[1], options.gather_chunk), t, piece, (fl, dp))
 
@@ -207,7 +245,7 @@ def _after_pass(ps: _Pass, pflows: list, flows: Array, dparams: dict) -> dict:
         with jax.named_scope(f"jaxpc/param_flows/{spec.group}_C{spec.C}"):
             dparams[spec.group] = _batched_param_flows(values, flows, dparams.get(spec.group),
                                                        ps.sum_params[spec.group], spec, tab, options, ps.shifts,
-                                                       ps.unit, kept, by_kernel)
+                                                       ps.unit, kept, by_kernel, store=spec.group in ps.stored)
     return dparams
 
 
@@ -252,17 +290,19 @@ def batched_pflows(layout, tables: dict, options, B: int, dtype) -> list:
 
 
 def _batched_param_flows(values: Array, flows: Array, dp: Array | None, logw: Array, spec, tab: dict, options,
-                         shifts: Array | None = None, unit: int = 0, kept: tuple = (), by_kernel: bool = False
-                         ) -> Array:
+                         shifts: Array | None = None, unit: int = 0, kept: tuple = (), by_kernel: bool = False,
+                         store: bool = False) -> Array:
     """The parameter-flow buffer ``dp`` of ``spec.group`` (None: zeros) with the flows of the blocks of ``spec``
     added (one batched product, in pieces of at most ``options.gather_chunk`` gathered elements): to one slice
     of it when their parameter ids are consecutive (``spec.start``), the whole buffer when they cover it.
     ``shifts`` (rows of ``unit``): the forward's kept shifts; ``kept``: per member partition
     (``Layout.pflow_members``), whether its blocks' are there; ``by_kernel``: some of them were kept by the
-    in-place kernels. Then, where :func:`jaxpc.engine.routing.pflow_kernel` allows, one Pallas kernel for the whole
-    table (it gathers nothing), which recomputes the others' (on the H200 it is faster than XLA's pass where the
-    forward ran the kernels, at batches up to 32: see :func:`jaxpc.engine.routing.pflow_kernel`; at 128, where the
-    tree levels' forward runs on XLA, HCLT-256's step took 3.15-3.30 ms with it against 2.92-3.10 without). XLA's
+    in-place kernels. ``store`` (blocks of ``spec.unique`` that no other edge block of the pass writes, ``dp``
+    possibly unset): the flows are written, not added. Then, where :func:`jaxpc.engine.routing.pflow_kernel`
+    allows, one Pallas kernel for the whole table (it gathers nothing), which recomputes the others' (on the H200 it
+    is faster than XLA's pass where the forward ran the kernels, at batches up to 32: see
+    :func:`jaxpc.engine.routing.pflow_kernel`; at 128, where the tree levels' forward runs on XLA, HCLT-256's step
+    took 3.15-3.30 ms with it against 2.92-3.10 without). XLA's
     pass reads the kept shifts when every member kept them, else recomputes them all."""
     C, Kp, Kc = spec.C, spec.Kp, spec.Kc
     kernel = shifts is not None and by_kernel and routing.pflow_kernel(options, values.dtype)
@@ -292,15 +332,21 @@ def _batched_param_flows(values: Array, flows: Array, dp: Array | None, logw: Ar
         pf = flows_of(sub)
         if spec.start >= 0:
             lo, hi = spec.start + a * C, spec.start + b * C
-            return lax.dynamic_update_slice_in_dim(acc, acc[lo:hi] + pf.reshape(-1, Kp, Kc), lo, axis=0)
+            new = pf.reshape(-1, Kp, Kc) if store else acc[lo:hi] + pf.reshape(-1, Kp, Kc)
+            return lax.dynamic_update_slice_in_dim(acc, new, lo, axis=0)
+        if store:
+            return put_rows(acc, sub["pid"], pf, unique_indices=True)
         return add_rows(acc, sub["pid"], pf, unique_indices=spec.unique)
 
     pieces_of = ("prow", "ch", "pid", "part")
     return in_order(spans, lambda a, b: {k: tab[k][a:b] for k in pieces_of}, step, dp)
 
 
-def add_param_flows(dp: dict, part, pid: Array, pf: Array) -> dict:
-    """``dp`` with the parameter flows ``pf`` (``[n, C, Kp, Kc]``) of partition ``part`` added at blocks ``pid``."""
+def add_param_flows(dp: dict, part, pid: Array, pf: Array, store: bool = False) -> dict:
+    """``dp`` with the parameter flows ``pf`` (``[n, C, Kp, Kc]``) of partition ``part`` added at blocks ``pid``
+    (``store``: written there, blocks that no other edge block of the pass writes)."""
+    if store:
+        return {**dp, part.group: put_rows(dp[part.group], pid, pf.astype(dp[part.group].dtype), unique_indices=True)}
     return {**dp, part.group: _add_flows(dp[part.group], part, pid, pf)}
 
 

@@ -664,7 +664,7 @@ def _install_relaxed() -> bool:
 
 
 def _bwd_atomic_kernel(off_ref, ord_ref, ch_ref, pid_ref, w_ref, buf_ref, shift_ref, flow_ref, *refs, C, M, Kp, Kc,
-                       KT, KC, BB, B, alpha, precision, unit, first_row, ordered, prefetch, G, into):
+                       KT, KC, BB, B, alpha, precision, unit, first_row, ordered, prefetch, G, into, overwrite):
     out_ref, pf_ref = refs[-2:]  # (with into: the parameter flows in, then the aliased flows and parameter flows)
     e, q = block_ids(2)
     ic = ord_ref[e] if ordered else e * G  # the program's first edge block; G children of one parent block
@@ -723,7 +723,8 @@ def _bwd_atomic_kernel(off_ref, ord_ref, ch_ref, pid_ref, w_ref, buf_ref, shift_
             mask = pmask[:, None] & kmask[None, :]
             if into:  # added to the edge block's parameter block, which no other program of the kernel writes
                 at = pf_ref.at[pid_ref[i, c0 + j], kp[:, None], kc[None, :]]
-                plgpu.store(at, plgpu.load(at, mask=mask, other=0.0) + w * acc, mask=mask)
+                old = 0.0 if overwrite else plgpu.load(at, mask=mask, other=0.0)
+                plgpu.store(at, old + w * acc, mask=mask)
             else:
                 plgpu.store(pf_ref.at[i, c0 + j, kp[:, None], kc[None, :]], w * acc, mask=mask)
 
@@ -746,7 +747,8 @@ def check_atomic_args(Kp: int, values: Array, flows: Array, shifts: Array, preci
 def backward_atomic(values: Array, flows: Array, shifts: Array, out_offset, ch: Array, pid: Array, w: Array, *, Kp: int,
                     Kc: int, unit: int, first_row: int, alpha: float = 1.0, precision: str = "tf32",
                     config: KernelConfig = KernelConfig(), order: Array | None = None, prefetch: bool = False,
-                    group: int = 1, blocks: int | None = None, fanin: int | None = None, dparams: Array | None = None):
+                    group: int = 1, blocks: int | None = None, fanin: int | None = None, dparams: Array | None = None,
+                    overwrite: bool = False):
     """The whole backward of a sum partition whose forward kept its shifts (the in-place forward's, at rows ``first
     parent row / unit`` of ``shifts``) in one kernel, for local sums from the parents' stored values (precision
     below fp32; untempered): one program per (parent block and child, child-node tile) loops over the batch,
@@ -766,7 +768,9 @@ def backward_atomic(values: Array, flows: Array, shifts: Array, out_offset, ch: 
     with the child flows added in place, param flows [blocks, fanin, Kp, Kc])``; the order of the atomic adds makes
     the child flows' last bits vary from run to run. With ``dparams`` (float32 ``[P, Kp, Kc]``; the partition's
     parameter blocks ``pid`` distinct) the parameter flows are added into it in place instead, and it is returned
-    in their stead: no ``[n, C, Kp, Kc]`` array and no scatter."""
+    in their stead: no ``[n, C, Kp, Kc]`` array and no scatter. ``overwrite`` (with ``dparams``): the parameter
+    flows are stored into it instead, for an accumulator whose blocks no other edge block of the pass writes (its
+    rows may start unset)."""
     ch = tables3(ch)
     n, C, M = ch.shape
     blocks, fanin = extent = check_extent(n, C, blocks, fanin, out_offset)
@@ -786,7 +790,8 @@ def backward_atomic(values: Array, flows: Array, shifts: Array, out_offset, ch: 
                          f"got {group}")
     kernel = functools.partial(_bwd_atomic_kernel, C=C, M=M, Kp=Kp, Kc=Kc, KT=KT, KC=KC, BB=BB, B=B,
                                alpha=float(alpha), precision=precision, unit=int(unit), first_row=int(first_row),
-                               ordered=order is not None, prefetch=bool(prefetch) and B > BB, G=int(group), into=into)
+                               ordered=order is not None, prefetch=bool(prefetch) and B > BB, G=int(group), into=into,
+                               overwrite=into and bool(overwrite))
     off = block_offsets(out_offset, extent)
     order = jnp.zeros((1,), jnp.int32) if order is None else order.astype(jnp.int32)
     pf_shape = dparams.shape if into else (n, C, Kp, Kc)
