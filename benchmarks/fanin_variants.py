@@ -21,11 +21,9 @@ import collections
 import dataclasses
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import jax
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -35,6 +33,7 @@ from _data import blurred_noise_images  # noqa: E402
 from jaxpc import distributions, structures  # noqa: E402
 from jaxpc.engine import routing  # noqa: E402
 from jaxpc.ops import pallas_sum  # noqa: E402
+from pd_tiles import measure  # noqa: E402
 
 FORWARD = ("fblock_b", "fnum_warps", "fnum_stages", "fspan", "fprefetch")
 BACKWARD_CONFIG = ("bblock_b", "bnum_warps", "bnum_stages")
@@ -116,20 +115,10 @@ def main(argv=None):
         patch(spec, backward, forward_config)
         opts = jaxpc.Options(tuning=jaxpc.Tuning(leaf_batch=jaxpc.Tuning().leaf_batch + 1 + j), **extra)
         try:
-            t = time.perf_counter()
-            leaves = [np.asarray(a, np.float64)
-                      for a in jax.tree_util.tree_leaves(c.flows(c.params, xs[0], options=opts))]
-            first = time.perf_counter() - t
+            med, low, err, first, leaves = measure(c, xs, opts, "em_step", args.reps, ref)
             ref = leaves if ref is None else ref
-            err = max(float(np.max(np.abs(a - r)) / max(np.max(np.abs(r)), 1e-30)) for a, r in zip(leaves, ref))
-            jax.block_until_ready(c.em_step(c.params, xs[0], options=opts, **kw))
-            ts = []
-            for i in range(args.reps):
-                t = time.perf_counter()
-                jax.block_until_ready(c.em_step(c.params, xs[i % 4], options=opts, **kw))
-                ts.append(time.perf_counter() - t)
-            print(f"PD-{args.latents} B={B} {name:44s} em_step {1e3 * np.median(ts):8.2f} ms (min "
-                  f"{1e3 * np.min(ts):.2f}), param flows max rel diff {err:.1e}, first flows {first:.1f} s", flush=True)
+            print(f"PD-{args.latents} B={B} {name:44s} em_step {1e3 * med:8.2f} ms (min {1e3 * low:.2f}), "
+                  f"param flows max rel diff {err:.1e}, first flows {first:.1f} s", flush=True)
             if args.registers:
                 for kernel, details, ms in registers(lambda: c.em_step(c.params, xs[1], options=opts, **kw)):
                     print(f"    {kernel:36s} {details:60s} {ms:7.2f} ms", flush=True)

@@ -67,6 +67,29 @@ def own_tables(tables: dict) -> dict:
     return strip(tables)
 
 
+def measure(c, xs: list, opts, entry: str, reps: int, ref: list | None) -> tuple:
+    """``(median s, min s, parameter flows' largest relative difference from ref, first flows call s, flows)``:
+    one ``flows`` call (compiling, its leaves against ``ref``; 0 where None), then ``entry`` (``em_step`` or
+    ``flows``) warmed once and timed ``reps`` times over the batches ``xs``."""
+    t = time.perf_counter()
+    pf = c.flows(c.params, xs[0], options=opts)
+    jax.block_until_ready(pf)
+    c.wait_compiled()
+    first = time.perf_counter() - t
+    leaves = [np.asarray(a, np.float64) for a in jax.tree_util.tree_leaves(pf)]
+    err = 0.0 if ref is None else max(float(np.max(np.abs(a - r)) / max(np.max(np.abs(r)), 1e-30))
+                                      for a, r in zip(leaves, ref))
+    fn = getattr(c, entry)
+    kw = dict(step_size=0.1, pseudocount=0.1) if entry == "em_step" else {}
+    jax.block_until_ready(fn(c.params, xs[0], options=opts, **kw))
+    ts = []
+    for i in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(c.params, xs[i % len(xs)], options=opts, **kw))
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts)), float(np.min(ts)), err, first, leaves
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--latents", type=int, default=256)
@@ -125,25 +148,9 @@ def main(argv=None):
             pallas_sum._load_w = plain_load_w
             pallas_sum._KERNELS.clear()
         try:
-            t = time.perf_counter()
-            pf = c.flows(c.params, xs[0], options=opts)
-            jax.block_until_ready(pf)
-            c.wait_compiled()
-            first = time.perf_counter() - t
-            leaves = [np.asarray(a, np.float64) for a in jax.tree_util.tree_leaves(pf)]
-            if ref is None:
-                ref, err = leaves, 0.0
-            else:
-                err = max(float(np.max(np.abs(a - r)) / max(np.max(np.abs(r)), 1e-30)) for a, r in zip(leaves, ref))
-            fn = getattr(c, args.entry)
-            kw = dict(step_size=0.1, pseudocount=0.1) if args.entry == "em_step" else {}
-            jax.block_until_ready(fn(c.params, xs[0], options=opts, **kw))
-            ts = []
-            for i in range(args.reps):
-                t = time.perf_counter()
-                jax.block_until_ready(fn(c.params, xs[i % 4], options=opts, **kw))
-                ts.append(time.perf_counter() - t)
-            print(f"{name:20s} {args.entry} B={B}: {1e3 * np.median(ts):8.2f} ms (min {1e3 * np.min(ts):.2f}), "
+            med, low, err, first, leaves = measure(c, xs, opts, args.entry, args.reps, ref)
+            ref = leaves if ref is None else ref
+            print(f"{name:20s} {args.entry} B={B}: {1e3 * med:8.2f} ms (min {1e3 * low:.2f}), "
                   f"param flows max rel diff {err:.1e}, first call {first:.1f} s", flush=True)
         except Exception as e:  # noqa: BLE001 - a variant that does not compile or run is reported, not fatal
             print(f"{name:10s} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
