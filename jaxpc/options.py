@@ -109,6 +109,10 @@ class Tuning:
             ``Options.kernels`` tunes the partition; 0: the tiles and ``fanin_forward_span`` of the others. On the
             H200 a PD-512's forward at batch 512 took 25.3 ms this way against 30.8 with 32-sample tiles and two
             blocks per step (27.5 with 64-sample tiles and two blocks: 212 registers a thread against 128).
+        fanin_backward_stages: software-pipeline stages of the atomic backward's loop over batch tiles
+            (``KernelConfig.num_stages``), unless ``Options.kernels`` tunes the partition. On the H200 an
+            ``em_step`` took, with 2 / 3 / 4 stages: PD-256 at batch 1,024 61.0 / 57.9 / 59.3 ms, PD-512 at 512
+            110.3 / 103.7 / 102.6, PD-768 at 256 123.9 / 116.9 / 116.7, PD-128 at 512 9.75 / 9.77 / 9.79.
 
             On the H200 (``benchmarks/pd_tiles.py``), a PD-256's ``em_step`` at batch 1,024 (222M edges) took 69.9
             ms with one child per program in child order, 65.9 with four children per program, 102.8 with eight,
@@ -144,6 +148,7 @@ class Tuning:
     fanin_forward_prefetch_batch: int = 128
     fanin_forward_span: int = 2
     fanin_forward_wide_tile: int = 64
+    fanin_backward_stages: int = 3
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -160,6 +165,8 @@ class Tuning:
                 raise ValueError(f"Tuning.{f.name} must be a non-negative int, got {v!r}")
         if self.fanin_forward_span < 1 or self.fanin_forward_span & (self.fanin_forward_span - 1):
             raise ValueError(f"Tuning.fanin_forward_span must be a power of two, got {self.fanin_forward_span!r}")
+        if self.fanin_backward_stages < 1:
+            raise ValueError(f"Tuning.fanin_backward_stages must be at least 1, got {self.fanin_backward_stages!r}")
         if self.fanin_forward_wide_tile & (self.fanin_forward_wide_tile - 1):
             raise ValueError(f"Tuning.fanin_forward_wide_tile must be 0 or a power of two, got "
                              f"{self.fanin_forward_wide_tile!r}")

@@ -133,6 +133,16 @@ def test_general_ll_needs_positive_alpha(cat_circuit):
         cat_circuit.log_prob(cat_circuit.params, x, alpha=2.0)
 
 
+@pytest.mark.parametrize("kw, msg", [({"leaf_batch": -1}, "Tuning.leaf_batch must be a non-negative int"),
+                                     ({"fanin_prefetch": 1}, "Tuning.fanin_prefetch must be a bool"),
+                                     ({"fanin_forward_span": 3}, "Tuning.fanin_forward_span must be a power of two"),
+                                     ({"fanin_forward_wide_tile": 48}, "fanin_forward_wide_tile must be 0 or a power"),
+                                     ({"fanin_backward_stages": 0}, "fanin_backward_stages must be at least 1")])
+def test_bad_tuning_values(kw, msg):
+    with pytest.raises((TypeError, ValueError), match=msg):
+        jaxpc.Tuning(**kw)
+
+
 def test_unknown_option_name():
     with pytest.raises(TypeError, match=r"unknown option\(s\) \['precison'\]; valid options"):
         jaxpc.Options.make(precison="fp32")

@@ -80,7 +80,7 @@ TUNING_CHANGES = {"leaf_batch": 1, "small_batch": 1, "pflow_batch": 1, "chain_un
                   "compiler_options": (("xla_cpu_enable_fast_math", False),), "fanin_kernel_batch": 0,
                   "tree_kernel_batch": 16, "fanin_order_batch": 1, "fanin_forward_prefetch_batch": 0,
                   "fanin_forward_span": 1, "fanin_group_blocks": 0, "fanin_forward_wide_tile": 0,
-                  "fanin_prefetch": False, "fanin_group": 2, "fanin_group_batch": 1}
+                  "fanin_backward_stages": 2, "fanin_prefetch": False, "fanin_group": 2, "fanin_group_batch": 1}
 
 
 def test_every_tuning_field_is_listed():

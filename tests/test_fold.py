@@ -939,8 +939,8 @@ def test_fanin_kernel_orders_give_the_same_flows(monkeypatch):
     child, the partition's ``eorder``, from that batch on; ``Tuning.fanin_prefetch`` and
     ``Tuning.fanin_forward_prefetch_batch``: the next tile's loads issued before each tile's arithmetic;
     ``Tuning.fanin_group``: a parent block's children in one program; ``Tuning.fanin_forward_span``: several child
-    blocks per step of the forward's loop; ``Tuning.fanin_forward_wide_tile``: the wide partitions' batch tile) reach
-    the kernels and change no
+    blocks per step of the forward's loop; ``Tuning.fanin_forward_wide_tile``: the wide partitions' batch tile;
+    ``Tuning.fanin_backward_stages``: the backward's pipeline stages) reach the kernels and change no
     log-likelihood, flow or parameter flow beyond rounding."""
     from jaxpc.ops import pallas_sum
 
@@ -948,10 +948,10 @@ def test_fanin_kernel_orders_give_the_same_flows(monkeypatch):
                       seed=3)
     x = np.random.default_rng(0).integers(0, 5, (13, 8)).astype(np.int32)
     o = jaxpc.Options(impl="pallas_forward", precision="tf32")
-    seen, fwd_seen = [], []
+    seen, fwd_seen, stages = [], [], []
     bwd, fwd = pallas_sum.backward_atomic, pallas_sum.forward
     monkeypatch.setattr(pallas_sum, "backward_atomic", lambda *a, **k: seen.append(
-        (k["order"] is not None, k["prefetch"], k["group"])) or bwd(*a, **k))
+        (k["order"] is not None, k["prefetch"], k["group"])) or stages.append(k["config"].num_stages) or bwd(*a, **k))
     monkeypatch.setattr(pallas_sum, "forward", lambda *a, **k: fwd_seen.append(k["config"].prefetch) or fwd(*a, **k))
     plain = o.replace(tuning=jaxpc.Tuning(fanin_prefetch=False))
     ref = c.flows(c.params, x, options=plain, return_ll=True)
@@ -978,7 +978,11 @@ def test_fanin_kernel_orders_give_the_same_flows(monkeypatch):
     wide = c.flows(c.params, x, options=o.replace(tuning=jaxpc.Tuning(fanin_group_blocks=1, fanin_forward_wide_tile=8,
                                                                       fanin_forward_span=4)), return_ll=True)
     assert (1, 8) in spans and all(span == 1 for span, block_b in spans if block_b == 8)  # 2 batch tiles of 8
-    for run in (default, ordered, grouped, spanned, wide):
+    assert set(stages) == {jaxpc.Tuning().fanin_backward_stages}
+    stages.clear()
+    staged = c.flows(c.params, x, options=o.replace(tuning=jaxpc.Tuning(fanin_backward_stages=1)), return_ll=True)
+    assert set(stages) == {1}
+    for run in (default, ordered, grouped, spanned, wide, staged):
         for a, b in zip(jax.tree_util.tree_leaves(run), jax.tree_util.tree_leaves(ref)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6 * float(np.abs(b).max()))
 

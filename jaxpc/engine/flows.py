@@ -198,10 +198,11 @@ def _sum_flows_atomic(ps: _Pass, fl: Array, dp: dict, part, t: dict, row, cfg=No
     into = g if g is not None and g.dtype == jnp.float32 else None
     ordered = routing.child_order(options, ps.values)
     group = math.gcd(routing.fanin_group(options, part, ps.values), ch.shape[1])  # (padded tables: both fan-ins)
+    cfg = cfg or pallas_sum.KernelConfig(num_stages=options.tuning.fanin_backward_stages)
     fl, pf = pallas_sum.backward_atomic(ps.values, fl, ps.shifts, row, ch, pid, ps.sum_params[part.group],
                                         Kp=part.Kp, Kc=part.Kc, unit=ps.unit, first_row=2 * ps.layout.kmax,
                                         alpha=1.0 if options.propagation == "LL" else options.alpha,
-                                        precision=options.concrete_precision, config=cfg or pallas_sum.KernelConfig(),
+                                        precision=options.concrete_precision, config=cfg,
                                         order=eorder if ordered else None,
                                         prefetch=options.tuning.fanin_prefetch and group == 1, group=group,
                                         dparams=into, overwrite=part.group in ps.stored, **extent)
