@@ -1,7 +1,11 @@
 """Per-step time of data-parallel training on 1 device vs all visible devices (jaxpc.parallel).
 
     python benchmarks/multigpu.py [--workload hclt|pd|hmm] [--batch 512] [--reps 20] [--latents 64]
-                                  [--steps em,adam] [--json out.json]
+                                  [--structure pd5] [--steps em,adam] [--json out.json]
+
+``--structure`` builds one of ``benchmarks/scale.py``'s structures instead (``pd1`` ... ``pd5``, ``hclt1`` ...
+``hclt5``: PyJuice's runtime table), e.g. the largest ones at the batch of that table, on 2 GPUs:
+``--structure pd5 --batch 256 --steps em`` and ``--structure hclt5 --batch 1024 --steps em``.
 
 For each step kind it times (median of ``--reps`` steps after warm-up, parameters chained from step
 to step, batches already on the devices):
@@ -38,7 +42,14 @@ from _data import blurred_noise_images  # noqa: E402
 from jaxpc import distributions, optim, parallel, structures  # noqa: E402
 
 
-def build(workload: str, latents: int, seed: int = 0):
+def build(workload: str, latents: int, seed: int = 0, structure: str = ""):
+    if structure:
+        from scale import SPECS, TREE_ROWS, build_root
+
+        if structure not in SPECS:
+            raise SystemExit(f"unknown structure {structure!r}; one of {sorted(SPECS)}")
+        data = blurred_noise_images(max(4096, TREE_ROWS), (28, 28), 256, seed)
+        return jaxpc.compile(build_root(structure, data), seed=seed), data
     if workload == "hclt":
         data = blurred_noise_images(4096, (28, 28), 256, seed)
         root = structures.HCLT(data[:2000], num_latents=latents, input_dist=distributions.Categorical(256))
@@ -79,6 +90,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", default="hclt", choices=["hclt", "pd", "hmm"])
     p.add_argument("--latents", type=int, default=64)
+    p.add_argument("--structure", default="", help="one of scale.py's structures (pd1-pd5, hclt1-hclt5) instead")
     p.add_argument("--batch", type=int, default=512, help="global batch of the one-device run")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--steps", default="em,adam")
@@ -89,8 +101,9 @@ def main(argv=None):
     n = len(devs)
     print(f"jax {jax.__version__}, {n} x {devs[0].device_kind} ({devs[0].platform})")
     t0 = time.perf_counter()
-    circuit, data = build(args.workload, args.latents)
-    print(f"{args.workload}-{args.latents}: {circuit.num_nodes:,} nodes, {circuit.num_edges:,} edges, "
+    circuit, data = build(args.workload, args.latents, structure=args.structure)
+    name = args.structure or f"{args.workload}-{args.latents}"
+    print(f"{name}: {circuit.num_nodes:,} nodes, {circuit.num_edges:,} edges, "
           f"{circuit.num_parameters:,} params (built in {time.perf_counter() - t0:.1f} s)")
     B = args.batch
     if B % n:
@@ -113,7 +126,7 @@ def main(argv=None):
     if err > 1e-4:
         raise SystemExit("flows differ: not timing")
 
-    results = {"workload": args.workload, "latents": args.latents, "devices": n, "device_kind": devs[0].device_kind,
+    results = {"workload": name, "latents": args.latents, "devices": n, "device_kind": devs[0].device_kind,
                "batch": B, "flows_rel_err": err, "steps": {}}
     for kind in [s for s in args.steps.split(",") if s]:
         if kind == "em":

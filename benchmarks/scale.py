@@ -109,6 +109,17 @@ def hyper(name: str, short: bool = False) -> str:
     return f"{s['kind'].upper()} num_latents={s['latents']}{split}"
 
 
+def build_root(name: str, data):
+    """The root node of structure ``name`` of :data:`SPECS` over 28 x 28 images with 256 levels (an HCLT's tree
+    learned from the first :data:`TREE_ROWS` rows of ``data``)."""
+    from jaxpc import distributions, structures
+
+    spec, cat = SPECS[name], distributions.Categorical(num_cats=256)
+    if spec["kind"] == "pd":
+        return structures.PD((28, 28), spec["latents"], split_intervals=spec["split"], input_dist=cat)
+    return structures.HCLT(data[:TREE_ROWS], spec["latents"], input_dist=cat)
+
+
 def images(args):
     """``[N, 784]`` int32 images with 256 levels: ``--images-npy`` rows (repeated up to N) or blurred noise."""
     import numpy as np
@@ -225,10 +236,10 @@ def child_jaxpc(args, name: str, emit) -> None:
 
     import jaxpc
     from _options import tuning
-    from jaxpc import distributions, optim, structures
+    from jaxpc import optim
     from jaxpc.nodes import topological_order
 
-    spec, log = SPECS[name], _log(name, "jaxpc")
+    log = _log(name, "jaxpc")
     dev = jax.devices()[0]
     row = dict(system="jaxpc", structure=name, device=dev.device_kind, version=jax.__version__)
     em = EM
@@ -236,12 +247,8 @@ def child_jaxpc(args, name: str, emit) -> None:
         em = dict(EM, options=jaxpc.Options(tuning=tuning(args.tuning)))
         row.update(tuning=args.tuning)
     data = images(args)
-    cat = distributions.Categorical(num_cats=256)
     t0 = time.perf_counter()
-    if spec["kind"] == "pd":
-        root = structures.PD((28, 28), spec["latents"], split_intervals=spec["split"], input_dist=cat)
-    else:
-        root = structures.HCLT(data[:TREE_ROWS], spec["latents"], input_dist=cat)
+    root = build_root(name, data)
     t1 = time.perf_counter()
     counts = dag_counts(topological_order(root), lambda ns: ns.children)
     t2 = time.perf_counter()
