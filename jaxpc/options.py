@@ -109,10 +109,6 @@ class Tuning:
             ``Options.kernels`` tunes the partition; 0: the tiles and ``fanin_forward_span`` of the others. On the
             H200 a PD-512's forward at batch 512 took 25.3 ms this way against 30.8 with 32-sample tiles and two
             blocks per step (27.5 with 64-sample tiles and two blocks: 212 registers a thread against 128).
-        fanin_backward_stages: software-pipeline stages of the atomic backward's loop over batch tiles
-            (``KernelConfig.num_stages``), unless ``Options.kernels`` tunes the partition. On the H200 an
-            ``em_step`` took, with 2 / 3 / 4 stages: PD-256 at batch 1,024 61.0 / 57.9 / 59.3 ms, PD-512 at 512
-            110.3 / 103.7 / 102.6, PD-768 at 256 123.9 / 116.9 / 116.7, PD-128 at 512 9.75 / 9.77 / 9.79.
 
             On the H200 (``benchmarks/pd_tiles.py``), a PD-256's ``em_step`` at batch 1,024 (222M edges) took 69.9
             ms with one child per program in child order, 65.9 with four children per program, 102.8 with eight,
@@ -120,6 +116,10 @@ class Tuning:
             and the forward's prefetch; PD-128's flows at batch 512 8.53 ms with one child per program, 8.26 with
             four, 7.79 with prefetch, 8.32 with the forward's prefetch, 8.66 with four children and both
             prefetches. Parent by parent against child by child: 73.9 against 71.8 ms and 7.94 against 8.14.
+        fanin_backward_stages: software-pipeline stages of the atomic backward's loop over batch tiles
+            (``KernelConfig.num_stages``), unless ``Options.kernels`` tunes the partition. On the H200 an
+            ``em_step`` took, with 2 / 3 / 4 stages: PD-256 at batch 1,024 61.0 / 57.9 / 59.3 ms, PD-512 at 512
+            110.3 / 103.7 / 102.6, PD-768 at 256 123.9 / 116.9 / 116.7, PD-128 at 512 9.75 / 9.77 / 9.79.
     """
 
     leaf_batch: int = 64
