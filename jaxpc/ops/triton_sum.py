@@ -63,7 +63,7 @@ def _t(n: int) -> int:
 
 if triton is not None:
     @triton.jit
-    def _mm(a, b, PREC: tl.constexpr):
+    def dot(a, b, PREC: tl.constexpr):
         """``a @ b`` in float32 on the tensor cores at PREC (0 exact, 1 TF32, 2 bfloat16 operands)."""
         if PREC == 2:
             out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), out_dtype=tl.float32)
@@ -74,11 +74,11 @@ if triton is not None:
         return out
 
     @triton.jit
-    def _tile(ptr, rows, cols, rmask, cmask, other, B: tl.constexpr):
+    def load_tile(ptr, rows, cols, rmask, cmask, other, B: tl.constexpr):
         return tl.load(ptr + rows[:, None] * B + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=other)
 
     @triton.jit
-    def _put(ptr, rows, cols, val, rmask, cmask, B: tl.constexpr):
+    def store_tile(ptr, rows, cols, val, rmask, cmask, B: tl.constexpr):
         tl.store(ptr + rows[:, None] * B + cols[None, :], val, mask=rmask[:, None] & cmask[None, :])
 
     @triton.jit
@@ -88,13 +88,13 @@ if triton is not None:
         (masked entries -inf)."""
         rmask = kc < Kc
         base = (i * C + c) * M
-        x = _tile(buf_ptr, tl.load(ch_ptr + base) + kc, cols, rmask, cmask, NEG, B)
+        x = load_tile(buf_ptr, tl.load(ch_ptr + base) + kc, cols, rmask, cmask, NEG, B)
         for s in tl.static_range(1, M):
-            x += _tile(buf_ptr, tl.load(ch_ptr + base + s) + kc, cols, rmask, cmask, 0.0, B)
+            x += load_tile(buf_ptr, tl.load(ch_ptr + base + s) + kc, cols, rmask, cmask, 0.0, B)
         return x
 
     @triton.jit
-    def _weights(w_ptr, p, kp, kc, valid, Kp: tl.constexpr, Kc: tl.constexpr, ALPHA: tl.constexpr):
+    def weight_tile(w_ptr, p, kp, kc, valid, Kp: tl.constexpr, Kc: tl.constexpr, ALPHA: tl.constexpr):
         """``exp(ALPHA * log w)`` of the ``[len(kp), len(kc)]`` tile of weight block ``p`` (0 where masked)."""
         mask = (kp[:, None] < Kp) & (kc[None, :] < Kc) & valid
         lw = tl.load(w_ptr + p * (Kp * Kc) + kp[:, None] * Kc + kc[None, :], mask=mask, other=NEG)
@@ -113,12 +113,12 @@ if triton is not None:
             c = cq // NQ
             kc = (cq % NQ) * KC + tl.arange(0, KC)
             x = _child(buf_ptr, ch_ptr, i, c, kc, cols, cmask, B, C, M, Kc)
-            w = _weights(w_ptr, tl.load(pid_ptr + i * C + c), kp, kc, True, Kp, Kc, ALPHA)
+            w = weight_tile(w_ptr, tl.load(pid_ptr + i * C + c), kp, kc, True, Kp, Kc, ALPHA)
             m_new = tl.maximum(m, tl.max(x, axis=0))
             safe = tl.where(m_new == NEG, 0.0, m_new)
             rescale = tl.where(m == NEG, 0.0, tl.exp(ALPHA * (m - safe)))
             y = tl.exp(ALPHA * (x - safe[None, :]))
-            acc = acc * rescale[None, :] + _mm(w, y, PREC)
+            acc = acc * rescale[None, :] + dot(w, y, PREC)
             m = m_new
         return m, acc
 
@@ -156,7 +156,7 @@ if triton is not None:
         out = tl.where(pos, tl.log(tl.where(pos, acc, 1.0)) / ALPHA + safe[None, :],
                        tl.where(acc == 0, NEG, NAN))
         first = tl.load(off_ptr) + i * Kp
-        _put(out_ptr, first + kp, cols, out, kp < Kp, cmask, B)
+        store_tile(out_ptr, first + kp, cols, out, kp < Kp, cmask, B)
         if UNIT > 0:  # the block's shift, at shift row (first parent row) / UNIT
             tl.store(shift_ptr + (first // UNIT) * B + cols, m, mask=cmask & (k == 0))
 
@@ -167,9 +167,9 @@ if triton is not None:
                       PREC: tl.constexpr):
         i, k, kp, cols, cmask, m, s = _parent_tile(ch_ptr, pid_ptr, w_ptr, buf_ptr, B, C, M, Kp, Kc, KT, KC, BB,
                                                    NK, NB, ALPHA, PREC)
-        fp = _tile(flow_ptr, tl.load(off_ptr) + i * Kp + kp, cols, kp < Kp, cmask, 0.0, B)
+        fp = load_tile(flow_ptr, tl.load(off_ptr) + i * Kp + kp, cols, kp < Kp, cmask, 0.0, B)
         a = tl.where((fp == 0) | (s == 0), 0.0, fp / tl.where(s == 0, 1.0, s))
-        _put(a_ptr, i * Kp + kp, cols, a, kp < Kp, cmask, B)
+        store_tile(a_ptr, i * Kp + kp, cols, a, kp < Kp, cmask, B)
         tl.store(m_ptr + i * B + cols, m, mask=cmask & (k == 0))
 
     @triton.jit
@@ -186,12 +186,12 @@ if triton is not None:
         for t in range(0, (B + BB - 1) // BB):
             cols = t * BB + tl.arange(0, BB)
             cmask = cols < B
-            a = _tile(a_ptr, i * Kp + kp, cols, kp < Kp, cmask, 0.0, B)
+            a = load_tile(a_ptr, i * Kp + kp, cols, kp < Kp, cmask, 0.0, B)
             m = tl.load(m_ptr + i * B + cols, mask=cmask, other=0.0)
             safe = tl.where(m == NEG, 0.0, m)
             y = tl.exp(ALPHA * (_child(buf_ptr, ch_ptr, i, c, kc, cols, cmask, B, C, M, Kc) - safe[None, :]))
-            acc += _mm(a, tl.trans(y), PREC)
-        w = _weights(w_ptr, tl.load(pid_ptr + i * C + c), kp, kc, True, Kp, Kc, ALPHA)
+            acc += dot(a, tl.trans(y), PREC)
+        w = weight_tile(w_ptr, tl.load(pid_ptr + i * C + c), kp, kc, True, Kp, Kc, ALPHA)
         tl.store(pf_ptr + (ic * Kp + kp[:, None]) * Kc + kc[None, :], w * acc,
                  mask=(kp[:, None] < Kp) & (kc[None, :] < Kc))
 
@@ -206,7 +206,7 @@ if triton is not None:
         cmask = cols < B
         kc = k * KT + tl.arange(0, KT)
         rows = tl.load(uch_ptr + u) + kc
-        own = _tile(buf_ptr, rows, cols, kc < Kc, cmask, NEG, B)
+        own = load_tile(buf_ptr, rows, cols, kc < Kc, cmask, NEG, B)
         acc = tl.zeros([KT, BB], tl.float32)
         for d in range(0, D):
             i = tl.load(par_ptr + u * D + d)
@@ -224,15 +224,15 @@ if triton is not None:
             wa = tl.zeros([KT, BB], tl.float32)  # W_e^T @ a_ii over chunks of KPT parent nodes
             for q in range(0, (Kp + KPT - 1) // KPT):
                 kp = q * KPT + tl.arange(0, KPT)
-                a = _tile(a_ptr, ii * Kp + kp, cols, (kp < Kp) & valid, cmask, 0.0, B)
-                w = _weights(w_ptr, ee, kp, kc, valid, Kp, Kc, ALPHA)
-                wa += _mm(tl.trans(w), a, PREC)
+                a = load_tile(a_ptr, ii * Kp + kp, cols, (kp < Kp) & valid, cmask, 0.0, B)
+                w = weight_tile(w_ptr, ee, kp, kc, valid, Kp, Kc, ALPHA)
+                wa += dot(tl.trans(w), a, PREC)
             acc += tl.exp(ALPHA * (x - safe[None, :])) * wa
         if ACCUMULATE:
-            acc += _tile(flow_ptr, rows, cols, kc < Kc, cmask, 0.0, B)
-            _put(out_ptr, rows, cols, acc, kc < Kc, cmask, B)
+            acc += load_tile(flow_ptr, rows, cols, kc < Kc, cmask, 0.0, B)
+            store_tile(out_ptr, rows, cols, acc, kc < Kc, cmask, B)
         else:
-            _put(out_ptr, u * Kc + kc, cols, acc, kc < Kc, cmask, B)
+            store_tile(out_ptr, u * Kc + kc, cols, acc, kc < Kc, cmask, B)
 
     @triton.jit
     def _add_to_row_blocks(flow_ptr, out_ptr, ch_ptr, i, kc, cols, cmask, cf, B: tl.constexpr, M: tl.constexpr,
@@ -243,8 +243,8 @@ if triton is not None:
         for s in tl.static_range(0, M):
             r0 = tl.load(ch_ptr + i * M + s)
             rmask = (kc < Kc) & (r0 >= FIRST_ROW)
-            old = _tile(flow_ptr, r0 + kc, cols, rmask, cmask, 0.0, B)
-            _put(out_ptr, r0 + kc, cols, old + cf, rmask, cmask, B)
+            old = load_tile(flow_ptr, r0 + kc, cols, rmask, cmask, 0.0, B)
+            store_tile(out_ptr, r0 + kc, cols, old + cf, rmask, cmask, B)
 
     @triton.jit
     def _slots_kernel(ch_ptr, pid_ptr, w_ptr, buf_ptr, a_ptr, m_ptr, flow_ptr, out_ptr, B: tl.constexpr,
@@ -262,8 +262,8 @@ if triton is not None:
         wa = tl.zeros([KT, BB], tl.float32)  # W^T a once for all M row blocks
         for q in range(0, (Kp + KPT - 1) // KPT):
             kp = q * KPT + tl.arange(0, KPT)
-            a = _tile(a_ptr, i * Kp + kp, cols, kp < Kp, cmask, 0.0, B)
-            wa += _mm(tl.trans(_weights(w_ptr, p, kp, kc, True, Kp, Kc, ALPHA)), a, PREC)
+            a = load_tile(a_ptr, i * Kp + kp, cols, kp < Kp, cmask, 0.0, B)
+            wa += dot(tl.trans(weight_tile(w_ptr, p, kp, kc, True, Kp, Kc, ALPHA)), a, PREC)
         cf = tl.exp(ALPHA * (x - safe[None, :])) * wa
         _add_to_row_blocks(flow_ptr, out_ptr, ch_ptr, i, kc, cols, cmask, cf, B, M, Kc, FIRST_ROW)
 
@@ -290,26 +290,26 @@ if triton is not None:
         for q in range(0, (Kp + KPT - 1) // KPT):
             kp = q * KPT + tl.arange(0, KPT)
             pmask = kp < Kp
-            fp = _tile(flow_ptr, first + kp, cols, pmask, cmask, 0.0, B)
+            fp = load_tile(flow_ptr, first + kp, cols, pmask, cmask, 0.0, B)
             if RECOMPUTE:  # the local sums over the whole child block (exact)
                 s = tl.zeros([KPT, BB], tl.float32)
                 for r in range(0, (Kc + KC - 1) // KC):
                     kr = r * KC + tl.arange(0, KC)
                     yr = tl.exp(ALPHA * (_child(buf_ptr, ch_ptr, i, 0, kr, cols, cmask, B, 1, M, Kc) - safe[None, :]))
-                    s += _mm(_weights(w_ptr, p, kp, kr, True, Kp, Kc, ALPHA), yr, PREC)
+                    s += dot(weight_tile(w_ptr, p, kp, kr, True, Kp, Kc, ALPHA), yr, PREC)
             else:  # from the parents' stored values
-                s = tl.exp(ALPHA * (_tile(buf_ptr, first + kp, cols, pmask, cmask, NEG, B) - safe[None, :]))
+                s = tl.exp(ALPHA * (load_tile(buf_ptr, first + kp, cols, pmask, cmask, NEG, B) - safe[None, :]))
             a = tl.where((fp == 0) | (s == 0), 0.0, fp / tl.where(s == 0, 1.0, s))
-            w = _weights(w_ptr, p, kp, kc, True, Kp, Kc, ALPHA)
+            w = weight_tile(w_ptr, p, kp, kc, True, Kp, Kc, ALPHA)
             if PMODE > 0:  # the whole batch is in this program: no reduction across programs
-                pf = w * _mm(a, tl.trans(y), PREC)
+                pf = w * dot(a, tl.trans(y), PREC)
                 tmask = pmask[:, None] & (kc[None, :] < Kc)
                 if PMODE == 1:  # added into the parameter-flow buffer at block p, in place
                     at = (p * Kp + kp[:, None]) * Kc + kc[None, :]
                     tl.store(pf_ptr + at, tl.load(dp_ptr + at, mask=tmask, other=0.0) + pf, mask=tmask)
                 else:
                     tl.store(pf_ptr + (i * Kp + kp[:, None]) * Kc + kc[None, :], pf, mask=tmask)
-            wa += _mm(tl.trans(w), a, PREC)
+            wa += dot(tl.trans(w), a, PREC)
         _add_to_row_blocks(flow_ptr, out_ptr, ch_ptr, i, kc, cols, cmask, y * wa, B, M, Kc, FIRST_ROW)
 
 
