@@ -70,11 +70,12 @@ class Tuning:
         compiler_options: XLA options for the executables, ``((name, value), ...)`` (e.g.
             ``(("xla_gpu_autotune_level", 0),)``).
         tree_kernel_batch: up to this many samples (at most 64), the folded plan's run of tree levels (an HCLT's:
-            :class:`jaxpc.compiler.layout.TreeSpec`) runs as one persistent Pallas kernel each way
-            (:mod:`jaxpc.ops.pallas_tree`) where ``impl`` is ``"auto"`` on a GPU or ``"pallas"`` /
-            ``"pallas_forward"``; 0 (the default): never. Off by default: on the H200, HCLT-256's forward + flows
-            took 2.4-2.9 ms this way at batch 16 against 2.0-2.2 level by level in the side-by-side runs (3.1-3.3
-            in two other processes), and 3.1-3.4 against 2.3 at batch 32.
+            :class:`jaxpc.compiler.layout.TreeSpec`) runs as one persistent kernel each way where ``impl`` is
+            ``"auto"`` on a GPU, ``"triton"``, or ``"pallas"`` / ``"pallas_forward"``: jax-triton's
+            (:mod:`jaxpc.ops.triton_tree`) where that route runs and the levels fit, else Pallas's
+            (:mod:`jaxpc.ops.pallas_tree`); 0 (the default): never. Off by default: on the H200, HCLT-256's
+            forward + flows took 2.08 ms this way at batch 16 against 1.98 level by level (2.41 against 2.25 at
+            batch 32), though its ``em_step`` took 2.27 against 3.09 ms (2.85 against 3.06).
         fanin_kernel_batch: from this many samples on, a sum partition whose child row blocks are read by several
             parent blocks (a PD's fan-ins) and whose forward kept its shifts runs its whole backward as one Pallas
             kernel, the child flows added by atomic adds (:func:`jaxpc.engine.routing.atomic_backward`); 0: never.

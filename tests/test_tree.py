@@ -1,6 +1,8 @@
 """The folded plan's run of tree levels (:mod:`jaxpc.compiler.tree`) on the persistent kernels of
-:mod:`jaxpc.ops.pallas_tree` (interpret mode off a GPU): the detected table, log-likelihoods and flows against the
-float64 oracle, EM steps and parameter-flow variants against the per-level kernels, and the route's conditions."""
+:mod:`jaxpc.ops.pallas_tree` (interpret mode off a GPU) and :mod:`jaxpc.ops.triton_tree` (Triton's interpreter, the
+jax-triton route taken as running): the detected table, log-likelihoods and flows against the float64 oracle, EM
+steps and parameter-flow variants against the per-level kernels, the two modules' kernels against each other, and
+the route's conditions."""
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +13,7 @@ import jaxpc
 from jaxpc.compiler import ScanSpec
 from jaxpc.compiler.levels import is_padding
 from jaxpc.engine import routing
+from jaxpc.ops import pallas_tree, triton_base, triton_tree
 
 from . import oracle
 from .test_levels import CAT, tree_circuit
@@ -18,6 +21,16 @@ from .tiers import cases, slow
 
 LEVELS = jaxpc.Options(fold_products=True, impl="pallas")  # the default: the Pallas kernels, one level at a time
 PALLAS = LEVELS.replace(tuning=jaxpc.Tuning(tree_kernel_batch=64))  # the tree's levels on the persistent kernels
+TRITON = PALLAS.replace(impl="triton")  # on jax-triton's (with the route taken as running: `interpreted_triton`)
+
+
+@pytest.fixture
+def interpreted_triton(monkeypatch):
+    """The jax-triton route taken as running, its kernels in Triton's interpreter (``TRITON_INTERPRET=1``, set by
+    tests/conftest.py): the launches jax-triton would make on a GPU, run on the host."""
+    if not triton_base.interpreting():
+        pytest.skip("Triton's interpreter (triton installed, TRITON_INTERPRET=1)")
+    monkeypatch.setattr(triton_base, "status", lambda: (True, "Triton's interpreter"))
 
 
 @pytest.fixture(scope="module")
@@ -68,10 +81,14 @@ def test_no_tree_without_a_run_of_levels():
     assert c.layout.fold.tree is None
 
 
-@pytest.mark.parametrize("batch,precision", cases([(8, "fp32"), (33, "tf32")], fast=[(8, "fp32")], unpack=True))
-def test_flows_and_ll_on_the_tree_kernels_match_the_oracle(deep, batch, precision):
+@pytest.mark.parametrize("batch,precision,route", cases(
+    [(8, "fp32", "pallas"), (33, "tf32", "pallas"), (8, "fp32", "triton"), (33, "tf32", "triton")],
+    fast=[(8, "fp32", "pallas"), (33, "tf32", "triton")], unpack=True))
+def test_flows_and_ll_on_the_tree_kernels_match_the_oracle(deep, batch, precision, route, request):
     """With missing values and per-sample weights; fp32 recomputes the local sums, tf32's route takes them from the
     stored values (exact on a CPU). 33 samples: a batch tile of 64 with padding."""
+    if route == "triton":
+        request.getfixturevalue("interpreted_triton")
     c, data = deep
     rng = np.random.default_rng(batch)
     x = np.resize(data, (batch, data.shape[1]))
@@ -79,8 +96,8 @@ def test_flows_and_ll_on_the_tree_kernels_match_the_oracle(deep, batch, precisio
     w = rng.uniform(0.5, 2.0, batch)
     totals, in_totals, _ = oracle.flow_totals(c, c.params, x, miss, weights=w)
     _, ref = oracle.forward(c, c.params, x, miss)
-    opts = PALLAS.replace(precision=precision)
-    assert routing.tree_kernel(c.layout.fold, opts, batch, jnp.float32)
+    opts = (TRITON if route == "triton" else PALLAS).replace(precision=precision)
+    assert routing.tree_kernel(c.layout.fold, opts, batch, jnp.float32) == route
     fl, ll = c.flows(c.params, x, missing=miss, ll_weights=w, options=opts, return_ll=True)
     assert oracle.check_flows(c, fl, totals, in_totals) > 0
     np.testing.assert_allclose(np.asarray(ll), ref, rtol=1e-5, atol=1e-5)
@@ -129,8 +146,56 @@ def test_the_route_takes_small_float32_sum_product_batches_only(deep):
     assert not routing.tree_kernel(fold, PALLAS.replace(pflow_temperature=2.0), 8, f32)
     assert not routing.tree_kernel(fold, PALLAS, 8, f32, evidence={"sum_gates": {fold.tree.group: jnp.zeros((8, 3))}})
     # impl="auto" runs it on a GPU only
-    assert routing.tree_kernel(fold, PALLAS.replace(impl="auto"), 8, f32) == (jax.default_backend() == "gpu")
+    assert bool(routing.tree_kernel(fold, PALLAS.replace(impl="auto"), 8, f32)) == (jax.default_backend() == "gpu")
     assert not routing.tree_kernel(c.layout, PALLAS, 8, f32)  # the unfolded layout has no tree
+
+
+def test_the_route_takes_jax_tritons_kernels_where_they_run_and_fit(deep, monkeypatch):
+    c, _ = deep
+    fold, f32 = c.layout.fold, jnp.float32
+    monkeypatch.setattr(triton_base, "status", lambda: (False, "no GPU"))
+    monkeypatch.setattr(triton_base, "_WARNED", [True])  # impl="triton"'s fallback warning: tests/test_triton.py
+    # impl="triton" where it does not run is "auto", which runs tree kernels on a GPU only
+    assert bool(routing.tree_kernel(fold, TRITON, 8, f32)) == (jax.default_backend() == "gpu")
+    monkeypatch.setattr(triton_base, "status", lambda: (True, "Triton's interpreter"))
+    assert routing.tree_kernel(fold, TRITON, 8, f32) == "triton"
+    assert routing.tree_kernel(fold, PALLAS, 8, f32) == "pallas"  # impl="pallas" asks for Pallas's
+    assert routing.tree_module("triton") is triton_tree and routing.tree_module("pallas") is pallas_tree
+    monkeypatch.setattr(triton_tree, "MAX_TILE", 8 * 16)  # blocks too large for its register tiles
+    assert not triton_tree.fits(fold.tree, 8)
+    assert routing.tree_kernel(fold, TRITON, 8, f32) == "pallas"
+
+
+@pytest.mark.parametrize("precision", cases(["tf32", "fp32"], fast=["tf32"]))
+def test_the_triton_tree_kernels_equal_the_pallas_ones(deep, precision, interpreted_triton):
+    """Both directions on one forward's node buffer: the forward's values, and the backward's child flows (stored, with
+    parameter flows added; at fp32 added, without parameter flows), against :mod:`jaxpc.ops.pallas_tree`'s."""
+    c, data = deep
+    fold, spec = c.layout.fold, c.layout.fold.tree
+    tab = {k: jnp.asarray(v) for k, v in c.tables["fold"]["tree"].items()}
+    logw = c.params["sum"][spec.group]
+    x = jnp.asarray(data[:8])
+    opts = jaxpc.Options(precision=precision)
+    inputs = jaxpc.engine.forward.input_values(c.layout, c.tables, c.params, x, None, opts)
+    full = jaxpc.engine.stages.forward_buffer(fold, c.tables["fold"], c.params["sum"], inputs, opts)
+    rows = (np.asarray(tab["prow"])[:, None] + np.arange(spec.Kp)).ravel()
+    start = full.at[rows].set(0.0)  # the tree's rows unset
+    got, want = (m.forward(start, tab, logw, spec, precision) for m in (triton_tree, pallas_tree))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    lev = np.asarray(tab["lev"])
+    top = (np.asarray(tab["prow"])[lev[-2]:][:, None] + np.arange(spec.Kp)).ravel()
+    rng = np.random.default_rng(1)
+    flows = jnp.zeros_like(full).at[top].set(jnp.asarray(rng.random((len(top), 8)), jnp.float32))
+    dp = jnp.asarray(rng.random(logw.shape), jnp.float32)
+    for overwrite, d in [(True, dp)] if precision == "tf32" else [(False, None)]:
+        got, want = (m.backward(full, flows, d, tab, logw, spec, precision, 2 * fold.kmax, overwrite)
+                     for m in (triton_tree, pallas_tree))
+        np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-7)
+        assert np.asarray(got[0])[rows].any()  # flows reached the levels' child rows
+        if d is None:
+            assert got[1] is None and want[1] is None
+        else:
+            np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-5, atol=1e-6)
 
 
 @slow

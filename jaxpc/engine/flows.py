@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..compiler.layout import Layout, StageSpec
-from ..ops import pallas_product, pallas_tree
+from ..ops import pallas_product
 from ..ops.buffers import uninitialized
 from ..ops.pieces import in_order, ranges
 from ..ops.product_layer import product_layer_backward_reference as product_layer_backward
@@ -108,7 +108,8 @@ def _root_bwd(layout, options, buffered, res, g):
     flows = flow_buffer(layout, options, values).at[layout.root_row].set(g.astype(values.dtype))
     pflows = batched_pflows(layout, tables, options, values.shape[1], values.dtype)
     common = (layout, options, sum_params, values, shifts, unit, frozenset(spec.key for spec, _ in pflows))
-    tree = layout.tree if routing.tree_kernel(layout, options, values.shape[1], values.dtype) else None
+    kind = routing.tree_kernel(layout, options, values.shape[1], values.dtype)
+    tree = layout.tree if kind else None
     ps = _Pass(*common, _stored_groups(_Pass(*common), tree.group if tree is not None else None))
     # a group whose every partition is batched gets its parameter-flow buffer after the flow pass, not carried
     inline = {p.group for spec in layout.stages() for p in spec.sums if not ps.batched_part(p)}
@@ -123,9 +124,10 @@ def _root_bwd(layout, options, buffered, res, g):
                                        scan=options.scan_stages, span=(stop, len(layout.steps)))
     if tree is not None:
         with jax.named_scope("jaxpc/tree/backward"):
-            flows, dp = pallas_tree.backward(values, flows, dparams[tree.group] if options.compute_param_flows
-                                             else None, tables["tree"], sum_params[tree.group], tree,
-                                             options.concrete_precision, 2 * layout.kmax, layout.single_reader)
+            dp_in = dparams[tree.group] if options.compute_param_flows else None
+            flows, dp = routing.tree_module(kind).backward(values, flows, dp_in, tables["tree"], sum_params[tree.group],
+                                                           tree, options.concrete_precision, 2 * layout.kmax,
+                                                           layout.single_reader)
         if dp is not None:
             dparams = {**dparams, tree.group: dp}
     flows, dparams = stages.run_stages(layout, tables, (flows, dparams), stage, reverse=True,

@@ -190,24 +190,36 @@ def counts_kernel(spec, options, flows: Array) -> bool:
 
 # ---- a tree's levels as persistent kernels -------------------------------------------------------------
 
-def tree_kernel(layout: Layout, options, B: int, dtype, evidence: dict | None = None) -> bool:
-    """Whether the forward and the flow pass run ``layout.tree``'s levels (a folded plan's run of tree levels, an
-    HCLT's) as the persistent kernels of :mod:`jaxpc.ops.pallas_tree`, one launch each way, instead of level by
-    level: a float32 buffer of at most ``Options.tuning.tree_kernel_batch`` samples (and
-    :data:`jaxpc.ops.pallas_tree.MAX_BATCH`), sum-product propagation with untempered flows, no per-sample sum
-    parameters, no tuned kernel choices (``Options.kernels``), and ``impl`` ``"auto"`` on a GPU or ``"pallas"`` /
-    ``"pallas_forward"`` (interpret mode off a GPU); ``"triton"`` where the jax-triton route does not run counts as
-    ``"auto"``. The forward and the flow pass ask it alike: the one decides for both."""
+def tree_kernel(layout: Layout, options, B: int, dtype, evidence: dict | None = None) -> str | None:
+    """Which persistent kernels run ``layout.tree``'s levels (a folded plan's run of tree levels, an HCLT's), one
+    launch each way, instead of level by level: ``"triton"`` (:mod:`jaxpc.ops.triton_tree`) where the jax-triton
+    route runs (:func:`jaxpc.ops.triton_base.status`) and the levels fit its tiles
+    (:func:`jaxpc.ops.triton_tree.fits`), else ``"pallas"`` (:mod:`jaxpc.ops.pallas_tree`), or None (level by level).
+    They need a float32 buffer of at most ``Options.tuning.tree_kernel_batch`` samples (and the kernels'
+    ``MAX_BATCH``), sum-product propagation with untempered flows, no per-sample sum parameters, no tuned kernel
+    choices (``Options.kernels``), and ``impl`` ``"auto"`` on a GPU, ``"triton"``, or ``"pallas"`` /
+    ``"pallas_forward"`` (interpret mode off a GPU: the Pallas kernels); ``"triton"`` where the jax-triton route
+    does not run counts as ``"auto"``. The forward and the flow pass ask it alike: the one decides for both."""
     if (layout.tree is None or jnp.dtype(dtype) != jnp.float32 or not 0 < B <= options.tuning.tree_kernel_batch
             or options.propagation != "LL" or options.pflow_temperature != 1.0 or options.eflow_temperature != 1.0
             or options.kernels or has_sum_externals(evidence)):
-        return False
-    from ..ops import pallas_tree
+        return None
+    from ..ops import pallas_tree, triton_base, triton_tree
 
     impl = route_impl(options)
-    if not pallas_tree.fits(B) or not (impl in PALLAS_FORWARD or (impl == "auto" and on_gpu())):
-        return False
-    return kernels_available()
+    gpu = on_gpu()
+    if not (impl in PALLAS_FORWARD or impl == "triton" or (impl == "auto" and gpu)):
+        return None
+    if (impl == "triton" or (impl == "auto" and gpu)) and triton_tree.fits(layout.tree, B) and triton_base.available():
+        return "triton"
+    return "pallas" if pallas_tree.fits(B) and kernels_available() else None
+
+
+def tree_module(kind: str):
+    """The kernel module of :func:`tree_kernel`'s answer."""
+    from ..ops import pallas_tree, triton_tree
+
+    return triton_tree if kind == "triton" else pallas_tree
 
 
 # ---- sum partitions ---------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..compiler.layout import Layout, ScanSpec, StageSpec
-from ..ops import pallas_product, pallas_tree, product_layer, sum_layer
+from ..ops import pallas_product, product_layer, sum_layer
 from ..ops import tables as table_places
 from ..ops.pieces import in_order
 from ..ops.rows import put_rows
@@ -271,13 +271,14 @@ def forward_buffer(layout: Layout, tables: dict, sum_params: dict, input_vals, o
         return _stage(b, spec, tab, sum_params, options, offset, name, evidence, counts, s, unit, layout.ninf_row)
 
     carry = (buf, jnp.zeros((-(-layout.num_rows // unit), buf.shape[1]), jnp.float32)) if unit else buf
-    tree = layout.tree if routing.tree_kernel(layout, options, buf.shape[1], dtype, evidence) else None
+    kind = routing.tree_kernel(layout, options, buf.shape[1], dtype, evidence)
+    tree = layout.tree if kind else None
     start, stop = tree_span(layout, tree)
     carry = run_stages(layout, tables, carry, stage, scan=options.scan_stages, span=(0, start))
     if tree is not None:
         with jax.named_scope("jaxpc/tree"):
-            b = pallas_tree.forward(carry[0] if unit else carry, tables["tree"], sum_params[tree.group], tree,
-                                    options.concrete_precision)
+            b = routing.tree_module(kind).forward(carry[0] if unit else carry, tables["tree"], sum_params[tree.group],
+                                                  tree, options.concrete_precision)
         carry = (b, carry[1]) if unit else b
     carry = run_stages(layout, tables, carry, stage, scan=options.scan_stages, span=(stop, len(layout.steps)))
     if not keep_shifts:
