@@ -484,10 +484,11 @@ def compare_routes(c, label: str, inputs: dict, tunings: tuple, names: tuple, re
 
 
 def check_tree(batches=(8, 16, 32, 64), reps=30) -> float:
-    """HCLT-256's ``flows`` call with its tree levels on the persistent kernels of ``jaxpc.ops.pallas_tree``
-    (``Tuning(tree_kernel_batch=64)``, ``jaxpc.engine.routing.tree_kernel``) against the default call (the per-level
-    kernels): relative error of each leaf (log-likelihoods, flows) at fp32 and at the default precision, and the
-    median milliseconds of both calls and of both ``em_step`` calls per batch. Returns the worst fp32 error."""
+    """HCLT-256's ``flows`` call with its tree levels on the persistent kernels (``jaxpc.ops.triton_tree`` where
+    jax-triton runs and the levels fit, else ``jaxpc.ops.pallas_tree``; ``Tuning(tree_kernel_batch=64)``,
+    ``jaxpc.engine.routing.tree_kernel``) against the default call (the per-level kernels): relative error of each
+    leaf (log-likelihoods, flows) at fp32 and at the default precision, and the median milliseconds of both calls
+    and of both ``em_step`` calls per batch. Returns the worst fp32 error."""
     import jaxpc
     from jaxpc import distributions, structures
 
@@ -500,6 +501,11 @@ def check_tree(batches=(8, 16, 32, 64), reps=30) -> float:
     print(f"HCLT-256 tree: {tree.levels} levels, {tree.blocks} blocks of {tree.Kp}x{tree.Kc}, M={tree.M}; "
           f"programs {pallas_tree.programs(False)}", flush=True)
     inputs = {B: jax.device_put(imgs[:B].astype(np.int32)) for B in batches}
+    from jaxpc.engine import routing
+
+    routes = {B: routing.tree_kernel(c.layout.fold, jaxpc.Options(tuning=jaxpc.Tuning(tree_kernel_batch=64)), B,
+                                     jnp.float32) for B in batches}
+    print(f"tree kernels' route per batch: {routes}", flush=True)
     return compare_routes(c, "tree HCLT-256", inputs, (jaxpc.Tuning(tree_kernel_batch=64), jaxpc.Tuning()),
                           ("tree kernels", "per level"), reps, em_step=True)
 
