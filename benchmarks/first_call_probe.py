@@ -6,7 +6,8 @@ second process on the same persistent cache (warm).
         [--configs "default|autotune0=--xla_gpu_autotune_level=0|xla={\\"impl\\": \\"reference\\"}"] [--warm]
         [--profile N] [--xla-timers N] [--host-trace N] [--quick-only]
 
-A configuration is ``name=XLA_FLAGS`` or ``name={options as JSON}`` (``jaxpc.Options`` fields); ``default``
+A configuration is ``name=XLA_FLAGS`` or ``name={options as JSON}`` (``jaxpc.Options`` fields, ``"tuning"`` a dict of
+``jaxpc.Tuning`` fields); ``default``
 is the plain default call. Prints one JSON line per process: seconds of the structure build, ``jaxpc.compile``,
 the first call (``store_s``: of it, the executable store's digests and loads; ``--profile N``: its N functions
 of most cumulative time under cProfile; ``--host-trace N``: the first call under ``jax.profiler.trace``, the N host
@@ -59,6 +60,8 @@ def child(workload: str, batch: int, entry: str, options: dict) -> None:
     c = jaxpc.compile(root)
     t2 = time.perf_counter()
     xd = jax.device_put(x)
+    if isinstance(options.get("tuning"), dict):  # {"tuning": {Tuning fields}}
+        options = {**options, "tuning": jaxpc.Tuning(**options["tuning"])}
     opts = jaxpc.Options(**options) if options else None
     kw = {} if opts is None else {"options": opts}
     call = {"flows": lambda: c.flows(c.params, xd, **kw), "log_prob": lambda: c.log_prob(c.params, xd, **kw),

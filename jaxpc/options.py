@@ -75,7 +75,7 @@ class Tuning:
             (:mod:`jaxpc.ops.triton_tree`) where that route runs and the levels fit, else Pallas's
             (:mod:`jaxpc.ops.pallas_tree`); 0 (the default): never. Off by default: on the H200, HCLT-256's
             forward + flows took 2.08 ms this way at batch 16 against 1.98 level by level (2.41 against 2.25 at
-            batch 32), though its ``em_step`` took 2.27 against 3.09 ms (2.85 against 3.06).
+            batch 32), its ``em_step`` 2.28 ms as level by level, and the first call compiles 4.6 s longer.
         fanin_kernel_batch: from this many samples on, a sum partition whose child row blocks are read by several
             parent blocks (a PD's fan-ins) and whose forward kept its shifts runs its whole backward as one Pallas
             kernel, the child flows added by atomic adds (:func:`jaxpc.engine.routing.atomic_backward`); 0: never.
