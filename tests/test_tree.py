@@ -224,3 +224,14 @@ def test_the_tree_kernels_lower_to_triton_for_the_h200(deep):
             for f in fns:
                 text = jax.jit(f).trace(buf, logw).lower(lowering_platforms=("cuda",)).as_text()
                 assert "__gpu$xla.gpu.triton" in text
+
+
+def test_the_triton_tree_kernels_refuse_buffers_they_cannot_hold(deep):
+    c, _ = deep
+    spec, R = c.layout.fold.tree, c.layout.fold.num_rows
+    tab = {k: jnp.asarray(v) for k, v in c.tables["fold"]["tree"].items()}
+    logw = c.params["sum"][spec.group]
+    with pytest.raises(TypeError, match="float32 node buffer"):
+        triton_tree.forward(jnp.zeros((R, 8), jnp.int32), tab, logw, spec, "tf32")
+    with pytest.raises(ValueError, match="1 to 64 samples"):
+        triton_tree.backward(jnp.zeros((R, 65)), jnp.zeros((R, 65)), None, tab, logw, spec, "tf32", 8)

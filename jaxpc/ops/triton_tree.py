@@ -61,7 +61,7 @@ def programs() -> int:
 
 def fits(spec, B: int) -> bool:
     """Whether the kernels take ``spec``'s levels at a batch of ``B`` samples: the batch whole in each program, a
-    block's parents or children by the batch within :data:`MAX_TILE` values, int32 offsets into the weights."""
+    block's parents or children by the batch within :data:`MAX_TILE` values."""
     BB, KP, KC = (max(16, p2(n)) for n in (B, spec.Kp, spec.Kc))
     return 1 <= B <= MAX_BATCH and max(KP, KC) * BB <= MAX_TILE and spec.M * KC * BB <= 4 * MAX_TILE
 
@@ -295,13 +295,16 @@ def _meta(spec, B: int, precision: str) -> dict:
                 ALPHA=1.0, PREC=PRECISION_CODES[precision])
 
 
-def _check(buf: Array, spec, name: str) -> None:
+def _check(buf: Array, logw: Array, spec, name: str) -> None:
     if buf.dtype != jnp.float32 or buf.ndim != 2:
         raise TypeError(f"triton_tree.{name} needs a float32 node buffer [R, B], got {buf.dtype}{list(buf.shape)}")
     if not fits(spec, buf.shape[1]):
         raise ValueError(f"triton_tree.{name} holds whole blocks and the whole batch in each program: 1 to "
                          f"{MAX_BATCH} samples and blocks of at most {MAX_TILE} values by the batch, got "
                          f"{buf.shape[1]} samples of {spec.Kp} x {spec.Kc} blocks")
+    if logw.size >= 2**31:
+        raise ValueError(f"triton_tree.{name} addresses the weights with int32 offsets: fewer than 2^31 values, got "
+                         f"{logw.size:,}")
 
 
 def forward_launch(buf: Array, tab: dict, logw: Array, spec, precision: str, G: int) -> Launch:
@@ -358,7 +361,7 @@ def forward(buf: Array, tab: dict, logw: Array, spec, precision: str, G: int | N
     """:func:`jaxpc.ops.pallas_tree.forward` on jax-triton: the node buffer ``buf`` (float32 ``[R, B]``) with the
     parent rows of every level of ``spec`` written, from its tables ``tab`` and the log-weights ``logw [P, Kp,
     Kc]``. ``G``: programs (default :func:`programs`)."""
-    _check(buf, spec, "forward")
+    _check(buf, logw, spec, "forward")
     G = G or programs()
     return _forward_call(spec, precision, G)(buf, tab["lev"], tab["prow"], tab["ch"].reshape(-1, spec.M),
                                              tab["pid"].reshape(-1), logw.astype(jnp.float32))
@@ -369,7 +372,7 @@ def backward(values: Array, flows: Array, dparams: Array | None, tab: dict, logw
     """:func:`jaxpc.ops.pallas_tree.backward` on jax-triton: ``(flows, dparams)``, the child flows of every level
     added into (``overwrite``: stored into) the flow buffer and the parameter flows added into ``dparams`` (None:
     none)."""
-    _check(values, spec, "backward")
+    _check(values, logw, spec, "backward")
     G = G or programs()
     dp = jnp.zeros((1, 1, 1), jnp.float32) if dparams is None else dparams.astype(jnp.float32)
     fl, dp = _backward_call(spec, precision, dparams is not None, int(first_row), bool(overwrite), G)(
