@@ -204,14 +204,17 @@ def tree_kernel(layout: Layout, options, B: int, dtype, evidence: dict | None = 
             or options.propagation != "LL" or options.pflow_temperature != 1.0 or options.eflow_temperature != 1.0
             or options.kernels or has_sum_externals(evidence)):
         return None
-    from ..ops import pallas_tree, triton_base, triton_tree
+    from ..ops import pallas_tree, triton_base
 
     impl = route_impl(options)
     gpu = on_gpu()
     if not (impl in PALLAS_FORWARD or impl == "triton" or (impl == "auto" and gpu)):
         return None
-    if (impl == "triton" or (impl == "auto" and gpu)) and triton_tree.fits(layout.tree, B) and triton_base.available():
-        return "triton"
+    if (impl == "triton" or (impl == "auto" and gpu)) and triton_base.available():
+        from ..ops import triton_tree  # imports triton: only where the jax-triton route runs
+
+        if triton_tree.fits(layout.tree, B):
+            return "triton"
     return "pallas" if pallas_tree.fits(B) and kernels_available() else None
 
 

@@ -74,6 +74,20 @@ if triton is not None:
         return out
 
     @triton.jit
+    def log_sum(acc, m, ALPHA: tl.constexpr):
+        """``log(acc) / ALPHA + m`` of a running sum ``acc`` under shift ``m`` (per column): an empty sum is -inf; a
+        NaN child (a value out of range with validation off) stays NaN."""
+        safe = tl.where(m == NEG, 0.0, m)
+        pos = acc > 0
+        return tl.where(pos, tl.log(tl.where(pos, acc, 1.0)) / ALPHA + safe[None, :], tl.where(acc == 0, NEG, NAN))
+
+    @triton.jit
+    def split(fp, s):
+        """The parents' flows per unit of their local sums, ``fp / s``: 0 for parents that carry no flow or are
+        impossible, never ``0 / 0``."""
+        return tl.where((fp == 0) | (s == 0), 0.0, fp / tl.where(s == 0, 1.0, s))
+
+    @triton.jit
     def load_tile(ptr, rows, cols, rmask, cmask, other, B: tl.constexpr):
         return tl.load(ptr + rows[:, None] * B + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=other)
 
@@ -150,13 +164,8 @@ if triton is not None:
                         ALPHA: tl.constexpr, PREC: tl.constexpr, UNIT: tl.constexpr):
         i, k, kp, cols, cmask, m, acc = _parent_tile(ch_ptr, pid_ptr, w_ptr, buf_ptr, B, C, M, Kp, Kc, KT, KC, BB,
                                                      NK, NB, ALPHA, PREC)
-        safe = tl.where(m == NEG, 0.0, m)
-        pos = acc > 0
-        # an empty sum is -inf; a NaN child (a value out of range with validation off) stays NaN
-        out = tl.where(pos, tl.log(tl.where(pos, acc, 1.0)) / ALPHA + safe[None, :],
-                       tl.where(acc == 0, NEG, NAN))
         first = tl.load(off_ptr) + i * Kp
-        store_tile(out_ptr, first + kp, cols, out, kp < Kp, cmask, B)
+        store_tile(out_ptr, first + kp, cols, log_sum(acc, m, ALPHA), kp < Kp, cmask, B)
         if UNIT > 0:  # the block's shift, at shift row (first parent row) / UNIT
             tl.store(shift_ptr + (first // UNIT) * B + cols, m, mask=cmask & (k == 0))
 
@@ -168,7 +177,7 @@ if triton is not None:
         i, k, kp, cols, cmask, m, s = _parent_tile(ch_ptr, pid_ptr, w_ptr, buf_ptr, B, C, M, Kp, Kc, KT, KC, BB,
                                                    NK, NB, ALPHA, PREC)
         fp = load_tile(flow_ptr, tl.load(off_ptr) + i * Kp + kp, cols, kp < Kp, cmask, 0.0, B)
-        a = tl.where((fp == 0) | (s == 0), 0.0, fp / tl.where(s == 0, 1.0, s))
+        a = split(fp, s)
         store_tile(a_ptr, i * Kp + kp, cols, a, kp < Kp, cmask, B)
         tl.store(m_ptr + i * B + cols, m, mask=cmask & (k == 0))
 
@@ -299,7 +308,7 @@ if triton is not None:
                     s += dot(weight_tile(w_ptr, p, kp, kr, True, Kp, Kc, ALPHA), yr, PREC)
             else:  # from the parents' stored values
                 s = tl.exp(ALPHA * (load_tile(buf_ptr, first + kp, cols, pmask, cmask, NEG, B) - safe[None, :]))
-            a = tl.where((fp == 0) | (s == 0), 0.0, fp / tl.where(s == 0, 1.0, s))
+            a = split(fp, s)
             w = weight_tile(w_ptr, p, kp, kc, True, Kp, Kc, ALPHA)
             if PMODE > 0:  # the whole batch is in this program: no reduction across programs
                 pf = w * dot(a, tl.trans(y), PREC)

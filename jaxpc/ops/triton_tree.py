@@ -67,7 +67,7 @@ def fits(spec, B: int) -> bool:
 
 
 if triton is not None:
-    from .triton_sum import NAN, NEG, dot, load_tile, store_tile, weight_tile
+    from .triton_sum import NEG, dot, load_tile, log_sum, split, store_tile, weight_tile
 
     @triton.jit
     def _arrive(cnt_ptr):
@@ -130,12 +130,8 @@ if triton is not None:
                      PREC: tl.constexpr):
         """Parents ``first + kp``'s values from their child block's values ``x [KC, BB]`` and weights ``w``."""
         m = tl.max(x, axis=0)
-        safe = tl.where(m == NEG, 0.0, m)
-        acc = dot(w, tl.exp(ALPHA * (x - safe[None, :])), PREC)
-        pos = acc > 0
-        # an empty sum is -inf; a NaN child (a value out of range with validation off) stays NaN
-        out = tl.where(pos, tl.log(tl.where(pos, acc, 1.0)) / ALPHA + safe[None, :], tl.where(acc == 0, NEG, NAN))
-        store_tile(buf_ptr, first + kp, cols, out, kp < Kp, cmask, B)
+        acc = dot(w, tl.exp(ALPHA * (x - tl.where(m == NEG, 0.0, m)[None, :])), PREC)
+        store_tile(buf_ptr, first + kp, cols, log_sum(acc, m, ALPHA), kp < Kp, cmask, B)
 
     @triton.jit
     def _forward_kernel(lev_ptr, prow_ptr, ch_ptr, pid_ptr, w_ptr, sched_ptr, buf_in, cnt_in, buf_ptr, cnt_ptr,
@@ -212,7 +208,7 @@ if triton is not None:
         """A backward task from its parents' flows ``fp [KP, BB]`` and its static loads: the parameter flows and
         the child flows into every row block of the folded child."""
         kp = tl.arange(0, KP)
-        a = tl.where((fp == 0) | (s == 0), 0.0, fp / tl.where(s == 0, 1.0, s))
+        a = split(fp, s)
         if PMODE > 0:  # the whole batch is in this program: no reduction across programs
             tl.store(dp_ptr + _pf_at(p, kp, kc, Kp, Kc), d + w * dot(a, tl.trans(y), PREC),
                      mask=_pf_mask(kp, kc, Kp, Kc))
