@@ -3,12 +3,13 @@ timed in interleaved rounds (so a process's host speed, which moves synchronized
 0.45 ms between processes, is shared by every set).
 
     python benchmarks/xla_options.py [--workload hclt] [--latents 256] [--batch 16] [--rounds 40]
-                                     [--sets "|xla_gpu_graph_min_graph_size=1"]
+                                     [--sets "|xla_gpu_graph_min_graph_size=1"] [--block 1]
 
 Each ``|``-separated set is ``name=value`` pairs (comma-separated; empty: XLA's defaults), given to every executable
 of the circuit through ``Options(tuning=Tuning(compiler_options=...))`` (part of the executable's key).
 Per set: the median of
-``--rounds`` synchronized calls (inputs rotating over 4 batches, one call of each set per round, in turn), the
+``--rounds`` synchronized calls (inputs rotating over 4 batches, one call of each set per round, in turn; ``--block``
+calls of each set in a row, after 3 untimed ones, so that switching sets re-records no timed call), the
 median time until the call returns (host launch), and a pipelined loop (calls back to back, synchronized once).
 """
 
@@ -47,6 +48,8 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--precision", default="tf32")
     p.add_argument("--sets", default="|xla_gpu_graph_min_graph_size=1")
+    p.add_argument("--block", type=int, default=1, help="calls of one set in a row per round (after 3 untimed ones "
+                   "when above 1: the first calls after another set's re-record the command buffers)")
     args = p.parse_args(argv)
     c0, data = build(args.workload, args.latents)
     opts = jaxpc.Options(precision=args.precision)
@@ -58,22 +61,33 @@ def main(argv=None):
         t = time.perf_counter()
         jax.block_until_ready(c.flows(c.params, xs[0], options=o, validate=False))
         print(f"set {s or '(defaults)'}: compiled in {time.perf_counter() - t:.1f}s", flush=True)
-    ref = np.asarray(c.flows(c.params, xs[0], options=set_opts[0], validate=False, return_ll=True)[1])
-    for o in set_opts[1:]:
-        got = np.asarray(c.flows(c.params, xs[0], options=o, validate=False, return_ll=True)[1])
-        print(f"log-likelihoods against the first set: {np.abs(got - ref).max():.1e}", flush=True)
+    c.wait_compiled()
+
+    def leaves(o):
+        return [np.asarray(v, np.float64) for v in jax.tree_util.tree_leaves(
+            c.flows(c.params, xs[0], options=o, validate=False, return_ll=True))]
+
+    def rel(got, ref):  # the largest difference of a leaf relative to that leaf's largest magnitude
+        return max(float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)) for a, b in zip(got, ref))
+
+    ref = leaves(set_opts[0])
+    print(f"flows and log-likelihoods, relative difference: the first set run again {rel(leaves(set_opts[0]), ref):.1e}"
+          + "".join(f", set {j} {rel(leaves(o), ref):.1e}" for j, o in enumerate(set_opts[1:], 1)), flush=True)
+    c.wait_compiled()  # the optimized executables, not the quick first compiles they replace
     walls = [[] for _ in sets]
     disp = [[] for _ in sets]
-    for r in range(args.rounds + 5):
+    warm = 5 if args.block == 1 else 0
+    for r in range(args.rounds + warm):
         for j, so in enumerate(set_opts):
-            t = time.perf_counter()
-            o = c.flows(c.params, xs[r % 4], options=so, validate=False)
-            d = time.perf_counter()
-            jax.block_until_ready(o)
-            if r >= 5:
-                walls[j].append(time.perf_counter() - t)
-                disp[j].append(d - t)
-            del o
+            for k in range(args.block + (3 if args.block > 1 else 0)):  # a block's first 3 calls re-record, untimed
+                t = time.perf_counter()
+                o = c.flows(c.params, xs[(r + k) % 4], options=so, validate=False)
+                d = time.perf_counter()
+                jax.block_until_ready(o)
+                if r >= warm and (args.block == 1 or k >= 3):
+                    walls[j].append(time.perf_counter() - t)
+                    disp[j].append(d - t)
+                del o
     for j, (s, so) in enumerate(zip(sets, set_opts)):
         t = time.perf_counter()
         for i in range(args.rounds):
