@@ -31,6 +31,9 @@ import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sync_probe import median_ms  # noqa: E402
+
 K, B = 256, 16
 
 SOURCE = r"""
@@ -240,20 +243,6 @@ def reference(W: torch.Tensor, x0: torch.Tensor, L: int, streamed: bool) -> torc
     return x
 
 
-def time_us(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reps", type=int, default=30)
@@ -282,8 +271,8 @@ def main(argv=None) -> None:
             launch(W, x0, out, L, clusters)
             torch.cuda.synchronize()
             err = float((out.double() - reference(W, x0, L, streamed)).abs().max()) if compute else float("nan")
-            t1 = time_us(lambda: launch(W, x0, out, 1, clusters), args.reps)
-            tl_ = time_us(lambda: launch(W, x0, out, L, clusters), args.reps)
+            t1 = 1e3 * median_ms(lambda: launch(W, x0, out, 1, clusters), args.reps)
+            tl_ = 1e3 * median_ms(lambda: launch(W, x0, out, L, clusters), args.reps)
             row = dict(blocks_per_cluster=nc, weights="streamed" if streamed else "resident", clusters=clusters,
                        product=("mma" if mma else "fma") if compute else None,
                        levels=L, us_one_level=round(t1, 2), us_all_levels=round(tl_, 2),
