@@ -7,7 +7,7 @@
 Each ``|``-separated entry of ``--flags`` runs in its own process with those ``XLA_FLAGS`` (the empty entry:
 none). Per process and batch size, medians over ``--reps`` synchronized ``flows`` (``--entry``) calls
 (``validate=False``, the library's call path: packed tables, cached executable; ``--default-call``: the call with
-no options) in four loops:
+no options), on the optimized executable (after ``c.wait_compiled()``), in four loops:
 
 * ``rotate``: 4 input batches in turn, the previous outputs freed before the call (the benchmarks' loop);
 * ``same``: one input batch every call, outputs freed: every buffer the step reads or writes can land at
