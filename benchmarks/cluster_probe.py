@@ -13,7 +13,8 @@ whole ``[256, 16]`` input in its shared memory, writes its rows of the output in
 for every level, loaded once: the floor) or ``streamed`` (a matrix per level, the next level's copied with
 ``cp.async`` into a second buffer while the current one computes). The product: FP32 FMAs, or with ``--mma`` TF32
 ``mma.sync`` (operands truncated to TF32: about 0.05 of absolute error after 64 levels of values near -40);
-``--no-compute`` adds each size without its product (the column max, exponentials, logarithms, stores and barrier).
+``--no-compute`` adds each size without its product (the column max, exponentials, logarithms, stores and
+barrier), with only the copies of a block's rows into its peers and the barrier, and with the barrier alone.
 
 Per variant: the median microseconds per launch of a chain of 1 and of ``--levels`` levels (CUDA events, ``--reps``
 launches), the step ``(t_L - t_1) / (L - 1)``, and the largest difference from a float64 PyTorch reference. With more
@@ -87,6 +88,18 @@ chain(const float* __restrict__ W, const float* __restrict__ x0, float* __restri
   for (int l = 0; l < L; ++l) {
     const float* cur = X + (l & 1) * K * B;
     float* nxt = X + ((l + 1) & 1) * K * B;
+#if STAGE == 0  // the cluster barrier alone
+    cluster_sync();
+    continue;
+#elif STAGE == 1  // each block's rows copied into every peer, then the barrier
+    for (int j = 0; j < OUT_PER; ++j) {
+      const unsigned a = smem_addr(nxt + (rank * R + r) * B + b0 + j);
+      const float v = cur[(rank * R + r) * B + b0 + j];
+      for (unsigned p = 0; p < NC; ++p) st_peer(a, p, v);
+    }
+    cluster_sync();
+    continue;
+#endif
     const float* w = Wt + (STREAMED ? (l & 1) : 0) * R * WS;
     if (STREAMED && l + 1 < L)  // the next level's tile, while this one computes
       copy_tile(Wt + ((l + 1) & 1) * R * WS, W + (size_t)(l + 1) * K * K + rank * R * K, t);
@@ -197,14 +210,15 @@ def _check(res: int, what: str, nvrtc=None, prog=None) -> None:
         raise SystemExit(f"{what} failed with {res}\n{log}")
 
 
-def compile_kernel(nc: int, streamed: bool, arch: str, compute: bool = True, mma: bool = False):
+def compile_kernel(nc: int, streamed: bool, arch: str, compute: bool = True, mma: bool = False, stage: int = 2):
     nvrtc = _nvrtc()
     torch.zeros(1, device="cuda")  # the driver loaded and PyTorch's context current on this thread
     cuda = _lib(["libcuda.so.1", "libcuda.so"])
     prog = ctypes.c_void_p()
     _check(nvrtc.nvrtcCreateProgram(ctypes.byref(prog), SOURCE.encode(), b"chain.cu", 0, None, None), "nvrtcCreate")
     opts = [f"-arch={arch}".encode(), b"-std=c++17", f"-DNC={nc}".encode(), f"-DSTREAMED={int(streamed)}".encode(),
-            f"-DCOMPUTE={int(compute)}".encode(), f"-DMMA={int(mma)}".encode(), b"--use_fast_math"]
+            f"-DCOMPUTE={int(compute)}".encode(), f"-DMMA={int(mma)}".encode(), f"-DSTAGE={stage}".encode(),
+            b"--use_fast_math"]
     arr = (ctypes.c_char_p * len(opts))(*opts)
     _check(nvrtc.nvrtcCompileProgram(prog, len(opts), arr), "nvrtcCompileProgram", nvrtc, prog)
     n = ctypes.c_size_t()
@@ -250,7 +264,9 @@ def main(argv=None) -> None:
     p.add_argument("--clusters", default="1,8")
     p.add_argument("--sizes", default="4,8", help="blocks per cluster (256 / size rows each)")
     p.add_argument("--arch", default="sm_90a")
-    p.add_argument("--no-compute", action="store_true", help="also time the step without its product (sync floor)")
+    p.add_argument("--no-compute", action="store_true",
+                   help="also time each size without its product, with only the rows' copies into the peers and the "
+                   "barrier, and with the barrier alone")
     p.add_argument("--mma", action="store_true", help="the product on the tensor cores (TF32 mma.sync) instead")
     p.add_argument("--json", default=None, help="also write the rows here")
     args = p.parse_args(argv)
@@ -260,21 +276,23 @@ def main(argv=None) -> None:
     W = W / W.sum(-1, keepdim=True)
     rows = []
     sizes = [int(s) for s in args.sizes.split(",")]
-    variants = [(nc, streamed, True, args.mma) for nc in sizes for streamed in (False, True)]
+    variants = [(nc, streamed, True, args.mma, 2) for nc in sizes for streamed in (False, True)]
     if args.no_compute:
-        variants += [(nc, False, False, False) for nc in sizes]
-    for nc, streamed, compute, mma in variants:
-        launch = compile_kernel(nc, streamed, args.arch, compute, mma)
+        variants += [(nc, False, False, False, stage) for nc in sizes for stage in (2, 1, 0)]
+    for nc, streamed, compute, mma, stage in variants:
+        launch = compile_kernel(nc, streamed, args.arch, compute, mma, stage)
         for clusters in (int(c) for c in args.clusters.split(",")):
             x0 = torch.randn((clusters, K, B), device="cuda", generator=gen) * 3 - 40
             out = torch.empty_like(x0)
             launch(W, x0, out, L, clusters)
             torch.cuda.synchronize()
-            err = float((out.double() - reference(W, x0, L, streamed)).abs().max()) if compute else float("nan")
+            err = (float((out.double() - reference(W, x0, L, streamed)).abs().max()) if compute and stage == 2
+                   else float("nan"))
             t1 = 1e3 * median_ms(lambda: launch(W, x0, out, 1, clusters), args.reps)
             tl_ = 1e3 * median_ms(lambda: launch(W, x0, out, L, clusters), args.reps)
             row = dict(blocks_per_cluster=nc, weights="streamed" if streamed else "resident", clusters=clusters,
                        product=("mma" if mma else "fma") if compute else None,
+                       step=("whole", "copies and barrier", "barrier")[2 - stage],
                        levels=L, us_one_level=round(t1, 2), us_all_levels=round(tl_, 2),
                        us_per_level=round((tl_ - t1) / (L - 1), 3), max_abs_err=float(f"{err:.2e}"),
                        device=torch.cuda.get_device_name())
