@@ -58,6 +58,12 @@ __device__ __forceinline__ void st_peer(unsigned local, unsigned peer, float v) 
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(peer));
   asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(remote), "f"(v) : "memory");
 }
+__device__ __forceinline__ void st_peer4(unsigned local, unsigned peer, float4 v) {
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(peer));
+  asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" :: "r"(remote), "f"(v.x), "f"(v.y), "f"(v.z),
+               "f"(v.w) : "memory");
+}
 __device__ __forceinline__ void copy_tile(float* dst, const float* src, int t) {
   // R rows of K floats into rows of WS floats, 16 bytes per copy
   for (int i = t; i < R * K / 4; i += 256) {
@@ -77,12 +83,23 @@ chain(const float* __restrict__ W, const float* __restrict__ x0, float* __restri
   float* RED = M + B;               // [16][B] partial maxima
   float* Wt = RED + 16 * B;         // [2][R][WS] weight tiles
   float* PART = Wt + 2 * R * WS;    // [8][R][B] the warps' partial products (MMA)
+  float* MX = PART + 8 * R * B;     // [2][NC][B] each block's column max of its rows (OPT)
+  float* STG = MX + 2 * NC * B;     // [R][B] this block's output rows before their copies (OPT)
   unsigned rank;
   asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
   const int t = threadIdx.x, chain_id = blockIdx.x / NC;
   const float* xin = x0 + chain_id * K * B;
   for (int i = t; i < K * B; i += 256) X[i] = xin[i];
   copy_tile(Wt, W + rank * R * K, t);
+#if OPT
+  __syncthreads();
+  if (t < B) {  // this block's rows' column max, into every peer
+    float m = X[(rank * R) * B + t];
+    for (int rr = 1; rr < R; ++rr) m = fmaxf(m, X[(rank * R + rr) * B + t]);
+    const unsigned a = smem_addr(MX + rank * B + t);
+    for (unsigned p = 0; p < NC; ++p) st_peer(a, p, m);
+  }
+#endif
   cluster_sync();  // every block of the cluster running before any writes into a peer's shared memory
   const int r = t / BT, b0 = (t % BT) * OUT_PER;
   for (int l = 0; l < L; ++l) {
@@ -103,6 +120,15 @@ chain(const float* __restrict__ W, const float* __restrict__ x0, float* __restri
     const float* w = Wt + (STREAMED ? (l & 1) : 0) * R * WS;
     if (STREAMED && l + 1 < L)  // the next level's tile, while this one computes
       copy_tile(Wt + ((l + 1) & 1) * R * WS, W + (size_t)(l + 1) * K * K + rank * R * K, t);
+#if OPT
+    {  // the column max from the blocks' maxima of their rows; a thread's elements share one column
+      const float* MXc = MX + (l & 1) * NC * B;
+      float mb = MXc[t % B];
+      for (int q = 1; q < NC; ++q) mb = fmaxf(mb, MXc[q * B + t % B]);
+      if (t < B) M[t] = mb;
+      for (int i = t; i < K * B; i += 256) Y[i] = __expf(cur[i] - mb);
+    }
+#else
     {  // column max: 16 partial maxima of 16 rows each, then one per column
       const int b = t % B, q = t / B;
       float m = cur[(q * 16) * B + b];
@@ -117,6 +143,7 @@ chain(const float* __restrict__ W, const float* __restrict__ x0, float* __restri
     }
     __syncthreads();
     for (int i = t; i < K * B; i += 256) Y[i] = __expf(cur[i] - M[i % B]);
+#endif
     if (STREAMED && l + 1 < L) asm volatile("cp.async.wait_group 1;" ::: "memory");
     else asm volatile("cp.async.wait_group 0;" ::: "memory");
     __syncthreads();
@@ -164,12 +191,28 @@ chain(const float* __restrict__ W, const float* __restrict__ x0, float* __restri
       for (int j = 0; j < OUT_PER; ++j) acc[j] = fmaf(wk, Y[k * B + b0 + j], acc[j]);
     }
 #endif
+#if OPT
+#pragma unroll
+    for (int j = 0; j < OUT_PER; ++j) STG[r * B + b0 + j] = __logf(acc[j]) + M[b0 + j];
+    __syncthreads();
+    if (t < B) {  // the rows' column max, into every peer
+      float m = STG[t];
+      for (int rr = 1; rr < R; ++rr) m = fmaxf(m, STG[rr * B + t]);
+      const unsigned a = smem_addr(MX + ((l + 1) & 1) * NC * B + rank * B + t);
+      for (unsigned p = 0; p < NC; ++p) st_peer(a, p, m);
+    }
+    for (int task = t; task < NC * (R * B / 4); task += 256) {  // the rows, 16 bytes a store
+      const int p = task / (R * B / 4), c = task % (R * B / 4);
+      st_peer4(smem_addr(nxt + rank * R * B + c * 4), p, reinterpret_cast<const float4*>(STG)[c]);
+    }
+#else
 #pragma unroll
     for (int j = 0; j < OUT_PER; ++j) {
       const float v = __logf(acc[j]) + M[b0 + j];
       const unsigned a = smem_addr(nxt + (rank * R + r) * B + b0 + j);
       for (unsigned p = 0; p < NC; ++p) st_peer(a, p, v);
     }
+#endif
     cluster_sync();
   }
   if (rank == 0) {
@@ -210,15 +253,16 @@ def _check(res: int, what: str, nvrtc=None, prog=None) -> None:
         raise SystemExit(f"{what} failed with {res}\n{log}")
 
 
-def compile_kernel(nc: int, streamed: bool, arch: str, compute: bool = True, mma: bool = False, stage: int = 2):
+def compile_kernel(nc: int, streamed: bool, arch: str, compute: bool = True, mma: bool = False, stage: int = 2,
+                   opt: bool = False):
     nvrtc = _nvrtc()
     torch.zeros(1, device="cuda")  # the driver loaded and PyTorch's context current on this thread
     cuda = _lib(["libcuda.so.1", "libcuda.so"])
     prog = ctypes.c_void_p()
     _check(nvrtc.nvrtcCreateProgram(ctypes.byref(prog), SOURCE.encode(), b"chain.cu", 0, None, None), "nvrtcCreate")
-    opts = [f"-arch={arch}".encode(), b"-std=c++17", f"-DNC={nc}".encode(), f"-DSTREAMED={int(streamed)}".encode(),
-            f"-DCOMPUTE={int(compute)}".encode(), f"-DMMA={int(mma)}".encode(), f"-DSTAGE={stage}".encode(),
-            b"--use_fast_math"]
+    defs = dict(NC=nc, STREAMED=int(streamed), COMPUTE=int(compute), MMA=int(mma), STAGE=stage, OPT=int(opt))
+    opts = [f"-arch={arch}".encode(), b"-std=c++17", b"--use_fast_math"] + [f"-D{k}={v}".encode()
+                                                                              for k, v in defs.items()]
     arr = (ctypes.c_char_p * len(opts))(*opts)
     _check(nvrtc.nvrtcCompileProgram(prog, len(opts), arr), "nvrtcCompileProgram", nvrtc, prog)
     n = ctypes.c_size_t()
@@ -233,7 +277,7 @@ def compile_kernel(nc: int, streamed: bool, arch: str, compute: bool = True, mma
     _check(cuda.cuModuleLoadData(ctypes.byref(mod), cubin), "cuModuleLoadData")
     _check(cuda.cuModuleGetFunction(ctypes.byref(fn), mod, b"chain"), "cuModuleGetFunction")
     R = K // nc
-    smem = 4 * (2 * K * B + K * B + B + 16 * B + 2 * R * (K + 4) + (8 * R * B if mma else 0))
+    smem = 4 * (2 * K * B + K * B + B + 16 * B + 2 * R * (K + 4) + 8 * R * B + 2 * nc * B + R * B)
     _check(cuda.cuFuncSetAttribute(fn, 8, smem), "cuFuncSetAttribute(max dynamic shared memory)")
     if nc > 8:  # clusters of 16 blocks: the H200's non-portable size
         _check(cuda.cuFuncSetAttribute(fn, 14, 1), "cuFuncSetAttribute(non-portable cluster size)")
@@ -269,6 +313,8 @@ def main(argv=None) -> None:
                    "barrier, and with the barrier alone")
     p.add_argument("--mma", action="store_true", help="the product on the tensor cores (TF32 mma.sync) instead")
     p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument("--opt", action="store_true", help="each block sends its rows' column max with its rows (no block "
+                   "reduces all 256 rows) and copies them 16 bytes a store")
     args = p.parse_args(argv)
     gen = torch.Generator(device="cuda").manual_seed(0)
     L = args.levels
@@ -280,7 +326,7 @@ def main(argv=None) -> None:
     if args.no_compute:
         variants += [(nc, False, False, False, stage) for nc in sizes for stage in (2, 1, 0)]
     for nc, streamed, compute, mma, stage in variants:
-        launch = compile_kernel(nc, streamed, args.arch, compute, mma, stage)
+        launch = compile_kernel(nc, streamed, args.arch, compute, mma, stage, args.opt and compute)
         for clusters in (int(c) for c in args.clusters.split(",")):
             x0 = torch.randn((clusters, K, B), device="cuda", generator=gen) * 3 - 40
             out = torch.empty_like(x0)
@@ -292,7 +338,7 @@ def main(argv=None) -> None:
             tl_ = 1e3 * median_ms(lambda: launch(W, x0, out, L, clusters), args.reps)
             row = dict(blocks_per_cluster=nc, weights="streamed" if streamed else "resident", clusters=clusters,
                        product=("mma" if mma else "fma") if compute else None,
-                       step=("whole", "copies and barrier", "barrier")[2 - stage],
+                       step=("whole", "copies and barrier", "barrier")[2 - stage], opt=bool(args.opt and compute),
                        levels=L, us_one_level=round(t1, 2), us_all_levels=round(tl_, 2),
                        us_per_level=round((tl_ - t1) / (L - 1), 3), max_abs_err=float(f"{err:.2e}"),
                        device=torch.cuda.get_device_name())
