@@ -2,7 +2,7 @@
 chip: what a tree level's step could cost if its blocks shared shared memory instead of global memory.
 
     python benchmarks/cluster_probe.py [--reps 30] [--levels 64] [--clusters 1,8] [--sizes 4,8] [--mma]
-                                       [--no-compute] [--json out.json]
+                                       [--no-compute] [--opt] [--json out.json]
 
 A CUDA kernel compiled with NVRTC (the GPU image's, which PyTorch ships) and launched through the driver API on
 PyTorch's stream and memory; no JAX. Per level ``l`` of a chain, ``x_{l+1}[r, b] = log(sum_k W_l[r, k] exp(x_l[k, b]
@@ -15,6 +15,8 @@ for every level, loaded once: the floor) or ``streamed`` (a matrix per level, th
 ``mma.sync`` (operands truncated to TF32: about 0.05 of absolute error after 64 levels of values near -40);
 ``--no-compute`` adds each size without its product (the column max, exponentials, logarithms, stores and
 barrier), with only the copies of a block's rows into its peers and the barrier, and with the barrier alone.
+``--opt``: each block sends the column max of its own rows along with them (no block reduces all 256 rows) and copies
+them into its peers 16 bytes a store.
 
 Per variant: the median microseconds per launch of a chain of 1 and of ``--levels`` levels (CUDA events, ``--reps``
 launches), the step ``(t_L - t_1) / (L - 1)``, and the largest difference from a float64 PyTorch reference. With more
