@@ -61,7 +61,7 @@ def main(argv=None):
         t = time.perf_counter()
         jax.block_until_ready(c.flows(c.params, xs[0], options=o, validate=False))
         print(f"set {s or '(defaults)'}: compiled in {time.perf_counter() - t:.1f}s", flush=True)
-    c.wait_compiled()
+    c.wait_compiled()  # the optimized executables, not the quick first compiles they replace
 
     def leaves(o):
         return [np.asarray(v, np.float64) for v in jax.tree_util.tree_leaves(
@@ -73,18 +73,18 @@ def main(argv=None):
     ref = leaves(set_opts[0])
     print(f"flows and log-likelihoods, relative difference: the first set run again {rel(leaves(set_opts[0]), ref):.1e}"
           + "".join(f", set {j} {rel(leaves(o), ref):.1e}" for j, o in enumerate(set_opts[1:], 1)), flush=True)
-    c.wait_compiled()  # the optimized executables, not the quick first compiles they replace
     walls = [[] for _ in sets]
     disp = [[] for _ in sets]
-    warm = 5 if args.block == 1 else 0
+    warm = 5 if args.block == 1 else 0  # untimed rounds
+    skip = 3 if args.block > 1 else 0  # untimed calls at a block's start: they re-record the command buffers
     for r in range(args.rounds + warm):
         for j, so in enumerate(set_opts):
-            for k in range(args.block + (3 if args.block > 1 else 0)):  # a block's first 3 calls re-record, untimed
+            for k in range(skip + args.block):
                 t = time.perf_counter()
                 o = c.flows(c.params, xs[(r + k) % 4], options=so, validate=False)
                 d = time.perf_counter()
                 jax.block_until_ready(o)
-                if r >= warm and (args.block == 1 or k >= 3):
+                if r >= warm and k >= skip:
                     walls[j].append(time.perf_counter() - t)
                     disp[j].append(d - t)
                 del o
