@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -28,7 +29,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import jaxpc  # noqa: E402
 from jaxpc import distributions, structures  # noqa: E402
-from jaxpc.ops import pallas_tree, triton_tree  # noqa: E402
+from jaxpc.ops import mosaic_tree, pallas_tree, triton_tree  # noqa: E402
 from kernels_check import bench  # noqa: E402
 
 
@@ -39,7 +40,16 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--programs", default="32,64,128")
     p.add_argument("--reps", type=int, default=50)
-    p.add_argument("--routes", default="triton,pallas", help="kernel modules: triton (jax-triton), pallas")
+    p.add_argument("--routes", default="triton,pallas", help="kernel modules: triton (jax-triton), pallas, mosaic "
+                   "(clusters; forward only: each --splits value, against the level-by-level forward)")
+    p.add_argument("--splits", default="auto,0", help="mosaic route: the level where the second launch starts "
+                   "(auto: balanced; 0: one launch on one cluster)")
+    p.add_argument("--profile", default="", help="mosaic route: record each variant's Mosaic GPU profile under "
+                   "this folder and print its scopes' medians")
+    p.add_argument("--exact-math", action="store_true", help="mosaic route: also time exact exp and log")
+    p.add_argument("--tiles", default="64", help="mosaic route: parent rows a task (16, 32, 64)")
+    p.add_argument("--clusters", type=int, default=mosaic_tree.CLUSTERS, help="mosaic route: clusters of the "
+                   "first launch")
     p.add_argument("--variants", default="", help="triton route: task nodes:forward warps:backward warps, comma "
                    "separated (default: the module's)")
     p.add_argument("--warps", type=int, default=0, help="warps of the Pallas kernels' programs (default: the module's)")
@@ -59,6 +69,7 @@ def main(argv=None) -> None:
     narrow = {**tab, "lev": jnp.asarray(np.concatenate([[0], np.cumsum(narrow_w)]).astype(np.int32))}
     logw = c.params["sum"][tree.group]
     x = jnp.asarray(imgs[:args.batch].astype(np.int32))
+    args._x = x
     opts = jaxpc.Options()
     vals = jax.jit(lambda p: jaxpc.engine.stages.forward_buffer(
         fold, c.tables["fold"], p["sum"], jaxpc.engine.forward.input_values(c.layout, c.tables, p, x, None, opts),
@@ -70,7 +81,11 @@ def main(argv=None) -> None:
     variants = [tuple(int(v) for v in spec.split(":")) for spec in filter(None, args.variants.split(","))]
     runs = [(route, v) for route in args.routes.split(",") for v in (variants if route == "triton" and variants
                                                                      else [None])]
+    if "mosaic" in args.routes.split(","):
+        mosaic(args, fold, c, tab, logw, vals)
     for route, variant in runs:
+        if route == "mosaic":
+            continue
         mod = {"triton": triton_tree, "pallas": pallas_tree}[route]
         if variant:
             triton_tree.TASK_NODES, triton_tree.FORWARD_WARPS, triton_tree.BACKWARD_WARPS = variant
@@ -88,6 +103,99 @@ def main(argv=None) -> None:
             print(f"{name} G={G}: forward {ms[0]:.3f} ms, backward {ms[1]:.3f} ms; barriers only ({tree.levels} "
                   f"levels): forward {ms[2]:.3f} ms, backward {ms[3]:.3f} ms; the {int((narrow_w > 0).sum())} levels "
                   f"of at most 8 blocks alone: forward {ms[4]:.3f} ms, backward {ms[5]:.3f} ms", flush=True)
+
+def mosaic(args, fold, c, tab, logw, vals) -> None:
+    """The forward on clusters against the default route's level-by-level forward (``forward_buffer`` from the
+    input values: the tree levels and the root), and its largest difference from that forward's tree rows."""
+    tree = fold.tree
+    opts = jaxpc.Options()
+    x = jnp.asarray(np.asarray(vals))  # the forward's buffer: the input rows are what both routes read
+    level = jax.jit(lambda p, iv: jaxpc.engine.stages.forward_buffer(fold, c.tables["fold"], p["sum"], iv, opts))
+    inputs = jax.jit(lambda p, xb: jaxpc.engine.forward.input_values(c.layout, c.tables, p, xb, None, opts))
+    iv = inputs(c.params, jnp.asarray(args._x))
+    def lv():
+        return level(c.params, iv)
+
+    print(f"level by level (forward_buffer): {bench(lv, args.reps):.3f} ms synchronized, {piped(lv, args.reps):.3f} "
+          "pipelined", flush=True)
+    rows = (np.asarray(tab["prow"])[:, None] + np.arange(tree.Kp)).ravel()
+    start = x.at[rows].set(0.0)
+    for split in args.splits.split(","):
+        for tile in (int(t) for t in args.tiles.split(",")):
+            mosaic_variant(args, tree, tab, logw, x, start, rows, split, tile)
+
+
+def mosaic_variant(args, tree, tab, logw, x, start, rows, split, tile) -> None:
+    host = {k: np.asarray(v) for k, v in tab.items()}
+    tabs = jax.tree.map(jnp.asarray, mosaic_tree.schedule(host, tree, clusters=args.clusters, tile=tile,
+                                                          split=None if split == "auto" else int(split)))
+    fwd = jax.jit(lambda b, t, lw: mosaic_tree.forward(b, t, lw, tree, tile=tile))
+    lin = jax.jit(lambda b, t, w: mosaic_tree.forward(b, t, None, tree, weights=w, tile=tile))
+    w = mosaic_tree.tf32_weights(logw)
+    out = np.asarray(lin(start, tabs, w))
+    ref = np.asarray(x)[rows]
+    err = float(np.max(np.abs(out[rows] - ref) / np.maximum(1.0, np.abs(ref))))
+    print(f"mosaic split {split}, {tile} rows a task: launches {[tuple(t.shape[:3]) for t in tabs['tasks']]} "
+          f"(clusters, blocks, steps); largest relative difference from the level-by-level rows {err:.2e}", flush=True)
+    empty = {**tabs, "tasks": [jnp.full_like(t, -1) for t in tabs["tasks"]]}
+    one = [{**empty, "tasks": [t if i == j else t[:, :, :1] for i, t in enumerate(empty["tasks"])]}
+           for j in range(len(empty["tasks"]))]
+    variants = [("log-weights", lambda: fwd(start, tabs, logw))] if tile == mosaic_tree.TILE else []
+    variants += [("weights", lambda: lin(start, tabs, w)), ("no tasks (barriers, XLA's copies)",
+                                                            lambda: lin(start, empty, w))]
+    variants += [(f"no tasks, launch {j} alone has its steps", lambda e=e: lin(start, e, w)) for j, e in enumerate(one)]
+    if args.exact_math:
+        mosaic_tree.APPROX_MATH = False
+        exact = jax.jit(lambda b, t, w: mosaic_tree.forward(b, t, None, tree, weights=w, tile=tile))
+        jax.block_until_ready(exact(start, tabs, w))
+        mosaic_tree.APPROX_MATH = True
+        variants.append(("weights, exact exp and log", lambda: exact(start, tabs, w)))
+    for name, fn in variants:
+        print(f"  {name}: {bench(fn, args.reps):.3f} ms synchronized, {piped(fn, args.reps):.3f} pipelined",
+              flush=True)
+    if args.profile:
+        out_dir = Path(args.profile) / f"split{split}-tile{tile}"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        mosaic_tree.PROFILE_DIR = str(out_dir)
+        try:
+            jax.block_until_ready(jax.jit(lambda b, t, w: mosaic_tree.forward(b, t, None, tree, weights=w, tile=tile))(
+                start, tabs, w))
+            jax.effects_barrier()
+        finally:
+            mosaic_tree.PROFILE_DIR = None
+        for f in sorted(out_dir.glob("*.json")):
+            print(f"  profile {f.name}: {profile_summary(f)}", flush=True)
+
+
+def profile_summary(path) -> str:
+    """Median microseconds of each named scope of a Mosaic GPU profile (per block and step), and of a block's step
+    (from one cluster barrier's end to the next)."""
+    import json
+    from collections import defaultdict
+
+    events = json.loads(Path(path).read_text())["traceEvents"]
+    spans, open_, ends = defaultdict(list), {}, defaultdict(list)
+    for e in events:
+        key = (e["tid"], e["name"])
+        if e["ph"] == "B":
+            open_[key] = e["ts"]
+        elif key in open_:
+            spans[e["name"]].append(e["ts"] - open_.pop(key))
+            if e["name"] == "cluster_barrier":
+                ends[e["tid"]].append(e["ts"])
+    steps = [b - a for t in ends.values() for a, b in zip(t, t[1:])]
+    parts = ", ".join(f"{n} {np.median(v):.2f}" for n, v in sorted(spans.items()))
+    return f"step {np.median(steps):.2f} us; per scope (us, median): {parts}"
+
+
+def piped(fn, reps) -> float:
+    """Milliseconds per call of ``reps`` calls dispatched back to back."""
+    jax.block_until_ready(fn())
+    t = time.perf_counter()
+    outs = [fn() for _ in range(reps)]
+    jax.block_until_ready(outs)
+    return 1e3 * (time.perf_counter() - t) / reps
+
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,301 @@
+"""A run of tree levels (:class:`~jaxpc.compiler.layout.TreeSpec`, an HCLT's) on thread-block clusters, as Pallas
+Mosaic GPU kernels: the forward.
+
+A level handed to the next through a kernel boundary or a grid-wide barrier costs 7-10 us on the H200, whatever the
+route; a cluster of up to 16 thread blocks meets at a hardware barrier in a fraction of a microsecond. So each
+cluster here walks its own part of the tree, level by level, and never waits for another cluster:
+
+* The kernels work on sample-major copies: ``prod [B, blocks * Kc]``, each block's child (the sum of its ``M`` row
+  blocks), which starts as the sum of the rows from outside the tree (the input layer's) and to which every block
+  adds its own values when it has them (a TMA store with addition), and ``vals [B, blocks * Kp]``, the blocks'
+  values. The tensor cores take TF32 operands only with the contracted dimension contiguous, and the node buffer
+  ``[R, B]`` has the samples contiguous; these copies put the samples first (the product's ``M``, padded to 64).
+* A task is one ``TILE``-row slice of one parent block: the exponentials of its child (shifted by their max per
+  sample) times its ``[TILE, Kc]`` weights (``exp`` of the log-weights), both rounded to TF32, then the log and the
+  shift back, stored into ``vals`` and added into the parent's child in ``prod``. Each block of a cluster runs one
+  task per step; after each step the cluster's blocks meet at a cluster barrier, which orders the next step's loads
+  after this step's stores. A block copies the next step's weights while it computes.
+* :func:`schedule` splits the tree into launches: all but the last run on ``clusters`` clusters, each owning whole
+  subtrees (its tasks read only what it wrote itself or what was there before the launch), and the last runs the
+  levels above on one cluster. Within a cluster a step holds tasks of one level.
+
+Before the kernels XLA gathers ``prod``'s start from the node buffer; after them it writes ``vals`` into the
+parent rows. The samples are a multiple of 8 up to :data:`MAX_BATCH`. The products take TF32 operands (rounded to
+nearest, not truncated) and the exponentials and logarithms are the GPU's approximate ones (``APPROX_MATH``), so the
+kernels serve ``precision`` ``"tf32"`` and ``"bf16"``. In interpret mode (CPU) the same kernel runs on Pallas's GPU
+interpreter, which has no TMA store with addition: there a block adds into its parent's child by a load, an addition
+and a store, which :func:`schedule` keeps race-free (one child of a parent a step).
+
+This is the forward alone and no route takes it yet: on the H200 HCLT-256's tree forward at batch 16 takes 0.27 ms
+from the weights (0.38 from the log-weights) against about 0.46 level by level; the backward's product ``flows @ W``
+needs ``W`` with its rows contiguous, which TF32 tensor cores cannot read from ``[Kp, Kc]`` blocks
+(docs/design.md, "Tree levels on thread-block clusters").
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Final
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+Array = jax.Array
+
+TILE: Final = 64  # the padded samples (the product's M); the most parent rows of a task (its N)
+CLUSTER: Final = 16  # blocks of a cluster (the H200's largest, non-portable size)
+CLUSTERS: Final = 7  # clusters of 16 blocks resident at once on the H200
+MAX_BATCH: Final = 64  # samples: the product's M
+_TASK: Final = 4  # a task row: weight row, the block's child column, its value column, its parent's child column
+APPROX_MATH: bool = True  # the GPU's approximate exp and log (False: the exact ones, about twice as slow)
+PROFILE_DIR: str | None = None  # where set, the GPU kernels record Mosaic GPU's profile of their named scopes there
+
+
+def fits(spec, B: int, tile: int = TILE) -> bool:
+    """Whether the kernels take ``spec``'s blocks at a batch of ``B`` samples, ``tile`` parent rows a task."""
+    return (B % 8 == 0 and 8 <= B <= MAX_BATCH and tile in (16, 32, 64) and spec.Kp % tile == 0
+            and CLUSTER % (spec.Kp // tile) == 0 and spec.Kc % 32 == 0 and spec.Kc <= 256)
+
+
+def _levels_of(lev: np.ndarray) -> np.ndarray:
+    return np.repeat(np.arange(len(lev) - 1), np.diff(lev))
+
+
+def _steps(blocks: list[int], level: np.ndarray, parent: np.ndarray, per_step: int) -> list[list[int]]:
+    """``blocks`` in level order, at most ``per_step`` of one level to a step and no two with one parent (so that one
+    block at a time adds into a parent's child)."""
+    out = []
+    for lv in sorted({int(level[b]) for b in blocks}):
+        todo = [b for b in blocks if level[b] == lv]
+        while todo:
+            step, seen, rest = [], set(), []
+            for b in todo:
+                if len(step) < per_step and (parent[b] < 0 or parent[b] not in seen):
+                    step.append(b)
+                    seen.add(parent[b])
+                else:
+                    rest.append(b)
+            out.append(step)
+            todo = rest
+    return out
+
+
+def _step_count(counts: np.ndarray, per_step: int) -> int:
+    """Steps of a cluster holding ``counts[l]`` blocks of level ``l``."""
+    return int(np.sum(-(-counts // per_step)))
+
+
+def schedule(tab: dict, spec, clusters: int = CLUSTERS, split: int | None = None, tile: int = TILE) -> dict:
+    """The kernels' tables from the tree's (numpy ``tables["tree"]``): ``tasks``, a list of int32 ``[G, CLUSTER, S,
+    4]`` task tables, one per launch (cluster, block, step; ``-1`` weight rows: no task); ``inputs [blocks, Mi]``,
+    each block's child rows from outside the tree (``-1``: none); ``rows [blocks * Kp]``, the blocks' parent rows.
+
+    Levels below ``split`` go to the first launch, their subtrees dealt to ``clusters`` clusters (largest first, to
+    the cluster with the fewest steps); the levels from ``split`` up to the second, on one cluster. Default: the
+    split with the fewest steps in all; ``split=0``: the whole tree in one launch on one cluster."""
+    lev, prow = np.asarray(tab["lev"]), np.asarray(tab["prow"])
+    pid, ch = np.asarray(tab["pid"])[:, 0], np.asarray(tab["ch"])[:, 0, :]
+    n, L = len(prow), spec.levels
+    level = _levels_of(lev)
+    block_of = {int(r): i for i, r in enumerate(prow)}
+    kids = [[block_of[int(r)] for r in row if int(r) in block_of] for row in ch]
+    parent = np.full(n, -1, np.int64)
+    for p, cs in enumerate(kids):
+        parent[cs] = p
+    tiles = spec.Kp // tile
+    per_step = CLUSTER // tiles
+
+    subtree_counts = np.zeros((n, L), np.int64)  # blocks per level in each block's subtree
+    for b in range(n):  # children come before their parents in level order
+        subtree_counts[b, level[b]] += 1
+        for k in kids[b]:
+            subtree_counts[b] += subtree_counts[k]
+
+    def first_launch(s):
+        roots = [b for b in range(n) if level[b] < s and (parent[b] < 0 or level[parent[b]] >= s)]
+        roots.sort(key=lambda b: -subtree_counts[b].sum())
+        load = np.zeros((clusters, L), np.int64)
+        owner = {}
+        for r in roots:
+            g = min(range(clusters), key=lambda k: _step_count(load[k] + subtree_counts[r], per_step))
+            load[g] += subtree_counts[r]
+            owner[r] = g
+        return owner, max(_step_count(x, per_step) for x in load)
+
+    above = np.bincount(level, minlength=L)
+    if split is None:
+        cost = [(first_launch(s)[1] if s else 0) + _step_count(above[s:], per_step) for s in range(L + 1)]
+        split = int(np.argmin(cost))
+    launches = []
+    if split > 0:
+        owner, _ = first_launch(split)
+        groups: list[list[int]] = [[] for _ in range(clusters)]
+        for b in range(n):
+            if level[b] < split:
+                r = b
+                while r not in owner:
+                    r = int(parent[r])
+                groups[owner[r]].append(b)
+        launches.append([_steps(g, level, parent, per_step) for g in groups])
+    launches.append([_steps([b for b in range(n) if level[b] >= split], level, parent, per_step)])
+    tasks = []
+    for launch in launches:
+        S = max(1, max(len(st) for st in launch))
+        t = np.full((len(launch), CLUSTER, S, _TASK), -1, np.int32)
+        for g, st in enumerate(launch):
+            for s, blocks in enumerate(st):
+                for j, b in enumerate(blocks):
+                    for k in range(tiles):
+                        t[g, j * tiles + k, s] = (pid[b] * spec.Kp + k * tile, b * spec.Kc, b * spec.Kp + k * tile,
+                                                  -1 if parent[b] < 0 else parent[b] * spec.Kc + k * tile)
+        tasks.append(t)
+    outside = [[int(r) for r in row if r != 0 and int(r) not in block_of] for row in ch]  # row 0: padding (zeros)
+    Mi = max(1, max(len(o) for o in outside))
+    inputs = np.array([o + [-1] * (Mi - len(o)) for o in outside], np.int32)
+    rows = (prow[:, None] + np.arange(spec.Kp)).ravel().astype(np.int32)
+    return {"tasks": tasks, "inputs": inputs, "rows": rows}
+
+
+def _round_tf32(x: Array) -> Array:
+    """``x`` rounded to TF32's 10 mantissa bits, to nearest (the tensor cores would truncate)."""
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    return lax.bitcast_convert_type((bits + jnp.uint32(0x1000)) & jnp.uint32(0xFFFFE000), jnp.float32)
+
+
+def tf32_weights(logw: Array) -> Array:
+    """``exp(logw)`` rounded to TF32, the weights :func:`forward` takes in place of the log-weights."""
+    return _round_tf32(jnp.exp(logw.astype(jnp.float32)))
+
+
+@functools.cache
+def _forward_kernel(G: int, S: int, Kc: int, B: int, N: int, interpret: bool, log_weights: bool,
+                    profile_dir: str | None, approx: bool):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    f32 = jnp.float32
+    swizzled = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+
+    def col(v):
+        return pl.ds(pl.multiple_of(v, N), N)
+
+    def body(tasks, logw, prod, vals, task_smem, w_smem, x_smem, o_smem, tbar, wbar, xbar, cbar, *emulated):
+        g = lax.axis_index("g")
+        c = lax.axis_index("c")
+        for k in range(0, S, 256):  # a copy moves at most 256 rows
+            n = min(256, S - k)
+            plgpu.copy_gmem_to_smem(tasks.at[g, c, pl.ds(k, n)], task_smem.at[pl.ds(k, n)], tbar)
+            plgpu.barrier_wait(tbar)
+
+        def fetch_weights(s):
+            @pl.when(task_smem[s, 0] >= 0)
+            def _():
+                plgpu.copy_gmem_to_smem(logw.at[col(task_smem[s, 0]), :], w_smem.at[s % 2], wbar.at[s % 2])
+
+        fetch_weights(0)
+
+        def step(s, carry):
+            @pl.when(task_smem[s, 0] >= 0)
+            def _():
+                plgpu.copy_gmem_to_smem(prod.at[:, pl.ds(pl.multiple_of(task_smem[s, 1], 32), Kc)],
+                                        x_smem.at[:B], xbar)
+
+            @pl.when(s + 1 < S)
+            def _():
+                fetch_weights(s + 1)
+
+            @pl.when(task_smem[s, 0] >= 0)
+            def _():
+                w = w_smem.at[s % 2]
+                with jax.named_scope("weights_wait"):
+                    plgpu.barrier_wait(wbar.at[s % 2])
+                if log_weights:
+                    with jax.named_scope("weights_exp"):
+                        w[...] = _round_tf32(jnp.exp(w[...]))
+                with jax.named_scope("child_wait"):
+                    plgpu.barrier_wait(xbar)
+                with jax.named_scope("child_exp"):
+                    x = x_smem[...]
+                    mx = jnp.maximum(jnp.max(x, axis=1), jnp.float32(-3e38))
+                    x_smem[...] = _round_tf32(jnp.exp(x - lax.broadcast_in_dim(mx, (TILE, Kc), [0])))
+                    plgpu.commit_smem()
+
+                def product(acc):
+                    plgpu.wgmma(acc, x_smem, w.T)
+                    return acc[...]
+
+                with jax.named_scope("product"):
+                    acc = pl.run_scoped(product, plgpu.ACC((TILE, N), f32))
+                with jax.named_scope("log"):
+                    o_smem[...] = jnp.log(acc) + lax.broadcast_in_dim(mx, (TILE, N), [0])
+                    plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem.at[:B], vals.at[:, col(task_smem[s, 2])])
+
+                @pl.when(task_smem[s, 3] >= 0)
+                def _():
+                    parent = prod.at[:, col(task_smem[s, 3])]
+                    if not emulated:
+                        plgpu.copy_smem_to_gmem(o_smem.at[:B], parent, reduction_op="add")
+                        return
+                    # The interpreter has no TMA store with addition; one block a step adds into a parent.
+                    p_smem, pbar = emulated
+                    plgpu.copy_gmem_to_smem(parent, p_smem.at[:B], pbar)
+                    plgpu.barrier_wait(pbar)
+                    p_smem[...] = p_smem[...] + o_smem[...]
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(p_smem.at[:B], parent)
+
+                with jax.named_scope("store_wait"):
+                    plgpu.wait_smem_to_gmem(0)
+
+            with jax.named_scope("cluster_barrier"):
+                plgpu.barrier_arrive(cbar)
+                plgpu.barrier_wait(cbar)
+            return carry
+
+        lax.fori_loop(0, S, step, 0)
+
+    extra = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
+    if not interpret:
+        profile = dict(profile_space=16 * S + 64, profile_dir=profile_dir) if profile_dir else {}
+        extra["compiler_params"] = plgpu.CompilerParams(approx_math=approx, **profile)
+    return plgpu.kernel(
+        body, out_type=(), grid=(G,), grid_names=("g",), cluster=(CLUSTER,), cluster_names=("c",),
+        scratch_types=[plgpu.SMEM((S, _TASK), jnp.int32), plgpu.SMEM((2, N, Kc), f32, transforms=swizzled),
+                       plgpu.SMEM((TILE, Kc), f32, transforms=swizzled),
+                       plgpu.SMEM((TILE, N), f32), plgpu.Barrier(),
+                       plgpu.Barrier(num_barriers=2), plgpu.Barrier(), plgpu.ClusterBarrier(collective_axes=("c",)),
+                       *([plgpu.SMEM((TILE, N), f32), plgpu.Barrier()] if interpret else [])],
+        **extra)
+
+
+def forward(buf: Array, tabs: dict, logw: Array | None, spec, interpret: bool | None = None,
+            weights: Array | None = None, tile: int = TILE) -> Array:
+    """The node buffer ``buf`` (float32 ``[R, B]``) with the parent rows of every level of ``spec`` written, from
+    :func:`schedule`'s tables ``tabs`` (device arrays) and the group's log-weights ``logw [P, Kp, Kc]``, or instead
+    its ``weights`` (``exp(logw)``, rounded to TF32 by :func:`tf32_weights`). ``tile``: the schedule's."""
+    if buf.dtype != jnp.float32 or buf.ndim != 2 or not fits(spec, buf.shape[1], tile):
+        raise ValueError(f"mosaic_tree.forward: needs a float32 node buffer [R, B] with B a multiple of 8 up to "
+                         f"{MAX_BATCH} and blocks of {TILE}-row tiles, got {buf.dtype}{list(buf.shape)} for "
+                         f"Kp={spec.Kp}, Kc={spec.Kc}")
+    if weights is None and tile != TILE:
+        raise ValueError(f"mosaic_tree.forward: tasks of {tile} rows take the weights (tf32_weights), not logw")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    B = buf.shape[1]
+    inputs = tabs["inputs"]
+    n = inputs.shape[0]
+    rows = jnp.maximum(inputs, 0)[:, :, None] + jnp.arange(spec.Kc, dtype=jnp.int32)
+    start = jnp.where((inputs >= 0)[:, :, None, None], buf[rows], 0.0).sum(axis=1)  # [n, Kc, B]
+    prod = jax.new_ref(start.transpose(2, 0, 1).reshape(B, n * spec.Kc))
+    vals = jax.new_ref(jnp.zeros((B, n * spec.Kp), jnp.float32))
+    w = (logw if weights is None else weights).astype(jnp.float32).reshape(-1, spec.Kc)
+    for t in tabs["tasks"]:
+        _forward_kernel(t.shape[0], t.shape[2], spec.Kc, B, tile, bool(interpret), weights is None,
+                        None if interpret else PROFILE_DIR, APPROX_MATH)(t, w, prod, vals)
+    return buf.at[tabs["rows"]].set(jax.freeze(vals).T, unique_indices=True)
+
+
+__all__ = ["CLUSTER", "CLUSTERS", "MAX_BATCH", "TILE", "fits", "forward", "schedule", "tf32_weights"]
