@@ -1,17 +1,21 @@
-"""What the Pallas kernels' exponentials of the weight tiles cost at small batches (a diagnostic).
+"""What the Pallas kernels' exponentials cost (a diagnostic).
 
-    python benchmarks/weight_exp.py [--latents 256] [--batches 16] [--reps 100] [--rounds 2]
+    python benchmarks/weight_exp.py [--workload hclt] [--latents 256] [--batches 16] [--reps 100] [--rounds 2]
+                                    [--variants default,linear-weights,no-exp-logw,exp2]
 
 The Pallas sum kernels load each weight tile as log-weights and exponentiate it in every program
-(``pallas_sum._load_w``). Here HCLT's default ``log_prob`` and ``flows`` calls are timed (median of synchronized
-calls over 4 rotating batches) three ways, in ``--rounds`` alternating rounds in one process:
+(``pallas_sum._load_w``). Here the default ``log_prob`` and ``flows`` calls of HCLT (or PD) are timed (median of
+synchronized calls over 4 rotating batches) in these ways, in ``--rounds`` alternating rounds in one process:
 
 * ``default``: as shipped;
 * ``linear-weights``: the kernels' weight loads made plain and the sum parameters exponentiated once before the
   call, so that the Pallas kernels see linear weights (their values exact: the log-likelihood printed beside it is
   that of a circuit with the same structure whose XLA layers read the exponentiated weights as log-weights); what
   weights made linear once per step would save, less that step's exponentials of the sum parameters;
-* ``no-exp-logw``: the plain loads on the log-weights (wrong values, NaN log-likelihoods): the loads alone.
+* ``no-exp-logw``: the plain loads on the log-weights (wrong values, NaN log-likelihoods): the loads alone;
+* ``exp2``: the kernels' ``exp`` and ``log`` (``pallas_sum._exp``, ``pallas_sum._log``) as ``exp2(x log2 e)`` and
+  ``log2(x) ln 2``, which Triton lowers to the GPU's approximate instructions where ``exp`` and ``log`` call
+  libdevice's accurate ``expf`` and ``logf``.
 
 GPU only (elsewhere the sum layers run on XLA and the variants do not differ). PD's fan-in kernels:
 ``pd_tiles.py --no-weight-exp``.
@@ -43,22 +47,39 @@ def plain_load_w(w_ref, p, kp, kc, Kp, Kc, alpha, valid=True):
     return pallas_sum.plgpu.load(w_ref.at[p, kp[:, None], kc[None, :]], mask=mask, other=0.0)
 
 
+def exp2_exp(x):
+    return jnp.exp2(x * np.float32(np.log2(np.e)))
+
+
+def log2_log(x):
+    return jnp.log2(x) * np.float32(np.log(2.0))
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--latents", type=int, default=256)
     p.add_argument("--batches", default="16")
     p.add_argument("--reps", type=int, default=100)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--workload", default="hclt", choices=("hclt", "pd"))
+    p.add_argument("--variants", default="default,linear-weights,no-exp-logw")
     args = p.parse_args(argv)
     imgs = blurred_noise_images(4096)
-    c = jaxpc.compile(structures.HCLT(imgs[:2000], args.latents, input_dist=distributions.Categorical(256)))
+    cat = distributions.Categorical(256)
+    if args.workload == "hclt":
+        c = jaxpc.compile(structures.HCLT(imgs[:2000], args.latents, input_dist=cat))
+    else:
+        c = jaxpc.compile(structures.PD((28, 28), args.latents, split_intervals=(4, 4), input_dist=cat))
     linear = {**c.params, "sum": jax.tree_util.tree_map(jnp.exp, c.params["sum"])}
     shipped = pallas_sum._load_w
+    shipped_math = pallas_sum._exp, pallas_sum._log
     leaf_batch = jaxpc.Tuning().leaf_batch
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; HCLT-{args.latents}", flush=True)
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {args.workload.upper()}-{args.latents}",
+          flush=True)
 
-    def run(name, params, patched, key):
+    def run(name, params, patched, key, fast_math=False):
         pallas_sum._load_w = plain_load_w if patched else shipped
+        pallas_sum._exp, pallas_sum._log = (exp2_exp, log2_log) if fast_math else shipped_math
         pallas_sum._KERNELS.clear()
         jax.clear_caches()
         # a distinct Options value per variant and round: its executables are traced after the patch
@@ -80,11 +101,14 @@ def main(argv=None) -> None:
                 print(f"{name:15s} {entry:8s} B={B}: {1e3 * np.median(ts):.3f} ms (min {1e3 * np.min(ts):.3f}); "
                       f"ll[0] {ll:.4f}", flush=True)
 
+    variants = {"default": (c.params, False, False), "linear-weights": (linear, True, False),
+                "no-exp-logw": (c.params, True, False), "exp2": (c.params, False, True)}
     for r in range(args.rounds):
-        run("default", c.params, False, 10 * r)
-        run("linear-weights", linear, True, 10 * r + 1)
-        run("no-exp-logw", c.params, True, 10 * r + 2)
+        for k, name in enumerate(args.variants.split(",")):
+            params, patched, fast = variants[name]
+            run(name, params, patched, 10 * r + k, fast)
     pallas_sum._load_w = shipped
+    pallas_sum._exp, pallas_sum._log = shipped_math
 
 
 if __name__ == "__main__":

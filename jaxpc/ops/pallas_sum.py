@@ -56,6 +56,17 @@ Array = jax.Array
 _NEG = -jnp.inf
 
 
+def _exp(x: Array) -> Array:
+    """The kernels' exponential: libdevice's accurate one (``benchmarks/weight_exp.py --variants exp2`` times the
+    approximate one in its place)."""
+    return jnp.exp(x)
+
+
+def _log(x: Array) -> Array:
+    """The kernels' logarithm (as :func:`_exp`)."""
+    return jnp.log(x)
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
     """Tuning knobs (static; part of the executable key through the options' impl)."""
@@ -216,7 +227,7 @@ def _split(fp, s):
 def _stored_split(buf_ref, flow_ref, rows, cols, rmask, cmask, safe, alpha):
     """:func:`_split` of the parents at ``rows`` with the local sums from their stored values, ``exp(alpha (value -
     shift))`` (``safe``: the block's finite shift per sample): ``[len(rows), BB]``."""
-    s = jnp.exp(alpha * (load_tile(buf_ref, rows, cols, rmask, cmask, _NEG) - safe[None, :]))
+    s = _exp(alpha * (load_tile(buf_ref, rows, cols, rmask, cmask, _NEG) - safe[None, :]))
     return _split(load_tile(flow_ref, rows, cols, rmask, cmask, 0.0), s)
 
 
@@ -240,7 +251,7 @@ def _load_w(w_ref, p, kp, kc, Kp, Kc, alpha, valid=True):
     """``exp(alpha * log w)`` of the ``[len(kp), len(kc)]`` tile of weight block ``p`` (a scalar, or ``[1,
     len(kc)]``: a block per child node; 0 where masked, ``valid`` a scalar or per child node)."""
     mask = (kp[:, None] < Kp) & (kc[None, :] < Kc) & valid
-    return jnp.exp(alpha * plgpu.load(w_ref.at[p, kp[:, None], kc[None, :]], mask=mask, other=_NEG))
+    return _exp(alpha * plgpu.load(w_ref.at[p, kp[:, None], kc[None, :]], mask=mask, other=_NEG))
 
 
 def _online_sum(i, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, *, C, M, Kp, Kc, KC, alpha, precision,
@@ -272,8 +283,8 @@ def _online_sum(i, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, *, C, M, Kp
         m, acc = carry
         m_new = jnp.maximum(m, jnp.max(x, axis=0))
         safe = jnp.where(m_new == _NEG, 0.0, m_new)
-        rescale = jnp.where(m == _NEG, 0.0, jnp.exp(alpha * (m - safe)))
-        y = jnp.exp(alpha * (x - safe[None, :]))
+        rescale = jnp.where(m == _NEG, 0.0, _exp(alpha * (m - safe)))
+        y = _exp(alpha * (x - safe[None, :]))
         return m_new, acc * rescale[None, :] + mm(w, y, precision)
 
     init = (jnp.full(cols.shape, _NEG, jnp.float32), jnp.zeros((kp.shape[0], cols.shape[0]), jnp.float32))
@@ -420,7 +431,7 @@ def forward_tile(i, first, kp, cols, cmask, ch_ref, pid_ref, w_ref, buf_ref, out
     safe = jnp.where(m == _NEG, 0.0, m)
     pos = acc > 0
     # an empty sum is -inf; a NaN child (a value out of range with validation off) stays NaN, never -inf
-    out = jnp.where(pos, jnp.log(jnp.where(pos, acc, 1.0)) / alpha + safe[None, :], jnp.where(acc == 0, _NEG, jnp.nan))
+    out = jnp.where(pos, _log(jnp.where(pos, acc, 1.0)) / alpha + safe[None, :], jnp.where(acc == 0, _NEG, jnp.nan))
     store_tile(out_ref, first + kp, cols, out, kp < Kp, cmask)
     return m
 
@@ -516,7 +527,7 @@ def _pflow_kernel(ch_ref, pid_ref, w_ref, buf_ref, a_ref, m_ref, pf_ref, *, C, M
         a = load_tile(a_ref, i * Kp + kp, cols, kp < Kp, cmask, 0.0)
         m = plgpu.load(m_ref.at[i, cols], mask=cmask, other=0.0)
         safe = jnp.where(m == _NEG, 0.0, m)
-        y = jnp.exp(alpha * (_load_child(buf_ref, ch_ref, i, c, kc, cols, cmask, M=M, Kc=Kc) - safe[None, :]))
+        y = _exp(alpha * (_load_child(buf_ref, ch_ref, i, c, kc, cols, cmask, M=M, Kc=Kc) - safe[None, :]))
         return acc + mm(a, y, precision, trans_b=True)
 
     acc = lax.fori_loop(0, pl.cdiv(B, BB), tile, jnp.zeros((KT, KC), jnp.float32))
@@ -575,7 +586,7 @@ def _pflow_after_kernel(prow_ref, srow_ref, ch_ref, pid_ref, w_ref, buf_ref, flo
         m = jnp.where(srow < 0, lax.fori_loop(0, C * nq, child_max, jnp.full((BB,), _NEG, jnp.float32)), kept)
         safe = jnp.where(m == _NEG, 0.0, m)
         a = _stored_split(buf_ref, flow_ref, rows, cols, kp < Kp, cmask, safe, alpha)
-        y = jnp.exp(alpha * (_load_child(buf_ref, ch_ref, i, c, kc, cols, cmask, M=M, Kc=Kc) - safe[None, :]))
+        y = _exp(alpha * (_load_child(buf_ref, ch_ref, i, c, kc, cols, cmask, M=M, Kc=Kc) - safe[None, :]))
         return acc + mm(a, y, precision, trans_b=True)
 
     acc = lax.fori_loop(0, pl.cdiv(B, BB), tile, jnp.zeros((KT, KC), jnp.float32))
@@ -697,10 +708,10 @@ def _bwd_atomic_kernel(off_ref, ord_ref, ch_ref, pid_ref, w_ref, buf_ref, shift_
         def use(tile, accs):
             cols, cmask, m, v, f, xs = tile
             safe = jnp.where(m == _NEG, 0.0, m)
-            a = _split(f, jnp.exp(alpha * (v - safe[None, :])))  # [KT, BB]
+            a = _split(f, _exp(alpha * (v - safe[None, :])))  # [KT, BB]
             out = []
             for w, rj, x, acc in zip(ws, rows, xs, accs):
-                y = jnp.exp(alpha * (x - safe[None, :]))
+                y = _exp(alpha * (x - safe[None, :]))
                 cf = y * mm(w, a, precision, trans_a=True)  # [KC, BB]: this edge block's share of the child's flows
                 for r0 in rj:  # into every row block of the (folded) child; other parents add to the same rows
                     add_tile(out_ref, r0 + kc, cols, cf, kmask & (r0 >= first_row), cmask)
@@ -855,7 +866,7 @@ def _bwd_child_kernel(uch_ref, par_ref, pcol_ref, ppid_ref, ch_ref, w_ref, buf_r
         safe = jnp.where(m == _NEG, 0.0, m)
         wa = _wt_a(a_ref, w_ref, ii, ee, kc, cols, cmask, valid, Kp=Kp, Kc=Kc, KPT=KPT, alpha=alpha,
                    precision=precision)
-        return acc + jnp.exp(alpha * (x - safe[None, :])) * wa
+        return acc + _exp(alpha * (x - safe[None, :])) * wa
 
     acc = lax.fori_loop(0, D, body, jnp.zeros((KT, BB), jnp.float32))
     if accumulate:
@@ -913,7 +924,7 @@ def _bwd_slots_kernel(ch_ref, pid_ref, w_ref, buf_ref, a_ref, m_ref, flow_ref, o
     safe = jnp.where(m == _NEG, 0.0, m)
     wa = _wt_a(a_ref, w_ref, i, pid_ref[i, 0], kc, cols, cmask, True, Kp=Kp, Kc=Kc, KPT=KPT, alpha=alpha,
                precision=precision)  # once for all M row blocks
-    cf = jnp.exp(alpha * (x - safe[None, :])) * wa
+    cf = _exp(alpha * (x - safe[None, :])) * wa
     _add_to_row_blocks(flow_ref, out_ref, ch_ref, i, kc, cols, cmask, cf, M=M, Kc=Kc, first_row=first_row)
 
 
@@ -982,7 +993,7 @@ def level_backward_tile(i, k, first, ch_ref, pid_ref, w_ref, buf_ref, flow_ref, 
     cmask = cols < B
 
     def child_exp(kc, safe):  # exp(alpha (x - m)) of the child nodes kc: [len(kc), BB], 0 where masked
-        return jnp.exp(alpha * (_load_child(buf_ref, ch_ref, i, 0, kc, cols, cmask, M=M, Kc=Kc) - safe[None, :]))
+        return _exp(alpha * (_load_child(buf_ref, ch_ref, i, 0, kc, cols, cmask, M=M, Kc=Kc) - safe[None, :]))
 
     def block_max(q, m):
         x = _load_child(buf_ref, ch_ref, i, 0, q * KC + jnp.arange(KC), cols, cmask, M=M, Kc=Kc)
@@ -1005,7 +1016,7 @@ def level_backward_tile(i, k, first, ch_ref, pid_ref, w_ref, buf_ref, flow_ref, 
 
             s = lax.fori_loop(0, pl.cdiv(Kc, KC), local, jnp.zeros((KPT, BB), jnp.float32))
         else:  # from the parents' stored values
-            s = jnp.exp(alpha * (load_tile(buf_ref, first + kp, cols, pmask, cmask, _NEG) - safe[None, :]))
+            s = _exp(alpha * (load_tile(buf_ref, first + kp, cols, pmask, cmask, _NEG) - safe[None, :]))
         a = _split(fp, s)
         w = _load_w(w_ref, p, kp, kc, Kp, Kc, alpha)
         if pmode:  # the batch is whole in this program: the parameter flows need no reduction across programs
