@@ -153,6 +153,8 @@ def mosaic_variant(args, tree, tab, logw, x, start, rows, split, tile) -> None:
     for name, fn in variants:
         print(f"  {name}: {bench(fn, args.reps):.3f} ms synchronized, {piped(fn, args.reps):.3f} pipelined",
               flush=True)
+    if "btasks" in tabs and tile <= 32:
+        mosaic_backward(args, tree, tab, logw, x, start, rows, tabs, w, tile)
     if args.profile:
         out_dir = Path(args.profile) / f"split{split}-tile{tile}"
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -165,6 +167,35 @@ def mosaic_variant(args, tree, tab, logw, x, start, rows, split, tile) -> None:
             mosaic_tree.PROFILE_DIR = None
         for f in sorted(out_dir.glob("*.json")):
             print(f"  profile {f.name}: {profile_summary(f)}", flush=True)
+
+
+def mosaic_backward(args, tree, tab, logw, x, start, rows, tabs, w, tile) -> None:
+    """The backward on clusters from random flows of the tree's top blocks, against the persistent Pallas backward
+    at fp32 (child flows recomputed exactly), and timed alone, with the forward that keeps its copies, and the
+    transposed weights alone."""
+    rng = np.random.default_rng(1)
+    top_rows = rows.reshape(-1, tree.Kp)[np.asarray(tabs["top"])].ravel()
+    flows = jnp.zeros_like(x).at[top_rows].set(
+        jnp.asarray(rng.uniform(0.1, 1.0, (len(top_rows), x.shape[1])).astype(np.float32)))
+    fwd = jax.jit(lambda b, t, w: mosaic_tree.forward(b, t, None, tree, weights=w, tile=tile, keep=True))
+    bwd = jax.jit(lambda f, cp, t, wt: mosaic_tree.backward(f, cp, t, wt, tree, tile=tile))
+    both = jax.jit(lambda b, f, t, w, wt: mosaic_tree.backward(
+        f, mosaic_tree.forward(b, t, None, tree, weights=w, tile=tile, keep=True)[1], t, wt, tree, tile=tile))
+    transpose = jax.jit(mosaic_tree.tf32_weights_t)
+    wt = transpose(logw)
+    _, copies = fwd(start, tabs, w)
+    mine = np.asarray(bwd(flows, copies, tabs, wt))
+    first_row = 2 * max(tree.Kp, tree.Kc)
+    ref = np.asarray(pallas_tree.backward(x, flows, None, tab, logw, tree, "fp32", first_row, overwrite=True)[0])
+    nz = np.flatnonzero(np.abs(ref).sum(axis=1) + np.abs(mine).sum(axis=1))
+    err = float(np.max(np.abs(mine[nz] - ref[nz]) / np.maximum(1e-3, np.abs(ref[nz]))))
+    print(f"  backward: {len(nz)} flow rows, largest relative difference from the persistent Pallas backward at "
+          f"fp32 {err:.2e}", flush=True)
+    for name, fn in [("backward", lambda: bwd(flows, copies, tabs, wt)),
+                     ("forward (copies kept) + backward", lambda: both(start, flows, tabs, w, wt)),
+                     ("transposed weights (tf32_weights_t)", lambda: transpose(logw))]:
+        print(f"  {name}: {bench(fn, args.reps):.3f} ms synchronized, {piped(fn, args.reps):.3f} pipelined",
+              flush=True)
 
 
 def profile_summary(path) -> str:

@@ -1,5 +1,5 @@
 """A run of tree levels (:class:`~jaxpc.compiler.layout.TreeSpec`, an HCLT's) on thread-block clusters, as Pallas
-Mosaic GPU kernels: the forward.
+Mosaic GPU kernels: the forward and the flows' backward.
 
 A level handed to the next through a kernel boundary or a grid-wide barrier costs 7-10 us on the H200, whatever the
 route; a cluster of up to 16 thread blocks meets at a hardware barrier in a fraction of a microsecond. So each
@@ -26,10 +26,15 @@ kernels serve ``precision`` ``"tf32"`` and ``"bf16"``. In interpret mode (CPU) t
 interpreter, which has no TMA store with addition: there a block adds into its parent's child by a load, an addition
 and a store, which :func:`schedule` keeps race-free (one child of a parent a step).
 
-This is the forward alone and no route takes it yet: on the H200 HCLT-256's tree forward at batch 16 takes 0.27 ms
-from the weights (0.38 from the log-weights) against about 0.46 level by level; the backward's product ``flows @ W``
-needs ``W`` with its rows contiguous, which TF32 tensor cores cannot read from ``[Kp, Kc]`` blocks
-(docs/design.md, "Tree levels on thread-block clusters").
+:func:`backward` walks the same launches and steps in reverse. A task multiplies the block's flows divided by its
+values (times ``exp`` of the forward's shift, kept per block in ``shift``) by a ``TILE``-column slice of its
+transposed weights (:func:`tf32_weights_t`: the tensor cores contract over the parent rows only from a copy with
+them contiguous) and the child's exponentials, and stores the child's flows, which the child blocks read as their
+own. The parameter flows are left to the batched pass.
+
+No route takes these kernels yet. On the H200, HCLT-256's tree at batch 16 takes 0.29-0.33 ms forward and 0.34
+backward (32-row tasks, from weights exponentiated before the call; the transposed copy 0.08 ms more) against about
+0.46 and 0.61 level by level in the default call (docs/design.md, "Tree levels on thread-block clusters").
 """
 
 from __future__ import annotations
@@ -49,6 +54,9 @@ CLUSTER: Final = 16  # blocks of a cluster (the H200's largest, non-portable siz
 CLUSTERS: Final = 7  # clusters of 16 blocks resident at once on the H200
 MAX_BATCH: Final = 64  # samples: the product's M
 _TASK: Final = 4  # a task row: weight row, the block's child column, its value column, its parent's child column
+_BTASK: Final = 8  # a backward task row (:func:`_backward_tables`; 5 used, rows of 16-byte multiples)
+_SMEM: Final = 232448  # bytes of shared memory a block may use on the H200
+_SHIFT: Final = 8  # columns of a block's shift (its child's max per sample) in the forward's ``shift`` copy
 APPROX_MATH: bool = True  # the GPU's approximate exp and log (False: the exact ones, about twice as slow)
 PROFILE_DIR: str | None = None  # where set, the GPU kernels record Mosaic GPU's profile of their named scopes there
 
@@ -155,7 +163,36 @@ def schedule(tab: dict, spec, clusters: int = CLUSTERS, split: int | None = None
     Mi = max(1, max(len(o) for o in outside))
     inputs = np.array([o + [-1] * (Mi - len(o)) for o in outside], np.int32)
     rows = (prow[:, None] + np.arange(spec.Kp)).ravel().astype(np.int32)
-    return {"tasks": tasks, "inputs": inputs, "rows": rows}
+    out = {"tasks": tasks, "inputs": inputs, "rows": rows}
+    if spec.Kp == spec.Kc:
+        out.update(_backward_tables(launches, parent, pid, spec, tile, tiles))
+    return out
+
+
+def _backward_tables(launches: list, parent: np.ndarray, pid: np.ndarray, spec, tile: int, tiles: int) -> dict:
+    """The backward's tables: ``btasks``, the forward's launches and steps in reverse (parents before children), a
+    task row ``(transposed-weight row, the block's flows' column, its values' column, its child's column, its
+    child's tile column)`` into ``wt [P * Kc, Kp]``, ``pf`` (the children's flows: block ``b``'s at ``b * Kc``, the
+    given flows of the ``top`` blocks, those without a parent in the tree, after the ``n`` blocks'), ``vals`` and
+    ``prod``; ``top``, those blocks; ``fin [blocks * Kp]``, the column of ``pf`` holding each parent row's flow."""
+    n = len(parent)
+    top = np.flatnonzero(parent < 0)
+    slot = np.full(n, -1, np.int64)
+    slot[top] = n + np.arange(len(top))
+    fin = np.where(parent >= 0, parent, slot) * spec.Kc
+    btasks = []
+    for launch in reversed(launches):
+        S = max(1, max(len(st) for st in launch))
+        t = np.full((len(launch), CLUSTER, S, _BTASK), -1, np.int32)
+        for g, st in enumerate(launch):
+            for s, blocks in enumerate(reversed(st)):
+                for j, b in enumerate(blocks):
+                    for k in range(tiles):
+                        t[g, j * tiles + k, s, :5] = (pid[b] * spec.Kc + k * tile, fin[b], b * spec.Kp,
+                                                      b * spec.Kc, b * spec.Kc + k * tile)
+        btasks.append(t)
+    cols = (fin[:, None] + np.arange(spec.Kp)).ravel().astype(np.int32)
+    return {"btasks": btasks, "top": top.astype(np.int32), "fin": cols}
 
 
 def _round_tf32(x: Array) -> Array:
@@ -169,8 +206,31 @@ def tf32_weights(logw: Array) -> Array:
     return _round_tf32(jnp.exp(logw.astype(jnp.float32)))
 
 
+def _task_start(tasks, w, task_smem, w_smem, tbar, wbar, S: int, N: int):
+    """In a kernel body: copies the block's task table into shared memory (at most 256 rows a copy), starts the copy
+    of step 0's ``N`` weight rows (task column 0) and returns the function that starts step ``s``'s into
+    ``w_smem[s % 2]``."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    g, c = lax.axis_index("g"), lax.axis_index("c")
+    for k in range(0, S, 256):
+        n = min(256, S - k)
+        plgpu.copy_gmem_to_smem(tasks.at[g, c, pl.ds(k, n)], task_smem.at[pl.ds(k, n)], tbar)
+        plgpu.barrier_wait(tbar)
+
+    def fetch(s):
+        @pl.when(task_smem[s, 0] >= 0)
+        def _():
+            rows = pl.ds(pl.multiple_of(task_smem[s, 0], min(N, 32)), N)
+            plgpu.copy_gmem_to_smem(w.at[rows, :], w_smem.at[s % 2], wbar.at[s % 2])
+
+    fetch(0)
+    return fetch
+
+
 @functools.cache
-def _forward_kernel(G: int, S: int, Kc: int, B: int, N: int, interpret: bool, log_weights: bool,
+def _forward_kernel(G: int, S: int, Kp: int, Kc: int, B: int, N: int, interpret: bool, log_weights: bool,
                     profile_dir: str | None, approx: bool):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -181,20 +241,9 @@ def _forward_kernel(G: int, S: int, Kc: int, B: int, N: int, interpret: bool, lo
     def col(v):
         return pl.ds(pl.multiple_of(v, N), N)
 
-    def body(tasks, logw, prod, vals, task_smem, w_smem, x_smem, o_smem, tbar, wbar, xbar, cbar, *emulated):
-        g = lax.axis_index("g")
-        c = lax.axis_index("c")
-        for k in range(0, S, 256):  # a copy moves at most 256 rows
-            n = min(256, S - k)
-            plgpu.copy_gmem_to_smem(tasks.at[g, c, pl.ds(k, n)], task_smem.at[pl.ds(k, n)], tbar)
-            plgpu.barrier_wait(tbar)
-
-        def fetch_weights(s):
-            @pl.when(task_smem[s, 0] >= 0)
-            def _():
-                plgpu.copy_gmem_to_smem(logw.at[col(task_smem[s, 0]), :], w_smem.at[s % 2], wbar.at[s % 2])
-
-        fetch_weights(0)
+    def body(tasks, logw, prod, vals, shift, task_smem, w_smem, x_smem, o_smem, s_smem, tbar, wbar, xbar, cbar,
+             *emulated):
+        fetch_weights = _task_start(tasks, logw, task_smem, w_smem, tbar, wbar, S, N)
 
         def step(s, carry):
             @pl.when(task_smem[s, 0] >= 0)
@@ -221,6 +270,13 @@ def _forward_kernel(G: int, S: int, Kc: int, B: int, N: int, interpret: bool, lo
                     mx = jnp.maximum(jnp.max(x, axis=1), jnp.float32(-3e38))
                     x_smem[...] = _round_tf32(jnp.exp(x - lax.broadcast_in_dim(mx, (TILE, Kc), [0])))
                     plgpu.commit_smem()
+
+                @pl.when(lax.rem(task_smem[s, 2], Kp) == 0)  # the block's first tile keeps its shift
+                def _():
+                    s_smem[...] = lax.broadcast_in_dim(mx, (TILE, _SHIFT), [0])
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(s_smem.at[:B], shift.at[:, pl.ds(
+                        pl.multiple_of(lax.div(task_smem[s, 2], Kp) * _SHIFT, _SHIFT), _SHIFT)])
 
                 def product(acc):
                     plgpu.wgmma(acc, x_smem, w.T)
@@ -265,17 +321,125 @@ def _forward_kernel(G: int, S: int, Kc: int, B: int, N: int, interpret: bool, lo
         body, out_type=(), grid=(G,), grid_names=("g",), cluster=(CLUSTER,), cluster_names=("c",),
         scratch_types=[plgpu.SMEM((S, _TASK), jnp.int32), plgpu.SMEM((2, N, Kc), f32, transforms=swizzled),
                        plgpu.SMEM((TILE, Kc), f32, transforms=swizzled),
-                       plgpu.SMEM((TILE, N), f32), plgpu.Barrier(),
+                       plgpu.SMEM((TILE, N), f32), plgpu.SMEM((TILE, _SHIFT), f32), plgpu.Barrier(),
                        plgpu.Barrier(num_barriers=2), plgpu.Barrier(), plgpu.ClusterBarrier(collective_axes=("c",)),
                        *([plgpu.SMEM((TILE, N), f32), plgpu.Barrier()] if interpret else [])],
         **extra)
 
 
+@functools.cache
+def _backward_kernel(G: int, S: int, Kp: int, Kc: int, B: int, N: int, interpret: bool, approx: bool):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    f32 = jnp.float32
+    swizzled = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+
+    def at(v, width):
+        return pl.ds(pl.multiple_of(v, min(width, 32)), width)
+
+    def body(tasks, wt, pf, vals, prod, shift, task_smem, w_smem, g_smem, f_smem, x_smem, o_smem, s_smem, tbar, wbar,
+             lbar, cbar):
+        fetch_weights = _task_start(tasks, wt, task_smem, w_smem, tbar, wbar, S, N)
+
+        def step(s, carry):
+            @pl.when(task_smem[s, 0] >= 0)
+            def _():
+                plgpu.copy_gmem_to_smem(pf.at[:, at(task_smem[s, 1], Kp)], f_smem.at[:B], lbar.at[0])
+                plgpu.copy_gmem_to_smem(vals.at[:, at(task_smem[s, 2], Kp)], g_smem.at[:B], lbar.at[1])
+                plgpu.copy_gmem_to_smem(prod.at[:, at(task_smem[s, 4], N)], x_smem.at[:B], lbar.at[2])
+                plgpu.copy_gmem_to_smem(shift.at[:, pl.ds(pl.multiple_of(
+                    lax.div(task_smem[s, 3], Kc) * _SHIFT, _SHIFT), _SHIFT)], s_smem.at[:B], lbar.at[3])
+
+            @pl.when(s + 1 < S)
+            def _():
+                fetch_weights(s + 1)
+
+            @pl.when(task_smem[s, 0] >= 0)
+            def _():
+                for i in range(4):
+                    plgpu.barrier_wait(lbar.at[i])
+                mx = jnp.max(s_smem[...], axis=1)  # the forward's shift (every column holds it)
+                ratio = f_smem[...] * jnp.exp(lax.broadcast_in_dim(mx, (TILE, Kp), [0]) - g_smem[...])
+                g_smem[...] = _round_tf32(ratio)  # flow / value of each parent, times exp(shift)
+                plgpu.commit_smem()
+                w = w_smem.at[s % 2]
+                plgpu.barrier_wait(wbar.at[s % 2])
+
+                def product(acc):
+                    plgpu.wgmma(acc, g_smem, w.T)
+                    return acc[...]
+
+                acc = pl.run_scoped(product, plgpu.ACC((TILE, N), f32))
+                o_smem[...] = acc * jnp.exp(x_smem[...] - lax.broadcast_in_dim(mx, (TILE, N), [0]))
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem.at[:B], pf.at[:, at(task_smem[s, 4], N)])
+                plgpu.wait_smem_to_gmem(0)
+
+            plgpu.barrier_arrive(cbar)
+            plgpu.barrier_wait(cbar)
+            return carry
+
+        lax.fori_loop(0, S, step, 0)
+
+    extra = {"interpret": plgpu.InterpretGPUParams()} if interpret else {
+        "compiler_params": plgpu.CompilerParams(approx_math=approx)}
+    return plgpu.kernel(
+        body, out_type=(), grid=(G,), grid_names=("g",), cluster=(CLUSTER,), cluster_names=("c",),
+        scratch_types=[plgpu.SMEM((S, _BTASK), jnp.int32), plgpu.SMEM((2, N, Kp), f32, transforms=swizzled),
+                       plgpu.SMEM((TILE, Kp), f32, transforms=swizzled),
+                       plgpu.SMEM((TILE, Kp), f32, transforms=swizzled), plgpu.SMEM((TILE, N), f32),
+                       plgpu.SMEM((TILE, N), f32), plgpu.SMEM((TILE, _SHIFT), f32), plgpu.Barrier(),
+                       plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=4),
+                       plgpu.ClusterBarrier(collective_axes=("c",))],
+        **extra)
+
+
+def tf32_weights_t(logw: Array) -> Array:
+    """The transposed weights :func:`backward` takes: ``exp(logw)`` ``[P, Kc, Kp]`` rounded to TF32."""
+    return jnp.swapaxes(tf32_weights(logw), 1, 2)
+
+
+def backward(flows: Array, copies: dict, tabs: dict, weights_t: Array, spec, tile: int = TILE,
+             interpret: bool | None = None) -> Array:
+    """The flow buffer ``flows`` (float32 ``[R, B]``, the rows of the tree's top blocks holding their flows) with the
+    flows of every tree block's parent rows and of the rows from outside the tree that their children read (the
+    input layer's) written, from :func:`forward`'s ``copies`` (``keep=True``), :func:`schedule`'s tables and the
+    transposed weights (:func:`tf32_weights_t`). The parameter flows are left to the batched pass. Needs
+    ``Kp == Kc``."""
+    if spec.Kp != spec.Kc or "btasks" not in tabs:
+        raise ValueError(f"mosaic_tree.backward: needs square blocks, got Kp={spec.Kp}, Kc={spec.Kc}")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    K, steps = spec.Kc, max(t.shape[2] for t in tabs["btasks"])
+    smem = 4 * (2 * tile * K + 2 * TILE * K + 2 * TILE * tile + TILE * _SHIFT + steps * _BTASK)
+    if not interpret and smem > _SMEM:
+        raise ValueError(f"mosaic_tree.backward: {tile}-row tasks of {K}-node blocks over {steps} steps need "
+                         f"{smem} bytes of shared memory, more than {_SMEM}: schedule smaller tasks")
+    R, B = flows.shape
+    inputs = tabs["inputs"]
+    n = inputs.shape[0]
+    parent_rows = tabs["rows"].reshape(n, K)
+    given = flows[parent_rows[tabs["top"]].reshape(-1)]  # [T * K, B]
+    pf = jnp.concatenate([jnp.zeros((B, n * K), jnp.float32), given.T], axis=1)
+    pf = jax.new_ref(pf)
+    wt = weights_t.astype(jnp.float32).reshape(-1, K)
+    for t in tabs["btasks"]:
+        _backward_kernel(t.shape[0], t.shape[2], K, K, B, tile, bool(interpret), APPROX_MATH)(
+            t, wt, pf, copies["vals"], copies["prod"], copies["shift"])
+    pf = jax.freeze(pf)
+    flows = flows.at[tabs["rows"]].set(pf[:, tabs["fin"]].T, unique_indices=True)
+    child = pf[:, :n * K].T.reshape(n, 1, K, B)  # each block's child's flows, to its rows from outside the tree
+    rows = jnp.where(inputs >= 0, inputs, R)[:, :, None] + jnp.arange(K, dtype=jnp.int32)
+    return flows.at[rows].set(jnp.broadcast_to(child, rows.shape + (B,)), mode="drop")
+
+
 def forward(buf: Array, tabs: dict, logw: Array | None, spec, interpret: bool | None = None,
-            weights: Array | None = None, tile: int = TILE) -> Array:
+            weights: Array | None = None, tile: int = TILE, keep: bool = False):
     """The node buffer ``buf`` (float32 ``[R, B]``) with the parent rows of every level of ``spec`` written, from
     :func:`schedule`'s tables ``tabs`` (device arrays) and the group's log-weights ``logw [P, Kp, Kc]``, or instead
-    its ``weights`` (``exp(logw)``, rounded to TF32 by :func:`tf32_weights`). ``tile``: the schedule's."""
+    its ``weights`` (``exp(logw)``, rounded to TF32 by :func:`tf32_weights`). ``tile``: the schedule's. With
+    ``keep``: ``(buf, copies)``, ``copies`` the sample-major ``prod`` and ``vals`` that :func:`backward` reads."""
     if buf.dtype != jnp.float32 or buf.ndim != 2 or not fits(spec, buf.shape[1], tile):
         raise ValueError(f"mosaic_tree.forward: needs a float32 node buffer [R, B] with B a multiple of 8 up to "
                          f"{MAX_BATCH} and blocks of {TILE}-row tiles, got {buf.dtype}{list(buf.shape)} for "
@@ -291,11 +455,15 @@ def forward(buf: Array, tabs: dict, logw: Array | None, spec, interpret: bool | 
     start = jnp.where((inputs >= 0)[:, :, None, None], buf[rows], 0.0).sum(axis=1)  # [n, Kc, B]
     prod = jax.new_ref(start.transpose(2, 0, 1).reshape(B, n * spec.Kc))
     vals = jax.new_ref(jnp.zeros((B, n * spec.Kp), jnp.float32))
+    shift = jax.new_ref(jnp.zeros((B, n * _SHIFT), jnp.float32))
     w = (logw if weights is None else weights).astype(jnp.float32).reshape(-1, spec.Kc)
     for t in tabs["tasks"]:
-        _forward_kernel(t.shape[0], t.shape[2], spec.Kc, B, tile, bool(interpret), weights is None,
-                        None if interpret else PROFILE_DIR, APPROX_MATH)(t, w, prod, vals)
-    return buf.at[tabs["rows"]].set(jax.freeze(vals).T, unique_indices=True)
+        _forward_kernel(t.shape[0], t.shape[2], spec.Kp, spec.Kc, B, tile, bool(interpret), weights is None,
+                        None if interpret else PROFILE_DIR, APPROX_MATH)(t, w, prod, vals, shift)
+    vals = jax.freeze(vals)
+    out = buf.at[tabs["rows"]].set(vals.T, unique_indices=True)
+    return (out, {"prod": jax.freeze(prod), "vals": vals, "shift": jax.freeze(shift)}) if keep else out
 
 
-__all__ = ["CLUSTER", "CLUSTERS", "MAX_BATCH", "TILE", "fits", "forward", "schedule", "tf32_weights"]
+__all__ = ["CLUSTER", "CLUSTERS", "MAX_BATCH", "TILE", "backward", "fits", "forward", "schedule", "tf32_weights",
+           "tf32_weights_t"]
