@@ -1,7 +1,8 @@
 """The error of each precision setting against float64, on the device it runs on.
 
     python benchmarks/precision_error.py [--workloads hclt,hmm] [--batch 128]
-                                         [--precisions default,fp32,tf32,bf16] [--latents N] [--small]
+                                         [--precisions default,fp32,tf32,bf16,tf32+clusters] [--latents N]
+                                         [--small]
                                          [--compile-threads 6] [--json out.json]
 
 For each workload one node graph is compiled twice: in float32 (``jaxpc.compile(root)``) and in float64
@@ -81,8 +82,9 @@ def run(name, root, x, precisions, threads) -> list[dict]:
     xj = jnp.asarray(x)
     settings = {}
     for p in precisions:
-        try:
-            settings[p] = jaxpc.Options(precision=p)
+        try:  # "<precision>+clusters": the tree's levels on thread-block clusters (Tuning.tree_clusters)
+            prec, *extra = p.split("+")
+            settings[p] = jaxpc.Options(precision=prec, tuning=jaxpc.Tuning(tree_clusters="clusters" in extra))
         except (ValueError, TypeError) as e:
             settings[p] = e
     ref_opts = jaxpc.Options(precision="fp32")

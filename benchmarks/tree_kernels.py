@@ -182,6 +182,7 @@ def mosaic_backward(args, tree, tab, logw, x, start, rows, tabs, w, tile) -> Non
     both = jax.jit(lambda b, f, t, w, wt: mosaic_tree.backward(
         f, mosaic_tree.forward(b, t, None, tree, weights=w, tile=tile, keep=True)[1], t, wt, tree, tile=tile))
     transpose = jax.jit(mosaic_tree.tf32_weights_t)
+    copies_both = jax.jit(lambda lw: (mosaic_tree.tf32_weights(lw), mosaic_tree.tf32_weights_t(lw)))
     wt = transpose(logw)
     _, copies = fwd(start, tabs, w)
     mine = np.asarray(bwd(flows, copies, tabs, wt))
@@ -193,7 +194,8 @@ def mosaic_backward(args, tree, tab, logw, x, start, rows, tabs, w, tile) -> Non
           f"fp32 {err:.2e}", flush=True)
     for name, fn in [("backward", lambda: bwd(flows, copies, tabs, wt)),
                      ("forward (copies kept) + backward", lambda: both(start, flows, tabs, w, wt)),
-                     ("transposed weights (tf32_weights_t)", lambda: transpose(logw))]:
+                     ("transposed weights (tf32_weights_t)", lambda: transpose(logw)),
+                     ("both weight copies in one function", lambda: copies_both(logw))]:
         print(f"  {name}: {bench(fn, args.reps):.3f} ms synchronized, {piped(fn, args.reps):.3f} pipelined",
               flush=True)
 

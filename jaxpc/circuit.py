@@ -18,7 +18,7 @@ from . import checks
 from .compiler import compile as _compile
 from .compiler.layout import Layout, ScanSpec
 from .distributions.base import RandomSource
-from .engine import em, forward, partial
+from .engine import em, forward, partial, routing
 from .executables import BucketPolicy, CacheInfo, ExecutableCache
 from .nodes import CircuitNodes
 from .options import Options
@@ -74,8 +74,8 @@ class Circuit:
         if not jnp.issubdtype(self.dtype, jnp.floating):
             raise TypeError(f"compile: dtype must be a floating dtype, got {self.dtype}")
         # one batched transfer (jnp.asarray of a numpy array compiles an identity executable per shape)
-        self.tables = jax.device_put(_compile.shared_kernel_tables(_compile.finalize_tables(struct.tables, self.layout),
-                                                                   self.layout))
+        tables = _compile.shared_kernel_tables(_compile.finalize_tables(struct.tables, self.layout), self.layout)
+        self.tables = jax.device_put(routing.cluster_tables(self.layout, tables))
         self.num_vars = self.layout.num_vars
         self._var_info = checks.VarInfo.from_var_dists(self.num_vars, struct.var_dists)
         self.runtime = Runtime(self._var_info, self.dtype, cache, buckets)

@@ -202,16 +202,23 @@ class PackedTables:
             dt = np.dtype(leaf.dtype)
             g = groups.setdefault(dt, [len(groups), 0, []])
             size = int(np.prod(np.shape(leaf), dtype=np.int64))
+            g[1] = -(-g[1] * dt.itemsize // TABLE_ALIGN) * TABLE_ALIGN // dt.itemsize
             self.slots.append((g[0], g[1], tuple(np.shape(leaf))))
+            g[2].append((i, g[1]))
             g[1] += size
-            g[2].append(i)
         # packed on the host (one transfer each way): packing on the device would compile one small
         # executable per distinct table shape, hundreds of compiles on a circuit's first call
         with jax.transfer_guard("allow"):
             host = jax.device_get(leaves)
+
+        def packed(g):
+            out = np.zeros(g[1], np.dtype(host[g[2][0][0]].dtype))
+            for i, off in g[2]:
+                out[off:off + np.size(host[i])] = np.ravel(host[i])
+            return out
+
         # each packed array goes where its tables are (a mesh's replicated tables stay replicated)
-        self.arrays = tuple(put_constant(np.concatenate([np.ravel(host[i]) for i in g[2]]),
-                                         getattr(leaves[g[2][0]], "sharding", None))
+        self.arrays = tuple(put_constant(packed(g), getattr(leaves[g[2][0][0]], "sharding", None))
                             for g in sorted(groups.values(), key=lambda g: g[0]))
 
     def unpack(self, arrays):
@@ -226,6 +233,7 @@ class PackedTables:
 _PACKED = _IdentityMemo(PackedTables)
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep  # jaxpc/: warnings point past it
 PACK_TABLES: Final = True  # executables take the index tables packed (PackedTables)
+TABLE_ALIGN: Final = 256  # bytes: each packed table starts at a multiple (Mosaic GPU kernels take such operands)
 
 
 @dataclasses.dataclass

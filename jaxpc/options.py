@@ -76,6 +76,12 @@ class Tuning:
             (:mod:`jaxpc.ops.pallas_tree`); 0 (the default): never. Off by default: on the H200, HCLT-256's
             forward + flows took 2.08 ms this way at batch 16 against 1.98 level by level (2.41 against 2.25 at
             batch 32), its ``em_step`` 2.28 ms as level by level, and the first call compiles 4.6 s longer.
+        tree_clusters: the folded plan's run of tree levels runs on thread-block clusters
+            (:mod:`jaxpc.ops.mosaic_tree`: Pallas Mosaic GPU kernels, two launches each way, the tree's parameter
+            flows left to the batched pass) where the blocks are square, the batch a multiple of 8 up to 64,
+            ``precision`` below ``"fp32"`` and ``impl`` ``"auto"`` on a GPU or ``"pallas"`` /
+            ``"pallas_forward"`` (Pallas's GPU interpreter off a GPU); it takes precedence over
+            ``tree_kernel_batch``. Off by default (docs/design.md, "Tree levels on thread-block clusters").
         fanin_kernel_batch: from this many samples on, a sum partition whose child row blocks are read by several
             parent blocks (a PD's fan-ins) and whose forward kept its shifts runs its whole backward as one Pallas
             kernel, the child flows added by atomic adds (:func:`jaxpc.engine.routing.atomic_backward`); 0: never.
@@ -141,6 +147,7 @@ class Tuning:
     compiler_options: tuple = ()
     fanin_kernel_batch: int = 1
     tree_kernel_batch: int = 0
+    tree_clusters: bool = False
     fanin_group: int = 4
     fanin_group_batch: int = 1024
     fanin_group_blocks: int = 16384
@@ -155,7 +162,7 @@ class Tuning:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if f.name in ("unset_rows", "quick_first_compile", "unroll_optimized", "fanin_prefetch",
-                          "chain_side_by_side"):
+                          "chain_side_by_side", "tree_clusters"):
                 if not isinstance(v, bool):
                     raise TypeError(f"Tuning.{f.name} must be a bool, got {v!r}")
             elif f.name == "compiler_options":

@@ -78,7 +78,8 @@ TUNING_CHANGES = {"leaf_batch": 1, "small_batch": 1, "pflow_batch": 1, "chain_un
                   "chain_stack_limit": 0, "unset_rows": False, "min_unset": 1, "onehot_chunk": 1 << 20,
                   "quick_first_compile": False, "unroll_optimized": False,
                   "compiler_options": (("xla_cpu_enable_fast_math", False),), "fanin_kernel_batch": 0,
-                  "tree_kernel_batch": 16, "fanin_order_batch": 1, "fanin_forward_prefetch_batch": 0,
+                  "tree_kernel_batch": 16, "tree_clusters": True, "fanin_order_batch": 1,
+                  "fanin_forward_prefetch_batch": 0,
                   "fanin_forward_span": 1, "fanin_group_blocks": 0, "fanin_forward_wide_tile": 0,
                   "fanin_backward_stages": 2, "fanin_prefetch": False, "fanin_group": 2, "fanin_group_batch": 1}
 

@@ -1,6 +1,6 @@
 """The tree levels on thread-block clusters (:mod:`jaxpc.ops.mosaic_tree`): its schedules' invariants, its forward
-in Pallas's Mosaic GPU interpreter (the kernel the GPU runs) against the level-by-level forward, and its backward
-against the child flows in float64."""
+in Pallas's Mosaic GPU interpreter (the kernel the GPU runs) against the level-by-level forward, and the route
+(``Tuning.tree_clusters``): when it is taken, and its flows against XLA's."""
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +9,7 @@ import pytest
 
 import jaxpc
 from jaxpc import distributions
+from jaxpc.engine import routing
 from jaxpc.ops import mosaic_tree
 from jaxpc.structures.hclt import hidden_tree_circuit
 
@@ -34,46 +35,6 @@ def tree():
         opts))(c.params)
     tab = {k: np.asarray(v) for k, v in c.tables["fold"]["tree"].items()}
     return c, fold.tree, tab, np.asarray(vals)
-
-
-def tree_flows(tab, spec, vals, logw, flows):
-    """The flow buffer ``flows`` (given at the top blocks' rows) with every tree block's child flows written, level
-    by level from the top, in float64: ``sum_r F_r W_rk exp(x_k - y_r)`` into each of the child's row blocks."""
-    lev, prow, pid, ch = tab["lev"], tab["prow"], tab["pid"][:, 0], tab["ch"][:, 0, :]
-    w = np.exp(np.asarray(logw, np.float64))
-    v = np.asarray(vals, np.float64)
-    out = np.asarray(flows, np.float64).copy()
-    for lv in reversed(range(len(lev) - 1)):
-        for b in range(lev[lv], lev[lv + 1]):
-            f, y = out[prow[b]:prow[b] + spec.Kp], v[prow[b]:prow[b] + spec.Kp]
-            x = sum(v[r:r + spec.Kc] for r in ch[b])
-            g = np.einsum("rb,rk,rkb->kb", f, w[pid[b]], np.exp(x[None] - y[:, None]))
-            for r in ch[b][ch[b] != 0]:  # row 0: the padding's zeros
-                out[r:r + spec.Kc] = g
-    return out
-
-
-def test_the_cluster_backward_matches_the_child_flows(tree):
-    """Two launches (the levels below 2 on two clusters, 32-row tasks) each way. The forward from the weights
-    matches the level-by-level one; from flows given at the tree's top blocks, the backward writes every tree
-    block's flows and those of its child's input-layer rows: against :func:`tree_flows`, within the TF32 operands'
-    error."""
-    c, spec, tab, vals = tree
-    tabs = jax.tree.map(jnp.asarray, mosaic_tree.schedule(tab, spec, clusters=2, split=2, tile=32))
-    logw = c.params["sum"][spec.group]
-    rows = np.asarray(tabs["rows"])
-    out, copies = mosaic_tree.forward(jnp.asarray(vals).at[rows].set(jnp.nan), tabs, None, spec,
-                                      weights=mosaic_tree.tf32_weights(logw), tile=32, keep=True)
-    np.testing.assert_allclose(np.asarray(out), vals, rtol=1e-4, atol=1e-3)  # the forward from the weights
-    top = rows.reshape(-1, spec.Kp)[np.asarray(tabs["top"])].ravel()
-    given = np.random.default_rng(1).uniform(0.1, 1.0, (len(top), vals.shape[1])).astype(np.float32)
-    flows = jnp.zeros(vals.shape, jnp.float32).at[top].set(given)
-    got = np.asarray(mosaic_tree.backward(flows, copies, tabs, mosaic_tree.tf32_weights_t(logw), spec, tile=32))
-    want = tree_flows(tab, spec, vals, logw, flows)
-    written = np.abs(want).sum(axis=1) > 0
-    assert written[rows].all() and written.sum() > len(rows)  # the tree's rows and input-layer rows
-    np.testing.assert_array_equal(got[~written], 0.0)
-    np.testing.assert_allclose(got[written], want[written], rtol=1e-3, atol=1e-6)
 
 
 @pytest.mark.parametrize("split,tile,clusters", [(0, 64, 1), (None, 32, 2), (2, 16, 3)])
@@ -127,3 +88,28 @@ def test_the_cluster_forward_rejects_what_it_cannot_run(tree):
         mosaic_tree.forward(jnp.asarray(vals[:, :12]), tabs, logw, spec)
     with pytest.raises(ValueError, match="take the weights"):
         mosaic_tree.forward(jnp.asarray(vals), tabs, logw, spec, tile=16)
+
+
+CLUSTERS = jaxpc.Options(impl="pallas", precision="tf32", tuning=jaxpc.Tuning(tree_clusters=True))
+
+
+def test_the_cluster_route_is_taken_where_its_kernels_apply(tree):
+    fold = tree[0].layout.fold
+    f32 = jnp.float32
+    assert routing.tree_kernel(fold, CLUSTERS, 16, f32) == "mosaic"
+    assert routing.tree_kernel(fold, CLUSTERS.replace(impl="auto"), 16, f32) != "mosaic"  # no GPU here
+    for opts, B in [(CLUSTERS, 12), (CLUSTERS, 72), (CLUSTERS.replace(precision="fp32"), 16),
+                    (CLUSTERS.replace(param_flow_pass="inline"), 16), (jaxpc.Options(impl="pallas"), 16)]:
+        assert routing.tree_kernel(fold, opts, B, f32) != "mosaic", (opts, B)
+
+
+def test_the_cluster_route_matches_xla(tree):
+    """Log-likelihoods and flows (the input layer's counts, the sum parameters': the tree's from the batched pass)
+    on the clusters' kernels in the interpreter against XLA's, within the TF32 operands' error."""
+    c, _, _, _ = tree
+    x = jnp.asarray(np.random.default_rng(3).integers(0, 3, (16, c.num_vars)).astype(np.int32))
+    want, ll_want = c.flows(c.params, x, options=jaxpc.Options(impl="xla"), return_ll=True)
+    got, ll_got = c.flows(c.params, x, options=CLUSTERS, return_ll=True)
+    np.testing.assert_allclose(np.asarray(ll_got), np.asarray(ll_want), rtol=1e-4)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=2e-3 * float(np.max(np.abs(b))))

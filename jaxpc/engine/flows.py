@@ -110,7 +110,8 @@ def _root_bwd(layout, options, buffered, res, g):
     common = (layout, options, sum_params, values, shifts, unit, frozenset(spec.key for spec, _ in pflows))
     kind = routing.tree_kernel(layout, options, values.shape[1], values.dtype)
     tree = layout.tree if kind else None
-    ps = _Pass(*common, _stored_groups(_Pass(*common), tree.group if tree is not None else None))
+    in_place = tree is not None and kind != "mosaic"  # the tree's kernel adds its parameter flows in place
+    ps = _Pass(*common, _stored_groups(_Pass(*common), tree.group if in_place else None))
     # a group whose every partition is batched gets its parameter-flow buffer after the flow pass, not carried
     inline = {p.group for spec in layout.stages() for p in spec.sums if not ps.batched_part(p)}
     dparams = {k: (uninitialized(v.shape, v.dtype, options.tuning.min_unset) if k in ps.stored else jnp.zeros_like(v))
@@ -122,7 +123,15 @@ def _root_bwd(layout, options, buffered, res, g):
     start, stop = stages.tree_span(layout, tree)
     flows, dparams = stages.run_stages(layout, tables, (flows, dparams), stage, reverse=True,
                                        scan=options.scan_stages, span=(stop, len(layout.steps)))
-    if tree is not None:
+    if kind == "mosaic":  # element flows only: the tree's parameter flows come from the batched pass
+        from ..ops import mosaic_tree
+
+        with jax.named_scope("jaxpc/tree/clusters/backward"):
+            tabs = tables["tree"]["clusters"]
+            flows = mosaic_tree.backward(flows, mosaic_tree.copies(values, tabs, tree), tabs,
+                                         mosaic_tree.tf32_weights_t(sum_params[tree.group]), tree,
+                                         tile=routing.CLUSTER_TILE, interpret=not routing.on_gpu())
+    elif tree is not None:
         with jax.named_scope("jaxpc/tree/backward"):
             dp_in = dparams[tree.group] if options.compute_param_flows else None
             flows, dp = routing.tree_module(kind).backward(values, flows, dp_in, tables["tree"], sum_params[tree.group],
@@ -286,8 +295,12 @@ def batched_pflows(layout, tables: dict, options, B: int, dtype) -> list:
     on_pallas = {p.pflow_key for spec in layout.stages() for p in spec.sums
                  if p.blockwise and routing.runs_kernel_backward(routing.kernel_choice(options, p, B, dtype)[0],
                                                                  options)}
-    if routing.tree_kernel(layout, options, B, dtype):  # the tree's kernel adds its levels' flows in place
-        on_pallas.add((layout.tree.group, 1, layout.tree.Kp, layout.tree.Kc))
+    tree_key = None if layout.tree is None else (layout.tree.group, 1, layout.tree.Kp, layout.tree.Kc)
+    kind = routing.tree_kernel(layout, options, B, dtype)
+    if kind == "mosaic":  # the clusters' kernels leave the tree's parameter flows to this pass
+        on_pallas.discard(tree_key)
+    elif kind:  # the tree's kernel adds its levels' flows in place
+        on_pallas.add(tree_key)
     return [(spec, tab) for spec, tab in zip(layout.pflows, tables["pflows"])
             if (mode == "batched" or spec.C == 1) and spec.key not in on_pallas]
 

@@ -18,6 +18,7 @@ from typing import Final
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..compiler.layout import Layout, ScanSpec
 from ..ops import tables as table_places
@@ -190,6 +191,8 @@ def counts_kernel(spec, options, flows: Array) -> bool:
 
 # ---- a tree's levels as persistent kernels -------------------------------------------------------------
 
+CLUSTER_TILE = 32  # parent rows of a task of the tree's kernels on clusters (the backward's shared memory bounds it)
+
 def tree_kernel(layout: Layout, options, B: int, dtype, evidence: dict | None = None) -> str | None:
     """Which persistent kernels run ``layout.tree``'s levels (a folded plan's run of tree levels, an HCLT's), one
     launch each way, instead of level by level: ``"triton"`` (:mod:`jaxpc.ops.triton_tree`) where the jax-triton
@@ -200,14 +203,23 @@ def tree_kernel(layout: Layout, options, B: int, dtype, evidence: dict | None = 
     choices (``Options.kernels``), and ``impl`` ``"auto"`` on a GPU, ``"triton"``, or ``"pallas"`` /
     ``"pallas_forward"`` (interpret mode off a GPU: the Pallas kernels); ``"triton"`` where the jax-triton route
     does not run counts as ``"auto"``. The forward and the flow pass ask it alike: the one decides for both."""
-    if (layout.tree is None or jnp.dtype(dtype) != jnp.float32 or not 0 < B <= options.tuning.tree_kernel_batch
-            or options.propagation != "LL" or options.pflow_temperature != 1.0 or options.eflow_temperature != 1.0
-            or options.kernels or has_sum_externals(evidence)):
+    if (layout.tree is None or jnp.dtype(dtype) != jnp.float32 or options.propagation != "LL"
+            or options.pflow_temperature != 1.0 or options.eflow_temperature != 1.0 or options.kernels
+            or has_sum_externals(evidence)):
         return None
-    from ..ops import pallas_tree, triton_base
+    from ..ops import mosaic_tree, pallas_tree, triton_base
 
     impl = route_impl(options)
     gpu = on_gpu()
+    batched = not options.compute_param_flows or (options.param_flow_pass == "batched" or (
+        options.param_flow_pass == "auto" and B <= options.tuning.pflow_batch))  # the tree's parameter flows
+    if (options.tuning.tree_clusters and options.concrete_precision != "fp32" and batched
+            and (impl in PALLAS_FORWARD or (impl == "auto" and gpu))
+            and mosaic_tree.fits(layout.tree, B, CLUSTER_TILE) and layout.tree.Kp == layout.tree.Kc
+            and layout.single_reader):
+        return "mosaic"
+    if not 0 < B <= options.tuning.tree_kernel_batch:
+        return None
     if not (impl in PALLAS_FORWARD or impl == "triton" or (impl == "auto" and gpu)):
         return None
     if (impl == "triton" or (impl == "auto" and gpu)) and triton_base.available():
@@ -218,11 +230,27 @@ def tree_kernel(layout: Layout, options, B: int, dtype, evidence: dict | None = 
     return "pallas" if pallas_tree.fits(B) and kernels_available() else None
 
 
-def tree_module(kind: str):
-    """The kernel module of :func:`tree_kernel`'s answer."""
-    from ..ops import pallas_tree, triton_tree
+def cluster_tables(layout: Layout, tables: dict) -> dict:
+    """``tables`` (finalized, numpy) with the schedules of the tree's kernels on clusters
+    (:func:`jaxpc.ops.mosaic_tree.schedule`) under ``tables["fold"]["tree"]["clusters"]``, where the folded plan has
+    a run of tree levels those kernels take (square blocks of ``CLUSTER_TILE``-row tiles)."""
+    from ..ops import mosaic_tree
 
-    return triton_tree if kind == "triton" else pallas_tree
+    fold = layout.fold
+    tree = fold.tree if fold is not None else None
+    if tree is None or tree.Kp != tree.Kc or not mosaic_tree.fits(tree, 8, CLUSTER_TILE):
+        return tables
+    tree_tabs = tables["fold"]["tree"]
+    schedule = mosaic_tree.schedule({k: np.asarray(v) for k, v in tree_tabs.items()}, tree, tile=CLUSTER_TILE)
+    return {**tables, "fold": {**tables["fold"], "tree": {**tree_tabs, "clusters": schedule}}}
+
+
+def tree_module(kind: str):
+    """The kernel module of :func:`tree_kernel`'s answer (``"mosaic"``: :mod:`jaxpc.ops.mosaic_tree`, whose functions
+    take other arguments)."""
+    from ..ops import mosaic_tree, pallas_tree, triton_tree
+
+    return {"triton": triton_tree, "mosaic": mosaic_tree}.get(kind, pallas_tree)
 
 
 # ---- sum partitions ---------------------------------------------------------------------------------

@@ -262,20 +262,27 @@ def forward_buffer(layout: Layout, tables: dict, sum_params: dict, input_vals, o
     None when the layout's unit is too small)."""
     dtype = routing.param_dtype({"sum": sum_params, "v": input_vals})
     buf = input_vals if isinstance(input_vals, jax.Array) else input_buffer(layout, input_vals, dtype)
-    unit = routing.shift_unit(layout) if keep_shifts and dtype == jnp.float32 else 0
+    kind = routing.tree_kernel(layout, options, buf.shape[1], dtype, evidence)
+    unit = routing.shift_unit(layout) if keep_shifts and dtype == jnp.float32 and kind != "mosaic" else 0
     if unit and not any(routing.writes_shift(options, p, buf) for spec in layout.stages() for p in spec.sums):
-        unit = 0  # no kernel would write a shift (e.g. no GPU, or max-product)
+        unit = 0  # no kernel would write a shift (e.g. no GPU, or max-product; the clusters' kernels keep none)
 
     def stage(carry, spec, tab, offset, name):  # carry: the buffer, or (buffer, shifts) with a shift buffer
         b, s = carry if unit else (carry, None)
         return _stage(b, spec, tab, sum_params, options, offset, name, evidence, counts, s, unit, layout.ninf_row)
 
     carry = (buf, jnp.zeros((-(-layout.num_rows // unit), buf.shape[1]), jnp.float32)) if unit else buf
-    kind = routing.tree_kernel(layout, options, buf.shape[1], dtype, evidence)
     tree = layout.tree if kind else None
     start, stop = tree_span(layout, tree)
     carry = run_stages(layout, tables, carry, stage, scan=options.scan_stages, span=(0, start))
-    if tree is not None:
+    if tree is not None and kind == "mosaic":
+        from ..ops import mosaic_tree
+
+        with jax.named_scope("jaxpc/tree/clusters"):
+            carry = mosaic_tree.forward(carry, tables["tree"]["clusters"], None, tree, tile=routing.CLUSTER_TILE,
+                                        weights=mosaic_tree.tf32_weights(sum_params[tree.group]),
+                                        interpret=not routing.on_gpu())
+    elif tree is not None:
         with jax.named_scope("jaxpc/tree"):
             b = routing.tree_module(kind).forward(carry[0] if unit else carry, tables["tree"], sum_params[tree.group],
                                                   tree, options.concrete_precision)

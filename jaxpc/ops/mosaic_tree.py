@@ -32,9 +32,10 @@ transposed weights (:func:`tf32_weights_t`: the tensor cores contract over the p
 them contiguous) and the child's exponentials, and stores the child's flows, which the child blocks read as their
 own. The parameter flows are left to the batched pass.
 
-No route takes these kernels yet. On the H200, HCLT-256's tree at batch 16 takes 0.29-0.33 ms forward and 0.34
-backward (32-row tasks, from weights exponentiated before the call; the transposed copy 0.08 ms more) against about
-0.46 and 0.61 level by level in the default call (docs/design.md, "Tree levels on thread-block clusters").
+``Options(tuning=Tuning(tree_clusters=True))`` routes a flow pass's tree here (:func:`jaxpc.engine.routing.tree_kernel`;
+off by default). On the H200, HCLT-256's tree at batch 16 takes 0.29-0.33 ms forward and 0.34 backward (32-row tasks,
+from weight copies made before the call: 0.12 ms for both) against about 0.46 and 0.61 level by level in the default
+call (docs/design.md, "Tree levels on thread-block clusters").
 """
 
 from __future__ import annotations
@@ -163,7 +164,7 @@ def schedule(tab: dict, spec, clusters: int = CLUSTERS, split: int | None = None
     Mi = max(1, max(len(o) for o in outside))
     inputs = np.array([o + [-1] * (Mi - len(o)) for o in outside], np.int32)
     rows = (prow[:, None] + np.arange(spec.Kp)).ravel().astype(np.int32)
-    out = {"tasks": tasks, "inputs": inputs, "rows": rows}
+    out = {"tasks": tasks, "inputs": inputs, "rows": rows, "child": ch.astype(np.int32)}
     if spec.Kp == spec.Kc:
         out.update(_backward_tables(launches, parent, pid, spec, tile, tiles))
     return out
@@ -395,6 +396,18 @@ def _backward_kernel(G: int, S: int, Kp: int, Kc: int, B: int, N: int, interpret
         **extra)
 
 
+def copies(values: Array, tabs: dict, spec) -> dict:
+    """The sample-major copies :func:`backward` reads (as :func:`forward` with ``keep`` returns them), rebuilt from
+    the forward's node buffer ``values`` ``[R, B]``: each block's values, its child (the sum of its row blocks,
+    ``tabs["child"]``) and the child's max per sample."""
+    n, B = tabs["child"].shape[0], values.shape[1]
+    rows = tabs["child"][:, :, None] + jnp.arange(spec.Kc, dtype=jnp.int32)  # [n, M, Kc]
+    prod = values[rows].sum(axis=1)  # [n, Kc, B]
+    shift = jnp.maximum(jnp.max(prod, axis=1), jnp.float32(-3e38))  # [n, B]
+    return {"vals": values[tabs["rows"]].T, "prod": prod.transpose(2, 0, 1).reshape(B, n * spec.Kc),
+            "shift": jnp.repeat(shift.T, _SHIFT, axis=1)}
+
+
 def tf32_weights_t(logw: Array) -> Array:
     """The transposed weights :func:`backward` takes: ``exp(logw)`` ``[P, Kc, Kp]`` rounded to TF32."""
     return jnp.swapaxes(tf32_weights(logw), 1, 2)
@@ -465,5 +478,5 @@ def forward(buf: Array, tabs: dict, logw: Array | None, spec, interpret: bool | 
     return (out, {"prod": jax.freeze(prod), "vals": vals, "shift": jax.freeze(shift)}) if keep else out
 
 
-__all__ = ["CLUSTER", "CLUSTERS", "MAX_BATCH", "TILE", "backward", "fits", "forward", "schedule", "tf32_weights",
-           "tf32_weights_t"]
+__all__ = ["CLUSTER", "CLUSTERS", "MAX_BATCH", "TILE", "backward", "copies", "fits", "forward", "schedule",
+           "tf32_weights", "tf32_weights_t"]
