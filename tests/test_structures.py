@@ -223,6 +223,15 @@ def test_hclt_learns_the_chain():
     assert root in (2, 3)  # the center of a 6-chain
 
 
+def test_mutual_information_is_the_same_with_x64_enabled():
+    """Under ``jax_enable_x64`` the soft bins come out in float64; the compiled pairwise product takes float32."""
+    x = np.random.default_rng(1).integers(0, 4, (300, 10))
+    want = structures.mutual_information(x, num_bins=8, sigma=0.1)
+    with jax.enable_x64(True):
+        got = structures.mutual_information(x, num_bins=8, sigma=0.1)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_pd_structure_sizes_and_vars():
     root = structures.PD((4, 4), 8, split_intervals=2, input_dist=distributions.Categorical(2))
     c = jaxpc.compile(root)
