@@ -205,7 +205,8 @@ def tree_kernel(layout: Layout, options, B: int, dtype, evidence: dict | None = 
     does not run counts as ``"auto"``. The forward and the flow pass ask it alike: the one decides for both."""
     if (layout.tree is None or jnp.dtype(dtype) != jnp.float32 or options.propagation != "LL"
             or options.pflow_temperature != 1.0 or options.eflow_temperature != 1.0 or options.kernels
-            or has_sum_externals(evidence)):
+            or has_sum_externals(evidence)
+            or not (options.tuning.tree_clusters or 0 < B <= options.tuning.tree_kernel_batch)):
         return None
     from ..ops import mosaic_tree, pallas_tree, triton_base
 
@@ -246,11 +247,11 @@ def cluster_tables(layout: Layout, tables: dict) -> dict:
 
 
 def tree_module(kind: str):
-    """The kernel module of :func:`tree_kernel`'s answer (``"mosaic"``: :mod:`jaxpc.ops.mosaic_tree`, whose functions
-    take other arguments)."""
-    from ..ops import mosaic_tree, pallas_tree, triton_tree
+    """The kernel module of :func:`tree_kernel`'s answer (``"triton"`` or ``"pallas"``; the engine calls
+    :mod:`jaxpc.ops.mosaic_tree` for ``"mosaic"`` itself: its functions take other arguments)."""
+    from ..ops import pallas_tree, triton_tree
 
-    return {"triton": triton_tree, "mosaic": mosaic_tree}.get(kind, pallas_tree)
+    return triton_tree if kind == "triton" else pallas_tree
 
 
 # ---- sum partitions ---------------------------------------------------------------------------------

@@ -275,7 +275,7 @@ def forward_buffer(layout: Layout, tables: dict, sum_params: dict, input_vals, o
     tree = layout.tree if kind else None
     start, stop = tree_span(layout, tree)
     carry = run_stages(layout, tables, carry, stage, scan=options.scan_stages, span=(0, start))
-    if tree is not None and kind == "mosaic":
+    if kind == "mosaic":
         from ..ops import mosaic_tree
 
         with jax.named_scope("jaxpc/tree/clusters"):
