@@ -202,6 +202,11 @@ def _round_tf32(x: Array) -> Array:
     return lax.bitcast_convert_type((bits + jnp.uint32(0x1000)) & jnp.uint32(0xFFFFE000), jnp.float32)
 
 
+def interpret_mode() -> bool:
+    """Whether the kernels run on Pallas's GPU interpreter: off a GPU."""
+    return jax.default_backend() != "gpu"
+
+
 def tf32_weights(logw: Array) -> Array:
     """``exp(logw)`` rounded to TF32, the weights :func:`forward` takes in place of the log-weights."""
     return _round_tf32(jnp.exp(logw.astype(jnp.float32)))
@@ -272,12 +277,12 @@ def _forward_kernel(G: int, S: int, Kp: int, Kc: int, B: int, N: int, interpret:
                     x_smem[...] = _round_tf32(jnp.exp(x - lax.broadcast_in_dim(mx, (TILE, Kc), [0])))
                     plgpu.commit_smem()
 
-                @pl.when(lax.rem(task_smem[s, 2], Kp) == 0)  # the block's first tile keeps its shift
+                @pl.when(lax.rem(task_smem[s, 2], jnp.int32(Kp)) == 0)  # the block's first tile keeps its shift
                 def _():
                     s_smem[...] = lax.broadcast_in_dim(mx, (TILE, _SHIFT), [0])
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(s_smem.at[:B], shift.at[:, pl.ds(
-                        pl.multiple_of(lax.div(task_smem[s, 2], Kp) * _SHIFT, _SHIFT), _SHIFT)])
+                        pl.multiple_of(lax.div(task_smem[s, 2], jnp.int32(Kp)) * _SHIFT, _SHIFT), _SHIFT)])
 
                 def product(acc):
                     plgpu.wgmma(acc, x_smem, w.T)
@@ -350,7 +355,7 @@ def _backward_kernel(G: int, S: int, Kp: int, Kc: int, B: int, N: int, interpret
                 plgpu.copy_gmem_to_smem(vals.at[:, at(task_smem[s, 2], Kp)], g_smem.at[:B], lbar.at[1])
                 plgpu.copy_gmem_to_smem(prod.at[:, at(task_smem[s, 4], N)], x_smem.at[:B], lbar.at[2])
                 plgpu.copy_gmem_to_smem(shift.at[:, pl.ds(pl.multiple_of(
-                    lax.div(task_smem[s, 3], Kc) * _SHIFT, _SHIFT), _SHIFT)], s_smem.at[:B], lbar.at[3])
+                    lax.div(task_smem[s, 3], jnp.int32(Kc)) * _SHIFT, _SHIFT), _SHIFT)], s_smem.at[:B], lbar.at[3])
 
             @pl.when(s + 1 < S)
             def _():
@@ -423,7 +428,7 @@ def backward(flows: Array, copies: dict, tabs: dict, weights_t: Array, spec, til
     if spec.Kp != spec.Kc or "btasks" not in tabs:
         raise ValueError(f"mosaic_tree.backward: needs square blocks, got Kp={spec.Kp}, Kc={spec.Kc}")
     if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+        interpret = interpret_mode()
     K, steps = spec.Kc, max(t.shape[2] for t in tabs["btasks"])
     smem = 4 * (2 * tile * K + 2 * TILE * K + 2 * TILE * tile + TILE * _SHIFT + steps * _BTASK)
     if not interpret and smem > _SMEM:
@@ -460,7 +465,7 @@ def forward(buf: Array, tabs: dict, logw: Array | None, spec, interpret: bool | 
     if weights is None and tile != TILE:
         raise ValueError(f"mosaic_tree.forward: tasks of {tile} rows take the weights (tf32_weights), not logw")
     if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+        interpret = interpret_mode()
     B = buf.shape[1]
     inputs = tabs["inputs"]
     n = inputs.shape[0]
@@ -479,4 +484,4 @@ def forward(buf: Array, tabs: dict, logw: Array | None, spec, interpret: bool | 
 
 
 __all__ = ["CLUSTER", "CLUSTERS", "MAX_BATCH", "TILE", "backward", "copies", "fits", "forward", "schedule",
-           "tf32_weights", "tf32_weights_t"]
+           "interpret_mode", "tf32_weights", "tf32_weights_t"]

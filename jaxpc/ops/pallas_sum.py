@@ -47,6 +47,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from .x32 import x32
+
 try:  # the Triton backend's memory ops (jax >= 0.11 keeps them here)
     from jax.experimental.pallas import triton as plgpu
 except ImportError:  # pragma: no cover - reported by available()
@@ -147,11 +149,11 @@ def call_kernel(kernel, cfg: KernelConfig, **kw):
         key = (_partial_key(kernel), cfg, interp, tuple(sorted((k, _hashable(v)) for k, v in kw.items())))
         fn = _KERNELS.get(key)
     except TypeError:
-        return make()
+        return x32(make())
     if fn is None:
         if len(_KERNELS) >= 4096:
             _KERNELS.clear()
-        fn = _KERNELS[key] = jax.jit(make())
+        fn = _KERNELS[key] = x32(jax.jit(make()))
     return fn
 
 

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .x32 import x32
+
 
 def load_triton():
     """``(triton, triton.language)``, or ``(None, None)`` where Triton is not installed. Imported when a kernel
@@ -57,6 +59,7 @@ class Launch:
     num_stages: int = 2
 
 
+@x32
 def run(launch: Launch):
     """The outputs of ``launch`` (a tuple) through ``jax_triton.triton_call``; where Triton runs in its interpreter
     (:func:`interpreting`: the CPU tests), through a host callback into :func:`interpret` instead."""
