@@ -26,10 +26,15 @@ def options(spec: str) -> jaxpc.Options:
 
 
 def int_fields(cls, fields: dict) -> dict:
-    """``fields`` (names to spellings) of dataclass ``cls`` as values: ``0`` / ``1`` for its bool fields, ints for
-    the rest."""
-    kinds = {f.name: f.type for f in dataclasses.fields(cls)}
-    return {k: bool(int(v)) if kinds[k] in (bool, "bool") else int(v) for k, v in fields.items()}
+    """``fields`` (names to spellings) of dataclass ``cls`` as values: ``0`` / ``1`` for its bool fields (also
+    ``none`` for those that take None), ints for the rest."""
+    kinds = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+
+    def value(k, v):
+        if kinds[k].startswith("bool"):
+            return None if v.lower() == "none" and "None" in kinds[k] else bool(int(v))
+        return int(v)
+    return {k: value(k, v) for k, v in fields.items()}
 
 
 def xla_value(v: str):

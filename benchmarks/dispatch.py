@@ -2,7 +2,7 @@
 
     python benchmarks/dispatch.py [--workload hclt] [--latents 256] [--batches 16,512] [--impl auto]
                                   [--flags "|--xla_gpu_enable_command_buffer="] [--trace] [--timeline] [--floor]
-                                  [--unrolled] [--entry flows|log_prob] [--default-call]
+                                  [--unrolled] [--entry flows|log_prob] [--default-call] [--tuning field=value]
 
 Each ``|``-separated entry of ``--flags`` runs in its own process with those ``XLA_FLAGS`` (the empty entry:
 none). Per process and batch size, medians over ``--reps`` synchronized ``flows`` (``--entry``) calls
@@ -183,6 +183,7 @@ def measure(args):
     import jax.numpy as jnp
 
     import jaxpc
+    from _options import tuning
     from profile_step import build
 
     c, data = build(args.workload, args.latents, tuple(int(v) for v in args.split_intervals.split(",")))
@@ -191,9 +192,11 @@ def measure(args):
     for batch in (int(b) for b in args.batches.split(",")):
         xs = [jnp.asarray(data[i * batch:(i + 1) * batch]) for i in range(4)]
 
+        kw = {"options": jaxpc.Options(tuning=tuning(args.tuning))} if args.tuning else {}  # made once, as users do
+
         def call(x):
             if args.default_call:
-                return getattr(c, args.entry)(c.params, x)
+                return getattr(c, args.entry)(c.params, x, **kw)
             if args.entry == "log_prob":
                 return c.log_prob(c.params, x, options=opts, validate=False)
             return c.flows(c.params, x, options=opts, validate=False, return_ll=True)
@@ -216,7 +219,8 @@ def measure(args):
             out = call(xs[i % 4])
         jax.block_until_ready(out)
         res["pipelined"] = f"{1e3 * (time.perf_counter() - t) / args.reps:.3f} ms"
-        what = f"c.{args.entry}(c.params, x)" if args.default_call else f"{args.entry} {args.impl}"
+        opt = f", options=Options(tuning=Tuning({args.tuning}))" if args.tuning else ""
+        what = f"c.{args.entry}(c.params, x{opt})" if args.default_call else f"{args.entry} {args.impl}"
         print(f"{args.workload}-{args.latents} B={batch} {what}{' unrolled' * args.unrolled} XLA_FLAGS={flags}: "
               + " | ".join(f"{k} {v}" for k, v in res.items()), flush=True)
         if args.trace:
@@ -252,6 +256,8 @@ def main(argv=None):
     p.add_argument("--entry", default="flows", choices=["flows", "log_prob"], help="the entry point timed")
     p.add_argument("--default-call", action="store_true",
                    help="time the default call (no options, inputs validated) instead of validate=False")
+    p.add_argument("--tuning", default="",
+                   help="with --default-call: the call with Options(tuning=Tuning(...)) (field=value joined by +)")
     p.add_argument("--flags", default="", help="'|'-separated XLA_FLAGS settings, one process each")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -260,7 +266,8 @@ def main(argv=None):
     base = [f"--workload={args.workload}", f"--latents={args.latents}", f"--batches={args.batches}",
             f"--precision={args.precision}", f"--impl={args.impl}", f"--reps={args.reps}"]
     base += (["--trace"] * args.trace + ["--timeline"] * args.timeline + ["--floor"] * args.floor
-             + ["--unrolled"] * args.unrolled + [f"--entry={args.entry}"] + ["--default-call"] * args.default_call)
+             + ["--unrolled"] * args.unrolled + [f"--entry={args.entry}"] + ["--default-call"] * args.default_call
+             + [f"--tuning={args.tuning}"] * bool(args.tuning))
     for flags in args.flags.split("|"):
         env = {**os.environ, "XLA_FLAGS": flags}
         r = subprocess.run([sys.executable, __file__, "--child", *base], env=env, capture_output=True, text=True)
