@@ -325,10 +325,15 @@ def quick_trace_options(options):
     emits the module's IR, ahead of its parallel LLVM and ptxas work, so the two leaf kernels lengthen a first call
     by their compiles (HCLT-256's flows at B=512 on the H200: 3.13 against 3.83-3.99 s cold, quick steps 6.62
     against 5.73-5.83 ms until the optimized executable, with the kernels, replaces it). A key whose optimized
-    compile reuses the quick one's trace keeps its kernels: leaving them out there would cost a second trace."""
-    if not getattr(options, "leaf_kernel", False):
-        return options
-    return options.replace(leaf_kernel=False)
+    compile reuses the quick one's trace keeps its kernels: leaving them out there would cost a second trace. Likewise
+    the tree's levels level by level instead of on clusters (``Tuning.tree_clusters``): the Mosaic GPU kernels' compile
+    lengthened HCLT-256's first call at B=16 from 3.97 to 6.69 s."""
+    if getattr(options, "leaf_kernel", False):
+        options = options.replace(leaf_kernel=False)
+    tuning = getattr(options, "tuning", None)
+    if tuning is not None and tuning.tree_clusters is not False:
+        options = options.replace(tuning=dataclasses.replace(tuning, tree_clusters=False))
+    return options
 
 
 def optimized_xla(xla: dict) -> dict:

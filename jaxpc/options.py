@@ -81,7 +81,9 @@ class Tuning:
             flows left to the batched pass) where the blocks are square, the batch a multiple of 8 up to 64,
             ``precision`` below ``"fp32"`` and ``impl`` ``"auto"`` on a GPU or ``"pallas"`` /
             ``"pallas_forward"`` (Pallas's GPU interpreter off a GPU); it takes precedence over
-            ``tree_kernel_batch``. Off by default (docs/design.md, "Tree levels on thread-block clusters").
+            ``tree_kernel_batch``. None (the default): on where ``impl`` is ``"auto"`` on a Hopper GPU (compute
+            capability 9.x: clusters of 16 blocks, wgmma), else off; True: also under the other conditions' other
+            ``impl`` values; False: never (docs/design.md, "Tree levels on thread-block clusters").
         fanin_kernel_batch: from this many samples on, a sum partition whose child row blocks are read by several
             parent blocks (a PD's fan-ins) and whose forward kept its shifts runs its whole backward as one Pallas
             kernel, the child flows added by atomic adds (:func:`jaxpc.engine.routing.atomic_backward`); 0: never.
@@ -147,7 +149,7 @@ class Tuning:
     compiler_options: tuple = ()
     fanin_kernel_batch: int = 1
     tree_kernel_batch: int = 0
-    tree_clusters: bool = False
+    tree_clusters: bool | None = None
     fanin_group: int = 4
     fanin_group_batch: int = 1024
     fanin_group_blocks: int = 16384
@@ -163,8 +165,9 @@ class Tuning:
             v = getattr(self, f.name)
             if f.name in ("unset_rows", "quick_first_compile", "unroll_optimized", "fanin_prefetch",
                           "chain_side_by_side", "tree_clusters"):
-                if not isinstance(v, bool):
-                    raise TypeError(f"Tuning.{f.name} must be a bool, got {v!r}")
+                if not isinstance(v, bool) and not (f.name == "tree_clusters" and v is None):
+                    raise TypeError(f"Tuning.{f.name} must be a bool{' or None' * (f.name == 'tree_clusters')}, "
+                                    f"got {v!r}")
             elif f.name == "compiler_options":
                 if not isinstance(v, tuple) or not all(isinstance(e, tuple) and len(e) == 2 and isinstance(e[0], str)
                                                        for e in v):

@@ -103,6 +103,28 @@ def test_the_cluster_route_is_taken_where_its_kernels_apply(tree):
         assert routing.tree_kernel(fold, opts, B, f32) != "mosaic", (opts, B)
 
 
+@pytest.mark.parametrize("hopper", [True, False])
+def test_the_default_call_takes_the_cluster_route_on_hopper_gpus_only(tree, hopper):
+    """``Tuning.tree_clusters=None`` (the default): on where ``impl="auto"`` runs on a Hopper GPU; the first, quick
+    compile traces the levels one by one (``executables.quick_trace_options``)."""
+    from unittest import mock
+
+    from jaxpc import executables
+
+    fold, f32 = tree[0].layout.fold, jnp.float32
+    default = jaxpc.Options(precision="tf32")  # what "default" resolves to on a GPU
+    with mock.patch.object(routing, "on_gpu", lambda: True), mock.patch.object(routing, "on_hopper", lambda: hopper):
+        assert (routing.tree_kernel(fold, default, 16, f32) == "mosaic") == hopper
+        assert routing.tree_kernel(fold, default.replace(tuning=jaxpc.Tuning(tree_clusters=False)), 16, f32) != "mosaic"
+        assert routing.tree_kernel(fold, default.replace(impl="xla"), 16, f32) != "mosaic"
+        quick = executables.quick_trace_options(default)
+        assert quick.tuning.tree_clusters is False and routing.tree_kernel(fold, quick, 16, f32) != "mosaic"
+    off = default.replace(tuning=jaxpc.Tuning(tree_clusters=False))
+    assert executables.quick_trace_options(off) == off.replace(leaf_kernel=False)
+    with pytest.raises(TypeError, match="tree_clusters must be a bool or None"):
+        jaxpc.Tuning(tree_clusters=1)
+
+
 def test_the_cluster_route_matches_xla(tree):
     """Log-likelihoods and flows (the input layer's counts, the sum parameters': the tree's from the batched pass)
     on the clusters' kernels in the interpreter against XLA's, within the TF32 operands' error."""

@@ -35,6 +35,26 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+@functools.cache
+def _compute_capability() -> str:
+    return str(getattr(jax.devices()[0], "compute_capability", "")) if on_gpu() else ""
+
+
+def on_hopper() -> bool:
+    """Whether traced code runs on a Hopper GPU (compute capability 9.x): thread-block clusters of 16 blocks and
+    wgmma, which :mod:`jaxpc.ops.mosaic_tree`'s kernels need."""
+    return _compute_capability().startswith("9.")
+
+
+def tree_clusters(options, impl: str | None = None) -> bool:
+    """Whether ``Tuning.tree_clusters`` asks for the tree's levels on clusters: its value, or where None (the
+    default) whether ``impl`` (:func:`route_impl`) is ``"auto"`` on a Hopper GPU."""
+    asked = options.tuning.tree_clusters
+    if asked is None:
+        return (impl or route_impl(options)) == "auto" and on_hopper()
+    return asked
+
+
 _WARNED_UNAVAILABLE = []
 
 
@@ -202,19 +222,24 @@ def tree_kernel(layout: Layout, options, B: int, dtype, evidence: dict | None = 
     ``MAX_BATCH``), sum-product propagation with untempered flows, no per-sample sum parameters, no tuned kernel
     choices (``Options.kernels``), and ``impl`` ``"auto"`` on a GPU, ``"triton"``, or ``"pallas"`` /
     ``"pallas_forward"`` (interpret mode off a GPU: the Pallas kernels); ``"triton"`` where the jax-triton route
-    does not run counts as ``"auto"``. The forward and the flow pass ask it alike: the one decides for both."""
+    does not run counts as ``"auto"``. Before these, ``"mosaic"`` (:mod:`jaxpc.ops.mosaic_tree`, the levels on
+    thread-block clusters) where :func:`tree_clusters` asks for it (by default on Hopper GPUs) and its kernels apply:
+    square blocks, a batch that is a multiple of 8 up to 64, ``precision`` below ``"fp32"``, the tree's parameter
+    flows on the batched pass and a single-reader layout. The forward and the flow pass ask it alike: the one
+    decides for both."""
     if (layout.tree is None or jnp.dtype(dtype) != jnp.float32 or options.propagation != "LL"
             or options.pflow_temperature != 1.0 or options.eflow_temperature != 1.0 or options.kernels
             or has_sum_externals(evidence)
-            or not (options.tuning.tree_clusters or 0 < B <= options.tuning.tree_kernel_batch)):
+            or not (options.tuning.tree_clusters is not False or 0 < B <= options.tuning.tree_kernel_batch)):
         return None
     from ..ops import mosaic_tree, pallas_tree, triton_base
 
     impl = route_impl(options)
     gpu = on_gpu()
+    clusters = tree_clusters(options, impl)
     batched = not options.compute_param_flows or (options.param_flow_pass == "batched" or (
         options.param_flow_pass == "auto" and B <= options.tuning.pflow_batch))  # the tree's parameter flows
-    if (options.tuning.tree_clusters and options.concrete_precision != "fp32" and batched
+    if (clusters and options.concrete_precision != "fp32" and batched
             and (impl in PALLAS_FORWARD or (impl == "auto" and gpu))
             and mosaic_tree.fits(layout.tree, B, CLUSTER_TILE) and layout.tree.Kp == layout.tree.Kc
             and layout.single_reader):

@@ -32,10 +32,10 @@ transposed weights (:func:`tf32_weights_t`: the tensor cores contract over the p
 them contiguous) and the child's exponentials, and stores the child's flows, which the child blocks read as their
 own. The parameter flows are left to the batched pass.
 
-``Options(tuning=Tuning(tree_clusters=True))`` routes a flow pass's tree here (:func:`jaxpc.engine.routing.tree_kernel`;
-off by default). On the H200, HCLT-256's tree at batch 16 takes 0.29-0.33 ms forward and 0.34 backward (32-row tasks,
-from weight copies made before the call: 0.12 ms for both) against about 0.46 and 0.61 level by level in the default
-call (docs/design.md, "Tree levels on thread-block clusters").
+:func:`jaxpc.engine.routing.tree_kernel` routes a tree here on Hopper GPUs (``Tuning.tree_clusters``). On the H200,
+HCLT-256's tree at batch 16 takes 0.29-0.33 ms forward and 0.34 backward (32-row tasks, from weight copies made before
+the call: 0.12 ms for both) against about 0.46 and 0.61 level by level in the default call (docs/design.md, "Tree
+levels on thread-block clusters").
 """
 
 from __future__ import annotations
