@@ -1,8 +1,8 @@
 """The error of each precision setting against float64, on the device it runs on.
 
     python benchmarks/precision_error.py [--workloads hclt,hmm] [--batch 128]
-                                         [--precisions default,fp32,tf32,bf16,tf32+clusters] [--latents N]
-                                         [--small]
+                                         [--precisions default,fp32,tf32,bf16,tf32+clusters,default+noclusters]
+                                         [--latents N] [--small]
                                          [--compile-threads 6] [--json out.json]
 
 For each workload one node graph is compiled twice: in float32 (``jaxpc.compile(root)``) and in float64
@@ -82,9 +82,10 @@ def run(name, root, x, precisions, threads) -> list[dict]:
     xj = jnp.asarray(x)
     settings = {}
     for p in precisions:
-        try:  # "<precision>+clusters": the tree's levels on thread-block clusters (Tuning.tree_clusters)
-            prec, *extra = p.split("+")
-            settings[p] = jaxpc.Options(precision=prec, tuning=jaxpc.Tuning(tree_clusters="clusters" in extra))
+        try:  # "<precision>+clusters" / "+noclusters": the tree's levels on thread-block clusters or not
+            prec, *extra = p.split("+")  # (Tuning.tree_clusters True / False; else the default, None)
+            clusters = True if "clusters" in extra else False if "noclusters" in extra else None
+            settings[p] = jaxpc.Options(precision=prec, tuning=jaxpc.Tuning(tree_clusters=clusters))
         except (ValueError, TypeError) as e:
             settings[p] = e
     ref_opts = jaxpc.Options(precision="fp32")
