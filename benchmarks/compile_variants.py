@@ -21,7 +21,8 @@ Variants (``c.flows(params, x, options=...)``, each its own executable, compiled
   timed after ``c.wait_compiled()``.
 
 Per variant and batch: the first call's seconds (trace, lower, compile, run), the median ms of synchronized calls
-over 4 rotating device-resident batches, and the largest relative difference of its log-likelihoods and flows
+over 4 rotating device-resident batches, XLA's memory analysis of the executable timed (MiB: temporaries,
+arguments and outputs), and the largest relative difference of its log-likelihoods and flows
 from the first variant's. One JSON line per variant and batch.
 """
 
@@ -42,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jaxpc  # noqa: E402
 from _data import blurred_noise_images  # noqa: E402
 from _options import tuning  # noqa: E402
-from bench_engine import median_ms  # noqa: E402
+from bench_engine import compiled_mib, median_ms  # noqa: E402
 from jaxpc import distributions, executables, structures  # noqa: E402
 
 NO_TG = (("xla_gpu_enable_triton_gemm", False),)
@@ -106,8 +107,9 @@ def main(argv=None):
             leaves = [np.asarray(v) for v in jax.tree_util.tree_leaves(out)]
             diff = 0.0 if ref is None else max(rel_diff(a, b) for a, b in zip(leaves, ref))
             ref = leaves if ref is None else ref
-            print(json.dumps(dict(workload=args.workload, batch=B, variant=n, first_call_s=round(first, 2),
-                                  ms=round(median_ms(call, xs, args.reps, warmup_s=1.0), 3),
+            ms = round(median_ms(call, xs, args.reps, warmup_s=1.0), 3)
+            print(json.dumps(dict(workload=args.workload, batch=B, variant=n, first_call_s=round(first, 2), ms=ms,
+                                  mib=round(compiled_mib(c.compiled("flows")), 1),
                                   rel_diff_vs_first=float(f"{diff:.2e}"), device=jax.devices()[0].device_kind)),
                   flush=True)
 

@@ -69,6 +69,10 @@ class Tuning:
             the unrolled levels' products: :func:`jaxpc.executables.optimized_xla`); the quick one keeps the scans.
         compiler_options: XLA options for the executables, ``((name, value), ...)`` (e.g.
             ``(("xla_gpu_autotune_level", 0),)``).
+        concurrent_batch: on a GPU, executables of batches up to this many samples order their command buffers'
+            kernels by data dependencies (XLA's ``xla_gpu_command_buffer_scheduling_mode=CONCURRENT``) instead of
+            its latency-hiding schedule, unless ``compiler_options`` sets that option
+            (:func:`jaxpc.executables.batch_xla`); 0: never.
         tree_kernel_batch: up to this many samples (at most 64), the folded plan's run of tree levels (an HCLT's:
             :class:`jaxpc.compiler.layout.TreeSpec`) runs as one persistent kernel each way where ``impl`` is
             ``"auto"`` on a GPU, ``"triton"``, or ``"pallas"`` / ``"pallas_forward"``: jax-triton's
@@ -147,6 +151,7 @@ class Tuning:
     quick_first_compile: bool = True
     unroll_optimized: bool = True
     compiler_options: tuple = ()
+    concurrent_batch: int = 32
     fanin_kernel_batch: int = 1
     tree_kernel_batch: int = 0
     tree_clusters: bool | None = None

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import jaxpc
-from jaxpc import structures
+from jaxpc import executables, structures
 from jaxpc.executables import BucketPolicy
 
 from .tiers import cases
@@ -77,7 +77,8 @@ TUNING_CHANGES = {"leaf_batch": 1, "small_batch": 1, "pflow_batch": 1, "chain_un
                   "product_kernel_batch": 0, "full_layout_reads": 0,
                   "chain_stack_limit": 0, "unset_rows": False, "min_unset": 1, "onehot_chunk": 1 << 20,
                   "quick_first_compile": False, "unroll_optimized": False,
-                  "compiler_options": (("xla_cpu_enable_fast_math", False),), "fanin_kernel_batch": 0,
+                  "compiler_options": (("xla_cpu_enable_fast_math", False),), "concurrent_batch": 0,
+                  "fanin_kernel_batch": 0,
                   "tree_kernel_batch": 16, "tree_clusters": True, "fanin_order_batch": 1,
                   "fanin_forward_prefetch_batch": 0,
                   "fanin_forward_span": 1, "fanin_group_blocks": 0, "fanin_forward_wide_tile": 0,
@@ -86,6 +87,23 @@ TUNING_CHANGES = {"leaf_batch": 1, "small_batch": 1, "pflow_batch": 1, "chain_un
 
 def test_every_tuning_field_is_listed():
     assert set(TUNING_CHANGES) == {f.name for f in dataclasses.fields(jaxpc.Tuning)}, "list the new Tuning field"
+
+
+def test_small_batches_order_command_buffers_by_data_dependencies_on_a_gpu():
+    """``Tuning.concurrent_batch``: XLA's CONCURRENT command-buffer order for batches up to it, on a GPU only, and
+    never over the caller's own setting of that option."""
+    from unittest import mock
+
+    mode = executables.CONCURRENT_XLA[0]
+    x16, x64 = {"x": jnp.zeros((16, 3), jnp.int32)}, {"x": jnp.zeros((64, 3), jnp.int32)}
+    opts = jaxpc.Options()
+    assert executables.batch_xla(opts, {}, x16) == {}  # no GPU here
+    with mock.patch.object(executables, "_on_gpu", lambda: True):
+        assert executables.batch_xla(opts, {}, x16) == {mode: "CONCURRENT"}
+        assert executables.batch_xla(opts, {"a": 1}, x64) == {"a": 1}
+        assert executables.batch_xla(opts, {mode: "LHS"}, x16) == {mode: "LHS"}
+        assert executables.batch_xla(opts.replace(tuning=jaxpc.Tuning(concurrent_batch=0)), {}, x16) == {}
+        assert executables.batch_xla(opts, {}, {"params": jnp.zeros(3)}) == {}  # no batch
 
 
 @pytest.mark.slow
