@@ -86,8 +86,9 @@ class Tuning:
             ``precision`` below ``"fp32"`` and ``impl`` ``"auto"`` on a GPU or ``"pallas"`` /
             ``"pallas_forward"`` (Pallas's GPU interpreter off a GPU); it takes precedence over
             ``tree_kernel_batch``. None (the default): on where ``impl`` is ``"auto"`` on a Hopper GPU (compute
-            capability 9.x: clusters of 16 blocks, wgmma), else off; True: also under the other conditions' other
-            ``impl`` values; False: never (docs/design.md, "Tree levels on thread-block clusters").
+            capability 9.x: clusters of 16 blocks, wgmma), else off; True: wherever the conditions above hold (other
+            GPUs cannot compile its kernels); False: never (docs/design.md, "Tree levels on thread-block
+            clusters").
         fanin_kernel_batch: from this many samples on, a sum partition whose child row blocks are read by several
             parent blocks (a PD's fan-ins) and whose forward kept its shifts runs its whole backward as one Pallas
             kernel, the child flows added by atomic adds (:func:`jaxpc.engine.routing.atomic_backward`); 0: never.
