@@ -34,6 +34,10 @@ def _tree():
     return jaxpc.compile(root, seed=2, scan_min_repeats=0)
 
 
+def _hmm():
+    return jaxpc.compile(structures.HMM(6, 8, 4, homogeneous=True), seed=0)
+
+
 def _on_gpu():
     """The GPU's routes, kernels lowered for CUDA (no GPU needed)."""
     return (mock.patch.object(pallas_sum, "interpret_mode", lambda: False),
@@ -43,10 +47,11 @@ def _on_gpu():
             jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=H200)))
 
 
-@pytest.mark.parametrize("build,cats", [(_pd, 4), (_tree, 3)], ids=["pd", "tree"])
+@pytest.mark.parametrize("build,cats", [(_pd, 4), (_tree, 3), (_hmm, 4)], ids=["pd", "tree", "hmm"])
 def test_the_kernels_give_the_same_flows_under_x64(build, cats):
     """The Pallas route (the interpreter, the kernels' own code) with 64-bit types on equals the same circuit's call
-    with them off, in float32."""
+    with them off, in float32 (the HMM's chain: its kernels with x64 off, the scans with it on, which the interpreter
+    cannot run them under: ``engine.chain.persistent``)."""
     c = build()
     x = jnp.asarray(np.random.default_rng(0).integers(0, cats, (16, c.num_vars)).astype(np.int32))
     want, ll_want = c.flows(c.params, x, options=PALLAS, return_ll=True)

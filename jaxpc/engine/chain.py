@@ -60,12 +60,16 @@ def persistent(spec: ChainSpec, B: int, dtype, options) -> bool:
     tied float32 chain at most ``tuning.chain_kernel_batch`` samples wide whose messages fit the kernels' tiles
     (:func:`jaxpc.ops.pallas_chain.fits`: 1,024 latents up to 16 samples), with ``impl="auto"`` on a GPU or
     ``"pallas"`` / ``"pallas_forward"`` anywhere (interpret mode off a GPU); ``"triton"`` where the jax-triton
-    route does not run counts as ``"auto"`` (:func:`jaxpc.ops.triton_base.route_impl`)."""
+    route does not run counts as ``"auto"`` (:func:`jaxpc.ops.triton_base.route_impl`). Not in interpret mode under
+    ``jax_enable_x64``: Pallas's interpreter runs the kernels' grid with 64-bit program ids, which their int32
+    indices do not mix with (on a GPU they lower from a 32-bit trace, :mod:`jaxpc.ops.x32`)."""
     if not (spec.tied and B <= options.tuning.chain_kernel_batch and jnp.dtype(dtype) == jnp.float32
             and pallas_chain.available() and pallas_chain.fits(spec.K, B)):
         return False
     impl = route_impl(options)
-    return impl in ("pallas", "pallas_forward") or (impl == "auto" and jax.default_backend() == "gpu")
+    if jax.default_backend() != "gpu":
+        return impl in ("pallas", "pallas_forward") and not jax.config.jax_enable_x64
+    return impl in ("pallas", "pallas_forward", "auto")
 
 
 def _matrix(logw: Array, pid: Array, K: int) -> Array:
