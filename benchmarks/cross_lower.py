@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jaxpc  # noqa: E402
 from _options import tuning  # noqa: E402
 from jaxpc.engine import routing  # noqa: E402
-from jaxpc.ops import mosaic_tree, pallas_sum  # noqa: E402
+from jaxpc.ops import pallas_sum  # noqa: E402
 from profile_step import build  # noqa: E402
 
 H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
@@ -43,7 +43,6 @@ H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", nu
 def as_on_gpu():
     """A context in which the kernels lower for CUDA and the routes are the GPU's."""
     stack = [mock.patch.object(pallas_sum, "interpret_mode", lambda: False),
-             mock.patch.object(mosaic_tree, "interpret_mode", lambda: False),
              mock.patch.object(routing, "on_gpu", lambda: True),
              jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=H200))]
 

@@ -266,8 +266,8 @@ CONCURRENT_XLA: Final = ("xla_gpu_command_buffer_scheduling_mode", "CONCURRENT")
 def batch_xla(options, xla: dict, args: dict) -> dict:
     """``xla`` with the XLA options that a key's batch size (its ``x``'s rows) sets on a GPU: up to
     ``Tuning.concurrent_batch`` samples, command buffers whose kernels XLA orders by their data dependencies
-    (:data:`CONCURRENT_XLA`), so that independent kernels (the weights' copies beside the leaves) overlap and fewer
-    wait on each other. On the H200 HCLT-256's flows took 1.596 / 1.766 ms this way at B = 16 / 32 against 1.655 /
+    (:data:`CONCURRENT_XLA`) instead of its latency-hiding schedule, so that kernels that do not depend on each other
+    may overlap. On the H200 HCLT-256's flows took 1.596 / 1.766 ms this way at B = 16 / 32 against 1.655 /
     1.875 in XLA's latency-hiding order, for 814 / 887 MiB against 750 / 823, and gained nothing at B=64; the
     executables' memory grows with the batch (its flows at B=512: 4,725 against 2,251 MiB), hence the bound."""
     tuning = getattr(options, "tuning", None)

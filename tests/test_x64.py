@@ -13,7 +13,7 @@ import pytest
 import jaxpc
 from jaxpc import distributions, structures
 from jaxpc.engine import routing
-from jaxpc.ops import mosaic_tree, pallas_chain, pallas_sum
+from jaxpc.ops import pallas_chain, pallas_sum
 from jaxpc.structures.hclt import hidden_tree_circuit
 
 from .test_levels import chains_tree
@@ -42,7 +42,6 @@ def _on_gpu():
     """The GPU's routes, kernels lowered for CUDA (no GPU needed)."""
     return (mock.patch.object(pallas_sum, "interpret_mode", lambda: False),
             mock.patch.object(pallas_chain, "interpret_mode", lambda: False),
-            mock.patch.object(mosaic_tree, "interpret_mode", lambda: False),
             mock.patch.object(routing, "on_gpu", lambda: True),
             jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=H200)))
 

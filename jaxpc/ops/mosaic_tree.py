@@ -202,11 +202,6 @@ def _round_tf32(x: Array) -> Array:
     return lax.bitcast_convert_type((bits + jnp.uint32(0x1000)) & jnp.uint32(0xFFFFE000), jnp.float32)
 
 
-def interpret_mode() -> bool:
-    """Whether the kernels run on Pallas's GPU interpreter: off a GPU."""
-    return jax.default_backend() != "gpu"
-
-
 def tf32_weights(logw: Array) -> Array:
     """``exp(logw)`` rounded to TF32, the weights :func:`forward` takes in place of the log-weights."""
     return _round_tf32(jnp.exp(logw.astype(jnp.float32)))
@@ -428,7 +423,7 @@ def backward(flows: Array, copies: dict, tabs: dict, weights_t: Array, spec, til
     if spec.Kp != spec.Kc or "btasks" not in tabs:
         raise ValueError(f"mosaic_tree.backward: needs square blocks, got Kp={spec.Kp}, Kc={spec.Kc}")
     if interpret is None:
-        interpret = interpret_mode()
+        interpret = jax.default_backend() != "gpu"
     K, steps = spec.Kc, max(t.shape[2] for t in tabs["btasks"])
     smem = 4 * (2 * tile * K + 2 * TILE * K + 2 * TILE * tile + TILE * _SHIFT + steps * _BTASK)
     if not interpret and smem > _SMEM:
@@ -465,7 +460,7 @@ def forward(buf: Array, tabs: dict, logw: Array | None, spec, interpret: bool | 
     if weights is None and tile != TILE:
         raise ValueError(f"mosaic_tree.forward: tasks of {tile} rows take the weights (tf32_weights), not logw")
     if interpret is None:
-        interpret = interpret_mode()
+        interpret = jax.default_backend() != "gpu"
     B = buf.shape[1]
     inputs = tabs["inputs"]
     n = inputs.shape[0]
@@ -484,4 +479,4 @@ def forward(buf: Array, tabs: dict, logw: Array | None, spec, interpret: bool | 
 
 
 __all__ = ["CLUSTER", "CLUSTERS", "MAX_BATCH", "TILE", "backward", "copies", "fits", "forward", "schedule",
-           "interpret_mode", "tf32_weights", "tf32_weights_t"]
+           "tf32_weights", "tf32_weights_t"]
