@@ -4,7 +4,7 @@
                                       [--precision tf32] [--impl auto] [--no-fold] [--unrolled] [--steps 5]
                                       [--param-flow-pass auto|inline|batched] [--top 15] [--json out.json]
                                       [--hlo out.hlo] [--public log_prob|flows|em_step] [--no-validate]
-                                      [--tuning field=value+xla.option=value] [--neighbors NAME]
+                                      [--tuning field=value+xla.option=value] [--neighbors NAME] [--timeline]
 
 Runs ``circuit.flows`` under ``jax.profiler.trace`` and reads the trace's device events. Every kernel
 is attributed by the ``jaxpc/...`` named scope in its HLO metadata to one of: ``input`` (leaf layers),
@@ -14,7 +14,9 @@ scatter, gradient of the leaves). Prints per step: wall time, kernel count, summ
 then the table by kind and the ``--top`` most expensive kernels with the HLO op each computes. ``--tuning``: the call
 with ``Options(tuning=Tuning(...))`` (:func:`_options.tuning`'s spelling). ``--neighbors NAME``: for the first
 occurrences of kernels whose name holds ``NAME`` in one step, the kernels just before and after (what a kernel that
-carries no HLO op, such as a library's helper, belongs to). On a CPU host the trace has no device events and the
+carries no HLO op, such as a library's helper, belongs to). ``--timeline``: the last step's kernels in start order,
+each with its start and end (us after the step's first kernel), its stream and its HLO op (which kernels overlap,
+and the gaps between them). On a CPU host the trace has no device events and the
 script says so.
 """
 
@@ -94,6 +96,22 @@ def kind_of(event: dict, names: dict) -> str:
     return f"{layer} {'bwd' if m.group(3) else 'fwd'}"
 
 
+def print_timeline(ev: list[dict], names: dict) -> None:
+    """The last step of the start-ordered kernel events ``ev`` (steps split at gaps over 200 us), one line each."""
+    first = len(ev) - 1
+    while first > 0 and float(ev[first]["ts"]) - max(float(e["ts"]) + float(e.get("dur", 0.0))
+                                                     for e in ev[:first]) <= 200:
+        first -= 1
+    t0, last_end = float(ev[first]["ts"]), float(ev[first]["ts"])
+    print(f"timeline of the last step ({len(ev) - first} kernels; start / end us, gap after the previous end):")
+    for e in ev[first:]:
+        ts, dur = float(e["ts"]), float(e.get("dur", 0.0))
+        op = names.get(_norm(str(e.get("args", {}).get("hlo_op", ""))), "") or names.get(_norm(e.get("name", "")), "")
+        print(f"  {ts - t0:8.1f} {ts + dur - t0:8.1f} {ts - last_end:+7.1f}  s{e.get('tid')} "
+              f"{e.get('name', '?')[:48]:48s} {op[-70:]}")
+        last_end = max(last_end, ts + dur)
+
+
 def load_trace(trace_dir: str) -> tuple[list[dict], set] | None:
     """``(events, the GPU devices' process ids)`` of the last trace written under ``trace_dir``, or None."""
     files = glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "*.trace.json.gz"))
@@ -165,6 +183,7 @@ def main(argv=None):
     p.add_argument("--hlo", default=None, help="also write the compiled step's HLO text here")
     p.add_argument("--tuning", default="", help="the call with Options(tuning=Tuning(...)): a=1+xla.b=true")
     p.add_argument("--neighbors", default=None, help="print the kernels around those whose name holds this")
+    p.add_argument("--timeline", action="store_true", help="print the last step's kernels with start and end")
     args = p.parse_args(argv)
     c, data = build(args.workload, args.latents, tuple(int(v) for v in args.split_intervals.split(",")))
     opts = jaxpc.Options(precision=args.precision, impl=args.impl, fold_products=args.fold,
@@ -250,6 +269,8 @@ def main(argv=None):
         print(f"  {us / steps / 1e3:7.3f} ms  x{n / steps:5.0f}  {kind:8s} {name[:60]}{tail}")
     if args.neighbors:
         print_neighbors(ev, args.neighbors, names, len(ev) // steps)
+    if args.timeline:
+        print_timeline(ev, names)
     other = [e for e in events if kind_of(e, names) == "other"]
     print(f"unattributed kernels: {len(other) / steps:.0f}/step; e.g.", json.dumps(other[:2])[:600])
     if args.json:
