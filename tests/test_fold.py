@@ -572,6 +572,35 @@ def test_single_reader_flows_match_exact_expected_counts(fold):
     assert oracle.check_flows(c, fl, totals, in_totals) > 0
 
 
+def test_flow_buffer_zeroes_its_gaps_in_one_scatter(monkeypatch):
+    """On a GPU the unset flow buffer gets every gap zeroed by one scatter (a slice update per gap was a kernel
+    each), and is plain zeros where the unset buffer would start as zeros anyway (below ``Tuning.min_unset``
+    elements): no scatter then."""
+    from jaxpc.ops import buffers
+
+    rng = np.random.default_rng(3)
+    data = rng.integers(0, 4, (300, 30))
+    c = jaxpc.compile(structures.HCLT(data, 16, input_dist=distributions.Categorical(4)))
+    o = jaxpc.Options(impl="xla")
+    plan = routing.buffer_plan(c.layout, o, 16)
+    gaps = plan.flow_gaps
+    assert gaps is not None and len(gaps) > 1
+    values = jnp.ones((plan.num_rows, 16), jnp.float32)
+    monkeypatch.setattr(buffers, "_on_gpu", lambda: True)
+
+    def scatters(opts):
+        jaxpr = jax.make_jaxpr(lambda v: engine_flows.flow_buffer(plan, opts, v))(values)
+        return sum(e.primitive.name == "scatter" for e in jaxpr.eqns), np.asarray(jax.jit(
+            lambda v: engine_flows.flow_buffer(plan, opts, v))(values))
+
+    n, buf = scatters(o.replace(tuning=jaxpc.Tuning(min_unset=1)))
+    assert n == 1
+    for a, b in gaps:
+        assert (buf[a:b] == 0).all()
+    n, buf = scatters(o.replace(tuning=jaxpc.Tuning(min_unset=values.size + 1)))
+    assert n == 0 and (buf == 0).all()
+
+
 @pytest.mark.parametrize("fold", cases([True, False], fast=[False]), ids=["fold", "full"])
 def test_single_reader_flow_pass_writes_every_row_it_reads(monkeypatch, fold):
     """A single-reader layout's flow pass starts from an unset buffer (``flows.flow_buffer``: uninitialized on a

@@ -18,13 +18,16 @@ def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def starts_unset(shape: tuple, min_unset: int = MIN_UNSET) -> bool:
+    """Whether :func:`uninitialized` gives a buffer of ``shape`` unset (NaN off a GPU), not zeros."""
+    return not _on_gpu() or (math.prod(shape) >= min_unset and hasattr(lax, "empty"))
+
+
 def uninitialized(shape: tuple, dtype, min_unset: int = MIN_UNSET) -> jax.Array:
     """A buffer for code that writes each element before reading it: on a GPU uninitialized memory
     (``lax.empty``: no kernel, where zeros cost a memset of the whole buffer; zeros below ``min_unset``
     elements), NaN elsewhere, so that a read before a write shows in the CPU tests (as Pallas' interpret mode
     fills the outputs a kernel leaves unwritten)."""
-    if _on_gpu():
-        if math.prod(shape) < min_unset or not hasattr(lax, "empty"):
-            return jnp.zeros(shape, dtype)
-        return lax.empty(shape, dtype)
-    return jnp.full(shape, jnp.nan, dtype)
+    if not starts_unset(shape, min_unset):
+        return jnp.zeros(shape, dtype)
+    return lax.empty(shape, dtype) if _on_gpu() else jnp.full(shape, jnp.nan, dtype)
