@@ -27,6 +27,22 @@ PALLAS_FORWARD = ("pallas", "pallas_forward")  # the impls whose sum layers run 
 KERNEL_IMPLS = PALLAS_FORWARD + ("triton",)  # the impls whose sum layers run a forward kernel in place
 
 
+def _fields_hash(self) -> int:
+    """The hash of a frozen options dataclass's fields, computed once per object: every call of the API hashes its
+    options (an executable's key), and a field-by-field hash of :class:`Options` with its :class:`Tuning` takes
+    microseconds."""
+    h = self.__dict__.get("_hash")
+    if h is None:
+        h = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+        object.__setattr__(self, "_hash", h)
+    return h
+
+
+def _state(self) -> dict:
+    """The pickled state: the fields without the cached hash (string hashes differ between processes)."""
+    return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
+
 @dataclasses.dataclass(frozen=True)
 class Tuning:
     """Performance knobs of :class:`Options` (``Options(tuning=Tuning(...))``): they choose how an executable
@@ -165,6 +181,9 @@ class Tuning:
     fanin_forward_span: int = 2
     fanin_forward_wide_tile: int = 64
     fanin_backward_stages: int = 3
+
+    __hash__ = _fields_hash
+    __getstate__ = _state
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -326,6 +345,9 @@ class Options:
     param_flow_pass: str = "auto"
     leaf_kernel: bool = True
     tuning: Tuning = Tuning()
+
+    __hash__ = _fields_hash
+    __getstate__ = _state
 
     def __post_init__(self):
         for name in ("pflow_temperature", "eflow_temperature"):

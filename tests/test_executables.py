@@ -478,6 +478,25 @@ def test_table_signature_is_computed_once_per_tables_object():
     assert hash(tuple(k1.items())) == hash(tuple(k2.items())) and k1 == k2
 
 
+def test_options_hash_is_computed_once_and_stays_in_its_process():
+    """Options and Tuning keep their fields' hash after the first call's key (it hashes them on every call); equal
+    options hash equally, and a pickled or copied one carries no hash (string hashes differ between processes)."""
+    import copy
+    import pickle
+
+    o = jaxpc.Options(precision="tf32", tuning=jaxpc.Tuning(concurrent_batch=8))
+    h = hash(o)
+    assert o.__dict__["_hash"] == h and "_hash" in o.tuning.__dict__
+    assert h == hash(tuple(getattr(o, f.name) for f in dataclasses.fields(o)))
+    object.__setattr__(o, "_hash", h + 1)  # the stored value is what hash() returns
+    assert hash(o) == h + 1
+    object.__setattr__(o, "_hash", h)
+    for twin in (pickle.loads(pickle.dumps(o)), copy.deepcopy(o), copy.copy(o)):
+        assert "_hash" not in twin.__dict__ and twin == o and hash(twin) == h
+    assert hash(jaxpc.Options(precision="tf32", tuning=jaxpc.Tuning(concurrent_batch=8))) == h
+    assert o.replace(precision="bf16") != o and "_hash" not in o.replace(precision="bf16").__dict__
+
+
 def test_call_key_is_by_value_and_inlines_tracers():
     """The per-call key (``ExecutableCache.key``): equal options in another object and another params pytree of
     the same shapes replay the executable; a new batch bucket compiles; tracer arguments (a call inside the
