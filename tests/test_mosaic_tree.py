@@ -135,3 +135,23 @@ def test_the_cluster_route_matches_xla(tree):
     np.testing.assert_allclose(np.asarray(ll_got), np.asarray(ll_want), rtol=1e-4)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=2e-3 * float(np.max(np.abs(b))))
+
+
+def test_the_flow_pass_reads_the_forward_s_kept_copies(tree):
+    """The forward keeps the sample-major copies the backward reads (``forward_buffer(keep_shifts=True)``): they
+    equal the ones :func:`mosaic_tree.copies` rebuilds from the node buffer, and the flows from them equal the flows
+    from the rebuilt ones (``Options(kernel_shifts=False)`` keeps nothing)."""
+    c, spec, _, _ = tree
+    fold = c.layout.fold
+    x = jnp.asarray(np.random.default_rng(4).integers(0, 3, (16, c.num_vars)).astype(np.int32))
+    buf, shifts, kept = jax.jit(lambda p: jaxpc.engine.stages.forward_buffer(
+        fold, c.tables["fold"], p["sum"], jaxpc.engine.forward.input_values(c.layout, c.tables, p, x, None, CLUSTERS),
+        CLUSTERS, keep_shifts=True))(c.params)
+    assert shifts is None and set(kept) == {"prod", "vals", "shift"}
+    rebuilt = mosaic_tree.copies(buf, c.tables["fold"]["tree"]["clusters"], spec)
+    for k in kept:
+        np.testing.assert_allclose(np.asarray(kept[k]), np.asarray(rebuilt[k]), rtol=1e-6, atol=1e-5)
+    got = c.flows(c.params, x, options=CLUSTERS)
+    want = c.flows(c.params, x, options=CLUSTERS.replace(kernel_shifts=False))
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6 * float(np.max(np.abs(b))))

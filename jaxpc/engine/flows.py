@@ -46,9 +46,11 @@ def _root_fwd(layout, tables, sum_params, input_vals, options, buffered):
     # the barrier makes the saved buffer a materialized array: without it XLA's GPU compiler may fuse the
     # whole chain of stage writes into every backward gather (PD-128: each gather re-deriving the buffer
     # through 27 nested updates; a flows executable that did not finish compiling in 170 s, 10 s with it)
+    # (with the tree's levels on clusters, their sample-major copies are kept for the backward, which otherwise
+    # rebuilds them from the buffer: four kernels between the forward and the backward)
     out = stages.forward_buffer(layout, tables, sum_params, input_vals, options, keep_shifts=options.kernel_shifts)
-    buf, shifts = lax.optimization_barrier(out if options.kernel_shifts else (out, None))
-    return buf[layout.root_row], (tables, sum_params, buf, shifts)
+    buf, shifts, copies = lax.optimization_barrier(out if options.kernel_shifts else (out, None, None))
+    return buf[layout.root_row], (tables, sum_params, buf, shifts, copies)
 
 
 class _Pass(NamedTuple):
@@ -104,7 +106,7 @@ def _stores(ps: _Pass, part) -> bool:
 
 
 def _root_bwd(layout, options, buffered, res, g):
-    tables, sum_params, values, shifts = res
+    tables, sum_params, values, shifts, copies = res
     unit = routing.shift_unit(layout) if shifts is not None else 0
     flows = flow_buffer(layout, options, values).at[layout.root_row].set(g.astype(values.dtype))
     pflows = batched_pflows(layout, tables, options, values.shape[1], values.dtype)
@@ -129,7 +131,8 @@ def _root_bwd(layout, options, buffered, res, g):
 
         with jax.named_scope("jaxpc/tree/clusters/backward"):
             tabs = tables["tree"]["clusters"]
-            flows = mosaic_tree.backward(flows, mosaic_tree.copies(values, tabs, tree), tabs,
+            kept = copies if copies is not None else mosaic_tree.copies(values, tabs, tree)
+            flows = mosaic_tree.backward(flows, kept, tabs,
                                          mosaic_tree.tf32_weights_t(sum_params[tree.group]), tree,
                                          tile=routing.CLUSTER_TILE, interpret=not routing.on_gpu())
     elif tree is not None:

@@ -257,9 +257,11 @@ def forward_buffer(layout: Layout, tables: dict, sum_params: dict, input_vals, o
                    evidence: dict | None = None, counts: bool = False, keep_shifts: bool = False):
     """The node buffer ``[R, B]`` from the input layers' values (plain forward, differentiable by autodiff), or
     from the buffer with the leaves written (:func:`jaxpc.engine.forward.leaf_values`, an array in place of the
-    list). With ``keep_shifts``: ``(buf, shifts or None)``, the shifts of the blocks that keep them
-    (:func:`jaxpc.engine.routing.writes_shift`: ``[ceil(R / unit), B]``, see :func:`jaxpc.engine.routing.shift_unit`;
-    None when the layout's unit is too small)."""
+    list). With ``keep_shifts``: ``(buf, shifts or None, tree copies or None)``, the shifts of the blocks that keep
+    them (:func:`jaxpc.engine.routing.writes_shift`: ``[ceil(R / unit), B]``, see
+    :func:`jaxpc.engine.routing.shift_unit`; None when the layout's unit is too small) and, where the tree's levels
+    run on clusters, the sample-major copies their backward reads (:func:`jaxpc.ops.mosaic_tree.forward` with
+    ``keep``)."""
     dtype = routing.param_dtype({"sum": sum_params, "v": input_vals})
     buf = input_vals if isinstance(input_vals, jax.Array) else input_buffer(layout, input_vals, dtype)
     kind = routing.tree_kernel(layout, options, buf.shape[1], dtype, evidence)
@@ -275,13 +277,16 @@ def forward_buffer(layout: Layout, tables: dict, sum_params: dict, input_vals, o
     tree = layout.tree if kind else None
     start, stop = tree_span(layout, tree)
     carry = run_stages(layout, tables, carry, stage, scan=options.scan_stages, span=(0, start))
+    copies = None
     if kind == "mosaic":
         from ..ops import mosaic_tree
 
         with jax.named_scope("jaxpc/tree/clusters"):
             carry = mosaic_tree.forward(carry, tables["tree"]["clusters"], None, tree, tile=routing.CLUSTER_TILE,
                                         weights=mosaic_tree.tf32_weights(sum_params[tree.group]),
-                                        interpret=not routing.on_gpu())
+                                        interpret=not routing.on_gpu(), keep=keep_shifts)
+        if keep_shifts:
+            carry, copies = carry
     elif tree is not None:
         with jax.named_scope("jaxpc/tree"):
             b = routing.tree_module(kind).forward(carry[0] if unit else carry, tables["tree"], sum_params[tree.group],
@@ -290,4 +295,4 @@ def forward_buffer(layout: Layout, tables: dict, sum_params: dict, input_vals, o
     carry = run_stages(layout, tables, carry, stage, scan=options.scan_stages, span=(stop, len(layout.steps)))
     if not keep_shifts:
         return carry
-    return carry if unit else (carry, None)
+    return (*carry, copies) if unit else (carry, None, copies)
