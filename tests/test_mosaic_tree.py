@@ -137,6 +137,27 @@ def test_the_cluster_route_matches_xla(tree):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=2e-3 * float(np.max(np.abs(b))))
 
 
+def test_the_forward_keeps_the_copies_the_flow_pass_reads(tree):
+    """The forward returns the sample-major copies the backward reads (``forward_buffer(keep_shifts=True)``, traced
+    only), so the flow pass's executable has no gathers that rebuild them from the node buffer."""
+    c, spec, _, _ = tree
+    fold = c.layout.fold
+    x = jnp.zeros((16, c.num_vars), jnp.int32)
+    buf, shifts, kept = jax.eval_shape(lambda p: jaxpc.engine.stages.forward_buffer(
+        fold, c.tables["fold"], p["sum"], jaxpc.engine.forward.input_values(c.layout, c.tables, p, x, None, CLUSTERS),
+        CLUSTERS, keep_shifts=True), c.params)
+    assert shifts is None and {k: v.shape for k, v in kept.items()} == {
+        k: v.shape for k, v in mosaic_tree.copies(jnp.zeros(buf.shape), c.tables["fold"]["tree"]["clusters"],
+                                                  spec).items()}
+
+    def gathers(options):
+        jaxpr = jax.make_jaxpr(lambda p: c.flows(p, x, options=options))(c.params)
+        return str(jaxpr).count("gather[")
+
+    assert gathers(CLUSTERS) < gathers(CLUSTERS.replace(kernel_shifts=False))
+
+
+@pytest.mark.slow
 def test_the_flow_pass_reads_the_forward_s_kept_copies(tree):
     """The forward keeps the sample-major copies the backward reads (``forward_buffer(keep_shifts=True)``): they
     equal the ones :func:`mosaic_tree.copies` rebuilds from the node buffer, and the flows from them equal the flows
