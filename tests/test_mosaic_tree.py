@@ -73,7 +73,11 @@ def test_the_cluster_forward_matches_the_level_by_level_forward(tree):
     logw = c.params["sum"][spec.group]
     rows = tabs["rows"]
     start = jnp.asarray(vals).at[rows].set(jnp.nan)  # every parent row must be written
-    out = mosaic_tree.forward(start, tabs, logw, spec)
+    out, kept = mosaic_tree.forward(start, tabs, logw, spec, keep=True)
+    # the copies the flow pass keeps for the backward equal those it rebuilds without them (kernel_shifts=False)
+    rebuilt = mosaic_tree.copies(out, tabs, spec)
+    for k in ("prod", "vals", "shift"):
+        np.testing.assert_allclose(np.asarray(kept[k]), np.asarray(rebuilt[k]), rtol=1e-6, atol=1e-5)
     out, rows = np.asarray(out), np.asarray(rows)
     others = np.setdiff1d(np.arange(len(vals)), rows)
     np.testing.assert_array_equal(out[others], vals[others])
@@ -139,7 +143,8 @@ def test_the_cluster_route_matches_xla(tree):
 
 def test_the_forward_keeps_the_copies_the_flow_pass_reads(tree):
     """The forward returns the sample-major copies the backward reads (``forward_buffer(keep_shifts=True)``, traced
-    only), so the flow pass's executable has no gathers that rebuild them from the node buffer."""
+    only), so the flow pass's executable has no gathers that rebuild them from the node buffer (the copies' values:
+    ``test_the_cluster_forward_matches_the_level_by_level_forward``)."""
     c, spec, _, _ = tree
     fold = c.layout.fold
     x = jnp.zeros((16, c.num_vars), jnp.int32)
@@ -155,24 +160,3 @@ def test_the_forward_keeps_the_copies_the_flow_pass_reads(tree):
         return str(jaxpr).count("gather[")
 
     assert gathers(CLUSTERS) < gathers(CLUSTERS.replace(kernel_shifts=False))
-
-
-@pytest.mark.slow
-def test_the_flow_pass_reads_the_forward_s_kept_copies(tree):
-    """The forward keeps the sample-major copies the backward reads (``forward_buffer(keep_shifts=True)``): they
-    equal the ones :func:`mosaic_tree.copies` rebuilds from the node buffer, and the flows from them equal the flows
-    from the rebuilt ones (``Options(kernel_shifts=False)`` keeps nothing)."""
-    c, spec, _, _ = tree
-    fold = c.layout.fold
-    x = jnp.asarray(np.random.default_rng(4).integers(0, 3, (16, c.num_vars)).astype(np.int32))
-    buf, shifts, kept = jax.jit(lambda p: jaxpc.engine.stages.forward_buffer(
-        fold, c.tables["fold"], p["sum"], jaxpc.engine.forward.input_values(c.layout, c.tables, p, x, None, CLUSTERS),
-        CLUSTERS, keep_shifts=True))(c.params)
-    assert shifts is None and set(kept) == {"prod", "vals", "shift"}
-    rebuilt = mosaic_tree.copies(buf, c.tables["fold"]["tree"]["clusters"], spec)
-    for k in kept:
-        np.testing.assert_allclose(np.asarray(kept[k]), np.asarray(rebuilt[k]), rtol=1e-6, atol=1e-5)
-    got = c.flows(c.params, x, options=CLUSTERS)
-    want = c.flows(c.params, x, options=CLUSTERS.replace(kernel_shifts=False))
-    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6 * float(np.max(np.abs(b))))
