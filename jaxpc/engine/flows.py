@@ -282,8 +282,8 @@ def flow_buffer(layout, options, values: Array) -> Array:
         return jnp.zeros_like(values)
     # one scatter zeroes every gap (a slice update per gap is a kernel each: 28 in HCLT-256's folded plan)
     rows = np.concatenate([np.arange(a, b, dtype=np.int32) for a, b in gaps])
-    return uninitialized(values.shape, dtype, options.tuning.min_unset).at[rows].set(
-        jnp.zeros((), dtype), unique_indices=True, indices_are_sorted=True, mode="promise_in_bounds")
+    return put_rows(uninitialized(values.shape, dtype, options.tuning.min_unset), rows, jnp.zeros((), dtype),
+                    unique_indices=True, indices_are_sorted=True, mode="promise_in_bounds")
 
 
 # ---- parameter flows ------------------------------------------------------------------------------------
