@@ -219,8 +219,13 @@ def _tune_partitions(circuit, params, xb, *, fold: bool, precision: str, candida
     plan = circuit.layout.fold if fold else circuit.layout
     tables = circuit.tables["fold"] if fold else circuit.tables
     ref = Options(precision=precision, fold_products=fold, impl="xla")
-    vals = forward.input_values(circuit.layout, circuit.tables, params, xb, None, ref)
-    values = stages.forward_buffer(plan, tables, params["sum"], vals, ref)
+
+    @jax.jit  # one executable, not one per operation
+    def buffer(all_tables, params, xb):
+        vals = forward.input_values(circuit.layout, all_tables, params, xb, None, ref)
+        return stages.forward_buffer(plan, all_tables["fold"] if fold else all_tables, params["sum"], vals, ref)
+
+    values = buffer(circuit.tables, params, xb)
     flows = jnp.ones_like(values)
     choices: dict = {}
     heuristics: dict = {}
