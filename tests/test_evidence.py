@@ -169,17 +169,23 @@ def test_external_leaves():
 # ---- per-sample sum parameters -----------------------------------------------------------------------
 
 def _per_sample_reference(c, params, x, gates, lowrank):
-    """Dense per-sample reference: materialize every sample's normalized weights, evaluate one by one."""
-    out = []
-    for s in range(x.shape[0]):
+    """Dense per-sample reference: materialize every sample's normalized weights, evaluate one by one. (The weights
+    of a sample in one jitted program, the same for every sample: op by op, each operation would compile.)"""
+
+    @jax.jit
+    def log_weights(sum_params, gates, lowrank):  # one sample's: gates and lowrank sliced to [1, ...]
         w = {}
         for grp in c.layout.sum_groups:
             k = grp.key
-            gt = None if gates is None or k not in gates else jnp.asarray(gates[k][s:s + 1])
-            lr = None if lowrank is None or k not in lowrank else {n: jnp.asarray(v[s:s + 1])
-                                                                   for n, v in lowrank[k].items()}
-            w[k] = dense_weights_reference(params["sum"][k], gt, lr)[0]
-        sums = jax.tree_util.tree_map(jnp.log, em.normalize_sum_params(c.layout, c.tables, w, 0.0))
+            gt = None if gates is None or k not in gates else gates[k]
+            lr = None if lowrank is None or k not in lowrank else lowrank[k]
+            w[k] = dense_weights_reference(sum_params[k], gt, lr)[0]
+        return jax.tree_util.tree_map(jnp.log, em.normalize_sum_params(c.layout, c.tables, w, 0.0))
+
+    out = []
+    for s in range(x.shape[0]):
+        row = lambda d, s=s: None if d is None else jax.tree_util.tree_map(lambda v: jnp.asarray(v[s:s + 1]), d)  # noqa: E731
+        sums = log_weights(params["sum"], row(gates), row(lowrank))
         out.append(float(c.log_prob({"sum": sums, "input": params["input"]}, x[s:s + 1])[0]))
     return np.array(out)
 

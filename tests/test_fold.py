@@ -939,55 +939,36 @@ def test_fanin_partitions_run_the_atomic_backward_and_equal_xla(monkeypatch):
 
 
 @pytest.mark.slow
-def test_tuned_fanin_tiles_reach_the_atomic_backward(monkeypatch):
-    """``Options.kernels`` tiles of a fan-in partition set its one-kernel backward's tiles too (the batch tile
-    below the batch: several tiles per program), with the flows of the default tiles."""
-    from jaxpc.ops import pallas_sum
-
-    c = jaxpc.compile(structures.PD((2, 4), 8, split_intervals=(1, 1), input_dist=distributions.Categorical(5)),
-                      seed=3)
-    x = np.random.default_rng(0).integers(0, 5, (13, 8)).astype(np.int32)
-    o = jaxpc.Options(impl="pallas_forward", precision="tf32")
-    keys = {routing.partition_key(p, 16) for s in c.layout.fold.stages() for p in s.sums if p.C > 1 and not p.dense}
-    tuned = o.replace(kernels=tuple((k, ("pallas_forward", 8, 16, 4)) for k in sorted(keys)))
-    seen = []
-    real = pallas_sum.backward_atomic
-    monkeypatch.setattr(pallas_sum, "backward_atomic", lambda *a, **k: seen.append(k["config"]) or real(*a, **k))
-    got = c.flows(c.params, x, options=tuned, return_ll=True)
-    assert seen and all(cfg.block_b == 8 and cfg.block_k == 16 for cfg in seen)
-    seen.clear()
-    ref = c.flows(c.params, x, options=o, return_ll=True)
-    assert seen and all(cfg == pallas_sum.KernelConfig(num_stages=jaxpc.Tuning().fanin_backward_stages) for cfg in seen)
-    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6 * float(np.abs(b).max()))
-
-
-@pytest.mark.slow
 def test_fanin_kernel_orders_give_the_same_flows(monkeypatch):
     """The fan-in kernels' launch and load orders (``Tuning.fanin_order_batch``: the backward's edge blocks child by
     child, the partition's ``eorder``, from that batch on; ``Tuning.fanin_prefetch`` and
     ``Tuning.fanin_forward_prefetch_batch``: the next tile's loads issued before each tile's arithmetic;
     ``Tuning.fanin_group``: a parent block's children in one program; ``Tuning.fanin_forward_span``: several child
     blocks per step of the forward's loop; ``Tuning.fanin_forward_wide_tile``: the wide partitions' batch tile;
-    ``Tuning.fanin_backward_stages``: the backward's pipeline stages) reach the kernels and change no
-    log-likelihood, flow or parameter flow beyond rounding."""
+    ``Tuning.fanin_backward_stages``: the backward's pipeline stages; ``Options.kernels`` tiles of a fan-in
+    partition: its one-kernel backward's tiles too, the batch tile below the batch, several tiles per program)
+    reach the kernels and change no log-likelihood, flow or parameter flow beyond rounding."""
     from jaxpc.ops import pallas_sum
 
     c = jaxpc.compile(structures.PD((2, 4), 8, split_intervals=(1, 1), input_dist=distributions.Categorical(5)),
                       seed=3)
     x = np.random.default_rng(0).integers(0, 5, (13, 8)).astype(np.int32)
     o = jaxpc.Options(impl="pallas_forward", precision="tf32")
-    seen, fwd_seen, stages = [], [], []
+    seen, fwd_seen, stages, configs = [], [], [], []
     bwd, fwd = pallas_sum.backward_atomic, pallas_sum.forward
     monkeypatch.setattr(pallas_sum, "backward_atomic", lambda *a, **k: seen.append(
-        (k["order"] is not None, k["prefetch"], k["group"])) or stages.append(k["config"].num_stages) or bwd(*a, **k))
+        (k["order"] is not None, k["prefetch"], k["group"])) or stages.append(k["config"].num_stages)
+        or configs.append(k["config"]) or bwd(*a, **k))
     monkeypatch.setattr(pallas_sum, "forward", lambda *a, **k: fwd_seen.append(k["config"].prefetch) or fwd(*a, **k))
     plain = o.replace(tuning=jaxpc.Tuning(fanin_prefetch=False))
     ref = c.flows(c.params, x, options=plain, return_ll=True)
     assert seen and set(seen) == {(False, False, 1)} and fwd_seen and not any(fwd_seen)
     seen.clear(), fwd_seen.clear()
+    configs.clear()
     default = c.flows(c.params, x, options=o, return_ll=True)  # 13 rows (bucket 16): one child per program
     assert set(seen) == {(False, True, 1)} and not any(fwd_seen)
+    assert configs and all(cfg == pallas_sum.KernelConfig(num_stages=jaxpc.Tuning().fanin_backward_stages)
+                           for cfg in configs)  # the default tiles (the tuned ones: below)
     seen.clear()
     ordered = c.flows(c.params, x, options=o.replace(tuning=jaxpc.Tuning(fanin_order_batch=16,
                                                                          fanin_forward_prefetch_batch=16)),
@@ -1011,7 +992,12 @@ def test_fanin_kernel_orders_give_the_same_flows(monkeypatch):
     stages.clear()
     staged = c.flows(c.params, x, options=o.replace(tuning=jaxpc.Tuning(fanin_backward_stages=1)), return_ll=True)
     assert set(stages) == {1}
-    for run in (default, ordered, grouped, spanned, wide, staged):
+    keys = {routing.partition_key(p, 16) for s in c.layout.fold.stages() for p in s.sums if p.C > 1 and not p.dense}
+    tuned_tiles = o.replace(kernels=tuple((k, ("pallas_forward", 8, 16, 4)) for k in sorted(keys)))
+    configs.clear()
+    tuned = c.flows(c.params, x, options=tuned_tiles, return_ll=True)
+    assert configs and all(cfg.block_b == 8 and cfg.block_k == 16 for cfg in configs)
+    for run in (default, ordered, grouped, spanned, wide, staged, tuned):
         for a, b in zip(jax.tree_util.tree_leaves(run), jax.tree_util.tree_leaves(ref)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6 * float(np.abs(b).max()))
 

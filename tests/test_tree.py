@@ -121,7 +121,7 @@ def test_flow_variants_equal_the_per_level_kernels(deep):
     """Without parameter flows (the backward's other mode) and with the batched parameter-flow pass forced (which
     leaves the tree's group to the kernel). The default flows: the oracle test above; an EM step reads them."""
     c, data = deep
-    x = data[:16]
+    x = data[:8]  # the batch of the vmap test below: the same reference executable
     ref = c.flows(c.params, x, options=LEVELS, return_ll=True)
     for opts in (PALLAS.replace(compute_param_flows=False), PALLAS.replace(param_flow_pass="batched")):
         got = c.flows(c.params, x, options=opts, return_ll=True)
@@ -175,14 +175,19 @@ def test_the_triton_tree_backward_adds_child_flows_as_pallas_does(deep, interpre
     tab = {k: jnp.asarray(v) for k, v in c.tables["fold"]["tree"].items()}
     logw = c.params["sum"][spec.group]
     opts = jaxpc.Options(precision="tf32")
-    inputs = jaxpc.engine.forward.input_values(c.layout, c.tables, c.params, jnp.asarray(data[:8]), None, opts)
-    values = jaxpc.engine.stages.forward_buffer(fold, c.tables["fold"], c.params["sum"], inputs, opts)
+
+    @jax.jit  # (one executable: eagerly, each of the engine's ops would compile its own)
+    def forward(tables, params, x):
+        inputs = jaxpc.engine.forward.input_values(c.layout, tables, params, x, None, opts)
+        return jaxpc.engine.stages.forward_buffer(fold, tables["fold"], params["sum"], inputs, opts)
+
+    values = forward(c.tables, c.params, jnp.asarray(data[:8]))
     rows = (np.asarray(tab["prow"])[:, None] + np.arange(spec.Kp)).ravel()
     top = (np.asarray(tab["prow"])[np.asarray(tab["lev"])[-2]:][:, None] + np.arange(spec.Kp)).ravel()
     flows = np.asarray(np.random.default_rng(1).random(values.shape), np.float32)
     flows[np.setdiff1d(rows, top)] = 0.0  # earlier flows everywhere but the levels' rows below the top
-    got, want = (m.backward(values, jnp.asarray(flows), None, tab, logw, spec, "tf32", 2 * fold.kmax)
-                 for m in (triton_tree, pallas_tree))
+    got, want = (jax.jit(lambda v, f, t, w, m=m: m.backward(v, f, None, t, w, spec, "tf32", 2 * fold.kmax))(
+        values, jnp.asarray(flows), tab, logw) for m in (triton_tree, pallas_tree))
     assert got[1] is None and want[1] is None
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-6)
     assert not np.allclose(np.asarray(got[0])[rows], flows[rows])  # the levels' flows arrived
