@@ -213,7 +213,7 @@ def test_batched_param_flows_equal_the_inline_ones(monkeypatch, name):
     assert _batched_blocks(monkeypatch, c, x, opts.replace(impl="pallas")) == 0
     below = opts.replace(tuning=jaxpc.Tuning(pflow_batch=len(x) - 1))
     assert _batched_blocks(monkeypatch, c, x, below) == 0  # auto: inline above tuning.pflow_batch
-    assert _batched_blocks(monkeypatch, c, x, opts.replace(param_flow_pass="batched")) > 0
+    assert _batched_blocks(monkeypatch, c, x, below.replace(param_flow_pass="batched")) > 0  # forced: at any batch
     for kw in ({"propagation": "GeneralLL", "alpha": 2.5, "precision": "tf32", "gather_chunk": 2 * 8 * 11},
                {"pflow_temperature": 0.5, "eflow_temperature": 0.7, "scan_stages": False, "fold_products": False}):
         o = opts.replace(**kw)
