@@ -182,10 +182,12 @@ def _per_sample_reference(c, params, x, gates, lowrank):
             w[k] = dense_weights_reference(sum_params[k], gt, lr)[0]
         return jax.tree_util.tree_map(jnp.log, em.normalize_sum_params(c.layout, c.tables, w, 0.0))
 
+    def row(d, s):  # sample s's slice [1, ...] of every array of d
+        return None if d is None else jax.tree_util.tree_map(lambda v: jnp.asarray(v[s:s + 1]), d)
+
     out = []
     for s in range(x.shape[0]):
-        row = lambda d, s=s: None if d is None else jax.tree_util.tree_map(lambda v: jnp.asarray(v[s:s + 1]), d)  # noqa: E731
-        sums = log_weights(params["sum"], row(gates), row(lowrank))
+        sums = log_weights(params["sum"], row(gates, s), row(lowrank, s))
         out.append(float(c.log_prob({"sum": sums, "input": params["input"]}, x[s:s + 1])[0]))
     return np.array(out)
 
