@@ -221,11 +221,11 @@ def _tune_partitions(circuit, params, xb, *, fold: bool, precision: str, candida
     ref = Options(precision=precision, fold_products=fold, impl="xla")
 
     @jax.jit  # one executable, not one per operation
-    def buffer(all_tables, params, xb):
+    def buffer(all_tables, plan_tables, params, xb):
         vals = forward.input_values(circuit.layout, all_tables, params, xb, None, ref)
-        return stages.forward_buffer(plan, all_tables["fold"] if fold else all_tables, params["sum"], vals, ref)
+        return stages.forward_buffer(plan, plan_tables, params["sum"], vals, ref)
 
-    values = buffer(circuit.tables, params, xb)
+    values = buffer(circuit.tables, tables, params, xb)
     flows = jnp.ones_like(values)
     choices: dict = {}
     heuristics: dict = {}
