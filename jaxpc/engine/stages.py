@@ -282,9 +282,11 @@ def forward_buffer(layout: Layout, tables: dict, sum_params: dict, input_vals, o
         from ..ops import mosaic_tree
 
         with jax.named_scope("jaxpc/tree/clusters"):
+            logw = sum_params[tree.group]
             carry = mosaic_tree.forward(carry, tables["tree"]["clusters"], None, tree, tile=routing.CLUSTER_TILE,
-                                        weights=mosaic_tree.tf32_weights(sum_params[tree.group]),
-                                        interpret=not routing.on_gpu(), keep=keep_shifts)
+                                        weights=mosaic_tree.tf32_weights(logw), interpret=not routing.on_gpu(),
+                                        keep=keep_shifts,
+                                        side=logw if keep_shifts and options.tuning.tree_copy_overlap else None)
         if keep_shifts:
             carry, copies = carry
     elif tree is not None:

@@ -447,12 +447,24 @@ def backward(flows: Array, copies: dict, tabs: dict, weights_t: Array, spec, til
     return flows.at[rows].set(jnp.broadcast_to(child, rows.shape + (B,)), mode="drop")
 
 
+def _after(x: Array, ref) -> Array:
+    """``x`` unchanged, but read by XLA's command buffer only after the kernel that last wrote ``ref``: the
+    dependencies of a command buffer's commands are the buffers they read and write (an optimization barrier orders
+    nothing there), so ``x`` takes an exact zero made from a scalar of its own buffer reduced from ``ref`` (a slice
+    of ``ref`` itself would make the next kernel that writes ``ref`` wait for ``x``'s readers)."""
+    d = lax.optimization_barrier(jnp.max(ref[0:1, 0:2]))
+    return x + jnp.where(jnp.isfinite(d), d, 0.0) * 0.0
+
+
 def forward(buf: Array, tabs: dict, logw: Array | None, spec, interpret: bool | None = None,
-            weights: Array | None = None, tile: int = TILE, keep: bool = False):
+            weights: Array | None = None, tile: int = TILE, keep: bool = False, side: Array | None = None):
     """The node buffer ``buf`` (float32 ``[R, B]``) with the parent rows of every level of ``spec`` written, from
     :func:`schedule`'s tables ``tabs`` (device arrays) and the group's log-weights ``logw [P, Kp, Kc]``, or instead
     its ``weights`` (``exp(logw)``, rounded to TF32 by :func:`tf32_weights`). ``tile``: the schedule's. With
-    ``keep``: ``(buf, copies)``, ``copies`` the sample-major ``prod`` and ``vals`` that :func:`backward` reads."""
+    ``keep``: ``(buf, copies)``, ``copies`` the sample-major ``prod`` and ``vals`` that :func:`backward` reads, and
+    with ``side`` (any array) also ``copies["side"]``: ``side`` itself, available only once the first launch has
+    run, so that work on it runs beside the later launches (which hold one cluster) rather than before the
+    forward."""
     if buf.dtype != jnp.float32 or buf.ndim != 2 or not fits(spec, buf.shape[1], tile):
         raise ValueError(f"mosaic_tree.forward: needs a float32 node buffer [R, B] with B a multiple of 8 up to "
                          f"{MAX_BATCH} and blocks of {TILE}-row tiles, got {buf.dtype}{list(buf.shape)} for "
@@ -470,12 +482,17 @@ def forward(buf: Array, tabs: dict, logw: Array | None, spec, interpret: bool | 
     vals = jax.new_ref(jnp.zeros((B, n * spec.Kp), jnp.float32))
     shift = jax.new_ref(jnp.zeros((B, n * _SHIFT), jnp.float32))
     w = (logw if weights is None else weights).astype(jnp.float32).reshape(-1, spec.Kc)
-    for t in tabs["tasks"]:
+    for i, t in enumerate(tabs["tasks"]):
         _forward_kernel(t.shape[0], t.shape[2], spec.Kp, spec.Kc, B, tile, bool(interpret), weights is None,
                         None if interpret else PROFILE_DIR, APPROX_MATH)(t, w, prod, vals, shift)
+        if i == 0 and side is not None:
+            side = _after(side, shift)
     vals = jax.freeze(vals)
     out = buf.at[tabs["rows"]].set(vals.T, unique_indices=True)
-    return (out, {"prod": jax.freeze(prod), "vals": vals, "shift": jax.freeze(shift)}) if keep else out
+    copies = {"prod": jax.freeze(prod), "vals": vals, "shift": jax.freeze(shift)}
+    if side is not None:
+        copies["side"] = side
+    return (out, copies) if keep else out
 
 
 __all__ = ["CLUSTER", "CLUSTERS", "MAX_BATCH", "TILE", "backward", "copies", "fits", "forward", "schedule",
