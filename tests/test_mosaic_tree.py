@@ -160,3 +160,23 @@ def test_the_forward_keeps_the_copies_the_flow_pass_reads(tree):
         return str(jaxpr).count("gather[")
 
     assert gathers(CLUSTERS) < gathers(CLUSTERS.replace(kernel_shifts=False))
+
+
+@pytest.mark.slow
+def test_the_transposed_weights_can_wait_for_the_first_launch(tree):
+    """``Tuning.tree_copy_overlap``: the backward's transposed weights are made from log-weights that read a scalar
+    reduced from the shifts the forward's first launch wrote (a command buffer orders its commands by the buffers
+    they read and write, so that copy runs beside the later launches), and every flow is the same bit for bit."""
+    c, _, _, _ = tree
+    x = jnp.asarray(np.random.default_rng(4).integers(0, 3, (16, c.num_vars)).astype(np.int32))
+    on = CLUSTERS.replace(tuning=jaxpc.Tuning(tree_clusters=True, tree_copy_overlap=True))
+
+    def finite_checks(options):
+        return str(jax.make_jaxpr(lambda p: c.flows(p, x, options=options))(c.params)).count("is_finite")
+
+    assert finite_checks(on) == finite_checks(CLUSTERS) + 1
+    fp32 = on.replace(precision="fp32")  # no clusters: nothing to wait for
+    assert finite_checks(fp32) == finite_checks(CLUSTERS.replace(precision="fp32"))
+    got, want = c.flows(c.params, x, options=on), c.flows(c.params, x, options=CLUSTERS)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
