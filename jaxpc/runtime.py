@@ -332,7 +332,8 @@ class Runtime:
 
     # ---- constants ----------------------------------------------------------------------------
     def constant(self, key, make) -> Any:
-        """A device constant made by ``make()`` once per ``key`` (bounded)."""
+        """A device constant made by ``make()`` once per ``key`` (bounded), concrete even when the call is traced
+        (a call inside ``jax.jit`` would otherwise keep a tracer for the calls after it)."""
         hit = self._constants.get(key)
         if hit is not None:
             return hit
@@ -340,7 +341,8 @@ class Runtime:
             if key not in self._constants:
                 if len(self._constants) > 256:
                     self._constants.clear()
-                self._constants[key] = make()
+                with jax.ensure_compile_time_eval():
+                    self._constants[key] = make()
             return self._constants[key]
 
     def replicated(self, tables, sharding) -> Any:

@@ -267,6 +267,19 @@ def test_composes_with_jit_vmap_grad():
                                    atol=1e-6)
 
 
+def test_a_call_inside_jit_leaves_no_tracer_for_later_calls():
+    """A call traced with the parameters abstract and the data concrete (padded to its bucket: 13 samples to 16)
+    makes the call path's constants concrete, so the eager calls after it run."""
+    c = jaxpc.compile(hmm_like(6))
+    x = jnp.asarray(np.random.default_rng(1).integers(0, 4, (13, 6)).astype(np.int32))
+    traced = jax.jit(lambda p: c.flows(p, x))(c.params)
+    eager = c.flows(c.params, x)
+    for a, b in zip(jax.tree_util.tree_leaves(traced), jax.tree_util.tree_leaves(eager)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+    jax.make_jaxpr(lambda p: c.log_prob(p, x))(c.params)
+    assert np.all(np.isfinite(np.asarray(c.log_prob(c.params, x))))
+
+
 def _largest_literal(hlo: str) -> int:
     """Element count of the largest non-splat array literal in StableHLO text."""
     sizes = [line.split("dense<[", 1)[1].split("]>", 1)[0].count(",") + 1
