@@ -10,9 +10,10 @@ Python) and XLA's compile; the first two do not need a GPU. Each variant (the de
 they resolve to on an NVIDIA GPU, ``"tf32"``, then one per
 ``--tunings`` entry: ``field=value`` joined by ``+``, a :class:`jaxpc.Tuning`) is traced and lowered ``--reps`` times,
 JAX's caches and the kernels' cache cleared before each. Prints seconds of the trace and of the lowering, the
-number of Triton kernel calls and the lowered module's size; ``--profile N``: cProfile of one trace, the top N by
-cumulative time. Kernel routes are the GPU's (``impl="auto"`` picks the Pallas kernels where a GPU would), so a
-trace here runs the same kernel bodies as on the H200.
+number of Triton and Mosaic GPU kernel calls and the lowered module's size; ``--profile N``: cProfile of one
+trace, the top N by cumulative time. Kernel routes are the H200's (``impl="auto"`` picks the kernels a Hopper GPU
+would, the tree's levels on clusters among them), so a trace here runs the same kernel bodies as on the H200, and a
+Mosaic GPU kernel that its layout inference refuses fails here.
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", nu
 
 
 def as_on_gpu():
-    """A context in which the kernels lower for CUDA and the routes are the GPU's."""
+    """A context in which the kernels lower for CUDA and the routes are the H200's (a Hopper GPU)."""
     stack = [mock.patch.object(pallas_sum, "interpret_mode", lambda: False),
-             mock.patch.object(routing, "on_gpu", lambda: True),
+             mock.patch.object(routing, "on_gpu", lambda: True), mock.patch.object(routing, "on_hopper", lambda: True),
              jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=H200))]
 
     class _Ctx:
@@ -92,7 +93,9 @@ def main(argv=None):
                 text = traced.lower(lowering_platforms=("cuda",)).as_text()
                 t2 = time.perf_counter()
                 print(f"{name:24s} trace {t1 - t0:6.2f} s | lower {t2 - t1:6.2f} s | "
-                      f"{text.count('__gpu$xla.gpu.triton'):3d} Triton calls | {len(text) / 1e6:5.1f} MB", flush=True)
+                      f"{text.count('__gpu$xla.gpu.triton'):3d} Triton calls | "
+                      f"{text.count('custom_call @mosaic_gpu'):2d} Mosaic GPU calls | {len(text) / 1e6:5.1f} MB",
+                      flush=True)
         if args.profile:
             jax.clear_caches()
             pallas_sum._KERNELS.clear()
