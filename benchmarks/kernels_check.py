@@ -1,7 +1,7 @@
 """Check the Pallas sum-layer kernels against the reference on the GPU and time them per partition.
 
     python benchmarks/kernels_check.py [--no-timing] [--leaves] [--levels] [--triton] [--chain] [--fanin] [--products]
-                                       [--tree]
+                                       [--tree [--tree-tuning FIELD=VALUE+...] [--batches 8,16]]
 
 1. Correctness: forward, child flows and parameter flows of ``jaxpc.ops.pallas_sum`` against the
    plain-jnp reference on the device, over the shapes of ``tests/test_kernels.py`` plus large ones, and
@@ -32,9 +32,10 @@
    (``pallas_sum.backward_atomic``), against XLA's backward for them (``Tuning(fanin_kernel_batch=0)``): relative
    error of each leaf and the median milliseconds of both calls at batch 16, 128 and 512 (:func:`check_fanin`).
 7. ``--tree`` (alone): HCLT-256's ``flows`` call on the persistent tree kernels (``jaxpc.ops.pallas_tree``,
-   ``Tuning(tree_kernel_batch=64)``) against the default call (the per-level kernels): relative error of each leaf
-   at fp32 and at the default precision, and the median milliseconds of both ``flows`` and ``em_step`` calls at
-   batch 8 to 64 (:func:`check_tree`).
+   ``Tuning(tree_kernel_batch=64)``), or on the route ``--tree-tuning`` spells (such as
+   ``tree_log_weights=1+tree_copy_overlap=1``), against the default call: relative error of each leaf at fp32 and
+   at the default precision, and the median milliseconds of both ``flows`` and ``em_step`` calls at batch 8 to 64
+   (:func:`check_tree`).
 8. ``--products`` (alone): PD-128's full layout with its product layers on ``jaxpc.ops.pallas_product`` against
    the same layout on XLA's product layers: relative error of each leaf at fp32 and the default precision, and the
    median milliseconds of both calls and of the folded plan (:func:`check_products`).
@@ -486,12 +487,13 @@ def compare_routes(c, label: str, inputs: dict, tunings: tuple, names: tuple, re
     return worst
 
 
-def check_tree(batches=(8, 16, 32, 64), reps=30) -> float:
+def check_tree(batches=(8, 16, 32, 64), reps=30, against: str = "") -> float:
     """HCLT-256's ``flows`` call with its tree levels on the persistent kernels (``jaxpc.ops.triton_tree`` where
     jax-triton runs and the levels fit, else ``jaxpc.ops.pallas_tree``; ``Tuning(tree_kernel_batch=64)``,
-    ``jaxpc.engine.routing.tree_kernel``) against the default call (the per-level kernels): relative error of each
-    leaf (log-likelihoods, flows) at fp32 and at the default precision, and the median milliseconds of both calls
-    and of both ``em_step`` calls per batch. Returns the worst fp32 error."""
+    ``jaxpc.engine.routing.tree_kernel``), or with the tuning ``against`` spells (``field=value`` joined by ``+``),
+    against the default call: relative error of each leaf (log-likelihoods, flows) at fp32 and at the default
+    precision, and the median milliseconds of both calls and of both ``em_step`` calls per batch. Returns the worst
+    fp32 error."""
     import jaxpc
     from jaxpc import distributions, structures
 
@@ -509,6 +511,11 @@ def check_tree(batches=(8, 16, 32, 64), reps=30) -> float:
     routes = {B: routing.tree_kernel(c.layout.fold, jaxpc.Options(tuning=jaxpc.Tuning(tree_kernel_batch=64)), B,
                                      jnp.float32) for B in batches}
     print(f"tree kernels' route per batch: {routes}", flush=True)
+    if against:
+        from _options import tuning
+
+        return compare_routes(c, "tree HCLT-256", inputs, (tuning(against), jaxpc.Tuning()), (against, "default"),
+                              reps, em_step=True)
     return compare_routes(c, "tree HCLT-256", inputs, (jaxpc.Tuning(tree_kernel_batch=64), jaxpc.Tuning()),
                           ("tree kernels", "per level"), reps, em_step=True)
 
@@ -595,13 +602,16 @@ def main(argv=None):
     p.add_argument("--tree-programs", type=int, default=0, help="with --tree: programs of the tree kernels "
                    "(pallas_tree.MAX_PROGRAMS)")
     p.add_argument("--batches", default="8,16,32,64", help="with --tree: batches")
+    p.add_argument("--tree-tuning", default="", help="with --tree: the route to check against the default call, "
+                   "a jaxpc.Tuning as field=value pairs joined by + (default: tree_kernel_batch=64)")
     args = p.parse_args(argv)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     if args.tree:
         if args.tree_programs:
             pallas_tree.MAX_PROGRAMS = args.tree_programs
         batches = tuple(int(b) for b in args.batches.split(","))
-        print(f"worst fp32 relative error of the tree kernels: {check_tree(batches):.2e}", flush=True)
+        print(f"worst fp32 relative error of the tree kernels: {check_tree(batches, against=args.tree_tuning):.2e}",
+              flush=True)
         return
     if args.triton:
         print(f"worst fp32 relative error of the jax-triton kernels: {check_triton(not args.no_timing):.2e}",

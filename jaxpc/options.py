@@ -108,6 +108,9 @@ class Tuning:
         tree_copy_overlap: on the clusters' route, the transposed weights that the backward reads are made after
             the forward's first launch, beside its second (one cluster), instead of with the forward's weights
             before it.
+        tree_log_weights: on the clusters' route, the forward's kernels read the log-weights and exponentiate each
+            task's tile in shared memory while its child loads, instead of reading a copy of the weights made
+            before the forward.
         fanin_kernel_batch: from this many samples on, a sum partition whose child row blocks are read by several
             parent blocks (a PD's fan-ins) and whose forward kept its shifts runs its whole backward as one Pallas
             kernel, the child flows added by atomic adds (:func:`jaxpc.engine.routing.atomic_backward`); 0: never.
@@ -176,6 +179,7 @@ class Tuning:
     tree_kernel_batch: int = 0
     tree_clusters: bool | None = None
     tree_copy_overlap: bool = False
+    tree_log_weights: bool = False
     fanin_group: int = 4
     fanin_group_batch: int = 1024
     fanin_group_blocks: int = 16384
@@ -193,7 +197,8 @@ class Tuning:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if f.name in ("unset_rows", "quick_first_compile", "unroll_optimized", "fanin_prefetch",
-                          "chain_side_by_side", "tree_clusters", "tree_copy_overlap"):
+                          "chain_side_by_side", "tree_clusters", "tree_copy_overlap",
+                          "tree_log_weights"):
                 if not isinstance(v, bool) and not (f.name == "tree_clusters" and v is None):
                     raise TypeError(f"Tuning.{f.name} must be a bool{' or None' * (f.name == 'tree_clusters')}, "
                                     f"got {v!r}")

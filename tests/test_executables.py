@@ -79,7 +79,8 @@ TUNING_CHANGES = {"leaf_batch": 1, "small_batch": 1, "pflow_batch": 1, "chain_un
                   "quick_first_compile": False, "unroll_optimized": False,
                   "compiler_options": (("xla_cpu_enable_fast_math", False),), "concurrent_batch": 0,
                   "fanin_kernel_batch": 0,
-                  "tree_kernel_batch": 16, "tree_clusters": True, "tree_copy_overlap": True, "fanin_order_batch": 1,
+                  "tree_kernel_batch": 16, "tree_clusters": True, "tree_copy_overlap": True, "tree_log_weights": True,
+                  "fanin_order_batch": 1,
                   "fanin_forward_prefetch_batch": 0,
                   "fanin_forward_span": 1, "fanin_group_blocks": 0, "fanin_forward_wide_tile": 0,
                   "fanin_backward_stages": 2, "fanin_prefetch": False, "fanin_group": 2, "fanin_group_batch": 1}

@@ -2,6 +2,8 @@
 in Pallas's Mosaic GPU interpreter (the kernel the GPU runs) against the level-by-level forward, and the route
 (``Tuning.tree_clusters``): when it is taken, and its flows against XLA's."""
 
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -90,8 +92,17 @@ def test_the_cluster_forward_rejects_what_it_cannot_run(tree):
     logw = c.params["sum"][spec.group]
     with pytest.raises(ValueError, match="B a multiple of 8"):
         mosaic_tree.forward(jnp.asarray(vals[:, :12]), tabs, logw, spec)
-    with pytest.raises(ValueError, match="take the weights"):
-        mosaic_tree.forward(jnp.asarray(vals), tabs, logw, spec, tile=16)
+
+
+def test_the_cluster_forward_from_log_weights_equals_it_from_weights(tree):
+    """Tasks of 32 rows (the route's) exponentiating their log-weight tiles in the kernel (``Tuning.tree_log_weights``)
+    write what they write from the TF32 weights made before the call, bit for bit, over two launches."""
+    c, spec, tab, vals = tree
+    tabs = jax.tree.map(jnp.asarray, mosaic_tree.schedule(tab, spec, clusters=2, tile=32))
+    logw = c.params["sum"][spec.group]
+    got = mosaic_tree.forward(jnp.asarray(vals), tabs, logw, spec, tile=32)
+    want = mosaic_tree.forward(jnp.asarray(vals), tabs, None, spec, tile=32, weights=mosaic_tree.tf32_weights(logw))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 CLUSTERS = jaxpc.Options(impl="pallas", precision="tf32", tuning=jaxpc.Tuning(tree_clusters=True))
@@ -111,8 +122,6 @@ def test_the_cluster_route_is_taken_where_its_kernels_apply(tree):
 def test_the_default_call_takes_the_cluster_route_on_hopper_gpus_only(tree, hopper):
     """``Tuning.tree_clusters=None`` (the default): on where ``impl="auto"`` runs on a Hopper GPU; the first, quick
     compile traces the levels one by one (``executables.quick_trace_options``)."""
-    from unittest import mock
-
     from jaxpc import executables
 
     fold, f32 = tree[0].layout.fold, jnp.float32
@@ -166,7 +175,8 @@ def test_the_forward_keeps_the_copies_the_flow_pass_reads(tree):
 def test_the_transposed_weights_can_wait_for_the_first_launch(tree):
     """``Tuning.tree_copy_overlap``: the backward's transposed weights are made from log-weights that read a scalar
     reduced from the shifts the forward's first launch wrote (a command buffer orders its commands by the buffers
-    they read and write, so that copy runs beside the later launches), and every flow is the same bit for bit."""
+    they read and write, so that copy runs beside the later launches), and every flow is the same bit for bit, also
+    with the forward exponentiating its weights in the kernel (``Tuning.tree_log_weights``)."""
     c, _, _, _ = tree
     x = jnp.asarray(np.random.default_rng(4).integers(0, 3, (16, c.num_vars)).astype(np.int32))
     on = CLUSTERS.replace(tuning=jaxpc.Tuning(tree_clusters=True, tree_copy_overlap=True))
@@ -177,6 +187,16 @@ def test_the_transposed_weights_can_wait_for_the_first_launch(tree):
     assert finite_checks(on) == finite_checks(CLUSTERS) + 1
     fp32 = on.replace(precision="fp32")  # no clusters: nothing to wait for
     assert finite_checks(fp32) == finite_checks(CLUSTERS.replace(precision="fp32"))
-    got, want = c.flows(c.params, x, options=on), c.flows(c.params, x, options=CLUSTERS)
-    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    in_kernel = on.replace(tuning=jaxpc.Tuning(tree_clusters=True, tree_copy_overlap=True, tree_log_weights=True))
+
+    def weight_copies(options):  # the forward's copy and the backward's transposed one, traced
+        with mock.patch.object(mosaic_tree, "tf32_weights", wraps=mosaic_tree.tf32_weights) as made:
+            jax.make_jaxpr(lambda p: c.flows(p, x, options=options))(c.params)
+        return made.call_count
+
+    assert (weight_copies(on), weight_copies(in_kernel)) == (2, 1)
+    want = c.flows(c.params, x, options=CLUSTERS)
+    for options in (on, in_kernel):
+        got = c.flows(c.params, x, options=options)
+        for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -263,7 +263,9 @@ def _forward_kernel(G: int, S: int, Kp: int, Kc: int, B: int, N: int, interpret:
                     plgpu.barrier_wait(wbar.at[s % 2])
                 if log_weights:
                     with jax.named_scope("weights_exp"):
-                        w[...] = _round_tf32(jnp.exp(w[...]))
+                        # the swizzled copy's own layout: layout inference finds none for tiles under 64 rows
+                        v = plgpu.load(w, layout=plgpu.Layout.SMEM_GMEM_COPY((N, Kc), f32, 128))
+                        w[...] = _round_tf32(jnp.exp(v))
                 with jax.named_scope("child_wait"):
                     plgpu.barrier_wait(xbar)
                 with jax.named_scope("child_exp"):
@@ -469,8 +471,6 @@ def forward(buf: Array, tabs: dict, logw: Array | None, spec, interpret: bool | 
         raise ValueError(f"mosaic_tree.forward: needs a float32 node buffer [R, B] with B a multiple of 8 up to "
                          f"{MAX_BATCH} and blocks of {TILE}-row tiles, got {buf.dtype}{list(buf.shape)} for "
                          f"Kp={spec.Kp}, Kc={spec.Kc}")
-    if weights is None and tile != TILE:
-        raise ValueError(f"mosaic_tree.forward: tasks of {tile} rows take the weights (tf32_weights), not logw")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     B = buf.shape[1]
