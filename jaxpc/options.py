@@ -111,6 +111,10 @@ class Tuning:
         tree_log_weights: on the clusters' route, the forward's kernels read the log-weights and exponentiate each
             task's tile in shared memory while its child loads, instead of reading a copy of the weights made
             before the forward.
+        tree_pflow_kernel: on the clusters' route at batches of 16, 32 and 64, the tree's parameter flows come from
+            one kernel reading the backward's sample-major flows and copies, the weights multiplied in its
+            epilogue (:func:`jaxpc.ops.mosaic_tree.param_flows`), instead of the batched pass's gathers, product and
+            multiplication.
         fanin_kernel_batch: from this many samples on, a sum partition whose child row blocks are read by several
             parent blocks (a PD's fan-ins) and whose forward kept its shifts runs its whole backward as one Pallas
             kernel, the child flows added by atomic adds (:func:`jaxpc.engine.routing.atomic_backward`); 0: never.
@@ -180,6 +184,7 @@ class Tuning:
     tree_clusters: bool | None = None
     tree_copy_overlap: bool = False
     tree_log_weights: bool = False
+    tree_pflow_kernel: bool = False
     fanin_group: int = 4
     fanin_group_batch: int = 1024
     fanin_group_blocks: int = 16384
@@ -198,7 +203,7 @@ class Tuning:
             v = getattr(self, f.name)
             if f.name in ("unset_rows", "quick_first_compile", "unroll_optimized", "fanin_prefetch",
                           "chain_side_by_side", "tree_clusters", "tree_copy_overlap",
-                          "tree_log_weights"):
+                          "tree_log_weights", "tree_pflow_kernel"):
                 if not isinstance(v, bool) and not (f.name == "tree_clusters" and v is None):
                     raise TypeError(f"Tuning.{f.name} must be a bool{' or None' * (f.name == 'tree_clusters')}, "
                                     f"got {v!r}")

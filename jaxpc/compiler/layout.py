@@ -187,6 +187,11 @@ class TreeSpec:
     Kc: int
     M: int
 
+    @property
+    def pflow_key(self) -> tuple:
+        """The ``key`` of the :class:`PFlowSpec` that holds its blocks."""
+        return (self.group, 1, self.Kp, self.Kc)
+
 
 @dataclasses.dataclass(frozen=True)
 class PFlowSpec:

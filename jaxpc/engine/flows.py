@@ -9,6 +9,7 @@ The routes come from :mod:`jaxpc.engine.routing`; the forward is :func:`jaxpc.en
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -132,6 +133,7 @@ def _root_bwd(layout, options, buffered, res, g):
     start, stop = stages.tree_span(layout, tree)
     flows, dparams = stages.run_stages(layout, tables, (flows, dparams), stage, reverse=True,
                                        scan=options.scan_stages, span=(stop, len(layout.steps)))
+    tree_side = None
     if kind == "mosaic":  # element flows only: the tree's parameter flows come from the batched pass
         from ..ops import mosaic_tree
 
@@ -140,8 +142,13 @@ def _root_bwd(layout, options, buffered, res, g):
             kept = copies if copies is not None else mosaic_tree.copies(values, tabs, tree)
             # the log-weights passed through the forward's first launch (Tuning.tree_copy_overlap), else the params
             logw = kept.get("side", sum_params[tree.group])
+            keep = (routing.tree_pflow_kernel(layout, options, values.shape[1], tabs)
+                    and any(spec.key == tree.pflow_key for spec, _ in pflows))
             flows = mosaic_tree.backward(flows, kept, tabs, mosaic_tree.tf32_weights_t(logw), tree,
-                                         tile=routing.CLUSTER_TILE, interpret=not routing.on_gpu())
+                                         tile=routing.CLUSTER_TILE, interpret=not routing.on_gpu(), keep=keep)
+            if keep:  # the tree's parameter flows from the backward's sample-major flows
+                flows, tree_flows = flows
+                tree_side = (tree_flows, kept, tabs)
     elif tree is not None:
         with jax.named_scope("jaxpc/tree/backward"):
             dp_in = dparams[tree.group] if options.compute_param_flows else None
@@ -152,7 +159,7 @@ def _root_bwd(layout, options, buffered, res, g):
             dparams = {**dparams, tree.group: dp}
     flows, dparams = stages.run_stages(layout, tables, (flows, dparams), stage, reverse=True,
                                        scan=options.scan_stages, span=(0, start))
-    dparams = _after_pass(ps, pflows, flows, dparams)
+    dparams = _after_pass(ps, pflows, flows, dparams, tree_side)
     dparams = {k: dparams.get(k, jnp.zeros_like(v)) for k, v in sum_params.items()}
     if buffered:
         return None, dparams, flows
@@ -199,9 +206,10 @@ def _sum_flows_kernels(ps: _Pass, fl: Array, dp: dict, part, t: dict, row, impl:
     jax-triton's)."""
     options = ps.options
     a = 1.0 if options.propagation == "LL" else options.alpha
+    pflows = options.compute_param_flows and not ps.batched_part(part)  # else the batched pass computes them
     fl, g = pallas_sum_backward(ps.values, fl, row, t, ps.sum_params[part.group], part, alpha=a,
                                 precision=options.concrete_precision, first_row=2 * ps.layout.kmax, config=cfg,
-                                param_flows=options.compute_param_flows, dparams=dp[part.group], impl=impl)
+                                param_flows=pflows, dparams=dp[part.group] if pflows else None, impl=impl)
     if g is not None:
         dp = {**dp, part.group: g}
     return fl, dp
@@ -255,9 +263,12 @@ def _sum_flows_xla(ps: _Pass, fl: Array, dp: dict, part, t: dict, row) -> tuple:
     return stages.in_pieces(routing.pieces(part, values.shape[1], options.gather_chunk), t, piece, (fl, dp))
 
 
-def _after_pass(ps: _Pass, pflows: list, flows: Array, dparams: dict) -> dict:
+def _after_pass(ps: _Pass, pflows: list, flows: Array, dparams: dict, tree_side: tuple | None = None) -> dict:
     """``dparams`` with the batched parameter-flow pass's groups (:func:`batched_pflows`) computed from the
-    finished flow buffer, reading the forward's kept shifts where every member partition kept them."""
+    finished flow buffer, reading the forward's kept shifts where every member partition kept them. ``tree_side``
+    (the clusters' backward's sample-major flows, the forward's copies and the clusters' tables): the tree's blocks
+    by :func:`jaxpc.ops.mosaic_tree.param_flows` instead (``Tuning.tree_pflow_kernel``), the rest of their spec by
+    the batched pass."""
     options, values = ps.options, ps.values
     B, dtype = values.shape[1], values.dtype
     for spec, tab in pflows:
@@ -265,11 +276,34 @@ def _after_pass(ps: _Pass, pflows: list, flows: Array, dparams: dict) -> dict:
         kept = tuple(bool(ps.unit) and routing.writes_shift(options, p, values) for p in members)
         by_kernel = any(k and routing.runs_inplace(routing.kernel_choice(options, p, B, dtype)[0], options, values)
                         for k, p in zip(kept, members))
+        logw = ps.sum_params[spec.group]
         with jax.named_scope(f"jaxpc/param_flows/{spec.group}_C{spec.C}"):
-            dparams[spec.group] = _batched_param_flows(values, flows, dparams.get(spec.group),
-                                                       ps.sum_params[spec.group], spec, tab, options, ps.shifts,
-                                                       ps.unit, kept, by_kernel, store=spec.group in ps.stored)
+            if tree_side is not None and spec.key == ps.layout.tree.pflow_key:
+                dparams[spec.group] = _tree_param_flows(ps, spec, tab, flows, kept, by_kernel, tree_side)
+                continue
+            dparams[spec.group] = _batched_param_flows(values, flows, dparams.get(spec.group), logw, spec, tab,
+                                                       options, ps.shifts, ps.unit, kept, by_kernel,
+                                                       store=spec.group in ps.stored)
     return dparams
+
+
+def _tree_param_flows(ps: _Pass, spec, tab: dict, flows: Array, kept: tuple, by_kernel: bool,
+                      tree_side: tuple) -> Array:
+    """The parameter flows of the group of the tree's blocks: the blocks of ``spec`` outside the tree
+    (``pflow_rest``) by the batched pass, written into an unset buffer, then the tree's by
+    :func:`jaxpc.ops.mosaic_tree.param_flows` in place."""
+    from ..ops import mosaic_tree
+
+    tree_flows, copies, tabs = tree_side
+    options, logw = ps.options, ps.sum_params[spec.group]
+    into = uninitialized(logw.shape, logw.dtype, options.tuning.min_unset)
+    rest = tabs["pflow_rest"]
+    if rest.shape[0]:
+        sub = {k: tab[k][rest] for k in ("prow", "ch", "pid", "part")}
+        into = _batched_param_flows(ps.values, flows, into, logw, dataclasses.replace(spec, n=rest.shape[0], start=-1),
+                                    sub, options, ps.shifts, ps.unit, kept, by_kernel, store=True)
+    return mosaic_tree.param_flows(into, tree_flows, copies, tabs, logw, ps.layout.tree,
+                                   precision=options.concrete_precision)
 
 
 def flow_buffer(layout, options, values: Array) -> Array:
@@ -308,7 +342,7 @@ def batched_pflows(layout, tables: dict, options, B: int, dtype) -> list:
     on_pallas = {p.pflow_key for spec in layout.stages() for p in spec.sums
                  if p.blockwise and routing.runs_kernel_backward(routing.kernel_choice(options, p, B, dtype)[0],
                                                                  options)}
-    tree_key = None if layout.tree is None else (layout.tree.group, 1, layout.tree.Kp, layout.tree.Kc)
+    tree_key = None if layout.tree is None else layout.tree.pflow_key
     kind = routing.tree_kernel(layout, options, B, dtype)
     if kind == "mosaic":  # the clusters' kernels leave the tree's parameter flows to this pass
         on_pallas.discard(tree_key)

@@ -268,7 +268,35 @@ def cluster_tables(layout: Layout, tables: dict) -> dict:
         return tables
     tree_tabs = tables["fold"]["tree"]
     schedule = mosaic_tree.schedule({k: np.asarray(v) for k, v in tree_tabs.items()}, tree, tile=CLUSTER_TILE)
+    rest = _pflow_rest(fold, tables["fold"].get("pflows", ()), schedule.get("block_pid"))
+    if rest is not None:
+        schedule["pflow_rest"] = rest
     return {**tables, "fold": {**tables["fold"], "tree": {**tree_tabs, "clusters": schedule}}}
+
+
+def _pflow_rest(fold: Layout, pflow_tables, block_pid) -> np.ndarray | None:
+    """The rows of the batched parameter-flow pass's table for the tree's blocks (``fold.pflows``' spec of the tree's
+    group and shape) whose blocks are not the tree's, where :func:`jaxpc.ops.mosaic_tree.param_flows` can write the
+    tree's: the spec writes each block's flows once (``unique``) and holds every tree block. None otherwise."""
+    tree = fold.tree
+    for spec, tab in zip(fold.pflows, pflow_tables):
+        if block_pid is not None and spec.key == tree.pflow_key and spec.unique:
+            pid = np.asarray(tab["pid"])[:, 0]
+            if np.isin(block_pid, pid).all():
+                return np.flatnonzero(~np.isin(pid, block_pid)).astype(np.int32)
+    return None
+
+
+def tree_pflow_kernel(layout: Layout, options, B: int, tables: dict) -> bool:
+    """Whether the tree's parameter flows on the clusters' route (:func:`tree_kernel` ``"mosaic"``) come from
+    :func:`jaxpc.ops.mosaic_tree.param_flows` (``Tuning.tree_pflow_kernel``), reading the backward's sample-major
+    flows, instead of the batched pass's gathers from the node buffers: where its tables were made
+    (:func:`cluster_tables`), the batch fits its product (:func:`jaxpc.ops.mosaic_tree.pflow_fits`) and the
+    kernels are Pallas's (interpret mode off a GPU)."""
+    from ..ops import mosaic_tree
+
+    return (options.tuning.tree_pflow_kernel and options.compute_param_flows and "pflow_rest" in tables
+            and mosaic_tree.pflow_fits(layout.tree, B) and kernels_available())
 
 
 def tree_module(kind: str):
