@@ -94,6 +94,25 @@ def test_the_cluster_forward_rejects_what_it_cannot_run(tree):
         mosaic_tree.forward(jnp.asarray(vals[:, :12]), tabs, logw, spec)
 
 
+def test_the_wide_forward_tasks_write_what_the_narrow_ones_write(tree):
+    """``Tuning.tree_forward_tile=64``: the forward's tasks of 64 rows (``wide_tasks``, fewer steps) write the
+    values and copies that the route's 32-row tasks write, which the backward's tables read either way."""
+    c, spec, _, vals = tree
+    tabs = c.tables["fold"]["tree"]["clusters"]
+    wide, tile = routing.cluster_forward(CLUSTERS.replace(tuning=jaxpc.Tuning(tree_forward_tile=64)), tabs)
+    steps = [sum(t.shape[2] for t in ts["tasks"]) for ts in (wide, tabs)]
+    assert tile == 64 and steps[0] <= steps[1]  # (fewer where a level holds more blocks than a step takes)
+    assert not np.array_equal(np.asarray(wide["tasks"][-1]), np.asarray(tabs["tasks"][-1]))
+    assert routing.cluster_forward(CLUSTERS, tabs) == (tabs, routing.CLUSTER_TILE)
+    w = mosaic_tree.tf32_weights(c.params["sum"][spec.group])
+    got = mosaic_tree.forward(jnp.asarray(vals), wide, None, spec, tile=64, weights=w, keep=True)
+    want = mosaic_tree.forward(jnp.asarray(vals), tabs, None, spec, tile=32, weights=w, keep=True)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="tree_forward_tile must be 32 or 64"):
+        jaxpc.Tuning(tree_forward_tile=16)
+
+
 def test_the_cluster_forward_from_log_weights_equals_it_from_weights(tree):
     """Tasks of 32 rows (the route's) exponentiating their log-weight tiles in the kernel (``Tuning.tree_log_weights``)
     write what they write from the TF32 weights made before the call, bit for bit, over two launches."""
@@ -175,8 +194,9 @@ def test_the_forward_keeps_the_copies_the_flow_pass_reads(tree):
 def test_the_transposed_weights_can_wait_for_the_first_launch(tree):
     """``Tuning.tree_copy_overlap``: the backward's transposed weights are made from log-weights that read a scalar
     reduced from the shifts the forward's first launch wrote (a command buffer orders its commands by the buffers
-    they read and write, so that copy runs beside the later launches), and every flow is the same bit for bit, also
-    with the forward exponentiating its weights in the kernel (``Tuning.tree_log_weights``)."""
+    they read and write, so that copy runs beside the later launches), and every flow is the same bit for bit; also
+    with the forward exponentiating its weights in the kernel (``Tuning.tree_log_weights``) on 64-row tasks
+    (``Tuning.tree_forward_tile``), within float32 rounding."""
     c, _, _, _ = tree
     x = jnp.asarray(np.random.default_rng(4).integers(0, 3, (16, c.num_vars)).astype(np.int32))
     on = CLUSTERS.replace(tuning=jaxpc.Tuning(tree_clusters=True, tree_copy_overlap=True))
@@ -187,7 +207,8 @@ def test_the_transposed_weights_can_wait_for_the_first_launch(tree):
     assert finite_checks(on) == finite_checks(CLUSTERS) + 1
     fp32 = on.replace(precision="fp32")  # no clusters: nothing to wait for
     assert finite_checks(fp32) == finite_checks(CLUSTERS.replace(precision="fp32"))
-    in_kernel = on.replace(tuning=jaxpc.Tuning(tree_clusters=True, tree_copy_overlap=True, tree_log_weights=True))
+    in_kernel = on.replace(tuning=jaxpc.Tuning(tree_clusters=True, tree_copy_overlap=True, tree_log_weights=True,
+                                               tree_forward_tile=64))
 
     def weight_copies(options):  # the forward's copy and the backward's transposed one, traced
         with mock.patch.object(mosaic_tree, "tf32_weights", wraps=mosaic_tree.tf32_weights) as made:
@@ -196,10 +217,10 @@ def test_the_transposed_weights_can_wait_for_the_first_launch(tree):
 
     assert (weight_copies(on), weight_copies(in_kernel)) == (2, 1)
     want = c.flows(c.params, x, options=CLUSTERS)
-    for options in (on, in_kernel):
+    for options, tol in ((on, 0.0), (in_kernel, 1e-6)):  # (64-row tasks: products of another shape)
         got = c.flows(c.params, x, options=options)
         for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol * float(np.max(np.abs(b))))
 
 
 @pytest.fixture(scope="module")

@@ -212,6 +212,7 @@ def counts_kernel(spec, options, flows: Array) -> bool:
 # ---- a tree's levels as persistent kernels -------------------------------------------------------------
 
 CLUSTER_TILE = 32  # parent rows of a task of the tree's kernels on clusters (the backward's shared memory bounds it)
+CLUSTER_WIDE_TILE = 64  # parent rows of a forward task under Tuning.tree_forward_tile=64
 
 def tree_kernel(layout: Layout, options, B: int, dtype, evidence: dict | None = None) -> str | None:
     """Which persistent kernels run ``layout.tree``'s levels (a folded plan's run of tree levels, an HCLT's), one
@@ -259,7 +260,8 @@ def tree_kernel(layout: Layout, options, B: int, dtype, evidence: dict | None = 
 def cluster_tables(layout: Layout, tables: dict) -> dict:
     """``tables`` (finalized, numpy) with the schedules of the tree's kernels on clusters
     (:func:`jaxpc.ops.mosaic_tree.schedule`) under ``tables["fold"]["tree"]["clusters"]``, where the folded plan has
-    a run of tree levels those kernels take (square blocks of ``CLUSTER_TILE``-row tiles)."""
+    a run of tree levels those kernels take (square blocks of ``CLUSTER_TILE``-row tiles), and the forward's task
+    tables of ``CLUSTER_WIDE_TILE``-row tiles (``wide_tasks``; :func:`cluster_forward`) where those fit."""
     from ..ops import mosaic_tree
 
     fold = layout.fold
@@ -267,11 +269,23 @@ def cluster_tables(layout: Layout, tables: dict) -> dict:
     if tree is None or tree.Kp != tree.Kc or not mosaic_tree.fits(tree, 8, CLUSTER_TILE):
         return tables
     tree_tabs = tables["fold"]["tree"]
-    schedule = mosaic_tree.schedule({k: np.asarray(v) for k, v in tree_tabs.items()}, tree, tile=CLUSTER_TILE)
+    tree_np = {k: np.asarray(v) for k, v in tree_tabs.items()}
+    schedule = mosaic_tree.schedule(tree_np, tree, tile=CLUSTER_TILE)
+    if mosaic_tree.fits(tree, 8, CLUSTER_WIDE_TILE):
+        schedule["wide_tasks"] = mosaic_tree.schedule(tree_np, tree, tile=CLUSTER_WIDE_TILE)["tasks"]
     rest = _pflow_rest(fold, tables["fold"].get("pflows", ()), schedule.get("block_pid"))
     if rest is not None:
         schedule["pflow_rest"] = rest
     return {**tables, "fold": {**tables["fold"], "tree": {**tree_tabs, "clusters": schedule}}}
+
+
+def cluster_forward(options, tabs: dict) -> tuple[dict, int]:
+    """The clusters' tables and tile the forward runs under ``Tuning.tree_forward_tile``: the wide tasks where it
+    is ``CLUSTER_WIDE_TILE`` and :func:`cluster_tables` made them. The backward's tables hold for either: it reads
+    the forward's copies, which no schedule changes."""
+    if options.tuning.tree_forward_tile == CLUSTER_WIDE_TILE and "wide_tasks" in tabs:
+        return {**tabs, "tasks": tabs["wide_tasks"]}, CLUSTER_WIDE_TILE
+    return tabs, CLUSTER_TILE
 
 
 def _pflow_rest(fold: Layout, pflow_tables, block_pid) -> np.ndarray | None:

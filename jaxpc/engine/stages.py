@@ -284,8 +284,9 @@ def forward_buffer(layout: Layout, tables: dict, sum_params: dict, input_vals, o
         with jax.named_scope("jaxpc/tree/clusters"):
             logw = sum_params[tree.group]
             in_kernel = options.tuning.tree_log_weights
-            carry = mosaic_tree.forward(carry, tables["tree"]["clusters"], logw if in_kernel else None, tree,
-                                        tile=routing.CLUSTER_TILE, interpret=not routing.on_gpu(), keep=keep_shifts,
+            tabs, tile = routing.cluster_forward(options, tables["tree"]["clusters"])
+            carry = mosaic_tree.forward(carry, tabs, logw if in_kernel else None, tree, tile=tile,
+                                        interpret=not routing.on_gpu(), keep=keep_shifts,
                                         weights=None if in_kernel else mosaic_tree.tf32_weights(logw),
                                         side=logw if keep_shifts and options.tuning.tree_copy_overlap else None)
         if keep_shifts:

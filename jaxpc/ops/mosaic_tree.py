@@ -534,6 +534,11 @@ def forward(buf: Array, tabs: dict, logw: Array | None, spec, interpret: bool | 
                          f"Kp={spec.Kp}, Kc={spec.Kc}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    steps = max(t.shape[2] for t in tabs["tasks"])
+    smem = 4 * (2 * tile * spec.Kc + TILE * spec.Kc + TILE * tile + TILE * _SHIFT + steps * _TASK)
+    if not interpret and smem > _SMEM:
+        raise ValueError(f"mosaic_tree.forward: {tile}-row tasks of {spec.Kc}-node children over {steps} steps need "
+                         f"{smem} bytes of shared memory, more than {_SMEM}: schedule smaller tasks")
     B = buf.shape[1]
     inputs = tabs["inputs"]
     n = inputs.shape[0]
