@@ -114,6 +114,10 @@ class Tuning:
         tree_forward_tile: parent rows of a task of the clusters' forward: 32 (the backward's, whose shared memory
             bounds it) or 64, which takes twice the rows of a level a step (HCLT-256: 68 steps against 107), each
             step's product and weight tile twice as large.
+        tree_backward_tile: parent rows of a task of the clusters' backward: 32, or 64 (fewer steps, as
+            ``tree_forward_tile``) where a block's shared memory holds them (256-node blocks: batches up to 16),
+            on a kernel that reads each parent's ``exp(shift - value)`` and the child's ``exp(child - shift)`` made
+            before the call instead of computing them in its steps.
         tree_pflow_kernel: on the clusters' route at batches of 16, 32 and 64, the tree's parameter flows come from
             one kernel reading the backward's sample-major flows and copies, the weights multiplied in its
             epilogue (:func:`jaxpc.ops.mosaic_tree.param_flows`), instead of the batched pass's gathers, product and
@@ -188,6 +192,7 @@ class Tuning:
     tree_copy_overlap: bool = False
     tree_log_weights: bool = False
     tree_forward_tile: int = 32
+    tree_backward_tile: int = 32
     tree_pflow_kernel: bool = False
     fanin_group: int = 4
     fanin_group_batch: int = 1024
@@ -217,8 +222,9 @@ class Tuning:
                     raise TypeError(f"Tuning.compiler_options must be a tuple of (name, value) pairs, got {v!r}")
             elif isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"Tuning.{f.name} must be a non-negative int, got {v!r}")
-        if self.tree_forward_tile not in (32, 64):
-            raise ValueError(f"Tuning.tree_forward_tile must be 32 or 64, got {self.tree_forward_tile!r}")
+        for name in ("tree_forward_tile", "tree_backward_tile"):
+            if getattr(self, name) not in (32, 64):
+                raise ValueError(f"Tuning.{name} must be 32 or 64, got {getattr(self, name)!r}")
         if self.fanin_forward_span < 1 or self.fanin_forward_span & (self.fanin_forward_span - 1):
             raise ValueError(f"Tuning.fanin_forward_span must be a power of two, got {self.fanin_forward_span!r}")
         if self.fanin_backward_stages < 1:

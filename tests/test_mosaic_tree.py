@@ -127,6 +127,40 @@ def test_the_cluster_forward_from_log_weights_equals_it_from_weights(tree):
 CLUSTERS = jaxpc.Options(impl="pallas", precision="tf32", tuning=jaxpc.Tuning(tree_clusters=True))
 
 
+@pytest.mark.slow
+def test_the_backward_from_ratios_writes_what_it_writes_from_the_copies(tree):
+    """:func:`mosaic_tree.backward` with ``ratios`` (each parent's ``exp(shift - value)`` and the child's
+    ``exp(child - shift)`` made before the call) on 64-row tasks (``Tuning.tree_backward_tile=64``) writes the flows
+    that the copies' kernel writes on the route's 32-row tasks, bit for bit, over two launches: every row the
+    tree's blocks and their children read."""
+    c, spec, tab, vals = tree
+    logw = c.params["sum"][spec.group]
+    flows = jnp.asarray(np.random.default_rng(1).random(vals.shape).astype(np.float32))
+    got = {}
+    for tile, ratios in ((32, False), (64, True)):
+        tabs = jax.tree.map(jnp.asarray, mosaic_tree.schedule(tab, spec, clusters=2, tile=tile))
+        _, kept = mosaic_tree.forward(jnp.asarray(vals), tabs, logw, spec, tile=tile, keep=True)
+        got[tile] = np.asarray(mosaic_tree.backward(flows, kept, tabs, mosaic_tree.tf32_weights_t(logw), spec,
+                                                    tile=tile, ratios=ratios))
+    assert (np.abs(got[32] - np.asarray(flows)).max(axis=1) > 0).sum() > len(np.asarray(tabs["rows"]))
+    np.testing.assert_array_equal(got[64], got[32])
+
+
+def test_the_wide_backward_is_taken_where_shared_memory_holds_it(tree):
+    """``Tuning.tree_backward_tile=64`` takes the wide tasks on the ratios' kernel where a block's shared memory
+    holds them: 256-node blocks at batches up to 16; else the 32-row tasks."""
+    import dataclasses
+
+    spec = dataclasses.replace(tree[1], Kp=256, Kc=256)
+    tabs = {"btasks": [np.zeros((1, 16, 48, 8), np.int32)], "wide_btasks": [np.zeros((1, 16, 39, 8), np.int32)]}
+    wide = CLUSTERS.replace(tuning=jaxpc.Tuning(tree_backward_tile=64))
+    for B, want in [(8, 64), (16, 64), (24, 32), (64, 32)]:
+        got, tile, ratios = routing.cluster_backward(wide, tabs, spec, B)
+        assert (tile, ratios, got["btasks"] is tabs["wide_btasks"]) == (want, want == 64, want == 64), B
+    assert routing.cluster_backward(CLUSTERS, tabs, spec, 16) == (tabs, routing.CLUSTER_TILE, False)
+    assert routing.cluster_backward(wide, {"btasks": tabs["btasks"]}, spec, 16)[1] == routing.CLUSTER_TILE
+
+
 def test_the_cluster_route_is_taken_where_its_kernels_apply(tree):
     fold = tree[0].layout.fold
     f32 = jnp.float32
@@ -195,8 +229,8 @@ def test_the_transposed_weights_can_wait_for_the_first_launch(tree):
     """``Tuning.tree_copy_overlap``: the backward's transposed weights are made from log-weights that read a scalar
     reduced from the shifts the forward's first launch wrote (a command buffer orders its commands by the buffers
     they read and write, so that copy runs beside the later launches), and every flow is the same bit for bit; also
-    with the forward exponentiating its weights in the kernel (``Tuning.tree_log_weights``) on 64-row tasks
-    (``Tuning.tree_forward_tile``), within float32 rounding."""
+    with the forward exponentiating its weights in the kernel (``Tuning.tree_log_weights``) on 64-row tasks each way
+    (``Tuning.tree_forward_tile``, ``Tuning.tree_backward_tile``), within float32 rounding."""
     c, _, _, _ = tree
     x = jnp.asarray(np.random.default_rng(4).integers(0, 3, (16, c.num_vars)).astype(np.int32))
     on = CLUSTERS.replace(tuning=jaxpc.Tuning(tree_clusters=True, tree_copy_overlap=True))
@@ -208,7 +242,7 @@ def test_the_transposed_weights_can_wait_for_the_first_launch(tree):
     fp32 = on.replace(precision="fp32")  # no clusters: nothing to wait for
     assert finite_checks(fp32) == finite_checks(CLUSTERS.replace(precision="fp32"))
     in_kernel = on.replace(tuning=jaxpc.Tuning(tree_clusters=True, tree_copy_overlap=True, tree_log_weights=True,
-                                               tree_forward_tile=64))
+                                               tree_forward_tile=64, tree_backward_tile=64))
 
     def weight_copies(options):  # the forward's copy and the backward's transposed one, traced
         with mock.patch.object(mosaic_tree, "tf32_weights", wraps=mosaic_tree.tf32_weights) as made:

@@ -144,8 +144,9 @@ def _root_bwd(layout, options, buffered, res, g):
             logw = kept.get("side", sum_params[tree.group])
             keep = (routing.tree_pflow_kernel(layout, options, values.shape[1], tabs)
                     and any(spec.key == tree.pflow_key for spec, _ in pflows))
-            flows = mosaic_tree.backward(flows, kept, tabs, mosaic_tree.tf32_weights_t(logw), tree,
-                                         tile=routing.CLUSTER_TILE, interpret=not routing.on_gpu(), keep=keep)
+            btabs, tile, ratios = routing.cluster_backward(options, tabs, tree, values.shape[1])
+            flows = mosaic_tree.backward(flows, kept, btabs, mosaic_tree.tf32_weights_t(logw), tree, tile=tile,
+                                         interpret=not routing.on_gpu(), keep=keep, ratios=ratios)
             if keep:  # the tree's parameter flows from the backward's sample-major flows
                 flows, tree_flows = flows
                 tree_side = (tree_flows, kept, tabs)

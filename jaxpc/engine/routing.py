@@ -260,8 +260,9 @@ def tree_kernel(layout: Layout, options, B: int, dtype, evidence: dict | None = 
 def cluster_tables(layout: Layout, tables: dict) -> dict:
     """``tables`` (finalized, numpy) with the schedules of the tree's kernels on clusters
     (:func:`jaxpc.ops.mosaic_tree.schedule`) under ``tables["fold"]["tree"]["clusters"]``, where the folded plan has
-    a run of tree levels those kernels take (square blocks of ``CLUSTER_TILE``-row tiles), and the forward's task
-    tables of ``CLUSTER_WIDE_TILE``-row tiles (``wide_tasks``; :func:`cluster_forward`) where those fit."""
+    a run of tree levels those kernels take (square blocks of ``CLUSTER_TILE``-row tiles), and the task tables of
+    ``CLUSTER_WIDE_TILE``-row tiles each way (``wide_tasks``, ``wide_btasks``; :func:`cluster_forward`,
+    :func:`cluster_backward`) where those fit."""
     from ..ops import mosaic_tree
 
     fold = layout.fold
@@ -272,7 +273,8 @@ def cluster_tables(layout: Layout, tables: dict) -> dict:
     tree_np = {k: np.asarray(v) for k, v in tree_tabs.items()}
     schedule = mosaic_tree.schedule(tree_np, tree, tile=CLUSTER_TILE)
     if mosaic_tree.fits(tree, 8, CLUSTER_WIDE_TILE):
-        schedule["wide_tasks"] = mosaic_tree.schedule(tree_np, tree, tile=CLUSTER_WIDE_TILE)["tasks"]
+        wide = mosaic_tree.schedule(tree_np, tree, tile=CLUSTER_WIDE_TILE)
+        schedule["wide_tasks"], schedule["wide_btasks"] = wide["tasks"], wide["btasks"]
     rest = _pflow_rest(fold, tables["fold"].get("pflows", ()), schedule.get("block_pid"))
     if rest is not None:
         schedule["pflow_rest"] = rest
@@ -286,6 +288,20 @@ def cluster_forward(options, tabs: dict) -> tuple[dict, int]:
     if options.tuning.tree_forward_tile == CLUSTER_WIDE_TILE and "wide_tasks" in tabs:
         return {**tabs, "tasks": tabs["wide_tasks"]}, CLUSTER_WIDE_TILE
     return tabs, CLUSTER_TILE
+
+
+def cluster_backward(options, tabs: dict, spec, B: int) -> tuple[dict, int, bool]:
+    """The clusters' tables, tile and kernel (``ratios``: :func:`jaxpc.ops.mosaic_tree.backward` from the ratios
+    made before the call) the backward runs under ``Tuning.tree_backward_tile``: the wide tasks on the ratios'
+    kernel where it is ``CLUSTER_WIDE_TILE``, :func:`cluster_tables` made them and a block's shared memory holds
+    them (256-node blocks: batches up to 16), else the ``CLUSTER_TILE``-row tasks."""
+    from ..ops import mosaic_tree
+
+    if options.tuning.tree_backward_tile == CLUSTER_WIDE_TILE and "wide_btasks" in tabs:
+        steps = max(t.shape[2] for t in tabs["wide_btasks"])
+        if mosaic_tree.backward_smem(spec, B, CLUSTER_WIDE_TILE, steps, True) <= mosaic_tree.SMEM:
+            return {**tabs, "btasks": tabs["wide_btasks"]}, CLUSTER_WIDE_TILE, True
+    return tabs, CLUSTER_TILE, False
 
 
 def _pflow_rest(fold: Layout, pflow_tables, block_pid) -> np.ndarray | None:

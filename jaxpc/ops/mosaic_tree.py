@@ -56,7 +56,7 @@ CLUSTERS: Final = 7  # clusters of 16 blocks resident at once on the H200
 MAX_BATCH: Final = 64  # samples: the product's M
 _TASK: Final = 4  # a task row: weight row, the block's child column, its value column, its parent's child column
 _BTASK: Final = 8  # a backward task row (:func:`_backward_tables`; 5 used, rows of 16-byte multiples)
-_SMEM: Final = 232448  # bytes of shared memory a block may use on the H200
+SMEM: Final = 232448  # bytes of shared memory a block may use on the H200
 _SHIFT: Final = 8  # columns of a block's shift (its child's max per sample) in the forward's ``shift`` copy
 APPROX_MATH: bool = True  # the GPU's approximate exp and log (False: the exact ones, about twice as slow)
 PROFILE_DIR: str | None = None  # where set, the GPU kernels record Mosaic GPU's profile of their named scopes there
@@ -233,6 +233,46 @@ def _task_start(tasks, w, task_smem, w_smem, tbar, wbar, S: int, N: int):
     return fetch
 
 
+def _product(a_smem, w, N: int) -> Array:
+    """In a kernel body: ``a_smem @ w.T`` on the tensor cores (TF32 operands in shared memory, ``w`` with the
+    contracted axis contiguous), float32 ``[TILE, N]``."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    def run(acc):
+        plgpu.wgmma(acc, a_smem, w.T)
+        return acc[...]
+
+    return pl.run_scoped(run, plgpu.ACC((TILE, N), jnp.float32))
+
+
+def _store(src, dst) -> None:
+    """In a kernel body: ``src`` (shared memory just written) copied to ``dst``, waited for."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(src, dst)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _meet(cbar) -> None:
+    """In a kernel body: the cluster's blocks meet (orders the next step's loads after this step's stores)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    plgpu.barrier_arrive(cbar)
+    plgpu.barrier_wait(cbar)
+
+
+def _cluster_kernel(body, G: int, scratch: list, interpret: bool, params):
+    """``body`` as a Mosaic GPU kernel of ``G`` clusters of ``CLUSTER`` blocks (``params``: its compiler
+    parameters), or on the interpreter."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    extra = {"interpret": plgpu.InterpretGPUParams()} if interpret else {"compiler_params": params()}
+    return plgpu.kernel(body, out_type=(), grid=(G,), grid_names=("g",), cluster=(CLUSTER,), cluster_names=("c",),
+                        scratch_types=scratch, **extra)
+
+
 @functools.cache
 def _forward_kernel(G: int, S: int, Kp: int, Kc: int, B: int, N: int, interpret: bool, log_weights: bool,
                     profile_dir: str | None, approx: bool):
@@ -284,12 +324,8 @@ def _forward_kernel(G: int, S: int, Kp: int, Kc: int, B: int, N: int, interpret:
                     plgpu.copy_smem_to_gmem(s_smem.at[:B], shift.at[:, pl.ds(
                         pl.multiple_of(lax.div(task_smem[s, 2], jnp.int32(Kp)) * _SHIFT, _SHIFT), _SHIFT)])
 
-                def product(acc):
-                    plgpu.wgmma(acc, x_smem, w.T)
-                    return acc[...]
-
                 with jax.named_scope("product"):
-                    acc = pl.run_scoped(product, plgpu.ACC((TILE, N), f32))
+                    acc = _product(x_smem, w, N)
                 with jax.named_scope("log"):
                     o_smem[...] = jnp.log(acc) + lax.broadcast_in_dim(mx, (TILE, N), [0])
                     plgpu.commit_smem()
@@ -313,24 +349,18 @@ def _forward_kernel(G: int, S: int, Kp: int, Kc: int, B: int, N: int, interpret:
                     plgpu.wait_smem_to_gmem(0)
 
             with jax.named_scope("cluster_barrier"):
-                plgpu.barrier_arrive(cbar)
-                plgpu.barrier_wait(cbar)
+                _meet(cbar)
             return carry
 
         lax.fori_loop(0, S, step, 0)
 
-    extra = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
-    if not interpret:
-        profile = dict(profile_space=16 * S + 64, profile_dir=profile_dir) if profile_dir else {}
-        extra["compiler_params"] = plgpu.CompilerParams(approx_math=approx, **profile)
-    return plgpu.kernel(
-        body, out_type=(), grid=(G,), grid_names=("g",), cluster=(CLUSTER,), cluster_names=("c",),
-        scratch_types=[plgpu.SMEM((S, _TASK), jnp.int32), plgpu.SMEM((2, N, Kc), f32, transforms=swizzled),
-                       plgpu.SMEM((TILE, Kc), f32, transforms=swizzled),
-                       plgpu.SMEM((TILE, N), f32), plgpu.SMEM((TILE, _SHIFT), f32), plgpu.Barrier(),
-                       plgpu.Barrier(num_barriers=2), plgpu.Barrier(), plgpu.ClusterBarrier(collective_axes=("c",)),
-                       *([plgpu.SMEM((TILE, N), f32), plgpu.Barrier()] if interpret else [])],
-        **extra)
+    profile = dict(profile_space=16 * S + 64, profile_dir=profile_dir) if profile_dir else {}
+    return _cluster_kernel(body, G, [
+        plgpu.SMEM((S, _TASK), jnp.int32), plgpu.SMEM((2, N, Kc), f32, transforms=swizzled),
+        plgpu.SMEM((TILE, Kc), f32, transforms=swizzled), plgpu.SMEM((TILE, N), f32), plgpu.SMEM((TILE, _SHIFT), f32),
+        plgpu.Barrier(), plgpu.Barrier(num_barriers=2), plgpu.Barrier(), plgpu.ClusterBarrier(collective_axes=("c",)),
+        *([plgpu.SMEM((TILE, N), f32), plgpu.Barrier()] if interpret else [])],
+        interpret, lambda: plgpu.CompilerParams(approx_math=approx, **profile))
 
 
 @functools.cache
@@ -372,33 +402,90 @@ def _backward_kernel(G: int, S: int, Kp: int, Kc: int, B: int, N: int, interpret
                 w = w_smem.at[s % 2]
                 plgpu.barrier_wait(wbar.at[s % 2])
 
-                def product(acc):
-                    plgpu.wgmma(acc, g_smem, w.T)
-                    return acc[...]
-
-                acc = pl.run_scoped(product, plgpu.ACC((TILE, N), f32))
+                acc = _product(g_smem, w, N)
                 o_smem[...] = acc * jnp.exp(x_smem[...] - lax.broadcast_in_dim(mx, (TILE, N), [0]))
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem.at[:B], pf.at[:, at(task_smem[s, 4], N)])
-                plgpu.wait_smem_to_gmem(0)
+                _store(o_smem.at[:B], pf.at[:, at(task_smem[s, 4], N)])
 
-            plgpu.barrier_arrive(cbar)
-            plgpu.barrier_wait(cbar)
+            _meet(cbar)
             return carry
 
         lax.fori_loop(0, S, step, 0)
 
-    extra = {"interpret": plgpu.InterpretGPUParams()} if interpret else {
-        "compiler_params": plgpu.CompilerParams(approx_math=approx)}
-    return plgpu.kernel(
-        body, out_type=(), grid=(G,), grid_names=("g",), cluster=(CLUSTER,), cluster_names=("c",),
-        scratch_types=[plgpu.SMEM((S, _BTASK), jnp.int32), plgpu.SMEM((2, N, Kp), f32, transforms=swizzled),
-                       plgpu.SMEM((TILE, Kp), f32, transforms=swizzled),
-                       plgpu.SMEM((TILE, Kp), f32, transforms=swizzled), plgpu.SMEM((TILE, N), f32),
-                       plgpu.SMEM((TILE, N), f32), plgpu.SMEM((TILE, _SHIFT), f32), plgpu.Barrier(),
-                       plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=4),
-                       plgpu.ClusterBarrier(collective_axes=("c",))],
-        **extra)
+    return _cluster_kernel(body, G, [
+        plgpu.SMEM((S, _BTASK), jnp.int32), plgpu.SMEM((2, N, Kp), f32, transforms=swizzled),
+        plgpu.SMEM((TILE, Kp), f32, transforms=swizzled), plgpu.SMEM((TILE, Kp), f32, transforms=swizzled),
+        plgpu.SMEM((TILE, N), f32), plgpu.SMEM((TILE, N), f32), plgpu.SMEM((TILE, _SHIFT), f32), plgpu.Barrier(),
+        plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=4), plgpu.ClusterBarrier(collective_axes=("c",))],
+        interpret, lambda: plgpu.CompilerParams(approx_math=approx))
+
+
+@functools.cache
+def _backward_ratio_kernel(G: int, S: int, Kp: int, Kc: int, B: int, N: int, interpret: bool, approx: bool):
+    """:func:`_backward_kernel` from the ratios and exponentials made before the call (:func:`backward_ratios`):
+    a task loads its parents' flows (``B`` rows), multiplies them by their ``1 / value`` ratios (loaded into the
+    product's operand) and scales the product by the child's exponentials in place, with no exponential in the
+    chain of steps and no ``shift`` or 64-row flow tile in shared memory, so that 64-row tasks of 256-node
+    blocks fit at batches up to 16."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    f32 = jnp.float32
+    swizzled = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+    rows = plgpu.Layout.SMEM_GMEM_COPY((B, Kp), f32, 128)
+
+    def at(v, width):
+        return pl.ds(pl.multiple_of(v, min(width, 32)), width)
+
+    def body(tasks, wt, pf, ratios, exps, w_smem, g_smem, f_smem, x_smem, task_smem, tbar, wbar, lbar, cbar):
+        fetch_weights = _task_start(tasks, wt, task_smem, w_smem, tbar, wbar, S, N)
+
+        def step(s, carry):
+            @pl.when(task_smem[s, 0] >= 0)
+            def _():
+                plgpu.copy_gmem_to_smem(pf.at[:, at(task_smem[s, 1], Kp)], f_smem, lbar.at[0])
+                plgpu.copy_gmem_to_smem(ratios.at[:, at(task_smem[s, 2], Kp)], g_smem.at[:B], lbar.at[1])
+                plgpu.copy_gmem_to_smem(exps.at[:, at(task_smem[s, 4], N)], x_smem.at[:B], lbar.at[2])
+
+            @pl.when(s + 1 < S)
+            def _():
+                fetch_weights(s + 1)
+
+            @pl.when(task_smem[s, 0] >= 0)
+            def _():
+                for i in range(3):
+                    plgpu.barrier_wait(lbar.at[i])
+                g = g_smem.at[:B]
+                g[...] = _round_tf32(plgpu.load(f_smem, layout=rows) * plgpu.load(g, layout=rows))
+                plgpu.commit_smem()
+                w = w_smem.at[s % 2]
+                plgpu.barrier_wait(wbar.at[s % 2])
+
+                x_smem[...] = _product(g_smem, w, N) * x_smem[...]  # the rows past B: whatever the operand held
+                _store(x_smem.at[:B], pf.at[:, at(task_smem[s, 4], N)])
+
+            _meet(cbar)
+            return carry
+
+        lax.fori_loop(0, S, step, 0)
+
+    return _cluster_kernel(body, G, [
+        plgpu.SMEM((2, N, Kp), f32, transforms=swizzled),  # (the swizzled tiles first: aligned)
+        plgpu.SMEM((TILE, Kp), f32, transforms=swizzled), plgpu.SMEM((B, Kp), f32, transforms=swizzled),
+        plgpu.SMEM((TILE, N), f32, transforms=swizzled), plgpu.SMEM((S, _BTASK), jnp.int32), plgpu.Barrier(),
+        plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=3), plgpu.ClusterBarrier(collective_axes=("c",))],
+        interpret, lambda: plgpu.CompilerParams(approx_math=approx))
+
+
+def backward_ratios(copies: dict, spec) -> tuple[Array, Array]:
+    """What :func:`backward` with ``ratios`` reads in place of the forward's values, child and shift: each block's
+    parents' ``exp(shift - value)`` (``[B, blocks * Kp]``, ``1 / value`` times the shift's exponential) and its
+    child's ``exp(child - shift)`` (``[B, blocks * Kc]``), made by XLA in one pass outside the chain of steps."""
+    B = copies["vals"].shape[0]
+    shift = copies["shift"].reshape(B, -1, _SHIFT)[:, :, :1]  # [B, n, 1]
+    n = shift.shape[1]
+    ratios = jnp.exp(shift - copies["vals"].reshape(B, n, spec.Kp)).reshape(B, n * spec.Kp)
+    exps = jnp.exp(copies["prod"].reshape(B, n, spec.Kc) - shift).reshape(B, n * spec.Kc)
+    return ratios, exps
 
 
 def copies(values: Array, tabs: dict, spec) -> dict:
@@ -418,24 +505,34 @@ def tf32_weights_t(logw: Array) -> Array:
     return jnp.swapaxes(tf32_weights(logw), 1, 2)
 
 
+def backward_smem(spec, B: int, tile: int, steps: int, ratios: bool) -> int:
+    """Bytes of shared memory a block of :func:`backward`'s kernels takes (at most ``SMEM`` on the H200)."""
+    K = spec.Kc
+    if ratios:
+        return 4 * (2 * tile * K + TILE * K + B * K + TILE * tile + steps * _BTASK)
+    return 4 * (2 * tile * K + 2 * TILE * K + 2 * TILE * tile + TILE * _SHIFT + steps * _BTASK)
+
+
 def backward(flows: Array, copies: dict, tabs: dict, weights_t: Array, spec, tile: int = TILE,
-             interpret: bool | None = None, keep: bool = False):
+             interpret: bool | None = None, keep: bool = False, ratios: bool = False):
     """The flow buffer ``flows`` (float32 ``[R, B]``, the rows of the tree's top blocks holding their flows) with the
     flows of every tree block's parent rows and of the rows from outside the tree that their children read (the
     input layer's) written, from :func:`forward`'s ``copies`` (``keep=True``), :func:`schedule`'s tables and the
     transposed weights (:func:`tf32_weights_t`). The parameter flows are left to the batched pass or to
     :func:`param_flows`, which reads the sample-major flows that ``keep`` returns beside the buffer (``(flows,
-    pf)``). Needs ``Kp == Kc``."""
+    pf)``). With ``ratios``, the kernels read :func:`backward_ratios` instead of the copies'
+    (:func:`_backward_ratio_kernel`: 64-row tasks of 256-node blocks fit at batches up to 16). Needs
+    ``Kp == Kc``."""
     if spec.Kp != spec.Kc or "btasks" not in tabs:
         raise ValueError(f"mosaic_tree.backward: needs square blocks, got Kp={spec.Kp}, Kc={spec.Kc}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     K, steps = spec.Kc, max(t.shape[2] for t in tabs["btasks"])
-    smem = 4 * (2 * tile * K + 2 * TILE * K + 2 * TILE * tile + TILE * _SHIFT + steps * _BTASK)
-    if not interpret and smem > _SMEM:
-        raise ValueError(f"mosaic_tree.backward: {tile}-row tasks of {K}-node blocks over {steps} steps need "
-                         f"{smem} bytes of shared memory, more than {_SMEM}: schedule smaller tasks")
     R, B = flows.shape
+    smem = backward_smem(spec, B, tile, steps, ratios)
+    if not interpret and smem > SMEM:
+        raise ValueError(f"mosaic_tree.backward: {tile}-row tasks of {K}-node blocks over {steps} steps need "
+                         f"{smem} bytes of shared memory, more than {SMEM}: schedule smaller tasks")
     inputs = tabs["inputs"]
     n = inputs.shape[0]
     parent_rows = tabs["rows"].reshape(n, K)
@@ -443,9 +540,15 @@ def backward(flows: Array, copies: dict, tabs: dict, weights_t: Array, spec, til
     pf = jnp.concatenate([jnp.zeros((B, n * K), jnp.float32), given.T], axis=1)
     pf = jax.new_ref(pf)
     wt = weights_t.astype(jnp.float32).reshape(-1, K)
-    for t in tabs["btasks"]:
-        _backward_kernel(t.shape[0], t.shape[2], K, K, B, tile, bool(interpret), APPROX_MATH)(
-            t, wt, pf, copies["vals"], copies["prod"], copies["shift"])
+    if ratios:
+        r, e = backward_ratios(copies, spec)
+        for t in tabs["btasks"]:
+            _backward_ratio_kernel(t.shape[0], t.shape[2], K, K, B, tile, bool(interpret), APPROX_MATH)(
+                t, wt, pf, r, e)
+    else:
+        for t in tabs["btasks"]:
+            _backward_kernel(t.shape[0], t.shape[2], K, K, B, tile, bool(interpret), APPROX_MATH)(
+                t, wt, pf, copies["vals"], copies["prod"], copies["shift"])
     pf = jax.freeze(pf)
     flows = flows.at[tabs["rows"]].set(pf[:, tabs["fin"]].T, unique_indices=True)
     child = pf[:, :n * K].T.reshape(n, 1, K, B)  # each block's child's flows, to its rows from outside the tree
@@ -536,9 +639,9 @@ def forward(buf: Array, tabs: dict, logw: Array | None, spec, interpret: bool | 
         interpret = jax.default_backend() != "gpu"
     steps = max(t.shape[2] for t in tabs["tasks"])
     smem = 4 * (2 * tile * spec.Kc + TILE * spec.Kc + TILE * tile + TILE * _SHIFT + steps * _TASK)
-    if not interpret and smem > _SMEM:
+    if not interpret and smem > SMEM:
         raise ValueError(f"mosaic_tree.forward: {tile}-row tasks of {spec.Kc}-node children over {steps} steps need "
-                         f"{smem} bytes of shared memory, more than {_SMEM}: schedule smaller tasks")
+                         f"{smem} bytes of shared memory, more than {SMEM}: schedule smaller tasks")
     B = buf.shape[1]
     inputs = tabs["inputs"]
     n = inputs.shape[0]
@@ -561,5 +664,6 @@ def forward(buf: Array, tabs: dict, logw: Array | None, spec, interpret: bool | 
     return (out, copies) if keep else out
 
 
-__all__ = ["CLUSTER", "CLUSTERS", "MAX_BATCH", "PFLOW_TILE", "TILE", "backward", "copies", "fits", "forward",
-           "param_flows", "pflow_fits", "schedule", "tf32_weights", "tf32_weights_t"]
+__all__ = ["CLUSTER", "CLUSTERS", "MAX_BATCH", "PFLOW_TILE", "SMEM", "TILE", "backward", "backward_ratios",
+           "backward_smem", "copies", "fits", "forward", "param_flows", "pflow_fits", "schedule", "tf32_weights",
+           "tf32_weights_t"]
