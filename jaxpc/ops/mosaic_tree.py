@@ -199,6 +199,11 @@ def _backward_tables(launches: list, parent: np.ndarray, pid: np.ndarray, spec, 
             "block_fin": fin.astype(np.int32)}
 
 
+def _interpreted(interpret: bool | None) -> bool:
+    """Whether the kernels run on Pallas's GPU interpreter: as asked, by default everywhere but on a GPU."""
+    return jax.default_backend() != "gpu" if interpret is None else bool(interpret)
+
+
 def _round_tf32(x: Array) -> Array:
     """``x`` rounded to TF32's 10 mantissa bits, to nearest (the tensor cores would truncate)."""
     bits = lax.bitcast_convert_type(x, jnp.uint32)
@@ -525,8 +530,7 @@ def backward(flows: Array, copies: dict, tabs: dict, weights_t: Array, spec, til
     ``Kp == Kc``."""
     if spec.Kp != spec.Kc or "btasks" not in tabs:
         raise ValueError(f"mosaic_tree.backward: needs square blocks, got Kp={spec.Kp}, Kc={spec.Kc}")
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+    interpret = _interpreted(interpret)
     K, steps = spec.Kc, max(t.shape[2] for t in tabs["btasks"])
     R, B = flows.shape
     smem = backward_smem(spec, B, tile, steps, ratios)
@@ -543,11 +547,11 @@ def backward(flows: Array, copies: dict, tabs: dict, weights_t: Array, spec, til
     if ratios:
         r, e = backward_ratios(copies, spec)
         for t in tabs["btasks"]:
-            _backward_ratio_kernel(t.shape[0], t.shape[2], K, K, B, tile, bool(interpret), APPROX_MATH)(
+            _backward_ratio_kernel(t.shape[0], t.shape[2], K, K, B, tile, interpret, APPROX_MATH)(
                 t, wt, pf, r, e)
     else:
         for t in tabs["btasks"]:
-            _backward_kernel(t.shape[0], t.shape[2], K, K, B, tile, bool(interpret), APPROX_MATH)(
+            _backward_kernel(t.shape[0], t.shape[2], K, K, B, tile, interpret, APPROX_MATH)(
                 t, wt, pf, copies["vals"], copies["prod"], copies["shift"])
     pf = jax.freeze(pf)
     flows = flows.at[tabs["rows"]].set(pf[:, tabs["fin"]].T, unique_indices=True)
@@ -635,8 +639,7 @@ def forward(buf: Array, tabs: dict, logw: Array | None, spec, interpret: bool | 
         raise ValueError(f"mosaic_tree.forward: needs a float32 node buffer [R, B] with B a multiple of 8 up to "
                          f"{MAX_BATCH} and blocks of {TILE}-row tiles, got {buf.dtype}{list(buf.shape)} for "
                          f"Kp={spec.Kp}, Kc={spec.Kc}")
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+    interpret = _interpreted(interpret)
     steps = max(t.shape[2] for t in tabs["tasks"])
     smem = 4 * (2 * tile * spec.Kc + TILE * spec.Kc + TILE * tile + TILE * _SHIFT + steps * _TASK)
     if not interpret and smem > SMEM:
@@ -652,7 +655,7 @@ def forward(buf: Array, tabs: dict, logw: Array | None, spec, interpret: bool | 
     shift = jax.new_ref(jnp.zeros((B, n * _SHIFT), jnp.float32))
     w = (logw if weights is None else weights).astype(jnp.float32).reshape(-1, spec.Kc)
     for i, t in enumerate(tabs["tasks"]):
-        _forward_kernel(t.shape[0], t.shape[2], spec.Kp, spec.Kc, B, tile, bool(interpret), weights is None,
+        _forward_kernel(t.shape[0], t.shape[2], spec.Kp, spec.Kc, B, tile, interpret, weights is None,
                         None if interpret else PROFILE_DIR, APPROX_MATH)(t, w, prod, vals, shift)
         if i == 0 and side is not None:
             side = _after(side, shift)
