@@ -66,8 +66,10 @@ def persistent(spec: ChainSpec, B: int, dtype, options) -> bool:
     if not (spec.tied and B <= options.tuning.chain_kernel_batch and jnp.dtype(dtype) == jnp.float32
             and pallas_chain.available() and pallas_chain.fits(spec.K, B)):
         return False
+    from .routing import on_gpu  # (routing imports this module)
+
     impl = route_impl(options)
-    if jax.default_backend() != "gpu":
+    if not on_gpu():
         return impl in ("pallas", "pallas_forward") and not jax.config.jax_enable_x64
     return impl in ("pallas", "pallas_forward", "auto")
 
