@@ -10,8 +10,9 @@ cluster here walks its own part of the tree, level by level, and never waits for
   adds its own values when it has them (a TMA store with addition), and ``vals [B, blocks * Kp]``, the blocks'
   values. The tensor cores take TF32 operands only with the contracted dimension contiguous, and the node buffer
   ``[R, B]`` has the samples contiguous; these copies put the samples first (the product's ``M``, padded to 64).
-* A task is one ``TILE``-row slice of one parent block: the exponentials of its child (shifted by their max per
-  sample) times its ``[TILE, Kc]`` weights (``exp`` of the log-weights), both rounded to TF32, then the log and the
+* A task is one slice of ``tile`` rows (32 or 64) of one parent block: the exponentials of its child (shifted by
+  their max per sample) times its ``[tile, Kc]`` weights (``exp`` of the log-weights, taken in the kernel or from a
+  copy made before it), both rounded to TF32, then the log and the
   shift back, stored into ``vals`` and added into the parent's child in ``prod``. Each block of a cluster runs one
   task per step; after each step the cluster's blocks meet at a cluster barrier, which orders the next step's loads
   after this step's stores. A block copies the next step's weights while it computes.
@@ -30,9 +31,14 @@ and a store, which :func:`schedule` keeps race-free (one child of a parent a ste
 values (times ``exp`` of the forward's shift, kept per block in ``shift``) by a ``TILE``-column slice of its
 transposed weights (:func:`tf32_weights_t`: the tensor cores contract over the parent rows only from a copy with
 them contiguous) and the child's exponentials, and stores the child's flows, which the child blocks read as their
-own. The parameter flows are left to the batched pass.
+own. A second backward kernel reads each parent's ``1 / value`` and the child's exponentials made before the call
+(:func:`backward_ratios`), which leaves its steps without exponentials and lets 64-row tasks fit a block's shared
+memory at small batches. The parameter flows are left to the batched pass or to :func:`param_flows`, a Pallas
+(Triton) kernel that reads the backward's sample-major flows and the forward's copies.
 
-:func:`jaxpc.engine.routing.tree_kernel` routes a tree here on Hopper GPUs (``Tuning.tree_clusters``). On the H200,
+:func:`jaxpc.engine.routing.tree_kernel` routes a tree here on Hopper GPUs (``Tuning.tree_clusters``; the variants
+above: ``Tuning.tree_log_weights``, ``tree_copy_overlap``, ``tree_forward_tile``, ``tree_backward_tile``,
+``tree_pflow_kernel``). On the H200,
 HCLT-256's tree at batch 16 takes 0.29-0.33 ms forward and 0.34 backward (32-row tasks, from weight copies made before
 the call: 0.12 ms for both) against about 0.46 and 0.61 level by level in the default call (docs/design.md, "Tree
 levels on thread-block clusters").
