@@ -598,13 +598,14 @@ def _pflow_kernel(pid_ref, fin_ref, pf_ref, vals_ref, prod_ref, shift_ref, logw_
     pltr.store(out_ref.at[b, rows[:, None], cols[None, :]], w * mm(a, y, precision, trans_a=True))
 
 
-def param_flows(into: Array, pf: Array, copies: dict, tabs: dict, logw: Array, spec,
-                precision: str = "tf32") -> Array:
+def param_flows(into: Array, pf: Array, copies: dict, tabs: dict, logw: Array, spec, precision: str = "tf32",
+                tile: int = PFLOW_TILE, warps: int = PFLOW_WARPS) -> Array:
     """The group's parameter-flow buffer ``into`` (``[P, Kp, Kc]``, like ``logw``) with the tree blocks' parameter
     flows written at their weights' indices (``tabs["block_pid"]``), from :func:`backward`'s sample-major flows ``pf``
     (``keep=True``) and :func:`forward`'s ``copies``: per block, ``exp(logw) * (a^T @ y)`` over the batch, ``a`` its
     parents' flows over their values and ``y`` its child's values, both scaled by the kept shift. One Pallas kernel
-    (Triton), a program per block and ``PFLOW_TILE`` parent rows, the weights' product in its epilogue: it reads the
+    (Triton), a program per block and ``tile`` parent rows (``warps`` warps), the weights' product in its epilogue:
+    it reads the
     log-weights and writes the flows once, where the batched pass's product, written out, is read again by the
     multiplication by the weights. Other rows of ``into`` are left as they are (:func:`pflow_fits`)."""
     from .pallas_sum import KernelConfig, block_grid, call_kernel
@@ -613,10 +614,12 @@ def param_flows(into: Array, pf: Array, copies: dict, tabs: dict, logw: Array, s
     if not pflow_fits(spec, B) or into.shape != logw.shape or into.dtype != jnp.float32:
         raise ValueError(f"mosaic_tree.param_flows: needs a batch of 16, 32 or 64 (got {B}) and a float32 buffer "
                          f"shaped like the log-weights {list(logw.shape)} (got {into.dtype}{list(into.shape)})")
-    KT = min(PFLOW_TILE, spec.Kp)
+    KT = min(tile, spec.Kp)
+    if spec.Kp % KT or KT & (KT - 1):
+        raise ValueError(f"mosaic_tree.param_flows: tiles of {tile} rows must divide the blocks' {spec.Kp} parents")
     n = tabs["block_pid"].shape[0]
     kernel = functools.partial(_pflow_kernel, B=B, Kp=spec.Kp, Kc=spec.Kc, KT=KT, precision=precision)
-    return call_kernel(kernel, KernelConfig(num_warps=PFLOW_WARPS, num_stages=1), grid=block_grid(n, spec.Kp // KT),
+    return call_kernel(kernel, KernelConfig(num_warps=warps, num_stages=1), grid=block_grid(n, spec.Kp // KT),
                        out_shape=jax.ShapeDtypeStruct(into.shape, jnp.float32), input_output_aliases={7: 0},
                        name="jaxpc_tree_param_flows")(
         tabs["block_pid"], tabs["block_fin"], pf, copies["vals"], copies["prod"], copies["shift"],
