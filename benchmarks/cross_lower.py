@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jaxpc  # noqa: E402
 from _options import tuning  # noqa: E402
-from jaxpc.engine import routing  # noqa: E402
-from jaxpc.ops import pallas_sum  # noqa: E402
+from jaxpc.engine import chain, routing  # noqa: E402
+from jaxpc.ops import buffers, pallas_sum  # noqa: E402
 from profile_step import build  # noqa: E402
 
 H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
@@ -45,6 +45,7 @@ def as_on_gpu():
     """A context in which the kernels lower for CUDA and the routes are the H200's (a Hopper GPU)."""
     stack = [mock.patch.object(pallas_sum, "interpret_mode", lambda: False),
              mock.patch.object(routing, "on_gpu", lambda: True), mock.patch.object(routing, "on_hopper", lambda: True),
+             mock.patch.object(chain, "_on_gpu", lambda: True), mock.patch.object(buffers, "_on_gpu", lambda: True),
              jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=H200))]
 
     class _Ctx:

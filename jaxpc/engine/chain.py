@@ -55,6 +55,12 @@ def applies(layout, options, evidence_externals: bool) -> bool:
             and options.eflow_temperature == 1.0 and not evidence_externals)
 
 
+def _on_gpu() -> bool:
+    """Whether traced code runs on a GPU (:func:`jaxpc.engine.routing.on_gpu`'s answer; routing imports this
+    module, so it asks here)."""
+    return jax.default_backend() == "gpu"
+
+
 def persistent(spec: ChainSpec, B: int, dtype, options) -> bool:
     """Whether the scans run as the persistent kernels of :mod:`jaxpc.ops.pallas_chain` (one launch each way): a
     tied float32 chain at most ``tuning.chain_kernel_batch`` samples wide whose messages fit the kernels' tiles
@@ -66,10 +72,8 @@ def persistent(spec: ChainSpec, B: int, dtype, options) -> bool:
     if not (spec.tied and B <= options.tuning.chain_kernel_batch and jnp.dtype(dtype) == jnp.float32
             and pallas_chain.available() and pallas_chain.fits(spec.K, B)):
         return False
-    from .routing import on_gpu  # (routing imports this module)
-
     impl = route_impl(options)
-    if not on_gpu():
+    if not _on_gpu():
         return impl in ("pallas", "pallas_forward") and not jax.config.jax_enable_x64
     return impl in ("pallas", "pallas_forward", "auto")
 
