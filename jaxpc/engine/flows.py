@@ -145,11 +145,12 @@ def _root_bwd(layout, options, buffered, res, g):
             keep = (routing.tree_pflow_kernel(layout, options, values.shape[1], tabs)
                     and any(spec.key == tree.pflow_key for spec, _ in pflows))
             btabs, tile, ratios = routing.cluster_backward(options, tabs, tree, values.shape[1])
+            above = flows  # the flows of the stages above the tree: final
             flows = mosaic_tree.backward(flows, kept, btabs, mosaic_tree.tf32_weights_t(logw), tree, tile=tile,
                                          interpret=not routing.on_gpu(), keep=keep, ratios=ratios)
             if keep:  # the tree's parameter flows from the backward's sample-major flows
                 flows, tree_flows = flows
-                tree_side = (tree_flows, kept, tabs)
+                tree_side = (tree_flows, kept, tabs, above)
     elif tree is not None:
         with jax.named_scope("jaxpc/tree/backward"):
             dp_in = dparams[tree.group] if options.compute_param_flows else None
@@ -267,9 +268,9 @@ def _sum_flows_xla(ps: _Pass, fl: Array, dp: dict, part, t: dict, row) -> tuple:
 def _after_pass(ps: _Pass, pflows: list, flows: Array, dparams: dict, tree_side: tuple | None = None) -> dict:
     """``dparams`` with the batched parameter-flow pass's groups (:func:`batched_pflows`) computed from the
     finished flow buffer, reading the forward's kept shifts where every member partition kept them. ``tree_side``
-    (the clusters' backward's sample-major flows, the forward's copies and the clusters' tables): the tree's blocks
-    by :func:`jaxpc.ops.mosaic_tree.param_flows` instead (``Tuning.tree_pflow_kernel``), the rest of their spec by
-    the batched pass."""
+    (the clusters' backward's sample-major flows, the forward's copies, the clusters' tables and the flow buffer
+    before the tree's backward): the tree's blocks by :func:`jaxpc.ops.mosaic_tree.param_flows` instead
+    (``Tuning.tree_pflow_kernel``), the rest of their spec by the batched pass."""
     options, values = ps.options, ps.values
     B, dtype = values.shape[1], values.dtype
     for spec, tab in pflows:
@@ -280,7 +281,7 @@ def _after_pass(ps: _Pass, pflows: list, flows: Array, dparams: dict, tree_side:
         logw = ps.sum_params[spec.group]
         with jax.named_scope(f"jaxpc/param_flows/{spec.group}_C{spec.C}"):
             if tree_side is not None and spec.key == ps.layout.tree.pflow_key:
-                dparams[spec.group] = _tree_param_flows(ps, spec, tab, flows, kept, by_kernel, tree_side)
+                dparams[spec.group] = _tree_param_flows(ps, spec, tab, kept, by_kernel, tree_side)
                 continue
             dparams[spec.group] = _batched_param_flows(values, flows, dparams.get(spec.group), logw, spec, tab,
                                                        options, ps.shifts, ps.unit, kept, by_kernel,
@@ -288,14 +289,14 @@ def _after_pass(ps: _Pass, pflows: list, flows: Array, dparams: dict, tree_side:
     return dparams
 
 
-def _tree_param_flows(ps: _Pass, spec, tab: dict, flows: Array, kept: tuple, by_kernel: bool,
-                      tree_side: tuple) -> Array:
+def _tree_param_flows(ps: _Pass, spec, tab: dict, kept: tuple, by_kernel: bool, tree_side: tuple) -> Array:
     """The parameter flows of the group of the tree's blocks: the blocks of ``spec`` outside the tree
-    (``pflow_rest``) by the batched pass, written into an unset buffer, then the tree's by
+    (``pflow_rest``, above it) by the batched pass from the flows as they were before the tree's backward (which
+    lets them run beside it), written into an unset buffer, then the tree's by
     :func:`jaxpc.ops.mosaic_tree.param_flows` in place."""
     from ..ops import mosaic_tree
 
-    tree_flows, copies, tabs = tree_side
+    tree_flows, copies, tabs, flows = tree_side
     options, logw = ps.options, ps.sum_params[spec.group]
     into = uninitialized(logw.shape, logw.dtype, options.tuning.min_unset)
     rest = tabs["pflow_rest"]

@@ -307,13 +307,20 @@ def cluster_backward(options, tabs: dict, spec, B: int) -> tuple[dict, int, bool
 def _pflow_rest(fold: Layout, pflow_tables, block_pid) -> np.ndarray | None:
     """The rows of the batched parameter-flow pass's table for the tree's blocks (``fold.pflows``' spec of the tree's
     group and shape) whose blocks are not the tree's, where :func:`jaxpc.ops.mosaic_tree.param_flows` can write the
-    tree's: the spec writes each block's flows once (``unique``) and holds every tree block. None otherwise."""
+    tree's: the spec writes each block's flows once (``unique``), holds every tree block, and its other blocks lie
+    above the tree (steps from ``tree.stop`` on), so that their flows are final before the tree's backward and their
+    parameter flows need not wait for it. None otherwise."""
     tree = fold.tree
     for spec, tab in zip(fold.pflows, pflow_tables):
         if block_pid is not None and spec.key == tree.pflow_key and spec.unique:
             pid = np.asarray(tab["pid"])[:, 0]
             if np.isin(block_pid, pid).all():
-                return np.flatnonzero(~np.isin(pid, block_pid)).astype(np.int32)
+                rest = np.flatnonzero(~np.isin(pid, block_pid)).astype(np.int32)
+                steps = [i for i, step in enumerate(fold.steps)  # each member partition's step (pflow_members)
+                         for st in (step.period if isinstance(step, ScanSpec) else (step,))
+                         for p in st.sums if p.blockwise and p.pflow_key == spec.key]
+                if all(steps[k] >= tree.stop for k in np.asarray(tab["part"])[rest]):
+                    return rest
     return None
 
 
