@@ -13,6 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from . import checks
 from .compiler import compile as _compile
@@ -54,6 +55,17 @@ def compile(root: CircuitNodes, *, seed: int = 0, dtype=jnp.float32, scan_min_re
                    cache=ExecutableCache(max_executables, max_layouts_per_entry, compile_after),
                    buckets=BucketPolicy(buckets, min_bucket))
 
+
+
+@functools.partial(jax.jit, static_argnames=("num", "nb", "ncb", "exp"))
+def _dense_blocks(group: Array, start, rows: Array, cols: Array, *, num: int, nb: int, ncb: int, exp: bool) -> Array:
+    """``num`` blocks ``[Kp, Kc]`` of ``group`` from ``start`` (``exp``: their exponentials) at block rows ``rows`` and
+    columns ``cols`` of a dense ``[nb * Kp, ncb * Kc]`` matrix, zeros elsewhere."""
+    blocks = lax.dynamic_slice_in_dim(group, start, num, axis=0)
+    blocks = jnp.exp(blocks) if exp else blocks
+    Kp, Kc = blocks.shape[1:]
+    dense = jnp.zeros((nb, ncb, Kp, Kc), blocks.dtype).at[rows, cols].set(blocks)
+    return dense.transpose(0, 2, 1, 3).reshape(nb * Kp, ncb * Kc)
 
 class Circuit:
     """A compiled probabilistic circuit.
@@ -142,7 +154,7 @@ class Circuit:
         if src.id not in st.sources:
             raise ValueError(f"get_node_params: {node.name} is not part of this circuit")
         if node.is_sum():
-            return self._dense_sum(jnp.exp(self._sum_blocks(params, src)), src)
+            return self._dense_sum(params, src, exp=True)
         if node.is_input():
             pl = st.input_placement[src.id]
             tab = self.tables["inputs"][pl.layer]["meta"]
@@ -153,15 +165,14 @@ class Circuit:
             return nat[fields[0]] if len(fields) == 1 else nat  # parameter-free leaves: {"value": ...}
         raise ValueError(f"get_node_params: {node.name} is a product vector; products have no parameters")
 
-    def _sum_blocks(self, tree: dict, src) -> Array:
+    def _dense_sum(self, tree: dict, src, exp: bool) -> Array:
+        """Sum vector ``src``'s blocks of ``tree["sum"]`` (``exp``: of their exponentials) laid out dense: one
+        executable per block shape and count, the blocks' place an argument (eager ops compiled each of them per
+        vector)."""
         pl = self._struct.sum_placement[src.id]
-        return tree["sum"][pl.group][pl.start:pl.start + pl.num_edge_blocks]
-
-    @staticmethod
-    def _dense_sum(blocks: Array, src) -> Array:
-        nb, Kp, Kc, ncb = src.num_node_blocks, src.block_size, src.ch_block_size, src.num_ch_node_blocks
-        dense = jnp.zeros((nb, ncb, Kp, Kc), blocks.dtype).at[src.edge_ids[0], src.edge_ids[1]].set(blocks)
-        return dense.transpose(0, 2, 1, 3).reshape(nb * Kp, ncb * Kc)
+        rows, cols = (np.asarray(e, np.int32) for e in src.edge_ids)
+        return _dense_blocks(tree["sum"][pl.group], pl.start, rows, cols, num=pl.num_edge_blocks,
+                             nb=src.num_node_blocks, ncb=src.num_ch_node_blocks, exp=exp)
 
     def get_node_flows(self, flows: dict, node: CircuitNodes):
         """The flows of ``node`` in the dense form of :meth:`get_node_params`.
@@ -175,7 +186,7 @@ class Circuit:
         if src.id not in st.sources:
             raise ValueError(f"get_node_flows: {node.name} is not part of this circuit")
         if node.is_sum():
-            return self._dense_sum(self._sum_blocks(flows, src), src)
+            return self._dense_sum(flows, src, exp=False)
         if node.is_input():
             pl = st.input_placement[src.id]
             sl = slice(pl.row_start, pl.row_start + pl.num_nodes)

@@ -98,6 +98,32 @@ def test_host_log_weights_equal_one_sequential_draw(monkeypatch, chunk, threads,
         assert a.integers(0, 2**31, 5, dtype=np.int32).tolist() == b.integers(0, 2**31, 5, dtype=np.int32).tolist()
 
 
+def test_node_params_compile_once_per_block_shape():
+    """``get_node_params`` / ``get_node_flows`` of sum vectors run one executable per block shape and count (the
+    vectors' places are arguments): a PD's 100 sum vectors of a few shapes compile a few, the second pass none, and
+    the dense form equals the blocks laid out by hand."""
+    from jaxpc import circuit as circuit_module
+
+    c = jaxpc.compile(jaxpc.structures.PD((4, 4), 4, split_intervals=(2, 2), input_dist=distributions.Categorical(3)))
+    sums = [n for n in c.nodes if n.is_sum()]
+    shapes = {(n.source.edge_ids.shape[1], n.source.num_node_blocks, n.source.num_ch_node_blocks, n.source.block_size,
+               n.source.ch_block_size) for n in sums}
+    before = circuit_module._dense_blocks._cache_size()
+    dense = [np.asarray(c.get_node_params(c.params, n)) for n in sums]
+    grown = circuit_module._dense_blocks._cache_size() - before
+    assert len(sums) > 3 * len(shapes) and grown <= 2 * len(shapes)  # (per group's array shape, too)
+    [c.get_node_flows(c.params, n) for n in sums]  # the same blocks without exponentials
+    [c.get_node_params(c.params, n) for n in sums]
+    assert circuit_module._dense_blocks._cache_size() - before <= 4 * len(shapes)
+    n = sums[len(sums) // 2]
+    group, blocks = c.param_slice(n)
+    src = n.source
+    want = np.zeros((src.num_node_blocks, src.num_ch_node_blocks, src.block_size, src.ch_block_size))
+    want[src.edge_ids[0], src.edge_ids[1]] = np.exp(np.asarray(c.params["sum"][group][blocks]))
+    want = want.transpose(0, 2, 1, 3).reshape(dense[len(sums) // 2].shape)
+    np.testing.assert_allclose(dense[len(sums) // 2], want, rtol=1e-6)
+
+
 def test_params_round_trip_dense_and_block_forms():
     rng = np.random.default_rng(0)
     pa = rng.random((6, 3))
