@@ -56,7 +56,6 @@ def compile(root: CircuitNodes, *, seed: int = 0, dtype=jnp.float32, scan_min_re
                    buckets=BucketPolicy(buckets, min_bucket))
 
 
-
 @functools.partial(jax.jit, static_argnames=("num", "nb", "ncb", "exp"))
 def _dense_blocks(group: Array, start, rows: Array, cols: Array, *, num: int, nb: int, ncb: int, exp: bool) -> Array:
     """``num`` blocks ``[Kp, Kc]`` of ``group`` from ``start`` (``exp``: their exponentials) at block rows ``rows`` and
@@ -66,6 +65,7 @@ def _dense_blocks(group: Array, start, rows: Array, cols: Array, *, num: int, nb
     Kp, Kc = blocks.shape[1:]
     dense = jnp.zeros((nb, ncb, Kp, Kc), blocks.dtype).at[rows, cols].set(blocks)
     return dense.transpose(0, 2, 1, 3).reshape(nb * Kp, ncb * Kc)
+
 
 class Circuit:
     """A compiled probabilistic circuit.

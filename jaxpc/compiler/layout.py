@@ -259,7 +259,12 @@ class Layout:
 
     def pflow_members(self, key: tuple) -> list:
         """The sum partitions of :class:`PFlowSpec` ``key``, numbered as its ``part`` table."""
-        return [p for step in self.steps for spec in (step.period if isinstance(step, ScanSpec) else (step,))
+        return [p for _, p in self.pflow_member_steps(key)]
+
+    def pflow_member_steps(self, key: tuple) -> list:
+        """``(step index, partition)`` of each of :meth:`pflow_members`, in its order."""
+        return [(i, p) for i, step in enumerate(self.steps)
+                for spec in (step.period if isinstance(step, ScanSpec) else (step,))
                 for p in spec.sums if p.blockwise and p.pflow_key == key]
 
     def stages(self):

@@ -316,9 +316,7 @@ def _pflow_rest(fold: Layout, pflow_tables, block_pid) -> np.ndarray | None:
             pid = np.asarray(tab["pid"])[:, 0]
             if np.isin(block_pid, pid).all():
                 rest = np.flatnonzero(~np.isin(pid, block_pid)).astype(np.int32)
-                steps = [i for i, step in enumerate(fold.steps)  # each member partition's step (pflow_members)
-                         for st in (step.period if isinstance(step, ScanSpec) else (step,))
-                         for p in st.sums if p.blockwise and p.pflow_key == spec.key]
+                steps = [i for i, _ in fold.pflow_member_steps(spec.key)]
                 if all(steps[k] >= tree.stop for k in np.asarray(tab["part"])[rest]):
                     return rest
     return None

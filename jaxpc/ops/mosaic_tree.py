@@ -516,6 +516,13 @@ def tf32_weights_t(logw: Array) -> Array:
     return jnp.swapaxes(tf32_weights(logw), 1, 2)
 
 
+def _check_smem(kernel: str, smem: int, tile: int, K: int, steps: int) -> None:
+    """Raises where a block of ``kernel`` (``"forward"`` / ``"backward"``) would take more than ``SMEM`` bytes."""
+    if smem > SMEM:
+        raise ValueError(f"mosaic_tree.{kernel}: {tile}-row tasks of {K}-node blocks over {steps} steps need {smem} "
+                         f"bytes of shared memory, more than {SMEM}: schedule smaller tasks")
+
+
 def backward_smem(spec, B: int, tile: int, steps: int, ratios: bool) -> int:
     """Bytes of shared memory a block of :func:`backward`'s kernels takes (at most ``SMEM`` on the H200)."""
     K = spec.Kc
@@ -539,10 +546,8 @@ def backward(flows: Array, copies: dict, tabs: dict, weights_t: Array, spec, til
     interpret = _interpreted(interpret)
     K, steps = spec.Kc, max(t.shape[2] for t in tabs["btasks"])
     R, B = flows.shape
-    smem = backward_smem(spec, B, tile, steps, ratios)
-    if not interpret and smem > SMEM:
-        raise ValueError(f"mosaic_tree.backward: {tile}-row tasks of {K}-node blocks over {steps} steps need "
-                         f"{smem} bytes of shared memory, more than {SMEM}: schedule smaller tasks")
+    if not interpret:
+        _check_smem("backward", backward_smem(spec, B, tile, steps, ratios), tile, K, steps)
     inputs = tabs["inputs"]
     n = inputs.shape[0]
     parent_rows = tabs["rows"].reshape(n, K)
@@ -605,9 +610,8 @@ def param_flows(into: Array, pf: Array, copies: dict, tabs: dict, logw: Array, s
     (``keep=True``) and :func:`forward`'s ``copies``: per block, ``exp(logw) * (a^T @ y)`` over the batch, ``a`` its
     parents' flows over their values and ``y`` its child's values, both scaled by the kept shift. One Pallas kernel
     (Triton), a program per block and ``tile`` parent rows (``warps`` warps), the weights' product in its epilogue:
-    it reads the
-    log-weights and writes the flows once, where the batched pass's product, written out, is read again by the
-    multiplication by the weights. Other rows of ``into`` are left as they are (:func:`pflow_fits`)."""
+    it reads the log-weights and writes the flows once, where the batched pass's product, written out, is read
+    again by the multiplication by the weights. Other rows of ``into`` are left as they are (:func:`pflow_fits`)."""
     from .pallas_sum import KernelConfig, block_grid, call_kernel
 
     B = pf.shape[0]
@@ -650,10 +654,9 @@ def forward(buf: Array, tabs: dict, logw: Array | None, spec, interpret: bool | 
                          f"Kp={spec.Kp}, Kc={spec.Kc}")
     interpret = _interpreted(interpret)
     steps = max(t.shape[2] for t in tabs["tasks"])
-    smem = 4 * (2 * tile * spec.Kc + TILE * spec.Kc + TILE * tile + TILE * _SHIFT + steps * _TASK)
-    if not interpret and smem > SMEM:
-        raise ValueError(f"mosaic_tree.forward: {tile}-row tasks of {spec.Kc}-node children over {steps} steps need "
-                         f"{smem} bytes of shared memory, more than {SMEM}: schedule smaller tasks")
+    if not interpret:
+        _check_smem("forward", 4 * (2 * tile * spec.Kc + TILE * spec.Kc + TILE * tile + TILE * _SHIFT + steps * _TASK),
+                    tile, spec.Kc, steps)
     B = buf.shape[1]
     inputs = tabs["inputs"]
     n = inputs.shape[0]
