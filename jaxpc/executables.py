@@ -12,6 +12,11 @@ of the key; everything else a call brings (evidence, masks, weights, PRNG keys, 
 traced argument. The batch dimension is padded to a *bucket* (default: powers of two from 8), so
 a loop whose batch size varies uses a handful of executables; padded rows get zero weight.
 
+A call first tries the executable that the last call with the same entry point, static values and top-level
+argument shapes ran (:meth:`ExecutableCache.run`): the executable checks its arguments' pytree, shapes, dtypes and
+shardings itself (in C++) and refuses others before running anything, and only then is the full key built. A
+training loop's step pays for neither the key's signature of every parameter leaf nor its hash.
+
 The cache is bounded (least recently used executables are dropped first), thread-safe (a key
 is compiled once even when several threads ask for it at the same time), and warns once per
 entry point when one layout keeps being recompiled, naming the component of the key that keeps
@@ -251,6 +256,8 @@ class _Entry:
         return self.ready.is_set() and self.error is None
 
 
+RECENT_KEYS: Final = 256  # ExecutableCache.run's first tries, at most (then forgotten at once)
+
 QUICK_XLA: Final = (("xla_gpu_enable_triton_gemm", False), ("xla_gpu_autotune_level", 0),
                      ("xla_llvm_disable_expensive_passes", True))
 UNROLLED_XLA: Final = (("xla_gpu_enable_triton_gemm", False),)
@@ -396,6 +403,7 @@ class ExecutableCache:
         self.compile_after = compile_after
         self._lock = threading.RLock()
         self._entries: dict = {}  # key -> _Entry; recency is each entry's ``used``, not the dict's order
+        self._recent: dict = {}  # recent_key -> the usable _Entry the last call of that key ran (run's first try)
         self._sightings: collections.Counter = collections.Counter()
         self._layouts: dict[str, list[dict]] = collections.defaultdict(list)
         self._warned: set[str] = set()
@@ -488,6 +496,7 @@ class ExecutableCache:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._recent.clear()
             self._sightings.clear()
             self._layouts.clear()
             self._warned.clear()
@@ -531,6 +540,16 @@ class ExecutableCache:
                 sig.append((name, (tree, tuple(_leaf_sig(leaf) for leaf in leaves))))
         return tuple(sig)
 
+    @staticmethod
+    def recent_key(entry: str, static: dict, args: dict) -> tuple:
+        """What picks the executable :meth:`run` tries first: the entry point, the static values, the tables'
+        signature (memoized by identity: packed tables of another layout could have the same packed shapes), and
+        per other argument its shape where it is an array, else whether it is None. Cheap by design (no pytree is
+        flattened): the executable checks the rest."""
+        return (entry, tuple(static.items()),
+                tuple(_TABLE_SIGS.get(v) if k == "tables" else v.shape if isinstance(v, jax.Array) else v is None
+                      for k, v in args.items()))
+
     # ---- running ------------------------------------------------------------------------------
     def run(self, entry: str, fn: Callable, static: dict, args: dict, fallback: Callable | None = None):
         """Run ``fn(**args, **static)`` through its compiled executable.
@@ -540,6 +559,18 @@ class ExecutableCache:
         sightings of a key instead of compiling (e.g. a larger bucket's executable); it returns None to
         compile after all. Arguments holding tracers (a call inside the caller's own trace) run ``fn`` inline.
         """
+        recent = self.recent_key(entry, static, args)
+        e = self._recent.get(recent)  # (a dict read is atomic)
+        if e is not None:
+            try:
+                out = e.compiled(*_call_args(args))
+            except (TypeError, ValueError):  # refused before running: another pytree, shape, dtype or sharding
+                pass
+            else:
+                with self._lock:
+                    self.hits += 1
+                    e.used = self.hits + self.misses
+                return out
         key = self.key(entry, static, args)
         if key is None:
             return fn(**args, **static)
@@ -570,6 +601,12 @@ class ExecutableCache:
         out = e.compiled(*_call_args(args))
         if e.pending is not None and not owner:  # traced while the device runs this call
             self._start_upgrade(e)
+        if e.pending is None:
+            with self._lock:
+                if any(v is e for v in self._entries.values()):  # (not evicted meanwhile)
+                    if len(self._recent) >= RECENT_KEYS:
+                        self._recent.clear()
+                    self._recent[recent] = e
         return out
 
     def find(self, entry: str, static: dict, args: dict):
@@ -732,7 +769,8 @@ class ExecutableCache:
 
     def _evict(self):
         while len(self._entries) > self.max_executables:
-            del self._entries[min(self._entries, key=lambda k: self._entries[k].used)]
+            gone = self._entries.pop(min(self._entries, key=lambda k: self._entries[k].used))
+            self._recent = {k: v for k, v in self._recent.items() if v is not gone}
 
     def _note_layout(self, entry: str, comp: dict):
         seen = self._layouts[entry]

@@ -527,6 +527,43 @@ def test_call_key_is_by_value_and_inlines_tracers():
     assert seen == [None]
 
 
+def test_a_call_tries_its_last_executable_and_falls_back_to_the_key():
+    """``ExecutableCache.run`` first tries the executable that the last call with the same entry, static values and
+    top-level shapes ran: arguments of another dtype or pytree are refused by that executable and compiled under
+    their own key (and replayed from then on), an evicted executable is never tried, and tracers run inline."""
+    from jaxpc.executables import ExecutableCache
+
+    cache = ExecutableCache(max_executables=2)
+    fn = lambda p, x: sum(jnp.sum(v).astype(jnp.float32) for v in jax.tree_util.tree_leaves(p)) * x  # noqa: E731
+
+    def run(p, n=3):
+        return np.asarray(cache.run("f", fn, {}, {"p": p, "x": jnp.ones(n)}))
+
+    def counts():
+        return cache.info().misses, cache.info().hits
+
+    f32, i32, other = {"a": jnp.ones(2)}, {"a": jnp.full(2, 2, jnp.int32)}, {"b": jnp.full(2, 3.0)}
+    np.testing.assert_array_equal(run(f32), [2.0] * 3)
+    np.testing.assert_array_equal(run(f32), [2.0] * 3)
+    assert counts() == (1, 1)
+    np.testing.assert_array_equal(run(i32), [4.0] * 3)  # same shapes, another dtype
+    np.testing.assert_array_equal(run(i32), [4.0] * 3)
+    assert counts() == (2, 2)
+    np.testing.assert_array_equal(run(other), [6.0] * 3)  # same shapes, another pytree
+    assert counts() == (3, 2) and cache.info().live == 2  # f32's executable was dropped
+    np.testing.assert_array_equal(run(f32), [2.0] * 3)
+    assert counts() == (4, 2)
+    traced = jax.jit(lambda p: cache.run("f", fn, {}, {"p": p, "x": jnp.ones(3)}))(f32)
+    np.testing.assert_array_equal(np.asarray(traced), [2.0] * 3)
+    assert counts() == (4, 2)
+    np.testing.assert_array_equal(run(f32, 4), [2.0] * 4)  # x of 4: tried first by the next call with x of 4
+    np.testing.assert_array_equal(run(f32, 4), [2.0] * 4)
+    assert counts() == (5, 3)
+    run(f32, 5), run(f32, 6)  # the executable for x of 4 is dropped: the next such call compiles again
+    np.testing.assert_array_equal(run(f32, 4), [2.0] * 4)
+    assert counts() == (8, 3)
+
+
 def test_packed_tables_round_trip_and_serve_equal_tables():
     """Executables take the tables packed (one array per dtype): unpacking gives every table back, scalars and
     mixed dtypes included; the executable compiled for one tables object runs a copy (and a larger bucket's
