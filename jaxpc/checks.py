@@ -75,12 +75,14 @@ def check_batch(info: VarInfo, x, missing, *, check_values: bool, float_dtype, w
     """Check ``x`` ``[B, V]`` and ``missing`` (``bool[V]`` or ``bool[B, V]``): shapes and dtypes always, values of
     host data with ``check_values``. Returns ``(x, missing, on_device)`` as jnp arrays; ``on_device``: ``x`` was a
     concrete device array, whose values only the executable's :class:`DeviceCheck` sees."""
-    if not isinstance(x, (np.ndarray, jax.Array)) and not _is_tracer(x):
+    traced = _is_tracer(x)
+    on_device = not traced and isinstance(x, jax.Array)  # a concrete device array
+    if not on_device and not traced and not isinstance(x, np.ndarray):
         try:
             x = np.asarray(x)
         except Exception as e:  # noqa: BLE001 - re-raised with context
             raise TypeError(f"{what} must be an array of shape [batch, {info.num_vars}], got {type(x).__name__}") from e
-    shape = tuple(x.shape)
+    shape = x.shape
     if len(shape) != 2:
         hint = f"; for one sample use {what}[None]" if len(shape) == 1 else ""
         raise ValueError(f"{what} must have shape [batch, num_vars] = [B, {info.num_vars}], got shape {shape}{hint}")
@@ -110,13 +112,12 @@ def check_batch(info: VarInfo, x, missing, *, check_values: bool, float_dtype, w
                              f"got {mshape}")
         m = missing
 
-    on_device = isinstance(x, jax.Array) and not _is_tracer(x)
-    if check_values and not on_device and not _is_tracer(x) and not _is_tracer(m):
+    if check_values and not on_device and not traced and not _is_tracer(m):
         _check_values(info, x, m, what)  # host data: checked before anything runs
 
     target = jnp.int32 if info.all_discrete else float_dtype
     # a device array of the right dtype is used as it is (jnp.asarray costs ~0.1 ms of host time per call)
-    xj = x if isinstance(x, jax.Array) and x.dtype == target else jnp.asarray(x, dtype=target)
+    xj = x if (on_device or traced) and dt == target else jnp.asarray(x, dtype=target)
     mj = None if m is None else (m if isinstance(m, jax.Array) and m.dtype == jnp.bool_ else jnp.asarray(m, dtype=bool))
     return xj, mj, on_device
 
