@@ -67,6 +67,47 @@ class VarInfo:
         return f"variable {v} ({self.names[v]}) accepts {rng}"
 
 
+@dataclasses.dataclass(frozen=True)
+class ParamsSpec:
+    """The parameter pytree a circuit takes: its structure and each leaf's shape (any floating dtype)."""
+
+    tree: jax.tree_util.PyTreeDef
+    paths: tuple[str, ...]  # each leaf's path, as ``['sum']['4x4']``
+    shapes: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, params) -> ParamsSpec:
+        leaves, tree = jax.tree_util.tree_flatten_with_path(params)
+        return cls(tree, tuple(jax.tree_util.keystr(k) for k, _ in leaves), tuple(np.shape(v) for _, v in leaves))
+
+
+def _first(names: list[str], n: int = 4) -> str:
+    return ", ".join(names[:n]) + (" ..." if len(names) > n else "")
+
+
+def check_params(spec: ParamsSpec, params, what: str = "params") -> None:
+    """Check that ``params`` has ``spec``'s pytree structure, shapes and a floating dtype: a ``ValueError`` naming
+    the leaves that are missing, unexpected or of another shape (``params`` of another circuit), a ``TypeError``
+    naming a leaf of another dtype. Nothing else names them: a missing group surfaces as a ``KeyError`` deep in the
+    trace, integer parameters as wrong numbers."""
+    leaves, tree = jax.tree_util.tree_flatten_with_path(params)
+    paths = [jax.tree_util.keystr(k) for k, _ in leaves]
+    if tree != spec.tree:
+        missing = [what + p for p in spec.paths if p not in set(paths)]
+        extra = [what + p for p in paths if p not in set(spec.paths)]
+        detail = "; ".join(([f"missing {_first(missing)}"] if missing else [])
+                           + ([f"unexpected {_first(extra)}"] if extra else [])) or f"got {type(params).__name__}"
+        raise ValueError(f"{what} does not have the structure of this circuit's params ({detail}): pass "
+                         "circuit.params, circuit.init_params(key) or what an update of them returned")
+    for path, want, (_, v) in zip(paths, spec.shapes, leaves):
+        shape = tuple(np.shape(v))
+        if shape != want:
+            raise ValueError(f"{what}{path} has shape {shape}, this circuit's has {want} (another circuit's params?)")
+        dt = np.dtype(v.dtype) if hasattr(v, "dtype") else np.asarray(v).dtype
+        if not jnp.issubdtype(dt, jnp.floating):
+            raise TypeError(f"{what}{path} has dtype {dt}; parameters are floating point")
+
+
 def _is_tracer(a) -> bool:
     return isinstance(a, jax.core.Tracer)
 

@@ -101,6 +101,7 @@ class Circuit:
         # (before the initial draw, which takes seconds on the host for a large circuit: the loads overlap it)
         self.runtime.load_ahead("circuit", self.layout, str(self.dtype))
         self.params: Params = self._initial_params(seed)
+        self.runtime.set_params(self.params)
 
     # ------------------------------------------------------------------------------------------
     # parameters

@@ -404,6 +404,9 @@ class ExecutableCache:
         self._lock = threading.RLock()
         self._entries: dict = {}  # key -> _Entry; recency is each entry's ``used``, not the dict's order
         self._recent: dict = {}  # recent_key -> the usable _Entry the last call of that key ran (run's first try)
+        # check_args(args): raises on arguments that no executable should be compiled or traced for; called on a key
+        # that has no executable yet (and on tracers), never on a hit
+        self.check_args: Callable[[dict], None] | None = None
         self._sightings: collections.Counter = collections.Counter()
         self._layouts: dict[str, list[dict]] = collections.defaultdict(list)
         self._warned: set[str] = set()
@@ -572,6 +575,8 @@ class ExecutableCache:
                     e.used = self.hits + self.misses
                 return out
         key = self.key(entry, static, args)
+        if self.check_args is not None and (key is None or key not in self._entries):
+            self.check_args(args)
         if key is None:
             return fn(**args, **static)
         owner, e = False, None

@@ -259,6 +259,17 @@ class Runtime:
         self._flag_exes: dict = {}  # layout -> the flag's executable
         self._pending: collections.deque = collections.deque()
         self._lock = threading.Lock()
+        self.params_spec: checks.ParamsSpec | None = None  # what an entry's ``params`` must look like (set_params)
+        self.cache.check_args = self._check_args
+
+    def set_params(self, params) -> None:
+        """Take ``params``' structure, shapes and floating dtype as what every entry's ``params`` argument must have,
+        checked (:func:`jaxpc.checks.check_params`) before an executable is compiled or traced for it."""
+        self.params_spec = checks.ParamsSpec.of(params)
+
+    def _check_args(self, args: dict) -> None:
+        if self.params_spec is not None and "params" in args:
+            checks.check_params(self.params_spec, args["params"])
 
     def load_ahead(self, *owner) -> None:
         """Start loading the stored executables that earlier processes ran for the circuit named by ``owner`` (its

@@ -252,3 +252,30 @@ def test_get_node_params_of_foreign_node(cat_circuit):
     other = jaxpc.inputs(0, 1, dist=distributions.Categorical(5), name="stranger")
     with pytest.raises(ValueError, match="stranger is not part of this circuit"):
         cat_circuit.get_node_params(cat_circuit.params, other)
+
+
+# ---- params --------------------------------------------------------------------------------------
+
+def test_params_of_another_shape_or_dtype_are_named(cat_circuit, mixed_circuit):
+    """Params that do not fit the circuit raise before anything is compiled or traced, naming the leaf; the
+    circuit's own params then still run (no executable was left behind for the bad ones)."""
+    import jax
+
+    x = np.zeros((2, 2), np.int32)
+    with pytest.raises(ValueError, match=r"structure of this circuit's params \(missing params\['input'\]"):
+        cat_circuit.log_prob({"sum": cat_circuit.params["sum"]}, x)
+    with pytest.raises(ValueError, match=r"circuit's params.*unexpected params\['input'\]\['gaussian"):
+        cat_circuit.flows(mixed_circuit.params, x)
+    (g, w), = cat_circuit.params["sum"].items()
+    wrong = {"sum": {g: jnp.concatenate([w, w])}, "input": cat_circuit.params["input"]}
+    with pytest.raises(ValueError, match=rf"params\['sum'\]\['{g}'\] has shape \({2 * w.shape[0]}, "):
+        cat_circuit.em_step(wrong, x)
+    ints = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, jnp.int32), cat_circuit.params)
+    with pytest.raises(TypeError, match=r"params\['input'\].* has dtype int32; parameters are floating point"):
+        cat_circuit.log_prob(ints, x)
+    with pytest.raises(TypeError, match="has dtype int32"):  # inside the user's jit too
+        jax.jit(lambda p: cat_circuit.log_prob(p, x))(ints)
+    misses = cat_circuit.cache_info().misses
+    ll = cat_circuit.log_prob(cat_circuit.params, x)
+    assert np.all(np.isfinite(np.asarray(ll)))
+    assert cat_circuit.cache_info().misses <= misses + 1
