@@ -370,9 +370,17 @@ class Runtime:
         return self.constant(("scalar", key), lambda: jnp.asarray(key, self.dtype))
 
     def weights(self, ll_weights, n: int):
-        """Per-sample weights ``[n]`` of the circuit's dtype, or None."""
+        """Per-sample weights ``[n]`` of the circuit's dtype, or None. Host weights (numpy, lists) must be finite;
+        device arrays are taken as they are (their values would cost a host round trip)."""
         if ll_weights is None:
             return None
+        if not isinstance(ll_weights, jax.Array):
+            host = np.asarray(ll_weights)
+            if host.dtype.kind not in "biuf":
+                raise TypeError(f"ll_weights must be numbers, got dtype {host.dtype}")
+            bad = np.flatnonzero(~np.isfinite(host.astype(np.float64).ravel()))
+            if bad.size:
+                raise ValueError(f"ll_weights must be finite; ll_weights[{bad[0]}] is {host.ravel()[bad[0]]}")
         w = ll_weights if isinstance(ll_weights, jax.core.Tracer) else jnp.asarray(ll_weights, self.dtype)
         if w.shape != (n,):
             raise ValueError(f"ll_weights must have shape [{n}] (one weight per sample), got {tuple(w.shape)}")

@@ -279,3 +279,18 @@ def test_params_of_another_shape_or_dtype_are_named(cat_circuit, mixed_circuit):
     ll = cat_circuit.log_prob(cat_circuit.params, x)
     assert np.all(np.isfinite(np.asarray(ll)))
     assert cat_circuit.cache_info().misses <= misses + 1
+
+
+def test_query_and_weight_arguments_are_checked(cat_circuit):
+    x = np.zeros((3, 2), np.int32)
+    with pytest.raises(ValueError, match="num_samples must be a positive int, got 0"):
+        cat_circuit.mpe(cat_circuit.params, num_samples=0)
+    with pytest.raises(ValueError, match="num_samples=5 but the evidence has 3 rows"):
+        cat_circuit.mpe(cat_circuit.params, x, num_samples=5)
+    assert cat_circuit.mpe(cat_circuit.params, num_samples=2)[0].shape == (2, 2)
+    with pytest.raises(TypeError, match=r"key must be a PRNG key such as jax.random.key\(0\), got int"):
+        cat_circuit.sample(cat_circuit.params, 0, 3)
+    with pytest.raises(ValueError, match=r"ll_weights must be finite; ll_weights\[1\] is nan"):
+        cat_circuit.flows(cat_circuit.params, x, ll_weights=[1.0, float("nan"), 1.0])
+    with pytest.raises(TypeError, match="ll_weights must be numbers"):
+        cat_circuit.em_step(cat_circuit.params, x, ll_weights=np.array(["a", "b", "c"]))

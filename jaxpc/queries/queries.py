@@ -203,21 +203,14 @@ def sample(circuit, params, key: Array, num_samples: int | None = None, *, x=Non
     missing ones drawn from ``p(missing | evidence)``. Pure and keyed by ``key``: each sum node picks a child
     by Gumbel-max on ``log w + child log-likelihood``, then every reached leaf draws its value.
     """
-    if x is None:
-        if missing is not None:
-            raise ValueError("missing is only meaningful with evidence x")
-        if not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
-        batch = _all_missing_batch(circuit, num_samples)
-    else:
-        batch = _observed(circuit, x, missing, validate)
-        if num_samples is not None and num_samples != batch.n:
-            raise ValueError(f"num_samples={num_samples} but the evidence has {batch.n} rows (one sample per row)")
+    if not isinstance(key, (jax.Array, np.ndarray)):
+        raise TypeError(f"key must be a PRNG key such as jax.random.key(0), got {type(key).__name__}")
+    batch = _query_batch(circuit, x, missing, num_samples, validate)
     K = max(int(circuit.runtime.var_info.card.max()), 1)
     return _run(circuit, "sample", {"num_values": K}, {"params": params, "key": key}, batch)
 
 
-def mpe(circuit, params, x=None, missing=None, *, num_samples: int = 1,
+def mpe(circuit, params, x=None, missing=None, *, num_samples: int | None = None,
         validate: bool | str = True) -> tuple[Array, Array]:
     """Max-product decoding: ``(assignment [B, V], log-value [B])``.
 
@@ -226,16 +219,27 @@ def mpe(circuit, params, x=None, missing=None, *, num_samples: int = 1,
     for deterministic circuits. For general circuits exact MAP is NP-hard; this returns the best
     assignment of the best single induced tree, and its value is a lower bound on the MAP value.
     Ties go to the first child (lowest child block, then lowest node in the block) and to the lowest
-    value of a leaf; a continuous leaf decodes to its mean.
+    value of a leaf; a continuous leaf decodes to its mean. Without ``x``, ``num_samples`` (default 1) rows of
+    the unconditional decoding; with it, one row per row of ``x``.
     """
+    batch = _query_batch(circuit, x, missing, 1 if x is None and num_samples is None else num_samples, validate)
+    K = max(int(circuit.runtime.var_info.card.max()), 1)
+    return _run(circuit, "mpe", {"num_values": K}, {"params": params}, batch)
+
+
+def _query_batch(circuit, x, missing, num_samples: int | None, validate) -> Batch:
+    """The batch of ``sample`` / ``mpe``: ``num_samples`` all-missing rows without ``x``, else ``x``'s rows (then
+    ``num_samples``, if given, must be their number)."""
     if x is None:
         if missing is not None:
             raise ValueError("missing is only meaningful with evidence x")
-        batch = _all_missing_batch(circuit, num_samples)
-    else:
-        batch = _observed(circuit, x, missing, validate)
-    K = max(int(circuit.runtime.var_info.card.max()), 1)
-    return _run(circuit, "mpe", {"num_values": K}, {"params": params}, batch)
+        if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)) or num_samples < 1:
+            raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+        return _all_missing_batch(circuit, int(num_samples))
+    batch = _observed(circuit, x, missing, validate)
+    if num_samples is not None and num_samples != batch.n:
+        raise ValueError(f"num_samples={num_samples} but the evidence has {batch.n} rows (one sample per row)")
+    return batch
 
 
 def _observed(circuit, x, missing, validate) -> Batch:
