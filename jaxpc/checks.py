@@ -97,8 +97,9 @@ def check_params(spec: ParamsSpec, params, what: str = "params") -> None:
         extra = [what + p for p in paths if p not in set(spec.paths)]
         detail = "; ".join(([f"missing {_first(missing)}"] if missing else [])
                            + ([f"unexpected {_first(extra)}"] if extra else [])) or f"got {type(params).__name__}"
-        raise ValueError(f"{what} does not have the structure of this circuit's params ({detail}): pass "
-                         "circuit.params, circuit.init_params(key) or what an update of them returned")
+        hint = ("pass circuit.params, circuit.init_params(key) or what an update of them returned"
+                if what == "params" else "pass what this circuit's calls returned")
+        raise ValueError(f"{what} does not have the structure of this circuit's params ({detail}): {hint}")
     for path, want, (_, v) in zip(paths, spec.shapes, leaves):
         shape = tuple(np.shape(v))
         if shape != want:

@@ -154,6 +154,7 @@ class Circuit:
         src = node.source
         if src.id not in st.sources:
             raise ValueError(f"get_node_params: {node.name} is not part of this circuit")
+        checks.check_params(self.runtime.params_spec, params)
         if node.is_sum():
             return self._dense_sum(params, src, exp=True)
         if node.is_input():
@@ -186,6 +187,7 @@ class Circuit:
         src = node.source
         if src.id not in st.sources:
             raise ValueError(f"get_node_flows: {node.name} is not part of this circuit")
+        self.runtime.check_flows(flows, ("sum",) if node.is_sum() else ("input",) if node.is_input() else ())
         if node.is_sum():
             return self._dense_sum(flows, src, exp=False)
         if node.is_input():

@@ -243,6 +243,8 @@ def load_params(path, *, params=None, opt_state=None) -> Checkpoint:
 
     ocp = _orbax()
     path = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"load_params: no checkpoint directory at {path}")
     ck = ocp.StandardCheckpointer()
     meta = ck.metadata(path)
     tree_meta = getattr(meta, "item_metadata", meta)

@@ -55,7 +55,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .engine import em
-from .optim.sharded import AXIS, data_mesh, sharded_flows_and_ll, sharded_loss_and_grad
+from .optim.sharded import AXIS, check_mesh, data_mesh, sharded_flows_and_ll, sharded_loss_and_grad
 from .options import Options
 from .runtime import check_em_args, pad_args
 
@@ -70,7 +70,7 @@ __all__ = ["AXIS", "data_mesh", "sharded_flows_and_ll", "sharded_loss_and_grad",
 # multiple of the mesh's devices (padding rows weigh zero), one cached executable per (mesh, options, shapes).
 
 def _mesh(mesh):
-    return data_mesh() if mesh is None else mesh
+    return data_mesh() if mesh is None else check_mesh(mesh)
 
 
 def _ndim(m):

@@ -260,16 +260,39 @@ class Runtime:
         self._pending: collections.deque = collections.deque()
         self._lock = threading.Lock()
         self.params_spec: checks.ParamsSpec | None = None  # what an entry's ``params`` must look like (set_params)
+        self._sum_spec: checks.ParamsSpec | None = None
+        self._input_keys: list = []
         self.cache.check_args = self._check_args
 
     def set_params(self, params) -> None:
         """Take ``params``' structure, shapes and floating dtype as what every entry's ``params`` argument must have,
         checked (:func:`jaxpc.checks.check_params`) before an executable is compiled or traced for it."""
         self.params_spec = checks.ParamsSpec.of(params)
+        self._sum_spec = checks.ParamsSpec.of(params["sum"])
+        self._input_keys = sorted(params["input"])
 
     def _check_args(self, args: dict) -> None:
-        if self.params_spec is not None and "params" in args:
+        if self.params_spec is None:
+            return
+        if "params" in args:
             checks.check_params(self.params_spec, args["params"])
+        if "flows" in args:
+            self.check_flows(args["flows"])
+
+    def check_flows(self, flows, parts: tuple[str, ...] = ("sum", "input")) -> None:
+        """Check the ``parts`` of ``flows`` against what the circuit's ``flows`` returns: ``"sum"``, the sum groups'
+        flows shaped like their params (:func:`jaxpc.checks.check_params`); ``"input"``, one entry per input
+        layer."""
+        if self.params_spec is None:
+            return
+        if not isinstance(flows, dict) or not set(parts) <= set(flows):
+            raise ValueError(f"flows must be what circuit.flows returns (a dict with {' and '.join(map(repr, parts))}"
+                             "), got " + (f"keys {sorted(flows)}" if isinstance(flows, dict) else type(flows).__name__))
+        if "sum" in parts:
+            checks.check_params(self._sum_spec, flows["sum"], "flows['sum']")
+        if "input" in parts and (not isinstance(flows["input"], dict) or sorted(flows["input"]) != self._input_keys):
+            got = sorted(flows["input"]) if isinstance(flows["input"], dict) else type(flows["input"]).__name__
+            raise ValueError(f"flows['input'] must have one entry per input layer {self._input_keys}, got {got}")
 
     def load_ahead(self, *owner) -> None:
         """Start loading the stored executables that earlier processes ran for the circuit named by ``owner`` (its

@@ -294,3 +294,30 @@ def test_query_and_weight_arguments_are_checked(cat_circuit):
         cat_circuit.flows(cat_circuit.params, x, ll_weights=[1.0, float("nan"), 1.0])
     with pytest.raises(TypeError, match="ll_weights must be numbers"):
         cat_circuit.em_step(cat_circuit.params, x, ll_weights=np.array(["a", "b", "c"]))
+
+
+def test_flows_meshes_and_checkpoints_are_checked(cat_circuit, mixed_circuit, tmp_path):
+    import jax
+
+    from jaxpc import io, parallel
+
+    x = np.zeros((3, 2), np.int32)
+    with pytest.raises(ValueError, match=r"flows must be what circuit.flows returns .* got keys \['sum'\]"):
+        cat_circuit.em_update(cat_circuit.params, {"sum": cat_circuit.params["sum"]})
+    other = mixed_circuit.flows(mixed_circuit.params, np.zeros((3, 2), np.float32))
+    with pytest.raises(ValueError, match=r"flows\['sum'\] does not have the structure of this circuit's params"):
+        cat_circuit.em_update(cat_circuit.params, other)
+    with pytest.raises(ValueError, match=r"flows\['sum'\] does not have the structure of this circuit's params"):
+        cat_circuit.get_node_flows(other, cat_circuit.root)
+    own = cat_circuit.flows(cat_circuit.params, x)
+    with pytest.raises(ValueError, match=r"flows\['input'\] must have one entry per input layer"):
+        cat_circuit.em_update(cat_circuit.params, {"sum": own["sum"], "input": {}})
+    with pytest.raises(ValueError, match="structure of this circuit's params"):
+        cat_circuit.get_node_params({"sum": cat_circuit.params["sum"]}, cat_circuit.root)
+    with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):
+        parallel.flows(cat_circuit, cat_circuit.params, x, mesh="data")
+    with pytest.raises(ValueError, match=r"mesh must have a 'data' axis .* got axes \('batch',\)"):
+        jaxpc.optim.fit(cat_circuit, cat_circuit.params, x, 1, 2, mesh=jax.make_mesh((1,), ("batch",)),
+                        progress=False)
+    with pytest.raises(FileNotFoundError, match="no checkpoint directory at"):
+        io.load_params(tmp_path / "nothing")

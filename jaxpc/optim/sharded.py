@@ -19,7 +19,19 @@ from .normalize import normalized_log_prob
 
 AXIS = "data"
 
-__all__ = ["AXIS", "data_mesh", "sharded_flows_and_ll", "sharded_loss_and_grad"]
+__all__ = ["AXIS", "data_mesh", "check_mesh", "sharded_flows_and_ll", "sharded_loss_and_grad"]
+
+
+def check_mesh(mesh) -> Mesh:
+    """``mesh`` if it is a mesh with a ``'data'`` axis (the batch is split over it), else a ``TypeError`` /
+    ``ValueError`` naming what it is."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError("mesh must be a jax.sharding.Mesh (e.g. jaxpc.parallel.data_mesh()), got "
+                        f"{type(mesh).__name__}")
+    if AXIS not in mesh.axis_names:
+        raise ValueError(f"mesh must have a '{AXIS}' axis to split the batch over (jaxpc.parallel.data_mesh()), "
+                         f"got axes {tuple(mesh.axis_names)}")
+    return mesh
 
 
 def data_mesh(num_devices: int | None = None, *, devices=None) -> Mesh:

@@ -305,7 +305,7 @@ def _fit_batch(circuit, data, missing, validate, *, epochs, batch_size, start_ep
         raise ValueError("fit: data has no rows")
     bs = int(min(batch_size, batch.n))
     if mesh is not None:
-        nd = mesh.shape[sharded.AXIS]
+        nd = sharded.check_mesh(mesh).shape[sharded.AXIS]
         if bs % nd:
             raise ValueError(f"fit: batch_size={bs} must be a multiple of the {nd} devices of the mesh")
     return batch, bs
