@@ -321,3 +321,18 @@ def test_flows_meshes_and_checkpoints_are_checked(cat_circuit, mixed_circuit, tm
                         progress=False)
     with pytest.raises(FileNotFoundError, match="no checkpoint directory at"):
         io.load_params(tmp_path / "nothing")
+
+
+def test_structure_builders_name_bad_arguments():
+    from jaxpc.structures import HCLT, PD
+
+    x = np.tile(np.arange(4, dtype=np.float32), (8, 1))
+    with pytest.raises(ValueError, match="num_bins must be an int >= 2, got 0"):
+        HCLT(x, 4, num_bins=0)
+    with pytest.raises(ValueError, match="sigma must be a positive float, got 0"):
+        HCLT(x, 4, sigma=0)
+    x[3, 2] = np.nan
+    with pytest.raises(ValueError, match=r"x must be finite; x\[3, 2\] is nan"):
+        HCLT(x, 4)
+    with pytest.raises(ValueError, match="PD: num_latents must be a positive int, got '4'"):
+        PD((4, 4), "4")

@@ -16,7 +16,7 @@ def default_block_size(num_latents: int, cap: int) -> int:
 
 def check_latents(name: str, num_latents: int, block_size: int | None, cap: int) -> tuple[int, int]:
     """``(block_size, num_node_blocks)`` with a clear error when they do not fit."""
-    if not isinstance(num_latents, int) or num_latents < 1:
+    if not isinstance(num_latents, int) or isinstance(num_latents, bool) or num_latents < 1:
         raise ValueError(f"{name}: num_latents must be a positive int, got {num_latents!r}")
     bs = default_block_size(num_latents, cap) if block_size is None else block_size
     if not isinstance(bs, int) or bs < 1 or num_latents % bs:

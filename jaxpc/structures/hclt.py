@@ -78,6 +78,14 @@ def mutual_information(x, num_bins: int = 32, sigma: float = 0.5 / 32, chunk_siz
     x = np.asarray(x, dtype=np.float32)
     if x.ndim != 2:
         raise ValueError(f"mutual_information: x must be [num_samples, num_vars], got shape {x.shape}")
+    if not np.isfinite(x).all():
+        r, c = np.argwhere(~np.isfinite(x))[0]
+        raise ValueError(f"mutual_information: x must be finite; x[{r}, {c}] is {x[r, c]}")
+    for name, v, lo in (("num_bins", num_bins, 2), ("chunk_size", chunk_size, 1)):
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < lo:
+            raise ValueError(f"mutual_information: {name} must be an int >= {lo}, got {v!r}")
+    if not (isinstance(sigma, (int, float, np.floating)) and np.isfinite(sigma) and sigma > 0):
+        raise ValueError(f"mutual_information: sigma must be a positive float, got {sigma!r}")
     lo, hi = float(x.min()), float(x.max())
     V, nb = x.shape[1], int(num_bins)
     c = max(1, min(int(chunk_size), V))

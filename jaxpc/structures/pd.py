@@ -80,8 +80,8 @@ def PD(data_shape, num_latents: int, split_intervals=None, split_points=None, ma
         raise ValueError(f"PD: structure_type must be one of {STRUCTURE_TYPES}, got {structure_type!r}")
     if not isinstance(max_prod_block_conns, int) or max_prod_block_conns < 1:
         raise ValueError(f"PD: max_prod_block_conns must be a positive int, got {max_prod_block_conns!r}")
-    cap = 16 if num_latents <= 32 else 32
-    bs, nb = check_latents("PD", num_latents, block_size, cap)
+    check_latents("PD", num_latents, 1, 1)  # (its type, before the cap below compares it)
+    bs, nb = check_latents("PD", num_latents, block_size, 16 if num_latents <= 32 else 32)
     builder = _PDBuilder(data_shape, _split_points(data_shape, split_intervals, split_points), num_latents, bs, nb,
                          input_dist or distributions.Categorical(num_cats=256), max_split_depth=max_split_depth,
                          max_prod_block_conns=max_prod_block_conns, structure_type=structure_type,
