@@ -462,13 +462,17 @@ def compare_routes(c, label: str, inputs: dict, tunings: tuple, names: tuple, re
     """``c.flows`` on two routes (``Options(tuning=t)`` for each of ``tunings``) at each batch of ``inputs`` (batch:
     device array), at fp32 and at the default precision: the worst relative error of any leaf of the first against
     the second, and at the default precision the median milliseconds of both calls (and of both ``em_step`` calls).
-    Returns the worst fp32 error."""
+    Both answers come from the optimized executables (after ``c.wait_compiled()``): a first call runs the quick
+    compile, which takes neither the cluster route nor its options. Returns the worst fp32 error."""
     import jaxpc
 
     worst = 0.0
     for B, x in inputs.items():
         for precision in ("fp32", "default"):
             opts = [jaxpc.Options(precision=precision, tuning=t) for t in tunings]
+            for o in opts:
+                jax.block_until_ready(c.flows(c.params, x, options=o, return_ll=True))
+            c.wait_compiled()
             got, want = (c.flows(c.params, x, options=o, return_ll=True) for o in opts)
             err = max(rel(a, b) for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)))
             if precision == "fp32":

@@ -105,23 +105,22 @@ class Tuning:
             capability 9.x: clusters of 16 blocks, wgmma), else off; True: wherever the conditions above hold (other
             GPUs cannot compile its kernels); False: never (docs/design.md, "Tree levels on thread-block
             clusters").
-        tree_copy_overlap: on the clusters' route, the transposed weights that the backward reads are made after
-            the forward's first launch, beside its second (one cluster), instead of with the forward's weights
-            before it.
         tree_log_weights: on the clusters' route, the forward's kernels read the log-weights and exponentiate each
             task's tile in shared memory while its child loads, instead of reading a copy of the weights made
-            before the forward.
-        tree_forward_tile: parent rows of a task of the clusters' forward: 32 (the backward's, whose shared memory
-            bounds it) or 64, which takes twice the rows of a level a step (HCLT-256: 68 steps against 107), each
-            step's product and weight tile twice as large.
+            before the forward (HCLT-256 at B=16 on the H200: not faster, 1.548 against 1.51 ms).
+        tree_forward_tile: parent rows of a task of the clusters' forward: 32 or 64, which takes twice the rows of
+            a level a step (HCLT-256: 68 steps against 107), each step's product and weight tile twice as large.
+            None (the default): 64 at batches up to 16 (with the backward's 64-row tasks HCLT-256's flows took
+            1.343-1.424 ms against 1.436-1.51 at B=16 on the H200), else 32.
         tree_backward_tile: parent rows of a task of the clusters' backward: 32, or 64 (fewer steps, as
             ``tree_forward_tile``) where a block's shared memory holds them (256-node blocks: batches up to 16),
             on a kernel that reads each parent's ``exp(shift - value)`` and the child's ``exp(child - shift)`` made
-            before the call instead of computing them in its steps.
+            before the call instead of computing them in its steps. None (the default): 64 at batches up to 16
+            where it fits, else 32.
         tree_pflow_kernel: on the clusters' route at batches of 16, 32 and 64, the tree's parameter flows come from
             one kernel reading the backward's sample-major flows and copies, the weights multiplied in its
             epilogue (:func:`jaxpc.ops.mosaic_tree.param_flows`), instead of the batched pass's gathers, product and
-            multiplication.
+            multiplication (HCLT-256 at B=16 on the H200: not faster, 1.537 against 1.51 ms, 118 MiB more).
         fanin_kernel_batch: from this many samples on, a sum partition whose child row blocks are read by several
             parent blocks (a PD's fan-ins) and whose forward kept its shifts runs its whole backward as one Pallas
             kernel, the child flows added by atomic adds (:func:`jaxpc.engine.routing.atomic_backward`); 0: never.
@@ -189,10 +188,9 @@ class Tuning:
     fanin_kernel_batch: int = 1
     tree_kernel_batch: int = 0
     tree_clusters: bool | None = None
-    tree_copy_overlap: bool = False
     tree_log_weights: bool = False
-    tree_forward_tile: int = 32
-    tree_backward_tile: int = 32
+    tree_forward_tile: int | None = None
+    tree_backward_tile: int | None = None
     tree_pflow_kernel: bool = False
     fanin_group: int = 4
     fanin_group_batch: int = 1024
@@ -211,7 +209,7 @@ class Tuning:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if f.name in ("unset_rows", "quick_first_compile", "unroll_optimized", "fanin_prefetch",
-                          "chain_side_by_side", "tree_clusters", "tree_copy_overlap",
+                          "chain_side_by_side", "tree_clusters",
                           "tree_log_weights", "tree_pflow_kernel"):
                 if not isinstance(v, bool) and not (f.name == "tree_clusters" and v is None):
                     raise TypeError(f"Tuning.{f.name} must be a bool{' or None' * (f.name == 'tree_clusters')}, "
@@ -220,11 +218,13 @@ class Tuning:
                 if not isinstance(v, tuple) or not all(isinstance(e, tuple) and len(e) == 2 and isinstance(e[0], str)
                                                        for e in v):
                     raise TypeError(f"Tuning.compiler_options must be a tuple of (name, value) pairs, got {v!r}")
+            elif f.name in ("tree_forward_tile", "tree_backward_tile"):
+                continue  # (None, 32 or 64: below)
             elif isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"Tuning.{f.name} must be a non-negative int, got {v!r}")
         for name in ("tree_forward_tile", "tree_backward_tile"):
-            if getattr(self, name) not in (32, 64):
-                raise ValueError(f"Tuning.{name} must be 32 or 64, got {getattr(self, name)!r}")
+            if getattr(self, name) not in (None, 32, 64):
+                raise ValueError(f"Tuning.{name} must be None, 32 or 64, got {getattr(self, name)!r}")
         if self.fanin_forward_span < 1 or self.fanin_forward_span & (self.fanin_forward_span - 1):
             raise ValueError(f"Tuning.fanin_forward_span must be a power of two, got {self.fanin_forward_span!r}")
         if self.fanin_backward_stages < 1:

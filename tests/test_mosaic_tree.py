@@ -95,21 +95,25 @@ def test_the_cluster_forward_rejects_what_it_cannot_run(tree):
 
 
 def test_the_wide_forward_tasks_write_what_the_narrow_ones_write(tree):
-    """``Tuning.tree_forward_tile=64``: the forward's tasks of 64 rows (``wide_tasks``, fewer steps) write the
-    values and copies that the route's 32-row tasks write, which the backward's tables read either way."""
+    """``Tuning.tree_forward_tile=64`` (and by default at batches up to 16): the forward's tasks of 64 rows
+    (``wide_tasks``, fewer steps) write the values and copies that 32-row tasks write, which the backward's tables
+    read either way."""
     c, spec, _, vals = tree
     tabs = c.tables["fold"]["tree"]["clusters"]
-    wide, tile = routing.cluster_forward(CLUSTERS.replace(tuning=jaxpc.Tuning(tree_forward_tile=64)), tabs)
+    wide, tile = routing.cluster_forward(CLUSTERS.replace(tuning=jaxpc.Tuning(tree_forward_tile=64)), tabs, 64)
     steps = [sum(t.shape[2] for t in ts["tasks"]) for ts in (wide, tabs)]
     assert tile == 64 and steps[0] <= steps[1]  # (fewer where a level holds more blocks than a step takes)
     assert not np.array_equal(np.asarray(wide["tasks"][-1]), np.asarray(tabs["tasks"][-1]))
-    assert routing.cluster_forward(CLUSTERS, tabs) == (tabs, routing.CLUSTER_TILE)
+    assert routing.cluster_forward(CLUSTERS, tabs, 16) == (wide, 64)
+    assert routing.cluster_forward(CLUSTERS, tabs, 24) == (tabs, routing.CLUSTER_TILE)
+    narrow = CLUSTERS.replace(tuning=jaxpc.Tuning(tree_forward_tile=32))
+    assert routing.cluster_forward(narrow, tabs, 16) == (tabs, routing.CLUSTER_TILE)
     w = mosaic_tree.tf32_weights(c.params["sum"][spec.group])
     got = mosaic_tree.forward(jnp.asarray(vals), wide, None, spec, tile=64, weights=w, keep=True)
     want = mosaic_tree.forward(jnp.asarray(vals), tabs, None, spec, tile=32, weights=w, keep=True)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
-    with pytest.raises(ValueError, match="tree_forward_tile must be 32 or 64"):
+    with pytest.raises(ValueError, match="tree_forward_tile must be None, 32 or 64"):
         jaxpc.Tuning(tree_forward_tile=16)
 
 
@@ -147,8 +151,8 @@ def test_the_backward_from_ratios_writes_what_it_writes_from_the_copies(tree):
 
 
 def test_the_wide_backward_is_taken_where_shared_memory_holds_it(tree):
-    """``Tuning.tree_backward_tile=64`` takes the wide tasks on the ratios' kernel where a block's shared memory
-    holds them: 256-node blocks at batches up to 16; else the 32-row tasks."""
+    """``Tuning.tree_backward_tile=64`` (and the default, None) takes the wide tasks on the ratios' kernel where a
+    block's shared memory holds them: 256-node blocks at batches up to 16; else the 32-row tasks."""
     import dataclasses
 
     spec = dataclasses.replace(tree[1], Kp=256, Kc=256)
@@ -157,7 +161,9 @@ def test_the_wide_backward_is_taken_where_shared_memory_holds_it(tree):
     for B, want in [(8, 64), (16, 64), (24, 32), (64, 32)]:
         got, tile, ratios = routing.cluster_backward(wide, tabs, spec, B)
         assert (tile, ratios, got["btasks"] is tabs["wide_btasks"]) == (want, want == 64, want == 64), B
-    assert routing.cluster_backward(CLUSTERS, tabs, spec, 16) == (tabs, routing.CLUSTER_TILE, False)
+    assert routing.cluster_backward(CLUSTERS, tabs, spec, 16)[1:] == (64, True)
+    narrow = CLUSTERS.replace(tuning=jaxpc.Tuning(tree_backward_tile=32))
+    assert routing.cluster_backward(narrow, tabs, spec, 16) == (tabs, routing.CLUSTER_TILE, False)
     assert routing.cluster_backward(wide, {"btasks": tabs["btasks"]}, spec, 16)[1] == routing.CLUSTER_TILE
 
 
@@ -225,33 +231,24 @@ def test_the_forward_keeps_the_copies_the_flow_pass_reads(tree):
 
 
 @pytest.mark.slow
-def test_the_transposed_weights_can_wait_for_the_first_launch(tree):
-    """``Tuning.tree_copy_overlap``: the backward's transposed weights are made from log-weights that read a scalar
-    reduced from the shifts the forward's first launch wrote (a command buffer orders its commands by the buffers
-    they read and write, so that copy runs beside the later launches), and every flow is the same bit for bit; also
-    with the forward exponentiating its weights in the kernel (``Tuning.tree_log_weights``) on 64-row tasks each way
-    (``Tuning.tree_forward_tile``, ``Tuning.tree_backward_tile``), within float32 rounding."""
+def test_the_wide_tasks_and_log_weights_write_what_the_narrow_route_writes(tree):
+    """At a batch of 16 the route takes 64-row tasks each way by default (``Tuning.tree_forward_tile``,
+    ``Tuning.tree_backward_tile``); they, and the forward exponentiating its weights in the kernel
+    (``Tuning.tree_log_weights``, which makes no copy of the weights for the forward), write every flow that 32-row
+    tasks from the weights' copies write, within float32 rounding."""
     c, _, _, _ = tree
     x = jnp.asarray(np.random.default_rng(4).integers(0, 3, (16, c.num_vars)).astype(np.int32))
-    on = CLUSTERS.replace(tuning=jaxpc.Tuning(tree_clusters=True, tree_copy_overlap=True))
-
-    def finite_checks(options):
-        return str(jax.make_jaxpr(lambda p: c.flows(p, x, options=options))(c.params)).count("is_finite")
-
-    assert finite_checks(on) == finite_checks(CLUSTERS) + 1
-    fp32 = on.replace(precision="fp32")  # no clusters: nothing to wait for
-    assert finite_checks(fp32) == finite_checks(CLUSTERS.replace(precision="fp32"))
-    in_kernel = on.replace(tuning=jaxpc.Tuning(tree_clusters=True, tree_copy_overlap=True, tree_log_weights=True,
-                                               tree_forward_tile=64, tree_backward_tile=64))
+    narrow = CLUSTERS.replace(tuning=jaxpc.Tuning(tree_clusters=True, tree_forward_tile=32, tree_backward_tile=32))
+    in_kernel = CLUSTERS.replace(tuning=jaxpc.Tuning(tree_clusters=True, tree_log_weights=True))
 
     def weight_copies(options):  # the forward's copy and the backward's transposed one, traced
         with mock.patch.object(mosaic_tree, "tf32_weights", wraps=mosaic_tree.tf32_weights) as made:
             jax.make_jaxpr(lambda p: c.flows(p, x, options=options))(c.params)
         return made.call_count
 
-    assert (weight_copies(on), weight_copies(in_kernel)) == (2, 1)
-    want = c.flows(c.params, x, options=CLUSTERS)
-    for options, tol in ((on, 0.0), (in_kernel, 1e-6)):  # (64-row tasks: products of another shape)
+    assert (weight_copies(CLUSTERS), weight_copies(in_kernel)) == (2, 1)
+    want = c.flows(c.params, x, options=narrow)
+    for options, tol in ((CLUSTERS, 1e-6), (in_kernel, 1e-6)):  # (64-row tasks: products of another shape)
         got = c.flows(c.params, x, options=options)
         for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol * float(np.max(np.abs(b))))

@@ -49,14 +49,9 @@ def _root_fwd(layout, tables, sum_params, input_vals, options, buffered):
     # through 27 nested updates; a flows executable that did not finish compiling in 170 s, 10 s with it)
     # (with the tree's levels on clusters, their sample-major copies are kept for the backward, which otherwise
     # rebuilds them from the buffer: four kernels between the forward and the backward)
-    # (the log-weights the forward passes through its first launch, Tuning.tree_copy_overlap, stay out of the
-    # barrier: they are ready before the forward ends)
     out = stages.forward_buffer(layout, tables, sum_params, input_vals, options, keep_shifts=options.kernel_shifts)
     buf, shifts, copies = out if options.kernel_shifts else (out, None, None)
-    side = None if copies is None else copies.pop("side", None)
     buf, shifts, copies = lax.optimization_barrier((buf, shifts, copies))
-    if side is not None:
-        copies["side"] = side
     return buf[layout.root_row], (tables, sum_params, buf, shifts, copies)
 
 
@@ -140,8 +135,7 @@ def _root_bwd(layout, options, buffered, res, g):
         with jax.named_scope("jaxpc/tree/clusters/backward"):
             tabs = tables["tree"]["clusters"]
             kept = copies if copies is not None else mosaic_tree.copies(values, tabs, tree)
-            # the log-weights passed through the forward's first launch (Tuning.tree_copy_overlap), else the params
-            logw = kept.get("side", sum_params[tree.group])
+            logw = sum_params[tree.group]
             keep = (routing.tree_pflow_kernel(layout, options, values.shape[1], tabs)
                     and any(spec.key == tree.pflow_key for spec, _ in pflows))
             btabs, tile, ratios = routing.cluster_backward(options, tabs, tree, values.shape[1])

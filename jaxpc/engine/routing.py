@@ -213,6 +213,8 @@ def counts_kernel(spec, options, flows: Array) -> bool:
 
 CLUSTER_TILE = 32  # parent rows of a task of the tree's kernels on clusters (the backward's shared memory bounds it)
 CLUSTER_WIDE_TILE = 64  # parent rows of a forward task under Tuning.tree_forward_tile=64
+CLUSTER_WIDE_BATCH = 16  # the largest batch whose tasks are CLUSTER_WIDE_TILE rows by default (the tiles' None)
+
 
 def tree_kernel(layout: Layout, options, B: int, dtype, evidence: dict | None = None) -> str | None:
     """Which persistent kernels run ``layout.tree``'s levels (a folded plan's run of tree levels, an HCLT's), one
@@ -281,11 +283,17 @@ def cluster_tables(layout: Layout, tables: dict) -> dict:
     return {**tables, "fold": {**tables["fold"], "tree": {**tree_tabs, "clusters": schedule}}}
 
 
-def cluster_forward(options, tabs: dict) -> tuple[dict, int]:
-    """The clusters' tables and tile the forward runs under ``Tuning.tree_forward_tile``: the wide tasks where it
-    is ``CLUSTER_WIDE_TILE`` and :func:`cluster_tables` made them. The backward's tables hold for either: it reads
-    the forward's copies, which no schedule changes."""
-    if options.tuning.tree_forward_tile == CLUSTER_WIDE_TILE and "wide_tasks" in tabs:
+def _wide(tile: int | None, B: int) -> bool:
+    """Whether ``Tuning.tree_forward_tile`` / ``tree_backward_tile`` ``tile`` asks for ``CLUSTER_WIDE_TILE``-row
+    tasks at batch ``B``: where it says so, or where it is None and ``B`` is at most :data:`CLUSTER_WIDE_BATCH`."""
+    return tile == CLUSTER_WIDE_TILE or (tile is None and B <= CLUSTER_WIDE_BATCH)
+
+
+def cluster_forward(options, tabs: dict, B: int) -> tuple[dict, int]:
+    """The clusters' tables and tile the forward runs at batch ``B`` under ``Tuning.tree_forward_tile``: the wide
+    tasks where it asks for them (:func:`_wide`) and :func:`cluster_tables` made them. The backward's tables hold for
+    either: it reads the forward's copies, which no schedule changes."""
+    if _wide(options.tuning.tree_forward_tile, B) and "wide_tasks" in tabs:
         return {**tabs, "tasks": tabs["wide_tasks"]}, CLUSTER_WIDE_TILE
     return tabs, CLUSTER_TILE
 
@@ -293,11 +301,11 @@ def cluster_forward(options, tabs: dict) -> tuple[dict, int]:
 def cluster_backward(options, tabs: dict, spec, B: int) -> tuple[dict, int, bool]:
     """The clusters' tables, tile and kernel (``ratios``: :func:`jaxpc.ops.mosaic_tree.backward` from the ratios
     made before the call) the backward runs under ``Tuning.tree_backward_tile``: the wide tasks on the ratios'
-    kernel where it is ``CLUSTER_WIDE_TILE``, :func:`cluster_tables` made them and a block's shared memory holds
+    kernel where it asks for them (:func:`_wide`), :func:`cluster_tables` made them and a block's shared memory holds
     them (256-node blocks: batches up to 16), else the ``CLUSTER_TILE``-row tasks."""
     from ..ops import mosaic_tree
 
-    if options.tuning.tree_backward_tile == CLUSTER_WIDE_TILE and "wide_btasks" in tabs:
+    if _wide(options.tuning.tree_backward_tile, B) and "wide_btasks" in tabs:
         steps = max(t.shape[2] for t in tabs["wide_btasks"])
         if mosaic_tree.backward_smem(spec, B, CLUSTER_WIDE_TILE, steps, True) <= mosaic_tree.SMEM:
             return {**tabs, "btasks": tabs["wide_btasks"]}, CLUSTER_WIDE_TILE, True

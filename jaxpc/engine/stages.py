@@ -284,11 +284,10 @@ def forward_buffer(layout: Layout, tables: dict, sum_params: dict, input_vals, o
         with jax.named_scope("jaxpc/tree/clusters"):
             logw = sum_params[tree.group]
             in_kernel = options.tuning.tree_log_weights
-            tabs, tile = routing.cluster_forward(options, tables["tree"]["clusters"])
+            tabs, tile = routing.cluster_forward(options, tables["tree"]["clusters"], buf.shape[1])
             carry = mosaic_tree.forward(carry, tabs, logw if in_kernel else None, tree, tile=tile,
                                         interpret=not routing.on_gpu(), keep=keep_shifts,
-                                        weights=None if in_kernel else mosaic_tree.tf32_weights(logw),
-                                        side=logw if keep_shifts and options.tuning.tree_copy_overlap else None)
+                                        weights=None if in_kernel else mosaic_tree.tf32_weights(logw))
         if keep_shifts:
             carry, copies = carry
     elif tree is not None:

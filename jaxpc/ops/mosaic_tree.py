@@ -37,8 +37,7 @@ memory at small batches. The parameter flows are left to the batched pass or to 
 (Triton) kernel that reads the backward's sample-major flows and the forward's copies.
 
 :func:`jaxpc.engine.routing.tree_kernel` routes a tree here on Hopper GPUs (``Tuning.tree_clusters``; the variants
-above: ``Tuning.tree_log_weights``, ``tree_copy_overlap``, ``tree_forward_tile``, ``tree_backward_tile``,
-``tree_pflow_kernel``). On the H200,
+above: ``Tuning.tree_log_weights``, ``tree_forward_tile``, ``tree_backward_tile``, ``tree_pflow_kernel``). On the H200,
 HCLT-256's tree at batch 16 takes 0.29-0.33 ms forward and 0.34 backward (32-row tasks, from weight copies made before
 the call: 0.12 ms for both) against about 0.46 and 0.61 level by level in the default call (docs/design.md, "Tree
 levels on thread-block clusters").
@@ -630,24 +629,12 @@ def param_flows(into: Array, pf: Array, copies: dict, tabs: dict, logw: Array, s
         logw.astype(jnp.float32), into)
 
 
-def _after(x: Array, ref) -> Array:
-    """``x`` unchanged, but read by XLA's command buffer only after the kernel that last wrote ``ref``: the
-    dependencies of a command buffer's commands are the buffers they read and write (an optimization barrier orders
-    nothing there), so ``x`` takes an exact zero made from a scalar of its own buffer reduced from ``ref`` (a slice
-    of ``ref`` itself would make the next kernel that writes ``ref`` wait for ``x``'s readers)."""
-    d = lax.optimization_barrier(jnp.max(ref[0:1, 0:2]))
-    return x + jnp.where(jnp.isfinite(d), d, 0.0) * 0.0
-
-
 def forward(buf: Array, tabs: dict, logw: Array | None, spec, interpret: bool | None = None,
-            weights: Array | None = None, tile: int = TILE, keep: bool = False, side: Array | None = None):
+            weights: Array | None = None, tile: int = TILE, keep: bool = False):
     """The node buffer ``buf`` (float32 ``[R, B]``) with the parent rows of every level of ``spec`` written, from
     :func:`schedule`'s tables ``tabs`` (device arrays) and the group's log-weights ``logw [P, Kp, Kc]``, or instead
     its ``weights`` (``exp(logw)``, rounded to TF32 by :func:`tf32_weights`). ``tile``: the schedule's. With
-    ``keep``: ``(buf, copies)``, ``copies`` the sample-major ``prod`` and ``vals`` that :func:`backward` reads, and
-    with ``side`` (any array) also ``copies["side"]``: ``side`` itself, available only once the first launch has
-    run, so that work on it runs beside the later launches (which hold one cluster) rather than before the
-    forward."""
+    ``keep``: ``(buf, copies)``, ``copies`` the sample-major ``prod`` and ``vals`` that :func:`backward` reads."""
     if buf.dtype != jnp.float32 or buf.ndim != 2 or not fits(spec, buf.shape[1], tile):
         raise ValueError(f"mosaic_tree.forward: needs a float32 node buffer [R, B] with B a multiple of 8 up to "
                          f"{MAX_BATCH} and blocks of {TILE}-row tiles, got {buf.dtype}{list(buf.shape)} for "
@@ -666,16 +653,12 @@ def forward(buf: Array, tabs: dict, logw: Array | None, spec, interpret: bool | 
     vals = jax.new_ref(jnp.zeros((B, n * spec.Kp), jnp.float32))
     shift = jax.new_ref(jnp.zeros((B, n * _SHIFT), jnp.float32))
     w = (logw if weights is None else weights).astype(jnp.float32).reshape(-1, spec.Kc)
-    for i, t in enumerate(tabs["tasks"]):
+    for t in tabs["tasks"]:
         _forward_kernel(t.shape[0], t.shape[2], spec.Kp, spec.Kc, B, tile, interpret, weights is None,
                         None if interpret else PROFILE_DIR, APPROX_MATH)(t, w, prod, vals, shift)
-        if i == 0 and side is not None:
-            side = _after(side, shift)
     vals = jax.freeze(vals)
     out = buf.at[tabs["rows"]].set(vals.T, unique_indices=True)
     copies = {"prod": jax.freeze(prod), "vals": vals, "shift": jax.freeze(shift)}
-    if side is not None:
-        copies["side"] = side
     return (out, copies) if keep else out
 
 
