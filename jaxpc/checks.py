@@ -93,8 +93,9 @@ def check_params(spec: ParamsSpec, params, what: str = "params") -> None:
     leaves, tree = jax.tree_util.tree_flatten_with_path(params)
     paths = [jax.tree_util.keystr(k) for k, _ in leaves]
     if tree != spec.tree:
-        missing = [what + p for p in spec.paths if p not in set(paths)]
-        extra = [what + p for p in paths if p not in set(spec.paths)]
+        have, want = set(paths), set(spec.paths)
+        missing = [what + p for p in spec.paths if p not in have]
+        extra = [what + p for p in paths if p not in want]
         detail = "; ".join(([f"missing {_first(missing)}"] if missing else [])
                            + ([f"unexpected {_first(extra)}"] if extra else [])) or f"got {type(params).__name__}"
         hint = ("pass circuit.params, circuit.init_params(key) or what an update of them returned"

@@ -236,11 +236,25 @@ def _task_start(tasks, w, task_smem, w_smem, tbar, wbar, S: int, N: int):
     def fetch(s):
         @pl.when(task_smem[s, 0] >= 0)
         def _():
-            rows = pl.ds(pl.multiple_of(task_smem[s, 0], min(N, 32)), N)
+            rows = _at(task_smem[s, 0], N)
             plgpu.copy_gmem_to_smem(w.at[rows, :], w_smem.at[s % 2], wbar.at[s % 2])
 
     fetch(0)
     return fetch
+
+
+def _at(v, width: int):
+    """In a kernel body: the slice of ``width`` columns from ``v`` (a multiple of ``min(width, 32)``)."""
+    from jax.experimental import pallas as pl
+
+    return pl.ds(pl.multiple_of(v, min(width, 32)), width)
+
+
+def _swizzled() -> tuple:
+    """The transforms of the shared-memory tiles the tensor cores read: 8 x 32 tiles, 128-byte swizzle."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)
 
 
 def _product(a_smem, w, N: int) -> Array:
@@ -290,7 +304,7 @@ def _forward_kernel(G: int, S: int, Kp: int, Kc: int, B: int, N: int, interpret:
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     f32 = jnp.float32
-    swizzled = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+    swizzled = _swizzled()
 
     def col(v):
         return pl.ds(pl.multiple_of(v, N), N)
@@ -379,10 +393,7 @@ def _backward_kernel(G: int, S: int, Kp: int, Kc: int, B: int, N: int, interpret
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     f32 = jnp.float32
-    swizzled = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
-
-    def at(v, width):
-        return pl.ds(pl.multiple_of(v, min(width, 32)), width)
+    swizzled = _swizzled()
 
     def body(tasks, wt, pf, vals, prod, shift, task_smem, w_smem, g_smem, f_smem, x_smem, o_smem, s_smem, tbar, wbar,
              lbar, cbar):
@@ -391,9 +402,9 @@ def _backward_kernel(G: int, S: int, Kp: int, Kc: int, B: int, N: int, interpret
         def step(s, carry):
             @pl.when(task_smem[s, 0] >= 0)
             def _():
-                plgpu.copy_gmem_to_smem(pf.at[:, at(task_smem[s, 1], Kp)], f_smem.at[:B], lbar.at[0])
-                plgpu.copy_gmem_to_smem(vals.at[:, at(task_smem[s, 2], Kp)], g_smem.at[:B], lbar.at[1])
-                plgpu.copy_gmem_to_smem(prod.at[:, at(task_smem[s, 4], N)], x_smem.at[:B], lbar.at[2])
+                plgpu.copy_gmem_to_smem(pf.at[:, _at(task_smem[s, 1], Kp)], f_smem.at[:B], lbar.at[0])
+                plgpu.copy_gmem_to_smem(vals.at[:, _at(task_smem[s, 2], Kp)], g_smem.at[:B], lbar.at[1])
+                plgpu.copy_gmem_to_smem(prod.at[:, _at(task_smem[s, 4], N)], x_smem.at[:B], lbar.at[2])
                 plgpu.copy_gmem_to_smem(shift.at[:, pl.ds(pl.multiple_of(
                     lax.div(task_smem[s, 3], jnp.int32(Kc)) * _SHIFT, _SHIFT), _SHIFT)], s_smem.at[:B], lbar.at[3])
 
@@ -414,7 +425,7 @@ def _backward_kernel(G: int, S: int, Kp: int, Kc: int, B: int, N: int, interpret
 
                 acc = _product(g_smem, w, N)
                 o_smem[...] = acc * jnp.exp(x_smem[...] - lax.broadcast_in_dim(mx, (TILE, N), [0]))
-                _store(o_smem.at[:B], pf.at[:, at(task_smem[s, 4], N)])
+                _store(o_smem.at[:B], pf.at[:, _at(task_smem[s, 4], N)])
 
             _meet(cbar)
             return carry
@@ -440,11 +451,8 @@ def _backward_ratio_kernel(G: int, S: int, Kp: int, Kc: int, B: int, N: int, int
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     f32 = jnp.float32
-    swizzled = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+    swizzled = _swizzled()
     rows = plgpu.Layout.SMEM_GMEM_COPY((B, Kp), f32, 128)
-
-    def at(v, width):
-        return pl.ds(pl.multiple_of(v, min(width, 32)), width)
 
     def body(tasks, wt, pf, ratios, exps, w_smem, g_smem, f_smem, x_smem, task_smem, tbar, wbar, lbar, cbar):
         fetch_weights = _task_start(tasks, wt, task_smem, w_smem, tbar, wbar, S, N)
@@ -452,9 +460,9 @@ def _backward_ratio_kernel(G: int, S: int, Kp: int, Kc: int, B: int, N: int, int
         def step(s, carry):
             @pl.when(task_smem[s, 0] >= 0)
             def _():
-                plgpu.copy_gmem_to_smem(pf.at[:, at(task_smem[s, 1], Kp)], f_smem, lbar.at[0])
-                plgpu.copy_gmem_to_smem(ratios.at[:, at(task_smem[s, 2], Kp)], g_smem.at[:B], lbar.at[1])
-                plgpu.copy_gmem_to_smem(exps.at[:, at(task_smem[s, 4], N)], x_smem.at[:B], lbar.at[2])
+                plgpu.copy_gmem_to_smem(pf.at[:, _at(task_smem[s, 1], Kp)], f_smem, lbar.at[0])
+                plgpu.copy_gmem_to_smem(ratios.at[:, _at(task_smem[s, 2], Kp)], g_smem.at[:B], lbar.at[1])
+                plgpu.copy_gmem_to_smem(exps.at[:, _at(task_smem[s, 4], N)], x_smem.at[:B], lbar.at[2])
 
             @pl.when(s + 1 < S)
             def _():
@@ -471,7 +479,7 @@ def _backward_ratio_kernel(G: int, S: int, Kp: int, Kc: int, B: int, N: int, int
                 plgpu.barrier_wait(wbar.at[s % 2])
 
                 x_smem[...] = _product(g_smem, w, N) * x_smem[...]  # the rows past B: whatever the operand held
-                _store(x_smem.at[:B], pf.at[:, at(task_smem[s, 4], N)])
+                _store(x_smem.at[:B], pf.at[:, _at(task_smem[s, 4], N)])
 
             _meet(cbar)
             return carry
