@@ -561,6 +561,26 @@ def time_tree_pflows(c, B: int, reps: int) -> None:
         print(f"tree pflows B={B} tile {tile} warps {warps}: {ms:.3f} ms, rel diff {rel(out, first):.1e}", flush=True)
 
 
+def check_summed(batches=(16, 32, 64), n=577, K=256, reps=40) -> float:
+    """:func:`jaxpc.ops.mosaic_tree.summed_param_flows` (``Tuning.pflow_sum_batch``) against XLA's matrix product
+    and multiplication by the weights (the batched pass's default) on ``n`` blocks of ``K x K`` (HCLT-256's tree):
+    median ms of each, the kernel's largest relative difference (TF32 operands on both). Returns the worst."""
+    from jaxpc.ops import mosaic_tree
+
+    rng = np.random.default_rng(0)
+    logw = jax.device_put(rng.normal(size=(n, K, K)).astype(np.float32))
+    xla = jax.jit(lambda s, y, lw: jnp.exp(lw) * jnp.einsum("nkb,ncb->nkc", s, y))
+    kernel = jax.jit(lambda s, y, lw: mosaic_tree.summed_param_flows(s, y, lw, 0))
+    worst = 0.0
+    for B in batches:
+        s, y = (jax.device_put(rng.random((n, K, B)).astype(np.float32)) for _ in range(2))
+        err = rel(np.asarray(kernel(s, y, logw)), np.asarray(xla(s, y, logw)))
+        worst = max(worst, err)
+        print(f"summed pflows B={B}: XLA {bench(lambda: xla(s, y, logw), reps):.3f} ms, kernel "
+              f"{bench(lambda: kernel(s, y, logw), reps):.3f} ms, rel diff {err:.1e}", flush=True)
+    return worst
+
+
 def check_fanin(batches=(16, 128, 512), reps=30, latents=128) -> float:
     """PD-``latents`` (28x28, splits (4, 4)): the default call, whose fan-in partitions run
     ``pallas_sum.backward_atomic`` (``jaxpc.engine.routing.atomic_backward``) on tables padded to their kernel
@@ -640,6 +660,7 @@ def main(argv=None):
     p.add_argument("--fanin", action="store_true", help="only PD-128's fan-in backward kernel, end to end")
     p.add_argument("--products", action="store_true", help="only PD-128's full layout on the product kernels")
     p.add_argument("--tree", action="store_true", help="only HCLT-256 on the persistent tree kernels, end to end")
+    p.add_argument("--summed", action="store_true", help="only the summed parameter-flow kernel against XLA's")
     p.add_argument("--tree-programs", type=int, default=0, help="with --tree: programs of the tree kernels "
                    "(pallas_tree.MAX_PROGRAMS)")
     p.add_argument("--batches", default="8,16,32,64", help="with --tree: batches")
@@ -653,6 +674,9 @@ def main(argv=None):
         batches = tuple(int(b) for b in args.batches.split(","))
         print(f"worst fp32 relative error of the tree kernels: {check_tree(batches, against=args.tree_tuning):.2e}",
               flush=True)
+        return
+    if args.summed:
+        print(f"worst relative difference of the summed parameter flows: {check_summed():.2e}", flush=True)
         return
     if args.triton:
         print(f"worst fp32 relative error of the jax-triton kernels: {check_triton(not args.no_timing):.2e}",

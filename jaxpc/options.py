@@ -54,6 +54,12 @@ class Tuning:
         small_batch: ``impl="auto"`` on a GPU: up to this many samples, tree levels (fan-in one block) run the
             Pallas forward too.
         pflow_batch: ``param_flow_pass="auto"``: tree levels' parameter flows are batched up to this many samples.
+        pflow_sum_batch: up to this many samples, on a Hopper GPU, the batched parameter-flow pass computes the
+            blocks of fan-in 1 with consecutive weights (an HCLT's tree, a PD's) by one Mosaic GPU kernel that
+            multiplies the product by the weights in its epilogue (:func:`jaxpc.engine.routing.summed_pflow_kernel`)
+            instead of XLA's matrix product, written out and read back by the multiplication; 0: never. On the H200,
+            HCLT-256's ``c.flows(params, x)`` took 1.295-1.336 / 1.612 / 1.784 ms at batch 16 / 32 / 64 with it
+            against 1.386-1.538 / 1.729 / 1.880 without.
         chain_unroll: steps per loop iteration of the HMM chain's scans (from ``chain_unroll_batch`` samples on;
             one step below).
         chain_unroll_batch: see ``chain_unroll``.
@@ -171,6 +177,7 @@ class Tuning:
     leaf_batch: int = 64
     small_batch: int = 32
     pflow_batch: int = 128
+    pflow_sum_batch: int = 64
     chain_unroll: int = 8
     chain_unroll_batch: int = 128
     chain_kernel_batch: int = 64

@@ -223,6 +223,43 @@ def test_batched_param_flows_equal_the_inline_ones(monkeypatch, name):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.filterwarnings("ignore:jaxpc. 'flows' has been compiled")
+def test_the_summed_param_flow_kernel_equals_the_matrix_products(monkeypatch):
+    """``Tuning.pflow_sum_batch``: on a Hopper GPU (here the kernel on the interpreter), up to that batch, the
+    batched pass computes the blocks of fan-in 1 by :func:`jaxpc.ops.mosaic_tree.summed_param_flows`, in pieces,
+    and gives the matrix products' flows within TF32's rounding; never at fp32, with GeneralLL, above that batch,
+    or off a Hopper GPU."""
+    from jaxpc.ops import mosaic_tree
+
+    c, x = _chain_hclt(64)  # (the kernel's blocks: multiples of 64 parents)
+    blocks = []
+    real = mosaic_tree.summed_param_flows
+
+    def spy(*args, **kw):
+        blocks.append(args[0].shape[0])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(mosaic_tree, "summed_param_flows", spy)
+    no_clusters = jaxpc.Tuning(tree_clusters=False)  # (the tree's levels on clusters: tests/test_mosaic_tree.py)
+    base = jaxpc.Options(chain_scan=False, param_flow_pass="batched", tuning=no_clusters)
+    tf32 = base.replace(precision="tf32", gather_chunk=2 * 64 * 16)
+    matrix = tf32.replace(tuning=jaxpc.Tuning(tree_clusters=False, pflow_sum_batch=0))
+    ref = c.flows(c.params, x, options=matrix, return_ll=True)
+    monkeypatch.setattr(routing, "on_hopper", lambda: True)
+    got = c.flows(c.params, x, options=tf32, return_ll=True)
+    assert blocks and max(blocks) < sum(blocks)  # in pieces of gather_chunk
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=1e-7)
+    blocks.clear()
+    for o in (base.replace(precision="fp32"), tf32.replace(propagation="GeneralLL", alpha=2.5),
+              tf32.replace(tuning=jaxpc.Tuning(tree_clusters=False, pflow_sum_batch=8))):  # (11 samples: 16)
+        c.flows(c.params, x, options=o)
+    assert not blocks
+    monkeypatch.setattr(routing, "on_hopper", lambda: False)
+    c.flows(c.params, x, options=tf32.replace(gather_chunk=1 << 20))
+    assert not blocks  # off a Hopper GPU
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["pd"])  # PD's partitions hold every kind of block HCLT's do
 def test_batched_param_flows_kernel_equals_xla(monkeypatch, name):
@@ -670,7 +707,7 @@ def test_without_the_triton_backend_kernels_fall_back_to_xla_with_one_warning(mo
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
 
 
-def _chain_hclt():
+def _chain_hclt(latents: int = 8):
     """An HCLT over a chain of 12 variables (each copies the one before with probability 0.8): a path-shaped tree
     whose repeated levels the compiler scans."""
     rng = np.random.default_rng(0)
@@ -678,7 +715,7 @@ def _chain_hclt():
     x[:, 0] = rng.integers(0, 3, 400)
     for i in range(1, 12):
         x[:, i] = np.where(rng.random(400) < 0.8, x[:, i - 1], rng.integers(0, 3, 400))
-    return jaxpc.compile(structures.HCLT(x, 8, input_dist=distributions.Categorical(3)), seed=1), x[:11]
+    return jaxpc.compile(structures.HCLT(x, latents, input_dist=distributions.Categorical(3)), seed=1), x[:11]
 
 
 @pytest.mark.slow

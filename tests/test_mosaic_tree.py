@@ -295,3 +295,23 @@ def test_the_tree_parameter_flow_kernel_takes_batches_of_16_32_and_64(hclt):
     with pytest.raises(ValueError, match="batch of 16, 32 or 64"):
         mosaic_tree.param_flows(jnp.zeros((1, 32, 32)), jnp.zeros((8, 64)), {}, tabs, jnp.zeros((1, 32, 32)),
                                 fold.tree)
+
+
+@pytest.mark.parametrize("n,Kp,Kc,B,start", [(3, 64, 32, 16, 1), (2, 128, 64, 11, 0), (2, 64, 256, 40, 1)])
+def test_the_summed_param_flow_kernel_multiplies_the_product_by_the_weights(n, Kp, Kc, B, start):
+    """:func:`mosaic_tree.summed_param_flows` (on the interpreter): ``exp(logw[start + i]) * scale[i] @ y[i].T`` per
+    block, within TF32's rounding of the operands, with child columns split over programs (``Kc`` 256), samples
+    padded (11, 40) and weights read from ``start``; bad shapes and ranges are refused by name."""
+    rng = np.random.default_rng(n + Kc)
+    scale = jnp.asarray(rng.random((n, Kp, B)), jnp.float32)
+    y = jnp.asarray(rng.random((n, Kc, B)), jnp.float32)
+    logw = jnp.asarray(rng.normal(size=(start + n + 1, Kp, Kc)), jnp.float32)
+    got = mosaic_tree.summed_param_flows(scale, y, logw, start, interpret=True)
+    ref = jnp.exp(logw[start:start + n]) * jnp.einsum("nkb,ncb->nkc", scale, y, precision="highest")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-3)
+    with pytest.raises(ValueError, match="outside the"):
+        mosaic_tree.summed_param_flows(scale, y, logw, start + 2, interpret=True)
+    with pytest.raises(ValueError, match="needs scale"):
+        mosaic_tree.summed_param_flows(scale[:, :32], y, logw[:, :32], start, interpret=True)
+    with pytest.raises(ValueError, match="needs scale"):
+        mosaic_tree.summed_param_flows(scale, y[:1], logw, start, interpret=True)

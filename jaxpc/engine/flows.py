@@ -25,7 +25,7 @@ from ..ops.buffers import starts_unset, uninitialized
 from ..ops.pieces import in_order, ranges
 from ..ops.product_layer import product_layer_backward_reference as product_layer_backward
 from ..ops.rows import add_rows, put_rows, take_rows
-from ..ops.sum_layer import child_rows, child_terms, sum_kernels
+from ..ops.sum_layer import child_rows, child_terms, param_flow_factors, sum_kernels
 from ..ops.sum_layer import sum_layer_backward_reference as sum_layer_backward
 from ..ops.sum_layer import sum_layer_param_flows_reference as sum_layer_param_flows
 from ..options import Options
@@ -366,9 +366,19 @@ def _batched_param_flows(values: Array, flows: Array, dp: Array | None, logw: Ar
     C, Kp, Kc = spec.C, spec.Kp, spec.Kc
     kernel = shifts is not None and by_kernel and routing.pflow_kernel(options, values.dtype)
     read = shifts is not None and all(kept) and not kernel
-    spans = [(0, spec.n)] if kernel else ranges(spec.n, options.gather_chunk // max(1, C * Kc * values.shape[1]))
+    B = values.shape[1]
+    by_sum_kernel = not kernel and routing.summed_pflow_kernel(options, spec, B)
+    spans = [(0, spec.n)] if kernel else ranges(spec.n, options.gather_chunk // max(1, C * Kc * B))
 
-    def flows_of(sub):  # [n', C, Kp, Kc]
+    def flows_of(sub, a=0):  # [n', C, Kp, Kc]; ``a``: the first block's index in ``spec``
+        if by_sum_kernel:
+            from ..ops import mosaic_tree
+
+            _, y, scale = param_flow_factors(values, flows, sub["ch"], sub["pid"], logw, sub["prow"], Kp=Kp, Kc=Kc,
+                                             precision=options.concrete_precision,
+                                             shift=take_rows(shifts, sub["prow"] // unit) if read else None)
+            pf = mosaic_tree.summed_param_flows(scale, y, logw, spec.start + a, interpret=not routing.on_gpu())
+            return pf[:, None].astype(logw.dtype)
         if kernel:
             from ..ops import pallas_sum
 
@@ -388,7 +398,7 @@ def _batched_param_flows(values: Array, flows: Array, dp: Array | None, logw: Ar
     dp = jnp.zeros_like(logw) if dp is None else dp
 
     def step(acc, a, b, sub):
-        pf = flows_of(sub)
+        pf = flows_of(sub, a)
         if spec.start >= 0:
             lo, hi = spec.start + a * C, spec.start + b * C
             new = pf.reshape(-1, Kp, Kc) if store else acc[lo:hi] + pf.reshape(-1, Kp, Kc)

@@ -591,6 +591,22 @@ def product_routes(options) -> bool:
     return kernels_available() and (pallas_sum.interpret_mode() or pallas_sum.relaxed_atomics())
 
 
+def summed_pflow_kernel(options, spec, B: int) -> bool:
+    """Whether the batched parameter-flow pass computes ``spec``'s blocks by
+    :func:`jaxpc.ops.mosaic_tree.summed_param_flows` (the product and the weights' multiplication in one kernel)
+    at batch ``B``: up to ``Tuning.pflow_sum_batch`` samples, blocks of fan-in 1 with consecutive weights,
+    sum-product flows at ``precision`` below ``"fp32"`` (the product takes TF32 operands), untempered, blocks and
+    batch the kernel takes, on a Hopper GPU (wgmma) where ``impl`` is ``"auto"``, ``"pallas"`` or
+    ``"pallas_forward"``, or off a GPU with those two (on Pallas's interpreter)."""
+    from ..ops import mosaic_tree
+
+    tuning, impl = options.tuning, route_impl(options)
+    return (B <= tuning.pflow_sum_batch and spec.C == 1 and spec.start >= 0
+            and options.propagation == "LL" and options.concrete_precision != "fp32"
+            and options.pflow_temperature == 1.0 and mosaic_tree.summed_fits(spec.Kp, spec.Kc, B)
+            and ((impl in ("auto", *PALLAS_FORWARD) and on_hopper()) or (impl in PALLAS_FORWARD and not on_gpu())))
+
+
 def pflow_kernel(options, dtype) -> bool:
     """Whether the batched parameter-flow pass may run :func:`jaxpc.ops.pallas_sum.param_flows_after` (one kernel
     per block shape: the weights' product in its epilogue, nothing of the gathered children's size in memory)

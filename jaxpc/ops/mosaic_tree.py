@@ -33,8 +33,12 @@ transposed weights (:func:`tf32_weights_t`: the tensor cores contract over the p
 them contiguous) and the child's exponentials, and stores the child's flows, which the child blocks read as their
 own. A second backward kernel reads each parent's ``1 / value`` and the child's exponentials made before the call
 (:func:`backward_ratios`), which leaves its steps without exponentials and lets 64-row tasks fit a block's shared
-memory at small batches. The parameter flows are left to the batched pass or to :func:`param_flows`, a Pallas
-(Triton) kernel that reads the backward's sample-major flows and the forward's copies.
+memory at small batches. The parameter flows are left to the batched pass, which computes the tree's blocks (and
+any of fan-in 1 with consecutive weights) by :func:`summed_param_flows` up to ``Tuning.pflow_sum_batch`` samples:
+the product over the samples on the tensor cores with the weights' exponentials multiplied in its epilogue, so that
+the ``[blocks, Kp, Kc]`` product is never written out and read back (HCLT-256 at batch 16 on the H200: 0.189 ms
+against 0.243 for XLA's product and multiplication). :func:`param_flows` (``Tuning.tree_pflow_kernel``) is a
+Pallas (Triton) kernel that reads the backward's sample-major flows and the forward's copies instead.
 
 :func:`jaxpc.engine.routing.tree_kernel` routes a tree here on Hopper GPUs (``Tuning.tree_clusters``; the variants
 above: ``Tuning.tree_log_weights``, ``tree_forward_tile``, ``tree_backward_tile``, ``tree_pflow_kernel``). On the H200,
@@ -579,6 +583,69 @@ def backward(flows: Array, copies: dict, tabs: dict, weights_t: Array, spec, til
     return (flows, pf) if keep else flows
 
 
+
+SUM_ROWS: Final = 64  # parent rows of a program of :func:`summed_param_flows` (the product's M)
+SUM_COLS: Final = 128  # the most child columns of a program (its N: the product and the weights in registers)
+
+
+def summed_fits(Kp: int, Kc: int, B: int) -> bool:
+    """Whether :func:`summed_param_flows` takes blocks of ``Kp x Kc`` at a batch of ``B`` samples."""
+    return 0 < B <= MAX_BATCH and Kp % SUM_ROWS == 0 and Kc % 32 == 0 and (Kc <= SUM_COLS or Kc % SUM_COLS == 0)
+
+
+@functools.cache
+def _summed_kernel(n: int, Kp: int, Kc: int, K: int, start: int, interpret: bool):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    f32 = jnp.float32
+    swizzled = _swizzled()
+    N = min(Kc, SUM_COLS)
+
+    def body(scale, y, logw, out, s_smem, y_smem, o_smem, bar):
+        i, t, h = lax.axis_index("i"), lax.axis_index("t"), lax.axis_index("h")
+        rows = pl.ds(pl.multiple_of(t * SUM_ROWS, SUM_ROWS), SUM_ROWS)
+        cols = pl.ds(pl.multiple_of(h * N, N), N)
+        plgpu.copy_gmem_to_smem(scale.at[i, rows], s_smem, bar.at[0])
+        plgpu.copy_gmem_to_smem(y.at[i, cols], y_smem, bar.at[1])
+        plgpu.copy_gmem_to_smem(logw.at[start + i, rows, cols], o_smem, bar.at[2])
+        for k in range(3):
+            plgpu.barrier_wait(bar.at[k])
+        o_smem[...] = jnp.exp(o_smem[...]) * _product(s_smem, y_smem, N)
+        _store(o_smem, out.at[i, rows, cols])
+
+    extra = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
+    return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((n, Kp, Kc), f32),
+                        grid=(n, Kp // SUM_ROWS, Kc // N), grid_names=("i", "t", "h"), scratch_types=[
+                            plgpu.SMEM((SUM_ROWS, K), f32, transforms=swizzled),
+                            plgpu.SMEM((N, K), f32, transforms=swizzled),
+                            plgpu.SMEM((SUM_ROWS, N), f32, transforms=swizzled), plgpu.Barrier(num_barriers=3)],
+                        **extra)
+
+
+def summed_param_flows(scale: Array, y: Array, logw: Array, start: int, interpret: bool | None = None) -> Array:
+    """``exp(logw[start + i]) * (scale[i] @ y[i].T)`` for each of ``n`` blocks (float32 ``[n, Kp, Kc]``): the
+    parameter flows of blocks whose weights are consecutive from ``start``, from each parent's flow over its local
+    sum ``scale [n, Kp, B]`` and the children's shifted values ``y [n, Kc, B]``. One Mosaic GPU kernel, a program
+    per block, :data:`SUM_ROWS` parents and :data:`SUM_COLS` children: the product on the tensor cores (TF32
+    operands, the samples padded with zeros to a multiple of 32), the weights' exponentials multiplied in its
+    epilogue, so that the product is never written out and read back (:func:`summed_fits`)."""
+    n, Kp, B = scale.shape
+    Kc = y.shape[1]
+    if not summed_fits(Kp, Kc, B) or y.shape != (n, Kc, B) or logw.shape[1:] != (Kp, Kc):
+        raise ValueError(f"mosaic_tree.summed_param_flows: needs scale [n, Kp, B], y [n, Kc, B] and log-weights "
+                         f"[P, Kp, Kc] with Kp a multiple of {SUM_ROWS}, Kc a multiple of 32 up to {SUM_COLS} or of "
+                         f"{SUM_COLS}, and B up to {MAX_BATCH}, got {list(scale.shape)}, {list(y.shape)}, "
+                         f"{list(logw.shape)}")
+    if not 0 <= start <= logw.shape[0] - n:
+        raise ValueError(f"mosaic_tree.summed_param_flows: blocks {start}..{start + n} outside the "
+                         f"{logw.shape[0]} weight blocks")
+    K = -(-B // 32) * 32
+    pad = ((0, 0), (0, 0), (0, K - B))
+    s, yy = (jnp.pad(a.astype(jnp.float32), pad) for a in (scale, y))
+    return _summed_kernel(n, Kp, Kc, K, int(start), _interpreted(interpret))(
+        _round_tf32(s), _round_tf32(yy), logw.astype(jnp.float32))
+
 PFLOW_TILE: Final = 64  # parent rows of a program of :func:`param_flows`
 PFLOW_WARPS: Final = 8
 
@@ -671,5 +738,5 @@ def forward(buf: Array, tabs: dict, logw: Array | None, spec, interpret: bool | 
 
 
 __all__ = ["CLUSTER", "CLUSTERS", "MAX_BATCH", "PFLOW_TILE", "SMEM", "TILE", "backward", "backward_ratios",
-           "backward_smem", "copies", "fits", "forward", "param_flows", "pflow_fits", "schedule", "tf32_weights",
-           "tf32_weights_t"]
+           "backward_smem", "copies", "fits", "forward", "param_flows", "pflow_fits", "schedule", "summed_fits",
+           "summed_param_flows", "tf32_weights", "tf32_weights_t"]

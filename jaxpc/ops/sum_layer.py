@@ -207,6 +207,27 @@ def flow_split(x: Array, lw: Array, vp: Array, fp: Array, m: Array, a: float, ba
     return w, y, scale
 
 
+def param_flow_factors(values: Array, flows: Array, ch: Array, pid: Array, logw: Array, prow: Array, *, Kp: int,
+                       Kc: int, propagation: str = "LL", alpha: float | None = None, precision: str = "fp32",
+                       temperature: float = 1.0, shift: Array | None = None) -> tuple[Array, Array, Array]:
+    """The factors of :func:`sum_layer_param_flows_reference`'s flows: ``(w, y, scale)``, the blocks' weights
+    ``[n, Kp, C*Kc]`` (raised to the flows' power), their children's shifted values ``[n, C*Kc, B]`` and each
+    parent's flow over its local sum ``[n, Kp, B]``; the flows are ``w * (scale @ y^T)`` over the samples."""
+    if propagation == "MPE":
+        raise ValueError("the batched parameter flows are those of sum-product layers (LL, GeneralLL), not MPE")
+    n = ch.shape[0]
+    x = gather_children(values, ch, Kc, False)
+    lw = gather_weights(logw, pid)
+    rows = prow[:, None] + jnp.arange(Kp, dtype=prow.dtype)
+    base = 1.0 if propagation == "LL" else float(alpha)
+    if shift is not None and shift.shape != (n, values.shape[1]):
+        raise ValueError(f"shift must be [n, B] = {[n, values.shape[1]]}, got {list(shift.shape)}")
+    m = jnp.max(x, axis=1, keepdims=True) if shift is None else shift[:, None, :]
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    return flow_split(x, lw, take_rows(values, rows), take_rows(flows, rows), m, base / temperature, base, False,
+                      precision)
+
+
 def sum_layer_param_flows_reference(values: Array, flows: Array, ch: Array, pid: Array, logw: Array, prow: Array, *,
                                     Kp: int, Kc: int, propagation: str = "LL", alpha: float | None = None,
                                     precision: str = "fp32", temperature: float = 1.0,
@@ -217,18 +238,8 @@ def sum_layer_param_flows_reference(values: Array, flows: Array, ch: Array, pid:
     ``prow[i] + [0, Kp)``, its children ``ch[i]`` (``[n, C]`` or folded ``[n, C, M]``), its weights ``pid[i]``.
     ``temperature``: ``Options.pflow_temperature``; ``shift``: ``[n, B]`` the forward's shifts, which are then
     not recomputed. Returns ``[n, C, Kp, Kc]``."""
-    if propagation == "MPE":
-        raise ValueError("the batched parameter flows are those of sum-product layers (LL, GeneralLL), not MPE")
     n, C = ch.shape[:2]
-    x = gather_children(values, ch, Kc, False)
-    lw = gather_weights(logw, pid)
-    rows = prow[:, None] + jnp.arange(Kp, dtype=prow.dtype)
-    base = 1.0 if propagation == "LL" else float(alpha)
-    if shift is not None and shift.shape != (n, values.shape[1]):
-        raise ValueError(f"shift must be [n, B] = {[n, values.shape[1]]}, got {list(shift.shape)}")
-    m = jnp.max(x, axis=1, keepdims=True) if shift is None else shift[:, None, :]
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    w, y, scale = flow_split(x, lw, take_rows(values, rows), take_rows(flows, rows), m, base / temperature, base,
-                             False, precision)
+    w, y, scale = param_flow_factors(values, flows, ch, pid, logw, prow, Kp=Kp, Kc=Kc, propagation=propagation,
+                                     alpha=alpha, precision=precision, temperature=temperature, shift=shift)
     pf = w * matmul("nkb,ncb->nkc", scale, y, precision)
     return pf.reshape(n, Kp, C, Kc).transpose(0, 2, 1, 3)
