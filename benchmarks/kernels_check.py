@@ -33,10 +33,9 @@
    error of each leaf and the median milliseconds of both calls at batch 16, 128 and 512 (:func:`check_fanin`).
 7. ``--tree`` (alone): HCLT-256's ``flows`` call on the persistent tree kernels (``jaxpc.ops.pallas_tree``,
    ``Tuning(tree_kernel_batch=64)``), or on the route ``--tree-tuning`` spells (such as
-   ``tree_log_weights=1+tree_copy_overlap=1``), against the default call: relative error of each leaf at fp32 and
-   at the default precision, and the median milliseconds of both ``flows`` and ``em_step`` calls at batch 8 to 64
-   (:func:`check_tree`); with ``--tree-tuning`` and batch 16, also the tree's parameter-flow kernel per tile and
-   warps (:func:`time_tree_pflows`).
+   ``tree_forward_tile=32+tree_backward_tile=32``), against the default call: relative error of each leaf at fp32
+   and at the default precision, and the median milliseconds of both ``flows`` and ``em_step`` calls at batch 8 to
+   64 (:func:`check_tree`).
 8. ``--products`` (alone): PD-128's full layout with its product layers on ``jaxpc.ops.pallas_product`` against
    the same layout on XLA's product layers: relative error of each leaf at fp32 and the default precision, and the
    median milliseconds of both calls and of the folded plan (:func:`check_products`).
@@ -519,46 +518,10 @@ def check_tree(batches=(8, 16, 32, 64), reps=30, against: str = "") -> float:
     if against:
         from _options import tuning
 
-        if 16 in inputs:
-            time_tree_pflows(c, 16, reps)
         return compare_routes(c, "tree HCLT-256", inputs, (tuning(against), jaxpc.Tuning()), (against, "default"),
                               reps, em_step=True)
     return compare_routes(c, "tree HCLT-256", inputs, (jaxpc.Tuning(tree_kernel_batch=64), jaxpc.Tuning()),
                           ("tree kernels", "per level"), reps, em_step=True)
-
-
-PFLOW_CONFIGS = ((32, 4), (64, 4), (64, 8), (128, 8))  # (parent rows, warps) of mosaic_tree.param_flows's programs
-
-
-def time_tree_pflows(c, B: int, reps: int) -> None:
-    """Median milliseconds of :func:`jaxpc.ops.mosaic_tree.param_flows` (``Tuning.tree_pflow_kernel``) over the
-    tree's blocks of circuit ``c`` at batch ``B``, per (tile, warps) of :data:`PFLOW_CONFIGS`, from random copies and
-    flows of the cluster backward's shapes, and its largest relative difference from the first configuration."""
-    from jaxpc.ops import mosaic_tree
-
-    tree, tabs = c.layout.fold.tree, c.tables["fold"]["tree"]["clusters"]
-    n, K = tabs["block_pid"].shape[0], tree.Kc
-    rng = np.random.default_rng(0)
-
-    def rand(*shape, scale=1.0):
-        return jax.device_put((scale * rng.standard_normal(shape)).astype(np.float32))
-
-    pf = jax.device_put(rng.random((B, (n + len(np.asarray(tabs["top"]))) * K)).astype(np.float32))
-    copies = {"vals": rand(B, n * K), "prod": rand(B, n * K), "shift": rand(B, n * 8)}
-    logw = c.params["sum"][tree.group]
-    into = jax.numpy.zeros_like(logw)
-    first = None
-    for tile, warps in PFLOW_CONFIGS:
-        fn = jax.jit(lambda i, p, cp, lw, tile=tile, warps=warps: mosaic_tree.param_flows(
-            i, p, cp, tabs, lw, tree, tile=tile, warps=warps))
-        try:
-            out = np.asarray(fn(into, pf, copies, logw))
-        except Exception as err:  # noqa: BLE001 - a configuration that does not compile: reported, the rest timed
-            print(f"tree pflows B={B} tile {tile} warps {warps}: {type(err).__name__}: {str(err)[:200]}", flush=True)
-            continue
-        first = out if first is None else first
-        ms = bench(lambda fn=fn: fn(into, pf, copies, logw), reps)
-        print(f"tree pflows B={B} tile {tile} warps {warps}: {ms:.3f} ms, rel diff {rel(out, first):.1e}", flush=True)
 
 
 def check_summed(batches=(16, 32, 64), n=577, K=256, reps=40) -> float:

@@ -123,10 +123,6 @@ class Tuning:
             on a kernel that reads each parent's ``exp(shift - value)`` and the child's ``exp(child - shift)`` made
             before the call instead of computing them in its steps. None (the default): 64 at batches up to 16
             where it fits, else 32.
-        tree_pflow_kernel: on the clusters' route at batches of 16, 32 and 64, the tree's parameter flows come from
-            one kernel reading the backward's sample-major flows and copies, the weights multiplied in its
-            epilogue (:func:`jaxpc.ops.mosaic_tree.param_flows`), instead of the batched pass's gathers, product and
-            multiplication (HCLT-256 at B=16 on the H200: not faster, 1.537 against 1.51 ms, 118 MiB more).
         fanin_kernel_batch: from this many samples on, a sum partition whose child row blocks are read by several
             parent blocks (a PD's fan-ins) and whose forward kept its shifts runs its whole backward as one Pallas
             kernel, the child flows added by atomic adds (:func:`jaxpc.engine.routing.atomic_backward`); 0: never.
@@ -198,7 +194,6 @@ class Tuning:
     tree_log_weights: bool = False
     tree_forward_tile: int | None = None
     tree_backward_tile: int | None = None
-    tree_pflow_kernel: bool = False
     fanin_group: int = 4
     fanin_group_batch: int = 1024
     fanin_group_blocks: int = 16384
@@ -217,7 +212,7 @@ class Tuning:
             v = getattr(self, f.name)
             if f.name in ("unset_rows", "quick_first_compile", "unroll_optimized", "fanin_prefetch",
                           "chain_side_by_side", "tree_clusters",
-                          "tree_log_weights", "tree_pflow_kernel"):
+                          "tree_log_weights"):
                 if not isinstance(v, bool) and not (f.name == "tree_clusters" and v is None):
                     raise TypeError(f"Tuning.{f.name} must be a bool{' or None' * (f.name == 'tree_clusters')}, "
                                     f"got {v!r}")

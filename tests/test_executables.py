@@ -81,7 +81,7 @@ TUNING_CHANGES = {"leaf_batch": 1, "small_batch": 1, "pflow_batch": 1, "pflow_su
                   "compiler_options": (("xla_cpu_enable_fast_math", False),), "concurrent_batch": 0,
                   "fanin_kernel_batch": 0,
                   "tree_kernel_batch": 16, "tree_clusters": True, "tree_log_weights": True,
-                  "tree_pflow_kernel": True, "tree_forward_tile": 64, "tree_backward_tile": 64,
+                  "tree_forward_tile": 64, "tree_backward_tile": 64,
                   "fanin_order_batch": 1,
                   "fanin_forward_prefetch_batch": 0,
                   "fanin_forward_span": 1, "fanin_group_blocks": 0, "fanin_forward_wide_tile": 0,

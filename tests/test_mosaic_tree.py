@@ -256,11 +256,12 @@ def test_the_wide_tasks_and_log_weights_write_what_the_narrow_route_writes(tree)
 
 @pytest.fixture(scope="module")
 def hclt():
-    """An HCLT of 32-node blocks whose group of tree blocks also holds a block outside the tree (the batched
-    parameter-flow pass's ``pflow_rest``), and a batch of 16."""
+    """An HCLT of 32-node blocks whose group of tree blocks also holds a block outside the tree, and a batch of
+    16."""
     data = np.random.default_rng(0).integers(0, 2, (300, 60)).astype(np.int32)
     c = jaxpc.compile(jaxpc.structures.HCLT(data, 32, input_dist=distributions.Categorical(2)))
-    assert len(c.tables["fold"]["tree"]["clusters"]["pflow_rest"]) > 0
+    tree = c.layout.fold.tree
+    assert c.params["sum"][tree.group].shape[0] > tree.blocks
     return c, jnp.asarray(data[:16])
 
 
@@ -268,33 +269,12 @@ def hclt():
 def test_the_cluster_route_with_tree_blocks_outside_the_tree(hclt):
     """A partition of the tree's group outside the tree, on the Pallas backward, leaves its parameter flows to the
     batched pass like the tree's blocks (it asked for the group's accumulator, which the batched pass does not
-    carry: a KeyError); with ``Tuning.tree_pflow_kernel`` the tree's blocks come from :func:`mosaic_tree.param_flows`
-    (every row written: unset rows are NaN here) and the rest from the batched pass, equal to the batched pass
-    within float32 rounding."""
+    carry: a KeyError), equal to XLA's within TF32's rounding."""
     c, x = hclt
     want = c.flows(c.params, x, options=jaxpc.Options(impl="xla", precision="fp32"))
     batched = c.flows(c.params, x, options=CLUSTERS)
     for a, b in zip(jax.tree_util.tree_leaves(batched), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-3 * float(np.max(np.abs(b))))
-    on = CLUSTERS.replace(tuning=jaxpc.Tuning(tree_clusters=True, tree_pflow_kernel=True))
-    with mock.patch.object(mosaic_tree, "param_flows", wraps=mosaic_tree.param_flows) as kernel:
-        got = c.flows(c.params, x, options=on)
-    assert kernel.call_count == 1
-    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(batched)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6 * float(np.max(np.abs(b))))
-
-
-def test_the_tree_parameter_flow_kernel_takes_batches_of_16_32_and_64(hclt):
-    c, _ = hclt
-    fold, tabs = c.layout.fold, c.tables["fold"]["tree"]["clusters"]
-    on = CLUSTERS.replace(tuning=jaxpc.Tuning(tree_clusters=True, tree_pflow_kernel=True))
-    assert [routing.tree_pflow_kernel(fold, on, B, tabs) for B in (8, 16, 24, 32, 64)] == [False, True, False, True,
-                                                                                            True]
-    assert not routing.tree_pflow_kernel(fold, CLUSTERS, 16, tabs)
-    assert not routing.tree_pflow_kernel(fold, on, 16, {k: v for k, v in tabs.items() if k != "pflow_rest"})
-    with pytest.raises(ValueError, match="batch of 16, 32 or 64"):
-        mosaic_tree.param_flows(jnp.zeros((1, 32, 32)), jnp.zeros((8, 64)), {}, tabs, jnp.zeros((1, 32, 32)),
-                                fold.tree)
 
 
 @pytest.mark.parametrize("n,Kp,Kc,B,start", [(3, 64, 32, 16, 1), (2, 128, 64, 11, 0), (2, 64, 256, 40, 1)])

@@ -9,7 +9,6 @@ The routes come from :mod:`jaxpc.engine.routing`; the forward is :func:`jaxpc.en
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -128,23 +127,15 @@ def _root_bwd(layout, options, buffered, res, g):
     start, stop = stages.tree_span(layout, tree)
     flows, dparams = stages.run_stages(layout, tables, (flows, dparams), stage, reverse=True,
                                        scan=options.scan_stages, span=(stop, len(layout.steps)))
-    tree_side = None
     if kind == "mosaic":  # element flows only: the tree's parameter flows come from the batched pass
         from ..ops import mosaic_tree
 
         with jax.named_scope("jaxpc/tree/clusters/backward"):
             tabs = tables["tree"]["clusters"]
             kept = copies if copies is not None else mosaic_tree.copies(values, tabs, tree)
-            logw = sum_params[tree.group]
-            keep = (routing.tree_pflow_kernel(layout, options, values.shape[1], tabs)
-                    and any(spec.key == tree.pflow_key for spec, _ in pflows))
             btabs, tile, ratios = routing.cluster_backward(options, tabs, tree, values.shape[1])
-            above = flows  # the flows of the stages above the tree: final
-            flows = mosaic_tree.backward(flows, kept, btabs, mosaic_tree.tf32_weights_t(logw), tree, tile=tile,
-                                         interpret=not routing.on_gpu(), keep=keep, ratios=ratios)
-            if keep:  # the tree's parameter flows from the backward's sample-major flows
-                flows, tree_flows = flows
-                tree_side = (tree_flows, kept, tabs, above)
+            flows = mosaic_tree.backward(flows, kept, btabs, mosaic_tree.tf32_weights_t(sum_params[tree.group]), tree,
+                                         tile=tile, interpret=not routing.on_gpu(), ratios=ratios)
     elif tree is not None:
         with jax.named_scope("jaxpc/tree/backward"):
             dp_in = dparams[tree.group] if options.compute_param_flows else None
@@ -155,7 +146,7 @@ def _root_bwd(layout, options, buffered, res, g):
             dparams = {**dparams, tree.group: dp}
     flows, dparams = stages.run_stages(layout, tables, (flows, dparams), stage, reverse=True,
                                        scan=options.scan_stages, span=(0, start))
-    dparams = _after_pass(ps, pflows, flows, dparams, tree_side)
+    dparams = _after_pass(ps, pflows, flows, dparams)
     dparams = {k: dparams.get(k, jnp.zeros_like(v)) for k, v in sum_params.items()}
     if buffered:
         return None, dparams, flows
@@ -259,12 +250,9 @@ def _sum_flows_xla(ps: _Pass, fl: Array, dp: dict, part, t: dict, row) -> tuple:
     return stages.in_pieces(routing.pieces(part, values.shape[1], options.gather_chunk), t, piece, (fl, dp))
 
 
-def _after_pass(ps: _Pass, pflows: list, flows: Array, dparams: dict, tree_side: tuple | None = None) -> dict:
+def _after_pass(ps: _Pass, pflows: list, flows: Array, dparams: dict) -> dict:
     """``dparams`` with the batched parameter-flow pass's groups (:func:`batched_pflows`) computed from the
-    finished flow buffer, reading the forward's kept shifts where every member partition kept them. ``tree_side``
-    (the clusters' backward's sample-major flows, the forward's copies, the clusters' tables and the flow buffer
-    before the tree's backward): the tree's blocks by :func:`jaxpc.ops.mosaic_tree.param_flows` instead
-    (``Tuning.tree_pflow_kernel``), the rest of their spec by the batched pass."""
+    finished flow buffer, reading the forward's kept shifts where every member partition kept them."""
     options, values = ps.options, ps.values
     B, dtype = values.shape[1], values.dtype
     for spec, tab in pflows:
@@ -274,32 +262,10 @@ def _after_pass(ps: _Pass, pflows: list, flows: Array, dparams: dict, tree_side:
                         for k, p in zip(kept, members))
         logw = ps.sum_params[spec.group]
         with jax.named_scope(f"jaxpc/param_flows/{spec.group}_C{spec.C}"):
-            if tree_side is not None and spec.key == ps.layout.tree.pflow_key:
-                dparams[spec.group] = _tree_param_flows(ps, spec, tab, kept, by_kernel, tree_side)
-                continue
             dparams[spec.group] = _batched_param_flows(values, flows, dparams.get(spec.group), logw, spec, tab,
                                                        options, ps.shifts, ps.unit, kept, by_kernel,
                                                        store=spec.group in ps.stored)
     return dparams
-
-
-def _tree_param_flows(ps: _Pass, spec, tab: dict, kept: tuple, by_kernel: bool, tree_side: tuple) -> Array:
-    """The parameter flows of the group of the tree's blocks: the blocks of ``spec`` outside the tree
-    (``pflow_rest``, above it) by the batched pass from the flows as they were before the tree's backward (which
-    lets them run beside it), written into an unset buffer, then the tree's by
-    :func:`jaxpc.ops.mosaic_tree.param_flows` in place."""
-    from ..ops import mosaic_tree
-
-    tree_flows, copies, tabs, flows = tree_side
-    options, logw = ps.options, ps.sum_params[spec.group]
-    into = uninitialized(logw.shape, logw.dtype, options.tuning.min_unset)
-    rest = tabs["pflow_rest"]
-    if rest.shape[0]:
-        sub = {k: tab[k][rest] for k in ("prow", "ch", "pid", "part")}
-        into = _batched_param_flows(ps.values, flows, into, logw, dataclasses.replace(spec, n=rest.shape[0], start=-1),
-                                    sub, options, ps.shifts, ps.unit, kept, by_kernel, store=True)
-    return mosaic_tree.param_flows(into, tree_flows, copies, tabs, logw, ps.layout.tree,
-                                   precision=options.concrete_precision)
 
 
 def flow_buffer(layout, options, values: Array) -> Array:

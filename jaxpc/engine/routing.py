@@ -277,9 +277,6 @@ def cluster_tables(layout: Layout, tables: dict) -> dict:
     if mosaic_tree.fits(tree, 8, CLUSTER_WIDE_TILE):
         wide = mosaic_tree.schedule(tree_np, tree, tile=CLUSTER_WIDE_TILE)
         schedule["wide_tasks"], schedule["wide_btasks"] = wide["tasks"], wide["btasks"]
-    rest = _pflow_rest(fold, tables["fold"].get("pflows", ()), schedule.get("block_pid"))
-    if rest is not None:
-        schedule["pflow_rest"] = rest
     return {**tables, "fold": {**tables["fold"], "tree": {**tree_tabs, "clusters": schedule}}}
 
 
@@ -310,36 +307,6 @@ def cluster_backward(options, tabs: dict, spec, B: int) -> tuple[dict, int, bool
         if mosaic_tree.backward_smem(spec, B, CLUSTER_WIDE_TILE, steps, True) <= mosaic_tree.SMEM:
             return {**tabs, "btasks": tabs["wide_btasks"]}, CLUSTER_WIDE_TILE, True
     return tabs, CLUSTER_TILE, False
-
-
-def _pflow_rest(fold: Layout, pflow_tables, block_pid) -> np.ndarray | None:
-    """The rows of the batched parameter-flow pass's table for the tree's blocks (``fold.pflows``' spec of the tree's
-    group and shape) whose blocks are not the tree's, where :func:`jaxpc.ops.mosaic_tree.param_flows` can write the
-    tree's: the spec writes each block's flows once (``unique``), holds every tree block, and its other blocks lie
-    above the tree (steps from ``tree.stop`` on), so that their flows are final before the tree's backward and their
-    parameter flows need not wait for it. None otherwise."""
-    tree = fold.tree
-    for spec, tab in zip(fold.pflows, pflow_tables):
-        if block_pid is not None and spec.key == tree.pflow_key and spec.unique:
-            pid = np.asarray(tab["pid"])[:, 0]
-            if np.isin(block_pid, pid).all():
-                rest = np.flatnonzero(~np.isin(pid, block_pid)).astype(np.int32)
-                steps = [i for i, _ in fold.pflow_member_steps(spec.key)]
-                if all(steps[k] >= tree.stop for k in np.asarray(tab["part"])[rest]):
-                    return rest
-    return None
-
-
-def tree_pflow_kernel(layout: Layout, options, B: int, tables: dict) -> bool:
-    """Whether the tree's parameter flows on the clusters' route (:func:`tree_kernel` ``"mosaic"``) come from
-    :func:`jaxpc.ops.mosaic_tree.param_flows` (``Tuning.tree_pflow_kernel``), reading the backward's sample-major
-    flows, instead of the batched pass's gathers from the node buffers: where its tables were made
-    (:func:`cluster_tables`), the batch fits its product (:func:`jaxpc.ops.mosaic_tree.pflow_fits`) and the
-    kernels are Pallas's (interpret mode off a GPU)."""
-    from ..ops import mosaic_tree
-
-    return (options.tuning.tree_pflow_kernel and options.compute_param_flows and "pflow_rest" in tables
-            and mosaic_tree.pflow_fits(layout.tree, B) and kernels_available())
 
 
 def tree_module(kind: str):

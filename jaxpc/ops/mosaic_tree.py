@@ -37,11 +37,10 @@ memory at small batches. The parameter flows are left to the batched pass, which
 any of fan-in 1 with consecutive weights) by :func:`summed_param_flows` up to ``Tuning.pflow_sum_batch`` samples:
 the product over the samples on the tensor cores with the weights' exponentials multiplied in its epilogue, so that
 the ``[blocks, Kp, Kc]`` product is never written out and read back (HCLT-256 at batch 16 on the H200: 0.189 ms
-against 0.243 for XLA's product and multiplication). :func:`param_flows` (``Tuning.tree_pflow_kernel``) is a
-Pallas (Triton) kernel that reads the backward's sample-major flows and the forward's copies instead.
+against 0.243 for XLA's product and multiplication).
 
 :func:`jaxpc.engine.routing.tree_kernel` routes a tree here on Hopper GPUs (``Tuning.tree_clusters``; the variants
-above: ``Tuning.tree_log_weights``, ``tree_forward_tile``, ``tree_backward_tile``, ``tree_pflow_kernel``). On the H200,
+above: ``Tuning.tree_log_weights``, ``tree_forward_tile``, ``tree_backward_tile``). On the H200,
 HCLT-256's tree at batch 16 takes 0.29-0.33 ms forward and 0.34 backward (32-row tasks, from weight copies made before
 the call: 0.12 ms for both) against about 0.46 and 0.61 level by level in the default call (docs/design.md, "Tree
 levels on thread-block clusters").
@@ -184,9 +183,8 @@ def _backward_tables(launches: list, parent: np.ndarray, pid: np.ndarray, spec, 
     task row ``(transposed-weight row, the block's flows' column, its values' column, its child's column, its
     child's tile column)`` into ``wt [P * Kc, Kp]``, ``pf`` (the children's flows: block ``b``'s at ``b * Kc``, the
     given flows of the ``top`` blocks, those without a parent in the tree, after the ``n`` blocks'), ``vals`` and
-    ``prod``; ``top``, those blocks; ``fin [blocks * Kp]``, the column of ``pf`` holding each parent row's flow;
-    per block, ``block_fin``, the column of its first parent row's, and ``block_pid``, its weights' index in the
-    group (what :func:`param_flows` reads)."""
+    ``prod``; ``top``, those blocks; ``fin [blocks * Kp]``, the column of ``pf`` holding each parent row's
+    flow."""
     n = len(parent)
     top = np.flatnonzero(parent < 0)
     slot = np.full(n, -1, np.int64)
@@ -204,8 +202,7 @@ def _backward_tables(launches: list, parent: np.ndarray, pid: np.ndarray, spec, 
                                                       b * spec.Kc, b * spec.Kc + k * tile)
         btasks.append(t)
     cols = (fin[:, None] + np.arange(spec.Kp)).ravel().astype(np.int32)
-    return {"btasks": btasks, "top": top.astype(np.int32), "fin": cols, "block_pid": pid.astype(np.int32),
-            "block_fin": fin.astype(np.int32)}
+    return {"btasks": btasks, "top": top.astype(np.int32), "fin": cols}
 
 
 def _interpreted(interpret: bool | None) -> bool:
@@ -543,15 +540,13 @@ def backward_smem(spec, B: int, tile: int, steps: int, ratios: bool) -> int:
 
 
 def backward(flows: Array, copies: dict, tabs: dict, weights_t: Array, spec, tile: int = TILE,
-             interpret: bool | None = None, keep: bool = False, ratios: bool = False):
+             interpret: bool | None = None, ratios: bool = False) -> Array:
     """The flow buffer ``flows`` (float32 ``[R, B]``, the rows of the tree's top blocks holding their flows) with the
     flows of every tree block's parent rows and of the rows from outside the tree that their children read (the
     input layer's) written, from :func:`forward`'s ``copies`` (``keep=True``), :func:`schedule`'s tables and the
-    transposed weights (:func:`tf32_weights_t`). The parameter flows are left to the batched pass or to
-    :func:`param_flows`, which reads the sample-major flows that ``keep`` returns beside the buffer (``(flows,
-    pf)``). With ``ratios``, the kernels read :func:`backward_ratios` instead of the copies'
-    (:func:`_backward_ratio_kernel`: 64-row tasks of 256-node blocks fit at batches up to 16). Needs
-    ``Kp == Kc``."""
+    transposed weights (:func:`tf32_weights_t`). The parameter flows are left to the batched pass. With ``ratios``,
+    the kernels read :func:`backward_ratios` instead of the copies' (:func:`_backward_ratio_kernel`: 64-row tasks of
+    256-node blocks fit at batches up to 16). Needs ``Kp == Kc``."""
     if spec.Kp != spec.Kc or "btasks" not in tabs:
         raise ValueError(f"mosaic_tree.backward: needs square blocks, got Kp={spec.Kp}, Kc={spec.Kc}")
     interpret = _interpreted(interpret)
@@ -580,7 +575,7 @@ def backward(flows: Array, copies: dict, tabs: dict, weights_t: Array, spec, til
     child = pf[:, :n * K].T.reshape(n, 1, K, B)  # each block's child's flows, to its rows from outside the tree
     rows = jnp.where(inputs >= 0, inputs, R)[:, :, None] + jnp.arange(K, dtype=jnp.int32)
     flows = flows.at[rows].set(jnp.broadcast_to(child, rows.shape + (B,)), mode="drop")
-    return (flows, pf) if keep else flows
+    return flows
 
 
 
@@ -646,64 +641,6 @@ def summed_param_flows(scale: Array, y: Array, logw: Array, start: int, interpre
     return _summed_kernel(n, Kp, Kc, K, int(start), _interpreted(interpret))(
         _round_tf32(s), _round_tf32(yy), logw.astype(jnp.float32))
 
-PFLOW_TILE: Final = 64  # parent rows of a program of :func:`param_flows`
-PFLOW_WARPS: Final = 8
-
-
-def pflow_fits(spec, B: int) -> bool:
-    """Whether :func:`param_flows` takes ``spec``'s blocks at a batch of ``B`` samples (the product's contracted
-    axis: a power of two from 16)."""
-    return B in (16, 32, 64) and spec.Kp % min(PFLOW_TILE, spec.Kp) == 0 and spec.Kc & (spec.Kc - 1) == 0
-
-
-def _pflow_kernel(pid_ref, fin_ref, pf_ref, vals_ref, prod_ref, shift_ref, logw_ref, _into_ref, out_ref, *, B, Kp,
-                  Kc, KT, precision):
-    from .pallas_sum import block_ids, mm
-    from .pallas_sum import plgpu as pltr
-
-    i, t = block_ids(2)
-    samples = jnp.arange(B)[:, None]
-
-    def load(ref, start, width):
-        return pltr.load(ref.at[samples, start + jnp.arange(width)[None, :]])
-
-    p0 = t * KT
-    shift = load(shift_ref, i * _SHIFT, 1)  # [B, 1]: the block's child's max per sample
-    f = load(pf_ref, fin_ref[i] + p0, KT)  # the parents' flows
-    a = jnp.where(f == 0.0, 0.0, f * jnp.exp(shift - load(vals_ref, i * Kp + p0, KT)))  # flow / value, times exp(shift)
-    y = jnp.exp(load(prod_ref, i * Kc, Kc) - shift)  # the child's values, over exp(shift)
-    b, rows, cols = pid_ref[i], p0 + jnp.arange(KT), jnp.arange(Kc)
-    w = jnp.exp(pltr.load(logw_ref.at[b, rows[:, None], cols[None, :]]))
-    pltr.store(out_ref.at[b, rows[:, None], cols[None, :]], w * mm(a, y, precision, trans_a=True))
-
-
-def param_flows(into: Array, pf: Array, copies: dict, tabs: dict, logw: Array, spec, precision: str = "tf32",
-                tile: int = PFLOW_TILE, warps: int = PFLOW_WARPS) -> Array:
-    """The group's parameter-flow buffer ``into`` (``[P, Kp, Kc]``, like ``logw``) with the tree blocks' parameter
-    flows written at their weights' indices (``tabs["block_pid"]``), from :func:`backward`'s sample-major flows ``pf``
-    (``keep=True``) and :func:`forward`'s ``copies``: per block, ``exp(logw) * (a^T @ y)`` over the batch, ``a`` its
-    parents' flows over their values and ``y`` its child's values, both scaled by the kept shift. One Pallas kernel
-    (Triton), a program per block and ``tile`` parent rows (``warps`` warps), the weights' product in its epilogue:
-    it reads the log-weights and writes the flows once, where the batched pass's product, written out, is read
-    again by the multiplication by the weights. Other rows of ``into`` are left as they are (:func:`pflow_fits`)."""
-    from .pallas_sum import KernelConfig, block_grid, call_kernel
-
-    B = pf.shape[0]
-    if not pflow_fits(spec, B) or into.shape != logw.shape or into.dtype != jnp.float32:
-        raise ValueError(f"mosaic_tree.param_flows: needs a batch of 16, 32 or 64 (got {B}) and a float32 buffer "
-                         f"shaped like the log-weights {list(logw.shape)} (got {into.dtype}{list(into.shape)})")
-    KT = min(tile, spec.Kp)
-    if spec.Kp % KT or KT & (KT - 1):
-        raise ValueError(f"mosaic_tree.param_flows: tiles of {tile} rows must divide the blocks' {spec.Kp} parents")
-    n = tabs["block_pid"].shape[0]
-    kernel = functools.partial(_pflow_kernel, B=B, Kp=spec.Kp, Kc=spec.Kc, KT=KT, precision=precision)
-    return call_kernel(kernel, KernelConfig(num_warps=warps, num_stages=1), grid=block_grid(n, spec.Kp // KT),
-                       out_shape=jax.ShapeDtypeStruct(into.shape, jnp.float32), input_output_aliases={7: 0},
-                       name="jaxpc_tree_param_flows")(
-        tabs["block_pid"], tabs["block_fin"], pf, copies["vals"], copies["prod"], copies["shift"],
-        logw.astype(jnp.float32), into)
-
-
 def forward(buf: Array, tabs: dict, logw: Array | None, spec, interpret: bool | None = None,
             weights: Array | None = None, tile: int = TILE, keep: bool = False):
     """The node buffer ``buf`` (float32 ``[R, B]``) with the parent rows of every level of ``spec`` written, from
@@ -737,6 +674,6 @@ def forward(buf: Array, tabs: dict, logw: Array | None, spec, interpret: bool | 
     return (out, copies) if keep else out
 
 
-__all__ = ["CLUSTER", "CLUSTERS", "MAX_BATCH", "PFLOW_TILE", "SMEM", "TILE", "backward", "backward_ratios",
-           "backward_smem", "copies", "fits", "forward", "param_flows", "pflow_fits", "schedule", "summed_fits",
+__all__ = ["CLUSTER", "CLUSTERS", "MAX_BATCH", "SMEM", "TILE", "backward", "backward_ratios",
+           "backward_smem", "copies", "fits", "forward", "schedule", "summed_fits",
            "summed_param_flows", "tf32_weights", "tf32_weights_t"]
