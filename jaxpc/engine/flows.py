@@ -327,7 +327,10 @@ def _batched_param_flows(values: Array, flows: Array, dp: Array | None, logw: Ar
     allows, one Pallas kernel for the whole table (it gathers nothing), which recomputes the others' (on the H200 it
     is faster than XLA's pass where the forward ran the kernels, at batches up to 32: see
     :func:`jaxpc.engine.routing.pflow_kernel`; at 128, where the tree levels' forward runs on XLA, HCLT-256's step
-    took 3.15-3.30 ms with it against 2.92-3.10 without). XLA's
+    took 3.15-3.30 ms with it against 2.92-3.10 without). Elsewhere, where
+    :func:`jaxpc.engine.routing.summed_pflow_kernel` allows, XLA gathers each piece's factors and
+    :func:`jaxpc.ops.mosaic_tree.summed_param_flows` takes their product and the weights' multiplication in one
+    kernel (reading the log-weights itself: the gathered weights go unused). XLA's
     pass reads the kept shifts when every member kept them, else recomputes them all."""
     C, Kp, Kc = spec.C, spec.Kp, spec.Kc
     kernel = shifts is not None and by_kernel and routing.pflow_kernel(options, values.dtype)

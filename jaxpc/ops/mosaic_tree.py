@@ -641,6 +641,7 @@ def summed_param_flows(scale: Array, y: Array, logw: Array, start: int, interpre
     return _summed_kernel(n, Kp, Kc, K, int(start), _interpreted(interpret))(
         _round_tf32(s), _round_tf32(yy), logw.astype(jnp.float32))
 
+
 def forward(buf: Array, tabs: dict, logw: Array | None, spec, interpret: bool | None = None,
             weights: Array | None = None, tile: int = TILE, keep: bool = False):
     """The node buffer ``buf`` (float32 ``[R, B]``) with the parent rows of every level of ``spec`` written, from
