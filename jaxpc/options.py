@@ -50,7 +50,10 @@ class Tuning:
     the figures behind each are in ``benchmarks/RESULTS.md``.
 
     Attributes:
-        leaf_batch: ``impl="auto"`` on a GPU: the leaf kernels (``leaf_kernel``) run from this many samples on.
+        leaf_batch: ``impl="auto"`` on a GPU: the leaf kernel that writes the node buffer's leaf rows
+            (``Options.leaf_kernel``) runs from this many samples on.
+        counts_batch: ``impl="auto"`` on a GPU: categorical leaves' expected counts come from their Pallas kernel
+            (the one-hot matrices in registers) from this many samples on, below it from XLA's products.
         small_batch: ``impl="auto"`` on a GPU: up to this many samples, tree levels (fan-in one block) run the
             Pallas forward too.
         pflow_batch: ``param_flow_pass="auto"``: tree levels' parameter flows are batched up to this many samples.
@@ -171,6 +174,7 @@ class Tuning:
     """
 
     leaf_batch: int = 64
+    counts_batch: int = 64
     small_batch: int = 32
     pflow_batch: int = 128
     pflow_sum_batch: int = 64

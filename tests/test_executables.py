@@ -72,7 +72,7 @@ OPTION_CHANGES = {
 }
 SINGLE_VALUED: dict = {}  # fields with one allowed value (none today)
 # every field of Tuning, changed; each change is a new executable (the knobs are part of the key through Options)
-TUNING_CHANGES = {"leaf_batch": 1, "small_batch": 1, "pflow_batch": 1, "pflow_sum_batch": 0,
+TUNING_CHANGES = {"leaf_batch": 1, "counts_batch": 1, "small_batch": 1, "pflow_batch": 1, "pflow_sum_batch": 0,
                   "chain_unroll": 2, "chain_unroll_batch": 0,
                   "chain_kernel_batch": 0, "chain_side_by_side": False,
                   "product_kernel_batch": 0, "full_layout_reads": 0,

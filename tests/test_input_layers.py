@@ -162,11 +162,11 @@ def test_counts_kernel_route_and_shapes():
     c = jaxpc.compile(structures.HCLT(np.random.default_rng(0).integers(0, 5, (50, 6)), 4,
                                       input_dist=distributions.Categorical(num_cats=5)), seed=1)
     spec = c.layout.input_layers[0]
-    fl = jnp.zeros((spec.num_nodes, jaxpc.Tuning().leaf_batch), jnp.float32)
+    fl = jnp.zeros((spec.num_nodes, jaxpc.Tuning().counts_batch), jnp.float32)
     o = jaxpc.Options(impl="pallas_forward")
     assert routing.counts_kernel(spec, o, fl) and routing.counts_kernel(spec, o.replace(impl="pallas"), fl[:, :1])
     assert routing.counts_kernel(spec, jaxpc.Options(), fl) == (jax.default_backend() == "gpu")
-    assert not routing.counts_kernel(spec, jaxpc.Options(), fl[:, 1:])  # auto: batches of at least tuning.leaf_batch
+    assert not routing.counts_kernel(spec, jaxpc.Options(), fl[:, 1:])  # auto: batches of at least counts_batch
     for other in (o.replace(impl="xla"), o.replace(leaf_kernel=False)):
         assert not routing.counts_kernel(spec, other, fl)
     assert not routing.counts_kernel(spec, o, fl.astype(jnp.float16))

@@ -158,15 +158,15 @@ def within_int32(layout: Layout, options, batch: int, evidence: dict | None = No
     return options.replace(impl="xla", kernels=(), leaf_kernel=False)
 
 
-def _leaf_route(options, batch: int | None) -> bool:
+def _leaf_route(options, batch: int | None, least: int) -> bool:
     """The options' part of the leaf kernels' routes (:func:`leaf_kernel`, :func:`counts_kernel`):
     ``Options(leaf_kernel=True)`` and ``impl`` ``"pallas"`` / ``"pallas_forward"`` (interpret mode off a GPU) or
-    ``"auto"`` on a GPU at a ``batch`` of at least ``Options.tuning.leaf_batch`` (None: any), or ``"triton"`` where
-    the jax-triton route runs (else as ``"auto"``)."""
+    ``"auto"`` on a GPU at a ``batch`` of at least ``least`` samples (None: any), or ``"triton"`` where the jax-triton
+    route runs (else as ``"auto"``)."""
     impl = route_impl(options)
     if not options.leaf_kernel or impl == "xla":
         return False
-    return impl != "auto" or (on_gpu() and (batch is None or batch >= options.tuning.leaf_batch))
+    return impl != "auto" or (on_gpu() and (batch is None or batch >= least))
 
 
 def leaf_kernel(layout: Layout, params: dict, options, soft: Array | None = None,
@@ -179,7 +179,8 @@ def leaf_kernel(layout: Layout, params: dict, options, soft: Array | None = None
     GPU at a ``batch`` of at least ``Options.tuning.leaf_batch``, unless ``Options(leaf_kernel=False)``. HCLT-256's
     buffer on the H200: 0.39 against XLA's 0.73 ms at batch 512, 0.18 against 0.28 at 128, but 0.16-0.23 against
     0.14 at 16, where a program's gathers from its rows of parameters are too few (docs/performance.md)."""
-    if (not _leaf_route(options, batch) or soft is not None or evidence or not runs_node_buffer(layout, options)
+    if (not _leaf_route(options, batch, options.tuning.leaf_batch) or soft is not None or evidence
+            or not runs_node_buffer(layout, options)
             or param_dtype(params) != jnp.float32):
         return False
     row = 2 * layout.kmax
@@ -200,10 +201,12 @@ def counts_kernel(spec, options, flows: Array) -> bool:
     """Whether the expected counts of input layer ``spec`` (categorical leaves in runs over one variable,
     ``InputLayerSpec.run``) come from one Pallas kernel (:func:`jaxpc.ops.pallas_leaf.categorical_counts`, the
     one-hot matrices in registers) instead of XLA's products with one-hot matrices in memory: float32 node flows
-    ``[N, B]``, and the routes of :func:`leaf_kernel` (:func:`_leaf_route`)."""
+    ``[N, B]``, and the routes of :func:`leaf_kernel` (:func:`_leaf_route`), from ``Options.tuning.counts_batch``
+    samples on (``"auto"`` on a GPU)."""
     from ..distributions.categorical import Categorical
 
-    if (not _leaf_route(options, flows.shape[1]) or leaf_triton(options) or spec.run < 2 or flows.dtype != jnp.float32
+    if (not _leaf_route(options, flows.shape[1], options.tuning.counts_batch) or leaf_triton(options) or spec.run < 2
+            or flows.dtype != jnp.float32
             or type(spec.dist).suff_stats_runs is not Categorical.suff_stats_runs):
         return False
     return kernels_available()
