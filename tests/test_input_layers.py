@@ -2,6 +2,7 @@
 computed per run (a batched one-hot product) against the per-node scatter."""
 
 import dataclasses
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -172,3 +173,13 @@ def test_counts_kernel_route_and_shapes():
     assert not routing.counts_kernel(spec, o, fl.astype(jnp.float16))
     assert not routing.counts_kernel(dataclasses.replace(spec, run=1), o, fl)
     assert not routing.counts_kernel(dataclasses.replace(spec, dist=distributions.Gaussian()), o, fl)  # not categorical
+    # impl="auto" as on a GPU: the counts follow Tuning.counts_batch, the buffer's leaf kernel Tuning.leaf_batch
+    with mock.patch.object(routing, "on_gpu", lambda: True), mock.patch.object(routing, "kernels_available",
+                                                                               lambda: True):
+        small = fl[:, :16]
+        assert not routing.counts_kernel(spec, jaxpc.Options(), small)
+        assert routing.counts_kernel(spec, jaxpc.Options(tuning=jaxpc.Tuning(counts_batch=16)), small)
+        assert not routing.counts_kernel(spec, jaxpc.Options(tuning=jaxpc.Tuning(leaf_batch=16)), small)
+        assert routing.leaf_kernel(c.layout, c.params, jaxpc.Options(tuning=jaxpc.Tuning(leaf_batch=16)), batch=16)
+        assert not routing.leaf_kernel(c.layout, c.params, jaxpc.Options(tuning=jaxpc.Tuning(counts_batch=16)),
+                                       batch=16)
