@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -30,7 +29,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import jaxpc  # noqa: E402
 from jaxpc import distributions, structures  # noqa: E402
 from jaxpc.ops import mosaic_tree, pallas_tree, triton_tree  # noqa: E402
-from kernels_check import bench  # noqa: E402
+from kernels_check import bench, piped  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -219,15 +218,6 @@ def profile_summary(path) -> str:
     steps = [b - a for t in ends.values() for a, b in zip(t, t[1:])]
     parts = ", ".join(f"{n} {np.median(v):.2f}" for n, v in sorted(spans.items()))
     return f"step {np.median(steps):.2f} us; per scope (us, median): {parts}"
-
-
-def piped(fn, reps) -> float:
-    """Milliseconds per call of ``reps`` calls dispatched back to back."""
-    jax.block_until_ready(fn())
-    t = time.perf_counter()
-    outs = [fn() for _ in range(reps)]
-    jax.block_until_ready(outs)
-    return 1e3 * (time.perf_counter() - t) / reps
 
 
 if __name__ == "__main__":

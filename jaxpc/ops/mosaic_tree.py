@@ -578,7 +578,6 @@ def backward(flows: Array, copies: dict, tabs: dict, weights_t: Array, spec, til
     return flows
 
 
-
 SUM_ROWS: Final = 64  # parent rows of a program of :func:`summed_param_flows` (the product's M)
 SUM_COLS: Final = 128  # the most child columns of a program (its N: the product and the weights in registers)
 
