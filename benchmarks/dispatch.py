@@ -3,9 +3,11 @@
     python benchmarks/dispatch.py [--workload hclt] [--latents 256] [--batches 16,512] [--impl auto]
                                   [--flags "|--xla_gpu_enable_command_buffer="] [--trace] [--timeline] [--floor]
                                   [--unrolled] [--entry flows|log_prob] [--default-call] [--tuning field=value]
+                                  [--env "|TF_CUDA_PLATFORM_GPU_DEVICE_SCHEDULE=spin"]
 
 Each ``|``-separated entry of ``--flags`` runs in its own process with those ``XLA_FLAGS`` (the empty entry:
-none). Per process and batch size, medians over ``--reps`` synchronized ``flows`` (``--entry``) calls
+none), once per ``|``-separated entry of ``--env`` (environment settings, e.g. the CUDA context's wait mode). Per
+process and batch size, medians over ``--reps`` synchronized ``flows`` (``--entry``) calls
 (``validate=False``, the library's call path: packed tables, cached executable; ``--default-call``: the call with
 no options), on the optimized executable (after ``c.wait_compiled()``), in four loops:
 
@@ -259,6 +261,10 @@ def main(argv=None):
     p.add_argument("--tuning", default="",
                    help="with --default-call: the call with Options(tuning=Tuning(...)) (field=value joined by +)")
     p.add_argument("--flags", default="", help="'|'-separated XLA_FLAGS settings, one process each")
+    p.add_argument("--env", default="",
+                   help="'|'-separated environment settings (NAME=VALUE, several joined by ','), one process each "
+                        "with every --flags entry, e.g. 'TF_CUDA_PLATFORM_GPU_DEVICE_SCHEDULE=spin' (the CUDA "
+                        "context's wait: spin, yield or blocking_sync)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -268,15 +274,30 @@ def main(argv=None):
     base += (["--trace"] * args.trace + ["--timeline"] * args.timeline + ["--floor"] * args.floor
              + ["--unrolled"] * args.unrolled + [f"--entry={args.entry}"] + ["--default-call"] * args.default_call
              + [f"--tuning={args.tuning}"] * bool(args.tuning))
-    for flags in args.flags.split("|"):
-        env = {**os.environ, "XLA_FLAGS": flags}
-        r = subprocess.run([sys.executable, __file__, "--child", *base], env=env, capture_output=True, text=True)
-        out = (r.stdout + r.stderr).strip()
-        if r.returncode == 0:
-            print("\n".join(line for line in r.stdout.splitlines() if line.strip()), flush=True)
-        else:
-            print(f"XLA_FLAGS={flags!r}: failed (rc {r.returncode}): " + " | ".join(out.splitlines()[-3:])[-600:],
-                  flush=True)
+    for extra in args.env.split("|"):
+        settings = env_settings(extra)
+        for flags in args.flags.split("|"):
+            env = {**os.environ, **settings, "XLA_FLAGS": flags}
+            r = subprocess.run([sys.executable, __file__, "--child", *base], env=env, capture_output=True, text=True)
+            out = (r.stdout + r.stderr).strip()
+            where = f"{extra + ' ' if extra else ''}XLA_FLAGS={flags!r}"
+            if r.returncode == 0:
+                if extra:
+                    print(f"environment: {extra}", flush=True)
+                print("\n".join(line for line in r.stdout.splitlines() if line.strip()), flush=True)
+            else:
+                print(f"{where}: failed (rc {r.returncode}): " + " | ".join(out.splitlines()[-3:])[-600:], flush=True)
+
+
+def env_settings(text: str) -> dict[str, str]:
+    """``NAME=VALUE`` settings joined by ``,`` as a dict (the empty string: none)."""
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or not name.isidentifier():
+            raise SystemExit(f"--env: expected NAME=VALUE, got {item!r}")
+        out[name] = value
+    return out
 
 
 if __name__ == "__main__":
