@@ -274,9 +274,8 @@ def batch_xla(options, xla: dict, args: dict) -> dict:
     """``xla`` with the XLA options that a key's batch size (its ``x``'s rows) sets on a GPU: up to
     ``Tuning.concurrent_batch`` samples, command buffers whose kernels XLA orders by their data dependencies
     (:data:`CONCURRENT_XLA`) instead of its latency-hiding schedule, so that kernels that do not depend on each other
-    may overlap. On the H200 HCLT-256's flows took 1.596 / 1.766 ms this way at B = 16 / 32 against 1.655 /
-    1.875 in XLA's latency-hiding order, for 814 / 887 MiB against 750 / 823, and gained nothing at B=64; the
-    executables' memory grows with the batch (its flows at B=512: 4,725 against 2,251 MiB), hence the bound."""
+    may overlap. That order is faster at small batches, gains nothing from 64 samples on, and its executables hold
+    more memory, the more the larger the batch (twice as much at 512), hence the bound."""
     tuning = getattr(options, "tuning", None)
     x = args.get("x")
     if (tuning is None or CONCURRENT_XLA[0] in xla or getattr(x, "ndim", 0) < 1
@@ -312,11 +311,10 @@ def _finish_upgrades() -> None:
 def quick_options(options, xla: dict) -> dict | None:
     """The XLA options of a key's first, quick compile, or None when a key compiles once.
 
-    On a GPU, XLA's Triton GEMM fusions and its autotuning of them take most of a first compile (HCLT-256's
-    flows on the H200: 24 s cold, 14 s without the fusions) but make the steps 3-14% faster. A key whose
-    options (``Tuning.quick_first_compile``, the default) allow it is compiled first without them and without
-    LLVM's expensive passes (:data:`QUICK_XLA`; PD-128's flows at B=128: XLA's part of the first call 1.54
-    against 1.78 s, steps no slower), runs at once, and is compiled again with ``xla`` (the executable the disk
+    On a GPU, XLA's Triton GEMM fusions and its autotuning of them take most of a first compile but make the
+    steps faster. A key whose options (``Tuning.quick_first_compile``, the default) allow it is compiled first
+    without them and without LLVM's expensive passes (:data:`QUICK_XLA`; they slow the compile, not the steps),
+    runs at once, and is compiled again with ``xla`` (the executable the disk
     store keeps) on a background thread that swaps the result in (:meth:`ExecutableCache.wait_upgrades`). Not
     where the caller sets one of these options, and not off a GPU, where the two compiles would be the same. A
     process that ends while an optimized compile runs waits for it at exit (it is stored for the next process)."""
@@ -331,11 +329,10 @@ def quick_options(options, xla: dict) -> dict | None:
 def optimized_options(options):
     """The options that a key's optimized compile traces (where :func:`quick_options` gives it a quick one
     first): with ``Tuning.unroll_optimized`` (the default) the stages that :func:`jaxpc.compile` grouped into
-    scans run unrolled (``scan_stages=False``). XLA's loops cost an evened tree's steps on a GPU (HCLT-256's
-    flows at B=16 on the H200: 2.22-2.25 ms scanned, 1.93-1.97 ms unrolled; XLA's own full unrolling leaves
-    these loops alone); the quick compile keeps the scans, which trace, lower and compile in a fraction of the
-    time. The unrolled trace runs on the key's next call (or :meth:`ExecutableCache.wait_upgrades`), on the
-    caller's thread, and only its compile in the background (a process that ends first traces it at exit),
+    scans run unrolled (``scan_stages=False``). XLA's loops cost an evened tree's steps on a GPU (XLA's own full
+    unrolling leaves these loops alone); the quick compile keeps the scans, which trace, lower and compile in a
+    fraction of the time. The unrolled trace runs on the key's next call (or :meth:`ExecutableCache.wait_upgrades`),
+    on the caller's thread, and only its compile in the background (a process that ends first traces it at exit),
     with :func:`optimized_xla`'s XLA options. ``options`` itself where nothing changes."""
     tuning = getattr(options, "tuning", None)
     if tuning is None or not tuning.unroll_optimized or not options.scan_stages:
@@ -347,12 +344,11 @@ def quick_trace_options(options):
     """The options that a key's quick compile traces where its optimized compile traces its own
     (:func:`optimized_options` changes them): the leaf layers on XLA's gathers and products instead of the leaf
     kernels (``Options.leaf_kernel``). XLA compiles the Triton kernels of an executable one after the other while it
-    emits the module's IR, ahead of its parallel LLVM and ptxas work, so the two leaf kernels lengthen a first call
-    by their compiles (HCLT-256's flows at B=512 on the H200: 3.13 against 3.83-3.99 s cold, quick steps 6.62
-    against 5.73-5.83 ms until the optimized executable, with the kernels, replaces it). A key whose optimized
-    compile reuses the quick one's trace keeps its kernels: leaving them out there would cost a second trace. Likewise
-    the tree's levels level by level instead of on clusters (``Tuning.tree_clusters``): the Mosaic GPU kernels' compile
-    lengthened HCLT-256's first call at B=16 from 3.97 to 6.69 s."""
+    emits the module's IR, ahead of its parallel LLVM and ptxas work, so the two leaf kernels would lengthen a first
+    call by their compiles; without them the quick executable's steps are somewhat slower until the optimized one,
+    with the kernels, replaces it. A key whose optimized compile reuses the quick one's trace keeps its kernels:
+    leaving them out there would cost a second trace. Likewise the tree's levels level by level instead of on
+    clusters (``Tuning.tree_clusters``): the Mosaic GPU kernels' compile lengthens a first call by seconds."""
     if getattr(options, "leaf_kernel", False):
         options = options.replace(leaf_kernel=False)
     tuning = getattr(options, "tuning", None)
@@ -364,9 +360,8 @@ def quick_trace_options(options):
 def optimized_xla(xla: dict) -> dict:
     """The XLA options of an optimized compile that runs scanned stages unrolled (:func:`optimized_options`):
     ``xla`` without XLA's Triton GEMM fusions (:data:`UNROLLED_XLA`) unless it sets them. The unrolled levels of a
-    tree hold many small products of distinct shapes, for which cuBLAS beats the autotuned Triton fusions
-    (HCLT-256's flows on the H200, B = 16 / 128 / 512: 2.01-2.89 / 3.06-3.42 / 5.43-5.52 ms in two runs against
-    3.56 / 3.51 / 6.02 with the fusions), and autotuning those fusions was most of that compile's work."""
+    tree hold many small products of distinct shapes, for which cuBLAS beats the autotuned Triton fusions at every
+    batch, and autotuning those fusions was most of that compile's work."""
     if any(k in xla for k, _ in UNROLLED_XLA):
         return xla
     return {**xla, **dict(UNROLLED_XLA)}

@@ -60,9 +60,7 @@ class Tuning:
         pflow_sum_batch: up to this many samples, on a Hopper GPU, the batched parameter-flow pass computes the
             blocks of fan-in 1 with consecutive weights (an HCLT's tree, a PD's) by one Mosaic GPU kernel that
             multiplies the product by the weights in its epilogue (:func:`jaxpc.engine.routing.summed_pflow_kernel`)
-            instead of XLA's matrix product, written out and read back by the multiplication; 0: never. On the H200,
-            HCLT-256's ``c.flows(params, x)`` took 1.295-1.336 / 1.612 / 1.784 ms at batch 16 / 32 / 64 with it
-            against 1.386-1.538 / 1.729 / 1.880 without.
+            instead of XLA's matrix product, written out and read back by the multiplication; 0: never.
         chain_unroll: steps per loop iteration of the HMM chain's scans (from ``chain_unroll_batch`` samples on;
             one step below).
         chain_unroll_batch: see ``chain_unroll``.
@@ -102,9 +100,8 @@ class Tuning:
             :class:`jaxpc.compiler.layout.TreeSpec`) runs as one persistent kernel each way where ``impl`` is
             ``"auto"`` on a GPU, ``"triton"``, or ``"pallas"`` / ``"pallas_forward"``: jax-triton's
             (:mod:`jaxpc.ops.triton_tree`) where that route runs and the levels fit, else Pallas's
-            (:mod:`jaxpc.ops.pallas_tree`); 0 (the default): never. Off by default: on the H200, HCLT-256's
-            forward + flows took 2.08 ms this way at batch 16 against 1.98 level by level (2.41 against 2.25 at
-            batch 32), its ``em_step`` 2.28 ms as level by level, and the first call compiles 4.6 s longer.
+            (:mod:`jaxpc.ops.pallas_tree`); 0 (the default): never, as it was no faster than the levels one by
+            one on the H200 and its first call compiles seconds longer.
         tree_clusters: the folded plan's run of tree levels runs on thread-block clusters
             (:mod:`jaxpc.ops.mosaic_tree`: Pallas Mosaic GPU kernels, two launches each way, the tree's parameter
             flows left to the batched pass) where the blocks are square, the batch a multiple of 8 up to 64,
@@ -116,11 +113,10 @@ class Tuning:
             clusters").
         tree_log_weights: on the clusters' route, the forward's kernels read the log-weights and exponentiate each
             task's tile in shared memory while its child loads, instead of reading a copy of the weights made
-            before the forward (HCLT-256 at B=16 on the H200: not faster, 1.548 against 1.51 ms).
+            before the forward (off by default: not faster on the H200).
         tree_forward_tile: parent rows of a task of the clusters' forward: 32 or 64, which takes twice the rows of
             a level a step (HCLT-256: 68 steps against 107), each step's product and weight tile twice as large.
-            None (the default): 64 at batches up to 16 (with the backward's 64-row tasks HCLT-256's flows took
-            1.343-1.424 ms against 1.436-1.51 at B=16 on the H200), else 32.
+            None (the default): 64 at batches up to 16, else 32.
         tree_backward_tile: parent rows of a task of the clusters' backward: 32, or 64 (fewer steps, as
             ``tree_forward_tile``) where a block's shared memory holds them (256-node blocks: batches up to 16),
             on a kernel that reads each parent's ``exp(shift - value)`` and the child's ``exp(child - shift)`` made
@@ -136,41 +132,27 @@ class Tuning:
         fanin_group_batch: see ``fanin_group``; 0: one child per program at every batch (except as below).
         fanin_group_blocks: ``fanin_group`` also applies below ``fanin_group_batch`` in partitions of at least this
             many edge blocks (parent blocks x fan-in), whose grids stay wide with several children per program; 0:
-            never. On the H200, a PD-512's ``em_step`` at batch 512 took 128.7 ms with four children per program
-            against 134.2 with one, a PD-768's at batch 256 152.9 against 161.4 (both with two-block forward
-            steps); PD-128's partitions (at most 7,360 edge blocks) keep one child below batch 1,024.
+            never. The largest PDs' partitions reach it (PD-512, PD-768); PD-128's keep one child below batch 1,024.
         fanin_prefetch: where a program of that kernel takes one child, its batch loop issues the next tile's loads
             before each tile's arithmetic (with several children the loads held in flight cost more than they hide).
         fanin_order_batch: from this many samples on, that kernel takes one child per program and runs its edge
             blocks child by child (the partition's ``eorder`` table: the parents of a child read it and add to it
             together, while it is in L2), each starting its batch loop at another tile; 0 (the default): never.
         fanin_forward_prefetch_batch: from this many samples on, the Pallas forward of those partitions issues the
-            next child chunk's loads before each chunk's arithmetic (``KernelConfig.prefetch``); 0: never. On the
-            H200, PD-128's forward at batch 16 took 0.93 ms with it and 0.56 without (two calls), at 128 / 512
-            1.05 / 2.59 with it against 1.11 / 2.63 (the session before).
+            next child chunk's loads before each chunk's arithmetic (``KernelConfig.prefetch``); 0: never. At small
+            batches the loads held in flight cost more than they hide.
         fanin_forward_span: child blocks per step of that forward's loop over the children
             (``KernelConfig.span``, a power of two; blocks of a power-of-two size, at most 64 child nodes a step:
             :func:`jaxpc.ops.pallas_sum.forward_span`): one running max, one rescale
-            and one product per ``span`` blocks, their loads in flight together; 1: one block per step. On the
-            H200, PD-128's flows at batch 16 / 128 / 512 took 1.37 / 2.50 / 7.18 ms with two blocks per step against
-            1.47 / 2.65 / 7.27 with one; a PD-256's ``em_step`` at batch 1,024 62.6 ms with two, 65.0 with four,
-            64.1 with one; a PD-512's at batch 512 130.2 / 133.6 / 134.2.
+            and one product per ``span`` blocks, their loads in flight together; 1: one block per step.
         fanin_forward_wide_tile: in partitions of at least ``fanin_group_blocks`` edge blocks, that forward takes
             batch tiles of this many samples (a power of two) and one child block per step, unless
-            ``Options.kernels`` tunes the partition; 0: the tiles and ``fanin_forward_span`` of the others. On the
-            H200 a PD-512's forward at batch 512 took 25.3 ms this way against 30.8 with 32-sample tiles and two
-            blocks per step (27.5 with 64-sample tiles and two blocks: 212 registers a thread against 128).
+            ``Options.kernels`` tunes the partition; 0: the tiles and ``fanin_forward_span`` of the others (two
+            blocks a step of 64-sample tiles would take 212 registers a thread against 128).
 
-            On the H200 (``benchmarks/pd_tiles.py``), a PD-256's ``em_step`` at batch 1,024 (222M edges) took 69.9
-            ms with one child per program in child order, 65.9 with four children per program, 102.8 with eight,
-            68.0 in child order with prefetch, 68.4 with the forward's prefetch, 72.2 with four children, prefetch
-            and the forward's prefetch; PD-128's flows at batch 512 8.53 ms with one child per program, 8.26 with
-            four, 7.79 with prefetch, 8.32 with the forward's prefetch, 8.66 with four children and both
-            prefetches. Parent by parent against child by child: 73.9 against 71.8 ms and 7.94 against 8.14.
+            ``benchmarks/pd_tiles.py`` times the fan-in settings above against each other.
         fanin_backward_stages: software-pipeline stages of the atomic backward's loop over batch tiles
-            (``KernelConfig.num_stages``), unless ``Options.kernels`` tunes the partition. On the H200 an
-            ``em_step`` took, with 2 / 3 / 4 stages: PD-256 at batch 1,024 61.0 / 57.9 / 59.3 ms, PD-512 at 512
-            110.3 / 103.7 / 102.6, PD-768 at 256 123.9 / 116.9 / 116.7, PD-128 at 512 9.75 / 9.77 / 9.79.
+            (``KernelConfig.num_stages``), unless ``Options.kernels`` tunes the partition.
     """
 
     leaf_batch: int = 64
@@ -279,11 +261,10 @@ class Options:
             ``compute_param_flows``.
         impl: implementation of the sum layers: ``"auto"`` (default: per sum partition, on a GPU the Pallas
             forward and the XLA backward for partitions whose blocks have several child blocks, where the
-            kernel's in-register gather beats XLA's materialized one (PD-128's forward on the H200: 3.1 against
-            7.1 ms at batch 512) and, at batches of at most 32, for tree levels too (one kernel per level
-            instead of four: HCLT-256 at batch 16, 2.89 against 3.29-3.57 ms before kept shifts), the XLA path
-            elsewhere (tree levels at larger batches, as every HCLT level, and dense layers, where XLA was as
-            fast or faster); the XLA path on other backends), ``"xla"`` (plain jnp, XLA; ``"reference"``, its
+            kernel's in-register gather beats XLA's materialized one, and at batches of at most
+            ``Tuning.small_batch`` for tree levels too (one kernel per level instead of four), the XLA path
+            elsewhere (tree levels at larger batches and dense layers, where XLA was as fast or faster); the XLA
+            path on other backends), ``"xla"`` (plain jnp, XLA; ``"reference"``, its
             name before 0.2, is still accepted with a ``DeprecationWarning``),
             ``"pallas_forward"`` (the Pallas forward kernel, writing the node buffer in place, and the XLA
             backward), ``"pallas"`` (the Pallas kernels of :mod:`jaxpc.ops.pallas_sum`: Triton on GPU,
@@ -310,13 +291,10 @@ class Options:
             PD-128's buffer has a third of the rows). ``kernels`` route the partitions of whichever plan
             runs; node values, queries and autodiff use the full layout; False evaluates the full layout. Where
             the products have many readers the flow pass runs the full layout anyway (``Tuning.full_layout_reads``).
-            On the H200 (tf32, forward + flows): HCLT-256 4.66 / 9.60 ms against 5.12 / 10.76 ms at batch
-            128 / 512; PD-128 4.43 ms at batch 128, whose full-layout flows executable did not finish
-            compiling within 50 s there (the folded one: 14 s).
+            Folded, HCLT-256 and PD-128 run faster and compile sooner than on the full layout.
         gather_chunk: the most elements of one XLA sum layer's gathered children (``[n, C*Kc, B]``); a larger
             partition runs in pieces of parent blocks, one after the other, forward and backward, so the
-            sum layers' temporaries stay within a few pieces (default ``2**24`` floats: 64 MiB pieces; PD-128's
-            flows step at batch 512 on the H200: 1,410 MiB in all, 1,633 with pieces of 2**25, PyJuice 2,429).
+            sum layers' temporaries stay within a few pieces (default ``2**24`` floats: 64 MiB pieces).
             At most 16 pieces per partition (``jaxpc.engine.routing.MAX_PIECES``): beyond, pieces grow.
         kernel_shifts: the forward of the flow pass (the in-place Pallas kernels and XLA's sum layers) keeps each
             parent block's shift, the max over its children's values per sample, for the XLA flow pass (not
@@ -324,9 +302,7 @@ class Options:
             and batched parameter flows then read it instead of gathering the children once more to recompute
             it (a buffer of ``R / unit`` rows, ``unit`` the greatest common divisor of the first rows and sizes
             of the blocks of at least 8 nodes gathered block by block; none when that is below 8). Same
-            values and flows. Default True: on the H200 (tf32, forward + flows) HCLT-256 at batch 16 takes
-            1.77 against 2.38 ms, at 128 3.18 against 3.41, at 512 6.47 against 6.72 (pipelined 5.49 against
-            5.78); PD-128 at batch 512 11.63 against 12.40 ms (the kernels' shifts alone).
+            values and flows. Default True: faster at every batch measured.
         param_flow_pass: where the XLA flow pass computes the sum parameters' flows (LL and GeneralLL):
             ``"inline"``, each partition's together with its element flows, level by level; ``"batched"``,
             after the element flows, from the final node values and flows, one batched product for all the
@@ -334,23 +310,19 @@ class Options:
             written straight into the group's array when they cover it in order), which takes two kernels
             per level out of the flow pass's chain and gathers the children once more; ``"auto"`` (default):
             tree levels (one child block per parent block) batched at batches of at most
-            ``tuning.pflow_batch`` = 128, everything else inline. Same flows up to
-            rounding. On the H200 (tf32, forward + flows): HCLT-256 1.91-2.13 ms batched against 2.18-2.32
-            inline at batch 16, 3.30 against 3.46-3.64 at 128, 7.46-7.64 against 7.11-7.19 at 512; PD-128 with
-            its fan-ins of several child blocks batched too 1.52 against 1.44 at 16 and 3.93 against 3.69 at
-            128. Below ``precision="fp32"``, block shapes whose shifts the in-place forward kept (``impl="auto"``
-            on a GPU: tree levels at batches up to 32) run the batched pass as one Pallas kernel
-            (:func:`jaxpc.engine.routing.pflow_kernel`): HCLT-256 at batch 16, 1.52 ms per pipelined step against
-            1.59-1.60.
+            ``tuning.pflow_batch``, everything else inline (batched, the tree levels were faster up to that batch
+            and slower above it; a PD's fan-ins were slower batched). Same flows up to rounding. Below
+            ``precision="fp32"``, block shapes whose shifts the in-place forward kept (``impl="auto"`` on a GPU:
+            tree levels at batches up to ``Tuning.small_batch``) run the batched pass as one Pallas kernel
+            (:func:`jaxpc.engine.routing.pflow_kernel`).
         leaf_kernel: where every input layer is a table of log-values (categorical and Bernoulli leaves) and
             ``impl`` is ``"auto"`` on a GPU or ``"pallas"`` / ``"pallas_forward"``, the flow pass's node buffer is
             written by one Pallas kernel that gathers the leaves' values in registers
             (:func:`jaxpc.engine.routing.leaf_kernel`, :mod:`jaxpc.ops.pallas_leaf`) instead of XLA's gather
             into an ``[N, B]`` array and a concatenation into the buffer, and the expected counts of categorical
             leaves in runs over one variable come from one kernel that makes the one-hot matrices in registers
-            (:func:`jaxpc.engine.routing.counts_kernel`; HCLT-256's at batch 512 on the H200: 0.31 ms in the
-            step against 0.54 for XLA's one-hot matrices, products and concatenation). Default True; False:
-            XLA's. Same values and counts; ``jax.grad`` through the buffer differentiates XLA's gather.
+            (:func:`jaxpc.engine.routing.counts_kernel`), instead of XLA's one-hot matrices in memory. Default True;
+            False: XLA's. Same values and counts; ``jax.grad`` through the buffer differentiates XLA's gather.
         tuning: performance knobs (:class:`Tuning`), grouped apart from the fields above that say what is computed.
         scan_stages: run the stages :func:`jaxpc.compile` grouped into repeats (``scan_min_repeats``) under
             ``lax.scan``; False unrolls them into the executable (a longer trace, no device-side loop; no
