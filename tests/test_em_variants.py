@@ -162,3 +162,49 @@ def test_block_totals_are_each_segments_sums_and_differentiate():
     weights = rng.random((3, 3)).astype(np.float32)
     grad = jax.grad(lambda v: jnp.sum(weights * block_totals(v, jnp.asarray(seg), 3)))(jnp.asarray(values))
     np.testing.assert_allclose(np.asarray(grad), np.broadcast_to(weights[seg][:, :, None], values.shape), rtol=1e-6)
+
+
+def test_single_block_segments_take_each_blocks_own_totals():
+    """Groups whose every normalization segment is one parameter block (``SumGroupSpec.single_segments``, set from
+    the segment table) normalize by each block's own row sums, with no scatter: the EM update (plain and with
+    ``keep_zero_params``), the node flows and the logits' normalization equal those of the segment path."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from jaxpc.engine import em as em_engine
+    from jaxpc.engine import logflows
+    from jaxpc.optim import normalize_params
+
+    x = np.random.default_rng(0).integers(0, 4, (64, 6)).astype(np.int32)
+    hclt = jaxpc.compile(structures.HCLT(x, 8, input_dist=distributions.Categorical(4)), seed=2)
+    pd = jaxpc.compile(structures.PD((2, 4), 8, split_intervals=(1, 1), input_dist=distributions.Categorical(4)),
+                       seed=1)
+    for c in (hclt, pd):
+        for g in c.layout.sum_groups:
+            sizes = np.bincount(np.asarray(c.tables["groups"][g.key]["seg"]), minlength=g.num_segments)
+            assert g.single_segments == bool(np.all(sizes == 1)), (g, sizes)
+    assert all(g.single_segments for g in hclt.layout.sum_groups)
+    assert not any(g.single_segments for g in pd.layout.sum_groups)
+
+    c = hclt
+    general = dataclasses.replace(c.layout, sum_groups=tuple(dataclasses.replace(g, single_segments=False)
+                                                             for g in c.layout.sum_groups))
+    fl = c.flows(c.params, x)
+    zeroed = {**c.params, "sum": {k: v.at[0, 0, :2].set(-jnp.inf) for k, v in c.params["sum"].items()}}
+    for params, keep in ((c.params, False), (zeroed, True)):
+        got = em_engine.em_update(c.layout, c.tables, params, fl, 0.3, 0.1, keep_zero_params=keep)
+        want = em_engine.em_update(general, c.tables, params, fl, 0.3, 0.1, keep_zero_params=keep)
+        for k in got["sum"]:
+            np.testing.assert_allclose(np.asarray(got["sum"][k]), np.asarray(want["sum"][k]), rtol=1e-6, atol=1e-6)
+    inputs = [jnp.ones((spec.num_nodes, 3), jnp.float32) for spec in c.layout.input_layers]
+    for log in (False, True):
+        got = logflows.node_totals(c.layout, c.tables, fl["sum"], inputs, log=log)["sum"]
+        want = logflows.node_totals(general, c.tables, fl["sum"], inputs, log=log)["sum"]
+        for k in got:
+            np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-6)
+    logits = {**c.params, "sum": {k: v * 1.7 + 0.3 for k, v in c.params["sum"].items()}}
+    got, want = normalize_params(c.layout, c.tables, logits), normalize_params(general, c.tables, logits)
+    for k in got["sum"]:
+        np.testing.assert_allclose(np.asarray(got["sum"][k]), np.asarray(want["sum"][k]), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.exp(np.asarray(got["sum"][k])).sum(axis=2), 1.0, rtol=1e-5)

@@ -188,11 +188,12 @@ def _place_sums(sources: dict[int, CircuitNodes]) -> tuple[dict[int, SumPlacemen
         seg_tables[key].append(segs + src.edge_ids[0])
         nch_tables[key].append(np.bincount(src.edge_ids[0], minlength=src.num_node_blocks) * src.ch_block_size)
         group_sizes[key] = [blocks + E, segs + src.num_node_blocks]
-    sum_groups = tuple(SumGroupSpec(k, *group_shapes[k], *group_sizes[k]) for k in sorted(group_shapes))
     group_tables = {
         k: {"seg": np.concatenate(seg_tables[k]).astype(np.int32),
             "nch": np.concatenate(nch_tables[k]).astype(np.int32)}
         for k in group_shapes}
+    sum_groups = tuple(SumGroupSpec(k, *group_shapes[k], *group_sizes[k], single_segments=bool(np.all(
+        np.bincount(group_tables[k]["seg"], minlength=group_sizes[k][1]) == 1))) for k in sorted(group_shapes))
     return sum_placement, sum_groups, group_tables
 
 

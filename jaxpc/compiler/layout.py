@@ -129,7 +129,9 @@ class ScanSpec:
 class SumGroupSpec:
     """Sum parameters of one block shape: ``params["sum"][key]`` is ``[num_blocks, Kp, Kc]`` log-weights,
     normalized per node over ``num_segments`` parent blocks. ``untied``: no vector of the group is tied to another,
-    so each parameter block belongs to exactly one edge block of the circuit."""
+    so each parameter block belongs to exactly one edge block of the circuit. ``single_segments``: every segment is
+    one parameter block (each parent block of the group's vectors has one edge block: a node's total is its own
+    block's row sum)."""
 
     key: str
     Kp: int
@@ -137,6 +139,7 @@ class SumGroupSpec:
     num_blocks: int
     num_segments: int
     untied: bool = False
+    single_segments: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

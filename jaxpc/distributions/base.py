@@ -246,6 +246,16 @@ def block_totals(values: Array, seg: Array, num_segments: int) -> Array:
     return jax.ops.segment_sum(rows, seg, num_segments=num_segments)
 
 
+def parent_totals(values: Array, seg: Array, group) -> Array:
+    """``[P, Kp]``: for each parameter block of ``group`` (a :class:`~jaxpc.compiler.layout.SumGroupSpec`), the
+    total of its parent nodes: ``values [P, Kp, Kc]`` summed over the children and over the blocks of its segment
+    (:func:`block_totals`, read back per block). Where every segment is one block (``group.single_segments``), the
+    block's own sum over its children, with no scatter and no gather."""
+    if group.single_segments:
+        return jnp.sum(values, axis=2)
+    return block_totals(values, seg, group.num_segments)[seg]
+
+
 def reduce_missing(logp: Array, options, axis: int = -1) -> Array:
     """Marginalize (LL), maximize (MPE) or temper (GeneralLL) a discrete log-pmf over ``axis``."""
     if options.propagation == "MPE":

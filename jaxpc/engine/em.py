@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from ..compiler.layout import Layout
-from ..distributions.base import blend, block_totals
+from ..distributions.base import blend, parent_totals
 from ..ops.rows import take_rows
 from . import forward, logflows, routing
 
@@ -157,26 +157,26 @@ def normalize_sum_params(layout: Layout, tables: dict, sum_counts: dict, pseudoc
 
 def normalized_with_totals(layout: Layout, tables: dict, sum_counts: dict, pseudocount,
                            keep: dict | None = None) -> tuple[dict, dict]:
-    """:func:`normalize_sum_params` and each group's node totals ``[segments, Kp]`` (counts and pseudocount)."""
+    """:func:`normalize_sum_params` and each group's node totals per parameter block ``[P, Kp]`` (counts and
+    pseudocount: the total of the block's parent nodes, :func:`jaxpc.distributions.base.parent_totals`)."""
     out, totals = {}, {}
     for g in layout.sum_groups:
         t = tables["groups"][g.key]
         seg = t["seg"]
         dtype = sum_counts[g.key].dtype
-        if keep is None:
-            nch = t["nch"].astype(dtype)[seg][:, None, None]
+        if keep is None:  # a node's children: Kc where its segment is one block
+            nch = jnp.asarray(g.Kc, dtype) if g.single_segments else t["nch"].astype(dtype)[seg][:, None, None]
             mask = None
         else:
             mask = keep[g.key]
-            per_row = jax.ops.segment_sum(jnp.sum(mask, axis=2).astype(dtype), seg, num_segments=g.num_segments)
-            nch = jnp.maximum(per_row, 1.0)[seg][:, :, None]
+            nch = jnp.maximum(parent_totals(mask.astype(dtype), seg, g), 1.0)[:, :, None]
         counts = sum_counts[g.key] + pseudocount / nch
         if mask is not None:
             counts = jnp.where(mask, counts, 0.0)
-            tot = block_totals(counts, seg, g.num_segments)  # [S, Kp]
+            tot = parent_totals(counts, seg, g)  # [P, Kp]
         else:  # each row of a segment holds nch entries, pseudocount / nch each: the reduction reads the flows alone
-            tot = block_totals(sum_counts[g.key], seg, g.num_segments) + pseudocount
-        tot_e = tot[seg][:, :, None]
+            tot = parent_totals(sum_counts[g.key], seg, g) + pseudocount
+        tot_e = tot[:, :, None]
         uniform = 1.0 / nch if mask is None else jnp.where(mask, 1.0 / nch, 0.0)
         out[g.key] = jnp.where(tot_e > 0, counts / jnp.where(tot_e > 0, tot_e, 1.0), uniform)
         totals[g.key] = tot
@@ -199,8 +199,8 @@ def em_update(layout: Layout, tables: dict, params: dict, flows: dict, step_size
         if keep is None:  # the node totals of the counts and pseudocount: one pass over the flows, not two
             tot = totals[g.key]
         else:
-            tot = block_totals(flows["sum"][g.key], t["seg"], g.num_segments) + pseudocount
-        has_mass = (tot[t["seg"]] > 0)[:, :, None]
+            tot = parent_totals(flows["sum"][g.key], t["seg"], g) + pseudocount
+        has_mass = (tot > 0)[:, :, None]
         new = jnp.where(has_mass, blend(old, targets[g.key], step_size), old)
         new_sum[g.key] = jnp.log(new)
     if not update_sums:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..compiler.layout import Layout, StageSpec
-from ..distributions.base import block_totals, segment_sum
+from ..distributions.base import parent_totals, segment_sum
 from ..ops.logspace import LogSum, log_sum_add, log_sum_rows, log_sum_value, log_sum_zeros, segment_logsumexp
 from ..ops.pieces import ranges
 from ..ops.sum_layer import child_rows, child_terms, gather_children, gather_weights
@@ -51,9 +51,10 @@ def node_totals(layout: Layout, tables: dict, sum_flows: dict, input_flows: list
         seg = tables["groups"][g.key]["seg"]
         f = sum_flows[g.key]
         if log:
-            out["sum"][g.key] = segment_logsumexp(jax.nn.logsumexp(f, axis=2), seg, g.num_segments)[seg]
+            rows = jax.nn.logsumexp(f, axis=2)
+            out["sum"][g.key] = rows if g.single_segments else segment_logsumexp(rows, seg, g.num_segments)[seg]
         else:
-            out["sum"][g.key] = block_totals(f, seg, g.num_segments)[seg]
+            out["sum"][g.key] = parent_totals(f, seg, g)
     for spec, tab, f in zip(layout.input_layers, tables["inputs"], input_flows):
         if log:
             out["input"][spec.key] = segment_logsumexp(jax.nn.logsumexp(f, axis=1), tab["rows"], spec.num_rows)

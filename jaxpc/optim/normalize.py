@@ -49,9 +49,9 @@ def segment_log_softmax(logits: Array, seg: Array, num_segments: int) -> Array:
     return logits - lse[seg][:, :, None]
 
 
-def _row_log_softmax(logits: Array) -> Array:
-    m = lax.stop_gradient(_finite_or_zero(jnp.max(logits, axis=1, keepdims=True)))
-    return logits - (jnp.log(jnp.sum(jnp.exp(logits - m), axis=1, keepdims=True)) + m)
+def _row_log_softmax(logits: Array, axis: int = 1) -> Array:
+    m = lax.stop_gradient(_finite_or_zero(jnp.max(logits, axis=axis, keepdims=True)))
+    return logits - (jnp.log(jnp.sum(jnp.exp(logits - m), axis=axis, keepdims=True)) + m)
 
 
 def normalize_input(dist, p: dict, tables: dict) -> dict:
@@ -85,7 +85,9 @@ def normalize_params(layout: Layout, tables: dict, params: dict) -> dict:
     """
     sums = {}
     for g in layout.sum_groups:
-        sums[g.key] = segment_log_softmax(params["sum"][g.key], tables["groups"][g.key]["seg"], g.num_segments)
+        logits = params["sum"][g.key]
+        sums[g.key] = (_row_log_softmax(logits, axis=2) if g.single_segments  # a segment is one block's rows
+                       else segment_log_softmax(logits, tables["groups"][g.key]["seg"], g.num_segments))
     ins = {}
     for spec, tab in zip(layout.input_layers, tables["inputs"]):
         ins[spec.key] = normalize_input(spec.dist, params["input"][spec.key], tab["meta"])

@@ -171,8 +171,7 @@ def anemone_update(layout, tables, params: dict, flows: dict, eta, pseudocount, 
     targets, totals = em_engine.normalized_with_totals(layout, tables, flows["sum"], pc)  # totals: flows + pc
     new_sum = {}
     for g in layout.sum_groups:
-        seg = tables["groups"][g.key]["seg"]
-        s = node_step(totals[g.key])[seg][:, :, None]
+        s = node_step(totals[g.key])[:, :, None]
         old = jnp.exp(params["sum"][g.key])
         new_sum[g.key] = jnp.log(blend(old, targets[g.key], s))
     new_in = {}
