@@ -115,7 +115,7 @@ class Tuning:
             task's tile in shared memory while its child loads, instead of reading a copy of the weights made
             before the forward (off by default: not faster on the H200).
         tree_forward_tile: parent rows of a task of the clusters' forward: 32 or 64, which takes twice the rows of
-            a level a step (HCLT-256: 68 steps against 107), each step's product and weight tile twice as large.
+            a level a step (HCLT-256: 60 steps against 90), each step's product and weight tile twice as large.
             None (the default): 64 at batches up to 16, else 32.
         tree_backward_tile: parent rows of a task of the clusters' backward: 32, or 64 (fewer steps, as
             ``tree_forward_tile``) where a block's shared memory holds them (256-node blocks: batches up to 16),

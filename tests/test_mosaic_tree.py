@@ -128,6 +128,34 @@ def test_the_cluster_forward_from_log_weights_equals_it_from_weights(tree):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def test_steps_that_mix_levels_write_what_one_level_steps_write(tree):
+    """Where a level holds more blocks than a step takes, blocks of the levels above whose children are done share
+    its steps (Hu's order): 16-row tasks (four blocks a step) mix levels here, and their forward and backward write
+    what the 32-row tasks (eight blocks a step, one level a step) write, up to the order in which a parent's children
+    add into it and the TF32 rounding of the flows' operands."""
+    c, spec, tab, vals = tree
+    logw = c.params["sum"][spec.group]
+    level = mosaic_tree._levels_of(tab["lev"])
+    schedules = {tile: mosaic_tree.schedule(tab, spec, clusters=2, tile=tile) for tile in (16, 32)}
+
+    def levels_per_step(tasks):
+        return [len({int(level[v // spec.Kp]) for v in t[g, :, s, 2][t[g, :, s, 0] >= 0]})
+                for t in tasks for g in range(t.shape[0]) for s in range(t.shape[2])]
+
+    assert max(levels_per_step(schedules[16]["tasks"])) > 1
+    assert max(levels_per_step(schedules[32]["tasks"])) == 1
+    flows = jnp.asarray(np.random.default_rng(3).random(vals.shape).astype(np.float32))
+    got = {}
+    for tile, tabs in schedules.items():
+        tabs = jax.tree.map(jnp.asarray, tabs)
+        out, kept = mosaic_tree.forward(jnp.asarray(vals), tabs, logw, spec, tile=tile, keep=True)
+        got[tile] = (out, mosaic_tree.backward(flows, kept, tabs, mosaic_tree.tf32_weights_t(logw), spec, tile=tile))
+    (v16, f16), (v32, f32) = got[16], got[32]
+    np.testing.assert_allclose(np.asarray(v16), np.asarray(v32), rtol=3e-5, atol=3e-5)
+    # a flow's operands are rounded to TF32 (2^-11): an input that moved by an ulp can round the other way
+    np.testing.assert_allclose(np.asarray(f16), np.asarray(f32), rtol=5e-4, atol=1e-6)
+
+
 CLUSTERS = jaxpc.Options(impl="pallas", precision="tf32", tuning=jaxpc.Tuning(tree_clusters=True))
 
 
