@@ -527,6 +527,11 @@ def check_tree(batches=(8, 16, 32, 64), reps=30, against: str = "") -> float:
     routes = {B: routing.tree_kernel(c.layout.fold, jaxpc.Options(tuning=jaxpc.Tuning(tree_kernel_batch=64)), B,
                                      jnp.float32) for B in batches}
     print(f"tree kernels' route per batch: {routes}", flush=True)
+    clusters = c.tables["fold"]["tree"].get("clusters")
+    if clusters is not None:  # the clusters' steps per launch (jaxpc.ops.mosaic_tree.schedule)
+        print("clusters' steps per launch: " + ", ".join(
+            f"{k} {[int(t.shape[2]) for t in clusters[k]]}" for k in ("tasks", "wide_tasks") if k in clusters),
+              flush=True)
     if against:
         from _options import tuning
 
