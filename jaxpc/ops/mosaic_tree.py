@@ -120,9 +120,9 @@ def _steps(blocks: list[int], level: np.ndarray, parent: np.ndarray, per_step: i
 
 
 def _fewest_steps(counts: np.ndarray, per_step: int) -> np.ndarray:
-    """Steps of in-forests holding ``counts[..., d]`` blocks at depth ``d`` below their tops, ``per_step`` a step: at
-    least, for every ``d``, those at depth ``d`` and below (``ceil(N / per_step)`` steps) and then the ``d`` steps up
-    to the tops; Hu's order takes that many but for the one-child-a-step rule."""
+    """The fewest steps of in-forests holding ``counts[..., d]`` blocks at depth ``d`` below their tops, ``per_step``
+    a step: for every ``d``, those at depth ``d`` and below (``ceil(N / per_step)`` steps), then the ``d`` steps up to
+    the tops. :func:`_steps` reaches it or comes within a step or two (the one-child-a-step rule)."""
     tail = np.cumsum(counts[..., ::-1], axis=-1)[..., ::-1]
     d = np.arange(counts.shape[-1])
     return np.max(np.where(tail > 0, d + -(-tail // per_step), 0), axis=-1, initial=0)
