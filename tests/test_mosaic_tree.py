@@ -67,6 +67,39 @@ def test_a_schedule_runs_every_task_once_after_its_children(tree, split, tile, c
     assert np.array_equal(tabs["rows"], (prow[:, None] + np.arange(spec.Kp)).ravel())
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_steps_take_every_ready_block_they_have_room_for(seed):
+    """:func:`mosaic_tree._steps` on random forests (chains and bushes, several tops): every block once, after its
+    children, no two children of one parent in a step, and a step with room left leaves out only blocks that are not
+    ready or whose sibling it holds (the list scheduling that lets levels share steps); within two steps of the
+    fewest any order could take."""
+    rng = np.random.default_rng(seed)
+    n, per_step = 300, 4
+    parent = np.array([int(rng.integers(b + 1, min(n, b + 1 + rng.choice([1, 8])))) if b < n - 4 and rng.random() < 0.97
+                       else -1 for b in range(n)])
+    level = np.zeros(n, np.int64)
+    for b in range(n):  # parents come after their children
+        if parent[b] >= 0:
+            level[parent[b]] = max(level[parent[b]], level[b] + 1)
+    steps = mosaic_tree._steps(list(range(n)), level, parent, per_step)
+    when = {b: s for s, blocks in enumerate(steps) for b in blocks}
+    assert sorted(when) == list(range(n)) and sum(map(len, steps)) == n
+    kids = {b: [k for k in range(n) if parent[k] == b] for b in range(n)}
+    for s, blocks in enumerate(steps):
+        assert len(blocks) <= per_step
+        assert all(when[k] < s for b in blocks for k in kids[b])
+        ups = [parent[b] for b in blocks if parent[b] >= 0]
+        assert len(ups) == len(set(ups))
+        if len(blocks) < per_step:
+            ready = [b for b in range(n) if when[b] > s and all(when[k] < s for k in kids[b])]
+            assert all(parent[b] >= 0 and parent[b] in ups for b in ready), (s, ready)
+    depth = np.zeros(n, np.int64)
+    for b in range(n - 1, -1, -1):  # parents first
+        depth[b] = depth[parent[b]] + 1 if parent[b] >= 0 else 0
+    fewest = int(mosaic_tree._fewest_steps(np.bincount(depth), per_step))
+    assert fewest <= len(steps) <= fewest + 2, (fewest, len(steps))
+
+
 def test_the_cluster_forward_matches_the_level_by_level_forward(tree):
     """The interpreter's kernel (TF32 operands rounded to nearest) against the float32 levels: one launch on one
     cluster from the log-weights (the backward's test runs two launches from the weights)."""
