@@ -176,8 +176,9 @@ def schedule(tab: dict, spec, clusters: int = CLUSTERS, split: int | None = None
         load = np.zeros((clusters, D), np.int64)
         owner = {}
         for r in roots:
-            g = int(np.argmin(_fewest_steps(load + below(r), per_step)))
-            load[g] += below(r)
+            sub = below(r)
+            g = int(np.argmin(_fewest_steps(load + sub, per_step)))
+            load[g] += sub
             owner[r] = g
         return owner, int(_fewest_steps(load, per_step).max())
 
