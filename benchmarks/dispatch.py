@@ -3,7 +3,7 @@
     python benchmarks/dispatch.py [--workload hclt] [--latents 256] [--batches 16,512] [--impl auto]
                                   [--flags "|--xla_gpu_enable_command_buffer="] [--trace] [--timeline] [--floor]
                                   [--unrolled] [--entry flows|log_prob] [--default-call] [--tuning field=value]
-                                  [--env "|TF_CUDA_PLATFORM_GPU_DEVICE_SCHEDULE=spin"]
+                                  [--env "|TF_CUDA_PLATFORM_GPU_DEVICE_SCHEDULE=spin"] [--no-replay]
 
 Each ``|``-separated entry of ``--flags`` runs in its own process with those ``XLA_FLAGS`` (the empty entry:
 none), once per ``|``-separated entry of ``--env`` (environment settings, e.g. the CUDA context's wait mode). Per
@@ -148,10 +148,13 @@ def floor(c, call, xs, reps: int) -> dict:
         return run(self, entry, fn, static, a, fallback)
 
     executables.ExecutableCache.run = spy
+    replay = c.runtime.replay
+    c.runtime.replay = lambda *a: None  # the full call, whose arguments the spy sees
     try:
         jax.block_until_ready(call(xs[0]))
     finally:
         executables.ExecutableCache.run = run
+        c.runtime.replay = replay
     c.wait_compiled()  # the optimized executable, not the quick first compile (Tuning.quick_first_compile)
     exe, raw_args = c.compiled("flows"), got["args"]
     inc = jax.jit(lambda x: x + 1)
@@ -203,6 +206,8 @@ def measure(args):
                 return c.log_prob(c.params, x, options=opts, validate=False)
             return c.flows(c.params, x, options=opts, validate=False, return_ll=True)
 
+        if args.no_replay:
+            c.runtime.replay = lambda *a: None
         for i in range(5):
             jax.block_until_ready(call(xs[i % 4]))
         c.wait_compiled()  # time the optimized executable, not the quick first compile it replaces
@@ -223,6 +228,7 @@ def measure(args):
         res["pipelined"] = f"{1e3 * (time.perf_counter() - t) / args.reps:.3f} ms"
         opt = f", options=Options(tuning=Tuning({args.tuning}))" if args.tuning else ""
         what = f"c.{args.entry}(c.params, x{opt})" if args.default_call else f"{args.entry} {args.impl}"
+        what += " (no replay)" if args.no_replay else ""
         print(f"{args.workload}-{args.latents} B={batch} {what}{' unrolled' * args.unrolled} XLA_FLAGS={flags}: "
               + " | ".join(f"{k} {v}" for k, v in res.items()), flush=True)
         if args.trace:
@@ -258,6 +264,8 @@ def main(argv=None):
     p.add_argument("--entry", default="flows", choices=["flows", "log_prob"], help="the entry point timed")
     p.add_argument("--default-call", action="store_true",
                    help="time the default call (no options, inputs validated) instead of validate=False")
+    p.add_argument("--no-replay", action="store_true",
+                   help="every call takes the full call path (Runtime.replay off), to time what the replay saves")
     p.add_argument("--tuning", default="",
                    help="with --default-call: the call with Options(tuning=Tuning(...)) (field=value joined by +)")
     p.add_argument("--flags", default="", help="'|'-separated XLA_FLAGS settings, one process each")
@@ -273,7 +281,7 @@ def main(argv=None):
             f"--precision={args.precision}", f"--impl={args.impl}", f"--reps={args.reps}"]
     base += (["--trace"] * args.trace + ["--timeline"] * args.timeline + ["--floor"] * args.floor
              + ["--unrolled"] * args.unrolled + [f"--entry={args.entry}"] + ["--default-call"] * args.default_call
-             + [f"--tuning={args.tuning}"] * bool(args.tuning))
+             + [f"--tuning={args.tuning}"] * bool(args.tuning) + ["--no-replay"] * args.no_replay)
     for extra in args.env.split("|"):
         settings = env_settings(extra)
         for flags in args.flags.split("|"):

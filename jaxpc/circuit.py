@@ -322,11 +322,17 @@ class Circuit:
         Returns:
             ``float[B]``.
         """
+        replay = None
+        if missing is None and evidence is None:
+            replay = ("log_prob", options, propagation, alpha, validate)
+            out = self.runtime.replay(replay, params, x)
+            if out is not None:
+                return out
         opts = Options.make(options, propagation=propagation, alpha=alpha)
         batch = self.runtime.prepare(x, missing, validate)
         ev = self.check_evidence(evidence, batch.n)
         return self.runtime.run("log_prob", {}, {"tables": self.tables, "params": params, "evidence": ev}, batch,
-                                options=opts, batched={"evidence": 0})
+                                options=opts, batched={"evidence": 0}, replay=replay)
 
     def node_values(self, params: Params, x, missing=None, *, options: Options | None = None,
                     validate: bool | str = True) -> Array:
@@ -366,6 +372,12 @@ class Circuit:
         flow, computed in the log domain (no underflow; exactly zero is ``-inf``; not with ``return_evidence_grad``).
         See :class:`Options`.
         """
+        replay = None
+        if missing is None and ll_weights is None and evidence is None and not return_evidence_grad:
+            replay = ("flows", options, validate)
+            out = self.runtime.replay(replay, params, x)
+            if out is not None:
+                return out if return_ll else out[0]
         opts = Options.make(options)
         batch = self.runtime.prepare(x, missing, validate)
         ev = self.check_evidence(evidence, batch.n)
@@ -377,7 +389,8 @@ class Circuit:
             fl, ll, g = self.runtime.run("flows_evidence_grad", {}, args, batch, options=opts,
                                          batched={"evidence": 0}, weights=w)
             return (fl, ll, g) if return_ll else (fl, g)
-        fl, ll = self.runtime.run("flows", {}, args, batch, options=opts, batched={"evidence": 0}, weights=w)
+        fl, ll = self.runtime.run("flows", {}, args, batch, options=opts, batched={"evidence": 0}, weights=w,
+                                  replay=replay)
         return (fl, ll) if return_ll else fl
 
     def em_step(self, params: Params, x, missing=None, *, step_size: float = 1.0, pseudocount: float = 0.0,
@@ -396,6 +409,12 @@ class Circuit:
         With device-resident inputs a step makes no host transfer but its input check's one-byte flag (none with
         ``validate=False``); rows with bad values take no part in the update.
         """
+        replay = None
+        if missing is None and ll_weights is None and evidence is None:
+            replay = ("em_step", options, validate, step_size, pseudocount, keep_zero_params, rescale)
+            out = self.runtime.replay(replay, params, x)
+            if out is not None:
+                return out if return_ll else out[0]
         check_em_args(step_size, pseudocount)
         if rescale not in ("none", "tdp"):
             raise ValueError(f"rescale must be 'none' or 'tdp', got {rescale!r}")
@@ -412,7 +431,7 @@ class Circuit:
         new, ll = rt.run("em_step", {"keep_zero_params": bool(keep_zero_params), "rescale": rescale},
                          {"tables": self.tables, "params": params, "step_size": rt.scalar(step_size),
                           "pseudocount": rt.scalar(pseudocount), "evidence": ev}, batch,
-                         options=opts, batched={"evidence": 0}, weights=w)
+                         options=opts, batched={"evidence": 0}, weights=w, replay=replay)
         return (new, ll) if return_ll else new
 
     def em_update(self, params: Params, flows: dict, *, step_size: float = 1.0, pseudocount: float = 0.0,

@@ -256,6 +256,18 @@ class _Entry:
         return self.ready.is_set() and self.error is None
 
 
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """An executable bound to a call's arguments (:meth:`ExecutableCache.bind`): ``entry``'s ``compiled`` (read at each
+    call: a background upgrade swaps it), the arguments' ``names`` and positional ``values``, and the cache's
+    ``generation`` when bound."""
+
+    entry: _Entry
+    names: list
+    values: list
+    generation: int
+
+
 RECENT_KEYS: Final = 256  # ExecutableCache.run's first tries, at most (then forgotten at once)
 
 QUICK_XLA: Final = (("xla_gpu_enable_triton_gemm", False), ("xla_gpu_autotune_level", 0),
@@ -409,6 +421,8 @@ class ExecutableCache:
         self.misses = 0
         self.loaded = 0
         self.compile_seconds = 0.0
+        # changes whenever an executable leaves the cache: what :meth:`bind` handed out is stale
+        self.generation = 0
         self._upgrades: set[threading.Thread] = set()
         # whether the executables may hold scanned stages for the optimized compile to unroll
         # (optimized_options); a circuit without them sets False and spares that compile a second trace
@@ -493,6 +507,7 @@ class ExecutableCache:
 
     def clear(self) -> None:
         with self._lock:
+            self.generation += 1
             self._entries.clear()
             self._recent.clear()
             self._sightings.clear()
@@ -565,9 +580,7 @@ class ExecutableCache:
             except (TypeError, ValueError):  # refused before running: another pytree, shape, dtype or sharding
                 pass
             else:
-                with self._lock:
-                    self.hits += 1
-                    e.used = self.hits + self.misses
+                self.count_hit(e)
                 return out
         key = self.key(entry, static, args)
         if self.check_args is not None and (key is None or key not in self._entries):
@@ -608,6 +621,22 @@ class ExecutableCache:
                         self._recent.clear()
                     self._recent[recent] = e
         return out
+
+    def count_hit(self, e: _Entry) -> None:
+        """Count a call that ran ``e``'s executable (the statistics and ``e``'s recency)."""
+        with self._lock:
+            self.hits += 1
+            e.used = self.hits + self.misses
+
+    def bind(self, entry: str, static: dict, args: dict) -> Bound | None:
+        """The executable that :meth:`run` tries first for this call, bound to ``args``' values as its positional
+        arguments (tables packed), for a caller that replays the call with some of them replaced; None where the
+        call has none that is finished and final. The binding is stale once :attr:`generation` moves."""
+        with self._lock:
+            e = self._recent.get(self.recent_key(entry, static, args))
+            if e is None or not e.usable or e.pending is not None:
+                return None
+            return Bound(e, list(args), _call_args(args), self.generation)
 
     def find(self, entry: str, static: dict, args: dict):
         """The compiled executable for exactly this key, if live (no statistics change), as a function of the
@@ -693,6 +722,7 @@ class ExecutableCache:
         except BaseException as err:  # noqa: BLE001 - re-raised to every waiting caller
             e.error = err
             with self._lock:
+                self.generation += 1
                 for k, v in list(self._entries.items()):
                     if v is e:
                         del self._entries[k]
@@ -769,6 +799,7 @@ class ExecutableCache:
 
     def _evict(self):
         while len(self._entries) > self.max_executables:
+            self.generation += 1
             gone = self._entries.pop(min(self._entries, key=lambda k: self._entries[k].used))
             self._recent = {k: v for k, v in self._recent.items() if v is not gone}
 

@@ -25,6 +25,12 @@ checks still in flight. Every public entry point (the :class:`~jaxpc.Circuit` me
 Inside a user's ``jit`` (tracer inputs) the check still cleans the batch and marks its rows NaN, but
 nothing can raise from inside a trace.
 
+**Repeated calls.** A small batch's step waits for the host's work before its executable starts. A call of
+``flows``, ``log_prob`` or ``em_step`` whose arguments other than ``params`` and ``x`` equal the previous such
+call's (options, ``validate``, EM's step size and pseudocount; no ``missing``, weights or evidence), on a device
+batch of the same shape and dtype that fills its bucket, replays that call's executable (:meth:`Runtime.replay`):
+no option resolution, batch checks or key, the same input check and outputs. Anything else takes the full path.
+
 **Precision.** ``Options(precision="default")`` follows JAX's default matmul precision
 (``jax.default_matmul_precision``): TF32 on NVIDIA GPUs, exact float32 elsewhere or when JAX's setting
 is ``"highest"``/``"float32"``. The call resolves it before the key is made, and the key also holds
@@ -92,6 +98,29 @@ class _Pending:
     missing: Array | None
     where: str
 
+
+@dataclasses.dataclass(frozen=True)
+class _Replay:
+    """A call that :meth:`Runtime.replay` repeats: the cache's entry whose executable it ran, that executable's
+    other arguments (``values``, None at ``params``' and ``x``'s positions ``ip`` and ``ix``: the remembered call's
+    own are not kept alive) and the cache's ``generation`` then, the layout ``x`` must have (``xtype``: a concrete
+    device array's type), JAX's matmul setting the key holds (``_ANY``: none) and how the input flag is handled."""
+
+    entry: Any
+    values: tuple
+    generation: int
+    ip: int
+    ix: int
+    xtype: type
+    dtype: Any
+    matmul: Any
+    name: str
+    report: bool
+    sync: bool
+
+
+_ANY = object()
+REPLAYS: int = 64  # replayable calls per circuit, at most (then forgotten at once)
 
 _RESOLVED: dict = {}  # (options, JAX's matmul setting) -> resolved options (a replace reruns Options' checks)
 
@@ -263,6 +292,7 @@ class Runtime:
         self._sum_spec: checks.ParamsSpec | None = None
         self._input_keys: list = []
         self.cache.check_args = self._check_args
+        self._replays: dict = {}  # (call key, x's shape) -> _Replay
 
     def set_params(self, params) -> None:
         """Take ``params``' structure, shapes and floating dtype as what every entry's ``params`` argument must have,
@@ -415,7 +445,8 @@ class Runtime:
 
     # ---- the call -----------------------------------------------------------------------------
     def run(self, name: str, static: dict, args: dict, batch: Batch | None = None, *, options: Options | None = None,
-            batched: dict[str, int] | None = None, weights: Any = False, multiple: int = 1, sharding=None):
+            batched: dict[str, int] | None = None, weights: Any = False, multiple: int = 1, sharding=None,
+            replay: tuple | None = None):
         """Run entry ``name`` on ``args``: pad the batch to its bucket, run the cached executable (with the
         device check when ``batch.check``), slice the outputs back to ``batch.n`` rows, and settle the input
         checks of earlier calls.
@@ -431,6 +462,10 @@ class Runtime:
             multiple: buckets are rounded up to a multiple of this (devices of a mesh).
             sharding: where the default weights are made (a mesh's batch sharding), so that a step moves
                 nothing but the data.
+            replay: the call's key for :meth:`replay` (hashable: everything the caller derived ``static``,
+                ``options`` and the arguments other than ``params`` and ``x`` from); the call is remembered under it
+                where only those two change between calls (a device ``x`` filling its bucket, no ``missing``, no
+                weights).
         """
         entry, fn = self._entries[name]
         static = dict(static)
@@ -453,6 +488,10 @@ class Runtime:
                     ("valid", b, n, sharding), lambda: put_constant(_valid_rows(b, n, self.dtype), sharding)))
         out = self.cache.run(name, fn, static, args, self._fallback(name, static, batched, multiple)
                                    if batch is not None and not batch.traced else None)
+        # (a host batch checked on the host is not remembered: its replay would check a device batch with no flag)
+        if replay is not None and batch is not None and b == n and not batch.traced and batch.missing is None \
+                and (weights is None or weights is False) and (batch.report or not batch.check) and "params" in args:
+            self._remember(replay, name, static, args, batch)
         if b != n:
             out = self._head(out, entry.rows, n)
         if batch is None or batch.traced:
@@ -463,6 +502,53 @@ class Runtime:
         if flag is not None:
             self._record(flag, batch, name)
             if batch.sync:
+                self._settle()
+        return out
+
+    def _remember(self, key: tuple, name: str, static: dict, args: dict, batch: Batch) -> None:
+        bound = self.cache.bind(name, static, args)
+        if bound is None:
+            return
+        if len(self._replays) >= REPLAYS:
+            self._replays.clear()
+        ip, ix = bound.names.index("params"), bound.names.index("x")
+        values = tuple(None if i in (ip, ix) else v for i, v in enumerate(bound.values))
+        self._replays[key, batch.x.shape] = _Replay(
+            bound.entry, values, bound.generation, ip, ix, type(batch.x), batch.x.dtype,
+            static.get("_matmul", _ANY), name, batch.report, batch.sync)
+
+    def replay(self, key: tuple, params, x):
+        """Repeat the call remembered under ``key`` (:meth:`run`'s ``replay``) with new ``params`` and ``x``: the same
+        outputs as the full call, for a fraction of its host time (the small batches' steps wait for it). None
+        where there is nothing to repeat: no call under ``key`` yet, ``x`` of another type, shape or dtype, JAX's
+        matmul setting changed, the executable left the cache, or it refused the arguments (another pytree,
+        shape, dtype or sharding, or tracers); the caller then takes the full call."""
+        try:
+            r = self._replays.get((key, x.shape))
+        except (TypeError, AttributeError):  # an unhashable key component, or no array
+            return None
+        if r is None or type(x) is not r.xtype or x.dtype != r.dtype:
+            return None
+        if r.generation != self.cache.generation:  # its executable may have left the cache: let it go
+            self._replays.pop((key, x.shape), None)
+            return None
+        if r.matmul is not _ANY and matmul_setting() != r.matmul:
+            return None
+        values = list(r.values)
+        values[r.ip] = params
+        values[r.ix] = x
+        e = r.entry
+        try:
+            out = e.compiled(*values)
+        except (TypeError, ValueError):  # refused before running
+            return None
+        self.cache.count_hit(e)
+        flag = self._flag(x, None) if r.report else None
+        self._settle()
+        if flag is not None:
+            with self._lock:
+                self._pending.append(_Pending(flag, x, None, r.name))
+            if r.sync:
                 self._settle()
         return out
 

@@ -3,6 +3,7 @@ are bucketed and padded rows never leak, the cache is bounded, thread-safe and s
 
 import dataclasses
 import functools
+import gc
 import json
 import os
 import shutil
@@ -12,6 +13,7 @@ import textwrap
 import threading
 import time
 import warnings
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -563,6 +565,70 @@ def test_a_call_tries_its_last_executable_and_falls_back_to_the_key():
     run(f32, 5), run(f32, 6)  # the executable for x of 4 is dropped: the next such call compiles again
     np.testing.assert_array_equal(run(f32, 4), [2.0] * 4)
     assert counts() == (8, 3)
+
+
+def test_a_repeated_call_replays_its_executable_and_stays_exact():
+    """A call that repeats the last one's options on a device batch filling its bucket runs that call's executable
+    again without its checks and key (``Runtime.replay``): the same outputs as the full call, the input check's
+    flag still raised, and the full call wherever anything else changed (host data, another shape, tracers, JAX's
+    matmul setting, a cleared cache)."""
+    c, fresh = _hmm(), _hmm()
+    full = []
+    prepare = c.runtime.prepare
+    c.runtime.prepare = lambda *a, **k: full.append(1) or prepare(*a, **k)
+
+    def calls():
+        n = len(full)
+        return lambda: len(full) - n
+
+    xs = [jnp.asarray(_data(16, s)) for s in range(3)]
+    for fn in (lambda cc, p, x, **k: cc.flows(p, x, return_ll=True, **k),
+               lambda cc, p, x, **k: cc.log_prob(p, x, **k),
+               lambda cc, p, x, **k: cc.em_step(p, x, step_size=0.3, pseudocount=0.1, return_ll=True, **k)):
+        fn(c, c.params, xs[0])
+        count, hits = calls(), c.cache_info().hits
+        for x in xs:
+            _same(fn(c, c.params, x), fn(fresh, fresh.params, x, validate=False))
+        assert count() == 0 and c.cache_info().hits == hits + 3
+        fn(c, c.params, np.asarray(xs[1]))  # host data: checked on the host, so the full call
+        assert count() == 1
+    # another step size is another call, not the last one's constants
+    count = calls()
+    _same(c.em_step(c.params, xs[1], step_size=0.7), fresh.em_step(fresh.params, xs[1], step_size=0.7))
+    assert count() == 1
+
+    bad = xs[0].at[3, 2].set(99)  # out of range: the device check's flag, read by the next call
+    count = calls()
+    ll = c.log_prob(c.params, bad)
+    assert np.isnan(np.asarray(ll)[3]) and np.all(np.isfinite(np.delete(np.asarray(ll), 3)))
+    with pytest.raises(ValueError, match="99"):
+        c.log_prob(c.params, xs[0])
+    c.log_prob(c.params, xs[0], validate="sync")
+    with pytest.raises(ValueError, match="99"):
+        c.log_prob(c.params, bad, validate="sync")  # replayed, and raised at once
+    assert count() == 1  # the first call with validate="sync"
+
+    count = calls()
+    jitted = jax.jit(lambda p: c.log_prob(p, xs[2]))(c.params)  # tracers: the full call, inline
+    _same(jitted, fresh.log_prob(fresh.params, xs[2]))
+    assert count() == 1
+    c.log_prob(c.params, xs[0][:8])  # another shape
+    assert count() == 2
+    misses = c.cache_info().misses
+    with jax.default_matmul_precision("float32"):  # JAX's setting is part of the key
+        c.log_prob(c.params, xs[0])
+    assert count() == 3 and c.cache_info().misses == misses + 1
+    c.runtime.cache.clear()
+    own = jax.tree_util.tree_map(lambda a: a + 0, c.params)  # the remembered call keeps neither its params nor x
+    x = xs[1] + 0
+    c.log_prob(own, x)
+    assert count() == 4
+    refs = [weakref.ref(jax.tree_util.tree_leaves(own)[0]), weakref.ref(x)]
+    del own, x
+    c.log_prob(c.params, xs[0])  # replayed (and settles the flag that held x)
+    assert count() == 4
+    gc.collect()
+    assert all(r() is None for r in refs)
 
 
 def test_packed_tables_round_trip_and_serve_equal_tables():
