@@ -28,8 +28,9 @@ nothing can raise from inside a trace.
 **Repeated calls.** A small batch's step waits for the host's work before its executable starts. A call of
 ``flows``, ``log_prob`` or ``em_step`` whose arguments other than ``params`` and ``x`` equal the previous such
 call's (options, ``validate``, EM's step size and pseudocount; no ``missing``, weights or evidence), on a device
-batch of the same shape and dtype that fills its bucket, replays that call's executable (:meth:`Runtime.replay`):
-no option resolution, batch checks or key, the same input check and outputs. Anything else takes the full path.
+batch of the same shape and dtype, replays that call's executables (:meth:`Runtime.replay`; a batch short of its
+bucket also its padding and the outputs' cut): no option resolution, batch checks or keys, the same input check and
+outputs. Anything else takes the full path.
 
 **Precision.** ``Options(precision="default")`` follows JAX's default matmul precision
 (``jax.default_matmul_precision``): TF32 on NVIDIA GPUs, exact float32 elsewhere or when JAX's setting
@@ -103,12 +104,12 @@ class _Pending:
 class _Replay:
     """A call that :meth:`Runtime.replay` repeats: the cache's entry whose executable it ran, that executable's
     other arguments (``values``, None at ``params``' and ``x``'s positions ``ip`` and ``ix``: the remembered call's
-    own are not kept alive) and the cache's ``generation`` then, the layout ``x`` must have (``xtype``: a concrete
+    own are not kept alive) and the caches' generations then, the layout ``x`` must have (``xtype``: a concrete
     device array's type), JAX's matmul setting the key holds (``_ANY``: none) and how the input flag is handled."""
 
     entry: Any
     values: tuple
-    generation: int
+    generation: tuple
     ip: int
     ix: int
     xtype: type
@@ -117,6 +118,9 @@ class _Replay:
     name: str
     report: bool
     sync: bool
+    pad: Any = None  # a batch short of its bucket: the helpers' entries that pad x and cut the outputs back
+    head: Any = None
+    rows: Any = None
 
 
 _ANY = object()
@@ -231,6 +235,12 @@ def _split_rows(out, rows):
             full[i] = v
         return jax.tree_util.tree_unflatten(treedef, full)
     return [subs[i] for i in idx], tuple(axes[i] for i in idx), rebuild
+
+
+def _row_axes(rows) -> tuple:
+    """The batch axes of the outputs that ``rows`` names (:func:`_split_rows`' second value)."""
+    axes = jax.tree_util.tree_leaves(rows, is_leaf=lambda r: r is None)
+    return tuple(ax for ax in axes if ax is not None)
 
 
 def checked(entry: Entry) -> Callable:
@@ -464,8 +474,7 @@ class Runtime:
                 nothing but the data.
             replay: the call's key for :meth:`replay` (hashable: everything the caller derived ``static``,
                 ``options`` and the arguments other than ``params`` and ``x`` from); the call is remembered under it
-                where only those two change between calls (a device ``x`` filling its bucket, no ``missing``, no
-                weights).
+                where only those two change between calls (a device ``x``, no ``missing``, no weights).
         """
         entry, fn = self._entries[name]
         static = dict(static)
@@ -488,12 +497,12 @@ class Runtime:
                     ("valid", b, n, sharding), lambda: put_constant(_valid_rows(b, n, self.dtype), sharding)))
         out = self.cache.run(name, fn, static, args, self._fallback(name, static, batched, multiple)
                                    if batch is not None and not batch.traced else None)
-        # (a host batch checked on the host is not remembered: its replay would check a device batch with no flag)
-        if replay is not None and batch is not None and b == n and not batch.traced and batch.missing is None \
-                and (weights is None or weights is False) and (batch.report or not batch.check) and "params" in args:
-            self._remember(replay, name, static, args, batch)
         if b != n:
             out = self._head(out, entry.rows, n)
+        # (a host batch checked on the host is not remembered: its replay would check a device batch with no flag)
+        if replay is not None and batch is not None and not batch.traced and batch.missing is None \
+                and (weights is None or weights is False) and (batch.report or not batch.check) and "params" in args:
+            self._remember(replay, name, static, args, batch, b, batched)
         if batch is None or batch.traced:
             return out
         # on the padded batch (padding rows copy the first row): one flag executable per bucket
@@ -505,17 +514,28 @@ class Runtime:
                 self._settle()
         return out
 
-    def _remember(self, key: tuple, name: str, static: dict, args: dict, batch: Batch) -> None:
+    def _remember(self, key: tuple, name: str, static: dict, args: dict, batch: Batch, b: int, batched) -> None:
         bound = self.cache.bind(name, static, args)
         if bound is None:
             return
+        pad = head = rows = None
+        if b != batch.n:  # the helpers that ran for this call: x padded alone, the outputs cut back
+            pad = self._helpers.bind("pad", self._pad_static(batch.n, b, batched), {"x": batch.x})
+            rows = self._entries[name][0].rows
+            head = self._helpers.bind("head", {"axes": _row_axes(rows), "n": batch.n}, {"parts": []})
+            if pad is None or head is None:
+                return
+            pad, head = pad.entry, head.entry
         if len(self._replays) >= REPLAYS:
             self._replays.clear()
         ip, ix = bound.names.index("params"), bound.names.index("x")
         values = tuple(None if i in (ip, ix) else v for i, v in enumerate(bound.values))
         self._replays[key, batch.x.shape] = _Replay(
-            bound.entry, values, bound.generation, ip, ix, type(batch.x), batch.x.dtype,
-            static.get("_matmul", _ANY), name, batch.report, batch.sync)
+            bound.entry, values, self._generation(), ip, ix, type(batch.x), batch.x.dtype,
+            static.get("_matmul", _ANY), name, batch.report, batch.sync, pad, head, rows)
+
+    def _generation(self) -> tuple:
+        return self.cache.generation, self._helpers.generation
 
     def replay(self, key: tuple, params, x):
         """Repeat the call remembered under ``key`` (:meth:`run`'s ``replay``) with new ``params`` and ``x``: the same
@@ -529,25 +549,29 @@ class Runtime:
             return None
         if r is None or type(x) is not r.xtype or x.dtype != r.dtype:
             return None
-        if r.generation != self.cache.generation:  # its executable may have left the cache: let it go
+        if r.generation != self._generation():  # an executable may have left its cache: let it go
             self._replays.pop((key, x.shape), None)
             return None
         if r.matmul is not _ANY and matmul_setting() != r.matmul:
             return None
         values = list(r.values)
         values[r.ip] = params
-        values[r.ix] = x
         e = r.entry
         try:
+            xb = x if r.pad is None else r.pad.compiled(x)["x"]
+            values[r.ix] = xb
             out = e.compiled(*values)
         except (TypeError, ValueError):  # refused before running
             return None
         self.cache.count_hit(e)
-        flag = self._flag(x, None) if r.report else None
+        flag = self._flag(xb, None) if r.report else None
+        if r.head is not None:
+            parts, _, rebuild = _split_rows(out, r.rows)
+            out = rebuild(r.head.compiled(parts))
         self._settle()
         if flag is not None:
             with self._lock:
-                self._pending.append(_Pending(flag, x, None, r.name))
+                self._pending.append(_Pending(flag, xb, None, r.name))
             if r.sync:
                 self._settle()
         return out
@@ -558,9 +582,11 @@ class Runtime:
         for k in ("missing", "weights"):
             if args.get(k) is not None and not (k == "missing" and args[k].ndim == 1):
                 keys.append(k)
-        static = {"n": n, "b": b, "batched": tuple(sorted((batched or {}).items())), "dtype": self.dtype}
-        padded = self._helpers.run("pad", _pad_entry, static, {k: args[k] for k in keys})
+        padded = self._helpers.run("pad", _pad_entry, self._pad_static(n, b, batched), {k: args[k] for k in keys})
         return {**args, **padded}
+
+    def _pad_static(self, n: int, b: int, batched: dict | None) -> dict:
+        return {"n": n, "b": b, "batched": tuple(sorted((batched or {}).items())), "dtype": self.dtype}
 
     def _head(self, out, rows, n: int):
         """The outputs cut back to ``n`` rows along each batch axis that ``rows`` names, through the call path's own

@@ -585,11 +585,12 @@ def test_a_repeated_call_replays_its_executable_and_stays_exact():
     for fn in (lambda cc, p, x, **k: cc.flows(p, x, return_ll=True, **k),
                lambda cc, p, x, **k: cc.log_prob(p, x, **k),
                lambda cc, p, x, **k: cc.em_step(p, x, step_size=0.3, pseudocount=0.1, return_ll=True, **k)):
-        fn(c, c.params, xs[0])
-        count, hits = calls(), c.cache_info().hits
-        for x in xs:
-            _same(fn(c, c.params, x), fn(fresh, fresh.params, x, validate=False))
-        assert count() == 0 and c.cache_info().hits == hits + 3
+        for batch in (xs, [x[:11] for x in xs]):  # a full bucket, and one padded to it and cut back
+            fn(c, c.params, batch[0])
+            count, hits = calls(), c.cache_info().hits
+            for x in batch:
+                _same(fn(c, c.params, x), fn(fresh, fresh.params, x, validate=False))
+            assert count() == 0 and c.cache_info().hits == hits + 3
         fn(c, c.params, np.asarray(xs[1]))  # host data: checked on the host, so the full call
         assert count() == 1
     # another step size is another call, not the last one's constants
@@ -606,6 +607,10 @@ def test_a_repeated_call_replays_its_executable_and_stays_exact():
     c.log_prob(c.params, xs[0], validate="sync")
     with pytest.raises(ValueError, match="99"):
         c.log_prob(c.params, bad, validate="sync")  # replayed, and raised at once
+    ll = c.log_prob(c.params, bad[:11])  # padded
+    assert np.isnan(np.asarray(ll)[3]) and ll.shape == (11,)
+    with pytest.raises(ValueError, match="99"):
+        c.log_prob(c.params, xs[0][:11])
     assert count() == 1  # the first call with validate="sync"
 
     count = calls()
