@@ -66,7 +66,7 @@ def main(argv=None) -> dict:
         return original(self, *a, **k)
 
     replay = c.runtime.replay
-    full = lambda *a: None  # noqa: E731 - Runtime.replay's "nothing to repeat"
+    full = lambda *a, **k: None  # noqa: E731 - Runtime.replay's "nothing to repeat"
     out = {}
     print(f"{args.workload}-{args.latents} B={args.batch} on {jax.devices()[0].device_kind}, jax {jax.__version__}, "
           f"medians of {args.reps} calls, us", flush=True)

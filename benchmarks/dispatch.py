@@ -149,7 +149,7 @@ def floor(c, call, xs, reps: int) -> dict:
 
     executables.ExecutableCache.run = spy
     replay = c.runtime.replay
-    c.runtime.replay = lambda *a: None  # the full call, whose arguments the spy sees
+    c.runtime.replay = lambda *a, **k: None  # the full call, whose arguments the spy sees
     try:
         jax.block_until_ready(call(xs[0]))
     finally:
@@ -207,7 +207,7 @@ def measure(args):
             return c.flows(c.params, x, options=opts, validate=False, return_ll=True)
 
         if args.no_replay:
-            c.runtime.replay = lambda *a: None
+            c.runtime.replay = lambda *a, **k: None
         for i in range(5):
             jax.block_until_ready(call(xs[i % 4]))
         c.wait_compiled()  # time the optimized executable, not the quick first compile it replaces

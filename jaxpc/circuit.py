@@ -325,7 +325,7 @@ class Circuit:
         replay = None
         if missing is None and evidence is None:
             replay = ("log_prob", options, propagation, alpha, validate)
-            out = self.runtime.replay(replay, params, x)
+            out = self.runtime.replay(replay, x, params=params)
             if out is not None:
                 return out
         opts = Options.make(options, propagation=propagation, alpha=alpha)
@@ -375,7 +375,7 @@ class Circuit:
         replay = None
         if missing is None and ll_weights is None and evidence is None and not return_evidence_grad:
             replay = ("flows", options, validate)
-            out = self.runtime.replay(replay, params, x)
+            out = self.runtime.replay(replay, x, params=params)
             if out is not None:
                 return out if return_ll else out[0]
         opts = Options.make(options)
@@ -409,13 +409,14 @@ class Circuit:
         With device-resident inputs a step makes no host transfer but its input check's one-byte flag (none with
         ``validate=False``); rows with bad values take no part in the update.
         """
+        rt = self.runtime
+        step, pseudo = rt.em_scalars(step_size, pseudocount)
         replay = None
-        if missing is None and ll_weights is None and evidence is None:
-            replay = ("em_step", options, validate, step_size, pseudocount, keep_zero_params, rescale)
-            out = self.runtime.replay(replay, params, x)
+        if missing is None and ll_weights is None and evidence is None:  # (a step size schedule replays too)
+            replay = ("em_step", options, validate, keep_zero_params, rescale)
+            out = rt.replay(replay, x, params=params, step_size=step, pseudocount=pseudo)
             if out is not None:
                 return out if return_ll else out[0]
-        check_em_args(step_size, pseudocount)
         if rescale not in ("none", "tdp"):
             raise ValueError(f"rescale must be 'none' or 'tdp', got {rescale!r}")
         opts = Options.make(options)
@@ -427,11 +428,11 @@ class Circuit:
         if ev is not None and rescale == "tdp":
             raise ValueError("rescale='tdp' uses the model's own top-down probabilities: it takes no evidence")
         w = self.runtime.weights(ll_weights, batch.n)
-        rt = self.runtime
         new, ll = rt.run("em_step", {"keep_zero_params": bool(keep_zero_params), "rescale": rescale},
-                         {"tables": self.tables, "params": params, "step_size": rt.scalar(step_size),
-                          "pseudocount": rt.scalar(pseudocount), "evidence": ev}, batch,
-                         options=opts, batched={"evidence": 0}, weights=w, replay=replay)
+                         {"tables": self.tables, "params": params, "step_size": step, "pseudocount": pseudo,
+                          "evidence": ev}, batch,
+                         options=opts, batched={"evidence": 0}, weights=w, replay=replay,
+                         free=("params", "step_size", "pseudocount"))
         return (new, ll) if return_ll else new
 
     def em_update(self, params: Params, flows: dict, *, step_size: float = 1.0, pseudocount: float = 0.0,

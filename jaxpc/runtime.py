@@ -26,8 +26,8 @@ Inside a user's ``jit`` (tracer inputs) the check still cleans the batch and mar
 nothing can raise from inside a trace.
 
 **Repeated calls.** A small batch's step waits for the host's work before its executable starts. A call of
-``flows``, ``log_prob`` or ``em_step`` whose arguments other than ``params`` and ``x`` equal the previous such
-call's (options, ``validate``, EM's step size and pseudocount; no ``missing``, weights or evidence), on a device
+``flows``, ``log_prob`` or ``em_step`` whose arguments other than ``params``, ``x`` and EM's step size and
+pseudocount equal the previous such call's (options, ``validate``; no ``missing``, weights or evidence), on a device
 batch of the same shape and dtype, replays that call's executables (:meth:`Runtime.replay`; a batch short of its
 bucket also its padding and the outputs' cut): no option resolution, batch checks or keys, the same input check and
 outputs. Anything else takes the full path.
@@ -103,14 +103,15 @@ class _Pending:
 @dataclasses.dataclass(frozen=True)
 class _Replay:
     """A call that :meth:`Runtime.replay` repeats: the cache's entry whose executable it ran, that executable's
-    other arguments (``values``, None at ``params``' and ``x``'s positions ``ip`` and ``ix``: the remembered call's
-    own are not kept alive) and the caches' generations then, the layout ``x`` must have (``xtype``: a concrete
-    device array's type), JAX's matmul setting the key holds (``_ANY``: none) and how the input flag is handled."""
+    other arguments (``values``, None at the positions of ``x`` (``ix``) and of the arguments in ``slots``: the
+    remembered call's own are not kept alive) and the caches' generations then, the layout ``x`` must have
+    (``xtype``: a concrete device array's type), JAX's matmul setting the key holds (``_ANY``: none) and how the
+    input flag is handled."""
 
     entry: Any
     values: tuple
     generation: tuple
-    ip: int
+    slots: tuple  # (name, position) of each argument the replay takes anew besides x
     ix: int
     xtype: type
     dtype: Any
@@ -303,6 +304,7 @@ class Runtime:
         self._input_keys: list = []
         self.cache.check_args = self._check_args
         self._replays: dict = {}  # (call key, x's shape) -> _Replay
+        self._em_scalars: dict = {}  # (step_size, pseudocount) -> their device scalars
 
     def set_params(self, params) -> None:
         """Take ``params``' structure, shapes and floating dtype as what every entry's ``params`` argument must have,
@@ -432,6 +434,23 @@ class Runtime:
         key = float(value)
         return self.constant(("scalar", key), lambda: jnp.asarray(key, self.dtype))
 
+    def em_scalars(self, step_size, pseudocount) -> tuple:
+        """EM's ``step_size`` and ``pseudocount`` checked (:func:`check_em_args`) and as device scalars
+        (:meth:`scalar`), memoized per pair of Python numbers (a repeated step pays a dict lookup)."""
+        try:
+            hit = self._em_scalars.get((step_size, pseudocount))
+        except TypeError:  # arrays
+            hit = None
+        if hit is not None:
+            return hit
+        check_em_args(step_size, pseudocount)
+        out = self.scalar(step_size), self.scalar(pseudocount)
+        if isinstance(step_size, (int, float)) and isinstance(pseudocount, (int, float)):
+            if len(self._em_scalars) >= 256:
+                self._em_scalars.clear()
+            self._em_scalars[step_size, pseudocount] = out
+        return out
+
     def weights(self, ll_weights, n: int):
         """Per-sample weights ``[n]`` of the circuit's dtype, or None. Host weights (numpy, lists) must be finite;
         device arrays are taken as they are (their values would cost a host round trip)."""
@@ -456,7 +475,7 @@ class Runtime:
     # ---- the call -----------------------------------------------------------------------------
     def run(self, name: str, static: dict, args: dict, batch: Batch | None = None, *, options: Options | None = None,
             batched: dict[str, int] | None = None, weights: Any = False, multiple: int = 1, sharding=None,
-            replay: tuple | None = None):
+            replay: tuple | None = None, free: tuple[str, ...] = ("params",)):
         """Run entry ``name`` on ``args``: pad the batch to its bucket, run the cached executable (with the
         device check when ``batch.check``), slice the outputs back to ``batch.n`` rows, and settle the input
         checks of earlier calls.
@@ -473,8 +492,9 @@ class Runtime:
             sharding: where the default weights are made (a mesh's batch sharding), so that a step moves
                 nothing but the data.
             replay: the call's key for :meth:`replay` (hashable: everything the caller derived ``static``,
-                ``options`` and the arguments other than ``params`` and ``x`` from); the call is remembered under it
-                where only those two change between calls (a device ``x``, no ``missing``, no weights).
+                ``options`` and the arguments other than ``x`` and the ``free`` ones from); the call is remembered
+                under it where only those change between calls (a device ``x``, no ``missing``, no weights).
+            free: the arguments that :meth:`replay` takes anew besides ``x``.
         """
         entry, fn = self._entries[name]
         static = dict(static)
@@ -502,7 +522,7 @@ class Runtime:
         # (a host batch checked on the host is not remembered: its replay would check a device batch with no flag)
         if replay is not None and batch is not None and not batch.traced and batch.missing is None \
                 and (weights is None or weights is False) and (batch.report or not batch.check) and "params" in args:
-            self._remember(replay, name, static, args, batch, b, batched)
+            self._remember(replay, free, name, static, args, batch, b, batched)
         if batch is None or batch.traced:
             return out
         # on the padded batch (padding rows copy the first row): one flag executable per bucket
@@ -514,7 +534,8 @@ class Runtime:
                 self._settle()
         return out
 
-    def _remember(self, key: tuple, name: str, static: dict, args: dict, batch: Batch, b: int, batched) -> None:
+    def _remember(self, key: tuple, free: tuple, name: str, static: dict, args: dict, batch: Batch, b: int,
+                  batched) -> None:
         bound = self.cache.bind(name, static, args)
         if bound is None:
             return
@@ -528,18 +549,21 @@ class Runtime:
             pad, head = pad.entry, head.entry
         if len(self._replays) >= REPLAYS:
             self._replays.clear()
-        ip, ix = bound.names.index("params"), bound.names.index("x")
-        values = tuple(None if i in (ip, ix) else v for i, v in enumerate(bound.values))
+        slots = tuple((k, bound.names.index(k)) for k in free)
+        ix = bound.names.index("x")
+        taken = {ix, *(i for _, i in slots)}
+        values = tuple(None if i in taken else v for i, v in enumerate(bound.values))
         self._replays[key, batch.x.shape] = _Replay(
-            bound.entry, values, self._generation(), ip, ix, type(batch.x), batch.x.dtype,
+            bound.entry, values, self._generation(), slots, ix, type(batch.x), batch.x.dtype,
             static.get("_matmul", _ANY), name, batch.report, batch.sync, pad, head, rows)
 
     def _generation(self) -> tuple:
         return self.cache.generation, self._helpers.generation
 
-    def replay(self, key: tuple, params, x):
-        """Repeat the call remembered under ``key`` (:meth:`run`'s ``replay``) with new ``params`` and ``x``: the same
-        outputs as the full call, for a fraction of its host time (the small batches' steps wait for it). None
+    def replay(self, key: tuple, x, **free):
+        """Repeat the call remembered under ``key`` (:meth:`run`'s ``replay``) with a new ``x`` and new values of its
+        ``free`` arguments (e.g. ``params``): the same outputs as the full call, for a fraction of its host time (the
+        small batches' steps wait for it). None
         where there is nothing to repeat: no call under ``key`` yet, ``x`` of another type, shape or dtype, JAX's
         matmul setting changed, the executable left the cache, or it refused the arguments (another pytree,
         shape, dtype or sharding, or tracers); the caller then takes the full call."""
@@ -555,7 +579,8 @@ class Runtime:
         if r.matmul is not _ANY and matmul_setting() != r.matmul:
             return None
         values = list(r.values)
-        values[r.ip] = params
+        for k, i in r.slots:
+            values[i] = free[k]
         e = r.entry
         try:
             xb = x if r.pad is None else r.pad.compiled(x)["x"]

@@ -593,10 +593,14 @@ def test_a_repeated_call_replays_its_executable_and_stays_exact():
             assert count() == 0 and c.cache_info().hits == hits + 3
         fn(c, c.params, np.asarray(xs[1]))  # host data: checked on the host, so the full call
         assert count() == 1
-    # another step size is another call, not the last one's constants
+    # EM's step size and pseudocount are taken anew (a schedule replays too)
     count = calls()
-    _same(c.em_step(c.params, xs[1], step_size=0.7), fresh.em_step(fresh.params, xs[1], step_size=0.7))
-    assert count() == 1
+    for step, pc in ((0.7, 0.1), (0.7, 0.0), (1.0, 0.5)):
+        _same(c.em_step(c.params, xs[1], step_size=step, pseudocount=pc),
+              fresh.em_step(fresh.params, xs[1], step_size=step, pseudocount=pc))
+    assert count() == 0
+    with pytest.raises(ValueError, match="step_size"):
+        c.em_step(c.params, xs[1], step_size=1.5)
 
     bad = xs[0].at[3, 2].set(99)  # out of range: the device check's flag, read by the next call
     count = calls()
