@@ -343,15 +343,19 @@ def test_threads_share_the_cache_safely():
     data = _data(64, 7)
     ref = np.asarray(_hmm(buckets="exact").log_prob(c.params, data))
     errors = []
+    device = {(lo, n): jnp.asarray(data[lo:lo + n]) for lo, n in ((0, 16), (5, 16), (3, 11), (9, 11), (30, 5))}
 
     def worker(seed):
         rng = np.random.default_rng(seed)
         try:
-            for _ in range(50):
+            for i in range(50):
                 lo = int(rng.integers(0, 40))
                 n = int(rng.integers(1, 24))
                 got = np.asarray(c.log_prob(c.params, data[lo:lo + n], validate=False))
                 np.testing.assert_allclose(got, ref[lo:lo + n], rtol=1e-6)
+                (lo, n), x = list(device.items())[i % len(device)]  # device batches: replayed calls
+                np.testing.assert_allclose(np.asarray(c.log_prob(c.params, x, validate=False)), ref[lo:lo + n],
+                                           rtol=1e-6)
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
