@@ -259,13 +259,11 @@ class _Entry:
 @dataclasses.dataclass(frozen=True)
 class Bound:
     """An executable bound to a call's arguments (:meth:`ExecutableCache.bind`): ``entry``'s ``compiled`` (read at each
-    call: a background upgrade swaps it), the arguments' ``names`` and positional ``values``, and the cache's
-    ``generation`` when bound."""
+    call: a background upgrade swaps it), the arguments' ``names`` and positional ``values``."""
 
     entry: _Entry
     names: list
     values: list
-    generation: int
 
 
 RECENT_KEYS: Final = 256  # ExecutableCache.run's first tries, at most (then forgotten at once)
@@ -631,12 +629,13 @@ class ExecutableCache:
     def bind(self, entry: str, static: dict, args: dict) -> Bound | None:
         """The executable that :meth:`run` tries first for this call, bound to ``args``' values as its positional
         arguments (tables packed), for a caller that replays the call with some of them replaced; None where the
-        call has none that is finished and final. The binding is stale once :attr:`generation` moves."""
+        call has none that is finished and final. The binding is stale once :attr:`generation` moves past its value
+        read before the call."""
         with self._lock:
             e = self._recent.get(self.recent_key(entry, static, args))
             if e is None or not e.usable or e.pending is not None:
                 return None
-            return Bound(e, list(args), _call_args(args), self.generation)
+            return Bound(e, list(args), _call_args(args))
 
     def find(self, entry: str, static: dict, args: dict):
         """The compiled executable for exactly this key, if live (no statistics change), as a function of the

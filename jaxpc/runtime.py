@@ -521,7 +521,7 @@ class Runtime:
             out = self._head(out, entry.rows, n)
         # (a host batch checked on the host is not remembered: its replay would check a device batch with no flag)
         if replay is not None and batch is not None and not batch.traced and batch.missing is None \
-                and (weights is None or weights is False) and (batch.report or not batch.check) and "params" in args:
+                and (weights is None or weights is False) and (batch.report or not batch.check):
             self._remember(replay, free, name, static, args, batch, b, batched)
         if batch is None or batch.traced:
             return out
@@ -536,6 +536,7 @@ class Runtime:
 
     def _remember(self, key: tuple, free: tuple, name: str, static: dict, args: dict, batch: Batch, b: int,
                   batched) -> None:
+        generation = self._generation()  # read before binding: an eviction in between makes the replay stale
         bound = self.cache.bind(name, static, args)
         if bound is None:
             return
@@ -554,7 +555,7 @@ class Runtime:
         taken = {ix, *(i for _, i in slots)}
         values = tuple(None if i in taken else v for i, v in enumerate(bound.values))
         self._replays[key, batch.x.shape] = _Replay(
-            bound.entry, values, self._generation(), slots, ix, type(batch.x), batch.x.dtype,
+            bound.entry, values, generation, slots, ix, type(batch.x), batch.x.dtype,
             static.get("_matmul", _ANY), name, batch.report, batch.sync, pad, head, rows)
 
     def _generation(self) -> tuple:
