@@ -1,11 +1,12 @@
 """The host time of the default call before its executable starts, with and without the replay of a repeated call.
 
     python benchmarks/call_host.py [--workload digits|hclt|hmm] [--latents 16] [--batch 16] [--reps 3000]
-                                   [--entries flows,log_prob,em_step]
+                                   [--entries flows,log_prob,em_step] [--host]
 
 A small batch's step waits for this time: nothing runs on the device until the call reaches its executable. Per
 entry point (``c.flows(c.params, x)``, ``c.log_prob(c.params, x)``, ``c.em_step(c.params, x, step_size=0.1,
-pseudocount=0.1)``, device batches, four in turn, each call waited for), medians over
+pseudocount=0.1)``, device batches (``--host``: numpy batches, checked on the host and moved by the call), four in
+turn, each call waited for), medians over
 ``--reps`` calls, in microseconds: ``pre``, from the call to the start of the entry's compiled executable (timed
 by wrapping ``jax.stages.Compiled.__call__``; a batch short of its bucket, e.g. ``--batch 12``, is padded by a
 helper executable first); ``return``, until the call returns (on a CPU this includes much of
@@ -49,13 +50,16 @@ def main(argv=None) -> dict:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--reps", type=int, default=3000)
     p.add_argument("--entries", default="flows,log_prob,em_step")
+    p.add_argument("--host", action="store_true", help="numpy batches instead of device arrays")
     args = p.parse_args(argv)
 
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     c, data = build(args.workload, args.latents)
-    xs = [jnp.asarray(data[i * args.batch:(i + 1) * args.batch]) for i in range(4)]
+    put = np.asarray if args.host else jnp.asarray
+    xs = [put(data[i * args.batch:(i + 1) * args.batch]) for i in range(4)]
     calls = {"flows": lambda x: c.flows(c.params, x), "log_prob": lambda x: c.log_prob(c.params, x),
              "em_step": lambda x: c.em_step(c.params, x, step_size=0.1, pseudocount=0.1)}
     stamps: list[tuple[int, float]] = []
@@ -68,8 +72,9 @@ def main(argv=None) -> dict:
     replay = c.runtime.replay
     full = lambda *a, **k: None  # noqa: E731 - Runtime.replay's "nothing to repeat"
     out = {}
-    print(f"{args.workload}-{args.latents} B={args.batch} on {jax.devices()[0].device_kind}, jax {jax.__version__}, "
-          f"medians of {args.reps} calls, us", flush=True)
+    kind = "numpy" if args.host else "device"
+    print(f"{args.workload}-{args.latents} B={args.batch} ({kind} batches) on {jax.devices()[0].device_kind}, "
+          f"jax {jax.__version__}, medians of {args.reps} calls, us", flush=True)
     for name in args.entries.split(","):
         call = calls[name]
         for mode in (replay, full, replay):

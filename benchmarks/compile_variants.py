@@ -5,7 +5,7 @@ quick one it replaces, per batch size.
 
     python benchmarks/compile_variants.py [--workload hclt] [--batches 128,512] [--reps 30]
                                           [--variants default,quick,scanned,unrolled,unrolled-notg,unrolled-quick]
-                                          [--tunings xla.xla_gpu_enable_cublaslt=true,leaf_batch=0]
+                                          [--tunings xla.xla_gpu_enable_cublaslt=true,leaf_batch=0] [--paired]
 
 Variants (``c.flows(params, x, options=...)``, each its own executable, compiled one after the other):
 
@@ -23,7 +23,10 @@ Variants (``c.flows(params, x, options=...)``, each its own executable, compiled
 Per variant and batch: the first call's seconds (trace, lower, compile, run), the median ms of synchronized calls
 over 4 rotating device-resident batches, XLA's memory analysis of the executable timed (MiB: temporaries,
 arguments and outputs), and the largest relative difference of its log-likelihoods and flows
-from the first variant's. One JSON line per variant and batch.
+from the first variant's. One JSON line per variant and batch. ``--paired``: then, per batch, every variant's median ms
+over ``--reps`` rounds that call the variants one after the other (``bench_engine.paired_ms``: the same clocks and
+host state for all, which the variants timed one after the other do not share), and each one's ratio to the first
+variant's, in one more JSON line.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jaxpc  # noqa: E402
 from _data import blurred_noise_images  # noqa: E402
 from _options import tuning  # noqa: E402
-from bench_engine import compiled_mib, median_ms  # noqa: E402
+from bench_engine import compiled_mib, median_ms, paired_ms  # noqa: E402
 from jaxpc import distributions, executables, structures  # noqa: E402
 
 NO_TG = (("xla_gpu_enable_triton_gemm", False),)
@@ -79,6 +82,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--variants", default="default,quick,scanned,unrolled,unrolled-notg,unrolled-quick")
     p.add_argument("--tunings", default="", help="more variants: Tuning fields a=1+xla.b=true,c=2")
+    p.add_argument("--paired", action="store_true", help="then time the variants alternately (paired_ms)")
     args = p.parse_args(argv)
     names = [n for n in args.variants.split(",") if n]
     opts = {n: variant_options(n) for n in names}
@@ -92,7 +96,7 @@ def main(argv=None):
     c = jaxpc.compile(root)
     for B in (int(b) for b in args.batches.split(",")):
         xs = [jax.device_put(imgs[2_000 + i * B: 2_000 + (i + 1) * B]) for i in range(4)]
-        ref = None
+        ref, calls = None, []
         for n in names:
             kw = {} if opts[n] is None else {"options": opts[n]}
 
@@ -108,10 +112,17 @@ def main(argv=None):
             diff = 0.0 if ref is None else max(rel_diff(a, b) for a, b in zip(leaves, ref))
             ref = leaves if ref is None else ref
             ms = round(median_ms(call, xs, args.reps, warmup_s=1.0), 3)
+            calls.append(call)
             print(json.dumps(dict(workload=args.workload, batch=B, variant=n, first_call_s=round(first, 2), ms=ms,
                                   mib=round(compiled_mib(c.compiled("flows")), 1),
                                   rel_diff_vs_first=float(f"{diff:.2e}"), device=jax.devices()[0].device_kind)),
                   flush=True)
+        if args.paired:
+            ms = paired_ms(calls, xs, args.reps, warmup_s=1.0)
+            print(json.dumps(dict(workload=args.workload, batch=B,
+                                  paired_ms={n: round(m, 3) for n, m in zip(names, ms)},
+                                  ratio_to_first={n: round(m / ms[0], 3) for n, m in zip(names, ms)},
+                                  device=jax.devices()[0].device_kind)), flush=True)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +58,26 @@ class VarInfo:
     @functools.cached_property
     def all_discrete(self) -> bool:  # (cached: read on every call, in a small step's host time)
         return not self.continuous.any()
+
+    @functools.cached_property
+    def _int_limits(self) -> dict:
+        return {}
+
+    def int_limits(self, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray] | None:
+        """``[V]`` inclusive bounds of each variable's admissible values in integer ``dtype`` (the type's whole range
+        for a variable that no leaf reads), made once per dtype; None where a variable admits no value of the
+        type."""
+        if dtype not in self._int_limits:
+            t, low, top = np.iinfo(dtype), [], []  # Python integers: exact for every integer type
+            for d, lo, hi in zip(self.discrete.tolist(), self.lo.tolist(), self.hi.tolist()):
+                low.append(max(lo, t.min) if d else t.min)
+                top.append(min(int(hi) - 1, t.max) if d and not math.isinf(hi) else t.max)
+                if d and (lo > t.max or top[-1] < low[-1]):
+                    self._int_limits[dtype] = None
+                    break
+            else:
+                self._int_limits[dtype] = np.array(low, dtype), np.array(top, dtype)
+        return self._int_limits[dtype]
 
     def describe(self, v: int) -> str:
         if self.discrete[v]:
@@ -156,7 +177,7 @@ def check_batch(info: VarInfo, x, missing, *, check_values: bool, float_dtype, w
         m = missing
 
     if check_values and not on_device and not traced and not _is_tracer(m):
-        _check_values(info, x, m, what)  # host data: checked before anything runs
+        check_host_values(info, x, m, what)  # host data: checked before anything runs
 
     target = jnp.int32 if info.all_discrete else float_dtype
     # a device array of the right dtype is used as it is (jnp.asarray costs ~0.1 ms of host time per call)
@@ -191,8 +212,18 @@ def bounds(dtype: np.dtype, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray,
     return lo.astype(dtype), hi.astype(dtype)
 
 
-def _check_values(info: VarInfo, x, m, what: str) -> None:
+def check_host_values(info: VarInfo, x, m, what: str) -> None:
+    """Raise a ``ValueError`` naming the first entry of host data ``x`` (observed where ``m`` is not True) that no
+    leaf of its variable admits (:func:`bad_entries`), with the number of such entries."""
     xh = np.asarray(x)
+    limits = info.int_limits(xh.dtype) if xh.dtype.kind in "iu" and info.all_discrete else None
+    if limits is not None:  # integer ids: compared in their own type, without copies
+        low, top = limits
+        if m is None:  # each variable's smallest and largest value (no [B, V] temporaries)
+            if xh.size and not ((xh.min(axis=0) < low).any() or (xh.max(axis=0) > top).any()):
+                return
+        elif not (((xh < low) | (xh > top)) & ~np.asarray(m)).any():
+            return
     mh = None if m is None else np.broadcast_to(np.asarray(m), xh.shape)
     observed = np.ones(xh.shape, bool) if mh is None else ~mh
     xc = xh.astype(np.int64) if xh.dtype.kind in "iub" else xh  # booleans and small integers compared as int64
@@ -212,7 +243,7 @@ def _check_values(info: VarInfo, x, m, what: str) -> None:
 def raise_bad_values(info: VarInfo, x, m, what: str, where: str) -> None:
     """Raise the host check's error for a batch that the device check found bad (``where`` names the call)."""
     try:
-        _check_values(info, np.asarray(x), None if m is None else np.asarray(m), what)
+        check_host_values(info, np.asarray(x), None if m is None else np.asarray(m), what)
     except ValueError as e:
         raise ValueError(f"{e} (in {where})") from None
     raise ValueError(f"{what} held a value that the device check rejected (in {where}); the host check found none")

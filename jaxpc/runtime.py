@@ -27,10 +27,12 @@ nothing can raise from inside a trace.
 
 **Repeated calls.** A small batch's step waits for the host's work before its executable starts. A call of
 ``flows``, ``log_prob`` or ``em_step`` whose arguments other than ``params``, ``x`` and EM's step size and
-pseudocount equal the previous such call's (options, ``validate``; no ``missing``, weights or evidence), on a device
-batch of the same shape and dtype, replays that call's executables (:meth:`Runtime.replay`; a batch short of its
-bucket also its padding and the outputs' cut): no option resolution, batch checks or keys, the same input check and
-outputs. Anything else takes the full path.
+pseudocount equal the previous such call's (options, ``validate``; no ``missing``, weights or evidence), on a batch
+of the same kind (device array or numpy), shape and dtype, replays that call's executables (:meth:`Runtime.replay`;
+a batch short of its bucket also its padding and the outputs' cut): no option resolution, batch checks or keys, the
+same input check and outputs. A numpy batch's values are still checked on the host first, and the executable takes
+the numpy array itself (JAX's transfer of it is a fraction of ``jnp.asarray``'s host time). Anything else takes the
+full path.
 
 **Precision.** ``Options(precision="default")`` follows JAX's default matmul precision
 (``jax.default_matmul_precision``): TF32 on NVIDIA GPUs, exact float32 elsewhere or when JAX's setting
@@ -81,7 +83,8 @@ class Entry:
 class Batch:
     """A checked batch: ``x`` ``[n, V]`` and ``missing`` as jnp arrays, ``n`` rows, and how its values are
     checked: ``check`` (the executable's device check runs) and ``report`` (its flag is read: the values
-    were a device array and not checked on the host)."""
+    were a device array and not checked on the host). ``host``: the dtype of the numpy array the caller passed
+    (None for anything else)."""
 
     x: Array
     missing: Array | None
@@ -90,6 +93,7 @@ class Batch:
     report: bool
     sync: bool
     traced: bool
+    host: Any = None
 
 
 @dataclasses.dataclass
@@ -105,8 +109,9 @@ class _Replay:
     """A call that :meth:`Runtime.replay` repeats: the cache's entry whose executable it ran, that executable's
     other arguments (``values``, None at the positions of ``x`` (``ix``) and of the arguments in ``slots``: the
     remembered call's own are not kept alive) and the caches' generations then, the layout ``x`` must have
-    (``xtype``: a concrete device array's type), JAX's matmul setting the key holds (``_ANY``: none) and how the
-    input flag is handled."""
+    (``xtype``: a concrete device array's type, or ``np.ndarray``: then ``host_check`` tells whether its values are
+    checked on the host, and ``target`` is the dtype the executable takes), JAX's matmul setting the key holds
+    (``_ANY``: none) and how the input flag is handled."""
 
     entry: Any
     values: tuple
@@ -122,6 +127,8 @@ class _Replay:
     pad: Any = None  # a batch short of its bucket: the helpers' entries that pad x and cut the outputs back
     head: Any = None
     rows: Any = None
+    host_check: bool = False
+    target: Any = None
 
 
 _ANY = object()
@@ -365,7 +372,7 @@ class Runtime:
                                                     float_dtype=self.dtype, what=what)
         traced = isinstance(xj, jax.core.Tracer) or isinstance(mj, jax.core.Tracer)
         return Batch(xj, mj, int(xj.shape[0]), check=bool(validate), report=bool(validate) and on_device and not traced,
-                     sync=validate == "sync", traced=traced)
+                     sync=validate == "sync", traced=traced, host=x.dtype if type(x) is np.ndarray else None)
 
     def raise_pending(self) -> None:
         """Wait for the input checks of earlier calls and raise the first failure (a ``ValueError`` naming the
@@ -519,9 +526,8 @@ class Runtime:
                                    if batch is not None and not batch.traced else None)
         if b != n:
             out = self._head(out, entry.rows, n)
-        # (a host batch checked on the host is not remembered: its replay would check a device batch with no flag)
         if replay is not None and batch is not None and not batch.traced and batch.missing is None \
-                and (weights is None or weights is False) and (batch.report or not batch.check):
+                and (weights is None or weights is False) and (batch.report or not batch.check or batch.host):
             self._remember(replay, free, name, static, args, batch, b, batched)
         if batch is None or batch.traced:
             return out
@@ -554,9 +560,12 @@ class Runtime:
         ix = bound.names.index("x")
         taken = {ix, *(i for _, i in slots)}
         values = tuple(None if i in taken else v for i, v in enumerate(bound.values))
-        self._replays[key, batch.x.shape] = _Replay(
-            bound.entry, values, generation, slots, ix, type(batch.x), batch.x.dtype,
-            static.get("_matmul", _ANY), name, batch.report, batch.sync, pad, head, rows)
+        host = batch.host is not None
+        xtype = np.ndarray if host else type(batch.x)
+        self._replays[key, batch.x.shape, xtype] = _Replay(
+            bound.entry, values, generation, slots, ix, xtype, batch.host if host else batch.x.dtype,
+            static.get("_matmul", _ANY), name, batch.report, batch.sync, pad, head, rows,
+            host_check=host and batch.check, target=np.dtype(batch.x.dtype) if host else None)
 
     def _generation(self) -> tuple:
         return self.cache.generation, self._helpers.generation
@@ -567,18 +576,23 @@ class Runtime:
         small batches' steps wait for it). None
         where there is nothing to repeat: no call under ``key`` yet, ``x`` of another type, shape or dtype, JAX's
         matmul setting changed, the executable left the cache, or it refused the arguments (another pytree,
-        shape, dtype or sharding, or tracers); the caller then takes the full call."""
+        shape, dtype or sharding, or tracers); the caller then takes the full call. A numpy ``x`` is checked on the
+        host as the full call checks it (a ``ValueError`` naming the entry) before anything runs."""
         try:
-            r = self._replays.get((key, x.shape))
+            r = self._replays.get((key, x.shape, type(x)))
         except (TypeError, AttributeError):  # an unhashable key component, or no array
             return None
-        if r is None or type(x) is not r.xtype or x.dtype != r.dtype:
+        if r is None or x.dtype != r.dtype:
             return None
         if r.generation != self._generation():  # an executable may have left its cache: let it go
-            self._replays.pop((key, x.shape), None)
+            self._replays.pop((key, x.shape, type(x)), None)
             return None
         if r.matmul is not _ANY and matmul_setting() != r.matmul:
             return None
+        if r.target is not None:  # numpy: checked here, handed to the executable as it is (JAX moves it)
+            if r.host_check:
+                checks.check_host_values(self.var_info, x, None, "x")
+            x = x.astype(r.target, copy=False)
         values = list(r.values)
         for k, i in r.slots:
             values[i] = free[k]

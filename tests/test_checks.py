@@ -110,6 +110,44 @@ def test_sync_raises_at_once_and_numpy_raises_before_running(hmm):
         hmm.log_prob(hmm.params, x, validate="yes")
 
 
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64])
+def test_the_host_checks_integer_bounds_agree_with_the_entrywise_rule(dtype):
+    """Integer ids are checked against each variable's bounds in their own type (``VarInfo.int_limits``, no copies):
+    the same verdict and message as the entry-wise rule (``bad_entries`` in int64) for every integer type, with
+    and without ``missing``, at the types' extremes, for variables that no leaf reads and for ranges wider than the
+    type."""
+    from jaxpc.checks import VarInfo, check_host_values
+
+    def verdict(info, x, m, entrywise):
+        info._int_limits.clear()
+        if entrywise:
+            info._int_limits[np.dtype(dtype)] = None
+        try:
+            check_host_values(info, x, m, "x")
+        except ValueError as e:
+            return str(e)
+        finally:
+            info._int_limits.clear()
+        return None
+
+    cat = distributions.Categorical
+    infos = [VarInfo.from_var_dists(5, {v: [cat(num_cats=k)] for v, k in enumerate([2, 3, 200, 256, 300])}),
+             VarInfo.from_var_dists(5, {v: [cat(num_cats=4)] for v in (0, 2, 4)})]  # variables 1 and 3 unread
+    t, rng = np.iinfo(dtype), np.random.default_rng(0)
+    values = np.array([v for v in (t.min, t.max, -1, 0, 1, 2, 3, 4, 199, 200, 255, 256, 299, 300)
+                       if t.min <= v <= t.max], dtype)
+    raised = 0
+    for info in infos:
+        for trial in range(60):
+            x = rng.integers(0, 2, size=(3, 5)).astype(dtype)
+            x.flat[rng.choice(15, size=trial % 4, replace=False)] = rng.choice(values, size=trial % 4)
+            m = None if trial % 2 else rng.random((3, 5)) < 0.3
+            fast = verdict(info, x, m, False)
+            assert fast == verdict(info, x, m, True), (x, m)
+            raised += fast is not None
+    assert 0 < raised < 120
+
+
 @pytest.mark.slow
 def test_queries_mark_bad_rows(hmm):
     xd = jnp.asarray(_data()).at[2, 3].set(7)

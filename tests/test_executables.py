@@ -595,7 +595,18 @@ def test_a_repeated_call_replays_its_executable_and_stays_exact():
             for x in batch:
                 _same(fn(c, c.params, x), fn(fresh, fresh.params, x, validate=False))
             assert count() == 0 and c.cache_info().hits == hits + 3
-        fn(c, c.params, np.asarray(xs[1]))  # host data: checked on the host, so the full call
+        hosts = [np.asarray(x) for x in xs]
+        fn(c, c.params, hosts[0])  # numpy: its own replay, beside the device batch's
+        count = calls()
+        for x in (*hosts, np.asfortranarray(hosts[2]), hosts[1][::-1]):
+            _same(fn(c, c.params, x), fn(fresh, fresh.params, x, validate=False))
+        _same(fn(c, c.params, xs[1]), fn(fresh, fresh.params, xs[1], validate=False))
+        assert count() == 0
+        bad = hosts[1].copy()
+        bad[5, 3] = 77
+        with pytest.raises(ValueError, match=r"x\[5, 3\] = 77 is out of range"):  # checked on the host, at once
+            fn(c, c.params, bad)
+        fn(c, c.params, hosts[1].astype(np.int64))  # another dtype: the full call
         assert count() == 1
     # EM's step size and pseudocount are taken anew (a schedule replays too)
     count = calls()
