@@ -31,7 +31,8 @@ pseudocount equal the previous such call's (options, ``validate``; no ``missing`
 of the same kind (device array or numpy), shape and dtype, replays that call's executables (:meth:`Runtime.replay`;
 a batch short of its bucket also its padding and the outputs' cut): no option resolution, batch checks or keys, the
 same input check and outputs. A numpy batch's values are still checked on the host first, and the executable takes
-the numpy array itself (JAX's transfer of it is a fraction of ``jnp.asarray``'s host time). Anything else takes the
+a copy of it (JAX's transfer of a numpy array is a fraction of ``jnp.asarray``'s host time; on a CPU the executable
+reads it in place while it runs, so never the caller's buffer, which may be refilled at once). Anything else takes the
 full path.
 
 **Precision.** ``Options(precision="default")`` follows JAX's default matmul precision
@@ -589,10 +590,10 @@ class Runtime:
             return None
         if r.matmul is not _ANY and matmul_setting() != r.matmul:
             return None
-        if r.target is not None:  # numpy: checked here, handed to the executable as it is (JAX moves it)
+        if r.target is not None:  # numpy: checked here, then a copy handed to the executable (JAX moves it)
             if r.host_check:
                 checks.check_host_values(self.var_info, x, None, "x")
-            x = x.astype(r.target, copy=False)
+            x = x.astype(r.target)  # (never the caller's buffer: a CPU executable reads it in place, after the call)
         values = list(r.values)
         for k, i in r.slots:
             values[i] = free[k]

@@ -14,6 +14,7 @@ import threading
 import time
 import warnings
 import weakref
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -602,6 +603,15 @@ def test_a_repeated_call_replays_its_executable_and_stays_exact():
             _same(fn(c, c.params, x), fn(fresh, fresh.params, x, validate=False))
         _same(fn(c, c.params, xs[1]), fn(fresh, fresh.params, xs[1], validate=False))
         assert count() == 0
+        seen, call = [], jax.stages.Compiled.__call__  # the executable never holds the caller's buffer (a CPU
+        with mock.patch.object(jax.stages.Compiled, "__call__",  # executable reads it in place after the call)
+                               lambda self, *a, **k: seen.extend(a) or call(self, *a, **k)):
+            buf = hosts[2].copy()
+            out = fn(c, c.params, buf)
+            buf[:] = hosts[0]
+            _same(out, fn(fresh, fresh.params, hosts[2], validate=False))
+        assert count() == 0 and any(isinstance(v, np.ndarray) for v in seen)
+        assert not any(isinstance(v, np.ndarray) and np.shares_memory(v, buf) for v in seen)
         bad = hosts[1].copy()
         bad[5, 3] = 77
         with pytest.raises(ValueError, match=r"x\[5, 3\] = 77 is out of range"):  # checked on the host, at once
