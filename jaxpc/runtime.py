@@ -528,7 +528,8 @@ class Runtime:
         if b != n:
             out = self._head(out, entry.rows, n)
         if replay is not None and batch is not None and not batch.traced and batch.missing is None \
-                and (weights is None or weights is False) and (batch.report or not batch.check or batch.host):
+                and (weights is None or weights is False) \
+                and (batch.report or not batch.check or batch.host is not None):
             self._remember(replay, free, name, static, args, batch, b, batched)
         if batch is None or batch.traced:
             return out
@@ -578,7 +579,7 @@ class Runtime:
         where there is nothing to repeat: no call under ``key`` yet, ``x`` of another type, shape or dtype, JAX's
         matmul setting changed, the executable left the cache, or it refused the arguments (another pytree,
         shape, dtype or sharding, or tracers); the caller then takes the full call. A numpy ``x`` is checked on the
-        host as the full call checks it (a ``ValueError`` naming the entry) before anything runs."""
+        host as the full call checks it (the same ``ValueError``) before anything runs."""
         try:
             r = self._replays.get((key, x.shape, type(x)))
         except (TypeError, AttributeError):  # an unhashable key component, or no array
