@@ -5,15 +5,15 @@
 
 A small batch's step waits for this time: nothing runs on the device until the call reaches its executable. Per
 entry point (``c.flows(c.params, x)``, ``c.log_prob(c.params, x)``, ``c.em_step(c.params, x, step_size=0.1,
-pseudocount=0.1)``, device batches (``--host``: numpy batches, checked on the host and moved by the call), four in
-turn, each call waited for), medians over
-``--reps`` calls, in microseconds: ``pre``, from the call to the start of the entry's compiled executable (timed
-by wrapping ``jax.stages.Compiled.__call__``; a batch short of its bucket, e.g. ``--batch 12``, is padded by a
-helper executable first); ``return``, until the call returns (on a CPU this includes much of
-the work); for the call as users make it (``replay``: ``Runtime.replay`` repeats the previous call's executable)
-and with every call on the full call path (``full``), alternated in blocks of 200 calls. ``digits`` is the demo's
-HCLT on scikit-learn's digits (runs in seconds on a CPU); ``hclt`` / ``hmm`` are the benchmarks' HCLT on
-28x28 images with 256 levels and HMM (T=64, V=4096).
+pseudocount=0.1)``) on device batches (``--host``: numpy batches, checked on the host and moved by the call), four in
+turn, each call waited for, medians over ``--reps`` calls, in microseconds: ``pre``, from the call to the start of
+the entry's compiled executable (timed by wrapping ``jax.stages.Compiled.__call__``; a batch short of its bucket,
+e.g. ``--batch 12``, is padded by a helper executable first); ``return``, until the call returns (on a CPU this
+includes much of the work); ``sync``, until its outputs are ready (``jax.block_until_ready``). Each for the call as
+users make it (``replay``: ``Runtime.replay`` repeats the previous call's executable) and with every call on the
+full call path (``full``), alternated in blocks of 200 calls. ``digits`` is the demo's HCLT on scikit-learn's
+digits (runs in seconds on a CPU); ``hclt`` / ``hmm`` are the benchmarks' HCLT on 28x28 images with 256 levels and
+HMM (T=64, V=4096).
 """
 
 from __future__ import annotations
@@ -82,13 +82,13 @@ def main(argv=None) -> dict:
             for i in range(8):
                 jax.block_until_ready(call(xs[i % 4]))
             c.wait_compiled()
-        times = {m: ([], []) for m in ("replay", "full")}
+        times = {m: ([], [], []) for m in ("replay", "full")}
         jax.stages.Compiled.__call__ = stamped
         try:
             for block in range(0, args.reps, 200):
                 for mode, fn in (("replay", replay), ("full", full)):
                     c.runtime.replay = fn
-                    pre, ret = times[mode]
+                    pre, ret, done = times[mode]
                     for i in range(block, min(block + 200, args.reps)):
                         stamps.clear()
                         t = time.perf_counter()
@@ -97,14 +97,15 @@ def main(argv=None) -> dict:
                         jax.block_until_ready(o)
                         pre.append(max(stamps)[1] - t)
                         ret.append(r - t)
+                        done.append(time.perf_counter() - t)
         finally:
             jax.stages.Compiled.__call__ = original
             c.runtime.replay = replay
-        row = {m: {"pre": 1e6 * statistics.median(pre), "return": 1e6 * statistics.median(ret)}
-               for m, (pre, ret) in times.items()}
+        row = {m: {k: 1e6 * statistics.median(v) for k, v in zip(("pre", "return", "sync"), t)}
+               for m, t in times.items()}
         out[name] = row
-        print(f"  c.{name}: pre {row['replay']['pre']:.1f} (full path {row['full']['pre']:.1f}) | return "
-              f"{row['replay']['return']:.1f} (full path {row['full']['return']:.1f})", flush=True)
+        print(f"  c.{name}: " + " | ".join(f"{k} {row['replay'][k]:.1f} (full path {row['full'][k]:.1f})"
+                                           for k in ("pre", "return", "sync")), flush=True)
     return out
 
 
