@@ -598,8 +598,9 @@ def test_a_repeated_call_replays_its_executable_and_stays_exact():
             assert count() == 0 and c.cache_info().hits == hits + 3
         hosts = [np.asarray(x) for x in xs]
         fn(c, c.params, hosts[0])  # numpy: its own replay, beside the device batch's
+        fn(c, c.params, hosts[0][:11])
         count = calls()
-        for x in (*hosts, np.asfortranarray(hosts[2]), hosts[1][::-1]):
+        for x in (*hosts, np.asfortranarray(hosts[2]), hosts[1][::-1], hosts[1][:11], hosts[2][:11]):
             _same(fn(c, c.params, x), fn(fresh, fresh.params, x, validate=False))
         _same(fn(c, c.params, xs[1]), fn(fresh, fresh.params, xs[1], validate=False))
         assert count() == 0
