@@ -62,6 +62,49 @@ def test_flows_and_em_step_equal_one_device(hmm, n):
     assert _maxdiff(new, want) < 1e-5
 
 
+def test_a_repeated_step_replays_its_executable(hmm):
+    """A data-parallel step that repeats the previous one's options on a batch of the same kind and shape runs that
+    step's executable again without the call path's checks and key (``Runtime.replay``): the same results as one
+    device's, numpy batches still checked on the host, other step sizes and optimizer states taken anew, and the
+    full call again for another batch size or a mask."""
+    circuit, data, missing = hmm
+    c = jaxpc.compile(circuit.root, seed=3)
+    mesh = parallel.data_mesh(2)
+    full = []
+    prepare = c.runtime.prepare
+    c.runtime.prepare = lambda *a, **k: full.append(1) or prepare(*a, **k)
+    sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    tx = optax.adam(1e-2)
+    for put in (np.asarray, lambda a: jax.device_put(jnp.asarray(a), sharded)):
+        xs = [put(data[i:i + 8]) for i in (0, 8, 16)]
+        state = tx.init(c.params)
+        for k, x in enumerate(xs):
+            step, pc = (0.7, 0.1) if k < 2 else (0.5, 0.0)
+            fl, ll = parallel.flows(c, c.params, x, mesh=mesh, return_ll=True)
+            ref, ll_ref = circuit.flows(circuit.params, np.asarray(x), return_ll=True)
+            assert _rel(fl, ref) < 1e-5
+            np.testing.assert_allclose(ll, ll_ref, rtol=1e-5)
+            new = parallel.em_step(c, c.params, x, mesh=mesh, step_size=step, pseudocount=pc)
+            assert _maxdiff(new, circuit.em_step(circuit.params, np.asarray(x), step_size=step, pseudocount=pc)) < 1e-5
+            p1, s1, _ = parallel.train_step(c, tx, c.params, state, x, mesh=mesh)
+            p2, s2, _ = parallel.train_step(c, tx, p1, s1, x, mesh=mesh)  # a new state replays too
+            want = optim.make_step(circuit.layout, tx)
+            q1, t1, _ = want(circuit.tables, circuit.params, state, jnp.asarray(x), None, jnp.ones(8), None)
+            q2, _, _ = want(circuit.tables, q1, t1, jnp.asarray(x), None, jnp.ones(8), None)
+            assert _rel(p2, q2) < 1e-5
+            if k == 0:
+                count = len(full)
+        assert len(full) == count, "the repeated steps took the full call"
+    bad = data[:8].copy()
+    bad[2, 1] = 9
+    with pytest.raises(ValueError, match="out of range"):  # numpy: checked on the host, replayed or not
+        parallel.em_step(c, c.params, bad, mesh=mesh, step_size=0.7, pseudocount=0.1)
+    count = len(full)
+    parallel.flows(c, c.params, data[:6], mesh=mesh)
+    parallel.flows(c, c.params, data[:8], missing[:8], mesh=mesh)
+    assert len(full) == count + 2
+
+
 def test_vma_checked_gradients_are_already_summed():
     """The fact the module relies on: with check_vma=True the gradient of replicated parameters is summed
     over the axis already, so a psum on top would double the flows; check_vma=False needs exactly one."""
