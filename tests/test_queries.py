@@ -117,8 +117,11 @@ def test_conditionals(case):
             else:
                 ref = np.eye(K)[ev[b, v]]
             np.testing.assert_allclose(got[b, v], ref, rtol=1e-4, atol=1e-5)
-    sub = np.asarray(queries.conditional(c, c.params, ev, miss, target_vars=[x.shape[1] - 1, 0]))
-    np.testing.assert_allclose(sub, got[:, [x.shape[1] - 1, 0]], rtol=1e-6, atol=1e-7)
+    V = x.shape[1]
+    for targets in ([V - 1, 0], np.array([V - 1, 0], np.int64), [0, V - 1], [V - 1], None):  # each set its own
+        sub = np.asarray(queries.conditional(c, c.params, ev, miss, target_vars=targets))  # device constant
+        want = got if targets is None else got[:, np.asarray(targets)]
+        np.testing.assert_allclose(sub, want, rtol=1e-6, atol=1e-7)
 
 
 def test_mpe_decoding_and_value(case):
