@@ -373,7 +373,7 @@ class Runtime:
                                                     float_dtype=self.dtype, what=what)
         traced = isinstance(xj, jax.core.Tracer) or isinstance(mj, jax.core.Tracer)
         return Batch(xj, mj, int(xj.shape[0]), check=bool(validate), report=bool(validate) and on_device and not traced,
-                     sync=validate == "sync", traced=traced, host=x.dtype if type(x) is np.ndarray else None)
+                     sync=validate == "sync", traced=traced, host=x.dtype if isinstance(x, np.ndarray) else None)
 
     def raise_pending(self) -> None:
         """Wait for the input checks of earlier calls and raise the first failure (a ``ValueError`` naming the
@@ -580,21 +580,22 @@ class Runtime:
         matmul setting changed, the executable left the cache, or it refused the arguments (another pytree,
         shape, dtype or sharding, or tracers); the caller then takes the full call. A numpy ``x`` is checked on the
         host as the full call checks it (the same ``ValueError``) before anything runs."""
+        xtype = np.ndarray if isinstance(x, np.ndarray) else type(x)  # (a memmap's slices are numpy batches too)
         try:
-            r = self._replays.get((key, x.shape, type(x)))
+            r = self._replays.get((key, x.shape, xtype))
         except (TypeError, AttributeError):  # an unhashable key component, or no array
             return None
         if r is None or x.dtype != r.dtype:
             return None
         if r.generation != self._generation():  # an executable may have left its cache: let it go
-            self._replays.pop((key, x.shape, type(x)), None)
+            self._replays.pop((key, x.shape, xtype), None)
             return None
         if r.matmul is not _ANY and matmul_setting() != r.matmul:
             return None
         if r.target is not None:  # numpy: checked here, then a copy handed to the executable (JAX moves it)
             if r.host_check:
                 checks.check_host_values(self.var_info, x, None, "x")
-            x = x.astype(r.target)  # (never the caller's buffer: a CPU executable reads it in place, after the call)
+            x = np.asarray(x).astype(r.target)  # (never the caller's buffer: a CPU executable reads it in place)
         values = list(r.values)
         for k, i in r.slots:
             values[i] = free[k]
