@@ -27,13 +27,13 @@ nothing can raise from inside a trace.
 
 **Repeated calls.** A small batch's step waits for the host's work before its executable starts. A call of
 ``flows``, ``log_prob`` or ``em_step`` whose arguments other than ``params``, ``x`` and EM's step size and
-pseudocount equal the previous such call's (options, ``validate``; no ``missing``, weights or evidence), on a batch
-of the same kind (device array or numpy), shape and dtype, replays that call's executables (:meth:`Runtime.replay`;
-a batch short of its bucket also its padding and the outputs' cut): no option resolution, batch checks or keys, the
-same input check and outputs. A numpy batch's values are still checked on the host first, and the executable takes
-a copy of it (JAX's transfer of a numpy array is a fraction of ``jnp.asarray``'s host time; on a CPU the executable
-reads it in place while it runs, so never the caller's buffer, which may be refilled at once). Anything else takes the
-full path.
+pseudocount (or of :mod:`jaxpc.parallel`'s steps, other than their ``free`` ones) equal the previous such call's
+(options, ``validate``; no ``missing``, weights or evidence), on a batch of the same kind (device array or numpy),
+shape and dtype, replays that call's executables (:meth:`Runtime.replay`; a batch short of its bucket also its
+padding and the outputs' cut): no option resolution, batch checks or keys, the same input check and outputs. A numpy
+batch's values are still checked on the host first, and the executable takes a copy of it (JAX's transfer of a numpy
+array is a fraction of ``jnp.asarray``'s host time; on a CPU the executable reads it in place while it runs, so
+never the caller's buffer, which may be refilled at once). Anything else takes the full path.
 
 **Precision.** ``Options(precision="default")`` follows JAX's default matmul precision
 (``jax.default_matmul_precision``): TF32 on NVIDIA GPUs, exact float32 elsewhere or when JAX's setting
