@@ -323,9 +323,9 @@ class Circuit:
             ``float[B]``.
         """
         replay = None
-        if missing is None and evidence is None:
+        if evidence is None:
             replay = ("log_prob", options, propagation, alpha, validate)
-            out = self.runtime.replay(replay, x, params=params)
+            out = self.runtime.replay(replay, x, missing, params=params)
             if out is not None:
                 return out
         opts = Options.make(options, propagation=propagation, alpha=alpha)
@@ -373,9 +373,9 @@ class Circuit:
         See :class:`Options`.
         """
         replay = None
-        if missing is None and ll_weights is None and evidence is None and not return_evidence_grad:
+        if ll_weights is None and evidence is None and not return_evidence_grad:
             replay = ("flows", options, validate)
-            out = self.runtime.replay(replay, x, params=params)
+            out = self.runtime.replay(replay, x, missing, params=params)
             if out is not None:
                 return out if return_ll else out[0]
         opts = Options.make(options)
@@ -412,9 +412,9 @@ class Circuit:
         rt = self.runtime
         step, pseudo = rt.em_scalars(step_size, pseudocount)
         replay = None
-        if missing is None and ll_weights is None and evidence is None:  # (a step size schedule replays too)
+        if ll_weights is None and evidence is None:  # (a step size schedule replays too)
             replay = ("em_step", options, validate, keep_zero_params, rescale)
-            out = rt.replay(replay, x, params=params, step_size=step, pseudocount=pseudo)
+            out = rt.replay(replay, x, missing, params=params, step_size=step, pseudocount=pseudo)
             if out is not None:
                 return out if return_ll else out[0]
         if rescale not in ("none", "tdp"):

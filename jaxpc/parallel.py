@@ -69,7 +69,7 @@ __all__ = ["AXIS", "data_mesh", "sharded_flows_and_ll", "sharded_loss_and_grad",
 # Each goes through the circuit's runtime (jaxpc.runtime): checked inputs, batches padded to a bucket that is a
 # multiple of the mesh's devices (padding rows weigh zero), one cached executable per (mesh, options, shapes). A step
 # that repeats the previous one's arguments other than the batch and the ``free`` ones (params, optimizer state, EM's
-# step size and pseudocount), without mask, weights or evidence, replays its executable (``Runtime.replay``).
+# step size and pseudocount), without weights or evidence, replays its executable (``Runtime.replay``).
 
 def _mesh(mesh):
     return data_mesh() if mesh is None else check_mesh(mesh)
@@ -113,9 +113,9 @@ _ENTRIES = {"parallel.flows": (_p_flows, (None, 0)), "parallel.em_step": (_p_em_
 def _run(circuit, name, static, args, x, missing, ll_weights, evidence, validate, mesh, options, free=("params",)):
     rt = circuit.runtime
     replay = None
-    if missing is None and ll_weights is None and evidence is None:  # a repeated step replays (Runtime.replay)
+    if ll_weights is None and evidence is None:  # a repeated step replays (Runtime.replay)
         replay = (name, mesh, *sorted(static.items()), options, validate)
-        out = rt.replay(replay, x, **{k: args[k] for k in free})
+        out = rt.replay(replay, x, missing, **{k: args[k] for k in free})
         if out is not None:
             return out
     rt.entry(name, *_ENTRIES[name], circuit.layout)

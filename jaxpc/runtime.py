@@ -28,12 +28,13 @@ nothing can raise from inside a trace.
 **Repeated calls.** A small batch's step waits for the host's work before its executable starts. A call of
 ``flows``, ``log_prob`` or ``em_step`` whose arguments other than ``params``, ``x`` and EM's step size and
 pseudocount (or of :mod:`jaxpc.parallel`'s steps, other than their ``free`` ones) equal the previous such call's
-(options, ``validate``; no ``missing``, weights or evidence), on a batch of the same kind (device array or numpy),
-shape and dtype, replays that call's executables (:meth:`Runtime.replay`; a batch short of its bucket also its
-padding and the outputs' cut): no option resolution, batch checks or keys, the same input check and outputs. A numpy
-batch's values are still checked on the host first, and the executable takes a copy of it (JAX's transfer of a numpy
-array is a fraction of ``jnp.asarray``'s host time; on a CPU the executable reads it in place while it runs, so
-never the caller's buffer, which may be refilled at once). Anything else takes the full path.
+(options, ``validate``; no weights or evidence), on a batch and a ``missing`` mask (or none) of the same kinds
+(device array or numpy), shapes and dtypes, replays that call's executables (:meth:`Runtime.replay`; a batch short
+of its bucket also its padding and the outputs' cut): no option resolution, batch checks or keys, the same input
+check and outputs. A numpy batch's values are still checked on the host first (where the mask observes them), and
+the executable takes a copy of it (JAX's transfer of a numpy array is a fraction of ``jnp.asarray``'s host time; on
+a CPU the executable reads it in place while it runs, so never the caller's buffer, which may be refilled at once).
+Anything else takes the full path.
 
 **Precision.** ``Options(precision="default")`` follows JAX's default matmul precision
 (``jax.default_matmul_precision``): TF32 on NVIDIA GPUs, exact float32 elsewhere or when JAX's setting
@@ -85,7 +86,7 @@ class Batch:
     """A checked batch: ``x`` ``[n, V]`` and ``missing`` as jnp arrays, ``n`` rows, and how its values are
     checked: ``check`` (the executable's device check runs) and ``report`` (its flag is read: the values
     were a device array and not checked on the host). ``host``: the dtype of the numpy array the caller passed
-    (None for anything else)."""
+    (None for anything else); ``mkey``: :func:`_mask_key` of the caller's ``missing``."""
 
     x: Array
     missing: Array | None
@@ -95,6 +96,7 @@ class Batch:
     sync: bool
     traced: bool
     host: Any = None
+    mkey: Any = None  # the mask's kind and shape for the replay's key (None: no mask; False: not replayable)
 
 
 @dataclasses.dataclass
@@ -130,6 +132,8 @@ class _Replay:
     rows: Any = None
     host_check: bool = False
     target: Any = None
+    im: int | None = None  # the mask's position among the executable's arguments (None: no mask)
+    pad_mask: bool = False  # the mask [B, V] is padded with x
 
 
 _ANY = object()
@@ -244,6 +248,18 @@ def _split_rows(out, rows):
             full[i] = v
         return jax.tree_util.tree_unflatten(treedef, full)
     return [subs[i] for i in idx], tuple(axes[i] for i in idx), rebuild
+
+
+def _mask_key(missing):
+    """The kind and shape of a call's ``missing`` in the replay's key: None without one, False where the call is not
+    replayed (a mask that is neither a numpy nor a concrete device array)."""
+    if missing is None:
+        return None
+    if isinstance(missing, np.ndarray):
+        return np.ndarray, missing.shape
+    if isinstance(missing, jax.Array) and not isinstance(missing, jax.core.Tracer):
+        return type(missing), missing.shape
+    return False
 
 
 def _row_axes(rows) -> tuple:
@@ -373,7 +389,8 @@ class Runtime:
                                                     float_dtype=self.dtype, what=what)
         traced = isinstance(xj, jax.core.Tracer) or isinstance(mj, jax.core.Tracer)
         return Batch(xj, mj, int(xj.shape[0]), check=bool(validate), report=bool(validate) and on_device and not traced,
-                     sync=validate == "sync", traced=traced, host=x.dtype if isinstance(x, np.ndarray) else None)
+                     sync=validate == "sync", traced=traced, host=x.dtype if isinstance(x, np.ndarray) else None,
+                     mkey=_mask_key(missing))
 
     def raise_pending(self) -> None:
         """Wait for the input checks of earlier calls and raise the first failure (a ``ValueError`` naming the
@@ -527,7 +544,7 @@ class Runtime:
                                    if batch is not None and not batch.traced else None)
         if b != n:
             out = self._head(out, entry.rows, n)
-        if replay is not None and batch is not None and not batch.traced and batch.missing is None \
+        if replay is not None and batch is not None and not batch.traced and batch.mkey is not False \
                 and (weights is None or weights is False) \
                 and (batch.report or not batch.check or batch.host is not None):
             self._remember(replay, free, name, static, args, batch, b, batched)
@@ -550,7 +567,10 @@ class Runtime:
             return
         pad = head = rows = None
         if b != batch.n:  # the helpers that ran for this call: x padded alone, the outputs cut back
-            pad = self._helpers.bind("pad", self._pad_static(batch.n, b, batched), {"x": batch.x})
+            padded = {"x": batch.x}
+            if batch.missing is not None and batch.missing.ndim == 2:  # (the order _pad gives them)
+                padded["missing"] = batch.missing
+            pad = self._helpers.bind("pad", self._pad_static(batch.n, b, batched), padded)
             rows = self._entries[name][0].rows
             head = self._helpers.bind("head", {"axes": _row_axes(rows), "n": batch.n}, {"parts": []})
             if pad is None or head is None:
@@ -560,19 +580,21 @@ class Runtime:
             self._replays.clear()
         slots = tuple((k, bound.names.index(k)) for k in free)
         ix = bound.names.index("x")
-        taken = {ix, *(i for _, i in slots)}
+        im = bound.names.index("missing") if batch.missing is not None else None
+        taken = {ix, im, *(i for _, i in slots)}
         values = tuple(None if i in taken else v for i, v in enumerate(bound.values))
         host = batch.host is not None
         xtype = np.ndarray if host else type(batch.x)
-        self._replays[key, batch.x.shape, xtype] = _Replay(
+        self._replays[key, batch.x.shape, xtype, batch.mkey] = _Replay(
             bound.entry, values, generation, slots, ix, xtype, batch.host if host else batch.x.dtype,
             static.get("_matmul", _ANY), name, batch.report, batch.sync, pad, head, rows,
-            host_check=host and batch.check, target=np.dtype(batch.x.dtype) if host else None)
+            host_check=host and batch.check, target=np.dtype(batch.x.dtype) if host else None, im=im,
+            pad_mask=pad is not None and im is not None and batch.missing.ndim == 2)
 
     def _generation(self) -> tuple:
         return self.cache.generation, self._helpers.generation
 
-    def replay(self, key: tuple, x, **free):
+    def replay(self, key: tuple, x, missing=None, **free):
         """Repeat the call remembered under ``key`` (:meth:`run`'s ``replay``) with a new ``x`` and new values of its
         ``free`` arguments (e.g. ``params``): the same outputs as the full call, for a fraction of its host time (the
         small batches' steps wait for it). None
@@ -581,40 +603,50 @@ class Runtime:
         shape, dtype or sharding, or tracers); the caller then takes the full call. A numpy ``x`` is checked on the
         host as the full call checks it (the same ``ValueError``) before anything runs."""
         xtype = np.ndarray if isinstance(x, np.ndarray) else type(x)  # (a memmap's slices are numpy batches too)
+        mkey = _mask_key(missing)
         try:
-            r = self._replays.get((key, x.shape, xtype))
+            r = self._replays.get((key, x.shape, xtype, mkey))
         except (TypeError, AttributeError):  # an unhashable key component, or no array
             return None
-        if r is None or x.dtype != r.dtype:
+        if r is None or x.dtype != r.dtype or (missing is not None and missing.dtype != np.bool_):
             return None
         if r.generation != self._generation():  # an executable may have left its cache: let it go
-            self._replays.pop((key, x.shape, xtype), None)
+            self._replays.pop((key, x.shape, xtype, mkey), None)
             return None
         if r.matmul is not _ANY and matmul_setting() != r.matmul:
             return None
         if r.target is not None:  # numpy: checked here, then a copy handed to the executable (JAX moves it)
             if r.host_check:
-                checks.check_host_values(self.var_info, x, None, "x")
+                checks.check_host_values(self.var_info, x, missing, "x")
             x = np.asarray(x).astype(r.target)  # (never the caller's buffer: a CPU executable reads it in place)
+        if isinstance(missing, np.ndarray):
+            missing = np.array(missing, dtype=bool)  # (a copy, as x's)
         values = list(r.values)
         for k, i in r.slots:
             values[i] = free[k]
         e = r.entry
         try:
-            xb = x if r.pad is None else r.pad.compiled(x)["x"]
+            mb = missing
+            if r.pad is None:
+                xb = x
+            else:
+                padded = r.pad.compiled(x, missing) if r.pad_mask else r.pad.compiled(x)
+                xb, mb = padded["x"], padded.get("missing", missing)
             values[r.ix] = xb
+            if r.im is not None:
+                values[r.im] = mb
             out = e.compiled(*values)
         except (TypeError, ValueError):  # refused before running
             return None
         self.cache.count_hit(e)
-        flag = self._flag(xb, None) if r.report else None
+        flag = self._flag(xb, mb) if r.report else None
         if r.head is not None:
             parts, _, rebuild = _split_rows(out, r.rows)
             out = rebuild(r.head.compiled(parts))
         self._settle()
         if flag is not None:
             with self._lock:
-                self._pending.append(_Pending(flag, xb, None, r.name))
+                self._pending.append(_Pending(flag, xb, mb, r.name))
             if r.sync:
                 self._settle()
         return out

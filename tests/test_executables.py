@@ -670,6 +670,50 @@ def test_a_repeated_call_replays_its_executable_and_stays_exact():
     assert all(r() is None for r in refs)
 
 
+@pytest.mark.parametrize("entry", cases(["flows", "log_prob", "em_step"], fast=["em_step"]))
+def test_a_repeated_call_with_a_mask_replays_and_stays_exact(entry):
+    """Calls with ``missing`` replay too, per kind and shape of the mask (``[V]`` or ``[B, V]``, numpy or device): the
+    same outputs as the full call, the mask padded with a batch short of its bucket, a host batch's values checked
+    only where they are observed, and a device batch's flag still raised by the next call."""
+    c, fresh = _hmm(), _hmm()
+    full = []
+    prepare = c.runtime.prepare
+    c.runtime.prepare = lambda *a, **k: full.append(1) or prepare(*a, **k)
+    rng = np.random.default_rng(5)
+    xs = [_data(16, s) for s in range(3)]
+    masks = [rng.random((16, 6)) < 0.3 for _ in range(3)]
+    fn = {"flows": lambda cc, p, x, m, **k: cc.flows(p, x, m, return_ll=True, **k),
+          "log_prob": lambda cc, p, x, m, **k: cc.log_prob(p, x, m, **k),
+          "em_step": lambda cc, p, x, m, **k: cc.em_step(p, x, m, step_size=0.3, pseudocount=0.1, return_ll=True,
+                                                         **k)}[entry]
+    for rows in (16, 11):
+        for put in (np.asarray, jnp.asarray):
+            for per_row in (True, False):
+                def mask(i):
+                    return put(masks[i][:rows] if per_row else masks[i][0])
+                fn(c, c.params, put(xs[0][:rows]), mask(0))
+                n = len(full)
+                for i in range(3):
+                    _same(fn(c, c.params, put(xs[i][:rows]), mask(i)),
+                          fn(fresh, fresh.params, xs[i][:rows], np.asarray(mask(i)), validate=False))
+                assert len(full) == n, (rows, put, per_row)
+    bad = xs[1].copy()
+    bad[2, 3] = 9
+    hidden = masks[1].copy()
+    hidden[2, 3] = True
+    c.log_prob(c.params, xs[0], masks[0])
+    c.log_prob(c.params, jnp.asarray(xs[0]), jnp.asarray(masks[0]))
+    n = len(full)
+    c.log_prob(c.params, bad, hidden)  # a bad value that is missing is not checked
+    with pytest.raises(ValueError, match=r"x\[2, 3\] = 9"):
+        c.log_prob(c.params, bad, masks[1] & ~hidden)
+    ll = c.log_prob(c.params, jnp.asarray(bad), jnp.asarray(masks[1] & ~hidden))  # device: NaN, then the next call
+    assert np.isnan(np.asarray(ll)[2])
+    with pytest.raises(ValueError, match="9"):
+        c.log_prob(c.params, jnp.asarray(xs[0]), jnp.asarray(masks[0]))
+    assert len(full) == n  # every one of them replayed
+
+
 def test_packed_tables_round_trip_and_serve_equal_tables():
     """Executables take the tables packed (one array per dtype): unpacking gives every table back, scalars and
     mixed dtypes included; the executable compiled for one tables object runs a copy (and a larger bucket's

@@ -66,7 +66,7 @@ def test_a_repeated_step_replays_its_executable(hmm):
     """A data-parallel step that repeats the previous one's options on a batch of the same kind and shape runs that
     step's executable again without the call path's checks and key (``Runtime.replay``): the same results as one
     device's, numpy batches still checked on the host, other step sizes and optimizer states taken anew, and the
-    full call again for another batch size or a mask."""
+    full call again for another batch size or the first call with a mask."""
     circuit, data, missing = hmm
     c = jaxpc.compile(circuit.root, seed=3)
     mesh = parallel.data_mesh(2)
@@ -102,6 +102,9 @@ def test_a_repeated_step_replays_its_executable(hmm):
     count = len(full)
     parallel.flows(c, c.params, data[:6], mesh=mesh)
     parallel.flows(c, c.params, data[:8], missing[:8], mesh=mesh)
+    for i in (8, 16):  # masked steps replay too
+        fl = parallel.flows(c, c.params, data[i:i + 8], missing[i:i + 8], mesh=mesh)
+        assert _rel(fl, circuit.flows(circuit.params, data[i:i + 8], missing[i:i + 8])) < 1e-5
     assert len(full) == count + 2
 
 
