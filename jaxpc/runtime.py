@@ -133,7 +133,6 @@ class _Replay:
     host_check: bool = False
     target: Any = None
     im: int | None = None  # the mask's position among the executable's arguments (None: no mask)
-    pad_mask: bool = False  # the mask [B, V] is padded with x
 
 
 _ANY = object()
@@ -327,7 +326,7 @@ class Runtime:
         self._sum_spec: checks.ParamsSpec | None = None
         self._input_keys: list = []
         self.cache.check_args = self._check_args
-        self._replays: dict = {}  # (call key, x's shape) -> _Replay
+        self._replays: dict = {}  # (call key, x's shape and kind, the mask's _mask_key) -> _Replay
         self._em_scalars: dict = {}  # (step_size, pseudocount) -> their device scalars
 
     def set_params(self, params) -> None:
@@ -518,7 +517,7 @@ class Runtime:
                 nothing but the data.
             replay: the call's key for :meth:`replay` (hashable: everything the caller derived ``static``,
                 ``options`` and the arguments other than ``x`` and the ``free`` ones from); the call is remembered
-                under it where only those change between calls (a device ``x``, no ``missing``, no weights).
+                under it where only those and the mask change between calls (no weights).
             free: the arguments that :meth:`replay` takes anew besides ``x``.
         """
         entry, fn = self._entries[name]
@@ -588,8 +587,7 @@ class Runtime:
         self._replays[key, batch.x.shape, xtype, batch.mkey] = _Replay(
             bound.entry, values, generation, slots, ix, xtype, batch.host if host else batch.x.dtype,
             static.get("_matmul", _ANY), name, batch.report, batch.sync, pad, head, rows,
-            host_check=host and batch.check, target=np.dtype(batch.x.dtype) if host else None, im=im,
-            pad_mask=pad is not None and im is not None and batch.missing.ndim == 2)
+            host_check=host and batch.check, target=np.dtype(batch.x.dtype) if host else None, im=im)
 
     def _generation(self) -> tuple:
         return self.cache.generation, self._helpers.generation
@@ -630,7 +628,8 @@ class Runtime:
             if r.pad is None:
                 xb = x
             else:
-                padded = r.pad.compiled(x, missing) if r.pad_mask else r.pad.compiled(x)
+                # a [B, V] mask is padded with x (its shape is in the key), a [V] one is not
+                padded = r.pad.compiled(x, missing) if missing is not None and missing.ndim == 2 else r.pad.compiled(x)
                 xb, mb = padded["x"], padded.get("missing", missing)
             values[r.ix] = xb
             if r.im is not None:

@@ -8,8 +8,6 @@ work for every structure. They are also methods of :class:`jaxpc.Circuit`.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -105,11 +103,6 @@ def _run(circuit, entry: str, static: dict, args: dict, batch: Batch, **kw):
     return circuit.runtime.run(entry, static, {"tables": circuit.tables, **args}, batch, **kw)
 
 
-@functools.partial(jax.jit, static_argnames=("n", "V", "dtype"))
-def _zeros_batch(n: int, V: int, dtype):
-    return jnp.zeros((n, V), dtype)
-
-
 def _all_missing_batch(circuit, n: int) -> Batch:
     """A batch of ``n`` fully unobserved rows, made on device (no host transfer; nothing to check)."""
     rt = circuit.runtime
@@ -122,7 +115,7 @@ def _no_evidence(circuit, n: int, dtype):
     """Zeros ``[n, V]`` of ``dtype``: the ``x`` of a query without hard evidence, a device constant made once per
     size (a jitted call per query took ~0.1 ms of host time)."""
     return circuit.runtime.constant(("no_evidence", n, jnp.dtype(dtype).name),
-                                    lambda: _zeros_batch(n, circuit.num_vars, dtype))
+                                    lambda: jnp.zeros((n, circuit.num_vars), dtype))
 
 
 def _check_soft(circuit, soft):
