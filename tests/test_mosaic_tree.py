@@ -144,8 +144,10 @@ def test_the_wide_forward_tasks_write_what_the_narrow_ones_write(tree):
     w = mosaic_tree.tf32_weights(c.params["sum"][spec.group])
     got = mosaic_tree.forward(jnp.asarray(vals), wide, None, spec, tile=64, weights=w, keep=True)
     want = mosaic_tree.forward(jnp.asarray(vals), tabs, None, spec, tile=32, weights=w, keep=True)
+    # the same sums over other tiles: float32 rounding in another order, compounded over the tree's levels (up to
+    # 3.4e-6 relative on an AVX2 CPU, 28 float32 ulps)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)
     with pytest.raises(ValueError, match="tree_forward_tile must be None, 32 or 64"):
         jaxpc.Tuning(tree_forward_tile=16)
 
