@@ -1,19 +1,25 @@
 """The host time of the default call before its executable starts, with and without the replay of a repeated call.
 
     python benchmarks/call_host.py [--workload digits|hclt|hmm] [--latents 16] [--batch 16] [--reps 3000]
-                                   [--entries flows,log_prob,em_step] [--host]
+                                   [--entries flows,log_prob,em_step] [--host [--dtype int64]]
+    python benchmarks/call_host.py --pieces [--batches 16,128,512]
 
 A small batch's step waits for this time: nothing runs on the device until the call reaches its executable. Per
 entry point (``c.flows(c.params, x)``, ``c.log_prob(c.params, x)``, ``c.em_step(c.params, x, step_size=0.1,
-pseudocount=0.1)``) on device batches (``--host``: numpy batches, checked on the host and moved by the call), four in
-turn, each call waited for, medians over ``--reps`` calls, in microseconds: ``pre``, from the call to the start of
-the entry's compiled executable (timed by wrapping ``jax.stages.Compiled.__call__``; a batch short of its bucket,
-e.g. ``--batch 12``, is padded by a helper executable first); ``return``, until the call returns (on a CPU this
-includes much of the work); ``sync``, until its outputs are ready (``jax.block_until_ready``). Each for the call as
-users make it (``replay``: ``Runtime.replay`` repeats the previous call's executable) and with every call on the
-full call path (``full``), alternated in blocks of 200 calls. ``digits`` is the demo's HCLT on scikit-learn's
-digits (runs in seconds on a CPU); ``hclt`` / ``hmm`` are the benchmarks' HCLT on 28x28 images with 256 levels and
-HMM (T=64, V=4096).
+pseudocount=0.1)``) on device batches (``--host``: numpy batches of the data's integer type or ``--dtype``, checked
+on the host and moved by the call), four in turn, each call waited for, medians over ``--reps`` calls, in
+microseconds: ``pre``, from the call to the start of the entry's compiled executable (timed by wrapping
+``jax.stages.Compiled.__call__``; a batch short of its bucket, e.g. ``--batch 12``, is padded by a helper executable
+first); ``return``, until the call returns (on a CPU this includes much of the work); ``sync``, until its outputs are
+ready (``jax.block_until_ready``). Each for the call as users make it (``replay``: ``Runtime.replay`` repeats the
+previous call's executable) and with every call on the full call path (``full``), alternated in blocks of 200 calls.
+``digits`` is the demo's HCLT on scikit-learn's digits (runs in seconds on a CPU); ``hclt`` / ``hmm`` are the
+benchmarks' HCLT on 28x28 images with 256 levels and HMM (T=64, V=4096).
+
+``--pieces``: what a numpy batch ``[B, 784]`` of 256 levels costs the host, per integer type, medians of 300 in
+microseconds: the host check (``checks.check_host_values``, and the same without its unsigned view: ``old``), the copy
+to int32 that the call hands to its executable, ``jax.device_put`` (until it returns and until the array is ready),
+and a trivial jitted function called with the numpy array and with the same array on the device (synchronized).
 """
 
 from __future__ import annotations
@@ -51,14 +57,19 @@ def main(argv=None) -> dict:
     p.add_argument("--reps", type=int, default=3000)
     p.add_argument("--entries", default="flows,log_prob,em_step")
     p.add_argument("--host", action="store_true", help="numpy batches instead of device arrays")
+    p.add_argument("--dtype", default=None, help="the numpy batches' type (--host; default the data's)")
+    p.add_argument("--pieces", action="store_true", help="time the host pieces of a numpy batch's call instead")
+    p.add_argument("--batches", default="16,128,512", help="batch sizes of --pieces")
     args = p.parse_args(argv)
+    if args.pieces:
+        return pieces([int(b) for b in args.batches.split(",")])
 
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     c, data = build(args.workload, args.latents)
-    put = np.asarray if args.host else jnp.asarray
+    put = (lambda a: np.asarray(a, dtype=args.dtype)) if args.host else jnp.asarray
     xs = [put(data[i * args.batch:(i + 1) * args.batch]) for i in range(4)]
     calls = {"flows": lambda x: c.flows(c.params, x), "log_prob": lambda x: c.log_prob(c.params, x),
              "em_step": lambda x: c.em_step(c.params, x, step_size=0.1, pseudocount=0.1)}
@@ -72,7 +83,7 @@ def main(argv=None) -> dict:
     replay = c.runtime.replay
     full = lambda *a, **k: None  # noqa: E731 - Runtime.replay's "nothing to repeat"
     out = {}
-    kind = "numpy" if args.host else "device"
+    kind = f"numpy {xs[0].dtype}" if args.host else "device"
     print(f"{args.workload}-{args.latents} B={args.batch} ({kind} batches) on {jax.devices()[0].device_kind}, "
           f"jax {jax.__version__}, medians of {args.reps} calls, us", flush=True)
     for name in args.entries.split(","):
@@ -106,6 +117,50 @@ def main(argv=None) -> dict:
         out[name] = row
         print(f"  c.{name}: " + " | ".join(f"{k} {row['replay'][k]:.1f} (full path {row['full'][k]:.1f})"
                                            for k in ("pre", "return", "sync")), flush=True)
+    return out
+
+
+def pieces(batches: list[int], num_vars: int = 784, reps: int = 300) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxpc import checks
+
+    info = checks.VarInfo(num_vars, np.ones(num_vars, bool), np.zeros(num_vars, bool), np.zeros(num_vars, np.int64),
+                          np.full(num_vars, 256.0), ("Categorical(num_cats=256)",) * num_vars, np.full(num_vars, 256))
+
+    def med(fn) -> float:
+        for _ in range(10):
+            fn()
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return 1e6 * statistics.median(times)
+
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: a numpy batch's host pieces, medians of {reps}, us",
+          flush=True)
+    trivial = jax.jit(lambda x: x.astype(jnp.int32).sum(0))
+    rng, out = np.random.default_rng(0), {}
+    for b in batches:
+        for dtype in (np.int64, np.int32, np.uint8):
+            x = rng.integers(0, 256, (b, num_vars)).astype(dtype)
+            row = {"check": med(lambda: checks.check_host_values(info, x, None, "x"))}
+            info._unsigned_tops[np.dtype(dtype)] = None  # the column minima and maxima in the batch's own type
+            row["check_old"] = med(lambda: checks.check_host_values(info, x, None, "x"))
+            info._unsigned_tops.clear()
+            row["copy"] = med(lambda: np.asarray(x).astype(np.int32))
+            row["put_sync"] = med(lambda: jax.device_put(x).block_until_ready())
+            row["put_return"] = med(lambda: jax.device_put(x))
+            on_device = jax.device_put(x)
+            row["trivial_numpy"] = med(lambda: trivial(x).block_until_ready())
+            row["trivial_device"] = med(lambda: trivial(on_device).block_until_ready())
+            out[f"{b}/{np.dtype(dtype).name}"] = row
+            print(f"  B={b} {np.dtype(dtype).name}: check {row['check']:.1f} (old {row['check_old']:.1f}) | copy to "
+                  f"int32 {row['copy']:.1f} | device_put {row['put_return']:.1f} (ready {row['put_sync']:.1f}) | "
+                  f"trivial jit numpy {row['trivial_numpy']:.1f}, device {row['trivial_device']:.1f}", flush=True)
     return out
 
 

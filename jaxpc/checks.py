@@ -63,6 +63,10 @@ class VarInfo:
     def _int_limits(self) -> dict:
         return {}
 
+    @functools.cached_property
+    def _unsigned_tops(self) -> dict:
+        return {}
+
     def int_limits(self, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray] | None:
         """``[V]`` inclusive bounds of each variable's admissible values in integer ``dtype`` (the type's whole range
         for a variable that no leaf reads), made once per dtype; None where a variable admits no value of the
@@ -78,6 +82,21 @@ class VarInfo:
             else:
                 self._int_limits[dtype] = np.array(low, dtype), np.array(top, dtype)
         return self._int_limits[dtype]
+
+    def unsigned_tops(self, dtype: np.dtype) -> np.ndarray | int | None:
+        """Where every variable's smallest admissible value is 0 in integer ``dtype``: the largest ones as the unsigned
+        type of ``dtype``'s width (one number when they are all equal), so that a batch viewed as that type is
+        in range exactly where its maximum is at most them (a negative value views as one above every top).
+        None otherwise."""
+        if dtype not in self._unsigned_tops:
+            limits = self.int_limits(dtype)
+            tops = None
+            if limits is not None and not limits[0].any():
+                tops = limits[1].astype(np.dtype(f"u{dtype.itemsize}"))
+                if tops.size and (tops == tops[0]).all():
+                    tops = int(tops[0])
+            self._unsigned_tops[dtype] = tops
+        return self._unsigned_tops[dtype]
 
     def describe(self, v: int) -> str:
         if self.discrete[v]:
@@ -216,7 +235,19 @@ def check_host_values(info: VarInfo, x, m, what: str) -> None:
     """Raise a ``ValueError`` naming the first entry of host data ``x`` (observed where ``m`` is not True) that no
     leaf of its variable admits (:func:`bad_entries`), with the number of such entries."""
     xh = np.asarray(x)
-    limits = info.int_limits(xh.dtype) if xh.dtype.kind in "iu" and info.all_discrete else None
+    integers = xh.dtype.kind in "iu" and info.all_discrete
+    tops = info.unsigned_tops(xh.dtype) if integers and xh.size and xh.dtype.isnative else None
+    if tops is not None:  # ids from 0: one comparison per entry, on the batch viewed as unsigned
+        xu = xh.view(np.dtype(f"u{xh.dtype.itemsize}"))
+        if m is None:
+            if isinstance(tops, int):
+                if xu.max() <= tops:  # (one reduction over the batch: its largest entry)
+                    return
+            elif not (xu.max(axis=0) > tops).any():
+                return
+        elif not ((xu > tops) & ~np.asarray(m)).any():
+            return
+    limits = info.int_limits(xh.dtype) if integers and tops is None else None
     if limits is not None:  # integer ids: compared in their own type, without copies
         low, top = limits
         if m is None:  # each variable's smallest and largest value (no [B, V] temporaries)

@@ -112,27 +112,33 @@ def test_sync_raises_at_once_and_numpy_raises_before_running(hmm):
 
 @pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64])
 def test_the_host_checks_integer_bounds_agree_with_the_entrywise_rule(dtype):
-    """Integer ids are checked against each variable's bounds in their own type (``VarInfo.int_limits``, no copies):
-    the same verdict and message as the entry-wise rule (``bad_entries`` in int64) for every integer type, with
-    and without ``missing``, at the types' extremes, for variables that no leaf reads and for ranges wider than the
-    type."""
+    """Integer ids are checked against each variable's bounds in their own type (``VarInfo.int_limits``, no copies;
+    viewed as unsigned where every variable starts at 0, ``VarInfo.unsigned_tops``): the same verdict and message as
+    the entry-wise rule (``bad_entries`` in int64) for every integer type and byte order, with and without
+    ``missing``, at the types' extremes, for variables that no leaf reads, for ranges wider than the type and for
+    variables that all share one range."""
     from jaxpc.checks import VarInfo, check_host_values
 
     def verdict(info, x, m, entrywise):
         info._int_limits.clear()
+        info._unsigned_tops.clear()
         if entrywise:
-            info._int_limits[np.dtype(dtype)] = None
+            info._int_limits[x.dtype] = info._unsigned_tops[x.dtype] = None
         try:
             check_host_values(info, x, m, "x")
         except ValueError as e:
             return str(e)
         finally:
             info._int_limits.clear()
+            info._unsigned_tops.clear()
         return None
 
     cat = distributions.Categorical
     infos = [VarInfo.from_var_dists(5, {v: [cat(num_cats=k)] for v, k in enumerate([2, 3, 200, 256, 300])}),
-             VarInfo.from_var_dists(5, {v: [cat(num_cats=4)] for v in (0, 2, 4)})]  # variables 1 and 3 unread
+             VarInfo.from_var_dists(5, {v: [cat(num_cats=4)] for v in (0, 2, 4)}),  # variables 1 and 3 unread
+             VarInfo.from_var_dists(5, {v: [cat(num_cats=3)] for v in range(5)})]  # one range: one maximum
+    assert isinstance(infos[2].unsigned_tops(np.dtype(dtype)), int)
+    assert (infos[1].unsigned_tops(np.dtype(dtype)) is None) == (np.dtype(dtype).kind == "i")  # unread: any int
     t, rng = np.iinfo(dtype), np.random.default_rng(0)
     values = np.array([v for v in (t.min, t.max, -1, 0, 1, 2, 3, 4, 199, 200, 255, 256, 299, 300)
                        if t.min <= v <= t.max], dtype)
@@ -142,10 +148,12 @@ def test_the_host_checks_integer_bounds_agree_with_the_entrywise_rule(dtype):
             x = rng.integers(0, 2, size=(3, 5)).astype(dtype)
             x.flat[rng.choice(15, size=trial % 4, replace=False)] = rng.choice(values, size=trial % 4)
             m = None if trial % 2 else rng.random((3, 5)) < 0.3
+            if trial % 5 == 4:
+                x = x.astype(x.dtype.newbyteorder())  # the same values in the other byte order
             fast = verdict(info, x, m, False)
             assert fast == verdict(info, x, m, True), (x, m)
             raised += fast is not None
-    assert 0 < raised < 120
+    assert 0 < raised < 180
 
 
 @pytest.mark.slow
