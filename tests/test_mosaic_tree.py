@@ -198,8 +198,8 @@ CLUSTERS = jaxpc.Options(impl="pallas", precision="tf32", tuning=jaxpc.Tuning(tr
 def test_the_backward_from_ratios_writes_what_it_writes_from_the_copies(tree):
     """:func:`mosaic_tree.backward` with ``ratios`` (each parent's ``exp(shift - value)`` and the child's
     ``exp(child - shift)`` made before the call) on 64-row tasks (``Tuning.tree_backward_tile=64``) writes the flows
-    that the copies' kernel writes on the route's 32-row tasks, bit for bit, over two launches: every row the
-    tree's blocks and their children read."""
+    that the copies' kernel writes on the route's 32-row tasks over two launches, within TF32 rounding: every row
+    the tree's blocks and their children read."""
     c, spec, tab, vals = tree
     logw = c.params["sum"][spec.group]
     flows = jnp.asarray(np.random.default_rng(1).random(vals.shape).astype(np.float32))
@@ -210,7 +210,10 @@ def test_the_backward_from_ratios_writes_what_it_writes_from_the_copies(tree):
         got[tile] = np.asarray(mosaic_tree.backward(flows, kept, tabs, mosaic_tree.tf32_weights_t(logw), spec,
                                                     tile=tile, ratios=ratios))
     assert (np.abs(got[32] - np.asarray(flows)).max(axis=1) > 0).sum() > len(np.asarray(tabs["rows"]))
-    np.testing.assert_array_equal(got[64], got[32])
+    # products of other shapes sum in another order, and a flow's operands are rounded to TF32 (2^-11): an operand
+    # an ulp apart can round the other way (equal bit for bit where the CPU's dot kernels agree; up to 5.6e-5
+    # relative on an AVX2 CPU)
+    np.testing.assert_allclose(got[64], got[32], rtol=5e-4, atol=1e-6)
 
 
 def test_the_wide_backward_is_taken_where_shared_memory_holds_it(tree):
@@ -298,7 +301,7 @@ def test_the_wide_tasks_and_log_weights_write_what_the_narrow_route_writes(tree)
     """At a batch of 16 the route takes 64-row tasks each way by default (``Tuning.tree_forward_tile``,
     ``Tuning.tree_backward_tile``); they, and the forward exponentiating its weights in the kernel
     (``Tuning.tree_log_weights``, which makes no copy of the weights for the forward), write every flow that 32-row
-    tasks from the weights' copies write, within float32 rounding."""
+    tasks from the weights' copies write, within TF32 rounding."""
     c, _, _, _ = tree
     x = jnp.asarray(np.random.default_rng(4).integers(0, 3, (16, c.num_vars)).astype(np.int32))
     narrow = CLUSTERS.replace(tuning=jaxpc.Tuning(tree_clusters=True, tree_forward_tile=32, tree_backward_tile=32))
@@ -311,7 +314,9 @@ def test_the_wide_tasks_and_log_weights_write_what_the_narrow_route_writes(tree)
 
     assert (weight_copies(CLUSTERS), weight_copies(in_kernel)) == (2, 1)
     want = c.flows(c.params, x, options=narrow)
-    for options, tol in ((CLUSTERS, 1e-6), (in_kernel, 1e-6)):  # (64-row tasks: products of another shape)
+    # 64-row tasks: products of another shape, whose TF32-rounded operands can round the other way (up to 8.9e-6
+    # relative on an AVX2 CPU)
+    for options, tol in ((CLUSTERS, 1e-4), (in_kernel, 1e-4)):
         got = c.flows(c.params, x, options=options)
         for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol * float(np.max(np.abs(b))))
