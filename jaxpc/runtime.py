@@ -18,7 +18,8 @@ checks still in flight. Every public entry point (the :class:`~jaxpc.Circuit` me
   after that call's work has been dispatched, so the device never waits for the host
   (``benchmarks/check_cost.py`` measures the alternatives);
   that call then raises the ``ValueError`` naming the variable and the value. :meth:`Runtime.raise_pending`
-  (``circuit.raise_pending()``) waits for and raises it at once.
+  (``circuit.raise_pending()``) waits for and raises it at once. Other per-call values with a rule are checked the
+  same way (:meth:`Runtime.record_check`; soft evidence's weights must be finite and non-negative).
 * ``"sync"``: the same check, then waits for the call's own flag and raises at once (for debugging).
 * ``False``: no value check at all (a bad value then gives NaN or a clamped value, unchecked).
 
@@ -105,6 +106,7 @@ class _Pending:
     x: Array
     missing: Array | None
     where: str
+    explain: Callable[[], None] | None = None  # raises the error of a flag that is not about x (record_check)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,6 +295,12 @@ def _any_bad(x, missing, *, check, host: bool):
     return jax.device_put(bad, jax.memory.Space.Host) if host else bad
 
 
+def _flag_of(*, bad: Callable, host: bool, **args):
+    """:meth:`Runtime.record_check`'s executable: ``bad(**args)``, in pinned host memory where ``host``."""
+    flag = bad(**args)
+    return jax.device_put(flag, jax.memory.Space.Host) if host else flag
+
+
 def _pinned_host(x: Array) -> bool:
     """Whether ``x`` lives on one device that has pinned host memory for the flag (GPUs and CPUs do)."""
     devices = x.devices()
@@ -408,6 +416,8 @@ class Runtime:
             if bad:
                 with self._lock:
                     self._pending.clear()
+                if p.explain is not None:
+                    p.explain()
                 checks.raise_bad_values(self.var_info, p.x, p.missing, "x",
                                         f"circuit.{p.where}, checked on the device; its rows gave NaN")
 
@@ -429,6 +439,19 @@ class Runtime:
     def _record(self, flag: Array, batch: Batch, where: str) -> None:
         with self._lock:
             self._pending.append(_Pending(flag, batch.x, batch.missing, where))
+
+    def record_check(self, name: str, bad: Callable, args: dict, explain: Callable[[], None], sync: bool) -> None:
+        """Check arguments other than the batch on the device, as the batch's values are: ``bad(**args)``, a boolean
+        scalar, runs as a one-kernel executable of the call path (``name`` its entry) that writes it to pinned host
+        memory; the circuit's next call (or this one with ``sync``, or :meth:`raise_pending`) reads it and, where it
+        is True, calls ``explain()``, which raises the ``ValueError``. Call it right after the call's work is
+        dispatched."""
+        x = next(iter(jax.tree_util.tree_leaves(args)))
+        flag = self._helpers.run(name, _flag_of, {"bad": bad, "host": _pinned_host(x)}, args)
+        with self._lock:
+            self._pending.append(_Pending(flag, x, None, name, explain))
+        if sync:
+            self._settle()
 
     # ---- constants ----------------------------------------------------------------------------
     def constant(self, key, make) -> Any:

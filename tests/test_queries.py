@@ -286,6 +286,34 @@ def test_queries_jit_and_vmap_over_params():
             np.testing.assert_allclose(np.asarray(u)[1], np.asarray(v), rtol=1e-5, atol=1e-6)
 
 
+def test_device_soft_evidence_is_checked_in_the_executable():
+    """Soft evidence on the device is checked as a device batch is: no host round trip (the call runs under
+    ``jax.transfer_guard("disallow")``), a bad weight's row gives NaN and the others their exact values, the
+    circuit's next call (or ``raise_pending``) raises the error naming the weight; ``"sync"`` raises at once and
+    ``validate=False`` records nothing."""
+    c = jaxpc.compile(structures.HMM(4, 3, 3))
+    q = jnp.asarray(np.random.default_rng(0).uniform(0.1, 1.0, (5, 4, 3)), jnp.float32)
+    want = np.asarray(c.marginal(c.params, soft_evidence=np.asarray(q)))  # numpy: checked on the host
+    c.marginal(c.params, soft_evidence=q)  # (compiles the flag's executable)
+    inf = q.at[3, 2, 1].set(jnp.inf)
+    with jax.transfer_guard("disallow"):
+        got = c.marginal(c.params, soft_evidence=q)
+        bad = c.marginal(c.params, soft_evidence=inf)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
+    bad = np.asarray(bad)
+    assert np.isnan(bad[3]) and np.allclose(np.delete(bad, 3), np.delete(want, 3), rtol=1e-6)
+    with pytest.raises(ValueError, match=r"soft_evidence\[3, 2, 1\] = inf: .*checked on the device"):
+        c.log_prob(c.params, np.zeros((2, 4), np.int32))  # the next call, any entry point
+    c.raise_pending()  # (raised once)
+    neg = q.at[0, 0, 0].set(-0.5)
+    with pytest.raises(ValueError, match=r"soft_evidence\[0, 0, 0\] = -0.5"):
+        c.marginal(c.params, soft_evidence=neg, validate="sync")
+    assert np.isnan(np.asarray(c.marginal(c.params, soft_evidence=neg, validate=False))[0])
+    c.raise_pending()  # nothing recorded without validation
+    with pytest.raises(ValueError, match="validate must be True, False or 'sync'"):
+        c.marginal(c.params, soft_evidence=q, validate="no")
+
+
 def test_query_errors():
     c = jaxpc.compile(structures.HMM(4, 3, 3))
     x = np.zeros((2, 4), np.int32)
@@ -293,7 +321,7 @@ def test_query_errors():
         c.conditional(c.params, x, target_vars=[9])
     with pytest.raises(ValueError, match=r"soft_evidence must have shape \[batch, 4, num_values\]"):
         c.marginal(c.params, soft_evidence=np.ones((2, 3, 3)))
-    with pytest.raises(ValueError, match="finite and non-negative"):
+    with pytest.raises(ValueError, match=r"soft_evidence\[0, 0, 0\] = -1.0: .*finite and non-negative \(24 such"):
         c.marginal(c.params, soft_evidence=-np.ones((2, 4, 3)))
     with pytest.raises(ValueError, match="num_samples must be a positive int"):
         c.sample(c.params, jax.random.key(0), 0)

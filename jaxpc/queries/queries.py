@@ -14,7 +14,7 @@ import numpy as np
 
 from ..engine import forward, routing, select
 from ..options import Options
-from ..runtime import Batch
+from ..runtime import VALIDATE, Batch
 
 Array = jax.Array
 
@@ -25,8 +25,25 @@ __all__ = ["marginal", "conditional", "sample", "mpe"]
 # pure implementations (jitted per circuit; layout static, everything else traced)
 # ---------------------------------------------------------------------------------------------
 
-def _marginal_impl(layout, tables, params, x, missing, soft, options):
-    return forward.log_prob(layout, tables, params, x, missing, options, soft=soft)
+def _marginal_impl(layout, tables, params, x, missing, soft, options, *, check: bool = False):
+    """``soft``: per-value weights ``q`` ``[B, V, K]``; with ``check`` a row holding a negative or non-finite
+    weight gives NaN (the others are exact)."""
+    dtype = routing.param_dtype(params)
+    q = soft.astype(dtype)
+    bad = _bad_soft_rows(q) if check else None
+    if check:
+        q = jnp.where(bad[:, None, None], jnp.ones((), dtype), q)
+    ll = forward.log_prob(layout, tables, params, x, missing, options, soft=jnp.log(q))
+    return ll if bad is None else jnp.where(bad, jnp.asarray(jnp.nan, ll.dtype), ll)
+
+
+def _bad_soft_rows(q):
+    """``bool[B]``: the rows of soft evidence ``q`` ``[B, V, K]`` with a weight that is negative or not finite."""
+    return jnp.any(~jnp.isfinite(q) | (q < 0), axis=(1, 2))
+
+
+def _any_bad_soft(soft):
+    return jnp.any(_bad_soft_rows(soft))
 
 
 def _conditional_impl(layout, tables, params, x, missing, targets, *, num_values: int):
@@ -118,13 +135,15 @@ def _no_evidence(circuit, n: int, dtype):
                                     lambda: jnp.zeros((n, circuit.num_vars), dtype))
 
 
-def _check_soft(circuit, soft):
+def _check_soft(circuit, soft, check_values: bool):
+    """Soft evidence's shape and dtype; the values of host (numpy) soft evidence with ``check_values`` (a device
+    array's are checked by the executable: no host round trip). Returns it as an array of its own dtype."""
     info = circuit.runtime.var_info
     if not info.all_discrete:
         raise ValueError("soft_evidence needs every variable to be discrete; this circuit has continuous variables "
                          f"{np.nonzero(info.continuous)[0][:6].tolist()}")
-    if not isinstance(soft, jax.core.Tracer):
-        soft = jnp.asarray(soft)
+    if not isinstance(soft, (jax.Array, np.ndarray)):  # (tracers are jax.Arrays)
+        soft = np.asarray(soft)
     if soft.ndim != 3 or soft.shape[1] != circuit.num_vars:
         raise ValueError(f"soft_evidence must have shape [batch, {circuit.num_vars}, num_values], "
                          f"got {tuple(soft.shape)}")
@@ -134,12 +153,32 @@ def _check_soft(circuit, soft):
                          f"{int(np.argmax(info.card))} takes {K}")
     if not jnp.issubdtype(soft.dtype, jnp.floating):
         raise TypeError(f"soft_evidence must hold float weights, got dtype {soft.dtype}")
-    if not isinstance(soft, jax.core.Tracer):
-        bad = np.asarray(jnp.any(~jnp.isfinite(soft) | (soft < 0), axis=(0, 2)))
-        if bad.any():
-            raise ValueError(f"soft_evidence must be finite and non-negative; variable {int(np.argmax(bad))} is not")
-    with np.errstate(divide="ignore"):
-        return jnp.log(soft.astype(circuit.dtype))
+    if not isinstance(soft, np.ndarray):
+        return soft
+    if check_values:
+        _raise_bad_soft(soft, "checked on the host")
+    return jnp.asarray(soft)
+
+
+def _raise_bad_soft(soft, how: str) -> None:
+    """Raise a ``ValueError`` naming the first negative or non-finite weight of ``soft`` (host or device array; a
+    device array is read back: only after its device check failed), with their number."""
+    with jax.transfer_guard_device_to_host("allow"):  # (an error's message, not the call's data path)
+        q = np.asarray(soft)
+    with np.errstate(invalid="ignore"):
+        bad = ~np.isfinite(q) | (q < 0)
+    if bad.any():
+        b, v, k = (int(i) for i in np.argwhere(bad)[0])
+        more = f" ({int(bad.sum())} such weights in all)" if bad.sum() > 1 else ""
+        raise ValueError(f"soft_evidence[{b}, {v}, {k}] = {q[b, v, k]}: soft evidence must be finite and "
+                         f"non-negative{more} (in circuit.marginal, {how})")
+
+
+def _explain_soft(soft) -> None:
+    """The error of soft evidence whose device check failed."""
+    _raise_bad_soft(soft, "checked on the device; its rows gave NaN")
+    raise ValueError("soft_evidence held a weight that the device check rejected (in circuit.marginal); the host "
+                     "check found none")
 
 
 def marginal(circuit, params, x=None, missing=None, *, soft_evidence=None, propagation: str | None = None,
@@ -150,18 +189,29 @@ def marginal(circuit, params, x=None, missing=None, *, soft_evidence=None, propa
     variables. Soft evidence: ``soft_evidence`` ``[B, V, K]`` non-negative per-value weights ``q``; a
     leaf ``n`` over ``v`` then contributes ``sum_k p_n(k) q[b, v, k]`` (all ones marginalizes,
     one-hot is hard evidence). Differentiable with respect to the soft evidence.
+
+    ``validate`` (see :mod:`jaxpc.runtime`) checks soft evidence as it checks ``x``: numpy weights on the host
+    (a negative or non-finite weight raises at once); a device array's inside the executable, with no host round
+    trip (its row gives NaN, and the circuit's next call raises the ``ValueError``; ``"sync"``: this one).
     """
     opts = Options.make(propagation=propagation, alpha=alpha)
     if soft_evidence is not None:
         if x is not None or missing is not None:
             raise ValueError("give either x (with missing) or soft_evidence, not both")
-        logq = _check_soft(circuit, soft_evidence)
-        n = logq.shape[0]
-        traced = isinstance(logq, jax.core.Tracer)
+        if validate not in VALIDATE:
+            raise ValueError(f"validate must be True, False or 'sync', got {validate!r}")
+        q = _check_soft(circuit, soft_evidence, bool(validate))
+        n = q.shape[0]
+        traced = isinstance(q, jax.core.Tracer)
         batch = Batch(_no_evidence(circuit, n, jnp.int32), None, n, check=False, report=False, sync=False,
                       traced=traced)
-        return _run(circuit, "marginal_soft", {}, {"params": params, "soft": logq}, batch, options=opts,
-                    batched={"soft": 0})
+        on_device = bool(validate) and isinstance(soft_evidence, jax.Array) and not traced
+        out = _run(circuit, "marginal_soft", {"check": bool(validate)}, {"params": params, "soft": q}, batch,
+                   options=opts, batched={"soft": 0})
+        if on_device:  # its values were not seen on the host: flagged now, raised by the next call
+            circuit.runtime.record_check("soft_evidence_flag", _any_bad_soft, {"soft": q},
+                                         lambda: _explain_soft(q), sync=validate == "sync")
+        return out
     if x is None:
         raise ValueError("marginal needs x (hard evidence) or soft_evidence")
     return circuit.log_prob(params, x, missing, options=opts, validate=validate)
