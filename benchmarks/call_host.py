@@ -6,13 +6,16 @@
 
 A small batch's step waits for this time: nothing runs on the device until the call reaches its executable. Per
 entry point (``c.flows(c.params, x)``, ``c.log_prob(c.params, x)``, ``c.em_step(c.params, x, step_size=0.1,
-pseudocount=0.1)``) on device batches (``--host``: numpy batches of the data's integer type or ``--dtype``, checked
-on the host and moved by the call), four in turn, each call waited for, medians over ``--reps`` calls, in
-microseconds: ``pre``, from the call to the start of the entry's compiled executable (timed by wrapping
-``jax.stages.Compiled.__call__``; a batch short of its bucket, e.g. ``--batch 12``, is padded by a helper executable
-first); ``return``, until the call returns (on a CPU this includes much of the work); ``sync``, until its outputs are
-ready (``jax.block_until_ready``). Each for the call as users make it (``replay``: ``Runtime.replay`` repeats the
-previous call's executable) and with every call on the full call path (``full``), alternated in blocks of 200 calls.
+pseudocount=0.1)``; with ``--entries`` also ``c.conditional(c.params, x, m)``, ``c.mpe(c.params, x, m)``,
+``c.sample(c.params, key, x=x, missing=m)`` with a third of the variables in ``m``, and ``marginal_soft``,
+``c.marginal(c.params, soft_evidence=q)`` with ``x`` one-hot in ``q``) on device batches (``--host``: numpy batches
+of the data's integer type or ``--dtype``, checked on the host and moved by the call), four in turn, each call
+waited for, medians over ``--reps`` calls, in microseconds: ``pre``, from the call to the start of the entry's
+compiled executable (timed by wrapping ``jax.stages.Compiled.__call__``; a batch short of its bucket, e.g. ``--batch
+12``, is padded by a helper executable first); ``return``, until the call returns (on a CPU this includes much of
+the work); ``sync``, until its outputs are ready (``jax.block_until_ready``). Each for the call as users make it
+(``replay``: ``Runtime.replay`` repeats the previous call's executable) and with every call on the full call path
+(``full``), alternated in blocks of 200 calls.
 ``digits`` is the demo's HCLT on scikit-learn's digits (runs in seconds on a CPU); ``hclt`` / ``hmm`` are the
 benchmarks' HCLT on 28x28 images with 256 levels and HMM (T=64, V=4096).
 
@@ -71,8 +74,15 @@ def main(argv=None) -> dict:
     c, data = build(args.workload, args.latents)
     put = (lambda a: np.asarray(a, dtype=args.dtype)) if args.host else jnp.asarray
     xs = [put(data[i * args.batch:(i + 1) * args.batch]) for i in range(4)]
+    miss = put(np.arange(c.num_vars) % 3 == 0)  # a third of the variables unobserved
+    levels = int(c.runtime.var_info.card.max())
+    soft = {id(x): put(np.eye(levels, dtype=np.float32)[np.asarray(x)]) for x in xs}  # one-hot: x as soft evidence
+    key = jax.random.key(0)
     calls = {"flows": lambda x: c.flows(c.params, x), "log_prob": lambda x: c.log_prob(c.params, x),
-             "em_step": lambda x: c.em_step(c.params, x, step_size=0.1, pseudocount=0.1)}
+             "em_step": lambda x: c.em_step(c.params, x, step_size=0.1, pseudocount=0.1),
+             "conditional": lambda x: c.conditional(c.params, x, miss), "mpe": lambda x: c.mpe(c.params, x, miss),
+             "sample": lambda x: c.sample(c.params, key, x=x, missing=miss),
+             "marginal_soft": lambda x: c.marginal(c.params, soft_evidence=soft[id(x)])}
     stamps: list[tuple[int, float]] = []
     original = jax.stages.Compiled.__call__
 

@@ -28,7 +28,8 @@ nothing can raise from inside a trace.
 
 **Repeated calls.** A small batch's step waits for the host's work before its executable starts. A call of
 ``flows``, ``log_prob`` or ``em_step`` whose arguments other than ``params``, ``x`` and EM's step size and
-pseudocount (or of :mod:`jaxpc.parallel`'s steps, other than their ``free`` ones) equal the previous such call's
+pseudocount (of :mod:`jaxpc.parallel`'s steps, other than their ``free`` ones; of the queries ``conditional``,
+``mpe`` and ``sample``, other than ``params``, ``x`` and the PRNG key) equal the previous such call's
 (options, ``validate``; no weights or evidence), on a batch and a ``missing`` mask (or none) of the same kinds
 (device array or numpy), shapes and dtypes, replays that call's executables (:meth:`Runtime.replay`; a batch short
 of its bucket also its padding and the outputs' cut): no option resolution, batch checks or keys, the same input
@@ -64,7 +65,7 @@ from .options import Options, matmul_setting, resolve_precision
 Array = jax.Array
 
 __all__ = ["Runtime", "Batch", "Entry", "VALIDATE", "resolve_options", "options_key", "resolve_precision",
-           "check_em_args", "pad_args"]
+           "check_em_args", "pad_args", "mask_key"]
 
 VALIDATE = (True, False, "sync")
 
@@ -87,7 +88,7 @@ class Batch:
     """A checked batch: ``x`` ``[n, V]`` and ``missing`` as jnp arrays, ``n`` rows, and how its values are
     checked: ``check`` (the executable's device check runs) and ``report`` (its flag is read: the values
     were a device array and not checked on the host). ``host``: the dtype of the numpy array the caller passed
-    (None for anything else); ``mkey``: :func:`_mask_key` of the caller's ``missing``."""
+    (None for anything else); ``mkey``: :func:`mask_key` of the caller's ``missing``."""
 
     x: Array
     missing: Array | None
@@ -251,7 +252,7 @@ def _split_rows(out, rows):
     return [subs[i] for i in idx], tuple(axes[i] for i in idx), rebuild
 
 
-def _mask_key(missing):
+def mask_key(missing):
     """The kind and shape of a call's ``missing`` in the replay's key: None without one, False where the call is not
     replayed (a mask that is neither a numpy nor a concrete device array)."""
     if missing is None:
@@ -334,7 +335,7 @@ class Runtime:
         self._sum_spec: checks.ParamsSpec | None = None
         self._input_keys: list = []
         self.cache.check_args = self._check_args
-        self._replays: dict = {}  # (call key, x's shape and kind, the mask's _mask_key) -> _Replay
+        self._replays: dict = {}  # (call key, x's shape and kind, the mask's mask_key) -> _Replay
         self._em_scalars: dict = {}  # (step_size, pseudocount) -> their device scalars
 
     def set_params(self, params) -> None:
@@ -397,7 +398,7 @@ class Runtime:
         traced = isinstance(xj, jax.core.Tracer) or isinstance(mj, jax.core.Tracer)
         return Batch(xj, mj, int(xj.shape[0]), check=bool(validate), report=bool(validate) and on_device and not traced,
                      sync=validate == "sync", traced=traced, host=x.dtype if isinstance(x, np.ndarray) else None,
-                     mkey=_mask_key(missing))
+                     mkey=mask_key(missing))
 
     def raise_pending(self) -> None:
         """Wait for the input checks of earlier calls and raise the first failure (a ``ValueError`` naming the
@@ -615,7 +616,7 @@ class Runtime:
     def _generation(self) -> tuple:
         return self.cache.generation, self._helpers.generation
 
-    def replay(self, key: tuple, x, missing=None, **free):
+    def replay(self, key: tuple, x, missing=None, /, **free):
         """Repeat the call remembered under ``key`` (:meth:`run`'s ``replay``) with a new ``x`` and new values of its
         ``free`` arguments (e.g. ``params``): the same outputs as the full call, for a fraction of its host time (the
         small batches' steps wait for it). None
@@ -624,7 +625,7 @@ class Runtime:
         shape, dtype or sharding, or tracers); the caller then takes the full call. A numpy ``x`` is checked on the
         host as the full call checks it (the same ``ValueError``) before anything runs."""
         xtype = np.ndarray if isinstance(x, np.ndarray) else type(x)  # (a memmap's slices are numpy batches too)
-        mkey = _mask_key(missing)
+        mkey = mask_key(missing)
         try:
             r = self._replays.get((key, x.shape, xtype, mkey))
         except (TypeError, AttributeError):  # an unhashable key component, or no array

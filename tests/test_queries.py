@@ -314,6 +314,65 @@ def test_device_soft_evidence_is_checked_in_the_executable():
         c.marginal(c.params, soft_evidence=q, validate="no")
 
 
+_QUERIES = {"conditional": lambda c, p, x, i: c.conditional(p, x, np.arange(6) == 2, target_vars=[1, 2]),
+            "conditional, all targets": lambda c, p, x, i: c.conditional(p, x),
+            "mpe": lambda c, p, x, i: c.mpe(p, x, jnp.asarray(np.arange(6) == 2)),
+            "mpe, no mask": lambda c, p, x, i: c.mpe(p, x),
+            "mpe, no evidence": lambda c, p, x, i: c.mpe(p, num_samples=5),
+            "sample": lambda c, p, x, i: c.sample(p, jax.random.key(i), x=x, missing=np.arange(6) == 2),
+            "sample, no evidence": lambda c, p, x, i: c.sample(p, jax.random.key(i), 7)}
+
+
+@pytest.mark.parametrize("name", cases(list(_QUERIES), fast=["conditional", "mpe, no mask"]))
+def test_repeated_queries_replay_and_stay_exact(name):
+    """``conditional``, ``mpe`` and ``sample`` repeated with the same options replay their executable
+    (``Runtime.replay``; new ``params``, evidence and PRNG keys): outputs equal to the full call's for numpy, device
+    and padded batches, with and without a mask, without evidence; a numpy batch's bad value still raises at once
+    and a device batch's by the next call; other targets or sizes and traced parameters take the full call."""
+    c = jaxpc.compile(structures.HMM(6, 4, 5))
+    full = []
+    run, replay = c.runtime.run, c.runtime.replay
+    c.runtime.run = lambda entry, *a, **k: full.append(entry) or run(entry, *a, **k)
+
+    def full_call(p, x, i):  # the full call path, on the same executables
+        c.runtime.replay = lambda *a, **k: None
+        try:
+            return q(c, p, x, i)
+        finally:
+            c.runtime.replay = replay
+
+    q = _QUERIES[name]
+    rng = np.random.default_rng(0)
+    xs = [rng.integers(0, 5, (16, 6)).astype(np.int32) for _ in range(3)]
+    params = jax.tree_util.tree_map(lambda a: a * 0.5, c.params)  # other parameters: taken anew
+    for put in (np.asarray, jnp.asarray, lambda a: a[:11]):
+        q(c, c.params, put(xs[0]), 0)
+        for i, x in enumerate(xs):
+            for p in (c.params, params):
+                n = len(full)
+                got = q(c, p, put(x), i)
+                assert len(full) == n, full[n:]
+                for u, v in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(full_call(p, put(x), i))):
+                    np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+    n = len(full)
+    bad = xs[1].copy()
+    bad[4, 0] = 9
+    if name == "conditional":
+        with pytest.raises(ValueError, match=r"x\[4, 0\] = 9 is out of range"):
+            q(c, c.params, bad, 0)
+        assert len(full) == n
+        c.conditional(c.params, xs[0], np.arange(6) == 2, target_vars=[0, 2])  # other targets
+        c.conditional(c.params, xs[0][:8], np.arange(6) == 2, target_vars=[1, 2])  # another size
+        jax.jit(lambda p: q(c, p, jnp.asarray(xs[0]), 0))(c.params)  # tracers: inline
+        assert len(full) == n + 3
+    if name == "mpe, no mask":
+        assignment, value = q(c, c.params, jnp.asarray(bad), 0)
+        assert (np.asarray(assignment)[4] == -1).all() and np.isnan(np.asarray(value)[4])
+        with pytest.raises(ValueError, match=r"x\[4, 0\] = 9 .*circuit\.mpe"):
+            q(c, c.params, jnp.asarray(xs[0]), 0)
+        assert len(full) == n
+
+
 def test_query_errors():
     c = jaxpc.compile(structures.HMM(4, 3, 3))
     x = np.zeros((2, 4), np.int32)

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..engine import forward, routing, select
 from ..options import Options
-from ..runtime import VALIDATE, Batch
+from ..runtime import VALIDATE, Batch, mask_key
 
 Array = jax.Array
 
@@ -125,7 +125,8 @@ def _all_missing_batch(circuit, n: int) -> Batch:
     rt = circuit.runtime
     dtype = jnp.int32 if rt.var_info.all_discrete else circuit.dtype
     missing = rt.constant("all_missing", lambda: jnp.ones((circuit.num_vars,), bool))
-    return Batch(_no_evidence(circuit, n, dtype), missing, n, check=False, report=False, sync=False, traced=False)
+    return Batch(_no_evidence(circuit, n, dtype), missing, n, check=False, report=False, sync=False, traced=False,
+                 mkey=mask_key(missing))
 
 
 def _no_evidence(circuit, n: int, dtype):
@@ -225,8 +226,16 @@ def conditional(circuit, params, x, missing=None, *, target_vars=None, validate:
     pass: the gradient of ``log p(evidence)`` with respect to the leaves' indicators. An observed
     target's conditional is the indicator of its observed value.
     """
-    info = circuit.runtime.var_info
-    batch = circuit.runtime.prepare(x, missing, validate)
+    rt = circuit.runtime
+    replay = None
+    targets_key = _targets_key(target_vars)
+    if targets_key is not False:  # a repeated query replays (Runtime.replay)
+        replay = ("conditional", targets_key, validate)
+        out = rt.replay(replay, x, missing, params=params)
+        if out is not None:
+            return out
+    info = rt.var_info
+    batch = rt.prepare(x, missing, validate)
     if target_vars is None:
         targets = np.arange(circuit.num_vars)
     else:
@@ -241,9 +250,20 @@ def conditional(circuit, params, x, missing=None, *, target_vars=None, validate:
         raise ValueError(f"conditional needs discrete target variables; variable {int(cont[0])} is continuous")
     K = int(info.card.max())
     # the targets as a device constant made once per set (an eager conversion per call took ~0.1 ms of host time)
-    dev = circuit.runtime.constant(("targets", None if target_vars is None else targets.astype(np.int32).tobytes()),
-                                   lambda: jnp.asarray(targets, jnp.int32))
-    return _run(circuit, "conditional", {"num_values": K}, {"params": params, "targets": dev}, batch)
+    dev = rt.constant(("targets", None if target_vars is None else targets.astype(np.int32).tobytes()),
+                      lambda: jnp.asarray(targets, jnp.int32))
+    return _run(circuit, "conditional", {"num_values": K}, {"params": params, "targets": dev}, batch, replay=replay)
+
+
+def _targets_key(target_vars):
+    """``conditional``'s targets in its replay's key: None for all variables, their type, shape and bytes for a list,
+    tuple or numpy array (the full call checks them), False for anything else (not replayed)."""
+    if target_vars is None:
+        return None
+    if not isinstance(target_vars, (list, tuple, np.ndarray)):
+        return False
+    a = np.asarray(target_vars)
+    return a.dtype.str, a.shape, a.tobytes()
 
 
 def sample(circuit, params, key: Array, num_samples: int | None = None, *, x=None, missing=None,
@@ -256,9 +276,13 @@ def sample(circuit, params, key: Array, num_samples: int | None = None, *, x=Non
     """
     if not isinstance(key, (jax.Array, np.ndarray)):
         raise TypeError(f"key must be a PRNG key such as jax.random.key(0), got {type(key).__name__}")
+    replay = _replay_query(circuit, "sample", x, missing, num_samples, validate, params=params, key=key)
+    if replay[1] is not None:
+        return replay[1]
     batch = _query_batch(circuit, x, missing, num_samples, validate)
     K = max(int(circuit.runtime.var_info.card.max()), 1)
-    return _run(circuit, "sample", {"num_values": K}, {"params": params, "key": key}, batch)
+    return _run(circuit, "sample", {"num_values": K}, {"params": params, "key": key}, batch, replay=replay[0],
+                free=("params", "key"))
 
 
 def mpe(circuit, params, x=None, missing=None, *, num_samples: int | None = None,
@@ -273,9 +297,29 @@ def mpe(circuit, params, x=None, missing=None, *, num_samples: int | None = None
     value of a leaf; a continuous leaf decodes to its mean. Without ``x``, ``num_samples`` (default 1) rows of
     the unconditional decoding; with it, one row per row of ``x``.
     """
-    batch = _query_batch(circuit, x, missing, 1 if x is None and num_samples is None else num_samples, validate)
+    num_samples = 1 if x is None and num_samples is None else num_samples
+    replay = _replay_query(circuit, "mpe", x, missing, num_samples, validate, params=params)
+    if replay[1] is not None:
+        return replay[1]
+    batch = _query_batch(circuit, x, missing, num_samples, validate)
     K = max(int(circuit.runtime.var_info.card.max()), 1)
-    return _run(circuit, "mpe", {"num_values": K}, {"params": params}, batch)
+    return _run(circuit, "mpe", {"num_values": K}, {"params": params}, batch, replay=replay[0])
+
+
+def _replay_query(circuit, name: str, x, missing, num_samples, validate, **free) -> tuple:
+    """``(key, outputs)`` of ``sample`` / ``mpe``'s replay (:meth:`Runtime.replay`): the key the full call remembers
+    itself under (None: not replayed) and the replayed call's outputs (None: take the full call). Without ``x`` the
+    batch is the circuit's constant all-missing rows of a valid ``num_samples``; with it the call's evidence and its
+    mask, or the constant all-observed one that the full call puts in place of none."""
+    rt = circuit.runtime
+    if x is None:
+        if missing is not None or type(num_samples) is not int or num_samples < 1:
+            return None, None  # (the full call raises)
+        call = (name, "all missing", num_samples)
+        batch = _all_missing_batch(circuit, num_samples)
+        return call, rt.replay(call, batch.x, batch.missing, **free)
+    call = (name, num_samples, validate)
+    return call, rt.replay(call, x, _none_missing(circuit) if missing is None else missing, **free)
 
 
 def _query_batch(circuit, x, missing, num_samples: int | None, validate) -> Batch:
@@ -297,5 +341,11 @@ def _observed(circuit, x, missing, validate) -> Batch:
     """The checked evidence batch of ``sample`` / ``mpe``, with an explicit all-observed mask when none is given."""
     batch = circuit.runtime.prepare(x, missing, validate)
     if batch.missing is None:
-        batch.missing = circuit.runtime.constant("none_missing", lambda: jnp.zeros((circuit.num_vars,), bool))
+        batch.missing = _none_missing(circuit)
+        batch.mkey = mask_key(batch.missing)  # (the replay passes it for none)
     return batch
+
+
+def _none_missing(circuit):
+    """The all-observed mask ``bool[V]``, a device constant."""
+    return circuit.runtime.constant("none_missing", lambda: jnp.zeros((circuit.num_vars,), bool))
