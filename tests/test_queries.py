@@ -99,13 +99,33 @@ def test_soft_evidence_gradient_is_finite_difference(seed):
 
 def test_conditionals(case):
     gen, c, x = case
+    _check_conditionals(c, x, int(max(CARD[k] for k in gen.kinds)))
+
+
+@pytest.mark.parametrize("structure", cases(["hmm", "hclt"], fast=["hclt"]))
+def test_conditionals_of_latent_vectors_per_variable(structure):
+    """Input layers of a vector of latents per variable (``InputLayerSpec.run``: an inhomogeneous HMM's emissions, an
+    HCLT's leaves) take each variable's conditional as one product per run: against enumeration as the general
+    layers are."""
+    cat = distributions.Categorical(num_cats=3)
+    if structure == "hmm":
+        c = jaxpc.compile(structures.HMM(4, 3, 3, homogeneous=False), seed=1)
+    else:
+        data = np.random.default_rng(0).integers(0, 3, (200, 4))
+        c = jaxpc.compile(structures.HCLT(data, num_latents=4, input_dist=cat), seed=1)
+    assert any(spec.run > 1 for spec in c.layout.input_layers)
+    x = np.array(list(itertools.product(range(3), repeat=4)), np.int32)
+    _check_conditionals(c, x, 3)
+
+
+def _check_conditionals(c, x, K):
+    """``c.conditional`` against enumeration over ``x`` (every assignment), with random evidence and masks."""
     p = joint(c, x)
     rng = np.random.default_rng(2)
     B = 6
     ev = x[rng.integers(0, len(x), B)]
     miss = rng.random(ev.shape) < 0.6
     miss[:, 0] = True
-    K = int(max(CARD[k] for k in gen.kinds))
     got = np.asarray(c.conditional(c.params, ev, miss))
     assert got.shape == (B, x.shape[1], K)
     for b in range(B):

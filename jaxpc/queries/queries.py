@@ -64,7 +64,13 @@ def _conditional_impl(layout, tables, params, x, missing, targets, *, num_values
             continue
         G = jnp.where(F == 0, 0.0, F * jnp.exp(-val))
         P = jnp.exp(spec.dist.log_pmf(params["input"][spec.key], tab["meta"], tab["rows"], num_values))
-        acc = acc + jax.ops.segment_sum(G[:, :, None] * P[:, None, :], tab["vars"], num_segments=V)
+        if spec.run > 1:  # runs of r nodes over one variable: one product per run, no [N, B, K] temporary
+            r = spec.run
+            part = jnp.einsum("nrb,nrk->nbk", G.reshape(-1, r, B), P.reshape(-1, r, num_values),
+                              precision=jax.lax.Precision.HIGHEST)
+            acc = acc + jax.ops.segment_sum(part, tab["vars"][::r], num_segments=V)
+        else:
+            acc = acc + jax.ops.segment_sum(G[:, :, None] * P[:, None, :], tab["vars"], num_segments=V)
     acc = acc / jnp.sum(acc, axis=2, keepdims=True)
     # observed variables are known: their conditional is the indicator of the observed value
     observed = jnp.ones((V, B), bool) if missing is None else ~forward.missing_t(missing) & jnp.ones((V, B), bool)
