@@ -135,10 +135,10 @@ def pieces(batches: list[int], num_vars: int = 784, reps: int = 300) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxpc import checks
+    from jaxpc import checks, distributions
 
-    info = checks.VarInfo(num_vars, np.ones(num_vars, bool), np.zeros(num_vars, bool), np.zeros(num_vars, np.int64),
-                          np.full(num_vars, 256.0), ("Categorical(num_cats=256)",) * num_vars, np.full(num_vars, 256))
+    leaf = distributions.Categorical(num_cats=256)
+    info = checks.VarInfo.from_var_dists(num_vars, {v: [leaf] for v in range(num_vars)})
 
     def med(fn) -> float:
         for _ in range(10):
