@@ -3,12 +3,14 @@
     python benchmarks/profile_step.py [--workload hclt|hmm|pd] [--latents 256] [--batch 16] [--split-intervals 4,4]
                                       [--precision tf32] [--impl auto] [--no-fold] [--unrolled] [--steps 5]
                                       [--param-flow-pass auto|inline|batched] [--top 15] [--json out.json]
-                                      [--hlo out.hlo] [--public log_prob|flows|em_step] [--no-validate]
+                                      [--hlo out.hlo] [--public log_prob|flows|em_step|mpe|...]
+                                      [--no-validate]
                                       [--tuning field=value+xla.option=value] [--neighbors NAME] [--timeline]
 
 Runs ``circuit.flows`` under ``jax.profiler.trace`` and reads the trace's device events. Every kernel
 is attributed by the ``jaxpc/...`` named scope in its HLO metadata to one of: ``input`` (leaf layers),
-``prod fwd``, ``sum fwd``, ``prod bwd``, ``sum bwd``, ``chain scan`` (HMMs), ``other`` (buffer set-up, parameter-flow
+``prod fwd``, ``sum fwd``, ``prod bwd``, ``sum bwd``, ``chain scan`` (HMMs), ``select`` (the top-down choices
+of ``mpe`` and ``sample``), ``other`` (buffer set-up, parameter-flow
 scatter, gradient of the leaves). Prints per step: wall time, kernel count, summed kernel time
 (``busy``) and the idle time between kernels (``wall - busy``: launch gaps, what a kernel count costs),
 then the table by kind and the ``--top`` most expensive kernels with the HLO op each computes. ``--tuning``: the call
@@ -46,7 +48,7 @@ from _data import blurred_noise_images  # noqa: E402
 from _options import tuning  # noqa: E402
 from jaxpc import distributions, structures  # noqa: E402
 
-SCOPE = re.compile(r"jaxpc/(input\d+|chain|partial[\d.]+|stage[\d.]+/(prod|sum)\d+(/backward)?)")
+SCOPE = re.compile(r"jaxpc/(input\d+|chain|select|partial[\d.]+|stage[\d.]+/(prod|sum)\d+(/backward)?)")
 
 
 def build(workload: str, latents: int, split_intervals: tuple[int, int] = (4, 4)):
@@ -92,6 +94,8 @@ def kind_of(event: dict, names: dict) -> str:
         return "input"
     if s == "chain":
         return "chain scan"
+    if s == "select":
+        return "select"
     layer = "prod" if m.group(2) == "prod" else "sum"
     return f"{layer} {'bwd' if m.group(3) else 'fwd'}"
 
@@ -173,7 +177,7 @@ def main(argv=None):
     p.add_argument("--unrolled", action="store_true", help="Options(scan_stages=False): repeated stages unrolled")
     p.add_argument("--param-flow-pass", default="auto", choices=["auto", "inline", "batched"],
                    help="Options.param_flow_pass")
-    p.add_argument("--public", default=None, choices=["log_prob", "flows", "em_step"],
+    p.add_argument("--public", default=None, choices=["log_prob", "flows", "em_step", "conditional", "mpe", "sample"],
                    help="profile this entry point's default public call (c.log_prob(c.params, x), ...) instead")
     p.add_argument("--no-validate", dest="validate", action="store_false",
                    help="with --public: the call with validate=False (no input check in the executable)")
@@ -194,8 +198,14 @@ def main(argv=None):
     xs = [jnp.asarray(data[i * args.batch:(i + 1) * args.batch]) for i in range(4)]
     if args.public:
         entry = getattr(c, args.public)
+        miss = jnp.asarray(np.arange(c.num_vars) % 3 == 0)  # the queries: a third of the variables unobserved
+        key = jax.random.key(0)
 
         def call(x):
+            if args.public == "sample":
+                return entry(c.params, key, x=x, missing=miss, validate=args.validate, **extra)
+            if args.public in ("conditional", "mpe"):
+                return entry(c.params, x, miss, validate=args.validate, **extra)
             return entry(c.params, x, validate=args.validate, **extra)
 
         jax.block_until_ready(call(xs[0]))

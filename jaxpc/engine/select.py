@@ -1,77 +1,80 @@
-"""Top-down selection (ancestral sampling and max-product decoding) as the gradient of a
-forward pass.
+"""Top-down selection (ancestral sampling and max-product decoding) as one pass from the root down.
 
-Given the node values of a forward pass (LL for sampling, max-product for MPE), every sum
-node chooses one child: ``argmax_c (log w_c + value_c + g_c)`` with ``g`` Gumbel noise for
-sampling (an exact draw from the node's posterior) or zero for decoding (the first child on
-ties: lowest child block, then lowest node of the block). A second forward pass in which each
-sum node *copies* its chosen child's value, and each product sums its children's, is linear
-in the leaf values; its gradient with respect to them is 1 on exactly the leaves of each
-sample's selected sub-circuit and 0 elsewhere.
+Given the node values of a forward pass (LL for sampling, max-product for MPE), every sum node chooses one child:
+``argmax_c (log w_c + value_c + g_c)`` with ``g`` Gumbel noise for sampling (an exact draw from the node's
+posterior) or zero for decoding (the first child on ties: lowest child block, then lowest node of the block). The
+pass runs the stages in reverse, as the flow pass does: a buffer ``[R, B]`` counts, for each node and sample, the
+paths from the root that reach it through chosen edges. A product adds its count to every child, a sum to its
+chosen child, by a scatter into the buffer that the stages carry (the gradient of a forward pass in which each sum
+copies its chosen child gives the same counts, but autodiff builds each stage's scatter into a fresh zero buffer and
+adds it: a copy of the whole buffer per stage).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from ..compiler.layout import Layout, StageSpec
-from ..ops.product_layer import product_layer
-from ..ops.sum_layer import gather_children, gather_weights
+from ..ops.product_layer import product_layer_backward_reference as product_layer_backward
+from ..ops.rows import add_rows
+from ..ops.sum_layer import child_rows, gather_children, gather_weights
 from . import stages
 
 Array = jax.Array
 
 
-def _choose(z: Array, values: Array, ch: Array, pid: Array, logw: Array, *, Kp: int, Kc: int, dense: bool,
-            key: Array | None) -> Array:
-    """``[n * Kp, B]``: each parent copies the ``z`` row of its chosen child."""
+def chosen_children(values: Array, ch: Array, pid: Array, logw: Array, *, Kp: int, Kc: int, dense: bool,
+                    key: Array | None) -> Array:
+    """``int [n, Kp, B]``: the buffer row of the child each parent of a sum partition chooses for each sample."""
     x = gather_children(values, ch, Kc, dense)  # [n, C*Kc, B] (or [C*Kc, B])
     lw = gather_weights(logw, pid)  # [n, Kp, C*Kc]
     scores = lw[:, :, :, None] + (x[None, None] if dense else x[:, None])
     if key is not None:
         scores = scores + jax.random.gumbel(key, scores.shape, scores.dtype)
     idx = jnp.argmax(scores, axis=2)  # [n, Kp, B]
-    n, C = ch.shape
-    rows = (ch[:, :, None] + jnp.arange(Kc, dtype=ch.dtype)).reshape(n, C * Kc)  # [n, C*Kc]
-    chosen = jnp.take_along_axis(rows[:, None, :], idx.reshape(n, 1, -1), axis=2).reshape(idx.shape)
-    B = z.shape[1]
-    return z[chosen, jnp.arange(B)[None, None, :]].reshape(n * Kp, B)
+    n = ch.shape[0]
+    rows = jnp.broadcast_to(child_rows(ch, Kc, dense), (n, ch.shape[1] * Kc))  # [n, C*Kc]
+    return jnp.take_along_axis(rows[:, None, :], idx.reshape(n, 1, -1), axis=2).reshape(idx.shape)
 
 
-def _select_stage(z: Array, spec: StageSpec, tab: dict, values: Array, params: dict, key: Array | None, offset,
-                  name) -> Array:
-    outs = []
+def _select_stage(counts: Array, spec: StageSpec, tab: dict, values: Array, params: dict, key: Array | None,
+                  offset, name) -> Array:
+    """``counts`` with the counts of one stage's nodes (rows from ``offset``: products, then sums) added to the rows
+    of the children they reach."""
+    row = offset
     for j, (part, t) in enumerate(zip(spec.prods, tab["prods"])):
         with jax.named_scope(f"jaxpc/select{name}/prod{j}"):
-            outs.append(product_layer(z, t["ch"], K=part.K))
+            rows, cf = product_layer_backward(counts, t["ch"], row, K=part.K)
+            counts = add_rows(counts, rows, cf)
+        row = row + part.num_rows
+    B = counts.shape[1]
     for j, (part, t) in enumerate(zip(spec.sums, tab["sums"])):
         with jax.named_scope(f"jaxpc/select{name}/sum{j}"):
             k = None if key is None else jax.random.fold_in(jax.random.fold_in(key, offset), j)
-            outs.append(_choose(z, values, t["ch"], t["pid"], params["sum"][part.group], Kp=part.Kp, Kc=part.Kc,
-                                dense=part.dense, key=k))
-    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
-    return jax.lax.dynamic_update_slice_in_dim(z, out, offset, axis=0)
+            chosen = chosen_children(values, t["ch"], t["pid"], params["sum"][part.group], Kp=part.Kp, Kc=part.Kc,
+                                     dense=part.dense, key=k)
+            mine = lax.dynamic_slice_in_dim(counts, row, part.num_rows, axis=0).reshape(chosen.shape)
+            counts = add_rows(counts, (chosen, jnp.arange(B)[None, None, :]), mine)
+        row = row + part.num_rows
+    return counts
 
 
 def reached_leaves(layout: Layout, tables: dict, params: dict, values: Array, key: Array | None) -> list[Array]:
-    """Per input layer ``[N, B]`` indicators of the leaves each sample's selection reaches.
+    """Per input layer ``[N, B]``: how many chosen paths from the root reach each leaf in each sample (positive
+    exactly on the leaves of each sample's selected sub-circuit).
 
     ``values``: the ``[R, B]`` node buffer the choices are based on; ``key``: Gumbel noise (sampling)
     or None (decoding)."""
-    values = jax.lax.stop_gradient(values)
-    B = values.shape[1]
-    eps = [jnp.zeros((spec.num_nodes, B), values.dtype) for spec in layout.input_layers]
+    values = lax.stop_gradient(values)
+    counts = jnp.zeros_like(values).at[layout.root_row].set(1.0)
 
-    def total(eps):
-        z = stages.write_inputs(layout, jnp.zeros_like(values), eps)
+    def stage(c, spec, tab, offset, name):
+        return _select_stage(c, spec, tab, values, params, key, offset, name)
 
-        def stage(b, spec, tab, offset, name):
-            return _select_stage(b, spec, tab, values, params, key, offset, name)
-
-        return jnp.sum(stages.run_stages(layout, tables, z, stage)[layout.root_row])
-
-    return jax.grad(total)(eps)
+    counts = stages.run_stages(layout, tables, counts, stage, reverse=True)
+    return [lax.dynamic_slice_in_dim(counts, spec.offset, spec.num_nodes, axis=0) for spec in layout.input_layers]
 
 
 def leaf_choice(layout: Layout, tables: dict, reached: list[Array], num_vars: int):
