@@ -43,15 +43,21 @@ def pallas_forward_calls(monkeypatch):
     return calls
 
 
-# Tiers. A plain ``pytest`` runs the fast tier: every test not marked ``slow``. ``pytest -m slow`` runs the slow
-# tier alone, and ``pytest --slow`` (alias ``--all``) runs both. Slow tests are deselected here rather than by
-# ``-m "not slow"`` in addopts, which a command-line ``-m slow`` would not combine with: any ``-m`` expression
-# that names ``slow`` takes over the selection.
+# Tiers. A plain ``pytest`` runs the fast tier: every test not marked ``slow``. ``pytest --slow`` adds the slow tier:
+# of each test function, the cases the fast tier runs, or, where it runs none, the first case; this is what CI runs
+# (.ci/run). ``pytest --full`` (alias ``--all``) runs every case of every test: the cases past the first of the slow
+# tier's parametrizations, and the tests marked ``full``, form the full tier (``-m full`` alone). A parametrization
+# marked ``every_case`` keeps all its cases in the slow tier (the notebooks). ``-m slow`` runs the slow tier's tests
+# including the full tier's cases (``-m "slow and not full"``: the slow tier alone). Slow tests are deselected here
+# rather than by ``-m "not slow"`` in addopts, which a command-line ``-m`` would not combine with: any ``-m``
+# expression that names ``slow`` or ``full`` takes over the selection.
 
 
 def pytest_addoption(parser):
-    parser.addoption("--slow", "--all", action="store_true", dest="run_slow",
-                     help="run the slow tier too (the whole suite)")
+    parser.addoption("--slow", action="store_true", dest="run_slow",
+                     help="run the slow tier too (what CI runs: every test function, one case of each)")
+    parser.addoption("--full", "--all", action="store_true", dest="run_full",
+                     help="run every test and every case (the fast, slow and full tiers)")
 
 
 # The longest tests (the notebooks, each in a kernel of its own) run first: with two workers, one of them left
@@ -59,11 +65,30 @@ def pytest_addoption(parser):
 FIRST = ("tests/test_notebooks.py::test_notebook_runs",)
 
 
+def _mark_full(items) -> None:
+    """Mark ``full`` the slow cases of a test function that the fast tier runs a case of, and those past its first
+    slow case where it runs none (not those of an ``every_case`` parametrization)."""
+    fast = {item.nodeid.split("[")[0] for item in items if item.get_closest_marker("slow") is None}
+    seen = set()
+    for item in items:
+        if item.get_closest_marker("slow") is None or item.get_closest_marker("every_case") is not None:
+            continue
+        function = item.nodeid.split("[")[0]
+        if "[" in item.nodeid and (function in fast or function in seen):
+            item.add_marker(pytest.mark.full)
+        seen.add(function)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    _mark_full(items)
     items.sort(key=lambda item: not item.nodeid.startswith(FIRST))  # (stable: the rest keep their order)
-    if config.getoption("run_slow") or "slow" in (config.getoption("markexpr") or ""):
+    expr = config.getoption("markexpr") or ""
+    if config.getoption("run_full") or "slow" in expr or "full" in expr:
         return
-    kept = [item for item in items if item.get_closest_marker("slow") is None]
-    if len(kept) < len(items):
-        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("slow") is not None])
-        items[:] = kept
+    tiers = ("full",) if config.getoption("run_slow") else ("slow", "full")
+    dropped = [item for item in items if any(item.get_closest_marker(t) for t in tiers)]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        gone = set(map(id, dropped))
+        items[:] = [item for item in items if id(item) not in gone]

@@ -157,6 +157,7 @@ def test_params_round_trip_dense_and_block_forms():
     assert np.all(W[:2, 2:4] == 0)
 
 
+@pytest.mark.slow
 def test_tied_parameters_are_shared():
     a = jaxpc.inputs(0, 2, 2, distributions.Categorical(3))
     b = jaxpc.inputs(1, 2, 2, distributions.Categorical(3))
@@ -272,6 +273,7 @@ def test_general_ll_alpha_one_is_ll():
                                np.asarray(c.log_prob(c.params, x)), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_composes_with_jit_vmap_grad():
     c = jaxpc.compile(hmm_like(6))
     x = np.random.default_rng(0).integers(0, 4, (7, 6)).astype(np.int32)

@@ -173,6 +173,7 @@ def test_em_update_blends_with_pseudocount(case):
 
 
 @pytest.mark.parametrize("seed", cases([3, 7, 11], fast=[3]))
+@pytest.mark.slow
 def test_em_step_is_flows_then_update(seed):
     gen, c = make(seed)
     x = as_input(gen, gen.sample_data(B))

@@ -101,6 +101,7 @@ KERNELS = jaxpc.Options(impl="pallas")  # the persistent chain kernels (interpre
 
 
 @pytest.mark.parametrize("options", [None, KERNELS], ids=["scan", "kernels"])
+@pytest.mark.slow
 def test_impossible_samples_get_minus_inf_and_zero_flows(options):
     L, V, T = 4, 3, 5
     beta = np.random.default_rng(0).dirichlet(np.ones(V), L)
@@ -116,6 +117,7 @@ def test_impossible_samples_get_minus_inf_and_zero_flows(options):
 
 
 @pytest.mark.parametrize("precision", cases(["fp32", "tf32", "bf16"], fast=["bf16"]))
+@pytest.mark.slow
 def test_chain_matches_layer_path_and_autodiff(precision):
     """The same numbers three ways: the chain scan, the layer-by-layer flows pass, and JAX's autodiff through
     the layer-by-layer forward (grad of the weighted log-likelihood with respect to every parameter)."""
@@ -138,6 +140,7 @@ def test_chain_matches_layer_path_and_autodiff(precision):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol / 10)
 
 
+@pytest.mark.slow
 def test_without_param_flows_and_em_step_agree_with_layer_path():
     c = jaxpc.compile(structures.HMM(7, 4, 5, block_size=2))
     x = np.random.default_rng(3).integers(0, 5, (10, 7)).astype(np.int32)

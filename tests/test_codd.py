@@ -64,6 +64,7 @@ def test_codd_step_equals_autodiff_of_the_reference(homogeneous):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_codd_step_gradient_of_gates_and_dense_evidence():
     rng = np.random.default_rng(1)
     T, L, V, B = 4, 4, 5, 3

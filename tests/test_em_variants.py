@@ -13,6 +13,7 @@ from .tiers import cases
 
 
 @pytest.mark.parametrize("tp, te", cases([(0.5, 1.0), (2.0, 2.0), (0.7, 0.3)], fast=[(0.7, 0.3)], unpack=True))
+@pytest.mark.slow
 def test_tempered_flows(tp, te):
     gen = Generator(11, 4, kinds=("categorical", "bernoulli"))
     c = jaxpc.compile(gen.circuit())
@@ -120,6 +121,7 @@ def test_hard_em_counts_viterbi_paths():
                                         alpha), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_nodes_without_flow_keep_their_sum_parameters():
     """EM's update moves a sum node only where its flows and the pseudocount carry mass: with the flows of one node
     vector zeroed and no pseudocount its parameters stay, the others' are blended toward their normalized flows;
@@ -164,12 +166,15 @@ def test_block_totals_are_each_segments_sums_and_differentiate():
     np.testing.assert_allclose(np.asarray(grad), np.broadcast_to(weights[seg][:, :, None], values.shape), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_single_block_segments_take_each_blocks_own_totals():
     """Groups whose every normalization segment is one parameter block (``SumGroupSpec.single_segments``, set from
     the segment table) normalize by each block's own row sums, with no scatter: the EM update (plain and with
     ``keep_zero_params``), the node flows and the logits' normalization equal those of the segment path."""
     import dataclasses
+    import functools
 
+    import jax
     import jax.numpy as jnp
 
     from jaxpc.engine import em as em_engine
@@ -192,19 +197,23 @@ def test_single_block_segments_take_each_blocks_own_totals():
                                                              for g in c.layout.sum_groups))
     fl = c.flows(c.params, x)
     zeroed = {**c.params, "sum": {k: v.at[0, 0, :2].set(-jnp.inf) for k, v in c.params["sum"].items()}}
+
+    def both(fn):  # fn(layout, *args) on the single-segment layout and on the general one, each jitted whole
+        return [jax.jit(functools.partial(fn, lay)) for lay in (c.layout, general)]
+
     for params, keep in ((c.params, False), (zeroed, True)):
-        got = em_engine.em_update(c.layout, c.tables, params, fl, 0.3, 0.1, keep_zero_params=keep)
-        want = em_engine.em_update(general, c.tables, params, fl, 0.3, 0.1, keep_zero_params=keep)
+        got, want = (f(c.tables, params, fl) for f in both(
+            lambda lay, t, p, f: em_engine.em_update(lay, t, p, f, 0.3, 0.1, keep_zero_params=keep)))
         for k in got["sum"]:
             np.testing.assert_allclose(np.asarray(got["sum"][k]), np.asarray(want["sum"][k]), rtol=1e-6, atol=1e-6)
     inputs = [jnp.ones((spec.num_nodes, 3), jnp.float32) for spec in c.layout.input_layers]
     for log in (False, True):
-        got = logflows.node_totals(c.layout, c.tables, fl["sum"], inputs, log=log)["sum"]
-        want = logflows.node_totals(general, c.tables, fl["sum"], inputs, log=log)["sum"]
+        got, want = (f(c.tables, fl["sum"], inputs)["sum"] for f in both(
+            lambda lay, t, f, i: logflows.node_totals(lay, t, f, i, log=log)))
         for k in got:
             np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-6)
     logits = {**c.params, "sum": {k: v * 1.7 + 0.3 for k, v in c.params["sum"].items()}}
-    got, want = normalize_params(c.layout, c.tables, logits), normalize_params(general, c.tables, logits)
+    got, want = (f(c.tables, logits) for f in both(normalize_params))
     for k in got["sum"]:
         np.testing.assert_allclose(np.asarray(got["sum"][k]), np.asarray(want["sum"][k]), rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(np.exp(np.asarray(got["sum"][k])).sum(axis=2), 1.0, rtol=1e-5)

@@ -409,6 +409,7 @@ GRANULARITIES = [("rows", True), ("tied", False), ("edge_block", False), ("rows"
 
 
 @pytest.mark.parametrize("case,lowrank", cases(GRANULARITIES, fast=[("tied", False)], unpack=True))
+@pytest.mark.slow
 def test_gates_and_lowrank_match_dense_per_sample_reference(case, lowrank):
     """Gates per edge block, per group of parent nodes, on chosen vectors only, tied across vectors, and per
     parameter block (``{group: [B, P]}``), with and without LowRank, on padded partitions: LL, every shared
@@ -504,6 +505,7 @@ def test_shared_parameters_train_by_em_under_gates(form):
 
 
 @pytest.mark.parametrize("name", cases(["hmm_untied", "hclt", "pd", "rat"], fast=["hclt"]))
+@pytest.mark.slow
 def test_evidence_on_every_structure_with_cache_and_jit_grad(name, monkeypatch):
     """Dense soft evidence with latent potentials and gates: no recompilation for new evidence, jit(grad) against
     finite differences; then (on a tree and on a DAG: the routes are the leaves') top-k evidence by each of its

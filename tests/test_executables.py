@@ -166,6 +166,7 @@ def test_mpe_after_ll_gives_mpe():
     assert np.all(np.asarray(mp) < np.asarray(ll))
 
 
+@pytest.mark.slow
 def test_compute_param_flows_false_after_a_training_step():
     c, x = _hmm(), _data(16)
     params = c.em_step(c.params, x, step_size=0.5)
@@ -217,6 +218,7 @@ def _sum_evidence(c, B, seed):
 
 @pytest.mark.parametrize("evidence", [False, True])
 @pytest.mark.parametrize("sizes", cases([(32, 16), (30, 13)], fast=[(32, 16)]))
+@pytest.mark.slow
 def test_batch_32_16_32_flows_equal_fresh(evidence, sizes):
     """Batches of 32, 16 and 32 rows (and 30, 13, 30: padded to those buckets) through one circuit's cache (with
     gate and LowRank evidence or none): the third call's flows and LL equal a fresh circuit's, bit for bit."""
@@ -671,6 +673,7 @@ def test_a_repeated_call_replays_its_executable_and_stays_exact():
 
 
 @pytest.mark.parametrize("entry", cases(["flows", "log_prob", "em_step"], fast=["em_step"]))
+@pytest.mark.slow
 def test_a_repeated_call_with_a_mask_replays_and_stays_exact(entry):
     """Calls with ``missing`` replay too, per kind and shape of the mask (``[V]`` or ``[B, V]``, numpy or device): the
     same outputs as the full call, the mask padded with a batch short of its bucket, a host batch's values checked

@@ -137,6 +137,7 @@ def underflow_circuit():
     return jaxpc.compile(root), inner
 
 
+@pytest.mark.slow
 def test_log_flows_survive_underflow():
     c, inner = underflow_circuit()
     x = np.array([[1, 1], [2, 2], [1, 2]], np.int32)

@@ -33,6 +33,7 @@ def test_full_layout_flows_match_exact_expected_counts(case):
     check_flows_and_ll(*case, options=FULL)
 
 
+@pytest.mark.slow
 def test_product_kernels_on_the_full_layout_match_exact_expected_counts(case):
     """The full layout with its product layers written and their flows passed down by the in-place kernels of
     ``jaxpc.ops.pallas_product`` (interpret mode here), against the oracle; ``Tuning.product_kernel_batch=0`` routes
@@ -78,6 +79,7 @@ def test_product_reads_count_the_edge_blocks_into_products():
     assert jaxpc.compile(root).layout.product_reads == pytest.approx((3 + 4 + 1) / 4)
 
 
+@pytest.mark.slow
 def test_product_kernels_in_scanned_stages_equal_xla():
     """An HMM's full layout without the chain scan, its repeated stages under ``lax.scan`` (a traced first row per
     step), each with a product partition: the product kernels' log-likelihoods and flows equal XLA's layers'."""
@@ -125,6 +127,7 @@ def test_reduced_precision_flows_match_exact_expected_counts(case, fold):
 @pytest.mark.parametrize("kw", cases([{"propagation": "GeneralLL", "alpha": 2.5}, {"chain_scan": False}],
                                      fast=[{"chain_scan": False}]),
                          ids=["GeneralLL", "hmm-layers"])
+@pytest.mark.slow
 def test_reduced_precision_flows_equal_fp32(kw):
     """The stored-value local sums of GeneralLL (``exp(alpha (value - m))``) and of dense partitions (an HMM's
     layers) against the recomputed ones at fp32."""
@@ -224,6 +227,7 @@ def test_batched_param_flows_equal_the_inline_ones(monkeypatch, name):
 
 
 @pytest.mark.filterwarnings("ignore:jaxpc. 'flows' has been compiled")
+@pytest.mark.slow
 def test_the_summed_param_flow_kernel_equals_the_matrix_products(monkeypatch):
     """``Tuning.pflow_sum_batch``: on a Hopper GPU (here the kernel on the interpreter), up to that batch, the
     batched pass computes the blocks of fan-in 1 by :func:`jaxpc.ops.mosaic_tree.summed_param_flows`, in pieces,
@@ -510,6 +514,7 @@ FUSED = jaxpc.Options(fold_products=True, impl="pallas")
 
 
 @pytest.mark.parametrize("seed", cases(SEEDS[:3], fast=[0]))
+@pytest.mark.slow
 def test_fused_kernels_match_exact_expected_counts(seed):
     """The folded plan on the Pallas kernels (interpret mode here), writing the node and flow buffers in place."""
     check_flows_and_ll(*make(seed), options=FUSED)
@@ -526,6 +531,7 @@ def test_fused_plan_runs_the_in_place_kernels():
 @pytest.mark.parametrize("batch,precision,kernel",
                          cases([(B, "fp32", "level"), (B, "tf32", "level"), (70, "fp32", "slots_inplace")],
                                fast=[(B, "tf32", "level")], unpack=True))
+@pytest.mark.slow
 def test_tree_levels_run_the_level_or_slot_kernel(batch, precision, kernel):
     """An HCLT's folded levels are exclusive (one child per parent, one parent per row block): the Pallas
     backward writes each parent's child flows to all row blocks of its child, in one kernel per level (parameter
@@ -900,6 +906,7 @@ def test_leaf_kernel_matches_exact_expected_counts(monkeypatch, seed, fold):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_buffers_past_int32_offsets_run_on_xla(monkeypatch, pallas_forward_calls):
     """The Pallas kernels address the node buffer with int32 offsets. From 2^31 elements (lowered here to this
     circuit's buffer at the batch) ``impl="auto"`` runs every layer on XLA with the same answers, and an explicit
@@ -976,6 +983,7 @@ def test_fanin_partitions_run_the_atomic_backward_and_equal_xla(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # an opt-in route's or tuning's variants
 def test_fanin_kernel_orders_give_the_same_flows(monkeypatch):
     """The fan-in kernels' launch and load orders (``Tuning.fanin_order_batch``: the backward's edge blocks child by
     child, the partition's ``eorder``, from that batch on; ``Tuning.fanin_prefetch`` and
@@ -1037,6 +1045,7 @@ def test_fanin_kernel_orders_give_the_same_flows(monkeypatch):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6 * float(np.abs(b).max()))
 
 
+@pytest.mark.slow
 def test_shared_kernel_tables_pad_a_class_to_one_shape(monkeypatch):
     """The fan-in partitions of one kernel class (group, fold depth, block shape) run their Pallas kernels on tables
     of one shape, the class's largest block count and fan-in, with their own shape: the padding's programs write

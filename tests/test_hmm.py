@@ -43,6 +43,7 @@ def _nodes(c, prefix):
 
 
 @pytest.mark.parametrize("homogeneous", cases([True, False], fast=[True]))
+@pytest.mark.slow
 def test_hmm_ll_and_em_counts(homogeneous):
     """Both flow paths (the chain's scan and the layers) on one compiled HMM against one forward-backward."""
     rng = np.random.default_rng(0)

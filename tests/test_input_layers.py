@@ -60,6 +60,7 @@ RUN_COUNT_CASES = [("per_sample", "fp32", None), ("per_sample", "tf32", 3 * 37 *
 
 
 @pytest.mark.parametrize("missing,precision,chunk", RUN_COUNT_CASES)
+@pytest.mark.slow
 def test_run_counts_equal_scatter(hclt, precision, missing, chunk):
     # with chunk: one-hot matrices of 3 variables at a time (10 variables: a last chunk of one)
     tuning = jaxpc.Tuning(onehot_chunk=chunk) if chunk else jaxpc.Tuning()
@@ -95,6 +96,7 @@ def test_default_runs_path_for_other_leaves():
 
 @pytest.mark.parametrize("missing,precision", [("per_variable", "tf32")] + [
     pytest.param(m, p, marks=slow) for m, p in (("none", "fp32"), ("per_sample", "tf32"), ("per_variable", "fp32"))])
+@pytest.mark.slow
 def test_counts_kernel_equals_scatter(hclt, precision, missing, monkeypatch):
     """The Pallas route (interpret mode here) takes the counts of categorical leaves in runs from one kernel
     (``pallas_leaf.categorical_counts``, the one-hot matrices in registers): equal to the per-node scatter, with

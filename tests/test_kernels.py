@@ -547,6 +547,7 @@ ATOMIC = [(16, 16, 6, 3, 2, 20), (8, 32, 5, 4, 1, 70), (32, 8, 3, 2, 3, 9)]
                                                      (ATOMIC[1], "GeneralLL"), (ATOMIC[2], "LL")],
                                                     fast=[(ATOMIC[0], "LL")], unpack=True),
                          ids=lambda v: "Kp{}-Kc{}-n{}-C{}-M{}-B{}".format(*v) if isinstance(v, tuple) else str(v))
+@pytest.mark.slow
 def test_fanin_backward_atomic_matches_reference(shape, propagation):
     """The one-kernel backward of a fan-in partition (the kept shifts read, local sums from the stored values, the
     child flows added to rows that several parent blocks share) against the XLA reference at tf32 (exact on a CPU):

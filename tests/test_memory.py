@@ -5,6 +5,7 @@ import gc
 
 import jax
 import numpy as np
+import pytest
 
 import jaxpc
 from jaxpc import structures
@@ -15,6 +16,7 @@ def _live_bytes() -> int:
     return sum(a.nbytes for a in jax.live_arrays())
 
 
+@pytest.mark.slow
 def test_small_steps_after_a_large_batch_hold_what_they_held_before():
     c = jaxpc.compile(structures.HMM(16, 8, 32))
     rng = np.random.default_rng(0)

@@ -100,6 +100,7 @@ def test_steps_take_every_ready_block_they_have_room_for(seed):
     assert fewest <= len(steps) <= fewest + 2, (fewest, len(steps))
 
 
+@pytest.mark.slow
 def test_the_cluster_forward_matches_the_level_by_level_forward(tree):
     """The interpreter's kernel (TF32 operands rounded to nearest) against the float32 levels: one launch on one
     cluster from the log-weights (the backward's test runs two launches from the weights)."""
@@ -127,6 +128,7 @@ def test_the_cluster_forward_rejects_what_it_cannot_run(tree):
         mosaic_tree.forward(jnp.asarray(vals[:, :12]), tabs, logw, spec)
 
 
+@pytest.mark.slow
 def test_the_wide_forward_tasks_write_what_the_narrow_ones_write(tree):
     """``Tuning.tree_forward_tile=64`` (and by default at batches up to 16): the forward's tasks of 64 rows
     (``wide_tasks``, fewer steps) write the values and copies that 32-row tasks write, which the backward's tables
@@ -152,6 +154,8 @@ def test_the_wide_forward_tasks_write_what_the_narrow_ones_write(tree):
         jaxpc.Tuning(tree_forward_tile=16)
 
 
+@pytest.mark.slow
+@pytest.mark.full  # an opt-in route's or tuning's variants
 def test_the_cluster_forward_from_log_weights_equals_it_from_weights(tree):
     """Tasks of 32 rows (the route's) exponentiating their log-weight tiles in the kernel (``Tuning.tree_log_weights``)
     write what they write from the TF32 weights made before the call, bit for bit, over two launches."""
@@ -163,6 +167,7 @@ def test_the_cluster_forward_from_log_weights_equals_it_from_weights(tree):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+@pytest.mark.slow
 def test_steps_that_mix_levels_write_what_one_level_steps_write(tree):
     """Where a level holds more blocks than a step takes, blocks of the levels above whose children are done share
     its steps (Hu's order): 16-row tasks (four blocks a step) mix levels here, and their forward and backward write
@@ -263,6 +268,7 @@ def test_the_default_call_takes_the_cluster_route_on_hopper_gpus_only(tree, hopp
         jaxpc.Tuning(tree_clusters=1)
 
 
+@pytest.mark.slow
 def test_the_cluster_route_matches_xla(tree):
     """Log-likelihoods and flows (the input layer's counts, the sum parameters': the tree's from the batched pass)
     on the clusters' kernels in the interpreter against XLA's, within the TF32 operands' error."""
@@ -297,6 +303,7 @@ def test_the_forward_keeps_the_copies_the_flow_pass_reads(tree):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # an opt-in route's or tuning's variants
 def test_the_wide_tasks_and_log_weights_write_what_the_narrow_route_writes(tree):
     """At a batch of 16 the route takes 64-row tasks each way by default (``Tuning.tree_forward_tile``,
     ``Tuning.tree_backward_tile``); they, and the forward exponentiating its weights in the kernel

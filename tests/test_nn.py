@@ -55,6 +55,7 @@ def test_module_evaluates_like_the_circuit_and_round_trips(circuit):
     assert _maxdiff(m2.raw_params(), circuit.params) == 0.0
 
 
+@pytest.mark.slow
 def test_soft_evidence_model_trains_with_nnx_optimizer(circuit):
     model = SoftEvidenceModel(circuit, nnx.Rngs(0))
     opt = nnx.Optimizer(model, optax.adam(0.05), wrt=nnx.Param)

@@ -29,6 +29,7 @@ def test_notebooks_are_committed_with_outputs():
 
 
 @pytest.mark.slow
+@pytest.mark.every_case
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path, monkeypatch):
     monkeypatch.setenv("JAXPC_SMALL", "1")

@@ -66,6 +66,7 @@ def _small_circuit():
 
 
 @pytest.mark.parametrize("seed", [1])
+@pytest.mark.slow
 def test_normalize_turns_any_logits_into_a_distribution(seed):
     gen = Generator(seed, num_vars=3, kinds=DISCRETE)
     circuit = jaxpc.compile(gen.circuit())
@@ -95,6 +96,7 @@ def test_masked_categorical_keeps_forbidden_values_at_zero():
     np.testing.assert_allclose(probs.sum(1), 1.0, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_adam_on_logits_stays_normalized_and_improves_ll():
     circuit, X, data = _small_circuit()
     layout, tables = circuit.layout, circuit.tables
@@ -123,6 +125,7 @@ def test_adam_on_logits_stays_normalized_and_improves_ll():
     assert losses[0] == pytest.approx(-ll0, abs=1e-5) and losses[-1] < losses[0] - 0.1
 
 
+@pytest.mark.slow
 def test_em_transformation_is_em_step_and_its_deltas_are_optax_updates():
     circuit, _, data = _small_circuit()
     params = circuit.params
@@ -230,6 +233,7 @@ def test_fit_reuses_its_epoch_executable_across_calls():
     assert circuit.cache_info().misses == before + 2
 
 
+@pytest.mark.slow
 def test_fit_full_batch_em_equals_circuit_full_batch_em():
     circuit, _, data = _small_circuit()
     tx = optim.full_batch_em(circuit, num_batches=3, pseudocount=0.1)

@@ -46,6 +46,7 @@ def hmm():
 
 
 @pytest.mark.parametrize("n", cases([2, 4], fast=[2]))
+@pytest.mark.slow
 def test_flows_and_em_step_equal_one_device(hmm, n):
     circuit, data, missing = hmm
     mesh = parallel.data_mesh(n)
@@ -62,6 +63,7 @@ def test_flows_and_em_step_equal_one_device(hmm, n):
     assert _maxdiff(new, want) < 1e-5
 
 
+@pytest.mark.slow
 def test_a_repeated_step_replays_its_executable(hmm):
     """A data-parallel step that repeats the previous one's options on a batch of the same kind and shape runs that
     step's executable again without the call path's checks and key (``Runtime.replay``): the same results as one
@@ -75,6 +77,7 @@ def test_a_repeated_step_replays_its_executable(hmm):
     c.runtime.prepare = lambda *a, **k: full.append(1) or prepare(*a, **k)
     sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
     tx = optax.adam(1e-2)
+    want = jax.jit(optim.make_step(circuit.layout, tx))
     for put in (np.asarray, lambda a: jax.device_put(jnp.asarray(a), sharded)):
         xs = [put(data[i:i + 8]) for i in (0, 8, 16)]
         state = tx.init(c.params)
@@ -88,7 +91,6 @@ def test_a_repeated_step_replays_its_executable(hmm):
             assert _maxdiff(new, circuit.em_step(circuit.params, np.asarray(x), step_size=step, pseudocount=pc)) < 1e-5
             p1, s1, _ = parallel.train_step(c, tx, c.params, state, x, mesh=mesh)
             p2, s2, _ = parallel.train_step(c, tx, p1, s1, x, mesh=mesh)  # a new state replays too
-            want = optim.make_step(circuit.layout, tx)
             q1, t1, _ = want(circuit.tables, circuit.params, state, jnp.asarray(x), None, jnp.ones(8), None)
             q2, _, _ = want(circuit.tables, q1, t1, jnp.asarray(x), None, jnp.ones(8), None)
             assert _rel(p2, q2) < 1e-5
@@ -108,6 +110,7 @@ def test_a_repeated_step_replays_its_executable(hmm):
     assert len(full) == count + 2
 
 
+@pytest.mark.slow
 def test_vma_checked_gradients_are_already_summed():
     """The fact the module relies on: with check_vma=True the gradient of replicated parameters is summed
     over the axis already, so a psum on top would double the flows; check_vma=False needs exactly one."""
@@ -324,6 +327,7 @@ def test_gradient_and_train_steps_take_evidence(soft_hmm):
 
 
 @pytest.mark.parametrize("n", cases([None, 2], fast=[2]))
+@pytest.mark.slow
 def test_fit_indexes_evidence_with_the_batch_rows(soft_hmm, n):
     """fit's evidence holds every sample's; each batch takes its rows (a Python loop of em_step on the same
     batches and their evidence is the reference), on one device and on a mesh."""
@@ -346,6 +350,7 @@ def test_fit_indexes_evidence_with_the_batch_rows(soft_hmm, n):
 # ---- jax.pmap: the documented recipe (docs/design.md, "Multiple GPUs") ---------------------------------
 
 @pytest.mark.parametrize("n", cases([4, 2], fast=[4]))
+@pytest.mark.slow
 def test_pmap_step_from_the_engine_equals_one_device(soft_hmm, n):
     """Flows and one EM step under ``jax.pmap``, written with the engine's pure functions and one psum, on a
     batch laid out by ``parallel.split_batch`` (30 rows: padded), equal one device's."""

@@ -242,6 +242,7 @@ def _sampling_circuits():
 
 
 @pytest.mark.parametrize("name", cases(["hmm", "random", "pd"], fast=["hmm"]))
+@pytest.mark.slow
 def test_sampling_matches_exact_distribution(name):
     root = _sampling_circuits()[name]
     c = jaxpc.compile(root, seed=1)

@@ -246,6 +246,7 @@ def test_pd_structure_sizes_and_vars():
         structures.PD((4, 4), 12, split_intervals=2, block_size=8)
 
 
+@pytest.mark.slow
 def test_products_no_edge_joins_get_no_flow():
     """A sparse sum (as PD builds past ``max_prod_block_conns``) may join none of a product's blocks: that product
     and what only it reaches get exactly zero flow (the likelihood's gradient there is zero), so one EM step moves
@@ -278,6 +279,7 @@ def test_rat_spn_is_seeded():
     np.testing.assert_array_equal(np.asarray(a.log_prob(a.params, x)), np.asarray(b.log_prob(b.params, x)))
 
 
+@pytest.mark.slow
 def test_structures_train_under_jit_and_vmap():
     c = jaxpc.compile(structures.HMM(5, 4, 3))
     x = np.random.default_rng(0).integers(0, 3, (8, 5)).astype(np.int32)

@@ -84,6 +84,7 @@ def test_no_tree_without_a_run_of_levels():
 @pytest.mark.parametrize("batch,precision,route", cases(
     [(8, "fp32", "pallas"), (33, "tf32", "pallas"), (8, "fp32", "triton"), (33, "tf32", "triton")],
     fast=[(8, "fp32", "pallas"), (33, "tf32", "triton")], unpack=True))
+@pytest.mark.slow
 def test_flows_and_ll_on_the_tree_kernels_match_the_oracle(deep, batch, precision, route, request):
     """With missing values and per-sample weights; fp32 recomputes the local sums, tf32's route takes them from the
     stored values (exact on a CPU). 33 samples: a batch tile of 64 with padding."""
@@ -117,6 +118,7 @@ def test_the_tree_kernels_run_one_launch_each_way(deep):
 
 
 @slow
+@pytest.mark.full  # an opt-in route's or tuning's variants
 def test_flow_variants_equal_the_per_level_kernels(deep):
     """Without parameter flows (the backward's other mode) and with the batched parameter-flow pass forced (which
     leaves the tree's group to the kernel). The default flows: the oracle test above; an EM step reads them."""
@@ -166,6 +168,8 @@ def test_the_route_takes_jax_tritons_kernels_where_they_run_and_fit(deep, monkey
     assert routing.tree_kernel(fold, TRITON, 8, f32) == "pallas"
 
 
+@pytest.mark.slow
+@pytest.mark.full  # an opt-in route's or tuning's variants
 def test_the_triton_tree_backward_adds_child_flows_as_pallas_does(deep, interpreted_triton):
     """The backward's mode that no circuit here takes (an HCLT's rows have one reader: its flows are stored, with
     parameter flows added, as the oracle test above checks): child flows added to what the rows held, no parameter

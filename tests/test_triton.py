@@ -33,6 +33,7 @@ def _run(launch):
                                               fast=[(SHAPES[1], 1.0), (SHAPES[3], 1.0), (SHAPES[1], 2.0)],
                                               unpack=True),
                          ids=lambda v: "Kp{}-Kc{}-n{}-C{}-B{}".format(*v[:5]) if isinstance(v, tuple) else str(v))
+@pytest.mark.slow
 def test_triton_sum_kernels_match_reference(shape, alpha):
     """Forward, parent-side and child-side backward on padded blocks, -inf children, tied parameters, chunked
     fan-ins and several batch tiles (tensor-core products where every side is 16 or more). Fan-ins up to 8 child
@@ -192,6 +193,7 @@ def test_impl_triton_falls_back_with_one_warning_and_stays_exact(monkeypatch):
 
 @needs_interpreter
 @pytest.mark.parametrize("structure", cases(["hclt", "pd"], fast=["pd"]))
+@pytest.mark.slow
 def test_circuits_on_the_triton_route_equal_the_reference(structure, monkeypatch):
     """Whole circuits with ``impl="triton"``, the kernels in Triton's interpreter: an HCLT (tree levels, folded
     products) and a PD (blocks of several child blocks); log-likelihoods and flows equal the XLA route's, and the

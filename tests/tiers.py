@@ -1,7 +1,7 @@
 """Test tiers: keep a few representative cases of a parametrization in the fast tier and mark the rest slow.
 
-A plain ``pytest`` deselects tests marked ``slow`` (tests/conftest.py); ``pytest -m slow`` runs them alone and
-``pytest --slow`` runs both tiers."""
+A plain ``pytest`` deselects tests marked ``slow`` (tests/conftest.py); ``pytest --slow`` (CI) adds the slow tier,
+one case of each test function, and ``pytest --full`` every case."""
 
 import pytest
 
