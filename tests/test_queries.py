@@ -233,15 +233,37 @@ def _chi_square(samples, x_all, probs):
 
 def _sampling_circuits():
     rng = np.random.default_rng(5)
-    T, L, V = 3, 3, 3
-    hmm = structures.HMM(T, L, V, alpha=rng.dirichlet(np.ones(L), L), beta=rng.dirichlet(np.ones(V), L),
-                         gamma=rng.dirichlet(np.ones(L)))
+    T, V = 3, 3
+    hmms = {name: structures.HMM(T, L, V, alpha=rng.dirichlet(np.ones(L), L), beta=rng.dirichlet(np.ones(V), L),
+                                 gamma=rng.dirichlet(np.ones(L))) for name, L in (("hmm", 3), ("hmm12", 12))}
     gen = Generator(7, num_vars=3, kinds=DISCRETE)
     pd = structures.PD((2, 2), 4, split_intervals=1, input_dist=distributions.Categorical(3), block_size=2)
-    return {"hmm": hmm, "random": gen.circuit(), "pd": pd}
+    return {**hmms, "random": gen.circuit(), "pd": pd}
 
 
-@pytest.mark.parametrize("name", cases(["hmm", "random", "pd"], fast=["hmm"]))
+def test_grouped_gumbel_draws_each_child_with_its_posterior_probability():
+    """Sampling chooses a group of children by Gumbel-max on the groups' log-sum-exps, then a child of the group
+    (12 children: 4 groups of 3): the draws follow ``exp(log w + value)`` normalized, an impossible child never."""
+    from jaxpc.engine import select
+
+    assert [select.group_size(c) for c in (1, 3, 7, 12, 16, 48, 256)] == [1, 1, 1, 3, 4, 6, 16]
+    rng = np.random.default_rng(0)
+    C, B = 12, 20_000
+    lw = np.log(rng.dirichlet(np.ones(C)))
+    x = rng.normal(size=C)
+    x[5] = -np.inf
+    xs = jnp.broadcast_to(jnp.asarray(x, jnp.float32)[None, :, None], (1, C, B))
+    idx = np.asarray(jax.jit(select.sample_children)(jnp.asarray(lw, jnp.float32)[None, None], xs,
+                                                     jax.random.key(0)))
+    assert idx.shape == (1, 1, B)
+    counts = np.bincount(idx.ravel(), minlength=C)
+    assert counts[5] == 0
+    p = np.exp(lw + x)
+    pos = p > 0
+    assert stats.chisquare(counts[pos], p[pos] / p[pos].sum() * B).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("name", ["hmm12", "hmm", "random", "pd"])  # (hmm12: 12 children, groups of 3)
 @pytest.mark.slow
 def test_sampling_matches_exact_distribution(name):
     root = _sampling_circuits()[name]
