@@ -101,9 +101,9 @@ def test_process_and_disk_caches(tmp_path):
     assert sum(calls.values()) > n
 
 
-# slow: the fast tier's test_tune_circuit_starts_from_the_auto_choice tunes the same circuit's partitions by scripted
-# timings, and its hclt-folded-16-one-route case of test_every_candidate_route_gives_the_reference checks a routed
-# folded plan against the reference
+# slow: test_tune_circuit_starts_from_the_auto_choice tunes the same circuit's partitions by scripted timings, and the
+# hclt-folded-16-one-route case of test_every_candidate_route_gives_the_reference checks a routed folded plan against
+# the reference
 @pytest.mark.parametrize("impl,fold", cases([("pallas", False), ("pallas", True), ("pallas_forward", True)],
                                              fast=[], unpack=True),
                          ids=["pallas-full-layout", "pallas-folded", "pallas_forward-folded"])
