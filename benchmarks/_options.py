@@ -45,3 +45,17 @@ def xla_value(v: str):
         return int(v)
     except ValueError:
         return v
+
+
+def query_calls(c, put, **kw) -> dict:
+    """The benchmarks' calls of circuit ``c``'s queries, each a function of the batch ``x``: ``conditional`` and
+    ``mpe`` with a third of the variables unobserved, ``sample`` with that evidence under ``jax.random.key(0)``. The
+    mask is ``put`` (``jnp.asarray``, or a numpy conversion for host batches); ``kw`` goes to every call."""
+    import jax
+    import numpy as np
+
+    miss = put(np.arange(c.num_vars) % 3 == 0)
+    key = jax.random.key(0)
+    return {"conditional": lambda x: c.conditional(c.params, x, miss, **kw),
+            "mpe": lambda x: c.mpe(c.params, x, miss, **kw),
+            "sample": lambda x: c.sample(c.params, key, x=x, missing=miss, **kw)}

@@ -71,17 +71,16 @@ def main(argv=None) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
+    from _options import query_calls
+
     c, data = build(args.workload, args.latents)
     put = (lambda a: np.asarray(a, dtype=args.dtype)) if args.host else jnp.asarray
     xs = [put(data[i * args.batch:(i + 1) * args.batch]) for i in range(4)]
-    miss = put(np.arange(c.num_vars) % 3 == 0)  # a third of the variables unobserved
     levels = int(c.runtime.var_info.card.max())
     soft = {id(x): put(np.eye(levels, dtype=np.float32)[np.asarray(x)]) for x in xs}  # one-hot: x as soft evidence
-    key = jax.random.key(0)
     calls = {"flows": lambda x: c.flows(c.params, x), "log_prob": lambda x: c.log_prob(c.params, x),
              "em_step": lambda x: c.em_step(c.params, x, step_size=0.1, pseudocount=0.1),
-             "conditional": lambda x: c.conditional(c.params, x, miss), "mpe": lambda x: c.mpe(c.params, x, miss),
-             "sample": lambda x: c.sample(c.params, key, x=x, missing=miss),
+             **query_calls(c, put),
              "marginal_soft": lambda x: c.marginal(c.params, soft_evidence=soft[id(x)])}
     stamps: list[tuple[int, float]] = []
     original = jax.stages.Compiled.__call__

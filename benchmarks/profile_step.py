@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jaxpc  # noqa: E402
 from _data import blurred_noise_images  # noqa: E402
-from _options import tuning  # noqa: E402
+from _options import query_calls, tuning  # noqa: E402
 from jaxpc import distributions, structures  # noqa: E402
 
 SCOPE = re.compile(r"jaxpc/(input\d+|chain|select|partial[\d.]+|stage[\d.]+/(prod|sum)\d+(/backward)?)")
@@ -198,14 +198,11 @@ def main(argv=None):
     xs = [jnp.asarray(data[i * args.batch:(i + 1) * args.batch]) for i in range(4)]
     if args.public:
         entry = getattr(c, args.public)
-        miss = jnp.asarray(np.arange(c.num_vars) % 3 == 0)  # the queries: a third of the variables unobserved
-        key = jax.random.key(0)
+        queries = query_calls(c, jnp.asarray, validate=args.validate, **extra)
 
         def call(x):
-            if args.public == "sample":
-                return entry(c.params, key, x=x, missing=miss, validate=args.validate, **extra)
-            if args.public in ("conditional", "mpe"):
-                return entry(c.params, x, miss, validate=args.validate, **extra)
+            if args.public in queries:
+                return queries[args.public](x)
             return entry(c.params, x, validate=args.validate, **extra)
 
         jax.block_until_ready(call(xs[0]))
