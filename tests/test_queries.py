@@ -241,29 +241,38 @@ def _sampling_circuits():
     return {**hmms, "random": gen.circuit(), "pd": pd}
 
 
-def test_grouped_gumbel_draws_each_child_with_its_posterior_probability():
-    """Sampling chooses a group of children by Gumbel-max on the groups' log-sum-exps, then a child of the group
-    (12 children: 4 groups of 3): the draws follow ``exp(log w + value)`` normalized, an impossible child never."""
+def test_sampled_child_follows_the_reached_parents_posterior():
+    """A sum partition's sampled choice for each sample uses the weights of the parent that sample reaches: with
+    parent 0 for half the samples and parent 2 for the other half, each half's draws follow ``exp(log w_k +
+    value)`` normalized over the 12 children for its own parent ``k``, an impossible child never."""
     from jaxpc.engine import select
 
-    assert [select.group_size(c) for c in (1, 3, 7, 12, 16, 48, 256)] == [1, 1, 1, 3, 4, 6, 16]
     rng = np.random.default_rng(0)
-    C, B = 12, 20_000
-    lw = np.log(rng.dirichlet(np.ones(C)))
+    C, Kp, B = 12, 3, 40_000
+    lw = np.log(rng.dirichlet(np.ones(C), size=Kp))  # [Kp, C]
     x = rng.normal(size=C)
     x[5] = -np.inf
-    xs = jnp.broadcast_to(jnp.asarray(x, jnp.float32)[None, :, None], (1, C, B))
-    idx = np.asarray(jax.jit(select.sample_children)(jnp.asarray(lw, jnp.float32)[None, None], xs,
-                                                     jax.random.key(0)))
-    assert idx.shape == (1, 1, B)
-    counts = np.bincount(idx.ravel(), minlength=C)
-    assert counts[5] == 0
-    p = np.exp(lw + x)
-    pos = p > 0
-    assert stats.chisquare(counts[pos], p[pos] / p[pos].sum() * B).pvalue > 1e-3
+    values = jnp.broadcast_to(jnp.asarray(x, jnp.float32)[:, None], (C, B))
+    logw = jnp.asarray(lw.T[:, :, None], jnp.float32)  # [C, Kp, 1]: one parameter block per child
+    ch = pid = jnp.arange(C, dtype=jnp.int32)[None]
+    parent = jnp.asarray(np.repeat([0, 2], B // 2)[None], jnp.int32)
+    counts = jnp.zeros((1, Kp, B)).at[0, parent[0], jnp.arange(B)].set(1.0)
+    k, w = select.reached_parents(counts)
+    np.testing.assert_array_equal(np.asarray(k), np.asarray(parent))
+    assert np.all(np.asarray(w) == 1.0)
+    rows = jax.jit(select.chosen_children, static_argnames=("Kc", "dense"))(
+        values, ch, pid, logw, k, Kc=1, dense=False, key=jax.random.key(0))
+    rows = np.asarray(rows)
+    assert rows.shape == (1, B)
+    for half, kp in ((rows[0, :B // 2], 0), (rows[0, B // 2:], 2)):
+        n = np.bincount(half, minlength=C)
+        assert n[5] == 0
+        p = np.exp(lw[kp] + x)
+        pos = p > 0
+        assert stats.chisquare(n[pos], p[pos] / p[pos].sum() * half.size).pvalue > 1e-3
 
 
-@pytest.mark.parametrize("name", ["hmm12", "hmm", "random", "pd"])  # (hmm12: 12 children, groups of 3)
+@pytest.mark.parametrize("name", ["hmm12", "hmm", "random", "pd"])
 @pytest.mark.slow
 def test_sampling_matches_exact_distribution(name):
     root = _sampling_circuits()[name]
