@@ -91,10 +91,15 @@ def reached_leaves(layout: Layout, tables: dict, params: dict, values: Array, ke
 
 
 def leaf_choice(layout: Layout, tables: dict, reached: list[Array], num_vars: int):
-    """For each input layer: ``[V, B]`` index of the reached node of each variable (``-1`` if none)."""
+    """For each input layer: ``[V, B]`` index of the reached node of each variable (``-1`` if none). A layer of runs
+    of ``r`` nodes over one variable (``InputLayerSpec.run``) takes each run's maximum first: a scatter of ``N / r``
+    rows instead of ``N``."""
     out = []
     for spec, tab, r in zip(layout.input_layers, tables["inputs"], reached):
         cand = jnp.where(r > 0.5, jnp.arange(spec.num_nodes, dtype=jnp.int32)[:, None], -1)
-        best = jax.ops.segment_max(cand, tab["vars"], num_segments=num_vars)
+        seg = tab["vars"]
+        if spec.run > 1:
+            cand, seg = jnp.max(cand.reshape(-1, spec.run, cand.shape[1]), axis=1), seg[::spec.run]
+        best = jax.ops.segment_max(cand, seg, num_segments=num_vars)
         out.append(jnp.maximum(best, -1))
     return out
