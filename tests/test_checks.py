@@ -53,7 +53,7 @@ def test_the_flag_is_written_to_pinned_host_memory(hmm):
     hmm.raise_pending()
 
 
-@pytest.mark.parametrize("value", cases([7, -1], fast=[7]))
+@pytest.mark.parametrize("value", cases([7, -1], fast=[]))
 def test_bad_rows_take_no_part_in_flows_and_em(hmm, value):
     x = _data(8, seed=3)
     xd = jnp.asarray(x).at[2, 3].set(value)

@@ -306,6 +306,7 @@ def test_lru_bound():
     assert c.cache_info().misses == misses + 1
 
 
+@pytest.mark.slow
 def test_warns_once_naming_the_changing_option():
     c = _hmm(max_layouts_per_entry=3)
     x = _data(4)
@@ -574,6 +575,7 @@ def test_a_call_tries_its_last_executable_and_falls_back_to_the_key():
     assert counts() == (8, 3)
 
 
+@pytest.mark.slow
 def test_a_repeated_call_replays_its_executable_and_stays_exact():
     """A call that repeats the last one's options on a device batch filling its bucket runs that call's executable
     again without its checks and key (``Runtime.replay``): the same outputs as the full call, the input check's

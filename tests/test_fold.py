@@ -265,20 +265,19 @@ def test_the_summed_param_flow_kernel_equals_the_matrix_products(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["pd"])  # PD's partitions hold every kind of block HCLT's do
-def test_batched_param_flows_kernel_equals_xla(monkeypatch, name):
+@pytest.mark.parametrize("kw", [{}, {"propagation": "GeneralLL", "alpha": 2.5}, {"precision": "bf16"}],
+                         ids=["tf32", "GeneralLL", "bf16"])
+def test_batched_param_flows_kernel_equals_xla(monkeypatch, kw):
     """Where the in-place forward kept every batched block's shift, the batched pass runs its Pallas kernel
-    (interpret mode here; on a GPU with the default impl) and gives XLA's batched flows and the inline ones
-    (tf32 and bf16 stored local sums, GeneralLL); which options route to it."""
+    (interpret mode here; on a GPU with the default impl) and gives XLA's batched flows, and for tf32 the inline
+    ones too (tf32 and bf16 stored local sums, GeneralLL), on a PD (its partitions hold every kind of block an
+    HCLT's do); which options route to it."""
     from jaxpc.engine import em
     from jaxpc.ops import pallas_sum
 
-    if name == "hclt":
-        c, x = _chain_hclt()
-    else:
-        c = jaxpc.compile(structures.PD((2, 4), 8, split_intervals=(1, 1), input_dist=distributions.Categorical(5)),
-                          seed=3)
-        x = np.random.default_rng(0).integers(0, 5, (11, 8)).astype(np.int32)
+    c = jaxpc.compile(structures.PD((2, 4), 8, split_intervals=(1, 1), input_dist=distributions.Categorical(5)),
+                      seed=3)
+    x = np.random.default_rng(0).integers(0, 5, (11, 8)).astype(np.int32)
     route, f32 = routing.pflow_kernel, jax.numpy.float32
     o = jaxpc.Options(precision="tf32")
     assert route(o.replace(impl="pallas_forward"), f32) and route(o.replace(impl="pallas"), f32)
@@ -293,24 +292,22 @@ def test_batched_param_flows_kernel_equals_xla(monkeypatch, name):
     def flows(o):  # traced afresh each time
         return jax.jit(lambda p, xb: em.flows_and_ll(c.layout, c.tables, p, xb, None, None, o))(c.params, x)
 
-    for kw in ({}, {"propagation": "GeneralLL", "alpha": 2.5}, {"precision": "bf16"}):
-        o = jaxpc.Options(chain_scan=False, param_flow_pass="batched", impl="pallas_forward",
-                          **{"precision": "tf32", **kw})
-        del calls[:]
-        got = flows(o)
-        assert calls  # the kernel ran (every block of fan-in 1 kept its shift)
-        del calls[:]
-        with monkeypatch.context() as m:  # the same forward, XLA's batched pass
-            m.setattr(routing, "pflow_kernel", lambda options, dtype: False)
-            xla = flows(o)
-        assert not calls  # the route was taken away: XLA's pass ran
-        # and XLA's inline pass, once (test_batched_param_flows_equal_the_inline_ones compares the two XLA passes)
-        inline = o.replace(param_flow_pass="inline", tuning=jaxpc.Tuning(fanin_kernel_batch=0))
-        refs = (xla, flows(inline)) if not kw else (xla,)
-        tol = 2e-2 if o.precision == "bf16" else 1e-5  # bfloat16 operands: 2^-8 per product, rounded in other places
-        for ref in refs:
-            for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
-                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol / 10)
+    o = jaxpc.Options(chain_scan=False, param_flow_pass="batched", impl="pallas_forward",
+                      **{"precision": "tf32", **kw})
+    got = flows(o)
+    assert calls  # the kernel ran (every block of fan-in 1 kept its shift)
+    del calls[:]
+    with monkeypatch.context() as m:  # the same forward, XLA's batched pass
+        m.setattr(routing, "pflow_kernel", lambda options, dtype: False)
+        xla = flows(o)
+    assert not calls  # the route was taken away: XLA's pass ran
+    # and XLA's inline pass, once (test_batched_param_flows_equal_the_inline_ones compares the two XLA passes)
+    inline = o.replace(param_flow_pass="inline", tuning=jaxpc.Tuning(fanin_kernel_batch=0))
+    refs = (xla, flows(inline)) if not kw else (xla,)
+    tol = 2e-2 if o.precision == "bf16" else 1e-5  # bfloat16 operands: 2^-8 per product, rounded in other places
+    for ref in refs:
+        for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol / 10)
     del calls[:]
     jax.eval_shape(lambda p, xb: em.flows_and_ll(c.layout, c.tables, p, xb, None, None,
                                                  o.replace(kernel_shifts=False)), c.params, x)
@@ -939,11 +936,12 @@ def test_buffers_past_int32_offsets_run_on_xla(monkeypatch, pallas_forward_calls
 
 
 @pytest.mark.slow
-def test_fanin_partitions_run_the_atomic_backward_and_equal_xla(monkeypatch):
+@pytest.mark.parametrize("under_vmap", [False, True], ids=["one-set", "vmap"])
+def test_fanin_partitions_run_the_atomic_backward_and_equal_xla(monkeypatch, under_vmap):
     """Where the forward kept the shifts of a partition whose child row blocks several parent blocks read (a PD's
     fan-ins), the flow pass runs it as one kernel (interpret mode here; on a GPU with the default impl) and gives
-    XLA's flows, parameter flows and log-likelihoods (GeneralLL's exponent: the kernel's own test), also under
-    ``vmap`` over parameter sets; which options and batches route to it."""
+    XLA's flows, parameter flows and log-likelihoods (GeneralLL's exponent: the kernel's own test), or under
+    ``vmap`` over parameter sets XLA's set by set; which options and batches route to it."""
     from types import SimpleNamespace
 
     c = jaxpc.compile(structures.PD((2, 4), 8, split_intervals=(1, 1), input_dist=distributions.Categorical(5)),
@@ -964,14 +962,15 @@ def test_fanin_partitions_run_the_atomic_backward_and_equal_xla(monkeypatch):
     calls = []
     real = engine_flows._sum_flows_atomic
     monkeypatch.setattr(engine_flows, "_sum_flows_atomic", lambda *a, **k: calls.append(1) or real(*a, **k))
-    got = c.flows(c.params, x, options=o, return_ll=True)
-    assert len(calls) == len([p for p in fanin if not p.dense])
-    ref = c.flows(c.params, x, options=o.replace(tuning=jaxpc.Tuning(fanin_kernel_batch=0)), return_ll=True)
-    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6 * float(np.abs(b).max()))
+    if not under_vmap:
+        got = c.flows(c.params, x, options=o, return_ll=True)
+        assert len(calls) == len([p for p in fanin if not p.dense])
+        ref = c.flows(c.params, x, options=o.replace(tuning=jaxpc.Tuning(fanin_kernel_batch=0)), return_ll=True)
+        for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6 * float(np.abs(b).max()))
+        return
     # under vmap over parameter sets (Pallas batches the kernel, its atomic adds per set) as set by set on XLA
     sets = jax.tree_util.tree_map(lambda *v: jnp.stack(v), c.params, c.init_params(jax.random.key(1)))
-    calls.clear()
     got = jax.jit(jax.vmap(lambda p: c.flows(p, x, options=o, return_ll=True)))(sets)
     assert calls
     for i in range(2):

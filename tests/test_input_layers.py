@@ -78,6 +78,7 @@ def test_run_counts_equal_scatter(hclt, precision, missing, chunk):
     np.testing.assert_allclose(g.reshape(10, 4, 5).sum(axis=(1, 2)), np.full(10, 37.0), rtol=1e-5)
 
 
+@slow
 def test_default_runs_path_for_other_leaves():
     """Leaves without their own per-run statistics (here Gaussians) repeat the run's values per node."""
     rng = np.random.default_rng(3)

@@ -148,7 +148,7 @@ def test_params_and_optimizer_states_round_trip(tmp_path):
     io.save_params(tmp_path / "p", circuit.params, overwrite=True)
 
 
-@pytest.mark.parametrize("kind", cases(["em", "adam"], fast=["em"]))
+@pytest.mark.parametrize("kind", cases(["em", "adam"], fast=[]))
 def test_resumed_fit_equals_uninterrupted_bit_for_bit(kind, tmp_path):
     circuit, _, data = _small_circuit()
     if kind == "em":

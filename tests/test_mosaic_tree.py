@@ -269,6 +269,7 @@ def test_the_default_call_takes_the_cluster_route_on_hopper_gpus_only(tree, hopp
 
 
 @pytest.mark.slow
+@pytest.mark.full  # (in CI the route runs end to end in test_the_cluster_route_with_tree_blocks_outside_the_tree)
 def test_the_cluster_route_matches_xla(tree):
     """Log-likelihoods and flows (the input layer's counts, the sum parameters': the tree's from the batched pass)
     on the clusters' kernels in the interpreter against XLA's, within the TF32 operands' error."""
@@ -342,12 +343,14 @@ def hclt():
 
 @pytest.mark.slow
 def test_the_cluster_route_with_tree_blocks_outside_the_tree(hclt):
-    """A partition of the tree's group outside the tree, on the Pallas backward, leaves its parameter flows to the
-    batched pass like the tree's blocks (it asked for the group's accumulator, which the batched pass does not
-    carry: a KeyError), equal to XLA's within TF32's rounding."""
+    """The route end to end on an HCLT: a partition of the tree's group outside the tree, on the Pallas backward,
+    leaves its parameter flows to the batched pass like the tree's blocks (it asked for the group's accumulator,
+    which the batched pass does not carry: a KeyError); log-likelihoods and flows equal XLA's within TF32's
+    rounding."""
     c, x = hclt
-    want = c.flows(c.params, x, options=jaxpc.Options(impl="xla", precision="fp32"))
-    batched = c.flows(c.params, x, options=CLUSTERS)
+    want, ll_want = c.flows(c.params, x, options=jaxpc.Options(impl="xla", precision="fp32"), return_ll=True)
+    batched, ll = c.flows(c.params, x, options=CLUSTERS, return_ll=True)
+    np.testing.assert_allclose(np.asarray(ll), np.asarray(ll_want), rtol=1e-4)
     for a, b in zip(jax.tree_util.tree_leaves(batched), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-3 * float(np.max(np.abs(b))))
 

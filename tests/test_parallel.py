@@ -64,7 +64,8 @@ def test_flows_and_em_step_equal_one_device(hmm, n):
 
 
 @pytest.mark.slow
-def test_a_repeated_step_replays_its_executable(hmm):
+@pytest.mark.parametrize("kind", ["device", "numpy"])
+def test_a_repeated_step_replays_its_executable(hmm, kind):
     """A data-parallel step that repeats the previous one's options on a batch of the same kind and shape runs that
     step's executable again without the call path's checks and key (``Runtime.replay``): the same results as one
     device's, numpy batches still checked on the host, other step sizes and optimizer states taken anew, and the
@@ -78,25 +79,25 @@ def test_a_repeated_step_replays_its_executable(hmm):
     sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
     tx = optax.adam(1e-2)
     want = jax.jit(optim.make_step(circuit.layout, tx))
-    for put in (np.asarray, lambda a: jax.device_put(jnp.asarray(a), sharded)):
-        xs = [put(data[i:i + 8]) for i in (0, 8, 16)]
-        state = tx.init(c.params)
-        for k, x in enumerate(xs):
-            step, pc = (0.7, 0.1) if k < 2 else (0.5, 0.0)
-            fl, ll = parallel.flows(c, c.params, x, mesh=mesh, return_ll=True)
-            ref, ll_ref = circuit.flows(circuit.params, np.asarray(x), return_ll=True)
-            assert _rel(fl, ref) < 1e-5
-            np.testing.assert_allclose(ll, ll_ref, rtol=1e-5)
-            new = parallel.em_step(c, c.params, x, mesh=mesh, step_size=step, pseudocount=pc)
-            assert _maxdiff(new, circuit.em_step(circuit.params, np.asarray(x), step_size=step, pseudocount=pc)) < 1e-5
-            p1, s1, _ = parallel.train_step(c, tx, c.params, state, x, mesh=mesh)
-            p2, s2, _ = parallel.train_step(c, tx, p1, s1, x, mesh=mesh)  # a new state replays too
-            q1, t1, _ = want(circuit.tables, circuit.params, state, jnp.asarray(x), None, jnp.ones(8), None)
-            q2, _, _ = want(circuit.tables, q1, t1, jnp.asarray(x), None, jnp.ones(8), None)
-            assert _rel(p2, q2) < 1e-5
-            if k == 0:
-                count = len(full)
-        assert len(full) == count, "the repeated steps took the full call"
+    put = np.asarray if kind == "numpy" else (lambda a: jax.device_put(jnp.asarray(a), sharded))
+    xs = [put(data[i:i + 8]) for i in (0, 8, 16)]
+    state = tx.init(c.params)
+    for k, x in enumerate(xs):
+        step, pc = (0.7, 0.1) if k < 2 else (0.5, 0.0)
+        fl, ll = parallel.flows(c, c.params, x, mesh=mesh, return_ll=True)
+        ref, ll_ref = circuit.flows(circuit.params, np.asarray(x), return_ll=True)
+        assert _rel(fl, ref) < 1e-5
+        np.testing.assert_allclose(ll, ll_ref, rtol=1e-5)
+        new = parallel.em_step(c, c.params, x, mesh=mesh, step_size=step, pseudocount=pc)
+        assert _maxdiff(new, circuit.em_step(circuit.params, np.asarray(x), step_size=step, pseudocount=pc)) < 1e-5
+        p1, s1, _ = parallel.train_step(c, tx, c.params, state, x, mesh=mesh)
+        p2, s2, _ = parallel.train_step(c, tx, p1, s1, x, mesh=mesh)  # a new state replays too
+        q1, t1, _ = want(circuit.tables, circuit.params, state, jnp.asarray(x), None, jnp.ones(8), None)
+        q2, _, _ = want(circuit.tables, q1, t1, jnp.asarray(x), None, jnp.ones(8), None)
+        assert _rel(p2, q2) < 1e-5
+        if k == 0:
+            count = len(full)
+    assert len(full) == count, "the repeated steps took the full call"
     bad = data[:8].copy()
     bad[2, 1] = 9
     with pytest.raises(ValueError, match="out of range"):  # numpy: checked on the host, replayed or not
@@ -306,7 +307,8 @@ def test_compile_after_fallback_pads_the_evidence(soft_hmm):
 
 
 @pytest.mark.slow
-def test_gradient_and_train_steps_take_evidence(soft_hmm):
+@pytest.mark.parametrize("optimizer", ["em", "adam"])
+def test_gradient_and_train_steps_take_evidence(soft_hmm, optimizer):
     circuit, x, evs = soft_hmm
     ev = evs["topk"]
     mesh = parallel.data_mesh(4)
@@ -317,13 +319,13 @@ def test_gradient_and_train_steps_take_evidence(soft_hmm):
     loss, g = parallel.loss_and_grad(circuit, logits, x, mesh=mesh, evidence=ev)
     assert float(loss) == pytest.approx(float(loss_ref), rel=1e-5)
     assert _rel(g, g_ref) < 1e-5
-    for tx in (optax.adam(0.05), optim.em(circuit, 0.5, 0.1)):
-        state = tx.init(circuit.params)
-        p1, _, ll1 = parallel.train_step(circuit, tx, circuit.params, state, x, mesh=mesh, evidence=ev)
-        p2, _, ll2 = jax.jit(optim.make_step(circuit.layout, tx))(circuit.tables, circuit.params, state,
-                                                                   jnp.asarray(x), None, None, checked)
-        assert _maxdiff(p1, p2) < 1e-5
-        np.testing.assert_allclose(ll1, ll2, rtol=1e-5)
+    tx = optax.adam(0.05) if optimizer == "adam" else optim.em(circuit, 0.5, 0.1)
+    state = tx.init(circuit.params)
+    p1, _, ll1 = parallel.train_step(circuit, tx, circuit.params, state, x, mesh=mesh, evidence=ev)
+    p2, _, ll2 = jax.jit(optim.make_step(circuit.layout, tx))(circuit.tables, circuit.params, state,
+                                                               jnp.asarray(x), None, None, checked)
+    assert _maxdiff(p1, p2) < 1e-5
+    np.testing.assert_allclose(ll1, ll2, rtol=1e-5)
 
 
 @pytest.mark.parametrize("n", cases([None, 2], fast=[2]))

@@ -102,7 +102,7 @@ def test_conditionals(case):
     _check_conditionals(c, x, int(max(CARD[k] for k in gen.kinds)))
 
 
-@pytest.mark.parametrize("structure", cases(["hmm", "hclt"], fast=["hclt"]))
+@pytest.mark.parametrize("structure", cases(["hclt", "hmm"], fast=[]))
 def test_conditionals_of_latent_vectors_per_variable(structure):
     """Input layers of a vector of latents per variable (``InputLayerSpec.run``: an inhomogeneous HMM's emissions, an
     HCLT's leaves) take each variable's conditional as one product per run: against enumeration as the general
