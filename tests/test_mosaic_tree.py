@@ -168,15 +168,19 @@ def test_the_cluster_forward_from_log_weights_equals_it_from_weights(tree):
 
 
 @pytest.mark.slow
-def test_steps_that_mix_levels_write_what_one_level_steps_write(tree):
-    """Where a level holds more blocks than a step takes, blocks of the levels above whose children are done share
-    its steps (Hu's order): 16-row tasks (four blocks a step) mix levels here, and their forward and backward write
-    what the 32-row tasks (eight blocks a step, one level a step) write, up to the order in which a parent's children
-    add into it and the TF32 rounding of the flows' operands."""
+def test_task_widths_and_mixed_levels_write_what_one_level_steps_write(tree):
+    """Three schedules of the same tree write the same values and flows, within TF32 rounding. Where a level holds
+    more blocks than a step takes, blocks of the levels above whose children are done share its steps (Hu's
+    order): 16-row tasks (four blocks a step) mix levels here, and their forward and backward write what the 32-row
+    tasks (eight blocks a step, one level a step) write, up to the order in which a parent's children add into it.
+    :func:`mosaic_tree.backward` with ``ratios`` (each parent's ``exp(shift - value)`` and the child's ``exp(child
+    - shift)`` made before the call) on 64-row tasks (``Tuning.tree_backward_tile=64``) writes the flows that the
+    copies' kernel writes on the route's 32-row tasks over two launches: every row the tree's blocks and their
+    children read."""
     c, spec, tab, vals = tree
     logw = c.params["sum"][spec.group]
     level = mosaic_tree._levels_of(tab["lev"])
-    schedules = {tile: mosaic_tree.schedule(tab, spec, clusters=2, tile=tile) for tile in (16, 32)}
+    schedules = {tile: mosaic_tree.schedule(tab, spec, clusters=2, tile=tile) for tile in (16, 32, 64)}
 
     def levels_per_step(tasks):
         return [len({int(level[v // spec.Kp]) for v in t[g, :, s, 2][t[g, :, s, 0] >= 0]})
@@ -185,40 +189,21 @@ def test_steps_that_mix_levels_write_what_one_level_steps_write(tree):
     assert max(levels_per_step(schedules[16]["tasks"])) > 1
     assert max(levels_per_step(schedules[32]["tasks"])) == 1
     flows = jnp.asarray(np.random.default_rng(3).random(vals.shape).astype(np.float32))
-    got = {}
+    values, got = {}, {}
     for tile, tabs in schedules.items():
         tabs = jax.tree.map(jnp.asarray, tabs)
-        out, kept = mosaic_tree.forward(jnp.asarray(vals), tabs, logw, spec, tile=tile, keep=True)
-        got[tile] = (out, mosaic_tree.backward(flows, kept, tabs, mosaic_tree.tf32_weights_t(logw), spec, tile=tile))
-    (v16, f16), (v32, f32) = got[16], got[32]
-    np.testing.assert_allclose(np.asarray(v16), np.asarray(v32), rtol=3e-5, atol=3e-5)
-    # a flow's operands are rounded to TF32 (2^-11): an input that moved by an ulp can round the other way
-    np.testing.assert_allclose(np.asarray(f16), np.asarray(f32), rtol=5e-4, atol=1e-6)
+        values[tile], kept = mosaic_tree.forward(jnp.asarray(vals), tabs, logw, spec, tile=tile, keep=True)
+        got[tile] = np.asarray(mosaic_tree.backward(flows, kept, tabs, mosaic_tree.tf32_weights_t(logw), spec,
+                                                    tile=tile, ratios=tile == 64))
+    assert (np.abs(got[32] - np.asarray(flows)).max(axis=1) > 0).sum() > len(schedules[32]["rows"])
+    for tile in (16, 64):
+        np.testing.assert_allclose(np.asarray(values[tile]), np.asarray(values[32]), rtol=3e-5, atol=3e-5)
+        # products of other shapes sum in another order, and a flow's operands are rounded to TF32 (2^-11): an
+        # operand an ulp apart can round the other way (up to 5.6e-5 relative on an AVX2 CPU)
+        np.testing.assert_allclose(got[tile], got[32], rtol=5e-4, atol=1e-6)
 
 
 CLUSTERS = jaxpc.Options(impl="pallas", precision="tf32", tuning=jaxpc.Tuning(tree_clusters=True))
-
-
-@pytest.mark.slow
-def test_the_backward_from_ratios_writes_what_it_writes_from_the_copies(tree):
-    """:func:`mosaic_tree.backward` with ``ratios`` (each parent's ``exp(shift - value)`` and the child's
-    ``exp(child - shift)`` made before the call) on 64-row tasks (``Tuning.tree_backward_tile=64``) writes the flows
-    that the copies' kernel writes on the route's 32-row tasks over two launches, within TF32 rounding: every row
-    the tree's blocks and their children read."""
-    c, spec, tab, vals = tree
-    logw = c.params["sum"][spec.group]
-    flows = jnp.asarray(np.random.default_rng(1).random(vals.shape).astype(np.float32))
-    got = {}
-    for tile, ratios in ((32, False), (64, True)):
-        tabs = jax.tree.map(jnp.asarray, mosaic_tree.schedule(tab, spec, clusters=2, tile=tile))
-        _, kept = mosaic_tree.forward(jnp.asarray(vals), tabs, logw, spec, tile=tile, keep=True)
-        got[tile] = np.asarray(mosaic_tree.backward(flows, kept, tabs, mosaic_tree.tf32_weights_t(logw), spec,
-                                                    tile=tile, ratios=ratios))
-    assert (np.abs(got[32] - np.asarray(flows)).max(axis=1) > 0).sum() > len(np.asarray(tabs["rows"]))
-    # products of other shapes sum in another order, and a flow's operands are rounded to TF32 (2^-11): an operand
-    # an ulp apart can round the other way (equal bit for bit where the CPU's dot kernels agree; up to 5.6e-5
-    # relative on an AVX2 CPU)
-    np.testing.assert_allclose(got[64], got[32], rtol=5e-4, atol=1e-6)
 
 
 def test_the_wide_backward_is_taken_where_shared_memory_holds_it(tree):
