@@ -198,12 +198,10 @@ def main(argv=None):
     xs = [jnp.asarray(data[i * args.batch:(i + 1) * args.batch]) for i in range(4)]
     if args.public:
         entry = getattr(c, args.public)
-        queries = query_calls(c, jnp.asarray, validate=args.validate, **extra)
-
-        def call(x):
-            if args.public in queries:
-                return queries[args.public](x)
-            return entry(c.params, x, validate=args.validate, **extra)
+        call = query_calls(c, jnp.asarray, validate=args.validate, **extra).get(args.public)
+        if call is None:
+            def call(x):
+                return entry(c.params, x, validate=args.validate, **extra)
 
         jax.block_until_ready(call(xs[0]))
         c.wait_compiled()
