@@ -15,6 +15,7 @@ from ..nodes import CircuitNodes, InputNodes, ProdNodes, SumNodes, topological_o
 from .chain import detect_chain
 from .layout import InputLayerSpec, Layout, PFlowSpec, ProdPart, ScanSpec, StageSpec, SumGroupSpec, SumPart
 from .levels import even_levels, is_padding
+from .repeats import Repeats, shift_of
 from .tree import detect_tree
 
 __all__ = ["CompiledStructure", "build"]
@@ -93,8 +94,10 @@ def build(root: CircuitNodes, *, scan_min_repeats: int = 3, max_exact_fanins: in
 
     stages, stage_tables, stage_owners = [], [], []
     row = inputs_end
+    repeats = Repeats()
     for members in by_level[1:]:
-        spec, tab, row, owners = _build_stage(members, row, block_rows, sum_placement, max_exact_fanins)
+        spec, tab, row, owners = _build_stage(members, row, block_rows, sum_placement, max_exact_fanins,
+                                              repeats=repeats)
         stages.append(spec)
         stage_tables.append(tab)
         stage_owners.append(owners)
@@ -368,14 +371,22 @@ def _with_fold(layout: Layout, tables: dict, fold) -> tuple[Layout, dict]:
     return dataclasses.replace(layout, fold=folded), {**tables, "fold": f_tabs}
 
 
-def _build_stage(members, row, block_rows, sum_placement, max_exact_fanins, child_rows=None):
+def _build_stage(members, row, block_rows, sum_placement, max_exact_fanins, child_rows=None, repeats=None):
     """Partition one level's product and sum vectors; assign their rows; return (spec, tables, next row, owners).
     ``child_rows(ns)``: ``[child blocks, M]`` buffer rows whose values add up to each child block of sum
-    vector ``ns`` (default: the children's own rows, ``M = 1``; the folded plan expands products)."""
+    vector ``ns`` (default: the children's own rows, ``M = 1``; the folded plan expands products).
+    ``repeats``: a :class:`~jaxpc.compiler.repeats.Repeats` whose sum partitions a shifted repeat reuses."""
     offset = row
     prod_groups, sum_items = _stage_members(members, block_rows, sum_placement, child_rows)
     prods, prod_tabs, prod_owners, row = _prod_parts(prod_groups, row, block_rows)
-    sums, sum_tabs, sum_owners, row = _sum_parts(sum_items, row, block_rows, max_exact_fanins)
+    shift = shift_of(sum_items) if repeats is not None and sum_items else None
+    reused = repeats.get(shift, sum_items, row, block_rows) if shift is not None else None
+    if reused is None:
+        shapes = []
+        reused = _sum_parts(sum_items, row, block_rows, max_exact_fanins, shapes)
+        if shift is not None:
+            repeats.put(shift, sum_items, row, reused, block_rows, shapes)
+    sums, sum_tabs, sum_owners, row = reused
     spec = StageSpec(tuple(prods), tuple(sums), offset)
     owners = {"prods": prod_owners, "sums": sum_owners}
     return spec, {"prods": prod_tabs, "sums": sum_tabs, "out": np.int32(offset)}, row, owners
@@ -447,9 +458,10 @@ def _sum_edges(items) -> _SumEdges:
                      owner_blk=np.concatenate([np.arange(n) for n in nbs]), fanins=fanins)
 
 
-def _sum_parts(sum_items, row, block_rows, max_exact_fanins):
+def _sum_parts(sum_items, row, block_rows, max_exact_fanins, shapes=None):
     """The sum partitions, from buffer row ``row`` on: per shape ``(Kp, Kc, M)`` one partition per padded fan-in
-    (:func:`_fanin_buckets`), recording each vector's block rows. Returns ``(parts, tables, owners, next row)``."""
+    (:func:`_fanin_buckets`), recording each vector's block rows. Returns ``(parts, tables, owners, next row)``;
+    appends each partition's shape to ``shapes`` when given."""
     parts, tabs, owners = [], [], []
     for (Kp, Kc, M) in sorted(sum_items):
         items = sum_items[(Kp, Kc, M)]
@@ -464,6 +476,8 @@ def _sum_parts(sum_items, row, block_rows, max_exact_fanins):
                 br = block_rows.setdefault(ns.id, np.zeros(ns.num_node_blocks, dtype=np.int64))
                 br[edges.owner_blk[sel[mine]]] = row + mine * Kp
             owners.append([items[v][0] for v in edges.owner[sel]])
+            if shapes is not None:
+                shapes.append((Kp, Kc, M))
             parts.append(part)
             tabs.append(tab)
             row += sel.size * Kp
@@ -546,11 +560,12 @@ def _build_fold(nodes, root, input_rows: dict, first_row: int, pad_rows: int, su
             by_level[level[ns.id]].append(ns)
     stages, tabs = [], []
     row = first_row
+    repeats = Repeats()
     for lv in sorted(by_level):
         # one term count per level, so products of different arity do not split a level into more partitions
         M = max(expand(c).shape[1] for ns in by_level[lv] for c in ns.children)
         spec, tab, row, _ = _build_stage(by_level[lv], row, rows, sum_placement, max_exact_fanins,
-                                         lambda ns, M=M: child_rows(ns, M))
+                                         lambda ns, M=M: child_rows(ns, M), repeats)
         stages.append(spec)
         tabs.append(tab)
     root_row = int(rows[root.id][0])
