@@ -260,8 +260,8 @@ def test_sampled_child_follows_the_reached_parents_posterior():
     k, w = select.reached_parents(counts)
     np.testing.assert_array_equal(np.asarray(k), np.asarray(parent))
     assert np.all(np.asarray(w) == 1.0)
-    rows = jax.jit(select.chosen_children, static_argnames=("Kc", "dense"))(
-        values, ch, pid, logw, k, Kc=1, dense=False, key=jax.random.key(0))
+    (rows,) = jax.jit(select.chosen_children, static_argnames=("Kc", "dense"))(
+        values, ch, pid, logw, k, Kc=1, dense=False, key=jax.random.key(0))  # one term: an unfolded table
     rows = np.asarray(rows)
     assert rows.shape == (1, B)
     for half, kp in ((rows[0, :B // 2], 0), (rows[0, B // 2:], 2)):  # (child c sits on row c)

@@ -6,9 +6,10 @@ lowest node of the block), or an exact draw from the node's posterior for sampli
 choose, and a block has at most one (:func:`reached_parents`), so a block's choice costs its children, not its
 children times its nodes. The pass runs the stages in reverse, as the flow pass does: a buffer ``[R, B]`` counts,
 for each node and sample, the paths from the root that reach it through chosen edges. A product adds its count to
-every child, a sum to its chosen child, by a scatter into the buffer that the stages carry (the gradient of a
-forward pass in which each sum copies its chosen child gives the same counts, but autodiff builds each stage's
-scatter into a fresh zero buffer and adds it: a copy of the whole buffer per stage).
+every child, a sum to its chosen child (on a folded plan, to each child of the chosen folded product), by a scatter
+into the buffer that the stages carry (the gradient of a forward pass in which each sum copies its chosen child
+gives the same counts, but autodiff builds each stage's scatter into a fresh zero buffer and adds it: a copy of the
+whole buffer per stage).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from jax import lax
 from ..compiler.layout import Layout, StageSpec
 from ..ops.product_layer import product_layer_backward_reference as product_layer_backward
 from ..ops.rows import add_rows
-from ..ops.sum_layer import child_rows, gather_children
+from ..ops.sum_layer import child_rows, child_terms, gather_children
 from . import stages
 
 Array = jax.Array
@@ -35,10 +36,12 @@ def reached_parents(counts: Array) -> tuple[Array, Array]:
 
 
 def chosen_children(values: Array, ch: Array, pid: Array, logw: Array, parent: Array, *, Kc: int, dense: bool,
-                    key: Array | None) -> Array:
-    """``int [n, B]``: the buffer row of the child that parent ``parent [n, B]`` of each block of a sum partition
-    chooses for each sample (``key``: an exact draw from the parent's posterior by the Gumbel-max trick; None: the
-    argmax, the first child on ties)."""
+                    key: Array | None) -> list[Array]:
+    """``int [n, B]`` per term of the child: the buffer row of the child that parent ``parent [n, B]`` of each block
+    of a sum partition chooses for each sample (``key``: an exact draw from the parent's posterior by the Gumbel-max
+    trick; None: the argmax, the first child on ties). One term for a table ``ch [n, C]``; for a folded table
+    ``ch [n, C, M]`` the rows of the chosen product's ``M`` children (:func:`child_terms`), each of which the
+    choice reaches."""
     x = gather_children(values, ch, Kc, dense)  # [n, C*Kc, B] (or [C*Kc, B])
     n, C = pid.shape
     # the chosen parent's log-weights: logw[pid[i, c], parent[i, b], j] as [n, B, C*Kc]
@@ -47,8 +50,8 @@ def chosen_children(values: Array, ch: Array, pid: Array, logw: Array, parent: A
     if key is not None:
         scores = scores + jax.random.gumbel(key, scores.shape, scores.dtype)
     idx = jnp.argmax(scores, axis=1)  # [n, B]
-    rows = jnp.broadcast_to(child_rows(ch, Kc, dense), (n, C * Kc))  # [n, C*Kc]
-    return jnp.take_along_axis(rows, idx, axis=1)
+    return [jnp.take_along_axis(jnp.broadcast_to(child_rows(t, Kc, dense), (n, C * Kc)), idx, axis=1)
+            for t in child_terms(ch)]
 
 
 def _select_stage(counts: Array, spec: StageSpec, tab: dict, values: Array, params: dict, key: Array | None,
@@ -69,7 +72,8 @@ def _select_stage(counts: Array, spec: StageSpec, tab: dict, values: Array, para
             parent, reached = reached_parents(mine)
             chosen = chosen_children(values, t["ch"], t["pid"], params["sum"][part.group], parent, Kc=part.Kc,
                                      dense=part.dense, key=k)
-            counts = add_rows(counts, (chosen, jnp.arange(B)[None, :]), reached)
+            rows = chosen[0] if len(chosen) == 1 else jnp.concatenate(chosen)
+            counts = add_rows(counts, (rows, jnp.arange(B)[None, :]), jnp.tile(reached, (len(chosen), 1)))
         row = row + part.num_rows
     return counts
 

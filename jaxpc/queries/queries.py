@@ -8,6 +8,8 @@ work for every structure. They are also methods of :class:`jaxpc.Circuit`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -79,14 +81,26 @@ def _conditional_impl(layout, tables, params, x, missing, targets, *, num_values
     return jnp.transpose(out[targets], (1, 0, 2))
 
 
-def _fill_leaves(layout, tables, params, x, missing, values, key, *, num_values: int, decode: bool):
-    """Choose leaves top-down from ``values``; fill the missing entries of ``x`` from the reached leaves."""
+def _select_plan(layout, tables):
+    """The plan that MPE and sampling run on, and its tables: the folded one where the circuit has it (half the
+    stages of the full layout, with repeated levels scanned), level by level (the tree's persistent kernels keep
+    the levels' values in their own memory, not in the node buffer the choices read)."""
+    if layout.fold is None:
+        return layout, tables
+    return dataclasses.replace(layout.fold, tree=None), {**tables["fold"], "inputs": tables["inputs"]}
+
+
+def _fill_leaves(layout, tables, params, x, missing, key, options, *, num_values: int, decode: bool):
+    """Choose leaves top-down from the node values of a forward pass with ``options`` (max-product for ``decode``);
+    fill the missing entries of ``x`` from the reached leaves. Returns ``(filled x, root values)``."""
     V = layout.num_vars
+    plan, ptables = _select_plan(layout, tables)
+    values = forward.node_values(plan, ptables, params, x, missing, options)
     if decode:
-        reached = select.reached_leaves(layout, tables, params, values, None)
+        reached = select.reached_leaves(plan, ptables, params, values, None)
     else:
         key, sel_key = jax.random.split(key)
-        reached = select.reached_leaves(layout, tables, params, values, sel_key)
+        reached = select.reached_leaves(plan, ptables, params, values, sel_key)
     choice = select.leaf_choice(layout, tables, reached, V)
     out = x.T
     mt = jnp.broadcast_to(forward.missing_t(missing), out.shape)
@@ -98,18 +112,16 @@ def _fill_leaves(layout, tables, params, x, missing, values, key, *, num_values:
         else:
             draw = spec.dist.sample(jax.random.fold_in(key, li), p, tab["meta"], prow, num_values)
         out = jnp.where((sel >= 0) & mt, draw.astype(out.dtype), out)
-    return out.T
+    return out.T, values[plan.root_row]
 
 
 def _sample_impl(layout, tables, params, key, x, missing, *, num_values: int):
-    values = forward.node_values(layout, tables, params, x, missing, Options())
-    return _fill_leaves(layout, tables, params, x, missing, values, key, num_values=num_values, decode=False)
+    return _fill_leaves(layout, tables, params, x, missing, key, Options(), num_values=num_values, decode=False)[0]
 
 
 def _mpe_impl(layout, tables, params, x, missing, *, num_values: int):
-    values = forward.node_values(layout, tables, params, x, missing, Options(propagation="MPE"))
-    filled = _fill_leaves(layout, tables, params, x, missing, values, None, num_values=num_values, decode=True)
-    return filled, values[layout.root_row]
+    return _fill_leaves(layout, tables, params, x, missing, None, Options(propagation="MPE"), num_values=num_values,
+                        decode=True)
 
 
 # ---------------------------------------------------------------------------------------------
