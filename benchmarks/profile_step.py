@@ -203,8 +203,10 @@ def main(argv=None):
             def call(x):
                 return entry(c.params, x, validate=args.validate, **extra)
 
+        t = time.perf_counter()
         jax.block_until_ready(call(xs[0]))
         c.wait_compiled()
+        print(f"c.{args.public}: first call {time.perf_counter() - t:.1f} s (trace, compile and run)")
         text = c.compiled(args.public).as_text()
     else:
         step = jax.jit(lambda t, p, x: jaxpc.engine.em.flows_and_ll(c.layout, t, p, x, None, None, opts))
