@@ -1,5 +1,6 @@
 """Queries against brute-force enumeration (float64 numpy) and exact sampling distributions."""
 
+import dataclasses
 import itertools
 
 import jax
@@ -266,6 +267,31 @@ def test_sampled_child_follows_the_reached_parents_posterior():
     assert rows.shape == (1, B)
     for half, kp in ((rows[0, :B // 2], 0), (rows[0, B // 2:], 2)):  # (child c sits on row c)
         assert _chi_square(half[:, None], np.arange(C)[:, None], np.exp(lw[kp] + x)) > 1e-3
+
+
+def test_leaf_choice_writes_distinct_runs_as_the_scatter_max_does():
+    """A layer whose runs each hold a variable of their own writes each run's reached leaf (``distinct_runs``);
+    the same reached counts give the same choice through the scatter-max over variables, and -1 where no leaf of a
+    variable is reached."""
+    from jaxpc.engine import select
+
+    data = np.random.default_rng(0).integers(0, 3, (200, 9))
+    c = jaxpc.compile(structures.HCLT(data, num_latents=4, input_dist=distributions.Categorical(3)))
+    (spec,) = c.layout.input_layers
+    assert spec.run == 4 and spec.distinct_runs
+    rng = np.random.default_rng(1)
+    B, V = 6, c.layout.num_vars
+    pick = rng.integers(0, spec.run, (V, B))
+    reached = np.zeros((spec.num_nodes, B), np.float32)
+    run_var = np.asarray(c.tables["inputs"][0]["vars"])[::spec.run]
+    for i, v in enumerate(run_var):
+        reached[i * spec.run + pick[v], np.arange(B)] = 1.0
+    reached[:, 0] = 0.0  # a sample that reaches no leaf
+    got = select.leaf_choice(c.layout, c.tables, [jnp.asarray(reached)], V)[0]
+    scatter = dataclasses.replace(c.layout, input_layers=(dataclasses.replace(spec, distinct_runs=False),))
+    ref = select.leaf_choice(scatter, c.tables, [jnp.asarray(reached)], V)[0]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    assert np.all(np.asarray(got)[:, 0] == -1) and np.all(np.asarray(got)[:, 1:] >= 0)
 
 
 @pytest.mark.parametrize("name", ["hmm12", "hmm", "random", "pd"])

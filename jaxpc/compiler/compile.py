@@ -333,7 +333,9 @@ def _input_layer(li: int, key: str, members: list[InputNodes], offset: int,
     if metas and metas[0]:
         meta = {k: np.concatenate([m[k] for m in metas]) for k in metas[0]}
     vars_, rows_ = np.concatenate(node_vars), np.concatenate(node_rows)
-    spec = InputLayerSpec(key, members[0].dist, offset, row - offset, prow, _variable_run(vars_, rows_))
+    run = _variable_run(vars_, rows_)
+    distinct = run > 1 and np.unique(vars_[::run]).size == vars_.size // run
+    spec = InputLayerSpec(key, members[0].dist, offset, row - offset, prow, run, bool(distinct))
     return spec, {"vars": vars_, "rows": rows_, "pos": np.concatenate(node_pos), "meta": meta}
 
 

@@ -34,6 +34,9 @@ class InputLayerSpec:
         run: ``r > 1`` when node ``i`` reads parameter row ``i`` and the nodes come in runs of ``r`` over one
             variable (a vector of latents per variable, as in HCLTs, PDs and HMMs): the layer's sufficient
             statistics are then one batched matrix product per run instead of a scatter; else 1.
+        distinct_runs: every run is over a different variable (one vector of latents per variable, as in HCLTs
+            and HMMs; not PDs, whose variables have several): a variable's reached leaf is its run's, without a
+            reduction over runs.
     """
 
     key: str
@@ -42,6 +45,7 @@ class InputLayerSpec:
     num_nodes: int
     num_rows: int
     run: int = 1
+    distinct_runs: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

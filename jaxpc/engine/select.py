@@ -97,13 +97,17 @@ def reached_leaves(layout: Layout, tables: dict, params: dict, values: Array, ke
 def leaf_choice(layout: Layout, tables: dict, reached: list[Array], num_vars: int):
     """For each input layer: ``[V, B]`` index of the reached node of each variable (``-1`` if none). A layer of runs
     of ``r`` nodes over one variable (``InputLayerSpec.run``) takes each run's maximum first: a scatter of ``N / r``
-    rows instead of ``N``."""
+    rows instead of ``N``, and where every run has a variable of its own (``InputLayerSpec.distinct_runs``), a
+    plain write of each run's row."""
     out = []
     for spec, tab, r in zip(layout.input_layers, tables["inputs"], reached):
         cand = jnp.where(r > 0.5, jnp.arange(spec.num_nodes, dtype=jnp.int32)[:, None], -1)
         seg = tab["vars"]
         if spec.run > 1:
             cand, seg = jnp.max(cand.reshape(-1, spec.run, cand.shape[1]), axis=1), seg[::spec.run]
-        best = jax.ops.segment_max(cand, seg, num_segments=num_vars)
-        out.append(jnp.maximum(best, -1))
+        if spec.distinct_runs:
+            best = jnp.full((num_vars, cand.shape[1]), -1, cand.dtype).at[seg].set(cand, unique_indices=True)
+        else:
+            best = jnp.maximum(jax.ops.segment_max(cand, seg, num_segments=num_vars), -1)
+        out.append(best)
     return out
