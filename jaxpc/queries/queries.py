@@ -83,8 +83,8 @@ def _conditional_impl(layout, tables, params, x, missing, targets, *, num_values
 
 def _select_plan(layout, tables):
     """The plan that MPE and sampling run on, and its tables: the folded one where the circuit has it (half the
-    stages of the full layout, with repeated levels scanned), level by level (the tree's persistent kernels keep
-    the levels' values in their own memory, not in the node buffer the choices read)."""
+    stages of the full layout, with repeated levels scanned), one level at a time (the tree's persistent kernels
+    serve the flow pass, not these queries)."""
     if layout.fold is None:
         return layout, tables
     return dataclasses.replace(layout.fold, tree=None), {**tables["fold"], "inputs": tables["inputs"]}
