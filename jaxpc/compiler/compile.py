@@ -384,10 +384,9 @@ def _build_stage(members, row, block_rows, sum_placement, max_exact_fanins, chil
     shift = shift_of(sum_items) if repeats is not None and sum_items else None
     reused = repeats.get(shift, sum_items, row, block_rows) if shift is not None else None
     if reused is None:
-        shapes = []
-        reused = _sum_parts(sum_items, row, block_rows, max_exact_fanins, shapes)
+        reused = _sum_parts(sum_items, row, block_rows, max_exact_fanins)
         if shift is not None:
-            repeats.put(shift, sum_items, row, reused, block_rows, shapes)
+            repeats.put(shift, sum_items, row, reused, block_rows)
     sums, sum_tabs, sum_owners, row = reused
     spec = StageSpec(tuple(prods), tuple(sums), offset)
     owners = {"prods": prod_owners, "sums": sum_owners}
@@ -460,10 +459,9 @@ def _sum_edges(items) -> _SumEdges:
                      owner_blk=np.concatenate([np.arange(n) for n in nbs]), fanins=fanins)
 
 
-def _sum_parts(sum_items, row, block_rows, max_exact_fanins, shapes=None):
+def _sum_parts(sum_items, row, block_rows, max_exact_fanins):
     """The sum partitions, from buffer row ``row`` on: per shape ``(Kp, Kc, M)`` one partition per padded fan-in
-    (:func:`_fanin_buckets`), recording each vector's block rows. Returns ``(parts, tables, owners, next row)``;
-    appends each partition's shape to ``shapes`` when given."""
+    (:func:`_fanin_buckets`), recording each vector's block rows. Returns ``(parts, tables, owners, next row)``."""
     parts, tabs, owners = [], [], []
     for (Kp, Kc, M) in sorted(sum_items):
         items = sum_items[(Kp, Kc, M)]
@@ -478,8 +476,6 @@ def _sum_parts(sum_items, row, block_rows, max_exact_fanins, shapes=None):
                 br = block_rows.setdefault(ns.id, np.zeros(ns.num_node_blocks, dtype=np.int64))
                 br[edges.owner_blk[sel[mine]]] = row + mine * Kp
             owners.append([items[v][0] for v in edges.owner[sel]])
-            if shapes is not None:
-                shapes.append((Kp, Kc, M))
             parts.append(part)
             tabs.append(tab)
             row += sel.size * Kp

@@ -34,9 +34,8 @@ class InputLayerSpec:
         run: ``r > 1`` when node ``i`` reads parameter row ``i`` and the nodes come in runs of ``r`` over one
             variable (a vector of latents per variable, as in HCLTs, PDs and HMMs): the layer's sufficient
             statistics are then one batched matrix product per run instead of a scatter; else 1.
-        distinct_runs: every run is over a different variable (one vector of latents per variable, as in HCLTs
-            and HMMs; not PDs, whose variables have several): a variable's reached leaf is its run's, without a
-            reduction over runs.
+        distinct_runs: ``run > 1`` and every run is over a different variable (one vector of latents per variable,
+            as in HCLTs): a variable's reached leaf is its run's, written without a reduction over the runs.
     """
 
     key: str

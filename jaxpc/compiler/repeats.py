@@ -94,12 +94,12 @@ class Repeats:
             br[blk] = row + rel
         return list(b.parts), tabs, owners, row + b.rows
 
-    def put(self, shift: Shift, sum_items: dict, row: int, result, block_rows: dict, owner_shapes: list) -> None:
-        """Record a stage's built partitions (``result``: ``_sum_parts``' return; ``owner_shapes``: the shape key
-        of each partition)."""
+    def put(self, shift: Shift, sum_items: dict, row: int, result, block_rows: dict) -> None:
+        """Record a stage's built partitions (``result``: ``_sum_parts``' return)."""
         parts, tabs, owners, end = result
         owner_idx, blocks = [], []
-        for shape, own in zip(owner_shapes, owners):
+        for part, own in zip(parts, owners):
+            shape = (part.Kp, part.Kc, part.M)
             index = {id(it[0]): v for v, it in enumerate(sum_items[shape])}
             owner_idx.append((shape, np.asarray([index[id(ns)] for ns in own], np.int64)))
         for shape, items in sum_items.items():

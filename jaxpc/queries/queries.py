@@ -96,11 +96,10 @@ def _fill_leaves(layout, tables, params, x, missing, key, options, *, num_values
     V = layout.num_vars
     plan, ptables = _select_plan(layout, tables)
     values = forward.node_values(plan, ptables, params, x, missing, options)
-    if decode:
-        reached = select.reached_leaves(plan, ptables, params, values, None)
-    else:
+    sel_key = None
+    if not decode:
         key, sel_key = jax.random.split(key)
-        reached = select.reached_leaves(plan, ptables, params, values, sel_key)
+    reached = select.reached_leaves(plan, ptables, params, values, sel_key)
     choice = select.leaf_choice(layout, tables, reached, V)
     out = x.T
     mt = jnp.broadcast_to(forward.missing_t(missing), out.shape)
