@@ -6,6 +6,7 @@ import functools
 import gc
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -999,6 +1000,39 @@ def test_the_optimized_compile_runs_the_scanned_stages_unrolled(quick_store):
     # a circuit without scanned stages: its optimized compile is not traced a second time
     pd = jaxpc.compile(structures.PD((2, 4), 4, split_intervals=(1, 1), input_dist=distributions.Categorical(3)))
     assert c.runtime.cache.scans and not pd.runtime.cache.scans
+
+
+def test_queries_compile_quick_first_and_run_their_stages_unrolled_after(quick_store):
+    """``mpe``, ``sample`` and ``conditional`` take the circuit's compile path: a quick first compile that keeps the
+    scanned stages (forward and top-down selection), then the optimized one with them unrolled, which gives the
+    same answers; without the quick compile (``Tuning(quick_first_compile=False)``) they compile once."""
+    from jaxpc import distributions
+
+    rng = np.random.default_rng(1)
+    data = np.zeros((200, 12), np.int32)  # a chain of copies: a path-shaped tree whose levels are scanned
+    data[:, 0] = rng.integers(0, 3, 200)
+    for i in range(1, 12):
+        data[:, i] = np.where(rng.random(200) < 0.8, data[:, i - 1], rng.integers(0, 3, 200))
+    c = jaxpc.compile(structures.HCLT(data, 4, input_dist=distributions.Categorical(3)))
+    x, miss = data[:9], np.arange(12) % 3 == 0
+    once = jaxpc.Options(tuning=jaxpc.Tuning(quick_first_compile=False))
+
+    def scans(name):  # the stages' loops (on a CPU, jax.random's threefry runs loops of its own)
+        return len(re.findall(r' while\(.*op_name="[^"]*jaxpc/scan\d+\)*/while"', c.compiled(name).as_text()))
+    calls = {"mpe": lambda **kw: c.mpe(c.params, x, miss, **kw),
+             "sample": lambda **kw: c.sample(c.params, jax.random.key(3), x=x, missing=miss, **kw),
+             "conditional": lambda **kw: c.conditional(c.params, x, miss, **kw)}
+    for name, call in calls.items():
+        ref = call(options=once)
+        assert c.wait_compiled(timeout=0)
+        assert scans(name) > 0
+        first = call()
+        assert scans(name) > 0 and c.cache_info().upgrading == 1, name
+        _same(first, ref)
+        assert c.wait_compiled(timeout=120)
+        assert scans(name) == 0, f"{name}'s optimized executable keeps the scans"
+        for a, b in zip(jax.tree_util.tree_leaves(call()), jax.tree_util.tree_leaves(ref)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
 
 
 def test_no_quick_compile_where_the_options_say_so(quick_store):

@@ -460,3 +460,35 @@ def test_query_errors():
         c.sample(c.params, jax.random.key(0), 0)
     with pytest.raises(ValueError, match="either x .with missing. or soft_evidence"):
         c.marginal(c.params, x, soft_evidence=np.ones((2, 4, 3)))
+
+
+def test_queries_take_the_forwards_options():
+    """``conditional``, ``sample``, ``mpe`` and ``marginal`` take ``options`` as ``log_prob`` does: part of the
+    executable's key (another precision compiles another executable), the same answers at the default's precision,
+    and a propagation that does not apply to the query raises."""
+    c = jaxpc.compile(structures.HMM(4, 3, 3), seed=2)
+    x = np.random.default_rng(0).integers(0, 3, (5, 4)).astype(np.int32)
+    miss = np.array([True, False, True, False])
+    fp32 = jaxpc.Options(precision="fp32")
+    key = jax.random.key(1)
+    for call in (lambda **kw: c.conditional(c.params, x, miss, **kw),
+                 lambda **kw: c.sample(c.params, key, x=x, missing=miss, **kw),
+                 lambda **kw: c.mpe(c.params, x, miss, **kw),
+                 lambda **kw: c.marginal(c.params, x, miss, **kw)):
+        want = call()
+        misses = c.cache_info().misses
+        got = call(options=fp32)
+        assert c.cache_info().misses == misses + 1
+        for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+    mpe = jaxpc.Options(propagation="MPE")
+    np.testing.assert_array_equal(np.asarray(c.mpe(c.params, x, miss, options=mpe)[0]),
+                                  np.asarray(c.mpe(c.params, x, miss)[0]))
+    with pytest.raises(ValueError, match=r"sample runs a sum-product .* options.propagation='MPE'"):
+        c.sample(c.params, key, x=x, missing=miss, options=mpe)
+    with pytest.raises(ValueError, match=r"conditional runs a sum-product .* options.propagation='MPE'"):
+        c.conditional(c.params, x, miss, options=mpe)
+    with pytest.raises(ValueError, match="mpe decodes by max-product; options.propagation='GeneralLL'"):
+        c.mpe(c.params, x, miss, options=jaxpc.Options(propagation="GeneralLL", alpha=0.5))
+    with pytest.raises(TypeError, match="options must be a jaxpc.Options"):
+        c.sample(c.params, key, 3, options={"precision": "fp32"})

@@ -78,19 +78,21 @@ def _select_stage(counts: Array, spec: StageSpec, tab: dict, values: Array, para
     return counts
 
 
-def reached_leaves(layout: Layout, tables: dict, params: dict, values: Array, key: Array | None) -> list[Array]:
+def reached_leaves(layout: Layout, tables: dict, params: dict, values: Array, key: Array | None,
+                   scan: bool = True) -> list[Array]:
     """Per input layer ``[N, B]``: how many chosen paths from the root reach each leaf in each sample (positive
     exactly on the leaves of each sample's selected sub-circuit).
 
     ``values``: the ``[R, B]`` node buffer the choices are based on; ``key``: Gumbel noise (sampling)
-    or None (decoding)."""
+    or None (decoding); ``scan``: repeated stages under ``lax.scan`` (False: unrolled, as
+    ``Options.scan_stages``)."""
     values = lax.stop_gradient(values)
     counts = jnp.zeros_like(values).at[layout.root_row].set(1.0)
 
     def stage(c, spec, tab, offset, name):
         return _select_stage(c, spec, tab, values, params, key, offset, name)
 
-    counts = stages.run_stages(layout, tables, counts, stage, reverse=True)
+    counts = stages.run_stages(layout, tables, counts, stage, reverse=True, scan=scan)
     return [lax.dynamic_slice_in_dim(counts, spec.offset, spec.num_nodes, axis=0) for spec in layout.input_layers]
 
 

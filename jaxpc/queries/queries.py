@@ -48,10 +48,9 @@ def _any_bad_soft(soft):
     return jnp.any(_bad_soft_rows(soft))
 
 
-def _conditional_impl(layout, tables, params, x, missing, targets, *, num_values: int):
+def _conditional_impl(layout, tables, params, x, missing, targets, *, num_values: int, options):
     B = x.shape[0]
     V = layout.num_vars
-    options = Options()
     dtype = routing.param_dtype(params)
     vals = [v.astype(dtype) for v in forward.input_values(layout, tables, params, x, missing, options)]
 
@@ -91,15 +90,15 @@ def _select_plan(layout, tables):
 
 
 def _fill_leaves(layout, tables, params, x, missing, key, options, *, num_values: int, decode: bool):
-    """Choose leaves top-down from the node values of a forward pass with ``options`` (max-product for ``decode``);
-    fill the missing entries of ``x`` from the reached leaves. Returns ``(filled x, root values)``."""
+    """Choose leaves top-down from the node values of a forward pass with ``options`` (``propagation="MPE"`` for
+    ``decode``); fill the missing entries of ``x`` from the reached leaves. Returns ``(filled x, root values)``."""
     V = layout.num_vars
     plan, ptables = _select_plan(layout, tables)
     values = forward.node_values(plan, ptables, params, x, missing, options)
     sel_key = None
     if not decode:
         key, sel_key = jax.random.split(key)
-    reached = select.reached_leaves(plan, ptables, params, values, sel_key)
+    reached = select.reached_leaves(plan, ptables, params, values, sel_key, scan=options.scan_stages)
     choice = select.leaf_choice(layout, tables, reached, V)
     out = x.T
     mt = jnp.broadcast_to(forward.missing_t(missing), out.shape)
@@ -114,13 +113,12 @@ def _fill_leaves(layout, tables, params, x, missing, key, options, *, num_values
     return out.T, values[plan.root_row]
 
 
-def _sample_impl(layout, tables, params, key, x, missing, *, num_values: int):
-    return _fill_leaves(layout, tables, params, x, missing, key, Options(), num_values=num_values, decode=False)[0]
+def _sample_impl(layout, tables, params, key, x, missing, *, num_values: int, options):
+    return _fill_leaves(layout, tables, params, x, missing, key, options, num_values=num_values, decode=False)[0]
 
 
-def _mpe_impl(layout, tables, params, x, missing, *, num_values: int):
-    return _fill_leaves(layout, tables, params, x, missing, None, Options(propagation="MPE"), num_values=num_values,
-                        decode=True)
+def _mpe_impl(layout, tables, params, x, missing, *, num_values: int, options):
+    return _fill_leaves(layout, tables, params, x, missing, None, options, num_values=num_values, decode=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,7 +198,7 @@ def _explain_soft(soft) -> None:
 
 
 def marginal(circuit, params, x=None, missing=None, *, soft_evidence=None, propagation: str | None = None,
-             alpha: float | None = None, validate: bool | str = True) -> Array:
+             alpha: float | None = None, options: Options | None = None, validate: bool | str = True) -> Array:
     """``log p(evidence)`` per sample, ``[B]``.
 
     Hard evidence: ``x`` ``[B, V]`` with ``missing`` (``bool[B, V]`` or ``[V]``) marking marginalized
@@ -211,8 +209,9 @@ def marginal(circuit, params, x=None, missing=None, *, soft_evidence=None, propa
     ``validate`` (see :mod:`jaxpc.runtime`) checks soft evidence as it checks ``x``: numpy weights on the host
     (a negative or non-finite weight raises at once); a device array's inside the executable, with no host round
     trip (its row gives NaN, and the circuit's next call raises the ``ValueError``; ``"sync"``: this one).
+    ``options``: a full :class:`jaxpc.Options` (``propagation`` and ``alpha`` apply on top), as for ``log_prob``.
     """
-    opts = Options.make(propagation=propagation, alpha=alpha)
+    opts = Options.make(options, propagation=propagation, alpha=alpha)
     if soft_evidence is not None:
         if x is not None or missing is not None:
             raise ValueError("give either x (with missing) or soft_evidence, not both")
@@ -235,19 +234,21 @@ def marginal(circuit, params, x=None, missing=None, *, soft_evidence=None, propa
     return circuit.log_prob(params, x, missing, options=opts, validate=validate)
 
 
-def conditional(circuit, params, x, missing=None, *, target_vars=None, validate: bool | str = True) -> Array:
+def conditional(circuit, params, x, missing=None, *, target_vars=None, options: Options | None = None,
+                validate: bool | str = True) -> Array:
     """``p(x_v = k | evidence)`` for target variables ``v``: ``[B, len(target_vars) or V, K]``, normalized over
     ``k`` (``K``: the largest number of values of any variable; impossible values get 0).
 
     Evidence is ``x`` on the variables not marked ``missing``. All targets come from one backward
     pass: the gradient of ``log p(evidence)`` with respect to the leaves' indicators. An observed
-    target's conditional is the indicator of its observed value.
+    target's conditional is the indicator of its observed value. ``options``: the forward's
+    :class:`jaxpc.Options` (``precision``, ``impl``, ``tuning``; ``propagation`` must stay ``"LL"``).
     """
     rt = circuit.runtime
     replay = None
     targets_key = _targets_key(target_vars)
     if targets_key is not False:  # a repeated query replays (Runtime.replay)
-        replay = ("conditional", targets_key, validate)
+        replay = ("conditional", targets_key, options, validate)
         out = rt.replay(replay, x, missing, params=params)
         if out is not None:
             return out
@@ -269,7 +270,18 @@ def conditional(circuit, params, x, missing=None, *, target_vars=None, validate:
     # the targets as a device constant made once per set (an eager conversion per call took ~0.1 ms of host time)
     dev = rt.constant(("targets", None if target_vars is None else targets.astype(np.int32).tobytes()),
                       lambda: jnp.asarray(targets, jnp.int32))
-    return _run(circuit, "conditional", {"num_values": K}, {"params": params, "targets": dev}, batch, replay=replay)
+    return _run(circuit, "conditional", {"num_values": K}, {"params": params, "targets": dev}, batch, replay=replay,
+                options=_likelihood_options(options, "conditional"))
+
+
+def _likelihood_options(options: Options | None, query: str) -> Options:
+    """The options of a query whose forward computes likelihoods (``conditional``, ``sample``): ``propagation``
+    other than ``"LL"`` raises."""
+    opts = Options.make(options)
+    if opts.propagation != "LL":
+        raise ValueError(f"{query} runs a sum-product (propagation='LL') forward; options.propagation="
+                         f"{opts.propagation!r} does not apply to it")
+    return opts
 
 
 def _targets_key(target_vars):
@@ -284,25 +296,27 @@ def _targets_key(target_vars):
 
 
 def sample(circuit, params, key: Array, num_samples: int | None = None, *, x=None, missing=None,
-           validate: bool | str = True) -> Array:
+           options: Options | None = None, validate: bool | str = True) -> Array:
     """Ancestral samples ``[num_samples, V]`` (int for discrete circuits, float with continuous variables).
 
     Conditional sampling: pass evidence ``x`` ``[B, V]`` and ``missing``; observed entries are kept and the
     missing ones drawn from ``p(missing | evidence)``. Pure and keyed by ``key``: each sum node picks a child
-    by Gumbel-max on ``log w + child log-likelihood``, then every reached leaf draws its value.
+    by Gumbel-max on ``log w + child log-likelihood``, then every reached leaf draws its value. ``options``: the
+    forward's :class:`jaxpc.Options` (``precision``, ``impl``, ``tuning``; ``propagation`` must stay ``"LL"``).
     """
     if not isinstance(key, (jax.Array, np.ndarray)):
         raise TypeError(f"key must be a PRNG key such as jax.random.key(0), got {type(key).__name__}")
-    replay = _replay_query(circuit, "sample", x, missing, num_samples, validate, params=params, key=key)
+    replay = _replay_query(circuit, "sample", x, missing, num_samples, options, validate, params=params, key=key)
     if replay[1] is not None:
         return replay[1]
+    opts = _likelihood_options(options, "sample")
     batch = _query_batch(circuit, x, missing, num_samples, validate)
     K = max(int(circuit.runtime.var_info.card.max()), 1)
     return _run(circuit, "sample", {"num_values": K}, {"params": params, "key": key}, batch, replay=replay[0],
-                free=("params", "key"))
+                free=("params", "key"), options=opts)
 
 
-def mpe(circuit, params, x=None, missing=None, *, num_samples: int | None = None,
+def mpe(circuit, params, x=None, missing=None, *, num_samples: int | None = None, options: Options | None = None,
         validate: bool | str = True) -> tuple[Array, Array]:
     """Max-product decoding: ``(assignment [B, V], log-value [B])``.
 
@@ -312,18 +326,24 @@ def mpe(circuit, params, x=None, missing=None, *, num_samples: int | None = None
     assignment of the best single induced tree, and its value is a lower bound on the MAP value.
     Ties go to the first child (lowest child block, then lowest node in the block) and to the lowest
     value of a leaf; a continuous leaf decodes to its mean. Without ``x``, ``num_samples`` (default 1) rows of
-    the unconditional decoding; with it, one row per row of ``x``.
+    the unconditional decoding; with it, one row per row of ``x``. ``options``: the forward's
+    :class:`jaxpc.Options` (``precision``, ``impl``, ``tuning``); its ``propagation`` is ``"MPE"`` whatever
+    it says, except ``"GeneralLL"``, which raises.
     """
     num_samples = 1 if x is None and num_samples is None else num_samples
-    replay = _replay_query(circuit, "mpe", x, missing, num_samples, validate, params=params)
+    replay = _replay_query(circuit, "mpe", x, missing, num_samples, options, validate, params=params)
     if replay[1] is not None:
         return replay[1]
+    opts = Options.make(options)
+    if opts.propagation == "GeneralLL":
+        raise ValueError("mpe decodes by max-product; options.propagation='GeneralLL' does not apply to it")
     batch = _query_batch(circuit, x, missing, num_samples, validate)
     K = max(int(circuit.runtime.var_info.card.max()), 1)
-    return _run(circuit, "mpe", {"num_values": K}, {"params": params}, batch, replay=replay[0])
+    return _run(circuit, "mpe", {"num_values": K}, {"params": params}, batch, replay=replay[0],
+                options=opts.replace(propagation="MPE"))
 
 
-def _replay_query(circuit, name: str, x, missing, num_samples, validate, **free) -> tuple:
+def _replay_query(circuit, name: str, x, missing, num_samples, options, validate, **free) -> tuple:
     """``(key, outputs)`` of ``sample`` / ``mpe``'s replay (:meth:`Runtime.replay`): the key the full call remembers
     itself under (None: not replayed) and the replayed call's outputs (None: take the full call). Without ``x`` the
     batch is the circuit's constant all-missing rows of a valid ``num_samples``; with it the call's evidence and its
@@ -332,10 +352,10 @@ def _replay_query(circuit, name: str, x, missing, num_samples, validate, **free)
     if x is None:
         if missing is not None or type(num_samples) is not int or num_samples < 1:
             return None, None  # (the full call raises)
-        call = (name, "all missing", num_samples)
+        call = (name, "all missing", num_samples, options)
         batch = _all_missing_batch(circuit, num_samples)
         return call, rt.replay(call, batch.x, batch.missing, **free)
-    call = (name, num_samples, validate)
+    call = (name, num_samples, options, validate)
     return call, rt.replay(call, x, _none_missing(circuit) if missing is None else missing, **free)
 
 
