@@ -492,3 +492,21 @@ def test_queries_take_the_forwards_options():
         c.mpe(c.params, x, miss, options=jaxpc.Options(propagation="GeneralLL", alpha=0.5))
     with pytest.raises(TypeError, match="options must be a jaxpc.Options"):
         c.sample(c.params, key, 3, options={"precision": "fp32"})
+
+
+def test_mpe_and_sample_write_the_leaves_by_the_kernel_where_it_applies():
+    """On the kernels' route the queries' forward writes the leaves into the node buffer with one kernel (Pallas in
+    interpret mode here) instead of concatenating the input layers' values: the same assignments, values and
+    samples as without it."""
+    data = np.random.default_rng(4).integers(0, 4, (300, 10)).astype(np.int32)
+    c = jaxpc.compile(structures.HCLT(data, 4, input_dist=distributions.Categorical(4)), seed=1)
+    x, miss = data[:12], np.arange(10) % 3 == 0
+    kernel, xla_leaves = jaxpc.Options(impl="pallas"), jaxpc.Options(impl="pallas", leaf_kernel=False)
+    for name, call in (("mpe", lambda o: c.mpe(c.params, x, miss, options=o)),
+                       ("sample", lambda o: c.sample(c.params, jax.random.key(2), x=x, missing=miss, options=o))):
+        want = call(xla_leaves)
+        assert "jaxpc/leaf_buffer" not in c.compiled(name).as_text()
+        got = call(kernel)
+        assert "jaxpc/leaf_buffer" in c.compiled(name).as_text()
+        for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -113,10 +113,16 @@ def leaf_values(layout: Layout, tables: dict, params: dict, x: Array, missing: A
 
 
 def node_values(layout: Layout, tables: dict, params: dict, x: Array, missing: Array | None, options,
-                soft: Array | None = None, evidence: dict | None = None) -> Array:
-    """The whole node buffer ``[R, B]`` (plain forward)."""
+                soft: Array | None = None, evidence: dict | None = None, *, nodes_only: bool = False) -> Array:
+    """The whole node buffer ``[R, B]`` (plain forward). ``nodes_only``: for a caller that reads the nodes' rows and
+    no others; the leaves are then written into the buffer by one kernel where :func:`routing.leaf_kernel` applies
+    (no concatenation of the input layers' values), the rows that no node owns left as the kernel leaves them."""
     options = routing.within_int32(layout, options, x.shape[0], rows=layout.num_rows)
-    vals = input_values(layout, tables, params, x, missing, options, soft, evidence)
+    if nodes_only and routing.leaf_kernel(layout, params, options, soft, evidence, x.shape[0]):
+        with jax.named_scope("jaxpc/leaf_buffer"):
+            vals = _leaf_buffer(layout, tables["inputs"], params["input"], x, missing, options)
+    else:
+        vals = input_values(layout, tables, params, x, missing, options, soft, evidence)
     return stages.forward_buffer(layout, tables, params["sum"], vals, options, evidence)
 
 

@@ -94,7 +94,7 @@ def _fill_leaves(layout, tables, params, x, missing, key, options, *, num_values
     ``decode``); fill the missing entries of ``x`` from the reached leaves. Returns ``(filled x, root values)``."""
     V = layout.num_vars
     plan, ptables = _select_plan(layout, tables)
-    values = forward.node_values(plan, ptables, params, x, missing, options)
+    values = forward.node_values(plan, ptables, params, x, missing, options, nodes_only=True)
     sel_key = None
     if not decode:
         key, sel_key = jax.random.split(key)
