@@ -1002,6 +1002,7 @@ def test_the_optimized_compile_runs_the_scanned_stages_unrolled(quick_store):
     assert c.runtime.cache.scans and not pd.runtime.cache.scans
 
 
+@pytest.mark.slow
 def test_queries_compile_quick_first_and_run_their_stages_unrolled_after(quick_store):
     """``mpe``, ``sample`` and ``conditional`` take the circuit's compile path: a quick first compile that keeps the
     scanned stages (forward and top-down selection), then the optimized one with them unrolled, which gives the

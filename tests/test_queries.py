@@ -494,6 +494,7 @@ def test_queries_take_the_forwards_options():
         c.sample(c.params, key, 3, options={"precision": "fp32"})
 
 
+@pytest.mark.slow
 def test_mpe_and_sample_write_the_leaves_by_the_kernel_where_it_applies():
     """On the kernels' route the queries' forward writes the leaves into the node buffer with one kernel (Pallas in
     interpret mode here) instead of concatenating the input layers' values: the same assignments, values and
