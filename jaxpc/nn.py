@@ -91,7 +91,9 @@ class CircuitModule(nnx.Module):
         params: its parameters (default ``circuit.params``), stored as ``nnx.Param`` leaves.
         normalize: treat the parameters as logits and renormalize them in every forward (default; needed for
             gradient training). With False they are used as they are (they must be normalized).
-        options: :class:`jaxpc.Options` of the forward (e.g. ``Options(propagation="MPE")``).
+        options: :class:`jaxpc.Options` of every call of the module, the forward and :meth:`em_step` (e.g.
+            ``precision``, ``impl``, ``tuning``; with ``propagation="MPE"`` the forward is max-product and the EM step
+            hard (Viterbi) EM, as for :meth:`jaxpc.Circuit.em_step`).
     """
 
     def __init__(self, circuit, params: dict | None = None, *, normalize: bool = True,
@@ -167,14 +169,17 @@ class CircuitModule(nnx.Module):
     def em_step(self, x, missing=None, *, step_size=1.0, pseudocount=0.0, ll_weights=None) -> Array:
         """One mini-batch EM step on the module's parameters, in place (works under ``nnx.jit``).
 
-        The flows are those of the normalized parameters; the module then holds the EM parameters
-        (normalized). Returns the batch's log-likelihoods ``[B]`` before the step."""
+        The flows are those of the normalized parameters, under the module's options; the module then holds the
+        EM parameters (normalized). Returns the batch's log-likelihoods ``[B]`` before the step."""
+        if self.options.negate_flows:
+            raise ValueError("CircuitModule.em_step needs flows, not negated flows (options.negate_flows=True)")
+        em_engine.check_linear(self.options, "CircuitModule.em_step")
         c = self.circuit
         batch = c.runtime.prepare(x, missing, True)
         w = c.runtime.weights(ll_weights, batch.n)
         new, ll = _run(c, "nn.em_step", {"normalize": self.normalize},
                        {"tables": self.tables.get_value(), "params": self.raw_params(),
                         "step_size": c.runtime.scalar(step_size), "pseudocount": c.runtime.scalar(pseudocount)},
-                       batch, options=Options(), weights=w)
+                       batch, options=self.options, weights=w)
         self.set_params(new)
         return ll

@@ -94,6 +94,22 @@ def test_em_on_the_module_equals_circuit_em_step(circuit):
     assert _maxdiff(m.raw_params(), p) == 0.0
 
 
+def test_the_modules_options_apply_to_its_em_step(circuit):
+    """A module's options are those of its EM step too: with ``propagation="MPE"`` the step is hard (Viterbi) EM,
+    equal to ``Circuit.em_step`` with the same options; options that give no linear flows raise."""
+    mpe = jaxpc.Options(propagation="MPE")
+    m = CircuitModule(circuit, options=mpe)
+    ll = m.em_step(X[:6], step_size=0.5, pseudocount=0.1)
+    ref, ll_ref = circuit.em_step(circuit.params, X[:6], step_size=0.5, pseudocount=0.1, options=mpe, return_ll=True)
+    soft, _ = circuit.em_step(circuit.params, X[:6], step_size=0.5, pseudocount=0.1, return_ll=True)
+    np.testing.assert_allclose(ll, ll_ref, rtol=1e-6)
+    assert _maxdiff(m.raw_params(), ref) < 1e-6 and _maxdiff(ref, soft) > 1e-3
+    for options, match in ((jaxpc.Options(negate_flows=True), "not negated flows"),
+                           (jaxpc.Options(logspace_flows=True), "gives log flows")):
+        with pytest.raises(ValueError, match=match):
+            CircuitModule(circuit, options=options).em_step(X[:6])
+
+
 def test_module_rejects_bad_inputs(circuit):
     m = CircuitModule(circuit)
     with pytest.raises(TypeError, match="jaxpc.Circuit"):
