@@ -420,9 +420,7 @@ class Circuit:
         if rescale not in ("none", "tdp"):
             raise ValueError(f"rescale must be 'none' or 'tdp', got {rescale!r}")
         opts = Options.make(options)
-        if opts.negate_flows:
-            raise ValueError("em_step needs flows, not negated flows (options.negate_flows=True)")
-        em.check_linear(opts, "em_step")
+        em.check_em_options(opts, "em_step")
         batch = self.runtime.prepare(x, missing, validate)
         ev = self.check_evidence(evidence, batch.n)
         if ev is not None and rescale == "tdp":

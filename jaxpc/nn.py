@@ -171,9 +171,7 @@ class CircuitModule(nnx.Module):
 
         The flows are those of the normalized parameters, under the module's options; the module then holds the
         EM parameters (normalized). Returns the batch's log-likelihoods ``[B]`` before the step."""
-        if self.options.negate_flows:
-            raise ValueError("CircuitModule.em_step needs flows, not negated flows (options.negate_flows=True)")
-        em_engine.check_linear(self.options, "CircuitModule.em_step")
+        em_engine.check_em_options(self.options, "CircuitModule.em_step")
         c = self.circuit
         batch = c.runtime.prepare(x, missing, True)
         w = c.runtime.weights(ll_weights, batch.n)

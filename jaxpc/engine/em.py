@@ -141,6 +141,14 @@ def _assemble_flows(layout, tables, params, x, missing, options, g_sum, g_eps, b
     return out
 
 
+def check_em_options(options, where: str) -> None:
+    """Raise unless ``options`` give the flows an EM step takes: not negated (``Options.negate_flows``) and linear
+    (:func:`check_linear`)."""
+    if options.negate_flows:
+        raise ValueError(f"{where} needs flows, not negated flows (options.negate_flows=True)")
+    check_linear(options, where)
+
+
 def check_linear(options, where: str) -> None:
     """Raise unless ``options`` give linear flows, which an EM update takes."""
     if options.logspace_flows:

@@ -101,13 +101,14 @@ _leaf_buffer.defvjp(_leaf_buffer_fwd, _leaf_buffer_bwd)
 
 
 def leaf_values(layout: Layout, tables: dict, params: dict, x: Array, missing: Array | None, options,
-                soft: Array | None = None, evidence: dict | None = None):
+                soft: Array | None = None, evidence: dict | None = None, plan: Layout | None = None):
     """What :func:`evaluate` takes for the input layers: the node buffer of :func:`jaxpc.engine.routing.buffer_plan`
-    with the leaves written (float32 ``[R, B]``, one Pallas kernel, differentiable in the input parameters) where
-    :func:`jaxpc.engine.routing.leaf_kernel` applies, else the list of the layers' values (:func:`input_values`)."""
+    (or of ``plan``) with the leaves written (float32 ``[R, B]``, one Pallas kernel, differentiable in the input
+    parameters) where :func:`jaxpc.engine.routing.leaf_kernel` applies, else the list of the layers' values
+    (:func:`input_values`)."""
     if routing.leaf_kernel(layout, params, options, soft, evidence, x.shape[0]):
         with jax.named_scope("jaxpc/leaf_buffer"):
-            plan = routing.buffer_plan(layout, options, x.shape[0])
+            plan = routing.buffer_plan(layout, options, x.shape[0]) if plan is None else plan
             return _leaf_buffer(plan, tables["inputs"], params["input"], x, missing, options)
     return input_values(layout, tables, params, x, missing, options, soft, evidence)
 
@@ -118,9 +119,8 @@ def node_values(layout: Layout, tables: dict, params: dict, x: Array, missing: A
     no others; the leaves are then written into the buffer by one kernel where :func:`routing.leaf_kernel` applies
     (no concatenation of the input layers' values), the rows that no node owns left as the kernel leaves them."""
     options = routing.within_int32(layout, options, x.shape[0], rows=layout.num_rows)
-    if nodes_only and routing.leaf_kernel(layout, params, options, soft, evidence, x.shape[0]):
-        with jax.named_scope("jaxpc/leaf_buffer"):
-            vals = _leaf_buffer(layout, tables["inputs"], params["input"], x, missing, options)
+    if nodes_only:
+        vals = leaf_values(layout, tables, params, x, missing, options, soft, evidence, plan=layout)
     else:
         vals = input_values(layout, tables, params, x, missing, options, soft, evidence)
     return stages.forward_buffer(layout, tables, params["sum"], vals, options, evidence)
