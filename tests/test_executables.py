@@ -882,6 +882,17 @@ def test_a_load_ahead_and_a_call_load_an_executable_once(tmp_path, monkeypatch):
     assert store.recent("c1") == [f"f{i}" for i in range(executables.RECENT_EXECUTABLES)]
 
 
+def _copy_chain(n: int, seed: int) -> np.ndarray:
+    """``n`` rows of 12 ternary variables, each a copy of the one before 80% of the time: a chain of copies, whose
+    HCLT is a path-shaped tree with its levels scanned."""
+    rng = np.random.default_rng(seed)
+    data = np.zeros((n, 12), np.int32)
+    data[:, 0] = rng.integers(0, 3, n)
+    for i in range(1, 12):
+        data[:, i] = np.where(rng.random(n) < 0.8, data[:, i - 1], rng.integers(0, 3, n))
+    return data
+
+
 @pytest.fixture
 def quick_store(tmp_path, monkeypatch):
     """A persistent store in ``tmp_path`` and quick first compiles as on a GPU (the quick compile's GPU options
@@ -939,11 +950,7 @@ def test_the_optimized_compile_runs_the_scanned_stages_unrolled(quick_store):
     loops. The unrolled compile runs without XLA's Triton GEMM fusions but with its autotuning."""
     from jaxpc import distributions, executables
 
-    rng = np.random.default_rng(0)
-    data = np.zeros((300, 12), np.int32)  # a chain of copies: a path-shaped tree, its levels scanned
-    data[:, 0] = rng.integers(0, 3, 300)
-    for i in range(1, 12):
-        data[:, i] = np.where(rng.random(300) < 0.8, data[:, i - 1], rng.integers(0, 3, 300))
+    data = _copy_chain(300, seed=0)
     root = structures.HCLT(data, 4, input_dist=distributions.Categorical(3))
     x = data[:9]
 
@@ -1009,11 +1016,7 @@ def test_queries_compile_quick_first_and_run_their_stages_unrolled_after(quick_s
     same answers; without the quick compile (``Tuning(quick_first_compile=False)``) they compile once."""
     from jaxpc import distributions
 
-    rng = np.random.default_rng(1)
-    data = np.zeros((200, 12), np.int32)  # a chain of copies: a path-shaped tree whose levels are scanned
-    data[:, 0] = rng.integers(0, 3, 200)
-    for i in range(1, 12):
-        data[:, i] = np.where(rng.random(200) < 0.8, data[:, i - 1], rng.integers(0, 3, 200))
+    data = _copy_chain(200, seed=1)
     c = jaxpc.compile(structures.HCLT(data, 4, input_dist=distributions.Categorical(3)))
     x, miss = data[:9], np.arange(12) % 3 == 0
     once = jaxpc.Options(tuning=jaxpc.Tuning(quick_first_compile=False))
