@@ -85,7 +85,7 @@ def _p_flows(layout, tables, params, x, missing, weights, evidence, *, mesh, opt
 
 
 def _p_em_step(layout, tables, params, x, missing, weights, evidence, step_size, pseudocount, *, mesh, options):
-    em.check_linear(options, "parallel.em_step")
+    em.check_em_options(options, "parallel.em_step")
     fl, ll = _p_flows(layout, tables, params, x, missing, weights, evidence, mesh=mesh, options=options)
     return em.em_update(layout, tables, params, fl, step_size, pseudocount), ll
 

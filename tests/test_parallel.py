@@ -172,6 +172,28 @@ def test_data_mesh_rejects_bad_sizes():
         parallel.data_mesh(0)
 
 
+@pytest.mark.parametrize("options, match", [(jaxpc.Options(negate_flows=True), "not negated flows"),
+                                             (jaxpc.Options(logspace_flows=True), "gives log flows")])
+def test_every_em_step_refuses_flows_its_update_cannot_take(hmm, options, match):
+    """EM's update takes linear, unnegated flows: each entry point that runs one raises on options that give
+    other flows (negated flows would turn the counts' signs; log flows would be read as counts)."""
+    circuit, data, _ = hmm
+    mesh = parallel.data_mesh(2)
+    x = data[:8]
+    tx = optim.em(circuit, 0.1, 0.1)
+    calls = [("em_step", lambda: circuit.em_step(circuit.params, x, options=options)),
+             ("em_step", lambda: em.em_step(circuit.layout, circuit.tables, circuit.params, jnp.asarray(x), None, None,
+                                            0.1, 0.0, options)),
+             ("parallel.em_step", lambda: parallel.em_step(circuit, circuit.params, x, mesh=mesh, options=options)),
+             ("an EM training step", lambda: parallel.train_step(circuit, tx, circuit.params, tx.init(circuit.params),
+                                                                 x, mesh=mesh, options=options)),
+             ("an EM training step", lambda: optim.fit(circuit, circuit.params, data, 1, 8, options=options,
+                                                       progress=False))]
+    for where, call in calls:  # each error names the step
+        with pytest.raises(ValueError, match=f"{where}.*{match}"):
+            call()
+
+
 @pytest.mark.parametrize("kind", cases(["em", "adam"], fast=["adam"]))
 def test_steady_state_step_moves_nothing_but_the_data(hmm, kind):
     """After the first call, a data-parallel step runs under jax.transfer_guard("disallow"): the index

@@ -142,15 +142,10 @@ def _assemble_flows(layout, tables, params, x, missing, options, g_sum, g_eps, b
 
 
 def check_em_options(options, where: str) -> None:
-    """Raise unless ``options`` give the flows an EM step takes: not negated (``Options.negate_flows``) and linear
-    (:func:`check_linear`)."""
+    """Raise unless ``options`` give the flows an EM update takes: linear (not ``Options.logspace_flows``) and not
+    negated (``Options.negate_flows``)."""
     if options.negate_flows:
         raise ValueError(f"{where} needs flows, not negated flows (options.negate_flows=True)")
-    check_linear(options, where)
-
-
-def check_linear(options, where: str) -> None:
-    """Raise unless ``options`` give linear flows, which an EM update takes."""
     if options.logspace_flows:
         raise ValueError(f"{where}: Options(logspace_flows=True) gives log flows, but EM's update takes linear flows "
                          f"(the M-step from log flows: exp(log flows - log node flows), see Options.node_flows)")
@@ -246,7 +241,7 @@ def em_step(layout: Layout, tables: dict, params: dict, x: Array, missing: Array
     ``rescale="tdp"``: instead of blending parameters, the new parameters are
     ``normalize(s * flows / total_weight + (1 - s) * TDP + pseudocount)`` with ``TDP`` the model's own
     top-down probabilities (:func:`top_down_probabilities`): nodes the batch rarely reaches move less."""
-    check_linear(options, "em_step")
+    check_em_options(options, "em_step")
     fl, ll = flows_and_ll(layout, tables, params, x, missing, weights, options, evidence)
     if rescale == "tdp":
         tdp = top_down_probabilities(layout, tables, params, options)

@@ -38,7 +38,7 @@ def _check_tx(tx, layout, options: Options | None = None) -> None:
         if tx.config.layout is not None and tx.config.layout != layout:
             raise ValueError("optimizer: this EM transformation was built for another circuit")
         if options is not None:
-            em_engine.check_linear(options, "an EM training step")
+            em_engine.check_em_options(options, "an EM training step")
         return
     if not (hasattr(tx, "init") and hasattr(tx, "update")):
         raise TypeError(f"optimizer must be a jaxpc.optim EM transformation or an optax transformation "
