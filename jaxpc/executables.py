@@ -425,6 +425,8 @@ class ExecutableCache:
         # whether the executables may hold scanned stages for the optimized compile to unroll
         # (optimized_options); a circuit without them sets False and spares that compile a second trace
         self.scans = True
+        # entries whose optimized compile keeps the scanned stages (Runtime.entry(..., unroll=False))
+        self.scanned: set[str] = set()
         self._owner: str | None = None  # the circuit's name in the store's index (load_ahead)
         self._owner_ready = threading.Event()
         self._owner_ready.set()
@@ -604,7 +606,7 @@ class ExecutableCache:
             out = fallback(args)
             return out if out is not None else self.run(entry, fn, static, args)
         if owner:
-            self._compile(e, fn, static, args)
+            self._compile(e, entry, fn, static, args)
         elif not e.ready.is_set():  # (is_set: wait() takes the event's lock even when it is set)
             e.ready.wait()
         if e.error is not None:
@@ -663,7 +665,7 @@ class ExecutableCache:
             live = [(e.used, e) for key, e in self._entries.items() if key[0] == entry and e.usable]
         return max(live, key=lambda ue: ue[0])[1].compiled if live else None
 
-    def _compile(self, e: _Entry, fn, static, args):
+    def _compile(self, e: _Entry, entry: str, fn, static, args):
         try:
             names = list(args)
             pack = _PACKED.get(args["tables"]) if "tables" in args and PACK_TABLES else None
@@ -674,7 +676,7 @@ class ExecutableCache:
             xla = batch_xla(opts, xla, args)
             store = _STORE
             quick = quick_options(opts, xla)
-            full = optimized_options(opts) if quick is not None and self.scans else opts
+            full = optimized_options(opts) if quick is not None and self.scans and entry not in self.scanned else opts
             xla_full = optimized_xla(xla) if full is not opts else xla
             fp, fq = store.fingerprints(fn, static, args, xla_full, quick) if store is not None else (None, None)
             compiled = behind = None

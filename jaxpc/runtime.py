@@ -382,10 +382,13 @@ class Runtime:
             if name not in self._entries:
                 self._entries[name] = (entry, checked(entry))
 
-    def entry(self, name: str, fn: Callable, rows: Any, *bind) -> None:
+    def entry(self, name: str, fn: Callable, rows: Any, *bind, unroll: bool = True) -> None:
         """Register ``functools.partial(fn, *bind)`` (e.g. bound to the circuit's layout) as ``name`` on first use;
-        later calls do nothing."""
+        later calls do nothing. ``unroll=False``: the entry's optimized compile keeps the scanned stages that it
+        would run unrolled (:func:`jaxpc.executables.optimized_options`)."""
         if name not in self._entries:
+            if not unroll:
+                self.cache.scanned.add(name)
             self.register(name, Entry(functools.partial(fn, *bind), rows))
 
     # ---- checks -------------------------------------------------------------------------------

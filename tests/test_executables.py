@@ -1010,10 +1010,11 @@ def test_the_optimized_compile_runs_the_scanned_stages_unrolled(quick_store):
 
 
 @pytest.mark.slow
-def test_queries_compile_quick_first_and_run_their_stages_unrolled_after(quick_store):
+def test_queries_compile_quick_first_then_optimized(quick_store):
     """``mpe``, ``sample`` and ``conditional`` take the circuit's compile path: a quick first compile that keeps the
-    scanned stages (forward and top-down selection), then the optimized one with them unrolled, which gives the
-    same answers; without the quick compile (``Tuning(quick_first_compile=False)``) they compile once."""
+    scanned stages (forward and top-down selection), then the optimized one, which gives the same answers:
+    ``conditional``'s with the stages unrolled, ``mpe``'s and ``sample``'s with them still scanned (their unrolled
+    selection is slower); without the quick compile (``Tuning(quick_first_compile=False)``) they compile once."""
     from jaxpc import distributions
 
     data = _copy_chain(200, seed=1)
@@ -1029,12 +1030,17 @@ def test_queries_compile_quick_first_and_run_their_stages_unrolled_after(quick_s
     for name, call in calls.items():
         ref = call(options=once)
         assert c.wait_compiled(timeout=0)
+        quick = c.compiled(name).as_text()
         assert scans(name) > 0
         first = call()
         assert scans(name) > 0 and c.cache_info().upgrading == 1, name
         _same(first, ref)
         assert c.wait_compiled(timeout=120)
-        assert scans(name) == 0, f"{name}'s optimized executable keeps the scans"
+        assert c.compiled(name).as_text() != quick, f"{name}'s optimized executable did not replace the quick one"
+        if name == "conditional":
+            assert scans(name) == 0, f"{name}'s optimized executable keeps the scans"
+        else:
+            assert scans(name) > 0, f"{name}'s optimized executable runs the scans unrolled"
         for a, b in zip(jax.tree_util.tree_leaves(call()), jax.tree_util.tree_leaves(ref)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
 
