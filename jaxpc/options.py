@@ -89,7 +89,8 @@ class Tuning:
             (:func:`jaxpc.executables.quick_options`; ``Circuit.wait_compiled``).
         unroll_optimized: that optimized compile runs the scanned stages unrolled (no loop overhead per step;
             :func:`jaxpc.executables.optimized_options`) and without Triton GEMM fusions (cuBLAS is faster on
-            the unrolled levels' products: :func:`jaxpc.executables.optimized_xla`); the quick one keeps the scans.
+            the unrolled levels' products: :func:`jaxpc.executables.optimized_xla`); the quick one keeps the scans,
+            and so do ``mpe`` and ``sample``, whose top-down selection runs slower unrolled.
         compiler_options: XLA options for the executables, ``((name, value), ...)`` (e.g.
             ``(("xla_gpu_autotune_level", 0),)``).
         concurrent_batch: on a GPU, executables of batches up to this many samples order their command buffers'
