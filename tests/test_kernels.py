@@ -858,3 +858,50 @@ def test_in_place_forward_reads_its_tables_from_the_packed_array(monkeypatch, sc
     assert all(seen) if not scan else (any(seen) and not all(seen)), (scan, seen)
     t = tables.TableAt(0, 10, (3, 2, 4))
     assert t.take(2) == tables.TableAt(0, 26, (2, 4))
+
+
+@pytest.mark.parametrize("shape", cases(SHAPES, fast=[SHAPES[1], SHAPES[7]]),
+                         ids=lambda v: "Kp{}-Kc{}-n{}-C{}-B{}".format(*v[:5]))
+def test_max_product_forward_equals_the_reference_exactly(shape):
+    """The max-plus forward (``propagation="MPE"``) writes the reference's max-product values bit for bit: each
+    term is the same float32 sum, and a max does not round. Over padded fan-ins, children at -inf, several batch
+    tiles and chunks."""
+    Kp, Kc, n, C, B = shape[:5]
+    buf, t, logw, R = make_partition(*shape)
+    kw = dict(Kp=Kp, Kc=Kc, propagation="MPE")
+
+    @jax.jit
+    def run(buf, t, logw):
+        ref = sum_layer_reference(buf, t["ch"], t["pid"], logw, dense=False, **kw)
+        full = jnp.concatenate([buf, jnp.full((n * Kp, B), 7.0)])
+        return ref, pallas_sum.forward(buf, t["ch"], t["pid"], logw, **kw), \
+            pallas_sum.forward(full, t["ch"], t["pid"], logw, out_offset=R, **kw)
+
+    ref, out, inplace = (np.asarray(a) for a in run(buf, t, logw))
+    np.testing.assert_array_equal(out, ref)
+    np.testing.assert_array_equal(inplace[R:], ref)
+    np.testing.assert_array_equal(inplace[:R], np.asarray(buf))
+
+
+def test_max_product_forward_on_folded_and_padded_tables():
+    """Folded children (the sum of ``M`` row blocks, added in the reference's order) and tables padded to a class's
+    shape (``blocks``, ``fanin`` read at run time) give the reference's values exactly; shifts are refused."""
+    Kp, Kc, n, M = 16, 32, 3, 3
+    buf, t, logw, R = make_partition(Kp, Kc, n * M * 2, 1, 20, 0.0, 0.1)
+    ch3 = t["ch"].reshape(n, 2, M)
+    pid = t["pid"].reshape(n, 2, M)[:, :, 0]
+    kw = dict(Kp=Kp, Kc=Kc, propagation="MPE")
+    ref = whole(sum_layer_reference)(buf, ch3, pid, logw, dense=False, **kw)
+    full = jnp.concatenate([buf, jnp.zeros((n * Kp, 20))])
+    got = whole(pallas_sum.forward)(full, ch3, pid, logw, out_offset=R, **kw)
+    np.testing.assert_array_equal(np.asarray(got)[R:], np.asarray(ref))
+    # the first two blocks and their first child of tables padded to 4 blocks of 3 children
+    pch = jnp.full((4, 3, M), int(ch3[0, 0, 0]), jnp.int32).at[:2, :1].set(ch3[:2, :1])
+    ppid = jnp.zeros((4, 3), jnp.int32).at[:2, :1].set(pid[:2, :1])
+    ref2 = whole(sum_layer_reference)(buf, ch3[:2, :1], pid[:2, :1], logw, dense=False, **kw)
+    got2 = whole(pallas_sum.forward)(full, pch, ppid, logw, out_offset=R, blocks=2, fanin=1, **kw)
+    np.testing.assert_array_equal(np.asarray(got2)[R:R + 2 * Kp], np.asarray(ref2))
+    np.testing.assert_array_equal(np.asarray(got2)[R + 2 * Kp:], 0.0)
+    with pytest.raises(ValueError, match="propagation=MPE"):
+        pallas_sum.forward(full, ch3, pid, logw, out_offset=R, shifts=jnp.zeros((R // Kp + n, 20)), unit=Kp, **kw)
+    assert pallas_sum.max_chunk(64, 32, 256) == 4 and pallas_sum.max_chunk(16, 16, 2) == 2

@@ -301,6 +301,32 @@ def _online_sum(i, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, *, C, M, Kp
     return lax.fori_loop(0, steps, body, (init, fetch(0)))[0]
 
 
+MAX_TILE: Final = 8192  # elements of the max-plus forward's [parent nodes, child nodes, samples] tile
+
+
+def max_chunk(KT: int, BB: int, Kc: int) -> int:
+    """Child nodes per step of the max-plus forward (:func:`_online_max`): its ``[KT, chunk, BB]`` tile of sums
+    within :data:`MAX_TILE` elements (a program's registers), at most the block's (padded) size."""
+    return max(1, min(p2(Kc), MAX_TILE // (KT * BB)))
+
+
+def _online_max(i, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, *, C, M, Kp, Kc, KC):
+    """``max_{c, j} (log w[pid[i, c], kp, j] + x_c[j])``: the max-product values ``[len(kp), BB]`` of parent nodes
+    ``kp`` of block ``i`` over its ``C`` child blocks (static, or a traced count), ``KC`` child nodes a step; each
+    term is the one float32 sum that the reference's ``max`` reduces (masked terms ``-inf``)."""
+    nq = -(-Kc // KC)
+
+    def step(cq, acc):
+        c, q = lax.div(cq, jnp.int32(nq)), lax.rem(cq, jnp.int32(nq))
+        kc = q * KC + jnp.arange(KC)
+        x = _load_child(buf_ref, ch_ref, i, c, kc, cols, cmask, M=M, Kc=Kc)  # [KC, BB]
+        mask = (kp[:, None] < Kp) & (kc[None, :] < Kc)
+        lw = plgpu.load(w_ref.at[pid_ref[i, c], kp[:, None], kc[None, :]], mask=mask, other=_NEG)  # [KT, KC]
+        return jnp.maximum(acc, jnp.max(lw[:, :, None] + x[None, :, :], axis=1))
+
+    return lax.fori_loop(0, C * nq, step, jnp.full((kp.shape[0], cols.shape[0]), _NEG, jnp.float32))
+
+
 def _table_vec(tab, idx: tuple, mask):
     """Entries of an index table (a ref, or a :class:`FlatTable`) at ``idx`` (scalars and one vector), 0 where not
     ``mask``: one gathering load."""
@@ -425,9 +451,14 @@ def forward_span(config: KernelConfig, C: int, Kc: int) -> int:
 
 
 def forward_tile(i, first, kp, cols, cmask, ch_ref, pid_ref, w_ref, buf_ref, out_ref, *, C, M, Kp, Kc, KC, alpha,
-                 precision, prefetch=False, span=1):
+                 precision, prefetch=False, span=1, mpe=False):
     """The values of parent nodes ``kp`` of block ``i`` (rows ``first + kp``) for samples ``cols``, read from
-    ``buf_ref`` and stored into ``out_ref``; returns the block's shift (its children's max) per sample."""
+    ``buf_ref`` and stored into ``out_ref``; returns the block's shift (its children's max) per sample. ``mpe``:
+    max-product values (:func:`_online_max`, ``KC`` child nodes a step), and no shift (None)."""
+    if mpe:
+        out = _online_max(i, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, C=C, M=M, Kp=Kp, Kc=Kc, KC=KC)
+        store_tile(out_ref, first + kp, cols, out, kp < Kp, cmask)
+        return None
     m, acc = _online_sum(i, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, C=C, M=M, Kp=Kp, Kc=Kc, KC=KC,
                          alpha=alpha, precision=precision, prefetch=prefetch, span=span)
     safe = jnp.where(m == _NEG, 0.0, m)
@@ -439,7 +470,7 @@ def forward_tile(i, first, kp, cols, cmask, ch_ref, pid_ref, w_ref, buf_ref, out
 
 
 def _fwd_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, *refs, C, M, Kp, Kc, KT, KC, BB, B, alpha, precision,
-                unit, prefetch, flat=None, span=1):
+                unit, prefetch, flat=None, span=1, mpe=False):
     out_ref, shift_ref = (refs[1], refs[2]) if unit else (refs[0], None)  # with shifts: (shifts in, buf, shifts)
     if flat is not None:  # ch_ref and pid_ref: a packed table array, the tables at off_ref[3] and off_ref[4]
         ch_ref, pid_ref = FlatTable(ch_ref, off_ref[3], flat), FlatTable(pid_ref, off_ref[4], flat[:2])
@@ -452,14 +483,16 @@ def _fwd_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, *refs, C, M, Kp, Kc, K
         cmask = cols < B
         kp = k * KT + jnp.arange(KT)
         m = forward_tile(i, off_ref[0] + i * Kp, kp, cols, cmask, ch_ref, pid_ref, w_ref, buf_ref, out_ref, C=C,
-                         M=M, Kp=Kp, Kc=Kc, KC=KC, alpha=alpha, precision=precision, prefetch=prefetch, span=span)
+                         M=M, Kp=Kp, Kc=Kc, KC=KC, alpha=alpha, precision=precision, prefetch=prefetch, span=span,
+                         mpe=mpe)
         if unit:  # the block's shift, the children's max, at shift row (first parent row) / unit
             plgpu.store(shift_ref.at[lax.div(off_ref[0] + i * Kp, jnp.int32(unit)), cols], m, mask=cmask & (k == 0))
 
 
 def forward(buf: Array, ch: Array, pid: Array, w: Array, *, Kp: int, Kc: int, alpha: float = 1.0,
             precision: str = "fp32", config: KernelConfig = KernelConfig(), out_offset=None, shifts=None,
-            unit: int = 0, blocks: int | None = None, fanin: int | None = None, source=None):
+            unit: int = 0, blocks: int | None = None, fanin: int | None = None, source=None,
+            propagation: str = "LL"):
     """Sum-layer values. ``ch [n, C]`` or ``[n, C, M]``, ``w``: log-weights ``[P, Kp, Kc]`` (exponentiated per
     tile). Returns ``[n * Kp, B]``; with ``out_offset`` (a float32 ``buf``) the buffer with the parents'
     rows ``out_offset + [0, n * Kp)`` written in place. With ``shifts`` (float32 ``[ceil(R / unit), B]``,
@@ -470,19 +503,27 @@ def forward(buf: Array, ch: Array, pid: Array, w: Array, *, Kp: int, Kc: int, al
     and the first ``fanin`` children of each are the partition's; the programs of padding blocks write nothing. With
     ``fanin`` the kernel reads the fan-in at run time: one kernel serves tables of one shape. ``source`` (in place
     only): ``(packed, (ch offset, pid offset))``, an int32 array in which ``ch`` and ``pid`` lie whole at those
-    offsets (:func:`jaxpc.ops.tables.kernel_source`), which the kernel then reads instead of copies of them."""
+    offsets (:func:`jaxpc.ops.tables.kernel_source`), which the kernel then reads instead of copies of them.
+    ``propagation="MPE"``: max-product values, ``max_{c, j} (log w + x)`` (:func:`_online_max`; the reference's
+    terms, each the same float32 sum), without shifts (``alpha``, ``precision``, ``config.span`` and
+    ``config.prefetch`` do not apply)."""
+    if propagation not in ("LL", "GeneralLL", "MPE"):
+        raise ValueError(f"unknown propagation {propagation!r}")
+    mpe = propagation == "MPE"
     ch = tables3(ch)
     n, C, M = ch.shape
     R, B = buf.shape
     extent, dynamic = check_extent(n, C, blocks, fanin, out_offset), fanin is not None
     BB, KT, KC = tiles(config, B, Kp, Kc)
     keep = shifts is not None
-    if keep and (out_offset is None or unit < 1 or Kp % unit):
-        raise ValueError(f"shifts are kept by the in-place forward with a unit dividing Kp={Kp}, got unit={unit}")
+    if keep and (mpe or out_offset is None or unit < 1 or Kp % unit):
+        raise ValueError(f"shifts are kept by the in-place sum-product forward with a unit dividing Kp={Kp}, got "
+                         f"unit={unit}{' and propagation=MPE' * mpe}")
     flat = (n, C, M) if source is not None and out_offset is not None else None
-    kernel = functools.partial(_fwd_kernel, C=None if dynamic else C, M=M, Kp=Kp, Kc=Kc, KT=KT, KC=KC, BB=BB, B=B,
-                               alpha=float(alpha), precision=precision, unit=unit if keep else 0,
-                               prefetch=config.prefetch, flat=flat, span=forward_span(config, C, Kc))
+    kernel = functools.partial(_fwd_kernel, C=None if dynamic else C, M=M, Kp=Kp, Kc=Kc, KT=KT,
+                               KC=max_chunk(KT, BB, Kc) if mpe else KC, BB=BB, B=B, alpha=float(alpha),
+                               precision=precision, unit=unit if keep else 0, prefetch=config.prefetch and not mpe,
+                               flat=flat, span=1 if mpe else forward_span(config, C, Kc), mpe=mpe)
     grid = block_grid(n, pl.cdiv(Kp, KT), pl.cdiv(B, BB))
     if out_offset is None:
         off = block_offsets(0, extent)
