@@ -39,6 +39,10 @@
 8. ``--products`` (alone): PD-128's full layout with its product layers on ``jaxpc.ops.pallas_product`` against
    the same layout on XLA's product layers: relative error of each leaf at fp32 and the default precision, and the
    median milliseconds of both calls and of the folded plan (:func:`check_products`).
+9. ``--mpe`` (alone): the max-plus forward (``pallas_sum.forward(..., propagation="MPE")``) against the reference
+   over the shapes of 1. (it must be exact), then HCLT-256's and PD-128's ``mpe`` and hard-EM ``flows``
+   (``propagation="MPE"``) calls with ``Tuning(max_product_kernels=True)`` against the default (XLA's reductions):
+   whether the answers are equal and the median milliseconds of both calls per batch (:func:`check_mpe`).
 """
 
 from __future__ import annotations
@@ -630,6 +634,49 @@ def check_products(batches=(16, 128, 512), reps=20, latents=128) -> float:
     return worst
 
 
+def check_mpe(batches=(16, 128, 512), reps=30) -> bool:
+    """The max-plus forward kernel against the reference on the shapes of ``tests/test_kernels.py`` (exact), then
+    ``c.mpe`` (a third of the variables unobserved) and ``c.flows`` under ``propagation="MPE"`` of HCLT-256 and
+    PD-128 with the kernels (``Tuning(max_product_kernels=True)``) against without; prints each call's largest
+    difference and both routes' median ms. Returns whether every answer was equal."""
+    import jaxpc
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from profile_step import build
+
+    equal = True
+    for shape in SHAPES:
+        Kp, Kc, n, C, B = shape[:5]
+        buf, t, logw, _ = make_partition(*shape)
+        f = jax.jit(lambda b, ch, pid, lw, Kp=Kp, Kc=Kc: (
+            pallas_sum.forward(b, ch, pid, lw, Kp=Kp, Kc=Kc, propagation="MPE"),
+            sum_layer_reference(b, ch, pid, lw, Kp=Kp, Kc=Kc, dense=False, propagation="MPE")))
+        got, want = (np.asarray(a) for a in f(buf, t["ch"], t["pid"], logw))
+        same = np.array_equal(got, want)
+        equal &= same
+        print(f"check max-plus Kp={Kp} Kc={Kc} n={n} C={C} B={B}: {'equal' if same else 'DIFFERENT'}", flush=True)
+    on = jaxpc.Options(tuning=jaxpc.Tuning(max_product_kernels=True))
+    for name, latents in (("hclt", 256), ("pd", 128)):
+        c, data = build(name, latents, (4, 4))
+        miss = jnp.asarray(np.arange(c.num_vars) % 3 == 0)
+        for B in batches:
+            x = jax.device_put(data[:B])
+            calls = {"mpe": lambda o: c.mpe(c.params, x, miss, options=o),
+                     "flows MPE": lambda o: c.flows(c.params, x, options=o.replace(propagation="MPE"), return_ll=True)}
+            for call_name, call in calls.items():
+                for o in (on, jaxpc.Options()):
+                    jax.block_until_ready(call(o))
+                c.wait_compiled()
+                got, want = call(on), call(jaxpc.Options())
+                diff = max(float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)), initial=0.0))
+                           for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)))
+                equal &= diff == 0.0
+                ms = [bench(lambda o=o: call(o), reps) for o in (on, jaxpc.Options())]
+                print(f"check {name}-{latents} {call_name} B={B}: largest difference {diff:.1e}; ms max-plus kernels "
+                      f"{ms[0]:.3f} XLA {ms[1]:.3f}", flush=True)
+    return equal
+
+
 def main(argv=None):
     import argparse
 
@@ -641,11 +688,13 @@ def main(argv=None):
     p.add_argument("--triton", action="store_true", help="only the jax-triton route: check and time")
     p.add_argument("--fanin", action="store_true", help="only PD-128's fan-in backward kernel, end to end")
     p.add_argument("--products", action="store_true", help="only PD-128's full layout on the product kernels")
+    p.add_argument("--mpe", action="store_true", help="only the max-plus forward kernel: check and time")
     p.add_argument("--tree", action="store_true", help="only HCLT-256 on the persistent tree kernels, end to end")
     p.add_argument("--summed", action="store_true", help="only the summed parameter-flow kernel against XLA's")
     p.add_argument("--tree-programs", type=int, default=0, help="with --tree: programs of the tree kernels "
                    "(pallas_tree.MAX_PROGRAMS)")
-    p.add_argument("--batches", default="8,16,32,64", help="with --tree: batches")
+    p.add_argument("--batches", default=None, help="with --tree: batches (default 8,16,32,64); with --mpe: "
+                   "batches (default 16,128,512)")
     p.add_argument("--tree-tuning", default="", help="with --tree: the route to check against the default call, "
                    "a jaxpc.Tuning as field=value pairs joined by + (default: tree_kernel_batch=64)")
     args = p.parse_args(argv)
@@ -653,7 +702,7 @@ def main(argv=None):
     if args.tree:
         if args.tree_programs:
             pallas_tree.MAX_PROGRAMS = args.tree_programs
-        batches = tuple(int(b) for b in args.batches.split(","))
+        batches = tuple(int(b) for b in (args.batches or "8,16,32,64").split(","))
         print(f"worst fp32 relative error of the tree kernels: {check_tree(batches, against=args.tree_tuning):.2e}",
               flush=True)
         return
@@ -669,6 +718,10 @@ def main(argv=None):
         return
     if args.chain:
         print(f"worst fp32 relative error of the chain kernels: {check_chain():.2e}", flush=True)
+        return
+    if args.mpe:
+        batches = tuple(int(b) for b in (args.batches or "16,128,512").split(","))
+        print(f"max-plus kernels equal to XLA everywhere: {check_mpe(batches)}", flush=True)
         return
     if args.products:
         print(f"worst fp32 relative error of the product kernels: {check_products():.2e}", flush=True)

@@ -91,6 +91,10 @@ class Tuning:
             :func:`jaxpc.executables.optimized_options`) and without Triton GEMM fusions (cuBLAS is faster on
             the unrolled levels' products: :func:`jaxpc.executables.optimized_xla`); the quick one keeps the scans,
             and so do ``mpe`` and ``sample``, whose top-down selection runs slower unrolled.
+        max_product_kernels: max-product sum layers (``propagation="MPE"``: ``mpe``, hard EM) run Pallas's
+            max-plus forward in place where a Pallas impl is chosen (``"auto"``: on a GPU, for every layer that
+            is not dense) instead of XLA's reductions, with the same values bit for bit
+            (:func:`jaxpc.engine.routing.max_product_kernel`). Off until timed on a GPU.
         compiler_options: XLA options for the executables, ``((name, value), ...)`` (e.g.
             ``(("xla_gpu_autotune_level", 0),)``).
         concurrent_batch: on a GPU, executables of batches up to this many samples order their command buffers'
@@ -173,6 +177,7 @@ class Tuning:
     onehot_chunk: int = 1 << 25
     quick_first_compile: bool = True
     unroll_optimized: bool = True
+    max_product_kernels: bool = False
     compiler_options: tuple = ()
     concurrent_batch: int = 32
     fanin_kernel_batch: int = 1
@@ -197,8 +202,8 @@ class Tuning:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("unset_rows", "quick_first_compile", "unroll_optimized", "fanin_prefetch",
-                          "chain_side_by_side", "tree_clusters",
+            if f.name in ("unset_rows", "quick_first_compile", "unroll_optimized", "max_product_kernels",
+                          "fanin_prefetch", "chain_side_by_side", "tree_clusters",
                           "tree_log_weights"):
                 if not isinstance(v, bool) and not (f.name == "tree_clusters" and v is None):
                     raise TypeError(f"Tuning.{f.name} must be a bool{' or None' * (f.name == 'tree_clusters')}, "

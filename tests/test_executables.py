@@ -81,7 +81,7 @@ TUNING_CHANGES = {"leaf_batch": 1, "counts_batch": 1, "small_batch": 1, "pflow_b
                   "chain_kernel_batch": 0, "chain_side_by_side": False,
                   "product_kernel_batch": 0, "full_layout_reads": 0,
                   "chain_stack_limit": 0, "unset_rows": False, "min_unset": 1, "onehot_chunk": 1 << 20,
-                  "quick_first_compile": False, "unroll_optimized": False,
+                  "quick_first_compile": False, "unroll_optimized": False, "max_product_kernels": True,
                   "compiler_options": (("xla_cpu_enable_fast_math", False),), "concurrent_batch": 0,
                   "fanin_kernel_batch": 0,
                   "tree_kernel_batch": 16, "tree_clusters": True, "tree_log_weights": True,

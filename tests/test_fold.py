@@ -445,6 +445,35 @@ def test_auto_impl_as_on_a_gpu(pallas_forward_calls):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+def test_max_product_kernels_give_xlas_values_exactly(pallas_forward_calls):
+    """With ``Tuning(max_product_kernels=True)`` and ``impl="auto"`` as on a GPU, the max-product sum layers of a
+    PD that are not dense run Pallas's max-plus forward in place (interpret mode here): ``mpe``'s assignments and
+    values, and the hard-EM (``propagation="MPE"``) log-likelihoods and flows, whose pass finds the maximizing
+    children by equality with the parents' values, equal XLA's bit for bit. Off (the default), they run on XLA."""
+    calls = pallas_forward_calls
+    root = structures.PD((6, 6), 4, split_intervals=(2, 2), input_dist=distributions.Categorical(3))
+    x = np.random.default_rng(2).integers(0, 3, (9, 36)).astype(np.int32)
+    miss = np.arange(36) % 3 == 0
+    c = jaxpc.compile(root, seed=1)
+    on = jaxpc.Options(tuning=jaxpc.Tuning(max_product_kernels=True))
+    got = c.mpe(c.params, x, miss, options=on)
+    assert calls and all(o is not None for o in calls)
+    want = c.mpe(c.params, x, miss, options=jaxpc.Options(impl="xla"))
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    del calls[:]
+    hard = on.replace(propagation="MPE")
+    got = c.flows(c.params, x, options=hard, return_ll=True)
+    assert calls
+    want = c.flows(c.params, x, options=hard.replace(impl="xla"), return_ll=True)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    mpe = jaxpc.Options(propagation="MPE")
+    part = next(p for st in c.layout.fold.stages() for p in st.sums if not p.dense)
+    impl = routing.kernel_choice(mpe, part, 9)[0]
+    assert impl == "pallas_forward" and not routing.runs_inplace(impl, mpe, jnp.zeros((1, 9)))
+
+
 @pytest.mark.parametrize("kw", [{"propagation": "MPE"}, {"propagation": "GeneralLL", "alpha": 2.5},
                                 {"pflow_temperature": 0.5, "eflow_temperature": 2.0}],
                          ids=["MPE", "GeneralLL", "tempered"])

@@ -352,6 +352,9 @@ def _kernel_choice(options, part, B: int, dtype):
                 return choice[0], KernelConfig(*choice[1:])
             return "xla", None
     if options.impl == "auto":
+        if options.propagation == "MPE" and options.tuning.max_product_kernels:
+            gpu = not part.dense and jnp.dtype(dtype) == jnp.float32 and on_gpu()
+            return ("pallas_forward" if gpu else "xla"), None
         return auto_impl(part, dtype, B, options.tuning.small_batch), None
     return options.impl, None
 
@@ -387,8 +390,19 @@ def pieces(part, B: int, limit: int) -> list[tuple[int, int]]:
 
 def runs_inplace(impl: str, options, buf: Array) -> bool:
     """Whether a sum partition routed to ``impl`` runs as a kernel (Pallas or jax-triton:
-    :func:`jaxpc.ops.sum_layer.sum_kernels`) writing the (float32) buffer in place."""
-    return impl in KERNEL_IMPLS and options.propagation != "MPE" and buf.dtype == jnp.float32
+    :func:`jaxpc.ops.sum_layer.sum_kernels`) writing the (float32) buffer in place: sum-product layers, and
+    max-product ones where :func:`max_product_kernel` holds."""
+    return (impl in KERNEL_IMPLS and buf.dtype == jnp.float32
+            and (options.propagation != "MPE" or max_product_kernel(impl, options)))
+
+
+def max_product_kernel(impl: str, options) -> bool:
+    """Whether a max-product (``propagation="MPE"``) sum partition routed to ``impl`` runs Pallas's max-plus
+    forward (:func:`jaxpc.ops.pallas_sum.forward` with ``propagation="MPE"``) instead of XLA's reductions:
+    ``Tuning.max_product_kernels`` and a Pallas impl (``"auto"`` picks ``"pallas_forward"`` for such layers on a
+    GPU: :func:`kernel_choice`). Its values are the reference's exactly, so the MPE flow pass, which finds each
+    parent's maximizing children by equality, reads them as it reads XLA's."""
+    return options.tuning.max_product_kernels and impl in PALLAS_FORWARD
 
 
 def runs_kernel_backward(impl: str, options) -> bool:

@@ -166,7 +166,7 @@ def _inplace_sums(buf: Array, inplace: list, sum_params: dict, options, index, s
     for r, j, part, t, impl, cfg in inplace:
         kernels = sum_kernels(impl)
         with jax.named_scope(f"jaxpc/stage{index}/sum{j}"):
-            a = 1.0 if options.propagation == "LL" else options.alpha
+            a = options.alpha if options.propagation == "GeneralLL" else 1.0
             ch, pid, _, extent = routing.kernel_tables(t, part, impl)
             source = routing.kernel_source(t, impl, packed)
             # tiles from the (class-padded) table's block count: a class's partitions share one kernel
@@ -174,7 +174,8 @@ def _inplace_sums(buf: Array, inplace: list, sum_params: dict, options, index, s
                                                   kernels.forward_config(ch.shape[0], part.Kp, buf.shape[1], cfg),
                                                   tuned=cfg is not None)
             kw = dict(Kp=part.Kp, Kc=part.Kc, alpha=a, precision=options.concrete_precision, config=config,
-                      out_offset=r, **extent, **({"source": source} if source is not None else {}))
+                      out_offset=r, **extent, **({"source": source} if source is not None else {}),
+                      **({"propagation": "MPE"} if options.propagation == "MPE" else {}))
             if shifts is not None and routing.writes_shift(options, part, buf):
                 buf, shifts = kernels.forward(buf, ch, pid, sum_params[part.group], shifts=shifts, unit=unit, **kw)
             else:
