@@ -146,12 +146,13 @@ def test_kernels_lower_for_cuda_without_a_gpu():
     buf, t, logw, R = make_partition(16, 32, 3, 4, 40, 0.2, 0.1)
     device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
 
-    def fwd(b, ch, pid, lw, prefetch=False):
-        return pallas_sum.forward(b, ch, pid, lw, Kp=16, Kc=32, config=pallas_sum.KernelConfig(prefetch=prefetch))
+    def fwd(b, ch, pid, lw, prefetch=False, propagation="LL"):
+        return pallas_sum.forward(b, ch, pid, lw, Kp=16, Kc=32, config=pallas_sum.KernelConfig(prefetch=prefetch),
+                                  propagation=propagation)
 
-    def padded(b, ch, pid, lw, prefetch=False, span=1):  # a kernel class's tables: the fan-in read at run time
-        return pallas_sum.forward(b, ch, pid, lw, Kp=16, Kc=32, out_offset=0, blocks=2, fanin=3,
-                                  config=pallas_sum.KernelConfig(prefetch=prefetch, span=span))
+    def padded(b, ch, pid, lw, prefetch=False, span=1, propagation="LL"):  # a kernel class's tables: the fan-in
+        return pallas_sum.forward(b, ch, pid, lw, Kp=16, Kc=32, out_offset=0, blocks=2, fanin=3,  # read at run time
+                                  config=pallas_sum.KernelConfig(prefetch=prefetch, span=span), propagation=propagation)
 
     def packed(b, ch, pid, lw, span=1):  # the tables read in a packed table array, several child blocks per step
         ch3 = jnp.stack([ch, ch], axis=2)
@@ -197,7 +198,9 @@ def test_kernels_lower_for_cuda_without_a_gpu():
                         (functools.partial(level, precision="fp32"), tabs),
                         (functools.partial(level, precision="tf32"), tabs),
                         (functools.partial(after, precision="tf32"), tabs),
-                        (functools.partial(after, precision="bf16"), tabs), (leaves, tabs)):
+                        (functools.partial(after, precision="bf16"), tabs), (leaves, tabs),
+                        (functools.partial(fwd, propagation="MPE"), tabs[:4]),
+                        (functools.partial(padded, propagation="MPE"), tabs[:4])):
             text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
             assert "__gpu$xla.gpu.triton" in text
     A, Et = jnp.ones((256, 256)), jnp.ones((5, 256, 16))  # the chain kernels, 64 programs, products in 2 blocks
