@@ -352,25 +352,25 @@ def _kernel_choice(options, part, B: int, dtype):
                 return choice[0], KernelConfig(*choice[1:])
             return "xla", None
     if options.impl == "auto":
-        if options.propagation == "MPE" and options.tuning.max_product_kernels:
-            gpu = not part.dense and jnp.dtype(dtype) == jnp.float32 and on_gpu()
-            return ("pallas_forward" if gpu else "xla"), None
-        return auto_impl(part, dtype, B, options.tuning.small_batch), None
+        max_product = options.propagation == "MPE" and options.tuning.max_product_kernels
+        return auto_impl(part, dtype, B, options.tuning.small_batch, max_product), None
     return options.impl, None
 
 
-def auto_impl(part, dtype=jnp.float32, B: int | None = None, small_batch: int = Tuning.small_batch) -> str:
+def auto_impl(part, dtype=jnp.float32, B: int | None = None, small_batch: int = Tuning.small_batch,
+              max_product: bool = False) -> str:
     """``Options(impl="auto")``'s choice for a sum partition at batch ``B``: on a GPU the Pallas forward (XLA
     backward) when its blocks have several child blocks, which XLA would gather into an ``[n, C*Kc, B]``
     tensor and read twice (PD-128 on the H200: forward 3.1 against 7.1 ms at batch 512, forward + flows 11.7
     against 12.3), and for tree levels (``C == 1``) at batches of at most ``Options.tuning.small_batch``, where one
     kernel per level replaces XLA's four (HCLT-256 at batch 16: forward + flows 3.18 against 3.29-3.57 ms
     synchronized, 2.27 against 2.67 in a pipelined loop; at batch 128 XLA's 4.53 against 4.67 ms, at 512
-    8.16 against 9.31). The XLA path for dense layers, buffers other than float32 and on backends without
-    Triton. (Forwards differentiated by autodiff run on XLA: :func:`jaxpc.engine.forward.evaluate`.)"""
+    8.16 against 9.31). ``max_product``: a max-product layer on the max-plus kernel (:func:`max_product_kernel`),
+    which takes every such partition, at any batch. The XLA path for dense layers, buffers other than float32 and on
+    backends without Triton. (Forwards differentiated by autodiff run on XLA: :func:`jaxpc.engine.forward.evaluate`.)"""
     if part.dense or jnp.dtype(dtype) != jnp.float32 or not on_gpu():
         return "xla"
-    if part.C > 1 or (B is not None and B <= small_batch):
+    if max_product or part.C > 1 or (B is not None and B <= small_batch):
         return "pallas_forward"
     return "xla"
 

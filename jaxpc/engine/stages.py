@@ -173,6 +173,7 @@ def _inplace_sums(buf: Array, inplace: list, sum_params: dict, options, index, s
             config = routing.fanin_forward_config(options, part, buf.shape[1], impl,
                                                   kernels.forward_config(ch.shape[0], part.Kp, buf.shape[1], cfg),
                                                   tuned=cfg is not None)
+            # (max-product layers run in place on Pallas's kernel only: jax-triton's takes no propagation)
             kw = dict(Kp=part.Kp, Kc=part.Kc, alpha=a, precision=options.concrete_precision, config=config,
                       out_offset=r, **extent, **({"source": source} if source is not None else {}),
                       **({"propagation": "MPE"} if options.propagation == "MPE" else {}))
