@@ -2,6 +2,7 @@
 
     python benchmarks/kernels_check.py [--no-timing] [--leaves] [--levels] [--triton] [--chain] [--fanin] [--products]
                                        [--tree [--tree-tuning FIELD=VALUE+...] [--batches 8,16]]
+                                       [--repeats [--calls 40] [--tunings tree_clusters=1,] [--batches 16]]
 
 1. Correctness: forward, child flows and parameter flows of ``jaxpc.ops.pallas_sum`` against the
    plain-jnp reference on the device, over the shapes of ``tests/test_kernels.py`` plus large ones, and
@@ -43,6 +44,10 @@
    over the shapes of 1. (it must be exact), then HCLT-256's and PD-128's ``mpe`` and hard-EM ``flows``
    (``propagation="MPE"``) calls with ``Tuning(max_product_kernels=True)`` against the default (XLA's reductions):
    whether the answers are equal and the median milliseconds of both calls per batch (:func:`check_mpe`).
+10. ``--repeats`` (alone): whether the persistent routes are exact on every call: HCLT-256's and HMM-1024's
+   ``log_prob`` and ``flows`` called ``--calls`` times per route (``--tunings``; default: the tree's levels on
+   thread-block clusters with 64- and 32-row tasks, and the default call) and batch, each call against
+   ``precision="fp32"`` on XLA (:func:`check_repeats`).
 """
 
 from __future__ import annotations
@@ -677,6 +682,59 @@ def check_mpe(batches=(16, 128, 512), reps=30) -> bool:
     return equal
 
 
+def check_repeats(batches=(8, 16, 32, 64), calls=40, tunings: str = "") -> int:
+    """Whether a route is exact on every call, not only on one: HCLT-256's and HMM-1024's default ``log_prob`` and
+    ``flows`` (each with ``Options(tuning=t)`` for each of ``tunings``, ``field=value`` pairs joined by ``+``,
+    comma-separated; default: the cluster route with 64-row and with 32-row tasks, and the default call) called
+    ``calls`` times over 4 rotating batches, against ``precision="fp32"`` on XLA (``impl="xla"``). A call is wrong
+    where a log-likelihood differs by more than 0.05 nats (TF32's error is about 2e-3 here) or its flows by more than
+    1e-2 in L1 relative to the reference's. Prints per route and batch the wrong calls and their pattern
+    (``x`` wrong, ``.`` right); returns the number of wrong calls."""
+    import jaxpc
+    from jaxpc import structures
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _options import tuning
+    from profile_step import build
+
+    specs = tunings.split(",") if tunings else [
+        "tree_clusters=1", "tree_clusters=1+tree_forward_tile=32+tree_backward_tile=32", ""]
+    ref_o = jaxpc.Options(precision="fp32", impl="xla")
+    rng = np.random.default_rng(0)
+    hclt, data = build("hclt", 256, (4, 4))
+    circuits = {"hclt-256": (hclt, lambda B, i: data[i * B:(i + 1) * B]),
+                "hmm-1024": (jaxpc.compile(structures.HMM(64, 1024, 4096)),
+                             lambda B, i: rng.integers(0, 4096, (B, 64)).astype(np.int32))}
+    wrong_total = 0
+    for name, (c, batch) in circuits.items():
+        for B in batches:
+            xs = [jax.device_put(batch(B, i)) for i in range(4)]
+            refs = [c.flows(c.params, x, options=ref_o, return_ll=True) for x in xs]
+            refs = [(jax.tree_util.tree_leaves(f), np.asarray(ll, np.float64)) for f, ll in refs]
+            for spec in specs:
+                opts = jaxpc.Options(tuning=tuning(spec)) if spec else jaxpc.Options()
+                for entry in ("log_prob", "flows"):
+                    pattern = []
+                    for i in range(calls):
+                        if entry == "log_prob":
+                            ll, leaves = c.log_prob(c.params, xs[i % 4], options=opts), None
+                        else:
+                            f, ll = c.flows(c.params, xs[i % 4], options=opts, return_ll=True)
+                            leaves = jax.tree_util.tree_leaves(f)
+                        want_f, want_ll = refs[i % 4]
+                        bad = float(np.max(np.abs(np.asarray(ll, np.float64) - want_ll))) > 0.05
+                        if leaves is not None:
+                            got = np.concatenate([np.asarray(a, np.float64).ravel() for a in leaves])
+                            want = np.concatenate([np.asarray(a, np.float64).ravel() for a in want_f])
+                            bad |= float(np.abs(got - want).sum() / max(np.abs(want).sum(), 1e-30)) > 1e-2
+                        pattern.append("x" if bad else ".")
+                    wrong = pattern.count("x")
+                    wrong_total += wrong
+                    print(f"repeats {name} B={B} {entry} [{spec or 'default'}]: {wrong}/{calls} calls wrong "
+                          f"{''.join(pattern)}", flush=True)
+    return wrong_total
+
+
 def main(argv=None):
     import argparse
 
@@ -691,10 +749,15 @@ def main(argv=None):
     p.add_argument("--mpe", action="store_true", help="only the max-plus forward kernel: check and time")
     p.add_argument("--tree", action="store_true", help="only HCLT-256 on the persistent tree kernels, end to end")
     p.add_argument("--summed", action="store_true", help="only the summed parameter-flow kernel against XLA's")
+    p.add_argument("--repeats", action="store_true", help="only the persistent routes called many times against "
+                   "fp32: whether every call is exact")
+    p.add_argument("--calls", type=int, default=40, help="with --repeats: calls per route, batch and entry point")
+    p.add_argument("--tunings", default="", help="with --repeats: the routes, jaxpc.Tuning spellings (field=value "
+                   "joined by +) separated by commas; an empty one is the default call")
     p.add_argument("--tree-programs", type=int, default=0, help="with --tree: programs of the tree kernels "
                    "(pallas_tree.MAX_PROGRAMS)")
-    p.add_argument("--batches", default=None, help="with --tree: batches (default 8,16,32,64); with --mpe: "
-                   "batches (default 16,128,512)")
+    p.add_argument("--batches", default=None, help="with --tree, --repeats: batches (default 8,16,32,64); with "
+                   "--mpe: batches (default 16,128,512)")
     p.add_argument("--tree-tuning", default="", help="with --tree: the route to check against the default call, "
                    "a jaxpc.Tuning as field=value pairs joined by + (default: tree_kernel_batch=64)")
     args = p.parse_args(argv)
@@ -705,6 +768,10 @@ def main(argv=None):
         batches = tuple(int(b) for b in (args.batches or "8,16,32,64").split(","))
         print(f"worst fp32 relative error of the tree kernels: {check_tree(batches, against=args.tree_tuning):.2e}",
               flush=True)
+        return
+    if args.repeats:
+        batches = tuple(int(b) for b in (args.batches or "8,16,32,64").split(","))
+        print(f"wrong calls in all: {check_repeats(batches, args.calls, args.tunings)}", flush=True)
         return
     if args.summed:
         print(f"worst relative difference of the summed parameter flows: {check_summed():.2e}", flush=True)

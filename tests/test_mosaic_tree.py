@@ -234,21 +234,27 @@ def test_the_cluster_route_is_taken_where_its_kernels_apply(tree):
 
 
 @pytest.mark.parametrize("hopper", [True, False])
-def test_the_default_call_takes_the_cluster_route_on_hopper_gpus_only(tree, hopper):
-    """``Tuning.tree_clusters=None`` (the default): on where ``impl="auto"`` runs on a Hopper GPU; the first, quick
-    compile traces the levels one by one (``executables.quick_trace_options``)."""
+def test_the_default_call_keeps_the_tree_off_the_clusters(tree, hopper):
+    """``Tuning.tree_clusters=False`` (the default): never, as the route is not exact on every call on a GPU;
+    ``None``: on where ``impl="auto"`` runs on a Hopper GPU; the first, quick compile traces the levels one by one
+    (``executables.quick_trace_options``). Taking the route on a GPU warns once."""
     from jaxpc import executables
 
     fold, f32 = tree[0].layout.fold, jnp.float32
     default = jaxpc.Options(precision="tf32")  # what "default" resolves to on a GPU
-    with mock.patch.object(routing, "on_gpu", lambda: True), mock.patch.object(routing, "on_hopper", lambda: hopper):
-        assert (routing.tree_kernel(fold, default, 16, f32) == "mosaic") == hopper
-        assert routing.tree_kernel(fold, default.replace(tuning=jaxpc.Tuning(tree_clusters=False)), 16, f32) != "mosaic"
-        assert routing.tree_kernel(fold, default.replace(impl="xla"), 16, f32) != "mosaic"
-        quick = executables.quick_trace_options(default)
+    hopper_auto = default.replace(tuning=jaxpc.Tuning(tree_clusters=None))
+    with (mock.patch.object(routing, "on_gpu", lambda: True), mock.patch.object(routing, "on_hopper", lambda: hopper),
+          mock.patch.object(routing, "_WARNED_CLUSTERS", [])):
+        assert routing.tree_kernel(fold, default, 16, f32) != "mosaic"
+        if hopper:
+            with pytest.warns(RuntimeWarning, match="not exact on every call"):
+                assert routing.tree_kernel(fold, hopper_auto, 16, f32) == "mosaic"
+        else:
+            assert routing.tree_kernel(fold, hopper_auto, 16, f32) != "mosaic"
+        assert routing.tree_kernel(fold, hopper_auto.replace(impl="xla"), 16, f32) != "mosaic"
+        quick = executables.quick_trace_options(hopper_auto)
         assert quick.tuning.tree_clusters is False and routing.tree_kernel(fold, quick, 16, f32) != "mosaic"
-    off = default.replace(tuning=jaxpc.Tuning(tree_clusters=False))
-    assert executables.quick_trace_options(off) == off.replace(leaf_kernel=False)
+    assert executables.quick_trace_options(default) == default.replace(leaf_kernel=False)
     with pytest.raises(TypeError, match="tree_clusters must be a bool or None"):
         jaxpc.Tuning(tree_clusters=1)
 

@@ -65,6 +65,7 @@ def test_the_kernels_give_the_same_flows_under_x64(build, cats):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5 * float(np.max(np.abs(b))))
 
 
+@pytest.mark.filterwarnings("ignore:.*tree_clusters.*:RuntimeWarning")  # (the cluster route, asked for, warns)
 def test_the_kernels_lower_for_cuda_under_x64():
     """The default call's kernels (Pallas's Triton lowering), the tree's cluster kernels (Mosaic) and the HMM chain's
     kernels lower for an H200 with 64-bit types on."""

@@ -42,10 +42,19 @@ the product over the samples on the tensor cores with the weights' exponentials 
 the ``[blocks, Kp, Kc]`` product is never written out and read back (HCLT-256 at batch 16 on the H200: 88 us in the
 step for its 302 MB; synchronized calls alone 0.189 ms against 0.243 for XLA's product and multiplication).
 
-:func:`jaxpc.engine.routing.tree_kernel` routes a tree here on Hopper GPUs (``Tuning.tree_clusters``; the variants
-above: ``Tuning.tree_log_weights``, ``tree_forward_tile``, ``tree_backward_tile``). On the H200,
-HCLT-256's tree at batch 16 takes 0.29-0.33 ms forward and 0.34 backward (32-row tasks, from weight copies made before
-the call: 0.12 ms for both) against about 0.46 and 0.61 level by level in the default call (docs/design.md, "Tree
+:func:`jaxpc.engine.routing.tree_kernel` routes a tree here where ``Tuning.tree_clusters`` asks for it (off by
+default; the variants above: ``Tuning.tree_log_weights``, ``tree_forward_tile``, ``tree_backward_tile``). The route
+is not exact on every call: on an H100, HCLT-256 at batch 16 (64-row tasks), at least 3 of 7 calls in two processes
+returned log-likelihoods off by 14 to about 190 nats (in one, 14 and 20 above the float32 ones: a child's
+contribution missing from its parent), while every call of the other routes agreed within TF32's error. The steps
+hand a block's values to its parent's block through global memory, ordered by the cluster barrier alone; Mosaic
+GPU's cluster barrier arrives on the peers' barriers with ``mbarrier.arrive`` at its default scope (the CTA), which
+the PTX memory model does not make a release to the other blocks of the cluster, and no proxy fence orders the TMA
+stores before the peers' TMA loads. That is the suspected cause, not a confirmed one: ``benchmarks/kernels_check.py
+--repeats`` counts the calls that disagree.
+
+On the H200, HCLT-256's tree at batch 16 takes 0.29-0.33 ms forward and 0.34 backward (32-row tasks, from weight
+copies made before the call: 0.12 ms for both) against about 0.46 and 0.61 level by level (docs/design.md, "Tree
 levels on thread-block clusters").
 """
 
