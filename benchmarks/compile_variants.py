@@ -1,13 +1,14 @@
-"""Steps and compile seconds of one workload's flows executable compiled each way: the scanned or the unrolled
-stages, with or without XLA's Triton GEMM fusions and their autotuning. Tells whether the optimized compile that
-the default call swaps in (``Tuning.quick_first_compile``, ``Tuning.unroll_optimized``) is faster than the
-quick one it replaces, per batch size.
+"""Steps and compile seconds of one workload's flows (or ``--entry log_prob``) executable compiled each way: the
+scanned or the unrolled stages, with or without XLA's Triton GEMM fusions and their autotuning. Tells whether the
+optimized compile that the default call swaps in (``Tuning.quick_first_compile``, ``Tuning.unroll_optimized``) is
+faster than the quick one it replaces, per batch size.
 
-    python benchmarks/compile_variants.py [--workload hclt] [--batches 128,512] [--reps 30]
+    python benchmarks/compile_variants.py [--workload hclt] [--entry flows] [--batches 128,512] [--reps 30]
                                           [--variants default,quick,scanned,unrolled,unrolled-notg,unrolled-quick]
                                           [--tunings xla.xla_gpu_enable_cublaslt=true,leaf_batch=0] [--paired]
 
-Variants (``c.flows(params, x, options=...)``, each its own executable, compiled one after the other):
+Variants (``c.flows(params, x, options=...)``, or ``c.log_prob``; each its own executable, compiled one after the
+other):
 
 * ``default``: ``Options()``, the default call, timed after ``c.wait_compiled()`` (the optimized executable);
 * ``quick``: the scanned stages without Triton GEMM fusions at autotune level 0 (the default call's quick
@@ -78,6 +79,7 @@ def rel_diff(a, b) -> float:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", default="hclt", choices=["hclt", "pd"])
+    p.add_argument("--entry", default="flows", choices=["flows", "log_prob"], help="the public call timed")
     p.add_argument("--batches", default="128,512")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--variants", default="default,quick,scanned,unrolled,unrolled-notg,unrolled-quick")
@@ -100,8 +102,10 @@ def main(argv=None):
         for n in names:
             kw = {} if opts[n] is None else {"options": opts[n]}
 
-            def call(x, kw=kw):
-                return c.flows(c.params, x, **kw)
+            entry = getattr(c, args.entry)
+
+            def call(x, kw=kw, entry=entry):
+                return entry(c.params, x, **kw)
             t = time.perf_counter()
             out = jax.block_until_ready(call(xs[0]))
             first = time.perf_counter() - t
@@ -113,8 +117,9 @@ def main(argv=None):
             ref = leaves if ref is None else ref
             ms = round(median_ms(call, xs, args.reps, warmup_s=1.0), 3)
             calls.append(call)
-            print(json.dumps(dict(workload=args.workload, batch=B, variant=n, first_call_s=round(first, 2), ms=ms,
-                                  mib=round(compiled_mib(c.compiled("flows")), 1),
+            print(json.dumps(dict(workload=args.workload, entry=args.entry, batch=B, variant=n,
+                                  first_call_s=round(first, 2), ms=ms,
+                                  mib=round(compiled_mib(c.compiled(args.entry)), 1),
                                   rel_diff_vs_first=float(f"{diff:.2e}"), device=jax.devices()[0].device_kind)),
                   flush=True)
         if args.paired:

@@ -128,9 +128,8 @@ def _mpe_impl(layout, tables, params, x, missing, *, num_values: int, options):
 # name -> (pure implementation, batch axis of each output)
 _QUERY_ENTRIES = {"marginal_soft": (_marginal_impl, 0), "conditional": (_conditional_impl, 0),
                   "sample": (_sample_impl, 0), "mpe": (_mpe_impl, (0, 0))}
-# entries whose optimized compile keeps the scanned stages: unrolled, XLA fuses a scanned level's steps of the
-# top-down selection into transposes several times slower (HCLT-256 on an H200: sample at B=1,024 18.6 ms
-# against 9.2, mpe at B=128 6.9 against 4.7)
+# entries whose optimized compile keeps the scanned stages: their top-down selection runs slower unrolled, because
+# XLA fuses the unrolled steps of a level into slow transposes (benchmarks/RESULTS.md, "scanned or unrolled")
 _SCANNED = frozenset({"sample", "mpe"})
 
 
