@@ -2,7 +2,7 @@
 
     python benchmarks/kernels_check.py [--no-timing] [--leaves] [--levels] [--triton] [--chain] [--fanin] [--products]
                                        [--tree [--tree-tuning FIELD=VALUE+...] [--batches 8,16]]
-                                       [--repeats [--calls 40] [--tunings tree_clusters=1,] [--batches 16]]
+                                       [--repeats [--calls 40] [--tunings tree_clusters=1,] [--batches 16] [--fences]]
 
 1. Correctness: forward, child flows and parameter flows of ``jaxpc.ops.pallas_sum`` against the
    plain-jnp reference on the device, over the shapes of ``tests/test_kernels.py`` plus large ones, and
@@ -46,8 +46,9 @@
    whether the answers are equal and the median milliseconds of both calls per batch (:func:`check_mpe`).
 10. ``--repeats`` (alone): whether the persistent routes are exact on every call: HCLT-256's and HMM-1024's
    ``log_prob`` and ``flows`` called ``--calls`` times per route (``--tunings``; default: the tree's levels on
-   thread-block clusters with 64- and 32-row tasks, and the default call) and batch, each call against
-   ``precision="fp32"`` on XLA (:func:`check_repeats`).
+   thread-block clusters with 64-row tasks, without XLA's concurrent command-buffer order, with 32-row tasks, and
+   the default call) and batch, each call against ``precision="fp32"`` on XLA (:func:`check_repeats`); ``--fences``
+   runs the cluster kernels with their steps fenced (``jaxpc.ops.mosaic_tree.FENCES``).
 """
 
 from __future__ import annotations
@@ -685,7 +686,8 @@ def check_mpe(batches=(16, 128, 512), reps=30) -> bool:
 def check_repeats(batches=(8, 16, 32, 64), calls=40, tunings: str = "") -> int:
     """Whether a route is exact on every call, not only on one: HCLT-256's and HMM-1024's default ``log_prob`` and
     ``flows`` (each with ``Options(tuning=t)`` for each of ``tunings``, ``field=value`` pairs joined by ``+``,
-    comma-separated; default: the cluster route with 64-row and with 32-row tasks, and the default call) called
+    comma-separated; default: the cluster route with 64-row tasks, the same without XLA's concurrent command-buffer
+    order, with 32-row tasks, and the default call) called
     ``calls`` times over 4 rotating batches, against ``precision="fp32"`` on XLA (``impl="xla"``). A call is wrong
     where a log-likelihood differs by more than 0.05 nats (TF32's error is about 2e-3 here) or its flows by more than
     1e-2 in L1 relative to the reference's. Prints per route and batch the wrong calls and their pattern
@@ -698,7 +700,8 @@ def check_repeats(batches=(8, 16, 32, 64), calls=40, tunings: str = "") -> int:
     from profile_step import build
 
     specs = tunings.split(",") if tunings else [
-        "tree_clusters=1", "tree_clusters=1+tree_forward_tile=32+tree_backward_tile=32", ""]
+        "tree_clusters=1", "tree_clusters=1+concurrent_batch=0",
+        "tree_clusters=1+tree_forward_tile=32+tree_backward_tile=32", ""]
     ref_o = jaxpc.Options(precision="fp32", impl="xla")
     rng = np.random.default_rng(0)
     hclt, data = build("hclt", 256, (4, 4))
@@ -752,6 +755,8 @@ def main(argv=None):
     p.add_argument("--repeats", action="store_true", help="only the persistent routes called many times against "
                    "fp32: whether every call is exact")
     p.add_argument("--calls", type=int, default=40, help="with --repeats: calls per route, batch and entry point")
+    p.add_argument("--fences", action="store_true", help="with --repeats: the cluster kernels with their steps "
+                   "fenced (jaxpc.ops.mosaic_tree.FENCES; run with JAXPC_PERSISTENT_CACHE=0)")
     p.add_argument("--tunings", default="", help="with --repeats: the routes, jaxpc.Tuning spellings (field=value "
                    "joined by +) separated by commas; an empty one is the default call")
     p.add_argument("--tree-programs", type=int, default=0, help="with --tree: programs of the tree kernels "
@@ -770,6 +775,10 @@ def main(argv=None):
               flush=True)
         return
     if args.repeats:
+        if args.fences:
+            from jaxpc.ops import mosaic_tree
+
+            mosaic_tree.FENCES = True
         batches = tuple(int(b) for b in (args.batches or "8,16,32,64").split(","))
         print(f"wrong calls in all: {check_repeats(batches, args.calls, args.tunings)}", flush=True)
         return

@@ -168,6 +168,34 @@ def test_the_cluster_forward_from_log_weights_equals_it_from_weights(tree):
 
 
 @pytest.mark.slow
+def test_fenced_steps_write_the_same_values_and_lower_their_fences_for_cuda(tree, monkeypatch):
+    """``mosaic_tree.FENCES``: the interpreter skips the inline fences, so the forward and backward write what they
+    write without them; lowered for an H200, each kernel's module holds the cluster-scope and proxy fences."""
+    from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+
+    c, spec, tab, vals = tree
+    tabs = jax.tree.map(jnp.asarray, mosaic_tree.schedule(tab, spec, clusters=2))
+    w = mosaic_tree.tf32_weights(c.params["sum"][spec.group])
+    flows = jnp.asarray(np.abs(vals))
+
+    def run(buf):
+        out, kept = mosaic_tree.forward(buf, tabs, None, spec, weights=w, keep=True)
+        return out, mosaic_tree.backward(flows, kept, tabs, mosaic_tree.tf32_weights_t(c.params["sum"][spec.group]),
+                                         spec)
+
+    want = run(jnp.asarray(vals))
+    monkeypatch.setattr(mosaic_tree, "FENCES", True)
+    got = run(jnp.asarray(vals))
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    h200 = AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    with use_abstract_mesh(AbstractMesh((), (), abstract_device=h200)):
+        fn = jax.jit(lambda b: mosaic_tree.forward(b, tabs, None, spec, weights=w, interpret=False))
+        text = fn.trace(jnp.asarray(vals)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "fence.acq_rel.cluster" in text and "fence.proxy.async.global" in text
+
+
+@pytest.mark.slow
 def test_task_widths_and_mixed_levels_write_what_one_level_steps_write(tree):
     """Three schedules of the same tree write the same values and flows, within TF32 rounding. Where a level holds
     more blocks than a step takes, blocks of the levels above whose children are done share its steps (Hu's

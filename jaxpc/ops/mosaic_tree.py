@@ -50,8 +50,9 @@ contribution missing from its parent), while every call of the other routes agre
 hand a block's values to its parent's block through global memory, ordered by the cluster barrier alone; Mosaic
 GPU's cluster barrier arrives on the peers' barriers with ``mbarrier.arrive`` at its default scope (the CTA), which
 the PTX memory model does not make a release to the other blocks of the cluster, and no proxy fence orders the TMA
-stores before the peers' TMA loads. That is the suspected cause, not a confirmed one: ``benchmarks/kernels_check.py
---repeats`` counts the calls that disagree.
+stores before the peers' TMA loads. That is the suspected cause, not a confirmed one (XLA's concurrent command-buffer
+order at batches up to 32 is the other): ``benchmarks/kernels_check.py --repeats`` counts the calls that disagree,
+and with ``--fences`` runs the kernels with every step fenced (:data:`FENCES`, :func:`_meet`).
 
 On the H200, HCLT-256's tree at batch 16 takes 0.29-0.33 ms forward and 0.34 backward (32-row tasks, from weight
 copies made before the call: 0.12 ms for both) against about 0.46 and 0.61 level by level (docs/design.md, "Tree
@@ -80,6 +81,7 @@ SMEM: Final = 232448  # bytes of shared memory a block may use on the H200
 _SHIFT: Final = 8  # columns of a block's shift (its child's max per sample) in the forward's ``shift`` copy
 APPROX_MATH: bool = True  # the GPU's approximate exp and log (False: the exact ones, about twice as slow)
 PROFILE_DIR: str | None = None  # where set, the GPU kernels record Mosaic GPU's profile of their named scopes there
+FENCES: bool = False  # where set, each step's hand-off is fenced at cluster scope and across proxies (:func:`_meet`)
 
 
 def fits(spec, B: int, tile: int = TILE) -> bool:
@@ -332,27 +334,51 @@ def _store(src, dst) -> None:
     plgpu.wait_smem_to_gmem(0)
 
 
-def _meet(cbar) -> None:
-    """In a kernel body: the cluster's blocks meet (orders the next step's loads after this step's stores)."""
+def _fence(ptx: str) -> None:
+    """In a kernel body: the PTX fences ``ptx`` in every thread, then the warpgroup's threads meet (so that no
+    thread arrives at the cluster barrier before the thread that issued the TMA copies has fenced)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import llvm
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
+    @plgpu.inline_mgpu()
+    def emit(_):
+        llvm.inline_asm(ir.Type.parse("!llvm.void"), [], ptx, "", has_side_effects=True)
+        mgpu_utils.warpgroup_barrier()
+
+    emit()
+
+
+def _meet(cbar, fences: bool = False) -> None:
+    """In a kernel body: the cluster's blocks meet (orders the next step's loads after this step's stores). With
+    ``fences`` (:data:`FENCES`), the step's TMA stores (already waited for) are ordered before the barrier for every
+    block of the cluster, and the barrier before the next step's TMA loads: the cluster barrier's remote arrive
+    alone releases at the CTA's scope, and the TMA copies run in the async proxy."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if fences:
+        _fence("fence.proxy.async.global;\n\tfence.acq_rel.cluster;")
     plgpu.barrier_arrive(cbar)
     plgpu.barrier_wait(cbar)
+    if fences:
+        _fence("fence.acq_rel.cluster;\n\tfence.proxy.async.global;")
 
 
-def _cluster_kernel(body, G: int, scratch: list, interpret: bool, params):
+def _cluster_kernel(body, G: int, scratch: list, interpret: bool, params, fences: bool = False):
     """``body`` as a Mosaic GPU kernel of ``G`` clusters of ``CLUSTER`` blocks (``params``: its compiler
-    parameters), or on the interpreter."""
+    parameters), or on the interpreter (which skips the inline fences of ``fences``)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    extra = {"interpret": plgpu.InterpretGPUParams()} if interpret else {"compiler_params": params()}
+    extra = ({"interpret": plgpu.InterpretGPUParams(**({"inline_mgpu": "ignore"} if fences else {}))} if interpret
+             else {"compiler_params": params()})
     return plgpu.kernel(body, out_type=(), grid=(G,), grid_names=("g",), cluster=(CLUSTER,), cluster_names=("c",),
                         scratch_types=scratch, **extra)
 
 
 @functools.cache
 def _forward_kernel(G: int, S: int, Kp: int, Kc: int, B: int, N: int, interpret: bool, log_weights: bool,
-                    profile_dir: str | None, approx: bool):
+                    profile_dir: str | None, approx: bool, fences: bool = False):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -426,7 +452,7 @@ def _forward_kernel(G: int, S: int, Kp: int, Kc: int, B: int, N: int, interpret:
                     plgpu.wait_smem_to_gmem(0)
 
             with jax.named_scope("cluster_barrier"):
-                _meet(cbar)
+                _meet(cbar, fences)
             return carry
 
         lax.fori_loop(0, S, step, 0)
@@ -437,11 +463,12 @@ def _forward_kernel(G: int, S: int, Kp: int, Kc: int, B: int, N: int, interpret:
         plgpu.SMEM((TILE, Kc), f32, transforms=swizzled), plgpu.SMEM((TILE, N), f32), plgpu.SMEM((TILE, _SHIFT), f32),
         plgpu.Barrier(), plgpu.Barrier(num_barriers=2), plgpu.Barrier(), plgpu.ClusterBarrier(collective_axes=("c",)),
         *([plgpu.SMEM((TILE, N), f32), plgpu.Barrier()] if interpret else [])],
-        interpret, lambda: plgpu.CompilerParams(approx_math=approx, **profile))
+        interpret, lambda: plgpu.CompilerParams(approx_math=approx, **profile), fences)
 
 
 @functools.cache
-def _backward_kernel(G: int, S: int, Kp: int, Kc: int, B: int, N: int, interpret: bool, approx: bool):
+def _backward_kernel(G: int, S: int, Kp: int, Kc: int, B: int, N: int, interpret: bool, approx: bool,
+                     fences: bool = False):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -480,7 +507,7 @@ def _backward_kernel(G: int, S: int, Kp: int, Kc: int, B: int, N: int, interpret
                 o_smem[...] = acc * jnp.exp(x_smem[...] - lax.broadcast_in_dim(mx, (TILE, N), [0]))
                 _store(o_smem.at[:B], pf.at[:, _at(task_smem[s, 4], N)])
 
-            _meet(cbar)
+            _meet(cbar, fences)
             return carry
 
         lax.fori_loop(0, S, step, 0)
@@ -490,11 +517,12 @@ def _backward_kernel(G: int, S: int, Kp: int, Kc: int, B: int, N: int, interpret
         plgpu.SMEM((TILE, Kp), f32, transforms=swizzled), plgpu.SMEM((TILE, Kp), f32, transforms=swizzled),
         plgpu.SMEM((TILE, N), f32), plgpu.SMEM((TILE, N), f32), plgpu.SMEM((TILE, _SHIFT), f32), plgpu.Barrier(),
         plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=4), plgpu.ClusterBarrier(collective_axes=("c",))],
-        interpret, lambda: plgpu.CompilerParams(approx_math=approx))
+        interpret, lambda: plgpu.CompilerParams(approx_math=approx), fences)
 
 
 @functools.cache
-def _backward_ratio_kernel(G: int, S: int, Kp: int, Kc: int, B: int, N: int, interpret: bool, approx: bool):
+def _backward_ratio_kernel(G: int, S: int, Kp: int, Kc: int, B: int, N: int, interpret: bool, approx: bool,
+                           fences: bool = False):
     """:func:`_backward_kernel` from the ratios and exponentials made before the call (:func:`backward_ratios`):
     a task loads its parents' flows (``B`` rows), multiplies them by their ``1 / value`` ratios (loaded into the
     product's operand) and scales the product by the child's exponentials in place, with no exponential in the
@@ -534,7 +562,7 @@ def _backward_ratio_kernel(G: int, S: int, Kp: int, Kc: int, B: int, N: int, int
                 x_smem[...] = _product(g_smem, w, N) * x_smem[...]  # the rows past B: whatever the operand held
                 _store(x_smem.at[:B], pf.at[:, _at(task_smem[s, 4], N)])
 
-            _meet(cbar)
+            _meet(cbar, fences)
             return carry
 
         lax.fori_loop(0, S, step, 0)
@@ -544,7 +572,7 @@ def _backward_ratio_kernel(G: int, S: int, Kp: int, Kc: int, B: int, N: int, int
         plgpu.SMEM((TILE, Kp), f32, transforms=swizzled), plgpu.SMEM((B, Kp), f32, transforms=swizzled),
         plgpu.SMEM((TILE, N), f32, transforms=swizzled), plgpu.SMEM((S, _BTASK), jnp.int32), plgpu.Barrier(),
         plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=3), plgpu.ClusterBarrier(collective_axes=("c",))],
-        interpret, lambda: plgpu.CompilerParams(approx_math=approx))
+        interpret, lambda: plgpu.CompilerParams(approx_math=approx), fences)
 
 
 def backward_ratios(copies: dict, spec) -> tuple[Array, Array]:
@@ -616,11 +644,11 @@ def backward(flows: Array, copies: dict, tabs: dict, weights_t: Array, spec, til
     if ratios:
         r, e = backward_ratios(copies, spec)
         for t in tabs["btasks"]:
-            _backward_ratio_kernel(t.shape[0], t.shape[2], K, K, B, tile, interpret, APPROX_MATH)(
+            _backward_ratio_kernel(t.shape[0], t.shape[2], K, K, B, tile, interpret, APPROX_MATH, FENCES)(
                 t, wt, pf, r, e)
     else:
         for t in tabs["btasks"]:
-            _backward_kernel(t.shape[0], t.shape[2], K, K, B, tile, interpret, APPROX_MATH)(
+            _backward_kernel(t.shape[0], t.shape[2], K, K, B, tile, interpret, APPROX_MATH, FENCES)(
                 t, wt, pf, copies["vals"], copies["prod"], copies["shift"])
     pf = jax.freeze(pf)
     flows = flows.at[tabs["rows"]].set(pf[:, tabs["fin"]].T, unique_indices=True)
@@ -719,7 +747,7 @@ def forward(buf: Array, tabs: dict, logw: Array | None, spec, interpret: bool | 
     w = (logw if weights is None else weights).astype(jnp.float32).reshape(-1, spec.Kc)
     for t in tabs["tasks"]:
         _forward_kernel(t.shape[0], t.shape[2], spec.Kp, spec.Kc, B, tile, interpret, weights is None,
-                        None if interpret else PROFILE_DIR, APPROX_MATH)(t, w, prod, vals, shift)
+                        None if interpret else PROFILE_DIR, APPROX_MATH, FENCES)(t, w, prod, vals, shift)
     vals = jax.freeze(vals)
     out = buf.at[tabs["rows"]].set(vals.T, unique_indices=True)
     copies = {"prod": jax.freeze(prod), "vals": vals, "shift": jax.freeze(shift)}
