@@ -114,7 +114,7 @@ class Tuning:
             ``precision`` below ``"fp32"`` and ``impl`` ``"auto"`` on a GPU or ``"pallas"`` /
             ``"pallas_forward"`` (Pallas's GPU interpreter off a GPU); it takes precedence over
             ``tree_kernel_batch``. False (the default): never, as the route is not exact on every call (on an
-            H100, HCLT-256's ``log_prob`` at batch 16: 3 of 7 calls in two processes off by 14 to about 190 nats;
+            H100, HCLT-256's ``log_prob`` at batch 16: at least 3 of 7 calls off by 14 to about 190 nats;
             it warns once where it runs on a GPU); None: on where ``impl`` is ``"auto"`` on a Hopper GPU (compute
             capability 9.x: clusters of 16 blocks, wgmma), else off; True: wherever the conditions above hold
             (other GPUs cannot compile its kernels) (docs/design.md, "Tree levels on thread-block clusters").

@@ -168,6 +168,7 @@ def test_the_cluster_forward_from_log_weights_equals_it_from_weights(tree):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # an opt-in route's variant (CI runs the route in test_the_cluster_route_with_tree_blocks_*)
 def test_fenced_steps_write_the_same_values_and_lower_their_fences_for_cuda(tree, monkeypatch):
     """``mosaic_tree.FENCES``: the interpreter skips the inline fences, so the forward and backward write what they
     write without them; lowered for an H200, each kernel's module holds the cluster-scope and proxy fences."""
@@ -196,6 +197,7 @@ def test_fenced_steps_write_the_same_values_and_lower_their_fences_for_cuda(tree
 
 
 @pytest.mark.slow
+@pytest.mark.full  # an opt-in route's variants (CI runs the route in test_the_cluster_route_with_tree_blocks_*)
 def test_task_widths_and_mixed_levels_write_what_one_level_steps_write(tree):
     """Three schedules of the same tree write the same values and flows, within TF32 rounding. Where a level holds
     more blocks than a step takes, blocks of the levels above whose children are done share its steps (Hu's
