@@ -198,6 +198,7 @@ def test_the_triton_tree_backward_adds_child_flows_as_pallas_does(deep, interpre
 
 
 @slow
+@pytest.mark.full  # an opt-in route's or tuning's variants
 def test_the_tree_kernels_under_vmap_over_parameter_sets(deep):
     """``jit(vmap)`` over two parameter sets: one launch per set (a batched grid would break the barrier)."""
     c, data = deep
