@@ -96,15 +96,14 @@ def main(argv=None):
     root = (structures.PD((28, 28), 128, split_intervals=(4, 4), input_dist=cat) if args.workload == "pd"
             else structures.HCLT(imgs[:2_000], 256, input_dist=cat))
     c = jaxpc.compile(root)
+    entry = getattr(c, args.entry)
     for B in (int(b) for b in args.batches.split(",")):
         xs = [jax.device_put(imgs[2_000 + i * B: 2_000 + (i + 1) * B]) for i in range(4)]
         ref, calls = None, []
         for n in names:
             kw = {} if opts[n] is None else {"options": opts[n]}
 
-            entry = getattr(c, args.entry)
-
-            def call(x, kw=kw, entry=entry):
+            def call(x, kw=kw):
                 return entry(c.params, x, **kw)
             t = time.perf_counter()
             out = jax.block_until_ready(call(xs[0]))
