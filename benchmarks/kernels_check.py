@@ -2,7 +2,8 @@
 
     python benchmarks/kernels_check.py [--no-timing] [--leaves] [--levels] [--triton] [--chain] [--fanin] [--products]
                                        [--tree [--tree-tuning FIELD=VALUE+...] [--batches 8,16]]
-                                       [--repeats [--calls 40] [--tunings tree_clusters=1,] [--batches 16] [--fences]]
+                                       [--repeats [--calls 40] [--tunings tree_clusters=1,] [--batches 16] [--no-fences]
+                                                  [--circuits hclt-256]]
 
 1. Correctness: forward, child flows and parameter flows of ``jaxpc.ops.pallas_sum`` against the
    plain-jnp reference on the device, over the shapes of ``tests/test_kernels.py`` plus large ones, and
@@ -45,10 +46,11 @@
    (``propagation="MPE"``) calls with ``Tuning(max_product_kernels=True)`` against the default (XLA's reductions):
    whether the answers are equal and the median milliseconds of both calls per batch (:func:`check_mpe`).
 10. ``--repeats`` (alone): whether the persistent routes are exact on every call: HCLT-256's and HMM-1024's
-   ``log_prob`` and ``flows`` called ``--calls`` times per route (``--tunings``; default: the tree's levels on
-   thread-block clusters with 64-row tasks, without XLA's concurrent command-buffer order, with 32-row tasks, and
-   the default call) and batch, each call against ``precision="fp32"`` on XLA (:func:`check_repeats`); ``--fences``
-   runs the cluster kernels with their steps fenced (``jaxpc.ops.mosaic_tree.FENCES``).
+   ``log_prob`` and ``flows`` called ``--calls`` times per route (``--tunings``; default: the default call (on a
+   Hopper GPU, the tree's levels on thread-block clusters with 64-row tasks up to batch 32), the same without XLA's
+   concurrent command-buffer order, with 32-row tasks, and the levels one by one) and batch, each call against
+   ``precision="fp32"`` on XLA (:func:`check_repeats`); ``--no-fences`` runs the cluster kernels without their
+   steps' fences (``jaxpc.ops.mosaic_tree.FENCES``), which on an H100 gets some calls wrong.
 """
 
 from __future__ import annotations
@@ -683,11 +685,11 @@ def check_mpe(batches=(16, 128, 512), reps=30) -> bool:
     return equal
 
 
-def check_repeats(batches=(8, 16, 32, 64), calls=40, tunings: str = "") -> int:
+def check_repeats(batches=(8, 16, 32, 64), calls=40, tunings: str = "", only: str = "") -> int:
     """Whether a route is exact on every call, not only on one: HCLT-256's and HMM-1024's default ``log_prob`` and
     ``flows`` (each with ``Options(tuning=t)`` for each of ``tunings``, ``field=value`` pairs joined by ``+``,
-    comma-separated; default: the cluster route with 64-row tasks, the same without XLA's concurrent command-buffer
-    order, with 32-row tasks, and the default call) called
+    comma-separated; default: the default call, the same without XLA's concurrent command-buffer order, the cluster
+    route with 32-row tasks, and the levels one by one; ``only``: the circuits' names, comma-separated) called
     ``calls`` times over 4 rotating batches, against ``precision="fp32"`` on XLA (``impl="xla"``). A call is wrong
     where a log-likelihood differs by more than 0.05 nats (TF32's error is about 2e-3 here) or is finite on one side
     only, or a leaf of its flows by more than 1e-2 (:func:`rel`, which counts that too as wrong). Prints per route
@@ -700,14 +702,18 @@ def check_repeats(batches=(8, 16, 32, 64), calls=40, tunings: str = "") -> int:
     from profile_step import build
 
     specs = tunings.split(",") if tunings else [
-        "tree_clusters=1", "tree_clusters=1+concurrent_batch=0",
-        "tree_clusters=1+tree_forward_tile=32+tree_backward_tile=32", ""]
+        "", "concurrent_batch=0", "tree_forward_tile=32+tree_backward_tile=32", "tree_clusters=0"]
     ref_o = jaxpc.Options(precision="fp32", impl="xla")
     rng = np.random.default_rng(0)
     hclt, data = build("hclt", 256, (4, 4))
     circuits = {"hclt-256": (hclt, lambda B, i: data[i * B:(i + 1) * B]),
                 "hmm-1024": (jaxpc.compile(structures.HMM(64, 1024, 4096)),
                              lambda B, i: rng.integers(0, 4096, (B, 64)).astype(np.int32))}
+    if only:
+        unknown = set(only.split(",")) - set(circuits)
+        if unknown:
+            raise ValueError(f"unknown circuits {sorted(unknown)}; known: {sorted(circuits)}")
+        circuits = {k: v for k, v in circuits.items() if k in only.split(",")}
     wrong_total = 0
     for name, (c, batch) in circuits.items():
         for B in batches:
@@ -755,8 +761,10 @@ def main(argv=None):
     p.add_argument("--repeats", action="store_true", help="only the persistent routes called many times against "
                    "fp32: whether every call is exact")
     p.add_argument("--calls", type=int, default=40, help="with --repeats: calls per route, batch and entry point")
-    p.add_argument("--fences", action="store_true", help="with --repeats: the cluster kernels with their steps "
-                   "fenced (jaxpc.ops.mosaic_tree.FENCES; run with JAXPC_PERSISTENT_CACHE=0)")
+    p.add_argument("--no-fences", dest="fences", action="store_false", help="with --repeats, --tree: the cluster "
+                   "kernels without their steps' fences (jaxpc.ops.mosaic_tree.FENCES; run with "
+                   "JAXPC_PERSISTENT_CACHE=0)")
+    p.add_argument("--circuits", default="", help="with --repeats: hclt-256, hmm-1024 or both (default)")
     p.add_argument("--tunings", default="", help="with --repeats: the routes, jaxpc.Tuning spellings (field=value "
                    "joined by +) separated by commas; an empty one is the default call")
     p.add_argument("--tree-programs", type=int, default=0, help="with --tree: programs of the tree kernels "
@@ -774,13 +782,13 @@ def main(argv=None):
         print(f"worst fp32 relative error of the tree kernels: {check_tree(batches, against=args.tree_tuning):.2e}",
               flush=True)
         return
-    if args.repeats:
-        if args.fences:
-            from jaxpc.ops import mosaic_tree
+    if not args.fences:
+        from jaxpc.ops import mosaic_tree
 
-            mosaic_tree.FENCES = True
+        mosaic_tree.FENCES = False
+    if args.repeats:
         batches = tuple(int(b) for b in (args.batches or "8,16,32,64").split(","))
-        print(f"wrong calls in all: {check_repeats(batches, args.calls, args.tunings)}", flush=True)
+        print(f"wrong calls in all: {check_repeats(batches, args.calls, args.tunings, args.circuits)}", flush=True)
         return
     if args.summed:
         print(f"worst relative difference of the summed parameter flows: {check_summed():.2e}", flush=True)

@@ -113,11 +113,10 @@ class Tuning:
             flows left to the batched pass) where the blocks are square, the batch a multiple of 8 up to 64,
             ``precision`` below ``"fp32"`` and ``impl`` ``"auto"`` on a GPU or ``"pallas"`` /
             ``"pallas_forward"`` (Pallas's GPU interpreter off a GPU); it takes precedence over
-            ``tree_kernel_batch``. False (the default): never, as the route is not exact on every call (on an
-            H100, HCLT-256's ``log_prob`` at batch 16: at least 3 of 7 calls off by 14 to about 190 nats;
-            it warns once where it runs on a GPU); None: on where ``impl`` is ``"auto"`` on a Hopper GPU (compute
-            capability 9.x: clusters of 16 blocks, wgmma), else off; True: wherever the conditions above hold
-            (other GPUs cannot compile its kernels) (docs/design.md, "Tree levels on thread-block clusters").
+            ``tree_kernel_batch``. None (the default): on where ``impl`` is ``"auto"`` on a Hopper GPU (compute
+            capability 9.x: clusters of 16 blocks, wgmma), else off; True: wherever the conditions above hold (other
+            GPUs cannot compile its kernels); False: never (docs/design.md, "Tree levels on thread-block
+            clusters").
         tree_log_weights: on the clusters' route, the forward's kernels read the log-weights and exponentiate each
             task's tile in shared memory while its child loads, instead of reading a copy of the weights made
             before the forward (off by default: not faster on the H200).
@@ -184,7 +183,7 @@ class Tuning:
     concurrent_batch: int = 32
     fanin_kernel_batch: int = 1
     tree_kernel_batch: int = 0
-    tree_clusters: bool | None = False
+    tree_clusters: bool | None = None
     tree_log_weights: bool = False
     tree_forward_tile: int | None = None
     tree_backward_tile: int | None = None

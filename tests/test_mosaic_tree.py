@@ -170,8 +170,9 @@ def test_the_cluster_forward_from_log_weights_equals_it_from_weights(tree):
 @pytest.mark.slow
 @pytest.mark.full  # an opt-in route's variant (CI runs the route in test_the_cluster_route_with_tree_blocks_*)
 def test_fenced_steps_write_the_same_values_and_lower_their_fences_for_cuda(tree, monkeypatch):
-    """``mosaic_tree.FENCES``: the interpreter skips the inline fences, so the forward and backward write what they
-    write without them; lowered for an H200, each kernel's module holds the cluster-scope and proxy fences."""
+    """``mosaic_tree.FENCES`` (on by default): the interpreter skips the inline fences, so the forward and backward
+    write what they write without them; lowered for an H200, the kernel's module holds the cluster-scope and proxy
+    fences, and without them it does not."""
     from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
     c, spec, tab, vals = tree
@@ -184,16 +185,21 @@ def test_fenced_steps_write_the_same_values_and_lower_their_fences_for_cuda(tree
         return out, mosaic_tree.backward(flows, kept, tabs, mosaic_tree.tf32_weights_t(c.params["sum"][spec.group]),
                                          spec)
 
-    want = run(jnp.asarray(vals))
-    monkeypatch.setattr(mosaic_tree, "FENCES", True)
+    assert mosaic_tree.FENCES
     got = run(jnp.asarray(vals))
+    monkeypatch.setattr(mosaic_tree, "FENCES", False)
+    want = run(jnp.asarray(vals))
     for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     h200 = AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
-    with use_abstract_mesh(AbstractMesh((), (), abstract_device=h200)):
-        fn = jax.jit(lambda b: mosaic_tree.forward(b, tabs, None, spec, weights=w, interpret=False))
-        text = fn.trace(jnp.asarray(vals)).lower(lowering_platforms=("cuda",)).as_text()
-    assert "fence.acq_rel.cluster" in text and "fence.proxy.async.global" in text
+    texts = {}
+    for fences in (True, False):
+        monkeypatch.setattr(mosaic_tree, "FENCES", fences)
+        with use_abstract_mesh(AbstractMesh((), (), abstract_device=h200)):
+            fn = jax.jit(lambda b: mosaic_tree.forward(b, tabs, None, spec, weights=w, interpret=False))
+            texts[fences] = fn.trace(jnp.asarray(vals)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "fence.acq_rel.cluster" in texts[True] and "fence.proxy.async.global" in texts[True]
+    assert "fence.acq_rel.cluster" not in texts[False]
 
 
 @pytest.mark.slow
@@ -264,27 +270,21 @@ def test_the_cluster_route_is_taken_where_its_kernels_apply(tree):
 
 
 @pytest.mark.parametrize("hopper", [True, False])
-def test_the_default_call_keeps_the_tree_off_the_clusters(tree, hopper):
-    """``Tuning.tree_clusters=False`` (the default): never, as the route is not exact on every call on a GPU;
-    ``None``: on where ``impl="auto"`` runs on a Hopper GPU; the first, quick compile traces the levels one by one
-    (``executables.quick_trace_options``). Taking the route on a GPU warns once."""
+def test_the_default_call_takes_the_cluster_route_on_hopper_gpus_only(tree, hopper):
+    """``Tuning.tree_clusters=None`` (the default): on where ``impl="auto"`` runs on a Hopper GPU; False: never; the
+    first, quick compile traces the levels one by one (``executables.quick_trace_options``)."""
     from jaxpc import executables
 
     fold, f32 = tree[0].layout.fold, jnp.float32
     default = jaxpc.Options(precision="tf32")  # what "default" resolves to on a GPU
-    hopper_auto = default.replace(tuning=jaxpc.Tuning(tree_clusters=None))
-    with (mock.patch.object(routing, "on_gpu", lambda: True), mock.patch.object(routing, "on_hopper", lambda: hopper),
-          mock.patch.object(routing, "_WARNED_CLUSTERS", [])):
-        assert routing.tree_kernel(fold, default, 16, f32) != "mosaic"
-        if hopper:
-            with pytest.warns(RuntimeWarning, match="not exact on every call"):
-                assert routing.tree_kernel(fold, hopper_auto, 16, f32) == "mosaic"
-        else:
-            assert routing.tree_kernel(fold, hopper_auto, 16, f32) != "mosaic"
-        assert routing.tree_kernel(fold, hopper_auto.replace(impl="xla"), 16, f32) != "mosaic"
-        quick = executables.quick_trace_options(hopper_auto)
+    off = default.replace(tuning=jaxpc.Tuning(tree_clusters=False))
+    with mock.patch.object(routing, "on_gpu", lambda: True), mock.patch.object(routing, "on_hopper", lambda: hopper):
+        assert (routing.tree_kernel(fold, default, 16, f32) == "mosaic") == hopper
+        assert routing.tree_kernel(fold, off, 16, f32) != "mosaic"
+        assert routing.tree_kernel(fold, default.replace(impl="xla"), 16, f32) != "mosaic"
+        quick = executables.quick_trace_options(default)
         assert quick.tuning.tree_clusters is False and routing.tree_kernel(fold, quick, 16, f32) != "mosaic"
-    assert executables.quick_trace_options(default) == default.replace(leaf_kernel=False)
+    assert executables.quick_trace_options(off) == off.replace(leaf_kernel=False)
     with pytest.raises(TypeError, match="tree_clusters must be a bool or None"):
         jaxpc.Tuning(tree_clusters=1)
 

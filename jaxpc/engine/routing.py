@@ -47,8 +47,8 @@ def on_hopper() -> bool:
 
 
 def tree_clusters(options, impl: str | None = None) -> bool:
-    """Whether ``Tuning.tree_clusters`` asks for the tree's levels on clusters: its value (False by default), or
-    where None whether ``impl`` (:func:`route_impl`) is ``"auto"`` on a Hopper GPU."""
+    """Whether ``Tuning.tree_clusters`` asks for the tree's levels on clusters: its value, or where None (the
+    default) whether ``impl`` (:func:`route_impl`) is ``"auto"`` on a Hopper GPU."""
     asked = options.tuning.tree_clusters
     if asked is None:
         return (impl or route_impl(options)) == "auto" and on_hopper()
@@ -56,7 +56,6 @@ def tree_clusters(options, impl: str | None = None) -> bool:
 
 
 _WARNED_UNAVAILABLE = []
-_WARNED_CLUSTERS = []  # the cluster route's warning, given once per process
 
 
 def kernels_available() -> bool:
@@ -230,8 +229,7 @@ def tree_kernel(layout: Layout, options, B: int, dtype, evidence: dict | None = 
     choices (``Options.kernels``), and ``impl`` ``"auto"`` on a GPU, ``"triton"``, or ``"pallas"`` /
     ``"pallas_forward"`` (interpret mode off a GPU: the Pallas kernels); ``"triton"`` where the jax-triton route
     does not run counts as ``"auto"``. Before these, ``"mosaic"`` (:mod:`jaxpc.ops.mosaic_tree`, the levels on
-    thread-block clusters) where :func:`tree_clusters` asks for it (off by default: not exact on every call; it warns
-    once where it runs on a GPU) and its kernels apply:
+    thread-block clusters) where :func:`tree_clusters` asks for it (by default on Hopper GPUs) and its kernels apply:
     square blocks, a batch that is a multiple of 8 up to 64, ``precision`` below ``"fp32"``, the tree's parameter
     flows on the batched pass and a single-reader layout. The forward and the flow pass ask it alike: the one
     decides for both."""
@@ -251,12 +249,6 @@ def tree_kernel(layout: Layout, options, B: int, dtype, evidence: dict | None = 
             and (impl in PALLAS_FORWARD or (impl == "auto" and gpu))
             and mosaic_tree.fits(layout.tree, B, CLUSTER_TILE) and layout.tree.Kp == layout.tree.Kc
             and layout.single_reader):
-        if gpu and not _WARNED_CLUSTERS:
-            _WARNED_CLUSTERS.append(True)
-            warnings.warn("jaxpc: Tuning.tree_clusters runs the tree's levels on thread-block clusters, a route "
-                          "that is not exact on every call (on an H100 some calls' log-likelihoods were off by 14 "
-                          "to about 190 nats); check its answers against Options(tuning=Tuning(tree_clusters=False))",
-                          RuntimeWarning, stacklevel=2)
         return "mosaic"
     if not 0 < B <= options.tuning.tree_kernel_batch:
         return None

@@ -42,17 +42,19 @@ the product over the samples on the tensor cores with the weights' exponentials 
 the ``[blocks, Kp, Kc]`` product is never written out and read back (HCLT-256 at batch 16 on the H200: 88 us in the
 step for its 302 MB; synchronized calls alone 0.189 ms against 0.243 for XLA's product and multiplication).
 
-:func:`jaxpc.engine.routing.tree_kernel` routes a tree here where ``Tuning.tree_clusters`` asks for it (off by
-default; the variants above: ``Tuning.tree_log_weights``, ``tree_forward_tile``, ``tree_backward_tile``). The route
-is not exact on every call: on an H100, HCLT-256 at batch 16 (64-row tasks), at least 3 of 7 calls in two processes
-returned log-likelihoods off by 14 to about 190 nats (in one, 14 and 20 above the float32 ones: a child's
-contribution missing from its parent), while every call of the other routes agreed within TF32's error. The steps
-hand a block's values to its parent's block through global memory, ordered by the cluster barrier alone; Mosaic
-GPU's cluster barrier arrives on the peers' barriers with ``mbarrier.arrive`` at its default scope (the CTA), which
-the PTX memory model does not make a release to the other blocks of the cluster, and no proxy fence orders the TMA
-stores before the peers' TMA loads. That is the suspected cause, not a confirmed one (XLA's concurrent command-buffer
-order at batches up to 32 is the other): ``benchmarks/kernels_check.py --repeats`` counts the calls that disagree,
-and with ``--fences`` runs the kernels with every step fenced (:data:`FENCES`, :func:`_meet`).
+:func:`jaxpc.engine.routing.tree_kernel` routes a tree here where ``Tuning.tree_clusters`` asks for it (by
+default where ``impl="auto"`` runs on a Hopper GPU; the variants above: ``Tuning.tree_log_weights``,
+``tree_forward_tile``, ``tree_backward_tile``).
+
+The steps hand a block's values to its parent's block through global memory: TMA stores, then the cluster barrier,
+then the peers' TMA loads. The barrier alone does not order them: Mosaic GPU's cluster barrier arrives on the peers'
+barriers with ``mbarrier.arrive`` at its default scope (the CTA), which the PTX memory model does not make a release
+to the other blocks of the cluster, and the TMA copies run in the async proxy. So each step's hand-off is fenced
+(:data:`FENCES`, :func:`_meet`): ``fence.proxy.async.global`` and ``fence.acq_rel.cluster`` before the barrier, the
+same after it. Without the fences, on an H100, HCLT-256 at batch 16 was wrong on 9 of 80 calls of ``log_prob`` and
+``flows`` (in an earlier run, log-likelihoods off by 14 to about 190 nats: a child's contribution missing from its
+parent); with them, on 0 of 200 calls at batches 8 to 64, for 0.0-0.08 ms a call (``benchmarks/kernels_check.py
+--repeats``, ``--no-fences``).
 
 On the H200, HCLT-256's tree at batch 16 takes 0.29-0.33 ms forward and 0.34 backward (32-row tasks, from weight
 copies made before the call: 0.12 ms for both) against about 0.46 and 0.61 level by level (docs/design.md, "Tree
@@ -81,7 +83,7 @@ SMEM: Final = 232448  # bytes of shared memory a block may use on the H200
 _SHIFT: Final = 8  # columns of a block's shift (its child's max per sample) in the forward's ``shift`` copy
 APPROX_MATH: bool = True  # the GPU's approximate exp and log (False: the exact ones, about twice as slow)
 PROFILE_DIR: str | None = None  # where set, the GPU kernels record Mosaic GPU's profile of their named scopes there
-FENCES: bool = False  # where set, each step's hand-off is fenced at cluster scope and across proxies (:func:`_meet`)
+FENCES: bool = True  # each step's hand-off fenced at cluster scope and across proxies (:func:`_meet`); False: unfenced
 
 
 def fits(spec, B: int, tile: int = TILE) -> bool:
