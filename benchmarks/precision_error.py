@@ -83,8 +83,8 @@ def run(name, root, x, precisions, threads) -> list[dict]:
     settings = {}
     for p in precisions:
         try:  # "<precision>+clusters" / "+noclusters": the tree's levels on thread-block clusters or not
-            prec, *extra = p.split("+")  # (Tuning.tree_clusters True / False; else the default, False)
-            clusters = True if "clusters" in extra else False
+            prec, *extra = p.split("+")  # (Tuning.tree_clusters True / False; else the default, None)
+            clusters = True if "clusters" in extra else False if "noclusters" in extra else None
             settings[p] = jaxpc.Options(precision=prec, tuning=jaxpc.Tuning(tree_clusters=clusters))
         except (ValueError, TypeError) as e:
             settings[p] = e

@@ -168,7 +168,7 @@ def test_the_cluster_forward_from_log_weights_equals_it_from_weights(tree):
 
 
 @pytest.mark.slow
-@pytest.mark.full  # an opt-in route's variant (CI runs the route in test_the_cluster_route_with_tree_blocks_*)
+@pytest.mark.full  # against the unfenced variant (CI checks the fences in the lowering: test_x64.py)
 def test_fenced_steps_write_the_same_values_and_lower_their_fences_for_cuda(tree, monkeypatch):
     """``mosaic_tree.FENCES`` (on by default): the interpreter skips the inline fences, so the forward and backward
     write what they write without them; lowered for an H200, the kernel's module holds the cluster-scope and proxy
