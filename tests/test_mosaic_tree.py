@@ -2,6 +2,7 @@
 in Pallas's Mosaic GPU interpreter (the kernel the GPU runs) against the level-by-level forward, and the route
 (``Tuning.tree_clusters``): when it is taken, and its flows against XLA's."""
 
+import warnings
 from unittest import mock
 
 import jax
@@ -287,6 +288,40 @@ def test_the_default_call_takes_the_cluster_route_on_hopper_gpus_only(tree, hopp
     assert executables.quick_trace_options(off) == off.replace(leaf_kernel=False)
     with pytest.raises(TypeError, match="tree_clusters must be a bool or None"):
         jaxpc.Tuning(tree_clusters=1)
+
+
+MISSING = [(False, "missing mosaic_gpu.inline_mgpu")]  # mosaic_tree.status() where this JAX lacks a part
+
+
+def test_without_the_cluster_kernels_the_route_is_not_taken_and_warns_once(tree):
+    """Where this JAX lacks what the cluster kernels use (``mosaic_tree.status``), the route asked for (by default on
+    a Hopper GPU, or by ``Tuning.tree_clusters=True``) is not taken: the levels run one by one, and one warning per
+    process names what is missing."""
+    fold, f32 = tree[0].layout.fold, jnp.float32
+    assert mosaic_tree.status()[0]  # this JAX builds them (tests/test_x64.py lowers them for CUDA)
+    default = jaxpc.Options(precision="tf32")
+    with (mock.patch.object(mosaic_tree, "_STATUS", MISSING), mock.patch.object(routing, "_WARNED_CLUSTERS", []),
+          mock.patch.object(routing, "on_gpu", lambda: True), mock.patch.object(routing, "on_hopper", lambda: True)):
+        with pytest.warns(RuntimeWarning, match="cannot run on thread-block clusters.*mosaic_gpu.inline_mgpu"):
+            assert routing.tree_kernel(fold, default, 16, f32) is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert routing.tree_kernel(fold, CLUSTERS, 16, f32) is None
+            assert routing.tree_kernel(fold, default.replace(tuning=jaxpc.Tuning(tree_clusters=False)), 16, f32) is None
+
+
+@pytest.mark.slow
+def test_without_the_cluster_kernels_the_flows_are_the_level_by_level_ones(tree):
+    """The route asked for where its kernels cannot be built: the flows and log-likelihoods are those of the levels
+    one by one (``Tuning.tree_clusters=False``), bit for bit."""
+    c = tree[0]
+    x = jnp.asarray(np.random.default_rng(5).integers(0, 3, (40, c.num_vars)).astype(np.int32))
+    asked = CLUSTERS  # (no other test calls it at this batch, whose executable would be cached on the route)
+    with (mock.patch.object(mosaic_tree, "_STATUS", MISSING), mock.patch.object(routing, "_WARNED_CLUSTERS", [True])):
+        got = c.flows(c.params, x, options=asked, return_ll=True)
+    want = c.flows(c.params, x, options=asked.replace(tuning=jaxpc.Tuning(tree_clusters=False)), return_ll=True)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.slow

@@ -56,6 +56,7 @@ def tree_clusters(options, impl: str | None = None) -> bool:
 
 
 _WARNED_UNAVAILABLE = []
+_WARNED_CLUSTERS = []  # the cluster route's missing-backend warning, once per process
 
 
 def kernels_available() -> bool:
@@ -229,7 +230,9 @@ def tree_kernel(layout: Layout, options, B: int, dtype, evidence: dict | None = 
     choices (``Options.kernels``), and ``impl`` ``"auto"`` on a GPU, ``"triton"``, or ``"pallas"`` /
     ``"pallas_forward"`` (interpret mode off a GPU: the Pallas kernels); ``"triton"`` where the jax-triton route
     does not run counts as ``"auto"``. Before these, ``"mosaic"`` (:mod:`jaxpc.ops.mosaic_tree`, the levels on
-    thread-block clusters) where :func:`tree_clusters` asks for it (by default on Hopper GPUs) and its kernels apply:
+    thread-block clusters) where :func:`tree_clusters` asks for it (by default on Hopper GPUs), this JAX can build
+    its kernels (:func:`jaxpc.ops.mosaic_tree.status`; where not, it warns once and the levels run as below) and they
+    apply:
     square blocks, a batch that is a multiple of 8 up to 64, ``precision`` below ``"fp32"``, the tree's parameter
     flows on the batched pass and a single-reader layout. The forward and the flow pass ask it alike: the one
     decides for both."""
@@ -249,7 +252,14 @@ def tree_kernel(layout: Layout, options, B: int, dtype, evidence: dict | None = 
             and (impl in PALLAS_FORWARD or (impl == "auto" and gpu))
             and mosaic_tree.fits(layout.tree, B, CLUSTER_TILE) and layout.tree.Kp == layout.tree.Kc
             and layout.single_reader):
-        return "mosaic"
+        ok, reason = mosaic_tree.status()
+        if ok:
+            return "mosaic"
+        if not _WARNED_CLUSTERS:
+            _WARNED_CLUSTERS.append(True)
+            warnings.warn(f"jaxpc: the tree's levels cannot run on thread-block clusters with this JAX ({reason}); "
+                          "they run level by level (Tuning.tree_clusters=False silences this)", RuntimeWarning,
+                          stacklevel=2)
     if not 0 < B <= options.tuning.tree_kernel_batch:
         return None
     if not (impl in PALLAS_FORWARD or impl == "triton" or (impl == "auto" and gpu)):

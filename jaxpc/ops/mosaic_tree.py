@@ -86,6 +86,31 @@ PROFILE_DIR: str | None = None  # where set, the GPU kernels record Mosaic GPU's
 FENCES: bool = True  # each step's hand-off fenced at cluster scope and across proxies (:func:`_meet`); False: unfenced
 
 
+_STATUS: list = []  # :func:`status`'s answer, once per process
+_PLGPU_NEEDS = ("kernel", "inline_mgpu", "ClusterBarrier", "Barrier", "barrier_arrive", "barrier_wait",
+                "copy_gmem_to_smem", "copy_smem_to_gmem", "commit_smem", "wait_smem_to_gmem", "wgmma", "SMEM",
+                "CompilerParams", "InterpretGPUParams")  # what the kernels use of Pallas's Mosaic GPU module
+
+
+def status() -> tuple[bool, str]:
+    """``(usable, reason)``: whether this JAX has what the kernels use (Pallas's Mosaic GPU backend with inline
+    Mosaic GPU code, and MLIR's LLVM dialect for the fences' inline PTX, :func:`_meet`), checked once per process;
+    the reason names what is missing (or the JAX that has it all)."""
+    if not _STATUS:
+        try:
+            from jax._src.lib.mlir.dialects import llvm
+            from jax.experimental.mosaic.gpu import utils as mgpu_utils
+            from jax.experimental.pallas import mosaic_gpu as plgpu
+        except Exception as e:  # noqa: BLE001 - any failure to import means the kernels cannot be built
+            _STATUS.append((False, f"{type(e).__name__}: {e}"))
+            return _STATUS[0]
+        missing = ([f"mosaic_gpu.{a}" for a in _PLGPU_NEEDS if not hasattr(plgpu, a)]
+                   + ["llvm.inline_asm"] * (not hasattr(llvm, "inline_asm"))
+                   + ["mosaic.gpu.utils.warpgroup_barrier"] * (not hasattr(mgpu_utils, "warpgroup_barrier")))
+        _STATUS.append((not missing, f"missing {', '.join(missing)}" if missing else f"jax {jax.__version__}"))
+    return _STATUS[0]
+
+
 def fits(spec, B: int, tile: int = TILE) -> bool:
     """Whether the kernels take ``spec``'s blocks at a batch of ``B`` samples, ``tile`` parent rows a task."""
     return (B % 8 == 0 and 8 <= B <= MAX_BATCH and tile in (16, 32, 64) and spec.Kp % tile == 0
