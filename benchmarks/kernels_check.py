@@ -45,12 +45,12 @@
    over the shapes of 1. (it must be exact), then HCLT-256's and PD-128's ``mpe`` and hard-EM ``flows``
    (``propagation="MPE"``) calls with ``Tuning(max_product_kernels=True)`` against the default (XLA's reductions):
    whether the answers are equal and the median milliseconds of both calls per batch (:func:`check_mpe`).
-10. ``--repeats`` (alone): whether the persistent routes are exact on every call: HCLT-256's and HMM-1024's
-   ``log_prob`` and ``flows`` called ``--calls`` times per route (``--tunings``; default: the default call (on a
-   Hopper GPU, the tree's levels on thread-block clusters with 64-row tasks up to batch 32), the same without XLA's
-   concurrent command-buffer order, with 32-row tasks, and the levels one by one) and batch, each call against
-   ``precision="fp32"`` on XLA (:func:`check_repeats`); ``--no-fences`` runs the cluster kernels without their
-   steps' fences (``jaxpc.ops.mosaic_tree.FENCES``), which on an H100 gets some calls wrong.
+10. ``--repeats`` (alone): whether the persistent routes are exact on every call: HCLT-256's, HMM-1024's and
+   PD-128's (``--circuits``) ``log_prob`` and ``flows`` called ``--calls`` times per route (``--tunings``; default:
+   the default call (on a Hopper GPU, the tree's levels on thread-block clusters with 64-row tasks up to batch 32),
+   the same without XLA's concurrent command-buffer order, with 32-row tasks, and the levels one by one) and batch,
+   each call against ``precision="fp32"`` on XLA (:func:`check_repeats`); ``--no-fences`` runs the cluster kernels
+   without their steps' fences (``jaxpc.ops.mosaic_tree.FENCES``), which on an H100 gets some calls wrong.
 """
 
 from __future__ import annotations
@@ -686,14 +686,15 @@ def check_mpe(batches=(16, 128, 512), reps=30) -> bool:
 
 
 def check_repeats(batches=(8, 16, 32, 64), calls=40, tunings: str = "", only: str = "") -> int:
-    """Whether a route is exact on every call, not only on one: HCLT-256's and HMM-1024's default ``log_prob`` and
-    ``flows`` (each with ``Options(tuning=t)`` for each of ``tunings``, ``field=value`` pairs joined by ``+``,
+    """Whether a route is exact on every call, not only on one: HCLT-256's, HMM-1024's and PD-128's default ``log_prob``
+    and ``flows`` (each with ``Options(tuning=t)`` for each of ``tunings``, ``field=value`` pairs joined by ``+``,
     comma-separated; default: the default call, the same without XLA's concurrent command-buffer order, the cluster
-    route with 32-row tasks, and the levels one by one; ``only``: the circuits' names, comma-separated) called
-    ``calls`` times over 4 rotating batches, against ``precision="fp32"`` on XLA (``impl="xla"``). A call is wrong
-    where a log-likelihood differs by more than 0.05 nats (TF32's error is about 2e-3 here) or is finite on one side
-    only, or a leaf of its flows by more than 1e-2 (:func:`rel`, which counts that too as wrong). Prints per route
-    and batch the wrong calls and their pattern (``x`` wrong, ``.`` right); returns the number of wrong calls."""
+    route with 32-row tasks, and the levels one by one; ``only``: the circuits' names, comma-separated, default all
+    three: the cluster kernels, the chain's grid barriers and PD's atomic fan-in backward) called ``calls`` times over 4
+    rotating batches, against ``precision="fp32"`` on XLA (``impl="xla"``). A call is wrong where a log-likelihood
+    differs by more than 0.05 nats (TF32's error is about 2e-3 here) or is finite on one side only, or a leaf of its
+    flows by more than 1e-2 (:func:`rel`, which counts that too as wrong). Prints per route and batch the wrong calls
+    and their pattern (``x`` wrong, ``.`` right); returns the number of wrong calls."""
     import jaxpc
     from jaxpc import structures
 
@@ -705,15 +706,19 @@ def check_repeats(batches=(8, 16, 32, 64), calls=40, tunings: str = "", only: st
         "", "concurrent_batch=0", "tree_forward_tile=32+tree_backward_tile=32", "tree_clusters=0"]
     ref_o = jaxpc.Options(precision="fp32", impl="xla")
     rng = np.random.default_rng(0)
-    hclt, data = build("hclt", 256, (4, 4))
-    circuits = {"hclt-256": (hclt, lambda B, i: data[i * B:(i + 1) * B]),
-                "hmm-1024": (jaxpc.compile(structures.HMM(64, 1024, 4096)),
-                             lambda B, i: rng.integers(0, 4096, (B, 64)).astype(np.int32))}
-    if only:
-        unknown = set(only.split(",")) - set(circuits)
-        if unknown:
-            raise ValueError(f"unknown circuits {sorted(unknown)}; known: {sorted(circuits)}")
-        circuits = {k: v for k, v in circuits.items() if k in only.split(",")}
+    known = ("hclt-256", "hmm-1024", "pd-128")
+    names = only.split(",") if only else known
+    unknown = set(names) - set(known)
+    if unknown:
+        raise ValueError(f"unknown circuits {sorted(unknown)}; known: {list(known)}")
+    circuits = {}
+    for name in names:
+        if name == "hmm-1024":
+            circuits[name] = (jaxpc.compile(structures.HMM(64, 1024, 4096)),
+                              lambda B, i: rng.integers(0, 4096, (B, 64)).astype(np.int32))
+        else:
+            c, data = build(name.split("-")[0], int(name.split("-")[1]), (4, 4))
+            circuits[name] = (c, lambda B, i, data=data: data[i * B:(i + 1) * B])
     wrong_total = 0
     for name, (c, batch) in circuits.items():
         for B in batches:
@@ -764,7 +769,7 @@ def main(argv=None):
     p.add_argument("--no-fences", dest="fences", action="store_false", help="with --repeats, --tree: the cluster "
                    "kernels without their steps' fences (jaxpc.ops.mosaic_tree.FENCES; run with "
                    "JAXPC_PERSISTENT_CACHE=0)")
-    p.add_argument("--circuits", default="", help="with --repeats: hclt-256, hmm-1024 or both (default)")
+    p.add_argument("--circuits", default="", help="with --repeats: some of hclt-256, hmm-1024, pd-128 (default: all)")
     p.add_argument("--tunings", default="", help="with --repeats: the routes, jaxpc.Tuning spellings (field=value "
                    "joined by +) separated by commas; an empty one is the default call")
     p.add_argument("--tree-programs", type=int, default=0, help="with --tree: programs of the tree kernels "
