@@ -315,7 +315,7 @@ def test_without_the_cluster_kernels_the_flows_are_the_level_by_level_ones(tree)
     """The route asked for where its kernels cannot be built: the flows and log-likelihoods are those of the levels
     one by one (``Tuning.tree_clusters=False``), bit for bit."""
     c = tree[0]
-    x = jnp.asarray(np.random.default_rng(5).integers(0, 3, (40, c.num_vars)).astype(np.int32))
+    x = jnp.asarray(np.random.default_rng(5).integers(0, 3, (8, c.num_vars)).astype(np.int32))
     asked = CLUSTERS  # (no other test calls it at this batch, whose executable would be cached on the route)
     with (mock.patch.object(mosaic_tree, "_STATUS", MISSING), mock.patch.object(routing, "_WARNED_CLUSTERS", [True])):
         got = c.flows(c.params, x, options=asked, return_ll=True)
