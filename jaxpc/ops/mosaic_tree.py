@@ -98,6 +98,7 @@ def status() -> tuple[bool, str]:
     the reason names what is missing (or the JAX that has it all)."""
     if not _STATUS:
         try:
+            from jax._src.lib.mlir import ir
             from jax._src.lib.mlir.dialects import llvm
             from jax.experimental.mosaic.gpu import utils as mgpu_utils
             from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -106,6 +107,7 @@ def status() -> tuple[bool, str]:
             return _STATUS[0]
         missing = ([f"mosaic_gpu.{a}" for a in _PLGPU_NEEDS if not hasattr(plgpu, a)]
                    + ["llvm.inline_asm"] * (not hasattr(llvm, "inline_asm"))
+                   + ["mlir.ir.Type.parse"] * (not hasattr(getattr(ir, "Type", None), "parse"))
                    + ["mosaic.gpu.utils.warpgroup_barrier"] * (not hasattr(mgpu_utils, "warpgroup_barrier")))
         _STATUS.append((not missing, f"missing {', '.join(missing)}" if missing else f"jax {jax.__version__}"))
     return _STATUS[0]
