@@ -4,7 +4,7 @@
                                       [--precision tf32] [--impl auto] [--no-fold] [--unrolled] [--steps 5]
                                       [--param-flow-pass auto|inline|batched] [--top 15] [--json out.json]
                                       [--hlo out.hlo] [--public log_prob|flows|em_step|mpe|...]
-                                      [--no-validate]
+                                      [--no-validate] [--propagation LL|MPE]
                                       [--tuning field=value+xla.option=value] [--neighbors NAME] [--timeline]
 
 Runs ``circuit.flows`` under ``jax.profiler.trace`` and reads the trace's device events. Every kernel
@@ -186,14 +186,19 @@ def main(argv=None):
     p.add_argument("--json", default=None, help="also write the summary and every kernel's time here")
     p.add_argument("--hlo", default=None, help="also write the compiled step's HLO text here")
     p.add_argument("--tuning", default="", help="the call with Options(tuning=Tuning(...)): a=1+xla.b=true")
+    p.add_argument("--propagation", default="LL", choices=["LL", "MPE"],
+                   help="Options.propagation: MPE profiles the max-product forward and, for flows, hard EM's")
     p.add_argument("--neighbors", default=None, help="print the kernels around those whose name holds this")
     p.add_argument("--timeline", action="store_true", help="print the last step's kernels with start and end")
     args = p.parse_args(argv)
     c, data = build(args.workload, args.latents, tuple(int(v) for v in args.split_intervals.split(",")))
     opts = jaxpc.Options(precision=args.precision, impl=args.impl, fold_products=args.fold,
-                         scan_stages=not args.unrolled, param_flow_pass=args.param_flow_pass)
-    extra = {"options": jaxpc.Options(tuning=tuning(args.tuning))} if args.tuning else {}
-    if args.tuning:
+                         scan_stages=not args.unrolled, param_flow_pass=args.param_flow_pass,
+                         propagation=args.propagation)
+    extra = {}
+    if args.tuning or args.propagation != "LL":
+        extra["options"] = jaxpc.Options(tuning=tuning(args.tuning) if args.tuning else jaxpc.Tuning(),
+                                         propagation=args.propagation)
         opts = opts.replace(tuning=extra["options"].tuning)
     xs = [jnp.asarray(data[i * args.batch:(i + 1) * args.batch]) for i in range(4)]
     if args.public:
