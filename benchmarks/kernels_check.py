@@ -780,6 +780,10 @@ def main(argv=None):
                    "a jaxpc.Tuning as field=value pairs joined by + (default: tree_kernel_batch=64)")
     args = p.parse_args(argv)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+    if not args.fences:
+        from jaxpc.ops import mosaic_tree
+
+        mosaic_tree.FENCES = False
     if args.tree:
         if args.tree_programs:
             pallas_tree.MAX_PROGRAMS = args.tree_programs
@@ -787,10 +791,6 @@ def main(argv=None):
         print(f"worst fp32 relative error of the tree kernels: {check_tree(batches, against=args.tree_tuning):.2e}",
               flush=True)
         return
-    if not args.fences:
-        from jaxpc.ops import mosaic_tree
-
-        mosaic_tree.FENCES = False
     if args.repeats:
         batches = tuple(int(b) for b in (args.batches or "8,16,32,64").split(","))
         print(f"wrong calls in all: {check_repeats(batches, args.calls, args.tunings, args.circuits)}", flush=True)

@@ -53,8 +53,8 @@ to the other blocks of the cluster, and the TMA copies run in the async proxy. S
 (:data:`FENCES`, :func:`_meet`): ``fence.proxy.async.global`` and ``fence.acq_rel.cluster`` before the barrier, the
 same after it. Without the fences, on an H100, HCLT-256 at batch 16 was wrong on 9 of 80 calls of ``log_prob`` and
 ``flows`` (in an earlier run, log-likelihoods off by 14 to about 190 nats: a child's contribution missing from its
-parent); with them, on 0 of 200 calls at batches 8 to 64, for 0.0-0.08 ms a call (``benchmarks/kernels_check.py
---repeats``, ``--no-fences``).
+parent); with them, on 0 of 200 calls at batches 8 to 64 (``benchmarks/kernels_check.py --repeats``,
+``--no-fences``).
 
 On the H200, HCLT-256's tree at batch 16 takes 0.29-0.33 ms forward and 0.34 backward (32-row tasks, from weight
 copies made before the call: 0.12 ms for both) against about 0.46 and 0.61 level by level (docs/design.md, "Tree
@@ -379,7 +379,7 @@ def _fence(ptx: str) -> None:
     emit()
 
 
-def _meet(cbar, fences: bool = False) -> None:
+def _meet(cbar, fences: bool) -> None:
     """In a kernel body: the cluster's blocks meet (orders the next step's loads after this step's stores). With
     ``fences`` (:data:`FENCES`), the step's TMA stores (already waited for) are ordered before the barrier for every
     block of the cluster, and the barrier before the next step's TMA loads: the cluster barrier's remote arrive
@@ -394,7 +394,7 @@ def _meet(cbar, fences: bool = False) -> None:
         _fence("fence.acq_rel.cluster;\n\tfence.proxy.async.global;")
 
 
-def _cluster_kernel(body, G: int, scratch: list, interpret: bool, params, fences: bool = False):
+def _cluster_kernel(body, G: int, scratch: list, interpret: bool, params, fences: bool):
     """``body`` as a Mosaic GPU kernel of ``G`` clusters of ``CLUSTER`` blocks (``params``: its compiler
     parameters), or on the interpreter (which skips the inline fences of ``fences``)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -407,7 +407,7 @@ def _cluster_kernel(body, G: int, scratch: list, interpret: bool, params, fences
 
 @functools.cache
 def _forward_kernel(G: int, S: int, Kp: int, Kc: int, B: int, N: int, interpret: bool, log_weights: bool,
-                    profile_dir: str | None, approx: bool, fences: bool = False):
+                    profile_dir: str | None, approx: bool, fences: bool):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -497,7 +497,7 @@ def _forward_kernel(G: int, S: int, Kp: int, Kc: int, B: int, N: int, interpret:
 
 @functools.cache
 def _backward_kernel(G: int, S: int, Kp: int, Kc: int, B: int, N: int, interpret: bool, approx: bool,
-                     fences: bool = False):
+                     fences: bool):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -551,7 +551,7 @@ def _backward_kernel(G: int, S: int, Kp: int, Kc: int, B: int, N: int, interpret
 
 @functools.cache
 def _backward_ratio_kernel(G: int, S: int, Kp: int, Kc: int, B: int, N: int, interpret: bool, approx: bool,
-                           fences: bool = False):
+                           fences: bool):
     """:func:`_backward_kernel` from the ratios and exponentials made before the call (:func:`backward_ratios`):
     a task loads its parents' flows (``B`` rows), multiplies them by their ``1 / value`` ratios (loaded into the
     product's operand) and scales the product by the child's exponentials in place, with no exponential in the
