@@ -1,6 +1,9 @@
 """EM variants against their closed forms: tempered flows, keep_zero_params, TDP step-size rescaling,
 hard (Viterbi) EM."""
 
+import importlib
+
+import jax
 import numpy as np
 import pytest
 
@@ -10,6 +13,8 @@ from jaxpc import distributions, structures
 from . import oracle
 from .random_circuits import Generator
 from .tiers import cases
+
+sum_layer = importlib.import_module("jaxpc.ops.sum_layer")  # the module: ``jaxpc.ops`` exports its function
 
 
 @pytest.mark.parametrize("tp, te", cases([(0.5, 1.0), (2.0, 2.0), (0.7, 0.3)], fast=[(0.7, 0.3)], unpack=True))
@@ -121,6 +126,55 @@ def test_hard_em_counts_viterbi_paths():
                                         alpha), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dense", [False, True])
+def test_hard_flows_go_to_each_parents_first_maximizer(dense):
+    """``mpe_split`` against a loop over parents and samples: each parent's flow goes whole to its first child
+    whose term equals its value, also where terms tie (children 0 and 1 equal under equal weights) and nowhere
+    from an impossible parent; jitted, and without the parameter flows."""
+    rng = np.random.default_rng(4)
+    n, Kp, CK, B = 3, 4, 6, 5
+    x = rng.normal(size=(CK, B) if dense else (n, CK, B)).astype(np.float32)
+    lw = rng.normal(size=(n, Kp, CK)).astype(np.float32)
+    lw[:, :, 1], x[..., 1, :] = lw[:, :, 0], x[..., 0, :]
+    lw[0, 0, 2] = 9.0  # parent (0, 0) takes child 2 alone, ahead of the tied pair
+    t = lw[..., None] + (x[None, None] if dense else x[:, None])
+    vp = t.max(axis=2)
+    vp[1, 2, 3] = -np.inf
+    fp = rng.random((n, Kp, B)).astype(np.float32)
+    rcf, rpf = np.zeros((CK, B) if dense else (n, CK, B)), np.zeros((n, Kp, CK))
+    for i, k, b in np.ndindex(n, Kp, B):
+        if np.isfinite(vp[i, k, b]):
+            c = int(np.flatnonzero(t[i, k, :, b] == vp[i, k, b])[0])
+            rcf[(c, b) if dense else (i, c, b)] += fp[i, k, b]
+            rpf[i, k, c] += fp[i, k, b]
+    split = jax.jit(sum_layer.mpe_split, static_argnums=(4, 5))
+    cf, pf = split(x, lw, vp, fp, dense, True)
+    np.testing.assert_allclose(np.asarray(cf), rcf, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(pf), rpf, rtol=1e-6)
+    assert rpf[..., 0].sum() > 0 and rpf[..., 1].sum() == 0 and rpf[0, 0, 2] > 0
+    assert split(x, lw, vp, fp, dense, False)[1] is None
+
+
+@pytest.mark.parametrize("backward", ["flows", "autodiff"])
+def test_hard_flows_of_tied_paths_count_the_first(backward):
+    """An HMM with uniform parameters ties every path: hard EM counts the path of the first maximizing state at
+    every sum (state 0 throughout, the path ``mpe`` decodes), by the top-down pass and by autodiff alike."""
+    T, L, V, B = 5, 3, 4, 6
+    root = structures.HMM(T, L, V, alpha=np.full((L, L), 1 / L), beta=np.full((L, V), 1 / V),
+                          gamma=np.full(L, 1 / L))
+    c = jaxpc.compile(root)
+    x = np.random.default_rng(0).integers(0, V, (B, T)).astype(np.int32)
+    fl = c.flows(c.params, x, options=jaxpc.Options(propagation="MPE", backward=backward))
+    trans = [ns for ns in c.nodes if ns.name.startswith("trans")][0]
+    emit = [ns for ns in c.nodes if ns.name.startswith("emit")][0]
+    want = np.zeros((L, L))
+    want[0, 0] = B * (T - 1)
+    np.testing.assert_allclose(np.asarray(c.get_node_flows(fl, trans)), want, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(c.get_node_flows(fl, emit))[0], np.bincount(x.ravel(), minlength=V),
+                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(c.get_node_flows(fl, emit))[1:], 0.0, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_nodes_without_flow_keep_their_sum_parameters():
     """EM's update moves a sum node only where its flows and the pseudocount carry mass: with the flows of one node
@@ -150,7 +204,6 @@ def test_nodes_without_flow_keep_their_sum_parameters():
 def test_block_totals_are_each_segments_sums_and_differentiate():
     """The node totals behind the EM update and the normalization: per segment and parent row, the sum over its
     blocks' children (blocks in any order, segments of one to three blocks), jit-compiled and differentiated."""
-    import jax
     import jax.numpy as jnp
 
     from jaxpc.distributions.base import block_totals
@@ -174,7 +227,6 @@ def test_single_block_segments_take_each_blocks_own_totals():
     import dataclasses
     import functools
 
-    import jax
     import jax.numpy as jnp
 
     from jaxpc.engine import em as em_engine

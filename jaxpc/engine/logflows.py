@@ -8,8 +8,8 @@ logarithms, so the expected counts themselves cannot underflow. A sum node passe
 
     ``log f_c += log f_n + a (log w_nc + v_c) - log sum_c' exp(a (log w_nc' + v_c'))``
 
-(``a`` = 1 for LL, ``alpha`` for GeneralLL, ``1 / T`` for tempered flows; for MPE ``log f_n - log(#ties)`` on
-the maximizing children), a product node passes ``log f_n`` to each child, and every sum is a ``log sum exp``
+(``a`` = 1 for LL, ``alpha`` for GeneralLL, ``1 / T`` for tempered flows; for MPE ``log f_n`` to the first
+maximizing child), a product node passes ``log f_n`` to each child, and every sum is a ``log sum exp``
 kept as a running max and a scaled sum (:mod:`jaxpc.ops.logspace`): nothing is the log of an underflowed linear
 value, and a flow that is exactly zero is ``-inf``. The pass runs on the full layout with XLA, a parent block's
 terms ``[Kp, C * Kc, B]`` at a time in pieces of at most ``Options.gather_chunk`` elements.
@@ -31,7 +31,7 @@ from ..compiler.layout import Layout, StageSpec
 from ..distributions.base import parent_totals, segment_sum
 from ..ops.logspace import LogSum, log_sum_add, log_sum_rows, log_sum_value, log_sum_zeros, segment_logsumexp
 from ..ops.pieces import ranges
-from ..ops.sum_layer import child_rows, child_terms, gather_children, gather_weights
+from ..ops.sum_layer import child_rows, child_terms, first_maximizer, gather_children, gather_weights
 from ..options import Options
 from . import forward, routing, stages
 
@@ -165,15 +165,15 @@ def log_split(values: Array, lf: Array, ch: Array, pid: Array, logw: Array, row,
     n, C = ch.shape[:2]
     Kp, Kc, B = part.Kp, part.Kc, values.shape[1]
     x = gather_children(values, ch, part.Kc, part.dense)
-    t = gather_weights(logw, pid)[..., None] + (x[None, None] if part.dense else x[:, None])  # [n, Kp, CK, B]
+    lw = gather_weights(logw, pid)
+    t = lw[..., None] + (x[None, None] if part.dense else x[:, None])  # [n, Kp, CK, B]
     vp = lax.dynamic_slice_in_dim(values, row, n * Kp, axis=0).reshape(n, Kp, 1, B)
     dead = jnp.isneginf(lf)[:, :, None]  # parents without flow pass nothing (never -inf + inf)
 
     def terms(temperature: float) -> Array:
-        if options.propagation == "MPE":  # ties share the flow, as jax.grad of max
-            hit = (t == vp) & jnp.isfinite(vp)
-            share = -jnp.log(jnp.maximum(jnp.sum(hit, axis=2, keepdims=True), 1).astype(t.dtype))
-            split = jnp.where(hit, share, -jnp.inf)
+        if options.propagation == "MPE":  # the whole flow to the first maximizer, as the linear pass
+            first = first_maximizer(x, lw, vp[:, :, 0], part.dense)[:, :, None]
+            split = jnp.where(lax.broadcasted_iota(jnp.int32, t.shape, 2) == first, 0.0, -jnp.inf)
         else:
             z = ((1.0 if options.propagation == "LL" else options.alpha) / temperature) * t
             norm = jax.nn.logsumexp(z, axis=2, keepdims=True)
