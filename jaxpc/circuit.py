@@ -403,7 +403,8 @@ class Circuit:
         Variants: ``keep_zero_params`` (zero parameters stay zero); ``rescale="tdp"`` (new parameters
         ``normalize(step_size * flows / batch + (1 - step_size) * TDP)``, TDP the model's top-down
         probabilities); ``options=Options(propagation="MPE")`` (hard / Viterbi EM from max-product
-        flows); ``Options(pflow_temperature=T)`` (tempered EM). ``Options(logspace_flows=True)`` is refused: EM takes
+        flows: each sum node's flow goes to its first maximizing child, the one :meth:`mpe` decodes);
+        ``Options(pflow_temperature=T)`` (tempered EM). ``Options(logspace_flows=True)`` is refused: EM takes
         linear flows.
         Returns the new params (and the batch's log-likelihoods under the old ones with ``return_ll``).
         With device-resident inputs a step makes no host transfer but its input check's one-byte flag (none with
