@@ -310,6 +310,19 @@ def test_without_the_cluster_kernels_the_route_is_not_taken_and_warns_once(tree)
             assert routing.tree_kernel(fold, default.replace(tuning=jaxpc.Tuning(tree_clusters=False)), 16, f32) is None
 
 
+def test_the_interpreters_parameters_are_needed_only_off_a_gpu(monkeypatch):
+    """``mosaic_tree.status`` asks for ``InterpretGPUParams`` only where the kernels run on the interpreter (off a
+    GPU): a JAX without it still builds them for a GPU."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    monkeypatch.delattr(plgpu, "InterpretGPUParams")
+    for backend, usable in (("cpu", False), ("gpu", True)):
+        monkeypatch.setattr(mosaic_tree, "_STATUS", [])
+        monkeypatch.setattr(jax, "default_backend", lambda backend=backend: backend)
+        ok, reason = mosaic_tree.status()
+        assert ok == usable and ("mosaic_gpu.InterpretGPUParams" in reason) != usable, (backend, reason)
+
+
 @pytest.mark.slow
 def test_without_the_cluster_kernels_the_flows_are_the_level_by_level_ones(tree):
     """The route asked for where its kernels cannot be built: the flows and log-likelihoods are those of the levels

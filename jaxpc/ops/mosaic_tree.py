@@ -89,13 +89,13 @@ FENCES: bool = True  # each step's hand-off fenced at cluster scope and across p
 _STATUS: list = []  # :func:`status`'s answer, once per process
 _PLGPU_NEEDS = ("kernel", "inline_mgpu", "ClusterBarrier", "Barrier", "barrier_arrive", "barrier_wait",
                 "copy_gmem_to_smem", "copy_smem_to_gmem", "commit_smem", "wait_smem_to_gmem", "wgmma", "SMEM",
-                "CompilerParams", "InterpretGPUParams")  # what the kernels use of Pallas's Mosaic GPU module
+                "CompilerParams")  # what the kernels use of Pallas's Mosaic GPU module; off a GPU, InterpretGPUParams
 
 
 def status() -> tuple[bool, str]:
     """``(usable, reason)``: whether this JAX has what the kernels use (Pallas's Mosaic GPU backend with inline
-    Mosaic GPU code, and MLIR's LLVM dialect for the fences' inline PTX, :func:`_meet`), checked once per process;
-    the reason names what is missing (or the JAX that has it all)."""
+    Mosaic GPU code, and MLIR's LLVM dialect for the fences' inline PTX, :func:`_meet`; off a GPU, the interpreter's
+    parameters too), checked once per process; the reason names what is missing (or the JAX that has it all)."""
     if not _STATUS:
         try:
             from jax._src.lib.mlir import ir
@@ -105,7 +105,8 @@ def status() -> tuple[bool, str]:
         except Exception as e:  # noqa: BLE001 - any failure to import means the kernels cannot be built
             _STATUS.append((False, f"{type(e).__name__}: {e}"))
             return _STATUS[0]
-        missing = ([f"mosaic_gpu.{a}" for a in _PLGPU_NEEDS if not hasattr(plgpu, a)]
+        needs = _PLGPU_NEEDS + ("InterpretGPUParams",) * _interpreted(None)
+        missing = ([f"mosaic_gpu.{a}" for a in needs if not hasattr(plgpu, a)]
                    + ["llvm.inline_asm"] * (not hasattr(llvm, "inline_asm"))
                    + ["mlir.ir.Type.parse"] * (not hasattr(getattr(ir, "Type", None), "parse"))
                    + ["mosaic.gpu.utils.warpgroup_barrier"] * (not hasattr(mgpu_utils, "warpgroup_barrier")))
