@@ -31,7 +31,7 @@ from ..compiler.layout import Layout, StageSpec
 from ..distributions.base import parent_totals, segment_sum
 from ..ops.logspace import LogSum, log_sum_add, log_sum_rows, log_sum_value, log_sum_zeros, segment_logsumexp
 from ..ops.pieces import ranges
-from ..ops.sum_layer import child_rows, child_terms, first_maximizer, gather_children, gather_weights
+from ..ops.sum_layer import child_rows, child_terms, first_maximizer, gather_children, gather_weights, max_product_terms
 from ..options import Options
 from . import forward, routing, stages
 
@@ -165,14 +165,13 @@ def log_split(values: Array, lf: Array, ch: Array, pid: Array, logw: Array, row,
     n, C = ch.shape[:2]
     Kp, Kc, B = part.Kp, part.Kc, values.shape[1]
     x = gather_children(values, ch, part.Kc, part.dense)
-    lw = gather_weights(logw, pid)
-    t = lw[..., None] + (x[None, None] if part.dense else x[:, None])  # [n, Kp, CK, B]
+    t = max_product_terms(x, gather_weights(logw, pid), part.dense)  # [n, Kp, CK, B]
     vp = lax.dynamic_slice_in_dim(values, row, n * Kp, axis=0).reshape(n, Kp, 1, B)
     dead = jnp.isneginf(lf)[:, :, None]  # parents without flow pass nothing (never -inf + inf)
 
     def terms(temperature: float) -> Array:
         if options.propagation == "MPE":  # the whole flow to the first maximizer, as the linear pass
-            first = first_maximizer(x, lw, vp[:, :, 0], part.dense)[:, :, None]
+            first = first_maximizer(t, vp[:, :, 0])[:, :, None]
             split = jnp.where(lax.broadcasted_iota(jnp.int32, t.shape, 2) == first, 0.0, -jnp.inf)
         else:
             z = ((1.0 if options.propagation == "LL" else options.alpha) / temperature) * t

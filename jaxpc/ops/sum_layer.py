@@ -93,7 +93,7 @@ def sum_layer_reference(buf: Array, ch: Array, pid: Array, logw: Array, *, Kp: i
         raise ValueError("with_shift: the shifts of blockwise (not dense, or one block) sum-product layers (LL, "
                          f"GeneralLL), got dense={dense} with {ch.shape[0]} blocks, propagation={propagation!r}")
     if propagation == "MPE":
-        out = first_max(lw[:, :, :, None] + (x[None, None] if dense else x[:, None]))
+        out = first_max(max_product_terms(x, lw, dense))
         m = None
     else:
         out, m = _log_sum(lw, x, dense, 1.0 if propagation == "LL" else float(alpha), precision)
@@ -179,6 +179,12 @@ def sum_layer_backward_reference(values: Array, flows: Array, ch: Array, pid: Ar
     return cf, pf
 
 
+def max_product_terms(x: Array, lw: Array, dense: bool) -> Array:
+    """``[n, Kp, C*Kc, B]``: each parent's terms ``log w + x`` from its gathered log-weights ``lw [n, Kp, C*Kc]``
+    and its children's values ``x`` (``[n, C*Kc, B]``, ``[C*Kc, B]`` when ``dense``)."""
+    return lw[:, :, :, None] + (x[None, None] if dense else x[:, None])
+
+
 @jax.custom_jvp
 def first_max(t: Array) -> Array:
     """``max`` over axis 2 of ``t [n, Kp, C*Kc, B]`` (a max-product layer's terms), differentiated as a choice:
@@ -192,14 +198,13 @@ def first_max(t: Array) -> Array:
 def _first_max_jvp(primals, tangents):
     (t,), (dt,) = primals, tangents
     first = jnp.argmax(t, axis=2)[:, :, None]
-    return jnp.max(t, axis=2), jnp.take_along_axis(dt, first, axis=2)[:, :, 0]
+    return jnp.take_along_axis(t, first, axis=2)[:, :, 0], jnp.take_along_axis(dt, first, axis=2)[:, :, 0]
 
 
-def first_maximizer(x: Array, lw: Array, vp: Array, dense: bool) -> Array:
-    """``int32 [n, Kp, B]``: each parent's first child (in ``C*Kc`` order) whose term ``log w + x`` equals its
-    max-product value ``vp [n, Kp, B]``; ``C*Kc`` where there is none (``vp`` not finite: an impossible parent).
-    One min-reduction over the terms, which are never written out."""
-    t = lw[:, :, :, None] + (x[None, None] if dense else x[:, None])
+def first_maximizer(t: Array, vp: Array) -> Array:
+    """``int32 [n, Kp, B]``: each parent's first child (in ``C*Kc`` order) whose term (``t``,
+    :func:`max_product_terms`) equals its max-product value ``vp [n, Kp, B]``; ``C*Kc`` where there is none (``vp``
+    not finite: an impossible parent). One min-reduction over the terms, which XLA fuses into it."""
     CK = t.shape[2]
     hit = (t == vp[:, :, None, :]) & jnp.isfinite(vp)[:, :, None, :]
     return jnp.min(jnp.where(hit, lax.broadcasted_iota(jnp.int32, t.shape, 2), CK), axis=2)
@@ -212,7 +217,7 @@ def mpe_split(x: Array, lw: Array, vp: Array, fp: Array, dense: bool,
     flows [n, C*Kc, B] ([C*Kc, B] when ``dense``), parameter flows [n, Kp, C*Kc] or None)``, by ``n * Kp * B``
     scattered additions each (impossible parents pass nothing). ``x``: the children's values, ``lw`` the gathered
     log-weights ``[n, Kp, C*Kc]``, ``vp`` the parents' values."""
-    first = first_maximizer(x, lw, vp, dense)
+    first = first_maximizer(max_product_terms(x, lw, dense), vp)
     # the scatters read the parents' flows as an array of their own: with the flow buffer's slice fused into
     # them, XLA copies the whole buffer before the buffer's next in-place update
     fp = lax.optimization_barrier(fp)
