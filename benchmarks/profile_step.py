@@ -188,17 +188,19 @@ def main(argv=None):
     p.add_argument("--tuning", default="", help="the call with Options(tuning=Tuning(...)): a=1+xla.b=true")
     p.add_argument("--propagation", default="LL", choices=["LL", "MPE"],
                    help="Options.propagation: MPE profiles the max-product forward and, for flows, hard EM's")
+    p.add_argument("--no-kernel-shifts", dest="kernel_shifts", action="store_false",
+                   help="Options(kernel_shifts=False): the flow pass recomputes shifts and searches first maximizers")
     p.add_argument("--neighbors", default=None, help="print the kernels around those whose name holds this")
     p.add_argument("--timeline", action="store_true", help="print the last step's kernels with start and end")
     args = p.parse_args(argv)
     c, data = build(args.workload, args.latents, tuple(int(v) for v in args.split_intervals.split(",")))
     opts = jaxpc.Options(precision=args.precision, impl=args.impl, fold_products=args.fold,
                          scan_stages=not args.unrolled, param_flow_pass=args.param_flow_pass,
-                         propagation=args.propagation)
+                         propagation=args.propagation, kernel_shifts=args.kernel_shifts)
     extra = {}
-    if args.tuning or args.propagation != "LL":
+    if args.tuning or args.propagation != "LL" or not args.kernel_shifts:
         extra["options"] = jaxpc.Options(tuning=tuning(args.tuning) if args.tuning else jaxpc.Tuning(),
-                                         propagation=args.propagation)
+                                         propagation=args.propagation, kernel_shifts=args.kernel_shifts)
         opts = opts.replace(tuning=extra["options"].tuning)
     xs = [jnp.asarray(data[i * args.batch:(i + 1) * args.batch]) for i in range(4)]
     if args.public:

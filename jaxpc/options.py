@@ -308,8 +308,10 @@ class Options:
             for partitions whose flows run on the Pallas backward, which recomputes it), whose element flows
             and batched parameter flows then read it instead of gathering the children once more to recompute
             it (a buffer of ``R / unit`` rows, ``unit`` the greatest common divisor of the first rows and sizes
-            of the blocks of at least 8 nodes gathered block by block; none when that is below 8). Same
-            values and flows. Default True: faster at every batch measured.
+            of the blocks of at least 8 nodes gathered block by block; none when that is below 8). With
+            ``propagation="MPE"`` it keeps each max-product parent's first maximizing child instead (int32, a
+            buffer of ``R`` rows), which hard EM's flow pass then reads instead of searching the terms again.
+            Same values and flows. Default True: faster at every batch measured.
         param_flow_pass: where the XLA flow pass computes the sum parameters' flows (LL and GeneralLL):
             ``"inline"``, each partition's together with its element flows, level by level; ``"batched"``,
             after the element flows, from the final node values and flows, one batched product for all the

@@ -155,16 +155,57 @@ def test_hard_flows_go_to_each_parents_first_maximizer(dense):
     assert split(x, lw, vp, fp, dense, False)[1] is None
 
 
-@pytest.mark.parametrize("backward", ["flows", "autodiff"])
+def test_max_and_first_is_the_max_and_its_first_maximizer():
+    """One variadic reduction gives ``first_max``'s values bit for bit (NaN kept) and ``first_maximizer``'s
+    children: the first of tied terms, ``C*Kc`` for a parent of no finite term or a NaN one."""
+    rng = np.random.default_rng(5)
+    n, Kp, CK, B = 3, 4, 7, 5
+    t = rng.normal(size=(n, Kp, CK, B)).astype(np.float32)
+    t[:, :, 4] = t[:, :, 2]  # ties: child 2 comes first
+    t[:, :, 2] += np.where(rng.random((n, Kp, B)) < 0.5, 5.0, 0.0).astype(np.float32)
+    t[:, :, 4] = np.maximum(t[:, :, 4], t[:, :, 2])
+    t[0, 1, :, 2] = -np.inf  # an impossible parent
+    t[2, 3, 5, 4] = np.nan
+    out, first = jax.jit(sum_layer.max_and_first)(t)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(sum_layer.first_max(t)))
+    np.testing.assert_array_equal(np.asarray(first), np.asarray(sum_layer.first_maximizer(t, out)))
+    assert int(first[0, 1, 2]) == CK and int(first[2, 3, 4]) == CK and np.isnan(out[2, 3, 4])
+    assert (np.asarray(first) == 2).sum() > 0 and (np.asarray(first) == 4).sum() == 0
+
+
+@pytest.mark.parametrize("options", cases([{}, {"scan_stages": False}, {"gather_chunk": 64}],
+                                          fast=[{"gather_chunk": 64}]))
+def test_hard_flows_read_the_forwards_first_maximizers(options):
+    """The flow pass of hard EM takes each parent's first maximizer from its forward (``Options.kernel_shifts``)
+    and passes the same flows as when it searches the terms again: on an HCLT of uniform weights, where every
+    parent's terms tie, and on its trained parameters; searched, the jaxpr holds the search's min-reduction."""
+    data = np.random.default_rng(6).integers(0, 3, (60, 6))
+    c = jaxpc.compile(structures.HCLT(data, 4, input_dist=distributions.Categorical(3)), seed=2)
+    x = data[:9].astype(np.int32)
+    uniform = jax.tree_util.tree_map(jax.numpy.zeros_like, c.params)
+    for params in (c.params, c.em_step(c.params, data.astype(np.int32)), uniform):
+        kept = jaxpc.Options(propagation="MPE", **options)
+        searched = kept.replace(kernel_shifts=False)
+        a, b = c.flows(params, x, options=kept), c.flows(params, x, options=searched)
+        jax.tree_util.tree_map(np.testing.assert_array_equal, a, b)
+        assert float(c.get_node_flows(a, c.root)[0].sum()) == x.shape[0]
+    jaxprs = [str(jax.make_jaxpr(lambda p, o=o: c.flows(p, x, options=o))(c.params)) for o in (kept, searched)]
+    assert "reduce_min" not in jaxprs[0] and "reduce_min" in jaxprs[1]
+
+
+@pytest.mark.parametrize("backward", ["flows", "autodiff", "searched"])
 def test_hard_flows_of_tied_paths_count_the_first(backward):
     """An HMM with uniform parameters ties every path: hard EM counts the path of the first maximizing state at
-    every sum (state 0 throughout, the path ``mpe`` decodes), by the top-down pass and by autodiff alike."""
+    every sum (state 0 throughout, the path ``mpe`` decodes), by the top-down pass (its forward's first
+    maximizers kept, or searched for again) and by autodiff alike."""
     T, L, V, B = 5, 3, 4, 6
     root = structures.HMM(T, L, V, alpha=np.full((L, L), 1 / L), beta=np.full((L, V), 1 / V),
                           gamma=np.full(L, 1 / L))
     c = jaxpc.compile(root)
     x = np.random.default_rng(0).integers(0, V, (B, T)).astype(np.int32)
-    fl = c.flows(c.params, x, options=jaxpc.Options(propagation="MPE", backward=backward))
+    hard = (jaxpc.Options(propagation="MPE", kernel_shifts=False) if backward == "searched"
+            else jaxpc.Options(propagation="MPE", backward=backward))
+    fl = c.flows(c.params, x, options=hard)
     trans = [ns for ns in c.nodes if ns.name.startswith("trans")][0]
     emit = [ns for ns in c.nodes if ns.name.startswith("emit")][0]
     want = np.zeros((L, L))

@@ -793,7 +793,7 @@ def test_kept_shifts_equal_the_recomputed_ones(name, fold, impl):
     o = base.replace(kernel_shifts=True, gather_chunk=2 * 8 * 11)
     vals = jax.jit(lambda p, xb: engine_forward.input_values(c.layout, c.tables, p, xb, None, o))(c.params, x)
     tabs = c.tables["fold"] if fold else c.tables
-    buf, shifts, _ = jax.jit(lambda p, v: stages.forward_buffer(plan, tabs, p, v, o, keep_shifts=True))(
+    buf, shifts, _, _ = jax.jit(lambda p, v: stages.forward_buffer(plan, tabs, p, v, o, keep_shifts=True))(
         c.params["sum"], vals)
 
     @jax.jit  # one program (op by op, each operation would compile on its own)

@@ -358,10 +358,10 @@ def test_the_forward_keeps_the_copies_the_flow_pass_reads(tree):
     c, spec, _, _ = tree
     fold = c.layout.fold
     x = jnp.zeros((16, c.num_vars), jnp.int32)
-    buf, shifts, kept = jax.eval_shape(lambda p: jaxpc.engine.stages.forward_buffer(
+    buf, shifts, kept, firsts = jax.eval_shape(lambda p: jaxpc.engine.stages.forward_buffer(
         fold, c.tables["fold"], p["sum"], jaxpc.engine.forward.input_values(c.layout, c.tables, p, x, None, CLUSTERS),
         CLUSTERS, keep_shifts=True), c.params)
-    assert shifts is None and {k: v.shape for k, v in kept.items()} == {
+    assert shifts is None and firsts is None and {k: v.shape for k, v in kept.items()} == {
         k: v.shape for k, v in mosaic_tree.copies(jnp.zeros(buf.shape), c.tables["fold"]["tree"]["clusters"],
                                                   spec).items()}
 

@@ -49,9 +49,9 @@ def _root_fwd(layout, tables, sum_params, input_vals, options, buffered):
     # (with the tree's levels on clusters, their sample-major copies are kept for the backward, which otherwise
     # rebuilds them from the buffer: four kernels between the forward and the backward)
     out = stages.forward_buffer(layout, tables, sum_params, input_vals, options, keep_shifts=options.kernel_shifts)
-    buf, shifts, copies = out if options.kernel_shifts else (out, None, None)
-    buf, shifts, copies = lax.optimization_barrier((buf, shifts, copies))
-    return buf[layout.root_row], (tables, sum_params, buf, shifts, copies)
+    kept = out if options.kernel_shifts else (out, None, None, None)
+    kept = lax.optimization_barrier(kept)
+    return kept[0][layout.root_row], (tables, sum_params, *kept)
 
 
 class _Pass(NamedTuple):
@@ -65,6 +65,7 @@ class _Pass(NamedTuple):
     unit: int  # node-buffer rows per shift row; 0 without kept shifts
     batched: frozenset  # the PFlowSpec keys of the batched parameter-flow pass
     stored: frozenset = frozenset()  # the groups whose parameter flows are stored, not added (:func:`_stored_groups`)
+    firsts: Array | None = None  # the forward's kept first maximizers [R, B] (max-product partitions on XLA)
 
     def batched_part(self, part) -> bool:
         """Whether a sum partition's parameter flows come from the batched pass after the flow pass."""
@@ -107,7 +108,7 @@ def _stores(ps: _Pass, part) -> bool:
 
 
 def _root_bwd(layout, options, buffered, res, g):
-    tables, sum_params, values, shifts, copies = res
+    tables, sum_params, values, shifts, copies, firsts = res
     unit = routing.shift_unit(layout) if shifts is not None else 0
     flows = flow_buffer(layout, options, values).at[layout.root_row].set(g.astype(values.dtype))
     pflows = batched_pflows(layout, tables, options, values.shape[1], values.dtype)
@@ -115,7 +116,7 @@ def _root_bwd(layout, options, buffered, res, g):
     kind = routing.tree_kernel(layout, options, values.shape[1], values.dtype)
     tree = layout.tree if kind else None
     in_place = tree is not None and kind != "mosaic"  # the tree's kernel adds its parameter flows in place
-    ps = _Pass(*common, _stored_groups(_Pass(*common), tree.group if in_place else None))
+    ps = _Pass(*common, _stored_groups(_Pass(*common), tree.group if in_place else None), firsts)
     # a group whose every partition is batched gets its parameter-flow buffer after the flow pass, not carried
     inline = {p.group for spec in layout.stages() for p in spec.sums if not ps.batched_part(p)}
     dparams = {k: (uninitialized(v.shape, v.dtype, options.tuning.min_unset) if k in ps.stored else jnp.zeros_like(v))
@@ -233,17 +234,24 @@ def _sum_flows_xla(ps: _Pass, fl: Array, dp: dict, part, t: dict, row) -> tuple:
     them; its parameter flows inline unless the batched pass computes them."""
     options, values, unit = ps.options, ps.values, ps.unit
     kept = unit and routing.writes_shift(options, part, values)  # its shifts were kept
+    # its first maximizers were kept: a max-product partition whose forward ran on XLA
+    kept_first = ps.firsts is not None and not routing.runs_inplace(
+        routing.kernel_choice(options, part, values.shape[1], values.dtype)[0], options, values)
     inline_pf = options.compute_param_flows and not ps.batched_part(part)
 
     def piece(carry, a, b, sub):
         fl, dp = carry
         m = take_rows(ps.shifts, (row + (a + jnp.arange(b - a)) * part.Kp) // unit) if kept else None
+        first = None
+        if kept_first:
+            first = lax.dynamic_slice_in_dim(ps.firsts, row + a * part.Kp, (b - a) * part.Kp, axis=0)
+            first = first.reshape(b - a, part.Kp, values.shape[1])
         cf, pf = sum_layer_backward(values, fl, sub["ch"], sub["pid"], ps.sum_params[part.group],
                                     row + a * part.Kp, Kp=part.Kp, Kc=part.Kc, dense=part.dense,
                                     propagation=options.propagation, alpha=options.alpha,
                                     precision=options.concrete_precision, param_flows=inline_pf,
                                     pflow_temperature=options.pflow_temperature,
-                                    eflow_temperature=options.eflow_temperature, shift=m)
+                                    eflow_temperature=options.eflow_temperature, shift=m, first=first)
         fl = scatter_child_flows(fl, cf, sub["ch"], part, 2 * ps.layout.kmax, ps.layout.single_reader)
         return fl, (dp if pf is None else add_param_flows(dp, part, sub["pid"], pf, store=part.group in ps.stored))
 

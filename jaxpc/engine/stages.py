@@ -15,6 +15,7 @@ from jax import lax
 from ..compiler.layout import Layout, ScanSpec, StageSpec
 from ..ops import pallas_product, product_layer, sum_layer
 from ..ops import tables as table_places
+from ..ops.buffers import uninitialized
 from ..ops.pieces import in_order
 from ..ops.rows import put_rows
 from ..ops.sum_layer import sum_kernels, sum_layer_reference
@@ -111,31 +112,37 @@ def _external_sum(buf: Array, part, t: dict, logw: Array, options, gates, lowran
                                         precision=options.concrete_precision, pad_row=pad_row)
 
 
-def _xla_sum(buf: Array, part, t: dict, logw: Array, options, impl: str, cfg, row, shifts: Array | None, unit: int):
-    """``(values [n * Kp, B], shifts)`` of a sum partition that does not write the buffer in place, in pieces
-    (:func:`jaxpc.engine.routing.pieces`); where :func:`jaxpc.engine.routing.writes_shift` holds, XLA's shifts
-    (one per block) are kept for the flow pass, written into ``shifts`` at rows of ``unit``."""
+def _xla_sum(buf: Array, part, t: dict, logw: Array, options, impl: str, cfg, row, shifts: Array | None, unit: int,
+             firsts: Array | None = None):
+    """``(values [n * Kp, B], shifts, firsts)`` of a sum partition that does not write the buffer in place, in
+    pieces (:func:`jaxpc.engine.routing.pieces`); where :func:`jaxpc.engine.routing.writes_shift` holds, XLA's
+    shifts (one per block) are kept for the flow pass, written into ``shifts`` at rows of ``unit``; a max-product
+    partition given ``firsts`` (int32 ``[R, B]``) writes its parents' first maximizing children at its rows."""
     keep = shifts is not None and routing.writes_shift(options, part, buf)
+    kept_first = firsts is not None
 
     def piece(done, a, b, sub):
         kw = dict(Kp=part.Kp, Kc=part.Kc, dense=part.dense, propagation=options.propagation,
                   alpha=options.alpha, precision=options.concrete_precision)
-        if keep:
-            return done + [sum_layer_reference(buf, sub["ch"], sub["pid"], logw, with_shift=True, **kw)]
+        if keep or kept_first:
+            return done + [sum_layer_reference(buf, sub["ch"], sub["pid"], logw, with_shift=keep,
+                                               with_first=kept_first, **kw)]
         return done + [(sum_layer(buf, sub["ch"], sub["pid"], logw, impl=impl, config=cfg, **kw), None)]
 
     done = in_pieces(routing.pieces(part, buf.shape[1], options.gather_chunk), t, piece, [])
     out, m = (d[0] if len(d) == 1 or d[0] is None else jnp.concatenate(d, axis=0) for d in zip(*done))
     if keep:
         shifts = put_rows(shifts, (row + jnp.arange(part.n) * part.Kp) // unit, m, unique_indices=True)
-    return out, shifts
+    if kept_first:
+        firsts = lax.dynamic_update_slice_in_dim(firsts, m, row, axis=0)
+    return out, shifts, firsts
 
 
 def _sum_rows(buf: Array, spec: StageSpec, tab: dict, sum_params: dict, options, row, index, evidence: dict | None,
-              counts: bool, shifts: Array | None, unit: int, pad_row: int | None):
-    """``(outs, inplace, shifts)`` for the stage's sum partitions, from ``row`` on: ``outs`` the ``(row, values)``
-    that updates write, ``inplace`` the ``(row, index, part, tables, config)`` that the in-place kernels write.
-    ``pad_row``: the row that padded slots read (``Layout.ninf_row``)."""
+              counts: bool, shifts: Array | None, unit: int, pad_row: int | None, firsts: Array | None = None):
+    """``(outs, inplace, shifts, firsts)`` for the stage's sum partitions, from ``row`` on: ``outs`` the ``(row,
+    values)`` that updates write, ``inplace`` the ``(row, index, part, tables, config)`` that the in-place kernels
+    write. ``pad_row``: the row that padded slots read (``Layout.ninf_row``)."""
     outs, inplace = [], []
     evidence = evidence or {}
     lowrank = evidence.get("sum_lowrank") or {}
@@ -151,10 +158,10 @@ def _sum_rows(buf: Array, spec: StageSpec, tab: dict, sum_params: dict, options,
                 if routing.runs_inplace(impl, options, buf):
                     inplace.append((row, j, part, t, impl, cfg))
                 else:
-                    out, shifts = _xla_sum(buf, part, t, logw, options, impl, cfg, row, shifts, unit)
+                    out, shifts, firsts = _xla_sum(buf, part, t, logw, options, impl, cfg, row, shifts, unit, firsts)
                     outs.append((row, out))
         row = row + part.num_rows
-    return outs, inplace, shifts
+    return outs, inplace, shifts, firsts
 
 
 def _inplace_sums(buf: Array, inplace: list, sum_params: dict, options, index, shifts: Array | None, unit: int,
@@ -186,14 +193,15 @@ def _inplace_sums(buf: Array, inplace: list, sum_params: dict, options, index, s
 
 def _stage(buf: Array, spec: StageSpec, tab: dict, sum_params: dict, options, offset, index,
            evidence: dict | None = None, counts: bool = False, shifts: Array | None = None, unit: int = 0,
-           pad_row: int | None = None):
+           pad_row: int | None = None, firsts: Array | None = None):
     """The node buffer with one stage's rows written; ``(buf, shifts)`` when given ``shifts``, into which the
     partitions that keep them (the in-place kernels and XLA's) also write their blocks' shifts (rows of
-    ``unit``, see :func:`jaxpc.engine.routing.shift_unit`). ``pad_row``: ``Layout.ninf_row``."""
+    ``unit``, see :func:`jaxpc.engine.routing.shift_unit`); ``(buf, firsts)`` when given ``firsts``, into which
+    XLA's max-product partitions write their first maximizers. ``pad_row``: ``Layout.ninf_row``."""
     buf, outs, row = _product_rows(buf, spec, tab, offset, index,
                                    bool(spec.prods) and routing.product_kernels(options, buf))
-    sums, inplace, shifts = _sum_rows(buf, spec, tab, sum_params, options, row, index, evidence, counts, shifts, unit,
-                                      pad_row)
+    sums, inplace, shifts, firsts = _sum_rows(buf, spec, tab, sum_params, options, row, index, evidence, counts,
+                                              shifts, unit, pad_row, firsts)
     outs += sums
     if outs and not inplace:  # one write for the stage's rows from the first out on (contiguous)
         out = outs[0][1] if len(outs) == 1 else jnp.concatenate([o for _, o in outs], axis=0)
@@ -203,6 +211,8 @@ def _stage(buf: Array, spec: StageSpec, tab: dict, sum_params: dict, options, of
             buf = lax.dynamic_update_slice_in_dim(buf, out.astype(buf.dtype), r, axis=0)
         if inplace:
             buf, shifts = _inplace_sums(buf, inplace, sum_params, options, index, shifts, unit, tab.get("packed"))
+    if firsts is not None:
+        return buf, firsts
     return buf if shifts is None else (buf, shifts)
 
 
@@ -259,23 +269,35 @@ def forward_buffer(layout: Layout, tables: dict, sum_params: dict, input_vals, o
                    evidence: dict | None = None, counts: bool = False, keep_shifts: bool = False):
     """The node buffer ``[R, B]`` from the input layers' values (plain forward, differentiable by autodiff), or
     from the buffer with the leaves written (:func:`jaxpc.engine.forward.leaf_values`, an array in place of the
-    list). With ``keep_shifts``: ``(buf, shifts or None, tree copies or None)``, the shifts of the blocks that keep
-    them (:func:`jaxpc.engine.routing.writes_shift`: ``[ceil(R / unit), B]``, see
-    :func:`jaxpc.engine.routing.shift_unit`; None when the layout's unit is too small) and, where the tree's levels
+    list). With ``keep_shifts``: ``(buf, shifts or None, tree copies or None, firsts or None)``, the shifts of the
+    blocks that keep them (:func:`jaxpc.engine.routing.writes_shift`: ``[ceil(R / unit), B]``, see
+    :func:`jaxpc.engine.routing.shift_unit`; None when the layout's unit is too small), where the tree's levels
     run on clusters, the sample-major copies their backward reads (:func:`jaxpc.ops.mosaic_tree.forward` with
-    ``keep``)."""
+    ``keep``) and, in a max-product pass (``propagation="MPE"``) with partitions on XLA's reductions
+    (:func:`kept_firsts`), each of their parents' first maximizing child, int32 ``[R, B]`` at the parents' rows
+    (the hard-EM flow pass reads them instead of searching the terms again)."""
     dtype = routing.param_dtype({"sum": sum_params, "v": input_vals})
     buf = input_vals if isinstance(input_vals, jax.Array) else input_buffer(layout, input_vals, dtype)
     kind = routing.tree_kernel(layout, options, buf.shape[1], dtype, evidence)
     unit = routing.shift_unit(layout) if keep_shifts and dtype == jnp.float32 and kind != "mosaic" else 0
     if unit and not any(routing.writes_shift(options, p, buf) for spec in layout.stages() for p in spec.sums):
         unit = 0  # no kernel would write a shift (e.g. no GPU, or max-product; the clusters' kernels keep none)
+    firsts = keep_shifts and kept_firsts(layout, options, buf)
 
-    def stage(carry, spec, tab, offset, name):  # carry: the buffer, or (buffer, shifts) with a shift buffer
-        b, s = carry if unit else (carry, None)
-        return _stage(b, spec, tab, sum_params, options, offset, name, evidence, counts, s, unit, layout.ninf_row)
+    def stage(carry, spec, tab, offset, name):  # carry: the buffer, or it with the shifts or the first maximizers
+        b, s, f = carry, None, None
+        if unit:
+            b, s = carry
+        elif firsts:
+            b, f = carry
+        return _stage(b, spec, tab, sum_params, options, offset, name, evidence, counts, s, unit, layout.ninf_row, f)
 
-    carry = (buf, jnp.zeros((-(-layout.num_rows // unit), buf.shape[1]), jnp.float32)) if unit else buf
+    if unit:
+        carry = (buf, jnp.zeros((-(-layout.num_rows // unit), buf.shape[1]), jnp.float32))
+    elif firsts:  # (every row that the flow pass reads is written)
+        carry = (buf, uninitialized(buf.shape, jnp.int32, options.tuning.min_unset))
+    else:
+        carry = buf
     tree = layout.tree if kind else None
     start, stop = tree_span(layout, tree)
     carry = run_stages(layout, tables, carry, stage, scan=options.scan_stages, span=(0, start))
@@ -300,4 +322,14 @@ def forward_buffer(layout: Layout, tables: dict, sum_params: dict, input_vals, o
     carry = run_stages(layout, tables, carry, stage, scan=options.scan_stages, span=(stop, len(layout.steps)))
     if not keep_shifts:
         return carry
-    return (*carry, copies) if unit else (carry, None, copies)
+    if firsts:
+        return carry[0], None, copies, carry[1]
+    return (*carry, copies, None) if unit else (carry, None, copies, None)
+
+
+def kept_firsts(layout: Layout, options, buf: Array) -> bool:
+    """Whether a flow pass's forward keeps the first maximizers of its max-product partitions: ``propagation=
+    "MPE"`` with some sum partition on XLA's reductions (Pallas's max-plus kernels keep none)."""
+    return options.propagation == "MPE" and any(
+        not routing.runs_inplace(routing.kernel_choice(options, p, buf.shape[1], buf.dtype)[0], options, buf)
+        for spec in layout.stages() for p in spec.sums)

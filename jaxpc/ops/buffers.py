@@ -26,8 +26,10 @@ def starts_unset(shape: tuple, min_unset: int = MIN_UNSET) -> bool:
 def uninitialized(shape: tuple, dtype, min_unset: int = MIN_UNSET) -> jax.Array:
     """A buffer for code that writes each element before reading it: on a GPU uninitialized memory
     (``lax.empty``: no kernel, where zeros cost a memset of the whole buffer; zeros below ``min_unset``
-    elements), NaN elsewhere, so that a read before a write shows in the CPU tests (as Pallas' interpret mode
-    fills the outputs a kernel leaves unwritten)."""
+    elements), NaN elsewhere (an integer type's least value), so that a read before a write shows in the CPU
+    tests (as Pallas' interpret mode fills the outputs a kernel leaves unwritten)."""
     if not starts_unset(shape, min_unset):
         return jnp.zeros(shape, dtype)
-    return lax.empty(shape, dtype) if _on_gpu() else jnp.full(shape, jnp.nan, dtype)
+    if _on_gpu():
+        return lax.empty(shape, dtype)
+    return jnp.full(shape, jnp.iinfo(dtype).min if jnp.issubdtype(dtype, jnp.integer) else jnp.nan, dtype)

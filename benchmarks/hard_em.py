@@ -1,0 +1,135 @@
+"""Hard EM's flow pass with the forward's first maximizers kept against searched for again, in one process.
+
+    python benchmarks/hard_em.py [--workloads hclt,pd,hmm] [--batches 128,512] [--reps 20] [--json out.json]
+                                 [--reductions]
+
+``c.flows(c.params, x, options=o)`` with ``o = Options(propagation="MPE")`` (the default: the forward keeps each
+max-product parent's first maximizing child, ``Options.kernel_shifts``) and the same with ``kernel_shifts=False``
+(the flow pass searches each parent's terms again), on HCLT-256, PD-128 and HMM-1024 as ``profile_step.py`` builds
+them. Per workload and batch: each variant's first call (s), then the variants alternated, median ms of
+synchronized calls, and whether their flows are equal (they must be, bit for bit: both pass each parent's flow to its
+first maximizer). ``--reductions``: instead, the max-product layer's reductions alone on terms ``log w + x`` of
+``[n, Kp, C*Kc, B]`` (never written out) at five shapes: the max (``sum_layer.first_max``), the max with its first
+maximizers in one reduction (``sum_layer.max_and_first``, what the flow pass's forward runs) and the max followed by
+the search for them (``sum_layer.first_maximizer``, what the flow pass ran before), median ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jaxpc  # noqa: E402
+from profile_step import build  # noqa: E402
+
+sum_layer = importlib.import_module("jaxpc.ops.sum_layer")  # the module: jaxpc.ops exports its function
+
+LATENTS = {"hclt": 256, "pd": 128, "hmm": 1024}
+VARIANTS = {"kept": jaxpc.Options(propagation="MPE"),
+            "searched": jaxpc.Options(propagation="MPE", kernel_shifts=False)}
+
+
+def run(workload: str, batches: list[int], reps: int, latents: int | None = None) -> list[dict]:
+    """The rows of one workload: per batch, each variant's first call and median ms, and whether they agree."""
+    c, data = build(workload, latents or LATENTS[workload])
+    rows = []
+    for B in batches:
+        xs = [jnp.asarray(data[i * B:(i + 1) * B]) for i in range(2)]
+        row = {"workload": f"{workload}-{latents or LATENTS[workload]}", "batch": B}
+        outs = {}
+        for name, o in VARIANTS.items():
+            t = time.perf_counter()
+            outs[name] = jax.block_until_ready(c.flows(c.params, xs[0], options=o))
+            row[f"{name}_first_s"] = time.perf_counter() - t
+            jax.block_until_ready(c.flows(c.params, xs[1], options=o))
+            c.wait_compiled()
+            outs[name] = jax.block_until_ready(c.flows(c.params, xs[0], options=o))
+        row["equal"] = all(bool(np.array_equal(np.asarray(a), np.asarray(b)))
+                           for a, b in zip(jax.tree_util.tree_leaves(outs["kept"]),
+                                           jax.tree_util.tree_leaves(outs["searched"])))
+        times = {name: [] for name in VARIANTS}
+        for i in range(reps):
+            for name, o in VARIANTS.items():
+                t = time.perf_counter()
+                jax.block_until_ready(c.flows(c.params, xs[i % 2], options=o))
+                times[name].append(time.perf_counter() - t)
+        for name in VARIANTS:
+            row[f"{name}_ms"] = 1e3 * float(np.median(times[name]))
+        print(f"{row['workload']} B={B}: kept {row['kept_ms']:.2f} ms (first {row['kept_first_s']:.1f} s), "
+              f"searched {row['searched_ms']:.2f} ms (first {row['searched_first_s']:.1f} s), "
+              f"{row['searched_ms'] / row['kept_ms']:.2f}x; flows equal: {row['equal']}", flush=True)
+        rows.append(row)
+    return rows
+
+
+SHAPES = ((64, 256, 512, 512), (8, 256, 512, 512), (256, 32, 64, 512), (128, 256, 256, 128), (1, 1024, 1024, 512))
+
+
+def reductions(reps: int) -> list[dict]:
+    """Median ms of the three reductions at each of ``SHAPES`` (``n, Kp, C*Kc, B``), random terms."""
+    def terms(x, lw):
+        return sum_layer.max_product_terms(x, lw, False)
+
+    def searched(x, lw):
+        vp = sum_layer.first_max(terms(x, lw))
+        return vp, sum_layer.first_maximizer(terms(x, lw), vp)
+
+    fns = {"max": lambda x, lw: sum_layer.first_max(terms(x, lw)),
+           "max_and_first": lambda x, lw: sum_layer.max_and_first(terms(x, lw)), "max_then_search": searched}
+    rng = np.random.default_rng(0)
+    rows = []
+    for n, Kp, CK, B in SHAPES:
+        x = jnp.asarray(rng.normal(size=(n, CK, B)).astype(np.float32))
+        lw = jnp.asarray(rng.normal(size=(n, Kp, CK)).astype(np.float32))
+        row, outs = {"shape": [n, Kp, CK, B]}, {}
+        for name, f in fns.items():
+            f = jax.jit(f)
+            outs[name] = jax.block_until_ready(f(x, lw))
+            ts = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                jax.block_until_ready(f(x, lw))
+                ts.append(time.perf_counter() - t)
+            row[f"{name}_ms"] = 1e3 * float(np.median(ts))
+        row["equal"] = all(bool(np.array_equal(np.asarray(a), np.asarray(b)))
+                           for a, b in zip(outs["max_and_first"], outs["max_then_search"]))
+        print(f"[n, Kp, C*Kc, B] = {row['shape']}: max {row['max_ms']:.3f} ms, max and first "
+              f"{row['max_and_first_ms']:.3f}, max then search {row['max_then_search_ms']:.3f}; equal: {row['equal']}",
+              flush=True)
+        rows.append(row)
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workloads", default="hclt,pd,hmm")
+    p.add_argument("--batches", default="128,512")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--latents", type=int, default=None, help="every workload's latents (default: 256 / 128 / 1024)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--reductions", action="store_true", help="time the max-product reductions alone instead")
+    args = p.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    rows = []
+    if args.reductions:
+        rows = reductions(args.reps)
+    else:
+        for w in args.workloads.split(","):
+            rows += run(w, batches, args.reps, args.latents)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": str(jax.devices()[0].device_kind), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
