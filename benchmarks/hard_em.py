@@ -1,17 +1,21 @@
-"""Hard EM's flow pass with the forward's first maximizers kept against searched for again, in one process.
+"""Hard EM's flow pass on the max-plus kernels or XLA's reductions, its first maximizers kept or searched again.
 
     python benchmarks/hard_em.py [--workloads hclt,pd,hmm] [--batches 128,512] [--reps 20] [--json out.json]
-                                 [--reductions]
+                                 [--variants default,kernels,xla,searched] [--reductions]
 
-``c.flows(c.params, x, options=o)`` with ``o = Options(propagation="MPE")`` (the default: the forward keeps each
-max-product parent's first maximizing child, ``Options.kernel_shifts``) and the same with ``kernel_shifts=False``
-(the flow pass searches each parent's terms again), on HCLT-256, PD-128 and HMM-1024 as ``profile_step.py`` builds
-them. Per workload and batch: each variant's first call (s), then the variants alternated, median ms of
-synchronized calls, and whether their flows are equal (they must be, bit for bit: both pass each parent's flow to its
-first maximizer). ``--reductions``: instead, the max-product layer's reductions alone on terms ``log w + x`` of
-``[n, Kp, C*Kc, B]`` (never written out) at five shapes: the max (``sum_layer.first_max``), the max with its first
-maximizers in one reduction (``sum_layer.max_and_first``, what the flow pass's forward runs) and the max followed by
-the search for them (``sum_layer.first_maximizer``, what the flow pass ran before), median ms.
+``c.flows(c.params, x, options=o)`` with ``o = Options(propagation="MPE")`` in up to four variants (``--variants``):
+``default``, the options as they are (``Tuning.max_product_kernels=None``: Pallas's max-plus kernels where
+:func:`jaxpc.engine.routing.max_product_auto` takes them, else XLA's reductions); ``kernels``, the kernels for every
+layer that is not dense (``max_product_kernels=True``); ``xla``, XLA's reductions only (``False``), which keep each
+parent's first maximizing child for the flow pass as the kernels do (``Options.kernel_shifts``); and ``searched``, XLA
+with ``kernel_shifts=False``, where the flow pass searches each parent's terms again. On HCLT-256, PD-128 and HMM-1024
+as ``profile_step.py`` builds them. Per workload and batch: each variant's first call (s), then the variants
+alternated, median ms of synchronized calls, and whether their flows equal the first variant's (they must, bit for
+bit: all pass each parent's flow to its first maximizer). ``--reductions``: instead, the max-product layer's
+reductions alone on terms ``log w + x`` of ``[n, Kp, C*Kc, B]`` (never written out) at five shapes: the max
+(``sum_layer.first_max``), the max with its first maximizers in one reduction (``sum_layer.max_and_first``, what the
+flow pass's forward runs) and the max followed by the search for them (``sum_layer.first_maximizer``, what the flow
+pass ran before), median ms.
 """
 
 from __future__ import annotations
@@ -36,11 +40,15 @@ from profile_step import build  # noqa: E402
 sum_layer = importlib.import_module("jaxpc.ops.sum_layer")  # the module: jaxpc.ops exports its function
 
 LATENTS = {"hclt": 256, "pd": 128, "hmm": 1024}
-VARIANTS = {"kept": jaxpc.Options(propagation="MPE"),
-            "searched": jaxpc.Options(propagation="MPE", kernel_shifts=False)}
+VARIANTS = {"default": jaxpc.Options(propagation="MPE"),
+            "kernels": jaxpc.Options(propagation="MPE", tuning=jaxpc.Tuning(max_product_kernels=True)),
+            "xla": jaxpc.Options(propagation="MPE", tuning=jaxpc.Tuning(max_product_kernels=False)),
+            "searched": jaxpc.Options(propagation="MPE", kernel_shifts=False,
+                                      tuning=jaxpc.Tuning(max_product_kernels=False))}
 
 
-def run(workload: str, batches: list[int], reps: int, latents: int | None = None) -> list[dict]:
+def run(workload: str, batches: list[int], reps: int, latents: int | None = None,
+        variants: tuple = tuple(VARIANTS)) -> list[dict]:
     """The rows of one workload: per batch, each variant's first call and median ms, and whether they agree."""
     c, data = build(workload, latents or LATENTS[workload])
     rows = []
@@ -48,7 +56,7 @@ def run(workload: str, batches: list[int], reps: int, latents: int | None = None
         xs = [jnp.asarray(data[i * B:(i + 1) * B]) for i in range(2)]
         row = {"workload": f"{workload}-{latents or LATENTS[workload]}", "batch": B}
         outs = {}
-        for name, o in VARIANTS.items():
+        for name, o in ((v, VARIANTS[v]) for v in variants):
             t = time.perf_counter()
             outs[name] = jax.block_until_ready(c.flows(c.params, xs[0], options=o))
             row[f"{name}_first_s"] = time.perf_counter() - t
@@ -56,19 +64,20 @@ def run(workload: str, batches: list[int], reps: int, latents: int | None = None
             c.wait_compiled()
             outs[name] = jax.block_until_ready(c.flows(c.params, xs[0], options=o))
         row["equal"] = all(bool(np.array_equal(np.asarray(a), np.asarray(b)))
-                           for a, b in zip(jax.tree_util.tree_leaves(outs["kept"]),
-                                           jax.tree_util.tree_leaves(outs["searched"])))
-        times = {name: [] for name in VARIANTS}
+                           for name in variants[1:]
+                           for a, b in zip(jax.tree_util.tree_leaves(outs[variants[0]]),
+                                           jax.tree_util.tree_leaves(outs[name])))
+        times = {name: [] for name in variants}
         for i in range(reps):
-            for name, o in VARIANTS.items():
+            for name, o in ((v, VARIANTS[v]) for v in variants):
                 t = time.perf_counter()
                 jax.block_until_ready(c.flows(c.params, xs[i % 2], options=o))
                 times[name].append(time.perf_counter() - t)
-        for name in VARIANTS:
+        for name in variants:
             row[f"{name}_ms"] = 1e3 * float(np.median(times[name]))
-        print(f"{row['workload']} B={B}: kept {row['kept_ms']:.2f} ms (first {row['kept_first_s']:.1f} s), "
-              f"searched {row['searched_ms']:.2f} ms (first {row['searched_first_s']:.1f} s), "
-              f"{row['searched_ms'] / row['kept_ms']:.2f}x; flows equal: {row['equal']}", flush=True)
+        print(f"{row['workload']} B={B}: " + ", ".join(
+            f"{name} {row[name + '_ms']:.2f} ms (first {row[name + '_first_s']:.1f} s)" for name in variants)
+            + f"; flows equal: {row['equal']}", flush=True)
         rows.append(row)
     return rows
 
@@ -119,6 +128,7 @@ def main(argv=None):
     p.add_argument("--latents", type=int, default=None, help="every workload's latents (default: 256 / 128 / 1024)")
     p.add_argument("--json", default=None)
     p.add_argument("--reductions", action="store_true", help="time the max-product reductions alone instead")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     rows = []
@@ -126,7 +136,7 @@ def main(argv=None):
         rows = reductions(args.reps)
     else:
         for w in args.workloads.split(","):
-            rows += run(w, batches, args.reps, args.latents)
+            rows += run(w, batches, args.reps, args.latents, tuple(args.variants.split(",")))
     if args.json:
         Path(args.json).write_text(json.dumps({"device": str(jax.devices()[0].device_kind), "rows": rows}, indent=1))
 

@@ -43,8 +43,8 @@
    median milliseconds of both calls and of the folded plan (:func:`check_products`).
 9. ``--mpe`` (alone): the max-plus forward (``pallas_sum.forward(..., propagation="MPE")``) against the reference
    over the shapes of 1. (it must be exact), then HCLT-256's and PD-128's ``mpe`` and hard-EM ``flows``
-   (``propagation="MPE"``) calls with ``Tuning(max_product_kernels=True)`` against the default (XLA's reductions):
-   whether the answers are equal and the median milliseconds of both calls per batch (:func:`check_mpe`).
+   (``propagation="MPE"``) calls with ``Tuning(max_product_kernels=True)`` and by default against XLA's reductions
+   (``False``): whether the answers are equal and the median milliseconds of the calls per batch (:func:`check_mpe`).
 10. ``--repeats`` (alone): whether the persistent routes are exact on every call: HCLT-256's, HMM-1024's and
    PD-128's (``--circuits``) ``log_prob`` and ``flows`` called ``--calls`` times per route (``--tunings``; default:
    the default call (on a Hopper GPU, the tree's levels on thread-block clusters with 64-row tasks up to batch 32),
@@ -643,10 +643,12 @@ def check_products(batches=(16, 128, 512), reps=20, latents=128) -> float:
 
 
 def check_mpe(batches=(16, 128, 512), reps=30) -> bool:
-    """The max-plus forward kernel against the reference on the shapes of ``tests/test_kernels.py`` (exact), then
+    """The max-plus forward kernel against the reference on the shapes of ``tests/test_kernels.py`` (values and first
+    maximizers, exact), then
     ``c.mpe`` (a third of the variables unobserved) and ``c.flows`` under ``propagation="MPE"`` of HCLT-256 and
-    PD-128 with the kernels (``Tuning(max_product_kernels=True)``) against without; prints each call's largest
-    difference and both routes' median ms. Returns whether every answer was equal."""
+    PD-128 with the kernels (``Tuning(max_product_kernels=True)``) and by default against without
+    (``max_product_kernels=False``); prints each call's largest difference and the three routes' median ms.
+    Returns whether every answer was equal."""
     import jaxpc
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -656,14 +658,18 @@ def check_mpe(batches=(16, 128, 512), reps=30) -> bool:
     for shape in SHAPES:
         Kp, Kc, n, C, B = shape[:5]
         buf, t, logw, _ = make_partition(*shape)
-        f = jax.jit(lambda b, ch, pid, lw, Kp=Kp, Kc=Kc: (
-            pallas_sum.forward(b, ch, pid, lw, Kp=Kp, Kc=Kc, propagation="MPE"),
-            sum_layer_reference(b, ch, pid, lw, Kp=Kp, Kc=Kc, dense=False, propagation="MPE")))
-        got, want = (np.asarray(a) for a in f(buf, t["ch"], t["pid"], logw))
-        same = np.array_equal(got, want)
+        R = buf.shape[0]
+        f = jax.jit(lambda b, ch, pid, lw, Kp=Kp, Kc=Kc, R=R: (
+            *pallas_sum.forward(jnp.concatenate([b, jnp.zeros((ch.shape[0] * Kp, b.shape[1]))]), ch, pid, lw, Kp=Kp,
+                                Kc=Kc, propagation="MPE", out_offset=R,
+                                firsts=jnp.zeros((R + ch.shape[0] * Kp, b.shape[1]), jnp.int32)),
+            *sum_layer_reference(b, ch, pid, lw, Kp=Kp, Kc=Kc, dense=False, propagation="MPE", with_first=True)))
+        got, first, want, want_first = (np.asarray(a) for a in f(buf, t["ch"], t["pid"], logw))
+        same = np.array_equal(got[R:], want) and np.array_equal(first[R:], want_first)
         equal &= same
         print(f"check max-plus Kp={Kp} Kc={Kc} n={n} C={C} B={B}: {'equal' if same else 'DIFFERENT'}", flush=True)
     on = jaxpc.Options(tuning=jaxpc.Tuning(max_product_kernels=True))
+    off = jaxpc.Options(tuning=jaxpc.Tuning(max_product_kernels=False))
     for name, latents in (("hclt", 256), ("pd", 128)):
         c, data = build(name, latents, (4, 4))
         miss = jnp.asarray(np.arange(c.num_vars) % 3 == 0)
@@ -672,16 +678,18 @@ def check_mpe(batches=(16, 128, 512), reps=30) -> bool:
             calls = {"mpe": lambda o: c.mpe(c.params, x, miss, options=o),
                      "flows MPE": lambda o: c.flows(c.params, x, options=o.replace(propagation="MPE"), return_ll=True)}
             for call_name, call in calls.items():
-                for o in (on, jaxpc.Options()):
+                routes = (on, off, jaxpc.Options())
+                for o in routes:
                     jax.block_until_ready(call(o))
                 c.wait_compiled()
-                got, want = call(on), call(jaxpc.Options())
+                want = call(off)
                 diff = max(float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)), initial=0.0))
-                           for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)))
+                           for o in (on, jaxpc.Options())
+                           for a, b in zip(jax.tree_util.tree_leaves(call(o)), jax.tree_util.tree_leaves(want)))
                 equal &= diff == 0.0
-                ms = [bench(lambda o=o: call(o), reps) for o in (on, jaxpc.Options())]
+                ms = [bench(lambda o=o: call(o), reps) for o in routes]
                 print(f"check {name}-{latents} {call_name} B={B}: largest difference {diff:.1e}; ms max-plus kernels "
-                      f"{ms[0]:.3f} XLA {ms[1]:.3f}", flush=True)
+                      f"{ms[0]:.3f} XLA {ms[1]:.3f} default {ms[2]:.3f}", flush=True)
     return equal
 
 

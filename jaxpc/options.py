@@ -92,10 +92,12 @@ class Tuning:
             the unrolled levels' products: :func:`jaxpc.executables.optimized_xla`); the quick one keeps the scans,
             and so do ``mpe`` and ``sample``, whose top-down selection runs slower unrolled.
         max_product_kernels: max-product sum layers (``propagation="MPE"``: ``mpe``, hard EM) run Pallas's
-            max-plus forward in place where a Pallas impl is chosen (``"auto"``: on a GPU, for every layer that
-            is not dense) instead of XLA's reductions, with the same values bit for bit
-            (:func:`jaxpc.engine.routing.max_product_kernel`). Off by default: slower than XLA's on an H100
-            (HCLT-256's ``mpe`` at batch 128: 12.9 ms against 4.3).
+            max-plus forward in place where a Pallas impl is chosen (True; ``"auto"``: on a GPU, for every layer
+            that is not dense) instead of XLA's reductions, with the same values and first maximizers bit for bit
+            (:func:`jaxpc.engine.routing.max_product_kernel`). None (the default): ``impl="auto"`` takes them
+            where they were faster on an H100 (:func:`jaxpc.engine.routing.max_product_auto`: layers of several
+            child blocks at batches of 128 and more, tree levels at 512 where the stages run unrolled; hard EM's
+            flows at B=512 12.6 ms against 21.4 on HCLT-256, 14.2 against 24.7 on PD-128); False: never.
         compiler_options: XLA options for the executables, ``((name, value), ...)`` (e.g.
             ``(("xla_gpu_autotune_level", 0),)``).
         concurrent_batch: on a GPU, executables of batches up to this many samples order their command buffers'
@@ -178,7 +180,7 @@ class Tuning:
     onehot_chunk: int = 1 << 25
     quick_first_compile: bool = True
     unroll_optimized: bool = True
-    max_product_kernels: bool = False
+    max_product_kernels: bool | None = None
     compiler_options: tuple = ()
     concurrent_batch: int = 32
     fanin_kernel_batch: int = 1
@@ -206,9 +208,9 @@ class Tuning:
             if f.name in ("unset_rows", "quick_first_compile", "unroll_optimized", "max_product_kernels",
                           "fanin_prefetch", "chain_side_by_side", "tree_clusters",
                           "tree_log_weights"):
-                if not isinstance(v, bool) and not (f.name == "tree_clusters" and v is None):
-                    raise TypeError(f"Tuning.{f.name} must be a bool{' or None' * (f.name == 'tree_clusters')}, "
-                                    f"got {v!r}")
+                nullable = f.name in ("tree_clusters", "max_product_kernels")
+                if not isinstance(v, bool) and not (nullable and v is None):
+                    raise TypeError(f"Tuning.{f.name} must be a bool{' or None' * nullable}, got {v!r}")
             elif f.name == "compiler_options":
                 if not isinstance(v, tuple) or not all(isinstance(e, tuple) and len(e) == 2 and isinstance(e[0], str)
                                                        for e in v):

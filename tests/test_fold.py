@@ -1,6 +1,8 @@
 """The folded plan (``Options(fold_products=True)``, the default: products folded into the sums' gathers) against the
 float64 oracle and the full layout, on random circuits and the ready structures."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -468,10 +470,20 @@ def test_max_product_kernels_give_xlas_values_exactly(pallas_forward_calls):
     want = c.flows(c.params, x, options=hard.replace(impl="xla"), return_ll=True)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # by default (None) the kernels where they were faster: 128 samples and more for layers of several child
+    # blocks, 512 for layers of one where the stages run unrolled
     mpe = jaxpc.Options(propagation="MPE")
-    part = next(p for st in c.layout.fold.stages() for p in st.sums if not p.dense)
-    impl = routing.kernel_choice(mpe, part, 9)[0]
-    assert impl == "pallas_forward" and not routing.runs_inplace(impl, mpe, jnp.zeros((1, 9)))
+    unrolled = mpe.replace(scan_stages=False)
+    fanin = next(p for st in c.layout.fold.stages() for p in st.sums if not p.dense and p.C > 1)
+    single = dataclasses.replace(fanin, C=1)
+    no_kernels = unrolled.replace(tuning=jaxpc.Tuning(max_product_kernels=False))
+    cases = ((mpe, fanin, 9, False), (mpe, fanin, 128, True), (mpe, single, 512, False), (unrolled, fanin, 64, False),
+             (unrolled, fanin, 128, True), (unrolled, single, 256, False), (unrolled, single, 512, True),
+             (unrolled.replace(impl="pallas"), fanin, 512, False), (no_kernels, fanin, 512, False),
+             (on.replace(propagation="MPE"), fanin, 9, True))
+    for options, part, batch, kernel in cases:
+        impl = routing.kernel_choice(options, part, batch)[0]
+        assert routing.runs_inplace(impl, options, jnp.zeros((1, batch))) == kernel, (options, part.C, batch)
 
 
 @pytest.mark.parametrize("kw", [{"propagation": "MPE"}, {"propagation": "GeneralLL", "alpha": 2.5},

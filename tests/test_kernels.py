@@ -154,6 +154,11 @@ def test_kernels_lower_for_cuda_without_a_gpu():
         return pallas_sum.forward(b, ch, pid, lw, Kp=16, Kc=32, out_offset=0, blocks=2, fanin=3,  # read at run time
                                   config=pallas_sum.KernelConfig(prefetch=prefetch, span=span), propagation=propagation)
 
+    def firsts(b, ch, pid, lw):  # the max-plus forward with its first maximizers, folded children, in place
+        ch3 = jnp.stack([ch, jnp.zeros_like(ch)], axis=2)
+        return pallas_sum.forward(b, ch3, pid, lw, Kp=16, Kc=32, out_offset=0, propagation="MPE",
+                                  firsts=jnp.zeros(b.shape, jnp.int32))
+
     def packed(b, ch, pid, lw, span=1):  # the tables read in a packed table array, several child blocks per step
         ch3 = jnp.stack([ch, ch], axis=2)
         flat = jnp.concatenate([ch3.ravel(), pid.ravel()]).astype(jnp.int32)
@@ -200,7 +205,7 @@ def test_kernels_lower_for_cuda_without_a_gpu():
                         (functools.partial(after, precision="tf32"), tabs),
                         (functools.partial(after, precision="bf16"), tabs), (leaves, tabs),
                         (functools.partial(fwd, propagation="MPE"), tabs[:4]),
-                        (functools.partial(padded, propagation="MPE"), tabs[:4])):
+                        (functools.partial(padded, propagation="MPE"), tabs[:4]), (firsts, tabs[:4])):
             text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
             assert "__gpu$xla.gpu.triton" in text
     A, Et = jnp.ones((256, 256)), jnp.ones((5, 256, 16))  # the chain kernels, 64 programs, products in 2 blocks
@@ -867,23 +872,30 @@ def test_in_place_forward_reads_its_tables_from_the_packed_array(monkeypatch, sc
                          ids=lambda v: "Kp{}-Kc{}-n{}-C{}-B{}".format(*v[:5]))
 def test_max_product_forward_equals_the_reference_exactly(shape):
     """The max-plus forward (``propagation="MPE"``) writes the reference's max-product values bit for bit: each
-    term is the same float32 sum, and a max does not round. Over padded fan-ins, children at -inf, several batch
-    tiles and chunks."""
+    term is the same float32 sum, and a max does not round; given a buffer of first maximizers, it writes each
+    parent's first maximizing child there as XLA's reduction finds it (``with_first``). Over padded fan-ins,
+    children at -inf, several batch tiles and chunks."""
     Kp, Kc, n, C, B = shape[:5]
     buf, t, logw, R = make_partition(*shape)
     kw = dict(Kp=Kp, Kc=Kc, propagation="MPE")
 
     @jax.jit
     def run(buf, t, logw):
-        ref = sum_layer_reference(buf, t["ch"], t["pid"], logw, dense=False, **kw)
+        ref = sum_layer_reference(buf, t["ch"], t["pid"], logw, dense=False, with_first=True, **kw)
         full = jnp.concatenate([buf, jnp.full((n * Kp, B), 7.0)])
-        return ref, pallas_sum.forward(buf, t["ch"], t["pid"], logw, **kw), \
-            pallas_sum.forward(full, t["ch"], t["pid"], logw, out_offset=R, **kw)
+        firsts = jnp.full(full.shape, -5, jnp.int32)
+        return (*ref, pallas_sum.forward(buf, t["ch"], t["pid"], logw, **kw),
+                pallas_sum.forward(full, t["ch"], t["pid"], logw, out_offset=R, **kw),
+                *pallas_sum.forward(full, t["ch"], t["pid"], logw, out_offset=R, firsts=firsts, **kw))
 
-    ref, out, inplace = (np.asarray(a) for a in run(buf, t, logw))
+    ref, ref_first, out, inplace, kept, first = (np.asarray(a) for a in run(buf, t, logw))
     np.testing.assert_array_equal(out, ref)
     np.testing.assert_array_equal(inplace[R:], ref)
     np.testing.assert_array_equal(inplace[:R], np.asarray(buf))
+    np.testing.assert_array_equal(kept, inplace)
+    np.testing.assert_array_equal(first[R:], ref_first)
+    np.testing.assert_array_equal(first[:R], -5)
+    assert (ref_first == C * Kc).any() == (~np.isfinite(ref)).any()
 
 
 def test_max_product_forward_on_folded_and_padded_tables():
@@ -907,4 +919,13 @@ def test_max_product_forward_on_folded_and_padded_tables():
     np.testing.assert_array_equal(np.asarray(got2)[R + 2 * Kp:], 0.0)
     with pytest.raises(ValueError, match="propagation=MPE"):
         pallas_sum.forward(full, ch3, pid, logw, out_offset=R, shifts=jnp.zeros((R // Kp + n, 20)), unit=Kp, **kw)
-    assert pallas_sum.max_chunk(64, 32, 256) == 4 and pallas_sum.max_chunk(16, 16, 2) == 2
+    with pytest.raises(ValueError, match="firsts are kept"):
+        pallas_sum.forward(full, ch3, pid, logw, out_offset=R, firsts=jnp.zeros(full.shape, jnp.float32), **kw)
+    firsts = jnp.zeros(full.shape, jnp.int32)
+    got3, first = whole(pallas_sum.forward)(full, ch3, pid, logw, out_offset=R, firsts=firsts, **kw)
+    np.testing.assert_array_equal(np.asarray(got3), np.asarray(got))
+    np.testing.assert_array_equal(np.asarray(first)[R:], np.asarray(whole(sum_layer_reference)(
+        buf, ch3, pid, logw, dense=False, with_first=True, **kw)[1]))
+    # 128 parent rows a program where the grid keeps two programs per SM, 64 below; unrolled steps within Kc
+    assert pallas_sum.max_tiles(64, 256, 512, 512) == (64, 128, 4)
+    assert pallas_sum.max_tiles(1, 1024, 1024, 512) == (64, 64, 8) and pallas_sum.max_tiles(3, 16, 2, 20) == (32, 16, 2)

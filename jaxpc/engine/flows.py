@@ -65,7 +65,7 @@ class _Pass(NamedTuple):
     unit: int  # node-buffer rows per shift row; 0 without kept shifts
     batched: frozenset  # the PFlowSpec keys of the batched parameter-flow pass
     stored: frozenset = frozenset()  # the groups whose parameter flows are stored, not added (:func:`_stored_groups`)
-    firsts: Array | None = None  # the forward's kept first maximizers [R, B] (max-product partitions on XLA)
+    firsts: Array | None = None  # the forward's kept first maximizers [R, B] (a max-product pass)
 
     def batched_part(self, part) -> bool:
         """Whether a sum partition's parameter flows come from the batched pass after the flow pass."""
@@ -234,9 +234,7 @@ def _sum_flows_xla(ps: _Pass, fl: Array, dp: dict, part, t: dict, row) -> tuple:
     them; its parameter flows inline unless the batched pass computes them."""
     options, values, unit = ps.options, ps.values, ps.unit
     kept = unit and routing.writes_shift(options, part, values)  # its shifts were kept
-    # its first maximizers were kept: a max-product partition whose forward ran on XLA
-    kept_first = ps.firsts is not None and not routing.runs_inplace(
-        routing.kernel_choice(options, part, values.shape[1], values.dtype)[0], options, values)
+    kept_first = ps.firsts is not None  # (a max-product pass: every partition's forward kept them)
     inline_pf = options.compute_param_flows and not ps.batched_part(part)
 
     def piece(carry, a, b, sub):

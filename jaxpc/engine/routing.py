@@ -354,6 +354,9 @@ def kernel_choice(options, part, B: int, dtype=jnp.float32):
 
 
 def _kernel_choice(options, part, B: int, dtype):
+    if (options.propagation == "MPE" and options.impl == "auto" and options.tuning.max_product_kernels is None
+            and not max_product_auto(options, part, B)):
+        return "xla", None  # (XLA's reductions, whatever the sum-product layers' route)
     sig = partition_key(part, B)
     for s, choice in options.kernels:
         if s == sig:
@@ -362,9 +365,28 @@ def _kernel_choice(options, part, B: int, dtype):
                 return choice[0], KernelConfig(*choice[1:])
             return "xla", None
     if options.impl == "auto":
-        max_product = options.propagation == "MPE" and options.tuning.max_product_kernels
+        max_product = options.propagation == "MPE" and options.tuning.max_product_kernels is not False
         return auto_impl(part, dtype, B, options.tuning.small_batch, max_product), None
     return options.impl, None
+
+
+MAX_PRODUCT_BATCH: Final = 512  # the max-plus kernels' least batch for layers of one child block (tree levels)
+MAX_PRODUCT_FANIN_BATCH: Final = 128  # and for layers of several child blocks
+
+
+def max_product_auto(options, part, B: int) -> bool:
+    """``Tuning(max_product_kernels=None)``'s choice for a max-product sum partition under ``impl="auto"``: Pallas's
+    max-plus forward (each program runs its children one by one, so small batches leave it bound by that loop's
+    latency) for layers of several child blocks at batches of at least :data:`MAX_PRODUCT_FANIN_BATCH`, and for
+    layers of one (tree levels) at :data:`MAX_PRODUCT_BATCH` in executables whose stages run unrolled
+    (``scan_stages=False``: the flow pass's optimized compile; in place inside a scan, as in ``mpe``'s, they ran
+    slower than XLA's reductions). On an H100 (``benchmarks/kernels_check.py --mpe``, kernels against XLA, ms): hard
+    EM's flows of HCLT-256 at B = 16 / 128 / 512 6.73 / 6.68 / 12.64 against 2.01 / 6.45 / 21.37, of PD-128 2.09 /
+    4.75 / 14.23 against 1.44 / 6.73 / 24.72; ``mpe`` of PD-128 1.59 / 3.86 / 10.11 against 1.14 / 4.10 / 15.66, of
+    HCLT-256 (scanned) 8.80 / 11.94 / 14.49 against 2.01 / 4.22 / 11.81."""
+    if part.C > 1:
+        return B >= MAX_PRODUCT_FANIN_BATCH
+    return not options.scan_stages and B >= MAX_PRODUCT_BATCH
 
 
 def auto_impl(part, dtype=jnp.float32, B: int | None = None, small_batch: int = Tuning.small_batch,
@@ -409,10 +431,12 @@ def runs_inplace(impl: str, options, buf: Array) -> bool:
 def max_product_kernel(impl: str, options) -> bool:
     """Whether a max-product (``propagation="MPE"``) sum partition routed to ``impl`` runs Pallas's max-plus
     forward (:func:`jaxpc.ops.pallas_sum.forward` with ``propagation="MPE"``) instead of XLA's reductions:
-    ``Tuning.max_product_kernels`` and a Pallas impl (``"auto"`` picks ``"pallas_forward"`` for such layers on a
-    GPU: :func:`kernel_choice`). Its values are the reference's exactly, so the MPE flow pass, which finds each
-    parent's maximizing children by equality, reads them as it reads XLA's."""
-    return options.tuning.max_product_kernels and impl in PALLAS_FORWARD
+    ``Tuning.max_product_kernels`` (None: under ``impl="auto"``, which picks ``"pallas_forward"`` for such layers
+    on a GPU where :func:`max_product_auto` takes the kernels, else ``"xla"``: :func:`kernel_choice`) and a Pallas
+    impl. Its values and first maximizers are the reference's exactly, so the MPE flow pass reads them as it reads
+    XLA's."""
+    on = options.tuning.max_product_kernels
+    return (on or (on is None and options.impl == "auto")) and impl in PALLAS_FORWARD
 
 
 def runs_kernel_backward(impl: str, options) -> bool:

@@ -165,9 +165,10 @@ def _sum_rows(buf: Array, spec: StageSpec, tab: dict, sum_params: dict, options,
 
 
 def _inplace_sums(buf: Array, inplace: list, sum_params: dict, options, index, shifts: Array | None, unit: int,
-                  packed=None):
-    """``(buf, shifts)`` with the in-place kernels' partitions written (and their shifts where
-    :func:`jaxpc.engine.routing.writes_shift` holds). A stage's partitions read lower rows only: the order of
+                  packed=None, firsts: Array | None = None):
+    """``(buf, shifts, firsts)`` with the in-place kernels' partitions written (and their shifts where
+    :func:`jaxpc.engine.routing.writes_shift` holds, their first maximizers into ``firsts`` where given: the
+    max-plus kernels). A stage's partitions read lower rows only: the order of
     the kernels does not matter. ``packed``: the executable's packed table arrays, from which the Pallas kernels
     read their tables where they lie whole in one (:func:`jaxpc.engine.routing.kernel_source`)."""
     for r, j, part, t, impl, cfg in inplace:
@@ -186,9 +187,11 @@ def _inplace_sums(buf: Array, inplace: list, sum_params: dict, options, index, s
                       **({"propagation": "MPE"} if options.propagation == "MPE" else {}))
             if shifts is not None and routing.writes_shift(options, part, buf):
                 buf, shifts = kernels.forward(buf, ch, pid, sum_params[part.group], shifts=shifts, unit=unit, **kw)
+            elif firsts is not None:
+                buf, firsts = kernels.forward(buf, ch, pid, sum_params[part.group], firsts=firsts, **kw)
             else:
                 buf = kernels.forward(buf, ch, pid, sum_params[part.group], **kw)
-    return buf, shifts
+    return buf, shifts, firsts
 
 
 def _stage(buf: Array, spec: StageSpec, tab: dict, sum_params: dict, options, offset, index,
@@ -210,7 +213,8 @@ def _stage(buf: Array, spec: StageSpec, tab: dict, sum_params: dict, options, of
         for r, out in outs:
             buf = lax.dynamic_update_slice_in_dim(buf, out.astype(buf.dtype), r, axis=0)
         if inplace:
-            buf, shifts = _inplace_sums(buf, inplace, sum_params, options, index, shifts, unit, tab.get("packed"))
+            buf, shifts, firsts = _inplace_sums(buf, inplace, sum_params, options, index, shifts, unit,
+                                                tab.get("packed"), firsts)
     if firsts is not None:
         return buf, firsts
     return buf if shifts is None else (buf, shifts)
@@ -273,16 +277,16 @@ def forward_buffer(layout: Layout, tables: dict, sum_params: dict, input_vals, o
     blocks that keep them (:func:`jaxpc.engine.routing.writes_shift`: ``[ceil(R / unit), B]``, see
     :func:`jaxpc.engine.routing.shift_unit`; None when the layout's unit is too small), where the tree's levels
     run on clusters, the sample-major copies their backward reads (:func:`jaxpc.ops.mosaic_tree.forward` with
-    ``keep``) and, in a max-product pass (``propagation="MPE"``) with partitions on XLA's reductions
-    (:func:`kept_firsts`), each of their parents' first maximizing child, int32 ``[R, B]`` at the parents' rows
-    (the hard-EM flow pass reads them instead of searching the terms again)."""
+    ``keep``) and, in a max-product pass (``propagation="MPE"``), each sum partition's parents' first maximizing
+    child, int32 ``[R, B]`` at the parents' rows (the hard-EM flow pass reads them instead of searching the terms
+    again; written by XLA's reductions and the max-plus kernels alike)."""
     dtype = routing.param_dtype({"sum": sum_params, "v": input_vals})
     buf = input_vals if isinstance(input_vals, jax.Array) else input_buffer(layout, input_vals, dtype)
     kind = routing.tree_kernel(layout, options, buf.shape[1], dtype, evidence)
     unit = routing.shift_unit(layout) if keep_shifts and dtype == jnp.float32 and kind != "mosaic" else 0
     if unit and not any(routing.writes_shift(options, p, buf) for spec in layout.stages() for p in spec.sums):
         unit = 0  # no kernel would write a shift (e.g. no GPU, or max-product; the clusters' kernels keep none)
-    firsts = keep_shifts and kept_firsts(layout, options, buf)
+    firsts = keep_shifts and options.propagation == "MPE"
 
     def stage(carry, spec, tab, offset, name):  # carry: the buffer, or it with the shifts or the first maximizers
         b, s, f = carry, None, None
@@ -326,10 +330,3 @@ def forward_buffer(layout: Layout, tables: dict, sum_params: dict, input_vals, o
         return carry[0], None, copies, carry[1]
     return (*carry, copies, None) if unit else (carry, None, copies, None)
 
-
-def kept_firsts(layout: Layout, options, buf: Array) -> bool:
-    """Whether a flow pass's forward keeps the first maximizers of its max-product partitions: ``propagation=
-    "MPE"`` with some sum partition on XLA's reductions (Pallas's max-plus kernels keep none)."""
-    return options.propagation == "MPE" and any(
-        not routing.runs_inplace(routing.kernel_choice(options, p, buf.shape[1], buf.dtype)[0], options, buf)
-        for spec in layout.stages() for p in spec.sums)

@@ -301,30 +301,54 @@ def _online_sum(i, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, *, C, M, Kp
     return lax.fori_loop(0, steps, body, (init, fetch(0)))[0]
 
 
-MAX_TILE: Final = 8192  # elements of the max-plus forward's [parent nodes, child nodes, samples] tile
+MAX_UNROLL: Final = 8  # child nodes a step of the max-plus forward's loop (:func:`_online_max`), unrolled
+MAX_FILL: Final = 264  # two programs per SM of an H100 (132): the max-plus forward's grid with 128-row tiles
 
 
-def max_chunk(KT: int, BB: int, Kc: int) -> int:
-    """Child nodes per step of the max-plus forward (:func:`_online_max`): its ``[KT, chunk, BB]`` tile of sums
-    within :data:`MAX_TILE` elements (a program's registers), at most the block's (padded) size."""
-    return max(1, min(p2(Kc), MAX_TILE // (KT * BB)))
+def max_tiles(n: int, Kp: int, Kc: int, B: int) -> tuple[int, int, int]:
+    """``(samples, parent nodes, child nodes a step)`` of a program of the max-plus forward (:func:`_online_max`):
+    tiles of 64 samples by 128 parent nodes, 64 where the grid would then hold fewer than :data:`MAX_FILL` programs.
+    On an H100, max and first maximizers of 64 blocks of ``[256, 512]`` at B=512: 1.30 ms with 128 parent nodes,
+    1.69 with 64 (XLA's reduction 2.59); one block of ``[1024, 1024]``: 0.50 and 0.30 (XLA 0.51)."""
+    BB = min(64, p2(B))
+    KT = min(128, p2(Kp))
+    if KT > 64 and n * pl.cdiv(Kp, KT) * pl.cdiv(B, BB) < MAX_FILL:
+        KT = 64
+    return BB, KT, min(MAX_UNROLL if KT <= 64 else MAX_UNROLL // 2, p2(Kc))
 
 
-def _online_max(i, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, *, C, M, Kp, Kc, KC):
+def _online_max(i, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, *, C, M, Kp, Kc, U, first=False):
     """``max_{c, j} (log w[pid[i, c], kp, j] + x_c[j])``: the max-product values ``[len(kp), BB]`` of parent nodes
-    ``kp`` of block ``i`` over its ``C`` child blocks (static, or a traced count), ``KC`` child nodes a step; each
-    term is the one float32 sum that the reference's ``max`` reduces (masked terms ``-inf``)."""
-    nq = -(-Kc // KC)
+    ``kp`` of block ``i`` over its ``C`` child blocks (static, or a traced count), one child node at a time (``U``
+    a step, unrolled): each term, the one float32 sum that the reference's ``max`` reduces (masked terms ``-inf``),
+    enters the running max as a rank-one update of the tile (no ``[parents, children, samples]`` tile to reduce).
+    With ``first``, ``(values, first maximizers)``: each parent's first child in ``c * Kc + j`` order whose term is
+    its value, ``C * Kc`` where the value is not finite (as :func:`jaxpc.ops.sum_layer.max_and_first`)."""
+    nq = -(-Kc // U)
 
-    def step(cq, acc):
+    def step(cq, carry):
+        acc, idx = carry
         c, q = lax.div(cq, jnp.int32(nq)), lax.rem(cq, jnp.int32(nq))
-        kc = q * KC + jnp.arange(KC)
-        x = _load_child(buf_ref, ch_ref, i, c, kc, cols, cmask, M=M, Kc=Kc)  # [KC, BB]
-        mask = (kp[:, None] < Kp) & (kc[None, :] < Kc)
-        lw = plgpu.load(w_ref.at[pid_ref[i, c], kp[:, None], kc[None, :]], mask=mask, other=_NEG)  # [KT, KC]
-        return jnp.maximum(acc, jnp.max(lw[:, :, None] + x[None, :, :], axis=1))
+        p = pid_ref[i, c]
+        starts = [ch_ref[i, c, m] for m in range(M)]
+        for u in range(U):
+            j = q * U + u
+            valid = j < Kc
+            x = plgpu.load(buf_ref.at[starts[0] + j, cols], mask=cmask & valid, other=_NEG)
+            for r0 in starts[1:]:
+                x = x + plgpu.load(buf_ref.at[r0 + j, cols], mask=cmask & valid, other=0.0)
+            t = plgpu.load(w_ref.at[p, kp, j], mask=(kp < Kp) & valid, other=_NEG)[:, None] + x[None, :]
+            if first:  # a later child replaces the maximizer only where its term is strictly larger
+                idx = jnp.where(t > acc, c * Kc + j, idx)
+            acc = jnp.maximum(acc, t)
+        return acc, idx
 
-    return lax.fori_loop(0, C * nq, step, jnp.full((kp.shape[0], cols.shape[0]), _NEG, jnp.float32))
+    shape = (kp.shape[0], cols.shape[0])
+    init = (jnp.full(shape, _NEG, jnp.float32), jnp.zeros(shape, jnp.int32))
+    acc, idx = lax.fori_loop(0, C * nq, step, init)
+    if not first:
+        return acc
+    return acc, jnp.where(jnp.isfinite(acc), idx, C * Kc)
 
 
 def _table_vec(tab, idx: tuple, mask):
@@ -451,12 +475,17 @@ def forward_span(config: KernelConfig, C: int, Kc: int) -> int:
 
 
 def forward_tile(i, first, kp, cols, cmask, ch_ref, pid_ref, w_ref, buf_ref, out_ref, *, C, M, Kp, Kc, KC, alpha,
-                 precision, prefetch=False, span=1, mpe=False):
+                 precision, prefetch=False, span=1, mpe=False, firsts_ref=None):
     """The values of parent nodes ``kp`` of block ``i`` (rows ``first + kp``) for samples ``cols``, read from
     ``buf_ref`` and stored into ``out_ref``; returns the block's shift (its children's max) per sample. ``mpe``:
-    max-product values (:func:`_online_max`, ``KC`` child nodes a step), and no shift (None)."""
+    max-product values (:func:`_online_max`, ``KC`` child nodes a step), and no shift (None); with ``firsts_ref``
+    each parent's first maximizing child stored there too, at the parents' rows."""
     if mpe:
-        out = _online_max(i, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, C=C, M=M, Kp=Kp, Kc=Kc, KC=KC)
+        out = _online_max(i, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, C=C, M=M, Kp=Kp, Kc=Kc, U=KC,
+                          first=firsts_ref is not None)
+        if firsts_ref is not None:
+            out, idx = out
+            store_tile(firsts_ref, first + kp, cols, idx, kp < Kp, cmask)
         store_tile(out_ref, first + kp, cols, out, kp < Kp, cmask)
         return None
     m, acc = _online_sum(i, ch_ref, pid_ref, w_ref, buf_ref, cols, cmask, kp, C=C, M=M, Kp=Kp, Kc=Kc, KC=KC,
@@ -470,8 +499,10 @@ def forward_tile(i, first, kp, cols, cmask, ch_ref, pid_ref, w_ref, buf_ref, out
 
 
 def _fwd_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, *refs, C, M, Kp, Kc, KT, KC, BB, B, alpha, precision,
-                unit, prefetch, flat=None, span=1, mpe=False):
-    out_ref, shift_ref = (refs[1], refs[2]) if unit else (refs[0], None)  # with shifts: (shifts in, buf, shifts)
+                unit, prefetch, flat=None, span=1, mpe=False, firsts=False):
+    # with shifts: (shifts in, buf, shifts); with first maximizers: (firsts in, buf, firsts)
+    out_ref, shift_ref = (refs[1], refs[2]) if unit or firsts else (refs[0], None)
+    firsts_ref, shift_ref = (shift_ref, None) if firsts else (None, shift_ref)
     if flat is not None:  # ch_ref and pid_ref: a packed table array, the tables at off_ref[3] and off_ref[4]
         ch_ref, pid_ref = FlatTable(ch_ref, off_ref[3], flat), FlatTable(pid_ref, off_ref[4], flat[:2])
     i, k, t = block_ids(3)
@@ -484,7 +515,7 @@ def _fwd_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, *refs, C, M, Kp, Kc, K
         kp = k * KT + jnp.arange(KT)
         m = forward_tile(i, off_ref[0] + i * Kp, kp, cols, cmask, ch_ref, pid_ref, w_ref, buf_ref, out_ref, C=C,
                          M=M, Kp=Kp, Kc=Kc, KC=KC, alpha=alpha, precision=precision, prefetch=prefetch, span=span,
-                         mpe=mpe)
+                         mpe=mpe, firsts_ref=firsts_ref)
         if unit:  # the block's shift, the children's max, at shift row (first parent row) / unit
             plgpu.store(shift_ref.at[lax.div(off_ref[0] + i * Kp, jnp.int32(unit)), cols], m, mask=cmask & (k == 0))
 
@@ -492,7 +523,7 @@ def _fwd_kernel(off_ref, ch_ref, pid_ref, w_ref, buf_ref, *refs, C, M, Kp, Kc, K
 def forward(buf: Array, ch: Array, pid: Array, w: Array, *, Kp: int, Kc: int, alpha: float = 1.0,
             precision: str = "fp32", config: KernelConfig = KernelConfig(), out_offset=None, shifts=None,
             unit: int = 0, blocks: int | None = None, fanin: int | None = None, source=None,
-            propagation: str = "LL"):
+            propagation: str = "LL", firsts=None):
     """Sum-layer values. ``ch [n, C]`` or ``[n, C, M]``, ``w``: log-weights ``[P, Kp, Kc]`` (exponentiated per
     tile). Returns ``[n * Kp, B]``; with ``out_offset`` (a float32 ``buf``) the buffer with the parents'
     rows ``out_offset + [0, n * Kp)`` written in place. With ``shifts`` (float32 ``[ceil(R / unit), B]``,
@@ -505,8 +536,10 @@ def forward(buf: Array, ch: Array, pid: Array, w: Array, *, Kp: int, Kc: int, al
     only): ``(packed, (ch offset, pid offset))``, an int32 array in which ``ch`` and ``pid`` lie whole at those
     offsets (:func:`jaxpc.ops.tables.kernel_source`), which the kernel then reads instead of copies of them.
     ``propagation="MPE"``: max-product values, ``max_{c, j} (log w + x)`` (:func:`_online_max`; the reference's
-    terms, each the same float32 sum), without shifts (``alpha``, ``precision``, ``config.span`` and
-    ``config.prefetch`` do not apply)."""
+    terms, each the same float32 sum), without shifts (``alpha``, ``precision`` and ``config``'s tiles do not apply:
+    :func:`max_tiles`); with ``firsts`` (in place, int32 ``[R, B]``) it returns ``(buf, firsts)``, ``firsts``
+    updated in place with each parent's first maximizing child at the parent's row (``C * Kc`` where its value is
+    not finite; :func:`jaxpc.ops.sum_layer.max_and_first`)."""
     if propagation not in ("LL", "GeneralLL", "MPE"):
         raise ValueError(f"unknown propagation {propagation!r}")
     mpe = propagation == "MPE"
@@ -514,16 +547,23 @@ def forward(buf: Array, ch: Array, pid: Array, w: Array, *, Kp: int, Kc: int, al
     n, C, M = ch.shape
     R, B = buf.shape
     extent, dynamic = check_extent(n, C, blocks, fanin, out_offset), fanin is not None
-    BB, KT, KC = tiles(config, B, Kp, Kc)
+    BB, KT, KC = max_tiles(n, Kp, Kc, B) if mpe else tiles(config, B, Kp, Kc)
+    if mpe:  # (no pipelined loads: the loop holds no matrix product)
+        config = dataclasses.replace(config, num_warps=4, num_stages=1)
     keep = shifts is not None
     if keep and (mpe or out_offset is None or unit < 1 or Kp % unit):
         raise ValueError(f"shifts are kept by the in-place sum-product forward with a unit dividing Kp={Kp}, got "
                          f"unit={unit}{' and propagation=MPE' * mpe}")
+    if firsts is not None and (not mpe or out_offset is None or firsts.shape != buf.shape
+                               or firsts.dtype != jnp.int32):
+        raise ValueError(f"firsts are kept by the in-place max-product forward in an int32 buffer of the node "
+                         f"buffer's shape {list(buf.shape)}, got {list(firsts.shape)} {firsts.dtype} with "
+                         f"propagation={propagation!r}, out_offset={out_offset}")
     flat = (n, C, M) if source is not None and out_offset is not None else None
-    kernel = functools.partial(_fwd_kernel, C=None if dynamic else C, M=M, Kp=Kp, Kc=Kc, KT=KT,
-                               KC=max_chunk(KT, BB, Kc) if mpe else KC, BB=BB, B=B, alpha=float(alpha),
-                               precision=precision, unit=unit if keep else 0, prefetch=config.prefetch and not mpe,
-                               flat=flat, span=1 if mpe else forward_span(config, C, Kc), mpe=mpe)
+    kernel = functools.partial(_fwd_kernel, C=None if dynamic else C, M=M, Kp=Kp, Kc=Kc, KT=KT, KC=KC, BB=BB, B=B,
+                               alpha=float(alpha), precision=precision, unit=unit if keep else 0,
+                               prefetch=config.prefetch and not mpe, flat=flat,
+                               span=1 if mpe else forward_span(config, C, Kc), mpe=mpe, firsts=firsts is not None)
     grid = block_grid(n, pl.cdiv(Kp, KT), pl.cdiv(B, BB))
     if out_offset is None:
         off = block_offsets(0, extent)
@@ -534,10 +574,11 @@ def forward(buf: Array, ch: Array, pid: Array, w: Array, *, Kp: int, Kc: int, al
     off = block_offsets(out_offset, extent, () if flat is None else tuple(source[1]))
     if flat is not None:
         ch = pid = source[0]
-    if keep:
+    if keep or firsts is not None:
+        kept = shifts if keep else firsts
         return call_kernel(kernel, config, grid=grid, out_shape=(jax.ShapeDtypeStruct((R, B), jnp.float32),
-                                                           jax.ShapeDtypeStruct(shifts.shape, jnp.float32)),
-                     input_output_aliases={4: 0, 5: 1}, name="jaxpc_sum_forward_inplace")(off, ch, pid, w, buf, shifts)
+                                                           jax.ShapeDtypeStruct(kept.shape, kept.dtype)),
+                     input_output_aliases={4: 0, 5: 1}, name="jaxpc_sum_forward_inplace")(off, ch, pid, w, buf, kept)
     return call_kernel(kernel, config, grid=grid, out_shape=jax.ShapeDtypeStruct((R, B), jnp.float32),
                  input_output_aliases={4: 0}, name="jaxpc_sum_forward_inplace")(off, ch, pid, w, buf)
 
