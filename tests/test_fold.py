@@ -842,9 +842,9 @@ def test_kept_shifts_equal_the_recomputed_ones(name, fold, impl):
     ref = c.flows(c.params, x, options=inline, return_ll=True)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
-    # max-product keeps no shifts: same executable behaviour
+    # max-product keeps no shifts but its first maximizers: one variadic reduction where the max and the search were
     mpe = base.replace(propagation="MPE")
-    assert maxes(mpe.replace(kernel_shifts=True)) == maxes(mpe)
+    assert maxes(mpe.replace(kernel_shifts=True)) == 0 < maxes(mpe)
     # no shift buffer where no XLA flow pass reads one (the Pallas backward recomputes its shifts)
     assert shifts is not None
     o = base.replace(impl="pallas", kernel_shifts=True)
