@@ -286,19 +286,19 @@ def forward_buffer(layout: Layout, tables: dict, sum_params: dict, input_vals, o
     unit = routing.shift_unit(layout) if keep_shifts and dtype == jnp.float32 and kind != "mosaic" else 0
     if unit and not any(routing.writes_shift(options, p, buf) for spec in layout.stages() for p in spec.sums):
         unit = 0  # no kernel would write a shift (e.g. no GPU, or max-product; the clusters' kernels keep none)
-    firsts = keep_shifts and options.propagation == "MPE"
+    keep_firsts = keep_shifts and options.propagation == "MPE"
 
     def stage(carry, spec, tab, offset, name):  # carry: the buffer, or it with the shifts or the first maximizers
         b, s, f = carry, None, None
         if unit:
             b, s = carry
-        elif firsts:
+        elif keep_firsts:
             b, f = carry
         return _stage(b, spec, tab, sum_params, options, offset, name, evidence, counts, s, unit, layout.ninf_row, f)
 
     if unit:
         carry = (buf, jnp.zeros((-(-layout.num_rows // unit), buf.shape[1]), jnp.float32))
-    elif firsts:  # (every row that the flow pass reads is written)
+    elif keep_firsts:  # (every row that the flow pass reads is written)
         carry = (buf, uninitialized(buf.shape, jnp.int32, options.tuning.min_unset))
     else:
         carry = buf
@@ -326,7 +326,6 @@ def forward_buffer(layout: Layout, tables: dict, sum_params: dict, input_vals, o
     carry = run_stages(layout, tables, carry, stage, scan=options.scan_stages, span=(stop, len(layout.steps)))
     if not keep_shifts:
         return carry
-    if firsts:
+    if keep_firsts:
         return carry[0], None, copies, carry[1]
     return (*carry, copies, None) if unit else (carry, None, copies, None)
-
