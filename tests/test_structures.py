@@ -224,7 +224,8 @@ def test_hclt_learns_the_chain():
 
 
 def test_mutual_information_is_the_same_with_x64_enabled():
-    """Under ``jax_enable_x64`` the soft bins come out in float64; the compiled pairwise product takes float32."""
+    """Under ``jax_enable_x64`` the soft bins are float32 as without it (the compiled pairwise product takes
+    float32), so the information is the same."""
     x = np.random.default_rng(1).integers(0, 4, (300, 10))
     want = structures.mutual_information(x, num_bins=8, sigma=0.1)
     with jax.enable_x64(True):

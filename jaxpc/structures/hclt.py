@@ -30,7 +30,7 @@ __all__ = ["HCLT", "mutual_information", "chow_liu_tree"]
 def _soft_bins(xs, *, num_bins: int, sigma: float, num_vars: int):
     """Each value of ``xs`` ``[B, n]`` spread over ``num_bins`` bins: ``(p, q)``, both ``[B, n * nb]``, ``p`` with
     no mass on the padding variables past ``num_vars`` and ``q`` normalized per value."""
-    bins = jnp.linspace(0.0, 1.0, num_bins)
+    bins = jnp.linspace(0.0, 1.0, num_bins, dtype=xs.dtype)  # (float32 under jax_enable_x64 too: the same bins)
     p = jnp.exp(-0.5 * jnp.square(xs[:, :, None] - bins[None, None, :]) / (sigma * sigma))  # [B, n, nb]
     q = p / jnp.sum(p, axis=2, keepdims=True)
     p = p * (jnp.arange(xs.shape[1]) < num_vars)[None, :, None]
@@ -93,7 +93,7 @@ def mutual_information(x, num_bins: int = 32, sigma: float = 0.5 / 32, chunk_siz
     xs = np.zeros((x.shape[0], n), np.float32)
     xs[:, :V] = (x - lo) / (hi - lo + 1e-8)
     p, q = _soft_bins(jnp.asarray(xs), num_bins=nb, sigma=float(sigma), num_vars=V)
-    p = p.astype(jnp.float32)  # float64 under jax_enable_x64; the compiled product takes float32
+    p = p.astype(jnp.float32)  # (the compiled product takes float32)
     h1 = _entropies(q, num_bins=nb)
     del q
     exe = _row_entropy_exe(tuple(p.shape), nb, c, jax.default_backend(), jax.config.jax_default_matmul_precision)
