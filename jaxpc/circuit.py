@@ -9,6 +9,7 @@ Everything a ``Circuit`` method does is also available as a pure function
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -19,16 +20,19 @@ from . import checks
 from .compiler import compile as _compile
 from .compiler.layout import Layout, ScanSpec
 from .distributions.base import RandomSource
-from .engine import em, forward, partial, routing
+from .engine import em, forward, partial, routing, stages
 from .executables import BucketPolicy, CacheInfo, ExecutableCache
 from .nodes import CircuitNodes
 from .options import Options
-from .runtime import Entry, Runtime, check_em_args
+from .runtime import Entry, Runtime, check_em_args, resolve_options
 
 Array = jax.Array
 Params = dict
 
 __all__ = ["Circuit", "compile"]
+
+
+KEPT_WEIGHT_BYTES: int = 2 << 30  # tree weight copies a circuit keeps between calls, at most (HCLT-512: 1.2 GB)
 
 
 def compile(root: CircuitNodes, *, seed: int = 0, dtype=jnp.float32, scan_min_repeats: int = 3,
@@ -91,6 +95,7 @@ class Circuit:
         self.num_vars = self.layout.num_vars
         self._var_info = checks.VarInfo.from_var_dists(self.num_vars, struct.var_dists)
         self.runtime = Runtime(self._var_info, self.dtype, cache, buckets)
+        self._weight_routes: dict = {}  # (call key, bucket) -> routing.tree_weight_copies
         # (a chain's propagations run its own scans, not the stages)
         self.runtime.cache.scans = self.layout.chain is None and any(
             isinstance(s, ScanSpec) for plan in (self.layout, self.layout.fold) if plan is not None for s in plan.steps)
@@ -323,16 +328,50 @@ class Circuit:
             ``float[B]``.
         """
         replay = None
+        route = ("log_prob", options, propagation, alpha)
         if evidence is None:
-            replay = ("log_prob", options, propagation, alpha, validate)
-            out = self.runtime.replay(replay, x, missing, params=params)
+            replay = (*route, validate)
+            out = self.runtime.replay(replay, x, missing, params=params, tree_weights=lambda: self._kept_weights(
+                params, x.shape[0], route, lambda: Options.make(options, propagation=propagation, alpha=alpha)))
             if out is not None:
                 return out
         opts = Options.make(options, propagation=propagation, alpha=alpha)
         batch = self.runtime.prepare(x, missing, validate)
         ev = self.check_evidence(evidence, batch.n)
-        return self.runtime.run("log_prob", {}, {"tables": self.tables, "params": params, "evidence": ev}, batch,
-                                options=opts, batched={"evidence": 0}, replay=replay)
+        args = {"tables": self.tables, "params": params, "evidence": ev}
+        return self.runtime.run("log_prob", {}, *self._with_kept(args, batch, ev, route, opts), options=opts,
+                                batched={"evidence": 0}, replay=replay, free=("params", "tree_weights"))
+
+    def _kept_weights(self, params: Params, n: int, route: tuple, options: Callable[[], Options]) -> dict | None:
+        """The tree's weight copies that a call of ``n`` samples reads where its levels run on clusters
+        (:func:`jaxpc.engine.routing.tree_weight_copies`, decided once per ``route`` (the call's entry and options)
+        and bucket), made once per parameter array (:meth:`jaxpc.runtime.Runtime.kept`); None where the call makes
+        none, where ``params`` are traced or not float32 device arrays, or where the copies would hold more than
+        :data:`KEPT_WEIGHT_BYTES` (the call then makes them inside its executable and frees them after it)."""
+        b = self.runtime.bucket(n)
+        found = self._weight_routes.get((route, b), False)
+        if found is False:
+            if len(self._weight_routes) >= 256:
+                self._weight_routes.clear()
+            found = self._weight_routes[route, b] = routing.tree_weight_copies(
+                self.layout, resolve_options(options()), b, self.dtype, flows=route[0] == "flows")
+        if found is None:
+            return None
+        group, parts = found
+        source = params["sum"].get(group) if isinstance(params, dict) and isinstance(params.get("sum"), dict) else None
+        if (not isinstance(source, jax.Array) or isinstance(source, jax.core.Tracer) or source.dtype != jnp.float32
+                or source.is_deleted() or source.nbytes * len(parts) > KEPT_WEIGHT_BYTES):
+            return None
+        return {p: self.runtime.kept(("tree_weights", p), source, stages.WEIGHT_COPIES[p]) for p in parts}
+
+    def _with_kept(self, args: dict, batch, evidence, route: tuple, opts: Options) -> tuple:
+        """``(args, batch)`` with the tree's kept weight copies (:meth:`_kept_weights`) where the call reads them
+        (no evidence, a batch outside any trace)."""
+        if evidence is None and not batch.traced:
+            kept = self._kept_weights(args["params"], batch.n, route, lambda: opts)
+            if kept is not None:
+                args = {**args, "tree_weights": kept}
+        return args, batch
 
     def node_values(self, params: Params, x, missing=None, *, options: Options | None = None,
                     validate: bool | str = True) -> Array:
@@ -373,9 +412,11 @@ class Circuit:
         See :class:`Options`.
         """
         replay = None
+        route = ("flows", options)
         if ll_weights is None and evidence is None and not return_evidence_grad:
-            replay = ("flows", options, validate)
-            out = self.runtime.replay(replay, x, missing, params=params)
+            replay = (*route, validate)
+            out = self.runtime.replay(replay, x, missing, params=params, tree_weights=lambda: self._kept_weights(
+                params, x.shape[0], route, lambda: Options.make(options)))
             if out is not None:
                 return out if return_ll else out[0]
         opts = Options.make(options)
@@ -389,8 +430,8 @@ class Circuit:
             fl, ll, g = self.runtime.run("flows_evidence_grad", {}, args, batch, options=opts,
                                          batched={"evidence": 0}, weights=w)
             return (fl, ll, g) if return_ll else (fl, g)
-        fl, ll = self.runtime.run("flows", {}, args, batch, options=opts, batched={"evidence": 0}, weights=w,
-                                  replay=replay)
+        fl, ll = self.runtime.run("flows", {}, *self._with_kept(args, batch, ev, route, opts), options=opts,
+                                  batched={"evidence": 0}, weights=w, replay=replay, free=("params", "tree_weights"))
         return (fl, ll) if return_ll else fl
 
     def em_step(self, params: Params, x, missing=None, *, step_size: float = 1.0, pseudocount: float = 0.0,
@@ -558,8 +599,18 @@ class PartialEvaluation:
 
 # ---- entry points (pure; the layout is bound per circuit) --------------------------------------
 
-def _e_log_prob(layout, tables, params, x, missing, evidence, *, options):
-    return forward.log_prob(layout, tables, params, x, missing, options, evidence=evidence)
+def _with_weights(tables: dict, kept: dict | None) -> dict:
+    """``tables`` with the tree's kept weight copies (:meth:`Circuit._kept_weights`) beside the folded plan's tree
+    tables, where :func:`jaxpc.engine.stages.kept_weights` reads them."""
+    if not kept:
+        return tables
+    fold = tables["fold"]
+    return {**tables, "fold": {**fold, "tree": {**fold["tree"], "weights": kept}}}
+
+
+def _e_log_prob(layout, tables, params, x, missing, evidence, tree_weights=None, *, options):
+    return forward.log_prob(layout, _with_weights(tables, tree_weights), params, x, missing, options,
+                            evidence=evidence)
 
 
 def _e_node_values(layout, tables, params, x, missing, *, options):
@@ -571,8 +622,9 @@ def _e_partial(layout, tables, params, x, missing, values, plan_tables, *, optio
     return buf[layout.root_row], buf
 
 
-def _e_flows(layout, tables, params, x, missing, weights, evidence, *, options):
-    return em.flows_and_ll(layout, tables, params, x, missing, weights, options, evidence)
+def _e_flows(layout, tables, params, x, missing, weights, evidence, tree_weights=None, *, options):
+    return em.flows_and_ll(layout, _with_weights(tables, tree_weights), params, x, missing, weights, options,
+                           evidence)
 
 
 def _e_flows_evidence_grad(layout, tables, params, x, missing, weights, evidence, *, options):

@@ -38,6 +38,12 @@ the executable takes a copy of it (JAX's transfer of a numpy array is a fraction
 a CPU the executable reads it in place while it runs, so never the caller's buffer, which may be refilled at once).
 Anything else takes the full path.
 
+**Kept copies.** What a call derives from its parameters alone and would otherwise make anew on every call (the
+tree's weights rounded to TF32 and transposed, where its levels run on clusters) is made once per parameter array
+(:meth:`Runtime.kept`: arrays are immutable, so the copy stays true while the array lives) and handed to the
+executable as an argument: a repeated call on the same parameters reads it; a step whose parameters changed makes
+it again.
+
 **Precision.** ``Options(precision="default")`` follows JAX's default matmul precision
 (``jax.default_matmul_precision``): TF32 on NVIDIA GPUs, exact float32 elsewhere or when JAX's setting
 is ``"highest"``/``"float32"``. The call resolves it before the key is made, and the key also holds
@@ -51,6 +57,7 @@ import dataclasses
 import functools
 import math
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -337,6 +344,7 @@ class Runtime:
         self.cache.check_args = self._check_args
         self._replays: dict = {}  # (call key, x's shape and kind, the mask's mask_key) -> _Replay
         self._em_scalars: dict = {}  # (step_size, pseudocount) -> their device scalars
+        self._kept: dict = {}  # key -> (weak reference to the source array, what was made from it)
 
     def set_params(self, params) -> None:
         """Take ``params``' structure, shapes and floating dtype as what every entry's ``params`` argument must have,
@@ -472,6 +480,24 @@ class Runtime:
                     self._constants[key] = make()
             return self._constants[key]
 
+    def kept(self, key, source: Array, make: Callable[[Array], Any]) -> Any:
+        """``make(source)`` for the device array ``source``, made once while it lives: one copy per ``key``, which a
+        new array under the same key replaces, and which goes when its array goes (a donated, deleted array is never
+        read again)."""
+        hit = self._kept.get(key)
+        if hit is not None and hit[0]() is source and not source.is_deleted():
+            return hit[1]
+        value = make(source)
+        me = weakref.ref(self)
+
+        def forget(ref, key=key):
+            rt = me()
+            if rt is not None and rt._kept.get(key, (None,))[0] is ref:
+                rt._kept.pop(key, None)
+
+        self._kept[key] = (weakref.ref(source, forget), value)
+        return value
+
     def replicated(self, tables, sharding) -> Any:
         """``tables`` (index tables) placed with ``sharding`` (a mesh's replicated sharding), made once: passed
         from one device they would be copied to every device on every call."""
@@ -545,7 +571,7 @@ class Runtime:
             replay: the call's key for :meth:`replay` (hashable: everything the caller derived ``static``,
                 ``options`` and the arguments other than ``x`` and the ``free`` ones from); the call is remembered
                 under it where only those and the mask change between calls (no weights).
-            free: the arguments that :meth:`replay` takes anew besides ``x``.
+            free: the arguments that :meth:`replay` takes anew besides ``x`` (where the call has them).
         """
         entry, fn = self._entries[name]
         static = dict(static)
@@ -604,7 +630,7 @@ class Runtime:
             pad, head = pad.entry, head.entry
         if len(self._replays) >= REPLAYS:
             self._replays.clear()
-        slots = tuple((k, bound.names.index(k)) for k in free)
+        slots = tuple((k, bound.names.index(k)) for k in free if k in bound.names)
         ix = bound.names.index("x")
         im = bound.names.index("missing") if batch.missing is not None else None
         taken = {ix, im, *(i for _, i in slots)}
@@ -626,7 +652,8 @@ class Runtime:
         where there is nothing to repeat: no call under ``key`` yet, ``x`` of another type, shape or dtype, JAX's
         matmul setting changed, the executable left the cache, or it refused the arguments (another pytree,
         shape, dtype or sharding, or tracers); the caller then takes the full call. A numpy ``x`` is checked on the
-        host as the full call checks it (the same ``ValueError``) before anything runs."""
+        host as the full call checks it (the same ``ValueError``) before anything runs. A ``free`` value may be a
+        function of no arguments that makes it, called only where the remembered call took that argument."""
         xtype = np.ndarray if isinstance(x, np.ndarray) else type(x)  # (a memmap's slices are numpy batches too)
         mkey = mask_key(missing)
         try:
@@ -648,7 +675,8 @@ class Runtime:
             missing = np.array(missing, dtype=bool)  # (a copy, as x's)
         values = list(r.values)
         for k, i in r.slots:
-            values[i] = free[k]
+            v = free[k]
+            values[i] = v() if callable(v) else v  # (a function makes a value only the remembered call took)
         e = r.entry
         try:
             mb = missing

@@ -1106,3 +1106,27 @@ def test_a_process_that_ends_during_the_optimized_compile_waits_and_stores_it(tm
     second = run()
     assert second["loaded"] >= 1 and second["compiled"] == 0, second
     np.testing.assert_allclose(second["ll"], first["ll"], rtol=1e-6)
+
+
+def test_a_kept_copy_lives_as_long_as_its_array():
+    """``Runtime.kept`` makes a copy once per live array: the same array reads it again; another array (of the same
+    values) makes it anew, and a collected array's copy goes with it."""
+    rt = jaxpc.runtime.Runtime(jaxpc.checks.VarInfo.from_var_dists(0, {}), jnp.float32)
+    made = []
+
+    def make(a):
+        made.append(a.shape)
+        return a * 2
+
+    a = jnp.arange(4.0)
+    first = rt.kept("k", a, make)
+    assert rt.kept("k", a, make) is first and len(made) == 1
+    b = jnp.arange(4.0)
+    assert rt.kept("k", b, make) is not first and len(made) == 2
+    np.testing.assert_array_equal(np.asarray(rt.kept("k", b, make)), [0, 2, 4, 6])
+    assert len(made) == 2
+    del b
+    gc.collect()
+    assert "k" not in rt._kept
+    rt.kept("k", a, make)
+    assert len(made) == 3 and "k" in rt._kept

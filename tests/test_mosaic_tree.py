@@ -442,3 +442,71 @@ def test_the_summed_param_flow_kernel_multiplies_the_product_by_the_weights(n, K
         mosaic_tree.summed_param_flows(scale[:, :32], y, logw[:, :32], start, interpret=True)
     with pytest.raises(ValueError, match="needs scale"):
         mosaic_tree.summed_param_flows(scale, y[:1], logw, start, interpret=True)
+
+
+@pytest.mark.slow
+def test_repeated_calls_read_the_weight_copies_kept_for_their_parameters(tree):
+    """Where the tree's levels run on clusters, ``log_prob`` and ``flows`` read the weights' TF32 copies made once
+    per parameter array (``Runtime.kept``): a repeated call (replayed) makes none, new parameters make new ones,
+    and every answer is bit for bit the one of a traced call, which makes its copies inside its executable."""
+    c = tree[0]
+    x = jnp.asarray(np.random.default_rng(6).integers(0, 3, (16, c.num_vars)).astype(np.int32))
+    group = c.layout.fold.tree.group
+    made = []
+
+    def counted(part):
+        make = jaxpc.engine.stages.WEIGHT_COPIES[part]
+        return lambda logw: made.append(part) or make(logw)
+
+    def traced(params):  # no kept copies: a call inside a trace
+        fl, ll = jax.jit(lambda p: c.flows(p, x, options=CLUSTERS, return_ll=True))(params)
+        return fl, ll, jax.jit(lambda p: c.log_prob(p, x, options=CLUSTERS))(params)
+
+    def called(params):
+        fl, ll = c.flows(params, x, options=CLUSTERS, return_ll=True)
+        return fl, ll, c.log_prob(params, x, options=CLUSTERS)
+
+    logw = c.params["sum"][group]
+    other = {**c.params, "sum": {**c.params["sum"], group: jax.nn.log_softmax(
+        logw + jnp.asarray(np.random.default_rng(7).normal(0, 0.5, logw.shape), logw.dtype), axis=-1)}}
+    with mock.patch.dict(jaxpc.engine.stages.WEIGHT_COPIES, {p: counted(p) for p in ("w", "wt")}):
+        for params, makes in ((c.params, ["w", "wt"]), (c.params, []), (other, ["w", "wt"]), (other, [])):
+            made.clear()
+            got = called(params)
+            assert sorted(made) == makes
+            for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(traced(params))):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # the executable reads the kept copies (halved weights: every log-likelihood lower by log 2 per tree level)
+    third = jax.tree_util.tree_map(lambda a: a + 0, c.params)
+    halved = {p: (lambda make: lambda logw: make(logw) * 0.5)(make) for p, make in
+              jaxpc.engine.stages.WEIGHT_COPIES.items()}
+    with mock.patch.object(jaxpc.engine.stages, "WEIGHT_COPIES", halved):
+        ll = c.log_prob(third, x, options=CLUSTERS)
+    assert np.all(np.asarray(ll) < np.asarray(traced(third)[2]) - 0.5)
+
+
+def test_the_weight_copies_are_kept_only_where_the_call_reads_them(tree, monkeypatch):
+    """``Circuit._kept_weights``: the forward's copy for ``log_prob``, both for ``flows`` (only the transposed one
+    where the forward exponentiates in its kernel), none off the cluster route (a larger batch, the levels one by
+    one), for traced parameters or above ``KEPT_WEIGHT_BYTES``; the copies are the ones the executable would make."""
+    c = tree[0]
+    logw = c.params["sum"][c.layout.fold.tree.group]
+
+    def kept(entry, options, B=16, params=None):
+        route = (entry, options) if entry == "flows" else (entry, options, None, None)
+        out = c._kept_weights(c.params if params is None else params, B, route, lambda: options)
+        return None if out is None else sorted(out)
+
+    assert (kept("flows", CLUSTERS), kept("log_prob", CLUSTERS)) == (["w", "wt"], ["w"])
+    got = c._kept_weights(c.params, 16, ("flows", CLUSTERS), lambda: CLUSTERS)
+    np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(mosaic_tree.tf32_weights(logw)))
+    np.testing.assert_array_equal(np.asarray(got["wt"]), np.asarray(mosaic_tree.tf32_weights_t(logw)))
+    in_kernel = CLUSTERS.replace(tuning=jaxpc.Tuning(tree_clusters=True, tree_log_weights=True))
+    assert (kept("flows", in_kernel), kept("log_prob", in_kernel)) == (["wt"], None)
+    level_by_level = CLUSTERS.replace(tuning=jaxpc.Tuning(tree_clusters=False))
+    assert kept("flows", CLUSTERS, B=128) is None and kept("flows", level_by_level) is None
+    seen = []
+    jax.make_jaxpr(lambda p: seen.append(kept("flows", CLUSTERS, params=p)))(c.params)
+    assert seen == [None]
+    monkeypatch.setattr(jaxpc.circuit, "KEPT_WEIGHT_BYTES", 2 * logw.nbytes - 1)
+    assert kept("flows", CLUSTERS) is None and kept("log_prob", CLUSTERS) == ["w"]

@@ -135,8 +135,9 @@ def _root_bwd(layout, options, buffered, res, g):
             tabs = tables["tree"]["clusters"]
             kept = copies if copies is not None else mosaic_tree.copies(values, tabs, tree)
             btabs, tile, ratios = routing.cluster_backward(options, tabs, tree, values.shape[1])
-            flows = mosaic_tree.backward(flows, kept, btabs, mosaic_tree.tf32_weights_t(sum_params[tree.group]), tree,
-                                         tile=tile, interpret=not routing.on_gpu(), ratios=ratios)
+            wt = stages.kept_weights(tables, "wt", lambda: mosaic_tree.tf32_weights_t(sum_params[tree.group]))
+            flows = mosaic_tree.backward(flows, kept, btabs, wt, tree, tile=tile, interpret=not routing.on_gpu(),
+                                         ratios=ratios)
     elif tree is not None:
         with jax.named_scope("jaxpc/tree/backward"):
             dp_in = dparams[tree.group] if options.compute_param_flows else None

@@ -272,6 +272,23 @@ def tree_kernel(layout: Layout, options, B: int, dtype, evidence: dict | None = 
     return "pallas" if pallas_tree.fits(B) and kernels_available() else None
 
 
+def tree_weight_copies(layout: Layout, options, B: int, dtype, flows: bool) -> tuple[str, tuple[str, ...]] | None:
+    """Where a call of ``B`` samples without evidence (``options`` resolved) runs the folded plan's tree levels on
+    clusters (:func:`tree_kernel`): the tree's parameter group and the copies of its weights that the kernels read,
+    ``"w"`` (the forward's, unless ``Tuning.tree_log_weights``) and, for the flows (``flows``), ``"wt"`` (the
+    backward's, transposed); else None. The call path makes them once per parameter array
+    (:meth:`jaxpc.runtime.Runtime.kept`) and hands them to the executable (``tables["fold"]["tree"]["weights"]``,
+    :func:`jaxpc.engine.stages.kept_weights`), where a call would otherwise make them anew."""
+    options = within_int32(layout, options, B)
+    if layout.fold is None or not runs_node_buffer(layout, options) or (flows and options.logspace_flows):
+        return None
+    plan = buffer_plan(layout, options, B)
+    if plan is not layout.fold or tree_kernel(plan, options, B, dtype) != "mosaic":
+        return None
+    parts = (() if options.tuning.tree_log_weights else ("w",)) + (("wt",) if flows else ())
+    return (plan.tree.group, parts) if parts else None
+
+
 def cluster_tables(layout: Layout, tables: dict) -> dict:
     """``tables`` (finalized, numpy) with the schedules of the tree's kernels on clusters
     (:func:`jaxpc.ops.mosaic_tree.schedule`) under ``tables["fold"]["tree"]["clusters"]``, where the folded plan has

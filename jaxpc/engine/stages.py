@@ -263,6 +263,26 @@ def _with_packed(tab: dict, packed) -> dict:
     return tab if packed is None or not isinstance(tab, dict) else {**tab, "packed": packed}
 
 
+def _weight_copy(part: str):
+    def make(logw):
+        from ..ops import mosaic_tree
+
+        return (mosaic_tree.tf32_weights if part == "w" else mosaic_tree.tf32_weights_t)(logw)
+    return jax.jit(make)
+
+
+# the tree's weight copies that the call path keeps per parameter array (:func:`kept_weights`)
+WEIGHT_COPIES = {"w": _weight_copy("w"), "wt": _weight_copy("wt")}
+
+
+def kept_weights(tables: dict, part: str, make):
+    """The tree's weight copy ``part`` (``"w"``: :func:`jaxpc.ops.mosaic_tree.tf32_weights`, ``"wt"``: its transpose)
+    from the call's arguments (``tables["tree"]["weights"]``, made once per parameter array by
+    :meth:`jaxpc.runtime.Runtime.kept`), else ``make()`` (made inside the executable)."""
+    given = tables["tree"].get("weights") or {}
+    return given[part] if part in given else make()
+
+
 def tree_span(layout, tree) -> tuple[int, int]:
     """The steps ``[start, stop)`` that the tree's persistent kernels run in place of :func:`run_stages` (``tree``:
     ``layout.tree`` where :func:`jaxpc.engine.routing.tree_kernel` takes that route, else None: no steps)."""
@@ -313,9 +333,9 @@ def forward_buffer(layout: Layout, tables: dict, sum_params: dict, input_vals, o
             logw = sum_params[tree.group]
             in_kernel = options.tuning.tree_log_weights
             tabs, tile = routing.cluster_forward(options, tables["tree"]["clusters"], buf.shape[1])
+            weights = None if in_kernel else kept_weights(tables, "w", lambda: mosaic_tree.tf32_weights(logw))
             carry = mosaic_tree.forward(carry, tabs, logw if in_kernel else None, tree, tile=tile,
-                                        interpret=not routing.on_gpu(), keep=keep_shifts,
-                                        weights=None if in_kernel else mosaic_tree.tf32_weights(logw))
+                                        interpret=not routing.on_gpu(), keep=keep_shifts, weights=weights)
         if keep_shifts:
             carry, copies = carry
     elif tree is not None:
