@@ -12,7 +12,7 @@ log-weights' exponentials rounded to TF32 (``mosaic_tree.tf32_weights``) and, fo
   executable), the largest absolute difference of the log-likelihoods and of every flow (0 where bit for bit);
 * time, ms per call, median of ``--reps`` synchronized calls and the mean of ``--reps`` pipelined ones (dispatched
   back to back, then waited for), alternated in blocks: ``kept`` (the default call), ``inside`` (the same call with
-  the copies made inside the executable, as before: ``Circuit._kept_weights`` answering None) and ``changing`` (the
+  the copies made inside the executable, as before: ``Runtime.tree_weights`` answering None) and ``changing`` (the
   default call on one of four parameter objects in turn, so each call makes its copies anew).
 """
 
@@ -47,7 +47,8 @@ def main(argv=None) -> dict:
     group = c.layout.fold.tree.group if c.layout.fold is not None and c.layout.fold.tree is not None else None
     params = [c.params] + [{**c.params, "sum": {**c.params["sum"], group: c.params["sum"][group] + 0.0}}
                            for _ in range(3)] if group else [c.params]
-    kept_weights = c._kept_weights
+    rt = c.runtime
+    kept_weights = rt.tree_weights
     print(f"HCLT-{args.latents} on {jax.devices()[0].device_kind}, jax {jax.__version__}; tree group {group}",
           flush=True)
     rows = []
@@ -58,7 +59,7 @@ def main(argv=None) -> dict:
             traced = jax.jit(call)
             diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(
                 jax.tree_util.tree_leaves(call(c.params, xs[0])), jax.tree_util.tree_leaves(traced(c.params, xs[0]))))
-            kept = bool(c._kept_weights(c.params, B, (name, None), jaxpc.Options))
+            kept = bool(rt.tree_weights(c.layout, c.params, B, (name, None), jaxpc.Options, name == "flows"))
             modes = {"kept": lambda i: call(c.params, xs[i % 4]),
                      "inside": lambda i: call(c.params, xs[i % 4]),
                      "changing": lambda i: call(params[i % len(params)], xs[i % 4])}
@@ -66,7 +67,7 @@ def main(argv=None) -> dict:
             piped = {m: [] for m in modes}
             for _ in range(4):
                 for mode, fn in modes.items():
-                    c._kept_weights = (lambda *a, **k: None) if mode == "inside" else kept_weights
+                    rt.tree_weights = (lambda *a, **k: None) if mode == "inside" else kept_weights
                     for i in range(8):
                         jax.block_until_ready(fn(i))
                     c.wait_compiled()
@@ -78,7 +79,7 @@ def main(argv=None) -> dict:
                     outs = [fn(i) for i in range(args.reps // 4)]
                     jax.block_until_ready(outs)
                     piped[mode].append((time.perf_counter() - t) / (args.reps // 4))
-            c._kept_weights = kept_weights
+            rt.tree_weights = kept_weights
             row = {"batch": B, "entry": name, "kept_route": kept, "max_abs_diff_vs_traced": diff,
                    **{f"{m}_sync_ms": 1e3 * statistics.median(v) for m, v in sync.items()},
                    **{f"{m}_piped_ms": 1e3 * statistics.fmean(v) for m, v in piped.items()}}

@@ -9,7 +9,6 @@ Everything a ``Circuit`` method does is also available as a pure function
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -24,15 +23,12 @@ from .engine import em, forward, partial, routing, stages
 from .executables import BucketPolicy, CacheInfo, ExecutableCache
 from .nodes import CircuitNodes
 from .options import Options
-from .runtime import Entry, Runtime, check_em_args, resolve_options
+from .runtime import Entry, Runtime, check_em_args
 
 Array = jax.Array
 Params = dict
 
 __all__ = ["Circuit", "compile"]
-
-
-KEPT_WEIGHT_BYTES: int = 2 << 30  # tree weight copies a circuit keeps between calls, at most (HCLT-512: 1.2 GB)
 
 
 def compile(root: CircuitNodes, *, seed: int = 0, dtype=jnp.float32, scan_min_repeats: int = 3,
@@ -95,7 +91,6 @@ class Circuit:
         self.num_vars = self.layout.num_vars
         self._var_info = checks.VarInfo.from_var_dists(self.num_vars, struct.var_dists)
         self.runtime = Runtime(self._var_info, self.dtype, cache, buckets)
-        self._weight_routes: dict = {}  # (call key, bucket) -> routing.tree_weight_copies
         # (a chain's propagations run its own scans, not the stages)
         self.runtime.cache.scans = self.layout.chain is None and any(
             isinstance(s, ScanSpec) for plan in (self.layout, self.layout.fold) if plan is not None for s in plan.steps)
@@ -331,8 +326,8 @@ class Circuit:
         route = ("log_prob", options, propagation, alpha)
         if evidence is None:
             replay = (*route, validate)
-            out = self.runtime.replay(replay, x, missing, params=params, tree_weights=lambda: self._kept_weights(
-                params, x.shape[0], route, lambda: Options.make(options, propagation=propagation, alpha=alpha)))
+            out = self.runtime.replay(replay, x, missing, params=params, tree_weights=self._weights_of(
+                params, x, route, lambda: Options.make(options, propagation=propagation, alpha=alpha), False))
             if out is not None:
                 return out
         opts = Options.make(options, propagation=propagation, alpha=alpha)
@@ -342,33 +337,17 @@ class Circuit:
         return self.runtime.run("log_prob", {}, *self._with_kept(args, batch, ev, route, opts), options=opts,
                                 batched={"evidence": 0}, replay=replay, free=("params", "tree_weights"))
 
-    def _kept_weights(self, params: Params, n: int, route: tuple, options: Callable[[], Options]) -> dict | None:
-        """The tree's weight copies that a call of ``n`` samples reads where its levels run on clusters
-        (:func:`jaxpc.engine.routing.tree_weight_copies`, decided once per ``route`` (the call's entry and options)
-        and bucket), made once per parameter array (:meth:`jaxpc.runtime.Runtime.kept`); None where the call makes
-        none, where ``params`` are traced or not float32 device arrays, or where the copies would hold more than
-        :data:`KEPT_WEIGHT_BYTES` (the call then makes them inside its executable and frees them after it)."""
-        b = self.runtime.bucket(n)
-        found = self._weight_routes.get((route, b), False)
-        if found is False:
-            if len(self._weight_routes) >= 256:
-                self._weight_routes.clear()
-            found = self._weight_routes[route, b] = routing.tree_weight_copies(
-                self.layout, resolve_options(options()), b, self.dtype, flows=route[0] == "flows")
-        if found is None:
-            return None
-        group, parts = found
-        source = params["sum"].get(group) if isinstance(params, dict) and isinstance(params.get("sum"), dict) else None
-        if (not isinstance(source, jax.Array) or isinstance(source, jax.core.Tracer) or source.dtype != jnp.float32
-                or source.is_deleted() or source.nbytes * len(parts) > KEPT_WEIGHT_BYTES):
-            return None
-        return {p: self.runtime.kept(("tree_weights", p), source, stages.WEIGHT_COPIES[p]) for p in parts}
+    def _weights_of(self, params: Params, x, route: tuple, options, flows: bool):
+        """What a replayed call passes as its ``tree_weights``: a function making them
+        (:meth:`jaxpc.runtime.Runtime.tree_weights`), called only where the remembered call took them."""
+        return lambda: self.runtime.tree_weights(self.layout, params, x.shape[0], route, options, flows)
 
     def _with_kept(self, args: dict, batch, evidence, route: tuple, opts: Options) -> tuple:
-        """``(args, batch)`` with the tree's kept weight copies (:meth:`_kept_weights`) where the call reads them
-        (no evidence, a batch outside any trace)."""
+        """``(args, batch)`` with the tree's kept weight copies (:meth:`jaxpc.runtime.Runtime.tree_weights`) where
+        the call reads them (no evidence, a batch outside any trace)."""
         if evidence is None and not batch.traced:
-            kept = self._kept_weights(args["params"], batch.n, route, lambda: opts)
+            kept = self.runtime.tree_weights(self.layout, args["params"], batch.n, route, lambda: opts,
+                                             route[0] != "log_prob")
             if kept is not None:
                 args = {**args, "tree_weights": kept}
         return args, batch
@@ -415,8 +394,8 @@ class Circuit:
         route = ("flows", options)
         if ll_weights is None and evidence is None and not return_evidence_grad:
             replay = (*route, validate)
-            out = self.runtime.replay(replay, x, missing, params=params, tree_weights=lambda: self._kept_weights(
-                params, x.shape[0], route, lambda: Options.make(options)))
+            out = self.runtime.replay(replay, x, missing, params=params, tree_weights=self._weights_of(
+                params, x, route, lambda: Options.make(options), True))
             if out is not None:
                 return out if return_ll else out[0]
         opts = Options.make(options)
@@ -599,17 +578,8 @@ class PartialEvaluation:
 
 # ---- entry points (pure; the layout is bound per circuit) --------------------------------------
 
-def _with_weights(tables: dict, kept: dict | None) -> dict:
-    """``tables`` with the tree's kept weight copies (:meth:`Circuit._kept_weights`) beside the folded plan's tree
-    tables, where :func:`jaxpc.engine.stages.kept_weights` reads them."""
-    if not kept:
-        return tables
-    fold = tables["fold"]
-    return {**tables, "fold": {**fold, "tree": {**fold["tree"], "weights": kept}}}
-
-
 def _e_log_prob(layout, tables, params, x, missing, evidence, tree_weights=None, *, options):
-    return forward.log_prob(layout, _with_weights(tables, tree_weights), params, x, missing, options,
+    return forward.log_prob(layout, stages.with_kept_weights(tables, tree_weights), params, x, missing, options,
                             evidence=evidence)
 
 
@@ -623,7 +593,7 @@ def _e_partial(layout, tables, params, x, missing, values, plan_tables, *, optio
 
 
 def _e_flows(layout, tables, params, x, missing, weights, evidence, tree_weights=None, *, options):
-    return em.flows_and_ll(layout, _with_weights(tables, tree_weights), params, x, missing, weights, options,
+    return em.flows_and_ll(layout, stages.with_kept_weights(tables, tree_weights), params, x, missing, weights, options,
                            evidence)
 
 

@@ -66,6 +66,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import checks
+from .engine import routing, stages
 from .executables import BucketPolicy, ExecutableCache, owner_digest, put_constant
 from .options import Options, matmul_setting, resolve_precision
 
@@ -146,6 +147,7 @@ class _Replay:
 
 
 _ANY = object()
+KEPT_WEIGHT_BYTES: int = 2 << 30  # tree weight copies a circuit keeps between calls, at most (HCLT-512: 1.2 GB)
 REPLAYS: int = 64  # replayable calls per circuit, at most (then forgotten at once)
 
 _RESOLVED: dict = {}  # (options, JAX's matmul setting) -> resolved options (a replace reruns Options' checks)
@@ -345,6 +347,7 @@ class Runtime:
         self._replays: dict = {}  # (call key, x's shape and kind, the mask's mask_key) -> _Replay
         self._em_scalars: dict = {}  # (step_size, pseudocount) -> their device scalars
         self._kept: dict = {}  # key -> (weak reference to the source array, what was made from it)
+        self._weight_routes: dict = {}  # (call key, bucket) -> routing.tree_weight_copies
 
     def set_params(self, params) -> None:
         """Take ``params``' structure, shapes and floating dtype as what every entry's ``params`` argument must have,
@@ -497,6 +500,30 @@ class Runtime:
 
         self._kept[key] = (weakref.ref(source, forget), value)
         return value
+
+    def tree_weights(self, layout, params, n: int, route: tuple, options: Callable[[], Options],
+                     flows: bool) -> dict | None:
+        """The tree's weight copies that a call of ``n`` samples on ``layout`` reads where its levels run on clusters
+        (:func:`jaxpc.engine.routing.tree_weight_copies`; ``flows``: the call runs the flow pass too), decided once
+        per ``route`` (the call's entry and options) and bucket, made once per parameter array (:meth:`kept`); None
+        where the call makes none, where ``params`` are traced or not float32 device arrays, or where the copies
+        would hold more than :data:`KEPT_WEIGHT_BYTES` (the call then makes them inside its executable and frees
+        them after it)."""
+        b = self.bucket(n)
+        found = self._weight_routes.get((route, b), False)
+        if found is False:
+            if len(self._weight_routes) >= 256:
+                self._weight_routes.clear()
+            found = self._weight_routes[route, b] = routing.tree_weight_copies(
+                layout, resolve_options(options()), b, self.dtype, flows)
+        if found is None:
+            return None
+        group, parts = found
+        source = params["sum"].get(group) if isinstance(params, dict) and isinstance(params.get("sum"), dict) else None
+        if (not isinstance(source, jax.Array) or isinstance(source, jax.core.Tracer) or source.dtype != jnp.float32
+                or source.is_deleted() or source.nbytes * len(parts) > KEPT_WEIGHT_BYTES):
+            return None
+        return {p: self.kept(("tree_weights", p), source, stages.WEIGHT_COPIES[p]) for p in parts}
 
     def replicated(self, tables, sharding) -> Any:
         """``tables`` (index tables) placed with ``sharding`` (a mesh's replicated sharding), made once: passed

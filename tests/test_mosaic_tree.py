@@ -446,9 +446,10 @@ def test_the_summed_param_flow_kernel_multiplies_the_product_by_the_weights(n, K
 
 @pytest.mark.slow
 def test_repeated_calls_read_the_weight_copies_kept_for_their_parameters(tree):
-    """Where the tree's levels run on clusters, ``log_prob`` and ``flows`` read the weights' TF32 copies made once
-    per parameter array (``Runtime.kept``): a repeated call (replayed) makes none, new parameters make new ones,
-    and every answer is bit for bit the one of a traced call, which makes its copies inside its executable."""
+    """Where the tree's levels run on clusters, ``log_prob``, ``flows`` and ``conditional`` read the weights' TF32
+    copies made once per parameter array (``Runtime.kept``): a repeated call (replayed) makes none, new parameters
+    make new ones, and every answer is bit for bit the one of a traced call, which makes its copies inside its
+    executable."""
     c = tree[0]
     x = jnp.asarray(np.random.default_rng(6).integers(0, 3, (16, c.num_vars)).astype(np.int32))
     group = c.layout.fold.tree.group
@@ -458,13 +459,17 @@ def test_repeated_calls_read_the_weight_copies_kept_for_their_parameters(tree):
         make = jaxpc.engine.stages.WEIGHT_COPIES[part]
         return lambda logw: made.append(part) or make(logw)
 
+    m = np.zeros(c.num_vars, bool)
+    m[::3] = True
+
     def traced(params):  # no kept copies: a call inside a trace
         fl, ll = jax.jit(lambda p: c.flows(p, x, options=CLUSTERS, return_ll=True))(params)
-        return fl, ll, jax.jit(lambda p: c.log_prob(p, x, options=CLUSTERS))(params)
+        return (fl, ll, jax.jit(lambda p: c.log_prob(p, x, options=CLUSTERS))(params),
+                jax.jit(lambda p: c.conditional(p, x, m, options=CLUSTERS))(params))
 
     def called(params):
         fl, ll = c.flows(params, x, options=CLUSTERS, return_ll=True)
-        return fl, ll, c.log_prob(params, x, options=CLUSTERS)
+        return fl, ll, c.log_prob(params, x, options=CLUSTERS), c.conditional(params, x, m, options=CLUSTERS)
 
     logw = c.params["sum"][group]
     other = {**c.params, "sum": {**c.params["sum"], group: jax.nn.log_softmax(
@@ -486,7 +491,7 @@ def test_repeated_calls_read_the_weight_copies_kept_for_their_parameters(tree):
 
 
 def test_the_weight_copies_are_kept_only_where_the_call_reads_them(tree, monkeypatch):
-    """``Circuit._kept_weights``: the forward's copy for ``log_prob``, both for ``flows`` (only the transposed one
+    """``Runtime.tree_weights``: the forward's copy for ``log_prob``, both for ``flows`` (only the transposed one
     where the forward exponentiates in its kernel), none off the cluster route (a larger batch, the levels one by
     one), for traced parameters or above ``KEPT_WEIGHT_BYTES``; the copies are the ones the executable would make."""
     c = tree[0]
@@ -494,11 +499,12 @@ def test_the_weight_copies_are_kept_only_where_the_call_reads_them(tree, monkeyp
 
     def kept(entry, options, B=16, params=None):
         route = (entry, options) if entry == "flows" else (entry, options, None, None)
-        out = c._kept_weights(c.params if params is None else params, B, route, lambda: options)
+        out = c.runtime.tree_weights(c.layout, c.params if params is None else params, B, route, lambda: options,
+                                     entry == "flows")
         return None if out is None else sorted(out)
 
     assert (kept("flows", CLUSTERS), kept("log_prob", CLUSTERS)) == (["w", "wt"], ["w"])
-    got = c._kept_weights(c.params, 16, ("flows", CLUSTERS), lambda: CLUSTERS)
+    got = c.runtime.tree_weights(c.layout, c.params, 16, ("flows", CLUSTERS), lambda: CLUSTERS, True)
     np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(mosaic_tree.tf32_weights(logw)))
     np.testing.assert_array_equal(np.asarray(got["wt"]), np.asarray(mosaic_tree.tf32_weights_t(logw)))
     in_kernel = CLUSTERS.replace(tuning=jaxpc.Tuning(tree_clusters=True, tree_log_weights=True))
@@ -508,5 +514,5 @@ def test_the_weight_copies_are_kept_only_where_the_call_reads_them(tree, monkeyp
     seen = []
     jax.make_jaxpr(lambda p: seen.append(kept("flows", CLUSTERS, params=p)))(c.params)
     assert seen == [None]
-    monkeypatch.setattr(jaxpc.circuit, "KEPT_WEIGHT_BYTES", 2 * logw.nbytes - 1)
+    monkeypatch.setattr(jaxpc.runtime, "KEPT_WEIGHT_BYTES", 2 * logw.nbytes - 1)
     assert kept("flows", CLUSTERS) is None and kept("log_prob", CLUSTERS) == ["w"]

@@ -275,6 +275,15 @@ def _weight_copy(part: str):
 WEIGHT_COPIES = {"w": _weight_copy("w"), "wt": _weight_copy("wt")}
 
 
+def with_kept_weights(tables: dict, kept: dict | None) -> dict:
+    """``tables`` with the tree's kept weight copies (``Runtime.tree_weights``) beside the folded plan's tree tables,
+    where :func:`kept_weights` reads them."""
+    if not kept:
+        return tables
+    fold = tables["fold"]
+    return {**tables, "fold": {**fold, "tree": {**fold["tree"], "weights": kept}}}
+
+
 def kept_weights(tables: dict, part: str, make):
     """The tree's weight copy ``part`` (``"w"``: :func:`jaxpc.ops.mosaic_tree.tf32_weights`, ``"wt"``: its transpose)
     from the call's arguments (``tables["tree"]["weights"]``, made once per parameter array by

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..engine import forward, routing, select
+from ..engine import forward, routing, select, stages
 from ..options import Options
 from ..runtime import VALIDATE, Batch, mask_key
 
@@ -48,7 +48,8 @@ def _any_bad_soft(soft):
     return jnp.any(_bad_soft_rows(soft))
 
 
-def _conditional_impl(layout, tables, params, x, missing, targets, *, num_values: int, options):
+def _conditional_impl(layout, tables, params, x, missing, targets, tree_weights=None, *, num_values: int, options):
+    tables = stages.with_kept_weights(tables, tree_weights)
     B = x.shape[0]
     V = layout.num_vars
     dtype = routing.param_dtype(params)
@@ -252,7 +253,8 @@ def conditional(circuit, params, x, missing=None, *, target_vars=None, options: 
     targets_key = _targets_key(target_vars)
     if targets_key is not False:  # a repeated query replays (Runtime.replay)
         replay = ("conditional", targets_key, options, validate)
-        out = rt.replay(replay, x, missing, params=params)
+        out = rt.replay(replay, x, missing, params=params, tree_weights=lambda: rt.tree_weights(
+            circuit.layout, params, x.shape[0], ("conditional", options), lambda: Options.make(options), True))
         if out is not None:
             return out
     info = rt.var_info
@@ -273,8 +275,14 @@ def conditional(circuit, params, x, missing=None, *, target_vars=None, options: 
     # the targets as a device constant made once per set (an eager conversion per call took ~0.1 ms of host time)
     dev = rt.constant(("targets", None if target_vars is None else targets.astype(np.int32).tobytes()),
                       lambda: jnp.asarray(targets, jnp.int32))
-    return _run(circuit, "conditional", {"num_values": K}, {"params": params, "targets": dev}, batch, replay=replay,
-                options=_likelihood_options(options, "conditional"))
+    opts = _likelihood_options(options, "conditional")
+    args = {"params": params, "targets": dev}
+    if not batch.traced:  # the tree's weight copies kept per parameter array (Runtime.tree_weights)
+        kept = rt.tree_weights(circuit.layout, params, batch.n, ("conditional", options), lambda: opts, True)
+        if kept is not None:
+            args["tree_weights"] = kept
+    return _run(circuit, "conditional", {"num_values": K}, args, batch, replay=replay, options=opts,
+                free=("params", "tree_weights"))
 
 
 def _likelihood_options(options: Options | None, query: str) -> Options:
