@@ -91,6 +91,8 @@ class Circuit:
         self.num_vars = self.layout.num_vars
         self._var_info = checks.VarInfo.from_var_dists(self.num_vars, struct.var_dists)
         self.runtime = Runtime(self._var_info, self.dtype, cache, buckets)
+        fold = self.tables.get("fold")
+        self.runtime.clusters = isinstance(fold, dict) and "clusters" in fold.get("tree", {})
         # (a chain's propagations run its own scans, not the stages)
         self.runtime.cache.scans = self.layout.chain is None and any(
             isinstance(s, ScanSpec) for plan in (self.layout, self.layout.fold) if plan is not None for s in plan.steps)
@@ -323,34 +325,37 @@ class Circuit:
             ``float[B]``.
         """
         replay = None
-        route = ("log_prob", options, propagation, alpha)
         if evidence is None:
-            replay = (*route, validate)
-            out = self.runtime.replay(replay, x, missing, params=params, tree_weights=self._weights_of(
-                params, x, route, lambda: Options.make(options, propagation=propagation, alpha=alpha), False))
+            replay = ("log_prob", options, propagation, alpha, validate)
+            if self.runtime.clusters:
+                out = self.runtime.replay(replay, x, missing, params=params, tree_weights=self._weights_of(
+                    params, x, replay[:4], lambda: Options.make(options, propagation=propagation, alpha=alpha), False))
+            else:
+                out = self.runtime.replay(replay, x, missing, params=params)
             if out is not None:
                 return out
         opts = Options.make(options, propagation=propagation, alpha=alpha)
         batch = self.runtime.prepare(x, missing, validate)
         ev = self.check_evidence(evidence, batch.n)
         args = {"tables": self.tables, "params": params, "evidence": ev}
-        return self.runtime.run("log_prob", {}, *self._with_kept(args, batch, ev, route, opts), options=opts,
-                                batched={"evidence": 0}, replay=replay, free=("params", "tree_weights"))
+        args = self._with_kept(args, batch, ev, ("log_prob", options, propagation, alpha), opts)
+        return self.runtime.run("log_prob", {}, args, batch, options=opts, batched={"evidence": 0}, replay=replay,
+                                free=("params", "tree_weights"))
 
     def _weights_of(self, params: Params, x, route: tuple, options, flows: bool):
         """What a replayed call passes as its ``tree_weights``: a function making them
         (:meth:`jaxpc.runtime.Runtime.tree_weights`), called only where the remembered call took them."""
         return lambda: self.runtime.tree_weights(self.layout, params, x.shape[0], route, options, flows)
 
-    def _with_kept(self, args: dict, batch, evidence, route: tuple, opts: Options) -> tuple:
-        """``(args, batch)`` with the tree's kept weight copies (:meth:`jaxpc.runtime.Runtime.tree_weights`) where
-        the call reads them (no evidence, a batch outside any trace)."""
-        if evidence is None and not batch.traced:
+    def _with_kept(self, args: dict, batch, evidence, route: tuple, opts: Options) -> dict:
+        """``args`` with the tree's kept weight copies (:meth:`jaxpc.runtime.Runtime.tree_weights`) where the call
+        reads them (a circuit whose tree may run on clusters, no evidence, a batch outside any trace)."""
+        if evidence is None and not batch.traced and self.runtime.clusters:
             kept = self.runtime.tree_weights(self.layout, args["params"], batch.n, route, lambda: opts,
                                              route[0] != "log_prob")
             if kept is not None:
                 args = {**args, "tree_weights": kept}
-        return args, batch
+        return args
 
     def node_values(self, params: Params, x, missing=None, *, options: Options | None = None,
                     validate: bool | str = True) -> Array:
@@ -391,11 +396,13 @@ class Circuit:
         See :class:`Options`.
         """
         replay = None
-        route = ("flows", options)
         if ll_weights is None and evidence is None and not return_evidence_grad:
-            replay = (*route, validate)
-            out = self.runtime.replay(replay, x, missing, params=params, tree_weights=self._weights_of(
-                params, x, route, lambda: Options.make(options), True))
+            replay = ("flows", options, validate)
+            if self.runtime.clusters:
+                out = self.runtime.replay(replay, x, missing, params=params, tree_weights=self._weights_of(
+                    params, x, replay[:2], lambda: Options.make(options), True))
+            else:
+                out = self.runtime.replay(replay, x, missing, params=params)
             if out is not None:
                 return out if return_ll else out[0]
         opts = Options.make(options)
@@ -409,8 +416,9 @@ class Circuit:
             fl, ll, g = self.runtime.run("flows_evidence_grad", {}, args, batch, options=opts,
                                          batched={"evidence": 0}, weights=w)
             return (fl, ll, g) if return_ll else (fl, g)
-        fl, ll = self.runtime.run("flows", {}, *self._with_kept(args, batch, ev, route, opts), options=opts,
-                                  batched={"evidence": 0}, weights=w, replay=replay, free=("params", "tree_weights"))
+        args = self._with_kept(args, batch, ev, ("flows", options), opts)
+        fl, ll = self.runtime.run("flows", {}, args, batch, options=opts, batched={"evidence": 0}, weights=w,
+                                  replay=replay, free=("params", "tree_weights"))
         return (fl, ll) if return_ll else fl
 
     def em_step(self, params: Params, x, missing=None, *, step_size: float = 1.0, pseudocount: float = 0.0,

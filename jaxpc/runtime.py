@@ -348,6 +348,9 @@ class Runtime:
         self._em_scalars: dict = {}  # (step_size, pseudocount) -> their device scalars
         self._kept: dict = {}  # key -> (weak reference to the source array, what was made from it)
         self._weight_routes: dict = {}  # (call key, bucket) -> routing.tree_weight_copies
+        # whether the circuit's tree may run on clusters (its tables hold their schedules): only then does a call look
+        # for kept weight copies (:meth:`tree_weights`)
+        self.clusters = False
 
     def set_params(self, params) -> None:
         """Take ``params``' structure, shapes and floating dtype as what every entry's ``params`` argument must have,
@@ -509,6 +512,8 @@ class Runtime:
         where the call makes none, where ``params`` are traced or not float32 device arrays, or where the copies
         would hold more than :data:`KEPT_WEIGHT_BYTES` (the call then makes them inside its executable and frees
         them after it)."""
+        if not self.clusters:
+            return None
         b = self.bucket(n)
         found = self._weight_routes.get((route, b), False)
         if found is False:

@@ -493,7 +493,8 @@ def test_repeated_calls_read_the_weight_copies_kept_for_their_parameters(tree):
 def test_the_weight_copies_are_kept_only_where_the_call_reads_them(tree, monkeypatch):
     """``Runtime.tree_weights``: the forward's copy for ``log_prob``, both for ``flows`` (only the transposed one
     where the forward exponentiates in its kernel), none off the cluster route (a larger batch, the levels one by
-    one), for traced parameters or above ``KEPT_WEIGHT_BYTES``; the copies are the ones the executable would make."""
+    one), for traced parameters, above ``KEPT_WEIGHT_BYTES`` or without the clusters' schedules; the copies are the
+    ones the executable would make."""
     c = tree[0]
     logw = c.params["sum"][c.layout.fold.tree.group]
 
@@ -516,3 +517,6 @@ def test_the_weight_copies_are_kept_only_where_the_call_reads_them(tree, monkeyp
     assert seen == [None]
     monkeypatch.setattr(jaxpc.runtime, "KEPT_WEIGHT_BYTES", 2 * logw.nbytes - 1)
     assert kept("flows", CLUSTERS) is None and kept("log_prob", CLUSTERS) == ["w"]
+    assert c.runtime.clusters  # (a circuit whose tables hold no cluster schedules looks for none)
+    monkeypatch.setattr(c.runtime, "clusters", False)
+    assert kept("log_prob", CLUSTERS) is None

@@ -254,7 +254,8 @@ def conditional(circuit, params, x, missing=None, *, target_vars=None, options: 
     if targets_key is not False:  # a repeated query replays (Runtime.replay)
         replay = ("conditional", targets_key, options, validate)
         out = rt.replay(replay, x, missing, params=params, tree_weights=lambda: rt.tree_weights(
-            circuit.layout, params, x.shape[0], ("conditional", options), lambda: Options.make(options), True))
+            circuit.layout, params, x.shape[0], ("conditional", options), lambda: Options.make(options), True)) \
+            if rt.clusters else rt.replay(replay, x, missing, params=params)
         if out is not None:
             return out
     info = rt.var_info
@@ -277,7 +278,7 @@ def conditional(circuit, params, x, missing=None, *, target_vars=None, options: 
                       lambda: jnp.asarray(targets, jnp.int32))
     opts = _likelihood_options(options, "conditional")
     args = {"params": params, "targets": dev}
-    if not batch.traced:  # the tree's weight copies kept per parameter array (Runtime.tree_weights)
+    if not batch.traced and rt.clusters:  # the tree's weight copies kept per parameter array (Runtime.tree_weights)
         kept = rt.tree_weights(circuit.layout, params, batch.n, ("conditional", options), lambda: opts, True)
         if kept is not None:
             args["tree_weights"] = kept
