@@ -327,35 +327,24 @@ class Circuit:
         replay = None
         if evidence is None:
             replay = ("log_prob", options, propagation, alpha, validate)
-            if self.runtime.clusters:
-                out = self.runtime.replay(replay, x, missing, params=params, tree_weights=self._weights_of(
-                    params, x, replay[:4], lambda: Options.make(options, propagation=propagation, alpha=alpha), False))
+            rt = self.runtime
+            if rt.clusters:
+                opts_of = functools.partial(Options.make, options, propagation=propagation, alpha=alpha)
+                out = rt.replay(replay, x, missing, params=params,
+                                tree_weights=rt.tree_weights_later(self.layout, params, x, replay[:4], opts_of, False))
             else:
-                out = self.runtime.replay(replay, x, missing, params=params)
+                out = rt.replay(replay, x, missing, params=params)
             if out is not None:
                 return out
         opts = Options.make(options, propagation=propagation, alpha=alpha)
         batch = self.runtime.prepare(x, missing, validate)
         ev = self.check_evidence(evidence, batch.n)
         args = {"tables": self.tables, "params": params, "evidence": ev}
-        args = self._with_kept(args, batch, ev, ("log_prob", options, propagation, alpha), opts)
+        if ev is None:
+            args = self.runtime.with_tree_weights(args, self.layout, batch, ("log_prob", options, propagation, alpha),
+                                                  opts, False)
         return self.runtime.run("log_prob", {}, args, batch, options=opts, batched={"evidence": 0}, replay=replay,
                                 free=("params", "tree_weights"))
-
-    def _weights_of(self, params: Params, x, route: tuple, options, flows: bool):
-        """What a replayed call passes as its ``tree_weights``: a function making them
-        (:meth:`jaxpc.runtime.Runtime.tree_weights`), called only where the remembered call took them."""
-        return lambda: self.runtime.tree_weights(self.layout, params, x.shape[0], route, options, flows)
-
-    def _with_kept(self, args: dict, batch, evidence, route: tuple, opts: Options) -> dict:
-        """``args`` with the tree's kept weight copies (:meth:`jaxpc.runtime.Runtime.tree_weights`) where the call
-        reads them (a circuit whose tree may run on clusters, no evidence, a batch outside any trace)."""
-        if evidence is None and not batch.traced and self.runtime.clusters:
-            kept = self.runtime.tree_weights(self.layout, args["params"], batch.n, route, lambda: opts,
-                                             route[0] != "log_prob")
-            if kept is not None:
-                args = {**args, "tree_weights": kept}
-        return args
 
     def node_values(self, params: Params, x, missing=None, *, options: Options | None = None,
                     validate: bool | str = True) -> Array:
@@ -398,11 +387,12 @@ class Circuit:
         replay = None
         if ll_weights is None and evidence is None and not return_evidence_grad:
             replay = ("flows", options, validate)
-            if self.runtime.clusters:
-                out = self.runtime.replay(replay, x, missing, params=params, tree_weights=self._weights_of(
-                    params, x, replay[:2], lambda: Options.make(options), True))
+            rt = self.runtime
+            if rt.clusters:
+                out = rt.replay(replay, x, missing, params=params, tree_weights=rt.tree_weights_later(
+                    self.layout, params, x, replay[:2], lambda: Options.make(options), True))
             else:
-                out = self.runtime.replay(replay, x, missing, params=params)
+                out = rt.replay(replay, x, missing, params=params)
             if out is not None:
                 return out if return_ll else out[0]
         opts = Options.make(options)
@@ -416,7 +406,8 @@ class Circuit:
             fl, ll, g = self.runtime.run("flows_evidence_grad", {}, args, batch, options=opts,
                                          batched={"evidence": 0}, weights=w)
             return (fl, ll, g) if return_ll else (fl, g)
-        args = self._with_kept(args, batch, ev, ("flows", options), opts)
+        if ev is None:
+            args = self.runtime.with_tree_weights(args, self.layout, batch, ("flows", options), opts, True)
         fl, ll = self.runtime.run("flows", {}, args, batch, options=opts, batched={"evidence": 0}, weights=w,
                                   replay=replay, free=("params", "tree_weights"))
         return (fl, ll) if return_ll else fl

@@ -530,6 +530,21 @@ class Runtime:
             return None
         return {p: self.kept(("tree_weights", p), source, stages.WEIGHT_COPIES[p]) for p in parts}
 
+    def with_tree_weights(self, args: dict, layout, batch: Batch, route: tuple, options: Options, flows: bool) -> dict:
+        """``args`` with ``tree_weights``, the kept weight copies (:meth:`tree_weights`) that the call reads, where it
+        reads any (a batch outside any trace)."""
+        if self.clusters and not batch.traced:
+            kept = self.tree_weights(layout, args["params"], batch.n, route, lambda: options, flows)
+            if kept is not None:
+                return {**args, "tree_weights": kept}
+        return args
+
+    def tree_weights_later(self, layout, params, x, route: tuple, options: Callable[[], Options],
+                           flows: bool) -> Callable[[], dict | None]:
+        """:meth:`tree_weights` for a call on ``x`` as a function of no arguments: what a replayed call passes as
+        its ``tree_weights`` (:meth:`replay` calls it only where the remembered call took them)."""
+        return lambda: self.tree_weights(layout, params, x.shape[0], route, options, flows)
+
     def replicated(self, tables, sharding) -> Any:
         """``tables`` (index tables) placed with ``sharding`` (a mesh's replicated sharding), made once: passed
         from one device they would be copied to every device on every call."""

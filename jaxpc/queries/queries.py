@@ -253,8 +253,8 @@ def conditional(circuit, params, x, missing=None, *, target_vars=None, options: 
     targets_key = _targets_key(target_vars)
     if targets_key is not False:  # a repeated query replays (Runtime.replay)
         replay = ("conditional", targets_key, options, validate)
-        out = rt.replay(replay, x, missing, params=params, tree_weights=lambda: rt.tree_weights(
-            circuit.layout, params, x.shape[0], ("conditional", options), lambda: Options.make(options), True)) \
+        out = rt.replay(replay, x, missing, params=params, tree_weights=rt.tree_weights_later(
+            circuit.layout, params, x, ("conditional", options), lambda: Options.make(options), True)) \
             if rt.clusters else rt.replay(replay, x, missing, params=params)
         if out is not None:
             return out
@@ -277,11 +277,8 @@ def conditional(circuit, params, x, missing=None, *, target_vars=None, options: 
     dev = rt.constant(("targets", None if target_vars is None else targets.astype(np.int32).tobytes()),
                       lambda: jnp.asarray(targets, jnp.int32))
     opts = _likelihood_options(options, "conditional")
-    args = {"params": params, "targets": dev}
-    if not batch.traced and rt.clusters:  # the tree's weight copies kept per parameter array (Runtime.tree_weights)
-        kept = rt.tree_weights(circuit.layout, params, batch.n, ("conditional", options), lambda: opts, True)
-        if kept is not None:
-            args["tree_weights"] = kept
+    args = rt.with_tree_weights({"params": params, "targets": dev}, circuit.layout, batch, ("conditional", options),
+                                opts, True)
     return _run(circuit, "conditional", {"num_values": K}, args, batch, replay=replay, options=opts,
                 free=("params", "tree_weights"))
 
