@@ -161,6 +161,9 @@ class Tuning:
             ``benchmarks/pd_tiles.py`` times the fan-in settings above against each other.
         fanin_backward_stages: software-pipeline stages of the atomic backward's loop over batch tiles
             (``KernelConfig.num_stages``), unless ``Options.kernels`` tunes the partition.
+        stage_barrier_batch: from this many samples on, the forward's node buffer passes an optimization barrier
+            after each stage's writes, so that XLA fuses no stage's writes into the next stage's reductions; 0:
+            never.
     """
 
     leaf_batch: int = 64
@@ -198,6 +201,7 @@ class Tuning:
     fanin_forward_span: int = 2
     fanin_forward_wide_tile: int = 64
     fanin_backward_stages: int = 3
+    stage_barrier_batch: int = 0
 
     __hash__ = _fields_hash
     __getstate__ = _state

@@ -89,7 +89,8 @@ TUNING_CHANGES = {"leaf_batch": 1, "counts_batch": 1, "small_batch": 1, "pflow_b
                   "fanin_order_batch": 1,
                   "fanin_forward_prefetch_batch": 0,
                   "fanin_forward_span": 1, "fanin_group_blocks": 0, "fanin_forward_wide_tile": 0,
-                  "fanin_backward_stages": 2, "fanin_prefetch": False, "fanin_group": 2, "fanin_group_batch": 1}
+                  "fanin_backward_stages": 2, "fanin_prefetch": False, "fanin_group": 2, "fanin_group_batch": 1,
+                  "stage_barrier_batch": 1}
 
 
 def test_every_tuning_field_is_listed():

@@ -1191,3 +1191,26 @@ def test_fanin_group_sizes():
     wide = SimpleNamespace(n=512, C=32, Kp=32, Kc=32)
     assert routing.fanin_group(o.replace(tuning=jaxpc.Tuning(fanin_group_blocks=0)), wide, batch(512)) == 1
     assert routing.fanin_group(o.replace(tuning=jaxpc.Tuning(fanin_group_batch=8)), part, batch(16)) == 4
+
+
+def test_the_stage_barrier_ends_every_forward_stage_and_changes_no_answer():
+    """``Tuning.stage_barrier_batch``: from that batch on, the forward's stages each end in an optimization barrier
+    (none below it), and the log-likelihoods, flows and max-product flows are bit for bit those without."""
+    rng = np.random.default_rng(4)
+    data = rng.integers(0, 4, (200, 9)).astype(np.int32)
+    c = jaxpc.compile(structures.HCLT(data, 8, input_dist=distributions.Categorical(4)), seed=1)
+    x = data[:12]
+    at, above = (jaxpc.Options(tuning=jaxpc.Tuning(stage_barrier_batch=b)) for b in (12, 13))
+    unrolled = dataclasses.replace(at, scan_stages=False)
+
+    def barriers(o):
+        jaxpr = jax.make_jaxpr(lambda p, v: engine_forward.node_values(c.layout, c.tables, p, v, None, o))
+        return str(jaxpr(c.params, jnp.asarray(x))).count("optimization_barrier")
+
+    stages_run = sum(s.repeats * len(s.period) if isinstance(s, ScanSpec) else 1 for s in c.layout.steps)
+    assert barriers(above) == barriers(jaxpc.Options()) and barriers(unrolled) - barriers(above) == stages_run
+    for o in (at, unrolled, at.replace(propagation="MPE")):
+        plain = o.replace(tuning=jaxpc.Tuning())
+        want, got = (c.flows(c.params, x, options=p, return_ll=True) for p in (plain, o))
+        for a, b in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

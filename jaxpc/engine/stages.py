@@ -316,6 +316,7 @@ def forward_buffer(layout: Layout, tables: dict, sum_params: dict, input_vals, o
     if unit and not any(routing.writes_shift(options, p, buf) for spec in layout.stages() for p in spec.sums):
         unit = 0  # no kernel would write a shift (e.g. no GPU, or max-product; the clusters' kernels keep none)
     keep_firsts = keep_shifts and options.propagation == "MPE"
+    barrier = 0 < options.tuning.stage_barrier_batch <= buf.shape[1]
 
     def stage(carry, spec, tab, offset, name):  # carry: the buffer, or it with the shifts or the first maximizers
         b, s, f = carry, None, None
@@ -323,7 +324,8 @@ def forward_buffer(layout: Layout, tables: dict, sum_params: dict, input_vals, o
             b, s = carry
         elif keep_firsts:
             b, f = carry
-        return _stage(b, spec, tab, sum_params, options, offset, name, evidence, counts, s, unit, layout.ninf_row, f)
+        out = _stage(b, spec, tab, sum_params, options, offset, name, evidence, counts, s, unit, layout.ninf_row, f)
+        return lax.optimization_barrier(out) if barrier else out
 
     if unit:
         carry = (buf, jnp.zeros((-(-layout.num_rows // unit), buf.shape[1]), jnp.float32))
