@@ -6,6 +6,7 @@ faster than the quick one it replaces, per batch size.
     python benchmarks/compile_variants.py [--workload hclt] [--entry flows] [--batches 128,512] [--reps 30]
                                           [--variants default,quick,scanned,unrolled,unrolled-notg,unrolled-quick]
                                           [--tunings xla.xla_gpu_enable_cublaslt=true,leaf_batch=0] [--paired]
+                                          [--tree-images 10000]
 
 Variants (``c.flows(params, x, options=...)``, or ``c.log_prob``; each its own executable, compiled one after the
 other):
@@ -21,9 +22,10 @@ other):
   for an XLA option): ``Options(tuning=Tuning(...))``, compiled as the default call is (quick, then optimized),
   timed after ``c.wait_compiled()``.
 
-Per variant and batch: the first call's seconds (trace, lower, compile, run), the median ms of synchronized calls
-over 4 rotating device-resident batches, XLA's memory analysis of the executable timed (MiB: temporaries,
-arguments and outputs), and the largest relative difference of its log-likelihoods and flows
+The circuits are the side-by-side benchmark's (HCLT-256 learned from ``--tree-images`` noisy images, batches drawn
+from them; PD-128). Per variant and batch: the first call's seconds (trace, lower, compile, run), the median ms of
+synchronized calls over 4 rotating device-resident batches, XLA's memory analysis of the executable timed (MiB:
+temporaries, arguments and outputs), and the largest relative difference of its log-likelihoods and flows
 from the first variant's. One JSON line per variant and batch. ``--paired``: then, per batch, every variant's median ms
 over ``--reps`` rounds that call the variants one after the other (``bench_engine.paired_ms``: the same clocks and
 host state for all, which the variants timed one after the other do not share), and each one's ratio to the first
@@ -84,6 +86,8 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--variants", default="default,quick,scanned,unrolled,unrolled-notg,unrolled-quick")
     p.add_argument("--tunings", default="", help="more variants: Tuning fields a=1+xla.b=true,c=2")
+    p.add_argument("--tree-images", type=int, default=10_000,
+                   help="images the HCLT is learned from and batches are drawn from (side_by_side.py's 10,000)")
     p.add_argument("--paired", action="store_true", help="then time the variants alternately (paired_ms)")
     args = p.parse_args(argv)
     names = [n for n in args.variants.split(",") if n]
@@ -91,14 +95,14 @@ def main(argv=None):
     for spec in filter(None, args.tunings.split(",")):
         names.append(spec)
         opts[spec] = jaxpc.Options(tuning=tuning(spec))
-    imgs = blurred_noise_images(4 * 512 + 2_000)
+    imgs = blurred_noise_images(args.tree_images)
     cat = distributions.Categorical(256)
     root = (structures.PD((28, 28), 128, split_intervals=(4, 4), input_dist=cat) if args.workload == "pd"
-            else structures.HCLT(imgs[:2_000], 256, input_dist=cat))
+            else structures.HCLT(imgs, 256, input_dist=cat))
     c = jaxpc.compile(root)
     entry = getattr(c, args.entry)
     for B in (int(b) for b in args.batches.split(",")):
-        xs = [jax.device_put(imgs[2_000 + i * B: 2_000 + (i + 1) * B]) for i in range(4)]
+        xs = [jax.device_put(imgs[np.random.default_rng(i).integers(0, len(imgs), B)]) for i in range(4)]
         ref, calls = None, []
         for n in names:
             kw = {} if opts[n] is None else {"options": opts[n]}
