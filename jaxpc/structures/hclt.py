@@ -93,7 +93,6 @@ def mutual_information(x, num_bins: int = 32, sigma: float = 0.5 / 32, chunk_siz
     xs = np.zeros((x.shape[0], n), np.float32)
     xs[:, :V] = (x - lo) / (hi - lo + 1e-8)
     p, q = _soft_bins(jnp.asarray(xs), num_bins=nb, sigma=float(sigma), num_vars=V)
-    p = p.astype(jnp.float32)  # (the compiled product takes float32)
     h1 = _entropies(q, num_bins=nb)
     del q
     exe = _row_entropy_exe(tuple(p.shape), nb, c, jax.default_backend(), jax.config.jax_default_matmul_precision)
