@@ -162,8 +162,9 @@ class Tuning:
         fanin_backward_stages: software-pipeline stages of the atomic backward's loop over batch tiles
             (``KernelConfig.num_stages``), unless ``Options.kernels`` tunes the partition.
         stage_barrier_batch: from this many samples on, the forward's node buffer passes an optimization barrier
-            after each stage's writes, so that XLA fuses no stage's writes into the next stage's reductions; 0:
-            never.
+            after each stage's writes, so that XLA fuses no stage's writes into the next stage's reductions (an
+            unrolled HCLT's fused writes re-read the whole buffer per stage); 0: never. Below 128 samples the
+            barriers cost a few microseconds and save nothing.
     """
 
     leaf_batch: int = 64
@@ -201,7 +202,7 @@ class Tuning:
     fanin_forward_span: int = 2
     fanin_forward_wide_tile: int = 64
     fanin_backward_stages: int = 3
-    stage_barrier_batch: int = 0
+    stage_barrier_batch: int = 128
 
     __hash__ = _fields_hash
     __getstate__ = _state

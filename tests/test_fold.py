@@ -1209,8 +1209,11 @@ def test_the_stage_barrier_ends_every_forward_stage_and_changes_no_answer():
 
     stages_run = sum(s.repeats * len(s.period) if isinstance(s, ScanSpec) else 1 for s in c.layout.steps)
     assert barriers(above) == barriers(jaxpc.Options()) and barriers(unrolled) - barriers(above) == stages_run
+    big = jnp.asarray(rng.integers(0, 4, (128, 9)).astype(np.int32))  # the default's barriers start at B=128
+    on = jax.make_jaxpr(lambda p, v: engine_forward.node_values(c.layout, c.tables, p, v, None, jaxpc.Options()))
+    assert str(on(c.params, big)).count("optimization_barrier") == barriers(at) > barriers(above)
     for o in (at, unrolled, at.replace(propagation="MPE")):
-        plain = o.replace(tuning=jaxpc.Tuning())
+        plain = o.replace(tuning=jaxpc.Tuning(stage_barrier_batch=0))
         want, got = (c.flows(c.params, x, options=p, return_ll=True) for p in (plain, o))
         for a, b in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
