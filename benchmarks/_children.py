@@ -26,7 +26,9 @@ def run(script: str, argv: list[str], child: str, label: str, deadline: float, c
     than ``deadline`` (a ``time.perf_counter()`` value).
 
     Returns ``(rows, error)``: the rows the child appended to FILE (kept when it fails or is stopped) and None, or
-    what went wrong: the budget spent before it started, a non-zero exit, or the timeout."""
+    what went wrong: the budget spent before it started, a non-zero exit, or the timeout. The child runs with
+    Python's fault handler on (``PYTHONFAULTHANDLER``), so a child that crashes prints every thread's stack to the
+    stderr it shares with the parent."""
     left = deadline - time.perf_counter()
     if left < MIN_LEFT_S:
         print(f"== {label}: skipped, budget spent", flush=True)
@@ -38,7 +40,8 @@ def run(script: str, argv: list[str], child: str, label: str, deadline: float, c
         rows_file = os.path.join(d, "rows.jsonl")
         try:
             rc = subprocess.run([sys.executable, script, *argv, "--child", child, "--rows-file", rows_file],
-                                timeout=timeout, env=env).returncode
+                                timeout=timeout, env={**(os.environ if env is None else env),
+                                                      "PYTHONFAULTHANDLER": "1"}).returncode
             err = None if rc == 0 else f"child exited with {rc}"
         except subprocess.TimeoutExpired:
             err = f"child stopped after {timeout:.0f} s"
