@@ -1194,8 +1194,9 @@ def test_fanin_group_sizes():
 
 
 def test_the_stage_barrier_ends_every_forward_stage_and_changes_no_answer():
-    """``Tuning.stage_barrier_batch``: from that batch on, the forward's stages each end in an optimization barrier
-    (none below it), and the log-likelihoods, flows and max-product flows are bit for bit those without."""
+    """``Tuning.stage_barrier_batch`` (128 by default): from that batch on, the forward's stages each end in an
+    optimization barrier (none below it), and the log-likelihoods, flows and max-product flows are bit for bit
+    those without."""
     rng = np.random.default_rng(4)
     data = rng.integers(0, 4, (200, 9)).astype(np.int32)
     c = jaxpc.compile(structures.HCLT(data, 8, input_dist=distributions.Categorical(4)), seed=1)
