@@ -19,7 +19,8 @@ tables gives the exact call behind every column.
 Each system runs in its own child process per workload (``bench_engine.py`` for jaxpc, which checks its
 answers against a reference first and reports its executables' memory; ``_pyjuice.py`` for PyJuice, with
 torch's max allocated memory), one after the other, within ``--budget-s`` seconds in all; a child that
-overruns is stopped and reported. ``--codd`` adds the CoDD workload (``codd.py`` beside
+overruns is stopped and reported, and one that exits with an error before its first row runs once more
+(``--crash-retries``; the crash stays among the reported errors). ``--codd`` adds the CoDD workload (``codd.py`` beside
 ``_pyjuice.run_codd``). Absent packages (pyjuice, dynamax) are reported and skipped. The workloads are those
 of BENCHMARKS.md: HMM-1024 (T=64, V=4096), HCLT-256 and PD-128 on 28x28 images with 256 levels.
 """
@@ -267,6 +268,9 @@ def main(argv=None):
     p.add_argument("--compile-threads", type=int, default=6, help="jaxpc executables compiled at a time")
     p.add_argument("--budget-s", type=float, default=560.0, help="seconds for all children together")
     p.add_argument("--child-timeout", type=float, default=300.0, help="seconds for one child")
+    p.add_argument("--crash-retries", type=int, default=1,
+                   help="times a child that exits with an error before its first row runs again (each crash is "
+                        "kept among the errors)")
     p.add_argument("--latents", type=int, default=None, help="every workload with this many latents (smoke runs)")
     p.add_argument("--small", action="store_true", help="small HMM (T=16, V=256) and 1,000 images (smoke runs)")
     p.add_argument("--json", default=None, help="write rows, tables and legend here")
@@ -300,6 +304,12 @@ def main(argv=None):
     rows = []
     for s, w in jobs:
         got, err = _children.run(__file__, passthrough, f"{s}:{w}", f"{s} {w}", t_end, args.child_timeout)
+        for _ in range(args.crash_retries):
+            if got or not (err or "").startswith("child exited"):
+                break
+            rows.append(dict(system=s, workload=w, error=f"{err} before its first row; run again"))
+            got, err = _children.run(__file__, passthrough, f"{s}:{w}", f"{s} {w} (again)", t_end,
+                                     args.child_timeout)
         rows += got
         if err:
             rows.append(dict(system=s, workload=w, error=err))
