@@ -223,6 +223,27 @@ def test_hclt_learns_the_chain():
     assert root in (2, 3)  # the center of a 6-chain
 
 
+@pytest.mark.parametrize("chunk_size", [3, 4, 5, 64])
+def test_mutual_information_equals_the_soft_binned_formula_for_every_block_split(chunk_size):
+    """Blocks of ``chunk_size`` variables (4, 3 with padding, 2 and 1 of them for 10 variables) each pair with
+    about half of the others; every pair's information equals the soft-binned histogram's, computed pair by pair."""
+    x = np.random.default_rng(2).integers(0, 5, (400, 10))
+    nb, sigma = 6, 0.15
+    s = (x - x.min()) / (x.max() - x.min() + 1e-8)
+    p = np.exp(-0.5 * np.square(s[:, :, None] - np.linspace(0, 1, nb)[None, None, :]) / sigma ** 2)
+    marg = (p / p.sum(axis=2, keepdims=True)).mean(axis=0)
+    h1 = -np.sum(marg * np.log(marg + 1e-4), axis=1)
+    want = np.zeros((10, 10))
+    for i in range(10):
+        for j in range(10):
+            joint = np.einsum("ba,bc->ac", p[:, i], p[:, j]) / len(x)
+            joint /= joint.sum()
+            want[i, j] = h1[i] + h1[j] + np.sum(joint * np.log(joint + 1e-4))
+    got = structures.mutual_information(x, num_bins=nb, sigma=sigma, chunk_size=chunk_size)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(got, got.T)
+
+
 def test_mutual_information_is_the_same_with_x64_enabled():
     """Under ``jax_enable_x64`` the soft bins are float32 as without it (the compiled pairwise product takes
     float32), so the information is the same."""
