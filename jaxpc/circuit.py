@@ -263,6 +263,15 @@ class Circuit:
 
     EVIDENCE_KEYS = ("categorical_logp", "categorical_topk", "external", "latent", "sum_gates", "sum_lowrank")
 
+    def check_params(self, params) -> None:
+        """Raise a ``ValueError`` where ``params`` are not this circuit's: another structure or shape, a dtype that is
+        not floating point, or an entry that is NaN or +inf (named with its leaf and index; log-weights may be
+        -inf). The values are reduced on the device and read on the host only where one is bad. Calls check shapes
+        and dtypes themselves but not the parameters' values (that would read them all on every call), except with
+        ``validate="sync"``; a NaN parameter otherwise gives NaN outputs."""
+        checks.check_params(self.runtime.params_spec, params)
+        self.runtime.check_params_now(params, where="")
+
     def check_evidence(self, evidence: dict | None, batch: int) -> dict | None:
         """Validate per-call evidence; every array's leading axis is the batch.
 
@@ -314,7 +323,8 @@ class Circuit:
             options: a full :class:`Options` (keyword overrides apply on top).
             validate: ``True`` (default): numpy values are checked before running and raise at once; a device
                 array's are checked inside the executable (bad rows give NaN; the error is raised by the
-                circuit's next call or :meth:`raise_pending`). ``"sync"``: raise at once. ``False``: no check.
+                circuit's next call or :meth:`raise_pending`). ``"sync"``: raise at once, and check the parameters'
+                values too (:meth:`check_params`). ``False``: no check.
                 See :mod:`jaxpc.runtime`.
             evidence: per-call evidence (see :meth:`check_evidence`): soft evidence for
                 ``SoftEvidenceCategorical`` leaves, values of ``External`` leaves, latent log-potentials,

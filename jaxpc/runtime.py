@@ -20,7 +20,9 @@ checks still in flight. Every public entry point (the :class:`~jaxpc.Circuit` me
   that call then raises the ``ValueError`` naming the variable and the value. :meth:`Runtime.raise_pending`
   (``circuit.raise_pending()``) waits for and raises it at once. Other per-call values with a rule are checked the
   same way (:meth:`Runtime.record_check`; soft evidence's weights must be finite and non-negative).
-* ``"sync"``: the same check, then waits for the call's own flag and raises at once (for debugging).
+* ``"sync"``: the same check, then waits for the call's own flag and raises at once (for debugging); it also
+  checks the parameters' values (:meth:`Runtime.check_params_now`: NaN or +inf, named with leaf and index), which
+  the other modes do not read (a NaN parameter gives NaN outputs).
 * ``False``: no value check at all (a bad value then gives NaN or a clamped value, unchecked).
 
 Inside a user's ``jit`` (tracer inputs) the check still cleans the batch and marks its rows NaN, but
@@ -311,6 +313,12 @@ def _flag_of(*, bad: Callable, host: bool, **args):
     return jax.device_put(flag, jax.memory.Space.Host) if host else flag
 
 
+def _explain_params(params, where: str) -> None:
+    """The error of parameters whose device check found NaN or +inf."""
+    checks.raise_bad_params(params, where=where)
+    raise ValueError("params held a value that the device check rejected; the host check found none")
+
+
 def _pinned_host(x: Array) -> bool:
     """Whether ``x`` lives on one device that has pinned host memory for the flag (GPUs and CPUs do)."""
     devices = x.devices()
@@ -470,6 +478,19 @@ class Runtime:
             self._pending.append(_Pending(flag, x, None, name, explain))
         if sync:
             self._settle()
+
+    def check_params_now(self, params, where: str = " (checked with validate='sync')") -> None:
+        """Raise the ``ValueError`` of :func:`jaxpc.checks.raise_bad_params` at once where ``params`` (device or
+        numpy arrays; tracers and None pass) hold NaN or +inf: one reduction on the device, the parameters read on
+        the host only where it finds one. Calls with ``validate="sync"`` run it after their own check."""
+        leaves = jax.tree_util.tree_leaves(params)
+        if not leaves or callable(params) or any(isinstance(v, jax.core.Tracer) for v in leaves):
+            return
+        if not all(isinstance(v, jax.Array) for v in leaves):  # (numpy parameters: read where they are)
+            checks.raise_bad_params(params, where=where)
+            return
+        self.record_check("params_flag", checks.any_bad_params, {"params": params},
+                          functools.partial(_explain_params, params, where), sync=True)
 
     # ---- constants ----------------------------------------------------------------------------
     def constant(self, key, make) -> Any:
@@ -656,6 +677,8 @@ class Runtime:
             self._record(flag, batch, name)
             if batch.sync:
                 self._settle()
+        if batch.sync:
+            self.check_params_now(args.get("params"))
         return out
 
     def _remember(self, key: tuple, free: tuple, name: str, static: dict, args: dict, batch: Batch, b: int,
@@ -750,6 +773,8 @@ class Runtime:
                 self._pending.append(_Pending(flag, xb, mb, r.name))
             if r.sync:
                 self._settle()
+        if r.sync:
+            self.check_params_now(free.get("params"))
         return out
 
     def _pad(self, args: dict, n: int, b: int, batched: dict | None) -> dict:

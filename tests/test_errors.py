@@ -1,6 +1,8 @@
 """Bad input gets a clear error naming what is wrong: host data before anything runs, device arrays by the
 rule of jaxpc.runtime (tests/test_checks.py)."""
 
+import re
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -336,3 +338,40 @@ def test_structure_builders_name_bad_arguments():
         HCLT(x, 4)
     with pytest.raises(ValueError, match="PD: num_latents must be a positive int, got '4'"):
         PD((4, 4), "4")
+
+
+def test_nan_or_infinite_params_are_named_by_check_params_and_sync_calls(cat_circuit):
+    """``circuit.check_params`` and calls with ``validate="sync"`` name a NaN or +inf parameter (leaf and index),
+    first calls and replayed ones alike; -inf (a zero weight) passes, and the circuit's own params pass."""
+    import warnings
+
+    from jaxpc import optim
+
+    c, x = cat_circuit, np.array([[0, 1], [4, 2]], np.int32)
+    c.check_params(c.params)
+    (g, w), = c.params["sum"].items()
+    zero = {**c.params, "sum": {g: w.at[0, 0, 0].set(-jnp.inf)}}
+    c.check_params(zero)
+    nan = {**c.params, "sum": {g: w.at[0, 0, 1].set(jnp.nan)}}
+    with pytest.raises(ValueError, match=rf"params\['sum'\]\['{g}'\]\[0, 0, 1\] is nan: parameters must be finite"):
+        c.check_params(nan)
+    layer, field = "categorical_1", "log_probs"
+    v = c.params["input"][layer][field]
+    inf = {**c.params, "input": {**c.params["input"], layer: {field: v.at[1, 0].set(jnp.inf).at[2, 1].set(jnp.inf)}}}
+    with pytest.raises(ValueError, match=rf"params\['input'\]\['{layer}'\]\['{field}'\]\[1, 0\] is inf and 1 more "
+                                         r"entry of that leaf \(checked with validate='sync'\)"):
+        c.flows(inf, jnp.asarray(x), validate="sync")
+    for _ in range(2):  # the second call replays the first one's executable
+        with pytest.raises(ValueError, match=r"\[0, 0, 1\] is nan \(checked with validate='sync'\)"):
+            c.log_prob(nan, jnp.asarray(x), validate="sync")
+    with pytest.raises(ValueError, match=r"\[0, 0, 1\] is nan \(checked with validate='sync'\)"):
+        c.em_step(nan, x, step_size=0.1, pseudocount=0.1, validate="sync")
+    assert np.isnan(np.asarray(c.log_prob(nan, x))).all()  # the default call does not read the parameters' values
+    np.testing.assert_array_equal(np.asarray(c.log_prob(zero, x, validate="sync")), np.asarray(c.log_prob(zero, x)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = optim.fit(c, nan, np.tile(x, (8, 1)), epochs=2, batch_size=8, progress=False)
+    assert np.isnan(res.epoch_ll).all()
+    (warning,) = [m for m in caught if issubclass(m.category, RuntimeWarning) and "optim.fit" in str(m.message)]
+    assert re.search(rf"epoch 0's mean log-likelihood is NaN \(params\['sum'\]\['{g}'\]\[0, 0, 1\] is nan",
+                     str(warning.message))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..checks import raise_bad_values
+from ..checks import raise_bad_params, raise_bad_values
 from ..engine import em as em_engine
 from ..options import Options
 from ..runtime import options_key
@@ -291,7 +292,20 @@ def _run_epochs(circuit, run, tables, params, opt_state, batch, ev, key, epochs,
         if bar is not None:
             bar.set_postfix(ll=f"{float(ll):.4f}")
     epoch_ll = np.asarray(jnp.stack(lls)) if lls else np.zeros((0,), np.dtype(circuit.dtype))
+    if np.isnan(epoch_ll).any():
+        _warn_nan_epoch(params, int(np.flatnonzero(np.isnan(epoch_ll))[0]) + epochs.start)
     return FitResult(params, opt_state, epoch_ll)
+
+
+def _warn_nan_epoch(params, epoch: int) -> None:
+    """Warn that epoch ``epoch``'s log-likelihood was NaN, naming a NaN or +inf entry of the trained ``params``."""
+    try:
+        raise_bad_params(params)
+        why = "the parameters are finite"
+    except ValueError as e:
+        why = str(e).split(": parameters must be", 1)[0]
+    warnings.warn(f"optim.fit: epoch {epoch}'s mean log-likelihood is NaN ({why}); a smaller step size or learning "
+                  "rate, or a pseudocount, keeps the parameters finite", RuntimeWarning, stacklevel=4)
 
 
 def _fit_batch(circuit, data, missing, validate, *, epochs, batch_size, start_epoch, mesh):
