@@ -156,10 +156,9 @@ def any_bad_params(params):
     return jnp.any(jnp.stack(flags)) if flags else jnp.asarray(False)
 
 
-def raise_bad_params(params, what: str = "params", where: str = "") -> None:
-    """Raise a ``ValueError`` naming the first NaN or +inf entry of ``params`` (read on the host), how many more
-    its leaf holds and how many leaves hold any; return where there is none. Parameters are log-weights and
-    distribution parameters: finite, or -inf for a zero weight."""
+def bad_params_entry(params, what: str = "params") -> str | None:
+    """The first NaN or +inf entry of ``params`` (read on the host), named with its leaf and index, how many more its
+    leaf holds and how many leaves hold any; None where there is none."""
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     bad = []
     with jax.transfer_guard_device_to_host("allow"):  # (an error path: the parameters are read once)
@@ -169,15 +168,23 @@ def raise_bad_params(params, what: str = "params", where: str = "") -> None:
             if m.any():
                 bad.append((jax.tree_util.keystr(path), a, m))
     if not bad:
-        return
+        return None
     path, a, m = bad[0]
     idx = tuple(int(i) for i in np.argwhere(m)[0])
     more = int(m.sum()) - 1
     detail = (f" and {more} more entr{'ies' if more > 1 else 'y'} of that leaf" if more else "") + (
         f"; {len(bad)} of {len(leaves)} leaves hold NaN or +inf" if len(bad) > 1 else "")
-    raise ValueError(f"{what}{path}[{', '.join(map(str, idx))}] is {a[idx]}{detail}{where}: parameters must be "
-                     "finite (a log-weight may be -inf, a zero weight); NaN comes from a diverged optimizer step, "
-                     "an edit or a checkpoint")
+    return f"{what}{path}[{', '.join(map(str, idx))}] is {a[idx]}{detail}"
+
+
+def raise_bad_params(params, what: str = "params", where: str = "") -> None:
+    """Raise a ``ValueError`` naming the first NaN or +inf entry of ``params`` (:func:`bad_params_entry`); return
+    where there is none. Parameters are log-weights and distribution parameters: finite, or -inf for a zero
+    weight."""
+    entry = bad_params_entry(params, what)
+    if entry is not None:
+        raise ValueError(f"{entry}{where}: parameters must be finite (a log-weight may be -inf, a zero weight); NaN "
+                         "comes from a diverged optimizer step, an edit or a checkpoint")
 
 
 def _is_tracer(a) -> bool:

@@ -484,7 +484,7 @@ class Runtime:
         numpy arrays; tracers and None pass) hold NaN or +inf: one reduction on the device, the parameters read on
         the host only where it finds one. Calls with ``validate="sync"`` run it after their own check."""
         leaves = jax.tree_util.tree_leaves(params)
-        if not leaves or callable(params) or any(isinstance(v, jax.core.Tracer) for v in leaves):
+        if not leaves or any(isinstance(v, jax.core.Tracer) for v in leaves):
             return
         if not all(isinstance(v, jax.Array) for v in leaves):  # (numpy parameters: read where they are)
             checks.raise_bad_params(params, where=where)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..checks import raise_bad_params, raise_bad_values
+from ..checks import bad_params_entry, raise_bad_values
 from ..engine import em as em_engine
 from ..options import Options
 from ..runtime import options_key
@@ -299,11 +299,7 @@ def _run_epochs(circuit, run, tables, params, opt_state, batch, ev, key, epochs,
 
 def _warn_nan_epoch(params, epoch: int) -> None:
     """Warn that epoch ``epoch``'s log-likelihood was NaN, naming a NaN or +inf entry of the trained ``params``."""
-    try:
-        raise_bad_params(params)
-        why = "the parameters are finite"
-    except ValueError as e:
-        why = str(e).split(": parameters must be", 1)[0]
+    why = bad_params_entry(params) or "the parameters are finite"
     warnings.warn(f"optim.fit: epoch {epoch}'s mean log-likelihood is NaN ({why}); a smaller step size or learning "
                   "rate, or a pseudocount, keeps the parameters finite", RuntimeWarning, stacklevel=4)
 

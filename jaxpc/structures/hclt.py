@@ -111,8 +111,8 @@ def mutual_information(x, num_bins: int = 32, sigma: float = 0.5 / 32, chunk_siz
             if 2 * k == m and b > j:
                 continue
             block = row[:, k * c:(k + 1) * c]
-            lo, hi = min(b, j), max(b, j)
-            upper[lo * c:(lo + 1) * c, hi * c:(hi + 1) * c] = block if b <= j else block.T
+            first, second = min(b, j), max(b, j)
+            upper[first * c:(first + 1) * c, second * c:(second + 1) * c] = block if b <= j else block.T
     h12 = np.where(np.triu(np.ones((V, V), bool)), upper[:V, :V], upper[:V, :V].T)  # each pair from i <= j
     h1 = np.asarray(h1)[:V]
     return h1[:, None] + h1[None, :] - h12.astype(np.float64)
