@@ -303,15 +303,16 @@ EXIT_WAIT_S: Final = 300.0
 
 @atexit.register  # registered after JAX's own exit hooks, so it runs before they tear the backends down
 def _finish_upgrades() -> None:
-    """At exit, trace the optimized compiles still waiting for it and wait (at most :data:`EXIT_WAIT_S`) for the
-    background compiles, so that none is cut off inside XLA while the process shuts down; each is stored for
-    the next process. Loads ahead (:meth:`ExecutableCache.load_ahead`) stop after the executable in progress."""
+    """At exit, trace and compile the optimized compiles still waiting for their trace whose executables the disk
+    store keeps for the next process (the others are dropped: nothing would run them), and wait (at most
+    :data:`EXIT_WAIT_S`) for the background compiles, so that none is cut off inside XLA while the process shuts
+    down. Loads ahead (:meth:`ExecutableCache.load_ahead`) stop after the executable in progress."""
     _EXITING.set()
     end = time.perf_counter() + EXIT_WAIT_S
     with _UPGRADING_LOCK:
         waiting = list(_WAITING)
     for cache in waiting:
-        cache.start_upgrades(background=False)  # (no new threads at interpreter shutdown)
+        cache.start_upgrades(background=False, stored_only=True)  # (no new threads at interpreter shutdown)
     with _UPGRADING_LOCK:
         pending = list(_UPGRADING)
     for thread in pending:
@@ -342,8 +343,9 @@ def optimized_options(options):
     scans run unrolled (``scan_stages=False``). XLA's loops cost an evened tree's steps on a GPU (XLA's own full
     unrolling leaves these loops alone); the quick compile keeps the scans, which trace, lower and compile in a
     fraction of the time. The unrolled trace runs on the key's next call (or :meth:`ExecutableCache.wait_upgrades`),
-    on the caller's thread, and only its compile in the background (a process that ends first traces it at exit),
-    with :func:`optimized_xla`'s XLA options. ``options`` itself where nothing changes."""
+    on the caller's thread, and only its compile in the background (a process that ends first traces it at exit
+    where the disk store keeps it), with :func:`optimized_xla`'s XLA options. ``options`` itself where nothing
+    changes."""
     tuning = getattr(options, "tuning", None)
     if tuning is None or not tuning.unroll_optimized or not options.scan_stages:
         return options
@@ -731,23 +733,27 @@ class ExecutableCache:
         finally:
             e.ready.set()
 
-    def start_upgrades(self, background: bool = True) -> None:
+    def start_upgrades(self, background: bool = True, stored_only: bool = False) -> None:
         """Trace the optimized compiles still waiting for their trace (:func:`optimized_options`) on this thread and
-        start their compiles (``background=False``: compile them here too)."""
+        start their compiles (``background=False``: compile them here too). ``stored_only``: drop those that no
+        disk store keeps (at exit, where only the store would use them)."""
         with self._lock:
             waiting = [e for e in self._entries.values() if e.pending is not None]
         for e in waiting:
-            self._start_upgrade(e, background)
+            self._start_upgrade(e, background, stored_only)
 
-    def _start_upgrade(self, e: _Entry, background: bool = True) -> None:
+    def _start_upgrade(self, e: _Entry, background: bool = True, stored_only: bool = False) -> None:
         """Trace and lower ``e``'s optimized compile on this thread (tracing stays off the background threads: JAX
         traces on two threads at once were seen to mix their variables), then compile it in the background
-        (``background=False``: here)."""
+        (``background=False``: here). ``stored_only``: only where the store keeps it (else it is dropped; the
+        quick executable stays)."""
         with self._lock:
             pending, e.pending = e.pending, None
         if pending is None:
             return
         lower, rest = pending
+        if stored_only and rest[2] is None:  # rest: (xla, store, fp, fq); no fingerprint, no store
+            return
         try:
             lowered = lower()
         except Exception as err:  # noqa: BLE001 - the quick executable stays; the calls go on

@@ -1109,6 +1109,39 @@ def test_a_process_that_ends_during_the_optimized_compile_waits_and_stores_it(tm
     np.testing.assert_allclose(second["ll"], first["ll"], rtol=1e-6)
 
 
+def test_a_process_without_a_store_drops_the_untraced_optimized_compiles_at_exit():
+    """Without a disk store (``JAXPC_PERSISTENT_CACHE=0``), a script that ends with an HCLT's optimized compile not
+    yet traced (its levels scanned in the quick compile) neither traces nor compiles it at exit: nothing would run
+    it. Its own first call runs the quick executable and the process exits cleanly."""
+    script = textwrap.dedent("""
+        import atexit, json, numpy as np, jax
+        compiles = []
+        compile_ = jax.stages.Lowered.compile
+        def counted(self, compiler_options=None):
+            compiles.append("quick" if compiler_options and "xla_gpu_autotune_level" in compiler_options
+                            else "optimized")
+            return compile_(self, compiler_options=compiler_options)
+        jax.stages.Lowered.compile = counted
+        # registered before jaxpc's exit hook, so it runs after it
+        atexit.register(lambda: print(json.dumps(dict(compiles=compiles)), flush=True))
+        import jaxpc
+        from jaxpc import executables, structures
+        executables._on_gpu = lambda: True  # quick first compiles as on a GPU
+        c = jaxpc.compile(structures.HCLT(np.cumsum(np.random.default_rng(1).random((300, 12)) < 0.1, axis=1) % 3,
+                                          4, input_dist=jaxpc.distributions.Categorical(3)), seed=3)
+        x = np.random.default_rng(0).integers(0, 3, (16, 12)).astype(np.int32)
+        ll = c.log_prob(c.params, x)
+        assert np.isfinite(np.asarray(ll)).all()
+        print(json.dumps(dict(upgrading=c.cache_info().upgrading, before_exit=list(compiles))), flush=True)
+    """)
+    env = dict(os.environ, PYTHONPATH=os.getcwd(), JAXPC_PERSISTENT_CACHE="0")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    first, last = (json.loads(line) for line in r.stdout.splitlines()[-2:])
+    assert first["upgrading"] == 1 and "quick" in first["before_exit"], first  # the optimized trace was waiting
+    assert last["compiles"] == first["before_exit"], last  # nothing traced or compiled at exit
+
+
 def test_a_kept_copy_lives_as_long_as_its_array():
     """``Runtime.kept`` makes a copy once per live array: the same array reads it again; another array (of the same
     values) makes it anew, and a collected array's copy goes with it."""
