@@ -47,6 +47,7 @@ import hashlib
 import json
 import os
 import pickle
+import sys
 import tempfile
 import threading
 import time
@@ -299,6 +300,8 @@ _UPGRADING_LOCK = threading.Lock()
 _EXITING = threading.Event()  # set at exit: loads ahead stop after the one in progress
 _WAITING: weakref.WeakSet = weakref.WeakSet()  # caches with optimized compiles still to trace (optimized_options)
 EXIT_WAIT_S: Final = 300.0
+EXIT_NOTICE_S: Final = 1.0  # a process whose exit waits longer on running compiles says so on stderr
+UPGRADE_THREAD: Final = "jaxpc-upgrade"  # the threads that compile or load optimized executables
 
 
 @atexit.register  # registered after JAX's own exit hooks, so it runs before they tear the backends down
@@ -306,17 +309,35 @@ def _finish_upgrades() -> None:
     """At exit, trace and compile the optimized compiles still waiting for their trace whose executables the disk
     store keeps for the next process (the others are dropped: nothing would run them), and wait (at most
     :data:`EXIT_WAIT_S`) for the background compiles, so that none is cut off inside XLA while the process shuts
-    down. Loads ahead (:meth:`ExecutableCache.load_ahead`) stop after the executable in progress."""
+    down; a wait for either is announced by one line on stderr. Loads ahead (:meth:`ExecutableCache.load_ahead`)
+    stop after the executable in progress."""
     _EXITING.set()
     end = time.perf_counter() + EXIT_WAIT_S
     with _UPGRADING_LOCK:
         waiting = list(_WAITING)
+    traces = sum(cache.waiting_stored() for cache in waiting)
+    if traces:
+        _exit_notice(f"compiling {traces} optimized executable{'s' * (traces > 1)} for the persistent cache "
+                     f"(at most {EXIT_WAIT_S:.0f} s; JAXPC_PERSISTENT_CACHE=0 turns the cache off)")
     for cache in waiting:
         cache.start_upgrades(background=False, stored_only=True)  # (no new threads at interpreter shutdown)
     with _UPGRADING_LOCK:
         pending = list(_UPGRADING)
+    compiling = [thread for thread in pending if thread.name == UPGRADE_THREAD]
+    if compiling and not traces:
+        compiling[0].join(EXIT_NOTICE_S)
+        left = sum(thread.is_alive() for thread in compiling)
+        if left:
+            _exit_notice(f"waiting for {left} optimized executable{'s' * (left > 1)} still compiling or loading in "
+                         f"the background (at most {EXIT_WAIT_S:.0f} s)")
     for thread in pending:
         thread.join(max(0.0, end - time.perf_counter()))
+
+
+def _exit_notice(what: str) -> None:
+    """One line on stderr for a process whose exit waits on jaxpc's compiles (the wait is otherwise silent)."""
+    sys.stderr.write(f"jaxpc: before exit, {what}\n")
+    sys.stderr.flush()
 
 
 def quick_options(options, xla: dict) -> dict | None:
@@ -733,6 +754,11 @@ class ExecutableCache:
         finally:
             e.ready.set()
 
+    def waiting_stored(self) -> int:
+        """How many optimized compiles wait for their trace that the disk store would keep."""
+        with self._lock:
+            return sum(e.pending is not None and e.pending[1][2] is not None for e in self._entries.values())
+
     def start_upgrades(self, background: bool = True, stored_only: bool = False) -> None:
         """Trace the optimized compiles still waiting for their trace (:func:`optimized_options`) on this thread and
         start their compiles (``background=False``: compile them here too). ``stored_only``: drop those that no
@@ -797,7 +823,7 @@ class ExecutableCache:
         if not background:
             work()  # (the discards in its finally find nothing)
             return
-        thread = threading.Thread(target=work, name="jaxpc-upgrade", daemon=True)
+        thread = threading.Thread(target=work, name=UPGRADE_THREAD, daemon=True)
         with self._lock:
             self._upgrades.add(thread)
         with _UPGRADING_LOCK:

@@ -1100,12 +1100,16 @@ def test_a_process_that_ends_during_the_optimized_compile_waits_and_stores_it(tm
     def run():
         r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
         assert r.returncode == 0, r.stderr[-3000:]
-        return json.loads(r.stdout.splitlines()[-1])
+        return json.loads(r.stdout.splitlines()[-1]), r.stderr
 
-    first = run()
+    first, err = run()
     assert first["loaded"] == 0 and first["upgrading"] == 1
-    second = run()
+    says = {"hmm": "waiting for 1 optimized executable still compiling",  # (made to take 2 s: > EXIT_NOTICE_S)
+            "hclt": "compiling 1 optimized executable for the persistent cache"}[structure]
+    assert f"jaxpc: before exit, {says}" in err, err[-3000:]  # the wait at exit is not silent
+    second, err = run()
     assert second["loaded"] >= 1 and second["compiled"] == 0, second
+    assert "jaxpc: before exit" not in err, err[-3000:]  # nothing left to compile
     np.testing.assert_allclose(second["ll"], first["ll"], rtol=1e-6)
 
 
@@ -1140,6 +1144,7 @@ def test_a_process_without_a_store_drops_the_untraced_optimized_compiles_at_exit
     first, last = (json.loads(line) for line in r.stdout.splitlines()[-2:])
     assert first["upgrading"] == 1 and "quick" in first["before_exit"], first  # the optimized trace was waiting
     assert last["compiles"] == first["before_exit"], last  # nothing traced or compiled at exit
+    assert "jaxpc: before exit" not in r.stderr, r.stderr[-3000:]  # nor any wait to explain
 
 
 def test_a_kept_copy_lives_as_long_as_its_array():
