@@ -334,6 +334,12 @@ def _finish_upgrades() -> None:
         thread.join(max(0.0, end - time.perf_counter()))
 
 
+def _stored(pending: tuple) -> bool:
+    """Whether the disk store keeps the optimized compile of an entry's ``pending`` ``(lower, (xla, store, fp,
+    fq))``: it has a fingerprint ``fp`` only where there is a store."""
+    return pending[1][2] is not None
+
+
 def _exit_notice(what: str) -> None:
     """One line on stderr for a process whose exit waits on jaxpc's compiles (the wait is otherwise silent)."""
     sys.stderr.write(f"jaxpc: before exit, {what}\n")
@@ -757,7 +763,7 @@ class ExecutableCache:
     def waiting_stored(self) -> int:
         """How many optimized compiles wait for their trace that the disk store would keep."""
         with self._lock:
-            return sum(e.pending is not None and e.pending[1][2] is not None for e in self._entries.values())
+            return sum(e.pending is not None and _stored(e.pending) for e in self._entries.values())
 
     def start_upgrades(self, background: bool = True, stored_only: bool = False) -> None:
         """Trace the optimized compiles still waiting for their trace (:func:`optimized_options`) on this thread and
@@ -778,7 +784,7 @@ class ExecutableCache:
         if pending is None:
             return
         lower, rest = pending
-        if stored_only and rest[2] is None:  # rest: (xla, store, fp, fq); no fingerprint, no store
+        if stored_only and not _stored(pending):
             return
         try:
             lowered = lower()
