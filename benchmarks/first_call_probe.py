@@ -4,7 +4,7 @@ second process on the same persistent cache (warm).
 
     python benchmarks/first_call_probe.py [--workload hclt] [--batch 16] [--entry flows] [--timeout 200]
         [--configs "default|autotune0=--xla_gpu_autotune_level=0|xla={\\"impl\\": \\"reference\\"}"] [--warm]
-        [--profile N] [--xla-timers N] [--host-trace N] [--quick-only]
+        [--profile N] [--xla-timers N] [--host-trace N] [--quick-only] [--one-call]
 
 A configuration is ``name=XLA_FLAGS`` or ``name={options as JSON}`` (``jaxpc.Options`` fields, ``"tuning"`` a dict of
 ``jaxpc.Tuning`` fields); ``default``
@@ -103,6 +103,12 @@ def child(workload: str, batch: int, entry: str, options: dict) -> None:
             steps.append(time.perf_counter() - t)
         return round(1e3 * float(np.median(steps[5:])), 3)
 
+    if os.environ.get("PROBE_ONE_CALL"):  # a script that calls once and ends: the parent times its exit
+        print("RESULT " + json.dumps(dict(workload=workload, batch=batch, entry=entry, build_s=round(t1 - t0, 2),
+                                          compile_s=round(t2 - t1, 2), first_call_s=round(t4 - t3, 3),
+                                          store_s={k: round(v, 3) for k, v in store_s.items()},
+                                          result_at=time.time())), flush=True)
+        return
     first_steps = step_ms()  # the quick compile's, where the optimized one is still compiling
     quick_only = bool(os.environ.get("PROBE_QUICK_ONLY"))
     quick = c.compiled(entry)  # (a background upgrade may swap it out before the report)
@@ -232,6 +238,10 @@ def main(argv=None):
     p.add_argument("--quick-only", action="store_true",
                    help="stop after the calls on the quick executable (no optimized compile; JAX's events then"
                         " hold the quick compile alone, and the process does not wait for the optimized one)")
+    p.add_argument("--one-call", action="store_true",
+                   help="end each process right after its first call, as a script that calls once does, and report"
+                        " the seconds from that call's result to the process's exit (exit_s: the wait for the"
+                        " optimized compiles and the store's writes)")
     p.add_argument("--host-trace", type=int, default=0,
                    help="trace the first call with jax.profiler and report its N host events of most summed time")
     p.add_argument("--xla-timers", type=int, default=0,
@@ -251,6 +261,8 @@ def main(argv=None):
             env["PROBE_PROFILE"] = str(args.profile)
         if args.quick_only:
             env["PROBE_QUICK_ONLY"] = "1"
+        if args.one_call:
+            env["PROBE_ONE_CALL"] = "1"
         if args.host_trace:
             env["PROBE_HOST_TRACE"] = str(args.host_trace)
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flags).strip()
@@ -262,6 +274,7 @@ def main(argv=None):
             t = time.perf_counter()
             try:
                 r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+                ended = time.time()
                 lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
                 res = json.loads(lines[-1][7:]) if lines else {"error": r.stderr[-1500:]}
                 if args.xla_timers:
@@ -269,6 +282,9 @@ def main(argv=None):
             except subprocess.TimeoutExpired:
                 res = {"error": f"timeout after {args.timeout}s"}
             res.update(config=name, run=run, process_s=round(time.perf_counter() - t, 1))
+            if "result_at" in res:
+                res["exit_s"] = round(ended - res.pop("result_at"), 2)
+                res["exit_notice"] = [ln for ln in r.stderr.splitlines() if ln.startswith("jaxpc: ")]
             print(json.dumps(res), flush=True)
 
 
