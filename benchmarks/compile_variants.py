@@ -1,4 +1,4 @@
-"""Steps and compile seconds of one workload's flows (or ``--entry log_prob``) executable compiled each way: the
+"""Steps and compile seconds of one workload's flows (or ``--entry``'s) executable compiled each way: the
 scanned or the unrolled stages, with or without XLA's Triton GEMM fusions and their autotuning. Tells whether the
 optimized compile that the default call swaps in (``Tuning.quick_first_compile``, ``Tuning.unroll_optimized``) is
 faster than the quick one it replaces, per batch size.
@@ -8,10 +8,13 @@ faster than the quick one it replaces, per batch size.
                                           [--tunings xla.xla_gpu_enable_cublaslt=true,leaf_batch=0] [--paired]
                                           [--tree-images 10000]
 
-Variants (``c.flows(params, x, options=...)``, or ``c.log_prob``; each its own executable, compiled one after the
-other):
+Variants (``c.flows(params, x, options=...)``, or ``--entry``'s call: ``log_prob``, ``em_step_mpe`` (hard EM,
+``c.em_step(params, x, step_size=0.1, pseudocount=0.1, options=Options(propagation="MPE", ...))``), and ``mpe``,
+``sample``, ``conditional`` with a third of the variables unobserved; each its own executable, compiled one after
+the other):
 
-* ``default``: ``Options()``, the default call, timed after ``c.wait_compiled()`` (the optimized executable);
+* ``default``: ``Options()`` (``--entry em_step_mpe``: ``Options(propagation="MPE")``), the default call, timed
+  after ``c.wait_compiled()`` (the optimized executable);
 * ``quick``: the scanned stages without Triton GEMM fusions at autotune level 0 (the default call's quick
   executable: ``Tuning(compiler_options=QUICK_XLA, quick_first_compile=False)``);
 * ``scanned``: the scanned stages with XLA's default options (``Tuning(quick_first_compile=False)``);
@@ -35,6 +38,7 @@ variant's, in one more JSON line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -48,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jaxpc  # noqa: E402
 from _data import blurred_noise_images  # noqa: E402
-from _options import tuning  # noqa: E402
+from _options import query_calls, tuning  # noqa: E402
 from bench_engine import compiled_mib, median_ms, paired_ms  # noqa: E402
 from jaxpc import distributions, executables, structures  # noqa: E402
 
@@ -72,6 +76,30 @@ def variant_options(name: str):
     return table[name]
 
 
+ENTRIES = {  # the public call timed: (the executable's entry for ``c.compiled``, the variants' base options)
+    "flows": ("flows", {}), "log_prob": ("log_prob", {}), "em_step_mpe": ("em_step", {"propagation": "MPE"}),
+    "mpe": ("mpe", {}), "sample": ("sample", {}), "conditional": ("conditional", {})}
+
+
+def entry_call(c, name: str):
+    """``call(x, kw)`` of the public call ``name`` on ``c.params`` (``kw``: its ``options``). ``em_step_mpe``: hard EM,
+    ``c.em_step(params, x, step_size=0.1, pseudocount=0.1, options=Options(propagation="MPE"))``; the queries as
+    ``_options.query_calls`` makes them (a third of the variables unobserved)."""
+    if name in ("flows", "log_prob"):
+        return lambda x, kw: getattr(c, name)(c.params, x, **kw)
+    if name == "em_step_mpe":
+        return lambda x, kw: c.em_step(c.params, x, step_size=0.1, pseudocount=0.1, **kw)
+    import jax.numpy as jnp
+    return lambda x, kw: query_calls(c, jnp.asarray, **kw)[name](x)
+
+
+def with_base(options, base: dict):
+    """``options`` (None: the default call) with the entry's base fields set."""
+    if not base:
+        return options
+    return dataclasses.replace(options or jaxpc.Options(), **base)
+
+
 def rel_diff(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     ok = np.isfinite(a) & np.isfinite(b)
@@ -81,7 +109,7 @@ def rel_diff(a, b) -> float:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", default="hclt", choices=["hclt", "pd"])
-    p.add_argument("--entry", default="flows", choices=["flows", "log_prob"], help="the public call timed")
+    p.add_argument("--entry", default="flows", choices=list(ENTRIES), help="the public call timed")
     p.add_argument("--batches", default="128,512")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--variants", default="default,quick,scanned,unrolled,unrolled-notg,unrolled-quick")
@@ -100,7 +128,9 @@ def main(argv=None):
     root = (structures.PD((28, 28), 128, split_intervals=(4, 4), input_dist=cat) if args.workload == "pd"
             else structures.HCLT(imgs, 256, input_dist=cat))
     c = jaxpc.compile(root)
-    entry = getattr(c, args.entry)
+    exe_name, base = ENTRIES[args.entry]
+    entry = entry_call(c, args.entry)
+    opts = {n: with_base(o, base) for n, o in opts.items()}
     for B in (int(b) for b in args.batches.split(",")):
         xs = [jax.device_put(imgs[np.random.default_rng(i).integers(0, len(imgs), B)]) for i in range(4)]
         ref, calls = None, []
@@ -108,11 +138,11 @@ def main(argv=None):
             kw = {} if opts[n] is None else {"options": opts[n]}
 
             def call(x, kw=kw):
-                return entry(c.params, x, **kw)
+                return entry(x, kw)
             t = time.perf_counter()
             out = jax.block_until_ready(call(xs[0]))
             first = time.perf_counter() - t
-            if opts[n] is None or n in args.tunings.split(","):
+            if n == "default" or n in args.tunings.split(","):  # compiled as the default call: quick, then optimized
                 c.wait_compiled()
                 out = jax.block_until_ready(call(xs[0]))
             leaves = [np.asarray(v) for v in jax.tree_util.tree_leaves(out)]
@@ -122,7 +152,7 @@ def main(argv=None):
             calls.append(call)
             print(json.dumps(dict(workload=args.workload, entry=args.entry, batch=B, variant=n,
                                   first_call_s=round(first, 2), ms=ms,
-                                  mib=round(compiled_mib(c.compiled(args.entry)), 1),
+                                  mib=round(compiled_mib(c.compiled(exe_name)), 1),
                                   rel_diff_vs_first=float(f"{diff:.2e}"), device=jax.devices()[0].device_kind)),
                   flush=True)
         if args.paired:
