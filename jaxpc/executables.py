@@ -658,12 +658,15 @@ class ExecutableCache:
             e.used = self.hits + self.misses
 
     def bind(self, entry: str, static: dict, args: dict) -> Bound | None:
-        """The executable that :meth:`run` tries first for this call, bound to ``args``' values as its positional
-        arguments (tables packed), for a caller that replays the call with some of them replaced; None where the
-        call has none that is finished and final. The binding is stale once :attr:`generation` moves past its value
-        read before the call."""
+        """The executable of exactly this call's key (every argument's pytree, shapes and dtypes), bound to ``args``'
+        values as its positional arguments (tables packed), for a caller that replays the call with some of them
+        replaced; None where the call has none that is finished and final, or where an argument holds a tracer.
+        The binding is stale once :attr:`generation` moves past its value read before the call."""
+        key = self.key(entry, static, args)
+        if key is None:
+            return None
         with self._lock:
-            e = self._recent.get(self.recent_key(entry, static, args))
+            e = self._entries.get(key)
             if e is None or not e.usable or e.pending is not None:
                 return None
             return Bound(e, list(args), _call_args(args))

@@ -662,12 +662,13 @@ class Runtime:
                     ("valid", b, n, sharding), lambda: put_constant(_valid_rows(b, n, self.dtype), sharding)))
         out = self.cache.run(name, fn, static, args, self._fallback(name, static, batched, multiple)
                                    if batch is not None and not batch.traced else None)
+        padded = out
         if b != n:
             out = self._head(out, entry.rows, n)
         if replay is not None and batch is not None and not batch.traced and batch.mkey is not False \
                 and (weights is None or weights is False) \
                 and (batch.report or not batch.check or batch.host is not None):
-            self._remember(replay, free, name, static, args, batch, b, batched)
+            self._remember(replay, free, name, static, args, batch, b, batched, padded)
         if batch is None or batch.traced:
             return out
         # on the padded batch (padding rows copy the first row): one flag executable per bucket
@@ -682,7 +683,10 @@ class Runtime:
         return out
 
     def _remember(self, key: tuple, free: tuple, name: str, static: dict, args: dict, batch: Batch, b: int,
-                  batched) -> None:
+                  batched, out) -> None:
+        """Remember the call for :meth:`replay`: the executables of exactly its key (none where an argument, such as
+        parameters under the caller's ``jax.grad``, holds a tracer) and, for a batch short of its bucket, those of
+        its helpers, the one that cut back its padded outputs ``out`` among them."""
         generation = self._generation()  # read before binding: an eviction in between makes the replay stale
         bound = self.cache.bind(name, static, args)
         if bound is None:
@@ -694,7 +698,8 @@ class Runtime:
                 padded["missing"] = batch.missing
             pad = self._helpers.bind("pad", self._pad_static(batch.n, b, batched), padded)
             rows = self._entries[name][0].rows
-            head = self._helpers.bind("head", {"axes": _row_axes(rows), "n": batch.n}, {"parts": []})
+            head = self._helpers.bind("head", {"axes": _row_axes(rows), "n": batch.n},
+                                      {"parts": _split_rows(out, rows)[0]})
             if pad is None or head is None:
                 return
             pad, head = pad.entry, head.entry

@@ -684,6 +684,29 @@ def test_a_repeated_call_replays_its_executable_and_stays_exact():
     assert all(r() is None for r in refs)
 
 
+def test_a_call_under_the_callers_grad_leaves_the_remembered_call_alone():
+    """A call whose parameters are the caller's tracers (``jax.grad`` with concrete data) runs inline and is not
+    remembered for replay, and a remembered call keeps the helpers of its own outputs: here a padded ``log_prob``, a
+    padded ``conditional`` (whose outputs a helper of the same statics cuts back), then ``jax.grad`` of
+    ``log_prob``; the next ``log_prob`` calls replay with the right helpers and stay exact (they once ran the
+    ``conditional``'s and raised a ``TypeError``)."""
+    c, fresh = _hmm(), _hmm()
+    full = []
+    prepare = c.runtime.prepare
+    c.runtime.prepare = lambda *a, **k: full.append(1) or prepare(*a, **k)
+    xs = [jnp.asarray(_data(11, s)) for s in range(3)]  # padded to the bucket of 16, then cut back
+    c.log_prob(c.params, xs[0])
+    miss = np.zeros(6, bool)
+    miss[2] = True
+    _same(c.conditional(c.params, np.asarray(xs[0]), miss), fresh.conditional(fresh.params, np.asarray(xs[0]), miss))
+    grad = jax.grad(lambda p: c.log_prob(p, xs[1]).sum())(c.params)
+    _same(grad, jax.grad(lambda p: fresh.log_prob(p, xs[1]).sum())(fresh.params))
+    n = len(full)
+    for x in xs:
+        _same(c.log_prob(c.params, x), fresh.log_prob(fresh.params, x, validate=False))
+    assert len(full) == n  # replayed: the traced call did not replace the remembered one
+
+
 @pytest.mark.parametrize("entry", cases(["flows", "log_prob", "em_step"], fast=["em_step"]))
 @pytest.mark.slow
 def test_a_repeated_call_with_a_mask_replays_and_stays_exact(entry):
