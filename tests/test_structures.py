@@ -223,6 +223,33 @@ def test_hclt_learns_the_chain():
     assert root in (2, 3)  # the center of a 6-chain
 
 
+def test_hclt_names_data_that_its_discrete_leaves_do_not_admit():
+    """The data an HCLT learns its tree from must hold values of its leaves where they are discrete (integers in
+    their range, in any dtype): else a ``ValueError`` names the first bad entry and counts them; continuous leaves
+    take any finite value."""
+    x = np.random.default_rng(0).integers(0, 5, (50, 4))
+    cat = distributions.Categorical(num_cats=5)
+    for data in (x, x.astype(np.uint8), x.astype(np.float32)):
+        assert structures.HCLT(data, num_latents=2, input_dist=cat) is not None
+    bad = x.copy()
+    bad[3, 2] = 5
+    with pytest.raises(ValueError, match=r"HCLT: x\[3, 2\] = 5 is not a value of the leaves "
+                                         r"\(Categorical\(num_cats=5\) accepts integers in \[0, 4\]\)$"):
+        structures.HCLT(bad, num_latents=2, input_dist=cat)
+    with pytest.raises(ValueError, match=r"x\[0, 0\] = -1 .*\(200 bad entries in all\)"):
+        structures.HCLT(x - 5, num_latents=2, input_dist=cat)
+    with pytest.raises(ValueError, match=r"x\[1, 3\] = 0.5 is not a value"):
+        frac = x.astype(np.float64)
+        frac[1, 3] = 0.5
+        structures.HCLT(frac, num_latents=2, input_dist=cat)
+    with pytest.raises(ValueError, match=r"x\[0, 0\] = 30\d .*Categorical\(num_cats=256\)"):  # the default leaves
+        structures.HCLT(x + 300, num_latents=2)
+    with pytest.raises(ValueError, match="PDHCLT|HCLT: x"):  # through the PD's regions
+        structures.PDHCLT(bad, data_shape=(2, 2), num_latents=2, split_intervals=(1, 1), input_dist=cat)
+    gauss = np.random.default_rng(1).normal(size=(50, 4))
+    assert structures.HCLT(gauss, num_latents=2, input_dist=distributions.Gaussian()) is not None
+
+
 @pytest.mark.parametrize("chunk_size", [3, 4, 5, 64])
 def test_mutual_information_equals_the_soft_binned_formula_for_every_block_split(chunk_size):
     """Blocks of ``chunk_size`` variables (4, 3 with padding, 2 and 1 of them for 10 variables) each pair with

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 
 def largest_pow2_divisor(n: int) -> int:
     """The largest power of two dividing ``n`` (PyJuice's default block size rule)."""
@@ -22,3 +24,27 @@ def check_latents(name: str, num_latents: int, block_size: int | None, cap: int)
     if not isinstance(bs, int) or bs < 1 or num_latents % bs:
         raise ValueError(f"{name}: num_latents={num_latents} must be a multiple of block_size={bs}")
     return bs, num_latents // bs
+
+
+def check_leaf_values(name: str, x: np.ndarray, dist) -> None:
+    """Raise a ``ValueError`` naming the first entry of data ``x`` that leaf ``dist`` does not admit, where it is
+    discrete (an integer in ``dist.value_range()``); non-finite entries are left to the caller's own check."""
+    r = dist.value_range()
+    if r is None or x.size == 0:
+        return
+    lo, hi = r
+    top = np.inf if hi is None else hi - 1
+    if x.dtype.kind in "iub":
+        if x.min() >= lo and x.max() <= top:
+            return
+        bad = (x < lo) | (x > top)
+    else:
+        with np.errstate(invalid="ignore"):
+            bad = np.isfinite(x) & ((x != np.round(x)) | (x < lo) | (x > top))
+        if not bad.any():
+            return
+    b, v = (int(i) for i in np.argwhere(bad)[0])
+    n_bad = int(bad.sum())
+    accepts = f"integers in [{lo}, {hi - 1}]" if hi is not None else f"integers >= {lo}"
+    more = f" ({n_bad} bad entries in all)" if n_bad > 1 else ""
+    raise ValueError(f"{name}: x[{b}, {v}] = {x[b, v]} is not a value of the leaves ({dist!r} accepts {accepts}){more}")

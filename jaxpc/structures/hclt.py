@@ -21,7 +21,7 @@ from scipy.sparse import csgraph, csr_matrix
 
 from .. import distributions
 from ..nodes import CircuitNodes, inputs, multiply, summate
-from ._util import check_latents
+from ._util import check_latents, check_leaf_values
 
 __all__ = ["HCLT", "mutual_information", "chow_liu_tree"]
 
@@ -162,20 +162,22 @@ def HCLT(x, num_latents: int, num_bins: int = 32, sigma: float = 0.5 / 32, chunk
         num_root_ns: nodes of the root sum (1 for a distribution; more when the HCLT is a region
             inside a larger circuit).
         block_size: default: largest power of two dividing ``num_latents``, at most 1024.
-        input_dist: leaf distribution (default ``Categorical(num_cats=256)``).
+        input_dist: leaf distribution (default ``Categorical(num_cats=256)``); where it is discrete, every entry of
+            ``x`` must be one of its values (else a ``ValueError`` names the first that is not).
         tie_input_params: share one set of leaf parameters across all variables.
         variables: variable id of each column of ``x`` (default ``0 .. V-1``).
     """
     x = np.asarray(x)
     if x.ndim != 2 or x.shape[0] < 2:
         raise ValueError(f"HCLT: x must be [num_samples >= 2, num_vars], got shape {x.shape}")
+    input_dist = input_dist or distributions.Categorical(num_cats=256)
+    check_leaf_values("HCLT", x, input_dist)
     mi = mutual_information(x, num_bins=num_bins, sigma=sigma, chunk_size=chunk_size)
     children, root = chow_liu_tree(mi)
     variables = list(range(x.shape[1])) if variables is None else [int(v) for v in variables]
     if len(variables) != x.shape[1]:
         raise ValueError(f"HCLT: variables has {len(variables)} ids for {x.shape[1]} columns")
-    return hidden_tree_circuit(children, root, num_latents, variables,
-                               input_dist or distributions.Categorical(num_cats=256), num_root_ns=num_root_ns,
+    return hidden_tree_circuit(children, root, num_latents, variables, input_dist, num_root_ns=num_root_ns,
                                block_size=block_size, tie_input_params=tie_input_params)
 
 
