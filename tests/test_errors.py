@@ -292,6 +292,8 @@ def test_query_and_weight_arguments_are_checked(cat_circuit):
     assert cat_circuit.mpe(cat_circuit.params, num_samples=2)[0].shape == (2, 2)
     with pytest.raises(TypeError, match=r"key must be a PRNG key such as jax.random.key\(0\), got int"):
         cat_circuit.sample(cat_circuit.params, 0, 3)
+    with pytest.raises(TypeError, match=r"init_params: key must be a PRNG key such as jax.random.key\(0\), got int"):
+        cat_circuit.init_params(3)
     with pytest.raises(ValueError, match=r"ll_weights must be finite; ll_weights\[1\] is nan"):
         cat_circuit.flows(cat_circuit.params, x, ll_weights=[1.0, float("nan"), 1.0])
     with pytest.raises(TypeError, match="ll_weights must be numbers"):
