@@ -707,6 +707,68 @@ def test_a_call_under_the_callers_grad_leaves_the_remembered_call_alone():
     assert len(full) == n  # replayed: the traced call did not replace the remembered one
 
 
+@pytest.mark.slow
+def test_a_random_sequence_of_calls_stays_exact():
+    """Two hundred calls drawn at random (entry point, a batch short of or filling its bucket, numpy or device, no
+    mask, a ``[V]`` or ``[B, V]`` mask, two parameter sets, calls under the caller's ``jax.jit``, ``jax.grad`` and
+    ``jax.vmap``) on one circuit, each equal to the same call on a fresh circuit of the same structure without
+    checks: whatever the caches, replays and helpers remembered from the calls before does not change an answer.
+    (It met the replay that took another entry's helper, fixed since, at its 42nd call.)"""
+    from jaxpc.distributions import Categorical
+
+    data = np.random.default_rng(0).integers(0, 5, (64, 6)).astype(np.int32)
+    root = structures.HCLT(data, num_latents=4, input_dist=Categorical(num_cats=5))
+    c, ref = jaxpc.compile(root, seed=1), jaxpc.compile(root, seed=1)
+    rng = np.random.default_rng(7)
+    params = [c.params, c.init_params(jax.random.key(3))]
+    both = jax.tree_util.tree_map(lambda a, b: jnp.stack([a, b]), *params)
+
+    def close(a, b, what):
+        for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+            np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=2e-5, atol=1e-5, err_msg=what)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (the many layouts' advice)
+        for i in range(200):
+            B = int(rng.choice([11, 16]))  # (few kinds of call, so that they meet each other's remembered state)
+            x = data[rng.integers(0, 64, B)]
+            kind = str(rng.choice(["numpy", "device"]))
+            xx = x if kind == "numpy" else jnp.asarray(x)
+            mask = [None, rng.random(6) < 0.3, rng.random((B, 6)) < 0.3, "device"][int(rng.integers(0, 4))]
+            if isinstance(mask, str):
+                mask = jnp.asarray(rng.random((B, 6)) < 0.3)
+            m = None if mask is None else np.asarray(mask)
+            query = m if m is not None else rng.random(6) < 0.5  # the queries' unobserved variables
+            p = params[int(rng.integers(0, 2))]
+            entry = str(rng.choice(["log_prob", "sync", "flows", "em_step", "conditional", "mpe", "sample", "marginal",
+                                    "grad", "jit", "vmap"]))
+            what = f"call {i}: {entry}, B={B}, {kind} batch, mask {None if m is None else m.shape}"
+            key = jax.random.key(int(rng.integers(0, 3)))
+            xd = jnp.asarray(x)
+            got, want = {
+                "log_prob": lambda: (c.log_prob(p, xx, mask), ref.log_prob(p, x, m, validate=False)),
+                "sync": lambda: (c.log_prob(p, xx, mask, validate="sync"), ref.log_prob(p, x, m, validate=False)),
+                "flows": lambda: (c.flows(p, xx, mask, return_ll=True),
+                                  ref.flows(p, x, m, return_ll=True, validate=False)),
+                "em_step": lambda: (c.em_step(p, xx, mask, step_size=0.5, pseudocount=0.1),
+                                    ref.em_step(p, x, m, step_size=0.5, pseudocount=0.1, validate=False)),
+                "conditional": lambda: (c.conditional(p, xx, query), ref.conditional(p, x, query, validate=False)),
+                "mpe": lambda: (c.mpe(p, xx, query), ref.mpe(p, x, query, validate=False)),
+                "sample": lambda: (c.sample(p, key, x=xx, missing=query),
+                                   ref.sample(p, key, x=x, missing=query, validate=False)),
+                "marginal": lambda: (c.marginal(p, soft_evidence=np.eye(5, dtype=np.float32)[x]),
+                                     ref.marginal(p, soft_evidence=np.eye(5, dtype=np.float32)[x], validate=False)),
+                "grad": lambda: (jax.grad(lambda q: c.log_prob(q, xd, mask).sum())(p),
+                                 jax.grad(lambda q: ref.log_prob(q, xd, m, validate=False).sum())(p)),
+                "jit": lambda: (jax.jit(lambda q, y: c.log_prob(q, y, mask))(p, xd),
+                                ref.log_prob(p, x, m, validate=False)),
+                "vmap": lambda: (jax.vmap(lambda q: c.log_prob(q, xd, mask))(both),
+                                 np.stack([ref.log_prob(q, x, m, validate=False) for q in params])),
+            }[entry]()
+            close(got, want, what)
+    c.raise_pending()
+
+
 @pytest.mark.parametrize("entry", cases(["flows", "log_prob", "em_step"], fast=["em_step"]))
 @pytest.mark.slow
 def test_a_repeated_call_with_a_mask_replays_and_stays_exact(entry):
