@@ -1164,6 +1164,24 @@ def _count_jax_cache_hit(event: str, **_) -> None:
 jax.monitoring.register_event_listener(_count_jax_cache_hit)
 
 
+def _pickle_auto_layout_as_itself() -> None:
+    """Make JAX's ``AutoLayout`` (the default layout that jax 0.12 keeps in every ``ShapedArray``) pickle as the
+    module's one instance. Pickled by default, it comes back as a new instance, unequal to it: a stored executable
+    loaded from the disk then makes arrays whose avals hold that copy, and ``jax.grad`` through a custom VJP of them
+    (the flow pass's) fails with "the layouts do not match". Where the class already pickles itself, nothing
+    changes."""
+    try:
+        from jax._src import layout
+    except ImportError:  # (a JAX without it)
+        return
+    cls, one = getattr(layout, "AutoLayoutSingleton", None), getattr(layout, "AutoLayout", None)
+    if cls is not None and isinstance(one, cls) and "__reduce__" not in vars(cls):
+        cls.__reduce__ = lambda self: "AutoLayout"  # (a global's name: unpickled as layout.AutoLayout itself)
+
+
+_pickle_auto_layout_as_itself()
+
+
 def _compile(lowered, compiler_options: dict):
     """``(compiled, fresh)``: ``lowered`` compiled with ``compiler_options``; ``fresh`` is False where JAX's own
     persistent cache served it. Only fresh executables go to the store: one that JAX deserialized does not

@@ -425,6 +425,45 @@ def test_partial_plan_of_a_long_hmm_still_scans():
 
 # ---- persistent compilation cache ----------------------------------------------------------------------
 
+def test_jax_default_layout_pickles_as_itself():
+    """JAX's ``AutoLayout`` comes back from a pickle as the same object (a stored executable's avals hold it)."""
+    import pickle
+
+    from jax._src.layout import AutoLayout
+
+    assert pickle.loads(pickle.dumps(AutoLayout)) is AutoLayout
+
+
+@pytest.mark.slow
+def test_gradients_flow_through_parameters_that_a_stored_executable_made(tmp_path):
+    """A second process loads ``em_step`` from the store; ``jax.grad`` of ``log_prob`` (the flow pass's custom VJP)
+    at the parameters it returns works and equals the first process's (on jax 0.12 it failed with "the layouts do
+    not match" where the store's executables came back with a copy of JAX's default layout)."""
+    script = textwrap.dedent(f"""
+        import json, numpy as np, jax, jax.numpy as jnp, jaxpc
+        from jaxpc import structures
+        jaxpc.enable_persistent_cache({str(tmp_path)!r})
+        c = jaxpc.compile(structures.HMM(8, 4, 5, block_size=2), seed=3)
+        x = np.random.default_rng(0).integers(0, 5, (16, 8)).astype(np.int32)
+        p = c.em_step(c.params, x, step_size=1.0, pseudocount=0.1)
+        g = jax.grad(lambda q: c.log_prob(q, jnp.asarray(x)).sum())(p)
+        mpe = c.flows(p, x, options=jaxpc.Options(propagation="MPE"))
+        print(json.dumps(dict(loaded=c.cache_info().loaded,
+                              grad=[np.asarray(a).tolist() for a in jax.tree_util.tree_leaves(g)],
+                              mpe=float(sum(np.asarray(a).sum() for a in jax.tree_util.tree_leaves(mpe))))))
+    """)
+    env = dict(os.environ, PYTHONPATH=os.getcwd(), JAXPC_PERSISTENT_CACHE="1")
+
+    def run():
+        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.splitlines()[-1])
+
+    first, second = run(), run()
+    assert first["loaded"] == 0 and second["loaded"] >= 1
+    assert second["grad"] == first["grad"] and second["mpe"] == first["mpe"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("store", ["kept", "lost"])
 def test_persistent_cache_serves_a_second_process(tmp_path, store):
