@@ -746,17 +746,23 @@ def test_a_call_under_the_callers_grad_leaves_the_remembered_call_alone():
     assert len(full) == n  # replayed: the traced call did not replace the remembered one
 
 
+@pytest.mark.parametrize("structure", ["hclt", "hmm", "pd"])
 @pytest.mark.slow
-def test_a_random_sequence_of_calls_stays_exact():
+def test_a_random_sequence_of_calls_stays_exact(structure):
     """Two hundred calls drawn at random (entry point, a batch short of or filling its bucket, numpy or device, no
     mask, a ``[V]`` or ``[B, V]`` mask, two parameter sets, calls under the caller's ``jax.jit``, ``jax.grad`` and
     ``jax.vmap``) on one circuit, each equal to the same call on a fresh circuit of the same structure without
     checks: whatever the caches, replays and helpers remembered from the calls before does not change an answer.
-    (It met the replay that took another entry's helper, fixed since, at its 42nd call.)"""
+    (On the HCLT it met the replay that took another entry's helper, fixed since, at its 42nd call.) The slow tier
+    runs the HCLT, the full tier the HMM and a PD too."""
     from jaxpc.distributions import Categorical
 
     data = np.random.default_rng(0).integers(0, 5, (64, 6)).astype(np.int32)
-    root = structures.HCLT(data, num_latents=4, input_dist=Categorical(num_cats=5))
+    cat = Categorical(num_cats=5)
+    root = {"hclt": lambda: structures.HCLT(data, num_latents=4, input_dist=cat),
+            "hmm": lambda: structures.HMM(6, 4, 5, block_size=2),
+            "pd": lambda: structures.PD(data_shape=(2, 3), num_latents=4, split_intervals=(1, 1), input_dist=cat)}[
+        structure]()
     c, ref = jaxpc.compile(root, seed=1), jaxpc.compile(root, seed=1)
     rng = np.random.default_rng(7)
     params = [c.params, c.init_params(jax.random.key(3))]
