@@ -304,7 +304,7 @@ def check_host_values(info: VarInfo, x, m, what: str) -> None:
         more = f" ({n_bad} bad entries in all)" if n_bad > 1 else ""
         if np.issubdtype(xh.dtype, np.floating) and not np.isfinite(val):
             raise ValueError(f"{what}[{b}, {v}] = {val}: {info.describe(v)}; mark unknown values with "
-                             f"missing= instead of NaN{more}")
+                             f"missing= instead of {'NaN' if np.isnan(val) else val}{more}")
         raise ValueError(f"{what}[{b}, {v}] = {val} is out of range: {info.describe(v)}{more}")
 
 

@@ -89,8 +89,10 @@ def test_nan_in_continuous_variable(mixed_circuit):
 
 
 def test_nan_or_fraction_in_discrete_variable(mixed_circuit):
-    with pytest.raises(ValueError, match=r"x\[1, 0\] = nan.*variable 0 \(Categorical"):
+    with pytest.raises(ValueError, match=r"x\[1, 0\] = nan.*variable 0 \(Categorical.*missing= instead of NaN$"):
         mixed_circuit.log_prob(mixed_circuit.params, np.array([[1.0, 0.0], [np.nan, 0.5]]))
+    with pytest.raises(ValueError, match=r"x\[1, 1\] = -inf.*missing= instead of -inf$"):  # (its own word for inf)
+        mixed_circuit.log_prob(mixed_circuit.params, np.array([[1.0, 0.0], [1.0, -np.inf]]))
     with pytest.raises(ValueError, match=r"x\[0, 0\] = 1.5 is out of range"):
         mixed_circuit.log_prob(mixed_circuit.params, np.array([[1.5, 0.0]]))
 
