@@ -90,7 +90,14 @@ def entry_call(c, name: str):
     if name == "em_step_mpe":
         return lambda x, kw: c.em_step(c.params, x, step_size=0.1, pseudocount=0.1, **kw)
     import jax.numpy as jnp
-    return lambda x, kw: query_calls(c, jnp.asarray, **kw)[name](x)
+    made: dict = {}  # per options, the calls (their mask moved to the device once)
+
+    def call(x, kw):
+        key = kw.get("options")
+        if key not in made:
+            made[key] = query_calls(c, jnp.asarray, **kw)
+        return made[key][name](x)
+    return call
 
 
 def with_base(options, base: dict):
