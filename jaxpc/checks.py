@@ -191,6 +191,13 @@ def _is_tracer(a) -> bool:
     return isinstance(a, jax.core.Tracer)
 
 
+def check_key(key, who: str = "") -> None:
+    """Raise a ``TypeError`` where ``key`` is not an array (a PRNG key, typed or raw; tracers pass); ``who`` prefixes
+    the message (``"init_params: "``)."""
+    if not isinstance(key, (jax.Array, np.ndarray)):
+        raise TypeError(f"{who}key must be a PRNG key such as jax.random.key(0), got {type(key).__name__}")
+
+
 def check_batch(info: VarInfo, x, missing, *, check_values: bool, float_dtype, what: str = "x"):
     """Check ``x`` ``[B, V]`` and ``missing`` (``bool[V]`` or ``bool[B, V]``): shapes and dtypes always, values of
     host data with ``check_values``. Returns ``(x, missing, on_device)`` as jnp arrays; ``on_device``: ``x`` was a

@@ -119,8 +119,7 @@ class Circuit:
 
     def init_params(self, key: Array) -> Params:
         """A fresh random draw of all parameters (normalized), keyed by ``key`` (jittable, vmappable)."""
-        if not isinstance(key, (jax.Array, np.ndarray)):
-            raise TypeError(f"init_params: key must be a PRNG key such as jax.random.key(0), got {type(key).__name__}")
+        checks.check_key(key, "init_params: ")
         return self.runtime.run("init", {}, {"tables": self.tables, "key": key})
 
     def _initial_params(self, seed: int) -> Params:

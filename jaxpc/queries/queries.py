@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import checks
 from ..engine import forward, routing, select, stages
 from ..options import Options
 from ..runtime import VALIDATE, Batch, mask_key
@@ -313,8 +314,7 @@ def sample(circuit, params, key: Array, num_samples: int | None = None, *, x=Non
     by Gumbel-max on ``log w + child log-likelihood``, then every reached leaf draws its value. ``options``: the
     forward's :class:`jaxpc.Options` (``precision``, ``impl``, ``tuning``; ``propagation`` must stay ``"LL"``).
     """
-    if not isinstance(key, (jax.Array, np.ndarray)):
-        raise TypeError(f"key must be a PRNG key such as jax.random.key(0), got {type(key).__name__}")
+    checks.check_key(key)
     replay = _replay_query(circuit, "sample", x, missing, num_samples, options, validate, params=params, key=key)
     if replay[1] is not None:
         return replay[1]
