@@ -45,6 +45,6 @@ def check_leaf_values(name: str, x: np.ndarray, dist) -> None:
             return
     b, v = (int(i) for i in np.argwhere(bad)[0])
     n_bad = int(bad.sum())
-    accepts = f"integers in [{lo}, {hi - 1}]" if hi is not None else f"integers >= {lo}"
     more = f" ({n_bad} bad entries in all)" if n_bad > 1 else ""
-    raise ValueError(f"{name}: x[{b}, {v}] = {x[b, v]} is not a value of the leaves ({dist!r} accepts {accepts}){more}")
+    raise ValueError(f"{name}: x[{b}, {v}] = {x[b, v]} is not a value of the leaves ({dist!r} accepts "
+                     f"{dist.describe_values()}){more}")
