@@ -103,10 +103,10 @@ def child(workload: str, batch: int, entry: str, options: dict) -> None:
             steps.append(time.perf_counter() - t)
         return round(1e3 * float(np.median(steps[5:])), 3)
 
+    first = dict(workload=workload, batch=batch, entry=entry, build_s=round(t1 - t0, 2), compile_s=round(t2 - t1, 2),
+                 first_call_s=round(t4 - t3, 3))
     if os.environ.get("PROBE_ONE_CALL"):  # a script that calls once and ends: the parent times its exit
-        print("RESULT " + json.dumps(dict(workload=workload, batch=batch, entry=entry, build_s=round(t1 - t0, 2),
-                                          compile_s=round(t2 - t1, 2), first_call_s=round(t4 - t3, 3),
-                                          store_s={k: round(v, 3) for k, v in store_s.items()},
+        print("RESULT " + json.dumps(dict(**first, store_s={k: round(v, 3) for k, v in store_s.items()},
                                           result_at=time.time())), flush=True)
         return
     first_steps = step_ms()  # the quick compile's, where the optimized one is still compiling
@@ -117,9 +117,7 @@ def child(workload: str, batch: int, entry: str, options: dict) -> None:
         c.wait_compiled()
     upgrade = time.perf_counter() - t5
     ev = {k.rsplit("/", 1)[-1]: round(v, 3) for k, v in events.items() if v > 0.01}
-    print("RESULT " + json.dumps(dict(workload=workload, batch=batch, entry=entry, build_s=round(t1 - t0, 2),
-                                      compile_s=round(t2 - t1, 2), first_call_s=round(t4 - t3, 3),
-                                      first_steps_ms=first_steps, upgrade_wait_s=round(upgrade, 2),
+    print("RESULT " + json.dumps(dict(**first, first_steps_ms=first_steps, upgrade_wait_s=round(upgrade, 2),
                                       step_ms=None if quick_only else step_ms(), events=ev,
                                       store_s={k: round(v, 3) for k, v in store_s.items()}, profile=top,
                                       host_trace=host,
