@@ -4,19 +4,24 @@ parameters and optimizer states.
 Structure files (:func:`save_structure` / :func:`load_structure`) are one ``.npz`` archive (no pickle:
 it is read with ``allow_pickle=False``) holding
 
-* ``__header__``: UTF-8 JSON, ``{"format": "jaxpc.structure", "version": 1, "root": i, "nodes": [...]}``.
+* ``__header__``: UTF-8 JSON, ``{"format": "jaxpc.structure", "version": 2, "root": i, "nodes": [...]}``.
   Nodes are listed children first (and a tied vector after the vector it is tied to); each entry has
   its ``kind`` (``input``/``prod``/``sum``), ``name``, ``num_node_blocks``, ``block_size``,
   ``children`` (indices), ``source`` (index of the vector it is tied to, or null), for inputs ``var``
-  and ``dist`` (``{"type": "Categorical", "args": {"num_cats": 5}}``), and the names of its arrays;
+  and ``dist`` (``{"type": "Categorical", "args": {"num_cats": 5}}``), for sums with gates
+  (:meth:`~jaxpc.nodes.SumNodes.set_gates`) ``gates`` (``{"block_size": b, "tie_to": index or null}``),
+  and the names of its arrays;
 * the arrays, named ``n<i>.edge_ids`` and ``n<i>.params.<field>`` (parameters given at construction,
   in float64 as the nodes hold them: sum blocks ``[E, Kp, Kc]``, input natural-parameter fields).
 
 Loading rebuilds node vectors through :func:`jaxpc.inputs` / :func:`~jaxpc.multiply` /
 :func:`~jaxpc.summate` (so a damaged file fails with their checks) with the same edges, block sizes,
 ties, distributions and given parameters: compiling the loaded root gives the same ``circuit.params``
-bit for bit. Readers refuse files of a newer ``version``. Distributions outside :mod:`jaxpc.distributions` can
-take part through :func:`register_distribution`.
+bit for bit, and the same sum gates (:attr:`jaxpc.Circuit.num_gates`, :meth:`~jaxpc.Circuit.gate_slice`).
+A file that is not a structure file, or whose header is damaged, raises a ``ValueError`` naming the file
+and the damage. Versions: 1 has no ``gates`` (its sums have none); 2 adds them. Readers read every older
+version and refuse newer ones. Distributions outside :mod:`jaxpc.distributions` can take part through
+:func:`register_distribution`.
 
 Checkpoints (:func:`save_params` / :func:`load_params`) go through orbax (``pip install
 orbax-checkpoint``): a directory with the parameter pytree, an optional optimizer state (optax's or
@@ -27,20 +32,25 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
+import zlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
+from numpy.lib.npyio import NpzFile
 
 from .distributions import (
     Bernoulli,
     Categorical,
     DiscreteLogistic,
     Distribution,
+    External,
     Gaussian,
     Indicator,
     Literal,
     MaskedCategorical,
+    SoftEvidenceCategorical,
 )
 from .nodes import CircuitNodes, InputNodes, ProdNodes, SumNodes, inputs, multiply, summate, topological_order
 from .nodes.nodes import check_smooth
@@ -49,7 +59,7 @@ __all__ = ["FORMAT", "VERSION", "save_structure", "load_structure", "register_di
            "load_params", "Checkpoint"]
 
 FORMAT = "jaxpc.structure"
-VERSION = 1
+VERSION = 2  # 2: sum gates
 
 # type name -> (class, encode(dist) -> JSON-able dict, decode(dict) -> dist)
 _DISTS: dict[str, tuple[type, Callable, Callable]] = {}
@@ -75,6 +85,9 @@ register_distribution(DiscreteLogistic,
                       lambda a: DiscreteLogistic(tuple(a["val_range"]), a["num_cats"], a["min_std"]))
 register_distribution(Indicator, lambda d: {"num_states": d.num_states}, lambda a: Indicator(**a))
 register_distribution(Literal, lambda d: {"lit": d.lit}, lambda a: Literal(**a))
+register_distribution(SoftEvidenceCategorical, lambda d: {"num_cats": d.num_cats},
+                      lambda a: SoftEvidenceCategorical(**a))
+register_distribution(External, lambda d: {}, lambda a: External())
 
 
 def _encode_dist(d) -> dict:
@@ -85,12 +98,20 @@ def _encode_dist(d) -> dict:
                     f" register one with jaxpc.io.register_distribution")
 
 
-def _decode_dist(spec: dict, where: str):
-    name = spec.get("type")
+class _Damaged(ValueError):
+    """A structure file's header or arrays do not describe a valid graph (re-raised naming the file)."""
+
+
+def _decode_dist(spec, where: str):
+    name = spec.get("type") if isinstance(spec, dict) else None
     if name not in _DISTS:
-        raise ValueError(f"load_structure: {where} uses distribution {name!r}, which is not registered "
-                         f"(known: {sorted(_DISTS)})")
-    return _DISTS[name][2](spec.get("args", {}))
+        raise ValueError(f"{where} uses distribution {name!r}, which is not registered with "
+                         f"jaxpc.io.register_distribution (known: {sorted(_DISTS)})")
+    args = spec.get("args", {})
+    try:
+        return _DISTS[name][2](args)
+    except (TypeError, ValueError, KeyError) as e:
+        raise _Damaged(f"{where} has invalid arguments {args!r} for distribution {name!r}: {e}") from None
 
 
 def save_structure(root_or_circuit, path) -> None:
@@ -127,6 +148,8 @@ def save_structure(root_or_circuit, path) -> None:
         elif isinstance(ns, SumNodes) and ns.own_params is not None:
             entry["params"] = ["blocks"]
             arrays[f"n{i}.params.blocks"] = np.asarray(ns.own_params)
+        if isinstance(ns, SumNodes) and ns.gates is not None:
+            entry["gates"] = {"block_size": ns.gates.block_size, "tie_to": _gate_tie_index(ns, index)}
         nodes.append(entry)
     from . import __version__
 
@@ -137,56 +160,151 @@ def save_structure(root_or_circuit, path) -> None:
         np.savez_compressed(f, **arrays)
 
 
+def _gate_tie_index(ns: SumNodes, index: dict[int, int]) -> int | None:
+    tie = ns.gates.tie_to
+    if tie is None:
+        return None
+    if tie.id not in index:
+        raise ValueError(f"save_structure: {ns.name} reads the gates of {tie.name}, which is not part of the saved "
+                         f"graph (jaxpc.compile would reject it too)")
+    return index[tie.id]
+
+
+def _read_npz(path) -> tuple[dict, dict[str, np.ndarray]]:
+    """``(header, arrays)`` of a structure file; a file that is not one raises ``ValueError``."""
+    not_ours = f"load_structure: {path} is not a jaxpc structure file"
+    try:
+        z = np.load(os.fspath(path), allow_pickle=False)
+    except (ValueError, EOFError, zipfile.BadZipFile):
+        raise ValueError(f"{not_ours} (not an .npz archive)") from None
+    if not isinstance(z, NpzFile):
+        raise ValueError(f"{not_ours} (a single .npy array, not an .npz archive)")
+    with z:
+        if "__header__" not in z.files:
+            raise ValueError(f"{not_ours} (no __header__)")
+        try:
+            header = json.loads(bytes(z["__header__"]).decode("utf-8"))
+            arrays = {k: z[k] for k in z.files if k != "__header__"}
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+            raise ValueError(f"load_structure: {path} is damaged: unreadable header or arrays ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{not_ours} (its __header__ is not a JSON object)")
+    return header, arrays
+
+
+def _field(e: dict, key: str, where: str, types: type | tuple[type, ...], optional: bool = False):
+    """``e[key]`` checked against ``types`` (bools are not ints); a missing or null field is damage unless
+    ``optional`` (then it reads as None)."""
+    v = e.get(key)
+    if v is None:
+        if optional:
+            return None
+        raise _Damaged(f"{where} has no {key!r} field")
+    types = types if isinstance(types, tuple) else (types,)
+    if isinstance(v, types) and not (isinstance(v, bool) and bool not in types):
+        return v
+    raise _Damaged(f"{where} has an invalid {key!r} field: {v!r}")
+
+
+def _ref(i: Any, upper: int, what: str, where: str, among: str = "a node listed before it") -> int:
+    """A node index in ``[0, upper)``: children and sources are listed before the nodes that use them."""
+    if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < upper:
+        span = f"0..{upper - 1}" if upper else "there is none"
+        raise _Damaged(f"{where} has {what} {i!r}, which is not the index of {among} ({span})")
+    return i
+
+
+def _array(arrays: dict[str, np.ndarray], key: str, where: str) -> np.ndarray:
+    if key not in arrays:
+        raise _Damaged(f"{where} misses its array {key!r}")
+    return arrays[key]
+
+
 def load_structure(path) -> CircuitNodes:
     """Read a file written by :func:`save_structure`; returns the root vector (compile it with
-    :func:`jaxpc.compile`)."""
-    with np.load(os.fspath(path), allow_pickle=False) as z:
-        if "__header__" not in z.files:
-            raise ValueError(f"load_structure: {path} is not a jaxpc structure file (no __header__)")
-        header = json.loads(bytes(z["__header__"]).decode("utf-8"))
-        arrays = {k: z[k] for k in z.files if k != "__header__"}
+    :func:`jaxpc.compile`). A file that is not a structure file, or a damaged one, raises ``ValueError``."""
+    header, arrays = _read_npz(path)
     if header.get("format") != FORMAT:
         raise ValueError(f"load_structure: {path} has format {header.get('format')!r}, expected {FORMAT!r}")
     version = header.get("version")
     if not isinstance(version, int) or version > VERSION or version < 1:
         raise ValueError(f"load_structure: {path} has format version {version!r}; this jaxpc reads versions "
                          f"1..{VERSION} (upgrade jaxpc to read newer files)")
+    try:
+        return _build(header, arrays)
+    except _Damaged as e:
+        raise ValueError(f"load_structure: {path} is damaged: {e}") from None
+    except ValueError as e:  # an unregistered distribution, or a check of inputs / multiply / summate / set_gates
+        raise ValueError(f"load_structure: {path}: {e}") from None
+
+
+def _build(header: dict, arrays: dict[str, np.ndarray]) -> CircuitNodes:
+    """The root vector of a structure file's header and arrays; damage raises :class:`_Damaged`."""
+    entries = _field(header, "nodes", "the header", list)
+    if not entries:
+        raise _Damaged("the header lists no nodes")
+    root = _ref(_field(header, "root", "the header", int), len(entries), "root", "the header", "a node of the file")
     built: list[CircuitNodes] = []
-    for i, e in enumerate(header["nodes"]):
-        where = f"node {i} ({e.get('name')!r})"
-        children = [built[c] for c in e["children"]]
-        src = None if e["source"] is None else built[e["source"]]
-        nb, bs, name = int(e["num_node_blocks"]), int(e["block_size"]), e["name"]
-        params = {k: arrays[f"n{i}.params.{k}"] for k in e.get("params", [])}
-        if e["kind"] == "input":
-            dist = _decode_dist(e["dist"], where)
+    gates: dict[int, dict] = {}
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict):
+            raise _Damaged(f"node {i} is not a JSON object: {e!r}")
+        name = _field(e, "name", f"node {i}", str)
+        where = f"node {i} ({name!r})"
+        kind = _field(e, "kind", where, str)
+        nb = _field(e, "num_node_blocks", where, int)
+        bs = _field(e, "block_size", where, int)
+        children = [built[_ref(c, i, "child", where)] for c in _field(e, "children", where, list)]
+        source = _field(e, "source", where, int, optional=True)
+        src = None if source is None else built[_ref(source, i, "source", where)]
+        params = {k: _array(arrays, f"n{i}.params.{k}", where) for k in _field(e, "params", where, list, True) or []}
+        if kind == "input":
+            var = _field(e, "var", where, int)
+            dist = _decode_dist(_field(e, "dist", where, dict), where)
             if src is None:
-                ns = inputs(int(e["var"]), num_node_blocks=nb, block_size=bs, dist=dist, name=name)
+                ns = inputs(var, num_node_blocks=nb, block_size=bs, dist=dist, name=name)
             else:
-                ns = InputNodes(int(e["var"]), nb, bs, dist, source=src, name=name)
+                ns = InputNodes(var, nb, bs, dist, source=src, name=name)
             if params:
                 ns.load_params(params)
-        elif e["kind"] == "prod":
-            ns = multiply(*children, edge_ids=arrays[f"n{i}.edge_ids"], name=name)
+        elif kind == "prod":
+            ns = multiply(*children, edge_ids=_array(arrays, f"n{i}.edge_ids", where), name=name)
             if ns.block_size != bs or ns.num_node_blocks != nb:
-                raise ValueError(f"load_structure: {where} does not match its recorded sizes")
-        elif e["kind"] == "sum":
-            edge_ids = arrays[f"n{i}.edge_ids"]
+                raise _Damaged(f"{where} does not match its recorded sizes")
+        elif kind == "sum":
+            edge_ids = np.asarray(_array(arrays, f"n{i}.edge_ids", where))
+            if edge_ids.ndim != 2 or edge_ids.shape[0] != 2 or not np.issubdtype(edge_ids.dtype, np.integer):
+                raise _Damaged(f"{where} has edge ids of shape {edge_ids.shape} and dtype {edge_ids.dtype}, "
+                               f"expected integers of shape [2, num_edge_blocks]")
+            if not children:
+                raise _Damaged(f"{where} is a sum without children")
             if src is None:
                 ns = summate(*children, num_node_blocks=nb, block_size=bs, edge_ids=edge_ids, name=name)
             else:
                 ns = SumNodes(tuple(children), nb, bs, np.asarray(edge_ids, np.int64), source=src, name=name)
                 check_smooth(ns)
             if params:
+                if set(params) != {"blocks"}:
+                    raise _Damaged(f"{where} has sum parameters {sorted(params)}, expected ['blocks']")
                 blocks = np.asarray(params["blocks"], np.float64)
                 if blocks.shape != (edge_ids.shape[1], bs, ns.ch_block_size) or not np.all(np.isfinite(blocks)) \
                         or np.any(blocks < 0):
-                    raise ValueError(f"load_structure: {where} has invalid sum parameters")
+                    raise _Damaged(f"{where} has invalid sum parameters")
                 ns.load_params(blocks)
+            g = _field(e, "gates", where, dict, optional=True)
+            if g is not None:
+                gates[i] = g
         else:
-            raise ValueError(f"load_structure: {where} has unknown kind {e['kind']!r}")
+            raise _Damaged(f"{where} has unknown kind {kind!r}")
         built.append(ns)
-    return built[int(header["root"])]
+    # gate ties may point at a vector listed later, so gates are set once every vector exists
+    for i, g in gates.items():
+        where = f"node {i} ({built[i].name!r})"
+        gbs = _field(g, "block_size", f"{where}'s gates", int)
+        tie = _field(g, "tie_to", f"{where}'s gates", int, optional=True)
+        tie_ns = None if tie is None else built[_ref(tie, len(built), "gates tied to", where, "a node of the file")]
+        built[i].set_gates(gbs, tie_to=tie_ns)
+    return built[root]
 
 
 # ---- orbax checkpoints ---------------------------------------------------------------------------
@@ -215,11 +333,13 @@ def save_params(path, params, opt_state=None, *, step: int | None = None, overwr
         params: a params pytree (``circuit.params``-shaped, or an nnx state).
         opt_state: e.g. ``tx.init(params)`` of an optax or :mod:`jaxpc.optim` optimizer (NamedTuples are
             restored as such when :func:`load_params` is given a template).
-        step: e.g. the number of epochs done (to resume ``fit`` with ``start_epoch=step``).
+        step: a non-negative int, e.g. the number of epochs done (to resume ``fit`` with ``start_epoch=step``).
     """
     ocp = _orbax()
     if step is not None and (not isinstance(step, (int, np.integer)) or isinstance(step, bool)):
-        raise TypeError(f"save_params: step must be an int, got {type(step).__name__}")
+        raise TypeError(f"save_params: step must be a non-negative int, got {type(step).__name__} {step!r}")
+    if step is not None and step < 0:
+        raise ValueError(f"save_params: step must be a non-negative int, got {step}")
     tree = {"params": params, "step": np.asarray(-1 if step is None else step, np.int64)}
     if opt_state is not None:
         tree["opt_state"] = opt_state
@@ -263,8 +383,37 @@ def load_params(path, *, params=None, opt_state=None) -> Checkpoint:
                 raise ValueError("load_params: the checkpoint holds an optimizer state; pass opt_state=<template> "
                                  "(e.g. tx.init(params)) to restore it")
             target["opt_state"] = opt_state
+        _check_template(path, getattr(tree_meta, "tree", tree_meta), target)
         abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, target)
         raw = ck.restore(path, abstract)
         out_p, out_s = raw["params"], raw.get("opt_state")
         step = int(raw["step"])
     return Checkpoint(out_p, out_s if has_opt else None, None if step < 0 else step)
+
+
+def _leaf_shapes(tree) -> dict[str, tuple[int, ...] | None]:
+    """``{"params.sum.4x4": shape}`` for the leaves of a pytree (dict keys, sequence indices and attribute names
+    alike, as orbax stores them); None where a leaf has no shape."""
+    import jax
+
+    def part(k) -> str:
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                return str(getattr(k, attr))
+        return str(k)
+
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {".".join(part(k) for k in p): (tuple(leaf.shape) if hasattr(leaf, "shape") else None) for p, leaf in leaves}
+
+
+def _check_template(path: str, stored, target) -> None:
+    """Raise ``ValueError`` naming the first template leaf whose shape differs from the stored one (orbax would
+    fail deep inside its restore); leaves the stored tree lacks are left to orbax."""
+    have = _leaf_shapes(stored)
+    for name, shape in _leaf_shapes(target).items():
+        if name == "step" or shape is None or have.get(name) is None:
+            continue
+        if have[name] != shape:
+            raise ValueError(f"load_params: {path} stores {name} with shape {list(have[name])}, but the template "
+                             f"has shape {list(shape)}; the templates must come from the circuit (and optimizer) "
+                             f"that the checkpoint was saved from")

@@ -2,6 +2,7 @@
 states; a resumed fit equals an uninterrupted one bit for bit."""
 
 import json
+import re
 import zipfile
 
 import jax
@@ -42,6 +43,11 @@ def _assert_same_graph(a, b):
                     assert x._params[k].dtype == y._params[k].dtype
         if x.is_sum():
             assert x.ch_block_size == y.ch_block_size
+            assert (x.gates is None) == (y.gates is None)
+            if x.gates is not None:
+                assert x.gates.block_size == y.gates.block_size
+                assert (None if x.gates.tie_to is None else ia[x.gates.tie_to.id]) == \
+                    (None if y.gates.tie_to is None else ib[y.gates.tie_to.id])
             assert (x._params is None) == (y._params is None)
             if x._params is not None:
                 np.testing.assert_array_equal(x._params, y._params)
@@ -123,6 +129,98 @@ def test_structure_files_are_checked(tmp_path):
     assert type(loaded.children[0].dist) is Custom
 
 
+def _gated_root():
+    """Two parameter-tied sums whose gates are tied, the first to the second (listed after it in the file), one
+    gate per parent node; a gated root (one gate per edge block)."""
+    cat = distributions.Categorical(3)
+    a, b, c, d = (jaxpc.inputs(v, 2, 2, cat) for v in range(4))
+    s01 = jaxpc.summate(jaxpc.multiply(a, b), num_node_blocks=2, block_size=2, name="s01")
+    s23 = s01.duplicate(jaxpc.multiply(c, d), tie_params=True, name="s23").set_gates(1)
+    s01.set_gates(tie_to=s23)
+    return jaxpc.summate(jaxpc.multiply(s01, s23), num_nodes=1, name="root").set_gates()
+
+
+def test_sum_gates_round_trip(tmp_path):
+    root = _gated_root()
+    loaded = _roundtrip(root, tmp_path)
+    _assert_same_graph(root, loaded)
+    c1, c2 = jaxpc.compile(root, seed=0), jaxpc.compile(loaded, seed=0)
+    assert c1.num_gates == c2.num_gates == 4 * 2 + 2  # s23: 4 edge blocks of 2 parent nodes; root: 2 edge blocks
+    for x, y in zip(c1.nodes, c2.nodes):
+        if x.is_sum():
+            assert c1.gate_slice(x) == c2.gate_slice(y)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 3, (5, 4)).astype(np.int32)
+    ev = {"sum_gates": rng.normal(size=(5, c1.num_gates)).astype(np.float32)}
+    np.testing.assert_array_equal(np.asarray(c1.log_prob(c1.params, x, evidence=ev)),
+                                  np.asarray(c2.log_prob(c2.params, x, evidence=ev)))
+    # a version 1 file (no gates) still loads, without gates
+    with np.load(tmp_path / "c.jpc", allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    header = json.loads(bytes(arrays["__header__"]).decode())
+    header["version"] = 1
+    for e in header["nodes"]:
+        e.pop("gates", None)
+    arrays["__header__"] = np.frombuffer(json.dumps(header).encode(), np.uint8)
+    np.savez(tmp_path / "v1.npz", **arrays)
+    assert all(ns.gates is None for ns in topological_order(io.load_structure(tmp_path / "v1.npz")) if ns.is_sum())
+    s01 = root.children[0].children[0]
+    outside = jaxpc.summate(*s01.children, num_node_blocks=2, block_size=2).set_gates()
+    s01.set_gates(tie_to=outside)
+    with pytest.raises(ValueError, match="reads the gates of .* which is not part of the saved graph"):
+        io.save_structure(root, tmp_path / "out.npz")
+
+
+def test_evidence_leaves_round_trip(tmp_path):
+    soft = jaxpc.inputs(0, 2, dist=distributions.SoftEvidenceCategorical(3), params=np.full((2, 3), 1 / 3))
+    ext = jaxpc.inputs(1, 2, dist=distributions.External())
+    root = jaxpc.summate(jaxpc.multiply(soft, ext), num_nodes=1)
+    loaded = _roundtrip(root, tmp_path)
+    _assert_same_graph(root, loaded)
+    c1, c2 = jaxpc.compile(root), jaxpc.compile(loaded)
+    rng = np.random.default_rng(0)
+    x = np.zeros((3, 2), np.int32)
+    ev = {"categorical_logp": rng.normal(size=(3, 2, 3)).astype(np.float32),
+          "external": rng.normal(size=(3, 2, 2)).astype(np.float32)}
+    np.testing.assert_array_equal(np.asarray(c1.log_prob(c1.params, x, evidence=ev)),
+                                  np.asarray(c2.log_prob(c2.params, x, evidence=ev)))
+
+
+DAMAGE = {
+    "child index": (lambda h, a: h["nodes"][1].update(children=[5]), r"node 1 .* has child 5, which is not the index"),
+    "root index": (lambda h, a: h.update(root=9), "the header has root 9, which is not the index of a node"),
+    "no var": (lambda h, a: h["nodes"][0].pop("var"), "node 0 .* has no 'var' field"),
+    "kind": (lambda h, a: h["nodes"][0].update(kind="leaf"), "node 0 .* has unknown kind 'leaf'"),
+    "nodes": (lambda h, a: h.update(nodes={}), "the header has an invalid 'nodes' field"),
+    "edge array": (lambda h, a: a.pop("n1.edge_ids"), "node 1 .* misses its array 'n1.edge_ids'"),
+    "distribution": (lambda h, a: h["nodes"][0].update(dist={"type": "Nope"}), "'Nope', which is not registered"),
+}
+
+
+@pytest.mark.parametrize("what", list(DAMAGE))
+def test_damaged_structure_files_name_the_file_and_the_damage(what, tmp_path):
+    root = jaxpc.summate(jaxpc.inputs(0, 2, dist=distributions.Categorical(3)), num_nodes=1)
+    io.save_structure(root, tmp_path / "ok.npz")
+    with np.load(tmp_path / "ok.npz", allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    header = json.loads(bytes(arrays["__header__"]).decode())
+    edit, message = DAMAGE[what]
+    edit(header, arrays)
+    arrays["__header__"] = np.frombuffer(json.dumps(header).encode(), np.uint8)
+    path = tmp_path / "bad.npz"
+    np.savez(path, **arrays)
+    with pytest.raises(ValueError, match=f"load_structure: {re.escape(str(path))}.*{message}"):
+        io.load_structure(path)
+
+
+def test_files_that_are_not_structure_files(tmp_path):
+    (tmp_path / "text.npz").write_text("hello")
+    np.save(tmp_path / "array.npy", np.zeros(3))
+    for name in ("text.npz", "array.npy"):
+        with pytest.raises(ValueError, match=f"{re.escape(str(tmp_path / name))} is not a jaxpc structure file"):
+            io.load_structure(tmp_path / name)
+
+
 def test_params_and_optimizer_states_round_trip(tmp_path):
     circuit, _, data = _small_circuit()
     for i, tx in enumerate((optax.adam(0.01), optim.full_batch_em(circuit, 2, 0.1))):
@@ -146,6 +244,13 @@ def test_params_and_optimizer_states_round_trip(tmp_path):
     with pytest.raises(ValueError, match="already exists"):
         io.save_params(tmp_path / "p", circuit.params)  # exists
     io.save_params(tmp_path / "p", circuit.params, overwrite=True)
+    with pytest.raises(ValueError, match="step must be a non-negative int, got -1"):
+        io.save_params(tmp_path / "neg", circuit.params, step=-1)
+    with pytest.raises(TypeError, match="step must be a non-negative int, got float 2.0"):
+        io.save_params(tmp_path / "neg", circuit.params, step=2.0)
+    other = jax.tree_util.tree_map(lambda a: np.zeros(a.shape[:-1] + (a.shape[-1] + 1,), a.dtype), circuit.params)
+    with pytest.raises(ValueError, match=r"stores params\.\S+ with shape \[.*\], but the template has shape"):
+        io.load_params(tmp_path / "p", params=other)
 
 
 @pytest.mark.parametrize("kind", cases(["em", "adam"], fast=[]))
