@@ -186,3 +186,18 @@ def test_counts_kernel_route_and_shapes():
         assert routing.leaf_kernel(c.layout, c.params, jaxpc.Options(tuning=jaxpc.Tuning(leaf_batch=16)), batch=16)
         assert not routing.leaf_kernel(c.layout, c.params, jaxpc.Options(tuning=jaxpc.Tuning(counts_batch=16)),
                                        batch=16)
+
+
+def test_gaussian_sigma_below_min_sigma_is_an_error():
+    """A given sigma below min_sigma raises (lifting it would silently change the density); one a float32 rounding
+    below it (as read back from a circuit's parameters) is taken as min_sigma; random initialization stays above."""
+    g = distributions.Gaussian(min_sigma=0.5)
+    want = r"lo: Gaussian sigma must be >= min_sigma=0.5, got \[0.1\] at node\(s\) \[1\]"
+    with pytest.raises(ValueError, match=want):
+        jaxpc.inputs(0, 2, dist=g, params={"mu": [0.0, 0.0], "sigma": [1.0, 0.1]}, name="lo")
+    x = jaxpc.inputs(0, 1, dist=g, params={"mu": [0.0], "sigma": [0.5 * (1 - 1e-7)]})
+    c = jaxpc.compile(jaxpc.summate(x, num_nodes=1))
+    np.testing.assert_allclose(c.get_node_params(c.params, x)["sigma"], [0.5], rtol=1e-6)
+    wide = jaxpc.inputs(0, 8, dist=distributions.Gaussian(min_sigma=1.2))
+    c = jaxpc.compile(jaxpc.summate(wide, num_nodes=1), seed=0)
+    assert np.all(np.asarray(c.get_node_params(c.params, wide)["sigma"]) >= 1.2 * (1 - 1e-6))

@@ -15,6 +15,7 @@ import numpy as np
 from .base import Distribution, blend, reduce_missing, segment_sum
 
 _LOG_2PI = math.log(2.0 * math.pi)
+_SIGMA_RTOL = 1e-5  # how far below Gaussian.min_sigma a given sigma may sit: float32 rounding of exp(log_scale)
 
 
 def _moments(values, mean_missing, second_missing, rows, mv, flows, num_rows):
@@ -45,7 +46,8 @@ def _moment_update(mu, var, stats, pseudocount, min_std):
 class Gaussian(Distribution):
     """Normal density with mean ``mu`` and standard deviation ``sigma >= min_sigma``.
 
-    Natural params: ``{"mu": [num_nodes], "sigma": [num_nodes]}``.
+    Natural params: ``{"mu": [num_nodes], "sigma": [num_nodes]}``; a given ``sigma`` below ``min_sigma`` is an
+    error (random initialization draws ``sigma`` in ``[0.5, 1.5)``, lifted to ``min_sigma``).
     EM: ``mu' = (S1 + c mu) / (S0 + c)``, ``sigma'^2 = (S2 + c (mu^2 + sigma^2)) / (S0 + c) - mu'^2``
     (clipped at ``min_sigma``), then ``mu, sigma`` blended with the step size.
     """
@@ -73,15 +75,23 @@ class Gaussian(Distribution):
                 raise ValueError(f"{where}: Gaussian {k} must have shape [{num_nodes}], got {natural[k].shape}")
             if not np.all(np.isfinite(natural[k])):
                 raise ValueError(f"{where}: Gaussian {k} must be finite")
-        if np.any(natural["sigma"] <= 0):
+        sigma = natural["sigma"]
+        if np.any(sigma <= 0):
             raise ValueError(f"{where}: Gaussian sigma must be positive")
+        # sigmas read back from float32 parameters may sit a rounding error below min_sigma: those are lifted to it
+        low = np.nonzero(sigma < self.min_sigma * (1.0 - _SIGMA_RTOL))[0]
+        if low.size:
+            raise ValueError(f"{where}: Gaussian sigma must be >= min_sigma={self.min_sigma}, got "
+                             f"{sigma[low[:5]].tolist()} at node(s) {low[:5].tolist()}"
+                             f"{f' (and {low.size - 5} more)' if low.size > 5 else ''}; lower min_sigma or raise sigma")
         return natural
 
     def natural_to_internal(self, natural):
         return {"mu": natural["mu"], "log_scale": np.log(np.maximum(natural["sigma"], self.min_sigma))}
 
     def init(self, rs, num_rows, tables):
-        return {"mu": rs.normal((num_rows,)), "log_scale": rs.xp.log(rs.uniform((num_rows,), 0.5, 1.5))}
+        sigma = rs.xp.maximum(rs.uniform((num_rows,), 0.5, 1.5), self.min_sigma)
+        return {"mu": rs.normal((num_rows,)), "log_scale": rs.xp.log(sigma)}
 
     def internal_to_natural(self, p, tables):
         return {"mu": p["mu"], "sigma": jnp.exp(p["log_scale"])}
