@@ -465,10 +465,24 @@ def test_prune_by_flows_keeps_ties_and_renormalizes():
         edit.prune(root, circuit, flows=flows)
     with pytest.raises(ValueError, match="keep_frac"):
         edit.prune(root, circuit, flows=flows, keep_frac=0.0)
-    with pytest.raises(ValueError, match=r"scores\[.*\] must be finite with shape"):
+    with pytest.raises(ValueError, match=r"scores\[.*\] must have shape \[num_edge_blocks\] = \[12\], got shape"):
         edit.prune(root, circuit, scores={s1: np.ones(3)}, threshold=0.5)
     with pytest.raises(ValueError, match="prune: .* is not part of"):
         edit.prune(hmm_like(3), circuit, flows=flows, keep_frac=0.5)
+
+
+def test_prune_rejects_non_finite_flows_and_scores():
+    root, s1, _ = _prune_circuit()
+    circuit = jaxpc.compile(root)
+    flows = circuit.flows(circuit.params, np.zeros((2, 4), np.int32))
+    pl = circuit.structure.sum_placement[s1.id]  # edge block 1 of s1 gets a NaN flow
+    bad = dict(flows, sum=dict(flows["sum"], **{pl.group: flows["sum"][pl.group].at[pl.start + 1].set(np.nan)}))
+    with pytest.raises(ValueError, match=r"flows of .* are non-finite \(NaN or inf\) at edge block\(s\) \[1\]"):
+        edit.prune(root, circuit, flows=bad, keep_frac=0.5)
+    sc = np.ones(12)
+    sc[[2, 5]] = [np.nan, np.inf]
+    with pytest.raises(ValueError, match=r"scores\[\S+\] has non-finite values \[nan, inf\] at edge block"):
+        edit.prune(root, circuit, scores={s1: sc}, keep_frac=0.5)
 
 
 # ----------------------------------------------------------------------------------------------

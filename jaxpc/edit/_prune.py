@@ -74,9 +74,13 @@ def _given_scores(nodes: Sequence[CircuitNodes], scores: Mapping, fn: str) -> di
         if not isinstance(ns, SumNodes) or ns.id not in in_graph:
             raise ValueError(f"{fn}: scores has a key that is not a sum vector of this graph: {ns!r}")
         sc = np.asarray(sc, dtype=np.float64)
-        if sc.shape != (ns.edge_ids.shape[1],) or not np.all(np.isfinite(sc)):
-            raise ValueError(f"{fn}: scores[{ns.name}] must be finite with shape [num_edge_blocks] = "
+        if sc.shape != (ns.edge_ids.shape[1],):
+            raise ValueError(f"{fn}: scores[{ns.name}] must have shape [num_edge_blocks] = "
                              f"[{ns.edge_ids.shape[1]}], got shape {sc.shape}")
+        bad = np.nonzero(~np.isfinite(sc))[0]
+        if bad.size:
+            raise ValueError(f"{fn}: scores[{ns.name}] has non-finite values {sc[bad[:5]].tolist()} at edge "
+                             f"block(s) {bad[:5].tolist()}; scores must be finite")
         k = ns.source.id
         group_scores[k] = group_scores.get(k, 0.0) + sc
     return group_scores
@@ -96,7 +100,13 @@ def _flow_scores(groups: dict[int, list[CircuitNodes]], flows, reader: Params, f
             except (KeyError, TypeError, IndexError):
                 raise ValueError(f"{fn}: flows has no entry ['sum'][{pl.group!r}]; pass a flows pytree of the "
                                  f"circuit (circuit.flows(params, x))") from None
-        group_scores[k] = host[pl.group][pl.start:pl.start + pl.num_edge_blocks].sum(axis=(1, 2))
+        block = host[pl.group][pl.start:pl.start + pl.num_edge_blocks]
+        bad = np.nonzero(~np.all(np.isfinite(block), axis=(1, 2)))[0]
+        if bad.size:
+            raise ValueError(f"{fn}: the flows of {src.name} (flows['sum'][{pl.group!r}]) are non-finite (NaN or "
+                             f"inf) at edge block(s) {bad[:5].tolist()}; pruning needs finite flows (a batch "
+                             f"with a NaN log-likelihood makes NaN flows)")
+        group_scores[k] = block.sum(axis=(1, 2))
     return group_scores
 
 
