@@ -131,6 +131,11 @@ def _leaf_sig(a) -> tuple:
     return (tuple(np.shape(a)), np.asarray(a).dtype, None)
 
 
+def _array_sig(a) -> tuple:
+    """A top-level array argument's shape and sharding (None for a tracer): :meth:`ExecutableCache.recent_key`."""
+    return a.shape, None if isinstance(a, jax.core.Tracer) else a.sharding
+
+
 def _tree_sig(val) -> tuple:
     leaves, tree = jax.tree_util.tree_flatten(val)
     return (tree, tuple(_leaf_sig(a) for a in leaves))
@@ -407,10 +412,13 @@ def optimized_xla(xla: dict) -> dict:
 
 
 def _signature(a):
-    """An argument's shape, dtype and sharding: what lowering reads of it."""
+    """An argument's shape, dtype and sharding: what lowering reads of it. An uncommitted array (made without a
+    device: ``jnp.asarray``, the tables) has no sharding here: the executable runs where the committed arguments
+    are, and moves it there."""
     if not hasattr(a, "shape"):
         return a
-    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None))
+    committed = getattr(a, "committed", True)
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None) if committed else None)
 
 
 def _lower(fn, static: dict, names: list, pack, sig: list):
@@ -586,11 +594,13 @@ class ExecutableCache:
     def recent_key(entry: str, static: dict, args: dict) -> tuple:
         """What picks the executable :meth:`run` tries first: the entry point, the static values, the tables'
         signature (memoized by identity: packed tables of another layout could have the same packed shapes), and
-        per other argument its shape where it is an array, else whether it is None. Cheap by design (no pytree is
-        flattened): the executable checks the rest."""
+        per other argument its shape and sharding where it is an array, else whether it is None. Cheap by design (no
+        pytree is flattened): the executable checks the rest. (An executable moves an uncommitted array where its
+        inputs go without refusing it: the sharding keeps a batch on one device from the executable of a batch split
+        over several.)"""
         return (entry, tuple(static.items()),
-                tuple(_TABLE_SIGS.get(v) if k == "tables" else v.shape if isinstance(v, jax.Array) else v is None
-                      for k, v in args.items()))
+                tuple(_TABLE_SIGS.get(v) if k == "tables" else _array_sig(v) if isinstance(v, jax.Array)
+                      else v is None for k, v in args.items()))
 
     # ---- running ------------------------------------------------------------------------------
     def run(self, entry: str, fn: Callable, static: dict, args: dict, fallback: Callable | None = None):

@@ -66,6 +66,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import checks
 from .engine import routing, stages
@@ -331,6 +332,18 @@ def _pinned_host(x: Array) -> bool:
         return False
 
 
+_UNSEEN = object()
+
+
+def _first_leaf(tree):
+    """The first array of a pytree of nested dicts (parameters, tables), or None."""
+    for _ in range(8):
+        if not isinstance(tree, dict):
+            return tree
+        tree = next((v for v in tree.values() if not isinstance(v, dict) or v), None)
+    return None
+
+
 class Runtime:
     """Per-circuit state of the call path (see the module docstring)."""
 
@@ -356,6 +369,8 @@ class Runtime:
         self._em_scalars: dict = {}  # (step_size, pseudocount) -> their device scalars
         self._kept: dict = {}  # key -> (weak reference to the source array, what was made from it)
         self._weight_routes: dict = {}  # (call key, bucket) -> routing.tree_weight_copies
+        self._placements: dict = {}  # a committed argument's sharding -> where the call runs (placement)
+        self._home = None  # the devices of the circuit's tables
         # whether the circuit's tree may run on clusters (its tables hold their schedules): only then does a call look
         # for kept weight copies (:meth:`tree_weights`)
         self.clusters = False
@@ -572,6 +587,45 @@ class Runtime:
         return self.constant(("replicated", id(tables), sharding),
                              lambda: jax.device_put(tables, sharding))
 
+    def placement(self, tables, x, params) -> Any:
+        """Where a call on ``x`` and ``params`` runs when either was committed to devices other than those of the
+        circuit's ``tables`` (``jax.device_put`` to a device, parameters replicated over a mesh by
+        :mod:`jaxpc.parallel`): their replicated sharding, with which the call places the tables (once) and its
+        constants. None where both sit on the tables' devices or are uncommitted (the default: nothing is placed). A
+        batch split over several devices, or data and parameters committed to different devices, raise a
+        ``ValueError`` naming where they are."""
+        where = None
+        for what, a in (("x", x), ("params", _first_leaf(params))):
+            if not isinstance(a, jax.Array) or isinstance(a, jax.core.Tracer) or not a.committed:
+                continue
+            s = a.sharding
+            target = self._placements.get(s, _UNSEEN)
+            if target is _UNSEEN:
+                if self._home is None:
+                    self._home = jax.tree_util.tree_leaves(tables)[0].sharding.device_set
+                if len(self._placements) >= 64:
+                    self._placements.clear()
+                target = self._placements[s] = self._target(s, what)
+            if where is not None and where[1] != target:
+                ids = [sorted(d.id for d in t.device_set) for t in (where[2], s)]
+                raise ValueError(f"{where[0]} and {what} are committed to different devices ({ids[0]} and {ids[1]}): "
+                                 "jax.device_put them to the same ones")
+            where = (what, target, s)
+        return None if where is None else where[1]
+
+    def _target(self, s, what: str) -> Any:
+        """:meth:`placement`'s answer for one committed argument's sharding ``s``."""
+        if s.device_set == self._home:
+            return None
+        if not s.is_fully_replicated:
+            raise ValueError(f"{what} is split over devices {sorted(d.id for d in s.device_set)}: a circuit's own "
+                             "methods run on one device or on replicated parameters; split a batch with "
+                             "jaxpc.parallel (mesh=...) or pass it whole")
+        if isinstance(s, NamedSharding):
+            return NamedSharding(s.mesh, PartitionSpec())
+        devices = sorted(s.device_set, key=lambda d: d.id)
+        return NamedSharding(Mesh(np.array(devices), ("devices",)), PartitionSpec())
+
     def scalar(self, value) -> Array:
         """A device scalar of the circuit's dtype for a Python number, made once per value."""
         if isinstance(value, (jax.Array, jax.core.Tracer)):
@@ -596,9 +650,10 @@ class Runtime:
             self._em_scalars[step_size, pseudocount] = out
         return out
 
-    def weights(self, ll_weights, n: int):
-        """Per-sample weights ``[n]`` of the circuit's dtype, or None. Host weights (numpy, lists) must be finite;
-        device arrays are taken as they are (their values would cost a host round trip)."""
+    def weights(self, ll_weights, n: int, nonnegative: bool = False):
+        """Per-sample weights ``[n]`` of the circuit's dtype, or None. Host weights (numpy, lists) must be finite,
+        and with ``nonnegative`` (an EM step's: a negative weight makes negative expected counts) >= 0; device arrays
+        are taken as they are (their values would cost a host round trip)."""
         if ll_weights is None:
             return None
         if not isinstance(ll_weights, jax.Array):
@@ -608,6 +663,10 @@ class Runtime:
             bad = np.flatnonzero(~np.isfinite(host.astype(np.float64).ravel()))
             if bad.size:
                 raise ValueError(f"ll_weights must be finite; ll_weights[{bad[0]}] is {host.ravel()[bad[0]]}")
+            neg = np.flatnonzero(host.ravel() < 0) if nonnegative else ()
+            if len(neg):
+                raise ValueError(f"ll_weights of an EM step must be >= 0 (a negative weight makes negative expected "
+                                 f"counts); ll_weights[{neg[0]}] is {host.ravel()[neg[0]]}")
         w = ll_weights if isinstance(ll_weights, jax.core.Tracer) else jnp.asarray(ll_weights, self.dtype)
         if w.shape != (n,):
             raise ValueError(f"ll_weights must have shape [{n}] (one weight per sample), got {tuple(w.shape)}")
@@ -646,6 +705,11 @@ class Runtime:
         if options is not None:
             static.update(options_key(options))
         args = dict(args)
+        if sharding is None and batch is not None and not batch.traced and "tables" in args:
+            placed = self.placement(args["tables"], batch.x, args.get("params"))
+            if placed is not None:  # the call runs where its data or parameters were put, the tables with it
+                sharding = placed
+                args["tables"] = self.replicated(args["tables"], placed)
         n = batch.n if batch is not None else None
         b = n
         if batch is not None:

@@ -398,3 +398,46 @@ def test_pmap_step_from_the_engine_equals_one_device(soft_hmm, n):
     np.testing.assert_allclose(np.asarray(ll).reshape(-1)[:b.n], ll_ref, rtol=1e-5)
     want = circuit.em_step(circuit.params, x, evidence=ev, step_size=0.7, pseudocount=0.1)
     assert _maxdiff(new, want) < 1e-5
+
+
+def test_circuit_methods_run_where_their_params_or_data_were_put(hmm):
+    """Parameters trained over a mesh (replicated there) and data committed to another device run the circuit's own
+    methods where they are, with the same answers as on the default device; a batch split over devices and data
+    and parameters on different devices are named errors."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    circuit, data, _ = hmm
+    c = jaxpc.compile(circuit.root, seed=3)
+    trained = parallel.em_step(c, c.params, data[:28], mesh=parallel.data_mesh(4), step_size=0.5)
+    host = jax.device_get(trained)
+    assert len(jax.tree_util.tree_leaves(trained)[0].sharding.device_set) == 4
+    for f in (lambda p: c.log_prob(p, data), lambda p: c.flows(p, data), lambda p: c.em_step(p, data),
+              lambda p: c.sample(p, jax.random.key(0), 5), lambda p: c.mpe(p, data)[1],
+              lambda p: optim.fit(c, p, data, 1, 8, progress=False).params):
+        assert _rel(f(trained), f(host)) < 1e-6
+    x1 = jax.device_put(data, jax.devices()[1])
+    ll = c.log_prob(c.params, x1)
+    assert ll.sharding.device_set == {jax.devices()[1]}
+    np.testing.assert_array_equal(np.asarray(ll), np.asarray(c.log_prob(c.params, data)))
+    split = jax.device_put(data[:28], NamedSharding(parallel.data_mesh(4), P("data")))
+    with pytest.raises(ValueError, match=r"x is split over devices \[0, 1, 2, 3\].*jaxpc.parallel"):
+        c.log_prob(c.params, split)
+    with pytest.raises(ValueError, match="committed to different devices"):
+        c.log_prob(jax.device_put(c.params, jax.devices()[2]), x1)
+
+
+def test_a_split_batch_leaves_the_next_batch_of_its_size_on_one_device(hmm):
+    """A call on a batch split over a mesh, padded to its bucket, does not hand its padding executable to the next
+    call of the same size on one device (which would split that batch over the mesh too)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    circuit, data, _ = hmm
+    c = jaxpc.compile(circuit.root, seed=3)
+    split = jax.device_put(data[:28], NamedSharding(parallel.data_mesh(4), P("data")))
+    parallel.flows(c, c.params, split)
+    for x in (data[:28], jnp.asarray(data[:28])):
+        ll = c.log_prob(c.params, x)
+        assert len(ll.sharding.device_set) == 1
+        np.testing.assert_array_equal(np.asarray(ll), np.asarray(circuit.log_prob(circuit.params, data[:28])))

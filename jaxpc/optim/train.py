@@ -269,8 +269,9 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
     run = _cached_epoch_fn(circuit, optimizer, options, normalize=normalize, mesh=mesh, num_samples=batch.n,
                            batch_size=bs, shuffle=shuffle, drop_remainder=drop_remainder,
                            missing_ndim=None if batch.missing is None else batch.missing.ndim, check=check)
-    if mesh is None:
-        tables = circuit.tables
+    if mesh is None:  # where the parameters or data were put (parameters trained over a mesh: replicated there)
+        placed = circuit.runtime.placement(circuit.tables, batch.x, params)
+        tables = circuit.tables if placed is None else circuit.runtime.replicated(circuit.tables, placed)
     else:
         tables = circuit.runtime.replicated(circuit.tables, NamedSharding(mesh, PartitionSpec()))
     return _run_epochs(circuit, run, tables, params, opt_state, batch, ev, key,
