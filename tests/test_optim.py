@@ -1,6 +1,7 @@
 """jaxpc.optim: normalization of logits, EM as optax-style transformations, gradient training that
 stays normalized, and whole-epoch fit executables against Python loops of the circuit's methods."""
 
+import functools
 import itertools
 
 import jax
@@ -270,3 +271,66 @@ def test_fit_and_transformations_reject_bad_arguments():
     other = jaxpc.compile(jaxpc.summate(jaxpc.inputs(0, 1, 2, distributions.Categorical(3)), num_nodes=1))
     with pytest.raises(ValueError, match="another circuit"):
         optim.fit(circuit, circuit.params, data, 1, 10, optimizer=optim.em(other))
+
+
+def test_em_transformations_ignore_node_flows():
+    """``Options(node_flows=True)`` adds the node totals to the flows under ``"node"``; EM reads the parameter flows
+    only, so the full-batch transformation (which accumulates flows in its state) and ``fit`` with those options
+    give the update of the plain flows."""
+    circuit, _, data = _small_circuit()
+    params = circuit.params
+    tx = optim.full_batch_em(circuit, 2, pseudocount=0.1)
+    plain = [circuit.flows(params, data[i:i + 20]) for i in (0, 20)]
+    outs = []
+    for node in (False, True):
+        p, state = params, tx.init(params)
+        for fl in plain:
+            p, state = optim.apply(tx, {**fl, "node": fl["sum"]} if node else fl, state, p)
+        outs.append(p)
+    assert _maxdiff(outs[0], params) > 1e-3 and _maxdiff(outs[1], outs[0]) == 0.0
+    res = optim.fit(circuit, params, data[:40], 1, 20, optimizer=tx, shuffle=False, progress=False,
+                    options=jaxpc.Options(node_flows=True))
+    assert _maxdiff(res.params, outs[0]) < 1e-6
+
+
+def test_transformations_reject_non_finite_arguments_and_take_numpy_ints():
+    circuit, _, _ = _small_circuit()
+    for make, kw, name in ((optim.em, {"pseudocount": float("inf")}, "pseudocount"),
+                           (optim.em, {"step_size": float("nan")}, "step_size"),
+                           (optim.anemone, {"step_size": float("inf")}, "step_size"),
+                           (optim.anemone, {"pseudocount": float("inf")}, "pseudocount"),
+                           (functools.partial(optim.full_batch_em, num_batches=2), {"pseudocount": float("inf")},
+                            "pseudocount")):
+        with pytest.raises(ValueError, match=f"{name} must be finite, got (inf|nan)"):
+            make(circuit, **kw)
+    tx = optim.full_batch_em(circuit, np.int64(2))
+    assert tx.config.num_batches == 2 and type(tx.config.num_batches) is int
+    with pytest.raises(ValueError, match="num_batches must be a positive int, got True"):
+        optim.full_batch_em(circuit, True)
+    assert optim.sharded.data_mesh(np.int64(1)).devices.size == 1
+
+
+def test_fit_names_a_bad_key_opt_state_or_mesh_batch():
+    circuit, _, data = _small_circuit()
+    params = circuit.params
+    with pytest.raises(TypeError, match="fit: key must be a PRNG key"):
+        optim.fit(circuit, params, data, 1, 10, key=0, progress=False)
+    with pytest.raises(ValueError, match=r"opt_state is not a state of this optimizer \(got tuple, expected EMState\)"):
+        optim.fit(circuit, params, data, 1, 10, opt_state=optax.adam(0.1).init(params), progress=False)
+    with pytest.raises(ValueError, match=r"\(got dict, expected EMState\).*optimizer.init\(params\) as its template"):
+        optim.fit(circuit, params, data, 1, 10, opt_state={"count": np.int32(3)}, progress=False)
+    with pytest.raises(ValueError, match=r"\(got EMState, expected tuple\)"):
+        optim.fit(circuit, params, data, 1, 10, optimizer=optax.adam(0.1), opt_state=optim.em(circuit).init(params),
+                  progress=False)
+    tx = optim.full_batch_em(circuit, 2)
+    state = tx.init(params)
+    state = state._replace(flows=jax.tree_util.tree_map(lambda a: a[..., :1], state.flows))
+    with pytest.raises(ValueError, match=r"opt_state.flows\[.*has shape"):
+        optim.fit(circuit, params, data, 1, 10, optimizer=tx, opt_state=state, progress=False)
+    if len(jax.devices()) >= 4:
+        mesh = optim.sharded.data_mesh(4)
+        with pytest.raises(ValueError, match="batch_size=1000 clipped to the 30 rows of data, must be a multiple of "
+                                             "the 4 devices"):
+            optim.fit(circuit, params, data[:30], 1, 1000, mesh=mesh, progress=False)
+        with pytest.raises(ValueError, match="fit: batch_size=6 must be a multiple of the 4 devices"):
+            optim.fit(circuit, params, data[:30], 1, 6, mesh=mesh, progress=False)

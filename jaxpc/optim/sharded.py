@@ -7,6 +7,8 @@ and ``check_vma=False``: see :mod:`jaxpc.parallel`.
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
@@ -40,9 +42,9 @@ def data_mesh(num_devices: int | None = None, *, devices=None) -> Mesh:
     if devices is None:
         avail = jax.devices()
         n = len(avail) if num_devices is None else num_devices
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= len(avail):
+        if not isinstance(n, numbers.Integral) or isinstance(n, bool) or not 1 <= n <= len(avail):
             raise ValueError(f"data_mesh: num_devices must be an int in [1, {len(avail)}], got {num_devices!r}")
-        devices = avail[:n]
+        devices = avail[:int(n)]
     devices = list(devices)
     if not devices:
         raise ValueError("data_mesh: devices is empty")

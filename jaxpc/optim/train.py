@@ -1,9 +1,10 @@
 """One training step for EM and gradient optimizers alike, and whole-epoch executables.
 
 :func:`make_step` builds a pure step ``(tables, params, state, x, missing, weights) -> (params, state,
-ll)``: with an EM transformation it computes flows and applies the exact EM update; with any optax
-transformation it differentiates the mean negative log-likelihood of the renormalized parameters,
-applies the updates and renormalizes (so the parameters are a distribution after every step).
+ll)``: with an EM transformation it computes flows and applies the EM update (new parameters, not
+deltas); with any optax transformation it differentiates the mean negative log-likelihood of the
+renormalized parameters, applies the updates and renormalizes (so the parameters are a distribution
+after every step).
 
 :func:`fit` runs each epoch as ONE jitted ``lax.scan`` over the (shuffled) batches: no Python loop
 around a jitted step, one device round trip per epoch for the progress bar.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import warnings
 from typing import Any, NamedTuple
 
@@ -21,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..checks import bad_params_entry, raise_bad_values
+from ..checks import bad_params_entry, check_key, raise_bad_values
 from ..engine import em as em_engine
 from ..options import Options
 from ..runtime import options_key
@@ -264,8 +266,11 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
     check = circuit.runtime.device_check if batch.report else None  # device data: checked inside the epoch
     if key is None:
         key = jax.random.key(0)
+    check_key(key, "fit: ")
     if opt_state is None:
         opt_state = optimizer.init(params)
+    else:
+        _check_opt_state(circuit, optimizer, params, opt_state)
     run = _cached_epoch_fn(circuit, optimizer, options, normalize=normalize, mesh=mesh, num_samples=batch.n,
                            batch_size=bs, shuffle=shuffle, drop_remainder=drop_remainder,
                            missing_ndim=None if batch.missing is None else batch.missing.ndim, check=check)
@@ -309,7 +314,7 @@ def _fit_batch(circuit, data, missing, validate, *, epochs, batch_size, start_ep
     """``fit``'s checked arguments: ``(batch, batch size)``, the data prepared by the runtime and the batch size
     clipped to its rows (a multiple of the mesh's devices)."""
     for name, v, lo in (("epochs", epochs, 0), ("batch_size", batch_size, 1), ("start_epoch", start_epoch, 0)):
-        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < lo:
+        if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < lo:
             raise ValueError(f"fit: {name} must be an int >= {lo}, got {v!r}")
     batch = circuit.runtime.prepare(data, missing, validate, what="data")
     if batch.n == 0:
@@ -318,8 +323,31 @@ def _fit_batch(circuit, data, missing, validate, *, epochs, batch_size, start_ep
     if mesh is not None:
         nd = sharded.check_mesh(mesh).shape[sharded.AXIS]
         if bs % nd:
-            raise ValueError(f"fit: batch_size={bs} must be a multiple of the {nd} devices of the mesh")
+            what = (f"batch_size={bs}" if bs == batch_size else
+                    f"the batch size, batch_size={batch_size} clipped to the {batch.n} rows of data,")
+            raise ValueError(f"fit: {what} must be a multiple of the {nd} devices of the mesh")
     return batch, bs
+
+
+def _check_opt_state(circuit, optimizer, params, opt_state) -> None:
+    """Raise a ``ValueError`` where ``opt_state`` is not a state of ``optimizer`` for ``params``: another pytree
+    structure (another optimizer's state, or a checkpoint restored without a template) or another leaf shape. The
+    expected state is ``optimizer.init(params)``'s shapes, traced once per optimizer and parameter structure."""
+    treedef = jax.tree_util.tree_structure(params)
+    want = circuit.runtime.constant(("fit_opt_state", _Same(optimizer), treedef),
+                                    lambda: jax.eval_shape(optimizer.init, params))
+    got_leaves, got_tree = jax.tree_util.tree_flatten_with_path(opt_state)
+    want_leaves, want_tree = jax.tree_util.tree_flatten_with_path(want)
+    hint = ("pass the state this optimizer returned (FitResult.opt_state); a checkpoint restores it with "
+            "optimizer.init(params) as its template")
+    if got_tree != want_tree:
+        got, exp = type(opt_state).__name__, type(want).__name__
+        detail = f"got {got}, expected {exp}" if got != exp else f"{got} of another pytree structure"
+        raise ValueError(f"fit: opt_state is not a state of this optimizer ({detail}): {hint}")
+    for (path, g), (_, w) in zip(got_leaves, want_leaves):
+        if tuple(np.shape(g)) != tuple(w.shape):
+            raise ValueError(f"fit: opt_state{jax.tree_util.keystr(path)} has shape {tuple(np.shape(g))}, this "
+                             f"optimizer's state has {tuple(w.shape)}: {hint}")
 
 
 def _fit_optimizer(circuit, optimizer, step_size, pseudocount):

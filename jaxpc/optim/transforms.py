@@ -14,14 +14,19 @@ adds to the parameters::
 
 Deltas are ``new - old`` (0 where both are equal, e.g. a ``-inf`` zero weight that stays zero), so
 the sum reproduces the EM parameters up to one float rounding per entry. :func:`apply` returns the
-EM parameters *exactly* (bit for bit what ``circuit.em_step`` gives) and runs any optax
-transformation the usual way, so one loop serves both::
+EM parameters themselves, with no delta in between: the update ``circuit.em_update`` makes of the same
+flows. ``circuit.em_step`` computes its flows and update in one executable, where XLA fuses the two, so its
+parameters equal these up to float rounding (an ulp in a few entries), not bit for bit. :func:`apply` runs
+any optax transformation the usual way, so one loop serves both::
 
     params, state = jaxpc.optim.apply(tx, feed, state, params)
 
 The one thing deltas cannot express is a zero weight (``-inf``) that EM revives (a weight set to 0 at
 construction with ``pseudocount > 0``): its delta is ``+inf`` and ``apply_updates`` gives NaN; use
 :func:`apply` (or ``fit``) there.
+
+EM reads the parameter flows, ``flows["sum"]`` and ``flows["input"]``: the node totals that
+``Options(node_flows=True)`` adds under ``"node"`` are ignored (and not accumulated by :func:`full_batch_em`).
 
 Variants:
 
@@ -43,6 +48,8 @@ Variants:
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -88,12 +95,13 @@ class EMConfig:
 
 
 class EMTransformation(NamedTuple):
-    """An EM optimizer with optax's ``init``/``update`` protocol plus an exact ``step``.
+    """An EM optimizer with optax's ``init``/``update`` protocol plus a ``step`` that returns the new parameters.
 
     Attributes:
         init: ``params -> state``.
         update: ``(flows, state, params, *, num_samples=None) -> (deltas, state)`` (optax protocol).
-        step: ``(flows, state, params, *, num_samples=None) -> (new_params, state)``, exact.
+        step: ``(flows, state, params, *, num_samples=None) -> (new_params, state)``: the EM parameters themselves,
+            with no delta's rounding.
         config: the static :class:`EMConfig` (also names the circuit's layout).
     """
 
@@ -110,6 +118,8 @@ def _check_args(step_size, pseudocount, where: str) -> None:
         except (TypeError, ValueError) as e:
             raise TypeError(f"{where}: step_size must be a float or a schedule count -> float, got "
                             f"{type(step_size).__name__}") from e
+        if not math.isfinite(s):
+            raise ValueError(f"{where}: step_size must be finite, got {step_size!r}")
         if not 0.0 < s <= 1.0 and where != "anemone":
             raise ValueError(f"{where}: step_size must be in (0, 1], got {step_size!r}")
         if where == "anemone" and not s > 0.0:
@@ -118,6 +128,8 @@ def _check_args(step_size, pseudocount, where: str) -> None:
         pc = float(pseudocount)
     except (TypeError, ValueError) as e:
         raise TypeError(f"{where}: pseudocount must be a float, got {type(pseudocount).__name__}") from e
+    if not math.isfinite(pc):
+        raise ValueError(f"{where}: pseudocount must be finite, got {pseudocount!r}")
     if not pc >= 0.0:
         raise ValueError(f"{where}: pseudocount must be >= 0, got {pseudocount!r}")
 
@@ -191,7 +203,11 @@ def anemone_update(layout, tables, params: dict, flows: dict, eta, pseudocount, 
 
 
 def em_apply(layout, tables, config: EMConfig, flows: dict, state, params: dict, num_samples=None):
-    """``(new_params, new_state)`` of an EM transformation (pure: ``tables`` may be traced)."""
+    """``(new_params, new_state)`` of an EM transformation (pure: ``tables`` may be traced).
+
+    The update reads the parameter flows, ``flows["sum"]`` and ``flows["input"]``; other entries (the node
+    totals of ``Options(node_flows=True)``) are ignored, and :func:`full_batch_em` does not accumulate them."""
+    flows = {"sum": flows["sum"], "input": flows["input"]}
     dtype = _dtype(params)
     pc = jnp.asarray(config.pseudocount, dtype)
     if config.kind == "em":
@@ -292,10 +308,10 @@ def full_batch_em(circuit, num_batches: int, pseudocount: float = 0.0, step_size
     Args:
         num_batches: mini-batches per full pass over the data (``ceil(N / batch_size)``).
     """
-    if not isinstance(num_batches, int) or isinstance(num_batches, bool) or num_batches < 1:
+    if not isinstance(num_batches, numbers.Integral) or isinstance(num_batches, bool) or num_batches < 1:
         raise ValueError(f"full_batch_em: num_batches must be a positive int, got {num_batches!r}")
     _check_args(step_size, pseudocount, "full_batch_em")
-    return _make(circuit, EMConfig("full_batch", step_size, float(pseudocount), num_batches))
+    return _make(circuit, EMConfig("full_batch", step_size, float(pseudocount), int(num_batches)))
 
 
 def anemone(circuit, step_size=1.0, pseudocount: float = 0.0) -> EMTransformation:
@@ -315,8 +331,8 @@ def anemone(circuit, step_size=1.0, pseudocount: float = 0.0) -> EMTransformatio
 def apply(tx, feed: dict, state, params: dict, **extra):
     """One optimizer update: ``(new_params, new_state)``.
 
-    ``tx`` is an EM transformation (``feed``: flows; the update is exact) or any optax-style
-    transformation (``feed``: gradients of a loss; ``params + updates``)."""
+    ``tx`` is an EM transformation (``feed``: flows; the new parameters come from its ``step``, not from deltas) or
+    any optax-style transformation (``feed``: gradients of a loss; ``params + updates``)."""
     if isinstance(tx, EMTransformation):
         return tx.step(feed, state, params, **extra)
     updates, state = tx.update(feed, state, params, **extra)
