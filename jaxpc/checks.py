@@ -375,3 +375,37 @@ class DeviceCheck:
         if missing is not None:
             bad = bad & ~missing
         return clean, jnp.any(bad, axis=1)
+
+
+# ---- soft evidence ------------------------------------------------------------------------------
+
+def bad_soft_rows(q):
+    """``bool[B]``: the rows of soft evidence ``q`` ``[B, V, K]`` with a weight that is negative or not finite."""
+    return jnp.any(~jnp.isfinite(q) | (q < 0), axis=(1, 2))
+
+
+def any_bad_soft(q):
+    """Whether soft evidence ``q`` holds a negative or non-finite weight (a device check's flag)."""
+    return jnp.any(bad_soft_rows(q))
+
+
+def raise_bad_soft(q, where: str, how: str) -> None:
+    """Raise a ``ValueError`` naming the first negative or non-finite weight of soft evidence ``q`` ``[B, V, K]`` (a
+    host array, or a device array read back after its device check failed) and their number, ``(in where, how)``;
+    nothing where there is none."""
+    with jax.transfer_guard_device_to_host("allow"):  # (an error's message, not the call's data path)
+        a = np.asarray(q)
+    with np.errstate(invalid="ignore"):
+        bad = ~np.isfinite(a) | (a < 0)
+    if bad.any():
+        b, v, k = (int(i) for i in np.argwhere(bad)[0])
+        more = f" ({int(bad.sum())} such weights in all)" if bad.sum() > 1 else ""
+        raise ValueError(f"soft_evidence[{b}, {v}, {k}] = {a[b, v, k]}: soft evidence must be finite and "
+                         f"non-negative{more} (in {where}, {how})")
+
+
+def explain_bad_soft(q, where: str) -> None:
+    """The error of soft evidence ``q`` whose device check failed (:func:`raise_bad_soft` on its values)."""
+    raise_bad_soft(q, where, "checked on the device; its rows gave NaN")
+    raise ValueError(f"soft_evidence held a weight that the device check rejected (in {where}); the host check "
+                     "found none")

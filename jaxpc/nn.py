@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from . import checks
 from .engine import em as em_engine
 from .optim.normalize import normalize_params, normalized_log_prob
 from .options import Options
@@ -103,8 +105,7 @@ class CircuitModule(nnx.Module):
         if not isinstance(circuit, Circuit):
             raise TypeError(f"CircuitModule: circuit must be a jaxpc.Circuit, got {type(circuit).__name__}")
         p = circuit.params if params is None else params
-        if jax.tree_util.tree_structure(p) != jax.tree_util.tree_structure(circuit.params):
-            raise ValueError("CircuitModule: params must have the structure of circuit.params")
+        checks.check_params(circuit.runtime.params_spec, p)
         self.circuit = circuit
         self.normalize = bool(normalize)
         self.options = Options.make(options)
@@ -122,9 +123,9 @@ class CircuitModule(nnx.Module):
         return normalize_params(self.circuit.layout, self.tables.get_value(), p) if self.normalize else p
 
     def set_params(self, params: dict) -> None:
-        """Overwrite the stored parameters (in place)."""
-        if jax.tree_util.tree_structure(params) != jax.tree_util.tree_structure(self.circuit.params):
-            raise ValueError("CircuitModule.set_params: params must have the structure of circuit.params")
+        """Overwrite the stored parameters (in place); a ``ValueError`` where ``params`` have another structure or
+        leaf shape than ``circuit.params`` (:meth:`jaxpc.Circuit.check_params`' check, without reading values)."""
+        checks.check_params(self.circuit.runtime.params_spec, params)
         _assign(self.params, params)
 
     # ---- evaluation --------------------------------------------------------------------------------
@@ -136,6 +137,9 @@ class CircuitModule(nnx.Module):
                 variables; or
             soft_evidence: ``[B, V, K]`` non-negative weights ``q``: returns ``log sum_x p(x) prod_v q[b, v, x_v]``
                 (all-ones rows marginalize a variable, one-hot rows are hard evidence). Differentiable in ``q``.
+                Its values are checked as :meth:`jaxpc.Circuit.marginal` checks them: a host (numpy) array's at once,
+                a device array's on the device (the circuit's next call raises); traced ones (under ``nnx.jit``) are
+                not, and a negative or non-finite weight gives its row NaN.
         """
         c = self.circuit
         tables = self.tables.get_value()
@@ -143,7 +147,7 @@ class CircuitModule(nnx.Module):
         if soft_evidence is not None:
             if x is not None or missing is not None:
                 raise ValueError("CircuitModule: give either x (with missing) or soft_evidence, not both")
-            q = jnp.asarray(soft_evidence)
+            q = soft_evidence if isinstance(soft_evidence, (jax.Array, np.ndarray)) else np.asarray(soft_evidence)
             if q.ndim != 3 or q.shape[1] != c.num_vars:
                 raise ValueError(f"CircuitModule: soft_evidence must have shape [batch, {c.num_vars}, num_values], "
                                  f"got {tuple(q.shape)}")
@@ -153,12 +157,21 @@ class CircuitModule(nnx.Module):
             if q.shape[2] < K:
                 raise ValueError(f"CircuitModule: soft_evidence has {q.shape[2]} values per variable, but some "
                                  f"variable takes {K}")
-            logq = jnp.log(q.astype(c.dtype))
+            if isinstance(q, np.ndarray):
+                checks.raise_bad_soft(q, "CircuitModule", "checked on the host")
+            logq = jnp.log(jnp.asarray(q).astype(c.dtype))
+            traced = isinstance(logq, jax.core.Tracer)
             batch = Batch(jnp.zeros(q.shape[:2], jnp.int32), None, int(q.shape[0]), check=False, report=False,
-                          sync=False, traced=isinstance(logq, jax.core.Tracer))
-            return _run(c, "nn.log_prob", {"normalize": self.normalize},
-                        {"tables": tables, "params": raw, "soft": logq},
-                        batch, options=self.options, batched={"soft": 0})
+                          sync=False, traced=traced)
+            out = _run(c, "nn.log_prob", {"normalize": self.normalize},
+                       {"tables": tables, "params": raw, "soft": logq},
+                       batch, options=self.options, batched={"soft": 0})
+            if isinstance(q, jax.Array) and not isinstance(q, jax.core.Tracer):
+                # its values were not seen on the host: flagged now, raised by the circuit's next call
+                c.runtime.record_check("nn_soft_evidence_flag", checks.any_bad_soft, {"q": q},
+                                       lambda: checks.explain_bad_soft(q, "CircuitModule"),
+                                       sync=False)
+            return out
         if x is None:
             raise ValueError("CircuitModule: needs x (hard evidence) or soft_evidence")
         batch = c.runtime.prepare(x, missing, True)
@@ -170,14 +183,17 @@ class CircuitModule(nnx.Module):
         """One mini-batch EM step on the module's parameters, in place (works under ``nnx.jit``).
 
         The flows are those of the normalized parameters, under the module's options; the module then holds the
-        EM parameters (normalized). Returns the batch's log-likelihoods ``[B]`` before the step."""
+        EM parameters (normalized). ``step_size`` in ``(0, 1]`` and ``pseudocount >= 0`` are checked as
+        :meth:`jaxpc.Circuit.em_step` checks them (finite; traced values pass). Returns the batch's log-likelihoods
+        ``[B]`` before the step."""
         em_engine.check_em_options(self.options, "CircuitModule.em_step")
         c = self.circuit
+        step, pseudo = c.runtime.em_scalars(step_size, pseudocount)
         batch = c.runtime.prepare(x, missing, True)
-        w = c.runtime.weights(ll_weights, batch.n)
+        w = c.runtime.weights(ll_weights, batch.n, nonnegative=True)
         new, ll = _run(c, "nn.em_step", {"normalize": self.normalize},
                        {"tables": self.tables.get_value(), "params": self.raw_params(),
-                        "step_size": c.runtime.scalar(step_size), "pseudocount": c.runtime.scalar(pseudocount)},
+                        "step_size": step, "pseudocount": pseudo},
                        batch, options=self.options, weights=w)
         self.set_params(new)
         return ll

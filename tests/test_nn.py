@@ -122,3 +122,40 @@ def test_module_rejects_bad_inputs(circuit):
         m(X, soft_evidence=jnp.ones((9, 2, 3)))
     with pytest.raises(ValueError, match="needs x"):
         m()
+
+
+def test_module_em_step_checks_step_size_and_pseudocount_as_the_circuit_does(circuit):
+    """``CircuitModule.em_step`` rejects the EM arguments ``Circuit.em_step`` rejects, with the same error, and leaves
+    its parameters as they were."""
+    m = CircuitModule(circuit)
+    before = m.raw_params()
+    for kw in ({"step_size": 2.0}, {"step_size": 0.0}, {"pseudocount": -1.0}, {"pseudocount": float("inf")}):
+        with pytest.raises(ValueError) as want:
+            circuit.em_step(circuit.params, X[:6], **kw)
+        with pytest.raises(ValueError) as got:
+            m.em_step(X[:6], **kw)
+        assert str(got.value) == str(want.value), kw
+    assert _maxdiff(m.raw_params(), before) == 0.0
+
+
+def test_module_checks_soft_evidence_values_and_set_params_shapes(circuit):
+    """Soft evidence is checked as ``Circuit.marginal`` checks it (a host array's values at once, a device array's
+    on the device, raised by the next call); ``set_params`` rejects another structure or shape when it is called,
+    not at the next forward."""
+    m = CircuitModule(circuit)
+    for bad in (-1.0, np.nan):
+        q = np.ones((2, 2, 3), np.float32)
+        q[1, 0, 2] = bad
+        with pytest.raises(ValueError, match=r"soft_evidence\[1, 0, 2\] = .*finite and non-negative.*CircuitModule"):
+            m(soft_evidence=q)
+    q = np.ones((2, 2, 3), np.float32)
+    q[0, 1, 1] = -1.0
+    m(soft_evidence=jnp.asarray(q))
+    with pytest.raises(ValueError, match=r"soft_evidence\[0, 1, 1\] = -1.0.*checked on the device"):
+        circuit.raise_pending()
+    before = m.raw_params()
+    with pytest.raises(ValueError, match="has shape"):
+        m.set_params(jax.tree_util.tree_map(lambda a: a[:1], circuit.params))
+    with pytest.raises(ValueError, match="does not have the structure of this circuit's params"):
+        m.set_params({"sum": circuit.params["sum"]})
+    assert _maxdiff(m.raw_params(), before) == 0.0

@@ -33,20 +33,11 @@ def _marginal_impl(layout, tables, params, x, missing, soft, options, *, check: 
     weight gives NaN (the others are exact)."""
     dtype = routing.param_dtype(params)
     q = soft.astype(dtype)
-    bad = _bad_soft_rows(q) if check else None
+    bad = checks.bad_soft_rows(q) if check else None
     if check:
         q = jnp.where(bad[:, None, None], jnp.ones((), dtype), q)
     ll = forward.log_prob(layout, tables, params, x, missing, options, soft=jnp.log(q))
     return ll if bad is None else jnp.where(bad, jnp.asarray(jnp.nan, ll.dtype), ll)
-
-
-def _bad_soft_rows(q):
-    """``bool[B]``: the rows of soft evidence ``q`` ``[B, V, K]`` with a weight that is negative or not finite."""
-    return jnp.any(~jnp.isfinite(q) | (q < 0), axis=(1, 2))
-
-
-def _any_bad_soft(soft):
-    return jnp.any(_bad_soft_rows(soft))
 
 
 def _conditional_impl(layout, tables, params, x, missing, targets, tree_weights=None, *, num_values: int, options):
@@ -177,29 +168,8 @@ def _check_soft(circuit, soft, check_values: bool):
     if not isinstance(soft, np.ndarray):
         return soft
     if check_values:
-        _raise_bad_soft(soft, "checked on the host")
+        checks.raise_bad_soft(soft, "circuit.marginal", "checked on the host")
     return jnp.asarray(soft)
-
-
-def _raise_bad_soft(soft, how: str) -> None:
-    """Raise a ``ValueError`` naming the first negative or non-finite weight of ``soft`` (host or device array; a
-    device array is read back: only after its device check failed), with their number."""
-    with jax.transfer_guard_device_to_host("allow"):  # (an error's message, not the call's data path)
-        q = np.asarray(soft)
-    with np.errstate(invalid="ignore"):
-        bad = ~np.isfinite(q) | (q < 0)
-    if bad.any():
-        b, v, k = (int(i) for i in np.argwhere(bad)[0])
-        more = f" ({int(bad.sum())} such weights in all)" if bad.sum() > 1 else ""
-        raise ValueError(f"soft_evidence[{b}, {v}, {k}] = {q[b, v, k]}: soft evidence must be finite and "
-                         f"non-negative{more} (in circuit.marginal, {how})")
-
-
-def _explain_soft(soft) -> None:
-    """The error of soft evidence whose device check failed."""
-    _raise_bad_soft(soft, "checked on the device; its rows gave NaN")
-    raise ValueError("soft_evidence held a weight that the device check rejected (in circuit.marginal); the host "
-                     "check found none")
 
 
 def marginal(circuit, params, x=None, missing=None, *, soft_evidence=None, propagation: str | None = None,
@@ -231,8 +201,9 @@ def marginal(circuit, params, x=None, missing=None, *, soft_evidence=None, propa
         out = _run(circuit, "marginal_soft", {"check": bool(validate)}, {"params": params, "soft": q}, batch,
                    options=opts, batched={"soft": 0})
         if on_device:  # its values were not seen on the host: flagged now, raised by the next call
-            circuit.runtime.record_check("soft_evidence_flag", _any_bad_soft, {"soft": q},
-                                         lambda: _explain_soft(q), sync=validate == "sync")
+            circuit.runtime.record_check("soft_evidence_flag", checks.any_bad_soft, {"q": q},
+                                         lambda: checks.explain_bad_soft(q, "circuit.marginal"),
+                                         sync=validate == "sync")
         return out
     if x is None:
         raise ValueError("marginal needs x (hard evidence) or soft_evidence")
