@@ -50,6 +50,7 @@ def compile(root: CircuitNodes, *, seed: int = 0, dtype=jnp.float32, scan_min_re
         compile_after: compile a new layout on its ``compile_after``-th sighting; before that, run it
             on an already compiled larger bucket when one exists (cheap one-off shapes).
     """
+    seed = _compile.check_seed(seed)
     struct = _compile.build(root, scan_min_repeats=scan_min_repeats)
     return Circuit(root, struct, seed=seed, dtype=dtype,
                    cache=ExecutableCache(max_executables, max_layouts_per_entry, compile_after),

@@ -335,3 +335,48 @@ def test_structures_train_under_jit_and_vmap():
     keys = jax.random.split(jax.random.key(1), 2)
     lls = jax.vmap(lambda k: c.log_prob(c.init_params(k), x))(keys)
     assert lls.shape == (2, 8) and np.all(np.isfinite(np.asarray(lls)))
+
+
+def _shapes(circuit):
+    return jax.tree_util.tree_map(lambda a: a.shape, circuit.params)
+
+
+def test_structures_take_numpy_integers_and_refuse_bools():
+    """Sizes given as NumPy integers (read from arrays or configs) build the circuit Python ints build; a bool is not
+    a size."""
+    i = np.int64
+    cat = distributions.Categorical(3)
+    x = np.random.default_rng(0).integers(0, 3, (20, 4))
+    pairs = [(structures.HMM(4, 2, 3), structures.HMM(i(4), i(2), i(3), block_size=i(2))),
+             (structures.RAT_SPN(4, 2, 1, 2, input_dist=cat),
+              structures.RAT_SPN(i(4), i(2), i(1), i(2), num_pieces=i(2), input_dist=cat)),
+             (structures.PD((2, 2), 2, split_intervals=1, input_dist=cat),
+              structures.PD((i(2), i(2)), i(2), split_intervals=i(1), max_prod_block_conns=i(4), input_dist=cat)),
+             (structures.HCLT(x, 2, num_bins=8, chunk_size=2, input_dist=cat),
+              structures.HCLT(x, i(2), num_bins=i(8), chunk_size=i(2), input_dist=cat))]
+    for a, b in pairs:
+        ca, cb = jaxpc.compile(a, seed=1), jaxpc.compile(b, seed=1)
+        assert _shapes(ca) == _shapes(cb)
+    hmm_a, hmm_b = (jaxpc.compile(pairs[0][k], seed=1) for k in (0, 1))
+    for u, v in zip(jax.tree_util.tree_leaves(hmm_a.params), jax.tree_util.tree_leaves(hmm_b.params)):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+    for make, match in ((lambda: structures.HMM(True, 2, 3), "HMM: seq_length must be a positive int, got True"),
+                        (lambda: structures.HMM(4, 2, np.int64(0)), "HMM: num_emits must be a positive int"),
+                        (lambda: structures.RAT_SPN(4, 2, True, 2), "RAT_SPN: depth must be an int >= 0, got True"),
+                        (lambda: structures.PD((2, 2), 2, split_intervals=True), "PD: split_intervals must be"),
+                        (lambda: structures.HMM(4, 2, 3, block_size=True), "must be a multiple of block_size=True")):
+        with pytest.raises(ValueError, match=match):
+            make()
+
+
+def test_compile_seed_check_names_seed():
+    from jaxpc.compiler.compile import check_seed
+
+    assert check_seed(np.int64(3)) == 3 and type(check_seed(np.int64(3))) is int
+    with pytest.raises(ValueError, match="compile: seed must be an int >= 0, got -1"):
+        check_seed(-1)
+    for bad in (True, 1.5, "0"):
+        with pytest.raises(TypeError, match="compile: seed must be an int >= 0"):
+            check_seed(bad)
+    with pytest.raises(ValueError, match="compile: seed must be an int >= 0, got -1"):
+        jaxpc.compile(structures.HMM(3, 2, 2), seed=-1)

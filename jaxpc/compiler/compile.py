@@ -7,6 +7,7 @@ hundreds of thousands of nodes compile in seconds.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections import defaultdict
 
 import numpy as np
@@ -18,7 +19,17 @@ from .levels import even_levels, is_padding
 from .repeats import Repeats, shift_of
 from .tree import detect_tree
 
-__all__ = ["CompiledStructure", "build"]
+__all__ = ["CompiledStructure", "build", "check_seed"]
+
+
+def check_seed(seed) -> int:
+    """``seed`` (of the initial parameters' random draw) as a Python int where it is an integer >= 0 (a Python or
+    NumPy integer, not a bool), else a ``TypeError`` / ``ValueError`` naming ``seed``."""
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
+        raise TypeError(f"compile: seed must be an int >= 0, got {type(seed).__name__} {seed!r}")
+    if seed < 0:
+        raise ValueError(f"compile: seed must be an int >= 0, got {seed!r}")
+    return int(seed)
 
 
 @dataclasses.dataclass

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 
 
@@ -16,14 +18,22 @@ def default_block_size(num_latents: int, cap: int) -> int:
     return min(largest_pow2_divisor(num_latents), cap)
 
 
+def check_int(where: str, name: str, value, lo: int = 1) -> int:
+    """``value`` as a Python int where it is an integer >= ``lo`` (a Python or NumPy integer, not a bool), else a
+    ``ValueError`` naming ``where`` and ``name``."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < lo:
+        what = "a positive int" if lo == 1 else f"an int >= {lo}"
+        raise ValueError(f"{where}: {name} must be {what}, got {value!r}")
+    return int(value)
+
+
 def check_latents(name: str, num_latents: int, block_size: int | None, cap: int) -> tuple[int, int]:
     """``(block_size, num_node_blocks)`` with a clear error when they do not fit."""
-    if not isinstance(num_latents, int) or isinstance(num_latents, bool) or num_latents < 1:
-        raise ValueError(f"{name}: num_latents must be a positive int, got {num_latents!r}")
+    num_latents = check_int(name, "num_latents", num_latents)
     bs = default_block_size(num_latents, cap) if block_size is None else block_size
-    if not isinstance(bs, int) or bs < 1 or num_latents % bs:
+    if not isinstance(bs, numbers.Integral) or isinstance(bs, bool) or bs < 1 or num_latents % bs:
         raise ValueError(f"{name}: num_latents={num_latents} must be a multiple of block_size={bs}")
-    return bs, num_latents // bs
+    return int(bs), num_latents // int(bs)
 
 
 def check_leaf_values(name: str, x: np.ndarray, dist) -> None:

@@ -21,7 +21,7 @@ from scipy.sparse import csgraph, csr_matrix
 
 from .. import distributions
 from ..nodes import CircuitNodes, inputs, multiply, summate
-from ._util import check_latents, check_leaf_values
+from ._util import check_int, check_latents, check_leaf_values
 
 __all__ = ["HCLT", "mutual_information", "chow_liu_tree"]
 
@@ -82,9 +82,8 @@ def mutual_information(x, num_bins: int = 32, sigma: float = 0.5 / 32, chunk_siz
     if not np.isfinite(x).all():
         r, c = np.argwhere(~np.isfinite(x))[0]
         raise ValueError(f"mutual_information: x must be finite; x[{r}, {c}] is {x[r, c]}")
-    for name, v, lo in (("num_bins", num_bins, 2), ("chunk_size", chunk_size, 1)):
-        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < lo:
-            raise ValueError(f"mutual_information: {name} must be an int >= {lo}, got {v!r}")
+    num_bins = check_int("mutual_information", "num_bins", num_bins, 2)
+    chunk_size = check_int("mutual_information", "chunk_size", chunk_size)
     if not (isinstance(sigma, (int, float, np.floating)) and np.isfinite(sigma) and sigma > 0):
         raise ValueError(f"mutual_information: sigma must be a positive float, got {sigma!r}")
     lo, hi = float(x.min()), float(x.max())
@@ -186,6 +185,7 @@ def hidden_tree_circuit(children: list[list[int]], root: int, num_latents: int, 
                         tie_input_params: bool = False) -> CircuitNodes:
     """The circuit of a tree-shaped latent model (see the module docstring)."""
     bs, nb = check_latents("HCLT", num_latents, block_size, 1024)
+    num_root_ns = check_int("HCLT", "num_root_ns", num_root_ns)
     if num_root_ns != 1 and num_root_ns % bs:
         raise ValueError(f"HCLT: num_root_ns={num_root_ns} must be 1 or a multiple of block_size={bs}")
     template = None

@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import distributions
 from ..nodes import SumNodes, inputs, multiply, summate
-from ._util import check_latents
+from ._util import check_int, check_latents
 
 
 def HMM(seq_length: int, num_latents: int, num_emits: int, homogeneous: bool = True, block_size: int | None = None,
@@ -31,8 +31,7 @@ def HMM(seq_length: int, num_latents: int, num_emits: int, homogeneous: bool = T
         alpha, beta, gamma: optional ``[L, L]`` transition, ``[L, V]`` emission and ``[L]`` initial
             probabilities; they become ``circuit.params`` after :func:`jaxpc.compile`.
     """
-    if not isinstance(num_emits, int) or num_emits < 1:
-        raise ValueError(f"HMM: num_emits must be a positive int, got {num_emits!r}")
+    num_emits = check_int("HMM", "num_emits", num_emits)
     if beta is not None:
         beta = np.asarray(beta, dtype=np.float64)
         if beta.shape != (num_latents, num_emits):
@@ -46,10 +45,9 @@ def GeneralizedHMM(seq_length: int, num_latents: int, input_dist: distributions.
                    block_size: int | None = None, alpha=None, beta=None, gamma=None) -> SumNodes:
     """An HMM whose emissions are any distribution of :mod:`jaxpc.distributions` (``beta``: its natural
     parameters for ``num_latents`` nodes, e.g. ``{"mu": [L], "sigma": [L]}`` for a Gaussian)."""
-    if not isinstance(seq_length, int) or seq_length < 1:
-        raise ValueError(f"HMM: seq_length must be a positive int, got {seq_length!r}")
+    seq_length = check_int("HMM", "seq_length", seq_length)
     bs, nb = check_latents("HMM", num_latents, block_size, 1024)
-    L = num_latents
+    L = num_latents = int(num_latents)
     if alpha is not None:
         alpha = np.asarray(alpha, dtype=np.float64)
         if alpha.shape != (L, L):

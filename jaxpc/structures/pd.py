@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any
 
 import numpy as np
 
 from .. import distributions
 from ..nodes import CircuitNodes, inputs, multiply, summate
-from ._util import check_latents
+from ._util import check_int, check_latents
 from .hclt import HCLT
 
 __all__ = ["PD", "PDHCLT"]
@@ -29,11 +30,13 @@ def _split_points(data_shape, split_intervals, split_points):
     if split_intervals is not None and split_points is not None:
         raise ValueError("PD: give split_intervals or split_points, not both")
     if split_intervals is not None:
-        if isinstance(split_intervals, int):
+        if isinstance(split_intervals, numbers.Integral):
             split_intervals = (split_intervals,) * n_axes
-        if len(split_intervals) != n_axes or any(not isinstance(s, int) or s < 1 for s in split_intervals):
+        if len(split_intervals) != n_axes or any(not isinstance(s, numbers.Integral) or isinstance(s, bool) or s < 1
+                                                 for s in split_intervals):
             raise ValueError(f"PD: split_intervals must be a positive int or one per axis ({n_axes}), "
                              f"got {split_intervals!r}")
+        split_intervals = tuple(int(s) for s in split_intervals)
         return [list(range(split_intervals[a], data_shape[a], split_intervals[a])) for a in range(n_axes)]
     if split_points is None:
         raise ValueError("PD: give split_intervals or split_points")
@@ -78,9 +81,8 @@ def PD(data_shape, num_latents: int, split_intervals=None, split_points=None, ma
         raise ValueError(f"PD: data_shape must be positive ints, got {data_shape}")
     if structure_type not in STRUCTURE_TYPES:
         raise ValueError(f"PD: structure_type must be one of {STRUCTURE_TYPES}, got {structure_type!r}")
-    if not isinstance(max_prod_block_conns, int) or max_prod_block_conns < 1:
-        raise ValueError(f"PD: max_prod_block_conns must be a positive int, got {max_prod_block_conns!r}")
-    check_latents("PD", num_latents, 1, 1)  # (its type, before the cap below compares it)
+    max_prod_block_conns = check_int("PD", "max_prod_block_conns", max_prod_block_conns)
+    num_latents = check_int("PD", "num_latents", num_latents)  # (before the cap below compares it)
     bs, nb = check_latents("PD", num_latents, block_size, 16 if num_latents <= 32 else 32)
     builder = _PDBuilder(data_shape, _split_points(data_shape, split_intervals, split_points), num_latents, bs, nb,
                          input_dist or distributions.Categorical(num_cats=256), max_split_depth=max_split_depth,

@@ -6,7 +6,7 @@ import numpy as np
 
 from .. import distributions
 from ..nodes import CircuitNodes, inputs, multiply, summate
-from ._util import check_latents
+from ._util import check_int, check_latents
 
 __all__ = ["RAT_SPN"]
 
@@ -25,10 +25,10 @@ def RAT_SPN(num_vars: int, num_latents: int, depth: int, num_repetitions: int, n
         block_size: default: largest power of two dividing ``num_latents``, at most 256.
         seed: seed of the random partitions.
     """
-    for name, v, lo in (("num_vars", num_vars, 1), ("depth", depth, 0), ("num_repetitions", num_repetitions, 1),
-                        ("num_pieces", num_pieces, 2)):
-        if not isinstance(v, int) or v < lo:
-            raise ValueError(f"RAT_SPN: {name} must be an int >= {lo}, got {v!r}")
+    num_vars, depth, num_repetitions, num_pieces = (
+        check_int("RAT_SPN", name, v, lo) for name, v, lo in (
+            ("num_vars", num_vars, 1), ("depth", depth, 0), ("num_repetitions", num_repetitions, 1),
+            ("num_pieces", num_pieces, 2)))
     bs, nb = check_latents("RAT_SPN", num_latents, block_size, 256)
     dist = input_dist or distributions.Categorical(num_cats=256)
     rng = np.random.default_rng(seed)
