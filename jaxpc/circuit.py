@@ -457,7 +457,7 @@ class Circuit:
         ev = self.check_evidence(evidence, batch.n)
         if ev is not None and rescale == "tdp":
             raise ValueError("rescale='tdp' uses the model's own top-down probabilities: it takes no evidence")
-        w = self.runtime.weights(ll_weights, batch.n)
+        w = self.runtime.weights(ll_weights, batch.n, nonnegative=True)
         new, ll = rt.run("em_step", {"keep_zero_params": bool(keep_zero_params), "rescale": rescale},
                          {"tables": self.tables, "params": params, "step_size": step, "pseudocount": pseudo,
                           "evidence": ev}, batch,

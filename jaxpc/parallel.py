@@ -122,7 +122,7 @@ def _run(circuit, name, static, args, x, missing, ll_weights, evidence, validate
     mesh = _mesh(mesh)
     batch = rt.prepare(x, missing, validate)
     ev = circuit.check_evidence(evidence, batch.n)
-    w = rt.weights(ll_weights, batch.n)
+    w = rt.weights(ll_weights, batch.n, nonnegative=name == "parallel.em_step")
     args = {"tables": rt.replicated(circuit.tables, NamedSharding(mesh, P())), **args, "evidence": ev}
     return rt.run(name, {"mesh": mesh, **static}, args, batch, options=Options.make(options), batched={"evidence": 0},
                   weights=w, multiple=mesh.shape[AXIS], sharding=NamedSharding(mesh, P(AXIS)), replay=replay,

@@ -300,6 +300,9 @@ def test_query_and_weight_arguments_are_checked(cat_circuit):
         cat_circuit.flows(cat_circuit.params, x, ll_weights=[1.0, float("nan"), 1.0])
     with pytest.raises(TypeError, match="ll_weights must be numbers"):
         cat_circuit.em_step(cat_circuit.params, x, ll_weights=np.array(["a", "b", "c"]))
+    with pytest.raises(ValueError, match=r"ll_weights of an EM step must be >= 0 .*ll_weights\[1\] is -5"):
+        cat_circuit.em_step(cat_circuit.params, x, ll_weights=[1.0, -5.0, 1.0])
+    cat_circuit.flows(cat_circuit.params, x, ll_weights=[1.0, -5.0, 1.0])  # flows may weigh a sample negatively
 
 
 def test_flows_meshes_and_checkpoints_are_checked(cat_circuit, mixed_circuit, tmp_path):
@@ -322,6 +325,8 @@ def test_flows_meshes_and_checkpoints_are_checked(cat_circuit, mixed_circuit, tm
         cat_circuit.get_node_params({"sum": cat_circuit.params["sum"]}, cat_circuit.root)
     with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):
         parallel.flows(cat_circuit, cat_circuit.params, x, mesh="data")
+    with pytest.raises(ValueError, match="ll_weights of an EM step must be >= 0"):
+        parallel.em_step(cat_circuit, cat_circuit.params, x, mesh=parallel.data_mesh(1), ll_weights=[1.0, -1.0, 1.0])
     with pytest.raises(ValueError, match=r"mesh must have a 'data' axis .* got axes \('batch',\)"):
         jaxpc.optim.fit(cat_circuit, cat_circuit.params, x, 1, 2, mesh=jax.make_mesh((1,), ("batch",)),
                         progress=False)
