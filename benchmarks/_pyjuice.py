@@ -242,6 +242,62 @@ def run_structure(model, batches, *, latents, reps=25, warmup=5, modes=MODES, em
     return rows
 
 
+def run_mpe_flows(model, batches, *, latents, reps=20, warmup=5, seed=0, hmm_seq=64, hmm_vocab=4096,
+                  images=None) -> list[dict]:
+    """Time PyJuice's hard-EM flow pass on `model` at each batch size in `batches`, on its fastest path:
+    `with torch.no_grad(): pc(x, propagation_alg="MPE")` then `pc.backward(x, flows_memory=1.0,
+    propagation_alg="MPE")`, replaying CUDA graphs recorded by one dry run with `record_cudagraph=True`.
+
+    Per B: `mpe_flows_ms` (median of synchronized calls), `peak_mib`, `first_s` (the first eager call at this batch
+    size) and `compile_s`; a failing B gets `error` instead."""
+    import pyjuice as juice
+    import torch
+
+    base = dict(system="pyjuice", workload=model, mode="graph", calls=MPE_CALL)
+    try:
+        torch.manual_seed(seed)
+        ns = _structure(juice, torch, model, latents, hmm_seq, hmm_vocab, images)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        pc = juice.compile(ns, verbose=False).to(_DEVICE)
+        torch.cuda.synchronize()
+        base.update(compile_s=time.perf_counter() - t)
+    except Exception as e:
+        return [dict(base, error=repr(e))]
+
+    def step(x, record=False):
+        with torch.no_grad():
+            pc(x, propagation_alg="MPE", record_cudagraph=record)
+        pc.backward(x, flows_memory=1.0, propagation_alg="MPE", record_cudagraph=record)
+
+    rows = []
+    for B in batches:
+        row = dict(base, B=B)
+        try:
+            pc._recorded_cuda_graphs.clear()  # graphs hold buffer pointers and the propagation: record anew
+            xs = _batches(torch, model, B, seed, hmm_seq, hmm_vocab, images)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            step(xs[0])
+            torch.cuda.synchronize()
+            row["first_s"] = time.perf_counter() - t
+            step(xs[0], record=True)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            row["mpe_flows_ms"] = _ms_per_step(torch, step, xs, reps, warmup)
+            row["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        except Exception as e:
+            row["error"] = repr(e)
+        rows.append(row)
+        pc._recorded_cuda_graphs.clear()
+        torch.cuda.empty_cache()
+    return rows
+
+
+MPE_CALL = ('`with torch.no_grad(): pc(x, propagation_alg="MPE")`; `pc.backward(x, flows_memory=1.0, '
+            'propagation_alg="MPE")`, CUDA graphs recorded once, then replayed')
+
+
 def run_codd(*, latents=1024, vocab=32768, topk=1024, seq=32, steps=60, seed=0) -> dict:
     """The CoDD workload in PyJuice: a homogeneous HMM (`latents` states) whose emissions are
     `SoftEvidenceCategorical(vocab)`, given top-k soft evidence.

@@ -1,7 +1,7 @@
 """Hard EM's flow pass on the max-plus kernels or XLA's reductions, its first maximizers kept or searched again.
 
     python benchmarks/hard_em.py [--workloads hclt,pd,hmm] [--batches 128,512] [--reps 20] [--json out.json]
-                                 [--variants default,kernels,xla,searched] [--reductions]
+                                 [--variants default,kernels,xla,searched] [--reductions] [--pyjuice]
 
 ``c.flows(c.params, x, options=o)`` with ``o = Options(propagation="MPE")`` in up to four variants (``--variants``):
 ``default``, the options as they are (``Tuning.max_product_kernels=None``: Pallas's max-plus kernels where
@@ -15,7 +15,9 @@ bit: all pass each parent's flow to its first maximizer). ``--reductions``: inst
 reductions alone on terms ``log w + x`` of ``[n, Kp, C*Kc, B]`` (never written out) at five shapes: the max
 (``sum_layer.first_max``), the max with its first maximizers in one reduction (``sum_layer.max_and_first``, what the
 flow pass's forward runs) and the max followed by the search for them (``sum_layer.first_maximizer``, what the flow
-pass ran before), median ms.
+pass ran before), median ms. ``--pyjuice``: first, PyJuice 2.6.3's hard-EM flow pass on the same workloads and
+batches in a child process, on its fastest path (``_pyjuice.MPE_CALL``: forward and backward with
+``propagation_alg="MPE"``, CUDA graphs replayed), then jaxpc's rows with PyJuice's time beside them.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import _children  # noqa: E402
 import jaxpc  # noqa: E402
 from profile_step import build  # noqa: E402
 
@@ -79,6 +82,24 @@ def run(workload: str, batches: list[int], reps: int, latents: int | None = None
             f"{name} {row[name + '_ms']:.2f} ms (first {row[name + '_first_s']:.1f} s)" for name in variants)
             + f"; flows equal: {row['equal']}", flush=True)
         rows.append(row)
+    return rows
+
+
+def pyjuice_rows(workload: str, batches: list[int], reps: int, latents: int | None) -> list[dict]:
+    """PyJuice's rows of one workload (``_pyjuice.run_mpe_flows``), on the data ``side_by_side.py`` gives it."""
+    import _pyjuice
+
+    reason = _pyjuice.available()
+    if reason is not None:
+        print(f"pyjuice skipped: {reason}", flush=True)
+        return [dict(system="pyjuice", workload=workload, error=reason)]
+    from _data import blurred_noise_images
+
+    images = None if workload == "hmm" else blurred_noise_images(10_000)
+    rows = _pyjuice.run_mpe_flows(workload, batches, latents=latents or LATENTS[workload], reps=reps, images=images)
+    for r in rows:
+        print("pyjuice", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() if k != "calls"},
+              flush=True)
     return rows
 
 
@@ -129,14 +150,39 @@ def main(argv=None):
     p.add_argument("--json", default=None)
     p.add_argument("--reductions", action="store_true", help="time the max-product reductions alone instead")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
+    p.add_argument("--pyjuice", action="store_true", help="PyJuice's hard-EM flow pass beside (a child process)")
+    p.add_argument("--child-timeout", type=float, default=400.0)
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--rows-file", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
+    if args.child:
+        _children.append_rows(args.rows_file, pyjuice_rows(args.child, batches, args.reps, args.latents))
+        return
     rows = []
     if args.reductions:
         rows = reductions(args.reps)
     else:
+        pj = {}
+        for w in args.workloads.split(",") if args.pyjuice else ():
+            argv_child = ["--batches", args.batches, "--reps", str(args.reps)]
+            argv_child += ["--latents", str(args.latents)] if args.latents else []
+            got, err = _children.run(__file__, argv_child, w, f"pyjuice {w}", time.perf_counter() + 3600,
+                                     args.child_timeout)
+            rows += got + ([dict(system="pyjuice", workload=w, error=err)] if err else [])
+            pj.update({(w, r["B"]): r.get("mpe_flows_ms") for r in got if "B" in r})
         for w in args.workloads.split(","):
-            rows += run(w, batches, args.reps, args.latents, tuple(args.variants.split(",")))
+            got = run(w, batches, args.reps, args.latents, tuple(args.variants.split(",")))
+            for r in got:
+                r["pyjuice_ms"] = pj.get((w, r["batch"]))
+            rows += got
+        if pj:
+            print("\n| workload | B | jaxpc default, ms | PyJuice graphs, ms | PyJuice / jaxpc |\n"
+                  "| --- | ---: | ---: | ---: | ---: |", flush=True)
+            for r in rows:
+                if r.get("pyjuice_ms") and "default_ms" in r:
+                    print(f"| {r['workload']} | {r['batch']} | {r['default_ms']:.2f} | {r['pyjuice_ms']:.2f} | "
+                          f"{r['pyjuice_ms'] / r['default_ms']:.2f}x |", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"device": str(jax.devices()[0].device_kind), "rows": rows}, indent=1))
 
