@@ -20,6 +20,25 @@ import numpy as np
 from .distributions import Distribution
 
 
+def _check_one_range(v: int, dists: list[Distribution]) -> None:
+    """Refuse a variable whose leaves take different values: discrete leaves of different ranges (queries would
+    decode, sample and check only the values they share), or discrete and real leaves together (masses mixed with
+    densities). Leaves of unbounded integer values (such as :class:`~jaxpc.distributions.External`, which reads no
+    value) take those of the others."""
+    kinds = {}
+    for d in dists:
+        r = d.value_range()
+        if r is None or r[1] is not None:
+            kinds.setdefault(r, d)
+    ranges = set(kinds)
+    if len(ranges) < 2:
+        return
+    said = "; ".join(f"{d!r} takes {d.describe_values()}" for d in kinds.values())
+    fix = ("give them one range (a categorical leaf may put zero mass on values it does not take)"
+           if None not in ranges else "a variable is either discrete or real")
+    raise ValueError(f"variable {v} is read by leaves that take different values: {said}; {fix}")
+
+
 @dataclasses.dataclass(frozen=True)
 class VarInfo:
     num_vars: int
@@ -40,6 +59,7 @@ class VarInfo:
         card = np.zeros(num_vars, np.int64)
         for v, dists in var_dists.items():
             names[v] = ", ".join(repr(d) for d in dists)
+            _check_one_range(v, dists)
             counts = [d.num_values() for d in dists if d.num_values() is not None]
             if counts:
                 bounded = [d.value_range()[1] for d in dists if d.value_range() and d.value_range()[1] is not None]

@@ -384,3 +384,23 @@ def test_nan_or_infinite_params_are_named_by_check_params_and_sync_calls(cat_cir
     (warning,) = [m for m in caught if issubclass(m.category, RuntimeWarning) and "optim.fit" in str(m.message)]
     assert re.search(rf"epoch 0's mean log-likelihood is NaN \(params\['sum'\]\['{g}'\]\[0, 0, 1\] is nan",
                      str(warning.message))
+
+
+def test_a_variable_takes_one_range_of_values():
+    """Leaves of one variable that take different values are refused at compile time (sampling, decoding and the
+    value checks would see only the values they share); a leaf that reads no value (External) goes with any."""
+    from jaxpc.distributions import Categorical, External, Gaussian
+
+    def over_var0(*dists):
+        leaves = [jaxpc.inputs(0, num_nodes=1, dist=d) for d in dists]
+        return jaxpc.summate(*leaves, num_nodes=1)
+
+    with pytest.raises(ValueError, match=r"variable 0 is read by leaves that take different values: "
+                                         r"Categorical\(num_cats=3\) takes integers in \[0, 2\]; "
+                                         r"Categorical\(num_cats=5\) takes integers in \[0, 4\]; give them one range"):
+        jaxpc.compile(over_var0(Categorical(num_cats=3), Categorical(num_cats=5)))
+    with pytest.raises(ValueError, match="variable 0 is read by .* a variable is either discrete or real"):
+        jaxpc.compile(over_var0(Categorical(num_cats=3), Gaussian()))
+    c = jaxpc.compile(over_var0(Categorical(num_cats=3), External(), Categorical(num_cats=3)))
+    with pytest.raises(ValueError, match=r"x\[0, 0\] = 3 is out of range"):
+        c.log_prob(c.params, np.array([[3]], np.int32), evidence={"external": np.zeros((1, 1, 1), np.float32)})
