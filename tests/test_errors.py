@@ -3,6 +3,7 @@ rule of jaxpc.runtime (tests/test_checks.py)."""
 
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -375,6 +376,13 @@ def test_nan_or_infinite_params_are_named_by_check_params_and_sync_calls(cat_cir
             c.log_prob(nan, jnp.asarray(x), validate="sync")
     with pytest.raises(ValueError, match=r"\[0, 0, 1\] is nan \(checked with validate='sync'\)"):
         c.em_step(nan, x, step_size=0.1, pseudocount=0.1, validate="sync")
+    for _ in range(2):  # queries without evidence check the parameters too, replayed or not
+        with pytest.raises(ValueError, match=r"\[0, 0, 1\] is nan \(checked with validate='sync'\)"):
+            c.sample(nan, jax.random.key(0), 3, validate="sync")
+        with pytest.raises(ValueError, match=r"\[0, 0, 1\] is nan \(checked with validate='sync'\)"):
+            c.mpe(nan, num_samples=2, validate="sync")
+    with pytest.raises(ValueError, match="validate must be True, False or 'sync', got 'yes'"):
+        c.sample(c.params, jax.random.key(0), 3, validate="yes")
     assert np.isnan(np.asarray(c.log_prob(nan, x))).all()  # the default call does not read the parameters' values
     np.testing.assert_array_equal(np.asarray(c.log_prob(zero, x, validate="sync")), np.asarray(c.log_prob(zero, x)))
     with warnings.catch_warnings(record=True) as caught:

@@ -131,13 +131,16 @@ def _run(circuit, entry: str, static: dict, args: dict, batch: Batch, **kw):
     return circuit.runtime.run(entry, static, {"tables": circuit.tables, **args}, batch, **kw)
 
 
-def _all_missing_batch(circuit, n: int) -> Batch:
-    """A batch of ``n`` fully unobserved rows, made on device (no host transfer; nothing to check)."""
+def _all_missing_batch(circuit, n: int, validate: bool | str = True) -> Batch:
+    """A batch of ``n`` fully unobserved rows, made on device (no host transfer; no value to check). With
+    ``validate="sync"`` the call still checks its parameters' values."""
+    if validate not in VALIDATE:
+        raise ValueError(f"validate must be True, False or 'sync', got {validate!r}")
     rt = circuit.runtime
     dtype = jnp.int32 if rt.var_info.all_discrete else circuit.dtype
     missing = rt.constant("all_missing", lambda: jnp.ones((circuit.num_vars,), bool))
-    return Batch(_no_evidence(circuit, n, dtype), missing, n, check=False, report=False, sync=False, traced=False,
-                 mkey=mask_key(missing))
+    return Batch(_no_evidence(circuit, n, dtype), missing, n, check=False, report=False, sync=validate == "sync",
+                 traced=False, mkey=mask_key(missing))
 
 
 def _no_evidence(circuit, n: int, dtype):
@@ -332,8 +335,8 @@ def _replay_query(circuit, name: str, x, missing, num_samples, options, validate
     if x is None:
         if missing is not None or type(num_samples) is not int or num_samples < 1:
             return None, None  # (the full call raises)
-        call = (name, "all missing", num_samples, options)
-        batch = _all_missing_batch(circuit, num_samples)
+        call = (name, "all missing", num_samples, options, validate)
+        batch = _all_missing_batch(circuit, num_samples, validate)
         return call, rt.replay(call, batch.x, batch.missing, **free)
     call = (name, num_samples, options, validate)
     return call, rt.replay(call, x, _none_missing(circuit) if missing is None else missing, **free)
@@ -347,7 +350,7 @@ def _query_batch(circuit, x, missing, num_samples: int | None, validate) -> Batc
             raise ValueError("missing is only meaningful with evidence x")
         if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)) or num_samples < 1:
             raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
-        return _all_missing_batch(circuit, int(num_samples))
+        return _all_missing_batch(circuit, int(num_samples), validate)
     batch = _observed(circuit, x, missing, validate)
     if num_samples is not None and num_samples != batch.n:
         raise ValueError(f"num_samples={num_samples} but the evidence has {batch.n} rows (one sample per row)")
