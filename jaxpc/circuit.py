@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import checks
+from . import checks, distributions
 from .compiler import compile as _compile
 from .compiler.layout import Layout, ScanSpec
 from .distributions.base import RandomSource
@@ -294,17 +294,22 @@ class Circuit:
         if unknown:
             raise ValueError(f"unknown evidence key(s) {sorted(unknown)}; valid keys: {list(self.EVIDENCE_KEYS)}")
         V = self.num_vars
+        soft = {spec.dist.num_cats for spec in self.layout.input_layers
+                if isinstance(spec.dist, distributions.SoftEvidenceCategorical)}
         out = {}
         for key, val in evidence.items():
             if val is None:
                 continue
             if key in ("categorical_logp", "external", "latent"):
-                a = _evidence_array(key, val, batch, 3)
+                a = _evidence_array(key, val, batch, 3, values="log")
                 if a.shape[1] != V:
                     raise ValueError(f"evidence['{key}'] must have shape [{batch}, {V}, ...], got {tuple(a.shape)}")
+                if key == "categorical_logp" and len(soft) == 1 and a.shape[2] not in soft:
+                    raise ValueError(f"evidence['{key}'] must have shape [{batch}, {V}, {min(soft)}] (the "
+                                     f"SoftEvidenceCategorical leaves' num_cats last), got {tuple(a.shape)}")
                 out[key] = a
             elif key == "categorical_topk":
-                out[key] = _check_topk_evidence(val, batch)
+                out[key] = _check_topk_evidence(val, batch, max(soft) if soft else None)
             else:  # sum_gates / sum_lowrank
                 out[key] = _check_sum_evidence(key, val, batch, {g.key: g for g in self.layout.sum_groups},
                                                self.num_gates)
@@ -632,20 +637,34 @@ def _tree_add(a, b):
     return jax.tree_util.tree_map(jnp.add, a, b)
 
 
-def _evidence_array(name: str, a, batch: int, ndim: int, last=None):
-    """``evidence[name]`` as an array of ``ndim`` axes, the batch first and the rest ``last`` when given."""
-    a = a if isinstance(a, (jax.Array, jax.core.Tracer)) else jnp.asarray(a)
+def _evidence_array(name: str, a, batch: int, ndim: int, last=None, values: str | None = None):
+    """``evidence[name]`` as an array of ``ndim`` axes, the batch first and the rest ``last`` when given. A host
+    (numpy) array's ``values`` are checked before anything runs: ``"log"`` log-values (not NaN, not +inf; -inf is
+    a zero), ``"nonnegative"`` finite and >= 0; device arrays are taken as they are (their values would cost a
+    host round trip)."""
+    host = None if isinstance(a, (jax.Array, jax.core.Tracer)) else np.asarray(a)
+    a = a if host is None else jnp.asarray(host)
     if a.ndim != ndim or a.shape[0] != batch:
         raise ValueError(f"evidence['{name}'] must have {ndim} axes with the batch ({batch}) first, got "
                          f"shape {tuple(a.shape)}")
     if last is not None and tuple(a.shape[1:]) != tuple(last):
         raise ValueError(f"evidence['{name}'] must have shape {[batch, *last]}, got {tuple(a.shape)}")
+    if host is not None and values is not None and host.dtype.kind in "fc":
+        with np.errstate(invalid="ignore"):
+            bad = (np.isnan(host) | (host == np.inf)) if values == "log" else ~(np.isfinite(host) & (host >= 0))
+        if bad.any():
+            i = tuple(int(j) for j in np.argwhere(bad)[0])
+            rule = "log-values must not be NaN or +inf (-inf is a zero)" if values == "log" else \
+                "values must be finite and non-negative"
+            more = f" ({int(bad.sum())} such entries in all)" if bad.sum() > 1 else ""
+            raise ValueError(f"evidence['{name}']{list(i)} = {host[i]}: {rule}{more}")
     return a
 
 
-def _check_topk_evidence(val, batch: int) -> dict:
+def _check_topk_evidence(val, batch: int, num_cats: int | None) -> dict:
     """``evidence["categorical_topk"]``: integer ``ids [B, V, k]`` (as int32), ``logp`` and an optional boolean
-    ``mask`` of the same shape."""
+    ``mask`` of the same shape. Host ids must lie in ``[0, num_cats)`` (the soft leaves' values) and be distinct
+    among a row's unmasked entries."""
     if not isinstance(val, dict) or not {"ids", "logp"} <= set(val):
         raise ValueError("evidence['categorical_topk'] must be {'ids': int[B, V, k], 'logp': [B, V, k], "
                          "'mask': bool[B, V, k] (optional)}")
@@ -653,9 +672,26 @@ def _check_topk_evidence(val, batch: int) -> dict:
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise TypeError(f"evidence['categorical_topk']['ids'] must be integers, got {ids.dtype}")
     topk = {"ids": ids.astype(jnp.int32),
-            "logp": _evidence_array("categorical_topk.logp", val["logp"], batch, 3, ids.shape[1:])}
+            "logp": _evidence_array("categorical_topk.logp", val["logp"], batch, 3, ids.shape[1:], values="log")}
     if val.get("mask") is not None:
         topk["mask"] = _evidence_array("categorical_topk.mask", val["mask"], batch, 3, ids.shape[1:]).astype(bool)
+    host = val["ids"]
+    if not isinstance(host, (jax.Array, jax.core.Tracer)):
+        host = np.asarray(host, np.int64)
+        live = np.ones(host.shape, bool) if val.get("mask") is None else np.asarray(val["mask"], bool)
+        out = live & ((host < 0) | (host >= (num_cats if num_cats is not None else np.iinfo(np.int64).max)))
+        if out.any():
+            i = tuple(int(j) for j in np.argwhere(out)[0])
+            raise ValueError(f"evidence['categorical_topk']['ids']{list(i)} = {host[i]} is not a value of the soft "
+                             f"evidence leaves (integers in [0, {num_cats - 1}])")
+        keyed = np.where(live, host, -1 - np.arange(host.shape[2]))  # (masked entries never collide)
+        srt = np.sort(keyed, axis=2)
+        dup = np.argwhere((srt[:, :, 1:] == srt[:, :, :-1]).any(axis=2))
+        if len(dup):
+            b, v = (int(j) for j in dup[0])
+            vals, counts = np.unique(keyed[b, v], return_counts=True)
+            raise ValueError(f"evidence['categorical_topk']['ids'][{b}, {v}] holds the id {int(vals[counts > 1][0])} "
+                             "more than once: a row's ids must be distinct (mask the extra entries)")
     return topk
 
 
@@ -668,7 +704,7 @@ def _check_sum_evidence(key: str, val, batch: int, groups: dict, num_gates: int)
             raise ValueError("evidence['sum_gates'] is an array of gate columns, but no sum vector of this circuit "
                              "has gates: declare them with ns.set_gates() before jaxpc.compile, or give "
                              f"{{group: [B, P]}} (one gate per parameter block; groups {sorted(groups)})")
-        return _evidence_array(key, val, batch, 2, (num_gates,))
+        return _evidence_array(key, val, batch, 2, (num_gates,), values="log")
     if not isinstance(val, dict):
         raise TypeError(f"evidence['{key}'] must map sum groups {sorted(groups)} to arrays")
     sub = {}
@@ -678,13 +714,14 @@ def _check_sum_evidence(key: str, val, batch: int, groups: dict, num_gates: int)
                              f"{sorted(groups)}")
         g = groups[gk]
         if key == "sum_gates":
-            sub[gk] = _evidence_array(f"{key}.{gk}", gv, batch, 2, (g.num_blocks,))
+            sub[gk] = _evidence_array(f"{key}.{gk}", gv, batch, 2, (g.num_blocks,), values="log")
             continue
         if not isinstance(gv, dict) or set(gv) != {"u", "v"}:
             raise ValueError(f"evidence['{key}']['{gk}'] must be {{'u': [B, P, Kp, r], 'v': [B, P, r, Kc]}}, got "
                              f"{sorted(gv) if isinstance(gv, dict) else type(gv).__name__}")
-        u = _evidence_array(f"{key}.{gk}.u", gv["u"], batch, 4)
+        u = _evidence_array(f"{key}.{gk}.u", gv["u"], batch, 4, values="nonnegative")
         r = u.shape[3]
         sub[gk] = {"u": _evidence_array(f"{key}.{gk}.u", u, batch, 4, (g.num_blocks, g.Kp, r)),
-                   "v": _evidence_array(f"{key}.{gk}.v", gv["v"], batch, 4, (g.num_blocks, r, g.Kc))}
+                   "v": _evidence_array(f"{key}.{gk}.v", gv["v"], batch, 4, (g.num_blocks, r, g.Kc),
+                                        values="nonnegative")}
     return sub

@@ -597,6 +597,39 @@ def test_evidence_errors():
     with pytest.raises(TypeError, match="'ids'\\] must be integers"):
         c.log_prob(c.params, x,
                    evidence={"categorical_topk": {"ids": np.zeros((2, 3, 2)), "logp": np.zeros((2, 3, 2))}})
+    lat = np.zeros((2, 3, 2), np.float32)
+    lat[1, 2, 0] = np.nan
+    with pytest.raises(ValueError, match=r"evidence\['latent'\]\[1, 2, 0\] = nan: log-values must not be NaN"):
+        c.em_step(c.params, x, evidence={"latent": lat})
+    with pytest.raises(ValueError, match=r"evidence\['sum_gates.*= inf: log-values must not be NaN or \+inf"):
+        g = next(iter(c.params["sum"]))
+        c.log_prob(c.params, x, evidence={"sum_gates": {g: np.full((2, c.params["sum"][g].shape[0]), np.inf)}})
+
+
+def test_soft_evidence_values_are_checked():
+    """Host soft evidence: log-values without NaN or +inf, top-k ids that are values of the leaves and distinct in
+    a row (masked entries aside), dense evidence of the leaves' number of values."""
+    c = jaxpc.compile(structures.GeneralizedHMM(3, 2, distributions.SoftEvidenceCategorical(num_cats=4)))
+    x = np.zeros((2, 3), np.int32)
+    ids = np.tile(np.arange(3, dtype=np.int32), (2, 3, 1))
+    lp = np.zeros((2, 3, 3), np.float32)
+    lp[0, 1, 2] = -np.inf  # a zero: fine
+    c.log_prob(c.params, x, evidence={"categorical_topk": {"ids": ids, "logp": lp}})
+    dup = ids.copy()
+    dup[1, 2, 2] = 0
+    with pytest.raises(ValueError, match=r"\['ids'\]\[1, 2\] holds the id 0 more than once"):
+        c.log_prob(c.params, x, evidence={"categorical_topk": {"ids": dup, "logp": lp}})
+    mask = np.ones(ids.shape, bool)
+    mask[1, 2, 2] = False  # the repeated id masked out
+    c.log_prob(c.params, x, evidence={"categorical_topk": {"ids": dup, "logp": lp, "mask": mask}})
+    far = ids.copy()
+    far[0, 0, 1] = 4
+    with pytest.raises(ValueError, match=r"\['ids'\]\[0, 0, 1\] = 4 is not a value .* \[0, 3\]"):
+        c.flows(c.params, x, evidence={"categorical_topk": {"ids": far, "logp": lp}})
+    with pytest.raises(ValueError, match=r"categorical_logp'\] must have shape \[2, 3, 4\]"):
+        c.log_prob(c.params, x, evidence={"categorical_logp": np.zeros((2, 3, 3), np.float32)})
+    with pytest.raises(ValueError, match=r"categorical_logp'\]\[0, 0, 0\] = nan"):
+        c.log_prob(c.params, x, evidence={"categorical_logp": np.full((2, 3, 4), np.nan, np.float32)})
 
 
 def test_gate_declaration_and_evidence_errors():
