@@ -9,6 +9,7 @@ Everything a ``Circuit`` method does is also available as a pure function
 from __future__ import annotations
 
 import functools
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -105,6 +106,7 @@ class Circuit:
         self.runtime.load_ahead("circuit", self.layout, str(self.dtype))
         self.params: Params = self._initial_params(seed)
         self.runtime.set_params(self.params)
+        self.runtime.stat_fields = {spec.key: spec.dist.stat_fields for spec in self.layout.input_layers}
 
     # ------------------------------------------------------------------------------------------
     # parameters
@@ -485,6 +487,8 @@ class Circuit:
         update. The last partial batch is padded with zero-weight rows (its bucket's executable).
         With ``return_ll`` also returns the mean log-likelihood of ``data`` under ``params``."""
         check_em_args(step_size, pseudocount)
+        if not isinstance(batch_size, numbers.Integral) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"full_batch_em: batch_size must be a positive int, got {batch_size!r}")
         batch = self.runtime.prepare(data, missing, validate)
         data_j, miss_j, n = batch.x, batch.missing, batch.n
         validate = validate if batch.report else False  # host data: checked already

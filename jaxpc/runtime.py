@@ -364,6 +364,7 @@ class Runtime:
         self.params_spec: checks.ParamsSpec | None = None  # what an entry's ``params`` must look like (set_params)
         self._sum_spec: checks.ParamsSpec | None = None
         self._input_keys: list = []
+        self.stat_fields: dict[str, tuple] = {}  # input layer -> its flows' statistics (Distribution.stat_fields)
         self.cache.check_args = self._check_args
         self._replays: dict = {}  # (call key, x's shape and kind, the mask's mask_key) -> _Replay
         self._em_scalars: dict = {}  # (step_size, pseudocount) -> their device scalars
@@ -404,6 +405,12 @@ class Runtime:
         if "input" in parts and (not isinstance(flows["input"], dict) or sorted(flows["input"]) != self._input_keys):
             got = sorted(flows["input"]) if isinstance(flows["input"], dict) else type(flows["input"]).__name__
             raise ValueError(f"flows['input'] must have one entry per input layer {self._input_keys}, got {got}")
+        for key, fields in self.stat_fields.items() if "input" in parts else ():
+            got = flows["input"][key]
+            if not isinstance(got, dict) or sorted(got) != sorted(fields):
+                have = sorted(got) if isinstance(got, dict) else type(got).__name__
+                raise ValueError(f"flows['input'][{key!r}] must hold the layer's statistics {sorted(fields)} (what "
+                                 f"circuit.flows returns), got {have}")
 
     def load_ahead(self, *owner) -> None:
         """Start loading the stored executables that earlier processes ran for the circuit named by ``owner`` (its

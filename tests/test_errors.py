@@ -322,6 +322,12 @@ def test_flows_meshes_and_checkpoints_are_checked(cat_circuit, mixed_circuit, tm
     own = cat_circuit.flows(cat_circuit.params, x)
     with pytest.raises(ValueError, match=r"flows\['input'\] must have one entry per input layer"):
         cat_circuit.em_update(cat_circuit.params, {"sum": own["sum"], "input": {}})
+    with pytest.raises(ValueError, match=r"flows\['input'\]\['categorical.*'\] must hold the layer's statistics "
+                                         r"\['counts'\] \(what circuit.flows returns\), got \['log_probs'\]"):
+        cat_circuit.em_update(cat_circuit.params, cat_circuit.params)
+    for bad in (0, -1, None, 2.5):
+        with pytest.raises(ValueError, match="full_batch_em: batch_size must be a positive int"):
+            cat_circuit.full_batch_em(cat_circuit.params, x, batch_size=bad)
     with pytest.raises(ValueError, match="structure of this circuit's params"):
         cat_circuit.get_node_params({"sum": cat_circuit.params["sum"]}, cat_circuit.root)
     with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):

@@ -39,6 +39,7 @@ class Distribution:
     discrete: bool = True
     #: natural parameter fields, in order; a single field is given/returned as a bare array
     natural_fields: tuple[str, ...] = ()
+    stat_fields: tuple[str, ...] = ()  # the keys of :meth:`suff_stats` (a layer's entry of the flows)
 
     # ---- identity -------------------------------------------------------------------------
     def config(self) -> tuple:

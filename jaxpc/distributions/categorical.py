@@ -41,6 +41,7 @@ class Categorical(Distribution):
 
     name = "categorical"
     natural_fields = ("probs",)
+    stat_fields = ("counts",)
 
     def __init__(self, num_cats: int):
         if not isinstance(num_cats, (int, np.integer)) or isinstance(num_cats, bool) or num_cats < 1:

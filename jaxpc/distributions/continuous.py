@@ -55,6 +55,7 @@ class Gaussian(Distribution):
     name = "gaussian"
     discrete = False
     natural_fields = ("mu", "sigma")
+    stat_fields = ("s0", "s1", "s2")
 
     def __init__(self, min_sigma: float = 0.01):
         if not (isinstance(min_sigma, (int, float)) and min_sigma > 0):
@@ -153,6 +154,7 @@ class DiscreteLogistic(Distribution):
 
     name = "discrete_logistic"
     natural_fields = ("mu", "s")
+    stat_fields = ("s0", "s1", "s2")
 
     def __init__(self, val_range: tuple[float, float], num_cats: int, min_std: float = 0.01):
         lo, hi = (float(v) for v in val_range)

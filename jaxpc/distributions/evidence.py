@@ -127,6 +127,7 @@ class External(Categorical):
 
     name = "external"
     natural_fields = ()
+    stat_fields = ()
 
     def __init__(self):
         super().__init__(1)
