@@ -87,6 +87,9 @@ class Circuit:
         self.dtype = jnp.dtype(dtype)
         if not jnp.issubdtype(self.dtype, jnp.floating):
             raise TypeError(f"compile: dtype must be a floating dtype, got {self.dtype}")
+        if jax.dtypes.canonicalize_dtype(self.dtype) != self.dtype:
+            raise ValueError(f"compile: dtype={self.dtype} needs 64-bit JAX: "
+                             "jax.config.update('jax_enable_x64', True) before compiling")
         # one batched transfer (jnp.asarray of a numpy array compiles an identity executable per shape)
         tables = _compile.shared_kernel_tables(_compile.finalize_tables(struct.tables, self.layout), self.layout)
         self.tables = jax.device_put(routing.cluster_tables(self.layout, tables))

@@ -418,3 +418,13 @@ def test_a_variable_takes_one_range_of_values():
     c = jaxpc.compile(over_var0(Categorical(num_cats=3), External(), Categorical(num_cats=3)))
     with pytest.raises(ValueError, match=r"x\[0, 0\] = 3 is out of range"):
         c.log_prob(c.params, np.array([[3]], np.int32), evidence={"external": np.zeros((1, 1, 1), np.float32)})
+
+
+def test_a_float64_circuit_needs_64_bit_jax():
+    root = jaxpc.summate(jaxpc.inputs(0, num_nodes=2, dist=distributions.Categorical(num_cats=3)), num_nodes=1)
+    with pytest.raises(ValueError, match=r"dtype=float64 needs 64-bit JAX: jax.config.update\('jax_enable_x64'"):
+        jaxpc.compile(root, dtype=jnp.float64)
+    with jax.enable_x64(True):
+        c = jaxpc.compile(root, dtype=jnp.float64)
+        assert c.log_prob(c.params, np.zeros((2, 1), np.int32)).dtype == jnp.float64
+
