@@ -336,11 +336,16 @@ _UNSEEN = object()
 
 
 def _first_leaf(tree):
-    """The first array of a pytree of nested dicts (parameters, tables), or None."""
+    """The first array of a pytree of nested dicts (parameters), or None."""
     for _ in range(8):
-        if not isinstance(tree, dict):
+        if type(tree) is not dict:
             return tree
-        tree = next((v for v in tree.values() if not isinstance(v, dict) or v), None)
+        for v in tree.values():
+            if type(v) is not dict or v:
+                tree = v
+                break
+        else:
+            return None
     return None
 
 
@@ -603,7 +608,7 @@ class Runtime:
         ``ValueError`` naming where they are."""
         where = None
         for what, a in (("x", x), ("params", _first_leaf(params))):
-            if not isinstance(a, jax.Array) or isinstance(a, jax.core.Tracer) or not a.committed:
+            if isinstance(a, jax.core.Tracer) or not getattr(a, "committed", False):  # (uncommitted, numpy, None)
                 continue
             s = a.sharding
             target = self._placements.get(s, _UNSEEN)
