@@ -396,10 +396,11 @@ class Runtime:
         if "flows" in args:
             self.check_flows(args["flows"])
 
-    def check_flows(self, flows, parts: tuple[str, ...] = ("sum", "input")) -> None:
+    def check_flows(self, flows, parts: tuple[str, ...] = ("sum", "input"), stats: bool = True) -> None:
         """Check the ``parts`` of ``flows`` against what the circuit's ``flows`` returns: ``"sum"``, the sum groups'
         flows shaped like their params (:func:`jaxpc.checks.check_params`); ``"input"``, one entry per input
-        layer."""
+        layer, with ``stats`` holding the layer's statistics (:attr:`Distribution.stat_fields`: what an EM update
+        reads)."""
         if self.params_spec is None:
             return
         if not isinstance(flows, dict) or not set(parts) <= set(flows):
@@ -410,7 +411,7 @@ class Runtime:
         if "input" in parts and (not isinstance(flows["input"], dict) or sorted(flows["input"]) != self._input_keys):
             got = sorted(flows["input"]) if isinstance(flows["input"], dict) else type(flows["input"]).__name__
             raise ValueError(f"flows['input'] must have one entry per input layer {self._input_keys}, got {got}")
-        for key, fields in self.stat_fields.items() if "input" in parts else ():
+        for key, fields in self.stat_fields.items() if "input" in parts and stats else ():
             got = flows["input"][key]
             if not isinstance(got, dict) or sorted(got) != sorted(fields):
                 have = sorted(got) if isinstance(got, dict) else type(got).__name__
