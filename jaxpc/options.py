@@ -244,7 +244,12 @@ class Options:
         propagation: ``"LL"`` (sum-product, log-likelihoods), ``"MPE"`` (max-product) or
             ``"GeneralLL"`` (sum nodes compute ``(1/alpha) log sum_c (w_c p_c)^alpha``; ``alpha=1``
             is LL, ``alpha -> inf`` approaches MPE).
-        alpha: the GeneralLL exponent (required for, and only allowed with, GeneralLL).
+        alpha: the GeneralLL exponent (required for, and only allowed with, GeneralLL). Up to 1 the sum layers
+            compute ``(w_c p_c)^alpha`` as factored matrix products (on the kernels where ``impl`` routes them);
+            above 1, where those factors underflow in float32, from the terms ``log w_c + log p_c`` shifted by each
+            node's largest, on XLA whatever ``impl`` and ``kernels`` say (no term underflows at any ``alpha``; the
+            terms' float32 rounding, which ``alpha`` multiplies, bounds the flows' relative error by about
+            ``alpha * |log w_c + log p_c| * 6e-8``).
         backward: how gradients (flows) are computed: ``"flows"`` (a top-down pass over the node
             buffer, PyJuice's backward; default) or ``"autodiff"`` (JAX's reverse mode through the
             forward pass; a reference, slower and more memory-hungry; it differentiates XLA's sum layers
@@ -291,7 +296,10 @@ class Options:
             pairs ``((n, C, Kp, Kc, U, D, batch[, M]), choice)`` (``M`` for folded partitions), ``choice``
             ``("xla",)`` or ``(impl, block_b, block_k, num_warps)``; partitions not named use ``impl``.
         pflow_temperature: parameter flows split each sum node's flow by the tempered posterior
-            ``(w_c p_c)^(1/T) / sum_c' (w_c' p_c')^(1/T)`` (T < 1 sharpens toward hard EM); 1 is EM.
+            ``(w_c p_c)^(1/T) / sum_c' (w_c' p_c')^(1/T)`` (T < 1 sharpens toward hard EM, which T -> 0 reaches
+            where every sum's children have the same values under LL as under MPE: a mixture of products); 1 is
+            EM. The flow pass of tempered flows runs on XLA's sum layers; for T < 1 each share is computed from the
+            terms shifted by the node's largest, so no flow is lost at any T.
         eflow_temperature: the same tempering for the flows passed down to the children.
         chain_scan: evaluate chain-structured circuits (HMMs: a chain of dense sum layers over one input
             layer, found by :func:`jaxpc.compile`) by the rescaled forward-backward scan of

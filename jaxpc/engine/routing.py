@@ -23,6 +23,7 @@ import numpy as np
 from ..compiler.layout import Layout, ScanSpec
 from ..ops import tables as table_places
 from ..ops.pieces import ranges
+from ..ops.sum_layer import factored
 from ..ops.triton_base import route_impl, triton_route
 from ..options import KERNEL_IMPLS, PALLAS_FORWARD, Tuning
 from . import chain
@@ -361,13 +362,25 @@ def kernel_choice(options, part, B: int, dtype=jnp.float32):
     partition and batch, else ``options.impl`` (``"auto"``: :func:`auto_impl` for a ``dtype`` node buffer)
     with the default kernel configuration. ``"triton"`` where the jax-triton route does not run is ``"auto"``'s choice
     (:func:`triton_route`). Without the Pallas Triton backend every Pallas choice is the reference (with one warning
-    per process)."""
+    per process). Where the forward's exponent is above 1 (:func:`factored_forward`) every choice is XLA's, whose
+    sum layers compute it from the terms."""
+    if not factored_forward(options):
+        return "xla", None
     impl, cfg = _kernel_choice(options, part, B, dtype)
     if impl == "triton" and not triton_route(options):
         impl = auto_impl(part, dtype, B, options.tuning.small_batch)
     if impl in PALLAS_FORWARD and not kernels_available():
         return "xla", None
     return impl, cfg
+
+
+def factored_forward(options) -> bool:
+    """Whether the sum-product exponent of ``options`` (GeneralLL's ``alpha``, LL's 1) is one the kernels compute
+    (:func:`jaxpc.ops.sum_layer.factored`: at most 1). Above 1 their factored products underflow in float32 (the
+    weights' factor ``exp(alpha log w)`` and the children's ``exp(alpha (x - m))``, ``m`` a block's largest child
+    value): such a forward and its flow pass run on XLA (:func:`kernel_choice`, :func:`runs_kernel_backward`,
+    :func:`pflow_kernel`), whose sum layers compute them from the terms shifted per parent and sample."""
+    return options.propagation != "GeneralLL" or factored(options.alpha)
 
 
 def _kernel_choice(options, part, B: int, dtype):
@@ -458,9 +471,11 @@ def max_product_kernel(impl: str, options) -> bool:
 
 def runs_kernel_backward(impl: str, options) -> bool:
     """Whether the flow pass runs a sum partition routed to ``impl`` on backward kernels (Pallas's or jax-triton's:
-    :func:`jaxpc.ops.sum_layer.sum_kernels`), else on XLA's."""
+    :func:`jaxpc.ops.sum_layer.sum_kernels`), else on XLA's: sum-product flows, untempered, of an exponent the
+    kernels compute (:func:`factored_forward`)."""
     tempered = options.pflow_temperature != 1.0 or options.eflow_temperature != 1.0
-    return impl in ("pallas", "triton") and options.propagation != "MPE" and not tempered
+    return (impl in ("pallas", "triton") and options.propagation != "MPE" and not tempered
+            and factored_forward(options))
 
 
 def exclusive(part) -> bool:
@@ -484,11 +499,12 @@ def _keeps_shift(part) -> bool:
 def writes_shift(options, part, buf: Array) -> bool:
     """Whether sum partition ``part`` keeps its blocks' shifts in the forward (the in-place kernel's or XLA's) for
     the XLA flow pass (the Pallas backward recomputes them): blocks of at least :data:`SHIFT_MIN_UNIT` nodes of a
-    sum-product layer in a float32 buffer. The one test by which the forward decides to carry a shift buffer and
-    to write a partition's shifts, and the flow pass decides to read them."""
+    sum-product layer of an exponent computed by factored products (:func:`factored_forward`; larger ones are
+    shifted per parent and sample) in a float32 buffer. The one test by which the forward decides to carry a shift
+    buffer and to write a partition's shifts, and the flow pass decides to read them."""
     impl = kernel_choice(options, part, buf.shape[1], buf.dtype)[0]
     return (_keeps_shift(part) and options.propagation != "MPE" and buf.dtype == jnp.float32
-            and not runs_kernel_backward(impl, options))
+            and factored_forward(options) and not runs_kernel_backward(impl, options))
 
 
 def shift_unit(layout: Layout) -> int:
@@ -648,10 +664,10 @@ def pflow_kernel(options, dtype) -> bool:
     instead of XLA's gather, product and multiply, for the block shapes of which some partition kept its shifts
     in an in-place forward kernel (:func:`writes_shift`; HCLT-256's 577 tree-level blocks at batch 16 on the
     H200: 0.24 against 0.32 ms): float32 buffers, local sums from the stored values (``precision`` below ``"fp32"``,
-    untempered parameter flows), ``Options.impl`` ``"auto"`` on a GPU or ``"pallas"`` / ``"pallas_forward"``
-    (interpret mode off a GPU); never with ``"xla"``."""
+    untempered parameter flows of an exponent the kernels compute: :func:`factored_forward`), ``Options.impl``
+    ``"auto"`` on a GPU or ``"pallas"`` / ``"pallas_forward"`` (interpret mode off a GPU); never with ``"xla"``."""
     impl = route_impl(options)
     if (jnp.dtype(dtype) != jnp.float32 or impl in ("xla", "triton") or options.concrete_precision == "fp32"
-            or options.pflow_temperature != 1.0 or not kernels_available()):
+            or options.pflow_temperature != 1.0 or not factored_forward(options) or not kernels_available()):
         return False
     return impl != "auto" or on_gpu()

@@ -33,6 +33,11 @@ partitions of one class share one traced, lowered and compiled kernel.
 Shapes are padded to powers of two inside the kernels (masked loads and stores); products with
 all dimensions >= 16 use the tensor cores (``pl.dot`` at the requested precision), smaller ones
 a broadcast multiply-add in float32.
+
+GeneralLL's exponent ``alpha`` enters as the factors ``exp(alpha log w)`` and ``exp(alpha (x - m))``, ``m`` a
+block's largest child value: accurate for ``alpha <= 1`` (:func:`jaxpc.ops.sum_layer.factored`); above 1 they
+underflow in float32, and the routes send such layers to XLA's terms
+(:func:`jaxpc.engine.routing.factored_forward`).
 """
 
 from __future__ import annotations

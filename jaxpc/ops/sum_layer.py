@@ -5,8 +5,16 @@ For ``n`` parent blocks of ``Kp`` nodes, each with ``C`` child blocks of ``Kc`` 
 
 * LL: ``out[i, k, b] = m + log sum_{c, j} w[i, k, c, j] exp(x[i, c, j, b] - m)``, ``m`` the max over
   the block's children (a batched matmul in linear space, as in PyJuice).
-* GeneralLL(alpha): ``out = m + (1/alpha) log sum w^alpha exp(alpha (x - m))``.
+* GeneralLL(alpha): ``out = m + (1/alpha) log sum w^alpha exp(alpha (x - m))`` for ``alpha <= 1``; above 1,
+  ``out = M + (1/alpha) log sum exp(alpha (t - M))`` over the terms ``t = log w + x`` with ``M`` each parent's
+  largest term (:func:`tempered_log_sum`).
 * MPE: ``out = max_{c, j} (log w + x)``; its flows go to the first maximizing child (:func:`first_max`).
+
+An exponent ``a`` (``alpha``, or ``alpha / T`` for flows tempered by ``T``) is computed as the factored product
+``exp(a log w) @ exp(a (x - m))`` only where :func:`factored` holds (``a <= 1``): above 1 both factors underflow
+in float32 (at ``a = 1000`` a weight below 0.9, or a child value below 0.9 times its block's largest, gives 0),
+so larger exponents are computed from the terms, shifted per parent and sample, on XLA (the routes never send them
+to the kernels: :func:`jaxpc.engine.routing.factored_forward`).
 
 ``m`` is a stop-gradient shift, so ``d out / d x`` and ``d out / d log w`` are exactly the
 normalized edge posteriors: ``jax.grad`` of the root log-likelihood yields flows. Zero sums
@@ -66,11 +74,25 @@ def matmul(subscripts: str, a: Array, b: Array, precision: str) -> Array:
     return jnp.einsum(subscripts, a, b, precision=prec)
 
 
+def factored(a: float) -> bool:
+    """Whether a sum-product exponent ``a`` (GeneralLL's ``alpha``; a flow's ``alpha / T`` or ``1 / T``) may be
+    computed as the factored product ``exp(a log w) @ exp(a (x - m))``, ``m`` the max over a block's children
+    alone (XLA's matrix products and the kernels): ``a <= 1``, where each factor is at least the untempered one.
+    Above 1 the weights' factor and the children's underflow in float32; such exponents are computed from the
+    terms (:func:`tempered_log_sum`, :func:`tempered_split`)."""
+    return a <= 1.0
+
+
+def _block_shift(x: Array, dense: bool) -> Array:
+    """The max-shifts ``[n, 1, B]`` (``[1, B]`` when ``dense``) of the children's values ``x``: the max over each
+    block's children, 0 where it is not finite."""
+    m = lax.stop_gradient(jnp.max(x, axis=0 if dense else 1, keepdims=True))
+    return jnp.where(jnp.isfinite(m), m, 0.0)
+
+
 def _log_sum(lw: Array, x: Array, dense: bool, alpha: float, precision: str) -> tuple[Array, Array]:
     """``(log-sums, shifts)``: ``[n, Kp, B]`` and the max-shifts ``[n, 1, B]`` (``[1, B]`` when ``dense``)."""
-    axis = 0 if dense else 1
-    m = lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    m = _block_shift(x, dense)
     y = jnp.exp(alpha * (x - m)) if alpha != 1.0 else jnp.exp(x - m)
     w = jnp.exp(alpha * lw) if alpha != 1.0 else jnp.exp(lw)
     s = matmul("nkc,cb->nkb" if dense else "nkc,ncb->nkb", w, y, precision)
@@ -81,10 +103,52 @@ def _log_sum(lw: Array, x: Array, dense: bool, alpha: float, precision: str) -> 
     return jnp.where(zero, -jnp.inf, logs + m), m
 
 
+def _term_shift(t: Array) -> Array:
+    """``[n, Kp, 1, B]``: each parent's largest term of ``t [n, Kp, C*Kc, B]``, 0 where it is not finite."""
+    m = lax.stop_gradient(jnp.max(t, axis=2, keepdims=True))
+    return jnp.where(jnp.isfinite(m), m, 0.0)
+
+
+def tempered_log_sum(t: Array, a: float) -> Array:
+    """``[n, Kp, B]``: ``(1/a) log sum_c exp(a t_c)`` over axis 2 of the terms ``t [n, Kp, C*Kc, B]``
+    (:func:`max_product_terms`, which XLA fuses into the reductions), shifted by each parent's largest term, so
+    that term contributes exactly 1 to the sum at any exponent ``a``. Its gradient with respect to ``t`` is the
+    tempered share ``exp(a t_c) / sum_c' exp(a t_c')``; ``-inf`` with zero (not NaN) gradients where every term
+    is ``-inf``, NaN where a term is."""
+    m = _term_shift(t)
+    s = jnp.sum(jnp.exp(a * (t - m)), axis=2)
+    zero = s == 0
+    return jnp.where(zero, -jnp.inf, jnp.log(jnp.where(zero, 1.0, s)) / a + m[:, :, 0])
+
+
+def tempered_split(t: Array, fp: Array, a: float, dense: bool, child_flows: bool = True, param_flows: bool = True,
+                   vp: Array | None = None) -> tuple[Array | None, Array | None]:
+    """The parents' flows ``fp [n, Kp, B]`` split over their terms ``t [n, Kp, C*Kc, B]`` (:func:`max_product_terms`)
+    by the tempered shares ``exp(a t_c) / sum_c' exp(a t_c')``, each computed shifted by the parent's largest term
+    (exact at any exponent ``a``; :func:`factored`'s product for ``a <= 1`` is faster): ``(child flows [n, C*Kc, B]
+    ([C*Kc, B] when ``dense``), parameter flows [n, Kp, C*Kc])``, the edge flows reduced over the parents and over
+    the samples (None where not asked for). Given the parents' stored values ``vp [n, Kp, B]`` (the forward's
+    exponent ``a``: ``a vp`` is the log local sum) the shares are ``exp(a (t_c - vp))``, one reduction fewer, with
+    ``a |vp| * 6e-8`` more relative error (the precisions below ``"fp32"``, as :func:`flow_split`'s). Parents that
+    carry no flow or are impossible pass nothing."""
+    if vp is None:
+        e = jnp.exp(a * (t - _term_shift(t)))  # a possible parent's largest term gives 1: its local sum is >= 1
+        s = jnp.sum(e, axis=2)
+        scale = jnp.where((fp == 0) | (s == 0), 0.0, fp / jnp.where(s == 0, 1.0, s))  # [n, Kp, B]
+    else:
+        live = (fp != 0) & jnp.isfinite(vp)
+        e = jnp.exp(a * (t - jnp.where(live, vp, jnp.inf)[:, :, None, :]))  # 0 where the parent passes nothing
+        scale = jnp.where(live, fp, 0.0)
+    edges = scale[:, :, None, :] * e  # [n, Kp, CK, B], fused into the reductions below
+    cf = (jnp.sum(edges, axis=(0, 1)) if dense else jnp.sum(edges, axis=1)) if child_flows else None
+    return cf, (jnp.sum(edges, axis=3) if param_flows else None)
+
+
 def sum_layer_reference(buf: Array, ch: Array, pid: Array, logw: Array, *, Kp: int, Kc: int, dense: bool,
                         propagation: str = "LL", alpha: float | None = None, precision: str = "fp32",
                         with_shift: bool = False, with_first: bool = False):
-    """Plain-jnp sum layer. Returns ``[n * Kp, B]`` (block-major rows); with ``with_shift`` (LL and GeneralLL,
+    """Plain-jnp sum layer (GeneralLL's ``alpha`` above 1 from the terms: :func:`factored`, ``precision`` then does
+    not apply). Returns ``[n * Kp, B]`` (block-major rows); with ``with_shift`` (LL and GeneralLL,
     not ``dense`` unless of one block) also each parent block's shift ``[n, B]``, the max over its children's
     values (finite, else 0), which :func:`sum_layer_backward_reference` then reads instead of recomputing it; with
     ``with_first`` (MPE) also each parent's first maximizing child, int32 ``[n * Kp, B]`` (:func:`max_and_first`),
@@ -99,11 +163,15 @@ def sum_layer_reference(buf: Array, ch: Array, pid: Array, logw: Array, *, Kp: i
     if with_first:
         out, first = max_and_first(max_product_terms(x, lw, dense))
         return out.reshape(-1, buf.shape[1]), first.reshape(-1, buf.shape[1])
+    a = float(alpha) if propagation == "GeneralLL" else 1.0
     if propagation == "MPE":
         out = first_max(max_product_terms(x, lw, dense))
         m = None
+    elif factored(a):
+        out, m = _log_sum(lw, x, dense, a, precision)
     else:
-        out, m = _log_sum(lw, x, dense, 1.0 if propagation == "LL" else float(alpha), precision)
+        out = tempered_log_sum(max_product_terms(x, lw, dense), a)
+        m = _block_shift(x, dense) if with_shift else None
     out = out.reshape(-1, buf.shape[1])
     return (out, m.reshape(-1, buf.shape[1])) if with_shift else out
 
@@ -124,11 +192,11 @@ def sum_layer(buf: Array, ch: Array, pid: Array, logw: Array, *, Kp: int, Kc: in
               propagation: str = "LL", alpha: float | None = None, precision: str = "fp32",
               impl: str = "xla", config=None) -> Array:
     """Dispatching sum layer: ``impl="pallas"`` or ``"pallas_forward"`` runs the Pallas kernel, ``"triton"`` the
-    jax-triton one (LL and GeneralLL; max-product layers always use the reference), ``"xla"`` the plain-jnp
-    version."""
-    if impl in KERNEL_IMPLS and propagation != "MPE":
+    jax-triton one (LL, and GeneralLL with ``alpha`` at most 1: :func:`factored`; max-product layers and larger
+    exponents always use the reference), ``"xla"`` the plain-jnp version."""
+    a = float(alpha) if propagation == "GeneralLL" else 1.0
+    if impl in KERNEL_IMPLS and propagation != "MPE" and factored(a):
         kernels = sum_kernels(impl)
-        a = 1.0 if propagation == "LL" else float(alpha)
         cfg = config or kernels.KernelConfig()
         return kernels.forward(buf, ch, pid, logw, Kp=Kp, Kc=Kc, alpha=a, precision=precision,
                                config=cfg).astype(buf.dtype)
@@ -144,14 +212,17 @@ def sum_layer_backward_reference(values: Array, flows: Array, ch: Array, pid: Ar
                                  param_flows: bool = True, pflow_temperature: float = 1.0,
                                  eflow_temperature: float = 1.0, shift: Array | None = None,
                                  first: Array | None = None) -> tuple[Array, Array | None]:
-    """Flows of one sum partition, top-down (PyJuice's element-flow and parameter-flow passes).
+    """Flows of one sum partition, top-down (PyJuice's element-flow and parameter-flow passes): each parent's
+    flow split over its children by its terms ``(w x)^a`` normalized, ``a`` the propagation's exponent (1, or
+    ``alpha``) over the flows' temperature, by factored products where :func:`factored`, else from the terms
+    (:func:`tempered_split`).
 
     Args:
         values: ``[R, B]`` node values of the forward pass.
         flows: ``[R, B]`` node flows accumulated so far (the partition's parents are final).
         out_offset: first row of the partition's ``n * Kp`` parents.
         shift: ``[n, B]`` the forward's shifts (each parent block's max over its children's values), which
-            are then not recomputed (not ``dense``, unless of one block).
+            the factored products then read instead of recomputing them (not ``dense``, unless of one block).
         first: int32 ``[n, Kp, B]`` (MPE) each parent's first maximizing child as the forward kept it
             (:func:`sum_layer_reference` with ``with_first``), then not searched for again.
 
@@ -175,19 +246,49 @@ def sum_layer_backward_reference(values: Array, flows: Array, ch: Array, pid: Ar
         cf, pf = mpe_split(x, lw, vp, fp, dense, param_flows, first)
     else:
         base = 1.0 if propagation == "LL" else float(alpha)
-        axis = 0 if dense else 1
-        m = jnp.max(x, axis=axis, keepdims=True) if shift is None else (shift if dense else shift[:, None, :])
-        m = jnp.where(jnp.isfinite(m), m, 0.0)
-        w, y, scale = flow_split(x, lw, vp, fp, m, base / eflow_temperature, base, dense, precision)
-        cf = y * matmul("nkc,nkb->cb" if dense else "nkc,nkb->ncb", w, scale, precision)
-        pf = None
-        if param_flows:
-            if pflow_temperature != eflow_temperature:
-                w, y, scale = flow_split(x, lw, vp, fp, m, base / pflow_temperature, base, dense, precision)
-            pf = w * matmul("nkb,cb->nkc" if dense else "nkb,ncb->nkc", scale, y, precision)
+        ae = base / eflow_temperature
+        ap = base / pflow_temperature if param_flows else None
+        sharp_e, sharp_p = not factored(ae), ap is not None and not factored(ap)
+        cf = pf = None
+        if not sharp_e or (ap is not None and not sharp_p):
+            cf, pf = _factored_flows(x, lw, vp, fp, shift, None if sharp_e else ae, None if sharp_p else ap, base,
+                                     dense, precision)
+        if sharp_e or sharp_p:  # exponents above 1: from the terms
+            t = max_product_terms(x, lw, dense)
+            shared = sharp_e and sharp_p and ap == ae
+            if sharp_e:
+                cf, pe = tempered_split(t, fp, ae, dense, param_flows=shared, vp=_stored(vp, ae, base, precision))
+            if sharp_p:
+                pf = pe if shared else tempered_split(t, fp, ap, dense, child_flows=False,
+                                                      vp=_stored(vp, ap, base, precision))[1]
     if pf is None:
         return cf, None
     pf = pf.reshape(n, Kp, C, Kc).transpose(0, 2, 1, 3)
+    return cf, pf
+
+
+def _stored(vp: Array, a: float, base: float, precision: str) -> Array | None:
+    """``vp``, the parents' stored values, where :func:`tempered_split` takes the local sums from them (as
+    :func:`flow_split` does): untempered flows (``a`` the forward's exponent ``base``) at a precision below
+    ``"fp32"``; else None (recomputed)."""
+    return vp if precision != "fp32" and a == base else None
+
+
+def _factored_flows(x: Array, lw: Array, vp: Array, fp: Array, shift: Array | None, ae: float | None,
+                    ap: float | None, base: float, dense: bool, precision: str) -> tuple[Array | None, Array | None]:
+    """``(child flows, parameter flows)`` of :func:`sum_layer_backward_reference` by :func:`flow_split`'s factored
+    products, the child flows at exponent ``ae`` and the parameter flows at ``ap`` (each :func:`factored`, or None:
+    not computed); ``shift``: the forward's kept shifts, or None."""
+    m = jnp.max(x, axis=0 if dense else 1, keepdims=True) if shift is None else (shift if dense else shift[:, None, :])
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    cf = pf = None
+    if ae is not None:
+        w, y, scale = flow_split(x, lw, vp, fp, m, ae, base, dense, precision)
+        cf = y * matmul("nkc,nkb->cb" if dense else "nkc,nkb->ncb", w, scale, precision)
+    if ap is not None:
+        if ap != ae:
+            w, y, scale = flow_split(x, lw, vp, fp, m, ap, base, dense, precision)
+        pf = w * matmul("nkb,cb->nkc" if dense else "nkb,ncb->nkc", scale, y, precision)
     return cf, pf
 
 
@@ -292,14 +393,18 @@ def param_flow_factors(values: Array, flows: Array, ch: Array, pid: Array, logw:
                        temperature: float = 1.0, shift: Array | None = None) -> tuple[Array, Array, Array]:
     """The factors of :func:`sum_layer_param_flows_reference`'s flows: ``(w, y, scale)``, the blocks' weights
     ``[n, Kp, C*Kc]`` (raised to the flows' power), their children's shifted values ``[n, C*Kc, B]`` and each
-    parent's flow over its local sum ``[n, Kp, B]``; the flows are ``w * (scale @ y^T)`` over the samples."""
+    parent's flow over its local sum ``[n, Kp, B]``; the flows are ``w * (scale @ y^T)`` over the samples. Only
+    for a :func:`factored` exponent (the propagation's over ``temperature``): above 1 the factors underflow."""
     if propagation == "MPE":
         raise ValueError("the batched parameter flows are those of sum-product layers (LL, GeneralLL), not MPE")
+    base = 1.0 if propagation == "LL" else float(alpha)
+    if not factored(base / temperature):
+        raise ValueError(f"parameter-flow factors at exponent {base / temperature:g} (above 1) underflow in float32: "
+                         f"sum_layer_param_flows_reference computes such flows from the terms")
     n = ch.shape[0]
     x = gather_children(values, ch, Kc, False)
     lw = gather_weights(logw, pid)
     rows = prow[:, None] + jnp.arange(Kp, dtype=prow.dtype)
-    base = 1.0 if propagation == "LL" else float(alpha)
     if shift is not None and shift.shape != (n, values.shape[1]):
         raise ValueError(f"shift must be [n, B] = {[n, values.shape[1]]}, got {list(shift.shape)}")
     m = jnp.max(x, axis=1, keepdims=True) if shift is None else shift[:, None, :]
@@ -317,8 +422,16 @@ def sum_layer_param_flows_reference(values: Array, flows: Array, ch: Array, pid:
     different partitions and levels (one batched product for all of them): block ``i``'s parents are rows
     ``prow[i] + [0, Kp)``, its children ``ch[i]`` (``[n, C]`` or folded ``[n, C, M]``), its weights ``pid[i]``.
     ``temperature``: ``Options.pflow_temperature``; ``shift``: ``[n, B]`` the forward's shifts, which are then
-    not recomputed. Returns ``[n, C, Kp, Kc]``."""
+    not recomputed (an exponent above 1, not :func:`factored`, is computed from the terms by
+    :func:`tempered_split` and reads no shift). Returns ``[n, C, Kp, Kc]``."""
     n, C = ch.shape[:2]
+    base = float(alpha) if propagation == "GeneralLL" else 1.0
+    if propagation != "MPE" and not factored(base / temperature):
+        t = max_product_terms(gather_children(values, ch, Kc, False), gather_weights(logw, pid), False)
+        rows = prow[:, None] + jnp.arange(Kp, dtype=prow.dtype)
+        vp = _stored(take_rows(values, rows), base / temperature, base, precision)
+        _, pf = tempered_split(t, take_rows(flows, rows), base / temperature, False, child_flows=False, vp=vp)
+        return pf.reshape(n, Kp, C, Kc).transpose(0, 2, 1, 3)
     w, y, scale = param_flow_factors(values, flows, ch, pid, logw, prow, Kp=Kp, Kc=Kc, propagation=propagation,
                                      alpha=alpha, precision=precision, temperature=temperature, shift=shift)
     pf = w * matmul("nkb,ncb->nkc", scale, y, precision)

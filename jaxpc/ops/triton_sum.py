@@ -19,7 +19,8 @@ block (the order of the Pallas kernels' grids, without their 65,535-program limi
 Each public function builds a :class:`~jaxpc.ops.triton_base.Launch` (``*_launch``) and runs it
 (:func:`jaxpc.ops.triton_base.run`); the tests run the same launches in Triton's interpreter
 (:func:`jaxpc.ops.triton_base.interpret`). Offsets are int32, as the Pallas kernels' (the routes refuse buffers of
-2^31 elements and more: :func:`jaxpc.engine.routing.within_int32`).
+2^31 elements and more: :func:`jaxpc.engine.routing.within_int32`). Like theirs, the factored products take
+GeneralLL's ``alpha`` up to 1 only (:func:`jaxpc.engine.routing.factored_forward`).
 """
 
 from __future__ import annotations
