@@ -106,8 +106,9 @@ def test_evidence_gradients_equal_finite_differences():
     c = jaxpc.compile(structures.GeneralizedHMM(T, L, distributions.SoftEvidenceCategorical(V), block_size=2))
     x = rng.integers(0, V, (B, T)).astype(np.int32)
     e = rng.normal(size=(B, T, V))
-    ids = np.tile(np.arange(V)[None, None, 1:], (B, T, 1)).astype(np.int32)
-    ids[:, :, 0] = x  # make the observed value a candidate
+    # V - 1 distinct candidates per position, the observed value first
+    ids = np.array([[np.concatenate([[v], np.setdiff1d(np.arange(V), [v])])[:V - 1] for v in row] for row in x],
+                   np.int32)
     lp = rng.normal(size=ids.shape)
 
     def dense_total(ee):

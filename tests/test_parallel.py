@@ -247,8 +247,9 @@ def soft_hmm():
                                                 block_size=2), seed=2)
     rng = np.random.default_rng(5)
     x = rng.integers(0, V, (B, T)).astype(np.int32)
-    ids = rng.integers(0, V, (B, T, k)).astype(np.int32)
-    ids[:, :, 0] = x  # the observed token is a candidate
+    # k distinct candidates per position, the observed token first
+    offsets = np.argsort(rng.random((B, T, V - 1)), axis=2)[:, :, :k - 1] + 1
+    ids = ((x[:, :, None] + np.concatenate([np.zeros((B, T, 1), int), offsets], axis=2)) % V).astype(np.int32)
     evidence = {"dense": {"categorical_logp": rng.normal(size=(B, T, V)).astype(np.float32)},
                 "topk": {"categorical_topk": {"ids": ids, "logp": rng.normal(size=(B, T, k)).astype(np.float32)}}}
     return c, x, evidence
