@@ -687,6 +687,197 @@ def test_lvd_input_rules_per_distribution():
 
 
 # ----------------------------------------------------------------------------------------------
+# sum gates (SumNodes.set_gates) survive every edit
+# ----------------------------------------------------------------------------------------------
+
+def _named_sum(children, nb, bs, name, seed, edge_ids=None):
+    ns = jaxpc.summate(*children, num_node_blocks=nb, block_size=bs, edge_ids=edge_ids, name=name)
+    ns.set_params(np.random.default_rng(seed).random((ns.edge_ids.shape[1], bs, ns.ch_block_size)) + 0.05)
+    return ns
+
+
+def _gated_circuit(K=4, tie_params=True):
+    """s01 and s23: sums of 2 blocks of ``K`` nodes over a product of 2 blocks (4 edge blocks each); s23 has
+    one gate per 2 parent nodes and s01 reads them (declared first, a tie to a vector built after it); the
+    root has one gate per edge block. Every parameter is on the nodes."""
+    a, b, c, d = (cat_inputs(v, 2, K) for v in range(4))
+    s01 = _named_sum([jaxpc.multiply(a, b)], 2, K, "s01", seed=1)
+    if tie_params:
+        s23 = s01.duplicate(jaxpc.multiply(c, d), tie_params=True, name="s23")
+    else:
+        s23 = _named_sum([jaxpc.multiply(c, d)], 2, K, "s23", seed=2)
+    s01.set_gates(tie_to=s23.set_gates(2))
+    root = _named_sum([jaxpc.multiply(s01, s23)], 1, 1, "root", seed=3).set_gates()
+    return root, s01, s23
+
+
+def _gated(root):
+    """``{name: sum vector}`` of the gated sums under ``root``."""
+    return {ns.name: ns for ns in topological_order(root) if ns.is_sum() and ns.gates is not None}
+
+
+def _random_gates(root, B, seed=0):
+    """``{name: [B, E, Kp // gate block]}`` log-gates of the gated sums with columns of their own."""
+    rng = np.random.default_rng(seed)
+    return {k: rng.normal(size=(B, ns.edge_ids.shape[1], ns.block_size // ns.gates.block_size))
+            for k, ns in _gated(root).items() if ns.gates.tie_to is None}
+
+
+def _gate_ll(root, gates, x):
+    """Compiled log-likelihoods ``[B]`` of ``root`` with ``evidence["sum_gates"]`` built from ``gates``
+    (``{name: [B, E, Kp // gate block]}``) at each vector's ``gate_slice``; every column must be set."""
+    c = jaxpc.compile(root)
+    g = np.full((x.shape[0], c.num_gates), np.nan)
+    for ns in c.nodes:
+        if ns.is_sum() and ns.gates is not None and ns.gates.tie_to is None:
+            assert g[:, c.gate_slice(ns)].shape[1] == gates[ns.name][0].size
+            g[:, c.gate_slice(ns)] = gates[ns.name].reshape(x.shape[0], -1)
+    assert not np.isnan(g).any()
+    return np.asarray(c.log_prob(c.params, x, evidence={"sum_gates": g.astype(np.float32)}))
+
+
+def _x(B=7, num_vars=4, seed=0):
+    return np.random.default_rng(seed).integers(0, 3, (B, num_vars)).astype(np.int32)
+
+
+def test_deepcopy_and_lvd_keep_gates():
+    root, s01, s23 = _gated_circuit()
+    x = _x()
+    gates = _random_gates(root, x.shape[0])
+    assert jaxpc.compile(root).num_gates == 4 * 2 + 2  # s23: 4 edge blocks of 2 gates; the root: 2 edge blocks
+    new = edit.deepcopy(root)
+    g = _gated(new)
+    assert set(g) == {"s01", "s23", "root"} and g["s01"].gates.tie_to is g["s23"]
+    assert (g["s23"].gates.block_size, g["root"].gates.block_size) == (2, 1)
+    assert jaxpc.compile(new).num_gates == 4 * 2 + 2
+    np.testing.assert_allclose(_gate_ll(new, gates, x), _gate_ll(root, gates, x), rtol=1e-6, atol=1e-6)
+    assert s01.gates.tie_to is s23  # the input graph is untouched
+
+    # lvd_init copies the graph the same way
+    hclt = hidden_tree_circuit([[1, 3], [2], [], []], 0, 2, [0, 1, 2, 3], distributions.Categorical(3))
+    hclt.set_gates()
+    next(ns for ns in topological_order(hclt) if ns.is_sum() and ns is not hclt).set_gates(1)
+    z = np.random.default_rng(0).integers(0, 2, (20, 4))
+    lvd = edit.lvd_init(hclt, edit.hclt_latent_regions(hclt), z)
+    assert jaxpc.compile(lvd).num_gates == jaxpc.compile(hclt).num_gates > 0
+    # a tie to a vector outside the graph is refused, as jaxpc.compile refuses it
+    s01.set_gates(tie_to=_named_sum(s23.children, 2, 4, "outside", seed=4).set_gates(2))
+    with pytest.raises(ValueError, match="deepcopy: s01 reads the gates of outside, which is not reachable"):
+        edit.deepcopy(root)
+
+
+def test_unblockify_blockify_keep_gates():
+    root, _, _ = _gated_circuit(K=4)
+    x = _x()
+    gates = _random_gates(root, x.shape[0])
+    ref = _gate_ll(root, gates, x)
+
+    fine = edit.unblockify(root, block_size=2)
+    g = _gated(fine)
+    assert g["s23"].block_size == 2 and g["s23"].gates.block_size == 2 and g["s01"].gates.tie_to is g["s23"]
+    # each old edge block became its 2 x 2 grid of smaller ones, reading the gates of their rows
+    fine_gates = {"s23": np.repeat(gates["s23"][:, :, :, None], 2, axis=3).reshape(x.shape[0], 16, 1),
+                  "root": np.repeat(gates["root"], 2, axis=1)}
+    np.testing.assert_allclose(_gate_ll(fine, fine_gates, x), ref, rtol=1e-5, atol=1e-5)
+
+    back = edit.blockify(fine, max_block_size=4, sparsity_tolerance=0.0)
+    g = _gated(back)
+    np.testing.assert_array_equal(g["s23"].edge_ids, root.children[0].children[1].edge_ids)
+    assert g["s23"].block_size == 4 and g["s23"].gates.block_size == 2 and g["s01"].gates.tie_to is g["s23"]
+    assert jaxpc.compile(back).num_gates == jaxpc.compile(root).num_gates
+    np.testing.assert_allclose(_gate_ll(back, gates, x), ref, rtol=1e-5, atol=1e-5)
+
+    with pytest.raises(ValueError, match="unblockify: s01 has gates of block size 2, which does not divide its "
+                                         "new block size 1"):
+        edit.unblockify(root, block_size=1)
+
+
+def test_grow_keeps_gates():
+    root, _, _ = _gated_circuit(K=2)
+    x = _x()
+    gates = _random_gates(root, x.shape[0])
+    new = edit.grow(root, num_duplicates=1, noise=0.0)
+    g = _gated(new)
+    assert g["s01"].gates.tie_to is g["s23"] and g["s23"].gates.block_size == 2
+    # copies of the old edge blocks in a row: 4 of a sum's (2 x 2), 2 of the root's
+    grown = {"s23": np.tile(gates["s23"], (1, 4, 1)), "root": np.tile(gates["root"], (1, 2, 1))}
+    np.testing.assert_allclose(_gate_ll(new, grown, x), _gate_ll(root, gates, x), rtol=1e-5, atol=1e-5)
+
+
+def test_prune_gates_follow_the_kept_edge_blocks():
+    for tie_params in (True, False):
+        root, s01, s23 = _gated_circuit(K=2, tie_params=tie_params)
+        # edge blocks 1 and 2 (parent 0 - child 1, parent 1 - child 0) get zero weights, so pruning them keeps
+        # the function
+        for s in {s01.source, s23.source}:
+            w = s.own_params.copy()
+            w[[1, 2]] = 0.0
+            s.set_params(w)
+        circuit = jaxpc.compile(root)
+        x = _x()
+        gates = _random_gates(root, x.shape[0])
+        sc = np.array([1.0, 0.0, 0.0, 1.0])
+        new = edit.prune(root, circuit, scores={s01: sc, s23: sc}, threshold=0.5)
+        g = _gated(new)
+        np.testing.assert_array_equal(g["s23"].edge_ids, [[0, 1], [0, 1]])
+        assert g["s01"].gates.tie_to is g["s23"]
+        assert jaxpc.compile(new).num_gates == 2 + 2  # s23: 2 edge blocks of 1 gate; the root: 2
+        kept = {"s23": gates["s23"][:, [0, 3]], "root": gates["root"]}
+        np.testing.assert_allclose(_gate_ll(new, kept, x), _gate_ll(root, gates, x), rtol=1e-5, atol=1e-5)
+    # s01 and s23 (untied parameters) keep as many but different edge blocks: s01 gets gate columns of its own
+    new = edit.prune(root, circuit, scores={s01: sc, s23: 1.0 - sc}, threshold=0.5)
+    g = _gated(new)
+    assert g["s01"].gates.tie_to is None and g["s01"].gates.block_size == 2
+    assert jaxpc.compile(new).num_gates == 2 + 2 + 2
+
+
+def _gated_merge_circuit(gate_ties=True):
+    """s1, s2 over one product and s3, s4 over another, one gate per parent node; s3 reads s1's gates and
+    s4 reads s2's (without ``gate_ties``: s3 and s4 have no gates); a gated root over s1 x s3 and s2 x s4."""
+    a, b, c, d = (cat_inputs(v, 1, 2) for v in range(4))
+    p01, p23 = jaxpc.multiply(a, b), jaxpc.multiply(c, d)
+    s1, s2 = (_named_sum([p01], 1, 2, f"s{i}", seed=i).set_gates(1) for i in (1, 2))
+    s3, s4 = (_named_sum([p23], 1, 2, f"s{i}", seed=i) for i in (3, 4))
+    if gate_ties:
+        s3.set_gates(tie_to=s1)
+        s4.set_gates(tie_to=s2)
+    root = _named_sum([jaxpc.multiply(s1, s3), jaxpc.multiply(s2, s4)], 1, 1, "root", seed=5).set_gates()
+    return root, s1, s2, s3, s4
+
+
+def test_merge_keeps_gates():
+    root, s1, s2, s3, s4 = _gated_merge_circuit()
+    x = _x()
+    gates = _random_gates(root, x.shape[0])
+    new = edit.merge(root, [[s1, s2], [s3, s4]])
+    g = _gated(new)
+    assert set(g) == {"s1+1", "s3+1", "root"} and g["s3+1"].gates.tie_to is g["s1+1"]
+    merged = {"s1+1": np.concatenate([gates["s1"], gates["s2"]], axis=1), "root": gates["root"]}
+    np.testing.assert_allclose(_gate_ll(new, merged, x), _gate_ll(root, gates, x), rtol=1e-5, atol=1e-5)
+    # by default, gate-tied sums are left as they are, and sums with one gate block size are merged
+    assert jaxpc.compile(edit.merge(root)).num_gates == jaxpc.compile(root).num_gates
+    untied = _gated_merge_circuit(gate_ties=False)[0]
+    g = _gated(edit.merge(untied))
+    assert set(g) == {"s1+1", "root"} and g["s1+1"].edge_ids.shape[1] == 2
+    assert all(ns.gates.block_size == 1 and ns.gates.tie_to is None for ns in g.values())
+
+    with pytest.raises(ValueError, match=r"merge: s3 reads the gates of s1, but merged its edge blocks would be "
+                                         r"0\.\.0 of s3 \(1 edge blocks\) and s1's 0\.\.0 of s1\+1 \(2\)"):
+        edit.merge(root, [[s1, s2]])
+    with pytest.raises(ValueError, match="merge: s3 reads the gates of s1, but merged"):
+        edit.merge(root, [[s3, s4]])
+    with pytest.raises(ValueError, match="merge: s4 reads the gates of s2, but merged"):
+        edit.merge(root, [[s1, s2], [s4, s3]])  # the ties would cross
+    p = s1.children[0]
+    other = [_named_sum([p], 1, 2, "g2", seed=6).set_gates(2), _named_sum([p], 1, 2, "plain", seed=7)]
+    for o, what in zip(other, ["gates of block size 2", "no gates"]):
+        r = _named_sum([s1, o], 1, 1, "r", seed=8)
+        with pytest.raises(ValueError, match=f"merge: cannot merge s1 \\(gates of block size 1\\) with {o.name} "
+                                             f"\\({what}\\): merged sums need the same gates"):
+            edit.merge(r, [[s1, o]])
+
+
+# ----------------------------------------------------------------------------------------------
 # argument errors
 # ----------------------------------------------------------------------------------------------
 

@@ -7,6 +7,15 @@ the first new vector of an old tie group (in topological order) owns the paramet
 others are tied to it. A tie is dropped only where an edit makes the edges of the tied
 vectors differ (then each keeps its own copy of the parameters, and the function is unchanged).
 
+Sum gates (:meth:`~jaxpc.nodes.SumNodes.set_gates`) are kept too: each new sum vector has the gate
+block size of the vector(s) it replaces, its gate columns are those of its own edge blocks (in the
+order of its ``edge_ids``, see :meth:`jaxpc.Circuit.gate_slice`), and a ``tie_to`` reads the new vector
+of the old target. An edit never drops gates: where a gate block size would no longer divide a new
+block size, or merged vectors' gates differ, it raises a ``ValueError`` naming them. A gate tie is
+kept while the two vectors' new edge blocks come from the same old edge blocks; where they no longer
+do (pruned differently, blocked differently, grown at the root), the reading vector gets gate columns
+of its own.
+
 Parameters come from the vectors themselves (``params=`` given to ``inputs``/``summate``) or,
 when a compiled ``circuit`` (and optionally a ``params`` pytree of it, default
 ``circuit.params``) is passed, from ``circuit.get_node_params(params, node)``, so a trained

@@ -74,6 +74,10 @@ def blockify(root: CircuitNodes, sparsity_tolerance: float = 0.25, max_block_siz
     Zero-weight padding stays zero under EM only without a pseudocount (jaxpc has no per-weight
     masks); for parameterless vectors the compiled result draws the padding at random like any weight.
 
+    Sum gates keep their gate block size (it divides the larger block size) and their ``tie_to``
+    (gate-tied vectors share one factor, as tied vectors do); a coarse edge block has the gate
+    columns of its ``m * block_size`` rows, which scale every sub-block it contains.
+
     Args:
         root: the root vector.
         sparsity_tolerance: largest admissible fraction of padded sub-blocks per sum, in ``[0, 1)``.
@@ -97,7 +101,7 @@ def blockify(root: CircuitNodes, sparsity_tolerance: float = 0.25, max_block_siz
 
 def _factor_classes(nodes: Sequence[CircuitNodes]) -> _UnionFind:
     """Classes of vectors that must share one grouping factor: a product and its children, the children
-    of a sum, the members of a tie group (and their children, for sums)."""
+    of a sum, the members of a tie group and gate-tied sums (and their children, for sums)."""
     uf = _UnionFind()
     for ns in nodes:
         uf.find(ns.id)
@@ -112,6 +116,12 @@ def _factor_classes(nodes: Sequence[CircuitNodes]) -> _UnionFind:
             uf.union(members[0].id, m.id)
             if m.is_sum():
                 uf.union(members[0].children[0].id, m.children[0].id)
+    in_graph = {ns.id for ns in nodes}
+    for ns in nodes:
+        tie = ns.gates.tie_to if ns.is_sum() and ns.gates is not None else None
+        if tie is not None and tie.id in in_graph and tie.is_sum():
+            uf.union(ns.id, tie.id)
+            uf.union(ns.children[0].id, tie.children[0].id)
     return uf
 
 
@@ -156,7 +166,7 @@ def _shrink_to_tolerance(nodes: Sequence[CircuitNodes], uf: _UnionFind, factor: 
 
 def _build_coarse(nodes: Sequence[CircuitNodes], factor: dict[int, int], reader: Params) -> dict[int, CircuitNodes]:
     """The new vectors, ``{old id: new vector}``, with ``factor[old id]`` old blocks per new block."""
-    b = Builder()
+    b = Builder("blockify")
     new: dict[int, CircuitNodes] = {}
     for ns in nodes:
         m = factor[ns.id]
@@ -169,6 +179,7 @@ def _build_coarse(nodes: Sequence[CircuitNodes], factor: dict[int, int], reader:
             new[ns.id] = multiply(*chs, edge_ids=e, name=ns.name)
         else:
             new[ns.id] = _coarse_sum(ns, chs, m, factor[ns.children[0].id], b, reader)
+    b.set_gates(nodes)
     return new
 
 
@@ -186,13 +197,17 @@ def _coarse_sum(ns: SumNodes, chs: list[CircuitNodes], m: int, mc: int, b: Build
         out[inv, ns.edge_ids[0] % m, :, ns.edge_ids[1] % mc, :] = old
         return out.reshape(edges.shape[1], m * Kp, mc * Kc)
 
-    return b.sum(ns, chs, ns.num_node_blocks // m, ns.block_size * m, edges, blocks)
+    return b.sum(ns, chs, ns.num_node_blocks // m, ns.block_size * m, edges, blocks, edge_map=inv)
 
 
 def unblockify(root: CircuitNodes, block_size: int = 1, *, circuit=None, params=None) -> CircuitNodes:
     """An equivalent graph with smaller blocks: every vector's block size ``K`` becomes
     ``gcd(K, block_size)`` (all 1 by default); a sum's edge block becomes the grid of the smaller
     blocks it contains, with the same weights. Node order and the function are unchanged.
+
+    Sum gates keep their gate block size and ``tie_to``, each smaller edge block reading the gates of
+    its rows; a ``ValueError`` names a vector whose gate block size does not divide its new block size
+    (pass a ``block_size`` that is a multiple of it).
 
     Args:
         root: the root vector.
@@ -206,7 +221,7 @@ def unblockify(root: CircuitNodes, block_size: int = 1, *, circuit=None, params=
     if not isinstance(block_size, (int, np.integer)) or isinstance(block_size, bool) or block_size < 1:
         raise ValueError(f"unblockify: block_size must be a positive int, got {block_size!r}")
     reader = Params("unblockify", circuit, params)
-    b = Builder()
+    b = Builder("unblockify")
     new: dict[int, CircuitNodes] = {}
     for ns in nodes:
         K = math.gcd(ns.block_size, block_size)
@@ -220,6 +235,7 @@ def unblockify(root: CircuitNodes, block_size: int = 1, *, circuit=None, params=
             new[ns.id] = multiply(*chs, edge_ids=e, name=ns.name)
         else:
             new[ns.id] = _fine_sum(ns, chs, r, K, math.gcd(ns.ch_block_size, block_size), b, reader)
+    b.set_gates(nodes)
     return new[root.id]
 
 
@@ -241,4 +257,4 @@ def _fine_sum(ns: SumNodes, chs: list[CircuitNodes], r: int, K: int, Kc: int, b:
         E = old.shape[0]
         return old.reshape(E, r, K, rc, Kc).transpose(0, 1, 3, 2, 4).reshape(E * r * rc, K, Kc)
 
-    return b.sum(ns, chs, ns.num_node_blocks * r, K, edges, blocks)
+    return b.sum(ns, chs, ns.num_node_blocks * r, K, edges, blocks, edge_map=np.arange(E * r * rc).reshape(E, -1))

@@ -39,7 +39,7 @@ def _var_map(var_mapping, fn: str) -> Callable[[int], int]:
 def copy_graph(root: CircuitNodes, reader: Params, rename: Callable[[int], int], fn: str):
     """Copy the graph, variable ``v`` becoming ``rename(v)``. Returns (new root, {old id: new vector})."""
     nodes = topological_order(root)
-    b = Builder()
+    b = Builder(fn)
     new: dict[int, CircuitNodes] = {}
     for ns in nodes:
         chs = [new[c.id] for c in ns.children]
@@ -56,11 +56,13 @@ def copy_graph(root: CircuitNodes, reader: Params, rename: Callable[[int], int],
             raise
         except ValueError as e:
             raise ValueError(f"{fn}: copying {ns.name} failed (check var_mapping): {e}") from None
+    b.set_gates(nodes)
     return new[root.id], new
 
 
 def deepcopy(root: CircuitNodes, var_mapping=None, circuit=None, params=None) -> CircuitNodes:
-    """A copy of the graph under ``root``: new vectors with the same shapes, edges, sharing and ties.
+    """A copy of the graph under ``root``: new vectors with the same shapes, edges, sharing, ties and sum
+    gates (:meth:`~jaxpc.nodes.SumNodes.set_gates`; a ``tie_to`` reads the copy of its old target).
 
     Args:
         root: the root vector.

@@ -23,7 +23,11 @@ def grow(root: CircuitNodes, num_duplicates: int = 1, noise: float = 0.0, *, see
     renormalized; the root connects to every copy of its children. Input copies ``1..t-1`` get
     perturbed parameters (categorical-like: probabilities times ``exp(noise * eps)``, renormalized;
     Gaussian / discretized logistic: ``mu + noise * scale * eps``). With ``noise=0`` every copy computes
-    the original function, so the likelihood is unchanged. Ties are kept (one draw per tie group).
+    the original function, so the likelihood is unchanged. Ties are kept (one draw per tie group), and so
+    are sum gates: a sum's new edge blocks are its old ``E`` repeated ``g * t`` times (``g = 1`` at the
+    root, else ``t``; copy ``(a, b)`` of edge block ``e`` at ``(a * t + b) * E + e``), each with gate columns
+    of its own, so its old gates tiled ``g * t`` times keep the function; a ``tie_to`` between the root and
+    another vector no longer matches, and the reading vector gets columns of its own.
 
     Args:
         root: the root vector.
@@ -56,6 +60,7 @@ def grow(root: CircuitNodes, num_duplicates: int = 1, noise: float = 0.0, *, see
             new[ns.id] = _grown_prod(ns, chs, g)
         else:
             new[ns.id] = grower.sum(ns, chs, g)
+    grower.builder.set_gates(nodes)
     return new[root.id]
 
 
@@ -65,7 +70,7 @@ class _Grower:
 
     def __init__(self, reader: Params, t: int, noise: float, rng: np.random.Generator):
         self.reader, self.t, self.noise, self.rng = reader, t, noise, rng
-        self.builder = Builder()
+        self.builder = Builder("grow")
 
     def input(self, ns: InputNodes, g: int) -> InputNodes:
         def nat():
@@ -95,7 +100,8 @@ class _Grower:
             w = old[None, None] * np.exp(self.noise * eps)
             return w.reshape(g * t * E, *old.shape[1:])
 
-        return self.builder.sum(ns, chs, ns.num_node_blocks * g, ns.block_size, np.stack([par, ch]), blocks)
+        return self.builder.sum(ns, chs, ns.num_node_blocks * g, ns.block_size, np.stack([par, ch]), blocks,
+                                edge_map=np.arange(g * t * E).reshape(g * t, E).T)
 
 
 def _grown_prod(ns: ProdNodes, chs: list[CircuitNodes], g: int) -> ProdNodes:

@@ -53,7 +53,8 @@ def lvd_init(root: CircuitNodes, regions, latents, x=None, missing=None, *, pseu
       ``pseudocount`` pseudo-samples at the global moments of the variable. Samples whose value is
       marked ``missing`` are skipped. Literal / indicator leaves have nothing to set.
 
-    Counts of tied vectors are pooled (like flows), so a tied group gets one estimate.
+    Counts of tied vectors are pooled (like flows), so a tied group gets one estimate. Sum gates are kept
+    as :func:`deepcopy` keeps them.
 
     HCLT: pass ``regions=hclt_latent_regions(root)`` and per-variable latents ``[N, num_vars]``.
     PD-like circuits (a region's sum over the products of its splits): give each region's sum vector

@@ -8,10 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from ..nodes import CircuitNodes, InputNodes, multiply, summate
+from ..nodes import CircuitNodes, InputNodes, SumNodes, multiply, summate
 from ..nodes.nodes import scope_str
 from ._graph import check_root, indicator_concat_ok, levels, tie_groups
-from ._params import Builder, Params, set_input_params
+from ._params import Builder, Params, check_gate_target, set_input_params
 
 # A unit of the merged graph: ("v", old id) for a vector kept as is, ("g", group index) for a merged group.
 _Unit = tuple[str, int]
@@ -29,12 +29,17 @@ def merge(root: CircuitNodes, groups=None, *, circuit=None, params=None) -> Circ
 
     Merged vectors own their parameters (a tied member keeps its values but no longer shares them).
 
+    Sum gates are kept: the merged vector's gate columns are its members' in group order, so the
+    members need the same gates (none, or one gate block size with columns of their own, or reading with
+    ``tie_to`` the vectors of one other merged vector at the same edge blocks); other gates, or a vector
+    reading the gates of a vector merged with others, raise a ``ValueError`` naming them.
+
     Args:
         root: the root vector.
         groups: a list of groups (lists of at least two vectors of the graph). Default: merge every
-            set of untied, non-root vectors with one kind, scope, block size(s) and level (the
-            compiler's topological level; products also need the same children up to merging), as
-            PyJuice merges by region.
+            set of untied, non-root vectors with one kind, scope, block size(s), gate block size and
+            level (the compiler's topological level; products also need the same children up to
+            merging), as PyJuice merges by region; sums with gate ties are left as they are.
         circuit, params: take parameters from a compiled circuit (see :mod:`jaxpc.edit`).
 
     Returns:
@@ -67,7 +72,8 @@ def _merge_signature(ns: CircuitNodes, rep: Callable[[CircuitNodes], Any], level
         fields = tuple(sorted(ns.source.own_params)) if has and reader.circuit is None else has
         return ("input", ns.var, ns.dist, ns.block_size, fields)
     if ns.is_sum():
-        return ("sum", ns.scope, ns.block_size, ns.ch_block_size, level, has)
+        gates = None if ns.gates is None else ns.gates.block_size
+        return ("sum", ns.scope, ns.block_size, ns.ch_block_size, level, has, gates)
     by_scope = sorted((c.scope, rep(c)) for c in ns.children)
     return ("prod", ns.scope, ns.block_size, level, tuple(by_scope))
 
@@ -76,6 +82,10 @@ def _auto_merge_groups(nodes, root, level, reader: Params) -> list[list[CircuitN
     """Vectors with one signature (kind, scope, block sizes, level; products: also the same children up
     to merging), except the root and tied vectors."""
     tie_size = {k: len(v) for k, v in tie_groups(nodes).items()}
+    gate_tied = set()
+    for ns in nodes:
+        if ns.is_sum() and ns.gates is not None and ns.gates.tie_to is not None:
+            gate_tied.update((ns.id, ns.gates.tie_to.id))
     group_of: dict[int, int] = {}
 
     def rep(c):
@@ -98,7 +108,7 @@ def _auto_merge_groups(nodes, root, level, reader: Params) -> list[list[CircuitN
             return False
         if ns.is_input() and not indicator_concat_ok(ns):
             return False
-        return ns.is_prod() or (not ns.is_tied() and tie_size.get(ns.id, 1) == 1)
+        return ns.is_prod() or (not ns.is_tied() and tie_size.get(ns.id, 1) == 1 and ns.id not in gate_tied)
 
     collect([ns for ns in nodes if not ns.is_prod() and eligible(ns)])
     prods = sorted((ns for ns in nodes if ns.is_prod() and eligible(ns)), key=lambda ns: level[ns.id])
@@ -215,7 +225,7 @@ _Placed = dict[int, tuple[CircuitNodes, int]]
 
 
 def _build_merged(order: list[_Unit], members_of: dict[_Unit, list[CircuitNodes]], reader: Params, fn: str) -> _Placed:
-    b = Builder()
+    b = Builder(fn)
     new: _Placed = {}
     for u in order:
         members = members_of[u]
@@ -232,7 +242,54 @@ def _build_merged(order: list[_Unit], members_of: dict[_Unit, list[CircuitNodes]
             out = _merged_prod(members, name, new, fn)
         for m, o in zip(members, offsets):
             new[m.id] = (out, int(o))
+    _set_merged_gates(members_of, new, fn)
     return new
+
+
+def _gates_str(ns: SumNodes) -> str:
+    if ns.gates is None:
+        return "no gates"
+    tie = "" if ns.gates.tie_to is None else f" read from {ns.gates.tie_to.name}"
+    return f"gates of block size {ns.gates.block_size}{tie}"
+
+
+def _set_merged_gates(members_of: dict[_Unit, list[CircuitNodes]], new: _Placed, fn: str) -> None:
+    """Give every new sum the gates of the old sums it holds (checked alike, see :func:`merge`); set once
+    every vector exists, since a ``tie_to`` may point at a later one."""
+    in_graph = set(new)
+    edge_off: dict[int, int] = {}  # old sum id: offset of its edge blocks in its new vector
+    for members in members_of.values():
+        if members[0].is_sum():
+            offs = np.cumsum([0] + [m.edge_ids.shape[1] for m in members])
+            edge_off.update((m.id, int(o)) for m, o in zip(members, offs))
+    for members in members_of.values():
+        first = members[0]
+        if not first.is_sum() or all(m.gates is None for m in members):
+            continue
+        for m in members[1:]:
+            if (first.gates is None or m.gates is None or first.gates.block_size != m.gates.block_size
+                    or (first.gates.tie_to is None) != (m.gates.tie_to is None)):
+                raise ValueError(f"{fn}: cannot merge {first.name} ({_gates_str(first)}) with {m.name} "
+                                 f"({_gates_str(m)}): merged sums need the same gates")
+        out = new[first.id][0]
+        target = None
+        for m in members if first.gates.tie_to is not None else ():
+            tie = m.gates.tie_to
+            check_gate_target(m, tie, in_graph, fn)
+            t_out, _ = new[tie.id]
+            if t_out is out:
+                raise ValueError(f"{fn}: {m.name} reads the gates of {tie.name}, and both would become {out.name}; "
+                                 f"a vector cannot read its own gates")
+            E, Et = m.edge_ids.shape[1], tie.edge_ids.shape[1]
+            if ((target is not None and t_out is not target) or edge_off[m.id] != edge_off[tie.id]
+                    or t_out.edge_ids.shape[1] != out.edge_ids.shape[1]):
+                raise ValueError(
+                    f"{fn}: {m.name} reads the gates of {tie.name}, but merged its edge blocks would be "
+                    f"{edge_off[m.id]}..{edge_off[m.id] + E - 1} of {out.name} ({out.edge_ids.shape[1]} edge blocks) "
+                    f"and {tie.name}'s {edge_off[tie.id]}..{edge_off[tie.id] + Et - 1} of {t_out.name} "
+                    f"({t_out.edge_ids.shape[1]}); merge the vectors whose gates they read alike, in the same order")
+            target = t_out
+        out.set_gates(first.gates.block_size, tie_to=target)
 
 
 def _sum_children(old_sums: list[CircuitNodes], new: _Placed):

@@ -1,5 +1,5 @@
 """Parameters of the vectors an edit reads and writes: :class:`Params` reads them (from the vectors or
-from a compiled circuit), :class:`Builder` creates the new vectors and keeps their tie groups."""
+from a compiled circuit), :class:`Builder` creates the new vectors and keeps their tie groups and gates."""
 
 from __future__ import annotations
 
@@ -136,10 +136,14 @@ def set_input_params(ns: InputNodes, nat: dict[str, np.ndarray] | None) -> None:
 
 class Builder:
     """Creates new vectors and keeps tie groups (keyed by the old source id): the first new vector of a
-    group owns the parameters; later ones are tied to it when their shapes and edges agree."""
+    group owns the parameters; later ones are tied to it when their shapes and edges agree. Sum gates are
+    set by :meth:`set_gates` once every vector exists (a gate tie may point at a later vector)."""
 
-    def __init__(self):
+    def __init__(self, fn: str):
+        self.fn = fn
         self.sources: dict[int, CircuitNodes] = {}
+        # old gated sum id: (old vector, its new vector, new edge block ids of every old edge block [E_old, k])
+        self.gated: dict[int, tuple[SumNodes, SumNodes, np.ndarray]] = {}
 
     def input(self, old: InputNodes, var: int, num_node_blocks: int, block_size: int,
               natural: Callable[[], dict | None], tie: bool = True) -> InputNodes:
@@ -155,10 +159,17 @@ class Builder:
 
     def sum(self, old: SumNodes, children: Sequence[CircuitNodes], num_node_blocks: int, block_size: int,
             edge_ids: np.ndarray, blocks: Callable[[], np.ndarray | None], tie: bool = True,
-            name: str | None = None) -> SumNodes:
+            name: str | None = None, edge_map: np.ndarray | None = None) -> SumNodes:
+        """The new sum replacing ``old``. ``edge_map [E_old, k]``: the new edge blocks each old edge block
+        became (-1: dropped; default: the same edge block), which decides whether a gate tie is kept."""
+        if old.gates is not None:
+            check_gate_block(old, block_size, self.fn)
         key = old.source.id
         ns = summate(*children, num_node_blocks=num_node_blocks, block_size=block_size, edge_ids=edge_ids,
                      name=old.name if name is None else name)
+        if old.gates is not None:
+            m = np.arange(old.edge_ids.shape[1])[:, None] if edge_map is None else np.asarray(edge_map)
+            self.gated[old.id] = (old, ns, m.reshape(old.edge_ids.shape[1], -1))
         src = self.sources.get(key) if tie else None
         if src is not None and _same_sum_shape(src, ns):
             ns.tied_to = src
@@ -169,6 +180,44 @@ class Builder:
         if tie and key not in self.sources:
             self.sources[key] = ns
         return ns
+
+    def set_gates(self, nodes: Sequence[CircuitNodes]) -> None:
+        """Give each new sum the gates of the old gated sum it replaces (``nodes``: the old graph): the same
+        gate block size, and a ``tie_to`` mapped to the new vector of the old target. The tie is kept only
+        where both new vectors have the same block size and their edge blocks came from the same old edge
+        blocks (equal edge maps); otherwise the new vector gets gate columns of its own, as it does when its
+        target was pruned away."""
+        in_graph = {ns.id for ns in nodes}
+        for old, ns, emap in self.gated.values():
+            target = None
+            tie = old.gates.tie_to
+            if tie is not None:
+                check_gate_target(old, tie, in_graph, self.fn)
+                rec = self.gated.get(tie.id)
+                if rec is not None:
+                    t_ns, t_map = rec[1], rec[2]
+                    if (t_ns.block_size == ns.block_size and t_ns.edge_ids.shape[1] == ns.edge_ids.shape[1]
+                            and np.array_equal(t_map, emap)):
+                        target = t_ns
+            ns.set_gates(old.gates.block_size, tie_to=target)
+
+
+def check_gate_block(old: SumNodes, block_size: int, fn: str) -> None:
+    """A ``ValueError`` when ``old``'s gate block size does not divide the block size it gets."""
+    gb = old.gates.block_size
+    if block_size % gb:
+        raise ValueError(f"{fn}: {old.name} has gates of block size {gb}, which does not divide its new block size "
+                         f"{block_size}; declare its gates with a block size that divides {block_size} "
+                         f"({old.name}.set_gates(...)) before the edit")
+
+
+def check_gate_target(old: SumNodes, tie: SumNodes, in_graph: set[int], fn: str) -> None:
+    """A ``ValueError`` when the vector whose gates ``old`` reads is outside the graph or has no gates (the
+    old graph would not compile either)."""
+    if tie.id not in in_graph:
+        raise ValueError(f"{fn}: {old.name} reads the gates of {tie.name}, which is not reachable from the root")
+    if not tie.is_sum() or tie.gates is None:
+        raise ValueError(f"{fn}: {old.name} reads the gates of {tie.name}, which has no gates")
 
 
 def _same_sum_shape(a: SumNodes, b: SumNodes) -> bool:

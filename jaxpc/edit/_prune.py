@@ -25,6 +25,10 @@ def prune(root: CircuitNodes, circuit, params=None, flows=None, *, keep_frac: fl
     vectors no longer reachable disappear from the graph. Kept weights are renormalized per node (a node
     whose kept weights are all zero becomes uniform over its kept edges).
 
+    Sum gates follow the kept edge blocks: a pruned vector's gate columns are those of its remaining
+    edge blocks, same gate block size; a ``tie_to`` is kept where both vectors keep the same edge blocks
+    (parameter-tied vectors always do), otherwise the vector gets gate columns of its own.
+
     Args:
         root: the root vector the circuit was compiled from.
         circuit: the compiled circuit.
@@ -169,7 +173,7 @@ def _alive(nodes: Sequence[CircuitNodes], root: CircuitNodes, kept: dict[int, np
 
 def _build_pruned(nodes: Sequence[CircuitNodes], alive: set[int], kept: dict[int, np.ndarray],
                   reader: Params) -> dict[int, CircuitNodes]:
-    b = Builder()
+    b = Builder("prune")
     new: dict[int, CircuitNodes] = {}
     for ns in nodes:
         if ns.id not in alive:
@@ -180,6 +184,7 @@ def _build_pruned(nodes: Sequence[CircuitNodes], alive: set[int], kept: dict[int
             new[ns.id] = multiply(*[new[c.id] for c in ns.children], edge_ids=ns.edge_ids.copy(), name=ns.name)
         else:
             new[ns.id] = _pruned_sum(ns, kept, new, b, reader)
+    b.set_gates(nodes)
     return new
 
 
@@ -203,4 +208,6 @@ def _pruned_sum(ns: SumNodes, kept: dict[int, np.ndarray], new: dict[int, Circui
         old = reader.sum_blocks(ns)
         return None if old is None else normalize_blocks(old[keep], ns.edge_ids[0][keep], ns.num_node_blocks)
 
-    return b.sum(ns, [new[ns.children[j].id] for j in idx], ns.num_node_blocks, ns.block_size, edges, blocks)
+    edge_map = np.where(keep, np.cumsum(keep) - 1, -1)
+    return b.sum(ns, [new[ns.children[j].id] for j in idx], ns.num_node_blocks, ns.block_size, edges, blocks,
+                 edge_map=edge_map)
