@@ -731,3 +731,19 @@ def test_gated_lowrank_em_step_moves_no_host_data():
     c.raise_pending()
     assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree_util.tree_leaves(params))
     np.testing.assert_allclose(np.asarray(c.get_node_params(params, c.root)).sum(), 1.0, rtol=1e-5)
+
+
+def test_external_leaves_in_runs_have_no_statistics():
+    """External leaves in runs over one variable (several nodes per variable) have no statistics, like those one
+    to a variable: em_update takes the flows that flows returned, and equals em_step."""
+    a = jaxpc.inputs(0, num_node_blocks=2, block_size=1, dist=distributions.External())
+    b = jaxpc.inputs(1, num_node_blocks=2, block_size=1, dist=distributions.Categorical(3))
+    c = jaxpc.compile(jaxpc.summate(jaxpc.multiply(a, b), num_node_blocks=1, block_size=1))
+    x = np.array([[0, 1], [0, 2]], np.int32)
+    ev = {"external": np.random.default_rng(0).normal(size=(2, 2, 2)).astype(np.float32)}
+    fl = c.flows(c.params, x, evidence=ev)
+    assert fl["input"]["external"] == {}
+    new = c.em_update(c.params, fl, step_size=0.5)
+    ref = c.em_step(c.params, x, step_size=0.5, evidence=ev)
+    for u, v in zip(jax.tree_util.tree_leaves(new), jax.tree_util.tree_leaves(ref)):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-6, atol=1e-7)

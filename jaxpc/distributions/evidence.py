@@ -171,6 +171,9 @@ class External(Categorical):
     def suff_stats(self, p, tables, rows, xv, mv, flows, num_rows):
         return {}
 
+    def suff_stats_runs(self, p, tables, xg, mg, flows, run, options, kernel=None):
+        return {}
+
     def log_suff_stats(self, p, tables, rows, xv, mv, log_flows, num_rows):
         return {}
 
