@@ -58,14 +58,15 @@ def compile(root: CircuitNodes, *, seed: int = 0, dtype=jnp.float32, scan_min_re
                    buckets=BucketPolicy(buckets, min_bucket))
 
 
-@functools.partial(jax.jit, static_argnames=("num", "nb", "ncb", "exp"))
-def _dense_blocks(group: Array, start, rows: Array, cols: Array, *, num: int, nb: int, ncb: int, exp: bool) -> Array:
+@functools.partial(jax.jit, static_argnames=("num", "nb", "ncb", "exp", "fill"))
+def _dense_blocks(group: Array, start, rows: Array, cols: Array, *, num: int, nb: int, ncb: int, exp: bool,
+                  fill: float = 0.0) -> Array:
     """``num`` blocks ``[Kp, Kc]`` of ``group`` from ``start`` (``exp``: their exponentials) at block rows ``rows`` and
-    columns ``cols`` of a dense ``[nb * Kp, ncb * Kc]`` matrix, zeros elsewhere."""
+    columns ``cols`` of a dense ``[nb * Kp, ncb * Kc]`` matrix, ``fill`` elsewhere."""
     blocks = lax.dynamic_slice_in_dim(group, start, num, axis=0)
     blocks = jnp.exp(blocks) if exp else blocks
     Kp, Kc = blocks.shape[1:]
-    dense = jnp.zeros((nb, ncb, Kp, Kc), blocks.dtype).at[rows, cols].set(blocks)
+    dense = jnp.full((nb, ncb, Kp, Kc), fill, blocks.dtype).at[rows, cols].set(blocks)
     return dense.transpose(0, 2, 1, 3).reshape(nb * Kp, ncb * Kc)
 
 
@@ -176,21 +177,23 @@ class Circuit:
             return nat[fields[0]] if len(fields) == 1 else nat  # parameter-free leaves: {"value": ...}
         raise ValueError(f"get_node_params: {node.name} is a product vector; products have no parameters")
 
-    def _dense_sum(self, tree: dict, src, exp: bool) -> Array:
-        """Sum vector ``src``'s blocks of ``tree["sum"]`` (``exp``: of their exponentials) laid out dense: one
-        executable per block shape and count, the blocks' place an argument (eager ops compiled each of them per
-        vector)."""
+    def _dense_sum(self, tree: dict, src, exp: bool, fill: float = 0.0) -> Array:
+        """Sum vector ``src``'s blocks of ``tree["sum"]`` (``exp``: of their exponentials) laid out dense, ``fill``
+        where it has no edge: one executable per block shape and count, the blocks' place an argument (eager ops
+        compiled each of them per vector)."""
         pl = self._struct.sum_placement[src.id]
         rows, cols = (np.asarray(e, np.int32) for e in src.edge_ids)
         return _dense_blocks(tree["sum"][pl.group], pl.start, rows, cols, num=pl.num_edge_blocks,
-                             nb=src.num_node_blocks, ncb=src.num_ch_node_blocks, exp=exp)
+                             nb=src.num_node_blocks, ncb=src.num_ch_node_blocks, exp=exp, fill=fill)
 
-    def get_node_flows(self, flows: dict, node: CircuitNodes):
+    def get_node_flows(self, flows: dict, node: CircuitNodes, *, logspace: bool = False):
         """The flows of ``node`` in the dense form of :meth:`get_node_params`.
 
         Sum nodes: expected edge counts ``[num_nodes, num_ch_nodes]``. Input nodes: the distribution's
         expected sufficient statistics for the node's rows (``Categorical``: counts
         ``[num_nodes, num_cats]``). Tied vectors share flows: the value is the total over all of them.
+        ``logspace``: ``flows`` are log flows (``Options(logspace_flows=True)``), so a sum vector's missing edges
+        read ``-inf`` (a zero count), not 0.
         """
         st = self._struct
         src = node.source
@@ -199,7 +202,7 @@ class Circuit:
         self.runtime.check_flows(flows, ("sum",) if node.is_sum() else ("input",) if node.is_input() else (),
                                  stats=False)
         if node.is_sum():
-            return self._dense_sum(flows, src, exp=False)
+            return self._dense_sum(flows, src, exp=False, fill=-np.inf if logspace else 0.0)
         if node.is_input():
             pl = st.input_placement[src.id]
             sl = slice(pl.row_start, pl.row_start + pl.num_nodes)

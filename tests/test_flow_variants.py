@@ -233,3 +233,19 @@ def test_flow_variant_errors():
     gc = jaxpc.compile(jaxpc.summate(jaxpc.multiply(a, b), num_node_blocks=1))
     with pytest.raises(ValueError, match=r"logspace_flows: the expected statistics of Gaussian.* are moments"):
         gc.flows(gc.params, np.zeros((2, 2), np.float32), options=LOG)
+
+
+def test_dense_log_flows_read_minus_inf_where_a_vector_has_no_edge():
+    """``get_node_flows(..., logspace=True)``: a sum vector's edges that do not exist are zero counts, -inf in log
+    space (linear flows: 0)."""
+    cat = distributions.Categorical(num_cats=3)
+    a = jaxpc.inputs(0, num_node_blocks=2, block_size=2, dist=cat)
+    b = jaxpc.inputs(1, num_node_blocks=2, block_size=2, dist=cat)
+    s = jaxpc.summate(jaxpc.multiply(a, b), num_node_blocks=2, block_size=2, edge_ids=np.array([[0, 1, 1], [0, 0, 1]]))
+    c = jaxpc.compile(jaxpc.summate(s, num_node_blocks=1, block_size=1))
+    x = np.array([[0, 1], [2, 2], [1, 0]], np.int32)
+    lin = np.asarray(c.get_node_flows(c.flows(c.params, x), s))
+    log = np.asarray(c.get_node_flows(c.flows(c.params, x, options=jaxpc.Options(logspace_flows=True)), s,
+                                      logspace=True))
+    assert np.isneginf(log[:2, 2:]).all() and (lin[:2, 2:] == 0).all()
+    np.testing.assert_allclose(np.exp(log), lin, rtol=1e-5, atol=1e-7)
