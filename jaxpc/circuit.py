@@ -592,6 +592,12 @@ class PartialEvaluation:
         """``(ll [B], values [R, B])``: re-evaluate the plan's nodes on ``x`` on top of ``values``."""
         c = self.circuit
         batch = c.runtime.prepare(x, missing, validate)
+        if not hasattr(values, "shape") or not hasattr(values, "dtype"):
+            raise TypeError(f"values must be the node buffer that circuit.node_values returns, got "
+                            f"{type(values).__name__}")
+        if values.dtype != c.dtype:
+            raise TypeError(f"values must be the node buffer of dtype {c.dtype} (circuit.node_values), got dtype "
+                            f"{values.dtype}")
         if values.shape != (c.layout.num_rows, batch.n):
             raise ValueError(f"values must be the node buffer [{c.layout.num_rows}, {batch.n}] (circuit.node_values), "
                              f"got {tuple(values.shape)}")

@@ -198,6 +198,13 @@ def test_partial_evaluation_on_off_and_off_on():
     np.testing.assert_allclose(np.asarray(buf), np.asarray(c.node_values(c.params, x2)), rtol=1e-6)
     # and on again after off
     _same(plan.log_prob(c.params, x2, values)[0], on)
+    # a buffer of another dtype, or no array, and a variable that is no int are named
+    with pytest.raises(TypeError, match="values must be the node buffer of dtype float32 .* got dtype int32"):
+        plan.log_prob(c.params, x2, values.astype(jnp.int32))
+    with pytest.raises(TypeError, match="values must be the node buffer that circuit.node_values returns, got list"):
+        plan.log_prob(c.params, x2, np.asarray(values).tolist())
+    with pytest.raises(TypeError, match="partial evaluation: variables must be ints, got 0.5"):
+        c.partial([0.5])
 
 
 def _gated_hmm():

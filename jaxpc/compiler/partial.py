@@ -12,6 +12,7 @@ tables are traced arguments.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import numpy as np
 
@@ -34,6 +35,9 @@ class PlanLayout:
 
 def build_plan(struct: CompiledStructure, variables) -> tuple[PlanLayout, dict]:
     """(static plan, numpy tables) for re-evaluating everything whose scope meets ``variables``."""
+    bad = [v for v in variables if not isinstance(v, numbers.Integral) or isinstance(v, bool)]
+    if bad:
+        raise TypeError(f"partial evaluation: variables must be ints, got {bad[0]!r}")
     vs = sorted({int(v) for v in variables})
     if not vs:
         raise ValueError("partial evaluation needs at least one variable")
