@@ -90,3 +90,19 @@ def test_the_kernels_lower_for_cuda_under_x64():
         finally:
             for p in reversed(patches):
                 p.__exit__(None, None, None)
+
+
+def test_a_float64_circuit_runs_its_sum_layers_on_xla_whatever_the_impl():
+    """The kernels compute in float32: a float64 circuit's explicit or tuned kernel choice (which should change how,
+    never what) runs its sum layers on XLA, equal to impl="xla" bit for bit."""
+    with jax.enable_x64(True):
+        cat = distributions.Categorical(4)
+        c = jaxpc.compile(structures.PD((2, 2), 4, split_intervals=1, input_dist=cat, block_size=4), seed=0,
+                          dtype=jnp.float64)
+        x = np.random.default_rng(0).integers(0, 4, (8, 4)).astype(np.int32)
+        ref = c.flows(c.params, x, options=jaxpc.Options(impl="xla"), return_ll=True)
+        for impl in ("pallas", "pallas_forward"):
+            got = c.flows(c.params, x, options=jaxpc.Options(impl=impl), return_ll=True)
+            for u, v in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+                assert u.dtype == jnp.float64
+                np.testing.assert_array_equal(np.asarray(u), np.asarray(v))

@@ -363,8 +363,9 @@ def kernel_choice(options, part, B: int, dtype=jnp.float32):
     with the default kernel configuration. ``"triton"`` where the jax-triton route does not run is ``"auto"``'s choice
     (:func:`triton_route`). Without the Pallas Triton backend every Pallas choice is the reference (with one warning
     per process). Where the forward's exponent is above 1 (:func:`factored_forward`) every choice is XLA's, whose
-    sum layers compute it from the terms."""
-    if not factored_forward(options):
+    sum layers compute it from the terms, and so it is for a node buffer other than float32 (the kernels compute in
+    float32: a float64 circuit would lose its precision to a choice that should change how, never what)."""
+    if not factored_forward(options) or jnp.dtype(dtype) != jnp.float32:
         return "xla", None
     impl, cfg = _kernel_choice(options, part, B, dtype)
     if impl == "triton" and not triton_route(options):
