@@ -380,3 +380,14 @@ def test_compile_seed_check_names_seed():
             check_seed(bad)
     with pytest.raises(ValueError, match="compile: seed must be an int >= 0, got -1"):
         jaxpc.compile(structures.HMM(3, 2, 2), seed=-1)
+
+
+def test_pd_split_points_and_depth_are_checked():
+    with pytest.raises(ValueError, match=r"PD: split point 1.5 of axis 0 must be an int in \(0, 4\)"):
+        structures.PD((4, 2), 2, split_points=[[1.5], [1]])
+    with pytest.raises(ValueError, match=r"PD: split points of axis 0 must be distinct, got \[2, 1, 1\]"):
+        structures.PD((4, 2), 2, split_points=[[2, 1, 1], [1]])
+    for bad in (-1, 1.5):
+        with pytest.raises(ValueError, match="PD: max_split_depth must be an int >= 0"):
+            structures.PD((4, 2), 2, split_intervals=1, max_split_depth=bad)
+    assert jaxpc.compile(structures.PD((4, 2), 2, split_points=[[np.int64(2)], [1]], max_split_depth=1)).num_vars == 8

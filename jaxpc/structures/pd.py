@@ -44,8 +44,10 @@ def _split_points(data_shape, split_intervals, split_points):
         raise ValueError(f"PD: split_points needs one list per axis ({n_axes}), got {len(split_points)}")
     for a, pts in enumerate(split_points):
         for p in pts:
-            if not 0 < p < data_shape[a]:
-                raise ValueError(f"PD: split point {p} of axis {a} must lie in (0, {data_shape[a]})")
+            if not isinstance(p, numbers.Integral) or isinstance(p, bool) or not 0 < p < data_shape[a]:
+                raise ValueError(f"PD: split point {p!r} of axis {a} must be an int in (0, {data_shape[a]})")
+        if len(set(int(p) for p in pts)) != len(pts):
+            raise ValueError(f"PD: split points of axis {a} must be distinct, got {list(pts)}")
     return [sorted(int(p) for p in pts) for pts in split_points]
 
 
@@ -82,6 +84,8 @@ def PD(data_shape, num_latents: int, split_intervals=None, split_points=None, ma
     if structure_type not in STRUCTURE_TYPES:
         raise ValueError(f"PD: structure_type must be one of {STRUCTURE_TYPES}, got {structure_type!r}")
     max_prod_block_conns = check_int("PD", "max_prod_block_conns", max_prod_block_conns)
+    if max_split_depth is not None:
+        max_split_depth = check_int("PD", "max_split_depth", max_split_depth, lo=0)
     num_latents = check_int("PD", "num_latents", num_latents)  # (before the cap below compares it)
     bs, nb = check_latents("PD", num_latents, block_size, 16 if num_latents <= 32 else 32)
     builder = _PDBuilder(data_shape, _split_points(data_shape, split_intervals, split_points), num_latents, bs, nb,
