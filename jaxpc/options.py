@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 import warnings
 from typing import Any
 
@@ -221,12 +222,14 @@ class Tuning:
                                                        for e in v):
                     raise TypeError(f"Tuning.compiler_options must be a tuple of (name, value) pairs, got {v!r}")
             elif f.name in ("tree_forward_tile", "tree_backward_tile"):
-                continue  # (None, 32 or 64: below)
-            elif isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral) or v not in (32, 64)):
+                    raise ValueError(f"Tuning.{f.name} must be None, 32 or 64, got {v!r}")
+                if v is not None:
+                    object.__setattr__(self, f.name, int(v))
+            elif isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
                 raise ValueError(f"Tuning.{f.name} must be a non-negative int, got {v!r}")
-        for name in ("tree_forward_tile", "tree_backward_tile"):
-            if getattr(self, name) not in (None, 32, 64):
-                raise ValueError(f"Tuning.{name} must be None, 32 or 64, got {getattr(self, name)!r}")
+            else:
+                object.__setattr__(self, f.name, int(v))  # (a NumPy integer keys executables as the int would)
         if self.fanin_forward_span < 1 or self.fanin_forward_span & (self.fanin_forward_span - 1):
             raise ValueError(f"Tuning.fanin_forward_span must be a power of two, got {self.fanin_forward_span!r}")
         if self.fanin_backward_stages < 1:
@@ -380,7 +383,7 @@ class Options:
     def __post_init__(self):
         for name in ("pflow_temperature", "eflow_temperature"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not (math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be a positive finite float, got {v!r}")
             object.__setattr__(self, name, float(v))
             if v != 1.0 and self.propagation != "LL":
@@ -419,14 +422,16 @@ class Options:
                              "edge flows)")
         if not isinstance(self.tuning, Tuning):
             raise TypeError(f"tuning must be a jaxpc.Tuning, got {type(self.tuning).__name__}")
-        if isinstance(self.gather_chunk, bool) or not isinstance(self.gather_chunk, int) or self.gather_chunk < 1:
+        if (isinstance(self.gather_chunk, bool) or not isinstance(self.gather_chunk, numbers.Integral)
+                or self.gather_chunk < 1):
             raise ValueError(f"gather_chunk must be a positive int (elements), got {self.gather_chunk!r}")
+        object.__setattr__(self, "gather_chunk", int(self.gather_chunk))
         if self.propagation not in PROPAGATIONS:
             raise ValueError(f"propagation must be one of {PROPAGATIONS}, got {self.propagation!r}")
         if self.propagation == "GeneralLL":
             if self.alpha is None:
                 raise ValueError("propagation='GeneralLL' needs alpha (a positive float)")
-            if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not (
+            if isinstance(self.alpha, bool) or not isinstance(self.alpha, numbers.Real) or not (
                     math.isfinite(self.alpha) and self.alpha > 0):
                 raise ValueError(f"alpha must be a positive finite float, got {self.alpha!r}")
             object.__setattr__(self, "alpha", float(self.alpha))

@@ -142,10 +142,22 @@ def test_general_ll_needs_positive_alpha(cat_circuit):
                                      ({"fanin_prefetch": 1}, "Tuning.fanin_prefetch must be a bool"),
                                      ({"fanin_forward_span": 3}, "Tuning.fanin_forward_span must be a power of two"),
                                      ({"fanin_forward_wide_tile": 48}, "fanin_forward_wide_tile must be 0 or a power"),
-                                     ({"fanin_backward_stages": 0}, "fanin_backward_stages must be at least 1")])
+                                     ({"fanin_backward_stages": 0}, "fanin_backward_stages must be at least 1"),
+                                     ({"tree_forward_tile": 32.0}, "tree_forward_tile must be None, 32 or 64")])
 def test_bad_tuning_values(kw, msg):
     with pytest.raises((TypeError, ValueError), match=msg):
         jaxpc.Tuning(**kw)
+
+
+def test_numpy_numbers_in_options_key_as_python_numbers():
+    """Options and Tuning take NumPy numbers (read from arrays or configs) as the Python numbers they equal, and key
+    executables alike."""
+    t = jaxpc.Tuning(leaf_batch=np.int64(64), tree_forward_tile=np.int32(32))
+    assert t == jaxpc.Tuning(leaf_batch=64, tree_forward_tile=32) and type(t.leaf_batch) is int
+    o = jaxpc.Options(pflow_temperature=np.float32(0.5), gather_chunk=np.int64(1 << 20), tuning=t)
+    assert o == jaxpc.Options(pflow_temperature=0.5, gather_chunk=1 << 20, tuning=jaxpc.Tuning(leaf_batch=64,
+                                                                                                tree_forward_tile=32))
+    assert jaxpc.Options(propagation="GeneralLL", alpha=np.float64(2.0)).alpha == 2.0
 
 
 def test_unknown_option_name():
