@@ -212,10 +212,18 @@ def _is_tracer(a) -> bool:
 
 
 def check_key(key, who: str = "") -> None:
-    """Raise a ``TypeError`` where ``key`` is not an array (a PRNG key, typed or raw; tracers pass); ``who`` prefixes
-    the message (``"init_params: "``)."""
+    """Raise a ``TypeError`` where ``key`` is not one PRNG key: a typed key of shape ``()`` or a raw ``uint32``
+    key of shape ``[2]`` or ``[4]`` (tracers too: their shapes and dtypes are known); ``who`` prefixes the message
+    (``"init_params: "``)."""
+    want = f"{who}key must be a PRNG key such as jax.random.key(0)"
     if not isinstance(key, (jax.Array, np.ndarray)):
-        raise TypeError(f"{who}key must be a PRNG key such as jax.random.key(0), got {type(key).__name__}")
+        raise TypeError(f"{want}, got {type(key).__name__}")
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        if key.shape != ():
+            raise TypeError(f"{want}, got an array of keys of shape {tuple(key.shape)} (jax.vmap over them to draw "
+                            "with each)")
+    elif key.dtype != np.uint32 or key.shape not in ((2,), (4,)):
+        raise TypeError(f"{want}, got an array of dtype {key.dtype} and shape {tuple(key.shape)}")
 
 
 def check_batch(info: VarInfo, x, missing, *, check_values: bool, float_dtype, what: str = "x"):

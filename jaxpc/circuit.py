@@ -257,6 +257,8 @@ class Circuit:
         (``Tuning.unroll_optimized``) are traced here first, on this thread, where the key's second call has not
         done it yet. True when none is left; False when ``timeout`` seconds passed first. Benchmarks call it
         before timing; training loops need not."""
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or timeout < 0):
+            raise TypeError(f"wait_compiled: timeout must be None or seconds >= 0, got {timeout!r}")
         return self.runtime.cache.wait_upgrades(timeout)
 
     def compiled(self, entry: str = "flows"):

@@ -309,6 +309,13 @@ def test_query_and_weight_arguments_are_checked(cat_circuit):
         cat_circuit.sample(cat_circuit.params, 0, 3)
     with pytest.raises(TypeError, match=r"init_params: key must be a PRNG key such as jax.random.key\(0\), got int"):
         cat_circuit.init_params(3)
+    with pytest.raises(TypeError, match=r"got an array of keys of shape \(2,\) \(jax.vmap over them"):
+        cat_circuit.init_params(jax.random.split(jax.random.key(0)))
+    with pytest.raises(TypeError, match=r"got an array of dtype float32 and shape \(2,\)"):
+        cat_circuit.sample(cat_circuit.params, np.zeros(2, np.float32), 3)
+    assert cat_circuit.sample(cat_circuit.params, jax.random.PRNGKey(0), 3).shape == (3, 2)  # a raw key
+    with pytest.raises(TypeError, match="wait_compiled: timeout must be None or seconds >= 0, got 'a'"):
+        cat_circuit.wait_compiled("a")
     with pytest.raises(ValueError, match=r"ll_weights must be finite; ll_weights\[1\] is nan"):
         cat_circuit.flows(cat_circuit.params, x, ll_weights=[1.0, float("nan"), 1.0])
     with pytest.raises(TypeError, match="ll_weights must be numbers"):
