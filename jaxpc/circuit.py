@@ -190,8 +190,9 @@ class Circuit:
         """The flows of ``node`` in the dense form of :meth:`get_node_params`.
 
         Sum nodes: expected edge counts ``[num_nodes, num_ch_nodes]``. Input nodes: the distribution's
-        expected sufficient statistics for the node's rows (``Categorical``: counts
-        ``[num_nodes, num_cats]``). Tied vectors share flows: the value is the total over all of them.
+        expected sufficient statistics for the node's rows (``Categorical``: counts ``[num_nodes, num_cats]``;
+        ``Bernoulli`` too, ``[num_nodes, 2]``, though its parameters read ``[num_nodes]``, the probability of 1).
+        Tied vectors share flows: the value is the total over all of them.
         ``logspace``: ``flows`` are log flows (``Options(logspace_flows=True)``), so a sum vector's missing edges
         read ``-inf`` (a zero count), not 0.
         """
