@@ -151,11 +151,14 @@ def _split(W, X, f, T):
     return np.where(np.isfinite(top), f[:, None, :] * p, 0.0)
 
 
-def flows(circuit, params, x, miss=None, weights=None, tp: float = 1.0, te: float = 1.0):
-    """Top-down LL flows. Returns (sum edge flows by node id ``[n, nch]``, input node flows by node id
-    ``[n, B]``), both float64 and per vector (not yet summed over tied vectors). ``tp``/``te``: temperatures
-    of the parameter flows and of the flows passed down (1: EM)."""
-    vals, root = forward(circuit, params, x, miss)
+def flows(circuit, params, x, miss=None, weights=None, tp: float = 1.0, te: float = 1.0, alpha: float | None = None):
+    """Top-down LL flows (``GeneralLL(alpha)``'s where ``alpha`` is given: each split by ``(w x)^alpha``
+    normalized). Returns (sum edge flows by node id ``[n, nch]``, input node flows by node id ``[n, B]``, the node
+    values), float64 and per vector (not yet summed over tied vectors). ``tp``/``te``: temperatures of the
+    parameter flows and of the flows passed down (1: EM)."""
+    vals, root = forward(circuit, params, x, miss, mode="LL" if alpha is None else "GeneralLL", alpha=alpha)
+    if alpha is not None:
+        tp, te = tp / alpha, te / alpha
     B = np.asarray(x).shape[0]
     w = np.ones(B) if weights is None else np.asarray(weights, np.float64)
     order = topological_order(circuit.root)

@@ -46,29 +46,10 @@ def exact_flows(c, x, alpha: float | None = None, tp: float = 1.0, te: float = 1
     """float64 ``(root values [B], sum edge flows {id: [n, nch]}, input statistics {id: [n, cats]})``: the forward
     under ``GeneralLL(alpha)`` (LL where None), each sum's flow split over its children by ``(w p)^(a / T)``
     normalized (``a`` = ``alpha`` or 1; ``T`` = ``tp`` for the edge flows, ``te`` for the flows passed down)."""
-    base = 1.0 if alpha is None else alpha
-    vals, root = oracle.forward(c, c.params, x, mode="LL" if alpha is None else "GeneralLL", alpha=alpha)
-    order = oracle.topological_order(c.root)
-    F = {ns.id: np.zeros((ns.num_nodes, x.shape[0])) for ns in order}
-    F[c.root.id][0] = 1.0
-    edges, stats = {}, {}
-    for ns in reversed(order):
-        if ns.is_sum():
-            W = oracle._np(c.get_node_params(c.params, ns))
-            X = np.concatenate([vals[ch.id] for ch in ns.children])
-            edges[ns.id] = oracle._split(W, X, F[ns.id], tp / base).sum(2)
-            down = oracle._split(W, X, F[ns.id], te / base).sum(0)
-            start = 0
-            for ch in ns.children:
-                F[ch.id] += down[start:start + ch.num_nodes]
-                start += ch.num_nodes
-        elif ns.is_prod():
-            K = ns.block_size
-            for j, ch in enumerate(ns.children):
-                np.add.at(F[ch.id], (ns.edge_ids[:, j][:, None] * K + np.arange(K)).reshape(-1), F[ns.id])
-        else:
-            stats[ns.id] = oracle.input_stats(ns, c.get_node_params(c.params, ns), x, None, F[ns.id])
-    return root, edges, stats
+    edges, node_flows, vals = oracle.flows(c, c.params, x, tp=tp, te=te, alpha=alpha)
+    stats = {ns.id: oracle.input_stats(ns, c.get_node_params(c.params, ns), x, None, node_flows[ns.id])
+             for ns in c.nodes if ns.is_input()}
+    return vals[c.root.id][0], edges, stats
 
 
 def check_flows(c, fl, edges, stats, rtol, atol):
