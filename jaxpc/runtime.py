@@ -600,6 +600,12 @@ class Runtime:
         return self.constant(("replicated", id(tables), sharding),
                              lambda: jax.device_put(tables, sharding))
 
+    def placed_tables(self, tables, x, params) -> tuple[Any, Any]:
+        """``(tables, sharding)``: ``tables`` where a call on ``x`` and ``params`` runs (:meth:`placement`: put there
+        once, :meth:`replicated`) and that sharding; ``tables`` and None where nothing is placed."""
+        placed = self.placement(tables, x, params)
+        return (tables, None) if placed is None else (self.replicated(tables, placed), placed)
+
     def placement(self, tables, x, params) -> Any:
         """Where a call on ``x`` and ``params`` runs when either was committed to devices other than those of the
         circuit's ``tables`` (``jax.device_put`` to a device, parameters replicated over a mesh by
@@ -719,10 +725,8 @@ class Runtime:
             static.update(options_key(options))
         args = dict(args)
         if sharding is None and batch is not None and not batch.traced and "tables" in args:
-            placed = self.placement(args["tables"], batch.x, args.get("params"))
-            if placed is not None:  # the call runs where its data or parameters were put, the tables with it
-                sharding = placed
-                args["tables"] = self.replicated(args["tables"], placed)
+            # the call runs where its data or parameters were put, the tables with it
+            args["tables"], sharding = self.placed_tables(args["tables"], batch.x, args.get("params"))
         n = batch.n if batch is not None else None
         b = n
         if batch is not None:
