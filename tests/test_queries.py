@@ -145,6 +145,55 @@ def _check_conditionals(c, x, K):
         np.testing.assert_allclose(sub, want, rtol=1e-6, atol=1e-7)
 
 
+def test_variables_no_leaf_reads():
+    """A variable between the ones leaves read: its conditional row is 0 (naming it raises), sampling and MPE keep
+    its entry of ``x``; the others are exact."""
+    cat = distributions.Categorical(num_cats=3)
+    a = jaxpc.inputs(0, num_node_blocks=2, block_size=2, dist=cat)
+    b = jaxpc.inputs(2, num_node_blocks=2, block_size=2, dist=cat)
+    c = jaxpc.compile(jaxpc.summate(jaxpc.multiply(a, b), num_node_blocks=1, block_size=1), seed=3)
+    assert c.num_vars == 3
+    pairs = np.array(list(itertools.product(range(3), repeat=2)), np.int32)
+    p = np.exp(np.asarray(c.log_prob(c.params, np.stack([pairs[:, 0], pairs[:, 0] * 0, pairs[:, 1]], 1)), np.float64))
+    ev = np.array([[1, 2, 0], [2, 0, 1]], np.int32)
+    miss = np.array([False, True, True])
+    got = np.asarray(c.conditional(c.params, ev, miss))
+    np.testing.assert_array_equal(got[:, 1], 0)
+    for r in range(2):
+        ref = p[pairs[:, 0] == ev[r, 0]]
+        np.testing.assert_allclose(got[r, 2], ref / ref.sum(), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(c.conditional(c.params, ev, miss, target_vars=[2])), got[:, 2:], rtol=1e-6)
+    with pytest.raises(ValueError, match="no leaf reads variable 1"):
+        c.conditional(c.params, ev, miss, target_vars=[2, 1])
+    drawn = np.asarray(c.sample(c.params, jax.random.key(0), x=ev, missing=miss))
+    decoded = np.asarray(c.mpe(c.params, ev, miss)[0])
+    np.testing.assert_array_equal(drawn[:, 1], ev[:, 1])
+    np.testing.assert_array_equal(decoded[:, 1], ev[:, 1])
+
+
+def test_samples_under_evidence_of_probability_zero_are_marked():
+    """A row whose evidence has probability 0 has nothing to draw: its missing entries read -1 (NaN for float
+    samples), its observed ones stay; the other rows draw as before. MPE reports the row by its value, -inf."""
+    cat = distributions.Categorical(num_cats=3)
+    a = jaxpc.inputs(0, num_node_blocks=1, block_size=2, dist=cat)
+    b = jaxpc.inputs(1, num_node_blocks=1, block_size=2, dist=cat)
+    g = jaxpc.inputs(2, num_node_blocks=1, block_size=2, dist=distributions.Gaussian())
+    for leaves, dtype in (((a, b), np.int32), ((a, b, g), np.float32)):
+        c = jaxpc.compile(jaxpc.summate(jaxpc.multiply(*leaves), num_node_blocks=1, block_size=1), seed=3)
+        lp = c.params["input"]["categorical"]["log_probs"].at[0:2, 2].set(-jnp.inf)  # variable 0 never reads 2
+        params = {**c.params, "input": {**c.params["input"], "categorical": {"log_probs": lp}}}
+        x = np.zeros((3, len(leaves)), dtype)
+        x[:, 0] = [2, 1, 2]
+        miss = np.array([[False, True] + [True] * (len(leaves) - 2)] * 2 + [[True] * len(leaves)])
+        drawn = np.asarray(c.sample(params, jax.random.key(0), x=x, missing=miss))
+        assert drawn.dtype == dtype
+        mark = np.isnan(drawn[0, 1:]) if dtype == np.float32 else drawn[0, 1:] == -1
+        assert mark.all() and drawn[0, 0] == 2
+        assert drawn[1, 0] == 1 and np.all(drawn[1, 1:2] >= 0) and not np.isnan(drawn[1]).any()
+        assert drawn[2, 0] in (0, 1) and drawn[2, 1] >= 0 and not np.isnan(drawn[2]).any()
+        assert float(c.mpe(params, x, miss)[1][0]) == -np.inf
+
+
 def test_mpe_decoding_and_value(case):
     gen, c, x = case
     rng = np.random.default_rng(3)

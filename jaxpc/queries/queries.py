@@ -53,9 +53,11 @@ def _conditional_impl(layout, tables, params, x, missing, targets, tree_weights=
     flows = jax.grad(total)(vals)
     # d log p(e) / d lambda[b, v, k] = sum over leaves n of v: flow[n, b] * p_n(k) / p_n(evidence)
     acc = jnp.zeros((V, B, num_values), dtype)
+    read = jnp.zeros((V,), bool)  # the variables some discrete leaf reads; the others' rows stay 0
     for spec, tab, F, val in zip(layout.input_layers, tables["inputs"], flows, vals):
         if not spec.dist.discrete:
             continue
+        read = read.at[tab["vars"]].set(True)
         G = jnp.where(F == 0, 0.0, F * jnp.exp(-val))
         P = jnp.exp(spec.dist.log_pmf(params["input"][spec.key], tab["meta"], tab["rows"], num_values))
         if spec.run > 1:  # runs of r nodes over one variable: one product per run, no [N, B, K] temporary
@@ -65,7 +67,7 @@ def _conditional_impl(layout, tables, params, x, missing, targets, tree_weights=
             acc = acc + jax.ops.segment_sum(part, tab["vars"][::r], num_segments=V)
         else:
             acc = acc + jax.ops.segment_sum(G[:, :, None] * P[:, None, :], tab["vars"], num_segments=V)
-    acc = acc / jnp.sum(acc, axis=2, keepdims=True)
+    acc = jnp.where(read[:, None, None], acc / jnp.sum(acc, axis=2, keepdims=True), 0)
     # observed variables are known: their conditional is the indicator of the observed value
     observed = jnp.ones((V, B), bool) if missing is None else ~forward.missing_t(missing) & jnp.ones((V, B), bool)
     onehot = jax.nn.one_hot(x.T.astype(jnp.int32), num_values, dtype=dtype)
@@ -107,7 +109,13 @@ def _fill_leaves(layout, tables, params, x, missing, key, options, *, num_values
 
 
 def _sample_impl(layout, tables, params, key, x, missing, *, num_values: int, options):
-    return _fill_leaves(layout, tables, params, x, missing, key, options, num_values=num_values, decode=False)[0]
+    out, root = _fill_leaves(layout, tables, params, x, missing, key, options, num_values=num_values, decode=False)
+    if missing is None:  # nothing drawn
+        return out
+    # evidence of probability 0 has no conditional to draw from: its missing entries read -1 (NaN for floats)
+    mark = jnp.asarray(jnp.nan if jnp.issubdtype(out.dtype, jnp.floating) else -1, out.dtype)
+    impossible = (root == -jnp.inf)[:, None] & jnp.broadcast_to(forward.missing_t(missing).T, out.shape)
+    return jnp.where(impossible, mark, out)
 
 
 def _mpe_impl(layout, tables, params, x, missing, *, num_values: int, options):
@@ -216,7 +224,9 @@ def marginal(circuit, params, x=None, missing=None, *, soft_evidence=None, propa
 def conditional(circuit, params, x, missing=None, *, target_vars=None, options: Options | None = None,
                 validate: bool | str = True) -> Array:
     """``p(x_v = k | evidence)`` for target variables ``v``: ``[B, len(target_vars) or V, K]``, normalized over
-    ``k`` (``K``: the largest number of values of any variable; impossible values get 0).
+    ``k`` (``K``: the largest number of values of any variable; impossible values get 0). Without ``target_vars``
+    the row of a variable that no leaf reads is all 0; naming one in ``target_vars`` raises. Evidence of
+    probability 0 gives NaN rows.
 
     Evidence is ``x`` on the variables not marked ``missing``. All targets come from one backward
     pass: the gradient of ``log p(evidence)`` with respect to the leaves' indicators. An observed
@@ -247,6 +257,11 @@ def conditional(circuit, params, x, missing=None, *, target_vars=None, options: 
     cont = targets[info.continuous[targets]]
     if cont.size:
         raise ValueError(f"conditional needs discrete target variables; variable {int(cont[0])} is continuous")
+    if target_vars is not None:
+        unread = targets[~info.discrete[targets]]
+        if unread.size:
+            raise ValueError(f"conditional: no leaf reads variable {int(unread[0])} ({unread.size} such target(s)); "
+                             f"the circuit puts no distribution on it")
     K = int(info.card.max())
     # the targets as a device constant made once per set (an eager conversion per call took ~0.1 ms of host time)
     dev = rt.constant(("targets", None if target_vars is None else targets.astype(np.int32).tobytes()),
@@ -285,7 +300,9 @@ def sample(circuit, params, key: Array, num_samples: int | None = None, *, x=Non
 
     Conditional sampling: pass evidence ``x`` ``[B, V]`` and ``missing``; observed entries are kept and the
     missing ones drawn from ``p(missing | evidence)``. Pure and keyed by ``key``: each sum node picks a child
-    by Gumbel-max on ``log w + child log-likelihood``, then every reached leaf draws its value. ``options``: the
+    by Gumbel-max on ``log w + child log-likelihood``, then every reached leaf draws its value; a variable that no
+    leaf reads keeps its entry of ``x`` (0 without ``x``). Where the evidence of a row has probability 0, its
+    missing entries read -1 (NaN when the samples are floats). ``options``: the
     forward's :class:`jaxpc.Options` (``precision``, ``impl``, ``tuning``; ``propagation`` must stay ``"LL"``).
     """
     checks.check_key(key)
@@ -308,7 +325,8 @@ def mpe(circuit, params, x=None, missing=None, *, num_samples: int | None = None
     for deterministic circuits. For general circuits exact MAP is NP-hard; this returns the best
     assignment of the best single induced tree, and its value is a lower bound on the MAP value.
     Ties go to the first child (lowest child block, then lowest node in the block) and to the lowest
-    value of a leaf; a continuous leaf decodes to its mean. Without ``x``, ``num_samples`` (default 1) rows of
+    value of a leaf; a continuous leaf decodes to its mean; a variable that no leaf reads keeps its entry of ``x``
+    (0 without ``x``). Without ``x``, ``num_samples`` (default 1) rows of
     the unconditional decoding; with it, one row per row of ``x``. ``options``: the forward's
     :class:`jaxpc.Options` (``precision``, ``impl``, ``tuning``); its ``propagation`` is ``"MPE"`` whatever
     it says, except ``"GeneralLL"``, which raises.
