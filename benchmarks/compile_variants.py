@@ -21,6 +21,9 @@ the other):
 * ``unrolled``: the unrolled stages with XLA's default options (the default call's optimized executable);
 * ``unrolled-notg``: the unrolled stages without Triton GEMM fusions (autotuning on);
 * ``unrolled-quick``: the unrolled stages with the quick executable's XLA options;
+* ``general-ll-0.5``, ``general-ll-2``, ``tempered-0.5``: ``Options(propagation="GeneralLL", alpha=...)`` and
+  ``Options(pflow_temperature=0.5)``, compiled as the default call is; exponents above 1 (and temperatures below 1)
+  run the exact path that shifts each parent's terms, exponents up to 1 the factored products;
 * each of ``--tunings`` (``field=value`` pairs of :class:`jaxpc.Tuning` joined by ``+``, ``xla.<option>=<value>``
   for an XLA option): ``Options(tuning=Tuning(...))``, compiled as the default call is (quick, then optimized),
   timed after ``c.wait_compiled()``.
@@ -59,6 +62,11 @@ from jaxpc import distributions, executables, structures  # noqa: E402
 NO_TG = (("xla_gpu_enable_triton_gemm", False),)
 
 
+SHARP = {"general-ll-0.5": {"propagation": "GeneralLL", "alpha": 0.5},
+         "general-ll-2": {"propagation": "GeneralLL", "alpha": 2.0},
+         "tempered-0.5": {"pflow_temperature": 0.5}}
+
+
 def variant_options(name: str):
     """``jaxpc.Options`` of a variant (None: the default call)."""
     T = jaxpc.Tuning
@@ -70,6 +78,9 @@ def variant_options(name: str):
         "unrolled-notg": jaxpc.Options(scan_stages=False, tuning=T(compiler_options=NO_TG, quick_first_compile=False)),
         "unrolled-quick": jaxpc.Options(scan_stages=False, tuning=T(compiler_options=executables.QUICK_XLA,
                                                                     quick_first_compile=False)),
+        # the sharp exponents and tempered flows, compiled as the default call is: GeneralLL with alpha above 1 and
+        # pflow_temperature below 1 run the exact per-parent-shift path, alpha up to 1 the factored products
+        **{name: jaxpc.Options(**kw) for name, kw in SHARP.items()},
     }
     if name not in table:
         raise SystemExit(f"unknown variant {name!r}; choose from {', '.join(table)}")
@@ -149,7 +160,7 @@ def main(argv=None):
             t = time.perf_counter()
             out = jax.block_until_ready(call(xs[0]))
             first = time.perf_counter() - t
-            if n == "default" or n in args.tunings.split(","):  # compiled as the default call: quick, then optimized
+            if n == "default" or n in SHARP or n in args.tunings.split(","):  # compiled as the default call is
                 c.wait_compiled()
                 out = jax.block_until_ready(call(xs[0]))
             leaves = [np.asarray(v) for v in jax.tree_util.tree_leaves(out)]
