@@ -201,3 +201,44 @@ def test_gaussian_sigma_below_min_sigma_is_an_error():
     wide = jaxpc.inputs(0, 8, dist=distributions.Gaussian(min_sigma=1.2))
     c = jaxpc.compile(jaxpc.summate(wide, num_nodes=1), seed=0)
     assert np.all(np.asarray(c.get_node_params(c.params, wide)["sigma"]) >= 1.2 * (1 - 1e-6))
+
+
+def test_moment_em_keeps_the_variance_of_values_far_from_zero():
+    """EM of Gaussian and discretized logistic leaves on values far from zero gives the flow-weighted variance: a
+    float32 ``sum F x^2 / sum F - mean^2`` would be rounding noise (values 1e4 +- 1: sigma collapsed to min_sigma)."""
+    rng = np.random.default_rng(0)
+    x = (1e4 + rng.normal(size=(500, 1))).astype(np.float32)
+    g = jaxpc.inputs(0, 1, dist=distributions.Gaussian(min_sigma=1e-3), params={"mu": [1e4 + 0.3], "sigma": [1.5]})
+    c = jaxpc.compile(jaxpc.summate(g, num_nodes=1))
+    got = c.get_node_params(c.em_step(c.params, x, step_size=1.0, pseudocount=0.0), g)
+    x64 = x.astype(np.float64)
+    np.testing.assert_allclose(float(got["mu"][0]), x64.mean(), rtol=1e-6)
+    np.testing.assert_allclose(float(got["sigma"][0]), x64.std(), rtol=1e-3)
+    # with a pseudocount: (S2 + c (mu^2 + sigma^2)) / (S0 + c) - mu'^2 in float64
+    got = c.get_node_params(c.em_step(c.params, x, step_size=1.0, pseudocount=10.0), g)
+    mu, var, n = 1e4 + 0.3, 1.5 ** 2, x64.size
+    new_mu = (x64.sum() + 10.0 * mu) / (n + 10.0)
+    new_var = (np.sum(x64 ** 2) + 10.0 * (mu * mu + var)) / (n + 10.0) - new_mu ** 2
+    np.testing.assert_allclose(float(got["sigma"][0]), np.sqrt(new_var), rtol=1e-3)
+    # bin centers far from zero: 1000 bins of width 10, values within a few bins of 9000
+    d = distributions.DiscreteLogistic((0.0, 1e4), 1000, min_std=1e-3)
+    leaf = jaxpc.inputs(0, 1, dist=d, params={"mu": [9000.0], "s": [20.0]})
+    c = jaxpc.compile(jaxpc.summate(leaf, num_nodes=1))
+    xi = rng.integers(898, 903, (500, 1)).astype(np.int32)
+    got = c.get_node_params(c.em_step(c.params, xi, step_size=1.0, pseudocount=0.0), leaf)
+    centers = (xi + 0.5) * 10.0
+    np.testing.assert_allclose(float(got["s"][0]), centers.std() * np.sqrt(3) / np.pi, rtol=1e-3)
+
+
+def test_continuous_leaf_arguments_are_checked():
+    assert distributions.Gaussian(min_sigma=np.float32(0.25)).min_sigma == 0.25
+    assert distributions.Gaussian(min_sigma=1).min_sigma == 1.0
+    for bad in (float("inf"), float("nan"), 0.0, -1.0, True, "0.1"):
+        with pytest.raises(ValueError, match="Gaussian: min_sigma must be a positive finite float"):
+            distributions.Gaussian(min_sigma=bad)
+    with pytest.raises(ValueError, match="val_range must be finite"):
+        distributions.DiscreteLogistic((0.0, float("inf")), 4)
+    with pytest.raises(ValueError, match="min_std must be a positive finite float"):
+        distributions.DiscreteLogistic((0.0, 1.0), 4, min_std=float("inf"))
+    with pytest.raises(ValueError, match="num_cats must be an int >= 2"):
+        distributions.DiscreteLogistic((0.0, 1.0), True)

@@ -1,12 +1,14 @@
 """Gaussian and discretized logistic leaves.
 
 Both keep ``{"mu": [P], "log_scale": [P]}`` internally and are fitted by EM from the
-flow-weighted moments ``(sum F, sum F x, sum F x^2)`` of their node flows ``F``.
+flow-weighted moments ``(sum F, sum F x, sum F x^2)`` of their node flows ``F`` and the second
+moment about the current mean, ``sum F (x - mu)^2``, from which the M-step takes the variance.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -18,28 +20,42 @@ _LOG_2PI = math.log(2.0 * math.pi)
 _SIGMA_RTOL = 1e-5  # how far below Gaussian.min_sigma a given sigma may sit: float32 rounding of exp(log_scale)
 
 
-def _moments(values, mean_missing, second_missing, rows, mv, flows, num_rows):
-    """Flow-weighted zeroth, first and second moments per row; a marginalized value contributes
-    the current distribution's own moments."""
+def _positive_real(v) -> bool:
+    """Whether ``v`` is a finite real number > 0 (a Python or NumPy number, not a bool)."""
+    return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_)) and math.isfinite(v) and v > 0
+
+
+def _moments(values, mu, var, rows, mv, flows, num_rows):
+    """Flow-weighted moments per row: ``s0 = sum F``, ``s1 = sum F x``, ``s2 = sum F x^2`` and ``m2 = sum F (x -
+    mu)^2`` about each node's current mean ``mu`` (``[N]``, with variance ``var``). The M-step reads its variance from
+    ``m2``: a float32 ``s2`` of values far from zero loses it (values 1e4 +- 1: ``s2 / s0 - mean^2`` is rounding
+    noise), ``m2`` keeps it once ``mu`` is near the mean. A marginalized value contributes the current
+    distribution's own moments."""
+    dev = values - mu[:, None]
     if mv is not None:
-        values = jnp.where(mv, mean_missing[:, None], values)
-        sq = jnp.where(mv, second_missing[:, None], values * values)
+        values = jnp.where(mv, mu[:, None], values)
+        sq = jnp.where(mv, (mu * mu + var)[:, None], values * values)
+        dsq = jnp.where(mv, var[:, None], dev * dev)
     else:
-        sq = values * values
+        sq, dsq = values * values, dev * dev
     s0 = segment_sum(jnp.sum(flows, axis=1), rows, num_rows)
     s1 = segment_sum(jnp.sum(flows * values, axis=1), rows, num_rows)
     s2 = segment_sum(jnp.sum(flows * sq, axis=1), rows, num_rows)
-    return {"s0": s0, "s1": s1, "s2": s2}
+    m2 = segment_sum(jnp.sum(flows * dsq, axis=1), rows, num_rows)
+    return {"s0": s0, "s1": s1, "s2": s2, "m2": m2}
 
 
 def _moment_update(mu, var, stats, pseudocount, min_std):
-    """M-step from moments, with ``pseudocount`` pseudo-observations drawn from the current fit."""
+    """M-step from moments, with ``pseudocount`` pseudo-observations drawn from the current fit: the new variance is
+    the second moment about the current mean less the squared shift of the mean,
+    ``(m2 + c var) / (s0 + c) - (mu' - mu)^2`` (``= E[x^2] - mu'^2``)."""
     s0 = stats["s0"] + pseudocount
     ok = s0 > 0
     safe = jnp.where(ok, s0, 1.0)
     new_mu = (stats["s1"] + pseudocount * mu) / safe
-    ex2 = (stats["s2"] + pseudocount * (mu * mu + var)) / safe
-    new_std = jnp.sqrt(jnp.maximum(ex2 - new_mu * new_mu, min_std * min_std))
+    shift = new_mu - mu
+    new_var = (stats["m2"] + pseudocount * var) / safe - shift * shift
+    new_std = jnp.sqrt(jnp.maximum(new_var, min_std * min_std))
     return jnp.where(ok, new_mu, mu), jnp.where(ok, new_std, jnp.sqrt(var))
 
 
@@ -48,18 +64,19 @@ class Gaussian(Distribution):
 
     Natural params: ``{"mu": [num_nodes], "sigma": [num_nodes]}``; a given ``sigma`` below ``min_sigma`` is an
     error (random initialization draws ``sigma`` in ``[0.5, 1.5)``, lifted to ``min_sigma``).
-    EM: ``mu' = (S1 + c mu) / (S0 + c)``, ``sigma'^2 = (S2 + c (mu^2 + sigma^2)) / (S0 + c) - mu'^2``
-    (clipped at ``min_sigma``), then ``mu, sigma`` blended with the step size.
+    EM: ``mu' = (S1 + c mu) / (S0 + c)``, ``sigma'^2 = (M2 + c sigma^2) / (S0 + c) - (mu' - mu)^2`` with ``M2 =
+    sum F (x - mu)^2`` (which equals ``(S2 + c (mu^2 + sigma^2)) / (S0 + c) - mu'^2``), clipped at ``min_sigma``, then
+    ``mu, sigma`` blended with the step size.
     """
 
     name = "gaussian"
     discrete = False
     natural_fields = ("mu", "sigma")
-    stat_fields = ("s0", "s1", "s2")
+    stat_fields = ("s0", "s1", "s2", "m2")
 
     def __init__(self, min_sigma: float = 0.01):
-        if not (isinstance(min_sigma, (int, float)) and min_sigma > 0):
-            raise ValueError(f"Gaussian: min_sigma must be a positive float, got {min_sigma!r}")
+        if not _positive_real(min_sigma):
+            raise ValueError(f"Gaussian: min_sigma must be a positive finite float, got {min_sigma!r}")
         self.min_sigma = float(min_sigma)
 
     def config(self):
@@ -131,7 +148,7 @@ class Gaussian(Distribution):
     def suff_stats(self, p, tables, rows, xv, mv, flows, num_rows):
         mu = p["mu"][rows]
         var = jnp.exp(2.0 * p["log_scale"][rows])
-        return _moments(xv.astype(flows.dtype), mu, mu * mu + var, rows, mv, flows, num_rows)
+        return _moments(xv.astype(flows.dtype), mu, var, rows, mv, flows, num_rows)
 
     def em_update(self, p, tables, stats, step_size, pseudocount):
         mu, sigma = p["mu"], jnp.exp(p["log_scale"])
@@ -154,16 +171,16 @@ class DiscreteLogistic(Distribution):
 
     name = "discrete_logistic"
     natural_fields = ("mu", "s")
-    stat_fields = ("s0", "s1", "s2")
+    stat_fields = ("s0", "s1", "s2", "m2")
 
     def __init__(self, val_range: tuple[float, float], num_cats: int, min_std: float = 0.01):
         lo, hi = (float(v) for v in val_range)
-        if not hi > lo:
-            raise ValueError(f"DiscreteLogistic: val_range must be (lo, hi) with hi > lo, got {val_range!r}")
-        if not isinstance(num_cats, (int, np.integer)) or num_cats < 2:
+        if not (math.isfinite(lo) and math.isfinite(hi) and hi > lo):
+            raise ValueError(f"DiscreteLogistic: val_range must be finite (lo, hi) with hi > lo, got {val_range!r}")
+        if not isinstance(num_cats, (int, np.integer)) or isinstance(num_cats, bool) or num_cats < 2:
             raise ValueError(f"DiscreteLogistic: num_cats must be an int >= 2, got {num_cats!r}")
-        if not min_std > 0:
-            raise ValueError(f"DiscreteLogistic: min_std must be positive, got {min_std!r}")
+        if not _positive_real(min_std):
+            raise ValueError(f"DiscreteLogistic: min_std must be a positive finite float, got {min_std!r}")
         self.lo, self.hi, self.num_cats, self.min_std = lo, hi, int(num_cats), float(min_std)
         self.width = (hi - lo) / self.num_cats
 
@@ -235,7 +252,7 @@ class DiscreteLogistic(Distribution):
         mu = p["mu"][rows]
         var = (jnp.exp(p["log_scale"][rows]) * math.pi) ** 2 / 3.0
         xi = jnp.clip(xv.astype(jnp.int32), 0, self.num_cats - 1)
-        return _moments(self._centers(xi, flows.dtype), mu, mu * mu + var, rows, mv, flows, num_rows)
+        return _moments(self._centers(xi, flows.dtype), mu, var, rows, mv, flows, num_rows)
 
     def em_update(self, p, tables, stats, step_size, pseudocount):
         mu, s = p["mu"], jnp.exp(p["log_scale"])
