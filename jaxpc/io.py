@@ -220,6 +220,19 @@ def _array(arrays: dict[str, np.ndarray], key: str, where: str) -> np.ndarray:
     return arrays[key]
 
 
+def _input_params(dist, params: dict[str, np.ndarray], num_nodes: int, where: str) -> dict[str, np.ndarray]:
+    """An input vector's stored parameters, checked as ``inputs(params=...)`` checks a user's (shapes, fields,
+    finite values in the distribution's domain; a ``MaskedCategorical`` stores its mask in the boolean
+    ``full_mask`` form) and returned as stored, so that they load bit for bit."""
+    check = MaskedCategorical(dist.num_cats, "full_mask") if isinstance(dist, MaskedCategorical) else dist
+    try:
+        check.canonical_params(dict(params), num_nodes, where)
+    except (TypeError, ValueError) as e:
+        msg = str(e)
+        raise _Damaged(msg if msg.startswith(where) else f"{where} has invalid parameters: {msg}") from None
+    return params
+
+
 def load_structure(path) -> CircuitNodes:
     """Read a file written by :func:`save_structure`; returns the root vector (compile it with
     :func:`jaxpc.compile`). A file that is not a structure file, or a damaged one, raises ``ValueError``."""
@@ -234,7 +247,7 @@ def load_structure(path) -> CircuitNodes:
         return _build(header, arrays)
     except _Damaged as e:
         raise ValueError(f"load_structure: {path} is damaged: {e}") from None
-    except ValueError as e:  # an unregistered distribution, or a check of inputs / multiply / summate / set_gates
+    except (TypeError, ValueError) as e:  # an unregistered distribution, a check of the node constructors or set_gates
         raise ValueError(f"load_structure: {path}: {e}") from None
 
 
@@ -258,15 +271,25 @@ def _build(header: dict, arrays: dict[str, np.ndarray]) -> CircuitNodes:
         source = _field(e, "source", where, int, optional=True)
         src = None if source is None else built[_ref(source, i, "source", where)]
         params = {k: _array(arrays, f"n{i}.params.{k}", where) for k in _field(e, "params", where, list, True) or []}
+        if src is not None and src.kind != kind:
+            raise _Damaged(f"{where} is a {kind} vector tied to node {source}, a {src.kind} vector")
+        if src is not None and params:
+            raise _Damaged(f"{where} is tied to node {source} but has parameters of its own")
         if kind == "input":
+            if children:
+                raise _Damaged(f"{where} is an input vector with children")
             var = _field(e, "var", where, int)
             dist = _decode_dist(_field(e, "dist", where, dict), where)
             if src is None:
                 ns = inputs(var, num_node_blocks=nb, block_size=bs, dist=dist, name=name)
             else:
+                if (dist, nb, bs) != (src.dist, src.num_node_blocks, src.block_size):
+                    raise _Damaged(f"{where} is tied to node {source} but has another distribution or shape "
+                                   f"({dist!r}, {nb} x {bs} nodes against {src.dist!r}, {src.num_node_blocks} x "
+                                   f"{src.block_size})")
                 ns = InputNodes(var, nb, bs, dist, source=src, name=name)
             if params:
-                ns.load_params(params)
+                ns.load_params(_input_params(dist, params, ns.num_nodes, where))
         elif kind == "prod":
             ns = multiply(*children, edge_ids=_array(arrays, f"n{i}.edge_ids", where), name=name)
             if ns.block_size != bs or ns.num_node_blocks != nb:
@@ -287,10 +310,13 @@ def _build(header: dict, arrays: dict[str, np.ndarray]) -> CircuitNodes:
                 if set(params) != {"blocks"}:
                     raise _Damaged(f"{where} has sum parameters {sorted(params)}, expected ['blocks']")
                 blocks = np.asarray(params["blocks"], np.float64)
-                if blocks.shape != (edge_ids.shape[1], bs, ns.ch_block_size) or not np.all(np.isfinite(blocks)) \
-                        or np.any(blocks < 0):
+                if blocks.shape != (edge_ids.shape[1], bs, ns.ch_block_size):
                     raise _Damaged(f"{where} has invalid sum parameters")
-                ns.load_params(blocks)
+                try:  # finite, non-negative, no node without weight
+                    ns.set_params(blocks)
+                except ValueError as e:
+                    raise _Damaged(f"{where} has invalid sum parameters: {e}") from None
+                ns.load_params(blocks)  # as stored, bit for bit (set_params renormalizes the rows)
             g = _field(e, "gates", where, dict, optional=True)
             if g is not None:
                 gates[i] = g

@@ -275,3 +275,52 @@ def test_resumed_fit_equals_uninterrupted_bit_for_bit(kind, tmp_path):
                     jax.tree_util.tree_leaves((rest.params, rest.opt_state))):
         np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
     np.testing.assert_array_equal(full.epoch_ll, np.concatenate([half.epoch_ll, rest.epoch_ll]))
+
+
+def _damaged_params_root():
+    """A Gaussian vector with parameters (node 0), a categorical one (node 1) with its tied copy (node 4), and a
+    root with weights (node 6)."""
+    g = jaxpc.inputs(0, 1, 2, distributions.Gaussian(), params={"mu": np.zeros(2), "sigma": np.ones(2)})
+    a = jaxpc.inputs(1, 1, 2, distributions.Categorical(3), params=np.full((2, 3), 1 / 3))
+    s = jaxpc.summate(jaxpc.multiply(g, a), num_node_blocks=1, block_size=2)
+    return jaxpc.summate(jaxpc.multiply(s, a.duplicate(2, tie_params=True)), num_nodes=1, params=np.ones((1, 2)))
+
+
+DAMAGED_PARAMS = {
+    "sigma": (lambda h, a: a.update({"n0.params.sigma": -np.ones(2)}), r"node 0 .*Gaussian sigma must be positive"),
+    "shape": (lambda h, a: a.update({"n0.params.mu": np.zeros(3)}), r"node 0 .*Gaussian mu must have shape \[2\]"),
+    "field": (lambda h, a: (h["nodes"][0].update(params=["mu", "nu", "sigma"]), a.update({"n0.params.nu": np.ones(2)})),
+              r"node 0 .*unknown parameter\(s\) \['nu'\]"),
+    "probs": (lambda h, a: a.update({"n1.params.probs": np.full((2, 3), np.nan)}),
+              "node 1 .*probabilities must be finite"),
+    "weights": (lambda h, a: a.update({"n6.params.blocks": np.zeros((1, 1, 2))}),
+                "node 6 .*invalid sum parameters: .*weights summing to zero"),
+    "tie": (lambda h, a: h["nodes"][4].update(dist={"type": "Categorical", "args": {"num_cats": 4}}),
+            "node 4 .*is tied to node 1 but has another distribution or shape"),
+    "tie kind": (lambda h, a: h["nodes"][4].update(kind="sum", children=[2]),
+                 "node 4 .*is a sum vector tied to node 1"),
+    "tied params": (lambda h, a: (h["nodes"][4].update(params=["probs"]),
+                                  a.update({"n4.params.probs": np.ones((2, 3))})),
+                    "node 4 .*is tied to node 1 but has parameters of its own"),
+    "children": (lambda h, a: h["nodes"][1].update(children=[0]), "node 1 .*is an input vector with children"),
+    "edge dtype": (lambda h, a: a.update({"n2.edge_ids": a["n2.edge_ids"] + 0.5}), "multiply: edge_ids must hold"),
+}
+
+
+@pytest.mark.parametrize("what", list(DAMAGED_PARAMS))
+def test_damaged_parameters_and_ties_are_named(what, tmp_path):
+    """Stored parameters get the checks that given ones get (a file loads nothing that inputs(params=...) or
+    summate(params=...) would refuse), and a tied vector must match the vector it is tied to."""
+    root = _damaged_params_root()
+    io.save_structure(root, tmp_path / "ok.npz")
+    with np.load(tmp_path / "ok.npz", allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    header = json.loads(bytes(arrays["__header__"]).decode())
+    assert [e["kind"] for e in header["nodes"]] == ["input", "input", "prod", "sum", "input", "prod", "sum"]
+    edit, message = DAMAGED_PARAMS[what]
+    edit(header, arrays)
+    arrays["__header__"] = np.frombuffer(json.dumps(header).encode(), np.uint8)
+    path = tmp_path / "bad.npz"
+    np.savez(path, **arrays)
+    with pytest.raises(ValueError, match=f"load_structure: {re.escape(str(path))}.*{message}"):
+        io.load_structure(path)
