@@ -900,3 +900,19 @@ def test_argument_errors_name_the_argument():
         edit.lvd_init(root, [s], np.zeros((3, 1), int), pseudocount=-1)
     with pytest.raises(ValueError, match="latents must be an int array"):
         edit.lvd_init(root, [s], np.zeros((3, 1)))
+
+
+def test_params_and_flows_of_another_circuit_are_named():
+    """Parameters are read at the placements of the circuit passed as circuit=: params or flows of another circuit
+    raise, even where their leaves happen to be large enough to read (they would give wrong parameters)."""
+    cat = distributions.Categorical(2)
+    root = jaxpc.summate(jaxpc.multiply(cat_inputs(0, 1, 2, k=2), cat_inputs(1, 1, 2, k=2)), num_nodes=1)
+    c = jaxpc.compile(root)
+    bigger = jaxpc.compile(jaxpc.summate(jaxpc.multiply(jaxpc.inputs(0, 4, 2, cat), jaxpc.inputs(1, 4, 2, cat)),
+                                         num_nodes=1))
+    with pytest.raises(ValueError, match=r"deepcopy: params\['input'\]\['categorical'\]\['log_probs'\] has shape"):
+        edit.deepcopy(root, circuit=c, params=bigger.params)
+    x = np.zeros((2, 2), np.int32)
+    with pytest.raises(ValueError, match=r"prune: flows\['sum'\]\['1x2'\] has shape"):
+        edit.prune(root, c, flows=bigger.flows(bigger.params, x), keep_frac=0.5)
+    edit.prune(root, c, flows=c.flows(c.params, x), keep_frac=0.5)

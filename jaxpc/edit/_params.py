@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .. import distributions
+from .. import checks, distributions
 from ..nodes import CircuitNodes, InputNodes, SumNodes, summate
 
 
@@ -44,9 +44,23 @@ class Params:
         self.fn = fn
         self.circuit = circuit
         self.params = circuit.params if circuit is not None and params is None else params
+        if params is not None:  # values are read at placements of circuit's layout: params must have its shapes
+            self._named(checks.check_params, circuit.runtime.params_spec, params)
         self._sums: dict[int, np.ndarray | None] = {}
         self._inputs: dict[int, dict | None] = {}
         self._host_cache: dict[tuple, Any] = {}
+
+    def check_flows(self, flows) -> None:
+        """A :class:`ParamError` where ``flows['sum']`` does not have the structure and shapes of the circuit's (the
+        flows of another circuit)."""
+        self._named(self.circuit.runtime.check_flows, flows, parts=("sum",), stats=False)
+
+    def _named(self, check, *args, **kw) -> None:
+        """``check(*args, **kw)``, its error re-raised as a :class:`ParamError` naming ``fn``."""
+        try:
+            check(*args, **kw)
+        except (TypeError, ValueError) as e:
+            raise ParamError(f"{self.fn}: {e}") from None
 
     def placement(self, src, table: dict):
         """The placement of tie group source ``src`` in ``table`` (a ``circuit.structure`` placement dict)."""

@@ -93,6 +93,7 @@ def _given_scores(nodes: Sequence[CircuitNodes], scores: Mapping, fn: str) -> di
 def _flow_scores(groups: dict[int, list[CircuitNodes]], flows, reader: Params, fn: str) -> dict[int, np.ndarray]:
     """``{tie group source id: [num_edge_blocks]}``: ``circuit.get_node_flows(flows, src)`` summed over
     each edge block, read from host copies of the flows."""
+    reader.check_flows(flows)
     group_scores: dict[int, np.ndarray] = {}
     host: dict[str, np.ndarray] = {}
     for k, members in groups.items():
