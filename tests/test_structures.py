@@ -391,3 +391,13 @@ def test_pd_split_points_and_depth_are_checked():
         with pytest.raises(ValueError, match="PD: max_split_depth must be an int >= 0"):
             structures.PD((4, 2), 2, split_intervals=1, max_split_depth=bad)
     assert jaxpc.compile(structures.PD((4, 2), 2, split_points=[[np.int64(2)], [1]], max_split_depth=1)).num_vars == 8
+
+
+def test_pd_data_shape_is_checked():
+    """A data shape is a sequence of positive ints: a float is not truncated to one, and an int alone is named."""
+    for bad in (6, (2.5, 3), (True, 2), (0, 3), (), np.zeros((2, 2), int)):
+        with pytest.raises(ValueError, match="PD: data_shape must be a tuple of positive ints"):
+            structures.PD(bad, 2, split_intervals=1)
+    with pytest.raises(ValueError, match="PDHCLT: data_shape must be a tuple of positive ints"):
+        structures.PDHCLT(np.zeros((4, 6), int), 6, 2, split_intervals=1)
+    assert structures.PD(np.array([2, 3]), 2, split_intervals=1).scope == (1 << 6) - 1

@@ -51,6 +51,15 @@ def _split_points(data_shape, split_intervals, split_points):
     return [sorted(int(p) for p in pts) for pts in split_points]
 
 
+def _check_shape(where: str, data_shape) -> tuple[int, ...]:
+    """``data_shape`` as a tuple of ints, where it is a sequence of positive ints (not bools)."""
+    if not isinstance(data_shape, (tuple, list, np.ndarray)) or np.ndim(data_shape) != 1 or not len(data_shape) or any(
+            not isinstance(d, numbers.Integral) or isinstance(d, (bool, np.bool_)) or d < 1 for d in data_shape):
+        raise ValueError(f"{where}: data_shape must be a tuple of positive ints, such as (28, 28) or (T,), "
+                         f"got {data_shape!r}")
+    return tuple(int(d) for d in data_shape)
+
+
 def _cube_vars(cube, data_shape) -> list[int]:
     lo, hi = cube
     grids = np.meshgrid(*[np.arange(a, b) for a, b in zip(lo, hi)], indexing="ij")
@@ -78,9 +87,7 @@ def PD(data_shape, num_latents: int, split_intervals=None, split_points=None, ma
             ``num_latents > 32``).
         leaf_fn: optional ``f(variables, num_latents, block_size) -> node vector`` for leaf regions.
     """
-    data_shape = tuple(int(d) for d in data_shape)
-    if not data_shape or any(d < 1 for d in data_shape):
-        raise ValueError(f"PD: data_shape must be positive ints, got {data_shape}")
+    data_shape = _check_shape("PD", data_shape)
     if structure_type not in STRUCTURE_TYPES:
         raise ValueError(f"PD: structure_type must be one of {STRUCTURE_TYPES}, got {structure_type!r}")
     max_prod_block_conns = check_int("PD", "max_prod_block_conns", max_prod_block_conns)
@@ -199,7 +206,8 @@ def PDHCLT(data, data_shape, num_latents: int, split_intervals=None, split_point
            block_size: int | None = None, seed: int = 0) -> CircuitNodes:
     """A PD whose leaf regions are HCLTs learned from ``data`` ``[N, prod(data_shape)]``."""
     data = np.asarray(data)
-    n_vars = math.prod(int(d) for d in data_shape)
+    data_shape = _check_shape("PDHCLT", data_shape)
+    n_vars = math.prod(data_shape)
     if data.ndim != 2 or data.shape[1] != n_vars:
         raise ValueError(f"PDHCLT: data must be [num_samples, {n_vars}] for data_shape {tuple(data_shape)}, "
                          f"got {data.shape}")
