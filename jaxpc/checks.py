@@ -437,3 +437,114 @@ def explain_bad_soft(q, where: str) -> None:
     raise_bad_soft(q, where, "checked on the device; its rows gave NaN")
     raise ValueError(f"soft_evidence held a weight that the device check rejected (in {where}); the host check "
                      "found none")
+
+
+# ---- per-call evidence --------------------------------------------------------------------------
+# The value rules of ``Circuit.check_evidence``: host (numpy) arrays are checked on the host before anything runs;
+# concrete device arrays by :class:`EvidenceCheck`, the flag of a call path executable (``Runtime.record_check``),
+# and read back for the error (:func:`explain_bad_evidence`) only where that flag is set.
+
+EVIDENCE_RULES = {"log": "log-values must not be NaN or +inf (-inf is a zero)",
+                  "nonnegative": "values must be finite and non-negative"}
+
+
+def raise_bad_evidence(name: str, host: np.ndarray, rule: str, where: str = "") -> None:
+    """Raise a ``ValueError`` naming the first entry of the host array ``evidence[name]`` that breaks ``rule``
+    (``"log"``: NaN or +inf; ``"nonnegative"``: negative or not finite), its value and their number; nothing where
+    there is none or the array does not hold floats. ``where`` ends the message."""
+    if host.dtype.kind not in "fc":
+        return
+    with np.errstate(invalid="ignore"):
+        bad = (np.isnan(host) | (host == np.inf)) if rule == "log" else ~(np.isfinite(host) & (host >= 0))
+    if bad.any():
+        i = tuple(int(j) for j in np.argwhere(bad)[0])
+        more = f" ({int(bad.sum())} such entries in all)" if bad.sum() > 1 else ""
+        raise ValueError(f"evidence['{name}']{list(i)} = {host[i]}: {EVIDENCE_RULES[rule]}{more}{where}")
+
+
+def raise_bad_topk_ids(ids: np.ndarray, mask, num_cats: int | None, where: str = "") -> None:
+    """Raise a ``ValueError`` where the host top-k ``ids`` ``[B, V, k]`` hold, among the entries that ``mask`` keeps
+    (all without one), an id outside ``[0, num_cats)`` (the soft evidence leaves' values; without ``num_cats`` any id
+    >= 0), named with its index, value and their number, or an id more than once in a row ``[b, v]``."""
+    host = np.asarray(ids, np.int64)
+    live = np.ones(host.shape, bool) if mask is None else np.asarray(mask, bool)
+    out = live & ((host < 0) | (host >= (num_cats if num_cats is not None else np.iinfo(np.int64).max)))
+    if out.any():
+        i = tuple(int(j) for j in np.argwhere(out)[0])
+        more = f" ({int(out.sum())} such entries in all)" if out.sum() > 1 else ""
+        values = f"integers in [0, {num_cats - 1}]" if num_cats is not None else "integers >= 0"
+        raise ValueError(f"evidence['categorical_topk']['ids']{list(i)} = {host[i]} is not a value of the soft "
+                         f"evidence leaves ({values}){more}{where}")
+    keyed = np.where(live, host, -1 - np.arange(host.shape[2]))  # (masked entries never collide)
+    srt = np.sort(keyed, axis=2)
+    dup = np.argwhere((srt[:, :, 1:] == srt[:, :, :-1]).any(axis=2))
+    if len(dup):
+        b, v = (int(j) for j in dup[0])
+        vals, counts = np.unique(keyed[b, v], return_counts=True)
+        more = f" ({len(dup)} such rows in all)" if len(dup) > 1 else ""
+        raise ValueError(f"evidence['categorical_topk']['ids'][{b}, {v}] holds the id {int(vals[counts > 1][0])} "
+                         f"more than once: a row's ids must be distinct (mask the extra entries){more}{where}")
+
+
+def _bad_log(a):
+    return jnp.any(jnp.isnan(a) | (a == jnp.inf))
+
+
+def _bad_nonnegative(a):
+    return jnp.any(~(jnp.isfinite(a) & (a >= 0)))
+
+
+def _bad_topk_ids(ids, mask, num_cats: int | None):
+    """Whether top-k ``ids`` ``[B, V, k]`` (in their own integer type) hold, where ``mask`` keeps them, an id outside
+    ``[0, num_cats)`` or one id twice in a row (:func:`raise_bad_topk_ids`' rule)."""
+    live = jnp.ones(ids.shape, bool) if mask is None else mask.astype(bool)
+    out = jnp.zeros(ids.shape, bool)
+    if jnp.issubdtype(ids.dtype, jnp.signedinteger):
+        out = ids < 0
+    if num_cats is not None and num_cats <= jnp.iinfo(ids.dtype).max:
+        out = out | (ids >= num_cats)
+    # a row's live ids sorted after its live flag (live first): a repeated one lies next to itself
+    dead, srt = jax.lax.sort((jnp.where(live, 0, 1).astype(jnp.int32), ids), dimension=2, num_keys=2)
+    both = (dead[:, :, 1:] == 0) & (dead[:, :, :-1] == 0)
+    return jnp.any(out & live) | jnp.any(both & (srt[:, :, 1:] == srt[:, :, :-1]))
+
+
+@dataclasses.dataclass(frozen=True)
+class EvidenceCheck:
+    """The value check of a call's device evidence arrays: ``check(arrays)``, a boolean scalar, is True where one
+    breaks its rule. ``rules``: one per group of ``arrays``: ``"log"`` or ``"nonnegative"`` (one array), ``"ids"``
+    (top-k ids, then their mask or None) bounded by ``num_cats``. Hashable by value: the static part of the flag's
+    executable, so one is compiled per rules and shapes."""
+
+    rules: tuple[str, ...]
+    num_cats: int | None = None
+
+    def __call__(self, arrays):
+        flags = []
+        for rule, group in zip(self.rules, arrays):
+            if rule == "ids":
+                flags.append(_bad_topk_ids(group[0], group[1], self.num_cats))
+            else:
+                flags.append((_bad_log if rule == "log" else _bad_nonnegative)(group[0]))
+        return jnp.any(jnp.stack(flags)) if flags else jnp.asarray(False)
+
+
+def _host_values(a) -> np.ndarray:
+    """A device evidence array read on the host (floats numpy does not know, such as bfloat16, as float32)."""
+    h = np.asarray(a)
+    return h if h.dtype.kind in "fciub" else h.astype(np.float32)
+
+
+def explain_bad_evidence(items, num_cats: int | None, where: str) -> None:
+    """The error of device evidence whose check (:class:`EvidenceCheck`) failed: the host check's ``ValueError`` (key,
+    first bad index and value, their number) on the arrays read back, ``(in where, ...)``. ``items``: ``(name,
+    rule, arrays)`` per group, in the order of the check's rules."""
+    how = f" (in {where}, checked on the device: that call's outputs are not valid)"
+    with jax.transfer_guard_device_to_host("allow"):  # (an error's message, not the call's data path)
+        for name, rule, arrays in items:
+            host = [None if a is None else _host_values(a) for a in arrays]
+            if rule == "ids":
+                raise_bad_topk_ids(host[0], host[1], num_cats, how)
+            else:
+                raise_bad_evidence(name, host[0], rule, how)
+    raise ValueError(f"evidence held a value that the device check rejected (in {where}); the host check found none")

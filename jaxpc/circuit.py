@@ -297,9 +297,44 @@ class Circuit:
         or ``sum_gates {group: [B, P]}`` (one log-gate per parameter block of ``params["sum"][group]``, every sum
         vector reading that block); ``sum_lowrank {group: {"u": [B, P, Kp, r], "v": [B, P, r, Kc]}}`` (non-negative
         LowRank factors per parameter block, :meth:`param_slice`).
+
+        Values: log-values (``categorical_logp``, ``external``, ``latent``, ``sum_gates``, the top-k ``logp``) must
+        not be NaN or +inf (-inf is a zero); LowRank factors must be finite and non-negative; top-k ids must be values
+        of the soft evidence leaves (``[0, num_cats)``) and distinct among a row's unmasked entries. This method checks
+        the shapes and dtypes of every array and the values of host (numpy) arrays, raising a ``ValueError`` that
+        names the key, the first bad index and its value, and their number. The values of concrete device arrays
+        are checked by the entry points that take ``evidence=`` (:meth:`log_prob`, :meth:`flows`, :meth:`em_step`,
+        :mod:`jaxpc.parallel`, :func:`jaxpc.optim.fit`), as a device batch's are (see :mod:`jaxpc.runtime`): one
+        small reduction on the device whose flag the circuit's next call reads (``validate=True``, the default),
+        or this call (``validate="sync"``; ``fit`` reads it after its first epoch), raising the same error;
+        ``validate=False`` checks none. Unlike a bad row of ``x``, bad evidence is not cleaned or left out: the
+        outputs of the call that took it are not valid (NaN, or wrong for an out-of-range id). Tracers (the evidence
+        inside a user's ``jax.jit`` or ``jax.grad``) are not checked: nothing can raise from a trace.
         """
+        return self._check_evidence(evidence, batch)[0]
+
+    def prepare_evidence(self, evidence: dict | None, batch, where: str) -> tuple:
+        """``(checked, record)``: the evidence :meth:`check_evidence` returns for a call on ``batch``
+        (:meth:`Runtime.prepare`), and a function of no arguments that records the value check of its concrete
+        device arrays (:meth:`Runtime.record_check`; ``where`` names the call in its error): call it right after
+        the call's work is dispatched. It follows the batch's ``validate``: the circuit's next call raises the error
+        (True), this one (``"sync"``), or nothing is checked (False, or a traced batch)."""
+        ev, device = self._check_evidence(evidence, batch.n)
+        if not device or not batch.check or batch.traced:
+            return ev, _no_check
+        soft = {spec.dist.num_cats for spec in self.layout.input_layers
+                if isinstance(spec.dist, distributions.SoftEvidenceCategorical)}
+        num_cats = max(soft) if soft else None
+        check = checks.EvidenceCheck(tuple(rule for _, rule, _ in device), num_cats)
+        explain = functools.partial(checks.explain_bad_evidence, device, num_cats, where)
+        return ev, functools.partial(self.runtime.record_check, "evidence_flag", check,
+                                     {"arrays": tuple(arrays for _, _, arrays in device)}, explain, batch.sync)
+
+    def _check_evidence(self, evidence: dict | None, batch: int) -> tuple[dict | None, list]:
+        """:meth:`check_evidence`'s evidence, and the concrete device arrays whose values are still to be checked:
+        ``(name, rule, arrays)`` per group (:class:`jaxpc.checks.EvidenceCheck`)."""
         if evidence is None:
-            return None
+            return None, []
         if not isinstance(evidence, dict):
             raise TypeError(f"evidence must be a dict, got {type(evidence).__name__}")
         unknown = set(evidence) - set(self.EVIDENCE_KEYS)
@@ -308,12 +343,17 @@ class Circuit:
         V = self.num_vars
         soft = {spec.dist.num_cats for spec in self.layout.input_layers
                 if isinstance(spec.dist, distributions.SoftEvidenceCategorical)}
-        out = {}
+        out, device = {}, []
+        readers = {"categorical_logp": distributions.SoftEvidenceCategorical,
+                   "categorical_topk": distributions.SoftEvidenceCategorical, "external": distributions.External}
         for key, val in evidence.items():
             if val is None:
                 continue
+            if key in readers and not any(isinstance(spec.dist, readers[key]) for spec in self.layout.input_layers):
+                raise ValueError(f"evidence['{key}'] is read by {readers[key].__name__} leaves, and this circuit has "
+                                 f"none")
             if key in ("categorical_logp", "external", "latent"):
-                a = _evidence_array(key, val, batch, 3, values="log")
+                a = _evidence_array(key, val, batch, 3, values="log", device=device)
                 if a.shape[1] != V:
                     raise ValueError(f"evidence['{key}'] must have shape [{batch}, {V}, ...], got {tuple(a.shape)}")
                 if key == "categorical_logp" and len(soft) == 1 and a.shape[2] not in soft:
@@ -321,11 +361,11 @@ class Circuit:
                                      f"SoftEvidenceCategorical leaves' num_cats last), got {tuple(a.shape)}")
                 out[key] = a
             elif key == "categorical_topk":
-                out[key] = _check_topk_evidence(val, batch, max(soft) if soft else None)
+                out[key] = _check_topk_evidence(val, batch, max(soft) if soft else None, device)
             else:  # sum_gates / sum_lowrank
                 out[key] = _check_sum_evidence(key, val, batch, {g.key: g for g in self.layout.sum_groups},
-                                               self.num_gates)
-        return out or None
+                                               self.num_gates, device)
+        return out or None, device
 
     # ---- evaluation ----------------------------------------------------------------------------
     def log_prob(self, params: Params, x, missing=None, *, propagation: str | None = None,
@@ -348,7 +388,9 @@ class Circuit:
             evidence: per-call evidence (see :meth:`check_evidence`): soft evidence for
                 ``SoftEvidenceCategorical`` leaves, values of ``External`` leaves, latent log-potentials,
                 per-sample sum parameters (BlockScale gates, LowRank factors). Traced: new evidence
-                never recompiles; differentiable with ``jax.grad``.
+                never recompiles; differentiable with ``jax.grad``. Its values are checked under ``validate`` as
+                ``x``'s are: numpy arrays at once, device arrays by a flag that the next call (``"sync"``: this
+                one) reads.
 
         Returns:
             ``float[B]``.
@@ -367,13 +409,15 @@ class Circuit:
                 return out
         opts = Options.make(options, propagation=propagation, alpha=alpha)
         batch = self.runtime.prepare(x, missing, validate)
-        ev = self.check_evidence(evidence, batch.n)
+        ev, record = self.prepare_evidence(evidence, batch, "circuit.log_prob")
         args = {"tables": self.tables, "params": params, "evidence": ev}
         if ev is None:
             args = self.runtime.with_tree_weights(args, self.layout, batch, ("log_prob", options, propagation, alpha),
                                                   opts, False)
-        return self.runtime.run("log_prob", {}, args, batch, options=opts, batched={"evidence": 0}, replay=replay,
-                                free=("params", "tree_weights"))
+        out = self.runtime.run("log_prob", {}, args, batch, options=opts, batched={"evidence": 0}, replay=replay,
+                               free=("params", "tree_weights"))
+        record()  # the device evidence's values (the circuit's next call raises a failure; this one with "sync")
+        return out
 
     def node_values(self, params: Params, x, missing=None, *, options: Options | None = None,
                     validate: bool | str = True) -> Array:
@@ -426,7 +470,7 @@ class Circuit:
                 return out if return_ll else out[0]
         opts = Options.make(options)
         batch = self.runtime.prepare(x, missing, validate)
-        ev = self.check_evidence(evidence, batch.n)
+        ev, record = self.prepare_evidence(evidence, batch, "circuit.flows")
         w = self.runtime.weights(ll_weights, batch.n)
         args = {"tables": self.tables, "params": params, "evidence": ev}
         if return_evidence_grad:
@@ -434,11 +478,13 @@ class Circuit:
                 raise ValueError("return_evidence_grad=True needs evidence= (the gradient is with respect to it)")
             fl, ll, g = self.runtime.run("flows_evidence_grad", {}, args, batch, options=opts,
                                          batched={"evidence": 0}, weights=w)
+            record()
             return (fl, ll, g) if return_ll else (fl, g)
         if ev is None:
             args = self.runtime.with_tree_weights(args, self.layout, batch, ("flows", options), opts, True)
         fl, ll = self.runtime.run("flows", {}, args, batch, options=opts, batched={"evidence": 0}, weights=w,
                                   replay=replay, free=("params", "tree_weights"))
+        record()
         return (fl, ll) if return_ll else fl
 
     def em_step(self, params: Params, x, missing=None, *, step_size: float = 1.0, pseudocount: float = 0.0,
@@ -471,7 +517,7 @@ class Circuit:
         opts = Options.make(options)
         em.check_em_options(opts, "em_step")
         batch = self.runtime.prepare(x, missing, validate)
-        ev = self.check_evidence(evidence, batch.n)
+        ev, record = self.prepare_evidence(evidence, batch, "circuit.em_step")
         if ev is not None and rescale == "tdp":
             raise ValueError("rescale='tdp' uses the model's own top-down probabilities: it takes no evidence")
         w = self.runtime.weights(ll_weights, batch.n, nonnegative=True)
@@ -480,6 +526,7 @@ class Circuit:
                           "evidence": ev}, batch,
                          options=opts, batched={"evidence": 0}, weights=w, replay=replay,
                          free=("params", "step_size", "pseudocount"))
+        record()
         return (new, ll) if return_ll else new
 
     def em_update(self, params: Params, flows: dict, *, step_size: float = 1.0, pseudocount: float = 0.0,
@@ -657,11 +704,22 @@ def _tree_add(a, b):
     return jax.tree_util.tree_map(jnp.add, a, b)
 
 
-def _evidence_array(name: str, a, batch: int, ndim: int, last=None, values: str | None = None):
+def _no_check() -> None:
+    """:meth:`Circuit.prepare_evidence`'s ``record`` where no device array is to be checked."""
+
+
+def _device_array(a) -> bool:
+    """Whether ``a`` is a concrete device array (not numpy, not a tracer): its values are checked on the device."""
+    return isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer)
+
+
+def _evidence_array(name: str, a, batch: int, ndim: int, last=None, values: str | None = None,
+                    device: list | None = None):
     """``evidence[name]`` as an array of ``ndim`` axes, the batch first and the rest ``last`` when given. A host
     (numpy) array's ``values`` are checked before anything runs: ``"log"`` log-values (not NaN, not +inf; -inf is
-    a zero), ``"nonnegative"`` finite and >= 0; device arrays are taken as they are (their values would cost a
-    host round trip)."""
+    a zero), ``"nonnegative"`` finite and >= 0 (:func:`jaxpc.checks.raise_bad_evidence`); a concrete device array
+    of floats with ``values`` is appended to ``device`` as ``(name, values, (a,))``, checked on the device by the
+    call (:meth:`Circuit.prepare_evidence`: its values on the host would cost a round trip); tracers pass."""
     host = None if isinstance(a, (jax.Array, jax.core.Tracer)) else np.asarray(a)
     a = a if host is None else jnp.asarray(host)
     if a.ndim != ndim or a.shape[0] != batch:
@@ -669,22 +727,19 @@ def _evidence_array(name: str, a, batch: int, ndim: int, last=None, values: str 
                          f"shape {tuple(a.shape)}")
     if last is not None and tuple(a.shape[1:]) != tuple(last):
         raise ValueError(f"evidence['{name}'] must have shape {[batch, *last]}, got {tuple(a.shape)}")
-    if host is not None and values is not None and host.dtype.kind in "fc":
-        with np.errstate(invalid="ignore"):
-            bad = (np.isnan(host) | (host == np.inf)) if values == "log" else ~(np.isfinite(host) & (host >= 0))
-        if bad.any():
-            i = tuple(int(j) for j in np.argwhere(bad)[0])
-            rule = "log-values must not be NaN or +inf (-inf is a zero)" if values == "log" else \
-                "values must be finite and non-negative"
-            more = f" ({int(bad.sum())} such entries in all)" if bad.sum() > 1 else ""
-            raise ValueError(f"evidence['{name}']{list(i)} = {host[i]}: {rule}{more}")
+    if values is not None:
+        if host is not None:
+            checks.raise_bad_evidence(name, host, values)
+        elif device is not None and _device_array(a) and jnp.issubdtype(a.dtype, jnp.floating):
+            device.append((name, values, (a,)))
     return a
 
 
-def _check_topk_evidence(val, batch: int, num_cats: int | None) -> dict:
+def _check_topk_evidence(val, batch: int, num_cats: int | None, device: list | None = None) -> dict:
     """``evidence["categorical_topk"]``: integer ``ids [B, V, k]`` (as int32), ``logp`` and an optional boolean
-    ``mask`` of the same shape. Host ids must lie in ``[0, num_cats)`` (the soft leaves' values) and be distinct
-    among a row's unmasked entries."""
+    ``mask`` of the same shape. Ids must lie in ``[0, num_cats)`` (the soft leaves' values) and be distinct
+    among a row's unmasked entries: checked here for host ids (:func:`jaxpc.checks.raise_bad_topk_ids`); concrete
+    device ids are appended to ``device`` (as ``_evidence_array`` does) with their mask, as given."""
     if not isinstance(val, dict) or not {"ids", "logp"} <= set(val):
         raise ValueError("evidence['categorical_topk'] must be {'ids': int[B, V, k], 'logp': [B, V, k], "
                          "'mask': bool[B, V, k] (optional)}")
@@ -692,39 +747,27 @@ def _check_topk_evidence(val, batch: int, num_cats: int | None) -> dict:
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise TypeError(f"evidence['categorical_topk']['ids'] must be integers, got {ids.dtype}")
     topk = {"ids": ids.astype(jnp.int32),
-            "logp": _evidence_array("categorical_topk.logp", val["logp"], batch, 3, ids.shape[1:], values="log")}
+            "logp": _evidence_array("categorical_topk.logp", val["logp"], batch, 3, ids.shape[1:], values="log",
+                                    device=device)}
     if val.get("mask") is not None:
         topk["mask"] = _evidence_array("categorical_topk.mask", val["mask"], batch, 3, ids.shape[1:]).astype(bool)
-    host = val["ids"]
-    if not isinstance(host, (jax.Array, jax.core.Tracer)):
-        host = np.asarray(host, np.int64)
-        live = np.ones(host.shape, bool) if val.get("mask") is None else np.asarray(val["mask"], bool)
-        out = live & ((host < 0) | (host >= (num_cats if num_cats is not None else np.iinfo(np.int64).max)))
-        if out.any():
-            i = tuple(int(j) for j in np.argwhere(out)[0])
-            raise ValueError(f"evidence['categorical_topk']['ids']{list(i)} = {host[i]} is not a value of the soft "
-                             f"evidence leaves (integers in [0, {num_cats - 1}])")
-        keyed = np.where(live, host, -1 - np.arange(host.shape[2]))  # (masked entries never collide)
-        srt = np.sort(keyed, axis=2)
-        dup = np.argwhere((srt[:, :, 1:] == srt[:, :, :-1]).any(axis=2))
-        if len(dup):
-            b, v = (int(j) for j in dup[0])
-            vals, counts = np.unique(keyed[b, v], return_counts=True)
-            raise ValueError(f"evidence['categorical_topk']['ids'][{b}, {v}] holds the id {int(vals[counts > 1][0])} "
-                             "more than once: a row's ids must be distinct (mask the extra entries)")
+    if not isinstance(val["ids"], (jax.Array, jax.core.Tracer)):
+        checks.raise_bad_topk_ids(np.asarray(val["ids"], np.int64), val.get("mask"), num_cats)
+    elif device is not None and _device_array(val["ids"]) and not isinstance(topk.get("mask"), jax.core.Tracer):
+        device.append(("categorical_topk.ids", "ids", (val["ids"], topk.get("mask"))))  # (ids in their own type)
     return topk
 
 
-def _check_sum_evidence(key: str, val, batch: int, groups: dict, num_gates: int):
+def _check_sum_evidence(key: str, val, batch: int, groups: dict, num_gates: int, device: list | None = None):
     """``evidence["sum_gates"]`` (gate columns ``[B, num_gates]``, or ``[B, P]`` per sum group) or
     ``evidence["sum_lowrank"]`` (``u [B, P, Kp, r]`` and ``v [B, P, r, Kc]`` per sum group), by group key;
-    ``groups``: the circuit's sum groups by key."""
+    ``groups``: the circuit's sum groups by key; ``device``: as for :func:`_evidence_array`."""
     if key == "sum_gates" and not isinstance(val, dict):
         if not num_gates:
             raise ValueError("evidence['sum_gates'] is an array of gate columns, but no sum vector of this circuit "
                              "has gates: declare them with ns.set_gates() before jaxpc.compile, or give "
                              f"{{group: [B, P]}} (one gate per parameter block; groups {sorted(groups)})")
-        return _evidence_array(key, val, batch, 2, (num_gates,), values="log")
+        return _evidence_array(key, val, batch, 2, (num_gates,), values="log", device=device)
     if not isinstance(val, dict):
         raise TypeError(f"evidence['{key}'] must map sum groups {sorted(groups)} to arrays")
     sub = {}
@@ -734,14 +777,14 @@ def _check_sum_evidence(key: str, val, batch: int, groups: dict, num_gates: int)
                              f"{sorted(groups)}")
         g = groups[gk]
         if key == "sum_gates":
-            sub[gk] = _evidence_array(f"{key}.{gk}", gv, batch, 2, (g.num_blocks,), values="log")
+            sub[gk] = _evidence_array(f"{key}.{gk}", gv, batch, 2, (g.num_blocks,), values="log", device=device)
             continue
         if not isinstance(gv, dict) or set(gv) != {"u", "v"}:
             raise ValueError(f"evidence['{key}']['{gk}'] must be {{'u': [B, P, Kp, r], 'v': [B, P, r, Kc]}}, got "
                              f"{sorted(gv) if isinstance(gv, dict) else type(gv).__name__}")
-        u = _evidence_array(f"{key}.{gk}.u", gv["u"], batch, 4, values="nonnegative")
+        u = _evidence_array(f"{key}.{gk}.u", gv["u"], batch, 4, values="nonnegative", device=device)
         r = u.shape[3]
         sub[gk] = {"u": _evidence_array(f"{key}.{gk}.u", u, batch, 4, (g.num_blocks, g.Kp, r)),
                    "v": _evidence_array(f"{key}.{gk}.v", gv["v"], batch, 4, (g.num_blocks, r, g.Kc),
-                                        values="nonnegative")}
+                                        values="nonnegative", device=device)}
     return sub

@@ -15,8 +15,8 @@ flow equals the batch size, which a doubled (or missing) psum breaks.
 A batch whose size is not a multiple of the device count is padded with zero-weight rows (they
 contribute exactly nothing; the returned log-likelihoods are cut back to the batch). Per-call ``evidence``
 (soft evidence, external leaf values, per-sample sum parameters; see :meth:`jaxpc.Circuit.check_evidence`)
-has the batch first in every leaf: it is checked like ``Circuit.flows`` checks it, padded and split with
-the batch.
+has the batch first in every leaf: it is checked like ``Circuit.flows`` checks it (the values of device arrays
+too, under ``validate``), padded and split with the batch.
 
 ``jax.pmap``. The same step written by hand: the per-device body calls the engine's pure
 :func:`jaxpc.engine.em.flows_and_ll` and sums the flows with one ``jax.lax.psum`` (``pmap`` runs its body
@@ -121,12 +121,14 @@ def _run(circuit, name, static, args, x, missing, ll_weights, evidence, validate
     rt.entry(name, *_ENTRIES[name], circuit.layout)
     mesh = _mesh(mesh)
     batch = rt.prepare(x, missing, validate)
-    ev = circuit.check_evidence(evidence, batch.n)
+    ev, record = circuit.prepare_evidence(evidence, batch, name)
     w = rt.weights(ll_weights, batch.n, nonnegative=name == "parallel.em_step")
     args = {"tables": rt.replicated(circuit.tables, NamedSharding(mesh, P())), **args, "evidence": ev}
-    return rt.run(name, {"mesh": mesh, **static}, args, batch, options=Options.make(options), batched={"evidence": 0},
-                  weights=w, multiple=mesh.shape[AXIS], sharding=NamedSharding(mesh, P(AXIS)), replay=replay,
-                  free=free)
+    out = rt.run(name, {"mesh": mesh, **static}, args, batch, options=Options.make(options), batched={"evidence": 0},
+                 weights=w, multiple=mesh.shape[AXIS], sharding=NamedSharding(mesh, P(AXIS)), replay=replay,
+                 free=free)
+    record()  # the device evidence's values, as the circuit's own calls check them
+    return out
 
 
 def flows(circuit, params: dict, x, missing=None, *, mesh: Mesh | None = None, ll_weights=None,
@@ -204,8 +206,10 @@ def split_batch(circuit, x, missing=None, *, num_devices: int | None = None, evi
     that weights its samples (``flows_and_ll(..., weights, ...)``) ignores them; batch sizes of one bucket share
     one shape (one pmap executable).
 
-    ``validate``: as for ``Circuit.flows``, except that the values of a device array are not checked (its
-    shape and dtype are): only the circuit's own entry points run the in-executable check.
+    ``validate``: as for ``Circuit.flows``, except that the values of a device ``x`` are not checked (its
+    shape and dtype are): only the circuit's own entry points run the in-executable check. The values of device
+    ``evidence`` are (:meth:`jaxpc.Circuit.check_evidence`): the circuit's next call raises a failure (with
+    ``validate="sync"``, this one).
     """
     d = jax.local_device_count() if num_devices is None else num_devices
     if not isinstance(d, (int, np.integer)) or isinstance(d, bool) or d < 1:
@@ -213,7 +217,7 @@ def split_batch(circuit, x, missing=None, *, num_devices: int | None = None, evi
     rt = circuit.runtime
     batch = rt.prepare(x, missing, validate)
     n = batch.n
-    ev = circuit.check_evidence(evidence, n)
+    ev, record = circuit.prepare_evidence(evidence, batch, "parallel.split_batch")
     w = rt.weights(ll_weights, n)
     args = {"x": batch.x, "missing": batch.missing, "evidence": ev,
             "weights": jnp.asarray(np.ones((n,), rt.dtype)) if w is None else w}
@@ -223,6 +227,7 @@ def split_batch(circuit, x, missing=None, *, num_devices: int | None = None, evi
     def per_device(a):
         return a.reshape(int(d), b // int(d), *a.shape[1:])
 
+    record()
     m = args["missing"]
     return DeviceBatch(per_device(args["x"]), m if m is None or m.ndim == 1 else per_device(m),
                        per_device(args["weights"]), jax.tree_util.tree_map(per_device, args["evidence"]), n)

@@ -19,14 +19,17 @@ checks still in flight. Every public entry point (the :class:`~jaxpc.Circuit` me
   (``benchmarks/check_cost.py`` measures the alternatives);
   that call then raises the ``ValueError`` naming the variable and the value. :meth:`Runtime.raise_pending`
   (``circuit.raise_pending()``) waits for and raises it at once. Other per-call values with a rule are checked the
-  same way (:meth:`Runtime.record_check`; soft evidence's weights must be finite and non-negative).
+  same way (:meth:`Runtime.record_check`, one small reduction per call: soft evidence's weights must be finite and
+  non-negative; per-call ``evidence=`` must hold log-values without NaN or +inf, non-negative LowRank factors and
+  top-k ids of the soft leaves' values, distinct in a row, :meth:`jaxpc.Circuit.check_evidence`); their numpy
+  values are checked on the host and raise at once, as a numpy batch's.
 * ``"sync"``: the same check, then waits for the call's own flag and raises at once (for debugging); it also
   checks the parameters' values (:meth:`Runtime.check_params_now`: NaN or +inf, named with leaf and index), which
   the other modes do not read (a NaN parameter gives NaN outputs).
 * ``False``: no value check at all (a bad value then gives NaN or a clamped value, unchecked).
 
 Inside a user's ``jit`` (tracer inputs) the check still cleans the batch and marks its rows NaN, but
-nothing can raise from inside a trace.
+nothing can raise from inside a trace; traced evidence (or evidence of a traced batch) is not checked at all.
 
 **Repeated calls.** A small batch's step waits for the host's work before its executable starts. A call of
 ``flows``, ``log_prob`` or ``em_step`` whose arguments other than ``params``, ``x`` and EM's step size and

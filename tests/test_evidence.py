@@ -595,9 +595,10 @@ def test_evidence_errors():
         c.log_prob(c.params, x, evidence={"latent": np.zeros((3, 3, 2))})
     with pytest.raises(ValueError, match="names sum group '9x9'"):
         c.log_prob(c.params, x, evidence={"sum_gates": {"9x9": np.zeros((2, 1))}})
-    with pytest.raises(TypeError, match="'ids'\\] must be integers"):
-        c.log_prob(c.params, x,
-                   evidence={"categorical_topk": {"ids": np.zeros((2, 3, 2)), "logp": np.zeros((2, 3, 2))}})
+    soft = "SoftEvidenceCategorical"
+    for key, leaves in (("categorical_logp", soft), ("categorical_topk", soft), ("external", "External")):
+        with pytest.raises(ValueError, match=rf"evidence\['{key}'\] is read by {leaves} leaves, and this circuit"):
+            c.log_prob(c.params, x, evidence={key: np.zeros((2, 3, 4), np.float32)})
     lat = np.zeros((2, 3, 2), np.float32)
     lat[1, 2, 0] = np.nan
     with pytest.raises(ValueError, match=r"evidence\['latent'\]\[1, 2, 0\] = nan: log-values must not be NaN"):
@@ -631,6 +632,8 @@ def test_soft_evidence_values_are_checked():
         c.log_prob(c.params, x, evidence={"categorical_logp": np.zeros((2, 3, 3), np.float32)})
     with pytest.raises(ValueError, match=r"categorical_logp'\]\[0, 0, 0\] = nan"):
         c.log_prob(c.params, x, evidence={"categorical_logp": np.full((2, 3, 4), np.nan, np.float32)})
+    with pytest.raises(TypeError, match="'ids'\\] must be integers"):
+        c.log_prob(c.params, x, evidence={"categorical_topk": {"ids": ids.astype(np.float32), "logp": lp}})
 
 
 def test_gate_declaration_and_evidence_errors():
@@ -747,3 +750,173 @@ def test_external_leaves_in_runs_have_no_statistics():
     ref = c.em_step(c.params, x, step_size=0.5, evidence=ev)
     for u, v in zip(jax.tree_util.tree_leaves(new), jax.tree_util.tree_leaves(ref)):
         np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-6, atol=1e-7)
+
+
+# ---- device evidence's values: checked on the device, raised by the next call (or this one with "sync") -------
+
+@pytest.fixture(scope="module")
+def evidence_circuits():
+    """An HMM (latent potentials, per-block gates, LowRank factors) and a GeneralizedHMM over 4-valued soft evidence
+    leaves (dense and top-k evidence), with a batch of two."""
+    return {"hmm": jaxpc.compile(structures.HMM(3, 2, 4)),
+            "soft": jaxpc.compile(structures.GeneralizedHMM(3, 2, distributions.SoftEvidenceCategorical(num_cats=4)))}
+
+
+def _bad_evidence(c, rule: str):
+    """``(good, bad, error pattern)``: host evidence of ``c`` and a copy that breaks ``rule`` in one or two
+    entries."""
+    rng = np.random.default_rng(12)
+    B = 2
+    if rule in ("log_nan", "log_inf"):
+        g = c.layout.sum_groups[0]
+        good = {"latent": rng.normal(size=(B, 3, 2)).astype(np.float32),
+                "sum_gates": {g.key: rng.normal(size=(B, g.num_blocks)).astype(np.float32)}}
+        bad = jax.tree_util.tree_map(np.copy, good)
+        if rule == "log_nan":
+            bad["latent"][1, 2, 0] = bad["latent"][1, 0, 1] = np.nan
+            return good, bad, (r"evidence\['latent'\]\[1, 0, 1\] = nan: log-values must not be NaN or \+inf "
+                               r"\(-inf is a zero\) \(2 such entries in all\)")
+        bad["sum_gates"][g.key][0, -1] = np.inf
+        bad["latent"][0, 0, 0] = -np.inf  # a zero: fine
+        return good, bad, rf"evidence\['sum_gates.{g.key}'\]\[0, {g.num_blocks - 1}\] = inf: log-values must not"
+    if rule in ("lowrank_u", "lowrank_v"):
+        lowrank = {g.key: {"u": rng.random((B, g.num_blocks, g.Kp, 2)).astype(np.float32),
+                           "v": rng.random((B, g.num_blocks, 2, g.Kc)).astype(np.float32)}
+                   for g in c.layout.sum_groups}
+        good = {"sum_lowrank": lowrank}
+        bad = jax.tree_util.tree_map(np.copy, good)
+        key = c.layout.sum_groups[-1].key
+        if rule == "lowrank_u":
+            bad["sum_lowrank"][key]["u"][1, 0, 0, 1] = -0.5
+            return good, bad, (rf"evidence\['sum_lowrank.{key}.u'\]\[1, 0, 0, 1\] = -0.5: values must be finite and "
+                               r"non-negative")
+        bad["sum_lowrank"][key]["v"][0, 0, 1, 0] = np.nan
+        return good, bad, rf"evidence\['sum_lowrank.{key}.v'\]\[0, 0, 1, 0\] = nan: values must be finite"
+    ids = np.tile(np.arange(3, dtype=np.int32), (B, 3, 1))
+    good = {"categorical_topk": {"ids": ids, "logp": rng.normal(size=ids.shape).astype(np.float32)}}
+    bad = jax.tree_util.tree_map(np.copy, good)
+    if rule == "ids_range":
+        bad["categorical_topk"]["ids"][0, 2, 1] = 4
+        bad["categorical_topk"]["ids"][1, 1, 0] = -1
+        return good, bad, (r"evidence\['categorical_topk'\]\['ids'\]\[0, 2, 1\] = 4 is not a value of the soft "
+                           r"evidence leaves \(integers in \[0, 3\]\) \(2 such entries in all\)")
+    if rule == "ids_repeated":
+        bad["categorical_topk"]["ids"][1, 2, 2] = 0
+        return good, bad, r"evidence\['categorical_topk'\]\['ids'\]\[1, 2\] holds the id 0 more than once"
+    assert rule == "topk_logp_nan"
+    bad["categorical_topk"]["logp"][1, 1, 1] = np.nan
+    return good, bad, r"evidence\['categorical_topk.logp'\]\[1, 1, 1\] = nan: log-values must not be NaN"
+
+
+def _call(c, entry: str, x, ev, validate=True):
+    """One call of ``entry`` with evidence ``ev``: its outputs as numpy arrays (a list)."""
+    if entry == "log_prob":
+        out = c.log_prob(c.params, x, evidence=ev, validate=validate)
+    elif entry == "flows":
+        out = c.flows(c.params, x, evidence=ev, validate=validate, return_ll=True)
+    elif entry == "evidence_grad":
+        out = c.flows(c.params, x, evidence=ev, validate=validate, return_evidence_grad=True)
+    else:
+        out = c.em_step(c.params, x, evidence=ev, validate=validate, step_size=0.5, return_ll=True)
+    return [np.asarray(a) for a in jax.tree_util.tree_leaves(out)]
+
+
+# rule, circuit, entry point
+DEVICE_RULES = [("log_nan", "hmm", "log_prob"), ("log_inf", "hmm", "flows"), ("lowrank_u", "hmm", "em_step"),
+                ("lowrank_v", "hmm", "log_prob"), ("ids_range", "soft", "log_prob"),
+                ("ids_repeated", "soft", "em_step"), ("topk_logp_nan", "soft", "evidence_grad")]
+
+
+@pytest.mark.parametrize("rule,circuit,entry", DEVICE_RULES)
+def test_device_evidence_values_are_checked(evidence_circuits, rule, circuit, entry):
+    """Device evidence breaking a value rule (log-values NaN or +inf, LowRank factors negative or NaN, top-k ids out
+    of range or repeated) raises the host check's error, on the device: at the call with ``validate="sync"``, at the
+    circuit's next call by default (the call itself returns), never with ``validate=False``. Good device evidence
+    gives bitwise what the same host evidence gives."""
+    c = evidence_circuits[circuit]
+    x = np.array([[0, 1, 2], [3, 0, 1]], np.int32)
+    good, bad, pattern = _bad_evidence(c, rule)
+    device = jax.tree_util.tree_map(jnp.asarray, bad)
+    with pytest.raises(ValueError, match=pattern) as host_error:  # numpy: at once, before anything runs
+        _call(c, entry, x, bad)
+    host_message = str(host_error.value)
+    with pytest.raises(ValueError, match=pattern) as sync_error:
+        _call(c, entry, x, device, validate="sync")
+    assert str(sync_error.value).startswith(host_message)  # the same error, and where it was found
+    assert "checked on the device" in str(sync_error.value)
+    c.raise_pending()  # (raised once)
+    _call(c, entry, x, device)  # the default: the flag is read by the next call
+    with pytest.raises(ValueError, match=pattern):
+        c.log_prob(c.params, x)
+    c.raise_pending()
+    _call(c, entry, x, device, validate=False)  # no check at all
+    c.raise_pending()
+    np.asarray(c.log_prob(c.params, x))
+    # good evidence: the device array's result is the host array's, bit for bit; nothing is raised later
+    want = _call(c, entry, x, good)
+    got = _call(c, entry, x, jax.tree_util.tree_map(jnp.asarray, good), validate="sync")
+    for u, v in zip(got, want):
+        np.testing.assert_array_equal(u, v)
+    _call(c, entry, x, jax.tree_util.tree_map(jnp.asarray, good))
+    c.raise_pending()
+
+
+def test_device_evidence_checks_masks_tracers_and_mixed_arrays(evidence_circuits):
+    """A repeated top-k id in a masked entry is fine on the device as on the host; evidence traced by a user's
+    ``jax.jit`` is not checked (nothing can raise from a trace); with host and device arrays in one call the host
+    ones raise at once and the device ones on the device."""
+    c = evidence_circuits["soft"]
+    x = np.array([[0, 1, 2], [3, 0, 1]], np.int32)
+    good, bad, pattern = _bad_evidence(c, "ids_repeated")
+    mask = np.ones(good["categorical_topk"]["ids"].shape, bool)
+    mask[1, 2, 2] = False  # the repeated id masked out
+    masked = {"categorical_topk": {**bad["categorical_topk"], "mask": mask}}
+    want = np.asarray(c.log_prob(c.params, x, evidence=masked))
+    got = np.asarray(c.log_prob(c.params, x, evidence=jax.tree_util.tree_map(jnp.asarray, masked), validate="sync"))
+    np.testing.assert_array_equal(got, want)
+    mask[0, 0, 0] = False  # a mask on the device too, the repeated id live again
+    mask[1, 2, 2] = True
+    with pytest.raises(ValueError, match=pattern):
+        c.log_prob(c.params, x, evidence={"categorical_topk": {**bad["categorical_topk"], "mask": jnp.asarray(mask)}},
+                   validate="sync")
+    device = jax.tree_util.tree_map(jnp.asarray, bad)
+    out = jax.jit(lambda e: c.log_prob(c.params, x, evidence=e))(device)
+    assert np.asarray(out).shape == (2,)
+    c.raise_pending()  # nothing recorded from inside the trace
+    # the ids on the host (raised at once), the log-values on the device (checked there)
+    mixed = {"categorical_topk": {"ids": bad["categorical_topk"]["ids"],
+                                  "logp": jnp.asarray(good["categorical_topk"]["logp"])}}
+    with pytest.raises(ValueError, match=pattern):
+        c.log_prob(c.params, x, evidence=mixed)
+    lp = good["categorical_topk"]["logp"].copy()
+    lp[0, 0, 0] = np.inf
+    c.log_prob(c.params, x, evidence={"categorical_topk": {"ids": good["categorical_topk"]["ids"],
+                                                          "logp": jnp.asarray(lp)}})
+    with pytest.raises(ValueError, match=r"categorical_topk.logp'\]\[0, 0, 0\] = inf: .*in circuit.log_prob"):
+        c.raise_pending()
+
+
+def test_device_evidence_values_are_checked_in_parallel_and_fit(evidence_circuits):
+    """``jaxpc.parallel``'s steps and ``split_batch`` check device evidence as the circuit's calls do (``"sync"``:
+    at once; by default at the next call; not with ``validate=False``); ``optim.fit`` raises after its first
+    epoch."""
+    from jaxpc import optim, parallel
+
+    c = evidence_circuits["hmm"]
+    x = np.array([[0, 1, 2], [3, 0, 1]], np.int32)
+    _, bad, pattern = _bad_evidence(c, "lowrank_u")
+    device = jax.tree_util.tree_map(jnp.asarray, bad)
+    mesh = parallel.data_mesh(2)
+    with pytest.raises(ValueError, match=pattern + r".*in parallel.em_step, checked on the device"):
+        parallel.em_step(c, c.params, x, mesh=mesh, evidence=device, validate="sync")
+    parallel.em_step(c, c.params, x, mesh=mesh, evidence=device, validate=False)
+    c.raise_pending()
+    parallel.em_step(c, c.params, x, mesh=mesh, evidence=device)
+    with pytest.raises(ValueError, match=pattern):
+        c.raise_pending()
+    with pytest.raises(ValueError, match=pattern + r".*in parallel.split_batch"):
+        parallel.split_batch(c, x, evidence=device, num_devices=2, validate="sync")
+    with pytest.raises(ValueError, match=pattern + r".*in optim.fit"):
+        optim.fit(c, c.params, x, epochs=2, batch_size=2, evidence=device, progress=False)
+    optim.fit(c, c.params, x, epochs=1, batch_size=2, evidence=device, progress=False, validate=False)
+    c.raise_pending()

@@ -255,6 +255,9 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
         evidence: per-call evidence of every row of ``data`` (as for :meth:`jaxpc.Circuit.flows`, leaves
             ``[N, ...]``, checked by :meth:`~jaxpc.Circuit.check_evidence`); each batch takes the rows of its
             samples. It is an argument of the epoch's executable: it lives on the device with the data.
+        validate: as for :meth:`jaxpc.Circuit.em_step`, except that the values of device ``data`` and device
+            ``evidence`` are checked on the device alongside the first epoch and a failure raises in ``fit`` right
+            after it (``True`` or ``"sync"``; ``False``: no check).
 
     Returns:
         :class:`FitResult` ``(params, opt_state, epoch_ll [epochs])``.
@@ -262,7 +265,7 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
     optimizer = _fit_optimizer(circuit, optimizer, step_size, pseudocount)
     batch, bs = _fit_batch(circuit, data, missing, validate, epochs=epochs, batch_size=batch_size,
                            start_epoch=start_epoch, mesh=mesh)
-    ev = circuit.check_evidence(evidence, batch.n)
+    ev, record = circuit.prepare_evidence(evidence, batch, "optim.fit")
     check = circuit.runtime.device_check if batch.report else None  # device data: checked inside the epoch
     if key is None:
         key = jax.random.key(0)
@@ -279,11 +282,14 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
     else:
         tables = circuit.runtime.replicated(circuit.tables, NamedSharding(mesh, PartitionSpec()))
     return _run_epochs(circuit, run, tables, params, opt_state, batch, ev, key,
-                       range(start_epoch, start_epoch + int(epochs)), progress)
+                       range(start_epoch, start_epoch + int(epochs)), progress, record)
 
 
-def _run_epochs(circuit, run, tables, params, opt_state, batch, ev, key, epochs, progress: bool) -> FitResult:
-    """``fit``'s loop: one executable call per epoch; the data's input flag is read once, after the first."""
+def _run_epochs(circuit, run, tables, params, opt_state, batch, ev, key, epochs, progress: bool,
+                record=None) -> FitResult:
+    """``fit``'s loop: one executable call per epoch; the data's input flag is read once, after the first, and so is
+    the flag of the device evidence's values (``record``: :meth:`jaxpc.Circuit.prepare_evidence`'s, recorded after
+    the first epoch is dispatched)."""
     epochs_iter, bar = _progress_bar(epochs, progress)
     lls = []
     for e in epochs_iter:
@@ -294,6 +300,10 @@ def _run_epochs(circuit, run, tables, params, opt_state, batch, ev, key, epochs,
             # the rows with bad values took no part
             raise_bad_values(circuit.runtime.var_info, batch.x, batch.missing, "data",
                              "optim.fit, which left those rows out")
+        if record is not None and len(lls) == 1:
+            # the device evidence's flag, read here as the data's is (the later epochs would train on bad values)
+            record()
+            circuit.runtime.raise_pending()
         if bar is not None:
             bar.set_postfix(ll=f"{float(ll):.4f}")
     epoch_ll = np.asarray(jnp.stack(lls)) if lls else np.zeros((0,), np.dtype(circuit.dtype))
