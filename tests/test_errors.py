@@ -265,6 +265,27 @@ def test_duplicate_shape_mismatch():
         s.duplicate(b, tie_params=True)
 
 
+def test_a_tied_vector_must_match_its_source():
+    """A tied input reads its source's parameter rows: another distribution, size or kind is named at compile time
+    (rows past the source's were read before)."""
+    from jaxpc.nodes import InputNodes
+    cat = distributions.Categorical(3)
+    src = jaxpc.inputs(0, num_node_blocks=1, block_size=2, dist=cat, name="src")
+    wide = jaxpc.inputs(0, num_node_blocks=2, block_size=2, dist=cat)
+    cases = [(InputNodes(1, 1, 2, distributions.Categorical(4), source=src, name="other_dist"), src,
+              "other_dist .* is tied to src .*distribution and shape"),
+             (InputNodes(1, 2, 2, cat, source=src, name="bigger"), wide, "bigger .* is tied to src .*distribution")]
+    for tied, partner, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            jaxpc.compile(jaxpc.summate(jaxpc.multiply(partner, tied), num_node_blocks=1, block_size=1))
+    a = jaxpc.inputs(1, num_node_blocks=1, block_size=2, dist=cat)
+    s = jaxpc.summate(a, num_node_blocks=1, block_size=2)
+    fake = InputNodes(2, 1, 2, cat, name="fake")
+    fake.tied_to = s
+    with pytest.raises(ValueError, match="fake .input vector. is tied to .*a sum vector"):
+        jaxpc.compile(jaxpc.summate(jaxpc.multiply(src, fake), num_node_blocks=1, block_size=1))
+
+
 def test_get_node_params_of_foreign_node(cat_circuit):
     other = jaxpc.inputs(0, 1, dist=distributions.Categorical(5), name="stranger")
     with pytest.raises(ValueError, match="stranger is not part of this circuit"):

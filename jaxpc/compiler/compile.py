@@ -167,12 +167,20 @@ def _levels(nodes: list[CircuitNodes]) -> list[list[CircuitNodes]]:
 
 
 def _sources(nodes: list[CircuitNodes]) -> dict[int, CircuitNodes]:
-    """The source vector of every vector (itself unless tied), by id; a tied sum must have its source's edges."""
+    """The source vector of every vector (itself unless tied), by id; a tied vector must be of its source's kind, a
+    tied input of its distribution and shape, a tied sum of its edges."""
     sources: dict[int, CircuitNodes] = {}
     for ns in nodes:
         src = ns.source
         if src.id not in sources:
             sources[src.id] = src
+        if ns is not src and ns.kind != src.kind:
+            raise ValueError(f"compile: {ns.name} ({ns.kind} vector) is tied to {src.name}, a {src.kind} vector")
+        if ns is not src and ns.is_input() and (ns.dist, ns.num_node_blocks, ns.block_size) != \
+                (src.dist, src.num_node_blocks, src.block_size):
+            raise ValueError(f"compile: {ns.name} ({ns.dist!r}, {ns.num_node_blocks} x {ns.block_size} nodes) is tied "
+                             f"to {src.name} ({src.dist!r}, {src.num_node_blocks} x {src.block_size} nodes): a tied "
+                             f"input must have its source's distribution and shape")
         if ns is not src and ns.is_sum():
             if (ns.num_node_blocks, ns.block_size, ns.ch_block_size) != (src.num_node_blocks, src.block_size,
                                                                           src.ch_block_size) or \
