@@ -390,6 +390,16 @@ def test_continuous_samples_and_modes():
     assert s[first, 1].mean() == pytest.approx(0.1, abs=0.01)
     assign, value = c.mpe(c.params)
     np.testing.assert_allclose(np.asarray(assign[0]), [4.0, 1.0])
+    # conditionals: every variable by default, the continuous one's row 0; p(b | g) from the two components
+    x = np.array([[-3.0, 0.0], [4.0, 1.0]], np.float32)
+    cond = np.asarray(c.conditional(c.params, x, np.array([False, True])))
+    np.testing.assert_array_equal(cond[:, 0], 0)
+    for r, g0 in enumerate(x[:, 0]):
+        w = np.array([0.3, 0.7]) * stats.norm.pdf(g0, [-3.0, 4.0], [0.5, 1.0])
+        want = w @ np.array([[0.9, 0.1], [0.2, 0.8]]) / w.sum()
+        np.testing.assert_allclose(cond[r, 1], want, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="variable 0 is continuous"):
+        c.conditional(c.params, x, np.array([False, True]), target_vars=[1, 0])
 
 
 @pytest.mark.slow

@@ -71,7 +71,7 @@ def _conditional_impl(layout, tables, params, x, missing, targets, tree_weights=
     # observed variables are known: their conditional is the indicator of the observed value
     observed = jnp.ones((V, B), bool) if missing is None else ~forward.missing_t(missing) & jnp.ones((V, B), bool)
     onehot = jax.nn.one_hot(x.T.astype(jnp.int32), num_values, dtype=dtype)
-    out = jnp.where(observed[:, :, None], onehot, acc)  # [V, B, K]
+    out = jnp.where((observed & read[:, None])[:, :, None], onehot, acc)  # [V, B, K]
     return jnp.transpose(out[targets], (1, 0, 2))
 
 
@@ -225,8 +225,8 @@ def conditional(circuit, params, x, missing=None, *, target_vars=None, options: 
                 validate: bool | str = True) -> Array:
     """``p(x_v = k | evidence)`` for target variables ``v``: ``[B, len(target_vars) or V, K]``, normalized over
     ``k`` (``K``: the largest number of values of any variable; impossible values get 0). Without ``target_vars``
-    the row of a variable that no leaf reads is all 0; naming one in ``target_vars`` raises. Evidence of
-    probability 0 gives NaN rows.
+    every variable is a target, and the rows of continuous variables and of variables that no leaf reads are all
+    0; naming one in ``target_vars`` raises. Evidence of probability 0 gives NaN rows.
 
     Evidence is ``x`` on the variables not marked ``missing``. All targets come from one backward
     pass: the gradient of ``log p(evidence)`` with respect to the leaves' indicators. An observed
@@ -254,10 +254,10 @@ def conditional(circuit, params, x, missing=None, *, target_vars=None, options: 
         bad = targets[(targets < 0) | (targets >= circuit.num_vars)]
         if bad.size:
             raise ValueError(f"target_vars holds {int(bad[0])}, but variables are 0..{circuit.num_vars - 1}")
-    cont = targets[info.continuous[targets]]
-    if cont.size:
-        raise ValueError(f"conditional needs discrete target variables; variable {int(cont[0])} is continuous")
     if target_vars is not None:
+        cont = targets[info.continuous[targets]]
+        if cont.size:
+            raise ValueError(f"conditional needs discrete target variables; variable {int(cont[0])} is continuous")
         unread = targets[~info.discrete[targets]]
         if unread.size:
             raise ValueError(f"conditional: no leaf reads variable {int(unread[0])} ({unread.size} such target(s)); "
