@@ -446,7 +446,8 @@ class Circuit:
         """Expected counts: a pytree like ``params`` (sum groups: expected edge counts ``[P, Kp, Kc]``;
         input layers: their distribution's expected sufficient statistics), obtained with ``jax.grad``.
 
-        ``ll_weights`` ``[B]`` weights each sample. With ``return_ll`` returns ``(flows, ll)``. With
+        ``ll_weights`` ``[B]`` weights each sample (finite; their values checked under ``validate`` as ``x``'s are:
+        numpy at once, device arrays by the next call). With ``return_ll`` returns ``(flows, ll)``. With
         ``return_evidence_grad`` (``evidence`` given) also returns, last, the gradient of the weighted
         log-likelihood ``sum_b w_b log p(x_b)`` with respect to ``evidence``: a pytree like the checked evidence,
         None at its integer leaves (top-k ids), computed in the same executable (the CoDD step: log-likelihoods,
@@ -472,6 +473,7 @@ class Circuit:
         batch = self.runtime.prepare(x, missing, validate)
         ev, record = self.prepare_evidence(evidence, batch, "circuit.flows")
         w = self.runtime.weights(ll_weights, batch.n)
+        record_w = self.runtime.weights_check(ll_weights, w, batch, False, "circuit.flows")
         args = {"tables": self.tables, "params": params, "evidence": ev}
         if return_evidence_grad:
             if ev is None:
@@ -479,12 +481,14 @@ class Circuit:
             fl, ll, g = self.runtime.run("flows_evidence_grad", {}, args, batch, options=opts,
                                          batched={"evidence": 0}, weights=w)
             record()
+            record_w()
             return (fl, ll, g) if return_ll else (fl, g)
         if ev is None:
             args = self.runtime.with_tree_weights(args, self.layout, batch, ("flows", options), opts, True)
         fl, ll = self.runtime.run("flows", {}, args, batch, options=opts, batched={"evidence": 0}, weights=w,
                                   replay=replay, free=("params", "tree_weights"))
         record()
+        record_w()
         return (fl, ll) if return_ll else fl
 
     def em_step(self, params: Params, x, missing=None, *, step_size: float = 1.0, pseudocount: float = 0.0,
@@ -521,12 +525,14 @@ class Circuit:
         if ev is not None and rescale == "tdp":
             raise ValueError("rescale='tdp' uses the model's own top-down probabilities: it takes no evidence")
         w = self.runtime.weights(ll_weights, batch.n, nonnegative=True)
+        record_w = self.runtime.weights_check(ll_weights, w, batch, True, "circuit.em_step")
         new, ll = rt.run("em_step", {"keep_zero_params": bool(keep_zero_params), "rescale": rescale},
                          {"tables": self.tables, "params": params, "step_size": step, "pseudocount": pseudo,
                           "evidence": ev}, batch,
                          options=opts, batched={"evidence": 0}, weights=w, replay=replay,
                          free=("params", "step_size", "pseudocount"))
         record()
+        record_w()
         return (new, ll) if return_ll else new
 
     def em_update(self, params: Params, flows: dict, *, step_size: float = 1.0, pseudocount: float = 0.0,

@@ -195,5 +195,6 @@ class CircuitModule(nnx.Module):
                        {"tables": self.tables.get_value(), "params": self.raw_params(),
                         "step_size": step, "pseudocount": pseudo},
                        batch, options=self.options, weights=w)
+        c.runtime.weights_check(ll_weights, w, batch, True, "CircuitModule.em_step")()
         self.set_params(new)
         return ll

@@ -122,12 +122,15 @@ def _run(circuit, name, static, args, x, missing, ll_weights, evidence, validate
     mesh = _mesh(mesh)
     batch = rt.prepare(x, missing, validate)
     ev, record = circuit.prepare_evidence(evidence, batch, name)
-    w = rt.weights(ll_weights, batch.n, nonnegative=name == "parallel.em_step")
+    nonnegative = name == "parallel.em_step"
+    w = rt.weights(ll_weights, batch.n, nonnegative=nonnegative)
+    record_w = rt.weights_check(ll_weights, w, batch, nonnegative, name)
     args = {"tables": rt.replicated(circuit.tables, NamedSharding(mesh, P())), **args, "evidence": ev}
     out = rt.run(name, {"mesh": mesh, **static}, args, batch, options=Options.make(options), batched={"evidence": 0},
                  weights=w, multiple=mesh.shape[AXIS], sharding=NamedSharding(mesh, P(AXIS)), replay=replay,
                  free=free)
-    record()  # the device evidence's values, as the circuit's own calls check them
+    record()  # the device evidence's and weights' values, as the circuit's own calls check them
+    record_w()
     return out
 
 
@@ -219,6 +222,7 @@ def split_batch(circuit, x, missing=None, *, num_devices: int | None = None, evi
     n = batch.n
     ev, record = circuit.prepare_evidence(evidence, batch, "parallel.split_batch")
     w = rt.weights(ll_weights, n)
+    record_w = rt.weights_check(ll_weights, w, batch, False, "parallel.split_batch")
     args = {"x": batch.x, "missing": batch.missing, "evidence": ev,
             "weights": jnp.asarray(np.ones((n,), rt.dtype)) if w is None else w}
     b = rt.bucket(n, int(d))
@@ -228,6 +232,7 @@ def split_batch(circuit, x, missing=None, *, num_devices: int | None = None, evi
         return a.reshape(int(d), b // int(d), *a.shape[1:])
 
     record()
+    record_w()
     m = args["missing"]
     return DeviceBatch(per_device(args["x"]), m if m is None or m.ndim == 1 else per_device(m),
                        per_device(args["weights"]), jax.tree_util.tree_map(per_device, args["evidence"]), n)

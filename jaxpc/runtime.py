@@ -323,6 +323,39 @@ def _explain_params(params, where: str) -> None:
     raise ValueError("params held a value that the device check rejected; the host check found none")
 
 
+def _raise_bad_weights(host: np.ndarray, nonnegative: bool, where: str = "") -> None:
+    """The ``ValueError`` of ``ll_weights`` (host values) that are not finite, or negative where ``nonnegative``."""
+    flat = host.astype(np.float64).ravel()
+    bad = np.flatnonzero(~np.isfinite(flat))
+    more = f" ({bad.size} such weights in all)" if bad.size > 1 else ""
+    if bad.size:
+        raise ValueError(f"ll_weights must be finite; ll_weights[{bad[0]}] is {host.ravel()[bad[0]]}{more}{where}")
+    neg = np.flatnonzero(flat < 0) if nonnegative else ()
+    more = f" ({len(neg)} such weights in all)" if len(neg) > 1 else ""
+    if len(neg):
+        raise ValueError(f"ll_weights of an EM step must be >= 0 (a negative weight makes negative expected "
+                         f"counts); ll_weights[{neg[0]}] is {host.ravel()[neg[0]]}{more}{where}")
+
+
+def _bad_weights(w: Array) -> Array:
+    return ~jnp.all(jnp.isfinite(w))
+
+
+def _bad_em_weights(w: Array) -> Array:
+    return ~jnp.all(jnp.isfinite(w) & (w >= 0))
+
+
+def _explain_weights(w: Array, nonnegative: bool, where: str) -> None:
+    """The error of device weights whose check found a bad value."""
+    _raise_bad_weights(np.asarray(w), nonnegative,
+                       f" (in {where}, checked on the device: that call's outputs are not valid)")
+    raise ValueError("ll_weights held a value that the device check rejected; the host check found none")
+
+
+def _no_check() -> None:
+    """A :meth:`Runtime.weights_check` with nothing to check."""
+
+
 def _pinned_host(x: Array) -> bool:
     """Whether ``x`` lives on one device that has pinned host memory for the flag (GPUs and CPUs do)."""
     devices = x.devices()
@@ -674,25 +707,30 @@ class Runtime:
 
     def weights(self, ll_weights, n: int, nonnegative: bool = False):
         """Per-sample weights ``[n]`` of the circuit's dtype, or None. Host weights (numpy, lists) must be finite,
-        and with ``nonnegative`` (an EM step's: a negative weight makes negative expected counts) >= 0; device arrays
-        are taken as they are (their values would cost a host round trip)."""
+        and with ``nonnegative`` (an EM step's: a negative weight makes negative expected counts) >= 0; device
+        arrays' values are checked by :meth:`weights_check`."""
         if ll_weights is None:
             return None
         if not isinstance(ll_weights, jax.Array):
             host = np.asarray(ll_weights)
             if host.dtype.kind not in "biuf":
                 raise TypeError(f"ll_weights must be numbers, got dtype {host.dtype}")
-            bad = np.flatnonzero(~np.isfinite(host.astype(np.float64).ravel()))
-            if bad.size:
-                raise ValueError(f"ll_weights must be finite; ll_weights[{bad[0]}] is {host.ravel()[bad[0]]}")
-            neg = np.flatnonzero(host.ravel() < 0) if nonnegative else ()
-            if len(neg):
-                raise ValueError(f"ll_weights of an EM step must be >= 0 (a negative weight makes negative expected "
-                                 f"counts); ll_weights[{neg[0]}] is {host.ravel()[neg[0]]}")
+            _raise_bad_weights(host, nonnegative)
         w = ll_weights if isinstance(ll_weights, jax.core.Tracer) else jnp.asarray(ll_weights, self.dtype)
         if w.shape != (n,):
             raise ValueError(f"ll_weights must have shape [{n}] (one weight per sample), got {tuple(w.shape)}")
         return w
+
+    def weights_check(self, ll_weights, w, batch: Batch, nonnegative: bool, where: str) -> Callable[[], None]:
+        """A function of no arguments that records the value check of device weights ``ll_weights`` (``w``:
+        :meth:`weights`' result) as :meth:`record_check` does, under the batch's ``validate``; call it right after the
+        call's work is dispatched. Host weights were checked by :meth:`weights`; tracers are not checked."""
+        if not isinstance(ll_weights, jax.Array) or isinstance(ll_weights, jax.core.Tracer) or not batch.check \
+                or batch.traced:
+            return _no_check
+        bad = _bad_em_weights if nonnegative else _bad_weights
+        explain = functools.partial(_explain_weights, w, nonnegative, where)
+        return functools.partial(self.record_check, bad.__name__, bad, {"w": w}, explain, batch.sync)
 
     def bucket(self, n: int, multiple: int = 1) -> int:
         b = self.buckets(n)

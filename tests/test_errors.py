@@ -180,6 +180,37 @@ def test_bad_ll_weights(cat_circuit):
         cat_circuit.flows(cat_circuit.params, np.zeros((2, 2), np.int32), ll_weights=np.ones(3))
 
 
+def test_device_ll_weights_are_checked_as_device_data_is():
+    """Device ``ll_weights`` with a NaN (or, in an EM step, a negative weight): ``"sync"`` raises at the call, the
+    default at the circuit's next call, ``False`` never; good device weights give the host weights' result."""
+    from jaxpc import parallel
+    c = jaxpc.compile(jaxpc.summate(jaxpc.multiply(jaxpc.inputs(0, 2, dist=distributions.Categorical(3)),
+                                                   jaxpc.inputs(1, 2, dist=distributions.Categorical(3))),
+                                    num_nodes=1))
+    x = np.array([[0, 1], [2, 2], [1, 0]], np.int32)
+    p = c.params
+    nan = jnp.asarray([1.0, np.nan, 1.0])
+    neg = jnp.asarray([1.0, 1.0, -2.0])
+    calls = [(lambda w, v: c.flows(p, x, ll_weights=w, validate=v), nan, r"ll_weights\[1\] is nan .in circuit.flows"),
+             (lambda w, v: c.em_step(p, x, ll_weights=w, validate=v), neg,
+              r"must be >= 0 .*ll_weights\[2\] is -2.0 .in circuit.em_step"),
+             (lambda w, v: parallel.em_step(c, p, x, ll_weights=w, validate=v), neg, r"ll_weights\[2\] is -2.0")]
+    for call, bad, msg in calls:
+        with pytest.raises(ValueError, match=msg):
+            call(bad, "sync")
+        call(bad, True)
+        with pytest.raises(ValueError, match=msg):
+            c.log_prob(p, x)  # the next call
+        call(bad, False)
+        c.raise_pending()
+        good = np.array([0.5, 2.0, 1.0], np.float32)
+        for u, v in zip(jax.tree_util.tree_leaves(call(jnp.asarray(good), True)),
+                        jax.tree_util.tree_leaves(call(good, True))):
+            np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+    c.flows(p, x, ll_weights=neg)  # flows take negative weights (a weighted gradient); EM does not
+    c.raise_pending()
+
+
 # ---- construction ---------------------------------------------------------------------------------
 
 def test_decomposability_error_names_nodes():
