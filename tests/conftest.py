@@ -1,8 +1,30 @@
 """Test configuration. The suite checks correctness, not speed: compile XLA's CPU code at a low
 optimization level (about 2x faster compiles), expose fake CPU devices for shard_map tests, keep jaxpc's executable
 store off (it skips the tracing that tests watch; tests of the store turn it on) but share JAX's compilation cache
-among the run's workers, and run raw Triton kernels in Triton's interpreter."""
+among the run's workers, and run raw Triton kernels in Triton's interpreter.
 
+The suite is written for the CPU and runs on a GPU as it is. Each process that runs tests (not pytest-xdist's
+controller, which runs none and would hold GPU memory for nothing) looks at JAX's backend once, at configure time,
+after the environment above is set (``on_gpu``). On a GPU it then:
+
+- sets JAX's default matmul precision to ``"highest"`` (``jax.config.update("jax_default_matmul_precision",
+  "highest")``, and ``JAX_DEFAULT_MATMUL_PRECISION`` for the processes that tests start; not where that variable
+  is set): ``precision="default"`` resolves to exact float32 there as on the CPU, so that the checks against exact
+  oracles hold at the CPU's tolerances. Calls that ask for ``precision="tf32"`` still get TF32 (an explicit
+  precision is not JAX's default); the tests that make them hold them to TF32's rounding where it is real
+  (``tf32_unit``). ``tests/test_checks.py`` checks JAX's own default (TF32 on a GPU) inside
+  ``jax.default_matmul_precision(None)``;
+- sets ``TRITON_INTERPRET=0`` (not where it is set; ``1`` elsewhere): the raw Triton kernels of ``impl="triton"``
+  compile for the GPU through jax-triton, and the tests that run them in Triton's interpreter skip.
+
+Tests of behaviour that is the CPU's by design pin it by monkeypatching the library's own switch rather than skip
+on a GPU: NaN-filled unset buffers (``jaxpc.ops.buffers._on_gpu``), Pallas' interpret mode
+(``jaxpc.ops.pallas_sum.interpret_mode``), the routes ``impl="auto"`` takes off a GPU (``routing.on_gpu``),
+jax-triton's absence (``sys.modules["jax_triton"] = None``), and one compile per executable key (the
+``single_compile`` fixture: on a GPU a key's first call runs a quick compile and an optimized one replaces it in the
+background, an ulp apart)."""
+
+import functools
 import os
 
 _flags = os.environ.get("XLA_FLAGS", "")
@@ -24,9 +46,58 @@ if "PYTEST_XDIST_WORKER" not in os.environ and "JAX_COMPILATION_CACHE_DIR" not i
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
-os.environ.setdefault("TRITON_INTERPRET", "1")  # the raw Triton kernels run in Triton's interpreter (no GPU here)
 
 import pytest  # noqa: E402
+
+
+@functools.cache
+def on_gpu() -> bool:
+    """Whether JAX runs on a GPU (its backend is initialized here, with the environment above already set)."""
+    import jax
+
+    return jax.default_backend() == "gpu"
+
+
+TF32_UNIT = 2.0**-10  # a TF32 operand keeps 10 of float32's 23 mantissa bits; the tensor cores may truncate the rest
+
+
+def tf32_unit() -> float:
+    """The largest relative error of one operand of a ``precision="tf32"`` product: ``TF32_UNIT`` on a GPU, where
+    TF32 is real (XLA's products and the Pallas and Triton kernels' alike, compiled or in interpret mode), 0 on the
+    CPU, where those products are exact float32."""
+    return TF32_UNIT if on_gpu() else 0.0
+
+
+def _runs_tests(config) -> bool:
+    """Whether this process collects and runs tests: a pytest-xdist worker, or a run without workers (pytest-xdist's
+    controller hands the tests to its workers, which set themselves up; with ``--collect-only`` it collects)."""
+    if hasattr(config, "workerinput"):
+        return True
+    distributing = getattr(config.option, "dist", "no") != "no" and bool(getattr(config.option, "tx", None))
+    return not distributing or bool(config.getoption("collectonly"))
+
+
+def pytest_configure(config):
+    if not _runs_tests(config):
+        return
+    # the raw Triton kernels run in Triton's interpreter, except on a GPU (set before a test module imports triton)
+    os.environ.setdefault("TRITON_INTERPRET", "0" if on_gpu() else "1")
+    if on_gpu() and "JAX_DEFAULT_MATMUL_PRECISION" not in os.environ:
+        import jax
+
+        jax.config.update("jax_default_matmul_precision", "highest")  # "default": exact float32, as on the CPU
+        os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"  # (and in the processes that tests start)
+
+
+@pytest.fixture
+def single_compile(monkeypatch):
+    """Each executable key compiled once, as off a GPU (a no-op on the CPU). On a GPU a key's first call runs a
+    quick compile and a background thread swaps in an optimized one (``jaxpc.executables.quick_options``), whose
+    results may differ from the quick one's by an ulp, at a moment of its own: tests that compare calls bit for bit
+    or count a key's executables pin the one path (the quick path's own tests turn it on)."""
+    from jaxpc import executables
+
+    monkeypatch.setattr(executables, "_on_gpu", lambda: False)
 
 
 @pytest.fixture

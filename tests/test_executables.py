@@ -1,5 +1,10 @@
 """The executable cache is sound by construction: every option and plan is part of the key, batches
-are bucketed and padded rows never leak, the cache is bounded, thread-safe and sync-free."""
+are bucketed and padded rows never leak, the cache is bounded, thread-safe and sync-free.
+
+Its tests compile each key once, as off a GPU (``_one_compile_per_key``): on a GPU a key's first call would run a
+quick compile and a background thread would swap in an optimized one, an ulp apart and at a moment of its own, under
+the tests that compare calls bit for bit and count a key's compiles. The quick and optimized pair's own tests turn
+it on (``quick_store``: as on a GPU, for real on one)."""
 
 import dataclasses
 import functools
@@ -27,6 +32,11 @@ from jaxpc import executables, structures
 from jaxpc.executables import BucketPolicy
 
 from .tiers import cases
+
+
+@pytest.fixture(autouse=True)
+def _one_compile_per_key(single_compile):
+    """Every test here on one compile per key (tests/conftest.py's ``single_compile``; nothing changes on the CPU)."""
 
 
 def _hmm(**kw):
@@ -105,7 +115,8 @@ def test_small_batches_order_command_buffers_by_data_dependencies_on_a_gpu():
     mode = executables.CONCURRENT_XLA[0]
     x16, x64 = {"x": jnp.zeros((16, 3), jnp.int32)}, {"x": jnp.zeros((64, 3), jnp.int32)}
     opts = jaxpc.Options()
-    assert executables.batch_xla(opts, {}, x16) == {}  # no GPU here
+    with mock.patch.object(executables, "_on_gpu", lambda: False):
+        assert executables.batch_xla(opts, {}, x16) == {}  # off a GPU
     with mock.patch.object(executables, "_on_gpu", lambda: True):
         assert executables.batch_xla(opts, {}, x16) == {mode: "CONCURRENT"}
         assert executables.batch_xla(opts, {"a": 1}, x64) == {"a": 1}

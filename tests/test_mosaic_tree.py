@@ -264,7 +264,10 @@ def test_the_cluster_route_is_taken_where_its_kernels_apply(tree):
     fold = tree[0].layout.fold
     f32 = jnp.float32
     assert routing.tree_kernel(fold, CLUSTERS, 16, f32) == "mosaic"
-    assert routing.tree_kernel(fold, CLUSTERS.replace(impl="auto"), 16, f32) != "mosaic"  # no GPU here
+    auto = CLUSTERS.replace(impl="auto")  # the kernels' route on a GPU only
+    assert (routing.tree_kernel(fold, auto, 16, f32) == "mosaic") == (jax.default_backend() == "gpu")
+    with mock.patch.object(routing, "on_gpu", lambda: False):
+        assert routing.tree_kernel(fold, auto, 16, f32) != "mosaic"  # off a GPU, whatever runs the test
     for opts, B in [(CLUSTERS, 12), (CLUSTERS, 72), (CLUSTERS.replace(precision="fp32"), 16),
                     (CLUSTERS.replace(param_flow_pass="inline"), 16), (jaxpc.Options(impl="pallas"), 16)]:
         assert routing.tree_kernel(fold, opts, B, f32) != "mosaic", (opts, B)

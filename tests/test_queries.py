@@ -457,6 +457,7 @@ _QUERIES = {"conditional": lambda c, p, x, i: c.conditional(p, x, np.arange(6) =
 
 
 @pytest.mark.parametrize("name", cases(list(_QUERIES), fast=["conditional", "mpe, no mask"]))
+@pytest.mark.usefixtures("single_compile")  # (the full call and the replay on the same executable, on a GPU too)
 def test_repeated_queries_replay_and_stay_exact(name):
     """``conditional``, ``mpe`` and ``sample`` repeated with the same options replay their executable
     (``Runtime.replay``; new ``params``, evidence and PRNG keys): outputs equal to the full call's for numpy, device
@@ -554,6 +555,7 @@ def test_queries_take_the_forwards_options():
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("single_compile")  # (on a GPU a key's quick compile would trace the leaves without it)
 def test_mpe_and_sample_write_the_leaves_by_the_kernel_where_it_applies():
     """On the kernels' route the queries' forward writes the leaves into the node buffer with one kernel (Pallas in
     interpret mode here) instead of concatenating the input layers' values: the same assignments, values and

@@ -5,6 +5,7 @@ jax-triton would make on a GPU, with the same arguments), and the route's gating
 the GPU in ``benchmarks/kernels_check.py --triton``."""
 
 import math
+import sys
 import warnings
 
 import jax
@@ -162,13 +163,24 @@ def test_triton_categorical_buffer_matches_reference(missing, zero_above):
         triton_leaf.buffer_launches(xt, [], [], num_rows=47, kmax=4)
 
 
-def test_triton_route_reports_why_it_is_unavailable():
+@pytest.fixture
+def without_jax_triton(monkeypatch):
+    """jax-triton as if it were not installed (it is on the GPU image): ``import jax_triton`` fails, and the route's
+    check (``triton_base.status``, made once per process) is made anew, while the test runs. Off a GPU the check
+    stops before it looks for jax-triton."""
+    monkeypatch.setitem(sys.modules, "jax_triton", None)  # (None there: the import raises ModuleNotFoundError)
+    monkeypatch.setattr(triton_base, "_STATUS", [])
+
+
+def test_triton_route_reports_why_it_is_unavailable(without_jax_triton):
     """Off a GPU (or without jax-triton) the route is unusable, with a one-line reason."""
     ok, reason = triton_base.status()
     assert not ok and reason and "\n" not in reason
+    looked = jax.default_backend() == "gpu" and triton_base.load_triton()[0] is not None  # (for jax-triton)
+    assert ("jax-triton does not import" in reason) == looked, reason
 
 
-def test_impl_triton_falls_back_with_one_warning_and_stays_exact(monkeypatch):
+def test_impl_triton_falls_back_with_one_warning_and_stays_exact(monkeypatch, without_jax_triton):
     """``impl="triton"`` where jax-triton cannot run: one warning naming the reason, then every call on the
     fallback route, with the reference's log-likelihoods and flows."""
     monkeypatch.setattr(triton_base, "_WARNED", [])
