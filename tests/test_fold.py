@@ -295,13 +295,13 @@ def test_the_summed_param_flow_kernel_equals_the_matrix_products(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kw", [{}, {"propagation": "GeneralLL", "alpha": 2.5}, {"precision": "bf16"}],
+@pytest.mark.parametrize("kw", [{}, {"propagation": "GeneralLL", "alpha": 0.5}, {"precision": "bf16"}],
                          ids=["tf32", "GeneralLL", "bf16"])
 def test_batched_param_flows_kernel_equals_xla(monkeypatch, kw):
     """Where the in-place forward kept every batched block's shift, the batched pass runs its Pallas kernel
     (interpret mode here; on a GPU with the default impl) and gives XLA's batched flows, and for tf32 the inline
-    ones too (tf32 and bf16 stored local sums, GeneralLL), on a PD (its partitions hold every kind of block an
-    HCLT's do); which options route to it."""
+    ones too (tf32 and bf16 stored local sums, GeneralLL with an exponent up to 1: above it the sum layers run the
+    exact path on XLA), on a PD (its partitions hold every kind of block an HCLT's do); which options route to it."""
     from jaxpc.engine import em
     from jaxpc.ops import pallas_sum
 
