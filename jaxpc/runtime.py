@@ -347,8 +347,9 @@ def _bad_em_weights(w: Array) -> Array:
 
 def _explain_weights(w: Array, nonnegative: bool, where: str) -> None:
     """The error of device weights whose check found a bad value."""
-    _raise_bad_weights(np.asarray(w), nonnegative,
-                       f" (in {where}, checked on the device: that call's outputs are not valid)")
+    with jax.transfer_guard_device_to_host("allow"):  # (an error's message, not the call's data path)
+        host = np.asarray(w)
+    _raise_bad_weights(host, nonnegative, f" (in {where}, checked on the device: that call's outputs are not valid)")
     raise ValueError("ll_weights held a value that the device check rejected; the host check found none")
 
 

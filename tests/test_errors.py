@@ -209,6 +209,10 @@ def test_device_ll_weights_are_checked_as_device_data_is():
             np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
     c.flows(p, x, ll_weights=neg)  # flows take negative weights (a weighted gradient); EM does not
     c.raise_pending()
+    xd = jnp.asarray(x)
+    c.flows(p, xd, ll_weights=nan)
+    with jax.transfer_guard("disallow"), pytest.raises(ValueError, match=r"ll_weights\[1\] is nan"):
+        c.log_prob(p, xd)  # the flag and the error's message read without a transfer the guard refuses
 
 
 # ---- construction ---------------------------------------------------------------------------------
