@@ -38,7 +38,9 @@ def on_gpu() -> bool:
 
 @functools.cache
 def _compute_capability() -> str:
-    return str(getattr(jax.devices()[0], "compute_capability", "")) if on_gpu() else ""
+    """The default device's compute capability ("9.0" on a Hopper GPU; "" on devices without one, such as CPUs).
+    Read from the device alone, so that a patched :func:`on_gpu` does not decide what the process caches."""
+    return str(getattr(jax.devices()[0], "compute_capability", "") or "")
 
 
 def on_hopper() -> bool:
