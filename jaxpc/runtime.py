@@ -357,6 +357,11 @@ def _no_check() -> None:
     """A :meth:`Runtime.weights_check` with nothing to check."""
 
 
+def _sharding(a):
+    """A device array's sharding (part of the key of an executable it is passed to); None for other arrays."""
+    return a.sharding if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) else None
+
+
 def _pinned_host(x: Array) -> bool:
     """Whether ``x`` lives on one device that has pinned host memory for the flag (GPUs and CPUs do)."""
     devices = x.devices()
@@ -513,9 +518,9 @@ class Runtime:
                                         f"circuit.{p.where}, checked on the device; its rows gave NaN")
 
     def _flag(self, x: Array, missing: Array | None) -> Array:
-        """The flag of a padded batch: one stored executable per layout (made through the call path's cache),
-        then called directly."""
-        key = (x.shape, x.dtype, None if missing is None else missing.shape)
+        """The flag of a padded batch: one stored executable per layout and sharding (made through the call path's
+        cache), then called directly."""
+        key = (x.shape, x.dtype, _sharding(x), None if missing is None else (missing.shape, _sharding(missing)))
         exe = self._flag_exes.get(key)
         if exe is not None:
             return exe(x, missing)
@@ -898,7 +903,7 @@ class Runtime:
         self._settle()
         if flag is not None:
             with self._lock:
-                self._pending.append(_Pending(flag, xb, mb, r.name))
+                self._pending.append(_Pending(flag, x, missing, r.name))  # (the error names the batch's rows)
             if r.sync:
                 self._settle()
         if r.sync:

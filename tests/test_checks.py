@@ -45,6 +45,18 @@ def test_bad_device_row_is_nan_and_the_next_call_raises(hmm):
     hmm.log_prob(hmm.params, x)  # raised once, then cleared
 
 
+def test_a_replayed_call_names_the_batchs_bad_entries_not_its_padding(hmm):
+    """A repeated call (``Runtime.replay``) pads the batch to its bucket: the error counts the batch's own bad
+    entries (one here, so no count), not the padding rows' copies of them."""
+    x = jnp.asarray(_data(2))
+    for _ in range(3):
+        hmm.log_prob(hmm.params, x)
+    hmm.log_prob(hmm.params, x.at[0, 0].set(9))
+    with pytest.raises(ValueError, match=r"x\[0, 0\] = 9 is out of range") as e:
+        hmm.raise_pending()
+    assert "in all" not in str(e.value)
+
+
 def test_the_flag_is_written_to_pinned_host_memory(hmm):
     """The host reads a flag in pinned host memory without a device-to-host copy."""
     hmm.log_prob(hmm.params, jnp.asarray(_data()))

@@ -442,3 +442,20 @@ def test_a_split_batch_leaves_the_next_batch_of_its_size_on_one_device(hmm):
         ll = c.log_prob(c.params, x)
         assert len(ll.sharding.device_set) == 1
         np.testing.assert_array_equal(np.asarray(ll), np.asarray(circuit.log_prob(circuit.params, data[:28])))
+
+
+def test_a_batch_split_over_the_mesh_then_one_that_is_not(hmm):
+    """The input check's flag executable is kept per sharding: a padded batch split over the mesh, then one on
+    a single device with weights split over the mesh (padded to a replicated batch), both run and agree."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    c, data, _ = hmm
+    mesh = parallel.data_mesh(2)
+    split = NamedSharding(mesh, PartitionSpec(mesh.axis_names[0]))
+    x = data[:2]
+    w = jax.device_put(jnp.asarray([1.0, 2.0]), split)
+    a = parallel.flows(c, c.params, jax.device_put(jnp.asarray(x), split), mesh=mesh, ll_weights=w)
+    b = parallel.flows(c, c.params, jnp.asarray(x), mesh=mesh, ll_weights=w)
+    c.raise_pending()
+    for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-6, atol=1e-7)
