@@ -719,7 +719,7 @@ class Runtime:
             return None
         if not isinstance(ll_weights, jax.Array):
             host = np.asarray(ll_weights)
-            if host.dtype.kind not in "biuf":
+            if host.dtype.kind not in "biuf" and not jnp.issubdtype(host.dtype, jnp.floating):  # (bfloat16: "V")
                 raise TypeError(f"ll_weights must be numbers, got dtype {host.dtype}")
             _raise_bad_weights(host, nonnegative)
         w = ll_weights if isinstance(ll_weights, jax.core.Tracer) else jnp.asarray(ll_weights, self.dtype)

@@ -176,8 +176,15 @@ def test_bad_em_arguments(cat_circuit, kw, msg):
 
 
 def test_bad_ll_weights(cat_circuit):
+    x = np.zeros((2, 2), np.int32)
     with pytest.raises(ValueError, match=r"ll_weights must have shape \[2\]"):
-        cat_circuit.flows(cat_circuit.params, np.zeros((2, 2), np.int32), ll_weights=np.ones(3))
+        cat_circuit.flows(cat_circuit.params, x, ll_weights=np.ones(3))
+    half = np.asarray([1.0, 2.0], jnp.bfloat16)  # a NumPy array of JAX's bfloat16 (dtype kind "V"): numbers too
+    np.testing.assert_array_equal(np.asarray(cat_circuit.log_prob(cat_circuit.params, x)),
+                                  np.asarray(cat_circuit.flows(cat_circuit.params, x, ll_weights=half,
+                                                               return_ll=True)[1]))
+    with pytest.raises(ValueError, match=r"ll_weights\[1\] is nan"):
+        cat_circuit.flows(cat_circuit.params, x, ll_weights=np.asarray([1.0, np.nan], jnp.bfloat16))
 
 
 def test_device_ll_weights_are_checked_as_device_data_is():

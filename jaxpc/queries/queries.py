@@ -226,7 +226,8 @@ def conditional(circuit, params, x, missing=None, *, target_vars=None, options: 
     """``p(x_v = k | evidence)`` for target variables ``v``: ``[B, len(target_vars) or V, K]``, normalized over
     ``k`` (``K``: the largest number of values of any variable; impossible values get 0). Without ``target_vars``
     every variable is a target, and the rows of continuous variables and of variables that no leaf reads are all
-    0; naming one in ``target_vars`` raises. Evidence of probability 0 gives NaN rows.
+    0; naming one in ``target_vars`` raises. Evidence of probability 0 gives NaN rows for the unobserved
+    variables.
 
     Evidence is ``x`` on the variables not marked ``missing``. All targets come from one backward
     pass: the gradient of ``log p(evidence)`` with respect to the leaves' indicators. An observed
