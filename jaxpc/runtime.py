@@ -642,21 +642,21 @@ class Runtime:
         return self.constant(("replicated", id(tables), sharding),
                              lambda: jax.device_put(tables, sharding))
 
-    def placed_tables(self, tables, x, params) -> tuple[Any, Any]:
-        """``(tables, sharding)``: ``tables`` where a call on ``x`` and ``params`` runs (:meth:`placement`: put there
-        once, :meth:`replicated`) and that sharding; ``tables`` and None where nothing is placed."""
-        placed = self.placement(tables, x, params)
+    def placed_tables(self, tables, x, params, missing=None) -> tuple[Any, Any]:
+        """``(tables, sharding)``: ``tables`` where a call on ``x``, ``params`` and ``missing`` runs (:meth:`placement`:
+        put there once, :meth:`replicated`) and that sharding; ``tables`` and None where nothing is placed."""
+        placed = self.placement(tables, x, params, missing)
         return (tables, None) if placed is None else (self.replicated(tables, placed), placed)
 
-    def placement(self, tables, x, params) -> Any:
-        """Where a call on ``x`` and ``params`` runs when either was committed to devices other than those of the
-        circuit's ``tables`` (``jax.device_put`` to a device, parameters replicated over a mesh by
+    def placement(self, tables, x, params, missing=None) -> Any:
+        """Where a call on ``x``, ``params`` and ``missing`` runs when any was committed to devices other than those of
+        the circuit's ``tables`` (``jax.device_put`` to a device, parameters replicated over a mesh by
         :mod:`jaxpc.parallel`): their replicated sharding, with which the call places the tables (once) and its
-        constants. None where both sit on the tables' devices or are uncommitted (the default: nothing is placed). A
-        batch split over several devices, or data and parameters committed to different devices, raise a
+        constants. None where all sit on the tables' devices or are uncommitted (the default: nothing is placed). A
+        batch split over several devices, or data, mask and parameters committed to different devices, raise a
         ``ValueError`` naming where they are."""
         where = None
-        for what, a in (("x", x), ("params", _first_leaf(params))):
+        for what, a in (("x", x), ("missing", missing), ("params", _first_leaf(params))):
             if isinstance(a, jax.core.Tracer) or not getattr(a, "committed", False):  # (uncommitted, numpy, None)
                 continue
             s = a.sharding
@@ -773,7 +773,8 @@ class Runtime:
         args = dict(args)
         if sharding is None and batch is not None and not batch.traced and "tables" in args:
             # the call runs where its data or parameters were put, the tables with it
-            args["tables"], sharding = self.placed_tables(args["tables"], batch.x, args.get("params"))
+            args["tables"], sharding = self.placed_tables(args["tables"], batch.x, args.get("params"),
+                                                          batch.missing)
         n = batch.n if batch is not None else None
         b = n
         if batch is not None:

@@ -459,3 +459,17 @@ def test_a_batch_split_over_the_mesh_then_one_that_is_not(hmm):
     c.raise_pending()
     for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
         np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-6, atol=1e-7)
+
+
+def test_circuit_methods_run_where_their_mask_was_put(hmm):
+    """A missing mask committed to a device places the call there as data does, and a mask and data committed to
+    different devices are a named error."""
+    circuit, data, missing = hmm
+    c = jaxpc.compile(circuit.root, seed=3)
+    x, m = data[:16], missing[:16]
+    m1 = jax.device_put(m, jax.devices()[1])
+    ll = c.log_prob(c.params, x, m1)
+    assert ll.sharding.device_set == {jax.devices()[1]}
+    np.testing.assert_array_equal(np.asarray(ll), np.asarray(c.log_prob(c.params, x, m)))
+    with pytest.raises(ValueError, match=r"x and missing are committed to different devices \(\[2\] and \[1\]\)"):
+        c.em_step(c.params, jax.device_put(x, jax.devices()[2]), m1)

@@ -278,7 +278,7 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
                            batch_size=bs, shuffle=shuffle, drop_remainder=drop_remainder,
                            missing_ndim=None if batch.missing is None else batch.missing.ndim, check=check)
     if mesh is None:  # where the parameters or data were put (parameters trained over a mesh: replicated there)
-        tables = circuit.runtime.placed_tables(circuit.tables, batch.x, params)[0]
+        tables = circuit.runtime.placed_tables(circuit.tables, batch.x, params, batch.missing)[0]
     else:
         tables = circuit.runtime.replicated(circuit.tables, NamedSharding(mesh, PartitionSpec()))
     return _run_epochs(circuit, run, tables, params, opt_state, batch, ev, key,
