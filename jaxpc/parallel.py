@@ -55,7 +55,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .engine import em
-from .optim.sharded import AXIS, check_mesh, data_mesh, sharded_flows_and_ll, sharded_loss_and_grad
+from .optim.sharded import AXIS, check_mesh, check_on_mesh, data_mesh, sharded_flows_and_ll, sharded_loss_and_grad
 from .options import Options
 from .runtime import pad_args
 
@@ -121,6 +121,7 @@ def _run(circuit, name, static, args, x, missing, ll_weights, evidence, validate
     rt.entry(name, *_ENTRIES[name], circuit.layout)
     mesh = _mesh(mesh)
     batch = rt.prepare(x, missing, validate)
+    check_on_mesh(mesh, batch.x, batch.missing, args.get("params"))
     ev, record = circuit.prepare_evidence(evidence, batch, name)
     nonnegative = name == "parallel.em_step"
     w = rt.weights(ll_weights, batch.n, nonnegative=nonnegative)

@@ -461,6 +461,24 @@ def test_a_batch_split_over_the_mesh_then_one_that_is_not(hmm):
         np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-6, atol=1e-7)
 
 
+def test_steps_name_arrays_committed_off_their_mesh(hmm):
+    """Data or parameters committed to devices other than the mesh's (a batch put on one device, parameters trained
+    over another mesh) are named errors of the data-parallel steps and of fit, whatever the batch size."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    c, data, _ = hmm
+    m4, m23 = parallel.data_mesh(4), parallel.data_mesh(devices=jax.devices()[2:4])
+    x1 = jax.device_put(data[:16], jax.devices()[1])
+    with pytest.raises(ValueError, match=r"x is committed to devices \[1\], but the mesh is over devices \[0, 1, 2"):
+        parallel.flows(c, c.params, x1, mesh=m4)
+    trained = jax.device_put(c.params, NamedSharding(m23, P()))
+    with pytest.raises(ValueError, match=r"params is committed to devices \[2, 3\].*NamedSharding\(mesh, P\(\)\)"):
+        parallel.em_step(c, trained, data[:13], mesh=m4)
+    with pytest.raises(ValueError, match=r"x is committed to devices \[1\], but the mesh is over devices \[2, 3\]"):
+        optim.fit(c, c.params, x1, 1, 4, mesh=m23, progress=False)
+
+
 def test_circuit_methods_run_where_their_mask_was_put(hmm):
     """A missing mask committed to a device places the call there as data does, and a mask and data committed to
     different devices are a named error."""

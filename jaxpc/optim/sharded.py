@@ -21,7 +21,7 @@ from .normalize import normalized_log_prob
 
 AXIS = "data"
 
-__all__ = ["AXIS", "data_mesh", "check_mesh", "sharded_flows_and_ll", "sharded_loss_and_grad"]
+__all__ = ["AXIS", "data_mesh", "check_mesh", "check_on_mesh", "sharded_flows_and_ll", "sharded_loss_and_grad"]
 
 
 def check_mesh(mesh) -> Mesh:
@@ -34,6 +34,20 @@ def check_mesh(mesh) -> Mesh:
         raise ValueError(f"mesh must have a '{AXIS}' axis to split the batch over (jaxpc.parallel.data_mesh()), "
                          f"got axes {tuple(mesh.axis_names)}")
     return mesh
+
+
+def check_on_mesh(mesh: Mesh, x, missing, params) -> None:
+    """A ``ValueError`` naming the devices where ``x``, ``missing`` or ``params`` (a pytree: its first leaf) were
+    committed to devices other than ``mesh``'s: a data-parallel step moves no committed array (JAX refuses one),
+    and the batch goes where the mesh splits it."""
+    devices = set(mesh.devices.flat)
+    for what, a in (("x", x), ("missing", missing), ("params", next(iter(jax.tree_util.tree_leaves(params)), None))):
+        if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) and a.committed \
+                and a.sharding.device_set != devices:
+            fix = "NamedSharding(mesh, P())" if what == "params" else f"NamedSharding(mesh, P('{AXIS}'))"
+            raise ValueError(f"{what} is committed to devices {sorted(d.id for d in a.sharding.device_set)}, but the "
+                             f"mesh is over devices {sorted(d.id for d in devices)}: pass it uncommitted (numpy, "
+                             f"jnp.asarray) or jax.device_put it with {fix}")
 
 
 def data_mesh(num_devices: int | None = None, *, devices=None) -> Mesh:

@@ -280,6 +280,7 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
     if mesh is None:  # where the parameters or data were put (parameters trained over a mesh: replicated there)
         tables = circuit.runtime.placed_tables(circuit.tables, batch.x, params, batch.missing)[0]
     else:
+        sharded.check_on_mesh(mesh, batch.x, batch.missing, params)
         tables = circuit.runtime.replicated(circuit.tables, NamedSharding(mesh, PartitionSpec()))
     return _run_epochs(circuit, run, tables, params, opt_state, batch, ev, key,
                        range(start_epoch, start_epoch + int(epochs)), progress, record)
