@@ -200,11 +200,18 @@ DAMAGE = {
 @pytest.mark.parametrize("what", list(DAMAGE))
 def test_damaged_structure_files_name_the_file_and_the_damage(what, tmp_path):
     root = jaxpc.summate(jaxpc.inputs(0, 2, dist=distributions.Categorical(3)), num_nodes=1)
+    _check_damaged(root, *DAMAGE[what], tmp_path)
+
+
+def _check_damaged(root, edit, message: str, tmp_path, kinds=None) -> None:
+    """Save ``root``, apply ``edit(header, arrays)`` to the file's contents, and check that loading it raises a
+    ``ValueError`` naming the file and matching ``message``; ``kinds``: the header's node kinds, checked first."""
     io.save_structure(root, tmp_path / "ok.npz")
     with np.load(tmp_path / "ok.npz", allow_pickle=False) as z:
         arrays = {k: z[k] for k in z.files}
     header = json.loads(bytes(arrays["__header__"]).decode())
-    edit, message = DAMAGE[what]
+    if kinds is not None:
+        assert [e["kind"] for e in header["nodes"]] == kinds
     edit(header, arrays)
     arrays["__header__"] = np.frombuffer(json.dumps(header).encode(), np.uint8)
     path = tmp_path / "bad.npz"
@@ -311,16 +318,5 @@ DAMAGED_PARAMS = {
 def test_damaged_parameters_and_ties_are_named(what, tmp_path):
     """Stored parameters get the checks that given ones get (a file loads nothing that inputs(params=...) or
     summate(params=...) would refuse), and a tied vector must match the vector it is tied to."""
-    root = _damaged_params_root()
-    io.save_structure(root, tmp_path / "ok.npz")
-    with np.load(tmp_path / "ok.npz", allow_pickle=False) as z:
-        arrays = {k: z[k] for k in z.files}
-    header = json.loads(bytes(arrays["__header__"]).decode())
-    assert [e["kind"] for e in header["nodes"]] == ["input", "input", "prod", "sum", "input", "prod", "sum"]
-    edit, message = DAMAGED_PARAMS[what]
-    edit(header, arrays)
-    arrays["__header__"] = np.frombuffer(json.dumps(header).encode(), np.uint8)
-    path = tmp_path / "bad.npz"
-    np.savez(path, **arrays)
-    with pytest.raises(ValueError, match=f"load_structure: {re.escape(str(path))}.*{message}"):
-        io.load_structure(path)
+    _check_damaged(_damaged_params_root(), *DAMAGED_PARAMS[what], tmp_path,
+                   kinds=["input", "input", "prod", "sum", "input", "prod", "sum"])
