@@ -316,25 +316,23 @@ class Circuit:
     def prepare_evidence(self, evidence: dict | None, batch, where: str) -> tuple:
         """``(checked, record)``: the evidence :meth:`check_evidence` returns for a call on ``batch``
         (:meth:`Runtime.prepare`), and a function of no arguments that records the value check of its concrete
-        device arrays (:meth:`Runtime.record_check`; ``where`` names the call in its error): call it right after
+        device arrays (:meth:`Runtime.deferred_check`; ``where`` names the call in its error): call it right after
         the call's work is dispatched. It follows the batch's ``validate``: the circuit's next call raises the error
         (True), this one (``"sync"``), or nothing is checked (False, or a traced batch)."""
-        ev, device = self._check_evidence(evidence, batch.n)
-        if not device or not batch.check or batch.traced:
-            return ev, _no_check
-        soft = {spec.dist.num_cats for spec in self.layout.input_layers
-                if isinstance(spec.dist, distributions.SoftEvidenceCategorical)}
-        num_cats = max(soft) if soft else None
+        ev, device, num_cats = self._check_evidence(evidence, batch.n)
+        if not device:  # (the default call's path: nothing built)
+            return ev, self.runtime.deferred_check(batch, "evidence_flag", None, {}, None)
         check = checks.EvidenceCheck(tuple(rule for _, rule, _ in device), num_cats)
         explain = functools.partial(checks.explain_bad_evidence, device, num_cats, where)
-        return ev, functools.partial(self.runtime.record_check, "evidence_flag", check,
-                                     {"arrays": tuple(arrays for _, _, arrays in device)}, explain, batch.sync)
+        return ev, self.runtime.deferred_check(batch, "evidence_flag", check,
+                                               {"arrays": tuple(arrays for _, _, arrays in device)}, explain)
 
-    def _check_evidence(self, evidence: dict | None, batch: int) -> tuple[dict | None, list]:
-        """:meth:`check_evidence`'s evidence, and the concrete device arrays whose values are still to be checked:
-        ``(name, rule, arrays)`` per group (:class:`jaxpc.checks.EvidenceCheck`)."""
+    def _check_evidence(self, evidence: dict | None, batch: int) -> tuple[dict | None, list, int | None]:
+        """:meth:`check_evidence`'s evidence, the concrete device arrays whose values are still to be checked
+        (``(name, rule, arrays)`` per group, :class:`jaxpc.checks.EvidenceCheck`) and the soft evidence leaves'
+        number of values (the top-k ids' bound; None without such leaves)."""
         if evidence is None:
-            return None, []
+            return None, [], None
         if not isinstance(evidence, dict):
             raise TypeError(f"evidence must be a dict, got {type(evidence).__name__}")
         unknown = set(evidence) - set(self.EVIDENCE_KEYS)
@@ -343,6 +341,7 @@ class Circuit:
         V = self.num_vars
         soft = {spec.dist.num_cats for spec in self.layout.input_layers
                 if isinstance(spec.dist, distributions.SoftEvidenceCategorical)}
+        num_cats = max(soft) if soft else None
         out, device = {}, []
         readers = {"categorical_logp": distributions.SoftEvidenceCategorical,
                    "categorical_topk": distributions.SoftEvidenceCategorical, "external": distributions.External}
@@ -361,11 +360,11 @@ class Circuit:
                                      f"SoftEvidenceCategorical leaves' num_cats last), got {tuple(a.shape)}")
                 out[key] = a
             elif key == "categorical_topk":
-                out[key] = _check_topk_evidence(val, batch, max(soft) if soft else None, device)
+                out[key] = _check_topk_evidence(val, batch, num_cats, device)
             else:  # sum_gates / sum_lowrank
                 out[key] = _check_sum_evidence(key, val, batch, {g.key: g for g in self.layout.sum_groups},
                                                self.num_gates, device)
-        return out or None, device
+        return out or None, device, num_cats
 
     # ---- evaluation ----------------------------------------------------------------------------
     def log_prob(self, params: Params, x, missing=None, *, propagation: str | None = None,
@@ -708,10 +707,6 @@ _ENTRIES = {"log_prob": (_e_log_prob, 0), "node_values": (_e_node_values, 1), "p
 
 def _tree_add(a, b):
     return jax.tree_util.tree_map(jnp.add, a, b)
-
-
-def _no_check() -> None:
-    """:meth:`Circuit.prepare_evidence`'s ``record`` where no device array is to be checked."""
 
 
 def _device_array(a) -> bool:

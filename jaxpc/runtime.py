@@ -354,7 +354,7 @@ def _explain_weights(w: Array, nonnegative: bool, where: str) -> None:
 
 
 def _no_check() -> None:
-    """A :meth:`Runtime.weights_check` with nothing to check."""
+    """A :meth:`Runtime.deferred_check` with nothing to check."""
 
 
 def _sharding(a):
@@ -728,15 +728,23 @@ class Runtime:
         return w
 
     def weights_check(self, ll_weights, w, batch: Batch, nonnegative: bool, where: str) -> Callable[[], None]:
-        """A function of no arguments that records the value check of device weights ``ll_weights`` (``w``:
-        :meth:`weights`' result) as :meth:`record_check` does, under the batch's ``validate``; call it right after the
-        call's work is dispatched. Host weights were checked by :meth:`weights`; tracers are not checked."""
-        if not isinstance(ll_weights, jax.Array) or isinstance(ll_weights, jax.core.Tracer) or not batch.check \
-                or batch.traced:
+        """:meth:`deferred_check` of device weights ``ll_weights`` (``w``: :meth:`weights`' result). Host weights were
+        checked by :meth:`weights`; tracers are not checked."""
+        if not isinstance(ll_weights, jax.Array) or isinstance(ll_weights, jax.core.Tracer):
             return _no_check
         bad = _bad_em_weights if nonnegative else _bad_weights
         explain = functools.partial(_explain_weights, w, nonnegative, where)
-        return functools.partial(self.record_check, bad.__name__, bad, {"w": w}, explain, batch.sync)
+        return self.deferred_check(batch, bad.__name__, bad, {"w": w}, explain)
+
+    def deferred_check(self, batch: Batch, name: str, bad: Callable | None, args: dict,
+                       explain: Callable[[], None] | None) -> Callable[[], None]:
+        """A function of no arguments that runs :meth:`record_check` (``name``, ``bad``, ``args``, ``explain``) under
+        the batch's ``validate`` (the circuit's next call raises a failure, this one with ``"sync"``; nothing with
+        False or a traced batch, nor where ``bad`` is None: nothing to check). Call it right after the call's work is
+        dispatched."""
+        if bad is None or not batch.check or batch.traced:
+            return _no_check
+        return functools.partial(self.record_check, name, bad, args, explain, batch.sync)
 
     def bucket(self, n: int, multiple: int = 1) -> int:
         b = self.buckets(n)
