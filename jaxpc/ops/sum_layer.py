@@ -83,16 +83,17 @@ def factored(a: float) -> bool:
     return a <= 1.0
 
 
-def _block_shift(x: Array, dense: bool) -> Array:
-    """The max-shifts ``[n, 1, B]`` (``[1, B]`` when ``dense``) of the children's values ``x``: the max over each
-    block's children, 0 where it is not finite."""
-    m = lax.stop_gradient(jnp.max(x, axis=0 if dense else 1, keepdims=True))
+def _finite_max(x: Array, axis: int) -> Array:
+    """The shift of a log-sum over ``axis`` of ``x``: its max there (kept as an axis of 1, no gradient), 0 where that
+    is not finite. Over a block's children's values ``[n, C*Kc, B]`` (axis 1, or 0 for a dense ``[C*Kc, B]``), the
+    factored products' block shift; over each parent's terms ``[n, Kp, C*Kc, B]`` (axis 2), the terms' shift."""
+    m = lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
     return jnp.where(jnp.isfinite(m), m, 0.0)
 
 
 def _log_sum(lw: Array, x: Array, dense: bool, alpha: float, precision: str) -> tuple[Array, Array]:
     """``(log-sums, shifts)``: ``[n, Kp, B]`` and the max-shifts ``[n, 1, B]`` (``[1, B]`` when ``dense``)."""
-    m = _block_shift(x, dense)
+    m = _finite_max(x, 0 if dense else 1)
     y = jnp.exp(alpha * (x - m)) if alpha != 1.0 else jnp.exp(x - m)
     w = jnp.exp(alpha * lw) if alpha != 1.0 else jnp.exp(lw)
     s = matmul("nkc,cb->nkb" if dense else "nkc,ncb->nkb", w, y, precision)
@@ -103,19 +104,13 @@ def _log_sum(lw: Array, x: Array, dense: bool, alpha: float, precision: str) -> 
     return jnp.where(zero, -jnp.inf, logs + m), m
 
 
-def _term_shift(t: Array) -> Array:
-    """``[n, Kp, 1, B]``: each parent's largest term of ``t [n, Kp, C*Kc, B]``, 0 where it is not finite."""
-    m = lax.stop_gradient(jnp.max(t, axis=2, keepdims=True))
-    return jnp.where(jnp.isfinite(m), m, 0.0)
-
-
 def tempered_log_sum(t: Array, a: float) -> Array:
     """``[n, Kp, B]``: ``(1/a) log sum_c exp(a t_c)`` over axis 2 of the terms ``t [n, Kp, C*Kc, B]``
     (:func:`max_product_terms`, which XLA fuses into the reductions), shifted by each parent's largest term, so
     that term contributes exactly 1 to the sum at any exponent ``a``. Its gradient with respect to ``t`` is the
     tempered share ``exp(a t_c) / sum_c' exp(a t_c')``; ``-inf`` with zero (not NaN) gradients where every term
     is ``-inf``, NaN where a term is."""
-    m = _term_shift(t)
+    m = _finite_max(t, 2)
     s = jnp.sum(jnp.exp(a * (t - m)), axis=2)
     zero = s == 0
     return jnp.where(zero, -jnp.inf, jnp.log(jnp.where(zero, 1.0, s)) / a + m[:, :, 0])
@@ -132,7 +127,7 @@ def tempered_split(t: Array, fp: Array, a: float, dense: bool, child_flows: bool
     ``a |vp| * 6e-8`` more relative error (the precisions below ``"fp32"``, as :func:`flow_split`'s). Parents that
     carry no flow or are impossible pass nothing."""
     if vp is None:
-        e = jnp.exp(a * (t - _term_shift(t)))  # a possible parent's largest term gives 1: its local sum is >= 1
+        e = jnp.exp(a * (t - _finite_max(t, 2)))  # a possible parent's largest term gives 1: its local sum is >= 1
         s = jnp.sum(e, axis=2)
         scale = jnp.where((fp == 0) | (s == 0), 0.0, fp / jnp.where(s == 0, 1.0, s))  # [n, Kp, B]
     else:
@@ -171,7 +166,7 @@ def sum_layer_reference(buf: Array, ch: Array, pid: Array, logw: Array, *, Kp: i
         out, m = _log_sum(lw, x, dense, a, precision)
     else:
         out = tempered_log_sum(max_product_terms(x, lw, dense), a)
-        m = _block_shift(x, dense) if with_shift else None
+        m = _finite_max(x, 0 if dense else 1) if with_shift else None
     out = out.reshape(-1, buf.shape[1])
     return (out, m.reshape(-1, buf.shape[1])) if with_shift else out
 
