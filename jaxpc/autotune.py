@@ -155,7 +155,7 @@ DEFAULT_CANDIDATES = tuple((impl, *cfg) for impl in ("pallas", "pallas_forward")
                            for cfg in ((16, 32, 4), (32, 64, 4), (64, 64, 8)))
 
 
-def tune_circuit(circuit, params, x, *, precision: str = "tf32", candidates: Sequence | None = None,
+def tune_circuit(circuit, params, x, *, precision: str = "default", candidates: Sequence | None = None,
                  tuner: Autotuner | None = None, fold_products: bool = True):
     """Options whose ``kernels`` route each sum partition of ``circuit`` (at the batch bucket of ``x``) to
     the fastest of ``impl="auto"``'s choice for it (the heuristic), the XLA reference and the kernel
@@ -168,7 +168,9 @@ def tune_circuit(circuit, params, x, *, precision: str = "tf32", candidates: Seq
     favoured XLA where the whole step is faster with the Pallas forward: tuned 13.6 against 12.6 ms), so the
     routes are then checked the same way on the whole forward + flows step: the tuned options are returned
     only when that step is ``tuner.margin`` faster than with the default options, which are returned
-    otherwise (``Options(precision=precision, fold_products=fold_products)``). Both decisions are cached."""
+    otherwise (``Options(precision=precision, fold_products=fold_products)``). Both decisions are cached.
+    ``precision``: the returned options' (default ``"default"``, the calls' own default: tuning changes routes,
+    never the arithmetic)."""
     from .options import Options
 
     tuner = tuner or Autotuner()

@@ -129,16 +129,18 @@ class VarInfo:
 
 @dataclasses.dataclass(frozen=True)
 class ParamsSpec:
-    """The parameter pytree a circuit takes: its structure and each leaf's shape (any floating dtype)."""
+    """The parameter pytree a circuit takes: its structure, each leaf's shape and the circuit's float dtype."""
 
     tree: jax.tree_util.PyTreeDef
     paths: tuple[str, ...]  # each leaf's path, as ``['sum']['4x4']``
     shapes: tuple[tuple[int, ...], ...]
+    dtype: np.dtype | None = None  # None: any floating dtype
 
     @classmethod
-    def of(cls, params) -> ParamsSpec:
+    def of(cls, params, dtype=None) -> ParamsSpec:
         leaves, tree = jax.tree_util.tree_flatten_with_path(params)
-        return cls(tree, tuple(jax.tree_util.keystr(k) for k, _ in leaves), tuple(np.shape(v) for _, v in leaves))
+        return cls(tree, tuple(jax.tree_util.keystr(k) for k, _ in leaves), tuple(np.shape(v) for _, v in leaves),
+                   None if dtype is None else np.dtype(dtype))
 
 
 def _first(names: list[str], n: int = 4) -> str:
@@ -146,10 +148,11 @@ def _first(names: list[str], n: int = 4) -> str:
 
 
 def check_params(spec: ParamsSpec, params, what: str = "params") -> None:
-    """Check that ``params`` has ``spec``'s pytree structure, shapes and a floating dtype: a ``ValueError`` naming
-    the leaves that are missing, unexpected or of another shape (``params`` of another circuit), a ``TypeError``
-    naming a leaf of another dtype. Nothing else names them: a missing group surfaces as a ``KeyError`` deep in the
-    trace, integer parameters as wrong numbers."""
+    """Check that ``params`` has ``spec``'s pytree structure, shapes and dtype (the circuit's, as JAX would store
+    it: float64 numpy leaves pass where 64-bit JAX is off): a ``ValueError`` naming the leaves that are missing,
+    unexpected or of another shape (``params`` of another circuit), a ``TypeError`` naming a leaf of another dtype.
+    Nothing else names them: a missing group surfaces as a ``KeyError`` deep in the trace, integer parameters as
+    wrong numbers, float16 ones as float16 outputs and an EM step that returns float32."""
     leaves, tree = jax.tree_util.tree_flatten_with_path(params)
     paths = [jax.tree_util.keystr(k) for k, _ in leaves]
     if tree != spec.tree:
@@ -168,6 +171,10 @@ def check_params(spec: ParamsSpec, params, what: str = "params") -> None:
         dt = np.dtype(v.dtype) if hasattr(v, "dtype") else np.asarray(v).dtype
         if not jnp.issubdtype(dt, jnp.floating):
             raise TypeError(f"{what}{path} has dtype {dt}; parameters are floating point")
+        if spec.dtype is not None and jax.dtypes.canonicalize_dtype(dt) != spec.dtype:
+            raise TypeError(f"{what}{path} has dtype {dt}, but this circuit computes in {spec.dtype} "
+                            f"(jaxpc.compile(root, dtype=...) sets it): cast them, e.g. "
+                            f"jax.tree.map(lambda a: a.astype('{spec.dtype}'), {what.split('[')[0]})")
 
 
 def any_bad_params(params):
@@ -211,6 +218,12 @@ def _is_tracer(a) -> bool:
     return isinstance(a, jax.core.Tracer)
 
 
+def is_device_array(a) -> bool:
+    """Whether ``a`` is a concrete device array (a ``jax.Array``, not numpy, not a tracer): its values are checked on
+    the device, and its sharding places the call."""
+    return isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer)
+
+
 def check_key(key, who: str = "") -> None:
     """Raise a ``TypeError`` where ``key`` is not one PRNG key: a typed key of shape ``()`` or a raw ``uint32``
     key of shape ``[2]`` or ``[4]`` (tracers too: their shapes and dtypes are known); ``who`` prefixes the message
@@ -231,7 +244,7 @@ def check_batch(info: VarInfo, x, missing, *, check_values: bool, float_dtype, w
     host data with ``check_values``. Returns ``(x, missing, on_device)`` as jnp arrays; ``on_device``: ``x`` was a
     concrete device array, whose values only the executable's :class:`DeviceCheck` sees."""
     traced = _is_tracer(x)
-    on_device = not traced and isinstance(x, jax.Array)  # a concrete device array
+    on_device = is_device_array(x)
     if not on_device and not traced and not isinstance(x, np.ndarray):
         try:
             x = np.asarray(x)

@@ -24,7 +24,7 @@ from .engine import em, forward, partial, routing, stages
 from .executables import BucketPolicy, CacheInfo, ExecutableCache
 from .nodes import CircuitNodes
 from .options import Options
-from .runtime import Entry, Runtime, check_em_args
+from .runtime import ENTRY_POINTS, Entry, Runtime, check_em_args, declare_entries
 
 Array = jax.Array
 Params = dict
@@ -161,7 +161,7 @@ class Circuit:
         probabilities; multi-field distributions: a dict). Tied vectors return their source's values.
         """
         st = self._struct
-        src = node.source
+        src = _node_arg(node, "get_node_params").source
         if src.id not in st.sources:
             raise ValueError(f"get_node_params: {node.name} is not part of this circuit")
         checks.check_params(self.runtime.params_spec, params)
@@ -197,11 +197,10 @@ class Circuit:
         read ``-inf`` (a zero count), not 0.
         """
         st = self._struct
-        src = node.source
+        src = _node_arg(node, "get_node_flows").source
         if src.id not in st.sources:
             raise ValueError(f"get_node_flows: {node.name} is not part of this circuit")
-        self.runtime.check_flows(flows, ("sum",) if node.is_sum() else ("input",) if node.is_input() else (),
-                                 stats=False)
+        self.runtime.check_flows(flows, ("sum",) if node.is_sum() else ("input",) if node.is_input() else ())
         if node.is_sum():
             return self._dense_sum(flows, src, exp=False, fill=-np.inf if logspace else 0.0)
         if node.is_input():
@@ -224,7 +223,7 @@ class Circuit:
         ``gates[:, circuit.gate_slice(ns)] = g.reshape(B, -1)`` sets them from ``g [B, E, Kp // gate block]``.
         Vectors tied with ``tie_to`` return their owner's columns."""
         st = self._struct
-        if node.source.id not in st.sources:
+        if _node_arg(node, "gate_slice").source.id not in st.sources:
             raise ValueError(f"gate_slice: {node.name} is not part of this circuit")
         pl = st.gate_placement.get(node.id)
         if not node.is_sum():
@@ -239,7 +238,7 @@ class Circuit:
         (``[E, Kp, Kc]``, its edge blocks in the order of ``node.edge_ids``' columns); the rows of the per-block
         evidence (``sum_lowrank``, ``sum_gates {group: [B, P]}``) that it reads. Tied vectors share them."""
         st = self._struct
-        if not node.is_sum() or node.source.id not in st.sum_placement:
+        if not _node_arg(node, "param_slice").is_sum() or node.source.id not in st.sum_placement:
             raise ValueError(f"param_slice: {node.name} is not a sum vector of this circuit")
         pl = st.sum_placement[node.source.id]
         return pl.group, slice(pl.start, pl.start + pl.num_edge_blocks)
@@ -264,8 +263,12 @@ class Circuit:
 
     def compiled(self, entry: str = "flows"):
         """The most recently used compiled executable of an entry point (``"log_prob"``, ``"flows"``,
-        ``"em_step"``, ...), a ``jax.stages.Compiled`` for inspection (``.memory_analysis()``: the step's
-        temporaries, arguments and outputs; ``.as_text()``: its optimized HLO), or None before its first call."""
+        ``"em_step"``, ``"conditional"``, ``"parallel.em_step"``, ``"optim.fit"``, ...), a ``jax.stages.Compiled``
+        for inspection (``.memory_analysis()``: the step's temporaries, arguments and outputs; ``.as_text()``: its
+        optimized HLO), or None before its first call. A name that is no entry point raises a ``ValueError``
+        listing them."""
+        if not isinstance(entry, str) or entry not in ENTRY_POINTS:
+            raise ValueError(f"compiled: {entry!r} is not an entry point; entry points: {sorted(ENTRY_POINTS)}")
         return self.runtime.cache.latest(entry)
 
     def raise_pending(self) -> None:
@@ -291,7 +294,9 @@ class Circuit:
 
         Keys: ``categorical_logp [B, V, K]`` or ``categorical_topk {"ids" int[B, V, k], "logp" [B, V, k],
         "mask" bool[B, V, k] optional}`` (``SoftEvidenceCategorical`` leaves); ``external [B, V, M]``
-        (``External`` leaves); ``latent [B, V, M]`` (added to node ``j`` of each leaf vector over ``v``);
+        (``External`` leaves, node ``j`` of a vector over ``v`` reading ``[:, v, j]``; ``M``: the most nodes of such a
+        vector); ``latent [B, V, M]`` (added to node ``j`` of each leaf vector over ``v``; ``M``: the most nodes of
+        any leaf vector);
         ``sum_gates [B, G]`` (BlockScale log-gates of the sum vectors declared with
         :meth:`~jaxpc.nodes.SumNodes.set_gates`, G = :attr:`num_gates`, each vector's columns at :meth:`gate_slice`)
         or ``sum_gates {group: [B, P]}`` (one log-gate per parameter block of ``params["sum"][group]``, every sum
@@ -327,6 +332,18 @@ class Circuit:
         return ev, self.runtime.deferred_check(batch, "evidence_flag", check,
                                                {"arrays": tuple(arrays for _, _, arrays in device)}, explain)
 
+    @functools.cached_property
+    def _node_widths(self) -> dict[str, int]:
+        """The last axis of ``evidence["latent"]`` and ``evidence["external"]``: the most nodes of a leaf vector
+        (of an ``External`` one), whose node ``j`` reads entry ``j``."""
+        widths = {"latent": 0, "external": 0}
+        for spec, tab in zip(self.layout.input_layers, self._struct.tables["inputs"]):
+            w = int(np.max(tab["pos"])) + 1 if len(tab["pos"]) else 0
+            widths["latent"] = max(widths["latent"], w)
+            if isinstance(spec.dist, distributions.External):
+                widths["external"] = max(widths["external"], w)
+        return widths
+
     def _check_evidence(self, evidence: dict | None, batch: int) -> tuple[dict | None, list, int | None]:
         """:meth:`check_evidence`'s evidence, the concrete device arrays whose values are still to be checked
         (``(name, rule, arrays)`` per group, :class:`jaxpc.checks.EvidenceCheck`) and the soft evidence leaves'
@@ -358,6 +375,12 @@ class Circuit:
                 if key == "categorical_logp" and len(soft) == 1 and a.shape[2] not in soft:
                     raise ValueError(f"evidence['{key}'] must have shape [{batch}, {V}, {min(soft)}] (the "
                                      f"SoftEvidenceCategorical leaves' num_cats last), got {tuple(a.shape)}")
+                if key != "categorical_logp" and a.shape[2] != self._node_widths[key]:
+                    whose = "External leaf vector" if key == "external" else "leaf vector"
+                    raise ValueError(f"evidence['{key}'] must have shape [{batch}, {V}, "
+                                     f"{self._node_widths[key]}] (entry j for node j of each {whose} over a "
+                                     f"variable; the largest has {self._node_widths[key]} nodes), got "
+                                     f"{tuple(a.shape)}")
                 out[key] = a
             elif key == "categorical_topk":
                 out[key] = _check_topk_evidence(val, batch, num_cats, device)
@@ -703,15 +726,19 @@ def _e_em_update(layout, tables, params, flows, step_size, pseudocount, *, updat
 _ENTRIES = {"log_prob": (_e_log_prob, 0), "node_values": (_e_node_values, 1), "partial": (_e_partial, (0, 1)),
             "flows": (_e_flows, (None, 0)), "flows_evidence_grad": (_e_flows_evidence_grad, (None, 0, 0)),
             "em_step": (_e_em_step, (None, 0)), "em_update": (_e_em_update, None)}
+declare_entries("init", *_ENTRIES)
+
+
+def _node_arg(node, who: str) -> CircuitNodes:
+    """``node``, where it is a node vector; else a ``TypeError`` naming what was given."""
+    if not isinstance(node, CircuitNodes):
+        hint = " (pass one of its nodes, e.g. circuit.root)" if isinstance(node, Circuit) else ""
+        raise TypeError(f"{who}: node must be a node vector (jaxpc.CircuitNodes), got {type(node).__name__}{hint}")
+    return node
 
 
 def _tree_add(a, b):
     return jax.tree_util.tree_map(jnp.add, a, b)
-
-
-def _device_array(a) -> bool:
-    """Whether ``a`` is a concrete device array (not numpy, not a tracer): its values are checked on the device."""
-    return isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer)
 
 
 def _evidence_array(name: str, a, batch: int, ndim: int, last=None, values: str | None = None,
@@ -731,7 +758,7 @@ def _evidence_array(name: str, a, batch: int, ndim: int, last=None, values: str 
     if values is not None:
         if host is not None:
             checks.raise_bad_evidence(name, host, values)
-        elif device is not None and _device_array(a) and jnp.issubdtype(a.dtype, jnp.floating):
+        elif device is not None and checks.is_device_array(a) and jnp.issubdtype(a.dtype, jnp.floating):
             device.append((name, values, (a,)))
     return a
 
@@ -754,7 +781,8 @@ def _check_topk_evidence(val, batch: int, num_cats: int | None, device: list | N
         topk["mask"] = _evidence_array("categorical_topk.mask", val["mask"], batch, 3, ids.shape[1:]).astype(bool)
     if not isinstance(val["ids"], (jax.Array, jax.core.Tracer)):
         checks.raise_bad_topk_ids(np.asarray(val["ids"], np.int64), val.get("mask"), num_cats)
-    elif device is not None and _device_array(val["ids"]) and not isinstance(topk.get("mask"), jax.core.Tracer):
+    elif (device is not None and checks.is_device_array(val["ids"])
+          and not isinstance(topk.get("mask"), jax.core.Tracer)):
         device.append(("categorical_topk.ids", "ids", (val["ids"], topk.get("mask"))))  # (ids in their own type)
     return topk
 

@@ -79,7 +79,8 @@ register_distribution(Categorical, lambda d: {"num_cats": d.num_cats}, lambda a:
 register_distribution(Bernoulli, lambda d: {}, lambda a: Bernoulli())
 register_distribution(MaskedCategorical, lambda d: {"num_cats": d.num_cats, "mask_mode": d.mask_mode},
                       lambda a: MaskedCategorical(**a))
-register_distribution(Gaussian, lambda d: {"min_sigma": d.min_sigma}, lambda a: Gaussian(**a))
+register_distribution(Gaussian, lambda d: {"mu": d.mu, "sigma": d.sigma, "min_sigma": d.min_sigma},
+                      lambda a: Gaussian(**a))
 register_distribution(DiscreteLogistic,
                       lambda d: {"val_range": [d.lo, d.hi], "num_cats": d.num_cats, "min_std": d.min_std},
                       lambda a: DiscreteLogistic(tuple(a["val_range"]), a["num_cats"], a["min_std"]))
@@ -360,17 +361,23 @@ def save_params(path, params, opt_state=None, *, step: int | None = None, overwr
         opt_state: e.g. ``tx.init(params)`` of an optax or :mod:`jaxpc.optim` optimizer (NamedTuples are
             restored as such when :func:`load_params` is given a template).
         step: a non-negative int, e.g. the number of epochs done (to resume ``fit`` with ``start_epoch=step``).
+        overwrite: where ``path`` exists, False (the default) raises a ``ValueError`` and leaves it as it is;
+            True deletes it (the whole directory, whatever it holds) and writes the checkpoint in its place.
     """
     ocp = _orbax()
     if step is not None and (not isinstance(step, (int, np.integer)) or isinstance(step, bool)):
         raise TypeError(f"save_params: step must be a non-negative int, got {type(step).__name__} {step!r}")
     if step is not None and step < 0:
         raise ValueError(f"save_params: step must be a non-negative int, got {step}")
+    path = os.path.abspath(os.fspath(path))
+    if not overwrite and os.path.lexists(path):
+        raise ValueError(f"save_params: {path} already exists; pass overwrite=True to replace it (its contents are "
+                         "deleted), or save to a new path")
     tree = {"params": params, "step": np.asarray(-1 if step is None else step, np.int64)}
     if opt_state is not None:
         tree["opt_state"] = opt_state
     ck = ocp.StandardCheckpointer()
-    ck.save(os.path.abspath(os.fspath(path)), tree, force=overwrite)
+    ck.save(path, tree, force=overwrite)
     ck.wait_until_finished()
 
 

@@ -79,9 +79,18 @@ from .options import Options, matmul_setting, resolve_precision
 Array = jax.Array
 
 __all__ = ["Runtime", "Batch", "Entry", "VALIDATE", "resolve_options", "options_key", "resolve_precision",
-           "check_em_args", "pad_args", "mask_key"]
+           "check_em_args", "pad_args", "mask_key", "declare_entries", "ENTRY_POINTS"]
 
 VALIDATE = (True, False, "sync")
+
+# the names of all entry points whose modules are imported: what Circuit.compiled(name) may be asked for
+ENTRY_POINTS: set[str] = set()
+
+
+def declare_entries(*names: str) -> None:
+    """Add ``names`` to :data:`ENTRY_POINTS` (each module that runs executables declares its entry points once, on
+    import)."""
+    ENTRY_POINTS.update(names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,7 +283,7 @@ def mask_key(missing):
         return None
     if isinstance(missing, np.ndarray):
         return np.ndarray, missing.shape
-    if isinstance(missing, jax.Array) and not isinstance(missing, jax.core.Tracer):
+    if checks.is_device_array(missing):
         return type(missing), missing.shape
     return False
 
@@ -359,7 +368,7 @@ def _no_check() -> None:
 
 def _sharding(a):
     """A device array's sharding (part of the key of an executable it is passed to); None for other arrays."""
-    return a.sharding if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) else None
+    return a.sharding if checks.is_device_array(a) else None
 
 
 def _pinned_host(x: Array) -> bool:
@@ -411,6 +420,7 @@ class Runtime:
         self.params_spec: checks.ParamsSpec | None = None  # what an entry's ``params`` must look like (set_params)
         self._sum_spec: checks.ParamsSpec | None = None
         self._input_keys: list = []
+        self._param_fields: dict = {}
         self.stat_fields: dict[str, tuple] = {}  # input layer -> its flows' statistics (Distribution.stat_fields)
         self.cache.check_args = self._check_args
         self._replays: dict = {}  # (call key, x's shape and kind, the mask's mask_key) -> _Replay
@@ -424,11 +434,12 @@ class Runtime:
         self.clusters = False
 
     def set_params(self, params) -> None:
-        """Take ``params``' structure, shapes and floating dtype as what every entry's ``params`` argument must have,
-        checked (:func:`jaxpc.checks.check_params`) before an executable is compiled or traced for it."""
-        self.params_spec = checks.ParamsSpec.of(params)
-        self._sum_spec = checks.ParamsSpec.of(params["sum"])
+        """Take ``params``' structure and shapes, and the circuit's dtype, as what every entry's ``params`` argument
+        must have, checked (:func:`jaxpc.checks.check_params`) before an executable is compiled or traced for it."""
+        self.params_spec = checks.ParamsSpec.of(params, self.dtype)
+        self._sum_spec = checks.ParamsSpec.of(params["sum"], self.dtype)
         self._input_keys = sorted(params["input"])
+        self._param_fields = {k: sorted(v) for k, v in params["input"].items()}
 
     def _check_args(self, args: dict) -> None:
         if self.params_spec is None:
@@ -442,9 +453,12 @@ class Runtime:
         """Check the ``parts`` of ``flows`` against what the circuit's ``flows`` returns: ``"sum"``, the sum groups'
         flows shaped like their params (:func:`jaxpc.checks.check_params`); ``"input"``, one entry per input
         layer, with ``stats`` holding the layer's statistics (:attr:`Distribution.stat_fields`: what an EM update
-        reads)."""
+        reads; checked with ``stats`` wherever ``flows`` has ``"input"``, so that params given for flows, whose sum
+        part looks alike, are named)."""
         if self.params_spec is None:
             return
+        if stats and isinstance(flows, dict) and "input" in flows and "input" not in parts:
+            parts = (*parts, "input")
         if not isinstance(flows, dict) or not set(parts) <= set(flows):
             raise ValueError(f"flows must be what circuit.flows returns (a dict with {' and '.join(map(repr, parts))}"
                              "), got " + (f"keys {sorted(flows)}" if isinstance(flows, dict) else type(flows).__name__))
@@ -457,8 +471,9 @@ class Runtime:
             got = flows["input"][key]
             if not isinstance(got, dict) or sorted(got) != sorted(fields):
                 have = sorted(got) if isinstance(got, dict) else type(got).__name__
+                hint = " (the layer's params: params given for flows?)" if have == self._param_fields.get(key) else ""
                 raise ValueError(f"flows['input'][{key!r}] must hold the layer's statistics {sorted(fields)} (what "
-                                 f"circuit.flows returns), got {have}")
+                                 f"circuit.flows returns), got {have}{hint}")
 
     def load_ahead(self, *owner) -> None:
         """Start loading the stored executables that earlier processes ran for the circuit named by ``owner`` (its
@@ -616,7 +631,7 @@ class Runtime:
             return None
         group, parts = found
         source = params["sum"].get(group) if isinstance(params, dict) and isinstance(params.get("sum"), dict) else None
-        if (not isinstance(source, jax.Array) or isinstance(source, jax.core.Tracer) or source.dtype != jnp.float32
+        if (not checks.is_device_array(source) or source.dtype != jnp.float32
                 or source.is_deleted() or source.nbytes * len(parts) > KEPT_WEIGHT_BYTES):
             return None
         return {p: self.kept(("tree_weights", p), source, stages.WEIGHT_COPIES[p]) for p in parts}
@@ -730,7 +745,7 @@ class Runtime:
     def weights_check(self, ll_weights, w, batch: Batch, nonnegative: bool, where: str) -> Callable[[], None]:
         """:meth:`deferred_check` of device weights ``ll_weights`` (``w``: :meth:`weights`' result). Host weights were
         checked by :meth:`weights`; tracers are not checked."""
-        if not isinstance(ll_weights, jax.Array) or isinstance(ll_weights, jax.core.Tracer):
+        if not checks.is_device_array(ll_weights):
             return _no_check
         bad = _bad_em_weights if nonnegative else _bad_weights
         explain = functools.partial(_explain_weights, w, nonnegative, where)

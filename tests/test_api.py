@@ -112,7 +112,8 @@ def test_node_params_compile_once_per_block_shape():
     dense = [np.asarray(c.get_node_params(c.params, n)) for n in sums]
     grown = circuit_module._dense_blocks._cache_size() - before
     assert len(sums) > 3 * len(shapes) and grown <= 2 * len(shapes)  # (per group's array shape, too)
-    [c.get_node_flows(c.params, n) for n in sums]  # the same blocks without exponentials
+    flows = c.flows(c.params, np.zeros((2, 16), np.int32))
+    [c.get_node_flows(flows, n) for n in sums]  # the same blocks without exponentials
     [c.get_node_params(c.params, n) for n in sums]
     assert circuit_module._dense_blocks._cache_size() - before <= 4 * len(shapes)
     n = sums[len(sums) // 2]

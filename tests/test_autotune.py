@@ -133,7 +133,7 @@ def test_tune_circuit_routes_partitions_and_stays_exact(impl, fold):
     assert not timer.next and opts.fold_products == fold and opts.impl == "auto"
     assert {k for k, _ in opts.kernels} == keys and all(ch == (impl, 16, 16, 4) for _, ch in opts.kernels)
     assert any(len(k) == 8 for k in keys) == fold  # folded partitions with products of several terms
-    ref = jaxpc.Options(precision="tf32", fold_products=fold)
+    ref = jaxpc.Options(precision="default", fold_products=fold)
     np.testing.assert_allclose(np.asarray(c.log_prob(c.params, x, options=opts)),
                                np.asarray(c.log_prob(c.params, x, options=ref)), rtol=1e-5)
     f1, f2 = c.flows(c.params, x, options=opts), c.flows(c.params, x, options=ref)
@@ -185,7 +185,7 @@ def test_tune_circuit_keeps_the_default_when_the_whole_step_is_not_faster(monkey
     cand = ("pallas", 16, 16, 4)
     timer = ScriptedTimer(lambda r: 0.4 if r == cand else 1.0, lambda o: 1.0 if o.kernels else 0.95)
     opts = _tune(c, x, timer, monkeypatch, [cand])
-    assert opts == jaxpc.Options(precision="tf32")
+    assert opts == jaxpc.Options(precision="default")
     assert any(isinstance(s, jaxpc.Options) and s.kernels for s in timer.seen)  # the tuned step was timed
     # a whole step 10% faster is kept
     timer = ScriptedTimer(lambda r: 0.4 if r == cand else 1.0, lambda o: 0.5 if o.kernels else 1.0)
@@ -206,7 +206,7 @@ def test_tune_circuit_starts_from_the_auto_choice(monkeypatch):
     k = KernelConfig()
     auto = ("pallas_forward", k.block_b, k.block_k, k.num_warps)
     timer = ScriptedTimer(lambda r: 1.0, lambda o: 1.0)  # ties: every heuristic stays
-    assert _tune(c, x, timer, monkeypatch, []) == jaxpc.Options(precision="tf32")
+    assert _tune(c, x, timer, monkeypatch, []) == jaxpc.Options(precision="default")
     assert auto in timer.seen and ("xla",) in timer.seen
     timer = ScriptedTimer(lambda r: 0.5 if r == ("xla",) else 1.0, lambda o: 0.5 if o.kernels else 1.0)
     opts = _tune(c, x, timer, monkeypatch, [])
@@ -255,7 +255,7 @@ def test_every_candidate_route_gives_the_reference(structure, fold, batch, route
     x = data[rng.integers(0, 200, batch)].astype(np.int32)
     plan = c.layout.fold if fold else c.layout
     keys = sorted({routing.partition_key(p, batch) for st in plan.stages() for p in st.sums})
-    ref = jaxpc.Options(precision="tf32", fold_products=fold, impl="xla")
+    ref = jaxpc.Options(precision="default", fold_products=fold, impl="xla")
     ll_ref, fl_ref = c.log_prob(c.params, x, options=ref), c.flows(c.params, x, options=ref)
     for i, route in enumerate({"every": _routes(), "impls": _routes()[:3]}.get(routes, [routes])):
         opts = ref.replace(impl="auto", kernels=tuple((k, route) for k in keys))

@@ -163,6 +163,8 @@ def test_external_leaves():
         jnp.asarray(ext)))
     post = w[None] * np.exp(ext.sum(1))
     np.testing.assert_allclose(g, np.repeat((post / post.sum(1, keepdims=True))[:, None, :], V, 1), rtol=1e-4)
+    with pytest.raises(ValueError, match=r"evidence\['external'\] must have shape \[2, 3, 4\] .* External leaf"):
+        c.log_prob(c.params, x, evidence={"external": ext[:, :, :1]})
     with pytest.raises(ValueError, match="External leaves need evidence"):
         c.log_prob(c.params, x)
 
@@ -599,6 +601,10 @@ def test_evidence_errors():
     for key, leaves in (("categorical_logp", soft), ("categorical_topk", soft), ("external", "External")):
         with pytest.raises(ValueError, match=rf"evidence\['{key}'\] is read by {leaves} leaves, and this circuit"):
             c.log_prob(c.params, x, evidence={key: np.zeros((2, 3, 4), np.float32)})
+    for width in (1, 3):  # one entry per latent (2): fewer would be read clamped, more ignored
+        with pytest.raises(ValueError, match=rf"evidence\['latent'\] must have shape \[2, 3, 2\] \(entry j for "
+                                             rf"node j .* got \(2, 3, {width}\)"):
+            c.log_prob(c.params, x, evidence={"latent": np.zeros((2, 3, width), np.float32)})
     lat = np.zeros((2, 3, 2), np.float32)
     lat[1, 2, 0] = np.nan
     with pytest.raises(ValueError, match=r"evidence\['latent'\]\[1, 2, 0\] = nan: log-values must not be NaN"):

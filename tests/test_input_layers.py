@@ -230,6 +230,38 @@ def test_moment_em_keeps_the_variance_of_values_far_from_zero():
     np.testing.assert_allclose(float(got["s"][0]), centers.std() * np.sqrt(3) / np.pi, rtol=1e-3)
 
 
+def test_gaussian_initialization_follows_the_data_scale_hints(tmp_path):
+    """``Gaussian(mu, sigma)`` draws each node's mean from N(mu, sigma^2) and its sigma from sigma * U[0.5, 1.5), on
+    the host (``jaxpc.compile``) and on the device (``init_params``); without hints the draw is the N(0, 1) one.
+    Structure files keep the hints."""
+    hinted = jaxpc.inputs(0, 4000, dist=distributions.Gaussian(mu=1e4, sigma=2.0))
+    plain = jaxpc.inputs(0, 4000, dist=distributions.Gaussian())
+    for leaf in (hinted, plain):
+        c = jaxpc.compile(jaxpc.summate(leaf, num_nodes=1), seed=3)
+        loc, scale = (1e4, 2.0) if leaf is hinted else (0.0, 1.0)
+        for p in (c.params, c.init_params(jax.random.key(1))):
+            got = c.get_node_params(p, leaf)
+            mu, sigma = np.asarray(got["mu"], np.float64), np.asarray(got["sigma"], np.float64)
+            assert abs(mu.mean() - loc) < 4 * scale / np.sqrt(mu.size)  # N(loc, scale^2): the mean's 4 sigma
+            assert abs(mu.std() / scale - 1.0) < 0.05
+            assert sigma.min() >= 0.5 * scale * (1 - 1e-6) and sigma.max() < 1.5 * scale * (1 + 1e-6)
+            assert abs(sigma.mean() / scale - 1.0) < 0.02  # U[0.5, 1.5): mean 1
+    c_h = jaxpc.compile(jaxpc.summate(hinted, num_nodes=1), seed=3)
+    c_p = jaxpc.compile(jaxpc.summate(plain, num_nodes=1), seed=3)
+    h, p = c_h.get_node_params(c_h.params, hinted), c_p.get_node_params(c_p.params, plain)
+    np.testing.assert_allclose((np.asarray(h["mu"], np.float64) - 1e4) / 2.0, p["mu"], atol=2e-3)  # same draw
+    np.testing.assert_allclose(np.asarray(h["sigma"]) / 2.0, p["sigma"], rtol=1e-6)
+    assert repr(distributions.Gaussian(sigma=3)) == "Gaussian(sigma=3.0, min_sigma=0.01)"
+    jaxpc.io.save_structure(jaxpc.summate(hinted, num_nodes=1), tmp_path / "g.npz")
+    loaded = jaxpc.io.load_structure(tmp_path / "g.npz")
+    assert loaded.children[0].dist == distributions.Gaussian(mu=1e4, sigma=2.0)
+    assert distributions.Gaussian(mu=1.0) != distributions.Gaussian()
+    for kw, what in (({"mu": float("nan")}, "mu"), ({"mu": "1"}, "mu"), ({"sigma": 0.0}, "sigma"),
+                     ({"sigma": -2.0}, "sigma"), ({"sigma": float("inf")}, "sigma")):
+        with pytest.raises(ValueError, match=f"Gaussian: {what} .* must be"):
+            distributions.Gaussian(**kw)
+
+
 def test_continuous_leaf_arguments_are_checked():
     assert distributions.Gaussian(min_sigma=np.float32(0.25)).min_sigma == 0.25
     assert distributions.Gaussian(min_sigma=1).min_sigma == 1.0

@@ -62,8 +62,11 @@ def _moment_update(mu, var, stats, pseudocount, min_std):
 class Gaussian(Distribution):
     """Normal density with mean ``mu`` and standard deviation ``sigma >= min_sigma``.
 
-    Natural params: ``{"mu": [num_nodes], "sigma": [num_nodes]}``; a given ``sigma`` below ``min_sigma`` is an
-    error (random initialization draws ``sigma`` in ``[0.5, 1.5)``, lifted to ``min_sigma``).
+    ``Gaussian(mu=None, sigma=None, min_sigma=0.01)``: ``mu`` and ``sigma`` give the data's approximate mean and
+    standard deviation (PyJuice's names), the scale of the random initialization: each node draws its mean from
+    ``N(mu, sigma^2)`` and its standard deviation from ``sigma * U[0.5, 1.5)``, lifted to ``min_sigma`` (defaults 0
+    and 1). Natural params: ``{"mu": [num_nodes], "sigma": [num_nodes]}``; a given ``sigma`` below ``min_sigma`` is
+    an error.
     EM: ``mu' = (S1 + c mu) / (S0 + c)``, ``sigma'^2 = (M2 + c sigma^2) / (S0 + c) - (mu' - mu)^2`` with ``M2 =
     sum F (x - mu)^2`` (which equals ``(S2 + c (mu^2 + sigma^2)) / (S0 + c) - mu'^2``), clipped at ``min_sigma``, then
     ``mu, sigma`` blended with the step size.
@@ -74,16 +77,25 @@ class Gaussian(Distribution):
     natural_fields = ("mu", "sigma")
     stat_fields = ("s0", "s1", "s2", "m2")
 
-    def __init__(self, min_sigma: float = 0.01):
+    def __init__(self, mu: float | None = None, sigma: float | None = None, min_sigma: float = 0.01):
+        if mu is not None and not (isinstance(mu, numbers.Real) and not isinstance(mu, (bool, np.bool_))
+                                   and math.isfinite(mu)):
+            raise ValueError(f"Gaussian: mu (the data's approximate mean) must be a finite float or None, got {mu!r}")
+        if sigma is not None and not _positive_real(sigma):
+            raise ValueError(f"Gaussian: sigma (the data's approximate standard deviation) must be a positive finite "
+                             f"float or None, got {sigma!r}")
         if not _positive_real(min_sigma):
             raise ValueError(f"Gaussian: min_sigma must be a positive finite float, got {min_sigma!r}")
+        self.mu = None if mu is None else float(mu)
+        self.sigma = None if sigma is None else float(sigma)
         self.min_sigma = float(min_sigma)
 
     def config(self):
-        return (self.min_sigma,)
+        return (self.mu, self.sigma, self.min_sigma)
 
     def __repr__(self):
-        return f"Gaussian(min_sigma={self.min_sigma})"
+        hints = "".join(f"{k}={v}, " for k, v in (("mu", self.mu), ("sigma", self.sigma)) if v is not None)
+        return f"Gaussian({hints}min_sigma={self.min_sigma})"
 
     def _check_natural(self, natural, num_nodes, where):
         if set(natural) != {"mu", "sigma"}:
@@ -108,8 +120,10 @@ class Gaussian(Distribution):
         return {"mu": natural["mu"], "log_scale": np.log(np.maximum(natural["sigma"], self.min_sigma))}
 
     def init(self, rs, num_rows, tables):
-        sigma = rs.xp.maximum(rs.uniform((num_rows,), 0.5, 1.5), self.min_sigma)
-        return {"mu": rs.normal((num_rows,)), "log_scale": rs.xp.log(sigma)}
+        loc = 0.0 if self.mu is None else self.mu
+        scale = 1.0 if self.sigma is None else self.sigma
+        sigma = rs.xp.maximum(scale * rs.uniform((num_rows,), 0.5, 1.5), self.min_sigma)
+        return {"mu": loc + scale * rs.normal((num_rows,)), "log_scale": rs.xp.log(sigma)}
 
     def internal_to_natural(self, p, tables):
         return {"mu": p["mu"], "sigma": jnp.exp(p["log_scale"])}

@@ -52,8 +52,9 @@ class Params:
 
     def check_flows(self, flows) -> None:
         """A :class:`ParamError` where ``flows['sum']`` does not have the structure and shapes of the circuit's (the
-        flows of another circuit)."""
-        self._named(self.circuit.runtime.check_flows, flows, parts=("sum",), stats=False)
+        flows of another circuit), or ``flows['input']``, where given, does not hold statistics (params given for
+        flows)."""
+        self._named(self.circuit.runtime.check_flows, flows, parts=("sum",))
 
     def _named(self, check, *args, **kw) -> None:
         """``check(*args, **kw)``, its error re-raised as a :class:`ParamError` naming ``fn``."""
