@@ -56,8 +56,9 @@ from jax.sharding import PartitionSpec as P
 
 from .engine import em
 from .optim.sharded import AXIS, check_mesh, check_on_mesh, data_mesh, sharded_flows_and_ll, sharded_loss_and_grad
+from .optim.transforms import check_circuit
 from .options import Options
-from .runtime import pad_args
+from .runtime import declare_entries, pad_args
 
 Array = jax.Array
 
@@ -87,7 +88,7 @@ def _p_flows(layout, tables, params, x, missing, weights, evidence, *, mesh, opt
 def _p_em_step(layout, tables, params, x, missing, weights, evidence, step_size, pseudocount, *, mesh, options):
     em.check_em_options(options, "parallel.em_step")
     fl, ll = _p_flows(layout, tables, params, x, missing, weights, evidence, mesh=mesh, options=options)
-    return em.em_update(layout, tables, params, fl, step_size, pseudocount), ll
+    return em.em_update(layout, tables, params, fl, step_size, pseudocount, options.compute_param_flows), ll
 
 
 def _p_grad(layout, tables, params, x, missing, weights, evidence, *, mesh, options, normalize):
@@ -108,9 +109,11 @@ def _p_train_step(layout, tables, params, opt_state, x, missing, weights, eviden
 # name -> (pure function, batch axis of each output)
 _ENTRIES = {"parallel.flows": (_p_flows, (None, 0)), "parallel.em_step": (_p_em_step, (None, 0)),
             "parallel.grad": (_p_grad, ((None, None), 0)), "parallel.train_step": (_p_train_step, ((None, None), 0))}
+declare_entries(*_ENTRIES)
 
 
 def _run(circuit, name, static, args, x, missing, ll_weights, evidence, validate, mesh, options, free=("params",)):
+    check_circuit(circuit, "parallel.loss_and_grad" if name == "parallel.grad" else name)
     rt = circuit.runtime
     replay = None
     if ll_weights is None and evidence is None:  # a repeated step replays (Runtime.replay)
@@ -174,7 +177,14 @@ def train_step(circuit, tx, params: dict, opt_state, x, missing=None, *, mesh: M
                evidence: dict | None = None):
     """One data-parallel optimizer step with an EM transformation (:mod:`jaxpc.optim`) or any optax
     transformation: ``(params, opt_state, ll [B])``. See :func:`jaxpc.optim.make_step`. ``evidence``: as for
-    :func:`flows`."""
+    :func:`flows`.
+
+    ``opt_state``: ``tx.init(params)`` for the first step, then the state the previous step returned (checked as
+    :func:`jaxpc.optim.fit` checks it: None or another optimizer's state raises a ``ValueError``)."""
+    from .optim.train import check_step_state
+
+    check_circuit(circuit, "parallel.train_step")
+    check_step_state(circuit, tx, params, opt_state, "parallel.train_step")
     (p, s), ll = _run(circuit, "parallel.train_step", {"normalize": bool(normalize), "tx": tx},
                       {"params": params, "opt_state": opt_state}, x, missing, ll_weights, evidence, validate, mesh,
                       options, ("params", "opt_state"))
@@ -215,6 +225,7 @@ def split_batch(circuit, x, missing=None, *, num_devices: int | None = None, evi
     ``evidence`` are (:meth:`jaxpc.Circuit.check_evidence`): the circuit's next call raises a failure (with
     ``validate="sync"``, this one).
     """
+    check_circuit(circuit, "parallel.split_batch")
     d = jax.local_device_count() if num_devices is None else num_devices
     if not isinstance(d, (int, np.integer)) or isinstance(d, bool) or d < 1:
         raise ValueError(f"split_batch: num_devices must be a positive int, got {num_devices!r}")

@@ -310,3 +310,57 @@ def test_single_block_segments_take_each_blocks_own_totals():
     for k in got["sum"]:
         np.testing.assert_allclose(np.asarray(got["sum"][k]), np.asarray(want["sum"][k]), rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(np.exp(np.asarray(got["sum"][k])).sum(axis=2), 1.0, rtol=1e-5)
+
+
+def test_compute_param_flows_false_keeps_the_sums_on_every_em_path():
+    """``Options(compute_param_flows=False)`` refits the leaves and keeps every sum parameter on each path that
+    runs EM with options: ``em_step``, ``optim.fit`` (EM, full-batch EM, anemone), ``parallel.em_step`` and the Flax
+    module (zero sum flows plus a pseudocount would make every sum node uniform); the leaves move as
+    ``em_step``'s do."""
+    from jaxpc import optim, parallel
+
+    c = jaxpc.compile(structures.HMM(4, 3, 5), seed=1)
+    x = np.random.default_rng(0).integers(0, 5, (12, 4)).astype(np.int32)
+    opts = jaxpc.Options(compute_param_flows=False)
+    ref = c.em_step(c.params, x, step_size=1.0, pseudocount=0.5, options=opts)
+    steps = {
+        "fit em": optim.fit(c, c.params, x, 1, 12, step_size=1.0, pseudocount=0.5, options=opts, shuffle=False,
+                            progress=False).params,
+        "fit full batch": optim.fit(c, c.params, x, 1, 6, optimizer=optim.full_batch_em(c, 2, 0.5), options=opts,
+                                    shuffle=False, progress=False).params,
+        "fit anemone": optim.fit(c, c.params, x, 1, 12, optimizer=optim.anemone(c, 1.0, 0.5), options=opts,
+                                 shuffle=False, progress=False).params,
+        "parallel": parallel.em_step(c, c.params, x, step_size=1.0, pseudocount=0.5, options=opts),
+    }
+    if importlib.util.find_spec("flax") is not None:
+        from jaxpc import nn
+        m = nn.CircuitModule(c, normalize=False, options=opts)
+        m.em_step(x, step_size=1.0, pseudocount=0.5)
+        steps["nn"] = m.get_params()
+    for name, got in steps.items():
+        for g in c.params["sum"]:
+            np.testing.assert_array_equal(np.asarray(got["sum"][g]), np.asarray(c.params["sum"][g]), err_msg=name)
+        if name != "fit anemone":  # (anemone's leaves take their own per-row step)
+            np.testing.assert_allclose(np.asarray(got["input"]["categorical"]["log_probs"]),
+                                       np.asarray(ref["input"]["categorical"]["log_probs"]), rtol=1e-5, atol=1e-6,
+                                       err_msg=name)
+        else:
+            assert not np.allclose(np.asarray(got["input"]["categorical"]["log_probs"]),
+                                   np.asarray(c.params["input"]["categorical"]["log_probs"]))
+
+
+def test_fit_refuses_a_full_batch_count_other_than_its_epoch():
+    """``fit`` with ``full_batch_em(num_batches)`` that is not the epoch's number of batches raises, naming it (its
+    EM updates would straddle epochs); the matching count runs, and ``compiled("optim.fit")`` finds its epoch."""
+    from jaxpc import optim
+
+    c = jaxpc.compile(structures.HMM(4, 3, 5), seed=1)
+    x = np.random.default_rng(0).integers(0, 5, (37, 4)).astype(np.int32)
+    for nb, kw, per in ((3, {}, 4), (4, {"drop_remainder": True}, 3)):
+        with pytest.raises(ValueError, match=rf"full_batch_em\(num_batches={nb}\) does not match fit's {per} batches "
+                                             rf"per epoch .*pass num_batches={per}"):
+            optim.fit(c, c.params, x, 1, 10, optimizer=optim.full_batch_em(c, nb), progress=False, **kw)
+    optim.fit(c, c.params, x, 1, 10, optimizer=optim.full_batch_em(c, 4), progress=False)
+    assert c.compiled("optim.fit") is not None
+    with pytest.raises(ValueError, match=r"compiled: 'optim.fits' is not an entry point; entry points: \[.*'flows'"):
+        c.compiled("optim.fits")

@@ -98,6 +98,25 @@ def test_masked_categorical_keeps_forbidden_values_at_zero():
 
 
 @pytest.mark.slow
+def test_gradient_training_keeps_gaussian_sigma_at_min_sigma():
+    """Logits of a Gaussian's scale are normalized to ``sigma >= min_sigma``, EM's floor: adam on data at two point
+    masses stops where EM does (sigma 0.1, not 0.02 below the distribution's floor), and the trained values are
+    valid parameters of the distribution."""
+    leaves = [jaxpc.inputs(v, num_nodes=2, dist=distributions.Gaussian(min_sigma=0.1)) for v in range(2)]
+    c = jaxpc.compile(jaxpc.summate(jaxpc.multiply(*leaves), num_nodes=1), seed=0)
+    rng = np.random.default_rng(0)
+    x = (np.concatenate([np.full((100, 2), -1.0), np.full((100, 2), 1.0)])
+         + 1e-3 * rng.normal(size=(200, 2))).astype(np.float32)
+    res = optim.fit(c, c.params, x, 60, 50, optimizer=optax.adam(0.1), key=jax.random.key(0), progress=False)
+    em = optim.fit(c, c.params, x, 60, 50, step_size=1.0, pseudocount=0.0, key=jax.random.key(0), progress=False)
+    for leaf in leaves:
+        sigma = np.asarray(c.get_node_params(res.params, leaf)["sigma"])
+        np.testing.assert_allclose(sigma, 0.1, rtol=1e-5)
+        jaxpc.inputs(0, num_nodes=2, dist=distributions.Gaussian(min_sigma=0.1),
+                     params={k: np.asarray(v) for k, v in c.get_node_params(res.params, leaf).items()})
+    np.testing.assert_allclose(res.epoch_ll[-1], em.epoch_ll[-1], atol=0.02)
+
+
 def test_adam_on_logits_stays_normalized_and_improves_ll():
     circuit, X, data = _small_circuit()
     layout, tables = circuit.layout, circuit.tables
@@ -322,7 +341,7 @@ def test_fit_names_a_bad_key_opt_state_or_mesh_batch():
     with pytest.raises(ValueError, match=r"\(got EMState, expected tuple\)"):
         optim.fit(circuit, params, data, 1, 10, optimizer=optax.adam(0.1), opt_state=optim.em(circuit).init(params),
                   progress=False)
-    tx = optim.full_batch_em(circuit, 2)
+    tx = optim.full_batch_em(circuit, 15)  # (150 rows in batches of 10)
     state = tx.init(params)
     state = state._replace(flows=jax.tree_util.tree_map(lambda a: a[..., :1], state.flows))
     with pytest.raises(ValueError, match=r"opt_state.flows\[.*has shape"):

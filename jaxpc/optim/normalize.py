@@ -9,8 +9,10 @@ categorical row sum to one). A gradient optimizer moves them off that set. Treat
   names the same parent block (a segment), separately for each of the ``Kp`` parent nodes;
 * categorical leaves (``Categorical``, ``Bernoulli``, ``MaskedCategorical``) ``[P, K]``: a
   log-softmax per row (forbidden values of a masked categorical stay ``-inf``);
-* ``Gaussian`` and ``DiscreteLogistic`` (``mu``, ``log_scale``) and indicator leaves: unchanged,
-  every value is a valid distribution already.
+* ``Gaussian`` (``mu``, ``log_scale``): ``log_scale`` lifted to ``log(min_sigma)``, the distribution's floor (below
+  it the loss does not depend on it);
+* ``DiscreteLogistic`` (``mu``, ``log_scale``; every scale is a valid distribution, ``min_std`` is EM's floor
+  only) and indicator leaves: unchanged.
 
 It is idempotent up to rounding, and gradients flow through it (the shift by the maximum is a
 stop-gradient, as in every log-softmax). A user distribution can take part by defining
@@ -18,6 +20,8 @@ stop-gradient, as in every log-softmax). A user distribution can take part by de
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +33,8 @@ from ..distributions.base import block_totals
 from ..distributions.indicator import IndicatorLeaf
 from ..engine import forward
 from ..options import Options
+from ..runtime import declare_entries
+from .transforms import check_circuit
 
 Array = jax.Array
 
@@ -65,7 +71,10 @@ def normalize_input(dist, p: dict, tables: dict) -> dict:
         if mask is not None:  # forbidden values take no part in the softmax and stay at probability zero
             logits = jnp.where(mask, logits, -jnp.inf)
         return {**p, "log_probs": _row_log_softmax(logits)}
-    if isinstance(dist, (Gaussian, DiscreteLogistic, IndicatorLeaf)):
+    if isinstance(dist, Gaussian):
+        floor = jnp.asarray(math.log(dist.min_sigma), p["log_scale"].dtype)
+        return {**p, "log_scale": jnp.maximum(p["log_scale"], floor)}
+    if isinstance(dist, (DiscreteLogistic, IndicatorLeaf)):
         return p
     raise TypeError(f"normalize: no normalization is known for {dist!r}; give it a method "
                     f"normalize_internal(p, tables) -> p")
@@ -98,7 +107,7 @@ def normalized_log_prob(layout: Layout, tables: dict, params: dict, x: Array, mi
                         soft: Array | None = None, normalize: bool = True, evidence: dict | None = None) -> Array:
     """``log p(x)`` ``[B]`` of the circuit whose parameters are ``normalize_params(params)`` (pure).
 
-    ``soft``: optional ``[B, V, K]`` log-weights of soft evidence (see :func:`jaxpc.queries.marginal`);
+    ``soft``: optional ``[B, V, K]`` non-negative weights of soft evidence (see :func:`jaxpc.queries.marginal`);
     ``evidence``: per-call evidence as :meth:`jaxpc.Circuit.check_evidence` returns it."""
     p = normalize_params(layout, tables, params) if normalize else params
     return forward.log_prob(layout, tables, p, x, missing, options, soft=soft, evidence=evidence)
@@ -126,8 +135,12 @@ def _log_prob_entry(layout, tables, params, x, missing, *, options, normalize):
     return normalized_log_prob(layout, tables, params, x, missing, options, normalize=normalize)
 
 
+declare_entries("optim.normalize", "optim.log_prob")
+
+
 def normalize(circuit, params: dict) -> dict:
     """:func:`normalize_params` for ``circuit`` (one cached executable per circuit)."""
+    check_circuit(circuit, "optim.normalize")
     circuit.runtime.entry("optim.normalize", _normalize_entry, None, circuit.layout)
     return circuit.runtime.run("optim.normalize", {}, {"tables": circuit.tables, "params": params})
 
@@ -146,6 +159,7 @@ def log_prob(circuit, params: dict, x, missing=None, *, normalize: bool = True, 
     Returns:
         ``float[B]``.
     """
+    check_circuit(circuit, "optim.log_prob")
     circuit.runtime.entry("optim.log_prob", _log_prob_entry, 0, circuit.layout)
     batch = circuit.runtime.prepare(x, missing, validate)
     return circuit.runtime.run("optim.log_prob", {"normalize": bool(normalize)},

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from .. import checks
 from ..engine import em
 from ..ops.logspace import log_psum
 from ..options import Options
@@ -42,7 +43,7 @@ def check_on_mesh(mesh: Mesh, x, missing, params) -> None:
     and the batch goes where the mesh splits it."""
     devices = set(mesh.devices.flat)
     for what, a in (("x", x), ("missing", missing), ("params", next(iter(jax.tree_util.tree_leaves(params)), None))):
-        if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) and a.committed \
+        if checks.is_device_array(a) and a.committed \
                 and a.sharding.device_set != devices:
             fix = "NamedSharding(mesh, P())" if what == "params" else f"NamedSharding(mesh, P('{AXIS}'))"
             raise ValueError(f"{what} is committed to devices {sorted(d.id for d in a.sharding.device_set)}, but the "

@@ -26,14 +26,16 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ..checks import bad_params_entry, check_key, raise_bad_values
 from ..engine import em as em_engine
 from ..options import Options
-from ..runtime import options_key
+from ..runtime import declare_entries, options_key
 from . import sharded
 from .normalize import mean_nll, normalize_params
-from .transforms import EMTransformation, apply_updates, em, em_apply
+from .transforms import EMTransformation, apply_updates, check_circuit, em, em_apply
 
 Array = jax.Array
 
 __all__ = ["make_step", "epoch_batches", "fit", "FitResult"]
+
+declare_entries("optim.fit")
 
 
 def _check_tx(tx, layout, options: Options | None = None) -> None:
@@ -83,7 +85,7 @@ def make_step(layout, tx, *, normalize: bool = True, options: Options | None = N
         def step(tables, params, state, x, missing, weights, evidence=None):
             fl, ll = flows_fn(tables, params, x, missing, weights, evidence=evidence)
             n = x.shape[0] if weights is None else jnp.sum(weights)
-            params, state = em_apply(layout, tables, tx.config, fl, state, params, n)
+            params, state = em_apply(layout, tables, tx.config, fl, state, params, n, opts.compute_param_flows)
             return params, state, ll
 
         return step
@@ -119,7 +121,13 @@ def epoch_batches(key: Array, epoch, num_samples: int, batch_size: int, *, shuff
         ``jax.random.permutation(jax.random.fold_in(key, epoch), num_samples)`` (or in order without
         ``shuffle``); ``weights`` None when every batch is full, else ``[num_batches, batch_size]`` with
         zeros on the padding of the last batch.
+
+    ``num_samples`` must be an int >= 0 and ``batch_size`` an int >= 1 (Python or NumPy integers: they set the
+    shapes), else a ``ValueError``.
     """
+    for name, v, lo in (("num_samples", num_samples, 0), ("batch_size", batch_size, 1)):
+        if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < lo:
+            raise ValueError(f"epoch_batches: {name} must be an int >= {lo}, got {v!r}")
     n, bs = int(num_samples), int(batch_size)
     perm = jax.random.permutation(jax.random.fold_in(key, epoch), n) if shuffle else jnp.arange(n)
     perm = perm.astype(jnp.int32)
@@ -249,8 +257,18 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
             a resumed run equals an uninterrupted one bit for bit).
         shuffle: reshuffle every epoch; drop_remainder: skip the last partial batch instead of padding it
             with zero-weight rows.
+        normalize: gradient training (an optax ``optimizer``) only: the loss is the log-likelihood of
+            :func:`normalize_params` of ``params`` (``params`` are unconstrained logits, and each sum node's and
+            categorical row's parameters are renormalized in the loss) and the parameters are renormalized after
+            every step, so they stay a distribution; False: the loss reads ``params`` as they are and nothing is
+            renormalized (the optimizer must keep them normalized). EM optimizers ignore it (their parameters are
+            normalized by construction).
         mesh: a ``'data'`` mesh (:func:`jaxpc.parallel.data_mesh`): each batch is split over its devices
             (``batch_size`` must be a multiple of the device count).
+        options: :class:`jaxpc.Options` of every step's forward (and of its flows or gradient), e.g.
+            ``precision``, ``impl`` or ``propagation``; default ``Options()`` (the log-likelihood). EM optimizers
+            take only options whose flows are expected counts (a ``ValueError`` names the others, e.g.
+            ``negate_flows``). Part of the epoch executable's key.
         progress: a tqdm bar across epochs showing the epoch's LL (when tqdm is installed).
         evidence: per-call evidence of every row of ``data`` (as for :meth:`jaxpc.Circuit.flows`, leaves
             ``[N, ...]``, checked by :meth:`~jaxpc.Circuit.check_evidence`); each batch takes the rows of its
@@ -262,9 +280,11 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
     Returns:
         :class:`FitResult` ``(params, opt_state, epoch_ll [epochs])``.
     """
+    check_circuit(circuit, "fit")
     optimizer = _fit_optimizer(circuit, optimizer, step_size, pseudocount)
     batch, bs = _fit_batch(circuit, data, missing, validate, epochs=epochs, batch_size=batch_size,
                            start_epoch=start_epoch, mesh=mesh)
+    _check_full_batch(optimizer, batch.n, bs, drop_remainder)
     ev, record = circuit.prepare_evidence(evidence, batch, "optim.fit")
     check = circuit.runtime.device_check if batch.report else None  # device data: checked inside the epoch
     if key is None:
@@ -339,25 +359,56 @@ def _fit_batch(circuit, data, missing, validate, *, epochs, batch_size, start_ep
     return batch, bs
 
 
-def _check_opt_state(circuit, optimizer, params, opt_state) -> None:
-    """Raise a ``ValueError`` where ``opt_state`` is not a state of ``optimizer`` for ``params``: another pytree
+def _check_full_batch(optimizer, n: int, bs: int, drop_remainder: bool) -> None:
+    """Raise where a :func:`full_batch_em` optimizer's ``num_batches`` is not the number of batches of ``fit``'s
+    epoch: its EM updates would straddle epochs (or come several per epoch), not be full passes."""
+    if not (isinstance(optimizer, EMTransformation) and optimizer.config.kind == "full_batch"):
+        return
+    per_epoch = n // bs if drop_remainder else -(-n // bs)
+    if optimizer.config.num_batches != per_epoch:
+        how = f"{n} rows // batch_size {bs}" if drop_remainder else f"ceil({n} rows / batch_size {bs})"
+        raise ValueError(f"fit: full_batch_em(num_batches={optimizer.config.num_batches}) does not match fit's "
+                         f"{per_epoch} batches per epoch ({how}): pass num_batches={per_epoch} (another count makes "
+                         "its EM updates straddle epochs)")
+
+
+def check_step_state(circuit, optimizer, params, opt_state, where: str) -> None:
+    """Raise where ``optimizer`` is not an optimizer of ``circuit`` (:func:`fit`'s rule) or ``opt_state`` is not its
+    state for ``params`` (``_check_opt_state``); ``where`` names the caller in the message."""
+    _check_tx(optimizer, circuit.layout)
+    _check_opt_state(circuit, optimizer, params, opt_state, where)
+
+
+def _check_opt_state(circuit, optimizer, params, opt_state, where: str = "fit") -> None:
+    """Raise a ``ValueError`` where ``opt_state`` is not a state of ``optimizer`` for ``params``: None, another pytree
     structure (another optimizer's state, or a checkpoint restored without a template) or another leaf shape. The
-    expected state is ``optimizer.init(params)``'s shapes, traced once per optimizer and parameter structure."""
+    expected state is ``optimizer.init(params)``'s structure and shapes, traced once per optimizer and parameter
+    structure (a step's check then flattens ``opt_state`` only)."""
+    if opt_state is None:
+        raise ValueError(f"{where}: opt_state is None: pass the optimizer's init(params) for the first step, then "
+                         "the state the previous step returned")
     treedef = jax.tree_util.tree_structure(params)
-    want = circuit.runtime.constant(("fit_opt_state", _Same(optimizer), treedef),
-                                    lambda: jax.eval_shape(optimizer.init, params))
-    got_leaves, got_tree = jax.tree_util.tree_flatten_with_path(opt_state)
-    want_leaves, want_tree = jax.tree_util.tree_flatten_with_path(want)
-    hint = ("pass the state this optimizer returned (FitResult.opt_state); a checkpoint restores it with "
-            "optimizer.init(params) as its template")
+
+    def expected():
+        want = jax.eval_shape(optimizer.init, params)
+        leaves, tree = jax.tree_util.tree_flatten(want)
+        return tree, tuple(tuple(w.shape) for w in leaves), type(want).__name__
+
+    want_tree, want_shapes, want_type = circuit.runtime.constant(("fit_opt_state", _Same(optimizer), treedef),
+                                                                 expected)
+    got_leaves, got_tree = jax.tree_util.tree_flatten(opt_state)
+    if got_tree == want_tree and all(tuple(np.shape(g)) == w for g, w in zip(got_leaves, want_shapes)):
+        return
+    hint = ("pass the state this optimizer returned (FitResult.opt_state, or the previous step's); a checkpoint "
+            "restores it with optimizer.init(params) as its template")
     if got_tree != want_tree:
-        got, exp = type(opt_state).__name__, type(want).__name__
-        detail = f"got {got}, expected {exp}" if got != exp else f"{got} of another pytree structure"
-        raise ValueError(f"fit: opt_state is not a state of this optimizer ({detail}): {hint}")
-    for (path, g), (_, w) in zip(got_leaves, want_leaves):
-        if tuple(np.shape(g)) != tuple(w.shape):
-            raise ValueError(f"fit: opt_state{jax.tree_util.keystr(path)} has shape {tuple(np.shape(g))}, this "
-                             f"optimizer's state has {tuple(w.shape)}: {hint}")
+        got = type(opt_state).__name__
+        detail = f"got {got}, expected {want_type}" if got != want_type else f"{got} of another pytree structure"
+        raise ValueError(f"{where}: opt_state is not a state of this optimizer ({detail}): {hint}")
+    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(opt_state)[0], want_shapes):
+        if tuple(np.shape(g)) != w:
+            raise ValueError(f"{where}: opt_state{jax.tree_util.keystr(path)} has shape {tuple(np.shape(g))}, this "
+                             f"optimizer's state has {w}: {hint}")
 
 
 def _fit_optimizer(circuit, optimizer, step_size, pseudocount):

@@ -56,6 +56,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ..circuit import Circuit
 from ..distributions.base import blend
 from ..engine import em as em_engine
 from ..options import Options
@@ -111,6 +112,15 @@ class EMTransformation(NamedTuple):
     config: EMConfig
 
 
+def check_circuit(circuit, where: str) -> None:
+    """Raise a ``TypeError`` naming ``where`` unless ``circuit`` is a compiled :class:`jaxpc.Circuit` (e.g. its params
+    were passed in its place)."""
+    if not isinstance(circuit, Circuit):
+        hint = "; pass the compiled circuit (what jaxpc.compile returns), not its params" if isinstance(
+            circuit, dict) else ""
+        raise TypeError(f"{where}: circuit must be a jaxpc.Circuit, got {type(circuit).__name__}{hint}")
+
+
 def _check_args(step_size, pseudocount, where: str) -> None:
     if not callable(step_size):
         try:
@@ -164,12 +174,14 @@ def _num_samples(config: EMConfig, flows: dict, num_samples) -> Array:
 
 # ---- the updates (pure) ---------------------------------------------------------------------------
 
-def anemone_update(layout, tables, params: dict, flows: dict, eta, pseudocount, num_samples) -> dict:
+def anemone_update(layout, tables, params: dict, flows: dict, eta, pseudocount, num_samples,
+                   update_sums: bool = True) -> dict:
     """The per-node-step EM update of :func:`anemone` (pure).
 
     Args:
         params: normalized log-parameters; flows: their expected counts on a batch of ``num_samples``
-            samples (total weight); eta: the base step size (scalar).
+            samples (total weight); eta: the base step size (scalar); update_sums: False keeps the sum
+            parameters (flows computed with ``Options(compute_param_flows=False)``).
     """
     dtype = _dtype(params)
     eta = jnp.asarray(eta, dtype)
@@ -181,8 +193,8 @@ def anemone_update(layout, tables, params: dict, flows: dict, eta, pseudocount, 
         return t / (1.0 + t)
 
     targets, totals = em_engine.normalized_with_totals(layout, tables, flows["sum"], pc)  # totals: flows + pc
-    new_sum = {}
-    for g in layout.sum_groups:
+    new_sum = {} if update_sums else dict(params["sum"])
+    for g in layout.sum_groups if update_sums else ():
         s = node_step(totals[g.key])[:, :, None]
         old = jnp.exp(params["sum"][g.key])
         new_sum[g.key] = jnp.log(blend(old, targets[g.key], s))
@@ -202,21 +214,25 @@ def anemone_update(layout, tables, params: dict, flows: dict, eta, pseudocount, 
     return {"sum": new_sum, "input": new_in}
 
 
-def em_apply(layout, tables, config: EMConfig, flows: dict, state, params: dict, num_samples=None):
+def em_apply(layout, tables, config: EMConfig, flows: dict, state, params: dict, num_samples=None,
+             update_sums: bool = True):
     """``(new_params, new_state)`` of an EM transformation (pure: ``tables`` may be traced).
 
     The update reads the parameter flows, ``flows["sum"]`` and ``flows["input"]``; other entries (the node
-    totals of ``Options(node_flows=True)``) are ignored, and :func:`full_batch_em` does not accumulate them."""
+    totals of ``Options(node_flows=True)``) are ignored, and :func:`full_batch_em` does not accumulate them.
+    ``update_sums`` False keeps the sum parameters (flows of ``Options(compute_param_flows=False)``, whose sum
+    flows are zeros: with a pseudocount they would make every sum node uniform)."""
     flows = {"sum": flows["sum"], "input": flows["input"]}
     dtype = _dtype(params)
     pc = jnp.asarray(config.pseudocount, dtype)
     if config.kind == "em":
         s = _step_value(config.step_size, state.count, dtype)
-        new = em_engine.em_update(layout, tables, params, flows, s, pc)
+        new = em_engine.em_update(layout, tables, params, flows, s, pc, update_sums)
         return new, EMState(state.count + 1)
     if config.kind == "anemone":
         eta = _step_value(config.step_size, state.count, dtype)
-        new = anemone_update(layout, tables, params, flows, eta, pc, _num_samples(config, flows, num_samples))
+        new = anemone_update(layout, tables, params, flows, eta, pc, _num_samples(config, flows, num_samples),
+                             update_sums)
         return new, EMState(state.count + 1)
     if config.kind == "full_batch":
         acc = jax.tree_util.tree_map(jnp.add, state.flows, flows)
@@ -226,7 +242,8 @@ def em_apply(layout, tables, config: EMConfig, flows: dict, state, params: dict,
 
         def do_update(operands):
             p, a = operands
-            return em_engine.em_update(layout, tables, p, a, s, pc), jax.tree_util.tree_map(jnp.zeros_like, a)
+            return (em_engine.em_update(layout, tables, p, a, s, pc, update_sums),
+                    jax.tree_util.tree_map(jnp.zeros_like, a))
 
         def keep(operands):
             return operands
@@ -296,6 +313,7 @@ def em(circuit, step_size=0.1, pseudocount: float = 0.0) -> EMTransformation:
             (``count``: updates done so far), e.g. ``optax.linear_schedule(0.2, 0.02, total_steps)``.
         pseudocount: Laplace smoothing, spread evenly over each node's children (values).
     """
+    check_circuit(circuit, "em")
     _check_args(step_size, pseudocount, "em")
     return _make(circuit, EMConfig("em", step_size, float(pseudocount)))
 
@@ -306,8 +324,19 @@ def full_batch_em(circuit, num_batches: int, pseudocount: float = 0.0, step_size
     the updates in between are zero.
 
     Args:
-        num_batches: mini-batches per full pass over the data (``ceil(N / batch_size)``).
+        circuit: a compiled :class:`jaxpc.Circuit`.
+        num_batches: mini-batches per full pass over the data (``ceil(N / batch_size)``, or ``N // batch_size``
+            with ``fit(..., drop_remainder=True)``): updates ``1 .. num_batches - 1`` of each pass only add their
+            flows to the state (``FullBatchEMState.flows``) and leave the parameters as they are; update
+            ``num_batches`` applies one EM update to the sum of the pass's flows and starts a new sum. ``fit``
+            refuses another count; in a loop of your own, a count other than the batches of an epoch makes the EM
+            updates straddle epochs.
+        pseudocount: Laplace smoothing added once to the summed flows of each EM update, spread evenly over each
+            node's children (values), as in :func:`em`.
+        step_size: a float in ``(0, 1]`` (1: the parameters become the EM estimate of the pass) or a schedule
+            ``k -> float`` called with ``k`` the number of EM updates done before this one (not the mini-batches).
     """
+    check_circuit(circuit, "full_batch_em")
     if not isinstance(num_batches, numbers.Integral) or isinstance(num_batches, bool) or num_batches < 1:
         raise ValueError(f"full_batch_em: num_batches must be a positive int, got {num_batches!r}")
     _check_args(step_size, pseudocount, "full_batch_em")
@@ -318,12 +347,17 @@ def anemone(circuit, step_size=1.0, pseudocount: float = 0.0) -> EMTransformatio
     """Mini-batch EM with a per-node step ``eta t_n / (1 + eta t_n)`` (see the module docstring).
 
     Args:
-        step_size: ``eta > 0`` (a float or a schedule ``count -> float`` for annealing).
-        pseudocount: as in :func:`em`.
+        circuit: a compiled :class:`jaxpc.Circuit`.
+        step_size: ``eta > 0``, a finite float (not bounded by 1: a node's own step ``eta t_n / (1 + eta t_n)``
+            stays below 1) or a schedule ``count -> float`` (``count``: updates done so far) for annealing.
+        pseudocount: Laplace smoothing as in :func:`em`; it is also added to each node's flow ``F_n`` in its
+            step, so with ``pseudocount > 0`` a node the batch does not reach still moves a little (towards
+            uniform).
 
-    ``update``/``step`` read the batch size from the root's flows; pass ``num_samples=`` when the root is
-    not a sum node.
+    ``update``/``step`` read the batch size ``B`` from the root's flows (the total weight of the batch); pass
+    ``num_samples=`` when the root is not a sum node.
     """
+    check_circuit(circuit, "anemone")
     _check_args(step_size, pseudocount, "anemone")
     return _make(circuit, EMConfig("anemone", step_size, float(pseudocount), root=_root_info(circuit)))
 
@@ -332,8 +366,46 @@ def apply(tx, feed: dict, state, params: dict, **extra):
     """One optimizer update: ``(new_params, new_state)``.
 
     ``tx`` is an EM transformation (``feed``: flows; the new parameters come from its ``step``, not from deltas) or
-    any optax-style transformation (``feed``: gradients of a loss; ``params + updates``)."""
+    any optax-style transformation (``feed``: gradients of a loss with respect to ``params``, so a pytree of the
+    structure of ``params``; ``params + updates``). Flows given to an optax transformation raise a ``ValueError``."""
     if isinstance(tx, EMTransformation):
         return tx.step(feed, state, params, **extra)
+    _check_gradients(feed, params)
     updates, state = tx.update(feed, state, params, **extra)
     return apply_updates(params, updates), state
+
+
+def _check_gradients(feed, params) -> None:
+    """Raise a ``ValueError`` where ``feed``, the gradients of an optax step, does not have the pytree structure of
+    ``params``, naming flows (:meth:`jaxpc.Circuit.flows`: statistics in place of the input layers' parameters)
+    when it holds them."""
+    if jax.tree_util.tree_structure(feed) == jax.tree_util.tree_structure(params):
+        return
+    flows_like = _flows_layer(feed, params)
+    if flows_like is not None:
+        key, got, want = flows_like
+        raise ValueError(
+            f"apply: feed looks like flows (circuit.flows: feed['input']['{key}'] holds the statistics {got} where "
+            f"params hold {want}), but optax transformations take gradients of a loss with respect to params, not "
+            "flows: pass e.g. jax.grad(lambda p: -jaxpc.optim.log_prob(circuit, p, x).mean())(params) or the "
+            "gradients of jaxpc.parallel.loss_and_grad; to train on flows use an EM transformation "
+            "(jaxpc.optim.em(circuit))")
+    raise ValueError("apply: feed must be gradients with the pytree structure of params (an optax transformation "
+                     f"updates params from them), got {jax.tree_util.tree_structure(feed)} for params "
+                     f"{jax.tree_util.tree_structure(params)}")
+
+
+def _flows_layer(feed, params) -> tuple[str, list, list] | None:
+    """``(layer key, feed's field names, params' field names)`` of the first input layer whose fields differ
+    between circuit-params-shaped ``feed`` and ``params`` (flows hold statistics where params hold parameters), or
+    None where either is not shaped like a circuit's params."""
+    if not (isinstance(feed, dict) and isinstance(params, dict)):
+        return None
+    fin, pin = feed.get("input"), params.get("input")
+    if not (isinstance(fin, dict) and isinstance(pin, dict)):
+        return None
+    for key, p in pin.items():
+        f = fin.get(key)
+        if isinstance(f, dict) and isinstance(p, dict) and set(f) != set(p):
+            return key, sorted(f), sorted(p)
+    return None
