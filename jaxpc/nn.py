@@ -34,7 +34,7 @@ from . import checks
 from .engine import em as em_engine
 from .optim.normalize import normalize_params, normalized_log_prob
 from .options import Options
-from .runtime import Batch
+from .runtime import Batch, declare_entries
 
 Array = jax.Array
 
@@ -48,12 +48,13 @@ def _log_prob_impl(layout, tables, params, x, missing, soft, *, options, normali
 def _em_step_impl(layout, tables, params, x, missing, weights, step_size, pseudocount, *, options, normalize):
     p = normalize_params(layout, tables, params) if normalize else params
     fl, ll = em_engine.flows_and_ll(layout, tables, p, x, missing, weights, options)
-    return em_engine.em_update(layout, tables, p, fl, step_size, pseudocount), ll
+    return em_engine.em_update(layout, tables, p, fl, step_size, pseudocount, options.compute_param_flows), ll
 
 
 # name -> (pure function, batch axis of each output); run through the circuit's runtime (jaxpc.runtime):
 # inlined under nnx.jit / grad, a cached executable when called eagerly
 _ENTRIES = {"nn.log_prob": (_log_prob_impl, 0), "nn.em_step": (_em_step_impl, (None, 0))}
+declare_entries(*_ENTRIES)
 
 
 def _run(circuit, name, static, args, batch, **kw):
@@ -148,9 +149,9 @@ class CircuitModule(nnx.Module):
             if x is not None or missing is not None:
                 raise ValueError("CircuitModule: give either x (with missing) or soft_evidence, not both")
             q = soft_evidence if isinstance(soft_evidence, (jax.Array, np.ndarray)) else np.asarray(soft_evidence)
-            if q.ndim != 3 or q.shape[1] != c.num_vars:
-                raise ValueError(f"CircuitModule: soft_evidence must have shape [batch, {c.num_vars}, num_values], "
-                                 f"got {tuple(q.shape)}")
+            if q.ndim != 3 or q.shape[1] != c.num_vars or q.shape[0] == 0:
+                raise ValueError(f"CircuitModule: soft_evidence must have shape [batch, {c.num_vars}, num_values] "
+                                 f"with a batch, got {tuple(q.shape)}")
             if not c.runtime.var_info.all_discrete:
                 raise ValueError("CircuitModule: soft_evidence needs every variable to be discrete")
             K = int(c.runtime.var_info.card.max())
@@ -159,14 +160,14 @@ class CircuitModule(nnx.Module):
                                  f"variable takes {K}")
             if isinstance(q, np.ndarray):
                 checks.raise_bad_soft(q, "CircuitModule", "checked on the host")
-            logq = jnp.log(jnp.asarray(q).astype(c.dtype))
-            traced = isinstance(logq, jax.core.Tracer)
+            qj = jnp.asarray(q).astype(c.dtype)
+            traced = isinstance(qj, jax.core.Tracer)
             batch = Batch(jnp.zeros(q.shape[:2], jnp.int32), None, int(q.shape[0]), check=False, report=False,
                           sync=False, traced=traced)
             out = _run(c, "nn.log_prob", {"normalize": self.normalize},
-                       {"tables": tables, "params": raw, "soft": logq},
+                       {"tables": tables, "params": raw, "soft": qj},
                        batch, options=self.options, batched={"soft": 0})
-            if isinstance(q, jax.Array) and not isinstance(q, jax.core.Tracer):
+            if checks.is_device_array(q):
                 # its values were not seen on the host: flagged now, raised by the circuit's next call
                 c.runtime.record_check("nn_soft_evidence_flag", checks.any_bad_soft, {"q": q},
                                        lambda: checks.explain_bad_soft(q, "CircuitModule"),

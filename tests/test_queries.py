@@ -77,6 +77,34 @@ def test_marginals_hard_and_soft(case):
     np.testing.assert_allclose(np.asarray(c.marginal(c.params, soft_evidence=onehot)), expect, rtol=1e-5, atol=1e-5)
 
 
+def test_soft_evidence_gradient_where_weights_are_zero():
+    """``d log Z / d q[v, k] = Z(x_v = k) / Z``, finite where ``q`` is 0 (one-hot evidence, a masked softmax that
+    underflows): checked against the enumerated joint for ``marginal``, the Flax module and a second derivative;
+    values past a variable's own range get 0, and max-product's derivative is the indicator of the maximizer."""
+    a = jaxpc.inputs(0, num_node_blocks=2, block_size=2, dist=distributions.Categorical(num_cats=3))
+    b = jaxpc.inputs(1, num_node_blocks=2, block_size=2, dist=distributions.Categorical(num_cats=4))
+    c = jaxpc.compile(jaxpc.summate(jaxpc.multiply(a, b), num_node_blocks=1, block_size=1), seed=2)
+    xs = np.array(list(itertools.product(range(3), range(4))), np.int32)
+    P = np.exp(np.asarray(c.log_prob(c.params, xs), np.float64)).reshape(3, 4)
+    q = np.zeros((1, 2, 4), np.float32)
+    q[0, 0, 1] = q[0, 1, 2] = 1.0  # hard evidence x = (1, 2) as one-hot weights
+    want = np.zeros((2, 4))
+    want[0, :3], want[1] = P[:, 2] / P[1, 2], P[1, :] / P[1, 2]
+    g = jax.grad(lambda q: c.marginal(c.params, soft_evidence=q).sum())(jnp.asarray(q))
+    np.testing.assert_allclose(np.asarray(g)[0], want, rtol=1e-5)
+    pytest.importorskip("flax")
+    from jaxpc import nn
+    m = nn.CircuitModule(c, normalize=False)
+    np.testing.assert_allclose(np.asarray(jax.grad(lambda q: m(soft_evidence=q).sum())(jnp.asarray(q)))[0], want,
+                               rtol=1e-5)
+    # d2 log Z / dq[0, k] dq[1, j] = P[k, j] / Z - want[0, k] want[1, j]
+    h = np.asarray(jax.hessian(lambda q: c.marginal(c.params, soft_evidence=q).sum())(jnp.asarray(q)))
+    np.testing.assert_allclose(h[0, 0, :3, 0, 1], P / P[1, 2] - np.outer(want[0, :3], want[1]), rtol=1e-4,
+                               atol=1e-6)
+    mpe = jax.grad(lambda q: c.marginal(c.params, soft_evidence=q, propagation="MPE").sum())(jnp.asarray(q))
+    np.testing.assert_array_equal(np.asarray(mpe)[0], q[0])  # d max / d q at the one-hot maximizer: 1 / q = 1
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [5])
 def test_soft_evidence_gradient_is_finite_difference(seed):
@@ -172,8 +200,9 @@ def test_variables_no_leaf_reads():
 
 
 def test_samples_under_evidence_of_probability_zero_are_marked():
-    """A row whose evidence has probability 0 has nothing to draw: its missing entries read -1 (NaN for float
-    samples), its observed ones stay; the other rows draw as before. MPE reports the row by its value, -inf."""
+    """A row whose evidence has probability 0 has nothing to draw or decode: its missing entries read -1 (NaN for
+    float samples) in ``sample`` and ``mpe``, its observed ones stay; the other rows as before. MPE's value is
+    -inf."""
     cat = distributions.Categorical(num_cats=3)
     a = jaxpc.inputs(0, num_node_blocks=1, block_size=2, dist=cat)
     b = jaxpc.inputs(1, num_node_blocks=1, block_size=2, dist=cat)
@@ -191,7 +220,10 @@ def test_samples_under_evidence_of_probability_zero_are_marked():
         assert mark.all() and drawn[0, 0] == 2
         assert drawn[1, 0] == 1 and np.all(drawn[1, 1:2] >= 0) and not np.isnan(drawn[1]).any()
         assert drawn[2, 0] in (0, 1) and drawn[2, 1] >= 0 and not np.isnan(drawn[2]).any()
-        assert float(c.mpe(params, x, miss)[1][0]) == -np.inf
+        decoded, value = (np.asarray(a) for a in c.mpe(params, x, miss))
+        assert value[0] == -np.inf and np.isfinite(value[1:]).all() and decoded[0, 0] == 2
+        assert (np.isnan(decoded[0, 1:]) if dtype == np.float32 else decoded[0, 1:] == -1).all()
+        assert decoded[1, 0] == 1 and not (decoded[1:] == -1).any() and not np.isnan(decoded[1:]).any()
 
 
 def test_mpe_decoding_and_value(case):
@@ -376,6 +408,23 @@ def test_sampling_is_pure_and_keyed():
     assert not np.array_equal(a, d)
 
 
+@pytest.mark.parametrize("name", ["hmm", "pd"])
+def test_a_rows_sample_does_not_depend_on_the_batch_size_or_jit(name):
+    """Row b's draw depends on the key, b and its evidence only: the same under other batch sizes (other padded
+    buckets), inside ``jax.jit`` (no padding) and unconditionally (``sample(key, 5) == sample(key, 9)[:5]``)."""
+    c = jaxpc.compile(_sampling_circuits()[name], seed=1)
+    k = jax.random.key(7)
+    np.testing.assert_array_equal(np.asarray(c.sample(c.params, k, 5)), np.asarray(c.sample(c.params, k, 9))[:5])
+    card = int(c.runtime.var_info.card.min())
+    x = np.random.default_rng(0).integers(0, card, (17, c.num_vars)).astype(np.int32)
+    m = np.arange(c.num_vars) >= c.num_vars // 2
+    rows = [np.asarray(c.sample(c.params, k, x=x[:n], missing=m)) for n in (6, 9, 17)]
+    np.testing.assert_array_equal(rows[0], rows[1][:6])
+    np.testing.assert_array_equal(rows[1], rows[2][:9])
+    jitted = jax.jit(lambda x: c.sample(c.params, k, x=x, missing=m))(jnp.asarray(x[:6]))
+    np.testing.assert_array_equal(np.asarray(jitted), rows[0])
+
+
 def test_continuous_samples_and_modes():
     g = jaxpc.inputs(0, 2, dist=distributions.Gaussian(),
                      params={"mu": np.array([-3.0, 4.0]), "sigma": np.array([0.5, 1.0])})
@@ -512,6 +561,12 @@ def test_query_errors():
     x = np.zeros((2, 4), np.int32)
     with pytest.raises(ValueError, match="target_vars holds 9"):
         c.conditional(c.params, x, target_vars=[9])
+    with pytest.raises(ValueError, match="target_vars is empty"):
+        c.conditional(c.params, x, target_vars=[])
+    with pytest.raises(TypeError, match="got a boolean mask"):
+        c.conditional(c.params, x, target_vars=np.arange(4) < 2)
+    with pytest.raises(ValueError, match=r"soft_evidence has an empty batch \(shape \(0, 4, 3\)\)"):
+        c.marginal(c.params, soft_evidence=np.ones((0, 4, 3), np.float32))
     with pytest.raises(ValueError, match=r"soft_evidence must have shape \[batch, 4, num_values\]"):
         c.marginal(c.params, soft_evidence=np.ones((2, 3, 3)))
     with pytest.raises(ValueError, match=r"soft_evidence\[0, 0, 0\] = -1.0: .*finite and non-negative \(24 such"):

@@ -131,11 +131,11 @@ class Distribution:
         """``[len(rows), num_values]`` log-probabilities of the values ``0 .. num_values-1`` (discrete only)."""
         raise TypeError(f"{self!r} is not a discrete distribution")
 
-    def log_prob_soft(self, p: dict[str, Array], tables: dict[str, Array], rows: Array, logq: Array, options) -> Array:
-        """Node values under soft evidence: ``reduce_k(log pmf[n, k] + logq[n, k, b])`` with the LL / MPE /
-        GeneralLL reduction; ``logq`` is ``[N, K, B]`` log-weights of each node's variable."""
-        lp = self.log_pmf(p, tables, rows, logq.shape[1])[:, :, None] + logq
-        return reduce_missing(lp, options, axis=1)
+    def log_prob_soft(self, p: dict[str, Array], tables: dict[str, Array], rows: Array, q: Array, options) -> Array:
+        """Node values under soft evidence: ``reduce_k(log pmf[n, k] + log q[n, k, b])`` with the LL / MPE /
+        GeneralLL reduction (:func:`soft_reduce`); ``q`` is ``[N, K, B]`` non-negative weights of each node's
+        variable."""
+        return soft_reduce(self.log_pmf(p, tables, rows, q.shape[1])[:, :, None], q, options)
 
     def sample(self, key: Array, p: dict[str, Array], tables: dict[str, Array], prow: Array, num_values: int) -> Array:
         """One draw per entry of ``prow`` (param rows, any shape)."""
@@ -255,6 +255,44 @@ def parent_totals(values: Array, seg: Array, group) -> Array:
     if group.single_segments:
         return jnp.sum(values, axis=2)
     return block_totals(values, seg, group.num_segments)[seg]
+
+
+def _log_weights(q: Array) -> Array:
+    """``log q``: -inf where ``q == 0``, with a zero gradient there (not ``0 * inf``); NaN where ``q`` is negative
+    or NaN, as ``log`` gives."""
+    pos = q > 0
+    return jnp.where(pos, jnp.log(jnp.where(pos, q, jnp.ones((), q.dtype))),
+                     jnp.where(q == 0, -jnp.inf, jnp.nan).astype(q.dtype))
+
+
+@jax.custom_jvp
+def soft_logsumexp(logpmf: Array, q: Array) -> Array:
+    """``log sum_k exp(logpmf[n, k, .]) q[n, k, b]`` ``[N, B]`` (``logpmf`` ``[N, K, 1 or B]``, ``q`` ``[N, K, B]``
+    non-negative), computed in log space. Its derivative by ``q`` is ``p_k / sum`` (``exp(logpmf - out)``), finite
+    where ``q_k = 0`` (one-hot evidence, a softmax that underflows), where ``log q``'s chain rule gives ``0 * inf``;
+    rows whose sum is 0 get zero derivatives."""
+    return jax.nn.logsumexp(logpmf + _log_weights(q), axis=1)
+
+
+@soft_logsumexp.defjvp
+def _soft_logsumexp_jvp(primals, tangents):
+    logpmf, q = primals
+    dlogpmf, dq = tangents
+    out = soft_logsumexp(logpmf, q)
+    finite = jnp.isfinite(out)[:, None, :]
+    shifted = logpmf - jnp.where(finite, out[:, None, :], jnp.zeros((), out.dtype))
+    post = jnp.where(finite, jnp.exp(shifted + _log_weights(q)), 0.0)  # each value's share of the sum
+    per_q = jnp.where(finite, jnp.exp(shifted), 0.0)  # d out / d q_k = p_k / sum
+    return out, jnp.sum(post * dlogpmf, axis=1) + jnp.sum(per_q * dq, axis=1)
+
+
+def soft_reduce(logpmf: Array, q: Array, options) -> Array:
+    """A discrete leaf's values under soft evidence ``q`` ``[N, K, B]`` (non-negative weights) over axis 1:
+    :func:`soft_logsumexp` (LL), else :func:`reduce_missing` of ``logpmf + log q`` (``log q``'s gradient 0 where
+    ``q = 0``: a value that takes no part in the max or the tempered sum)."""
+    if options.propagation == "LL":
+        return soft_logsumexp(logpmf, q)
+    return reduce_missing(logpmf + _log_weights(q), options, axis=1)
 
 
 def reduce_missing(logp: Array, options, axis: int = -1) -> Array:

@@ -33,13 +33,13 @@ def missing_t(missing: Array | None) -> Array | None:
 
 def input_values(layout: Layout, tables: dict, params: dict, x: Array, missing: Array | None, options,
                  soft: Array | None = None, evidence: dict | None = None) -> list:
-    """Per input layer ``[N, B]`` node values. ``soft``: optional ``[B, V, K]`` log-weights of soft evidence,
-    used by the discrete leaves in place of ``x``/``missing``. ``evidence``: per-call evidence for the
+    """Per input layer ``[N, B]`` node values. ``soft``: optional ``[B, V, K]`` non-negative weights of soft
+    evidence, used by the discrete leaves in place of ``x``/``missing``. ``evidence``: per-call evidence for the
     leaves that read it (:mod:`jaxpc.distributions.evidence`) and ``evidence["latent"]`` ``[B, V, M]``, an
     additive log-potential on node ``j`` of every leaf vector over variable ``v``."""
     xt = x.T
     mt = missing_t(missing)
-    qt = None if soft is None else jnp.transpose(soft, (1, 2, 0))  # [V, K, B]
+    qt = None if soft is None else jnp.transpose(soft, (1, 2, 0))  # [V, K, B] weights
     outs = []
     for i, (spec, tab) in enumerate(zip(layout.input_layers, tables["inputs"])):
         with jax.named_scope(f"jaxpc/input{i}/{spec.key}"):

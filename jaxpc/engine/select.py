@@ -47,8 +47,9 @@ def chosen_children(values: Array, ch: Array, pid: Array, logw: Array, parent: A
     # the chosen parent's log-weights: logw[pid[i, c], parent[i, b], j] as [n, B, C*Kc]
     lw = logw[pid[:, None, :, None], parent[:, :, None, None], jnp.arange(Kc)].reshape(n, -1, C * Kc)
     scores = jnp.swapaxes(lw, 1, 2) + (x[None] if dense else x)  # [n, C*Kc, B]
-    if key is not None:
-        scores = scores + jax.random.gumbel(key, scores.shape, scores.dtype)
+    if key is not None:  # drawn batch-major: a sample's noise does not depend on the batch's padded size
+        noise = jax.random.gumbel(key, (scores.shape[2], *scores.shape[:2]), scores.dtype)
+        scores = scores + jnp.moveaxis(noise, 0, -1)
     idx = jnp.argmax(scores, axis=1)  # [n, B]
     return [jnp.take_along_axis(jnp.broadcast_to(child_rows(t, Kc, dense), (n, C * Kc)), idx, axis=1)
             for t in child_terms(ch)]

@@ -17,7 +17,7 @@ import numpy as np
 from .. import checks
 from ..engine import forward, routing, select, stages
 from ..options import Options
-from ..runtime import VALIDATE, Batch, mask_key
+from ..runtime import VALIDATE, Batch, declare_entries, mask_key
 
 Array = jax.Array
 
@@ -36,7 +36,7 @@ def _marginal_impl(layout, tables, params, x, missing, soft, options, *, check: 
     bad = checks.bad_soft_rows(q) if check else None
     if check:
         q = jnp.where(bad[:, None, None], jnp.ones((), dtype), q)
-    ll = forward.log_prob(layout, tables, params, x, missing, options, soft=jnp.log(q))
+    ll = forward.log_prob(layout, tables, params, x, missing, options, soft=q)
     return ll if bad is None else jnp.where(bad, jnp.asarray(jnp.nan, ll.dtype), ll)
 
 
@@ -102,24 +102,30 @@ def _fill_leaves(layout, tables, params, x, missing, key, options, *, num_values
         p = params["input"][spec.key]
         if decode:
             draw = spec.dist.mode(p, tab["meta"], prow, num_values)
-        else:
-            draw = spec.dist.sample(jax.random.fold_in(key, li), p, tab["meta"], prow, num_values)
+        else:  # drawn batch-major ([B, V]): a sample's values do not depend on the batch's padded size
+            draw = spec.dist.sample(jax.random.fold_in(key, li), p, tab["meta"], prow.T, num_values).T
         out = jnp.where((sel >= 0) & mt, draw.astype(out.dtype), out)
     return out.T, values[plan.root_row]
 
 
-def _sample_impl(layout, tables, params, key, x, missing, *, num_values: int, options):
-    out, root = _fill_leaves(layout, tables, params, x, missing, key, options, num_values=num_values, decode=False)
-    if missing is None:  # nothing drawn
+def _mark_impossible(out: Array, root: Array, missing: Array | None) -> Array:
+    """``out`` with the missing entries of rows whose evidence has probability 0 (root value -inf) at -1 (NaN for
+    floats): nothing is drawn or decoded from an impossible row."""
+    if missing is None:  # nothing filled
         return out
-    # evidence of probability 0 has no conditional to draw from: its missing entries read -1 (NaN for floats)
     mark = jnp.asarray(jnp.nan if jnp.issubdtype(out.dtype, jnp.floating) else -1, out.dtype)
     impossible = (root == -jnp.inf)[:, None] & jnp.broadcast_to(forward.missing_t(missing).T, out.shape)
     return jnp.where(impossible, mark, out)
 
 
+def _sample_impl(layout, tables, params, key, x, missing, *, num_values: int, options):
+    out, root = _fill_leaves(layout, tables, params, x, missing, key, options, num_values=num_values, decode=False)
+    return _mark_impossible(out, root, missing)
+
+
 def _mpe_impl(layout, tables, params, x, missing, *, num_values: int, options):
-    return _fill_leaves(layout, tables, params, x, missing, None, options, num_values=num_values, decode=True)
+    out, root = _fill_leaves(layout, tables, params, x, missing, None, options, num_values=num_values, decode=True)
+    return _mark_impossible(out, root, missing), root
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,6 +138,7 @@ _QUERY_ENTRIES = {"marginal_soft": (_marginal_impl, 0), "conditional": (_conditi
 # entries whose optimized compile keeps the scanned stages: their top-down selection runs slower unrolled, because
 # XLA fuses the unrolled steps of a level into slow transposes (benchmarks/RESULTS.md, "scanned or unrolled")
 _SCANNED = frozenset({"sample", "mpe"})
+declare_entries(*_QUERY_ENTRIES)
 
 
 def _run(circuit, entry: str, static: dict, args: dict, batch: Batch, **kw):
@@ -170,6 +177,8 @@ def _check_soft(circuit, soft, check_values: bool):
     if soft.ndim != 3 or soft.shape[1] != circuit.num_vars:
         raise ValueError(f"soft_evidence must have shape [batch, {circuit.num_vars}, num_values], "
                          f"got {tuple(soft.shape)}")
+    if soft.shape[0] == 0:
+        raise ValueError(f"soft_evidence has an empty batch (shape {tuple(soft.shape)})")
     K = int(info.card.max())
     if soft.shape[2] < K:
         raise ValueError(f"soft_evidence has {soft.shape[2]} values per variable, but variable "
@@ -208,7 +217,7 @@ def marginal(circuit, params, x=None, missing=None, *, soft_evidence=None, propa
         traced = isinstance(q, jax.core.Tracer)
         batch = Batch(_no_evidence(circuit, n, jnp.int32), None, n, check=False, report=False, sync=False,
                       traced=traced)
-        on_device = bool(validate) and isinstance(soft_evidence, jax.Array) and not traced
+        on_device = bool(validate) and checks.is_device_array(soft_evidence)
         out = _run(circuit, "marginal_soft", {"check": bool(validate)}, {"params": params, "soft": q}, batch,
                    options=opts, batched={"soft": 0})
         if on_device:  # its values were not seen on the host: flagged now, raised by the next call
@@ -250,6 +259,11 @@ def conditional(circuit, params, x, missing=None, *, target_vars=None, options: 
         targets = np.arange(circuit.num_vars)
     else:
         targets = np.asarray(target_vars)
+        if targets.ndim == 1 and targets.size == 0:
+            raise ValueError("target_vars is empty: name at least one variable (None: every variable)")
+        if targets.dtype == np.bool_:
+            raise TypeError("target_vars must be variable ids, got a boolean mask (np.flatnonzero(mask) gives its "
+                            "ids)")
         if targets.ndim != 1 or not np.issubdtype(targets.dtype, np.integer):
             raise TypeError(f"target_vars must be a 1-D sequence of variable ids, got {target_vars!r}")
         bad = targets[(targets < 0) | (targets >= circuit.num_vars)]
@@ -301,7 +315,9 @@ def sample(circuit, params, key: Array, num_samples: int | None = None, *, x=Non
 
     Conditional sampling: pass evidence ``x`` ``[B, V]`` and ``missing``; observed entries are kept and the
     missing ones drawn from ``p(missing | evidence)``. Pure and keyed by ``key``: each sum node picks a child
-    by Gumbel-max on ``log w + child log-likelihood``, then every reached leaf draws its value; a variable that no
+    by Gumbel-max on ``log w + child log-likelihood``, then every reached leaf draws its value. Row ``b``'s draw
+    depends on ``key``, ``b`` and its own evidence only, not on the batch's size, padding or ``jax.jit`` (with JAX's
+    default ``jax_threefry_partitionable``): ``sample(key, 5)`` is ``sample(key, 9)[:5]``. A variable that no
     leaf reads keeps its entry of ``x`` (0 without ``x``). Where the evidence of a row has probability 0, its
     missing entries read -1 (NaN when the samples are floats). ``options``: the
     forward's :class:`jaxpc.Options` (``precision``, ``impl``, ``tuning``; ``propagation`` must stay ``"LL"``).
@@ -327,7 +343,8 @@ def mpe(circuit, params, x=None, missing=None, *, num_samples: int | None = None
     assignment of the best single induced tree, and its value is a lower bound on the MAP value.
     Ties go to the first child (lowest child block, then lowest node in the block) and to the lowest
     value of a leaf; a continuous leaf decodes to its mean; a variable that no leaf reads keeps its entry of ``x``
-    (0 without ``x``). Without ``x``, ``num_samples`` (default 1) rows of
+    (0 without ``x``). Where the evidence of a row has probability 0 (log-value -inf), its missing entries read -1
+    (NaN when the assignment is float). Without ``x``, ``num_samples`` (default 1) rows of
     the unconditional decoding; with it, one row per row of ``x``. ``options``: the forward's
     :class:`jaxpc.Options` (``precision``, ``impl``, ``tuning``); its ``propagation`` is ``"MPE"`` whatever
     it says, except ``"GeneralLL"``, which raises.
