@@ -510,3 +510,250 @@ def test_a_float64_circuit_needs_64_bit_jax():
         c = jaxpc.compile(root, dtype=jnp.float64)
         assert c.log_prob(c.params, np.zeros((2, 1), np.int32)).dtype == jnp.float64
 
+
+
+# ---- training, checkpoints, structures and edits: arguments named before anything runs ------------
+
+def test_optax_apply_given_flows_names_gradients(cat_circuit):
+    """An optax transformation fed flows (not gradients) names flows and the gradients it takes, not a pytree
+    mismatch; gradients (a pytree of the params' structure) still step."""
+    import optax
+
+    from jaxpc import optim
+
+    c, x = cat_circuit, np.zeros((3, 2), np.int32)
+    tx = optax.adam(1e-2)
+    state = tx.init(c.params)
+    with pytest.raises(ValueError, match=r"apply: feed looks like flows .*\['counts'\] where params hold "
+                                         r"\['log_probs'\].*optax transformations take gradients .*not flows.*"
+                                         r"optim.log_prob.*parallel.loss_and_grad"):
+        optim.apply(tx, c.flows(c.params, x), state, c.params)
+    with pytest.raises(ValueError, match="apply: feed must be gradients with the pytree structure of params"):
+        optim.apply(tx, {"sum": c.params["sum"]}, state, c.params)
+    g = jax.grad(lambda p: -optim.log_prob(c, p, x).mean())(c.params)
+    params, _ = optim.apply(tx, g, state, c.params)
+    assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(c.params)
+
+
+@pytest.mark.parametrize("num_samples, batch_size, msg", [(10, 0, "batch_size must be an int >= 1, got 0"),
+                                                          (10, 2.5, "batch_size must be an int >= 1, got 2.5"),
+                                                          (-1, 4, "num_samples must be an int >= 0, got -1"),
+                                                          (10, True, "batch_size must be an int >= 1, got True")])
+def test_epoch_batches_checks_its_sizes(num_samples, batch_size, msg):
+    from jaxpc import optim
+
+    with pytest.raises(ValueError, match=f"epoch_batches: {msg}"):
+        optim.epoch_batches(jax.random.key(0), 0, num_samples, batch_size)
+    idx, w = optim.epoch_batches(jax.random.key(0), 0, np.int64(10), np.int64(4))
+    assert idx.shape == (3, 4) and w.shape == (3, 4)
+
+
+def test_save_params_to_an_existing_path_says_overwrite(cat_circuit, tmp_path):
+    """An existing path (a checkpoint or any file) raises naming ``overwrite=True`` and is left as it was;
+    ``overwrite=True`` replaces it."""
+    from jaxpc import io
+
+    path = tmp_path / "ck"
+    io.save_params(path, cat_circuit.params, step=1)
+    with pytest.raises(ValueError, match=r"save_params: .*ck already exists; pass overwrite=True"):
+        io.save_params(path, cat_circuit.params, step=2)
+    assert io.load_params(path).step == 1
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="already exists; pass overwrite=True"):
+        io.save_params(tmp_path / "file", cat_circuit.params)
+    io.save_params(path, cat_circuit.params, step=3, overwrite=True)
+    assert io.load_params(path).step == 3
+
+
+def test_parallel_train_step_checks_the_optimizer_state(cat_circuit):
+    """``parallel.train_step`` checks ``opt_state`` as ``optim.fit`` does: None or another optimizer's state is
+    named before anything runs."""
+    import optax
+
+    from jaxpc import optim, parallel
+
+    c, x, mesh = cat_circuit, np.zeros((2, 2), np.int32), parallel.data_mesh(1)
+    with pytest.raises(ValueError, match=r"parallel.train_step: opt_state is None: pass the optimizer's "
+                                         r"init\(params\)"):
+        parallel.train_step(c, optax.adam(1e-2), c.params, None, x, mesh=mesh)
+    em = optim.em(c, 0.1)
+    with pytest.raises(ValueError, match=r"parallel.train_step: opt_state is not a state of this optimizer "
+                                         r"\(got EMState, expected tuple\)"):
+        parallel.train_step(c, optax.adam(1e-2), c.params, em.init(c.params), x, mesh=mesh)
+    with pytest.raises(TypeError, match="optimizer must be a jaxpc.optim EM transformation or an optax"):
+        parallel.train_step(c, "adam", c.params, None, x, mesh=mesh)
+    p, s, ll = parallel.train_step(c, em, c.params, em.init(c.params), x, mesh=mesh)
+    assert ll.shape == (2,)
+
+
+def test_structure_builders_check_their_data(cat_circuit):
+    """HCLT and mutual_information take numbers (a string array is named, not refused by a NumPy ufunc);
+    chow_liu_tree takes a square matrix of finite scores."""
+    from jaxpc import structures
+
+    x = np.random.default_rng(0).integers(0, 3, (20, 4))
+    for make, name in ((lambda a: structures.HCLT(a, 2), "HCLT: x"),
+                       (lambda a: structures.mutual_information(a), "mutual_information: x"),
+                       (lambda a: structures.PDHCLT(a, (2, 2), 2, split_intervals=1), "PDHCLT: data")):
+        with pytest.raises(TypeError, match=rf"{name} must be numbers \(ints or floats\), got dtype <U"):
+            make(x.astype(str))
+    for bad in (np.ones((3, 4)), np.ones(3), np.ones((0, 0))):
+        with pytest.raises(ValueError, match=rf"chow_liu_tree: mi must be a square \[V, V\] matrix .*got shape "
+                                             rf"{re.escape(str(bad.shape))}"):
+            structures.chow_liu_tree(bad)
+    mi = np.eye(3)
+    mi[0, 2] = np.nan
+    with pytest.raises(ValueError, match=r"chow_liu_tree: mi must be finite; mi\[0, 2\] is nan"):
+        structures.chow_liu_tree(mi)
+    with pytest.raises(TypeError, match="chow_liu_tree: mi must be numbers"):
+        structures.chow_liu_tree(np.array([["a"]]))
+    children, root = structures.chow_liu_tree(structures.mutual_information(x, num_bins=4, chunk_size=2))
+    assert sum(len(ch) for ch in children) == 3 and 0 <= root < 4
+    structures.HCLT(x.astype(bool), 2, num_bins=4, chunk_size=2, input_dist=distributions.Categorical(3))
+
+
+def test_partial_takes_a_sequence_of_variable_ids(cat_circuit):
+    c = cat_circuit
+    for bad, what in ((1, "int 1"), (np.int64(1), "int64"), ("01", "str '01'"),
+                      (np.array([[0, 1]]), r"an array of dtype int64 and shape \(1, 2\)")):
+        with pytest.raises(TypeError, match=rf"variables must be a sequence of variable ids \(ints\), got {what}"):
+            c.partial(bad)
+    with pytest.raises(TypeError, match=r"variables must be ints, got 0.5 \(float\) among them"):
+        c.partial([0, 0.5])
+    with pytest.raises(TypeError, match="got a one-shot generator; pass a list"):
+        c.partial(v for v in (0, 1))
+    with pytest.raises(ValueError, match=r"variable 2 is not in the circuit \(variables 0..1\)"):
+        c.partial([0, 2])
+    assert c.partial(np.array([1])).variables == (1,)
+    assert c.partial(range(2)).variables == (0, 1)
+
+
+def test_optim_functions_check_the_circuit(cat_circuit):
+    """Params (or anything else) in place of the circuit are named by the optim and parallel functions."""
+    from jaxpc import optim, parallel
+
+    p, x = cat_circuit.params, np.zeros((2, 2), np.int32)
+    calls = [("em", lambda: optim.em(p, 0.1)), ("full_batch_em", lambda: optim.full_batch_em(p, 2)),
+             ("anemone", lambda: optim.anemone(p)), ("fit", lambda: optim.fit(p, p, x, 1, 2, progress=False)),
+             ("parallel.flows", lambda: parallel.flows(p, p, x)),
+             ("parallel.loss_and_grad", lambda: parallel.loss_and_grad(p, p, x)),
+             ("parallel.train_step", lambda: parallel.train_step(p, optim.em(cat_circuit), p, None, x)),
+             ("parallel.split_batch", lambda: parallel.split_batch(p, x)),
+             ("optim.normalize", lambda: optim.normalize(p, p)), ("optim.log_prob", lambda: optim.log_prob(p, p, x))]
+    for where, call in calls:
+        with pytest.raises(TypeError, match=rf"^{where}: circuit must be a jaxpc.Circuit, got dict; pass the "
+                                            r"compiled circuit"):
+            call()
+    with pytest.raises(TypeError, match=r"^em: circuit must be a jaxpc.Circuit, got str$"):
+        optim.em("circuit")
+
+
+def test_hclt_latent_regions_of_another_structure_raises():
+    from jaxpc import edit, structures
+
+    with pytest.raises(ValueError, match="hclt_latent_regions: no HCLT latent products found"):
+        edit.hclt_latent_regions(structures.HMM(3, 2, 3))
+    x = np.random.default_rng(0).integers(0, 3, (20, 3))
+    hclt = structures.HCLT(x, 2, num_bins=4, chunk_size=2, input_dist=distributions.Categorical(3))
+    assert edit.hclt_latent_regions(hclt)
+
+
+def test_pdhclt_errors_name_pdhclt_and_rat_spn_needs_a_split():
+    from jaxpc import structures
+
+    x = np.random.default_rng(0).integers(0, 3, (20, 4))
+    cat = distributions.Categorical(3)
+    for kw, msg in (({"num_latents": 0}, "num_latents must be a positive int, got 0"),
+                    ({"structure_type": "x"}, "structure_type must be one of"),
+                    ({"split_intervals": 0}, "split_intervals must be a positive int"),
+                    ({"max_prod_block_conns": 0}, "max_prod_block_conns must be a positive int"),
+                    ({"block_size": 3}, "num_latents=2 must be a multiple of block_size=3")):
+        args = {"num_latents": 2, "split_intervals": 1, "input_dist": cat, **kw}
+        with pytest.raises(ValueError, match=f"^PDHCLT: {msg}"):
+            structures.PDHCLT(x, (2, 2), **args)
+    with pytest.raises(ValueError, match="^PD: num_latents must be a positive int, got 0"):
+        structures.PD((2, 2), 0, split_intervals=1)
+    with pytest.raises(ValueError, match=r"RAT_SPN: depth must be >= 1 \(the levels of splits\), got 0"):
+        structures.RAT_SPN(4, 2, 0, 2)
+    with pytest.raises(ValueError, match="RAT_SPN: depth must be an int >= 0, got -1"):
+        structures.RAT_SPN(4, 2, -1, 2)
+    assert jaxpc.compile(structures.RAT_SPN(4, 2, 1, 2, input_dist=cat)).num_vars == 4
+
+
+def test_hmm_alpha_is_documented_as_built():
+    """``HMM``'s docstring: ``alpha[i, j] = P(z_{t+1} = j | z_t = i)``, and unnormalized rows of alpha and beta, and
+    gamma, are renormalized. Checked by enumerating every state path of a tiny HMM."""
+    import itertools
+
+    from jaxpc import structures
+
+    T, L, V = 3, 2, 3
+    alpha, beta, gamma = np.array([[0.9, 0.1], [0.3, 0.7]]), np.array([[0.6, 0.3, 0.1], [0.1, 0.2, 0.7]]), \
+        np.array([0.8, 0.2])
+
+    def brute(x):
+        tot = 0.0
+        for z in itertools.product(range(L), repeat=T):
+            p = gamma[z[0]] * np.prod([beta[z[t], x[t]] for t in range(T)])
+            tot += p * np.prod([alpha[z[t - 1], z[t]] for t in range(1, T)])
+        return tot
+
+    doc = structures.HMM.__doc__
+    assert "alpha[i, j] = P(z_{t+1} = j | z_t = i)" in doc and "renormalized" in doc
+    xs = np.array(list(itertools.product(range(V), repeat=T)), np.int32)
+    rows = np.array([[3.0], [0.5]])
+    c = jaxpc.compile(structures.HMM(T, L, V, alpha=alpha * rows, beta=beta * rows[::-1], gamma=gamma * 7))
+    np.testing.assert_allclose(np.exp(np.asarray(c.log_prob(c.params, xs))), [brute(x) for x in xs], rtol=1e-5)
+    with pytest.raises(ValueError, match="weights summing to zero"):
+        structures.HMM(T, L, V, alpha=np.array([[0.0, 0.0], [0.5, 0.5]]))
+
+
+def test_docs_name_what_exists_and_every_argument():
+    """docs/design.md cites pallas_sum functions that exist; the docstrings of these public functions document each
+    of their arguments (an ``Args`` entry ``name:``, or ``name`` in a list of names ``a, name:``)."""
+    import inspect
+    import pathlib
+
+    from jaxpc import io, optim, structures
+    from jaxpc.ops import pallas_sum
+
+    design = (pathlib.Path(__file__).parent.parent / "docs" / "design.md").read_text()
+    for name in re.findall(r"pallas_sum\.(\w+)", design):
+        assert hasattr(pallas_sum, name), f"docs/design.md cites pallas_sum.{name}, which does not exist"
+    for fn in (optim.fit, optim.em, optim.full_batch_em, optim.anemone, io.save_params, structures.RAT_SPN,
+               structures.PD, structures.PDHCLT):
+        doc = inspect.getdoc(fn)
+        for name in inspect.signature(fn).parameters:
+            entry = rf"(^|\n)\s*([a-z_]+, *\n?\s*)*{name}(, *\n?\s*[a-z_]+)*:|; {name}:"
+            assert re.search(entry, doc), f"{fn.__qualname__}'s docstring does not document {name}"
+
+
+def test_node_arguments_params_dtype_and_params_for_flows_are_named(cat_circuit):
+    """A circuit (or anything else) where a node vector is expected, params of another float dtype than the
+    circuit's (float16 outputs, an EM step returning float32 before), and params passed where flows are expected
+    (their sum parts look alike) are each named; float64 numpy params pass where 64-bit JAX is off (JAX stores them
+    as float32)."""
+    from jaxpc import edit
+
+    c, x = cat_circuit, np.zeros((2, 2), np.int32)
+    for where, call in (("get_node_params", lambda: c.get_node_params(c.params, c)),
+                        ("get_node_flows", lambda: c.get_node_flows(c.flows(c.params, x), "root")),
+                        ("gate_slice", lambda: c.gate_slice(c)), ("param_slice", lambda: c.param_slice(3))):
+        with pytest.raises(TypeError, match=rf"^{where}: node must be a node vector \(jaxpc.CircuitNodes\), got "):
+            call()
+    with pytest.raises(TypeError, match=r"pass one of its nodes, e.g. circuit.root"):
+        c.get_node_params(c.params, c)
+    for dt in (jnp.float16, jnp.bfloat16):
+        low = jax.tree_util.tree_map(lambda a: a.astype(dt), c.params)
+        for call in (lambda: c.log_prob(low, x), lambda: c.em_step(low, x), lambda: c.check_params(low)):
+            with pytest.raises(TypeError, match=rf"params\[.*\] has dtype {jnp.dtype(dt)}, but this circuit computes "
+                                                r"in float32 .*astype\('float32'\)"):
+                call()
+    wide = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), c.params)
+    np.testing.assert_allclose(np.asarray(c.log_prob(wide, x)), np.asarray(c.log_prob(c.params, x)), rtol=1e-6)
+    want = r"flows\['input'\]\['categorical'\] must hold the layer's statistics \['counts'\] .* params given for flows"
+    with pytest.raises(ValueError, match=want):
+        c.get_node_flows(c.params, c.root)
+    with pytest.raises(ValueError, match=r"prune: " + want):
+        edit.prune(c.root, c, c.params, flows=c.params, keep_frac=0.5)
+    np.testing.assert_allclose(np.asarray(c.get_node_flows(c.flows(c.params, x), c.root)).sum(), 2.0, rtol=1e-5)

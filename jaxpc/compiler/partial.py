@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -34,14 +35,27 @@ class PlanLayout:
 
 
 def build_plan(struct: CompiledStructure, variables) -> tuple[PlanLayout, dict]:
-    """(static plan, numpy tables) for re-evaluating everything whose scope meets ``variables``."""
+    """(static plan, numpy tables) for re-evaluating everything whose scope meets ``variables``, a non-empty
+    sequence of variable ids (ints in ``0 .. num_vars - 1``; else a ``TypeError`` or ``ValueError``)."""
+    V = struct.layout.num_vars
+    if hasattr(variables, "__array__") and not isinstance(variables, (str, bytes, numbers.Number)):
+        a = np.asarray(variables)  # a NumPy or JAX array of ids
+        variables = a.tolist() if a.ndim == 1 and a.dtype.kind in "iu" else a
+    if isinstance(variables, (str, bytes, numbers.Number, np.ndarray)) or not isinstance(variables, Iterable):
+        what = (f"an array of dtype {variables.dtype} and shape {variables.shape}" if isinstance(variables, np.ndarray)
+                else f"{type(variables).__name__} {variables!r}")
+        raise TypeError(f"partial evaluation: variables must be a sequence of variable ids (ints), got {what}; e.g. "
+                        f"circuit.partial([v]) for variable v alone (ids 0..{V - 1})")
+    if iter(variables) is variables:  # read more than once (here and by the caller)
+        raise TypeError(f"partial evaluation: variables must be a sequence of variable ids (ints), got a one-shot "
+                        f"{type(variables).__name__}; pass a list, e.g. list(...) of it")
     bad = [v for v in variables if not isinstance(v, numbers.Integral) or isinstance(v, bool)]
     if bad:
-        raise TypeError(f"partial evaluation: variables must be ints, got {bad[0]!r}")
+        raise TypeError(f"partial evaluation: variables must be ints, got {bad[0]!r} ({type(bad[0]).__name__}) "
+                        "among them; pass a sequence of variable ids")
     vs = sorted({int(v) for v in variables})
     if not vs:
         raise ValueError("partial evaluation needs at least one variable")
-    V = struct.layout.num_vars
     bad = [v for v in vs if not 0 <= v < V]
     if bad:
         raise ValueError(f"partial evaluation: variable {bad[0]} is not in the circuit (variables 0..{V - 1})")

@@ -20,12 +20,21 @@ def hclt_latent_regions(root: CircuitNodes) -> dict[int, ProdNodes]:
     of the product vector of variable ``v`` stands for ``z_v = k`` (it multiplies ``P(x_v | z_v = k)``
     with the subtrees' sums). Variables at the leaves of the Chow-Liu tree have no such vector (their
     latent is summed into the parent's input vector). Found as the products whose last child is an
-    input vector (HCLT's construction order)."""
+    input vector (HCLT's construction order).
+
+    Raises a ``ValueError`` where the graph has no such product (not an HCLT, e.g. an HMM, or an HCLT of a single
+    variable): give :func:`lvd_init` the regions of other structures yourself. The rule reads HCLT's construction
+    and does not recognize one: the leaf regions of a PD or RAT-SPN (products of input vectors) match it too."""
     nodes = check_root(root, "hclt_latent_regions")
     out: dict[int, ProdNodes] = {}
     for ns in nodes:
         if ns.is_prod() and ns.children[-1].is_input():
             out.setdefault(ns.children[-1].var, ns)
+    if not out:
+        raise ValueError(f"hclt_latent_regions: no HCLT latent products found: no product vector of the graph of "
+                         f"{root.name} has an input vector as its last child, as jaxpc.structures.HCLT builds them "
+                         "(is it an HCLT of 2 or more variables?); for other structures pass lvd_init the regions "
+                         "yourself")
     return out
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numbers
 
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -25,6 +26,16 @@ def check_int(where: str, name: str, value, lo: int = 1) -> int:
         what = "a positive int" if lo == 1 else f"an int >= {lo}"
         raise ValueError(f"{where}: {name} must be {what}, got {value!r}")
     return int(value)
+
+
+def check_numbers(where: str, name: str, a: np.ndarray) -> None:
+    """Raise a ``TypeError`` naming ``where`` and ``name`` unless array ``a`` holds numbers: booleans, integers or
+    floats (bfloat16 too), not strings or objects."""
+    dt = a.dtype
+    if dt.kind in "biuf" or jnp.issubdtype(dt, jnp.floating):  # (bfloat16: kind "V")
+        return
+    raise TypeError(f"{where}: {name} must be numbers (ints or floats), got dtype {dt}; convert it first, e.g. "
+                    f"{name}.astype(np.int32)")
 
 
 def check_latents(name: str, num_latents: int, block_size: int | None, cap: int) -> tuple[int, int]:

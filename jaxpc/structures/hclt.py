@@ -21,7 +21,7 @@ from scipy.sparse import csgraph, csr_matrix
 
 from .. import distributions
 from ..nodes import CircuitNodes, inputs, multiply, summate
-from ._util import check_int, check_latents, check_leaf_values
+from ._util import check_int, check_latents, check_leaf_values, check_numbers
 
 __all__ = ["HCLT", "mutual_information", "chow_liu_tree"]
 
@@ -75,8 +75,11 @@ def _row_entropy_exe(shape: tuple, num_bins: int, rows: int, cols: int, backend:
 
 def mutual_information(x, num_bins: int = 32, sigma: float = 0.5 / 32, chunk_size: int = 64) -> np.ndarray:
     """Soft-binned pairwise mutual information ``[V, V]`` of data ``x`` ``[N, V]`` (values are scaled to
-    ``[0, 1]`` by the global min and max first), computed with JAX on the default device."""
-    x = np.asarray(x, dtype=np.float32)
+    ``[0, 1]`` by the global min and max first), computed with JAX on the default device. ``x`` must hold numbers
+    (else a ``TypeError``)."""
+    x = np.asarray(x)
+    check_numbers("mutual_information", "x", x)
+    x = x.astype(np.float32)
     if x.ndim != 2:
         raise ValueError(f"mutual_information: x must be [num_samples, num_vars], got shape {x.shape}")
     if not np.isfinite(x).all():
@@ -118,7 +121,25 @@ def mutual_information(x, num_bins: int = 32, sigma: float = 0.5 / 32, chunk_siz
 
 
 def chow_liu_tree(mi: np.ndarray) -> tuple[list[list[int]], int]:
-    """Maximum spanning tree of ``mi`` rooted at its center. Returns (children lists, root)."""
+    """Maximum spanning tree of the pairwise scores ``mi`` rooted at its center. Returns (children lists, root).
+
+    Args:
+        mi: ``[V, V]`` (``V >= 1``) finite scores of the pairs of variables, such as :func:`mutual_information`
+            returns; the tree reads the upper triangle (``mi[i, j]``, ``i < j``), so ``mi`` is meant symmetric. Other
+            shapes, non-numbers and NaN or infinite scores raise a ``TypeError`` or ``ValueError``.
+
+    Returns:
+        ``(children, root)``: ``children[v]`` the child variables of ``v`` (ids ``0 .. V - 1``), ``root`` the
+        variable at the middle of a longest path.
+    """
+    mi = np.asarray(mi)
+    check_numbers("chow_liu_tree", "mi", mi)
+    if mi.ndim != 2 or mi.shape[0] != mi.shape[1] or mi.shape[0] < 1:
+        raise ValueError(f"chow_liu_tree: mi must be a square [V, V] matrix of pairwise scores (V >= 1), such as "
+                         f"mutual_information(x) returns, got shape {mi.shape}")
+    if not np.isfinite(mi).all():
+        r, c = np.argwhere(~np.isfinite(mi))[0]
+        raise ValueError(f"chow_liu_tree: mi must be finite; mi[{r}, {c}] is {mi[r, c]}")
     V = mi.shape[0]
     if V == 1:
         return [[]], 0
@@ -155,7 +176,8 @@ def HCLT(x, num_latents: int, num_bins: int = 32, sigma: float = 0.5 / 32, chunk
     """A hidden Chow-Liu tree learned from data ``x`` ``[N, V]``.
 
     Args:
-        x: data used to learn the tree (a few thousand rows suffice).
+        x: data used to learn the tree (a few thousand rows suffice): numbers (ints or floats; else a
+            ``TypeError``), finite.
         num_latents: latent states per variable.
         num_bins, sigma, chunk_size: the soft-binned mutual information estimator.
         num_root_ns: nodes of the root sum (1 for a distribution; more when the HCLT is a region
@@ -167,6 +189,7 @@ def HCLT(x, num_latents: int, num_bins: int = 32, sigma: float = 0.5 / 32, chunk
         variables: variable id of each column of ``x`` (default ``0 .. V-1``).
     """
     x = np.asarray(x)
+    check_numbers("HCLT", "x", x)
     if x.ndim != 2 or x.shape[0] < 2:
         raise ValueError(f"HCLT: x must be [num_samples >= 2, num_vars], got shape {x.shape}")
     input_dist = input_dist or distributions.Categorical(num_cats=256)

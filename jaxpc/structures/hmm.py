@@ -29,7 +29,12 @@ def HMM(seq_length: int, num_latents: int, num_emits: int, homogeneous: bool = T
         block_size: node block size (default: the largest power of two dividing ``num_latents``,
             at most 1024).
         alpha, beta, gamma: optional ``[L, L]`` transition, ``[L, V]`` emission and ``[L]`` initial
-            probabilities; they become ``circuit.params`` after :func:`jaxpc.compile`.
+            probabilities (``L = num_latents``, ``V = num_emits``): ``alpha[i, j] = P(z_{t+1} = j | z_t = i)`` (row
+            ``i`` is the distribution of the next state from state ``i``), ``beta[i, v] = P(x_t = v | z_t = i)``,
+            ``gamma[i] = P(z_0 = i)``. They become ``circuit.params`` after :func:`jaxpc.compile`. Entries must be
+            finite and non-negative; each row of ``alpha`` and ``beta``, and ``gamma``, is renormalized to sum to 1
+            (so unnormalized weights such as counts are taken as their proportions), and a row summing to zero
+            raises a ``ValueError``. Omitted ones are drawn by :func:`jaxpc.compile` (its ``seed``).
     """
     num_emits = check_int("HMM", "num_emits", num_emits)
     if beta is not None:

@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import distributions
 from ..nodes import CircuitNodes, inputs, multiply, summate
-from ._util import check_int, check_latents
+from ._util import check_int, check_latents, check_numbers
 from .hclt import HCLT
 
 __all__ = ["PD", "PDHCLT"]
@@ -25,29 +25,29 @@ __all__ = ["PD", "PDHCLT"]
 STRUCTURE_TYPES = ("sum_dominated", "prod_dominated")
 
 
-def _split_points(data_shape, split_intervals, split_points):
+def _split_points(data_shape, split_intervals, split_points, where: str = "PD"):
     n_axes = len(data_shape)
     if split_intervals is not None and split_points is not None:
-        raise ValueError("PD: give split_intervals or split_points, not both")
+        raise ValueError(f"{where}: give split_intervals or split_points, not both")
     if split_intervals is not None:
         if isinstance(split_intervals, numbers.Integral):
             split_intervals = (split_intervals,) * n_axes
         if len(split_intervals) != n_axes or any(not isinstance(s, numbers.Integral) or isinstance(s, bool) or s < 1
                                                  for s in split_intervals):
-            raise ValueError(f"PD: split_intervals must be a positive int or one per axis ({n_axes}), "
+            raise ValueError(f"{where}: split_intervals must be a positive int or one per axis ({n_axes}), "
                              f"got {split_intervals!r}")
         split_intervals = tuple(int(s) for s in split_intervals)
         return [list(range(split_intervals[a], data_shape[a], split_intervals[a])) for a in range(n_axes)]
     if split_points is None:
-        raise ValueError("PD: give split_intervals or split_points")
+        raise ValueError(f"{where}: give split_intervals or split_points")
     if len(split_points) != n_axes:
-        raise ValueError(f"PD: split_points needs one list per axis ({n_axes}), got {len(split_points)}")
+        raise ValueError(f"{where}: split_points needs one list per axis ({n_axes}), got {len(split_points)}")
     for a, pts in enumerate(split_points):
         for p in pts:
             if not isinstance(p, numbers.Integral) or isinstance(p, bool) or not 0 < p < data_shape[a]:
-                raise ValueError(f"PD: split point {p!r} of axis {a} must be an int in (0, {data_shape[a]})")
+                raise ValueError(f"{where}: split point {p!r} of axis {a} must be an int in (0, {data_shape[a]})")
         if len(set(int(p) for p in pts)) != len(pts):
-            raise ValueError(f"PD: split points of axis {a} must be distinct, got {list(pts)}")
+            raise ValueError(f"{where}: split points of axis {a} must be distinct, got {list(pts)}")
     return [sorted(int(p) for p in pts) for pts in split_points]
 
 
@@ -73,6 +73,8 @@ def PD(data_shape, num_latents: int, split_intervals=None, split_points=None, ma
     """A PD circuit over a grid ``data_shape`` (``(H, W)``, ``(H, W, C)``, ``(T,)``, ...).
 
     Args:
+        data_shape: the grid's size per axis, a tuple of positive ints; the circuit has ``prod(data_shape)``
+            variables, numbered row-major (``var = i0 * W + i1`` for ``(H, W)``).
         num_latents: nodes per region.
         split_intervals: split every ``k`` cells per axis (an int or one per axis), or
         split_points: explicit split positions per axis.
@@ -86,17 +88,27 @@ def PD(data_shape, num_latents: int, split_intervals=None, split_points=None, ma
         block_size: default: largest power of two dividing ``num_latents``, at most 16 (32 for
             ``num_latents > 32``).
         leaf_fn: optional ``f(variables, num_latents, block_size) -> node vector`` for leaf regions.
+        seed: seed of the random choice of products under ``max_prod_block_conns`` (the structure only: the
+            parameters are drawn by :func:`jaxpc.compile`'s own ``seed``); the same arguments and seed build the
+            same structure.
     """
-    data_shape = _check_shape("PD", data_shape)
+    return _pd("PD", data_shape, num_latents, split_intervals, split_points, max_split_depth, max_prod_block_conns,
+               structure_type, input_dist, tie_homogeneous_params, block_size, leaf_fn, seed)
+
+
+def _pd(where: str, data_shape, num_latents, split_intervals, split_points, max_split_depth, max_prod_block_conns,
+        structure_type, input_dist, tie_homogeneous_params, block_size, leaf_fn, seed) -> CircuitNodes:
+    """:func:`PD` with its errors naming ``where`` (the public builder called: ``"PD"`` or ``"PDHCLT"``)."""
+    data_shape = _check_shape(where, data_shape)
     if structure_type not in STRUCTURE_TYPES:
-        raise ValueError(f"PD: structure_type must be one of {STRUCTURE_TYPES}, got {structure_type!r}")
-    max_prod_block_conns = check_int("PD", "max_prod_block_conns", max_prod_block_conns)
+        raise ValueError(f"{where}: structure_type must be one of {STRUCTURE_TYPES}, got {structure_type!r}")
+    max_prod_block_conns = check_int(where, "max_prod_block_conns", max_prod_block_conns)
     if max_split_depth is not None:
-        max_split_depth = check_int("PD", "max_split_depth", max_split_depth, lo=0)
-    num_latents = check_int("PD", "num_latents", num_latents)  # (before the cap below compares it)
-    bs, nb = check_latents("PD", num_latents, block_size, 16 if num_latents <= 32 else 32)
-    builder = _PDBuilder(data_shape, _split_points(data_shape, split_intervals, split_points), num_latents, bs, nb,
-                         input_dist or distributions.Categorical(num_cats=256), max_split_depth=max_split_depth,
+        max_split_depth = check_int(where, "max_split_depth", max_split_depth, lo=0)
+    num_latents = check_int(where, "num_latents", num_latents)  # (before the cap below compares it)
+    bs, nb = check_latents(where, num_latents, block_size, 16 if num_latents <= 32 else 32)
+    builder = _PDBuilder(data_shape, _split_points(data_shape, split_intervals, split_points, where), num_latents,
+                         bs, nb, input_dist or distributions.Categorical(num_cats=256), max_split_depth=max_split_depth,
                          max_prod_block_conns=max_prod_block_conns, structure_type=structure_type,
                          tie=tie_homogeneous_params, leaf_fn=leaf_fn, rng=np.random.default_rng(seed))
     root = builder.region(builder.root_cube, 1)
@@ -204,8 +216,19 @@ def PDHCLT(data, data_shape, num_latents: int, split_intervals=None, split_point
            max_split_depth: int | None = None, max_prod_block_conns: int = 4, structure_type: str = "sum_dominated",
            input_dist: distributions.Distribution | None = None, hclt_kwargs: dict | None = None,
            block_size: int | None = None, seed: int = 0) -> CircuitNodes:
-    """A PD whose leaf regions are HCLTs learned from ``data`` ``[N, prod(data_shape)]``."""
+    """A PD whose leaf regions are HCLTs learned from ``data`` ``[N, prod(data_shape)]``.
+
+    Args:
+        data: numbers ``[N, prod(data_shape)]``, the variables numbered row-major as in :func:`PD`; each leaf
+            region's HCLT is learned from its columns (:func:`jaxpc.structures.HCLT`).
+        data_shape, num_latents, split_intervals, split_points, max_split_depth, max_prod_block_conns,
+            structure_type, block_size, seed: as for :func:`PD` (errors name ``PDHCLT``).
+        input_dist: leaf distribution of the HCLTs (default ``Categorical(num_cats=256)``).
+        hclt_kwargs: more arguments of each leaf region's :func:`~jaxpc.structures.HCLT` (default
+            ``num_bins=32, sigma=0.5 / 32, chunk_size=32``).
+    """
     data = np.asarray(data)
+    check_numbers("PDHCLT", "data", data)
     data_shape = _check_shape("PDHCLT", data_shape)
     n_vars = math.prod(data_shape)
     if data.ndim != 2 or data.shape[1] != n_vars:
@@ -217,6 +240,5 @@ def PDHCLT(data, data_shape, num_latents: int, split_intervals=None, split_point
     def leaf_fn(vs, L, bs):
         return HCLT(data[:, vs], L, input_dist=dist, num_root_ns=L, block_size=bs, variables=vs, **kw)
 
-    return PD(data_shape, num_latents, split_intervals=split_intervals, split_points=split_points,
-              max_split_depth=max_split_depth, max_prod_block_conns=max_prod_block_conns,
-              structure_type=structure_type, input_dist=dist, block_size=block_size, leaf_fn=leaf_fn, seed=seed)
+    return _pd("PDHCLT", data_shape, num_latents, split_intervals, split_points, max_split_depth,
+               max_prod_block_conns, structure_type, dist, False, block_size, leaf_fn, seed)

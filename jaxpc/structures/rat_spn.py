@@ -20,6 +20,17 @@ def RAT_SPN(num_vars: int, num_latents: int, depth: int, num_repetitions: int, n
     root mixes the repetitions.
 
     Args:
+        num_vars: number of variables (ids ``0 .. num_vars - 1``), a positive int.
+        num_latents: sum nodes per region, and nodes of each variable's input vector (node ``i`` of a region's
+            product multiplies node ``i`` of each of its parts).
+        depth: levels of splits, an int >= 1: the variables are split into ``num_pieces`` parts, each part again,
+            ``depth`` times in all; the regions at the last level (or smaller than ``num_pieces``) are leaf
+            regions, a sum over the product of their variables' input vectors. ``depth=0`` would split nothing and
+            make every repetition the same product of all the leaves, so it raises a ``ValueError``.
+        num_repetitions: random partitions (drawn one after the other from ``seed``), mixed by the root's single
+            sum node over the ``num_repetitions * num_latents`` top products; a positive int.
+        num_pieces: parts of each split, an int >= 2 (2: binary splits; the first ``len(scope) % num_pieces``
+            parts get one variable more).
         input_dist: leaf distribution (default ``Categorical(num_cats=256)``); one input vector per
             variable is shared by all repetitions.
         block_size: default: largest power of two dividing ``num_latents``, at most 256.
@@ -29,6 +40,9 @@ def RAT_SPN(num_vars: int, num_latents: int, depth: int, num_repetitions: int, n
         check_int("RAT_SPN", name, v, lo) for name, v, lo in (
             ("num_vars", num_vars, 1), ("depth", depth, 0), ("num_repetitions", num_repetitions, 1),
             ("num_pieces", num_pieces, 2)))
+    if depth == 0:
+        raise ValueError("RAT_SPN: depth must be >= 1 (the levels of splits), got 0: depth=0 splits nothing, so every "
+                         "repetition would be the same product of all the leaves")
     bs, nb = check_latents("RAT_SPN", num_latents, block_size, 256)
     dist = input_dist or distributions.Categorical(num_cats=256)
     rng = np.random.default_rng(seed)
