@@ -387,7 +387,8 @@ def load_params(path, *, params=None, opt_state=None) -> Checkpoint:
     Args:
         params, opt_state: optional templates (e.g. ``circuit.params`` and ``tx.init(circuit.params)``): the
             restored values get their tree structure (NamedTuple optimizer states), shapes and dtypes.
-            Without them the raw nested dicts/lists are returned.
+            Without them the raw nested dicts/lists are returned. With ``params``, ``opt_state`` is needed exactly
+            when the checkpoint holds an optimizer state (else a ``ValueError``).
 
     Returns:
         :class:`Checkpoint` ``(params, opt_state or None, step or None)``.
@@ -416,6 +417,10 @@ def load_params(path, *, params=None, opt_state=None) -> Checkpoint:
                 raise ValueError("load_params: the checkpoint holds an optimizer state; pass opt_state=<template> "
                                  "(e.g. tx.init(params)) to restore it")
             target["opt_state"] = opt_state
+        elif opt_state is not None:
+            raise ValueError(f"load_params: {path} holds no optimizer state (save_params was given none), but "
+                             "opt_state=<template> asks for one; drop opt_state= and start the optimizer anew "
+                             "(tx.init(params))")
         _check_template(path, getattr(tree_meta, "tree", tree_meta), target)
         abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, target)
         raw = ck.restore(path, abstract)

@@ -243,6 +243,13 @@ def test_params_and_optimizer_states_round_trip(tmp_path):
             np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
     raw = io.load_params(tmp_path / "ck0")
     assert raw.step == 5 and isinstance(raw.params, dict)
+    # a template asks for what the checkpoint holds, no more and no less
+    with pytest.raises(ValueError, match="holds an optimizer state; pass opt_state=<template>"):
+        io.load_params(tmp_path / "ck0", params=circuit.params)
+    io.save_params(tmp_path / "bare", circuit.params, step=1)
+    with pytest.raises(ValueError, match=r"bare holds no optimizer state \(save_params was given none\)"):
+        io.load_params(tmp_path / "bare", params=circuit.params, opt_state=optax.adam(0.01).init(circuit.params))
+    assert io.load_params(tmp_path / "bare", params=circuit.params).opt_state is None
     io.save_params(tmp_path / "p", circuit.params)
     ck = io.load_params(tmp_path / "p", params=circuit.params)
     assert ck.opt_state is None and ck.step is None

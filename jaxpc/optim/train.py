@@ -342,7 +342,8 @@ def _warn_nan_epoch(params, epoch: int) -> None:
 
 def _fit_batch(circuit, data, missing, validate, *, epochs, batch_size, start_epoch, mesh):
     """``fit``'s checked arguments: ``(batch, batch size)``, the data prepared by the runtime and the batch size
-    clipped to its rows (a multiple of the mesh's devices)."""
+    clipped to its rows (over a mesh, to the most rows that are a multiple of its devices; a batch size given
+    within the data must be such a multiple)."""
     for name, v, lo in (("epochs", epochs, 0), ("batch_size", batch_size, 1), ("start_epoch", start_epoch, 0)):
         if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < lo:
             raise ValueError(f"fit: {name} must be an int >= {lo}, got {v!r}")
@@ -352,6 +353,8 @@ def _fit_batch(circuit, data, missing, validate, *, epochs, batch_size, start_ep
     bs = int(min(batch_size, batch.n))
     if mesh is not None:
         nd = sharded.check_mesh(mesh).shape[sharded.AXIS]
+        if batch_size > batch.n and batch.n >= nd:
+            bs = batch.n - batch.n % nd
         if bs % nd:
             what = (f"batch_size={bs}" if bs == batch_size else
                     f"the batch size, batch_size={batch_size} clipped to the {batch.n} rows of data,")
