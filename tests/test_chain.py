@@ -116,6 +116,27 @@ def test_impossible_samples_get_minus_inf_and_zero_flows(options):
     assert np.isneginf(ll[[1, 4]]).all() and np.isfinite(np.delete(ll, [1, 4])).all()
 
 
+@pytest.mark.parametrize("options", [None, KERNELS.replace(tuning=jaxpc.Tuning(chain_side_by_side=False))],
+                         ids=["scan", "kernels"])
+def test_forward_shares_that_underflow_give_finite_exact_flows(options):
+    """A state whose forward share underflows to 0 (identity transitions, emissions 0.999 / 0.001: 20 zeros then 25
+    ones keep state 1; state 0's share falls below float32's range after a dozen ones) has no posterior: exact
+    flows and EM step, where its backward message once overflowed and made every flow NaN (and EM, reading NaN
+    totals as no mass, kept the old parameters)."""
+    n0, n1 = 20, 25
+    T = n0 + n1
+    em = np.array([[0.999, 0.001], [0.001, 0.999]])
+    c = jaxpc.compile(structures.HMM(T, 2, 2, alpha=np.eye(2), beta=em, gamma=np.array([0.5, 0.5])))
+    emit = next(ns for ns in c.nodes if ns.name == f"emit{T - 1}")
+    x = np.concatenate([np.zeros(n0), np.ones(n1)]).astype(np.int32)[None]
+    fl, ll = c.flows(c.params, x, options=options, return_ll=True)
+    np.testing.assert_allclose(float(ll[0]), np.log(0.5) + n0 * np.log(1e-3) + n1 * np.log(0.999), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(c.get_node_flows(fl, emit)), [[0, 0], [n0, n1]], atol=1e-4)
+    assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree_util.tree_leaves(fl))
+    new = c.em_step(c.params, x, step_size=1.0, options=options)
+    np.testing.assert_allclose(np.asarray(c.get_node_params(new, emit))[1], [n0 / T, n1 / T], rtol=1e-5)
+
+
 @pytest.mark.parametrize("precision", cases(["fp32", "tf32", "bf16"], fast=["bf16"]))
 @pytest.mark.slow
 def test_chain_matches_layer_path_and_autodiff(precision):

@@ -15,10 +15,18 @@ backward message), reduced in one matrix product over all steps and samples when
 tied. Per step the scan runs one matrix product forward and one backward, where the layer-by-layer path
 runs a gather, a max, a product and a scatter per layer through the ``[R, B]`` node buffer.
 
+A latent state whose forward share underflows to exactly 0 (float32: a share below ~1e-38 of its step's, as
+with identity or left-to-right transitions and emissions of 0.001 against 0.999 over a dozen steps) has no
+posterior, and its backward message is set to 0 there (:func:`_live`): left alone it grows by the inverse of the
+lost shares until it overflows, and ``inf * 0`` made every flow of the sample NaN.
+
 At small batches (:func:`persistent`) the two scans run as one persistent Pallas kernel each
 (:mod:`jaxpc.ops.pallas_chain`: every step in one launch, a grid-wide barrier between steps), and the posteriors
 and transition flows come after them from the stacked messages; on the H200, HMM-1024's forward + flows at batch 16
-took 1.28 against 1.75 ms on the scans, HMM-256's at batches 16 to 64 0.90-0.98 against 1.81-1.90.
+took 1.28 against 1.75 ms on the scans, HMM-256's at batches 16 to 64 0.90-0.98 against 1.81-1.90. The backward
+kernel passes nothing back through states whose forward share is 0, as the scan does; the backward half of the
+side-by-side launch (:func:`side_by_side`) runs before the forward's states exist and cannot, so there a sample
+whose forward shares underflow still gets NaN flows (``Tuning(chain_side_by_side=False)`` avoids it).
 
 Same flows as :func:`jaxpc.engine.flows.root_values` (tests compare the two paths and the forward
 algorithm); used by :func:`jaxpc.engine.forward.evaluate` when ``options.chain_scan`` allows it.
@@ -93,6 +101,15 @@ def _blocks(full: Array, n: int, C: int, Kp: int, Kc: int) -> Array:
 
 def _safe(c: Array) -> Array:
     return jnp.where(c == 0, 1.0, c)
+
+
+def _live(beta: Array, u: Array) -> Array:
+    """The backward message ``beta`` where the forward state ``u`` is positive, 0 where it is 0. A state whose
+    forward share underflowed to 0 carries no posterior (``beta * u``), while its backward message grows by the
+    inverse of the shares it lost (by 1e3 a step for an emission of 0.001 against 0.999) until it overflows, and
+    ``inf * 0`` would make every flow NaN: the backward algorithm differentiates the forward that was computed,
+    in which that state's paths are gone."""
+    return jnp.where(u > 0, beta, jnp.zeros((), beta.dtype))
 
 
 def _shifts(E: Array) -> Array:
@@ -178,6 +195,7 @@ def _bwd(spec, options, saved, gbar):
     def step(carry, xs):
         beta, u_next, dA, d_in = carry
         blk, u, c, pid = xs
+        beta = _live(beta, u_next)
         e = lax.dynamic_index_in_dim(d_in if over_e else E, blk, 0, keepdims=False)  # read before it is written
         d_in = lax.dynamic_update_index_in_dim(d_in, beta * u_next, blk, 0)  # the emission's posterior
         dy = (beta / _safe(c)[None, :]) * jnp.exp(e - m[blk])
@@ -198,7 +216,7 @@ def _bwd(spec, options, saved, gbar):
     over_e = unroll != 1
     d_in = E if over_e else uninitialized(E.shape, E.dtype, options.tuning.min_unset)
     (beta0, _, dA, d_in), dY = lax.scan(step, (betaR, uR, dA0, d_in), xs, reverse=True, unroll=unroll)
-    d_in = lax.dynamic_update_index_in_dim(d_in, beta0 * u0, spec.order[0], 0)
+    d_in = lax.dynamic_update_index_in_dim(d_in, _live(beta0, u0) * u0, spec.order[0], 0)
 
     dparams = {k: jnp.zeros_like(v) for k, v in sum_params.items()}
     if want_params:
@@ -258,15 +276,16 @@ def _bwd_kernels(spec: ChainSpec, options, saved, gbar):
     prec = options.concrete_precision
     gbar = jnp.where(ll == -jnp.inf, 0.0, gbar.astype(ll.dtype))
     groot = gbar / _safe(rl)
-    if beta is None:
-        beta, dY = pallas_chain.backward(A, Et / _safe(c)[:, None, :], g[:, None] * groot[None, :], prec)
-    else:
+    if beta is None:  # (a state whose forward share is 0 passes nothing back: _live)
+        Ec = jnp.where(U > 0, Et / _safe(c)[:, None, :], jnp.zeros((), Et.dtype))
+        beta, dY = pallas_chain.backward(A, Ec, _live(g[:, None] * groot[None, :], U[-1]), prec)
+    else:  # (messages computed without the forward's states, which _live needs: see the module docstring)
         lr = jnp.log(_safe(jnp.sum(dY, axis=1))) - jnp.log(_safe(c))  # [R+1, B]: log(n_s / c_s)
         after = jnp.cumsum(lr[::-1], axis=0)[::-1] - lr  # sum over s > r
         F = jnp.where(groot == 0, 0.0, groot * jnp.exp(after))  # [R+1, B]; impossible samples: zero flows
         beta, dY = beta * F[:, None, :], dY * (F / _safe(c))[:, None, :]
     inverse = np.argsort(np.asarray(spec.order))  # chain position of each emission block
-    d_in = (beta * U)[jnp.asarray(inverse, jnp.int32)].reshape(-1, U.shape[2])
+    d_in = (_live(beta, U) * U)[jnp.asarray(inverse, jnp.int32)].reshape(-1, U.shape[2])
     dparams = {k: jnp.zeros_like(v) for k, v in sum_params.items()}
     if options.compute_param_flows:
         dA = matmul("rkb,rjb->kj", dY[1:], U[:-1], prec)
