@@ -416,6 +416,9 @@ class Circuit:
 
         Returns:
             ``float[B]``.
+
+        Reverse-mode derivatives (``jax.grad``, ``jax.hessian``) run the flow pass; forward mode (``jax.jvp``,
+        ``jax.jacfwd``) needs ``options=jaxpc.Options(backward="autodiff")``, since the flow pass is a custom VJP.
         """
         replay = None
         if evidence is None:

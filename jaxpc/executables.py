@@ -451,6 +451,7 @@ class ExecutableCache:
         self.check_args: Callable[[dict], None] | None = None
         self._sightings: collections.Counter = collections.Counter()
         self._layouts: dict[str, list[dict]] = collections.defaultdict(list)
+        self._recompiled: collections.Counter = collections.Counter()
         self._warned: set[str] = set()
         self.hits = 0
         self.misses = 0
@@ -549,6 +550,7 @@ class ExecutableCache:
             self._recent.clear()
             self._sightings.clear()
             self._layouts.clear()
+            self._recompiled.clear()
             self._warned.clear()
             self.hits = self.misses = self.loaded = 0
             self.compile_seconds = 0.0
@@ -635,6 +637,7 @@ class ExecutableCache:
             else:
                 self._sightings[key] += 1
                 if fallback is None or self._sightings[key] >= self.compile_after:
+                    del self._sightings[key]  # (counted until the key compiles: the counter stays small)
                     self.misses += 1
                     e = _Entry(None, threading.Event(), used=self.hits + self.misses)
                     self._entries[key] = e
@@ -856,9 +859,24 @@ class ExecutableCache:
             self._recent = {k: v for k, v in self._recent.items() if v is not gone}
 
     def _note_layout(self, entry: str, comp: dict):
+        """Warn once per entry where it compiles for more than ``max_layouts_per_entry`` distinct layouts (naming
+        what keeps changing), or compiles one it had already compiled as often (its executables were evicted: too
+        small a cache). Keeps at most ``max_layouts_per_entry + 1`` layouts per entry."""
+        if entry in self._warned:
+            return
         seen = self._layouts[entry]
+        if comp in seen:
+            self._recompiled[entry] += 1
+            if self._recompiled[entry] > self.max_layouts_per_entry:
+                self._warned.add(entry)
+                warnings.warn(
+                    f"jaxpc: '{entry}' has compiled executables it had compiled before {self._recompiled[entry]} "
+                    f"times: they were evicted from the circuit's cache of {self.max_executables}; raise it "
+                    f"(jaxpc.compile(root, max_executables=...)) to keep them.", RuntimeWarning,
+                    skip_file_prefixes=(_PACKAGE_DIR,))
+            return
         seen.append(comp)
-        if len(seen) > self.max_layouts_per_entry and entry not in self._warned:
+        if len(seen) > self.max_layouts_per_entry:
             self._warned.add(entry)
             changing = [k for k in comp if len({repr(s.get(k)) for s in seen}) > 1]
             counts = {k: len({repr(s.get(k)) for s in seen}) for k in changing}
@@ -866,7 +884,7 @@ class ExecutableCache:
             warnings.warn(
                 f"jaxpc: '{entry}' has been compiled for {len(seen)} different layouts; {worst} keeps changing "
                 f"({counts.get(worst, 0)} distinct values). Keep it fixed (or pad it yourself) to reuse executables; "
-                f"varying batch sizes are bucketed automatically.", RuntimeWarning,
+                f"batch sizes are bucketed (jaxpc.compile's buckets=) unless buckets='exact'.", RuntimeWarning,
                 skip_file_prefixes=(_PACKAGE_DIR,))  # points at the user's call, however deep the call path
 
 

@@ -78,8 +78,8 @@ from .options import Options, matmul_setting, resolve_precision
 
 Array = jax.Array
 
-__all__ = ["Runtime", "Batch", "Entry", "VALIDATE", "resolve_options", "options_key", "resolve_precision",
-           "check_em_args", "pad_args", "mask_key", "declare_entries", "ENTRY_POINTS"]
+__all__ = ["Runtime", "Batch", "Entry", "VALIDATE", "resolve_options", "options_key", "jax_settings",
+           "resolve_precision", "check_em_args", "pad_args", "mask_key", "declare_entries", "ENTRY_POINTS"]
 
 VALIDATE = (True, False, "sync")
 
@@ -140,7 +140,7 @@ class _Replay:
     remembered call's own are not kept alive) and the caches' generations then, the layout ``x`` must have
     (``xtype``: a concrete device array's type, or ``np.ndarray``: then ``host_check`` tells whether its values are
     checked on the host, and ``target`` is the dtype the executable takes), JAX's matmul setting the key holds
-    (``_ANY``: none) and how the input flag is handled."""
+    (``_ANY``: none) and its other settings (:func:`jax_settings`), and how the input flag is handled."""
 
     entry: Any
     values: tuple
@@ -150,6 +150,7 @@ class _Replay:
     xtype: type
     dtype: Any
     matmul: Any
+    settings: Any
     name: str
     report: bool
     sync: bool
@@ -181,10 +182,18 @@ def resolve_options(options: Options) -> Options:
     return hit
 
 
+def jax_settings() -> tuple:
+    """JAX's settings besides the matmul precision that change what a traced function computes: 64-bit types, the
+    PRNG implementation and its partitionable bits (``sample``'s draws), rank promotion."""
+    c = jax.config
+    return c.jax_enable_x64, c.jax_default_prng_impl, c.jax_threefry_partitionable, c.jax_numpy_rank_promotion
+
+
 def options_key(options: Options) -> dict:
-    """What an executable's key holds of ``options``: the resolved options and, where the precision follows
-    JAX's, JAX's matmul setting (``_matmul``; in the key only, see :func:`checked`)."""
-    key = {"options": resolve_options(options)}
+    """What an executable's key holds of ``options``: the resolved options, JAX's settings (``_jax``:
+    :func:`jax_settings`) and, where the precision follows JAX's, JAX's matmul setting (``_matmul``); the last two
+    in the key only (see :func:`checked`), so that changing one compiles anew as ``jax.jit`` does."""
+    key = {"options": resolve_options(options), "_jax": jax_settings()}
     if options.precision == "default":
         key["_matmul"] = matmul_setting()
     return key
@@ -301,8 +310,8 @@ def checked(entry: Entry) -> Callable:
     return functools.partial(_run_checked, entry)
 
 
-def _run_checked(entry: Entry, *, _check=None, _matmul=None, **kw):
-    del _matmul  # part of the key only
+def _run_checked(entry: Entry, *, _check=None, _matmul=None, _jax=None, **kw):
+    del _matmul, _jax  # part of the key only
     if _check is None:
         return entry.fn(**kw)
     x, bad = _check.apply(kw["x"], kw.get("missing"))
@@ -791,8 +800,7 @@ class Runtime:
         """
         entry, fn = self._entries[name]
         static = dict(static)
-        if options is not None:
-            static.update(options_key(options))
+        static.update(options_key(options) if options is not None else {"_jax": jax_settings()})
         args = dict(args)
         if sharding is None and batch is not None and not batch.traced and "tables" in args:
             # the call runs where its data or parameters were put, the tables with it
@@ -866,8 +874,8 @@ class Runtime:
         xtype = np.ndarray if host else type(batch.x)
         self._replays[key, batch.x.shape, xtype, batch.mkey] = _Replay(
             bound.entry, values, generation, slots, ix, xtype, batch.host if host else batch.x.dtype,
-            static.get("_matmul", _ANY), name, batch.report, batch.sync, pad, head, rows,
-            host_check=host and batch.check, target=np.dtype(batch.x.dtype) if host else None, im=im)
+            static.get("_matmul", _ANY), static.get("_jax", _ANY), name, batch.report, batch.sync, pad, head,
+            rows, host_check=host and batch.check, target=np.dtype(batch.x.dtype) if host else None, im=im)
 
     def _generation(self) -> tuple:
         return self.cache.generation, self._helpers.generation
@@ -893,6 +901,8 @@ class Runtime:
             self._replays.pop((key, x.shape, xtype, mkey), None)
             return None
         if r.matmul is not _ANY and matmul_setting() != r.matmul:
+            return None
+        if r.settings is not _ANY and jax_settings() != r.settings:
             return None
         if r.target is not None:  # numpy: checked here, then a copy handed to the executable (JAX moves it)
             if r.host_check:

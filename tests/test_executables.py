@@ -347,6 +347,31 @@ def test_warning_names_a_changing_argument():
             c.log_prob(c.params, _data(B))
 
 
+def test_evicted_executables_compiled_again_warn_to_raise_the_cache_and_bookkeeping_stays_small():
+    """Executables compiled again after their eviction are not new layouts: the warning says to raise
+    ``max_executables``; the per-entry layouts and the sightings of keys stay bounded however many keys come."""
+    c = _hmm(max_executables=2, max_layouts_per_entry=3)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            for B in (3, 12, 20):  # three buckets through a cache of two: each is evicted before it comes back
+                c.log_prob(c.params, _data(B))
+    msgs = [str(w.message) for w in rec if issubclass(w.category, RuntimeWarning)]
+    assert len(msgs) <= 1 and not any("keeps changing" in m for m in msgs)
+    for _ in range(2):
+        for B in (3, 12, 20):
+            c.log_prob(c.params, _data(B))
+    cache = c.runtime.cache
+    assert len(cache._layouts["log_prob"]) <= 4 and not cache._sightings
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        d = _hmm(max_executables=2, max_layouts_per_entry=3)
+        for _ in range(3):
+            for B in (3, 12, 20):
+                d.log_prob(d.params, _data(B))
+    assert any("raise it (jaxpc.compile(root, max_executables=...))" in str(w.message) for w in rec)
+
+
 def test_compile_after_two_reuses_a_larger_bucket_first():
     c = _hmm(compile_after=2)
     big = _data(30)
@@ -1317,3 +1342,23 @@ def test_a_kept_copy_lives_as_long_as_its_array():
     assert "k" not in rt._kept
     rt.kept("k", a, make)
     assert len(made) == 3 and "k" in rt._kept
+
+
+def test_jax_settings_are_part_of_the_key():
+    """Changing a JAX setting that changes what a traced function computes (here the PRNG's partitionable bits)
+    compiles anew, as ``jax.jit`` does: a circuit's ``sample`` and ``init_params`` then draw what a fresh circuit
+    draws, not the executable cached (or the call replayed) under the old setting."""
+    c = jaxpc.compile(structures.HMM(4, 3, 5))
+    k = jax.random.key(0)
+    before = np.asarray(c.sample(c.params, k, 6)), np.asarray(c.init_params(k)["sum"][next(iter(c.params["sum"]))])
+    c.sample(c.params, k, 6)  # (remembered for replay)
+    old = jax.config.jax_threefry_partitionable
+    try:
+        jax.config.update("jax_threefry_partitionable", not old)
+        after = np.asarray(c.sample(c.params, k, 6)), np.asarray(c.init_params(k)["sum"][next(iter(c.params["sum"]))])
+        fresh = jaxpc.compile(structures.HMM(4, 3, 5))
+        np.testing.assert_array_equal(after[0], np.asarray(fresh.sample(fresh.params, k, 6)))
+    finally:
+        jax.config.update("jax_threefry_partitionable", old)
+    assert not np.array_equal(before[0], after[0]) and not np.array_equal(before[1], after[1])
+    np.testing.assert_array_equal(before[0], np.asarray(c.sample(c.params, k, 6)))  # and back

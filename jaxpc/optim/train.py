@@ -206,9 +206,9 @@ class _Same:
 
 def _epoch_entry(layout, tables, params, state, data, missing, evidence, key, epoch, *, optimizer: _Same,
                  normalize: bool, options: Options, mesh, num_samples: int, batch_size: int, shuffle: bool,
-                 drop_remainder: bool, missing_ndim: int | None, dtype, check, _matmul=None):
+                 drop_remainder: bool, missing_ndim: int | None, dtype, check, _matmul=None, _jax=None):
     """The epoch as an entry of the circuit's executable cache: every keyword is static (part of the key)."""
-    del _matmul  # part of the key only
+    del _matmul, _jax  # part of the key only
     step = make_step(layout, optimizer.value, normalize=normalize, options=options, mesh=mesh,
                      missing_ndim=missing_ndim)
     if mesh is not None and (drop_remainder or num_samples % batch_size == 0):
