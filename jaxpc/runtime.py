@@ -462,12 +462,16 @@ class Runtime:
         """Check the ``parts`` of ``flows`` against what the circuit's ``flows`` returns: ``"sum"``, the sum groups'
         flows shaped like their params (:func:`jaxpc.checks.check_params`); ``"input"``, one entry per input
         layer, with ``stats`` holding the layer's statistics (:attr:`Distribution.stat_fields`: what an EM update
-        reads; checked with ``stats`` wherever ``flows`` has ``"input"``, so that params given for flows, whose sum
-        part looks alike, are named)."""
+        reads). Wherever ``flows`` has an input layer that holds its parameters' fields in place of its statistics,
+        it is refused, whatever ``parts`` and ``stats`` say: params given for flows (their sum parts look alike)."""
         if self.params_spec is None:
             return
-        if stats and isinstance(flows, dict) and "input" in flows and "input" not in parts:
-            parts = (*parts, "input")
+        layers = flows.get("input") if isinstance(flows, dict) else None
+        for key, got in layers.items() if isinstance(layers, dict) else ():
+            fields = sorted(self.stat_fields.get(key, ()))
+            if isinstance(got, dict) and sorted(got) != fields and sorted(got) == self._param_fields.get(key):
+                raise ValueError(f"flows['input'][{key!r}] holds the layer's parameters {sorted(got)}, not its "
+                                 f"statistics {fields} (what circuit.flows returns): params given for flows?")
         if not isinstance(flows, dict) or not set(parts) <= set(flows):
             raise ValueError(f"flows must be what circuit.flows returns (a dict with {' and '.join(map(repr, parts))}"
                              "), got " + (f"keys {sorted(flows)}" if isinstance(flows, dict) else type(flows).__name__))
@@ -480,9 +484,8 @@ class Runtime:
             got = flows["input"][key]
             if not isinstance(got, dict) or sorted(got) != sorted(fields):
                 have = sorted(got) if isinstance(got, dict) else type(got).__name__
-                hint = " (the layer's params: params given for flows?)" if have == self._param_fields.get(key) else ""
                 raise ValueError(f"flows['input'][{key!r}] must hold the layer's statistics {sorted(fields)} (what "
-                                 f"circuit.flows returns), got {have}{hint}")
+                                 f"circuit.flows returns), got {have}")
 
     def load_ahead(self, *owner) -> None:
         """Start loading the stored executables that earlier processes ran for the circuit named by ``owner`` (its

@@ -404,9 +404,13 @@ def test_flows_meshes_and_checkpoints_are_checked(cat_circuit, mixed_circuit, tm
     own = cat_circuit.flows(cat_circuit.params, x)
     with pytest.raises(ValueError, match=r"flows\['input'\] must have one entry per input layer"):
         cat_circuit.em_update(cat_circuit.params, {"sum": own["sum"], "input": {}})
-    with pytest.raises(ValueError, match=r"flows\['input'\]\['categorical.*'\] must hold the layer's statistics "
-                                         r"\['counts'\] \(what circuit.flows returns\), got \['log_probs'\]"):
+    with pytest.raises(ValueError, match=r"flows\['input'\]\['categorical.*'\] holds the layer's parameters "
+                                         r"\['log_probs'\], not its statistics \['counts'\]"):
         cat_circuit.em_update(cat_circuit.params, cat_circuit.params)
+    with pytest.raises(ValueError, match=r"flows\['input'\]\['categorical.*'\] must hold the layer's statistics "
+                                         r"\['counts'\] \(what circuit.flows returns\), got \['n'\]"):
+        cat_circuit.em_update(cat_circuit.params, {"sum": own["sum"], "input": {
+            k: {"n": v["counts"]} for k, v in own["input"].items()}})
     for bad in (0, -1, None, 2.5):
         with pytest.raises(ValueError, match="full_batch_em: batch_size must be a positive int"):
             cat_circuit.full_batch_em(cat_circuit.params, x, batch_size=bad)
@@ -751,7 +755,7 @@ def test_node_arguments_params_dtype_and_params_for_flows_are_named(cat_circuit)
                 call()
     wide = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), c.params)
     np.testing.assert_allclose(np.asarray(c.log_prob(wide, x)), np.asarray(c.log_prob(c.params, x)), rtol=1e-6)
-    want = r"flows\['input'\]\['categorical'\] must hold the layer's statistics \['counts'\] .* params given for flows"
+    want = r"flows\['input'\]\['categorical'\] holds the layer's parameters \['log_probs'\], not its statistics"
     with pytest.raises(ValueError, match=want):
         c.get_node_flows(c.params, c.root)
     with pytest.raises(ValueError, match=r"prune: " + want):

@@ -54,7 +54,7 @@ class Params:
         """A :class:`ParamError` where ``flows['sum']`` does not have the structure and shapes of the circuit's (the
         flows of another circuit), or ``flows['input']``, where given, does not hold statistics (params given for
         flows)."""
-        self._named(self.circuit.runtime.check_flows, flows, parts=("sum",))
+        self._named(self.circuit.runtime.check_flows, flows, parts=("sum",), stats=False)
 
     def _named(self, check, *args, **kw) -> None:
         """``check(*args, **kw)``, its error re-raised as a :class:`ParamError` naming ``fn``."""
