@@ -116,7 +116,8 @@ def test_impossible_samples_get_minus_inf_and_zero_flows(options):
     assert np.isneginf(ll[[1, 4]]).all() and np.isfinite(np.delete(ll, [1, 4])).all()
 
 
-@pytest.mark.parametrize("options", [None, KERNELS.replace(tuning=jaxpc.Tuning(chain_side_by_side=False))],
+@pytest.mark.parametrize("options", [jaxpc.Options(tuning=jaxpc.Tuning(chain_kernel_batch=0)),
+                                     KERNELS.replace(tuning=jaxpc.Tuning(chain_side_by_side=False))],
                          ids=["scan", "kernels"])
 def test_forward_shares_that_underflow_give_finite_exact_flows(options):
     """A state whose forward share underflows to 0 (identity transitions, emissions 0.999 / 0.001: 20 zeros then 25

@@ -902,6 +902,7 @@ def test_device_evidence_checks_masks_tracers_and_mixed_arrays(evidence_circuits
         c.raise_pending()
 
 
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 (fake) devices")
 def test_device_evidence_values_are_checked_in_parallel_and_fit(evidence_circuits):
     """``jaxpc.parallel``'s steps and ``split_batch`` check device evidence as the circuit's calls do (``"sync"``:
     at once; by default at the next call; not with ``validate=False``); ``optim.fit`` raises after its first

@@ -253,7 +253,7 @@ def test_batch_32_16_32_flows_equal_fresh(evidence, sizes):
           make().flows(c.params, xa, evidence=ea, return_ll=True))
 
 
-def test_first_step_flows_equal_second():
+def test_first_step_flows_equal_second(single_compile):
     """The first call (compile, pad 20 rows to the bucket of 32) and the second (replay) both give the flows of
     an independent reference: scaled forward-backward in float64 numpy."""
     from .test_hmm import _nodes, forward_backward
@@ -766,7 +766,7 @@ def test_a_repeated_call_replays_its_executable_and_stays_exact():
     assert all(r() is None for r in refs)
 
 
-def test_a_call_under_the_callers_grad_leaves_the_remembered_call_alone():
+def test_a_call_under_the_callers_grad_leaves_the_remembered_call_alone(single_compile):
     """A call whose parameters are the caller's tracers (``jax.grad`` with concrete data) runs inline and is not
     remembered for replay, and a remembered call keeps the helpers of its own outputs: here a padded ``log_prob``, a
     padded ``conditional`` (whose outputs a helper of the same statics cuts back), then ``jax.grad`` of
@@ -990,7 +990,7 @@ def test_fingerprint_is_by_value_and_refuses_code_it_cannot_version(tmp_path):
     assert fp(static={"options": jaxpc.Options(), "mine": Mine()}) is None
 
 
-def test_a_new_circuit_loads_its_earlier_executables_ahead(tmp_path, monkeypatch):
+def test_a_new_circuit_loads_its_earlier_executables_ahead(tmp_path, monkeypatch, single_compile):
     """A circuit of a structure that ran before (here: in this process, with its own cache, as a second process
     would) starts loading the stored executables of that run when it is compiled; its first call takes them
     from that load and gives the same flows."""

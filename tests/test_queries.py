@@ -507,7 +507,7 @@ _QUERIES = {"conditional": lambda c, p, x, i: c.conditional(p, x, np.arange(6) =
 
 @pytest.mark.parametrize("name", cases(list(_QUERIES), fast=["conditional", "mpe, no mask"]))
 @pytest.mark.usefixtures("single_compile")  # (the full call and the replay on the same executable, on a GPU too)
-def test_repeated_queries_replay_and_stay_exact(name):
+def test_repeated_queries_replay_and_stay_exact(name, single_compile):
     """``conditional``, ``mpe`` and ``sample`` repeated with the same options replay their executable
     (``Runtime.replay``; new ``params``, evidence and PRNG keys): outputs equal to the full call's for numpy, device
     and padded batches, with and without a mask, without evidence; a numpy batch's bad value still raises at once
