@@ -56,6 +56,7 @@ from jax.sharding import PartitionSpec as P
 
 from .engine import em
 from .optim.sharded import AXIS, check_mesh, check_on_mesh, data_mesh, sharded_flows_and_ll, sharded_loss_and_grad
+from .optim.train import check_step_state
 from .optim.transforms import check_circuit
 from .options import Options
 from .runtime import declare_entries, pad_args
@@ -181,8 +182,6 @@ def train_step(circuit, tx, params: dict, opt_state, x, missing=None, *, mesh: M
 
     ``opt_state``: ``tx.init(params)`` for the first step, then the state the previous step returned (checked as
     :func:`jaxpc.optim.fit` checks it: None or another optimizer's state raises a ``ValueError``)."""
-    from .optim.train import check_step_state
-
     check_circuit(circuit, "parallel.train_step")
     check_step_state(circuit, tx, params, opt_state, "parallel.train_step")
     (p, s), ll = _run(circuit, "parallel.train_step", {"normalize": bool(normalize), "tx": tx},

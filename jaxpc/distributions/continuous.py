@@ -20,9 +20,14 @@ _LOG_2PI = math.log(2.0 * math.pi)
 _SIGMA_RTOL = 1e-5  # how far below Gaussian.min_sigma a given sigma may sit: float32 rounding of exp(log_scale)
 
 
+def _finite_real(v) -> bool:
+    """Whether ``v`` is a finite real number (a Python or NumPy number, not a bool)."""
+    return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_)) and math.isfinite(v)
+
+
 def _positive_real(v) -> bool:
     """Whether ``v`` is a finite real number > 0 (a Python or NumPy number, not a bool)."""
-    return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_)) and math.isfinite(v) and v > 0
+    return _finite_real(v) and v > 0
 
 
 def _moments(values, mu, var, rows, mv, flows, num_rows):
@@ -78,8 +83,7 @@ class Gaussian(Distribution):
     stat_fields = ("s0", "s1", "s2", "m2")
 
     def __init__(self, mu: float | None = None, sigma: float | None = None, min_sigma: float = 0.01):
-        if mu is not None and not (isinstance(mu, numbers.Real) and not isinstance(mu, (bool, np.bool_))
-                                   and math.isfinite(mu)):
+        if mu is not None and not _finite_real(mu):
             raise ValueError(f"Gaussian: mu (the data's approximate mean) must be a finite float or None, got {mu!r}")
         if sigma is not None and not _positive_real(sigma):
             raise ValueError(f"Gaussian: sigma (the data's approximate standard deviation) must be a positive finite "

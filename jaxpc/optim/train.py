@@ -125,9 +125,7 @@ def epoch_batches(key: Array, epoch, num_samples: int, batch_size: int, *, shuff
     ``num_samples`` must be an int >= 0 and ``batch_size`` an int >= 1 (Python or NumPy integers: they set the
     shapes), else a ``ValueError``.
     """
-    for name, v, lo in (("num_samples", num_samples, 0), ("batch_size", batch_size, 1)):
-        if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < lo:
-            raise ValueError(f"epoch_batches: {name} must be an int >= {lo}, got {v!r}")
+    _check_counts("epoch_batches", (("num_samples", num_samples, 0), ("batch_size", batch_size, 1)))
     n, bs = int(num_samples), int(batch_size)
     perm = jax.random.permutation(jax.random.fold_in(key, epoch), n) if shuffle else jnp.arange(n)
     perm = perm.astype(jnp.int32)
@@ -344,9 +342,7 @@ def _fit_batch(circuit, data, missing, validate, *, epochs, batch_size, start_ep
     """``fit``'s checked arguments: ``(batch, batch size)``, the data prepared by the runtime and the batch size
     clipped to its rows (over a mesh, to the most rows that are a multiple of its devices; a batch size given
     within the data must be such a multiple)."""
-    for name, v, lo in (("epochs", epochs, 0), ("batch_size", batch_size, 1), ("start_epoch", start_epoch, 0)):
-        if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < lo:
-            raise ValueError(f"fit: {name} must be an int >= {lo}, got {v!r}")
+    _check_counts("fit", (("epochs", epochs, 0), ("batch_size", batch_size, 1), ("start_epoch", start_epoch, 0)))
     batch = circuit.runtime.prepare(data, missing, validate, what="data")
     if batch.n == 0:
         raise ValueError("fit: data has no rows")
@@ -360,6 +356,14 @@ def _fit_batch(circuit, data, missing, validate, *, epochs, batch_size, start_ep
                     f"the batch size, batch_size={batch_size} clipped to the {batch.n} rows of data,")
             raise ValueError(f"fit: {what} must be a multiple of the {nd} devices of the mesh")
     return batch, bs
+
+
+def _check_counts(where: str, items) -> None:
+    """Raise a ``ValueError`` naming ``where`` and the argument unless each ``(name, value, lowest)`` of ``items`` is
+    an int (Python or NumPy, not a bool) of at least ``lowest``."""
+    for name, v, lo in items:
+        if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < lo:
+            raise ValueError(f"{where}: {name} must be an int >= {lo}, got {v!r}")
 
 
 def _check_full_batch(optimizer, n: int, bs: int, drop_remainder: bool) -> None:
