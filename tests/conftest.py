@@ -68,6 +68,28 @@ def tf32_unit() -> float:
     return TF32_UNIT if on_gpu() else 0.0
 
 
+RUN_TO_RUN_ULPS = 16  # the spread of two runs of one executable on a GPU, in units of the dtype's epsilon
+
+
+def assert_same_result(a, b) -> None:
+    """Two calls that run one computation give the same pytree: bit for bit on the CPU; on a GPU, integer leaves
+    bit for bit and floating ones within ``RUN_TO_RUN_ULPS`` epsilons of the larger magnitude, since the flows'
+    atomic adds (the Pallas backward kernels', XLA's scatters) add in an order that changes from run to run."""
+    import jax
+    import numpy as np
+
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    assert len(la) == len(lb), (len(la), len(lb))
+    for u, v in zip(la, lb):
+        u, v = np.asarray(u), np.asarray(v)
+        if not on_gpu() or not np.issubdtype(v.dtype, np.floating) or v.size == 0:
+            np.testing.assert_array_equal(u, v)
+            continue
+        tol = RUN_TO_RUN_ULPS * float(np.finfo(v.dtype).eps)
+        scale = max(1.0, float(np.nanmax(np.abs(np.where(np.isinf(v), 0, v)), initial=0.0)))
+        np.testing.assert_allclose(u, v, rtol=tol, atol=tol * scale)
+
+
 def _runs_tests(config) -> bool:
     """Whether this process collects and runs tests: a pytest-xdist worker, or a run without workers (pytest-xdist's
     controller hands the tests to its workers, which set themselves up; with ``--collect-only`` it collects)."""
