@@ -117,13 +117,25 @@ def test_impossible_samples_get_minus_inf_and_zero_flows(options):
 
 
 @pytest.mark.parametrize("options", [jaxpc.Options(tuning=jaxpc.Tuning(chain_kernel_batch=0)),
-                                     KERNELS.replace(tuning=jaxpc.Tuning(chain_side_by_side=False))],
-                         ids=["scan", "kernels"])
-def test_forward_shares_that_underflow_give_finite_exact_flows(options):
+                                     KERNELS.replace(tuning=jaxpc.Tuning(chain_side_by_side=False)), KERNELS],
+                         ids=["scan", "kernels", "side_by_side"])
+def test_forward_shares_that_underflow_give_finite_exact_flows(options, monkeypatch):
     """A state whose forward share underflows to 0 (identity transitions, emissions 0.999 / 0.001: 20 zeros then 25
     ones keep state 1; state 0's share falls below float32's range after a dozen ones) has no posterior: exact
     flows and EM step, where its backward message once overflowed and made every flow NaN (and EM, reading NaN
-    totals as no mass, kept the old parameters)."""
+    totals as no mass, kept the old parameters). The side-by-side launch's backward, normalized on its own, loses
+    the other state to underflow: its posteriors fail the check and the one-way backward replaces them."""
+    from jaxpc.engine import chain
+
+    checked = []
+    hold = chain.posteriors_hold
+
+    def spy(*a):
+        ok = hold(*a)
+        jax.debug.callback(lambda v: checked.append(bool(v)), ok)
+        return ok
+
+    monkeypatch.setattr(chain, "posteriors_hold", spy)
     n0, n1 = 20, 25
     T = n0 + n1
     em = np.array([[0.999, 0.001], [0.001, 0.999]])
@@ -136,6 +148,15 @@ def test_forward_shares_that_underflow_give_finite_exact_flows(options):
     assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree_util.tree_leaves(fl))
     new = c.em_step(c.params, x, step_size=1.0, options=options)
     np.testing.assert_allclose(np.asarray(c.get_node_params(new, emit))[1], [n0 / T, n1 / T], rtol=1e-5)
+    assert checked == ([False, False] if options is KERNELS else [])
+    if options is KERNELS:  # a sample whose messages keep the same states: the launch's own posteriors hold
+        x = np.concatenate([np.zeros(5), np.ones(5), np.zeros(T - 10)]).astype(np.int32)[None]
+        c2 = jaxpc.compile(structures.HMM(T, 2, 2, beta=em), seed=0)
+        fl2 = c2.flows(c2.params, x, options=options)
+        ref = c2.flows(c2.params, x, options=options.replace(tuning=jaxpc.Tuning(chain_side_by_side=False)))
+        assert checked[2:] == [True]
+        for a, b in zip(jax.tree_util.tree_leaves(fl2), jax.tree_util.tree_leaves(ref)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("precision", cases(["fp32", "tf32", "bf16"], fast=["bf16"]))

@@ -25,8 +25,9 @@ At small batches (:func:`persistent`) the two scans run as one persistent Pallas
 and transition flows come after them from the stacked messages; on the H200, HMM-1024's forward + flows at batch 16
 took 1.28 against 1.75 ms on the scans, HMM-256's at batches 16 to 64 0.90-0.98 against 1.81-1.90. The backward
 kernel passes nothing back through states whose forward share is 0, as the scan does; the backward half of the
-side-by-side launch (:func:`side_by_side`) runs before the forward's states exist and cannot, so there a sample
-whose forward shares underflow still gets NaN flows (``Tuning(chain_side_by_side=False)`` avoids it).
+side-by-side launch (:func:`side_by_side`) runs before the forward's states exist and cannot: where its messages
+and the forward's lose different states to underflow, some step's posteriors no longer sum to the sample's
+cotangent (:func:`posteriors_hold`, checked on the device), and the one-way backward kernel runs instead.
 
 Same flows as :func:`jaxpc.engine.flows.root_values` (tests compare the two paths and the forward
 algorithm); used by :func:`jaxpc.engine.forward.evaluate` when ``options.chain_scan`` allows it.
@@ -35,6 +36,7 @@ algorithm); used by :func:`jaxpc.engine.forward.evaluate` when ``options.chain_s
 from __future__ import annotations
 
 import functools
+from typing import Final
 
 import jax
 import jax.numpy as jnp
@@ -110,6 +112,18 @@ def _live(beta: Array, u: Array) -> Array:
     ``inf * 0`` would make every flow NaN: the backward algorithm differentiates the forward that was computed,
     in which that state's paths are gone."""
     return jnp.where(u > 0, beta, jnp.zeros((), beta.dtype))
+
+
+POSTERIOR_TOLERANCE: Final = {"fp32": 1e-2, "tf32": 1e-2, "bf16": 1e-1}  # |sum_k post / gbar - 1| allowed
+
+
+def posteriors_hold(post: Array, gbar: Array, precision: str) -> Array:
+    """Whether every step's posteriors ``post [R+1, K, B]`` (scaled by the sample's cotangent ``gbar [B]``) sum to
+    ``gbar`` within :data:`POSTERIOR_TOLERANCE`, as exact messages' do: a scalar bool. The side-by-side launch's
+    backward messages are normalized on their own; where they lose to underflow a state that the forward keeps
+    (or the reverse) a step's posteriors sum to 0, inf or NaN, and the one-way backward replaces them."""
+    s = jnp.sum(post, axis=1)  # [R+1, B]
+    return jnp.all(jnp.abs(s - gbar[None, :]) <= POSTERIOR_TOLERANCE[precision] * jnp.abs(gbar)[None, :])
 
 
 def _shifts(E: Array) -> Array:
@@ -255,9 +269,8 @@ def _forward_kernels(spec: ChainSpec, ctab: dict, sum_params: dict, vals: Array,
     Et = jnp.exp(E - m[:, None, :])
     A = _matrix(sum_params[spec.group], ctab["pid"], K)
     g = _root_weights(spec, ctab, sum_params)
-    if backward:
+    if backward:  # (the emissions stay for the one-way backward that replaces a launch whose posteriors fail)
         P, beta, dy = pallas_chain.forward_backward(A, Et, g, precision)
-        Et = None  # the backward messages are computed: the emissions are not needed again
     else:
         P, beta, dy = pallas_chain.forward(A, Et, precision), None, None
     c = jnp.sum(P, axis=1)  # [R+1, B]: the scales
@@ -276,16 +289,22 @@ def _bwd_kernels(spec: ChainSpec, options, saved, gbar):
     prec = options.concrete_precision
     gbar = jnp.where(ll == -jnp.inf, 0.0, gbar.astype(ll.dtype))
     groot = gbar / _safe(rl)
-    if beta is None:  # (a state whose forward share is 0 passes nothing back: _live)
+
+    def one_way():  # (a state whose forward share is 0 passes nothing back: _live)
         Ec = jnp.where(U > 0, Et / _safe(c)[:, None, :], jnp.zeros((), Et.dtype))
-        beta, dY = pallas_chain.backward(A, Ec, _live(g[:, None] * groot[None, :], U[-1]), prec)
+        b, d = pallas_chain.backward(A, Ec, _live(g[:, None] * groot[None, :], U[-1]), prec)
+        return _live(b, U) * U, d
+
+    if beta is None:
+        post, dY = one_way()
     else:  # (messages computed without the forward's states, which _live needs: see the module docstring)
         lr = jnp.log(_safe(jnp.sum(dY, axis=1))) - jnp.log(_safe(c))  # [R+1, B]: log(n_s / c_s)
         after = jnp.cumsum(lr[::-1], axis=0)[::-1] - lr  # sum over s > r
         F = jnp.where(groot == 0, 0.0, groot * jnp.exp(after))  # [R+1, B]; impossible samples: zero flows
-        beta, dY = beta * F[:, None, :], dY * (F / _safe(c))[:, None, :]
+        post, dY = _live(beta * F[:, None, :], U) * U, dY * (F / _safe(c))[:, None, :]
+        post, dY = lax.cond(posteriors_hold(post, gbar, prec), lambda: (post, dY), one_way)
     inverse = np.argsort(np.asarray(spec.order))  # chain position of each emission block
-    d_in = (_live(beta, U) * U)[jnp.asarray(inverse, jnp.int32)].reshape(-1, U.shape[2])
+    d_in = post[jnp.asarray(inverse, jnp.int32)].reshape(-1, U.shape[2])
     dparams = {k: jnp.zeros_like(v) for k, v in sum_params.items()}
     if options.compute_param_flows:
         dA = matmul("rkb,rjb->kj", dY[1:], U[:-1], prec)
