@@ -302,7 +302,8 @@ def _bwd_kernels(spec: ChainSpec, options, saved, gbar):
         after = jnp.cumsum(lr[::-1], axis=0)[::-1] - lr  # sum over s > r
         F = jnp.where(groot == 0, 0.0, groot * jnp.exp(after))  # [R+1, B]; impossible samples: zero flows
         post, dY = _live(beta * F[:, None, :], U) * U, dY * (F / _safe(c))[:, None, :]
-        post, dY = lax.cond(posteriors_hold(post, gbar, prec), lambda: (post, dY), one_way)
+        kept = (post, dY)  # (the one-way kernel runs only where the check fails)
+        post, dY = lax.cond(posteriors_hold(post, gbar, prec), lambda: kept, one_way)
     inverse = np.argsort(np.asarray(spec.order))  # chain position of each emission block
     d_in = post[jnp.asarray(inverse, jnp.int32)].reshape(-1, U.shape[2])
     dparams = {k: jnp.zeros_like(v) for k, v in sum_params.items()}
