@@ -72,6 +72,11 @@ def register_distribution(cls: type, encode: Callable[[Any], dict], decode: Call
     what the file records."""
     if not (isinstance(cls, type) and issubclass(cls, Distribution)):
         raise TypeError(f"register_distribution: cls must be a Distribution subclass, got {cls!r}")
+    for what, f in (("encode", encode), ("decode", decode)):
+        if not callable(f):
+            raise TypeError(f"register_distribution: {what} must be callable, got {type(f).__name__}")
+    if name is not None and (not isinstance(name, str) or not name):
+        raise TypeError(f"register_distribution: name must be a non-empty str or None, got {name!r}")
     _DISTS[name or cls.__name__] = (cls, encode, decode)
 
 
@@ -364,7 +369,12 @@ def save_params(path, params, opt_state=None, *, step: int | None = None, overwr
         overwrite: where ``path`` exists, False (the default) raises a ``ValueError`` and leaves it as it is;
             True deletes it (the whole directory, whatever it holds) and writes the checkpoint in its place.
     """
+    import jax
+
     ocp = _orbax()
+    if not jax.tree_util.tree_leaves(params):
+        raise ValueError(f"save_params: params holds no arrays (got {params!r}); pass a params pytree such as "
+                         f"circuit.params")
     if step is not None and (not isinstance(step, (int, np.integer)) or isinstance(step, bool)):
         raise TypeError(f"save_params: step must be a non-negative int, got {type(step).__name__} {step!r}")
     if step is not None and step < 0:
@@ -387,8 +397,10 @@ def load_params(path, *, params=None, opt_state=None) -> Checkpoint:
     Args:
         params, opt_state: optional templates (e.g. ``circuit.params`` and ``tx.init(circuit.params)``): the
             restored values get their tree structure (NamedTuple optimizer states), shapes and dtypes.
-            Without them the raw nested dicts/lists are returned. With ``params``, ``opt_state`` is needed exactly
-            when the checkpoint holds an optimizer state (else a ``ValueError``).
+            Without them the raw nested dicts/lists are returned; ``opt_state`` alone is a ``ValueError``. With
+            ``params``, ``opt_state`` is needed exactly when the checkpoint holds an optimizer state (else a
+            ``ValueError``). Templates of another circuit or optimizer (other leaves or shapes than the
+            checkpoint's) raise a ``ValueError`` naming the leaves.
 
     Returns:
         :class:`Checkpoint` ``(params, opt_state or None, step or None)``.
@@ -399,6 +411,9 @@ def load_params(path, *, params=None, opt_state=None) -> Checkpoint:
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
         raise FileNotFoundError(f"load_params: no checkpoint directory at {path}")
+    if params is None and opt_state is not None:
+        raise ValueError("load_params: opt_state=<template> needs params=<template> too (e.g. circuit.params); "
+                         "without templates the raw nested dicts/lists are returned")
     ck = ocp.StandardCheckpointer()
     meta = ck.metadata(path)
     tree_meta = getattr(meta, "item_metadata", meta)
@@ -421,9 +436,13 @@ def load_params(path, *, params=None, opt_state=None) -> Checkpoint:
             raise ValueError(f"load_params: {path} holds no optimizer state (save_params was given none), but "
                              "opt_state=<template> asks for one; drop opt_state= and start the optimizer anew "
                              "(tx.init(params))")
-        _check_template(path, getattr(tree_meta, "tree", tree_meta), target)
+        stored = getattr(tree_meta, "tree", tree_meta)
+        _check_template(path, stored, target)
         abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, target)
-        raw = ck.restore(path, abstract)
+        try:
+            raw = ck.restore(path, abstract)
+        except ValueError as e:  # orbax's tree mismatch suggests an option load_params does not have
+            raise ValueError(_mismatch_message(path, stored, target, e)) from None
         out_p, out_s = raw["params"], raw.get("opt_state")
         step = int(raw["step"])
     return Checkpoint(out_p, out_s if has_opt else None, None if step < 0 else step)
@@ -442,6 +461,23 @@ def _leaf_shapes(tree) -> dict[str, tuple[int, ...] | None]:
 
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {".".join(part(k) for k in p): (tuple(leaf.shape) if hasattr(leaf, "shape") else None) for p, leaf in leaves}
+
+
+def _mismatch_message(path: str, stored, target, err: Exception) -> str:
+    """A ``load_params`` error naming the leaves that the checkpoint and the templates do not share (orbax's
+    ``err`` where they share them all)."""
+    have, want = set(_leaf_shapes(stored)), set(_leaf_shapes(target))
+    first = {"params": 0, "opt_state": 1}  # the params' leaves first: they tell the circuits apart
+    only_file, only_tmpl = (sorted(names, key=lambda n: (first.get(n.split(".")[0], 2), n))
+                            for names in (have - want, want - have))
+    if not only_file and not only_tmpl:
+        return f"load_params: {path} could not be restored into the templates: {err}"
+
+    def some(names):
+        return ", ".join(names[:6]) + (f", ... ({len(names)} in all)" if len(names) > 6 else "") if names else "none"
+    return (f"load_params: {path} does not match the templates: leaves in the checkpoint but not in the templates: "
+            f"{some(only_file)}; in the templates but not in the checkpoint: {some(only_tmpl)}; the templates must "
+            f"come from the circuit (and optimizer) that the checkpoint was saved from")
 
 
 def _check_template(path: str, stored, target) -> None:

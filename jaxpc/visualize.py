@@ -122,7 +122,8 @@ def plot_circuit(obj, params=None, *, granularity: str = "vector", ax=None, figs
     Args:
         obj: a root node vector or a compiled :class:`jaxpc.Circuit`.
         params: with a circuit and ``granularity="node"``: sum edges are drawn with opacity and width
-            growing with their weight (default: the circuit's ``params``; ignored for vectors).
+            growing with their weight, normalized over the parent node's edges (default: the circuit's
+            ``params``; ignored for vectors).
         granularity: ``"vector"``: one marker per node vector (label: variable or ``×`` / ``+`` and
             ``num_node_blocks x block_size``) and one line per parent-child vector pair;
             ``"node"``: one marker per node and one line per edge (every sum edge of every block and
@@ -141,6 +142,13 @@ def plot_circuit(obj, params=None, *, granularity: str = "vector", ax=None, figs
 
     if granularity not in ("vector", "node"):
         raise ValueError(f"plot_circuit: granularity must be 'vector' or 'node', got {granularity!r}")
+    if not isinstance(max_nodes, (int, np.integer)) or isinstance(max_nodes, bool) or max_nodes < 1:
+        raise ValueError(f"plot_circuit: max_nodes must be a positive int, got {max_nodes!r}")
+    if ax is not None:
+        from matplotlib.axes import Axes
+
+        if not isinstance(ax, Axes):
+            raise TypeError(f"plot_circuit: ax must be a matplotlib Axes, got {type(ax).__name__}")
     circuit, root = _plot_target(obj, params)
     nodes = topological_order(root)
     G, kinds, text, edges, owners = _graph(nodes, granularity, max_nodes)
@@ -182,8 +190,9 @@ def _plot_target(obj, params) -> tuple[Any, CircuitNodes]:
 
 
 def _edge_weights(circuit, params, owners) -> np.ndarray:
-    """The weight of each drawn edge (:func:`_graph`'s edge owners): its sum weight under ``params`` (default
-    ``circuit.params``), 1 for product edges."""
+    """The weight of each drawn edge (:func:`_graph`'s edge owners), in [0, 1]: its sum weight under ``params``
+    (default ``circuit.params``) divided by the total weight of its parent node (parameters need not be normalized,
+    e.g. after gradient training), 1 for product edges. Non-finite weights raise a ``ValueError``."""
     p = circuit.params if params is None else params
     dense = {}
     w = np.ones(len(owners))
@@ -191,7 +200,12 @@ def _edge_weights(circuit, params, owners) -> np.ndarray:
         if ij is None:
             continue
         if ns.id not in dense:
-            dense[ns.id] = np.asarray(circuit.get_node_params(p, ns))
+            d = np.asarray(circuit.get_node_params(p, ns), dtype=np.float64)  # [num_nodes, num_ch_nodes]
+            if not np.all(np.isfinite(d)) or np.any(d < 0):
+                raise ValueError(f"plot_circuit: the weights of {ns.name} under params are not finite and "
+                                 f"non-negative; pass finite parameters")
+            tot = d.sum(axis=1, keepdims=True)
+            dense[ns.id] = d / np.where(tot > 0, tot, 1.0)
         w[i] = dense[ns.id][ij]
     return w
 

@@ -327,3 +327,33 @@ def test_damaged_parameters_and_ties_are_named(what, tmp_path):
     summate(params=...) would refuse), and a tied vector must match the vector it is tied to."""
     _check_damaged(_damaged_params_root(), *DAMAGED_PARAMS[what], tmp_path,
                    kinds=["input", "input", "prod", "sum", "input", "prod", "sum"])
+
+
+def test_checkpoint_of_another_circuit_names_the_leaves(tmp_path):
+    """Templates of another circuit, whose leaves have other names than the checkpoint's, raise a ValueError naming
+    the leaves on either side (not orbax's advice to pass an option load_params lacks); params without arrays are
+    refused when saved, an optimizer template without a params template when loaded (it would be ignored)."""
+    circuit, _, _ = _small_circuit()
+    other = jaxpc.compile(jaxpc.summate(jaxpc.multiply(jaxpc.inputs(0, 1, 3, distributions.Gaussian()),
+                                                       jaxpc.inputs(1, 1, 3, distributions.Gaussian())), num_nodes=1))
+    for empty in (None, {}, {"sum": {}}):
+        with pytest.raises(ValueError, match="save_params: params holds no arrays"):
+            io.save_params(tmp_path / "empty", empty)
+    io.save_params(tmp_path / "p", circuit.params, optax.adam(0.01).init(circuit.params), step=1)
+    with pytest.raises(ValueError, match=r"load_params: .*p does not match the templates: leaves in the checkpoint "
+                                         r"but not in the templates: .*params\.input\.categorical\.log_probs.*; in the "
+                                         r"templates but not in the checkpoint: .*params\.input\.gaussian\.mu"):
+        io.load_params(tmp_path / "p", params=other.params, opt_state=optax.adam(0.01).init(other.params))
+    with pytest.raises(ValueError, match=r"load_params: opt_state=<template> needs params=<template> too"):
+        io.load_params(tmp_path / "p", opt_state=optax.adam(0.01).init(circuit.params))
+
+
+def test_register_distribution_checks_its_arguments():
+    """A registration that could only fail later, at the first save or load, is refused when made."""
+    cat = distributions.Categorical
+    with pytest.raises(TypeError, match="register_distribution: encode must be callable, got NoneType"):
+        io.register_distribution(cat, None, lambda a: cat(**a), name="bad")
+    with pytest.raises(TypeError, match="register_distribution: decode must be callable, got dict"):
+        io.register_distribution(cat, lambda d: {}, {}, name="bad")
+    with pytest.raises(TypeError, match="register_distribution: name must be a non-empty str or None, got 3"):
+        io.register_distribution(cat, lambda d: {}, lambda a: cat(3), name=3)

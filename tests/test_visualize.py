@@ -105,3 +105,39 @@ def test_summary_table_adds_up():
     assert n_rows == kinds + len(c.layout.input_layers)
     with pytest.raises(TypeError, match="compiled jaxpc.Circuit"):
         vis.summary(g.circuit())
+
+
+def test_edge_weights_of_unnormalized_params_are_drawn():
+    """Parameters after gradient training need not be normalized (weights above 1): each sum edge is drawn with its
+    weight over its parent node's total, the opacities and widths stay in range and order."""
+    import matplotlib.pyplot as plt
+
+    c = jaxpc.compile(hmm_like(3, L=2, V=3))
+    p = {"sum": {k: v + 2.0 for k, v in c.params["sum"].items()}, "input": c.params["input"]}
+    fig = vis.plot_circuit(c, p, granularity="node")
+    fig.canvas.draw()
+    lc = next(x for x in fig.axes[0].collections if x.get_gid() == "jaxpc-edges")
+    alpha, width = lc.get_colors()[:, 3], np.asarray(lc.get_linewidths())
+    expect = []  # the drawn order of _graph: per vector, per edge block, per parent row, per child column
+    for ns in c.nodes:
+        if ns.is_prod():
+            expect += [1.0] * (ns.num_nodes * len(ns.children))
+        elif ns.is_sum():
+            w = np.asarray(c.get_node_params(p, ns), np.float64)
+            w = w / w.sum(axis=1, keepdims=True)
+            expect += [w[int(q), int(r)] for q, r in ns.edge_ids.T]  # block size 1
+    expect = np.asarray(expect)
+    np.testing.assert_allclose(alpha, 0.15 + 0.85 * expect, rtol=1e-6)
+    np.testing.assert_allclose(width, 0.3 + 2.0 * expect, rtol=1e-6)
+    plt.close(fig)
+    nan = {"sum": {k: v * np.nan for k, v in c.params["sum"].items()}, "input": c.params["input"]}
+    with pytest.raises(ValueError, match="plot_circuit: the weights of .* are not finite"):
+        vis.plot_circuit(c, nan, granularity="node")
+
+
+def test_plot_circuit_argument_errors():
+    root = _small()
+    with pytest.raises(TypeError, match="plot_circuit: ax must be a matplotlib Axes, got int"):
+        vis.plot_circuit(root, ax=3)
+    with pytest.raises(ValueError, match="plot_circuit: max_nodes must be a positive int, got '10'"):
+        vis.plot_circuit(root, granularity="node", max_nodes="10")

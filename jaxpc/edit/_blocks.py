@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..nodes import CircuitNodes, ProdNodes, SumNodes, multiply
-from ._graph import check_root, tie_groups
+from ._graph import as_real, check_root, tie_groups
 from ._params import Builder, Params
 
 
@@ -88,14 +88,15 @@ def blockify(root: CircuitNodes, sparsity_tolerance: float = 0.25, max_block_siz
         the new root.
     """
     nodes = check_root(root, "blockify")
-    if not isinstance(sparsity_tolerance, (int, float)) or not 0.0 <= sparsity_tolerance < 1.0:
+    tol = as_real(sparsity_tolerance)
+    if tol is None or not 0.0 <= tol < 1.0:
         raise ValueError(f"blockify: sparsity_tolerance must be a float in [0, 1), got {sparsity_tolerance!r}")
     if not isinstance(max_block_size, (int, np.integer)) or isinstance(max_block_size, bool) or max_block_size < 1:
         raise ValueError(f"blockify: max_block_size must be a positive int, got {max_block_size!r}")
     reader = Params("blockify", circuit, params)
     uf = _factor_classes(nodes)
     factor = _largest_factors(nodes, uf, max_block_size)
-    _shrink_to_tolerance(nodes, uf, factor, sparsity_tolerance)
+    _shrink_to_tolerance(nodes, uf, factor, tol)
     return _build_coarse(nodes, {ns.id: factor[uf.find(ns.id)] for ns in nodes}, reader)[root.id]
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
+import numpy as np
+
 from .. import distributions
 from ..nodes import CircuitNodes, InputNodes
 from ..nodes.traversal import topological_order
@@ -39,3 +41,17 @@ def indicator_concat_ok(ns: InputNodes) -> bool:
     """Whether nodes placed after ``ns``'s keep their values (an ``Indicator`` node's value is its
     position modulo ``num_states``)."""
     return not isinstance(ns.dist, distributions.Indicator) or ns.num_nodes % ns.dist.num_states == 0
+
+
+def as_real(value) -> float | None:
+    """``value`` as a float when it is one real number (a Python or numpy scalar or a 0-d array of ints or
+    floats, not a bool), else None."""
+    if isinstance(value, (bool, np.bool_)) or isinstance(value, (str, bytes)):
+        return None
+    try:
+        a = np.asarray(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if a.ndim != 0 or a.dtype.kind not in "iuf":
+        return None
+    return float(a)

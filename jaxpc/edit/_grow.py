@@ -8,7 +8,7 @@ import numpy as np
 
 from .. import distributions
 from ..nodes import CircuitNodes, InputNodes, ProdNodes, SumNodes, multiply
-from ._graph import check_root, indicator_concat_ok
+from ._graph import as_real, check_root, indicator_concat_ok
 from ._params import Builder, Params
 
 
@@ -44,9 +44,12 @@ def grow(root: CircuitNodes, num_duplicates: int = 1, noise: float = 0.0, *, see
     nodes = check_root(root, fn)
     if not isinstance(num_duplicates, (int, np.integer)) or isinstance(num_duplicates, bool) or num_duplicates < 1:
         raise ValueError(f"{fn}: num_duplicates must be a positive int, got {num_duplicates!r}")
-    if not isinstance(noise, (int, float)) or not math.isfinite(noise) or noise < 0:
+    scale = as_real(noise)
+    if scale is None or not math.isfinite(scale) or scale < 0:
         raise ValueError(f"{fn}: noise must be a finite float >= 0, got {noise!r}")
-    grower = _Grower(Params(fn, circuit, params), int(num_duplicates) + 1, float(noise), np.random.default_rng(seed))
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"{fn}: seed must be a non-negative int, got {seed!r}")
+    grower = _Grower(Params(fn, circuit, params), int(num_duplicates) + 1, scale, np.random.default_rng(int(seed)))
     new: dict[int, CircuitNodes] = {}
     for ns in nodes:
         chs = [new[c.id] for c in ns.children]

@@ -11,7 +11,7 @@ import numpy as np
 from .. import distributions
 from ..nodes import CircuitNodes, ProdNodes, SumNodes
 from ._copy import copy_graph
-from ._graph import check_root, tie_groups
+from ._graph import as_real, check_root, tie_groups
 from ._params import Params, normalize_blocks, set_input_params
 
 
@@ -86,7 +86,8 @@ def lvd_init(root: CircuitNodes, regions, latents, x=None, missing=None, *, pseu
     fn = "lvd_init"
     nodes = check_root(root, fn)
     reader = Params(fn, circuit, params)
-    if not isinstance(pseudocount, (int, float)) or not math.isfinite(pseudocount) or pseudocount < 0:
+    pc = as_real(pseudocount)
+    if pc is None or not math.isfinite(pc) or pc < 0:
         raise ValueError(f"{fn}: pseudocount must be a finite float >= 0, got {pseudocount!r}")
     z_all = np.asarray(latents)
     if z_all.ndim != 2 or not (np.issubdtype(z_all.dtype, np.integer)):
@@ -96,7 +97,7 @@ def lvd_init(root: CircuitNodes, regions, latents, x=None, missing=None, *, pseu
     xa, missing = _check_data(nodes, x, missing, z_all.shape[0], fn)
     new_root, new = copy_graph(root, reader, lambda v: v, fn)
     for members in tie_groups(nodes).values():
-        _distill_group(members, new, assign, xa, missing, reader, float(pseudocount), fn)
+        _distill_group(members, new, assign, xa, missing, reader, pc, fn)
     return new_root
 
 
@@ -157,6 +158,12 @@ def _check_data(nodes: Sequence[CircuitNodes], x, missing, N: int, fn: str):
         missing = np.asarray(missing, dtype=bool)
         if missing.shape != xa.shape:
             raise ValueError(f"{fn}: missing must have the shape of x {xa.shape}, got {missing.shape}")
+    used = sorted({ns.var for ns in nodes if ns.is_input()})
+    bad = ~np.isfinite(xa[:, used]) & (True if missing is None else ~missing[:, used])
+    if bad.any():
+        i, j = (int(k[0]) for k in np.nonzero(bad))
+        raise ValueError(f"{fn}: x[{i}, {used[j]}] = {xa[i, used[j]]} is not finite; mark unknown values with "
+                         f"missing=")
     return xa, missing
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from ..nodes import CircuitNodes, SumNodes, multiply
-from ._graph import check_root, tie_groups
+from ._graph import as_real, check_root, tie_groups
 from ._params import Builder, Params, normalize_blocks
 
 
@@ -33,8 +33,8 @@ def prune(root: CircuitNodes, circuit, params=None, flows=None, *, keep_frac: fl
         root: the root vector the circuit was compiled from.
         circuit: the compiled circuit.
         params: its parameters (default ``circuit.params``).
-        flows: a flows pytree of the circuit (``circuit.flows(...)``, summed over batches); required
-            unless ``scores`` is given.
+        flows: a flows pytree of the circuit (``circuit.flows(...)``, summed over batches: expected counts,
+            not log-space or negated ones); required unless ``scores`` is given.
         keep_frac: keep the ``ceil(keep_frac * total)`` highest-scoring edge blocks of all scored sums
             (ties: earlier edges first), plus the per-parent minimum.
         threshold: or keep edge blocks with score ``>= threshold`` (plus the per-parent minimum).
@@ -48,7 +48,7 @@ def prune(root: CircuitNodes, circuit, params=None, flows=None, *, keep_frac: fl
     if circuit is None:
         raise ValueError(f"{fn}: needs the compiled circuit (and its params and flows)")
     reader = Params(fn, circuit, params)
-    _check_selection(keep_frac, threshold, flows, scores, fn)
+    keep_frac, threshold = _check_selection(keep_frac, threshold, flows, scores, fn)
     groups = {k: v for k, v in tie_groups(nodes).items() if v[0].is_sum()}
     if scores is not None:
         group_scores = _given_scores(nodes, scores, fn)
@@ -59,15 +59,22 @@ def prune(root: CircuitNodes, circuit, params=None, flows=None, *, keep_frac: fl
     return _build_pruned(nodes, alive, kept, reader)[root.id]
 
 
-def _check_selection(keep_frac, threshold, flows, scores, fn: str) -> None:
+def _check_selection(keep_frac, threshold, flows, scores, fn: str) -> tuple[float | None, float | None]:
+    """``(keep_frac, threshold)`` as floats (one of them None)."""
     if (keep_frac is None) == (threshold is None):
         raise ValueError(f"{fn}: give exactly one of keep_frac and threshold")
-    if keep_frac is not None and (not isinstance(keep_frac, (int, float)) or not 0.0 < keep_frac <= 1.0):
+    frac = None if keep_frac is None else as_real(keep_frac)
+    if keep_frac is not None and (frac is None or not 0.0 < frac <= 1.0):
         raise ValueError(f"{fn}: keep_frac must be a float in (0, 1], got {keep_frac!r}")
-    if threshold is not None and (not isinstance(threshold, (int, float, np.floating)) or math.isnan(threshold)):
+    thr = None if threshold is None else as_real(threshold)
+    if threshold is not None and (thr is None or math.isnan(thr)):
         raise ValueError(f"{fn}: threshold must be a number, got {threshold!r}")
     if flows is None and scores is None:
         raise ValueError(f"{fn}: give flows= (circuit.flows(params, x)) or scores=")
+    if scores is not None and not isinstance(scores, Mapping):
+        raise TypeError(f"{fn}: scores must be a dict {{sum vector: [num_edge_blocks] scores}}, got "
+                        f"{type(scores).__name__}")
+    return frac, thr
 
 
 def _given_scores(nodes: Sequence[CircuitNodes], scores: Mapping, fn: str) -> dict[int, np.ndarray]:
@@ -106,6 +113,11 @@ def _flow_scores(groups: dict[int, list[CircuitNodes]], flows, reader: Params, f
                 raise ValueError(f"{fn}: flows has no entry ['sum'][{pl.group!r}]; pass a flows pytree of the "
                                  f"circuit (circuit.flows(params, x))") from None
         block = host[pl.group][pl.start:pl.start + pl.num_edge_blocks]
+        neg = np.nonzero(np.any(block < 0, axis=(1, 2)))[0]
+        if neg.size:
+            raise ValueError(f"{fn}: the flows of {src.name} (flows['sum'][{pl.group!r}]) are negative at edge "
+                             f"block(s) {neg[:5].tolist()}; pruning needs expected counts (>= 0), as circuit.flows "
+                             f"returns them without Options(logspace_flows=True) or negate_flows=True")
         bad = np.nonzero(~np.all(np.isfinite(block), axis=(1, 2)))[0]
         if bad.size:
             raise ValueError(f"{fn}: the flows of {src.name} (flows['sum'][{pl.group!r}]) are non-finite (NaN or "
