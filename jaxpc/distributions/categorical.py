@@ -26,10 +26,11 @@ def _check_probs(probs: np.ndarray, num_nodes: int, num_cats: int, where: str, a
     if allowed is not None:
         if np.any(probs[~allowed] > 0):
             raise ValueError(f"{where}: probabilities must be zero on values the mask forbids")
-    tot = probs.sum(axis=1, keepdims=True)
-    if np.any(tot <= 0):
-        raise ValueError(f"{where}: node {int(np.argmin(tot))} has probabilities summing to zero")
-    return probs / tot
+    top = probs.max(axis=1, keepdims=True)
+    if np.any(top <= 0):
+        raise ValueError(f"{where}: node {int(np.argmin(top))} has probabilities summing to zero")
+    scaled = probs / top  # each row's largest weight 1: unnormalized weights near the float64 maximum sum finitely
+    return scaled / scaled.sum(axis=1, keepdims=True)
 
 
 class Categorical(Distribution):
@@ -203,7 +204,8 @@ class Categorical(Distribution):
             counts = jnp.where(mask, counts, 0.0)
         tot = jnp.sum(counts, axis=1, keepdims=True) + pseudocount
         old = jnp.exp(p["log_probs"])
-        new = jnp.where(tot > 0, (counts + pc) / jnp.where(tot > 0, tot, 1.0), old)
+        mass = ~(tot <= 0)  # only a total of 0 keeps the row: NaN statistics give NaN parameters, never a keep
+        new = jnp.where(mass, (counts + pc) / jnp.where(mass, tot, 1.0), old)
         return {"log_probs": jnp.log(blend(old, new, step_size))}
 
 
@@ -233,7 +235,7 @@ class Bernoulli(Categorical):
     def natural_to_internal(self, natural):
         p = natural["p"]
         with np.errstate(divide="ignore"):
-            return {"log_probs": np.log(np.stack([1.0 - p, p], axis=1))}
+            return {"log_probs": np.stack([np.log1p(-p), np.log(p)], axis=1)}  # log1p: exact log(1 - p) near p = 0
 
     def internal_to_natural(self, p, tables):
         return {"p": jnp.exp(p["log_probs"][:, 1])}
@@ -286,14 +288,20 @@ class MaskedCategorical(Categorical):
 
     def _allowed(self, raw, num_nodes, where):
         K = self.num_cats
+        if raw.dtype.kind not in "biuf":
+            raise ValueError(f"{where}: MaskedCategorical mask must be numeric, got dtype {raw.dtype}")
         if self.mask_mode == "full_mask":
             if raw.shape != (num_nodes, K):
                 raise ValueError(f"{where}: full_mask must have shape [{num_nodes}, {K}], got {raw.shape}")
+            if not np.all((raw == 0) | (raw == 1)):
+                raise ValueError(f"{where}: full_mask must be boolean (True or 1 = allowed, False or 0 = forbidden)")
             allowed = raw.astype(bool)
         else:
             if raw.shape != (num_nodes, 2):
                 raise ValueError(f"{where}: {self.mask_mode} mask must have shape [{num_nodes}, 2] (lo, hi), "
                                  f"got {raw.shape}")
+            if raw.dtype.kind == "b" or not np.all(np.isfinite(raw) & (raw == np.round(raw))):
+                raise ValueError(f"{where}: {self.mask_mode} mask bounds (lo, hi) must be integers")
             lo, hi = raw[:, :1].astype(np.int64), raw[:, 1:].astype(np.int64)
             if np.any(lo < 0) or np.any(hi > K) or np.any(lo > hi):
                 raise ValueError(f"{where}: mask ranges must satisfy 0 <= lo <= hi <= {K}")

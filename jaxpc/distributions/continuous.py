@@ -55,7 +55,7 @@ def _moment_update(mu, var, stats, pseudocount, min_std):
     the second moment about the current mean less the squared shift of the mean,
     ``(m2 + c var) / (s0 + c) - (mu' - mu)^2`` (``= E[x^2] - mu'^2``)."""
     s0 = stats["s0"] + pseudocount
-    ok = s0 > 0
+    ok = ~(s0 <= 0)  # only a total of 0 keeps the node: NaN statistics give NaN parameters, never a keep
     safe = jnp.where(ok, s0, 1.0)
     new_mu = (stats["s1"] + pseudocount * mu) / safe
     shift = new_mu - mu
@@ -192,9 +192,11 @@ class DiscreteLogistic(Distribution):
     stat_fields = ("s0", "s1", "s2", "m2")
 
     def __init__(self, val_range: tuple[float, float], num_cats: int, min_std: float = 0.01):
-        lo, hi = (float(v) for v in val_range)
-        if not (math.isfinite(lo) and math.isfinite(hi) and hi > lo):
+        pair = (not isinstance(val_range, (str, bytes)) and hasattr(val_range, "__len__") and len(val_range) == 2
+                and all(_finite_real(v) for v in val_range))
+        if not (pair and float(val_range[1]) > float(val_range[0])):
             raise ValueError(f"DiscreteLogistic: val_range must be finite (lo, hi) with hi > lo, got {val_range!r}")
+        lo, hi = float(val_range[0]), float(val_range[1])
         if not isinstance(num_cats, (int, np.integer)) or isinstance(num_cats, bool) or num_cats < 2:
             raise ValueError(f"DiscreteLogistic: num_cats must be an int >= 2, got {num_cats!r}")
         if not _positive_real(min_std):

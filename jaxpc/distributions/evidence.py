@@ -29,6 +29,13 @@ def _shift(lp: Array) -> tuple[Array, Array]:
     return jnp.exp(lp - m), m
 
 
+def _log_total(Z: Array) -> Array:
+    """``log Z`` of non-negative totals: ``-inf`` where ``Z == 0`` (no value has weight), with a zero gradient there
+    (not ``0 * inf``)."""
+    pos = Z > 0
+    return jnp.where(pos, jnp.log(jnp.where(pos, Z, jnp.ones((), Z.dtype))), -jnp.inf)
+
+
 def _linear_logz(log_theta: Array, E: Array, emax: Array, rows: Array, vars_: Array, precision: str) -> Array:
     """``[N, B]``: ``log sum_k theta[row(n), k] E[b, var(n), k] + emax[b, var(n)]``. One matmul over all
     parameter rows and (sample, variable) pairs, ``[P, K] @ [K, B*V]``, then a gather: no ``[N, B, K]``
@@ -36,7 +43,7 @@ def _linear_logz(log_theta: Array, E: Array, emax: Array, rows: Array, vars_: Ar
     B, V, K = E.shape
     Z = matmul("pk,qk->pq", jnp.exp(log_theta), E.reshape(B * V, K), precision).reshape(-1, B, V)  # [P, B, V]
     Zn = Z[rows[:, None], jnp.arange(B)[None, :], vars_[:, None]]  # [N, B]
-    return jnp.log(Zn) + emax[:, vars_, 0].T
+    return _log_total(Zn) + emax[:, vars_, 0].T
 
 
 def _dense_logz(log_theta: Array, e: Array, rows: Array, vars_: Array, precision: str = "fp32") -> Array:
@@ -78,7 +85,7 @@ def _topk_logz(log_theta: Array, ids: Array, logp: Array, mask: Array | None, ro
         return jnp.sum(th * W[:, vv, :], axis=2).T  # [s, B]
 
     Z = jax.lax.map(one, (r, v)).reshape(-1, B)[:N]
-    return jnp.log(Z) + emax[:, vars_, 0].T
+    return _log_total(Z) + emax[:, vars_, 0].T
 
 
 class SoftEvidenceCategorical(Categorical):
@@ -86,7 +93,8 @@ class SoftEvidenceCategorical(Categorical):
 
     With evidence log-weights ``e`` for the node's variable, the node's value at the observed ``x`` is
     ``log theta[x] + e[x] - log sum_k theta[k] exp(e[k])`` (the sum over all values, or over the top-k
-    candidates). A missing ``x`` marginalizes to 0. Without evidence it is a plain categorical.
+    candidates), ``-inf`` where ``theta[x] exp(e[x])`` is zero (even where every value's weight is). A missing ``x``
+    marginalizes to 0. Without evidence it is a plain categorical.
     EM refits ``theta`` from the counts of the observed values; the evidence enters through the flows.
     """
 
@@ -114,7 +122,9 @@ class SoftEvidenceCategorical(Categorical):
                 hit = hit & mask
             exv = jnp.where(jnp.any(hit, axis=2), jnp.sum(jnp.where(hit, logp, 0.0), axis=2), -jnp.inf)  # [B, V]
             ex = exv[:, vars_].T  # [N, B]
-        out = lt[rows[:, None], xi] + ex - logz
+        num = lt[rows[:, None], xi] + ex
+        # zero weight at the observed value is probability zero, also where no value has weight (0 / 0)
+        out = jnp.where(num == -jnp.inf, -jnp.inf, num - logz)
         if mv is not None:
             out = jnp.where(mv, 0.0, out)
         return out
@@ -158,6 +168,10 @@ class External(Categorical):
 
     def init(self, rs, num_rows, tables):
         return {}
+
+    def normalize_internal(self, p, tables):
+        """No parameters, nothing to renormalize (:func:`jaxpc.optim.normalize_params`)."""
+        return p
 
     def log_prob(self, p, tables, rows, xv, mv, options):
         raise ValueError("External leaves need evidence={'external': [B, V, M]} log-values with every call")

@@ -2,7 +2,9 @@
 
 Both put probability one on a single value: node value ``0`` where ``x`` equals the node's
 value, ``-inf`` elsewhere, and ``0`` when the variable is marginalized (under LL, MPE and
-GeneralLL alike). They share one input layer; the node's value is a static table.
+GeneralLL alike). They share one input layer; the node's value is a static table. Their values (0, ``-inf``, NaN)
+are float32, exact in every floating dtype, so that they promote to the circuit's dtype and never widen it (with
+64-bit types on, a float32 circuit stays float32).
 """
 
 from __future__ import annotations
@@ -30,12 +32,12 @@ class IndicatorLeaf(Distribution):
 
     def log_pmf(self, p, tables, rows, num_values):
         val = tables["value"][rows][:, None]
-        return jnp.where(jnp.arange(num_values)[None, :] == val, 0.0, -jnp.inf).astype(jnp.result_type(float))
+        return jnp.where(jnp.arange(num_values)[None, :] == val, 0.0, -jnp.inf).astype(jnp.float32)
 
     def log_prob(self, p, tables, rows, xv, mv, options):
         val = tables["value"][rows][:, None]
         xi = xv.astype(jnp.int32)
-        out = jnp.where(xi == val, 0.0, -jnp.inf).astype(jnp.result_type(float))
+        out = jnp.where(xi == val, 0.0, -jnp.inf).astype(jnp.float32)
         out = jnp.where(xi < 0, jnp.nan, out)
         if mv is not None:
             out = jnp.where(mv, 0.0, out)
@@ -72,7 +74,7 @@ class Indicator(IndicatorLeaf):
     """``num_states`` indicators of one variable: node ``j`` of a vector is ``[x == j % num_states]``."""
 
     def __init__(self, num_states: int):
-        if not isinstance(num_states, (int, np.integer)) or num_states < 1:
+        if not isinstance(num_states, (int, np.integer)) or isinstance(num_states, (bool, np.bool_)) or num_states < 1:
             raise ValueError(f"Indicator: num_states must be a positive int, got {num_states!r}")
         self.num_states = int(num_states)
 
