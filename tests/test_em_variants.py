@@ -364,3 +364,58 @@ def test_fit_refuses_a_full_batch_count_other_than_its_epoch():
     assert c.compiled("optim.fit") is not None
     with pytest.raises(ValueError, match=r"compiled: 'optim.fits' is not an entry point; entry points: \[.*'flows'"):
         c.compiled("optim.fits")
+
+
+
+def _nan_flows_circuit():
+    """A circuit with an inner sum vector under the root, its flows on 12 rows, and those flows with a NaN in the
+    inner vector's first parameter block."""
+    import jax.numpy as jnp
+
+    a = jaxpc.inputs(0, 2, 2, distributions.Categorical(3))
+    b = jaxpc.inputs(1, 2, 2, distributions.Categorical(3))
+    inner = jaxpc.summate(jaxpc.multiply(a, b), num_node_blocks=2, block_size=2)
+    root = jaxpc.summate(inner, num_nodes=1)
+    c = jaxpc.compile(root, seed=0)
+    x = np.random.default_rng(0).integers(0, 3, (12, 2)).astype(np.int32)
+    fl = c.flows(c.params, x)
+    pl = c._struct.sum_placement[inner.id]
+    bad = {**fl, "sum": {**fl["sum"], pl.group: fl["sum"][pl.group].at[pl.start, 0, 0].set(jnp.nan)}}
+    return c, root, inner, x, fl, bad
+
+
+def test_nan_flows_make_nan_parameters_not_a_silent_keep():
+    """EM reads a node total of exactly 0 as "no mass" (the node keeps its parameters) but a NaN total as NaN
+    parameters, which the parameter checks then name: NaN flows are never a silent no-op. The nodes with finite
+    flows update as with clean flows."""
+    c, root, inner, _, fl, bad = _nan_flows_circuit()
+    clean = c.em_update(c.params, fl, step_size=0.5)
+    new = c.em_update(c.params, bad, step_size=0.5)
+    w = np.asarray(c.get_node_params(new, inner))
+    assert np.isnan(w[0]).all() and np.isfinite(w[1:]).all()  # the parent whose edge flow is NaN, not the others
+    np.testing.assert_allclose(np.asarray(c.get_node_params(new, root)), c.get_node_params(clean, root), rtol=1e-6)
+    with pytest.raises(ValueError, match=r"params\['sum'\]\['\w+'\]\[.*\] is nan"):
+        c.check_params(new)
+
+
+@pytest.mark.slow
+def test_nan_flows_reach_the_parameters_on_every_em_path():
+    """NaN flows give NaN parameters through the EM transformations (``em``, ``anemone``) and from an unchecked NaN
+    weight (``validate=False``); TDP rescaling on weights that are all 0 (no data term: ``(1 - s) TDP`` normalizes
+    back to the parameters) keeps the parameters, finite."""
+    import jax.numpy as jnp
+
+    from jaxpc import optim
+
+    c, root, inner, x, _, bad = _nan_flows_circuit()
+    tx, an = optim.em(c, 0.5), optim.anemone(c, 1.0)
+    for new in (tx.step(bad, tx.init(c.params), c.params)[0],
+                an.step(bad, an.init(c.params), c.params, num_samples=12)[0]):
+        w = np.asarray(c.get_node_params(new, inner))
+        assert np.isnan(w[0]).all() and np.isfinite(w[1:]).all()
+    w_nan = jnp.asarray(np.where(np.arange(12) == 3, np.nan, 1.0), jnp.float32)
+    new = c.em_step(c.params, x, step_size=0.5, ll_weights=w_nan, validate=False)
+    assert np.isnan(np.asarray(c.get_node_params(new, root))).all()
+    new = c.em_step(c.params, x, step_size=0.5, ll_weights=np.zeros(12), rescale="tdp")
+    for ns in (root, inner):
+        np.testing.assert_allclose(np.asarray(c.get_node_params(new, ns)), c.get_node_params(c.params, ns), rtol=1e-5)

@@ -358,3 +358,14 @@ def test_fit_names_a_bad_key_opt_state_or_mesh_batch():
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         with pytest.raises(ValueError, match="fit: batch_size=6 must be a multiple of the 4 devices"):
             optim.fit(circuit, params, data[:30], 1, 6, mesh=mesh, progress=False)
+
+
+def test_fit_with_validate_sync_checks_the_params():
+    """``fit(validate="sync")`` checks the parameters' values before training, as ``em_step``'s does: a NaN
+    parameter raises a ``ValueError`` naming it (not a NaN epoch after a whole run)."""
+    circuit, _, data = _small_circuit()
+    g = next(iter(circuit.params["sum"]))
+    bad = {**circuit.params, "sum": {**circuit.params["sum"], g: circuit.params["sum"][g].at[0, 0, 1].set(jnp.nan)}}
+    with pytest.raises(ValueError, match=rf"params\['sum'\]\['{g}'\]\[0, 0, 1\] is nan \(fit, checked with "
+                                         r"validate='sync'\)"):
+        optim.fit(circuit, bad, data, 1, 64, validate="sync", progress=False)

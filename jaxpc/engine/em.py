@@ -181,18 +181,26 @@ def normalized_with_totals(layout: Layout, tables: dict, sum_counts: dict, pseud
             tot = parent_totals(sum_counts[g.key], seg, g) + pseudocount
         tot_e = tot[:, :, None]
         uniform = 1.0 / nch if mask is None else jnp.where(mask, 1.0 / nch, 0.0)
-        out[g.key] = jnp.where(tot_e > 0, counts / jnp.where(tot_e > 0, tot_e, 1.0), uniform)
+        mass = has_mass(tot_e)
+        out[g.key] = jnp.where(mass, counts / jnp.where(mass, tot_e, 1.0), uniform)
         totals[g.key] = tot
     return out, totals
+
+
+def has_mass(total: Array) -> Array:
+    """Where a node's ``total`` (flows and pseudocount) moves its parameters: ``total > 0``, and NaN. Only a total of
+    exactly 0 means "no mass" (the node is uniform, or keeps its parameters); a NaN in the flows makes NaN parameters,
+    which the parameter checks report, never a silent keep."""
+    return ~(total <= 0)
 
 
 def em_update(layout: Layout, tables: dict, params: dict, flows: dict, step_size, pseudocount,
               update_sums: bool = True, keep_zero_params: bool = False) -> dict:
     """One EM update: ``theta <- (1 - s) theta + s * normalize(flows + pseudocount)``.
 
-    Sum nodes whose flows are all zero (and pseudocount 0) keep their parameters; with ``update_sums``
-    False all sum parameters are kept (only the leaves are refitted); with ``keep_zero_params``
-    parameters that are exactly zero stay zero (no pseudocount on them)."""
+    Sum nodes whose flows are all zero (and pseudocount 0) keep their parameters; a sum node whose flows hold a NaN
+    gets NaN parameters (:func:`has_mass`); with ``update_sums`` False all sum parameters are kept (only the leaves
+    are refitted); with ``keep_zero_params`` parameters that are exactly zero stay zero (no pseudocount on them)."""
     new_sum = {}
     keep = {g.key: jnp.isfinite(params["sum"][g.key]) for g in layout.sum_groups} if keep_zero_params else None
     targets, totals = normalized_with_totals(layout, tables, flows["sum"], pseudocount, keep)
@@ -203,8 +211,7 @@ def em_update(layout: Layout, tables: dict, params: dict, flows: dict, step_size
             tot = totals[g.key]
         else:
             tot = parent_totals(flows["sum"][g.key], t["seg"], g) + pseudocount
-        has_mass = (tot > 0)[:, :, None]
-        new = jnp.where(has_mass, blend(old, targets[g.key], step_size), old)
+        new = jnp.where(has_mass(tot)[:, :, None], blend(old, targets[g.key], step_size), old)
         new_sum[g.key] = jnp.log(new)
     if not update_sums:
         new_sum = dict(params["sum"])
@@ -246,6 +253,7 @@ def em_step(layout: Layout, tables: dict, params: dict, x: Array, missing: Array
     if rescale == "tdp":
         tdp = top_down_probabilities(layout, tables, params, options)
         total = jnp.asarray(x.shape[0], ll.dtype) if weights is None else jnp.sum(weights)
+        total = jnp.where(total > 0, total, jnp.ones((), total.dtype))  # weights all 0: zero flows, no data term
         mixed = jax.tree_util.tree_map(lambda f, t: step_size * f / total + (1.0 - step_size) * t, fl, tdp)
         return em_update(layout, tables, params, mixed, 1.0, pseudocount, options.compute_param_flows,
                          keep_zero_params), ll

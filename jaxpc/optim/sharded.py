@@ -37,12 +37,13 @@ def check_mesh(mesh) -> Mesh:
     return mesh
 
 
-def check_on_mesh(mesh: Mesh, x, missing, params) -> None:
-    """A ``ValueError`` naming the devices where ``x``, ``missing`` or ``params`` (a pytree: its first leaf) were
-    committed to devices other than ``mesh``'s: a data-parallel step moves no committed array (JAX refuses one),
-    and the batch goes where the mesh splits it."""
+def check_on_mesh(mesh: Mesh, x, missing, params, *, weights=None) -> None:
+    """A ``ValueError`` naming the devices where ``x``, ``missing``, ``params`` (a pytree: its first leaf) or the
+    per-sample ``weights`` were committed to devices other than ``mesh``'s: a data-parallel step moves no committed
+    array (JAX refuses one), and the batch goes where the mesh splits it."""
     devices = set(mesh.devices.flat)
-    for what, a in (("x", x), ("missing", missing), ("params", next(iter(jax.tree_util.tree_leaves(params)), None))):
+    for what, a in (("x", x), ("missing", missing), ("params", next(iter(jax.tree_util.tree_leaves(params)), None)),
+                    ("ll_weights", weights)):
         if checks.is_device_array(a) and a.committed \
                 and a.sharding.device_set != devices:
             fix = "NamedSharding(mesh, P())" if what == "params" else f"NamedSharding(mesh, P('{AXIS}'))"

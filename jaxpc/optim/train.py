@@ -146,7 +146,8 @@ class FitResult(NamedTuple):
         params: the trained parameters.
         opt_state: the optimizer state (resume with ``fit(..., opt_state=..., start_epoch=...)``).
         epoch_ll: ``float[epochs]`` mean log-likelihood per sample of each epoch's training batches, each
-            under the parameters before its step (the usual running training LL).
+            under the parameters before its step (the usual running training LL); with ``ll_weights`` the
+            weighted mean.
     """
 
     params: dict
@@ -155,13 +156,18 @@ class FitResult(NamedTuple):
 
 
 def _epoch_fn(layout, step, num_samples: int, batch_size: int, shuffle: bool, drop_remainder: bool,
-              missing_ndim: int | None, dtype, check=None):
+              missing_ndim: int | None, dtype, check=None, skip_empty: bool = False):
     """One epoch ``run(...) -> (params, state, mean ll, bad)`` (pure: the caller compiles it). With ``check``
     (a :class:`jaxpc.checks.DeviceCheck`) the data's bad rows weigh zero and ``bad`` flags them. ``evidence``
-    (None, or per-call evidence for every row of ``data``) is indexed with each batch's rows, as ``data`` is."""
-    def run(tables, params, state, data, missing, evidence, key, epoch):
+    (None, or per-call evidence for every row of ``data``) is indexed with each batch's rows, as ``data`` is, and so
+    are ``weights`` (None, or ``[N]`` per-row weights: each batch's rows weigh theirs). With ``skip_empty`` a batch
+    of total weight 0 leaves the parameters and the optimizer state as they were (as if its rows were not there)."""
+    def run(tables, params, state, data, missing, evidence, weights, key, epoch):
         idx, w = epoch_batches(key, epoch, num_samples, batch_size, shuffle=shuffle, drop_remainder=drop_remainder)
         wts = None if w is None else w.astype(dtype)
+        if weights is not None:
+            rows = weights.astype(dtype)[idx]
+            wts = rows if wts is None else wts * rows
         bad = None
         if check is not None:
             data, bad_rows = check.apply(data, missing)
@@ -175,9 +181,13 @@ def _epoch_fn(layout, step, num_samples: int, batch_size: int, shuffle: bool, dr
             xb = data[ib]
             mb = missing[ib] if missing_ndim == 2 else missing
             eb = None if evidence is None else jax.tree_util.tree_map(lambda a: a[ib], evidence)
-            params, state, ll = step(tables, params, state, xb, mb, wb, eb)
+            new_params, new_state, ll = step(tables, params, state, xb, mb, wb, eb)
+            if skip_empty:  # a select, not a cond: no predicate read on the host; a NaN weight takes the step
+                some = jnp.any(wb != 0)
+                new_params, new_state = jax.tree_util.tree_map(lambda a, b: jnp.where(some, a, b),
+                                                               (new_params, new_state), (params, state))
             tot = jnp.sum(ll) if wb is None else jnp.sum(jnp.where(wb == 0, 0.0, ll * wb))
-            return (params, state), tot
+            return (new_params, new_state), tot
 
         (params, state), sums = jax.lax.scan(body, (params, state), (idx, wts))
         count = idx.size if wts is None else jnp.sum(wts)
@@ -202,10 +212,12 @@ class _Same:
         return isinstance(other, _Same) and other.value is self.value
 
 
-def _epoch_entry(layout, tables, params, state, data, missing, evidence, key, epoch, *, optimizer: _Same,
+def _epoch_entry(layout, tables, params, state, data, missing, evidence, weights, key, epoch, *, optimizer: _Same,
                  normalize: bool, options: Options, mesh, num_samples: int, batch_size: int, shuffle: bool,
                  drop_remainder: bool, missing_ndim: int | None, dtype, check, _matmul=None, _jax=None):
-    """The epoch as an entry of the circuit's executable cache: every keyword is static (part of the key)."""
+    """The epoch as an entry of the circuit's executable cache: every keyword is static (part of the key). With
+    ``weights``, a batch of total weight 0 is skipped, except by full-batch EM (whose count of updates is the
+    count of batches, and to whose sum such a batch adds nothing)."""
     del _matmul, _jax  # part of the key only
     step = make_step(layout, optimizer.value, normalize=normalize, options=options, mesh=mesh,
                      missing_ndim=missing_ndim)
@@ -216,8 +228,11 @@ def _epoch_entry(layout, tables, params, state, data, missing, evidence, key, ep
             w = jnp.ones((x.shape[0],), dtype) if weights is None else weights
             return inner(tables, params, state, x, missing, w, evidence)
 
-    run = _epoch_fn(layout, step, num_samples, batch_size, shuffle, drop_remainder, missing_ndim, dtype, check)
-    return run(tables, params, state, data, missing, evidence, key, epoch)
+    tx = optimizer.value
+    skip_empty = weights is not None and not (isinstance(tx, EMTransformation) and tx.config.kind == "full_batch")
+    run = _epoch_fn(layout, step, num_samples, batch_size, shuffle, drop_remainder, missing_ndim, dtype, check,
+                    skip_empty)
+    return run(tables, params, state, data, missing, evidence, weights, key, epoch)
 
 
 def _default_em(circuit, step_size, pseudocount):
@@ -235,7 +250,7 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
         key: Array | None = None, missing=None, optimizer=None, opt_state=None, start_epoch: int = 0,
         shuffle: bool = True, drop_remainder: bool = False, normalize: bool = True, mesh=None,
         options: Options | None = None, progress: bool = True, validate: bool | str = True,
-        evidence: dict | None = None) -> FitResult:
+        evidence: dict | None = None, ll_weights=None) -> FitResult:
     """Train ``params`` on ``data`` for ``epochs`` epochs; each epoch is one jitted ``lax.scan`` over batches.
 
     Args:
@@ -271,9 +286,20 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
         evidence: per-call evidence of every row of ``data`` (as for :meth:`jaxpc.Circuit.flows`, leaves
             ``[N, ...]``, checked by :meth:`~jaxpc.Circuit.check_evidence`); each batch takes the rows of its
             samples. It is an argument of the epoch's executable: it lives on the device with the data.
-        validate: as for :meth:`jaxpc.Circuit.em_step`, except that the values of device ``data`` and device
-            ``evidence`` are checked on the device alongside the first epoch and a failure raises in ``fit`` right
-            after it (``True`` or ``"sync"``; ``False``: no check).
+        validate: as for :meth:`jaxpc.Circuit.em_step`, except that the values of device ``data``, ``evidence``
+            and ``ll_weights`` are checked on the device alongside the first epoch and a failure raises in ``fit``
+            right after it (``True`` or ``"sync"``; ``False``: no check); ``"sync"`` also checks the values of
+            ``params`` before the first epoch (NaN or +inf raise a ``ValueError`` naming the entry).
+        ll_weights: ``[N]`` per-row weights of ``data`` (None: 1 each), finite and >= 0, not all 0 (a
+            ``ValueError`` names a wrong shape or the first bad weight; numpy weights are checked at once, device
+            weights as device ``data`` are). Each row's weight follows it through the shuffles into its batch and
+            scales its flows (EM) or its term of the batch's weighted mean log-likelihood (gradient training), as
+            :meth:`jaxpc.Circuit.em_step`'s ``ll_weights`` do; ``epoch_ll`` is the weighted mean. An integer weight
+            ``k`` counts a row as ``k`` copies of it and a weight of 0 as no row: with one batch per epoch (or
+            :func:`~jaxpc.optim.full_batch_em`) ``fit`` equals ``fit`` on the data with each row repeated its
+            weight's number of times. A batch whose rows all weigh 0 takes no step (its parameters, optimizer
+            state and step count stay), except under ``full_batch_em``, where it adds nothing to the pass. All
+            of this holds over a ``mesh`` too.
 
     Returns:
         :class:`FitResult` ``(params, opt_state, epoch_ll [epochs])``.
@@ -282,8 +308,16 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
     optimizer = _fit_optimizer(circuit, optimizer, step_size, pseudocount)
     batch, bs = _fit_batch(circuit, data, missing, validate, epochs=epochs, batch_size=batch_size,
                            start_epoch=start_epoch, mesh=mesh)
+    if validate == "sync":  # as em_step's: the parameters' values too
+        circuit.runtime.check_params_now(params, where=" (fit, checked with validate='sync')")
     _check_full_batch(optimizer, batch.n, bs, drop_remainder)
-    ev, record = circuit.prepare_evidence(evidence, batch, "optim.fit")
+    ev, record_ev = circuit.prepare_evidence(evidence, batch, "optim.fit")
+    weights, record_w = _fit_weights(circuit, ll_weights, batch)
+
+    def record():
+        record_ev()
+        record_w()
+
     check = circuit.runtime.device_check if batch.report else None  # device data: checked inside the epoch
     if key is None:
         key = jax.random.key(0)
@@ -296,23 +330,89 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
                            batch_size=bs, shuffle=shuffle, drop_remainder=drop_remainder,
                            missing_ndim=None if batch.missing is None else batch.missing.ndim, check=check)
     if mesh is None:  # where the parameters or data were put (parameters trained over a mesh: replicated there)
-        tables = circuit.runtime.placed_tables(circuit.tables, batch.x, params, batch.missing)[0]
+        tables, placed = circuit.runtime.placed_tables(circuit.tables, batch.x, params, batch.missing)
+        _check_weights_placement(weights, placed, circuit.tables)
     else:
-        sharded.check_on_mesh(mesh, batch.x, batch.missing, params)
+        sharded.check_on_mesh(mesh, batch.x, batch.missing, params, weights=weights)
         tables = circuit.runtime.replicated(circuit.tables, NamedSharding(mesh, PartitionSpec()))
-    return _run_epochs(circuit, run, tables, params, opt_state, batch, ev, key,
+    return _run_epochs(circuit, run, tables, params, opt_state, batch, ev, weights, key,
                        range(start_epoch, start_epoch + int(epochs)), progress, record)
 
 
-def _run_epochs(circuit, run, tables, params, opt_state, batch, ev, key, epochs, progress: bool,
+def _fit_weights(circuit, ll_weights, batch):
+    """``fit``'s ``(weights, record)``: ``ll_weights`` checked and as an array ``[N]`` of the circuit's dtype (None
+    for None), and a function of no arguments that records the device check of device weights (a no-op for others:
+    numpy weights are checked here)."""
+    if ll_weights is None:
+        return None, _no_record
+    shape = tuple(np.shape(ll_weights))
+    if shape != (batch.n,):
+        raise ValueError(f"fit: ll_weights must have shape [{batch.n}] (one weight per row of data), got {shape}")
+    device = isinstance(ll_weights, jax.Array)
+    if not device:
+        host = np.asarray(ll_weights)
+        if host.dtype.kind not in "biuf" and not jnp.issubdtype(host.dtype, jnp.floating):  # (bfloat16: "V")
+            raise TypeError(f"fit: ll_weights must be numbers, got dtype {host.dtype}")
+        _raise_bad_fit_weights(host)
+    w = circuit.runtime.weights(ll_weights, batch.n, nonnegative=True)
+    if not device or isinstance(ll_weights, jax.core.Tracer):
+        return w, _no_record
+    return w, circuit.runtime.deferred_check(batch, "fit_weights_flag", _bad_fit_weights, {"w": w},
+                                             functools.partial(_explain_fit_weights, w))
+
+
+def _no_record() -> None:
+    """A record function with nothing to record."""
+
+
+def _raise_bad_fit_weights(host: np.ndarray, where: str = "") -> None:
+    """The ``ValueError`` of ``fit``'s ``ll_weights`` (host values) that hold a NaN, an infinity or a negative
+    weight, or are all zero."""
+    flat = host.astype(np.float64).ravel()
+    for bad, what in ((~np.isfinite(flat), "finite"), (flat < 0, ">= 0")):
+        at = np.flatnonzero(bad)
+        if at.size:
+            more = f" ({at.size} such weights in all)" if at.size > 1 else ""
+            raise ValueError(f"fit: ll_weights must be {what}; ll_weights[{at[0]}] is {host.ravel()[at[0]]}{more}"
+                             f"{where}")
+    if not np.any(flat > 0):
+        raise ValueError(f"fit: ll_weights are all zero, so no row of data takes part{where}")
+
+
+def _bad_fit_weights(w: Array) -> Array:
+    """Whether device weights break ``fit``'s rule (:func:`_raise_bad_fit_weights`): a scalar bool."""
+    return ~(jnp.all(jnp.isfinite(w) & (w >= 0)) & jnp.any(w > 0))
+
+
+def _explain_fit_weights(w: Array) -> None:
+    """The error of device weights whose check found a bad value."""
+    with jax.transfer_guard_device_to_host("allow"):  # (an error's message, not the call's data path)
+        host = np.asarray(w)
+    _raise_bad_fit_weights(host, " (checked on the device after the first epoch: fit's result is not valid)")
+    raise ValueError("fit: ll_weights held a value that the device check rejected; the host check found none")
+
+
+def _check_weights_placement(weights, placed, tables) -> None:
+    """Raise a ``ValueError`` where device ``weights`` were committed to devices other than those where ``fit``
+    runs (``placed``: the sharding of :meth:`jaxpc.runtime.Runtime.placed_tables`, None: the tables' devices)."""
+    if weights is None or not getattr(weights, "committed", False) or isinstance(weights, jax.core.Tracer):
+        return
+    want = (jax.tree_util.tree_leaves(tables)[0].sharding if placed is None else placed).device_set
+    if weights.sharding.device_set != want:
+        raise ValueError(f"fit: ll_weights are committed to devices {sorted(d.id for d in weights.sharding.device_set)}"
+                         f", but fit runs on devices {sorted(d.id for d in want)} (where data and params are): pass "
+                         "them uncommitted (numpy, jnp.asarray) or jax.device_put them there")
+
+
+def _run_epochs(circuit, run, tables, params, opt_state, batch, ev, weights, key, epochs, progress: bool,
                 record=None) -> FitResult:
-    """``fit``'s loop: one executable call per epoch; the data's input flag is read once, after the first, and so is
-    the flag of the device evidence's values (``record``: :meth:`jaxpc.Circuit.prepare_evidence`'s, recorded after
-    the first epoch is dispatched)."""
+    """``fit``'s loop: one executable call per epoch; the data's input flag is read once, after the first, and so are
+    the flags of the device evidence's and weights' values (``record``: a function recording both checks, called
+    after the first epoch is dispatched)."""
     epochs_iter, bar = _progress_bar(epochs, progress)
     lls = []
     for e in epochs_iter:
-        params, opt_state, ll, bad = run(tables, params, opt_state, batch.x, batch.missing, ev, key,
+        params, opt_state, ll, bad = run(tables, params, opt_state, batch.x, batch.missing, ev, weights, key,
                                          jnp.asarray(e, jnp.int32))
         lls.append(ll)
         if bad is not None and len(lls) == 1 and bool(np.asarray(bad)):
@@ -442,10 +542,10 @@ def _cached_epoch_fn(circuit, optimizer, options, *, normalize: bool, mesh, num_
     fn = functools.partial(_epoch_entry, circuit.layout)
     cache = circuit.runtime.cache
 
-    def run(tables, params, state, data, missing, evidence, key, epoch):
+    def run(tables, params, state, data, missing, evidence, weights, key, epoch):
         return cache.run("optim.fit", fn, static, {"tables": tables, "params": params, "state": state, "data": data,
-                                                   "missing": missing, "evidence": evidence, "key": key,
-                                                   "epoch": epoch})
+                                                   "missing": missing, "evidence": evidence, "weights": weights,
+                                                   "key": key, "epoch": epoch})
     return run
 
 
