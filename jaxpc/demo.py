@@ -22,14 +22,29 @@ def load_digits_split(seed: int = 0, test_fraction: float = 0.2):
     return x[perm[n_test:]], x[perm[:n_test]]
 
 
+def _int_at_least(low: int):
+    """An argparse ``type``: an integer ``>= low`` (argparse names the option and the value otherwise)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
+        return value
+
+    return parse
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--latents", type=int, default=32, help="latent states per variable (default 32)")
-    p.add_argument("--epochs", type=int, default=40)
-    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--latents", type=_int_at_least(1), default=32, help="latent states per variable (default 32)")
+    p.add_argument("--epochs", type=_int_at_least(0), default=40)
+    p.add_argument("--batch-size", type=_int_at_least(1), default=128)
     p.add_argument("--step-size", type=float, default=0.2, help="initial EM step size (decays linearly to 10%%)")
     p.add_argument("--pseudocount", type=float, default=0.1)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_int_at_least(0), default=0)
     args = p.parse_args(argv)
 
     import jax

@@ -4,6 +4,7 @@ The committed notebooks are saved with the outputs of a full run; this test exec
 writes them back."""
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -42,3 +43,21 @@ def test_notebook_runs(path, monkeypatch):
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
               if o.get("output_type") == "error"]
     assert not errors
+
+
+@pytest.mark.slow
+def test_quickstart_notebook_shows_the_circuit_its_code_builds():
+    """The committed 01_quickstart shows the summary of the circuit its code builds at full settings: an output
+    left stale by a change to the structures or the compiler fails here (run the notebook again and commit it)."""
+    import jaxpc
+    from jaxpc import distributions, structures
+    from jaxpc.demo import load_digits_split
+
+    nb = nbformat.read(ROOT / "notebooks" / "01_quickstart.ipynb", as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    latents = int(re.search(r"else \((\d+), \d+, \d+\)", code[0].source).group(1))
+    cell = next(c for c in code if "structures.HCLT" in c.source)
+    shown = next(o["data"]["text/plain"] for o in cell.outputs if o.get("output_type") == "execute_result")
+    train, _ = load_digits_split(seed=0)
+    root = structures.HCLT(train, num_latents=latents, input_dist=distributions.Categorical(num_cats=17))
+    assert repr(jaxpc.compile(root, seed=0)) == shown
