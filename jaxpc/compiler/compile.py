@@ -92,6 +92,11 @@ def build(root: CircuitNodes, *, scan_min_repeats: int = 3, max_exact_fanins: in
     """Compile the node graph under ``root`` (a single node) into its layout, index tables and parameter
     placement. ``scan_min_repeats``: see :func:`group_scans`; ``max_exact_fanins``: see :func:`_fanin_buckets`."""
     _check_root(root)
+    if not isinstance(scan_min_repeats, numbers.Integral) or isinstance(scan_min_repeats, bool):
+        raise TypeError(f"compile: scan_min_repeats must be an int >= 0, got {type(scan_min_repeats).__name__} "
+                        f"{scan_min_repeats!r}")
+    if scan_min_repeats < 0:
+        raise ValueError(f"compile: scan_min_repeats must be an int >= 0 (0: no scans), got {scan_min_repeats!r}")
     nodes = topological_order(root)
     kmax = max(ns.block_size for ns in nodes)
     by_level = _levels(nodes)

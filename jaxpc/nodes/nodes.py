@@ -90,7 +90,12 @@ def _resolve_sizes(kind: str, num_node_blocks: int, num_nodes: int, block_size: 
 
 
 class CircuitNodes:
-    """Base class of node vectors. Identity (not value) equality: two calls build two vectors."""
+    """Base class of node vectors. Identity (not value) equality: two calls build two vectors.
+
+    A vector of ``num_node_blocks`` blocks of ``block_size`` nodes over the node vectors ``children``, with
+    ``scope`` a bitset of variable ids; ``source``: the vector whose parameters it shares (:attr:`tied_to`), or
+    None; ``name``: its name in error messages (default ``"<class>#<id>"``). Build vectors with :func:`inputs`,
+    :func:`multiply`, :func:`summate` and :func:`duplicate`."""
 
     kind = "nodes"
 
@@ -100,9 +105,10 @@ class CircuitNodes:
         self.block_size = int(block_size)
         self.children = tuple(children)
         self.scope = scope
-        self._source = source
+        self._source = None
         self.id = next(_ids)
         self.name = name if name is not None else f"{type(self).__name__}#{self.id}"
+        self.tied_to = source
 
     @property
     def num_nodes(self) -> int:
@@ -133,6 +139,14 @@ class CircuitNodes:
 
     @tied_to.setter
     def tied_to(self, source: CircuitNodes | None) -> None:
+        if source is not None and not isinstance(source, CircuitNodes):
+            raise TypeError(f"{self.name}.tied_to must be a node vector or None, got {type(source).__name__}")
+        ns = source
+        while ns is not None:
+            if ns is self:
+                raise ValueError(f"{self.name}.tied_to = {source.name} would tie {self.name} to itself (a cycle of "
+                                 f"ties)")
+            ns = ns.tied_to
         self._source = source
 
     @property
@@ -160,7 +174,9 @@ class CircuitNodes:
 
 
 class InputNodes(CircuitNodes):
-    """Leaves over one variable; ``dist`` is a :class:`jaxpc.distributions.Distribution`."""
+    """Leaves over one variable; ``dist`` is a :class:`jaxpc.distributions.Distribution`. Built by :func:`inputs`
+    (``var``, ``num_node_blocks``, ``block_size``, ``dist``, ``params``, ``name`` as there) or by :func:`duplicate`
+    (``source``: the vector whose parameters a tied copy shares)."""
 
     kind = "input"
 
@@ -194,16 +210,21 @@ class InputNodes(CircuitNodes):
         return self.source._params
 
     def duplicate(self, var: int | None = None, *, tie_params: bool = False, name: str | None = None) -> InputNodes:
-        """A new vector of the same shape and distribution over ``var`` (default: same variable)."""
+        """A new vector of the same shape and distribution over ``var`` (default: same variable), with a copy of the
+        parameters given to this vector (a tied vector's: its source's), or sharing them with ``tie_params=True``."""
         src = self.source if tie_params else None
         dup = InputNodes(self.var if var is None else var, self.num_node_blocks, self.block_size, self.dist,
                          source=src, name=name)
-        if not tie_params and self._params is not None:
-            dup._params = {k: v.copy() for k, v in self._params.items()}
+        own = self.get_params()  # a tied vector's are its source's
+        if not tie_params and own is not None:
+            dup._params = {k: v.copy() for k, v in own.items()}
         return dup
 
 
 class ProdNodes(CircuitNodes):
+    """Product nodes; built by :func:`multiply`, whose arguments (``children``, ``edge_ids``, ``name``) these
+    are."""
+
     kind = "prod"
 
     def __init__(self, children: Sequence[CircuitNodes], edge_ids: np.ndarray, name: str | None = None):
@@ -238,6 +259,10 @@ class Gates:
 
 
 class SumNodes(CircuitNodes):
+    """Sum nodes; built by :func:`summate` (``children``, ``num_node_blocks``, ``block_size``, ``edge_ids``,
+    ``params``, ``name`` as there) or by :func:`duplicate` (``source``: the vector whose parameters a tied copy
+    shares)."""
+
     kind = "sum"
 
     def __init__(self, children: Sequence[CircuitNodes], num_node_blocks: int, block_size: int,
@@ -276,7 +301,7 @@ class SumNodes(CircuitNodes):
             if block_size is None and tie_to.gates is not None:
                 block_size = tie_to.gates.block_size
         bs = self.block_size if block_size is None else block_size
-        if not isinstance(bs, (int, np.integer)) or bs < 1 or self.block_size % bs:
+        if not isinstance(bs, (int, np.integer)) or isinstance(bs, bool) or bs < 1 or self.block_size % bs:
             raise ValueError(f"set_gates: block_size must be a positive divisor of {self.name}'s block size "
                              f"{self.block_size}, got {block_size!r}")
         self.gates = Gates(int(bs), tie_to)
@@ -304,13 +329,15 @@ class SumNodes(CircuitNodes):
         return self.source._params
 
     def duplicate(self, *children: CircuitNodes, tie_params: bool = False, name: str | None = None) -> SumNodes:
-        """The same edge pattern over new children of matching shapes; ``tie_params=True`` shares weights."""
+        """The same edge pattern over new children of matching shapes, with a copy of the weights given to this vector
+        (a tied vector's: its source's), or sharing them with ``tie_params=True``."""
         chs = children or self.children
         _check_same_shapes(self, self.children, chs)
         src = self.source if tie_params else None
         dup = SumNodes(tuple(chs), self.num_node_blocks, self.block_size, self.edge_ids.copy(), source=src, name=name)
-        if src is None and self._params is not None:
-            dup._params = self._params.copy()
+        own = self.get_params()  # a tied vector's are its source's
+        if src is None and own is not None:
+            dup._params = own.copy()
         check_smooth(dup)
         return dup
 
@@ -319,6 +346,9 @@ def _check_same_shapes(ns: CircuitNodes, old: Sequence[CircuitNodes], new: Seque
     if len(old) != len(new):
         raise ValueError(f"duplicate of {ns.name}: expected {len(old)} children, got {len(new)}")
     for i, (a, b) in enumerate(zip(old, new)):
+        if not isinstance(b, CircuitNodes):
+            raise TypeError(f"duplicate of {ns.name}: children must be node vectors, got {type(b).__name__} for "
+                            f"child {i}")
         if (a.num_node_blocks, a.block_size) != (b.num_node_blocks, b.block_size):
             raise ValueError(
                 f"duplicate of {ns.name}: child {i} ({b.name}) has num_node_blocks={b.num_node_blocks}, "
@@ -336,7 +366,10 @@ def check_smooth(ns: SumNodes) -> None:
 
 
 def _canonical_sum_params(ns: SumNodes, params) -> np.ndarray:
-    p = np.asarray(params, dtype=np.float64)
+    try:
+        p = np.asarray(params, dtype=np.float64)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{ns.name}: params must be an array of real, non-negative weights ({e})") from None
     E = ns.edge_ids.shape[1]
     Kp, Kc = ns.block_size, ns.ch_block_size
     if p.ndim == 2 and p.shape == (ns.num_nodes, ns.num_ch_nodes):
@@ -357,11 +390,15 @@ def _canonical_sum_params(ns: SumNodes, params) -> np.ndarray:
             f"per edge block [num_edge_blocks, block_size, ch_block_size] = [{E}, {Kp}, {Kc}]; got shape {p.shape}")
     if not np.all(np.isfinite(blocks)) or np.any(blocks < 0):
         raise ValueError(f"{ns.name}: sum weights must be finite and non-negative")
+    # each node's weights over its largest first, so that weights near the float64 maximum do not sum to inf
+    top = np.zeros((ns.num_node_blocks, Kp))
+    np.maximum.at(top, ns.edge_ids[0], blocks.max(axis=2))
+    if np.any(top <= 0):
+        blk, k = np.argwhere(top <= 0)[0]
+        raise ValueError(f"{ns.name}: node {blk * Kp + k} has weights summing to zero")
+    blocks = blocks / top[ns.edge_ids[0]][:, :, None]
     totals = np.zeros((ns.num_node_blocks, Kp))
     np.add.at(totals, ns.edge_ids[0], blocks.sum(axis=2))
-    if np.any(totals <= 0):
-        blk, k = np.argwhere(totals <= 0)[0]
-        raise ValueError(f"{ns.name}: node {blk * Kp + k} has weights summing to zero")
     return blocks / totals[ns.edge_ids[0]][:, :, None]
 
 
@@ -394,6 +431,14 @@ def multiply(*children: CircuitNodes, edge_ids=None, name: str | None = None) ->
 
     Default edges pair the ``i``-th block of every child (all children then need the same
     ``num_node_blocks``); ``edge_ids[p, j]`` picks the block of child ``j`` for product block ``p``.
+
+    Args:
+        children: the child node vectors (at least one; disjoint scopes, one block size), else a ``ValueError``
+            naming them (a ``TypeError`` for something that is not a node vector).
+        edge_ids: optional integer ``[num_prod_blocks, len(children)]`` child block ids (default None: block ``i``
+            of every child for product block ``i``); a wrong shape or an id out of a child's range is a
+            ``ValueError``, non-integers a ``TypeError``.
+        name: optional name used in error messages and summaries (default ``"ProdNodes#<id>"``).
     """
     if not children:
         raise ValueError("multiply: needs at least one child")
@@ -406,13 +451,14 @@ def multiply(*children: CircuitNodes, edge_ids=None, name: str | None = None) ->
             raise ValueError(f"multiply: children must share a block size, but {children[0].name} has "
                              f"block_size={bs} and {c.name} has block_size={c.block_size}")
     scope = 0
-    for c in children:
+    for j, c in enumerate(children):
         if scope & c.scope:
             overlap = scope_vars(scope & c.scope)
-            prev = [d.name for d in children if d.scope & c.scope and d is not c]
+            prev = [i for i, d in enumerate(children[:j]) if d.scope & c.scope]
             raise ValueError(
                 f"multiply: children must have disjoint scopes (decomposability), but {c.name} shares variables "
-                f"{overlap[:6]} with {', '.join(prev)}")
+                f"{overlap[:6]} with {', '.join(children[i].name for i in prev)} (children "
+                f"{', '.join(map(str, prev))} and {j})")
         scope |= c.scope
     if edge_ids is None:
         nb = children[0].num_node_blocks
@@ -444,6 +490,21 @@ def summate(*children: CircuitNodes, num_node_blocks: int = 0, block_size: int =
     (``[2, num_edges]``) lists ``(parent block, child block)`` pairs, child blocks numbered over the
     concatenation of the children. ``params``: dense ``[num_nodes, num_ch_nodes]`` weights or per edge
     block ``[num_edges, block_size, ch_block_size]``; normalized per node.
+
+    Args:
+        children: the child node vectors (at least one; one scope, one block size), else a ``ValueError`` naming
+            them (a ``TypeError`` for something that is not a node vector).
+        num_node_blocks: number of parent blocks (or give ``num_nodes``; not both, a ``ValueError``). Default 0:
+            from ``num_nodes``, else ``edge_ids[0].max() + 1``; without ``edge_ids`` one of the two is required.
+        block_size: parent nodes per block (default 0: 1). It need not equal the children's block size.
+        edge_ids: optional integer ``[2, num_edges]`` ``(parent block, child block)`` pairs (default None: dense);
+            a wrong shape, an id out of range, a parent block without edges or a repeated pair is a
+            ``ValueError``.
+        params: optional weights (see above), non-negative and finite, zero outside the edges; else a
+            ``ValueError``.
+        num_nodes: alternative to ``num_node_blocks``: ``num_nodes`` must be a multiple of ``block_size`` (else a
+            ``ValueError``).
+        name: optional name used in error messages and summaries (default ``"SumNodes#<id>"``).
     """
     if not children:
         raise ValueError("summate: needs at least one child")
@@ -489,7 +550,15 @@ def summate(*children: CircuitNodes, num_node_blocks: int = 0, block_size: int =
 def duplicate(ns: CircuitNodes, *args, tie_params: bool = False, name: str | None = None) -> CircuitNodes:
     """Copy a node vector onto new children (sum/product) or a new variable (input).
 
-    ``tie_params=True`` makes the copy share parameters with ``ns`` (inputs and sums).
+    ``tie_params=True`` makes the copy share parameters with ``ns`` (inputs and sums; a ``ValueError`` for
+    products).
+
+    Args:
+        ns: the node vector to copy (else a ``TypeError``).
+        args: sum and product vectors: new children of the same shapes as ``ns``'s (default: its children; another
+            number or shape is a ``ValueError``); input vectors: at most one new variable id (default: its own).
+        tie_params: share ``ns``'s parameters instead of copying them (default ``False``).
+        name: optional name of the copy (default ``"<class name>#<id>"``).
     """
     if isinstance(ns, InputNodes):
         if len(args) > 1:
