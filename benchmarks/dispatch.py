@@ -144,7 +144,7 @@ def floor(c, call, xs, reps: int) -> dict:
     run = executables.ExecutableCache.run
 
     def spy(self, entry, fn, static, a, fallback=None):
-        got.setdefault("args", executables._call_args(a))
+        got.setdefault("args", self._call_args(a))
         return run(self, entry, fn, static, a, fallback)
 
     executables.ExecutableCache.run = spy

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -165,7 +166,8 @@ class _IdentityMemo:
     """``make(val)`` of index-table pytrees by object identity (their signature, their packed form). Tables
     belong to a circuit (or to a mesh's replicated copy) and are never modified in place, so one value per
     object serves every call; the memo holds the objects themselves, so an id is never reused while its
-    entry lives."""
+    entry lives. Each :class:`ExecutableCache` has its own (the tables it sees are its circuit's, which live as long
+    as the circuit): a dropped circuit's tables go with it (a pytree of dicts has no weak reference to key by)."""
 
     def __init__(self, make=lambda val: _HashedSig(_tree_sig(val)), size: int = 64):
         self.size, self.make = size, make
@@ -182,9 +184,6 @@ class _IdentityMemo:
             while len(self._memo) > self.size:
                 self._memo.popitem(last=False)
         return sig
-
-
-_TABLE_SIGS = _IdentityMemo()
 
 
 def put_constant(a: np.ndarray, sharding=None) -> jax.Array:
@@ -241,7 +240,6 @@ class PackedTables:
                                  tuple(arrays))
 
 
-_PACKED = _IdentityMemo(PackedTables)
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep  # jaxpc/: warnings point past it
 PACK_TABLES: Final = True  # executables take the index tables packed (PackedTables)
 TABLE_ALIGN: Final = 256  # bytes: each packed table starts at a multiple (Mosaic GPU kernels take such operands)
@@ -341,8 +339,13 @@ def _finish_upgrades() -> None:
 
 def _stored(pending: tuple) -> bool:
     """Whether the disk store keeps the optimized compile of an entry's ``pending`` ``(lower, (xla, store, fp,
-    fq))``: it has a fingerprint ``fp`` only where there is a store."""
+    fq, refresh))``: it has a fingerprint ``fp`` only where there is a store."""
     return pending[1][2] is not None
+
+
+def _damaged(store: ExecutableStore | None, fp: str | None) -> bool:
+    """Whether ``store`` holds a file under ``fp`` (asked after its load gave nothing: a file that fails to load)."""
+    return store is not None and fp is not None and store.has(fp)
 
 
 def _exit_notice(what: str) -> None:
@@ -469,6 +472,9 @@ class ExecutableCache:
         self._owner_ready = threading.Event()
         self._owner_ready.set()
         self._ahead: threading.Thread | None = None
+        # the tables' signatures and packed forms by identity (each cache its own: they go with its circuit)
+        self._table_sigs = _IdentityMemo()
+        self._packed = _IdentityMemo(PackedTables)
 
     # ---- statistics ---------------------------------------------------------------------------
     def info(self) -> CacheInfo:
@@ -556,8 +562,7 @@ class ExecutableCache:
             self.compile_seconds = 0.0
 
     # ---- keys ---------------------------------------------------------------------------------
-    @staticmethod
-    def describe(entry: str, static: dict, args: dict) -> dict:
+    def describe(self, entry: str, static: dict, args: dict) -> dict:
         """Named components of a key: each option field, each static value, and the signature of each
         argument (the batch bucket shows up in the shapes)."""
         comp: dict[str, Any] = {}
@@ -568,11 +573,10 @@ class ExecutableCache:
             else:
                 comp[f"static argument '{name}'"] = val
         for name, val in args.items():
-            comp[f"argument '{name}'"] = _TABLE_SIGS.get(val) if name == "tables" else _tree_sig(val)
+            comp[f"argument '{name}'"] = self._table_sigs.get(val) if name == "tables" else _tree_sig(val)
         return comp
 
-    @staticmethod
-    def key(entry: str, static: dict, args: dict) -> tuple | None:
+    def key(self, entry: str, static: dict, args: dict) -> tuple | None:
         """The key of a call: ``(entry, static items, (name, signature) per argument)``, or None when an argument
         holds a tracer (the call is inside a user's trace). It holds what :meth:`describe` names (the options
         object as a whole: frozen, equal by value) without building the names: per call it costs a few
@@ -580,7 +584,7 @@ class ExecutableCache:
         sig = [entry, tuple(static.items())]
         for name, val in args.items():
             if name == "tables":
-                sig.append((name, _TABLE_SIGS.get(val)))
+                sig.append((name, self._table_sigs.get(val)))
             elif val is None:
                 sig.append((name, None))
             elif isinstance(val, jax.Array) and not isinstance(val, jax.core.Tracer):
@@ -592,8 +596,7 @@ class ExecutableCache:
                 sig.append((name, (tree, tuple(_leaf_sig(leaf) for leaf in leaves))))
         return tuple(sig)
 
-    @staticmethod
-    def recent_key(entry: str, static: dict, args: dict) -> tuple:
+    def recent_key(self, entry: str, static: dict, args: dict) -> tuple:
         """What picks the executable :meth:`run` tries first: the entry point, the static values, the tables'
         signature (memoized by identity: packed tables of another layout could have the same packed shapes), and
         per other argument its shape and sharding where it is an array, else whether it is None. Cheap by design (no
@@ -601,7 +604,7 @@ class ExecutableCache:
         inputs go without refusing it: the sharding keeps a batch on one device from the executable of a batch split
         over several.)"""
         return (entry, tuple(static.items()),
-                tuple(_TABLE_SIGS.get(v) if k == "tables" else _array_sig(v) if isinstance(v, jax.Array)
+                tuple(self._table_sigs.get(v) if k == "tables" else _array_sig(v) if isinstance(v, jax.Array)
                       else v is None for k, v in args.items()))
 
     # ---- running ------------------------------------------------------------------------------
@@ -617,7 +620,7 @@ class ExecutableCache:
         e = self._recent.get(recent)  # (a dict read is atomic)
         if e is not None:
             try:
-                out = e.compiled(*_call_args(args))
+                out = e.compiled(*self._call_args(args))
             except (TypeError, ValueError):  # refused before running: another pytree, shape, dtype or sharding
                 pass
             else:
@@ -653,7 +656,7 @@ class ExecutableCache:
             e.ready.wait()
         if e.error is not None:
             raise e.error
-        out = e.compiled(*_call_args(args))
+        out = e.compiled(*self._call_args(args))
         if e.pending is not None and not owner:  # traced while the device runs this call
             self._start_upgrade(e)
         if e.pending is None:
@@ -682,7 +685,7 @@ class ExecutableCache:
             e = self._entries.get(key)
             if e is None or not e.usable or e.pending is not None:
                 return None
-            return Bound(e, list(args), _call_args(args))
+            return Bound(e, list(args), self._call_args(args))
 
     def find(self, entry: str, static: dict, args: dict):
         """The compiled executable for exactly this key, if live (no statistics change), as a function of the
@@ -693,7 +696,7 @@ class ExecutableCache:
         if e is None or not e.usable:
             return None
         names = list(args)
-        return lambda *vals: e.compiled(*_call_args(dict(zip(names, vals))))
+        return lambda *vals: e.compiled(*self._call_args(dict(zip(names, vals))))
 
     def executable(self, entry: str, static: dict, args: dict):
         """The compiled executable (``jax.stages.Compiled``, called with ``args``' values in order) for exactly this
@@ -713,7 +716,7 @@ class ExecutableCache:
     def _compile(self, e: _Entry, entry: str, fn, static, args):
         try:
             names = list(args)
-            pack = _PACKED.get(args["tables"]) if "tables" in args and PACK_TABLES else None
+            pack = self._packed.get(args["tables"]) if "tables" in args and PACK_TABLES else None
             t = time.perf_counter()
             upgrade = None
             opts = static.get("options")  # XLA options come with the Options (part of the key) or not at all
@@ -738,22 +741,24 @@ class ExecutableCache:
                     self.loaded += 1
             else:
                 traced = {**static, "options": quick_trace_options(opts)} if full is not opts else static
-                lowered = _lower(fn, traced, names, pack, _call_args(args))
+                lowered = _lower(fn, traced, names, pack, self._call_args(args))
+                # a stored file that failed to load above is written again: compiled past JAX's cache, whose
+                # executables do not serialize whole (_compile)
                 if quick is not None:
                     compiled = store.load(fq) if fq is not None else None
                     fresh = False
                     if compiled is None:
-                        compiled, fresh = _compile(lowered, quick)
-                    rest = (xla_full, store, fp, fq if fresh else None)
+                        compiled, fresh = _compile(lowered, quick, refresh=_damaged(store, fq))
+                    rest = (xla_full, store, fp, fq if fresh else None, _damaged(store, fp))
                     if full is opts:
                         upgrade = (lowered, *rest)
                     else:  # traced by the key's next call, on its own thread (not in the background)
-                        sig = jax.tree_util.tree_map(_signature, _call_args(args))
+                        sig = jax.tree_util.tree_map(_signature, self._call_args(args))
                         e.pending = (functools.partial(_lower, fn, {**static, "options": full}, names, pack, sig), rest)
                         with _UPGRADING_LOCK:
                             _WAITING.add(self)
                 else:
-                    compiled, fresh = _compile(lowered, xla)
+                    compiled, fresh = _compile(lowered, xla, refresh=_damaged(store, fp))
                 with self._lock:
                     self.compile_seconds += time.perf_counter() - t
                 if fp is not None and quick is None and fresh:
@@ -811,13 +816,14 @@ class ExecutableCache:
         self._upgrade(e, e.compiled, lowered, *rest, background=background)
 
     def _upgrade(self, e: _Entry, quick, lowered, xla: dict, store, fp: str | None, fq: str | None,
-                 background: bool = True) -> None:
+                 refresh: bool = False, background: bool = True) -> None:
         """Compile ``lowered`` with ``xla`` on a background thread (or this one), store it under ``fp`` (and the
-        ``quick`` executable under ``fq``, for a process that starts before this one finishes) and swap it in."""
+        ``quick`` executable under ``fq``, for a process that starts before this one finishes) and swap it in.
+        ``refresh``: the file stored under ``fp`` failed to load (:func:`_compile`'s ``refresh``)."""
         def work():
             if fq is not None:
                 store.save(fq, quick)
-            full, fresh = _compile(lowered, xla)
+            full, fresh = _compile(lowered, xla, refresh=refresh)
             if fp is not None and fresh:
                 store.save(fp, full)
             return full
@@ -851,6 +857,10 @@ class ExecutableCache:
         with _UPGRADING_LOCK:
             _UPGRADING.add(thread)
         thread.start()
+
+    def _call_args(self, args: dict) -> list:
+        """An executable's arguments: ``args``' values with the index tables packed (:class:`PackedTables`)."""
+        return [self._packed.get(v).arrays if k == "tables" and PACK_TABLES else v for k, v in args.items()]
 
     def _evict(self):
         while len(self._entries) > self.max_executables:
@@ -886,11 +896,6 @@ class ExecutableCache:
                 f"({counts.get(worst, 0)} distinct values). Keep it fixed (or pad it yourself) to reuse executables; "
                 f"batch sizes are bucketed (jaxpc.compile's buckets=) unless buckets='exact'.", RuntimeWarning,
                 skip_file_prefixes=(_PACKAGE_DIR,))  # points at the user's call, however deep the call path
-
-
-def _call_args(args: dict) -> list:
-    """An executable's arguments: ``args``' values with the index tables packed (:class:`PackedTables`)."""
-    return [_PACKED.get(v).arrays if k == "tables" and PACK_TABLES else v for k, v in args.items()]
 
 
 class _NoDigest(Exception):
@@ -955,7 +960,7 @@ def _digest_object(h, obj, d: int) -> None:
         h.update(str(obj).encode())
     elif isinstance(obj, _HashedSig):
         _digest(h, obj.sig, d)
-    elif isinstance(obj, jax.sharding.SingleDeviceSharding):
+    elif isinstance(obj, jax.sharding.Sharding) and jax.sharding.is_single_device_sharding(obj):
         dev = next(iter(obj.device_set))
         h.update(f"{dev.platform}:{dev.id}".encode())
     elif isinstance(obj, jax.sharding.Sharding):
@@ -1011,7 +1016,8 @@ class ExecutableStore:
     """Serialized executables on disk, one file per fingerprint (see the module docstring).
 
     Writes are atomic (a temporary file renamed into place), so processes sharing the directory never read a
-    partial file; a file that fails to load (another JAX, a damaged file) is ignored and compiled again.
+    partial file; a file that fails to load (another JAX, a damaged file) is compiled again and written
+    again, past JAX's own cache (:func:`_compile`).
     Only executables of one device are stored (sharded ones use JAX's persistent cache alone).
     """
 
@@ -1037,7 +1043,7 @@ class ExecutableStore:
             _digest(h, static)
             for name, val in args.items():
                 _digest(h, name)
-                _digest(h, _TABLE_SIGS.get(val) if name == "tables" else _tree_sig(val))
+                _digest(h, _tree_sig(val))
         except _NoDigest:
             return [None] * len(compiler_options)
         out = []
@@ -1210,14 +1216,44 @@ def _pickle_auto_layout_as_itself() -> None:
 _pickle_auto_layout_as_itself()
 
 
-def _compile(lowered, compiler_options: dict):
+def _compile(lowered, compiler_options: dict, *, refresh: bool = False):
     """``(compiled, fresh)``: ``lowered`` compiled with ``compiler_options``; ``fresh`` is False where JAX's own
     persistent cache served it. Only fresh executables go to the store: one that JAX deserialized does not
     serialize whole again (on jax 0.12's CPU backend the copy loads but fails at its first call with
-    ``NOT_FOUND: Function ... not found``)."""
+    ``NOT_FOUND: Function ... not found``). ``refresh``: compiled by XLA past JAX's cache
+    (:func:`_jax_cache_skipped`), for a key whose stored file failed to load and is to be written again."""
     before = getattr(_JAX_CACHE_HITS, "n", 0)
-    compiled = lowered.compile(compiler_options=compiler_options or None)
+    if refresh:
+        with _jax_cache_skipped():
+            compiled = lowered.compile(compiler_options=compiler_options or None)
+    else:
+        compiled = lowered.compile(compiler_options=compiler_options or None)
     return compiled, getattr(_JAX_CACHE_HITS, "n", 0) == before
+
+
+_SKIPPING = threading.Lock()  # one _jax_cache_skipped at a time
+
+
+@contextlib.contextmanager
+def _jax_cache_skipped():
+    """JAX's persistent compilation cache neither read nor written by the compiles in this block: JAX decides once
+    per process whether its cache is on (at the first compile after a reset), so the block resets that decision,
+    makes it with the cache off for this thread, and resets it again at its end. Compiles of other threads meanwhile
+    may skip JAX's cache too (they compile instead of loading, which changes none of their results), or decide first
+    that it is on (then the block's compile may come from JAX's cache, and :func:`_compile` reports it)."""
+    from jax._src import config as jax_config
+
+    switch = getattr(jax_config, "enable_compilation_cache", None)
+    if switch is None:  # (a JAX without it: the compile may come from its cache, and _compile reports it)
+        yield
+        return
+    with _SKIPPING:
+        _reset_jax_cache()
+        try:
+            with switch(False):
+                yield
+        finally:
+            _reset_jax_cache()
 
 
 _STORE: ExecutableStore | None = None  # set by enable_persistent_cache / default_persistent_cache
@@ -1274,7 +1310,8 @@ def default_persistent_cache() -> str | None:
 
 
 def _reset_jax_cache() -> None:
-    """Let a cache directory set after JAX's first compile take effect (JAX checks for its cache once)."""
+    """Make JAX decide again at its next compile whether its persistent cache is on (it decides once): a cache
+    directory set after JAX's first compile takes effect, and :func:`_jax_cache_skipped` turns the cache off."""
     try:
         from jax._src import compilation_cache
         compilation_cache.reset_cache()

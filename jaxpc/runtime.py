@@ -43,6 +43,16 @@ the executable takes a copy of it (JAX's transfer of a numpy array is a fraction
 a CPU the executable reads it in place while it runs, so never the caller's buffer, which may be refilled at once).
 Anything else takes the full path.
 
+**Devices.** A call runs where its data (``x``, ``missing``) and parameters were committed (``jax.device_put`` to a
+device, or parameters replicated over a mesh by :mod:`jaxpc.parallel`), else where the circuit's tables are; the
+tables follow it (placed there once), and uncommitted arguments (Python numbers, numpy, ``jnp.asarray``,
+``jax.random.key``) go with it, as under ``jax.jit``. As ``jax.jit`` refuses committed arguments on different devices,
+data and parameters committed to different devices raise a ``ValueError`` naming them, and so does any other argument
+(a PRNG key, a step size, ``ll_weights``, evidence, flows) committed to devices other than where the call runs: on a
+first call and on a repeated one alike (a replay whose committed arguments would place the full call elsewhere than
+the remembered one takes the full path, which moves or refuses them). Where JAX's default backend has one device
+there is nothing to check, and no call pays for it.
+
 **Kept copies.** What a call derives from its parameters alone and would otherwise make anew on every call (the
 tree's weights rounded to TF32 and transposed, where its levels run on clusters) is made once per parameter array
 (:meth:`Runtime.kept`: arrays are immutable, so the copy stays true while the array lives) and handed to the
@@ -160,6 +170,8 @@ class _Replay:
     host_check: bool = False
     target: Any = None
     im: int | None = None  # the mask's position among the executable's arguments (None: no mask)
+    devices: Any = None  # the devices the call ran on (None: not known, or the default backend has one device)
+    placed: bool = False  # whether committed data or parameters moved it off the tables' devices (placement)
 
 
 _ANY = object()
@@ -393,6 +405,41 @@ def _pinned_host(x: Array) -> bool:
 
 
 _UNSEEN = object()
+# the arguments that decide where a call runs (placement), or that are made where it runs (the tables, the kept copies)
+_PLACING = frozenset({"tables", "x", "missing", "params", "tree_weights"})
+
+
+def _placed_alike(r: _Replay, x, missing, free: dict) -> bool:
+    """Whether the full call on ``x``, ``missing`` and the ``free`` values would run where the remembered call ``r``
+    ran: every committed one sits on ``r``'s devices and, where the remembered call was moved off the tables'
+    devices, the data or the parameters are committed there (else the full call runs on the tables' devices, or
+    refuses an argument committed elsewhere: :meth:`Runtime.placement`)."""
+    arrays = _array_types()
+    moved = False
+    for name, a in (("x", x), ("missing", missing), *free.items()):
+        if type(a) is dict:
+            a = _first_leaf(a)
+        # (only a concrete device array is committed: not numpy, a number, a tracer or a function that makes a value)
+        if type(a) not in arrays or not a.committed:
+            continue
+        if a.sharding.device_set != r.devices:
+            return False
+        moved = moved or name in ("x", "missing", "params")
+    return moved or not r.placed
+
+
+@functools.cache
+def _several_devices() -> bool:
+    """Whether JAX's default backend has more than one device: only then can an argument sit on another device than
+    a remembered call's (a replay checks it there alone: :func:`_placed_alike`)."""
+    return jax.device_count() > 1
+
+
+@functools.cache
+def _array_types() -> frozenset:
+    """The concrete types of JAX's device arrays and typed PRNG keys (``jax.Array`` is abstract: an ``isinstance``
+    against it is slow)."""
+    return frozenset({type(jnp.zeros((), jnp.int32)), type(jax.random.key(0))})
 
 
 def _first_leaf(tree):
@@ -714,6 +761,31 @@ class Runtime:
         devices = sorted(s.device_set, key=lambda d: d.id)
         return NamedSharding(Mesh(np.array(devices), ("devices",)), PartitionSpec())
 
+    def _home_devices(self, tables) -> Any:
+        """The devices of the circuit's ``tables`` (where a call runs that nothing committed moves)."""
+        if self._home is None:
+            self._home = jax.tree_util.tree_leaves(tables)[0].sharding.device_set
+        return self._home
+
+    @staticmethod
+    def check_devices(args: dict, devices, why: str) -> None:
+        """Raise a ``ValueError`` naming the first argument other than the data, the mask, the parameters and the
+        tables (a PRNG key, a step size, weights, evidence, flows) that is committed to devices other than
+        ``devices``, where the call runs (:meth:`placement`; ``why``: which those are, for the message); uncommitted
+        ones (Python numbers, numpy, ``jnp.asarray``) go there with the call."""
+        for name, v in args.items():
+            if name in _PLACING:
+                continue
+            a = _first_leaf(v)
+            if isinstance(a, jax.core.Tracer) or not getattr(a, "committed", False):
+                continue
+            got = a.sharding.device_set
+            if got != devices:
+                raise ValueError(
+                    f"{name} is committed to devices {sorted(d.id for d in got)}, but the call runs on devices "
+                    f"{sorted(d.id for d in devices)} ({why}): pass {name} made without a device (a Python number, "
+                    "numpy, jnp.asarray, jax.random.key) or jax.device_put it there")
+
     def scalar(self, value) -> Array:
         """A device scalar of the circuit's dtype for a Python number, made once per value."""
         if isinstance(value, (jax.Array, jax.core.Tracer)):
@@ -805,10 +877,20 @@ class Runtime:
         static = dict(static)
         static.update(options_key(options) if options is not None else {"_jax": jax_settings()})
         args = dict(args)
-        if sharding is None and batch is not None and not batch.traced and "tables" in args:
-            # the call runs where its data or parameters were put, the tables with it
-            args["tables"], sharding = self.placed_tables(args["tables"], batch.x, args.get("params"),
-                                                          batch.missing)
+        devices = placed = None  # where the call runs (None: not decided here), and whether it was moved there
+        if sharding is None and (batch is None or not batch.traced) and "tables" in args:
+            # the call runs where its data or parameters were put, the tables with it; every other committed
+            # argument must be there already
+            x, missing = (batch.x, batch.missing) if batch is not None else (None, None)
+            args["tables"], sharding = self.placed_tables(args["tables"], x, args.get("params"), missing)
+            placed = sharding is not None
+            if _several_devices():  # (one device: every argument is there)
+                devices = sharding.device_set if placed else self._home_devices(args["tables"])
+                self.check_devices({**args, "ll_weights": weights}, devices,
+                                   "where x and params were put, else where the circuit's tables are")
+        elif sharding is not None and (batch is None or not batch.traced):  # (a mesh's batch sharding)
+            devices = sharding.device_set
+            self.check_devices({**args, "ll_weights": weights}, devices, "the mesh's")
         n = batch.n if batch is not None else None
         b = n
         if batch is not None:
@@ -831,7 +913,7 @@ class Runtime:
         if replay is not None and batch is not None and not batch.traced and batch.mkey is not False \
                 and (weights is None or weights is False) \
                 and (batch.report or not batch.check or batch.host is not None):
-            self._remember(replay, free, name, static, args, batch, b, batched, padded)
+            self._remember(replay, free, name, static, args, batch, b, batched, padded, devices, placed)
         if batch is None or batch.traced:
             return out
         # on the padded batch (padding rows copy the first row): one flag executable per bucket
@@ -846,10 +928,11 @@ class Runtime:
         return out
 
     def _remember(self, key: tuple, free: tuple, name: str, static: dict, args: dict, batch: Batch, b: int,
-                  batched, out) -> None:
+                  batched, out, devices, placed: bool | None) -> None:
         """Remember the call for :meth:`replay`: the executables of exactly its key (none where an argument, such as
         parameters under the caller's ``jax.grad``, holds a tracer) and, for a batch short of its bucket, those of
-        its helpers, the one that cut back its padded outputs ``out`` among them."""
+        its helpers, the one that cut back its padded outputs ``out`` among them; ``devices``: where it ran, ``placed``
+        (True: moved there by committed data or parameters, :meth:`placement`)."""
         generation = self._generation()  # read before binding: an eviction in between makes the replay stale
         bound = self.cache.bind(name, static, args)
         if bound is None:
@@ -878,7 +961,8 @@ class Runtime:
         self._replays[key, batch.x.shape, xtype, batch.mkey] = _Replay(
             bound.entry, values, generation, slots, ix, xtype, batch.host if host else batch.x.dtype,
             static.get("_matmul", _ANY), static.get("_jax", _ANY), name, batch.report, batch.sync, pad, head,
-            rows, host_check=host and batch.check, target=np.dtype(batch.x.dtype) if host else None, im=im)
+            rows, host_check=host and batch.check, target=np.dtype(batch.x.dtype) if host else None, im=im,
+            devices=devices, placed=bool(placed))
 
     def _generation(self) -> tuple:
         return self.cache.generation, self._helpers.generation
@@ -888,8 +972,9 @@ class Runtime:
         ``free`` arguments (e.g. ``params``): the same outputs as the full call, for a fraction of its host time (the
         small batches' steps wait for it). None
         where there is nothing to repeat: no call under ``key`` yet, ``x`` of another type, shape or dtype, JAX's
-        matmul setting changed, the executable left the cache, or it refused the arguments (another pytree,
-        shape, dtype or sharding, or tracers); the caller then takes the full call. A numpy ``x`` is checked on the
+        matmul setting changed, the executable left the cache, committed arguments that would run the full call on
+        other devices (see the module docstring), or the executable refused the arguments (another pytree, shape,
+        dtype or sharding, or tracers); the caller then takes the full call. A numpy ``x`` is checked on the
         host as the full call checks it (the same ``ValueError``) before anything runs. A ``free`` value may be a
         function of no arguments that makes it, called only where the remembered call took that argument."""
         xtype = np.ndarray if isinstance(x, np.ndarray) else type(x)  # (a memmap's slices are numpy batches too)
@@ -906,6 +991,8 @@ class Runtime:
         if r.matmul is not _ANY and matmul_setting() != r.matmul:
             return None
         if r.settings is not _ANY and jax_settings() != r.settings:
+            return None
+        if r.devices is not None and not _placed_alike(r, x, missing, free):  # the full call moves or refuses it
             return None
         if r.target is not None:  # numpy: checked here, then a copy handed to the executable (JAX moves it)
             if r.host_check:

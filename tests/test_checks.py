@@ -14,6 +14,7 @@ import jaxpc
 from jaxpc import distributions, optim, parallel, structures
 from jaxpc.options import resolve_precision
 
+from .conftest import assert_same_result
 from .tiers import cases
 
 MSG = r"x\[2, 3\] = 7 is out of range: variable 3 \(Categorical"
@@ -245,3 +246,75 @@ def test_impl_reference_is_a_deprecated_name_of_xla():
     with pytest.warns(DeprecationWarning):
         tuned = jaxpc.Options(kernels=((sig, ("reference",)),))
     assert tuned.kernels == ((sig, ("xla",)),)
+
+
+
+def _on(a, device) -> bool:
+    return all(leaf.devices() == {device} for leaf in jax.tree_util.tree_leaves(a))
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 (fake) devices")
+def test_a_key_or_a_step_size_committed_to_another_device_is_refused_naming_it(hmm):
+    """Data and parameters decide where a call runs (:meth:`jaxpc.runtime.Runtime.placement`); a PRNG key or a step
+    size committed to other devices is refused before anything compiles, naming it (JAX's own error named
+    positional arguments)."""
+    d1 = jax.devices()[1]
+    with pytest.raises(ValueError, match=r"step_size is committed to devices \[1\], but the call runs on devices \[0"):
+        hmm.em_step(hmm.params, _data(8), step_size=jax.device_put(jnp.float32(0.5), d1))
+    key = jax.device_put(jax.random.key(0), d1)
+    with pytest.raises(ValueError, match=r"key is committed to devices \[1\], but the call runs on devices \[0"):
+        hmm.sample(hmm.params, key, 8)
+    with pytest.raises(ValueError, match=r"key is committed to devices \[1\], but the call runs on devices \[0"):
+        hmm.init_params(key)
+    if len(jax.devices()) >= 3:  # over a mesh: its devices
+        mesh = parallel.data_mesh(devices=jax.devices()[1:3])
+        with pytest.raises(ValueError, match=r"step_size is committed to devices \[1\], but the call runs on devices "
+                                             r"\[1, 2\] \(the mesh's\)"):
+            parallel.em_step(hmm, hmm.params, _data(8), mesh=mesh, step_size=jax.device_put(jnp.float32(0.5), d1))
+    assert hmm.cache_info().misses == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 (fake) devices")
+def test_a_step_size_committed_to_another_device_is_refused_by_the_first_call_and_the_replay(hmm):
+    """Data and parameters decide where a call runs; a step size committed to other devices is refused, naming it,
+    by the first call and by the replay of a remembered call alike (JAX's own error named positional arguments)."""
+    x, step = _data(8), jax.device_put(jnp.float32(0.5), jax.devices()[1])
+    msg = r"step_size is committed to devices \[1\], but the call runs on devices \[0\]"
+    with pytest.raises(ValueError, match=msg):
+        hmm.em_step(hmm.params, x, step_size=step)
+    hmm.em_step(hmm.params, x, step_size=0.5)  # remembered: the next step replays it
+    with pytest.raises(ValueError, match=msg):
+        hmm.em_step(hmm.params, x, step_size=step)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 (fake) devices")
+def test_arguments_committed_where_the_call_runs_are_taken_and_a_replay_runs_where_the_full_call_would(hmm):
+    """A step size and a PRNG key committed where the data or the parameters are are taken as they are (first call
+    and replay); a key committed elsewhere is refused, naming it, by the first call and the replay alike (a
+    remembered call moved it silently). A replay runs where the full call would: an uncommitted batch after one
+    committed to another device runs on the tables' device (the remembered call's device took it)."""
+    d0, d1 = jax.devices()[:2]
+    x, step = _data(8), jax.device_put(jnp.float32(0.5), d1)
+    want = hmm.em_step(hmm.params, x, step_size=0.5)
+    x1 = jax.device_put(x, d1)
+    for _ in range(2):  # the full call, then its replay
+        got = hmm.em_step(hmm.params, x1, step_size=step)
+        assert _on(got, d1)
+        assert_same_result(got, want)
+    with pytest.raises(ValueError, match=r"step_size is committed to devices \[0\], but the call runs on devices \[1"):
+        hmm.em_step(hmm.params, x1, step_size=jax.device_put(jnp.float32(0.5), d0))
+    assert _on(hmm.em_step(hmm.params, jnp.asarray(x), step_size=0.5), d0)
+    key = jax.device_put(jax.random.key(0), d1)
+    msg = r"key is committed to devices \[1\], but the call runs on devices \[0\]"
+    with pytest.raises(ValueError, match=msg):
+        hmm.sample(hmm.params, key, 8)
+    with pytest.raises(ValueError, match=msg):
+        hmm.init_params(key)
+    drawn = np.asarray(hmm.sample(hmm.params, jax.random.key(0), 8))  # remembered: the next call replays it
+    with pytest.raises(ValueError, match=msg):
+        hmm.sample(hmm.params, key, 8)
+    on1 = hmm.sample(jax.device_put(hmm.params, d1), key, 8)
+    assert _on(on1, d1)
+    np.testing.assert_array_equal(np.asarray(on1), drawn)

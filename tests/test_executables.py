@@ -568,17 +568,19 @@ def _served_by_jax_after_the_store_lost_its_files(tmp_path, run, first):
 def test_table_signature_is_computed_once_per_tables_object():
     """The key's table component comes from an identity memo; equal tables in another object (a copy, or a
     recompiled circuit) still give an equal key, and tables of another shape a different one."""
-    from jaxpc.executables import _TABLE_SIGS, ExecutableCache
+    from jaxpc.executables import ExecutableCache
 
     c = _hmm()
-    first = _TABLE_SIGS.get(c.tables)
-    assert _TABLE_SIGS.get(c.tables) is first
+    cache = ExecutableCache()
+    sigs = cache._table_sigs
+    first = sigs.get(c.tables)
+    assert sigs.get(c.tables) is first
     copy = jax.tree_util.tree_map(jnp.array, c.tables)
-    assert _TABLE_SIGS.get(copy) is not first and _TABLE_SIGS.get(copy) == first
+    assert sigs.get(copy) is not first and sigs.get(copy) == first
     other = jaxpc.compile(structures.HMM(5, 4, 3)).tables
-    assert _TABLE_SIGS.get(other) != first
-    k1 = ExecutableCache.describe("flows", {}, {"tables": c.tables})
-    k2 = ExecutableCache.describe("flows", {}, {"tables": copy})
+    assert sigs.get(other) != first
+    k1 = cache.describe("flows", {}, {"tables": c.tables})
+    k2 = ExecutableCache().describe("flows", {}, {"tables": copy})
     assert hash(tuple(k1.items())) == hash(tuple(k2.items())) and k1 == k2
 
 
@@ -619,7 +621,7 @@ def test_call_key_is_by_value_and_inlines_tracers():
     traced = jax.jit(lambda p: c.log_prob(p, x, options=jaxpc.Options(precision="tf32"), validate=False))(c.params)
     assert c.cache_info() == info
     np.testing.assert_allclose(np.asarray(traced), np.asarray(first), rtol=1e-6)
-    key = ExecutableCache.key
+    key = ExecutableCache().key
     assert key("e", {"n": 1}, {"x": jnp.zeros(3)}) == key("e", {"n": 1}, {"x": jnp.ones(3)})
     assert key("e", {"n": 1}, {"x": jnp.zeros(3)}) != key("e", {"n": 1}, {"x": jnp.zeros(3, jnp.int32)})
     assert key("e", {"n": 1}, {"x": jnp.zeros(3)}) != key("e", {"n": 2}, {"x": jnp.zeros(3)})
@@ -987,6 +989,14 @@ def test_fingerprint_is_by_value_and_refuses_code_it_cannot_version(tmp_path):
         pass
 
     assert fp(static={"options": jaxpc.Options(), "mine": Mine()}) is None
+    one, other = (jax.device_put(jnp.zeros((4, 3), jnp.int32), d) for d in jax.devices()[:2])
+
+    def gone(name):  # JAX's deprecated names, as once they are removed
+        raise AttributeError(f"module 'jax.sharding' has no attribute {name!r}")
+
+    with pytest.MonkeyPatch.context() as mp:  # a committed argument's device, without jax.sharding.SingleDeviceSharding
+        mp.setattr(jax.sharding, "__getattr__", gone, raising=False)
+        assert fp(arg=one) is not None and (len(jax.devices()) < 2 or fp(arg=other) != fp(arg=one))
 
 
 def test_a_new_circuit_loads_its_earlier_executables_ahead(tmp_path, monkeypatch, single_compile):
@@ -1134,8 +1144,13 @@ def test_the_optimized_compile_runs_the_scanned_stages_unrolled(quick_store):
                   return_ll=True)
     seen, traced = [], []  # the XLA options of every compile from here on, the Options of every trace
     compile_, lower_ = executables._compile, executables._lower
+
+    def spy(lowered, xla, **kw):
+        seen.append(dict(xla))
+        return compile_(lowered, xla, **kw)
+
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(executables, "_compile", lambda lowered, xla: seen.append(dict(xla)) or compile_(lowered, xla))
+        mp.setattr(executables, "_compile", spy)
         mp.setattr(executables, "_lower", lambda fn, static, *a: traced.append(static["options"])
                    or lower_(fn, static, *a))
         got = c.flows(c.params, x, return_ll=True)
@@ -1360,3 +1375,62 @@ def test_jax_settings_are_part_of_the_key():
         jax.config.update("jax_threefry_partitionable", old)
     assert not np.array_equal(before[0], after[0]) and not np.array_equal(before[1], after[1])
     np.testing.assert_array_equal(before[0], np.asarray(c.sample(c.params, k, 6)))  # and back
+
+
+def _packing(make, made: list, tables):
+    made.append(tables)
+    return make(tables)
+
+
+def test_a_dropped_circuit_releases_its_tables():
+    """The memos of the tables' signature and packed form (each circuit's cache has its own) hold a circuit's tables,
+    and their copies placed on another device, only while the circuit lives; while it lives, each tables object is
+    packed once, whatever the calls."""
+    c, x = _hmm(), _data(8)
+    cache = c.runtime.cache
+    made = []
+    cache._packed.make = functools.partial(_packing, cache._packed.make, made)
+    for _ in range(2):
+        c.log_prob(c.params, x)
+    placed = len(jax.devices()) > 1
+    if placed:  # committed to another device: the call runs there, on a copy of the tables placed there once
+        for _ in range(2):
+            c.log_prob(c.params, jax.device_put(x, jax.devices()[1]))
+    assert len(made) == 1 + placed and made[0] is c.tables
+    packed = [a for _, p in cache._packed._memo.values() for a in p.arrays]
+    refs = [weakref.ref(a) for a in [*jax.tree_util.tree_leaves(made), *packed]] + [weakref.ref(c)]
+    del c, cache, made, packed
+    gc.collect()
+    assert [r() is None for r in refs] == [True] * len(refs), "a dropped circuit's tables stay alive"
+
+
+@pytest.mark.slow
+def test_a_stored_executable_that_fails_to_load_is_stored_again(tmp_path, monkeypatch):
+    """A stored executable that fails to load (a damaged file) is compiled again and written back to the store, also
+    where JAX's own persistent cache (the suite's) would serve that compile: a later circuit loads it and compiles
+    nothing."""
+    from jaxpc import executables
+
+    if not jax.config.jax_compilation_cache_dir:
+        pytest.skip("JAX's persistent compilation cache is off (tests/conftest.py turns it on)")
+    store = executables.ExecutableStore(str(tmp_path))
+    monkeypatch.setattr(executables, "_STORE", store)
+    x = _data(8)
+    first = _hmm()
+    want = first.log_prob(first.params, x)
+    fps = store.recent(first.runtime.cache.owner(60))
+    assert fps, "the call's executable is not in the circuit's index"
+    for fp in fps:  # (whether or not it was stored: JAX's cache may have served this first compile already)
+        os.makedirs(os.path.dirname(store._path(fp)), exist_ok=True)
+        with open(store._path(fp), "wb") as f:
+            f.write(b"damaged")
+    second = _hmm()
+    _same(second.log_prob(second.params, x), want)
+    assert second.cache_info().loaded == 0 and second.cache_info().misses == 1
+    assert second.runtime.cache.wait_upgrades(60)
+    for fp in fps:
+        with open(store._path(fp), "rb") as f:
+            assert f.read() != b"damaged", "the executable that failed to load was not stored again"
+    third = _hmm()
+    _same(third.log_prob(third.params, x), want)
+    assert third.cache_info().loaded == 1 and third.cache_info().compile_seconds == 0.0
