@@ -55,7 +55,23 @@ def _wall_timer(fn: Callable[[], Any]) -> float:
 
 
 class Autotuner:
-    """See the module docstring. ``timer(fn) -> seconds`` times one call of ``fn`` (injectable)."""
+    """See the module docstring.
+
+    Args:
+        timer: ``timer(fn) -> seconds`` times one call of ``fn`` (injectable; default: wall-clock time of the call
+            until its outputs are ready).
+        cache_path: optional JSON file (``~`` expanded) that keeps the choices across processes; default None: the
+            process cache only.
+        env_key: the environment part of every cache key (default None: :func:`environment_key`, the device kind,
+            platform version and jax / jaxlib versions); a choice is reused only under the same ``env_key``.
+        margin: how much faster (a fraction) a candidate must be to replace the heuristic; in [0, 1) (default
+            0.10), else a ``ValueError``.
+        drop_factor: candidates slower than ``drop_factor`` times the fastest first timing are dropped; >= 1
+            (default 2), else a ``ValueError``.
+        full_reps: timed runs of each surviving candidate (median); >= 1 (default 10), else a ``ValueError``.
+        workers: candidates warmed up (compiled) at a time in threads; a positive int (default None:
+            ``min(8, os.cpu_count())``), else a ``ValueError``.
+    """
 
     _process_cache: dict = {}
     _lock = threading.Lock()
@@ -170,7 +186,9 @@ def tune_circuit(circuit, params, x, *, precision: str = "default", candidates: 
     only when that step is ``tuner.margin`` faster than with the default options, which are returned
     otherwise (``Options(precision=precision, fold_products=fold_products)``). Both decisions are cached.
     ``precision``: the returned options' (default ``"default"``, the calls' own default: tuning changes routes,
-    never the arithmetic)."""
+    never the arithmetic). ``params``: the parameters the timed calls run on (a params pytree of ``circuit``);
+    ``x``: a batch ``[B, V]`` (checked as :meth:`jaxpc.Circuit.log_prob` checks it), repeated to its bucket;
+    ``tuner``: the :class:`Autotuner` (default None: a new one with its defaults)."""
     from .options import Options
 
     tuner = tuner or Autotuner()

@@ -47,7 +47,10 @@ def compile(root: CircuitNodes, *, seed: int = 0, dtype=jnp.float32, scan_min_re
         max_layouts_per_entry: after this many layouts of one entry point, warn once naming the
             component of the key that keeps changing.
         buckets: batch padding policy: ``"pow2"`` (next power of two, at least ``min_bucket``),
-            ``"exact"`` (no padding) or a sequence of sizes.
+            ``"exact"`` (no padding) or a sequence of sizes (the smallest that fits; larger batches use multiples
+            of the largest). Anything else is a ``ValueError``.
+        min_bucket: the smallest padded batch of ``buckets="pow2"`` (default 8: batches of 1 to 8 rows share one
+            executable); unused by the other policies. A positive int, else a ``ValueError``.
         compile_after: compile a new layout on its ``compile_after``-th sighting; before that, run it
             on an already compiled larger bucket when one exists (cheap one-off shapes).
     """
@@ -71,7 +74,9 @@ def _dense_blocks(group: Array, start, rows: Array, cols: Array, *, num: int, nb
 
 
 class Circuit:
-    """A compiled probabilistic circuit.
+    """A compiled probabilistic circuit, built by :func:`jaxpc.compile`, which passes the constructor's arguments:
+    ``root``, ``struct`` (the compiled structure), ``seed``, ``dtype``, ``cache`` (the executable cache) and
+    ``buckets`` (the batch padding policy). Build circuits with ``compile``, not with the constructor.
 
     Attributes:
         params: the initial parameters (the values set on the nodes, seeded random elsewhere).
@@ -154,7 +159,8 @@ class Circuit:
         return jax.tree_util.tree_map(lambda a: np.asarray(a, dtype=self.dtype), p)
 
     def get_node_params(self, params: Params, node: CircuitNodes):
-        """The parameters of ``node`` in its natural dense form.
+        """The parameters of ``node`` in its natural dense form, read from ``params`` (a params pytree of this
+        circuit; another structure or shape is a ``ValueError``).
 
         Sum nodes: ``[num_nodes, num_ch_nodes]`` normalized weights (zero between unconnected blocks).
         Input nodes: the distribution's natural parameters (``Categorical``: ``[num_nodes, num_cats]``
@@ -263,7 +269,7 @@ class Circuit:
         return self.runtime.cache.wait_upgrades(timeout)
 
     def compiled(self, entry: str = "flows"):
-        """The most recently used compiled executable of an entry point (``"log_prob"``, ``"flows"``,
+        """The most recently used compiled executable of entry point ``entry`` (``"log_prob"``, ``"flows"``,
         ``"em_step"``, ``"conditional"``, ``"parallel.em_step"``, ``"optim.fit"``, ...), a ``jax.stages.Compiled``
         for inspection (``.memory_analysis()``: the step's temporaries, arguments and outputs; ``.as_text()``: its
         optimized HLO), or None before its first call. A name that is no entry point raises a ``ValueError``
@@ -402,6 +408,9 @@ class Circuit:
             missing: ``bool[B, V]`` or ``bool[V]``; True marks a variable to marginalize
                 (maximize under MPE).
             propagation: ``"LL"`` (default), ``"MPE"`` or ``"GeneralLL"`` (with ``alpha``).
+            alpha: the GeneralLL exponent, a positive finite float: sum nodes compute
+                ``(1/alpha) log sum_c (w_c p_c)^alpha`` (``alpha=1`` is LL). Required with, and only allowed with,
+                ``propagation="GeneralLL"`` (else a ``ValueError``); default None.
             options: a full :class:`Options` (keyword overrides apply on top).
             validate: ``True`` (default): numpy values are checked before running and raise at once; a device
                 array's are checked inside the executable (bad rows give NaN; the error is raised by the
@@ -447,7 +456,12 @@ class Circuit:
 
     def node_values(self, params: Params, x, missing=None, *, options: Options | None = None,
                     validate: bool | str = True) -> Array:
-        """The value of every node, ``[R, B]`` (the buffer partial evaluation starts from)."""
+        """The value of every node, ``[R, B]`` (the buffer partial evaluation starts from; ``R`` the layout's rows).
+
+        ``params``, ``x`` ``[B, V]`` and ``missing`` (``bool[B, V]`` or ``bool[V]``, True: marginalized) as for
+        :meth:`log_prob`; ``options``: a full :class:`Options` (its propagation applies); ``validate``: ``True``
+        (default), ``"sync"`` or ``False``, as for :meth:`log_prob` (a bad value raises a ``ValueError`` naming the
+        variable, at once for numpy inputs; anything else raises a ``ValueError``)."""
         batch = self.runtime.prepare(x, missing, validate)
         return self.runtime.run("node_values", {}, {"tables": self.tables, "params": params}, batch,
                                 options=Options.make(options))
@@ -472,6 +486,7 @@ class Circuit:
         """Expected counts: a pytree like ``params`` (sum groups: expected edge counts ``[P, Kp, Kc]``;
         input layers: their distribution's expected sufficient statistics), obtained with ``jax.grad``.
 
+        ``params``, ``x`` ``[B, V]``, ``missing``, ``validate`` and ``evidence`` as for :meth:`log_prob`.
         ``ll_weights`` ``[B]`` weights each sample (finite; their values checked under ``validate`` as ``x``'s are:
         numpy at once, device arrays by the next call). With ``return_ll`` returns ``(flows, ll)``. With
         ``return_evidence_grad`` (``evidence`` given) also returns, last, the gradient of the weighted
@@ -530,6 +545,15 @@ class Circuit:
         flows: each sum node's flow goes to its first maximizing child, the one :meth:`mpe` decodes);
         ``Options(pflow_temperature=T)`` (tempered EM). ``Options(logspace_flows=True)`` is refused: EM takes
         linear flows.
+
+        ``params``, ``x`` ``[B, V]``, ``missing``, ``options`` and ``validate`` as for :meth:`log_prob`.
+        ``step_size`` must be a finite float in (0, 1] and ``pseudocount`` a finite float >= 0 (else a
+        ``ValueError``; a non-number a ``TypeError``). ``ll_weights`` ``[B]`` (default None: all 1) weights each
+        sample's expected counts; they must be finite and >= 0 (a negative weight makes negative counts), checked as
+        ``x``'s values are (numpy at once, device arrays by the next call), and a wrong shape is a ``ValueError``.
+        ``evidence``: per-call evidence as for :meth:`log_prob` (:meth:`check_evidence`); not with
+        ``rescale="tdp"`` (a ``ValueError``), whose top-down probabilities are the model's own; ``rescale`` other
+        than ``"none"`` / ``"tdp"`` is a ``ValueError``.
         Returns the new params (and the batch's log-likelihoods under the old ones with ``return_ll``).
         With device-resident inputs a step makes no host transfer but its input check's one-byte flag (none with
         ``validate=False``); rows with bad values take no part in the update.
@@ -563,7 +587,22 @@ class Circuit:
 
     def em_update(self, params: Params, flows: dict, *, step_size: float = 1.0, pseudocount: float = 0.0,
                   update_sums: bool = True, keep_zero_params: bool = False) -> Params:
-        """The EM M-step from accumulated flows (e.g. summed over batches)."""
+        """The EM M-step from accumulated flows (e.g. summed over batches):
+        ``theta <- (1 - step_size) theta + step_size * normalize(flows + pseudocount)``.
+
+        Args:
+            params: a params pytree of this circuit (the parameters the flows were taken under).
+            flows: expected counts, a pytree like :meth:`flows` returns (e.g. summed over batches).
+            step_size: the blend of old and new parameters, a finite float in (0, 1] (default 1: plain EM).
+            pseudocount: added to the counts, spread evenly over each node's children (values, for categoricals);
+                a finite float >= 0 (default 0). Out of range: ``ValueError``; not a number: ``TypeError``.
+            update_sums: ``True`` (default) updates sum and input parameters; ``False`` keeps every sum parameter
+                and refits only the input distributions.
+            keep_zero_params: parameters that are exactly zero stay zero (they get no pseudocount); default
+                ``False``.
+
+        Sum nodes whose flows (plus pseudocount) are all zero keep their parameters.
+        """
         check_em_args(step_size, pseudocount)
         rt = self.runtime
         return rt.run("em_update", {"update_sums": bool(update_sums), "keep_zero_params": bool(keep_zero_params)},
@@ -574,7 +613,21 @@ class Circuit:
                       pseudocount: float = 0.0, validate: bool | str = True, return_ll: bool = False):
         """One full-batch EM step over ``data`` ``[N, V]``: flows are summed over all batches, then one
         update. The last partial batch is padded with zero-weight rows (its bucket's executable).
-        With ``return_ll`` also returns the mean log-likelihood of ``data`` under ``params``."""
+        With ``return_ll`` also returns the mean log-likelihood of ``data`` under ``params``.
+
+        Args:
+            params: a params pytree of this circuit.
+            data: ``[N, V]`` samples, as ``x`` of :meth:`log_prob`.
+            missing: ``bool[N, V]`` or ``bool[V]`` (default None: nothing missing); True marks a variable to
+                marginalize.
+            batch_size: samples per :meth:`flows` call (default 512; at most ``N`` are used); a positive int, else
+                a ``ValueError``.
+            step_size: as for :meth:`em_update`: a finite float in (0, 1] (default 1).
+            pseudocount: as for :meth:`em_update`: a finite float >= 0 (default 0).
+            validate: ``True`` (default), ``"sync"`` or ``False``, as for :meth:`log_prob`; host (numpy)
+                ``data`` is checked once, before the first batch, device data by each batch's call.
+            return_ll: also return the mean log-likelihood (see above).
+        """
         check_em_args(step_size, pseudocount)
         if not isinstance(batch_size, numbers.Integral) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"full_batch_em: batch_size must be a positive int, got {batch_size!r}")
@@ -596,22 +649,26 @@ class Circuit:
     # queries (see jaxpc.queries)
     # ------------------------------------------------------------------------------------------
     def marginal(self, params: Params, x=None, missing=None, **kw) -> Array:
-        """:func:`jaxpc.queries.marginal`."""
+        """:func:`jaxpc.queries.marginal` of this circuit: ``params``, ``x``, ``missing`` and the keywords
+        (``soft_evidence``, ``propagation``, ``alpha``, ``options``, ``validate``) as there."""
         from . import queries
         return queries.marginal(self, params, x, missing, **kw)
 
     def conditional(self, params: Params, x, missing=None, **kw) -> Array:
-        """:func:`jaxpc.queries.conditional`."""
+        """:func:`jaxpc.queries.conditional` of this circuit: ``params``, ``x``, ``missing`` and the keywords
+        (``target_vars``, ``options``, ``validate``) as there."""
         from . import queries
         return queries.conditional(self, params, x, missing, **kw)
 
     def sample(self, params: Params, key: Array, num_samples: int | None = None, **kw) -> Array:
-        """:func:`jaxpc.queries.sample`."""
+        """:func:`jaxpc.queries.sample` of this circuit: ``params``, ``key``, ``num_samples`` and the keywords
+        (``x``, ``missing``, ``options``, ``validate``) as there."""
         from . import queries
         return queries.sample(self, params, key, num_samples, **kw)
 
     def mpe(self, params: Params, x=None, missing=None, **kw):
-        """:func:`jaxpc.queries.mpe`."""
+        """:func:`jaxpc.queries.mpe` of this circuit: ``params``, ``x``, ``missing`` and the keywords
+        (``num_samples``, ``options``, ``validate``) as there."""
         from . import queries
         return queries.mpe(self, params, x, missing, **kw)
 

@@ -70,10 +70,10 @@ __all__ = ["CacheInfo", "BucketPolicy", "ExecutableCache", "ExecutableStore", "e
 
 class CacheInfo(NamedTuple):
     """Counters of a circuit's executables: calls served from memory (``hits``), keys not in memory
-    (``misses``), seconds spent compiling (the first, quick compile of a key where :func:`quick_options`
-    applies), executables in memory (``live``), misses served by loading a serialized executable from the disk
-    store instead of compiling (``loaded``), and optimized executables still compiling in the background or
-    waiting for their trace at the key's next call (``upgrading``; :func:`optimized_options`)."""
+    (``misses``), seconds spent compiling (``compile_seconds``: the first, quick compile of a key where
+    :func:`quick_options` applies), executables in memory (``live``), misses served by loading a serialized
+    executable from the disk store instead of compiling (``loaded``), and optimized executables still compiling in
+    the background or waiting for their trace at the key's next call (``upgrading``; :func:`optimized_options`)."""
 
     hits: int
     misses: int
@@ -1263,7 +1263,9 @@ def enable_persistent_cache(directory: str, min_compile_seconds: float = 0.0) ->
     """Store compiled executables in ``directory`` for later processes: jaxpc's own executables serialized
     under ``directory/executables`` (loaded without tracing or lowering), and JAX's persistent compilation
     cache for every other jitted function. jaxpc turns one on by default (:func:`default_persistent_cache`);
-    call this to choose another directory."""
+    call this to choose another directory. ``min_compile_seconds`` (default 0: every one): JAX's persistent cache
+    keeps only executables whose compile took at least this long (``jax_persistent_cache_min_compile_time_secs``);
+    jaxpc's own store keeps every executable it compiles."""
     global _STORE
     _STORE = ExecutableStore(os.path.join(str(directory), "executables"))
     jax.config.update("jax_compilation_cache_dir", str(directory))

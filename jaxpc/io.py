@@ -241,7 +241,10 @@ def _input_params(dist, params: dict[str, np.ndarray], num_nodes: int, where: st
 
 def load_structure(path) -> CircuitNodes:
     """Read a file written by :func:`save_structure`; returns the root vector (compile it with
-    :func:`jaxpc.compile`). A file that is not a structure file, or a damaged one, raises ``ValueError``."""
+    :func:`jaxpc.compile`). A file that is not a structure file, or a damaged one, raises ``ValueError``.
+
+    ``path``: the file (a ``str`` or path-like, read exactly at ``path``: no extension is added); a missing file
+    raises ``FileNotFoundError``, a ``path`` of another type a ``TypeError``."""
     header, arrays = _read_npz(path)
     if header.get("format") != FORMAT:
         raise ValueError(f"load_structure: {path} has format {header.get('format')!r}, expected {FORMAT!r}")
@@ -342,7 +345,8 @@ def _build(header: dict, arrays: dict[str, np.ndarray]) -> CircuitNodes:
 # ---- orbax checkpoints ---------------------------------------------------------------------------
 
 class Checkpoint(NamedTuple):
-    """What :func:`load_params` returns."""
+    """What :func:`load_params` returns: ``params``, the restored parameters; ``opt_state``, the optimizer state
+    or None where none was saved; ``step``, the saved ``step`` or None."""
 
     params: Any
     opt_state: Any
@@ -395,6 +399,8 @@ def load_params(path, *, params=None, opt_state=None) -> Checkpoint:
     """Load a checkpoint written by :func:`save_params`.
 
     Args:
+        path: the checkpoint directory :func:`save_params` wrote (a ``str`` or path-like, made absolute); where no
+            directory is there, a ``FileNotFoundError``.
         params, opt_state: optional templates (e.g. ``circuit.params`` and ``tx.init(circuit.params)``): the
             restored values get their tree structure (NamedTuple optimizer states), shapes and dtypes.
             Without them the raw nested dicts/lists are returned; ``opt_state`` alone is a ``ValueError``. With

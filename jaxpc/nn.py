@@ -186,7 +186,13 @@ class CircuitModule(nnx.Module):
         The flows are those of the normalized parameters, under the module's options; the module then holds the
         EM parameters (normalized). ``step_size`` in ``(0, 1]`` and ``pseudocount >= 0`` are checked as
         :meth:`jaxpc.Circuit.em_step` checks them (finite; traced values pass). Returns the batch's log-likelihoods
-        ``[B]`` before the step."""
+        ``[B]`` before the step.
+
+        ``x`` ``[B, V]`` with ``missing`` (``bool[V]`` or ``bool[B, V]``, True: marginalized; default None) as for
+        :meth:`__call__`, checked as :meth:`jaxpc.Circuit.em_step` checks them with ``validate=True`` (numpy values
+        at once, a device array's by the circuit's next call; traced ones under ``nnx.jit`` not at all).
+        ``ll_weights``: optional ``[B]`` per-sample weights of the expected counts (default None: all 1), finite and
+        >= 0, checked as for :meth:`jaxpc.Circuit.em_step` (a wrong shape is a ``ValueError``)."""
         em_engine.check_em_options(self.options, "CircuitModule.em_step")
         c = self.circuit
         step, pseudo = c.runtime.em_scalars(step_size, pseudocount)

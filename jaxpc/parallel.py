@@ -146,7 +146,9 @@ def flows(circuit, params: dict, x, missing=None, *, mesh: Mesh | None = None, l
     (replicated), and ``ll`` ``[B]`` with ``return_ll``.
 
     ``evidence``: per-call evidence as for :meth:`jaxpc.Circuit.flows` (checked by
-    :meth:`~jaxpc.Circuit.check_evidence`); every leaf's leading batch axis is padded and split with ``x``."""
+    :meth:`~jaxpc.Circuit.check_evidence`); every leaf's leading batch axis is padded and split with ``x``.
+    ``circuit``, ``params``, ``x``, ``missing``, ``mesh``, ``options`` and ``validate`` as for :func:`em_step`;
+    ``ll_weights`` ``[B]``: finite per-sample weights, as for :meth:`jaxpc.Circuit.flows`."""
     fl, ll = _run(circuit, "parallel.flows", {}, {"params": params}, x, missing, ll_weights, evidence, validate, mesh,
                   options)
     return (fl, ll) if return_ll else fl
@@ -156,7 +158,27 @@ def em_step(circuit, params: dict, x, missing=None, *, mesh: Mesh | None = None,
             pseudocount: float = 0.0, ll_weights=None, options: Options | None = None, validate: bool | str = True,
             return_ll: bool = False, evidence: dict | None = None):
     """``circuit.em_step`` data-parallel: sharded flows, one psum, the update replicated on every device.
-    ``evidence``: as for :func:`flows`."""
+    ``evidence``: as for :func:`flows`.
+
+    Args:
+        circuit: a compiled :class:`jaxpc.Circuit` (anything else is a ``TypeError``).
+        params: a params pytree of ``circuit`` (replicated over the mesh).
+        x: ``[B, V]`` samples, as for :meth:`jaxpc.Circuit.em_step`; any ``B``: the batch is padded with zero-weight
+            rows to a multiple of the mesh's devices.
+        missing: ``bool[B, V]`` or ``bool[V]``, or None (default); True marks a variable to marginalize.
+        mesh: a :class:`jax.sharding.Mesh` with a ``'data'`` axis to split the batch over (default None:
+            :func:`data_mesh`, all devices); another type is a ``TypeError``, a mesh without the axis a
+            ``ValueError``, as is an ``x``, ``missing`` or ``params`` committed to other devices.
+        step_size: as for :meth:`jaxpc.Circuit.em_step`: a finite float in (0, 1] (default 1).
+        pseudocount: as for :meth:`jaxpc.Circuit.em_step`: a finite float >= 0 (default 0).
+        ll_weights: optional ``[B]`` per-sample weights, finite and >= 0 (default None: all 1), checked as for
+            :meth:`jaxpc.Circuit.em_step`.
+        options: a full :class:`jaxpc.Options` (``logspace_flows`` is refused: EM takes linear flows).
+        validate: ``True`` (default), ``"sync"`` or ``False``, as for :meth:`jaxpc.Circuit.log_prob`.
+        return_ll: also return the batch's log-likelihoods ``[B]`` under ``params``: ``(new_params, ll)``.
+        evidence: per-call evidence, as for :func:`flows`.
+    """
+    check_circuit(circuit, "parallel.em_step")  # (before its runtime is read)
     step, pseudo = circuit.runtime.em_scalars(step_size, pseudocount)
     new, ll = _run(circuit, "parallel.em_step", {}, {"params": params, "step_size": step, "pseudocount": pseudo},
                    x, missing, ll_weights, evidence, validate, mesh, options, ("params", "step_size", "pseudocount"))
@@ -167,7 +189,10 @@ def loss_and_grad(circuit, params: dict, x, missing=None, *, mesh: Mesh | None =
                   ll_weights=None, options: Options | None = None, validate: bool | str = True,
                   evidence: dict | None = None):
     """``(loss, grads)``: the mean negative log-likelihood of ``normalize(params)`` (``params`` are logits) and
-    its gradient with respect to ``params``, data-parallel over ``mesh``. ``evidence``: as for :func:`flows`."""
+    its gradient with respect to ``params``, data-parallel over ``mesh``. ``evidence``: as for :func:`flows`.
+    ``normalize``: renormalize the logits first (default ``True``; ``False``: ``params`` are log-parameters taken as
+    they are). ``ll_weights`` ``[B]``: finite per-sample weights of the mean (default None: all 1). ``circuit``,
+    ``x``, ``missing``, ``options`` and ``validate`` as for :func:`em_step`."""
     (loss, g), _ = _run(circuit, "parallel.grad", {"normalize": bool(normalize)}, {"params": params}, x, missing,
                         ll_weights, evidence, validate, mesh, options)
     return loss, g
@@ -181,7 +206,10 @@ def train_step(circuit, tx, params: dict, opt_state, x, missing=None, *, mesh: M
     :func:`flows`.
 
     ``opt_state``: ``tx.init(params)`` for the first step, then the state the previous step returned (checked as
-    :func:`jaxpc.optim.fit` checks it: None or another optimizer's state raises a ``ValueError``)."""
+    :func:`jaxpc.optim.fit` checks it: None or another optimizer's state raises a ``ValueError``).
+    ``tx``: the transformation; ``normalize``: as for :func:`jaxpc.optim.make_step` (default ``True``); ``ll_weights``
+    ``[B]``: finite per-sample weights (default None: all 1). ``circuit``, ``params``, ``x``, ``missing``, ``mesh``,
+    ``options`` and ``validate`` as for :func:`em_step`."""
     check_circuit(circuit, "parallel.train_step")
     check_step_state(circuit, tx, params, opt_state, "parallel.train_step")
     (p, s), ll = _run(circuit, "parallel.train_step", {"normalize": bool(normalize), "tx": tx},
@@ -219,6 +247,8 @@ def split_batch(circuit, x, missing=None, *, num_devices: int | None = None, evi
     that weights its samples (``flows_and_ll(..., weights, ...)``) ignores them; batch sizes of one bucket share
     one shape (one pmap executable).
 
+    ``circuit``: a compiled :class:`jaxpc.Circuit` (anything else is a ``TypeError``); ``num_devices``: a positive
+    int (else a ``ValueError``).
     ``validate``: as for ``Circuit.flows``, except that the values of a device ``x`` are not checked (its
     shape and dtype are): only the circuit's own entry points run the in-executable check. The values of device
     ``evidence`` are (:meth:`jaxpc.Circuit.check_evidence`): the circuit's next call raises a failure (with

@@ -439,7 +439,8 @@ def _several_devices() -> bool:
 def _array_types() -> frozenset:
     """The concrete types of JAX's device arrays and typed PRNG keys (``jax.Array`` is abstract: an ``isinstance``
     against it is slow)."""
-    return frozenset({type(jnp.zeros((), jnp.int32)), type(jax.random.key(0))})
+    with jax.transfer_guard("allow"):  # (made once, maybe first under a caller's guard)
+        return frozenset({type(jnp.zeros((), jnp.int32)), type(jax.random.key(0))})
 
 
 def _first_leaf(tree):

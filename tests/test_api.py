@@ -333,3 +333,26 @@ def test_print_circuit():
     c = jaxpc.compile(hmm_like(6))
     s = repr(c)
     assert "num_vars=6" in s and "scanned" in s
+
+
+def test_parallel_em_step_checks_the_circuit():
+    """Params in place of the circuit raised ``AttributeError: 'dict' object has no attribute 'runtime'`` from
+    ``parallel.em_step`` (it read the runtime before checking), where the other parallel functions name it."""
+    params = {"sum": {}, "input": {}}
+    with pytest.raises(TypeError, match=r"^parallel.em_step: circuit must be a jaxpc.Circuit, got dict; pass the "
+                                        r"compiled circuit"):
+        jaxpc.parallel.em_step(params, params, np.zeros((2, 2), np.int32))
+
+
+def test_queries_check_the_circuit():
+    """Params in place of the circuit raised ``AttributeError: 'dict' object has no attribute 'runtime'`` (or
+    ``'log_prob'``) from the query functions; they name the argument as :mod:`jaxpc.optim` does."""
+    params, x = {"sum": {}, "input": {}}, np.zeros((2, 2), np.int32)
+    calls = {"marginal": lambda: jaxpc.queries.marginal(params, params, x),
+             "conditional": lambda: jaxpc.queries.conditional(params, params, x),
+             "sample": lambda: jaxpc.queries.sample(params, params, jax.random.key(0), 2),
+             "mpe": lambda: jaxpc.queries.mpe(params, params)}
+    for where, call in calls.items():
+        with pytest.raises(TypeError, match=rf"^{where}: circuit must be a jaxpc.Circuit, got dict; pass the "
+                                            r"compiled circuit"):
+            call()

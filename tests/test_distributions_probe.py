@@ -407,6 +407,30 @@ def test_bad_leaf_arguments_are_clear_errors():
     assert D.DiscreteLogistic(np.array([0, 255]), 256).hi == 255.0
 
 
+def test_params_that_are_not_numbers_name_the_node_vector_and_the_field():
+    """Strings, objects and ragged nested lists as leaf parameters raised numpy's own message ("could not convert
+    string to float") naming neither the node vector nor the field: a ``TypeError`` (not numbers) or a
+    ``ValueError`` (ragged) naming both."""
+    with pytest.raises(TypeError, match=r"leaf: params field 'probs' of Categorical\(num_cats=2\) must hold real "
+                                        r"numbers, got an array of dtype <U1"):
+        jaxpc.inputs(0, num_nodes=2, dist=D.Categorical(2), params=[["a", "b"]] * 2, name="leaf")
+    with pytest.raises(ValueError, match=r"leaf: params field 'probs' of Categorical\(num_cats=2\) must be a "
+                                         r"rectangular array of numbers, got ragged"):
+        jaxpc.inputs(0, num_nodes=2, dist=D.Categorical(2), params=[[0.5], [0.5, 0.5]], name="leaf")
+    with pytest.raises(TypeError, match=r"g: params field 'mu' of Gaussian.* dtype object"):
+        jaxpc.inputs(0, num_nodes=2, dist=D.Gaussian(), params={"mu": [object(), 1.0], "sigma": [1.0, 1.0]}, name="g")
+    with pytest.raises(ValueError, match=r"g: params field 'sigma' of Gaussian.* ragged"):
+        jaxpc.inputs(0, num_nodes=2, dist=D.Gaussian(), params={"mu": [0.0, 1.0], "sigma": [[1.0], 1.0]}, name="g")
+    with pytest.raises(TypeError, match=r"m: params field 'probs' of MaskedCategorical.* dtype <U1"):
+        jaxpc.inputs(0, num_nodes=1, dist=D.MaskedCategorical(2), params={"mask": [[0, 2]], "probs": [["a", "b"]]},
+                     name="m")
+    with pytest.raises(TypeError, match=r"InputNodes#\d+: params field 'probs'"):  # unnamed: the default name
+        jaxpc.inputs(0, num_nodes=1, dist=D.Categorical(2), params=[["x", "y"]])
+    # numbers in any container stay accepted
+    leaf = jaxpc.inputs(0, num_nodes=2, dist=D.Categorical(2), params=[(0.25, 0.75), np.array([1, 1])])
+    np.testing.assert_allclose(leaf.get_params()["probs"], [[0.25, 0.75], [0.5, 0.5]])
+
+
 @pytest.mark.parametrize("form", ["dense", pytest.param("topk", marks=slow), pytest.param("grad", marks=slow)])
 def test_soft_evidence_leaf_with_no_weight_at_the_observed_value(form):
     """Evidence that gives the observed value weight zero (``-inf``) makes the row impossible: log-likelihood

@@ -58,6 +58,10 @@ def test_fit_names_bad_weights():
         with pytest.raises(ValueError, match=r"fit: ll_weights are committed to devices \[1\], but fit runs on "
                                              r"devices \[0\]"):
             optim.fit(circuit, p, data, 1, 10, ll_weights=elsewhere, progress=False)
+        key = jax.device_put(jax.random.key(0), jax.devices()[1])
+        with pytest.raises(ValueError, match=r"key is committed to devices \[1\], but the call runs on devices \[0\] "
+                                             r"\(fit: "):
+            optim.fit(circuit, p, data, 1, 10, key=key, progress=False)
 
 
 @pytest.mark.slow

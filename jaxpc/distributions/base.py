@@ -30,6 +30,22 @@ Array = jax.Array
 _HOST_CHUNK = 1 << 20  # host draws per chunk (8 MiB of float64)
 
 
+def float_field(value: Any, field: str, dist: Any, where: str) -> np.ndarray:
+    """``value``, the natural parameter ``field`` of ``dist`` given to node vector ``where``, as a float64 array.
+    Ragged nested sequences raise a ``ValueError``, values that are not numbers (strings, objects) a ``TypeError``,
+    each naming ``where``, the field and the distribution."""
+    try:
+        return np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError) as e:
+        what = f"{where}: params field {field!r} of {dist!r}"
+        try:
+            raw = np.asarray(value)
+        except ValueError:
+            raise ValueError(f"{what} must be a rectangular array of numbers, got ragged nested sequences "
+                             f"({e})") from None
+        raise TypeError(f"{what} must hold real numbers, got an array of dtype {raw.dtype} ({e})") from None
+
+
 class Distribution:
     """Base class. Subclasses are small frozen-value objects (equality by configuration)."""
 
@@ -77,7 +93,9 @@ class Distribution:
 
     # ---- host-side parameters -------------------------------------------------------------
     def canonical_params(self, params: Any, num_nodes: int, where: str) -> dict[str, np.ndarray]:
-        """Validate user parameters for ``num_nodes`` nodes; return the natural dict (float64)."""
+        """Validate user parameters for ``num_nodes`` nodes; return the natural dict (float64). ``where`` names the
+        node vector in errors: a field that does not hold numbers is a ``TypeError``, ragged nested lists a
+        ``ValueError``, both naming ``where`` and the field (:func:`float_field`)."""
         if not self.natural_fields:
             raise ValueError(f"{where}: {self!r} has no parameters")
         if isinstance(params, dict):
@@ -85,9 +103,9 @@ class Distribution:
             if unknown:
                 raise ValueError(f"{where}: unknown parameter(s) {sorted(unknown)} for {self!r}; "
                                  f"expected {list(self.natural_fields)}")
-            out = {k: np.asarray(v, dtype=np.float64) for k, v in params.items()}
+            out = {k: float_field(v, k, self, where) for k, v in params.items()}
         elif len(self.natural_fields) == 1:
-            out = {self.natural_fields[0]: np.asarray(params, dtype=np.float64)}
+            out = {self.natural_fields[0]: float_field(params, self.natural_fields[0], self, where)}
         else:
             raise ValueError(f"{where}: {self!r} takes params as a dict with keys {list(self.natural_fields)}")
         return self._check_natural(out, num_nodes, where)

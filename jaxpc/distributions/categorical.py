@@ -14,7 +14,7 @@ from jax import lax
 
 from ..ops.logspace import segment_logsumexp
 from ..ops.pieces import in_order, ranges
-from .base import Distribution, blend, reduce_missing, segment_sum
+from .base import Distribution, blend, float_field, reduce_missing, segment_sum
 
 
 def _check_probs(probs: np.ndarray, num_nodes: int, num_cats: int, where: str, allowed: np.ndarray | None = None):
@@ -279,7 +279,7 @@ class MaskedCategorical(Categorical):
         allowed = self._allowed(raw, num_nodes, where)
         out = {"mask": allowed}
         if params.get("probs") is not None:
-            out["probs"] = _check_probs(np.asarray(params["probs"], dtype=np.float64), num_nodes, self.num_cats,
+            out["probs"] = _check_probs(float_field(params["probs"], "probs", self, where), num_nodes, self.num_cats,
                                         where, allowed)
         extra = set(params) - {"mask", "probs"}
         if extra:

@@ -96,6 +96,8 @@ class SoftEvidenceCategorical(Categorical):
     candidates), ``-inf`` where ``theta[x] exp(e[x])`` is zero (even where every value's weight is). A missing ``x``
     marginalizes to 0. Without evidence it is a plain categorical.
     EM refits ``theta`` from the counts of the observed values; the evidence enters through the flows.
+    ``num_cats``: the number of values, as for :class:`Categorical` (a positive int, else a ``ValueError``); the
+    dense evidence ``categorical_logp`` is ``[B, V, num_cats]``.
     """
 
     name = "soft_evidence_categorical"

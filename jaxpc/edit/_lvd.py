@@ -24,7 +24,8 @@ def hclt_latent_regions(root: CircuitNodes) -> dict[int, ProdNodes]:
 
     Raises a ``ValueError`` where the graph has no such product (not an HCLT, e.g. an HMM, or an HCLT of a single
     variable): give :func:`lvd_init` the regions of other structures yourself. The rule reads HCLT's construction
-    and does not recognize one: the leaf regions of a PD or RAT-SPN (products of input vectors) match it too."""
+    and does not recognize one: the leaf regions of a PD or RAT-SPN (products of input vectors) match it too.
+    ``root``: the circuit's root vector (not a node vector: a ``TypeError``)."""
     nodes = check_root(root, "hclt_latent_regions")
     out: dict[int, ProdNodes] = {}
     for ns in nodes:

@@ -500,8 +500,8 @@ def summate(*children: CircuitNodes, num_node_blocks: int = 0, block_size: int =
         edge_ids: optional integer ``[2, num_edges]`` ``(parent block, child block)`` pairs (default None: dense);
             a wrong shape, an id out of range, a parent block without edges or a repeated pair is a
             ``ValueError``.
-        params: optional weights (see above), non-negative and finite, zero outside the edges; else a
-            ``ValueError``.
+        params: optional weights (see above), non-negative and finite, zero outside the edges, each node's
+            summing to more than zero; else a ``ValueError`` (not numbers: a ``TypeError``).
         num_nodes: alternative to ``num_node_blocks``: ``num_nodes`` must be a multiple of ``block_size`` (else a
             ``ValueError``).
         name: optional name used in error messages and summaries (default ``"SumNodes#<id>"``).

@@ -47,7 +47,8 @@ def _finite_or_zero(m: Array) -> Array:
 
 def segment_log_softmax(logits: Array, seg: Array, num_segments: int) -> Array:
     """Log-softmax of ``logits`` ``[P, Kp, Kc]`` over the ``Kc`` entries of all blocks ``p`` that share a
-    segment ``seg[p]`` (``int32[P]``), for each of the ``Kp`` rows. Returns ``[P, Kp, Kc]``."""
+    segment ``seg[p]`` (``int32[P]``, ids in ``[0, num_segments)``), for each of the ``Kp`` rows. Returns
+    ``[P, Kp, Kc]``."""
     m = jax.ops.segment_max(jnp.max(logits, axis=2), seg, num_segments=num_segments)  # [S, Kp]
     m = lax.stop_gradient(_finite_or_zero(m))
     tot = block_totals(jnp.exp(logits - m[seg][:, :, None]), seg, num_segments)  # [S, Kp]
@@ -107,7 +108,11 @@ def normalized_log_prob(layout: Layout, tables: dict, params: dict, x: Array, mi
                         soft: Array | None = None, normalize: bool = True, evidence: dict | None = None) -> Array:
     """``log p(x)`` ``[B]`` of the circuit whose parameters are ``normalize_params(params)`` (pure).
 
+    ``layout``, ``tables``: ``circuit.layout`` and ``circuit.tables``; ``params``: logits shaped like
+    ``circuit.params``; ``x`` ``[B, V]`` and ``missing`` (``bool[B, V]``, ``bool[V]`` or None) already checked
+    (:meth:`jaxpc.Circuit.log_prob` checks them; nothing is checked here); ``options``: a :class:`jaxpc.Options`.
     ``soft``: optional ``[B, V, K]`` non-negative weights of soft evidence (see :func:`jaxpc.queries.marginal`);
+    ``normalize``: False evaluates ``params`` as they are (default ``True``);
     ``evidence``: per-call evidence as :meth:`jaxpc.Circuit.check_evidence` returns it."""
     p = normalize_params(layout, tables, params) if normalize else params
     return forward.log_prob(layout, tables, p, x, missing, options, soft=soft, evidence=evidence)
@@ -117,7 +122,9 @@ def mean_nll(layout: Layout, tables: dict, params: dict, x: Array, missing: Arra
              options, normalize: bool = True, evidence: dict | None = None) -> tuple[Array, Array]:
     """``(loss, ll)``: the weighted mean negative log-likelihood ``-sum_b w_b ll_b / sum_b w_b`` (scalar) and
     the per-sample log-likelihoods ``ll`` ``[B]`` (under the per-call ``evidence``, when given). Zero-weight
-    rows (padding) contribute exactly nothing."""
+    rows (padding) contribute exactly nothing. ``weights`` ``[B]`` or None (the plain mean); ``layout``,
+    ``tables``, ``params``, ``x``, ``missing``, ``options`` and ``normalize`` as for :func:`normalized_log_prob`
+    (pure: nothing is checked)."""
     ll = normalized_log_prob(layout, tables, params, x, missing, options, normalize=normalize, evidence=evidence)
     if weights is None:
         return -jnp.mean(ll), ll
@@ -139,7 +146,8 @@ declare_entries("optim.normalize", "optim.log_prob")
 
 
 def normalize(circuit, params: dict) -> dict:
-    """:func:`normalize_params` for ``circuit`` (one cached executable per circuit)."""
+    """:func:`normalize_params` for ``circuit`` (one cached executable per circuit) of ``params``, logits shaped
+    like ``circuit.params``. A ``circuit`` that is not a :class:`jaxpc.Circuit` is a ``TypeError``."""
     check_circuit(circuit, "optim.normalize")
     circuit.runtime.entry("optim.normalize", _normalize_entry, None, circuit.layout)
     return circuit.runtime.run("optim.normalize", {}, {"tables": circuit.tables, "params": params})
@@ -150,11 +158,15 @@ def log_prob(circuit, params: dict, x, missing=None, *, normalize: bool = True, 
     """``circuit.log_prob`` on unconstrained logits: the forward renormalizes ``params`` first.
 
     Args:
+        circuit: a compiled :class:`jaxpc.Circuit` (anything else is a ``TypeError``).
         params: logits shaped like ``circuit.params`` (normalized params give the same values as
             ``circuit.log_prob`` up to rounding).
         x: ``[B, V]``; missing: ``bool[V]`` or ``bool[B, V]`` or None.
         normalize: False evaluates ``params`` as they are (``circuit.log_prob``).
-        validate: see :mod:`jaxpc.runtime`.
+        options: a full :class:`jaxpc.Options` for the forward (default None: ``Options()``), as for
+            :meth:`jaxpc.Circuit.log_prob`; not an ``Options``: a ``TypeError``.
+        validate: ``True`` (default), ``"sync"`` or ``False``, as for :meth:`jaxpc.Circuit.log_prob` (see
+            :mod:`jaxpc.runtime`).
 
     Returns:
         ``float[B]``.

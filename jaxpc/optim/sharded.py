@@ -97,7 +97,11 @@ def sharded_flows_and_ll(layout, mesh: Mesh, options: Options, missing_ndim: int
     :func:`jaxpc.engine.em.flows_and_ll` with the batch (``x`` ``[B, V]``, ``weights`` ``[B]``, a ``[B, V]``
     missing mask, every leaf of the per-call ``evidence`` pytree) split over the mesh's ``'data'`` axis and the
     flows summed once (log flows, ``options.logspace_flows``, by a log-domain sum). ``B`` must be a multiple of
-    the axis size; ``missing`` is left out when ``missing_ndim`` is None."""
+    the axis size; ``missing`` is left out when ``missing_ndim`` is None.
+
+    ``layout``: ``circuit.layout``; ``mesh``: a mesh with a ``'data'`` axis (:func:`data_mesh`); ``options``: a
+    :class:`jaxpc.Options`; ``missing_ndim``: the missing mask's axes: None (no mask), 1 (``bool[V]``, replicated)
+    or 2 (``bool[B, V]``, split with ``x``). Nothing is checked here (:func:`jaxpc.parallel.flows` checks)."""
 
     def body(tables, params, x, *rest):
         m, w, ev = _split(rest, missing_ndim)
@@ -110,7 +114,9 @@ def sharded_flows_and_ll(layout, mesh: Mesh, options: Options, missing_ndim: int
 def sharded_loss_and_grad(layout, mesh: Mesh, options: Options, missing_ndim: int | None, normalize: bool = True):
     """A pure ``f(tables, params, x, [missing,] weights, evidence=None) -> ((loss, ll), grads)``: the weighted mean
     negative log-likelihood of the (renormalized, with ``normalize``) parameters and its gradient, data-parallel
-    (per-device sums, one ``psum`` each for the loss, the weight and the gradient)."""
+    (per-device sums, one ``psum`` each for the loss, the weight and the gradient). ``layout``, ``mesh``,
+    ``options`` and ``missing_ndim`` as for :func:`sharded_flows_and_ll`; ``normalize``: as for
+    :func:`jaxpc.optim.normalized_log_prob` (default ``True``)."""
 
     def body(tables, params, x, *rest):
         m, w, ev = _split(rest, missing_ndim)

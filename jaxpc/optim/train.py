@@ -123,7 +123,10 @@ def epoch_batches(key: Array, epoch, num_samples: int, batch_size: int, *, shuff
         zeros on the padding of the last batch.
 
     ``num_samples`` must be an int >= 0 and ``batch_size`` an int >= 1 (Python or NumPy integers: they set the
-    shapes), else a ``ValueError``.
+    shapes), else a ``ValueError``. ``drop_remainder``: leave the last partial batch out (default ``False``: it is
+    padded with copies of the epoch's first row, weighing zero): ``num_samples // batch_size`` full batches and
+    ``weights`` None; the ``num_samples % batch_size`` rows left over take no part in the epoch (with fewer than
+    ``batch_size`` samples there is no batch at all).
     """
     _check_counts("epoch_batches", (("num_samples", num_samples, 0), ("batch_size", batch_size, 1)))
     n, bs = int(num_samples), int(batch_size)
@@ -332,8 +335,12 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
     if mesh is None:  # where the parameters or data were put (parameters trained over a mesh: replicated there)
         tables, placed = circuit.runtime.placed_tables(circuit.tables, batch.x, params, batch.missing)
         _check_weights_placement(weights, placed, circuit.tables)
+        devices = (jax.tree_util.tree_leaves(circuit.tables)[0].sharding if placed is None else placed).device_set
+        circuit.runtime.check_devices({"key": key}, devices, "fit: where data and params were put, else where the "
+                                      "circuit's tables are")
     else:
         sharded.check_on_mesh(mesh, batch.x, batch.missing, params, weights=weights)
+        circuit.runtime.check_devices({"key": key}, set(mesh.devices.flat), "fit: the mesh's")
         tables = circuit.runtime.replicated(circuit.tables, NamedSharding(mesh, PartitionSpec()))
     return _run_epochs(circuit, run, tables, params, opt_state, batch, ev, weights, key,
                        range(start_epoch, start_epoch + int(epochs)), progress, record)

@@ -70,14 +70,14 @@ __all__ = ["EMTransformation", "EMState", "FullBatchEMState", "em", "full_batch_
 
 
 class EMState(NamedTuple):
-    """State of :func:`em` and :func:`anemone`: the number of updates done (``int32[]``)."""
+    """State of :func:`em` and :func:`anemone`: ``count``, the number of updates done (``int32[]``)."""
 
     count: Array
 
 
 class FullBatchEMState(NamedTuple):
-    """State of :func:`full_batch_em`: updates seen (``int32[]``) and the flows accumulated since the last
-    EM update (a pytree shaped like ``params``)."""
+    """State of :func:`full_batch_em`: ``count``, the updates seen (``int32[]``), and ``flows``, the flows
+    accumulated since the last EM update (a pytree shaped like ``params``)."""
 
     count: Array
     flows: Any
@@ -85,7 +85,17 @@ class FullBatchEMState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class EMConfig:
-    """Static description of an EM transformation (hashable by identity)."""
+    """Static description of an EM transformation (hashable by identity).
+
+    Attributes:
+        kind: ``"em"`` (:func:`em`), ``"full_batch"`` (:func:`full_batch_em`) or ``"anemone"`` (:func:`anemone`).
+        step_size: a float, or a schedule ``count -> float``.
+        pseudocount: added to the counts (a float >= 0).
+        num_batches: batches accumulated per update (``"full_batch"``; 1 otherwise).
+        root: ``(group, start, num_edge_blocks)`` of the root sum vector's parameter blocks, from which
+            ``"anemone"`` reads the batch's size; None where the root is not a sum.
+        layout: the circuit's layout (a transformation belongs to one circuit structure).
+    """
 
     kind: str  # "em" | "full_batch" | "anemone"
     step_size: Any  # float or callable count -> float
@@ -179,9 +189,11 @@ def anemone_update(layout, tables, params: dict, flows: dict, eta, pseudocount, 
     """The per-node-step EM update of :func:`anemone` (pure).
 
     Args:
+        layout, tables: ``circuit.layout`` and ``circuit.tables``.
         params: normalized log-parameters; flows: their expected counts on a batch of ``num_samples``
             samples (total weight); eta: the base step size (scalar); update_sums: False keeps the sum
             parameters (flows computed with ``Options(compute_param_flows=False)``).
+        pseudocount: added to each node's counts (scalar >= 0; not checked here, see :func:`anemone`).
     """
     dtype = _dtype(params)
     eta = jnp.asarray(eta, dtype)
@@ -216,7 +228,11 @@ def anemone_update(layout, tables, params: dict, flows: dict, eta, pseudocount, 
 
 def em_apply(layout, tables, config: EMConfig, flows: dict, state, params: dict, num_samples=None,
              update_sums: bool = True):
-    """``(new_params, new_state)`` of an EM transformation (pure: ``tables`` may be traced).
+    """``(new_params, new_state)`` of an EM transformation (pure: ``tables`` may be traced): the transformation
+    described by ``config`` (:class:`EMConfig`) applied to ``params`` with ``flows`` and its ``state``
+    (:class:`EMState`, or :class:`FullBatchEMState` for ``"full_batch"``); ``layout``, ``tables``:
+    ``circuit.layout`` and ``circuit.tables``. ``num_samples``: the batch's total weight, read by ``"anemone"`` only
+    (default None: the root's flow; a ``ValueError`` where the root is not a sum node).
 
     The update reads the parameter flows, ``flows["sum"]`` and ``flows["input"]``; other entries (the node
     totals of ``Options(node_flows=True)``) are ignored, and :func:`full_batch_em` does not accumulate them.
@@ -367,7 +383,9 @@ def apply(tx, feed: dict, state, params: dict, **extra):
 
     ``tx`` is an EM transformation (``feed``: flows; the new parameters come from its ``step``, not from deltas) or
     any optax-style transformation (``feed``: gradients of a loss with respect to ``params``, so a pytree of the
-    structure of ``params``; ``params + updates``). Flows given to an optax transformation raise a ``ValueError``."""
+    structure of ``params``; ``params + updates``). Flows given to an optax transformation raise a ``ValueError``.
+    ``state``: the transformation's state (``tx.init(params)``, then what the previous call returned); ``extra``:
+    keyword arguments of ``tx``'s update (``num_samples=`` for :func:`anemone`)."""
     if isinstance(tx, EMTransformation):
         return tx.step(feed, state, params, **extra)
     _check_gradients(feed, params)

@@ -192,6 +192,15 @@ def _check_soft(circuit, soft, check_values: bool):
     return jnp.asarray(soft)
 
 
+def _check_circuit(circuit, where: str) -> None:
+    """A ``TypeError`` naming ``where`` unless ``circuit`` is a compiled circuit (e.g. its params were passed in its
+    place). Duck-typed: :mod:`jaxpc.circuit` imports this module, so this module does not import it."""
+    if not (hasattr(circuit, "runtime") and hasattr(circuit, "layout") and hasattr(circuit, "log_prob")):
+        hint = "; pass the compiled circuit (what jaxpc.compile returns), not its params" if isinstance(
+            circuit, dict) else ""
+        raise TypeError(f"{where}: circuit must be a jaxpc.Circuit, got {type(circuit).__name__}{hint}")
+
+
 def marginal(circuit, params, x=None, missing=None, *, soft_evidence=None, propagation: str | None = None,
              alpha: float | None = None, options: Options | None = None, validate: bool | str = True) -> Array:
     """``log p(evidence)`` per sample, ``[B]``.
@@ -205,7 +214,10 @@ def marginal(circuit, params, x=None, missing=None, *, soft_evidence=None, propa
     (a negative or non-finite weight raises at once); a device array's inside the executable, with no host round
     trip (its row gives NaN, and the circuit's next call raises the ``ValueError``; ``"sync"``: this one).
     ``options``: a full :class:`jaxpc.Options` (``propagation`` and ``alpha`` apply on top), as for ``log_prob``.
+    ``circuit``: a compiled :class:`jaxpc.Circuit` (anything else is a ``TypeError``); ``params``: a params pytree
+    of it.
     """
+    _check_circuit(circuit, "marginal")
     opts = Options.make(options, propagation=propagation, alpha=alpha)
     if soft_evidence is not None:
         if x is not None or missing is not None:
@@ -242,7 +254,17 @@ def conditional(circuit, params, x, missing=None, *, target_vars=None, options: 
     pass: the gradient of ``log p(evidence)`` with respect to the leaves' indicators. An observed
     target's conditional is the indicator of its observed value. ``options``: the forward's
     :class:`jaxpc.Options` (``precision``, ``impl``, ``tuning``; ``propagation`` must stay ``"LL"``).
+
+    ``circuit``: a compiled :class:`jaxpc.Circuit` (else a ``TypeError``); ``params``: a params pytree of it; ``x``
+    ``[B, V]`` and ``missing`` (``bool[B, V]`` or ``bool[V]``) as for :meth:`jaxpc.Circuit.log_prob`.
+    ``target_vars``: a 1-D sequence of variable ids (default None: every variable); empty, out of range or
+    continuous ones raise a ``ValueError``, a boolean mask a ``TypeError``. ``validate``: ``True`` (default),
+    ``"sync"`` or ``False``, as for :meth:`jaxpc.Circuit.log_prob` (see :mod:`jaxpc.runtime`): numpy evidence is
+    checked at once, a device array's values inside the executable (the circuit's next call raises; ``"sync"``: this
+    one), nothing with ``False``; a bad value raises a ``ValueError`` naming the variable, and any other
+    ``validate`` a ``ValueError``.
     """
+    _check_circuit(circuit, "conditional")
     rt = circuit.runtime
     replay = None
     targets_key = _targets_key(target_vars)
@@ -321,7 +343,17 @@ def sample(circuit, params, key: Array, num_samples: int | None = None, *, x=Non
     leaf reads keeps its entry of ``x`` (0 without ``x``). Where the evidence of a row has probability 0, its
     missing entries read -1 (NaN when the samples are floats). ``options``: the
     forward's :class:`jaxpc.Options` (``precision``, ``impl``, ``tuning``; ``propagation`` must stay ``"LL"``).
+
+    ``circuit``: a compiled :class:`jaxpc.Circuit` (else a ``TypeError``); ``params``: a params pytree of it;
+    ``key``: one PRNG key (``jax.random.key(0)``, or a raw ``uint32[2]``; anything else is a ``TypeError``).
+    ``num_samples``: without ``x``, the number of unconditional samples (a positive int, else a ``ValueError``;
+    required); with ``x``, None or ``x``'s number of rows (one sample per row). ``missing`` without ``x`` is a
+    ``ValueError``. ``validate``: ``True`` (default), ``"sync"`` or ``False``, as for :meth:`jaxpc.Circuit.log_prob`
+    (see :mod:`jaxpc.runtime`): numpy evidence is checked at once, a device array's values inside the executable
+    (the circuit's next call raises; ``"sync"``: this one), nothing with ``False``; a bad value raises a
+    ``ValueError`` naming the variable, and any other ``validate`` a ``ValueError``.
     """
+    _check_circuit(circuit, "sample")
     checks.check_key(key)
     replay = _replay_query(circuit, "sample", x, missing, num_samples, options, validate, params=params, key=key)
     if replay[1] is not None:
@@ -348,7 +380,18 @@ def mpe(circuit, params, x=None, missing=None, *, num_samples: int | None = None
     the unconditional decoding; with it, one row per row of ``x``. ``options``: the forward's
     :class:`jaxpc.Options` (``precision``, ``impl``, ``tuning``); its ``propagation`` is ``"MPE"`` whatever
     it says, except ``"GeneralLL"``, which raises.
+
+    ``circuit``: a compiled :class:`jaxpc.Circuit` (else a ``TypeError``); ``params``: a params pytree of it; ``x``
+    ``[B, V]`` and ``missing`` (``bool[B, V]`` or ``bool[V]``, True: decoded; default None: with ``x``, nothing
+    decoded) as for :meth:`jaxpc.Circuit.log_prob`; ``missing`` without ``x`` is a ``ValueError``. ``num_samples``:
+    without ``x``, the rows of the unconditional decoding (default None: 1; a positive int, else a ``ValueError``);
+    with ``x``, None or ``x``'s number of rows (else a ``ValueError``). ``validate``: ``True`` (default), ``"sync"``
+    or ``False``, as for :meth:`jaxpc.Circuit.log_prob` (see :mod:`jaxpc.runtime`): numpy evidence is checked at
+    once, a device array's values inside the executable (the circuit's next call raises; ``"sync"``: this one),
+    nothing with ``False``; a bad value raises a ``ValueError`` naming the variable, and any other ``validate`` a
+    ``ValueError``.
     """
+    _check_circuit(circuit, "mpe")
     num_samples = 1 if x is None and num_samples is None else num_samples
     replay = _replay_query(circuit, "mpe", x, missing, num_samples, options, validate, params=params)
     if replay[1] is not None:

@@ -76,7 +76,12 @@ def _row_entropy_exe(shape: tuple, num_bins: int, rows: int, cols: int, backend:
 def mutual_information(x, num_bins: int = 32, sigma: float = 0.5 / 32, chunk_size: int = 64) -> np.ndarray:
     """Soft-binned pairwise mutual information ``[V, V]`` of data ``x`` ``[N, V]`` (values are scaled to
     ``[0, 1]`` by the global min and max first), computed with JAX on the default device. ``x`` must hold numbers
-    (else a ``TypeError``)."""
+    (else a ``TypeError``), finite (else a ``ValueError`` naming the entry), in two axes.
+
+    ``num_bins``: soft bins evenly spaced over ``[0, 1]`` (default 32; an int >= 2, else a ``ValueError``).
+    ``sigma``: the width of each value's Gaussian spread over the bins, in the scaled units (default ``0.5 / 32``;
+    a positive finite float, else a ``ValueError``). ``chunk_size``: variables per block of the pairwise pass (default
+    64, at most ``V`` used; a positive int, else a ``ValueError``): it trades memory for fewer calls."""
     x = np.asarray(x)
     check_numbers("mutual_information", "x", x)
     x = x.astype(np.float32)

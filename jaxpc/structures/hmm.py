@@ -49,7 +49,22 @@ def HMM(seq_length: int, num_latents: int, num_emits: int, homogeneous: bool = T
 def GeneralizedHMM(seq_length: int, num_latents: int, input_dist: distributions.Distribution, homogeneous: bool = True,
                    block_size: int | None = None, alpha=None, beta=None, gamma=None) -> SumNodes:
     """An HMM whose emissions are any distribution of :mod:`jaxpc.distributions` (``beta``: its natural
-    parameters for ``num_latents`` nodes, e.g. ``{"mu": [L], "sigma": [L]}`` for a Gaussian)."""
+    parameters for ``num_latents`` nodes, e.g. ``{"mu": [L], "sigma": [L]}`` for a Gaussian).
+
+    Args:
+        seq_length: number of steps (variables ``0 .. seq_length - 1``), a positive int (else a ``ValueError``).
+        num_latents: hidden states ``L``, a positive int.
+        input_dist: the emission distribution of every step (a :class:`jaxpc.distributions.Distribution`, else a
+            ``TypeError``).
+        homogeneous: as for :func:`HMM`: tie transitions and emissions across steps (default ``True``).
+        block_size: as for :func:`HMM` (default: the largest power of two dividing ``num_latents``, at most
+            1024); it must divide ``num_latents`` (else a ``ValueError``).
+        alpha: as for :func:`HMM`: optional ``[L, L]`` transition probabilities (rows renormalized; another shape
+            is a ``ValueError``).
+        beta: optional natural parameters of ``input_dist`` for ``L`` nodes (checked by the distribution).
+        gamma: as for :func:`HMM`: optional ``[L]`` initial probabilities (renormalized; another shape is a
+            ``ValueError``).
+    """
     seq_length = check_int("HMM", "seq_length", seq_length)
     bs, nb = check_latents("HMM", num_latents, block_size, 1024)
     L = num_latents = int(num_latents)
