@@ -420,6 +420,31 @@ class DeviceCheck:
 
 # ---- soft evidence ------------------------------------------------------------------------------
 
+def check_soft_evidence(var_info, soft, where: str):
+    """Soft evidence's shape and dtype, the rules of every entry point that takes it: ``[B, V, K]`` float weights,
+    ``B >= 1``, ``K`` at least the most values a variable takes, every variable discrete (``var_info``: the
+    circuit's :class:`VarInfo`). Returns it as an array of its own kind (numpy stays numpy, tracers stay tracers); a
+    ``ValueError`` (``TypeError`` for a dtype) naming ``where`` otherwise. Its values are checked apart
+    (:func:`raise_bad_soft` on the host, :func:`any_bad_soft` on the device)."""
+    if not var_info.all_discrete:
+        raise ValueError(f"{where}: soft_evidence needs every variable to be discrete; this circuit has continuous "
+                         f"variables {np.nonzero(var_info.continuous)[0][:6].tolist()}")
+    if not isinstance(soft, (jax.Array, np.ndarray)):  # (tracers are jax.Arrays)
+        soft = np.asarray(soft)
+    V = len(var_info.card)
+    if soft.ndim != 3 or soft.shape[1] != V:
+        raise ValueError(f"{where}: soft_evidence must have shape [batch, {V}, num_values], got {tuple(soft.shape)}")
+    if soft.shape[0] == 0:
+        raise ValueError(f"{where}: soft_evidence has an empty batch (shape {tuple(soft.shape)})")
+    K = int(var_info.card.max())
+    if soft.shape[2] < K:
+        raise ValueError(f"{where}: soft_evidence has {soft.shape[2]} values per variable, but variable "
+                         f"{int(np.argmax(var_info.card))} takes {K}")
+    if not jnp.issubdtype(soft.dtype, jnp.floating):
+        raise TypeError(f"{where}: soft_evidence must hold float weights, got dtype {soft.dtype}")
+    return soft
+
+
 def bad_soft_rows(q):
     """``bool[B]``: the rows of soft evidence ``q`` ``[B, V, K]`` with a weight that is negative or not finite."""
     return jnp.any(~jnp.isfinite(q) | (q < 0), axis=(1, 2))

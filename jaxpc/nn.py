@@ -148,16 +148,7 @@ class CircuitModule(nnx.Module):
         if soft_evidence is not None:
             if x is not None or missing is not None:
                 raise ValueError("CircuitModule: give either x (with missing) or soft_evidence, not both")
-            q = soft_evidence if isinstance(soft_evidence, (jax.Array, np.ndarray)) else np.asarray(soft_evidence)
-            if q.ndim != 3 or q.shape[1] != c.num_vars or q.shape[0] == 0:
-                raise ValueError(f"CircuitModule: soft_evidence must have shape [batch, {c.num_vars}, num_values] "
-                                 f"with a batch, got {tuple(q.shape)}")
-            if not c.runtime.var_info.all_discrete:
-                raise ValueError("CircuitModule: soft_evidence needs every variable to be discrete")
-            K = int(c.runtime.var_info.card.max())
-            if q.shape[2] < K:
-                raise ValueError(f"CircuitModule: soft_evidence has {q.shape[2]} values per variable, but some "
-                                 f"variable takes {K}")
+            q = checks.check_soft_evidence(c.runtime.var_info, soft_evidence, "CircuitModule")
             if isinstance(q, np.ndarray):
                 checks.raise_bad_soft(q, "CircuitModule", "checked on the host")
             qj = jnp.asarray(q).astype(c.dtype)

@@ -118,6 +118,14 @@ def test_module_rejects_bad_inputs(circuit):
         CircuitModule(circuit, params={"sum": {}})
     with pytest.raises(ValueError, match="soft_evidence must have shape"):
         m(soft_evidence=jnp.ones((2, 3, 3)))
+    # the rules of circuit.marginal's soft evidence, named by the module
+    for bad, err, msg in ((jnp.ones((0, 2, 3)), ValueError, r"CircuitModule: soft_evidence has an empty batch"),
+                          (jnp.ones((4, 2, 2)), ValueError, r"CircuitModule: soft_evidence has 2 values per variable"),
+                          (jnp.ones((4, 2, 3), jnp.int32), TypeError, r"CircuitModule: .*got dtype int32")):
+        with pytest.raises(err, match=msg):
+            m(soft_evidence=bad)
+        with pytest.raises(err, match=msg.replace("CircuitModule", "circuit.marginal")):
+            circuit.marginal(circuit.params, soft_evidence=bad)
     with pytest.raises(ValueError, match="not both"):
         m(X, soft_evidence=jnp.ones((9, 2, 3)))
     with pytest.raises(ValueError, match="needs x"):

@@ -166,25 +166,10 @@ def _no_evidence(circuit, n: int, dtype):
 
 
 def _check_soft(circuit, soft, check_values: bool):
-    """Soft evidence's shape and dtype; the values of host (numpy) soft evidence with ``check_values`` (a device
-    array's are checked by the executable: no host round trip). Returns it as an array of its own dtype."""
-    info = circuit.runtime.var_info
-    if not info.all_discrete:
-        raise ValueError("soft_evidence needs every variable to be discrete; this circuit has continuous variables "
-                         f"{np.nonzero(info.continuous)[0][:6].tolist()}")
-    if not isinstance(soft, (jax.Array, np.ndarray)):  # (tracers are jax.Arrays)
-        soft = np.asarray(soft)
-    if soft.ndim != 3 or soft.shape[1] != circuit.num_vars:
-        raise ValueError(f"soft_evidence must have shape [batch, {circuit.num_vars}, num_values], "
-                         f"got {tuple(soft.shape)}")
-    if soft.shape[0] == 0:
-        raise ValueError(f"soft_evidence has an empty batch (shape {tuple(soft.shape)})")
-    K = int(info.card.max())
-    if soft.shape[2] < K:
-        raise ValueError(f"soft_evidence has {soft.shape[2]} values per variable, but variable "
-                         f"{int(np.argmax(info.card))} takes {K}")
-    if not jnp.issubdtype(soft.dtype, jnp.floating):
-        raise TypeError(f"soft_evidence must hold float weights, got dtype {soft.dtype}")
+    """Soft evidence's shape and dtype (:func:`jaxpc.checks.check_soft_evidence`); the values of host (numpy) soft
+    evidence with ``check_values`` (a device array's are checked by the executable: no host round trip). Returns it
+    as an array of its own dtype."""
+    soft = checks.check_soft_evidence(circuit.runtime.var_info, soft, "circuit.marginal")
     if not isinstance(soft, np.ndarray):
         return soft
     if check_values:
