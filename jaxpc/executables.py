@@ -942,6 +942,15 @@ def _digest(h, obj, depth: int = 0) -> None:
         _digest_object(h, obj, d)
 
 
+def _single_device(sharding) -> bool:
+    """Whether ``sharding`` is JAX's single-device sharding: ``jax.sharding.is_single_device_sharding`` where JAX
+    has it (0.12, which deprecates the class), else the class by name (0.11, which lacks the function)."""
+    test = getattr(jax.sharding, "is_single_device_sharding", None)
+    if test is not None:
+        return bool(test(sharding))
+    return type(sharding).__name__ == "SingleDeviceSharding"
+
+
 def _digest_object(h, obj, d: int) -> None:
     """:func:`_digest` of what is not a scalar, an array or a container: code by its qualified name, jaxpc's
     objects by their state."""
@@ -960,7 +969,7 @@ def _digest_object(h, obj, d: int) -> None:
         h.update(str(obj).encode())
     elif isinstance(obj, _HashedSig):
         _digest(h, obj.sig, d)
-    elif isinstance(obj, jax.sharding.Sharding) and jax.sharding.is_single_device_sharding(obj):
+    elif isinstance(obj, jax.sharding.Sharding) and _single_device(obj):
         dev = next(iter(obj.device_set))
         h.update(f"{dev.platform}:{dev.id}".encode())
     elif isinstance(obj, jax.sharding.Sharding):
