@@ -325,3 +325,10 @@ def reduce_missing(logp: Array, options, axis: int = -1) -> Array:
 
 def blend(old: Array, new: Array, step_size) -> Array:
     return (1.0 - step_size) * old + step_size * new
+
+
+def has_mass(total: Array) -> Array:
+    """Where a node's ``total`` (flows and pseudocount) moves its parameters: ``total > 0``, and NaN. Only a total of
+    exactly 0 means "no mass" (the node is uniform, or keeps its parameters); a NaN in the flows makes NaN parameters,
+    which the parameter checks report, never a silent keep."""
+    return ~(total <= 0)

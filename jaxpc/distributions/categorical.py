@@ -14,7 +14,7 @@ from jax import lax
 
 from ..ops.logspace import segment_logsumexp
 from ..ops.pieces import in_order, ranges
-from .base import Distribution, blend, float_field, reduce_missing, segment_sum
+from .base import Distribution, blend, float_field, has_mass, reduce_missing, segment_sum
 
 
 def _check_probs(probs: np.ndarray, num_nodes: int, num_cats: int, where: str, allowed: np.ndarray | None = None):
@@ -204,7 +204,7 @@ class Categorical(Distribution):
             counts = jnp.where(mask, counts, 0.0)
         tot = jnp.sum(counts, axis=1, keepdims=True) + pseudocount
         old = jnp.exp(p["log_probs"])
-        mass = ~(tot <= 0)  # only a total of 0 keeps the row: NaN statistics give NaN parameters, never a keep
+        mass = has_mass(tot)
         new = jnp.where(mass, (counts + pc) / jnp.where(mass, tot, 1.0), old)
         return {"log_probs": jnp.log(blend(old, new, step_size))}
 

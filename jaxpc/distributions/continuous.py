@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .base import Distribution, blend, reduce_missing, segment_sum
+from .base import Distribution, blend, has_mass, reduce_missing, segment_sum
 
 _LOG_2PI = math.log(2.0 * math.pi)
 _SIGMA_RTOL = 1e-5  # how far below Gaussian.min_sigma a given sigma may sit: float32 rounding of exp(log_scale)
@@ -55,7 +55,7 @@ def _moment_update(mu, var, stats, pseudocount, min_std):
     the second moment about the current mean less the squared shift of the mean,
     ``(m2 + c var) / (s0 + c) - (mu' - mu)^2`` (``= E[x^2] - mu'^2``)."""
     s0 = stats["s0"] + pseudocount
-    ok = ~(s0 <= 0)  # only a total of 0 keeps the node: NaN statistics give NaN parameters, never a keep
+    ok = has_mass(s0)
     safe = jnp.where(ok, s0, 1.0)
     new_mu = (stats["s1"] + pseudocount * mu) / safe
     shift = new_mu - mu

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from ..compiler.layout import Layout
-from ..distributions.base import blend, parent_totals
+from ..distributions.base import blend, has_mass, parent_totals
 from ..ops.rows import take_rows
 from . import forward, logflows, routing
 
@@ -185,13 +185,6 @@ def normalized_with_totals(layout: Layout, tables: dict, sum_counts: dict, pseud
         out[g.key] = jnp.where(mass, counts / jnp.where(mass, tot_e, 1.0), uniform)
         totals[g.key] = tot
     return out, totals
-
-
-def has_mass(total: Array) -> Array:
-    """Where a node's ``total`` (flows and pseudocount) moves its parameters: ``total > 0``, and NaN. Only a total of
-    exactly 0 means "no mass" (the node is uniform, or keeps its parameters); a NaN in the flows makes NaN parameters,
-    which the parameter checks report, never a silent keep."""
-    return ~(total <= 0)
 
 
 def em_update(layout: Layout, tables: dict, params: dict, flows: dict, step_size, pseudocount,
