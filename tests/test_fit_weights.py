@@ -55,8 +55,8 @@ def test_fit_names_bad_weights():
         optim.fit(circuit, p, data, 1, 10, ll_weights=jnp.zeros(30), progress=False)
     if len(jax.devices()) >= 2:
         elsewhere = jax.device_put(jnp.asarray(w, jnp.float32), jax.devices()[1])
-        with pytest.raises(ValueError, match=r"fit: ll_weights are committed to devices \[1\], but fit runs on "
-                                             r"devices \[0\]"):
+        with pytest.raises(ValueError, match=r"ll_weights is committed to devices \[1\], but the call runs on "
+                                             r"devices \[0\] \(fit: "):
             optim.fit(circuit, p, data, 1, 10, ll_weights=elsewhere, progress=False)
         key = jax.device_put(jax.random.key(0), jax.devices()[1])
         with pytest.raises(ValueError, match=r"key is committed to devices \[1\], but the call runs on devices \[0\] "

@@ -334,10 +334,9 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
                            missing_ndim=None if batch.missing is None else batch.missing.ndim, check=check)
     if mesh is None:  # where the parameters or data were put (parameters trained over a mesh: replicated there)
         tables, placed = circuit.runtime.placed_tables(circuit.tables, batch.x, params, batch.missing)
-        _check_weights_placement(weights, placed, circuit.tables)
         devices = (jax.tree_util.tree_leaves(circuit.tables)[0].sharding if placed is None else placed).device_set
-        circuit.runtime.check_devices({"key": key}, devices, "fit: where data and params were put, else where the "
-                                      "circuit's tables are")
+        circuit.runtime.check_devices({"ll_weights": weights, "key": key}, devices,
+                                      "fit: where data and params were put, else where the circuit's tables are")
     else:
         sharded.check_on_mesh(mesh, batch.x, batch.missing, params, weights=weights)
         circuit.runtime.check_devices({"key": key}, set(mesh.devices.flat), "fit: the mesh's")
@@ -397,18 +396,6 @@ def _explain_fit_weights(w: Array) -> None:
         host = np.asarray(w)
     _raise_bad_fit_weights(host, " (checked on the device after the first epoch: fit's result is not valid)")
     raise ValueError("fit: ll_weights held a value that the device check rejected; the host check found none")
-
-
-def _check_weights_placement(weights, placed, tables) -> None:
-    """Raise a ``ValueError`` where device ``weights`` were committed to devices other than those where ``fit``
-    runs (``placed``: the sharding of :meth:`jaxpc.runtime.Runtime.placed_tables`, None: the tables' devices)."""
-    if weights is None or not getattr(weights, "committed", False) or isinstance(weights, jax.core.Tracer):
-        return
-    want = (jax.tree_util.tree_leaves(tables)[0].sharding if placed is None else placed).device_set
-    if weights.sharding.device_set != want:
-        raise ValueError(f"fit: ll_weights are committed to devices {sorted(d.id for d in weights.sharding.device_set)}"
-                         f", but fit runs on devices {sorted(d.id for d in want)} (where data and params are): pass "
-                         "them uncommitted (numpy, jnp.asarray) or jax.device_put them there")
 
 
 def _run_epochs(circuit, run, tables, params, opt_state, batch, ev, weights, key, epochs, progress: bool,
