@@ -10,7 +10,8 @@
 3. A candidate replaces the heuristic only when it is at least ``margin`` (10%) faster.
 
 Results are cached in the process and, with ``cache_path``, in a JSON file, keyed by the
-environment (GPU name, driver / platform version, jax and jaxlib versions) and the shape key.
+environment (GPU name, driver / platform version, jax and jaxlib versions), the shape key and the
+configurations (the heuristic and the candidates, by their ``repr``).
 
 :func:`tune_circuit` applies it to every sum partition of a compiled circuit (``impl="auto"``'s choice
 against the XLA path and the Pallas kernels in a few configurations), then to the whole step (the default
@@ -20,7 +21,10 @@ partition to its winner; the choice is part of the executable key.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
+import numbers
 import os
 import statistics
 import threading
@@ -48,6 +52,10 @@ def environment_key() -> str:
     return f"{dev.device_kind}|{platform_version}|jax {jax.__version__}|jaxlib {jaxlib.__version__}"
 
 
+def _is_real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and not math.isnan(v)
+
+
 def _wall_timer(fn: Callable[[], Any]) -> float:
     t = time.perf_counter()
     jax.block_until_ready(fn())
@@ -59,16 +67,18 @@ class Autotuner:
 
     Args:
         timer: ``timer(fn) -> seconds`` times one call of ``fn`` (injectable; default: wall-clock time of the call
-            until its outputs are ready).
+            until its outputs are ready); not callable: a ``TypeError``.
         cache_path: optional JSON file (``~`` expanded) that keeps the choices across processes; default None: the
             process cache only.
         env_key: the environment part of every cache key (default None: :func:`environment_key`, the device kind,
-            platform version and jax / jaxlib versions); a choice is reused only under the same ``env_key``.
-        margin: how much faster (a fraction) a candidate must be to replace the heuristic; in [0, 1) (default
-            0.10), else a ``ValueError``.
-        drop_factor: candidates slower than ``drop_factor`` times the fastest first timing are dropped; >= 1
-            (default 2), else a ``ValueError``.
-        full_reps: timed runs of each surviving candidate (median); >= 1 (default 10), else a ``ValueError``.
+            platform version and jax / jaxlib versions); a choice is reused only under the same ``env_key``, for the
+            same shape key and configurations.
+        margin: how much faster (a fraction) a candidate must be to replace the heuristic; a float in [0, 1)
+            (default 0.10), else a ``ValueError``.
+        drop_factor: candidates slower than ``drop_factor`` times the fastest first timing are dropped; a float
+            >= 1 (default 2), else a ``ValueError``.
+        full_reps: timed runs of each surviving candidate (median); an int >= 1 (default 10), else a
+            ``ValueError``.
         workers: candidates warmed up (compiled) at a time in threads; a positive int (default None:
             ``min(8, os.cpu_count())``), else a ``ValueError``.
     """
@@ -79,12 +89,14 @@ class Autotuner:
     def __init__(self, timer: Callable[[Callable[[], Any]], float] | None = None, cache_path: str | None = None,
                  env_key: str | None = None, margin: float = 0.10, drop_factor: float = 2.0, full_reps: int = 10,
                  workers: int | None = None):
-        if not 0 <= margin < 1:
-            raise ValueError(f"margin must be in [0, 1), got {margin!r}")
-        if drop_factor < 1:
-            raise ValueError(f"drop_factor must be >= 1, got {drop_factor!r}")
-        if full_reps < 1:
-            raise ValueError(f"full_reps must be >= 1, got {full_reps!r}")
+        if not _is_real(margin) or not 0 <= margin < 1:
+            raise ValueError(f"margin must be a float in [0, 1), got {margin!r}")
+        if not _is_real(drop_factor) or not drop_factor >= 1:
+            raise ValueError(f"drop_factor must be a float >= 1, got {drop_factor!r}")
+        if isinstance(full_reps, bool) or not isinstance(full_reps, numbers.Integral) or full_reps < 1:
+            raise ValueError(f"full_reps must be an int >= 1, got {full_reps!r}")
+        if timer is not None and not callable(timer):
+            raise TypeError(f"timer must be a function timer(fn) -> seconds, got {type(timer).__name__}")
         workers = min(8, os.cpu_count() or 1) if workers is None else workers
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be a positive int, got {workers!r}")
@@ -92,20 +104,25 @@ class Autotuner:
         self.timer = timer or _wall_timer
         self.cache_path = None if cache_path is None else Path(os.path.expanduser(cache_path))
         self.env_key = env_key if env_key is not None else environment_key()
-        self.margin, self.drop_factor, self.full_reps = margin, drop_factor, full_reps
+        self.margin, self.drop_factor, self.full_reps = float(margin), float(drop_factor), int(full_reps)
         self.last_timings: dict = {}
 
     # ---- caches -------------------------------------------------------------------------------
-    def _key(self, shape_key: Hashable) -> str:
-        return f"{self.env_key}||{shape_key!r}"
+    def _key(self, shape_key: Hashable, configs: Sequence) -> str:
+        """The cache key of a choice among ``configs`` (by their ``repr``): a choice is an index into them, reused
+        only for the same configurations in the same order."""
+        digest = hashlib.sha256(repr(tuple(configs)).encode()).hexdigest()[:16]
+        return f"{self.env_key}||{shape_key!r}||{digest}"
 
     def _disk(self) -> dict:
-        if self.cache_path is None or not self.cache_path.exists():
+        """The disk cache's choices; an unreadable or damaged file holds none."""
+        if self.cache_path is None or not self.cache_path.is_file():
             return {}
         try:
-            return json.loads(self.cache_path.read_text())
-        except (OSError, json.JSONDecodeError):
+            data = json.loads(self.cache_path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
             return {}
+        return data if isinstance(data, dict) else {}
 
     def _store(self, key: str, index: int) -> None:
         with self._lock:
@@ -119,21 +136,28 @@ class Autotuner:
                 tmp.replace(self.cache_path)
 
     def lookup(self, shape_key: Hashable, configs: Sequence) -> Any | None:
-        key = self._key(shape_key)
+        """The configuration chosen earlier for ``shape_key`` among ``configs`` (the heuristic first, then the
+        candidates, as :meth:`tune` lists them), from the process cache or the disk cache; None where there is
+        none."""
+        key = self._key(shape_key, configs)
         with self._lock:
             idx = Autotuner._process_cache.get(key)
         if idx is None:
             idx = self._disk().get(key)
-            if idx is not None:
-                with self._lock:
-                    Autotuner._process_cache[key] = idx
-        return None if idx is None or idx >= len(configs) else configs[idx]
+            if not (isinstance(idx, int) and not isinstance(idx, bool) and 0 <= idx < len(configs)):
+                return None
+            with self._lock:
+                Autotuner._process_cache[key] = idx
+        return configs[idx]
 
     # ---- tuning -------------------------------------------------------------------------------
     def tune(self, shape_key: Hashable, heuristic: Any, candidates: Sequence, run: Callable[[Any], Callable[[], Any]]):
         """The chosen configuration for ``shape_key``. ``run(config)`` returns a zero-argument callable
         executing the operation once with that configuration."""
-        configs = [heuristic] + [c for c in candidates if c != heuristic]
+        configs = [heuristic]
+        for c in candidates:
+            if c not in configs:
+                configs.append(c)
         cached = self.lookup(shape_key, configs)
         if cached is not None:
             return cached
@@ -161,7 +185,7 @@ class Autotuner:
         challenger = min((i for i in full if i != 0), key=lambda i: full[i], default=None)
         if challenger is not None and full[challenger] <= (1.0 - self.margin) * full[0]:
             winner = challenger
-        self._store(self._key(shape_key), winner)
+        self._store(self._key(shape_key, configs), winner)
         return configs[winner]
 
 
@@ -186,24 +210,32 @@ def tune_circuit(circuit, params, x, *, precision: str = "default", candidates: 
     only when that step is ``tuner.margin`` faster than with the default options, which are returned
     otherwise (``Options(precision=precision, fold_products=fold_products)``). Both decisions are cached.
     ``precision``: the returned options' (default ``"default"``, the calls' own default: tuning changes routes,
-    never the arithmetic). ``params``: the parameters the timed calls run on (a params pytree of ``circuit``);
-    ``x``: a batch ``[B, V]`` (checked as :meth:`jaxpc.Circuit.log_prob` checks it), repeated to its bucket;
-    ``tuner``: the :class:`Autotuner` (default None: a new one with its defaults)."""
+    never the arithmetic). ``params``: the parameters the timed calls run on (a params pytree of ``circuit``,
+    else a ``ValueError``); ``x``: a batch ``[B, V]`` (checked as :meth:`jaxpc.Circuit.log_prob` checks it),
+    repeated to its bucket; ``tuner``: the :class:`Autotuner` (default None: a new one with its defaults).
+    A ``circuit`` that is no :class:`jaxpc.Circuit` or a ``tuner`` that is no :class:`Autotuner` is a
+    ``TypeError``, a malformed candidate a ``ValueError``, raised before anything is timed."""
+    from . import checks
+    from .circuit import Circuit
     from .options import Options
 
+    if not isinstance(circuit, Circuit):
+        raise TypeError(f"tune_circuit: circuit must be a jaxpc.Circuit, got {type(circuit).__name__}")
+    if tuner is not None and not isinstance(tuner, Autotuner):
+        raise TypeError(f"tune_circuit: tuner must be a jaxpc.autotune.Autotuner or None, got {type(tuner).__name__}")
+    default = Options(precision=precision, fold_products=fold_products)  # (checks both)
     tuner = tuner or Autotuner()
-    cands = DEFAULT_CANDIDATES if candidates is None else tuple(candidates)
+    cands = DEFAULT_CANDIDATES if candidates is None else _checked_candidates(candidates)
+    checks.check_params(circuit.runtime.params_spec, params)
     batch = circuit.runtime.prepare(x, None, True)
     xj = batch.x
     B = circuit.runtime.bucket(batch.n)
     xb = jnp.concatenate([xj] * (-(-B // xj.shape[0])))[:B]
     from .engine import routing
 
-    fold = routing.buffer_plan(circuit.layout, Options(precision=precision, fold_products=fold_products),
-                               B) is not circuit.layout
+    fold = routing.buffer_plan(circuit.layout, default, B) is not circuit.layout
     choices, heuristics = _tune_partitions(circuit, params, xb, fold=fold, precision=precision, candidates=cands,
                                            tuner=tuner)
-    default = Options(precision=precision, fold_products=fold_products)
     kernels = tuple(sorted((sig, ch) for sig, ch in choices.items() if ch != heuristics[sig]))
     if not kernels:
         return default
@@ -212,8 +244,28 @@ def tune_circuit(circuit, params, x, *, precision: str = "default", candidates: 
     def whole(opts):
         return lambda: circuit.flows(params, xb, options=opts, validate=False)
 
-    return tuner.tune(("plan", precision, fold, B, tuple(sorted(heuristics.items())), kernels), default, [tuned],
-                      whole)
+    # (the keys hold the precision the calls resolve to: "default" follows JAX's matmul setting)
+    return tuner.tune(("plan", default.concrete_precision, fold, B, tuple(sorted(heuristics.items())), kernels),
+                      default, [tuned], whole)
+
+
+def _checked_candidates(candidates) -> tuple:
+    """``tune_circuit``'s ``candidates`` as a tuple of routes ``(impl, block_b, block_k, num_warps)``, ``impl``
+    ``"pallas"`` or ``"pallas_forward"`` and positive ints (or ``("xla",)``); else a ``ValueError`` naming the
+    first bad one, before anything is timed."""
+    if isinstance(candidates, (str, bytes)) or not isinstance(candidates, Sequence):
+        raise TypeError(f"tune_circuit: candidates must be a sequence of (impl, block_b, block_k, num_warps) "
+                        f"tuples, got {type(candidates).__name__}")
+    out = []
+    for c in candidates:
+        ok = isinstance(c, tuple) and (c == ("xla",) or (
+            len(c) == 4 and isinstance(c[0], str) and c[0] in ("pallas", "pallas_forward")
+            and all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v > 0 for v in c[1:])))
+        if not ok:
+            raise ValueError(f"tune_circuit: candidate {c!r} is not (impl, block_b, block_k, num_warps) with impl "
+                             f"'pallas' or 'pallas_forward' and positive ints, nor ('xla',)")
+        out.append(c[:1] + tuple(int(v) for v in c[1:]))
+    return tuple(out)
 
 
 def _sum_partitions(plan, tables):
@@ -258,7 +310,8 @@ def _tune_partitions(circuit, params, xb, *, fold: bool, precision: str, candida
                                 first_row=2 * plan.kmax)
         heuristic = _auto_choice(routing.auto_impl(part, values.dtype, B))
         heuristics[sig] = heuristic
-        choices[sig] = tuner.tune(("sum", sig, precision, heuristic), heuristic, (("xla",),) + candidates, run)
+        choices[sig] = tuner.tune(("sum", sig, ref.concrete_precision, heuristic), heuristic,
+                                  (("xla",),) + candidates, run)
     return choices, heuristics
 
 

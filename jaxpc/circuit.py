@@ -264,8 +264,10 @@ class Circuit:
         (``Tuning.unroll_optimized``) are traced here first, on this thread, where the key's second call has not
         done it yet. True when none is left; False when ``timeout`` seconds passed first. Benchmarks call it
         before timing; training loops need not."""
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or timeout < 0):
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)):
             raise TypeError(f"wait_compiled: timeout must be None or seconds >= 0, got {timeout!r}")
+        if timeout is not None and not timeout >= 0:
+            raise ValueError(f"wait_compiled: timeout must be None or seconds >= 0, got {timeout!r}")
         return self.runtime.cache.wait_upgrades(timeout)
 
     def compiled(self, entry: str = "flows"):
@@ -323,7 +325,11 @@ class Circuit:
         outputs of the call that took it are not valid (NaN, or wrong for an out-of-range id). Tracers (the evidence
         inside a user's ``jax.jit`` or ``jax.grad``) are not checked: nothing can raise from a trace.
         """
-        return self._check_evidence(evidence, batch)[0]
+        if isinstance(batch, bool) or not isinstance(batch, numbers.Integral):
+            raise TypeError(f"check_evidence: batch must be an int >= 0, got {batch!r}")
+        if batch < 0:
+            raise ValueError(f"check_evidence: batch must be an int >= 0, got {batch!r}")
+        return self._check_evidence(evidence, int(batch))[0]
 
     def prepare_evidence(self, evidence: dict | None, batch, where: str) -> tuple:
         """``(checked, record)``: the evidence :meth:`check_evidence` returns for a call on ``batch``
@@ -558,6 +564,7 @@ class Circuit:
         With device-resident inputs a step makes no host transfer but its input check's one-byte flag (none with
         ``validate=False``); rows with bad values take no part in the update.
         """
+        keep_zero_params = _check_bool(keep_zero_params, "keep_zero_params", "em_step")
         rt = self.runtime
         step, pseudo = rt.em_scalars(step_size, pseudocount)
         replay = None
@@ -576,7 +583,7 @@ class Circuit:
             raise ValueError("rescale='tdp' uses the model's own top-down probabilities: it takes no evidence")
         w = self.runtime.weights(ll_weights, batch.n, nonnegative=True)
         record_w = self.runtime.weights_check(ll_weights, w, batch, True, "circuit.em_step")
-        new, ll = rt.run("em_step", {"keep_zero_params": bool(keep_zero_params), "rescale": rescale},
+        new, ll = rt.run("em_step", {"keep_zero_params": keep_zero_params, "rescale": rescale},
                          {"tables": self.tables, "params": params, "step_size": step, "pseudocount": pseudo,
                           "evidence": ev}, batch,
                          options=opts, batched={"evidence": 0}, weights=w, replay=replay,
@@ -604,8 +611,10 @@ class Circuit:
         Sum nodes whose flows (plus pseudocount) are all zero keep their parameters.
         """
         check_em_args(step_size, pseudocount)
+        update_sums = _check_bool(update_sums, "update_sums", "em_update")
+        keep_zero_params = _check_bool(keep_zero_params, "keep_zero_params", "em_update")
         rt = self.runtime
-        return rt.run("em_update", {"update_sums": bool(update_sums), "keep_zero_params": bool(keep_zero_params)},
+        return rt.run("em_update", {"update_sums": update_sums, "keep_zero_params": keep_zero_params},
                       {"tables": self.tables, "params": params, "flows": flows,
                        "step_size": rt.scalar(step_size), "pseudocount": rt.scalar(pseudocount)})
 
@@ -713,6 +722,17 @@ class Circuit:
     def __str__(self) -> str:
         return self.summary()
 
+    def __reduce_ex__(self, protocol):
+        raise TypeError("jaxpc.Circuit cannot be pickled or deep-copied (it holds compiled executables and device "
+                        "tables): save its structure with jaxpc.io.save_structure(circuit, path) and its parameters "
+                        "with jaxpc.io.save_params, then jaxpc.compile(jaxpc.io.load_structure(path))")
+
+    def __copy__(self) -> Circuit:
+        """A shallow copy, sharing this circuit's executables and tables."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
     def __repr__(self) -> str:
         scans = sum(1 for s in self.layout.steps if isinstance(s, ScanSpec))
         return (f"Circuit(num_vars={self.num_vars}, num_nodes={self.num_nodes}, num_edges={self.num_edges}, "
@@ -796,6 +816,13 @@ def _node_arg(node, who: str) -> CircuitNodes:
         hint = " (pass one of its nodes, e.g. circuit.root)" if isinstance(node, Circuit) else ""
         raise TypeError(f"{who}: node must be a node vector (jaxpc.CircuitNodes), got {type(node).__name__}{hint}")
     return node
+
+
+def _check_bool(value, name: str, who: str) -> bool:
+    """``value`` as a bool where it is one (a NumPy bool too); else a ``TypeError`` naming ``name``."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{who}: {name} must be a bool, got {value!r}")
+    return bool(value)
 
 
 def _tree_add(a, b):

@@ -100,7 +100,8 @@ class Tuning:
             child blocks at batches of 128 and more, tree levels at 512 where the stages run unrolled; hard EM's
             flows at B=512 12.6 ms against 21.4 on HCLT-256, 14.2 against 24.7 on PD-128); False: never.
         compiler_options: XLA options for the executables, ``((name, value), ...)`` (e.g.
-            ``(("xla_gpu_autotune_level", 0),)``).
+            ``(("xla_gpu_autotune_level", 0),)``); values are hashable (str, bool, int or float), else a
+            ``TypeError``.
         concurrent_batch: on a GPU, executables of batches up to this many samples order their command buffers'
             kernels by data dependencies (XLA's ``xla_gpu_command_buffer_scheduling_mode=CONCURRENT``) instead of
             its latency-hiding schedule, unless ``compiler_options`` sets that option
@@ -221,6 +222,12 @@ class Tuning:
                 if not isinstance(v, tuple) or not all(isinstance(e, tuple) and len(e) == 2 and isinstance(e[0], str)
                                                        for e in v):
                     raise TypeError(f"Tuning.compiler_options must be a tuple of (name, value) pairs, got {v!r}")
+                for name, value in v:
+                    try:
+                        hash(value)
+                    except TypeError:
+                        raise TypeError(f"Tuning.compiler_options values must be hashable (str, bool, int or float: "
+                                        f"they key executables), got {name}={value!r}") from None
             elif f.name in ("tree_forward_tile", "tree_backward_tile"):
                 if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral) or v not in (32, 64)):
                     raise ValueError(f"Tuning.{f.name} must be None, 32 or 64, got {v!r}")
@@ -272,9 +279,9 @@ class Options:
             ``node_flows``), from a flow pass run in the log domain (:mod:`jaxpc.engine.logflows`, PyJuice's
             ``logspace_flows``): a count far below float32's smallest number is still a finite log, and a count
             that is exactly zero is ``-inf``. The node values come from the plain forward on the full layout; the
-            flow pass is one XLA pass over it without matrix products (``kernels``, ``fold_products`` and
-            ``chain_scan`` do not apply to it). Leaves whose statistics are moments (Gaussian, DiscreteLogistic)
-            have no log form and raise. EM takes linear flows: ``em_step`` refuses it.
+            flow pass is one XLA pass over it without matrix products (``kernels``, ``fold_products``,
+            ``chain_scan`` and ``backward`` do not apply to it). Leaves whose statistics are moments (Gaussian,
+            DiscreteLogistic) have no log form and raise. EM takes linear flows: ``em_step`` refuses it.
         node_flows: ``flows`` also returns, under ``"node"``, each node's flow summed over the batch, the
             denominators of the M-step (PyJuice's ``cum_pflows``): ``{"sum": {group: [P, Kp]}, "input": {layer:
             [rows]}}``, for every parameter block the total of its parent nodes' edge flows (pooled over tied
@@ -297,12 +304,15 @@ class Options:
             routes). Max-product layers always use the XLA path.
         kernels: per-partition overrides of ``impl`` found by :func:`jaxpc.autotune.tune_circuit`:
             pairs ``((n, C, Kp, Kc, U, D, batch[, M]), choice)`` (``M`` for folded partitions), ``choice``
-            ``("xla",)`` or ``(impl, block_b, block_k, num_warps)``; partitions not named use ``impl``.
+            ``("xla",)`` or ``(impl, block_b, block_k, num_warps)``; partitions not named use ``impl``. Each
+            partition is named once (else a ``ValueError``); the pairs are kept sorted by signature, so the same
+            routes given in any order are equal options (one executable).
         pflow_temperature: parameter flows split each sum node's flow by the tempered posterior
             ``(w_c p_c)^(1/T) / sum_c' (w_c' p_c')^(1/T)`` (T < 1 sharpens toward hard EM, which T -> 0 reaches
             where every sum's children have the same values under LL as under MPE: a mixture of products); 1 is
             EM. The flow pass of tempered flows runs on XLA's sum layers; for T < 1 each share is computed from the
-            terms shifted by the node's largest, so no flow is lost at any T.
+            terms shifted by the node's largest, so no flow is lost at any T. Needs ``backward="flows"`` (else a
+            ``ValueError``: autodiff differentiates the untempered log-likelihood).
         eflow_temperature: the same tempering for the flows passed down to the children.
         chain_scan: evaluate chain-structured circuits (HMMs: a chain of dense sum layers over one input
             layer, found by :func:`jaxpc.compile`) by the rescaled forward-backward scan of
@@ -388,25 +398,19 @@ class Options:
             object.__setattr__(self, name, float(v))
             if v != 1.0 and self.propagation != "LL":
                 raise ValueError(f"{name} applies to propagation='LL' flows, got propagation={self.propagation!r}")
+        if not isinstance(self.kernels, tuple):
+            raise TypeError(f"kernels must be a tuple of (partition signature, choice) pairs, got "
+                            f"{type(self.kernels).__name__}")
         if self.impl == "reference" or any(isinstance(e, tuple) and len(e) == 2 and e[1] == ("reference",)
-                                           for e in (self.kernels if isinstance(self.kernels, tuple) else ())):
+                                           for e in self.kernels):
             warnings.warn("jaxpc: impl='reference' is now impl='xla' (the XLA route; '*_reference' names the "
                           "oracles); the old name goes in the next release", DeprecationWarning, stacklevel=3)
             if self.impl == "reference":
                 object.__setattr__(self, "impl", "xla")
-            object.__setattr__(self, "kernels", tuple((sig, ("xla",) if ch == ("reference",) else ch)
-                                                      for sig, ch in self.kernels))
-        if not isinstance(self.kernels, tuple):
-            raise TypeError(f"kernels must be a tuple of (partition signature, choice) pairs, got "
-                            f"{type(self.kernels).__name__}")
-        for entry in self.kernels:
-            ok = (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], tuple)
-                  and isinstance(entry[1], tuple) and entry[1] and entry[1][0] in IMPLS
-                  and (entry[1] == ("xla",) or (len(entry[1]) == 4 and all(isinstance(v, int) and v > 0
-                                                                                   for v in entry[1][1:]))))
-            if not ok:
-                raise ValueError(f"kernels entry {entry!r} is not ((n, C, Kp, Kc, U, D, B[, M]), ('xla',) or "
-                                 f"(impl, block_b, block_k, num_warps)) with impl one of {IMPLS[1:]}")
+            object.__setattr__(self, "kernels", tuple(
+                (e[0], ("xla",)) if isinstance(e, tuple) and len(e) == 2 and e[1] == ("reference",) else e
+                for e in self.kernels))
+        object.__setattr__(self, "kernels", _checked_kernels(self.kernels))
         for name, allowed in (("backward", BACKWARDS), ("precision", PRECISIONS), ("impl", IMPL_CHOICES),
                               ("param_flow_pass", PARAM_FLOW_PASSES)):
             if getattr(self, name) not in allowed:
@@ -415,6 +419,11 @@ class Options:
                      "fold_products", "scan_stages", "kernel_shifts", "leaf_kernel"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.backward == "autodiff":
+            for name in ("pflow_temperature", "eflow_temperature"):
+                if getattr(self, name) != 1.0:
+                    raise ValueError(f"{name}={getattr(self, name)!r} needs backward='flows' (autodiff differentiates "
+                                     f"the untempered log-likelihood), got backward='autodiff'")
         if self.logspace_flows and self.negate_flows:
             raise ValueError("logspace_flows=True returns logarithms of flows, which negate_flows=True cannot negate")
         if self.node_flows and not self.compute_param_flows:
@@ -445,6 +454,11 @@ class Options:
         return self.precision if self.precision != "default" else resolve_precision("default")
 
     def replace(self, **changes: Any) -> Options:
+        """A copy with ``changes`` applied, checked as the constructor checks them; unknown names raise a
+        ``TypeError`` listing the valid ones."""
+        unknown = changes.keys() - _field_names(type(self))
+        if unknown:
+            raise TypeError(f"unknown option(s) {sorted(unknown)}; valid options: {sorted(_field_names(type(self)))}")
         return dataclasses.replace(self, **changes)
 
     @classmethod
@@ -485,6 +499,34 @@ def resolve_precision(precision: str) -> str:
     if matmul_setting() in ("highest", "float32"):
         return "fp32"
     return "tf32" if _platform() == "gpu" else "fp32"
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _checked_kernels(kernels: tuple) -> tuple:
+    """``Options.kernels`` checked (each entry ``((n, C, Kp, Kc, U, D, B[, M]), choice)`` with non-negative ints in
+    the signature and ``choice`` ``("xla",)`` or ``(impl, block_b, block_k, num_warps)``, each partition named once),
+    its NumPy integers as ints and sorted by signature: the same routes in any order key one executable."""
+    routes = {}
+    for entry in kernels:
+        sig, choice = entry if isinstance(entry, tuple) and len(entry) == 2 else (None, None)
+        ok = (isinstance(sig, tuple) and len(sig) in (7, 8) and all(_is_int(v) and v >= 0 for v in sig)
+              and isinstance(choice, tuple)
+              and (choice == ("xla",) or (len(choice) == 4 and isinstance(choice[0], str)
+                                          and choice[0] in KERNEL_IMPLS
+                                          and all(_is_int(v) and v > 0 for v in choice[1:]))))
+        if not ok:
+            raise ValueError(f"kernels entry {entry!r} is not ((n, C, Kp, Kc, U, D, B[, M]), ('xla',) or "
+                             f"(impl, block_b, block_k, num_warps)) with non-negative ints in the signature, "
+                             f"positive ints in the configuration and impl one of {KERNEL_IMPLS}")
+        sig = tuple(int(v) for v in sig)
+        if sig in routes:
+            raise ValueError(f"kernels names partition {sig} twice ({routes[sig]!r} and {choice!r}); give each "
+                             f"partition one route")
+        routes[sig] = choice[:1] + tuple(int(v) for v in choice[1:])
+    return tuple(sorted(routes.items()))
 
 
 @functools.cache

@@ -2,6 +2,7 @@
 may pick against the reference's values and flows."""
 
 import collections
+import json
 
 import jax
 import numpy as np
@@ -268,3 +269,119 @@ def test_every_candidate_route_gives_the_reference(structure, fold, batch, route
         for a, b in zip(jax.tree_util.tree_leaves(fl), jax.tree_util.tree_leaves(fl_ref), strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5, err_msg=str(route))
         assert (len(calls) > before) == (route[0] != "xla"), route
+
+
+def test_a_choice_is_reused_only_for_the_same_candidates(tmp_path):
+    """The caches kept an index into the configurations, keyed without them: tuned among ["A", "B", "C"] (C won,
+    index 3), the same shape key among ["C", "A", "B"] returned "B", index 3 of that list and the slowest."""
+    path = tmp_path / "tune.json"
+    calls = collections.Counter()
+    t = tuner(cache_path=str(path))
+    assert t.tune("k", "H", ["A", "B", "C"], lambda cfg: Op(cfg, calls)) == "C"
+    assert t.tune("k", "H", ["C", "A", "B"], lambda cfg: Op(cfg, calls)) == "C"
+    assert t.tune("k", "H", ["A", "B"], lambda cfg: Op(cfg, calls)) == "H"  # A is not 10% faster
+    assert calls["H"] == 3 * (2 + 5)
+    n = sum(calls.values())
+    for fresh in (False, True):  # the process cache, then the disk cache
+        t2 = tuner(cache_path=str(path)) if fresh else t
+        assert t2.tune("k", "H", ["A", "B", "C"], lambda cfg: Op(cfg, calls)) == "C"
+        assert t2.tune("k", "H", ["C", "A", "B"], lambda cfg: Op(cfg, calls)) == "C"
+        assert t2.tune("k", "H", ["A", "A", "B", "H"], lambda cfg: Op(cfg, calls)) == "H"  # duplicates: once
+        assert sum(calls.values()) == n
+
+
+def test_damaged_disk_cache_is_empty(tmp_path):
+    """A cache file holding JSON that is no object (or an index that is no int) raised ``AttributeError: 'list'
+    object has no attribute 'get'``; like an unreadable file it holds no choice."""
+    path = tmp_path / "tune.json"
+    calls = collections.Counter()
+    for text in ("[1, 2]", '{"x": 1}', "not json"):
+        path.write_text(text)
+        assert tuner(cache_path=str(path)).tune("k", "H", ["C"], lambda cfg: Op(cfg, calls)) == "C"
+    t = tuner(cache_path=str(path))
+    key = next(iter(json.loads(path.read_text())))
+    path.write_text(json.dumps({key: "1"}))
+    assert t.lookup("k", ["H", "C"]) is None
+
+
+@pytest.mark.parametrize("kw, msg", [({"margin": "0.1"}, "margin must be a float in"),
+                                     ({"margin": float("nan")}, "margin must be a float in"),
+                                     ({"drop_factor": float("nan")}, "drop_factor must be a float >= 1"),
+                                     ({"drop_factor": 0.5}, "drop_factor must be a float >= 1"),
+                                     ({"full_reps": 2.5}, "full_reps must be an int >= 1"),
+                                     ({"full_reps": True}, "full_reps must be an int >= 1"),
+                                     ({"timer": 3}, "timer must be a function")])
+def test_autotuner_arguments_are_checked(kw, msg):
+    """A NaN drop factor dropped every candidate but the heuristic, a float ``full_reps`` failed in the middle of
+    tuning and a string margin raised a comparison's ``TypeError``."""
+    with pytest.raises((TypeError, ValueError), match=msg):
+        Autotuner(env_key="fake", **kw)
+
+
+def test_tune_circuit_checks_its_arguments_before_timing():
+    """A malformed candidate was timed (or skipped as failing) and then refused by Options with a message about
+    ``kernels``, or silently never chosen; a tuner or circuit of another type and params of another circuit raised
+    ``AttributeError`` / ``KeyError``. Nothing is timed before these checks."""
+    c, x = _small_hclt()
+
+    def never(fn):
+        raise AssertionError("timed")
+
+    t = Autotuner(timer=never, env_key="fake")
+    for cand in [(16, 32, 4)], [("cuda", 16, 32, 4)], [("pallas", 16, 0, 4)], [("triton", 16, 16, 4)]:
+        with pytest.raises(ValueError, match=r"tune_circuit: candidate .* is not \(impl, block_b"):
+            tune_circuit(c, c.params, x, candidates=cand, tuner=t)
+    with pytest.raises(TypeError, match="candidates must be a sequence"):
+        tune_circuit(c, c.params, x, candidates="pallas", tuner=t)
+    with pytest.raises(TypeError, match="tune_circuit: tuner must be a jaxpc.autotune.Autotuner or None, got str"):
+        tune_circuit(c, c.params, x, tuner="fast")
+    with pytest.raises(TypeError, match="tune_circuit: circuit must be a jaxpc.Circuit, got dict"):
+        tune_circuit(c.params, c.params, x, tuner=t)
+    with pytest.raises(ValueError, match="params does not have the structure of this circuit's params"):
+        tune_circuit(c, {"sum": {}, "input": {}}, x, tuner=t)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        tune_circuit(c, c.params, x, precision="fp16", tuner=t)
+
+
+@pytest.mark.slow
+def test_tune_circuit_is_deterministic_and_exact(monkeypatch):
+    """Under the same timings two tunings give equal options (the second from the cache, untimed), valid options
+    (the key of one executable), whose log-likelihoods and flows are the default options' to rounding."""
+    c, x = _small_hclt()
+    cand = ("pallas_forward", 16, 16, 4)
+
+    def timer():
+        return ScriptedTimer(lambda r: 0.4 if r == cand else 1.0, lambda o: 0.5 if o.kernels else 1.0)
+
+    first = _tune(c, x, timer(), monkeypatch, [cand])
+    again = _tune(c, x, timer(), monkeypatch, [cand])
+    assert first == again and hash(first) == hash(again) and first.kernels
+    assert first == jaxpc.Options(**{f: getattr(first, f) for f in ("kernels", "precision", "fold_products")})
+    seen = ScriptedTimer(lambda r: 1.0, lambda o: 1.0)
+    tuner = Autotuner(timer=seen, env_key="fake", full_reps=2)  # the process cache answers: nothing timed
+    assert tune_circuit(c, c.params, x, candidates=[cand], tuner=tuner) == first and not seen.seen
+    ref = jaxpc.Options()
+    np.testing.assert_allclose(np.asarray(c.log_prob(c.params, x, options=first)),
+                               np.asarray(c.log_prob(c.params, x, options=ref)), rtol=1e-5, atol=1e-6)
+    f1, f2 = c.flows(c.params, x, options=first), c.flows(c.params, x, options=ref)
+    for a, b in zip(jax.tree_util.tree_leaves(f1), jax.tree_util.tree_leaves(f2), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def test_tuned_choices_are_keyed_by_the_resolved_precision(monkeypatch):
+    """``precision="default"`` follows JAX's matmul setting (TF32 on a GPU, float32 under ``"highest"``): a choice
+    timed under one was reused under the other, its key holding ``"default"`` alone."""
+    import jax
+
+    from jaxpc import options
+
+    c, x = _small_hclt()
+    keys = []
+    monkeypatch.setattr(Autotuner, "tune", lambda self, key, h, cands, run: keys.append(key) or h)
+    monkeypatch.setattr(options, "_platform", lambda: "gpu")  # "default" resolves to "tf32" outside "highest"
+    assert tune_circuit(c, c.params, x) == jaxpc.Options()
+    with jax.default_matmul_precision("highest"):
+        assert tune_circuit(c, c.params, x) == jaxpc.Options()
+    tf32, fp32 = keys[:len(keys) // 2], keys[len(keys) // 2:]
+    assert tf32 and {k[2] for k in tf32} == {"tf32"} and {k[2] for k in fp32} == {"fp32"}
+    assert [k[:2] + k[3:] for k in tf32] == [k[:2] + k[3:] for k in fp32]

@@ -141,3 +141,44 @@ def test_plot_circuit_argument_errors():
         vis.plot_circuit(root, ax=3)
     with pytest.raises(ValueError, match="plot_circuit: max_nodes must be a positive int, got '10'"):
         vis.plot_circuit(root, granularity="node", max_nodes="10")
+
+
+def _structures():
+    from jaxpc import structures
+
+    rng = np.random.default_rng(0)
+    cat = distributions.Categorical(3)
+    data = rng.integers(0, 3, (100, 4))
+    return {"hmm": lambda: structures.HMM(4, 2, 3),
+            "hmm-inhomogeneous": lambda: structures.HMM(3, 2, 3, homogeneous=False),
+            "generalized-hmm": lambda: structures.GeneralizedHMM(3, 2, distributions.Gaussian()),
+            "hclt": lambda: structures.HCLT(data, 2, input_dist=cat),
+            "pd": lambda: structures.PD((2, 2), 2, split_intervals=1, input_dist=cat),
+            "rat-spn": lambda: structures.RAT_SPN(4, 2, 1, 2, input_dist=cat),
+            "pdhclt": lambda: structures.PDHCLT(data, (2, 2), 2, split_intervals=(1, 2), input_dist=cat),
+            "one-leaf": lambda: jaxpc.inputs(0, 1, 1, cat)}
+
+
+@pytest.mark.parametrize("name", list(_structures()))
+def test_every_structure_is_drawn_and_tabulated(name):
+    """Each structure (ties, scans, Gaussian leaves, a lone leaf): one marker per node vector and per node, one line
+    per vector pair and per edge (weighted by the circuit's parameters, in [0, 1]), and a table that adds up."""
+    import matplotlib.pyplot as plt
+
+    root = _structures()[name]()
+    c = jaxpc.compile(root)
+    fig = vis.plot_circuit(root)
+    points, n_edges, labels = _artists(fig)
+    assert sum(points.values()) == len(c.nodes) == len(labels)
+    assert n_edges == sum(len(set(ch.id for ch in ns.children)) for ns in c.nodes)
+    plt.close(fig)
+    fig = vis.plot_circuit(c, c.params, granularity="node", max_nodes=1000)
+    points, n_edges, labels = _artists(fig)
+    assert sum(points.values()) == c.num_nodes and n_edges == c.num_edges
+    assert points["input"] == len(labels) == sum(ns.num_nodes for ns in c.nodes if ns.is_input())
+    lc = next(x for x in fig.axes[0].collections if x.get_gid() == "jaxpc-edges")
+    alpha = lc.get_colors()[:, 3] if n_edges else np.zeros(0)
+    assert np.all((alpha >= 0.15 - 1e-6) & (alpha <= 1.0 + 1e-6))
+    plt.close(fig)
+    assert _total(vis.summary(c)) == (c.num_nodes, c.num_edges, c.num_parameters)
+    assert str(c) == vis.summary(c) and f"num_nodes={c.num_nodes}" in repr(c)
