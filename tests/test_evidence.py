@@ -2,6 +2,7 @@
 log-potentials, BlockScale and LowRank per-sample sum parameters; references, finite differences, the
 executable cache and jit(grad(...))."""
 
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +13,7 @@ from jaxpc import distributions, structures
 from jaxpc.engine import em
 from jaxpc.ops.sum_layer_external import dense_weights_reference
 
+from . import oracle
 from .random_circuits import Generator
 from .test_hmm import forward_backward
 from .tiers import cases
@@ -927,3 +929,95 @@ def test_device_evidence_values_are_checked_in_parallel_and_fit(evidence_circuit
         optim.fit(c, c.params, x, epochs=2, batch_size=2, evidence=device, progress=False)
     optim.fit(c, c.params, x, epochs=1, batch_size=2, evidence=device, progress=False, validate=False)
     c.raise_pending()
+
+
+class _Reweighted:
+    """A circuit whose soft-evidence leaves read the reweighted pmf ``theta_n(k) exp(e[v, k]) / Z`` of one row's
+    evidence ``e [V, K]`` as plain categorical parameters (``oracle.forward`` reads parameters through it)."""
+
+    def __init__(self, c, e):
+        self.root, self.c, self.e = c.root, c, np.asarray(e, np.float64)
+
+    def get_node_params(self, params, ns):
+        p = np.asarray(self.c.get_node_params(params, ns), np.float64)
+        if not ns.is_input():
+            return p
+        w = p * np.exp(self.e[ns.var])[None, :]
+        tot = w.sum(1, keepdims=True)
+        return np.where(tot > 0, w / np.where(tot > 0, tot, 1.0), 0.0)
+
+
+def _soft_missing_case(kind):
+    """A non-homogeneous soft-evidence HMM over 3 variables of 4 values, 3 rows of evidence ``e [B, T, K]`` (dense, or
+    every value a top-k candidate in a shuffled order with the ``-inf`` ones masked), 2 missing variables per row;
+    row 2 gives no value of variable 1 weight."""
+    rng = np.random.default_rng(3)
+    T, K, B = 3, 4, 3
+    c = jaxpc.compile(structures.GeneralizedHMM(T, 2, distributions.SoftEvidenceCategorical(K), homogeneous=False),
+                      seed=5)
+    e = rng.normal(size=(B, T, K))
+    e[0, 1, 2] = -np.inf
+    e[2, 1, :] = -np.inf
+    x = rng.integers(0, K, (B, T)).astype(np.int32)
+    miss = np.array([[False, True, True], [True, True, False], [True, True, False]])
+    if kind == "dense":
+        ev = {"categorical_logp": e.astype(np.float32)}
+    else:
+        ids = rng.permuted(np.tile(np.arange(K), (B, T, 1)), axis=2).astype(np.int32)
+        lp = np.take_along_axis(e, ids, axis=2)
+        ev = {"categorical_topk": {"ids": ids, "logp": np.where(np.isfinite(lp), lp, 0.0).astype(np.float32),
+                                   "mask": np.isfinite(lp)}}
+    return c, e, x, miss, ev
+
+
+def _check_soft_missing(c, e, x, miss, ev, props):
+    got = {}
+    for prop, alpha in props:
+        got[prop] = np.asarray(c.log_prob(c.params, x, miss, propagation=prop, alpha=alpha, evidence=ev), np.float64)
+        for b in range(len(x)):
+            _, ref = oracle.forward(_Reweighted(c, e[b]), c.params, x[b:b + 1], miss[b:b + 1], mode=prop, alpha=alpha)
+            np.testing.assert_allclose(got[prop][b], ref[0], rtol=1e-5, err_msg=f"{prop}, row {b}")
+        assert got[prop][2] == -np.inf
+    return got
+
+
+def test_soft_evidence_missing_reduces_the_reweighted_pmf():
+    """A missing variable of a soft-evidence leaf contributes the reduction over its values of the leaf's reweighted
+    log-pmf, as a categorical's missing variable does: 0 under LL, the max under MPE; -inf where the evidence gives
+    every value weight zero (no value is possible, so neither is the marginal). Against the float64 oracle run on
+    the reweighted categorical."""
+    _check_soft_missing(*_soft_missing_case("dense"), (("LL", None), ("MPE", None)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dense", "topk"])
+def test_soft_evidence_missing_against_enumeration(kind):
+    """:func:`test_soft_evidence_missing_reduces_the_reweighted_pmf` for dense and top-k evidence and under
+    GeneralLL too; LL and MPE also against enumeration of the missing values: LL sums the completions'
+    likelihoods, MPE maximizes their values."""
+    c, e, x, miss, ev = _soft_missing_case(kind)
+    got = _check_soft_missing(c, e, x, miss, ev, (("LL", None), ("MPE", None), ("GeneralLL", 0.5)))
+    B, T = x.shape
+    K = e.shape[2]
+    full = np.array([np.where(miss[b], 0, x[b]) + np.isin(np.arange(T), np.flatnonzero(miss[b])[0]) * i
+                     + np.isin(np.arange(T), np.flatnonzero(miss[b])[1]) * j
+                     for b in range(B) for i in range(K) for j in range(K)], np.int32)
+    rep = jax.tree_util.tree_map(lambda a: np.repeat(a, K * K, axis=0), ev)
+    for prop, reduce in (("LL", np.logaddexp.reduce), ("MPE", np.max)):
+        joint = np.asarray(c.log_prob(c.params, full, propagation=prop, evidence=rep), np.float64).reshape(B, -1)
+        np.testing.assert_allclose(got[prop], reduce(joint, axis=1), rtol=1e-5, err_msg=prop)
+
+
+def test_soft_evidence_out_of_range_value_unchecked_is_nan():
+    """With validation off, an out-of-range value of a soft-evidence leaf poisons its row with NaN, as a
+    categorical's does (never the value of a clamped category); the other rows are unchanged, and a checked call
+    raises naming the variable."""
+    c = jaxpc.compile(structures.GeneralizedHMM(3, 2, distributions.SoftEvidenceCategorical(4)), seed=1)
+    ev = {"categorical_logp": np.random.default_rng(0).normal(size=(3, 3, 4)).astype(np.float32)}
+    x = np.array([[0, 4, 1], [0, -1, 1], [0, 3, 1]], np.int32)
+    got = np.asarray(c.log_prob(c.params, x, evidence=ev, validate=False))
+    assert np.isnan(got[:2]).all()
+    ref = np.asarray(c.log_prob(c.params, x[2:], evidence={"categorical_logp": ev["categorical_logp"][2:]}))
+    np.testing.assert_allclose(got[2], ref[0], rtol=1e-6)
+    with pytest.raises(ValueError, match="variable 1"):
+        c.log_prob(c.params, x, evidence=ev)

@@ -175,8 +175,8 @@ def _check_conditionals(c, x, K):
 
 
 def test_variables_no_leaf_reads():
-    """A variable between the ones leaves read: its conditional row is 0 (naming it raises), sampling and MPE keep
-    its entry of ``x``; the others are exact."""
+    """A variable between the ones leaves read: conditioning it raises naming it, as a named target or one of the
+    default ones (it has no distribution); sampling and MPE keep its entry of ``x``; the others are exact."""
     cat = distributions.Categorical(num_cats=3)
     a = jaxpc.inputs(0, num_node_blocks=2, block_size=2, dist=cat)
     b = jaxpc.inputs(2, num_node_blocks=2, block_size=2, dist=cat)
@@ -186,14 +186,16 @@ def test_variables_no_leaf_reads():
     p = np.exp(np.asarray(c.log_prob(c.params, np.stack([pairs[:, 0], pairs[:, 0] * 0, pairs[:, 1]], 1)), np.float64))
     ev = np.array([[1, 2, 0], [2, 0, 1]], np.int32)
     miss = np.array([False, True, True])
-    got = np.asarray(c.conditional(c.params, ev, miss))
-    np.testing.assert_array_equal(got[:, 1], 0)
+    got = np.asarray(c.conditional(c.params, ev, miss, target_vars=[0, 2]))
+    np.testing.assert_array_equal(got[:, 0], np.eye(3)[ev[:, 0]])
     for r in range(2):
         ref = p[pairs[:, 0] == ev[r, 0]]
-        np.testing.assert_allclose(got[r, 2], ref / ref.sum(), rtol=1e-5)
-    np.testing.assert_allclose(np.asarray(c.conditional(c.params, ev, miss, target_vars=[2])), got[:, 2:], rtol=1e-6)
+        np.testing.assert_allclose(got[r, 1], ref / ref.sum(), rtol=1e-5)
     with pytest.raises(ValueError, match="no leaf reads variable 1"):
         c.conditional(c.params, ev, miss, target_vars=[2, 1])
+    for m in (miss, ~miss):  # default targets, the unread variable missing or observed
+        with pytest.raises(ValueError, match=r"no leaf reads variable 1 .*without target_vars.*read: \[0, 2\]"):
+            c.conditional(c.params, ev, m)
     drawn = np.asarray(c.sample(c.params, jax.random.key(0), x=ev, missing=miss))
     decoded = np.asarray(c.mpe(c.params, ev, miss)[0])
     np.testing.assert_array_equal(drawn[:, 1], ev[:, 1])

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from ..ops.sum_layer import matmul
+from .base import reduce_missing
 from .categorical import Categorical
 
 Array = jax.Array
@@ -93,8 +94,11 @@ class SoftEvidenceCategorical(Categorical):
 
     With evidence log-weights ``e`` for the node's variable, the node's value at the observed ``x`` is
     ``log theta[x] + e[x] - log sum_k theta[k] exp(e[k])`` (the sum over all values, or over the top-k
-    candidates), ``-inf`` where ``theta[x] exp(e[x])`` is zero (even where every value's weight is). A missing ``x``
-    marginalizes to 0. Without evidence it is a plain categorical.
+    candidates), ``-inf`` where ``theta[x] exp(e[x])`` is zero (even where every value's weight is): the leaf is the
+    categorical of the reweighted pmf ``q(k) = theta[k] exp(e[k]) / Z``. A missing ``x`` reduces that pmf over its
+    values as :class:`Categorical` reduces its own: ``log sum_k q(k)``, 0, under ``"LL"``; ``max_k log q(k)`` under
+    ``"MPE"``; the tempered sum under ``"GeneralLL"``; and ``-inf`` under each where no value has weight. An out of
+    range ``x`` (only reached with validation off) gives NaN. Without evidence it is a plain categorical.
     EM refits ``theta`` from the counts of the observed values; the evidence enters through the flows.
     ``num_cats``: the number of values, as for :class:`Categorical` (a positive int, else a ``ValueError``); the
     dense evidence ``categorical_logp`` is ``[B, V, num_cats]``.
@@ -108,7 +112,8 @@ class SoftEvidenceCategorical(Categorical):
         if dense is None and topk is None:
             return self.log_prob(p, tables, rows, xv, mv, options)
         lt = p["log_probs"]
-        xi = jnp.clip(self._values(xv, mv), 0, self.num_cats - 1)  # [N, B]
+        xr = self._values(xv, mv)
+        xi = jnp.clip(xr, 0, self.num_cats - 1)  # [N, B]
         B = xv.shape[1]
         bidx = jnp.arange(B)[None, :]
         if dense is not None:
@@ -124,18 +129,39 @@ class SoftEvidenceCategorical(Categorical):
                 hit = hit & mask
             exv = jnp.where(jnp.any(hit, axis=2), jnp.sum(jnp.where(hit, logp, 0.0), axis=2), -jnp.inf)  # [B, V]
             ex = exv[:, vars_].T  # [N, B]
-        num = lt[rows[:, None], xi] + ex
-        # zero weight at the observed value is probability zero, also where no value has weight (0 / 0)
-        out = jnp.where(num == -jnp.inf, -jnp.inf, num - logz)
+        out = _normalized(lt[rows[:, None], xi] + ex, logz)
+        # out-of-range values reach here only when validation was switched off: poison, never clamp silently
+        out = jnp.where((xr < 0) | (xr >= self.num_cats), jnp.nan, out)
         if mv is not None:
-            out = jnp.where(mv, 0.0, out)
+            out = jnp.where(mv, self._missing(lt, rows, vars_, logz, dense, topk, options), out)
         return out
+
+    def _missing(self, lt, rows, vars_, logz, dense, topk, options):
+        """``[N, B]``: the value of a missing variable, the reweighted log-pmf reduced over its values
+        (:func:`jaxpc.distributions.base.reduce_missing`); under ``"LL"`` exactly 0 where some value has weight."""
+        if options.propagation == "LL":
+            return jnp.where(logz == -jnp.inf, -jnp.inf, jnp.zeros((), logz.dtype))
+        if dense is not None:  # every value: [N, B, K]
+            num = lt[rows][:, None, :] + jnp.transpose(dense[:, vars_, :], (1, 0, 2))
+        else:  # the candidates, unique per (sample, variable); masked ones have no weight: [N, B, k]
+            ids, logp, mask = topk["ids"], topk["logp"], topk.get("mask")
+            lpv = logp if mask is None else jnp.where(mask, logp, -jnp.inf)
+            num = lt[rows[:, None, None], jnp.transpose(ids[:, vars_, :], (1, 0, 2))] + jnp.transpose(
+                lpv[:, vars_, :], (1, 0, 2))
+        return reduce_missing(_normalized(num, logz[:, :, None]), options)
+
+
+def _normalized(num: Array, logz: Array) -> Array:
+    """``num - logz``: a value's reweighted log-probability; ``-inf`` where its weight ``num`` or the total ``logz``
+    is (zero weight is probability zero, also where no value has weight: 0 / 0, or a total that underflows)."""
+    return jnp.where((num == -jnp.inf) | (logz == -jnp.inf), -jnp.inf, num - logz)
 
 
 class External(Categorical):
     """Leaves whose values the caller supplies per call: node ``j`` of a vector over variable ``v`` takes
     ``evidence["external"][b, v, j]`` (a log-value). No parameters; gradients flow to the caller's
-    tensor. The variable's column of ``x`` is not read."""
+    tensor. The variable's column of ``x`` is not read, nor its ``missing`` mask: the caller's log-values stand for
+    the variable however it is marked (give 0 where a missing variable should marginalize a normalized leaf)."""
 
     name = "external"
     natural_fields = ()

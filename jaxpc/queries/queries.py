@@ -109,12 +109,12 @@ def _fill_leaves(layout, tables, params, x, missing, key, options, *, num_values
 
 
 def _mark_impossible(out: Array, root: Array, missing: Array | None) -> Array:
-    """``out`` with the missing entries of rows whose evidence has probability 0 (root value -inf) at -1 (NaN for
-    floats): nothing is drawn or decoded from an impossible row."""
+    """``out`` with the missing entries of rows whose evidence has probability 0 (root value -inf) or no value (NaN:
+    an unchecked bad entry) at -1 (NaN for floats): nothing is drawn or decoded from such a row."""
     if missing is None:  # nothing filled
         return out
     mark = jnp.asarray(jnp.nan if jnp.issubdtype(out.dtype, jnp.floating) else -1, out.dtype)
-    impossible = (root == -jnp.inf)[:, None] & jnp.broadcast_to(forward.missing_t(missing).T, out.shape)
+    impossible = ~(root > -jnp.inf)[:, None] & jnp.broadcast_to(forward.missing_t(missing).T, out.shape)
     return jnp.where(impossible, mark, out)
 
 
@@ -231,9 +231,10 @@ def conditional(circuit, params, x, missing=None, *, target_vars=None, options: 
                 validate: bool | str = True) -> Array:
     """``p(x_v = k | evidence)`` for target variables ``v``: ``[B, len(target_vars) or V, K]``, normalized over
     ``k`` (``K``: the largest number of values of any variable; impossible values get 0). Without ``target_vars``
-    every variable is a target, and the rows of continuous variables and of variables that no leaf reads are all
-    0; naming one in ``target_vars`` raises. Evidence of probability 0 gives NaN rows for the unobserved
-    variables.
+    every variable is a target, and the rows of continuous variables are all 0 (a density is no pmf over ``k``;
+    naming one in ``target_vars`` raises). A variable that no leaf reads (a gap in the variable ids, outside the
+    circuit's scope) has no distribution: a target that is one raises a ``ValueError`` naming it, also as one of
+    the default targets. Evidence of probability 0 gives NaN rows for the unobserved variables.
 
     Evidence is ``x`` on the variables not marked ``missing``. All targets come from one backward
     pass: the gradient of ``log p(evidence)`` with respect to the leaves' indicators. An observed
@@ -241,15 +242,18 @@ def conditional(circuit, params, x, missing=None, *, target_vars=None, options: 
     :class:`jaxpc.Options` (``precision``, ``impl``, ``tuning``; ``propagation`` must stay ``"LL"``).
 
     ``circuit``: a compiled :class:`jaxpc.Circuit` (else a ``TypeError``); ``params``: a params pytree of it; ``x``
-    ``[B, V]`` and ``missing`` (``bool[B, V]`` or ``bool[V]``) as for :meth:`jaxpc.Circuit.log_prob`.
-    ``target_vars``: a 1-D sequence of variable ids (default None: every variable); empty, out of range or
-    continuous ones raise a ``ValueError``, a boolean mask a ``TypeError``. ``validate``: ``True`` (default),
-    ``"sync"`` or ``False``, as for :meth:`jaxpc.Circuit.log_prob` (see :mod:`jaxpc.runtime`): numpy evidence is
-    checked at once, a device array's values inside the executable (the circuit's next call raises; ``"sync"``: this
-    one), nothing with ``False``; a bad value raises a ``ValueError`` naming the variable, and any other
-    ``validate`` a ``ValueError``.
+    ``[B, V]`` (required: None is a ``ValueError``) and ``missing`` (``bool[B, V]`` or ``bool[V]``) as for
+    :meth:`jaxpc.Circuit.log_prob`. ``target_vars``: a 1-D sequence of variable ids (default None: every variable);
+    empty, out of range, continuous or unread ones raise a ``ValueError``, a boolean mask a ``TypeError``. ``validate``:
+    ``True`` (default), ``"sync"`` or ``False``, as for :meth:`jaxpc.Circuit.log_prob` (see :mod:`jaxpc.runtime`): numpy
+    evidence is checked at once, a device array's values inside the executable (the circuit's next call raises;
+    ``"sync"``: this one), nothing with ``False``; a bad value raises a ``ValueError`` naming the variable, and any
+    other ``validate`` a ``ValueError``.
     """
     _check_circuit(circuit, "conditional")
+    if x is None:
+        raise ValueError(f"conditional needs evidence x [B, {circuit.num_vars}] (for the prior p(x_v = k): any x with "
+                         f"missing=np.ones({circuit.num_vars}, bool))")
     rt = circuit.runtime
     replay = None
     targets_key = _targets_key(target_vars)
@@ -280,10 +284,14 @@ def conditional(circuit, params, x, missing=None, *, target_vars=None, options: 
         cont = targets[info.continuous[targets]]
         if cont.size:
             raise ValueError(f"conditional needs discrete target variables; variable {int(cont[0])} is continuous")
-        unread = targets[~info.discrete[targets]]
-        if unread.size:
-            raise ValueError(f"conditional: no leaf reads variable {int(unread[0])} ({unread.size} such target(s)); "
-                             f"the circuit puts no distribution on it")
+    unread = targets[~(info.discrete[targets] | info.continuous[targets])]
+    if unread.size:
+        read = np.flatnonzero(info.discrete).tolist()
+        hint = "" if target_vars is not None else (
+            f"; without target_vars every variable is a target: name the ones to condition (the discrete variables "
+            f"that leaves read: {read[:8]}{'...' if len(read) > 8 else ''})")
+        raise ValueError(f"conditional: no leaf reads variable {int(unread[0])} ({unread.size} such target(s)); "
+                         f"the circuit puts no distribution on it{hint}")
     K = int(info.card.max())
     # the targets as a device constant made once per set (an eager conversion per call took ~0.1 ms of host time)
     dev = rt.constant(("targets", None if target_vars is None else targets.astype(np.int32).tobytes()),
@@ -325,8 +333,9 @@ def sample(circuit, params, key: Array, num_samples: int | None = None, *, x=Non
     by Gumbel-max on ``log w + child log-likelihood``, then every reached leaf draws its value. Row ``b``'s draw
     depends on ``key``, ``b`` and its own evidence only, not on the batch's size, padding or ``jax.jit`` (with JAX's
     default ``jax_threefry_partitionable``): ``sample(key, 5)`` is ``sample(key, 9)[:5]``. A variable that no
-    leaf reads keeps its entry of ``x`` (0 without ``x``). Where the evidence of a row has probability 0, its
-    missing entries read -1 (NaN when the samples are floats). ``options``: the
+    leaf reads keeps its entry of ``x`` (0 without ``x``). Where the evidence of a row has probability 0, or its
+    log-likelihood is NaN (a bad entry of ``x`` with ``validate=False``), its missing entries read -1 (NaN when the
+    samples are floats). ``options``: the
     forward's :class:`jaxpc.Options` (``precision``, ``impl``, ``tuning``; ``propagation`` must stay ``"LL"``).
 
     ``circuit``: a compiled :class:`jaxpc.Circuit` (else a ``TypeError``); ``params``: a params pytree of it;
@@ -358,13 +367,13 @@ def mpe(circuit, params, x=None, missing=None, *, num_samples: int | None = None
     recursion over values *and* sum-node choices: the Viterbi path for an HMM, the exact MAP assignment
     for deterministic circuits. For general circuits exact MAP is NP-hard; this returns the best
     assignment of the best single induced tree, and its value is a lower bound on the MAP value.
-    Ties go to the first child (lowest child block, then lowest node in the block) and to the lowest
-    value of a leaf; a continuous leaf decodes to its mean; a variable that no leaf reads keeps its entry of ``x``
-    (0 without ``x``). Where the evidence of a row has probability 0 (log-value -inf), its missing entries read -1
-    (NaN when the assignment is float). Without ``x``, ``num_samples`` (default 1) rows of
-    the unconditional decoding; with it, one row per row of ``x``. ``options``: the forward's
-    :class:`jaxpc.Options` (``precision``, ``impl``, ``tuning``); its ``propagation`` is ``"MPE"`` whatever
-    it says, except ``"GeneralLL"``, which raises.
+    Ties go to the first child (lowest child block, then lowest node in the block) and to the lowest value of a leaf; a
+    continuous leaf decodes to its mean; a variable that no leaf reads keeps its entry of ``x`` (0 without ``x``). Where
+    the evidence of a row has probability 0 (log-value -inf), or its log-value is NaN (a bad entry of ``x`` with
+    ``validate=False``), its missing entries read -1 (NaN when the assignment is float). Without ``x``, ``num_samples``
+    (default 1) rows of the unconditional decoding; with it, one row per row of ``x``. ``options``: the forward's
+    :class:`jaxpc.Options` (``precision``, ``impl``, ``tuning``); its ``propagation`` is ``"MPE"`` whatever it says,
+    except ``"GeneralLL"``, which raises.
 
     ``circuit``: a compiled :class:`jaxpc.Circuit` (else a ``TypeError``); ``params``: a params pytree of it; ``x``
     ``[B, V]`` and ``missing`` (``bool[B, V]`` or ``bool[V]``, True: decoded; default None: with ``x``, nothing
