@@ -709,7 +709,7 @@ def test_hmm_alpha_is_documented_as_built():
     rows = np.array([[3.0], [0.5]])
     c = jaxpc.compile(structures.HMM(T, L, V, alpha=alpha * rows, beta=beta * rows[::-1], gamma=gamma * 7))
     np.testing.assert_allclose(np.exp(np.asarray(c.log_prob(c.params, xs))), [brute(x) for x in xs], rtol=1e-5)
-    with pytest.raises(ValueError, match="weights summing to zero"):
+    with pytest.raises(ValueError, match="alpha row 0 sums to zero"):
         structures.HMM(T, L, V, alpha=np.array([[0.0, 0.0], [0.5, 0.5]]))
 
 

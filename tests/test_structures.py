@@ -364,7 +364,8 @@ def test_structures_take_numpy_integers_and_refuse_bools():
                         (lambda: structures.HMM(4, 2, np.int64(0)), "HMM: num_emits must be a positive int"),
                         (lambda: structures.RAT_SPN(4, 2, True, 2), "RAT_SPN: depth must be an int >= 0, got True"),
                         (lambda: structures.PD((2, 2), 2, split_intervals=True), "PD: split_intervals must be"),
-                        (lambda: structures.HMM(4, 2, 3, block_size=True), "must be a multiple of block_size=True")):
+                        (lambda: structures.HMM(4, 2, 3, block_size=True),
+                         r"HMM: block_size must be a positive int dividing num_latents=2 \(or None\), got True")):
         with pytest.raises(ValueError, match=match):
             make()
 

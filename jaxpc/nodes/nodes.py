@@ -101,6 +101,8 @@ class CircuitNodes:
 
     def __init__(self, num_node_blocks: int, block_size: int, children: Sequence[CircuitNodes], scope: int,
                  source: CircuitNodes | None = None, name: str | None = None):
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"{self.kind} vector: name must be a str or None, got {type(name).__name__} {name!r}")
         self.num_node_blocks = int(num_node_blocks)
         self.block_size = int(block_size)
         self.children = tuple(children)
@@ -186,6 +188,9 @@ class InputNodes(CircuitNodes):
 
         if not isinstance(var, (int, np.integer)) or isinstance(var, bool) or var < 0:
             raise ValueError(f"inputs: var must be a non-negative int variable id, got {var!r}")
+        if isinstance(dist, type) and issubclass(dist, Distribution):
+            raise TypeError(f"inputs: dist must be a distribution instance, got the class {dist.__name__}; call it, "
+                            f"e.g. {dist.__name__}(...)")
         if not isinstance(dist, Distribution):
             raise TypeError(f"inputs: dist must be a jaxpc.distributions.Distribution, got {type(dist).__name__}")
         super().__init__(num_node_blocks, block_size, (), 1 << int(var), source=source, name=name)
@@ -223,17 +228,17 @@ class InputNodes(CircuitNodes):
 
 class ProdNodes(CircuitNodes):
     """Product nodes; built by :func:`multiply`, whose arguments (``children``, ``edge_ids``, ``name``) these
-    are."""
+    are, with its checks."""
 
     kind = "prod"
 
-    def __init__(self, children: Sequence[CircuitNodes], edge_ids: np.ndarray, name: str | None = None):
-        block_size = children[0].block_size
-        scope = 0
-        for c in children:
-            scope |= c.scope
-        super().__init__(edge_ids.shape[0], block_size, children, scope, name=name)
-        self.edge_ids = edge_ids
+    def __init__(self, children: Sequence[CircuitNodes], edge_ids=None, name: str | None = None):
+        children = tuple(children)
+        _check_children("multiply", children)
+        scope = _disjoint_scope(children)
+        edges = _prod_edges(children, edge_ids)
+        super().__init__(edges.shape[0], children[0].block_size, children, scope, name=name)
+        self.edge_ids = edges
 
     def is_prod(self) -> bool:
         return True
@@ -260,15 +265,20 @@ class Gates:
 
 class SumNodes(CircuitNodes):
     """Sum nodes; built by :func:`summate` (``children``, ``num_node_blocks``, ``block_size``, ``edge_ids``,
-    ``params``, ``name`` as there) or by :func:`duplicate` (``source``: the vector whose parameters a tied copy
-    shares)."""
+    ``params``, ``name`` as there, with its checks; ``num_node_blocks`` is required here) or by :func:`duplicate`
+    (``source``: the vector whose parameters a tied copy shares)."""
 
     kind = "sum"
 
     def __init__(self, children: Sequence[CircuitNodes], num_node_blocks: int, block_size: int,
-                 edge_ids: np.ndarray, params=None, source: SumNodes | None = None, name: str | None = None):
+                 edge_ids, params=None, source: SumNodes | None = None, name: str | None = None):
+        children = tuple(children)
+        _check_children("summate", children)
+        num_node_blocks, block_size = _resolve_sizes("summate", num_node_blocks, 0, block_size)
+        edges = _sum_edges(edge_ids, num_node_blocks, sum(c.num_node_blocks for c in children))
         super().__init__(num_node_blocks, block_size, children, children[0].scope, source=source, name=name)
-        self.edge_ids = edge_ids
+        check_smooth(self)
+        self.edge_ids = edges
         self.ch_block_size = children[0].block_size
         self.num_ch_node_blocks = sum(c.num_node_blocks for c in children)
         self._params = None
@@ -338,7 +348,6 @@ class SumNodes(CircuitNodes):
         own = self.get_params()  # a tied vector's are its source's
         if src is None and own is not None:
             dup._params = own.copy()
-        check_smooth(dup)
         return dup
 
 
@@ -365,11 +374,104 @@ def check_smooth(ns: SumNodes) -> None:
                 f"{scope_str(s0)} and {c.name} has scope {scope_str(c.scope)}")
 
 
+def _check_children(kind: str, children: tuple) -> None:
+    """Children of a product (``kind`` ``"multiply"``) or sum (``"summate"``) vector: at least one, all node vectors
+    of one block size."""
+    if not children:
+        raise ValueError(f"{kind}: needs at least one child")
+    for c in children:
+        if not isinstance(c, CircuitNodes):
+            raise TypeError(f"{kind}: children must be node vectors, got {type(c).__name__}")
+    bs = children[0].block_size
+    for c in children[1:]:
+        if c.block_size != bs:
+            raise ValueError(f"{kind}: children must share a block size, but {children[0].name} has "
+                             f"block_size={bs} and {c.name} has block_size={c.block_size}")
+
+
+def _disjoint_scope(children: tuple) -> int:
+    """The union of the children's scopes, which must be pairwise disjoint (decomposability)."""
+    scope = 0
+    for j, c in enumerate(children):
+        if scope & c.scope:
+            overlap = scope_vars(scope & c.scope)
+            prev = [i for i, d in enumerate(children[:j]) if d.scope & c.scope]
+            raise ValueError(
+                f"multiply: children must have disjoint scopes (decomposability), but {c.name} shares variables "
+                f"{overlap[:6]} with {', '.join(children[i].name for i in prev)} (children "
+                f"{', '.join(map(str, prev))} and {j})")
+        scope |= c.scope
+    return scope
+
+
+def _prod_edges(children: tuple, edge_ids) -> np.ndarray:
+    """A product vector's ``[num_prod_blocks, len(children)]`` child block ids (None: block ``i`` of every child)."""
+    if edge_ids is None:
+        nb = children[0].num_node_blocks
+        for c in children[1:]:
+            if c.num_node_blocks != nb:
+                raise ValueError(
+                    f"multiply: without edge_ids all children need the same num_node_blocks, but "
+                    f"{children[0].name} has {nb} and {c.name} has {c.num_node_blocks}")
+        return np.tile(np.arange(nb, dtype=np.int64)[:, None], (1, len(children)))
+    edges = _as_int_array(edge_ids, "multiply: edge_ids")
+    if edges.ndim != 2 or edges.shape[1] != len(children) or edges.shape[0] == 0:
+        raise ValueError(f"multiply: edge_ids must have shape [num_prod_blocks, {len(children)}], got {edges.shape}")
+    for j, c in enumerate(children):
+        col = edges[:, j]
+        if col.min() < 0 or col.max() >= c.num_node_blocks:
+            bad = int(col[(col < 0) | (col >= c.num_node_blocks)][0])
+            raise ValueError(f"multiply: edge_ids[:, {j}] holds block {bad}, but child {c.name} has "
+                             f"{c.num_node_blocks} blocks")
+    return edges
+
+
+def _sum_edges(edge_ids, nb: int, num_ch_blocks: int) -> np.ndarray:
+    """A sum vector's ``[2, num_edges]`` ``(parent block, child block)`` pairs for ``nb`` parent blocks over
+    ``num_ch_blocks`` child blocks (None: all pairs): each parent block has an edge, no pair is listed twice."""
+    if edge_ids is None:
+        return np.stack([np.repeat(np.arange(nb), num_ch_blocks),
+                         np.tile(np.arange(num_ch_blocks), nb)]).astype(np.int64)
+    edges = _as_int_array(edge_ids, "summate: edge_ids")
+    if edges.ndim != 2 or edges.shape[0] != 2 or edges.shape[1] == 0:
+        raise ValueError(f"summate: edge_ids must have shape [2, num_edges], got {edges.shape}")
+    if edges[0].min() < 0 or edges[0].max() >= nb:
+        raise ValueError(f"summate: edge_ids[0] must be parent blocks in [0, {nb}), got values in "
+                         f"[{edges[0].min()}, {edges[0].max()}]")
+    if edges[1].min() < 0 or edges[1].max() >= num_ch_blocks:
+        raise ValueError(f"summate: edge_ids[1] must be child blocks in [0, {num_ch_blocks}), got values in "
+                         f"[{edges[1].min()}, {edges[1].max()}]")
+    missing = np.setdiff1d(np.arange(nb), edges[0])
+    if missing.size:
+        raise ValueError(f"summate: parent blocks {missing[:6].tolist()} have no edges")
+    keys = edges[0] * num_ch_blocks + edges[1]
+    if np.unique(keys).size != keys.size:
+        raise ValueError("summate: edge_ids lists the same (parent block, child block) pair twice")
+    return edges
+
+
+def _is_real_dtype(dt: np.dtype) -> bool:
+    """Whether arrays of ``dt`` hold real numbers: integers or floats (bfloat16 too), not booleans, complex numbers,
+    strings, dates or objects."""
+    if dt.kind in "iuf":
+        return True
+    import jax.numpy as jnp  # (bfloat16 and the other ml_dtypes floats: kind "V")
+
+    return dt.kind == "V" and bool(jnp.issubdtype(dt, jnp.floating))
+
+
 def _canonical_sum_params(ns: SumNodes, params) -> np.ndarray:
+    what = f"{ns.name}: params must be an array of real, non-negative weights"
     try:
-        p = np.asarray(params, dtype=np.float64)
+        raw = np.asarray(params)
     except (TypeError, ValueError) as e:
-        raise TypeError(f"{ns.name}: params must be an array of real, non-negative weights ({e})") from None
+        raise TypeError(f"{what} ({e})") from None
+    if raw.dtype == bool:
+        raise TypeError(f"{what}, got booleans (dtype bool); give the weights as numbers, e.g. "
+                        f"np.asarray(params, float)")
+    if not _is_real_dtype(raw.dtype):
+        raise TypeError(f"{what}, got an array of dtype {raw.dtype}")
+    p = raw.astype(np.float64)
     E = ns.edge_ids.shape[1]
     Kp, Kc = ns.block_size, ns.ch_block_size
     if p.ndim == 2 and p.shape == (ns.num_nodes, ns.num_ch_nodes):
@@ -440,46 +542,7 @@ def multiply(*children: CircuitNodes, edge_ids=None, name: str | None = None) ->
             ``ValueError``, non-integers a ``TypeError``.
         name: optional name used in error messages and summaries (default ``"ProdNodes#<id>"``).
     """
-    if not children:
-        raise ValueError("multiply: needs at least one child")
-    for c in children:
-        if not isinstance(c, CircuitNodes):
-            raise TypeError(f"multiply: children must be node vectors, got {type(c).__name__}")
-    bs = children[0].block_size
-    for c in children[1:]:
-        if c.block_size != bs:
-            raise ValueError(f"multiply: children must share a block size, but {children[0].name} has "
-                             f"block_size={bs} and {c.name} has block_size={c.block_size}")
-    scope = 0
-    for j, c in enumerate(children):
-        if scope & c.scope:
-            overlap = scope_vars(scope & c.scope)
-            prev = [i for i, d in enumerate(children[:j]) if d.scope & c.scope]
-            raise ValueError(
-                f"multiply: children must have disjoint scopes (decomposability), but {c.name} shares variables "
-                f"{overlap[:6]} with {', '.join(children[i].name for i in prev)} (children "
-                f"{', '.join(map(str, prev))} and {j})")
-        scope |= c.scope
-    if edge_ids is None:
-        nb = children[0].num_node_blocks
-        for c in children[1:]:
-            if c.num_node_blocks != nb:
-                raise ValueError(
-                    f"multiply: without edge_ids all children need the same num_node_blocks, but "
-                    f"{children[0].name} has {nb} and {c.name} has {c.num_node_blocks}")
-        edges = np.tile(np.arange(nb, dtype=np.int64)[:, None], (1, len(children)))
-    else:
-        edges = _as_int_array(edge_ids, "multiply: edge_ids")
-        if edges.ndim != 2 or edges.shape[1] != len(children) or edges.shape[0] == 0:
-            raise ValueError(f"multiply: edge_ids must have shape [num_prod_blocks, {len(children)}], "
-                             f"got {edges.shape}")
-        for j, c in enumerate(children):
-            col = edges[:, j]
-            if col.min() < 0 or col.max() >= c.num_node_blocks:
-                bad = int(col[(col < 0) | (col >= c.num_node_blocks)][0])
-                raise ValueError(f"multiply: edge_ids[:, {j}] holds block {bad}, but child {c.name} has "
-                                 f"{c.num_node_blocks} blocks")
-    return ProdNodes(children, edges, name=name)
+    return ProdNodes(children, edge_ids, name=name)
 
 
 def summate(*children: CircuitNodes, num_node_blocks: int = 0, block_size: int = 0, edge_ids=None, params=None,
@@ -501,47 +564,19 @@ def summate(*children: CircuitNodes, num_node_blocks: int = 0, block_size: int =
             a wrong shape, an id out of range, a parent block without edges or a repeated pair is a
             ``ValueError``.
         params: optional weights (see above), non-negative and finite, zero outside the edges, each node's
-            summing to more than zero; else a ``ValueError`` (not numbers: a ``TypeError``).
+            summing to more than zero; else a ``ValueError`` (not real numbers, booleans included: a ``TypeError``).
         num_nodes: alternative to ``num_node_blocks``: ``num_nodes`` must be a multiple of ``block_size`` (else a
             ``ValueError``).
         name: optional name used in error messages and summaries (default ``"SumNodes#<id>"``).
     """
-    if not children:
-        raise ValueError("summate: needs at least one child")
-    for c in children:
-        if not isinstance(c, CircuitNodes):
-            raise TypeError(f"summate: children must be node vectors, got {type(c).__name__}")
-    kbs = children[0].block_size
-    for c in children[1:]:
-        if c.block_size != kbs:
-            raise ValueError(f"summate: children must share a block size, but {children[0].name} has "
-                             f"block_size={kbs} and {c.name} has block_size={c.block_size}")
-    num_ch_blocks = sum(c.num_node_blocks for c in children)
-    if edge_ids is not None:
+    _check_children("summate", children)
+    if edge_ids is not None and not num_node_blocks and not num_nodes:
         edges = _as_int_array(edge_ids, "summate: edge_ids")
         if edges.ndim != 2 or edges.shape[0] != 2 or edges.shape[1] == 0:
             raise ValueError(f"summate: edge_ids must have shape [2, num_edges], got {edges.shape}")
-        if not num_node_blocks and not num_nodes:
-            num_node_blocks = int(edges[0].max()) + 1
+        num_node_blocks = int(edges[0].max()) + 1
     nb, bs = _resolve_sizes("summate", num_node_blocks, num_nodes, block_size)
-    if edge_ids is None:
-        edges = np.stack([np.repeat(np.arange(nb), num_ch_blocks),
-                          np.tile(np.arange(num_ch_blocks), nb)]).astype(np.int64)
-    else:
-        if edges[0].min() < 0 or edges[0].max() >= nb:
-            raise ValueError(f"summate: edge_ids[0] must be parent blocks in [0, {nb}), got values in "
-                             f"[{edges[0].min()}, {edges[0].max()}]")
-        if edges[1].min() < 0 or edges[1].max() >= num_ch_blocks:
-            raise ValueError(f"summate: edge_ids[1] must be child blocks in [0, {num_ch_blocks}), got values in "
-                             f"[{edges[1].min()}, {edges[1].max()}]")
-        missing = np.setdiff1d(np.arange(nb), edges[0])
-        if missing.size:
-            raise ValueError(f"summate: parent blocks {missing[:6].tolist()} have no edges")
-        keys = edges[0] * num_ch_blocks + edges[1]
-        if np.unique(keys).size != keys.size:
-            raise ValueError("summate: edge_ids lists the same (parent block, child block) pair twice")
-    ns = SumNodes(children, nb, bs, edges, params=None, name=name)
-    check_smooth(ns)
+    ns = SumNodes(children, nb, bs, edge_ids, params=None, name=name)
     if params is not None:
         ns.set_params(params)
     return ns

@@ -28,6 +28,51 @@ def check_int(where: str, name: str, value, lo: int = 1) -> int:
     return int(value)
 
 
+def check_bool(where: str, name: str, value) -> bool:
+    """``value`` as a Python bool where it is one (or a NumPy bool), else a ``TypeError`` naming ``where`` and
+    ``name`` (a string such as ``"no"`` is not read as true)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{where}: {name} must be True or False, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def check_seed(where: str, seed) -> int:
+    """``seed`` as a Python int where it is an integer >= 0 (not a bool), else a ``ValueError`` naming ``where``."""
+    return check_int(where, "seed", seed, lo=0)
+
+
+def check_dist(where: str, name: str, dist, default=None):
+    """``dist`` (``default`` where it is None), which must be a :class:`jaxpc.distributions.Distribution` instance,
+    else a ``TypeError`` naming ``where`` and ``name``."""
+    from ..distributions import Distribution
+
+    if dist is None:
+        return default
+    if isinstance(dist, type) and issubclass(dist, Distribution):
+        raise TypeError(f"{where}: {name} must be a distribution instance, got the class {dist.__name__}; call it, "
+                        f"e.g. {dist.__name__}(...)")
+    if not isinstance(dist, Distribution):
+        raise TypeError(f"{where}: {name} must be a jaxpc.distributions.Distribution, got {type(dist).__name__}")
+    return dist
+
+
+def check_weights(where: str, name: str, a) -> np.ndarray:
+    """Weights ``a`` (probabilities, or proportions such as counts) as a float64 array: real numbers, finite and
+    non-negative; booleans, strings and other non-numbers raise a ``TypeError``, the rest a ``ValueError``, naming
+    ``where`` and ``name``."""
+    try:
+        raw = np.asarray(a)
+    except ValueError as e:
+        raise ValueError(f"{where}: {name} must be a rectangular array of numbers ({e})") from None
+    if raw.dtype == bool or not (raw.dtype.kind in "iuf" or jnp.issubdtype(raw.dtype, jnp.floating)):
+        raise TypeError(f"{where}: {name} must hold real numbers (probabilities or proportions), got dtype "
+                        f"{raw.dtype}")
+    out = raw.astype(np.float64)
+    if not np.all(np.isfinite(out)) or np.any(out < 0):
+        raise ValueError(f"{where}: {name} must be finite and non-negative")
+    return out
+
+
 def check_numbers(where: str, name: str, a: np.ndarray) -> None:
     """Raise a ``TypeError`` naming ``where`` and ``name`` unless array ``a`` holds numbers: booleans, integers or
     floats (bfloat16 too), not strings or objects."""
@@ -42,7 +87,10 @@ def check_latents(name: str, num_latents: int, block_size: int | None, cap: int)
     """``(block_size, num_node_blocks)`` with a clear error when they do not fit."""
     num_latents = check_int(name, "num_latents", num_latents)
     bs = default_block_size(num_latents, cap) if block_size is None else block_size
-    if not isinstance(bs, numbers.Integral) or isinstance(bs, bool) or bs < 1 or num_latents % bs:
+    if not isinstance(bs, numbers.Integral) or isinstance(bs, bool) or bs < 1:
+        raise ValueError(f"{name}: block_size must be a positive int dividing num_latents={num_latents} (or None), "
+                         f"got {bs!r}")
+    if num_latents % bs:
         raise ValueError(f"{name}: num_latents={num_latents} must be a multiple of block_size={bs}")
     return int(bs), num_latents // int(bs)
 

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import functools
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,7 @@ from scipy.sparse import csgraph, csr_matrix
 
 from .. import distributions
 from ..nodes import CircuitNodes, inputs, multiply, summate
-from ._util import check_int, check_latents, check_leaf_values, check_numbers
+from ._util import check_bool, check_dist, check_int, check_latents, check_leaf_values, check_numbers
 
 __all__ = ["HCLT", "mutual_information", "chow_liu_tree"]
 
@@ -84,22 +85,23 @@ def mutual_information(x, num_bins: int = 32, sigma: float = 0.5 / 32, chunk_siz
     64, at most ``V`` used; a positive int, else a ``ValueError``): it trades memory for fewer calls."""
     x = np.asarray(x)
     check_numbers("mutual_information", "x", x)
-    x = x.astype(np.float32)
-    if x.ndim != 2:
-        raise ValueError(f"mutual_information: x must be [num_samples, num_vars], got shape {x.shape}")
+    if x.ndim != 2 or x.shape[0] < 1 or x.shape[1] < 1:
+        raise ValueError(f"mutual_information: x must be [num_samples >= 1, num_vars >= 1], got shape {x.shape}")
+    x = x.astype(np.float64) if x.dtype.kind in "biu" or x.dtype.itemsize > 4 else x.astype(np.float32)
     if not np.isfinite(x).all():
         r, c = np.argwhere(~np.isfinite(x))[0]
         raise ValueError(f"mutual_information: x must be finite; x[{r}, {c}] is {x[r, c]}")
     num_bins = check_int("mutual_information", "num_bins", num_bins, 2)
     chunk_size = check_int("mutual_information", "chunk_size", chunk_size)
-    if not (isinstance(sigma, (int, float, np.floating)) and np.isfinite(sigma) and sigma > 0):
+    if isinstance(sigma, (bool, np.bool_)) or not (isinstance(sigma, (int, float, np.integer, np.floating)) and
+                                                   np.isfinite(sigma) and sigma > 0):
         raise ValueError(f"mutual_information: sigma must be a positive float, got {sigma!r}")
     lo, hi = float(x.min()), float(x.max())
     V, nb = x.shape[1], int(num_bins)
     c = max(1, min(int(chunk_size), V))
     n = -(-V // c) * c
     xs = np.zeros((x.shape[0], n), np.float32)
-    xs[:, :V] = (x - lo) / (hi - lo + 1e-8)
+    xs[:, :V] = (x - lo) / (hi - lo + 1e-8)  # (scaled in the data's precision, then rounded to float32)
     p, q = _soft_bins(jnp.asarray(xs), num_bins=nb, sigma=float(sigma), num_vars=V)
     h1 = _entropies(q, num_bins=nb)
     del q
@@ -139,6 +141,7 @@ def chow_liu_tree(mi: np.ndarray) -> tuple[list[list[int]], int]:
     """
     mi = np.asarray(mi)
     check_numbers("chow_liu_tree", "mi", mi)
+    mi = mi.astype(np.float64)
     if mi.ndim != 2 or mi.shape[0] != mi.shape[1] or mi.shape[0] < 1:
         raise ValueError(f"chow_liu_tree: mi must be a square [V, V] matrix of pairwise scores (V >= 1), such as "
                          f"mutual_information(x) returns, got shape {mi.shape}")
@@ -190,22 +193,49 @@ def HCLT(x, num_latents: int, num_bins: int = 32, sigma: float = 0.5 / 32, chunk
         block_size: default: largest power of two dividing ``num_latents``, at most 1024.
         input_dist: leaf distribution (default ``Categorical(num_cats=256)``); where it is discrete, every entry of
             ``x`` must be one of its values (else a ``ValueError`` names the first that is not).
-        tie_input_params: share one set of leaf parameters across all variables.
-        variables: variable id of each column of ``x`` (default ``0 .. V-1``).
+        tie_input_params: share one set of leaf parameters across all variables (a bool, else a ``TypeError``).
+        variables: variable id of each column of ``x`` (default ``0 .. V-1``): distinct ints >= 0, one per column
+            (else a ``ValueError``).
     """
     x = np.asarray(x)
     check_numbers("HCLT", "x", x)
-    if x.ndim != 2 or x.shape[0] < 2:
-        raise ValueError(f"HCLT: x must be [num_samples >= 2, num_vars], got shape {x.shape}")
-    input_dist = input_dist or distributions.Categorical(num_cats=256)
+    if x.ndim != 2 or x.shape[0] < 2 or x.shape[1] < 1:
+        raise ValueError(f"HCLT: x must be [num_samples >= 2, num_vars >= 1], got shape {x.shape}")
+    input_dist = check_dist("HCLT", "input_dist", input_dist, distributions.Categorical(num_cats=256))
+    tie_input_params = check_bool("HCLT", "tie_input_params", tie_input_params)
+    variables = _check_variables(variables, x.shape[1])
+    bs, _ = check_latents("HCLT", num_latents, block_size, 1024)  # (before the tree is learned)
+    _check_root_ns(num_root_ns, bs)
     check_leaf_values("HCLT", x, input_dist)
     mi = mutual_information(x, num_bins=num_bins, sigma=sigma, chunk_size=chunk_size)
     children, root = chow_liu_tree(mi)
-    variables = list(range(x.shape[1])) if variables is None else [int(v) for v in variables]
-    if len(variables) != x.shape[1]:
-        raise ValueError(f"HCLT: variables has {len(variables)} ids for {x.shape[1]} columns")
     return hidden_tree_circuit(children, root, num_latents, variables, input_dist, num_root_ns=num_root_ns,
                                block_size=block_size, tie_input_params=tie_input_params)
+
+
+def _check_variables(variables, num_cols: int) -> list[int]:
+    """HCLT's ``variables``: ``num_cols`` distinct variable ids (ints >= 0, not bools); None: ``0 .. num_cols - 1``."""
+    if variables is None:
+        return list(range(num_cols))
+    vs = np.asarray(variables)
+    if vs.ndim != 1 or len(vs) != num_cols:
+        raise ValueError(f"HCLT: variables must hold one variable id per column of x ({num_cols}), got "
+                         f"{variables!r}")
+    for v in variables:
+        if not isinstance(v, numbers.Integral) or isinstance(v, (bool, np.bool_)) or v < 0:
+            raise ValueError(f"HCLT: variables must be ints >= 0, got {v!r} in {variables!r}")
+    if len(set(int(v) for v in variables)) != num_cols:
+        dup = next(int(v) for i, v in enumerate(variables) if int(v) in [int(w) for w in variables[:i]])
+        raise ValueError(f"HCLT: variables must be distinct, but {dup} is given twice")
+    return [int(v) for v in variables]
+
+
+def _check_root_ns(num_root_ns, bs: int) -> int:
+    """HCLT's ``num_root_ns``: 1 or a positive multiple of the block size ``bs``."""
+    num_root_ns = check_int("HCLT", "num_root_ns", num_root_ns)
+    if num_root_ns != 1 and num_root_ns % bs:
+        raise ValueError(f"HCLT: num_root_ns={num_root_ns} must be 1 or a multiple of block_size={bs}")
+    return num_root_ns
 
 
 def hidden_tree_circuit(children: list[list[int]], root: int, num_latents: int, variables: list[int],
@@ -213,9 +243,7 @@ def hidden_tree_circuit(children: list[list[int]], root: int, num_latents: int, 
                         tie_input_params: bool = False) -> CircuitNodes:
     """The circuit of a tree-shaped latent model (see the module docstring)."""
     bs, nb = check_latents("HCLT", num_latents, block_size, 1024)
-    num_root_ns = check_int("HCLT", "num_root_ns", num_root_ns)
-    if num_root_ns != 1 and num_root_ns % bs:
-        raise ValueError(f"HCLT: num_root_ns={num_root_ns} must be 1 or a multiple of block_size={bs}")
+    num_root_ns = _check_root_ns(num_root_ns, bs)
     template = None
 
     def leaf(i):

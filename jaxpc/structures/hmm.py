@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import distributions
 from ..nodes import SumNodes, inputs, multiply, summate
-from ._util import check_int, check_latents
+from ._util import check_bool, check_dist, check_int, check_latents, check_weights
 
 
 def HMM(seq_length: int, num_latents: int, num_emits: int, homogeneous: bool = True, block_size: int | None = None,
@@ -25,23 +25,28 @@ def HMM(seq_length: int, num_latents: int, num_emits: int, homogeneous: bool = T
         num_latents: hidden states.
         num_emits: vocabulary size.
         homogeneous: tie transitions and emissions across steps (else each step has its own,
-            initialized to the same values).
+            initialized to the same values); a bool (else a ``TypeError``).
         block_size: node block size (default: the largest power of two dividing ``num_latents``,
             at most 1024).
         alpha, beta, gamma: optional ``[L, L]`` transition, ``[L, V]`` emission and ``[L]`` initial
             probabilities (``L = num_latents``, ``V = num_emits``): ``alpha[i, j] = P(z_{t+1} = j | z_t = i)`` (row
             ``i`` is the distribution of the next state from state ``i``), ``beta[i, v] = P(x_t = v | z_t = i)``,
             ``gamma[i] = P(z_0 = i)``. They become ``circuit.params`` after :func:`jaxpc.compile`. Entries must be
-            finite and non-negative; each row of ``alpha`` and ``beta``, and ``gamma``, is renormalized to sum to 1
-            (so unnormalized weights such as counts are taken as their proportions), and a row summing to zero
-            raises a ``ValueError``. Omitted ones are drawn by :func:`jaxpc.compile` (its ``seed``).
+            finite and non-negative real numbers (not booleans: a ``TypeError``); each row of ``alpha`` and ``beta``,
+            and ``gamma``, is renormalized to sum to 1 (so unnormalized weights such as counts are taken as their
+            proportions), and a row summing to zero raises a ``ValueError``. Omitted ones are drawn by
+            :func:`jaxpc.compile` (its ``seed``).
     """
+    num_latents = check_int("HMM", "num_latents", num_latents)
     num_emits = check_int("HMM", "num_emits", num_emits)
     if beta is not None:
-        beta = np.asarray(beta, dtype=np.float64)
+        beta = check_weights("HMM", "beta", beta)
         if beta.shape != (num_latents, num_emits):
             raise ValueError(f"HMM: beta must have shape [num_latents, num_emits] = [{num_latents}, {num_emits}], "
                              f"got {beta.shape}")
+        if np.any(beta.sum(axis=1) <= 0):
+            raise ValueError(f"HMM: beta row {int(np.argmin(beta.sum(axis=1)))} sums to zero (row i holds "
+                             f"P(x_t | z_t = i))")
     return GeneralizedHMM(seq_length, num_latents, distributions.Categorical(num_emits), homogeneous=homogeneous,
                           block_size=block_size, alpha=alpha, beta=beta, gamma=gamma)
 
@@ -67,15 +72,24 @@ def GeneralizedHMM(seq_length: int, num_latents: int, input_dist: distributions.
     """
     seq_length = check_int("HMM", "seq_length", seq_length)
     bs, nb = check_latents("HMM", num_latents, block_size, 1024)
+    input_dist = check_dist("HMM", "input_dist", input_dist)
+    if input_dist is None:
+        raise TypeError("HMM: input_dist must be a jaxpc.distributions.Distribution, got None")
+    homogeneous = check_bool("HMM", "homogeneous", homogeneous)
     L = num_latents = int(num_latents)
     if alpha is not None:
-        alpha = np.asarray(alpha, dtype=np.float64)
+        alpha = check_weights("HMM", "alpha", alpha)
         if alpha.shape != (L, L):
             raise ValueError(f"HMM: alpha must have shape [num_latents, num_latents] = [{L}, {L}], got {alpha.shape}")
+        if np.any(alpha.sum(axis=1) <= 0):
+            raise ValueError(f"HMM: alpha row {int(np.argmin(alpha.sum(axis=1)))} sums to zero (row i holds "
+                             f"P(z_t+1 | z_t = i))")
     if gamma is not None:
-        gamma = np.asarray(gamma, dtype=np.float64)
+        gamma = check_weights("HMM", "gamma", gamma)
         if gamma.shape != (L,):
             raise ValueError(f"HMM: gamma must have shape [num_latents] = [{L}], got {gamma.shape}")
+        if gamma.sum() <= 0:
+            raise ValueError("HMM: gamma sums to zero")
 
     emit = inputs(seq_length - 1, num_node_blocks=nb, block_size=bs, dist=input_dist, params=beta,
                   name=f"emit{seq_length - 1}")

@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import distributions
 from ..nodes import CircuitNodes, inputs, multiply, summate
-from ._util import check_int, check_latents, check_numbers
+from ._util import check_bool, check_dist, check_int, check_latents, check_numbers, check_seed
 from .hclt import HCLT
 
 __all__ = ["PD", "PDHCLT"]
@@ -32,16 +32,19 @@ def _split_points(data_shape, split_intervals, split_points, where: str = "PD"):
     if split_intervals is not None:
         if isinstance(split_intervals, numbers.Integral):
             split_intervals = (split_intervals,) * n_axes
-        if len(split_intervals) != n_axes or any(not isinstance(s, numbers.Integral) or isinstance(s, bool) or s < 1
-                                                 for s in split_intervals):
+        if not isinstance(split_intervals, (tuple, list, np.ndarray)) or len(split_intervals) != n_axes or any(
+                not isinstance(s, numbers.Integral) or isinstance(s, (bool, np.bool_)) or s < 1
+                for s in split_intervals):
             raise ValueError(f"{where}: split_intervals must be a positive int or one per axis ({n_axes}), "
                              f"got {split_intervals!r}")
         split_intervals = tuple(int(s) for s in split_intervals)
         return [list(range(split_intervals[a], data_shape[a], split_intervals[a])) for a in range(n_axes)]
     if split_points is None:
         raise ValueError(f"{where}: give split_intervals or split_points")
-    if len(split_points) != n_axes:
-        raise ValueError(f"{where}: split_points needs one list per axis ({n_axes}), got {len(split_points)}")
+    if not isinstance(split_points, (tuple, list, np.ndarray)) or len(split_points) != n_axes or any(
+            not isinstance(pts, (tuple, list, np.ndarray)) for pts in split_points):
+        raise ValueError(f"{where}: split_points needs one list of split positions per axis ({n_axes}), such as "
+                         f"{[[1]] * n_axes}, got {split_points!r}")
     for a, pts in enumerate(split_points):
         for p in pts:
             if not isinstance(p, numbers.Integral) or isinstance(p, bool) or not 0 < p < data_shape[a]:
@@ -84,13 +87,15 @@ def PD(data_shape, num_latents: int, split_intervals=None, split_points=None, ma
         structure_type: ``"sum_dominated"`` (products share child sums) or ``"prod_dominated"``
             (each product gets its own copies of the child sums).
         input_dist: leaf distribution (default ``Categorical(num_cats=256)``).
-        tie_homogeneous_params: tie sums and leaves of regions with the same shape.
+        tie_homogeneous_params: tie sums and leaves of regions with the same shape (a bool, else a ``TypeError``).
         block_size: default: largest power of two dividing ``num_latents``, at most 16 (32 for
             ``num_latents > 32``).
-        leaf_fn: optional ``f(variables, num_latents, block_size) -> node vector`` for leaf regions.
-        seed: seed of the random choice of products under ``max_prod_block_conns`` (the structure only: the
-            parameters are drawn by :func:`jaxpc.compile`'s own ``seed``); the same arguments and seed build the
-            same structure.
+        leaf_fn: optional ``f(variables, num_latents, block_size) -> node vector`` for leaf regions: a callable
+            (else a ``TypeError``) returning a node vector (else a ``TypeError``) over exactly ``variables`` (else
+            a ``ValueError``).
+        seed: seed (an int >= 0) of the random choice of products under ``max_prod_block_conns`` (the structure
+            only: the parameters are drawn by :func:`jaxpc.compile`'s own ``seed``); the same arguments and seed
+            build the same structure.
     """
     return _pd("PD", data_shape, num_latents, split_intervals, split_points, max_split_depth, max_prod_block_conns,
                structure_type, input_dist, tie_homogeneous_params, block_size, leaf_fn, seed)
@@ -107,10 +112,15 @@ def _pd(where: str, data_shape, num_latents, split_intervals, split_points, max_
         max_split_depth = check_int(where, "max_split_depth", max_split_depth, lo=0)
     num_latents = check_int(where, "num_latents", num_latents)  # (before the cap below compares it)
     bs, nb = check_latents(where, num_latents, block_size, 16 if num_latents <= 32 else 32)
+    dist = check_dist(where, "input_dist", input_dist, distributions.Categorical(num_cats=256))
+    tie = check_bool(where, "tie_homogeneous_params", tie_homogeneous_params)
+    if leaf_fn is not None and not callable(leaf_fn):
+        raise TypeError(f"{where}: leaf_fn must be a callable f(variables, num_latents, block_size) or None, got "
+                        f"{type(leaf_fn).__name__}")
     builder = _PDBuilder(data_shape, _split_points(data_shape, split_intervals, split_points, where), num_latents,
-                         bs, nb, input_dist or distributions.Categorical(num_cats=256), max_split_depth=max_split_depth,
-                         max_prod_block_conns=max_prod_block_conns, structure_type=structure_type,
-                         tie=tie_homogeneous_params, leaf_fn=leaf_fn, rng=np.random.default_rng(seed))
+                         bs, nb, dist, max_split_depth=max_split_depth, max_prod_block_conns=max_prod_block_conns,
+                         structure_type=structure_type, tie=tie, leaf_fn=leaf_fn,
+                         rng=np.random.default_rng(check_seed(where, seed)), where=where)
     root = builder.region(builder.root_cube, 1)
     if root.num_nodes != 1:  # the whole grid was a single leaf region
         root = summate(root, num_node_blocks=1, block_size=1)
@@ -134,6 +144,7 @@ class _PDBuilder:
     tie: bool
     leaf_fn: Any
     rng: np.random.Generator
+    where: str = "PD"
     sources: dict = dataclasses.field(default_factory=dict)
     memo: dict = dataclasses.field(default_factory=dict)
 
@@ -198,7 +209,14 @@ class _PDBuilder:
         per variable."""
         vs = _cube_vars(cube, self.data_shape)
         if self.leaf_fn is not None:
-            return self.leaf_fn(vs, self.num_latents, self.bs)
+            ns = self.leaf_fn(vs, self.num_latents, self.bs)
+            if not isinstance(ns, CircuitNodes):
+                raise TypeError(f"{self.where}: leaf_fn must return a node vector, got {type(ns).__name__} for the "
+                                f"variables {vs}")
+            if ns.scope != sum(1 << v for v in vs):
+                raise ValueError(f"{self.where}: leaf_fn returned {ns.name} over the variables {ns.scope_vars}, but "
+                                 f"its leaf region holds the variables {vs}")
+            return ns
         leaves = []
         for v in vs:
             if self.tie and "input" in self.sources:
@@ -231,8 +249,8 @@ def PDHCLT(data, data_shape, num_latents: int, split_intervals=None, split_point
     check_numbers("PDHCLT", "data", data)
     data_shape = _check_shape("PDHCLT", data_shape)
     n_vars = math.prod(data_shape)
-    if data.ndim != 2 or data.shape[1] != n_vars:
-        raise ValueError(f"PDHCLT: data must be [num_samples, {n_vars}] for data_shape {tuple(data_shape)}, "
+    if data.ndim != 2 or data.shape[1] != n_vars or data.shape[0] < 2:
+        raise ValueError(f"PDHCLT: data must be [num_samples >= 2, {n_vars}] for data_shape {tuple(data_shape)}, "
                          f"got {data.shape}")
     kw = {"num_bins": 32, "sigma": 0.5 / 32, "chunk_size": 32, **(hclt_kwargs or {})}
     dist = input_dist or distributions.Categorical(num_cats=256)

@@ -6,7 +6,7 @@ import numpy as np
 
 from .. import distributions
 from ..nodes import CircuitNodes, inputs, multiply, summate
-from ._util import check_int, check_latents
+from ._util import check_dist, check_int, check_latents, check_seed
 
 __all__ = ["RAT_SPN"]
 
@@ -20,7 +20,8 @@ def RAT_SPN(num_vars: int, num_latents: int, depth: int, num_repetitions: int, n
     root mixes the repetitions.
 
     Args:
-        num_vars: number of variables (ids ``0 .. num_vars - 1``), a positive int.
+        num_vars: number of variables (ids ``0 .. num_vars - 1``), an int >= ``num_pieces``: fewer could not be
+            split at all, and every repetition would be the same product of all the leaves (a ``ValueError``).
         num_latents: sum nodes per region, and nodes of each variable's input vector (node ``i`` of a region's
             product multiplies node ``i`` of each of its parts).
         depth: levels of splits, an int >= 1: the variables are split into ``num_pieces`` parts, each part again,
@@ -30,11 +31,13 @@ def RAT_SPN(num_vars: int, num_latents: int, depth: int, num_repetitions: int, n
         num_repetitions: random partitions (drawn one after the other from ``seed``), mixed by the root's single
             sum node over the ``num_repetitions * num_latents`` top products; a positive int.
         num_pieces: parts of each split, an int >= 2 (2: binary splits; the first ``len(scope) % num_pieces``
-            parts get one variable more).
+            parts get one variable more). A region of fewer than ``num_pieces`` variables is not split (it is a
+            leaf region, as PyJuice builds it), so levels past those where every region is that small add
+            nothing.
         input_dist: leaf distribution (default ``Categorical(num_cats=256)``); one input vector per
             variable is shared by all repetitions.
         block_size: default: largest power of two dividing ``num_latents``, at most 256.
-        seed: seed of the random partitions.
+        seed: seed of the random partitions, an int >= 0.
     """
     num_vars, depth, num_repetitions, num_pieces = (
         check_int("RAT_SPN", name, v, lo) for name, v, lo in (
@@ -43,9 +46,13 @@ def RAT_SPN(num_vars: int, num_latents: int, depth: int, num_repetitions: int, n
     if depth == 0:
         raise ValueError("RAT_SPN: depth must be >= 1 (the levels of splits), got 0: depth=0 splits nothing, so every "
                          "repetition would be the same product of all the leaves")
+    if num_vars < num_pieces:
+        raise ValueError(f"RAT_SPN: num_vars={num_vars} is fewer than num_pieces={num_pieces}: the variables cannot "
+                         f"be split, so every repetition would be the same product of all the leaves; give "
+                         f"num_pieces <= num_vars")
     bs, nb = check_latents("RAT_SPN", num_latents, block_size, 256)
-    dist = input_dist or distributions.Categorical(num_cats=256)
-    rng = np.random.default_rng(seed)
+    dist = check_dist("RAT_SPN", "input_dist", input_dist, distributions.Categorical(num_cats=256))
+    rng = np.random.default_rng(check_seed("RAT_SPN", seed))
     leaves = [inputs(v, num_node_blocks=nb, block_size=bs, dist=dist) for v in range(num_vars)]
 
     def region(scope: list[int], d: int):
