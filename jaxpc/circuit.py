@@ -162,9 +162,11 @@ class Circuit:
         """The parameters of ``node`` in its natural dense form, read from ``params`` (a params pytree of this
         circuit; another structure or shape is a ``ValueError``).
 
-        Sum nodes: ``[num_nodes, num_ch_nodes]`` normalized weights (zero between unconnected blocks).
-        Input nodes: the distribution's natural parameters (``Categorical``: ``[num_nodes, num_cats]``
-        probabilities; multi-field distributions: a dict). Tied vectors return their source's values.
+        Sum nodes: ``[num_nodes, num_ch_nodes]`` weights, the exponentials of ``params["sum"]`` (zero between
+        unconnected blocks): each node's sum to one after EM, not after gradient training of unnormalized
+        log-weights (``jaxpc.optim.normalize`` gives the normalized ones). Input nodes: the distribution's natural
+        parameters (``Categorical``: ``[num_nodes, num_cats]`` probabilities; multi-field distributions: a dict).
+        Tied vectors return their source's values.
         """
         st = self._struct
         src = _node_arg(node, "get_node_params").source

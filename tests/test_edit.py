@@ -381,8 +381,13 @@ def test_merge_errors():
         edit.merge(root, [[root, s1]])
     with pytest.raises(ValueError, match="read different vectors"):
         edit.merge(root, [[p1, p2]])  # their sum children were not merged
-    with pytest.raises(ValueError, match="more than one group"):
+    with pytest.raises(ValueError, match="more than once in groups"):
         edit.merge(root, [[s1, s2], [s2, s1]])
+    with pytest.raises(ValueError, match="more than once in groups"):  # twice in one group
+        edit.merge(root, [[s1, s1, s2]])
+    for bad in ("ab", ["ab", "cd"], [b"ab"]):  # strings are sequences, but not of vectors
+        with pytest.raises(ValueError, match="merge: groups must be a list of lists of node vectors"):
+            edit.merge(root, bad)
     with pytest.raises(ValueError, match="at least two"):
         edit.merge(root, [[s1]])
     inner = random_sum([a0], 2, 1)
@@ -916,3 +921,187 @@ def test_params_and_flows_of_another_circuit_are_named():
     with pytest.raises(ValueError, match=r"prune: flows\['sum'\]\['1x2'\] has shape"):
         edit.prune(root, c, flows=bigger.flows(bigger.params, x), keep_frac=0.5)
     edit.prune(root, c, flows=c.flows(c.params, x), keep_frac=0.5)
+
+
+# ----------------------------------------------------------------------------------------------
+# parameters as the circuit computes with them (not renormalized)
+# ----------------------------------------------------------------------------------------------
+
+def _logits(c, seed, scale=0.7):
+    """``c.params`` moved off the simplex as gradient training on logits moves them: every sum log-weight and
+    categorical log-probability plus noise (Gaussian and logistic fields as they are)."""
+    rng = np.random.default_rng(seed)
+
+    def move(path, a):
+        keys = [getattr(k, "key", None) for k in path]
+        if keys[0] == "sum" or keys[-1] == "log_probs":
+            return a + np.asarray(rng.normal(0.0, scale, a.shape), a.dtype)
+        return a
+    import jax
+    return jax.tree_util.tree_map_with_path(move, c.params)
+
+
+def _oracle_ll(c, params, x, miss=None):
+    return oracle.forward(c, params, np.asarray(x, np.float64), miss)[1]
+
+
+@pytest.mark.parametrize("seed", [2, pytest.param(0, marks=pytest.mark.slow), pytest.param(5, marks=pytest.mark.slow)])
+def test_edits_keep_log_prob_of_unnormalized_params(seed):
+    """Parameters off the simplex (logits after gradient training): every function-preserving edit keeps what
+    ``log_prob`` computes (the float64 evaluator over the new nodes against the compiled circuit), and so what
+    ``optim.log_prob`` computes."""
+    g = Generator(seed, 3, kinds=("categorical", "masked", "gaussian", "logistic", "literal"))
+    root = g.circuit()
+    c = jaxpc.compile(root, seed=seed)
+    p = _logits(c, seed)
+    x = g.sample_data(12)
+    xj = x if "gaussian" in g.kinds else x.astype(np.int32)
+    miss = np.random.default_rng(seed).random(x.shape) < 0.2
+    ref = np.asarray(c.log_prob(p, xj, miss), np.float64)
+    totals = [np.exp(np.asarray(v, np.float64)).sum(-1) for v in p["sum"].values()]
+    assert max(np.abs(t - 1).max() for t in totals) > 0.1  # really off the simplex (per block rows, at least)
+    variants = {
+        "deepcopy": edit.deepcopy(root, circuit=c, params=p),
+        "unblockify": edit.unblockify(root, circuit=c, params=p),
+        "blockify": edit.blockify(root, 0.5, 8, circuit=c, params=p),
+        "merge": edit.merge(root, circuit=c, params=p),
+        "grow": edit.grow(root, 2, circuit=c, params=p),
+    }
+    for name, new in variants.items():
+        np.testing.assert_allclose(node_ll(new, x, miss), ref, rtol=1e-5, atol=1e-5, err_msg=name)
+    c2 = jaxpc.compile(variants["deepcopy"])
+    np.testing.assert_allclose(np.asarray(c2.log_prob(c2.params, xj, miss)), ref, rtol=1e-5, atol=1e-5)
+    if seed != 2:  # and so what optim.log_prob computes (each node's weights renormalized) is kept too
+        np.testing.assert_allclose(np.asarray(jaxpc.optim.log_prob(c2, c2.params, xj, miss)),
+                                   np.asarray(jaxpc.optim.log_prob(c, p, xj, miss)), rtol=1e-5, atol=1e-5)
+
+
+def test_grow_and_prune_keep_each_nodes_total_weight():
+    """Where an edit sets new weights, every node keeps its old total: grow's copies share it (noise or not), and
+    prune's kept edges take it over (or, with ``renormalize=False``, keep their own weights)."""
+    root, s1, s2 = _prune_circuit()
+    c = jaxpc.compile(root)
+    p = _logits(c, 0)
+    W = np.asarray(c.get_node_params(p, s1), np.float64)  # [2, 6], rows not summing to one
+    R = np.asarray(c.get_node_params(p, root), np.float64)
+    assert np.abs(W.sum(1) - 1).max() > 0.1
+    for noise in (0.0, 0.4):
+        new = edit.grow(root, 1, noise, circuit=c, params=p)
+        np.testing.assert_allclose(dense_weights(new.children[0].children[0]).sum(1), np.tile(W.sum(1), 2),
+                                   rtol=1e-6)
+        np.testing.assert_allclose(dense_weights(new).sum(1), R.sum(1), rtol=1e-6)
+    sc = np.zeros(12)
+    sc[[0, 1, 6, 7, 9]] = 1.0
+    keep = (sc > 0.5).reshape(2, 6)
+    for renormalize in (True, False):
+        new = edit.prune(root, c, p, scores={s1: sc}, threshold=0.5, renormalize=renormalize)
+        Wk = np.where(keep, W, 0.0)
+        if renormalize:
+            Wk = Wk * (W.sum(1) / Wk.sum(1))[:, None]
+        n1 = new.children[0].children[0]
+        chs = [m for m in (0, 1) if keep[:, 3 * m:3 * m + 3].any()]
+        np.testing.assert_allclose(dense_weights(n1), np.concatenate([Wk[:, 3 * m:3 * m + 3] for m in chs], 1),
+                                   rtol=1e-6)
+        np.testing.assert_allclose(dense_weights(new), R, rtol=1e-6)  # not scored: as it was
+    with pytest.raises(TypeError, match="prune: renormalize must be True or False, got 'no'"):
+        edit.prune(root, c, p, scores={s1: sc}, threshold=0.5, renormalize="no")
+    # by enumeration of all 81 states: normalized parameters stay normalized under prune, and without renormalizing
+    # the mass of the dropped edges is gone
+    x = all_x(4)
+    mass = {r: np.exp(node_ll(edit.prune(root, c, scores={s1: sc}, threshold=0.5, renormalize=r), x)).sum()
+            for r in (True, False)}
+    np.testing.assert_allclose(np.exp(_oracle_ll(c, c.params, x)).sum(), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(mass[True], 1.0, rtol=1e-6)
+    assert mass[False] < 0.9
+
+
+def test_prune_of_edges_without_flow_keeps_log_prob():
+    """Dropping the edge blocks that carry no flow of the data leaves ``log_prob`` of the data unchanged: exactly
+    when their weights are zero (either mode), and with ``renormalize=False`` also when their children are zero on
+    the data (with the default the dropped mass moves to the kept edges, raising it)."""
+    root, s1, _ = _prune_circuit()
+    c = jaxpc.compile(root)
+    p = _logits(c, 2)
+    grp, sl = c.param_slice(s1)  # zero weights at three of s1's edge blocks (and so of s2's)
+    p["sum"][grp] = p["sum"][grp].at[np.array([1, 4, 8]) + sl.start].set(-np.inf)
+    x = np.random.default_rng(0).integers(0, 3, (16, 4)).astype(np.int32)
+    ref = _oracle_ll(c, p, x)
+    assert np.all(np.isfinite(ref))
+    fl = c.flows(p, x)
+    for renormalize in (True, False):
+        new = edit.prune(root, c, p, fl, threshold=1e-6, renormalize=renormalize)
+        assert new.children[0].children[0].edge_ids.shape[1] == 9
+        np.testing.assert_allclose(node_ll(new, x), ref, rtol=1e-5)
+    # children zero on the data: deterministic a, b (node k reads x = k); with x = (0, 0) only the root's first
+    # edge (a0 * b0) is used
+    lit = [jaxpc.inputs(v, 1, 1, distributions.Literal(k)) for v in (0, 1) for k in (0, 1)]
+    a = jaxpc.summate(*lit[:2], num_nodes=2, edge_ids=[[0, 1], [0, 1]], params=np.ones((2, 1, 1)))
+    b = jaxpc.summate(*lit[2:], num_nodes=2, edge_ids=[[0, 1], [0, 1]], params=np.ones((2, 1, 1)))
+    m = jaxpc.multiply(a, b, edge_ids=np.array([[0, 0], [1, 1], [0, 1]]))
+    root = jaxpc.summate(m, num_nodes=1, params=np.array([[0.5, 0.3, 0.2]]))
+    c = jaxpc.compile(root)
+    x0 = np.zeros((3, 2), np.int32)
+    fl = c.flows(c.params, x0)
+    np.testing.assert_allclose(np.asarray(c.get_node_flows(fl, root)), [[3, 0, 0]], atol=1e-6)
+    ref = _oracle_ll(c, c.params, x0)
+    np.testing.assert_allclose(ref, np.log(0.5), rtol=1e-6)
+    kept = edit.prune(root, c, flows=fl, threshold=1e-6, renormalize=False)
+    assert kept.edge_ids.shape[1] == 1
+    np.testing.assert_allclose(node_ll(kept, x0), ref, rtol=1e-6)
+    moved = edit.prune(root, c, flows=fl, threshold=1e-6)
+    np.testing.assert_allclose(node_ll(moved, x0), 0.0, atol=1e-6)  # the root's one edge has all its weight
+
+
+def test_values_a_node_cannot_hold_are_named():
+    """A Bernoulli row off the simplex or a Gaussian sigma below min_sigma cannot be stored on a node vector: the
+    edit names the vector and the way out (the normalized circuit), which then edits as optim.log_prob reads it."""
+    b0 = jaxpc.inputs(0, 2, 1, distributions.Bernoulli(), name="flips")
+    g1 = jaxpc.inputs(1, 2, 1, distributions.Gaussian(), name="heights")
+    root = jaxpc.summate(jaxpc.multiply(b0, g1), num_nodes=1)
+    c = jaxpc.compile(root)
+    p = _logits(c, 1)
+    for f in (edit.deepcopy, edit.grow, edit.merge, edit.blockify, edit.unblockify):
+        with pytest.raises(ValueError, match=rf"{f.__name__}: the probabilities of flips \(params\['input'\]"
+                                             r"\['bernoulli'\]\) sum to .* not one.*jaxpc.optim.normalize"):
+            f(root, circuit=c, params=p)
+    low = {"sum": c.params["sum"], "input": dict(c.params["input"])}
+    low["input"]["gaussian"] = dict(low["input"]["gaussian"], log_scale=low["input"]["gaussian"]["log_scale"] - 9)
+    with pytest.raises(ValueError, match=r"deepcopy: heights \(params\['input'\]\['gaussian'\]\): Gaussian sigma "
+                                         r"must be >= min_sigma.*jaxpc.optim.normalize"):
+        edit.deepcopy(root, circuit=c, params=low)
+    pn = jaxpc.optim.normalize(c, p)
+    new = edit.grow(root, 1, circuit=c, params=pn)
+    x = np.stack([np.arange(6) % 2, np.linspace(-1, 1, 6)], 1)
+    np.testing.assert_allclose(node_ll(new, x), np.asarray(jaxpc.optim.log_prob(c, p, x)), rtol=1e-5, atol=1e-5)
+
+
+def test_grow_refuses_a_product_root():
+    """A product root reads one copy of each child, so the grown copies under it would never be used."""
+    a, b = cat_inputs(0, 2, 1), cat_inputs(1, 2, 1)
+    root = jaxpc.multiply(random_sum([a], 1, 1), random_sum([b], 1, 1))
+    with pytest.raises(ValueError, match=r"grow: the root .* is a product vector, .* copies would go unused"):
+        edit.grow(root, 1)
+    top = jaxpc.summate(root, num_nodes=1, params=np.ones((1, 1)))
+    new = edit.grow(top, 1)
+    assert new.edge_ids.shape[1] == 2  # the sum on top reads both copies
+    np.testing.assert_allclose(node_ll(new, all_x(2)), node_ll(top, all_x(2)), rtol=1e-12)
+
+
+def test_prune_grow_merge_compose_on_trained_logits():
+    """Edits chain: prune a circuit trained off the simplex, grow the result, merge that; ties survive every step,
+    each result compiles, and grow and merge keep the pruned circuit's log_prob."""
+    root, s1, s2 = _prune_circuit()
+    c = jaxpc.compile(root)
+    p = _logits(c, 3)
+    x = np.random.default_rng(1).integers(0, 3, (16, 4)).astype(np.int32)
+    pruned = edit.prune(root, c, p, scores={s1: np.random.default_rng(2).random(12)}, keep_frac=0.5)
+    grown = edit.grow(pruned, 1)
+    merged = edit.merge(grown)
+    assert len(topological_order(merged)) < len(topological_order(grown))  # s1's (and s2's) products merged
+    ref = node_ll(pruned, x)
+    for name, new in (("grow", grown), ("merge", merged)):
+        tied = [ns for ns in topological_order(new) if ns.is_sum() and ns.is_tied()]
+        assert len(tied) == 1 and tied[0].source.is_sum(), name
+        np.testing.assert_allclose(node_ll(new, x), ref, rtol=1e-9, err_msg=name)
+    c3 = jaxpc.compile(merged)
+    np.testing.assert_allclose(np.asarray(c3.log_prob(c3.params, x)), ref, rtol=1e-5, atol=1e-5)

@@ -101,3 +101,25 @@ def test_prune_refuses_negative_flows():
         flows = {"sum": {k: sign * v for k, v in counts["sum"].items()}}
         with pytest.raises(ValueError, match=r"prune: the flows of .* are negative at edge block\(s\) \[0, 1, 2"):
             edit.prune(root, c, flows=flows, keep_frac=0.5)
+
+
+def test_short_var_mapping_is_named_once():
+    """A ``var_mapping`` array too short for the circuit's variables names it, without a second prefix around it."""
+    _, root = _root()
+    with pytest.raises(ValueError, match=r"^deepcopy: var_mapping has 1 entries but the circuit uses variable 1$"):
+        edit.deepcopy(root, var_mapping=[1])
+
+
+def test_lvd_names_a_bool_column_and_non_integer_values():
+    """``regions={True: vector}`` is no column id (numpy would read ``latents[:, True]`` as a mask and fail with an
+    IndexError), and a categorical value that is no integer is named as such."""
+    a, root = _root()
+    z = np.zeros((4, 2), np.int64)
+    for col in (True, np.bool_(False)):
+        with pytest.raises(ValueError, match=rf"lvd_init: regions names column {col!r}, but latents has 2 columns"):
+            edit.lvd_init(root, {col: a}, z)
+    x = np.zeros((4, 2))
+    x[1, 0] = 0.5
+    with pytest.raises(ValueError, match=r"lvd_init: x holds \[0.5\] for .*Categorical\(num_cats=3\)\), which takes "
+                                         r"the integers 0..2"):
+        edit.lvd_init(root, [a], z[:, :1], x)

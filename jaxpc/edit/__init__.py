@@ -20,9 +20,17 @@ Parameters come from the vectors themselves (``params=`` given to ``inputs``/``s
 when a compiled ``circuit`` (and optionally a ``params`` pytree of it, default
 ``circuit.params``) is passed, from ``circuit.get_node_params(params, node)``, so a trained
 circuit can be edited. Sum weights are carried over in the block form
-``[num_edge_blocks, block_size, ch_block_size]`` and renormalized per node. Vectors without
-parameters (neither given on the node nor a circuit passed) stay without; ``jaxpc.compile``
-then draws them at random.
+``[num_edge_blocks, block_size, ch_block_size]`` and categorical probabilities row by row, as the
+circuit computes with them: an edit does not renormalize them, so the edited circuit's ``log_prob`` is
+the old one's wherever the edit promises an unchanged function, also for parameters off the simplex
+(gradient training on logits). Where an edit sets new weights (:func:`grow`'s copies, :func:`prune`'s kept
+edges unless ``renormalize=False``) each node keeps its old total weight, so normalized parameters stay
+normalized; :func:`lvd_init`'s estimates from counts are normalized. Values a node
+vector cannot hold (a Bernoulli row that does not sum to one, a Gaussian ``sigma`` below ``min_sigma``,
+a sum node whose weights are all zero) are a ``ValueError`` that names the vector;
+``params=jaxpc.optim.normalize(circuit, params)`` edits the normalized circuit (the one
+``jaxpc.optim.log_prob`` evaluates) instead. Vectors without parameters (neither given on the node nor
+a circuit passed) stay without; ``jaxpc.compile`` then draws them at random.
 
 Functions:
 

@@ -43,10 +43,10 @@ def copy_graph(root: CircuitNodes, reader: Params, rename: Callable[[int], int],
     new: dict[int, CircuitNodes] = {}
     for ns in nodes:
         chs = [new[c.id] for c in ns.children]
+        var = rename(ns.var) if ns.is_input() else None  # (its own errors name var_mapping)
         try:
             if ns.is_input():
-                new[ns.id] = b.input(ns, rename(ns.var), ns.num_node_blocks, ns.block_size,
-                                     lambda: reader.input_natural(ns))
+                new[ns.id] = b.input(ns, var, ns.num_node_blocks, ns.block_size, lambda: reader.input_natural(ns))
             elif ns.is_prod():
                 new[ns.id] = multiply(*chs, edge_ids=ns.edge_ids.copy(), name=ns.name)
             else:

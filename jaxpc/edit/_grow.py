@@ -9,7 +9,7 @@ import numpy as np
 from .. import distributions
 from ..nodes import CircuitNodes, InputNodes, ProdNodes, SumNodes, multiply
 from ._graph import as_real, check_root, indicator_concat_ok
-from ._params import Builder, Params
+from ._params import Builder, Params, node_totals, rescale_blocks
 
 
 def grow(root: CircuitNodes, num_duplicates: int = 1, noise: float = 0.0, *, seed: int = 0, circuit=None,
@@ -20,17 +20,19 @@ def grow(root: CircuitNodes, num_duplicates: int = 1, noise: float = 0.0, *, see
     With ``t = 1 + num_duplicates``: copy ``a`` of a product multiplies copy ``a`` of its children; copy
     ``a`` of a sum connects to every copy ``b`` of its children with the old weights times
     ``exp(noise * eps)``, ``eps ~ N(0, 1)`` per weight (``eps = 0`` for the original pair ``a = b = 0``),
-    renormalized; the root connects to every copy of its children. Input copies ``1..t-1`` get
-    perturbed parameters (categorical-like: probabilities times ``exp(noise * eps)``, renormalized;
-    Gaussian / discretized logistic: ``mu + noise * scale * eps``). With ``noise=0`` every copy computes
-    the original function, so the likelihood is unchanged. Ties are kept (one draw per tie group), and so
-    are sum gates: a sum's new edge blocks are its old ``E`` repeated ``g * t`` times (``g = 1`` at the
-    root, else ``t``; copy ``(a, b)`` of edge block ``e`` at ``(a * t + b) * E + e``), each with gate columns
-    of its own, so its old gates tiled ``g * t`` times keep the function; a ``tie_to`` between the root and
-    another vector no longer matches, and the reading vector gets columns of its own.
+    scaled so that each node keeps its old total weight (one for normalized weights; weights read from a
+    circuit trained by gradient need not sum to one); the root connects to every copy of its children. Input
+    copies ``1..t-1`` get perturbed parameters (categorical-like: probabilities times ``exp(noise * eps)``,
+    scaled back to the row's old total; Gaussian / discretized logistic: ``mu + noise * scale * eps``). With
+    ``noise=0`` every copy computes the original function, so ``log_prob`` is unchanged. Ties are kept (one
+    draw per tie group), and so are sum gates: a sum's new edge blocks are its old ``E`` repeated ``g * t``
+    times (``g = 1`` at the root, else ``t``; copy ``(a, b)`` of edge block ``e`` at ``(a * t + b) * E + e``),
+    each with gate columns of its own, so its old gates tiled ``g * t`` times keep the function; a ``tie_to``
+    between the root and another vector no longer matches, and the reading vector gets columns of its own.
 
     Args:
-        root: the root vector.
+        root: the root vector: a sum or input vector (a product root could read only one copy of its children,
+            a ``ValueError``).
         num_duplicates: extra copies per vector (a positive int).
         noise: scale of the multiplicative perturbation (>= 0).
         seed: seed of the perturbation (numpy, host side).
@@ -49,6 +51,10 @@ def grow(root: CircuitNodes, num_duplicates: int = 1, noise: float = 0.0, *, see
         raise ValueError(f"{fn}: noise must be a finite float >= 0, got {noise!r}")
     if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"{fn}: seed must be a non-negative int, got {seed!r}")
+    if root.is_prod():
+        raise ValueError(f"{fn}: the root {root.name} is a product vector, which reads one copy of its children, so "
+                         f"their copies would go unused; grow a root sum over it (jaxpc.summate({root.name}, "
+                         f"num_nodes=1)) instead")
     grower = _Grower(Params(fn, circuit, params), int(num_duplicates) + 1, scale, np.random.default_rng(int(seed)))
     new: dict[int, CircuitNodes] = {}
     for ns in nodes:
@@ -101,7 +107,8 @@ class _Grower:
             eps = self.rng.standard_normal((g, t) + old.shape)
             eps[0, 0] = 0.0
             w = old[None, None] * np.exp(self.noise * eps)
-            return w.reshape(g * t * E, *old.shape[1:])
+            totals = node_totals(old, ns.edge_ids[0], ns.num_node_blocks)  # each copy of a node keeps its total
+            return rescale_blocks(w.reshape(g * t * E, *old.shape[1:]), par, np.tile(totals, (g, 1)))
 
         return self.builder.sum(ns, chs, ns.num_node_blocks * g, ns.block_size, np.stack([par, ch]), blocks,
                                 edge_map=np.arange(g * t * E).reshape(g * t, E).T)
@@ -124,7 +131,7 @@ def _perturb_input(dist, nat: dict[str, np.ndarray], copies: int, noise: float, 
         eps = rng.standard_normal(out["probs"].shape)
         eps[:n] = 0.0
         p = out["probs"] * np.exp(noise * eps)
-        out["probs"] = p / p.sum(axis=1, keepdims=True)
+        out["probs"] = p * (out["probs"].sum(axis=1, keepdims=True) / p.sum(axis=1, keepdims=True))
     elif isinstance(dist, distributions.Bernoulli):
         eps = rng.standard_normal((out["p"].shape[0], 2))
         eps[:n] = 0.0

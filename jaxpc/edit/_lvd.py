@@ -116,7 +116,8 @@ def _given_assignments(nodes: Sequence[CircuitNodes], regions, z_all: np.ndarray
     for col, ns in items:
         if not isinstance(ns, CircuitNodes) or ns.id not in in_graph:
             raise ValueError(f"{fn}: regions[{col!r}] is not a vector of this graph: {ns!r}")
-        if not isinstance(col, (int, np.integer)) or not 0 <= col < z_all.shape[1]:
+        if (not isinstance(col, (int, np.integer)) or isinstance(col, (bool, np.bool_))
+                or not 0 <= col < z_all.shape[1]):
             raise ValueError(f"{fn}: regions names column {col!r}, but latents has {z_all.shape[1]} columns")
         if ns.id in given:
             raise ValueError(f"{fn}: {ns.name} is listed twice in regions")
@@ -231,7 +232,8 @@ def _categorical_params(dist, z: np.ndarray, vals: np.ndarray, n: int, pc: float
     """``P(x = k | node i) propto count(z = i, x = k) + pc`` (a ``MaskedCategorical`` keeps ``old["mask"]``)."""
     K = dist.num_cats
     if np.any(vals != np.round(vals)) or np.any(vals < 0) or np.any(vals >= K):
-        raise ValueError(f"lvd_init: x holds values outside [0, {K}) for {where} ({dist!r})")
+        bad = vals[(vals != np.round(vals)) | (vals < 0) | (vals >= K)][:3].tolist()
+        raise ValueError(f"lvd_init: x holds {bad} for {where} ({dist!r}), which takes the integers 0..{K - 1}")
     counts = np.zeros((n, K))
     np.add.at(counts, (z, vals.astype(np.int64)), 1.0)
     counts += pc

@@ -11,7 +11,7 @@ import numpy as np
 from ..nodes import CircuitNodes, InputNodes, SumNodes, multiply, summate
 from ..nodes.nodes import scope_str
 from ._graph import check_root, indicator_concat_ok, levels, tie_groups
-from ._params import Builder, Params, check_gate_target, set_input_params
+from ._params import Builder, Params, check_gate_target, set_input_params, set_sum_params
 
 # A unit of the merged graph: ("v", old id) for a vector kept as is, ("g", group index) for a merged group.
 _Unit = tuple[str, int]
@@ -53,7 +53,7 @@ def merge(root: CircuitNodes, groups=None, *, circuit=None, params=None) -> Circ
         groups = _auto_merge_groups(nodes, root, level, reader)
     else:
         in_graph = {ns.id for ns in nodes}
-        if isinstance(groups, CircuitNodes) or not isinstance(groups, Sequence):
+        if isinstance(groups, (CircuitNodes, str, bytes)) or not isinstance(groups, Sequence):
             raise ValueError(f"{fn}: groups must be a list of lists of node vectors")
         groups = [_check_merge_group(g, fn, in_graph, root) for g in groups]
     members_of = _units(nodes, groups, fn)
@@ -118,7 +118,7 @@ def _auto_merge_groups(nodes, root, level, reader: Params) -> list[list[CircuitN
 
 
 def _check_merge_group(group, fn: str, in_graph: set[int], root) -> list[CircuitNodes]:
-    if isinstance(group, CircuitNodes) or not isinstance(group, Sequence):
+    if isinstance(group, (CircuitNodes, str, bytes)) or not isinstance(group, Sequence):
         raise ValueError(f"{fn}: groups must be a list of lists of node vectors, got {type(group).__name__}")
     members = list(group)
     if len(members) < 2:
@@ -173,7 +173,7 @@ def _units(nodes: Sequence[CircuitNodes], groups: list[list[CircuitNodes]],
     for gi, members in enumerate(groups):
         for ns in members:
             if unit[ns.id][0] == "g":
-                raise ValueError(f"{fn}: {ns.name} appears in more than one group")
+                raise ValueError(f"{fn}: {ns.name} appears more than once in groups")
             unit[ns.id] = ("g", gi)
     members_of: dict[_Unit, list[CircuitNodes]] = defaultdict(list)
     for ns in nodes:
@@ -338,7 +338,7 @@ def _merged_sum(members: list[CircuitNodes], offsets: np.ndarray, name: str, new
                   name=name)
     blocks = _concat_params([reader.sum_blocks(m) for m in members], members, fn, "sum")
     if blocks is not None:
-        out.set_params(blocks)
+        set_sum_params(out, blocks)
     return out
 
 

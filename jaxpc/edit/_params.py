@@ -13,18 +13,31 @@ from .. import checks, distributions
 from ..nodes import CircuitNodes, InputNodes, SumNodes, summate
 
 
-def normalize_blocks(blocks: np.ndarray, par: np.ndarray, num_node_blocks: int) -> np.ndarray:
-    """Normalize block weights ``[E, Kp, Kc]`` per node (parent block ``par[e]``, row); a node whose
-    weights are all zero gets a uniform distribution over its edges."""
+def node_totals(blocks: np.ndarray, par: np.ndarray, num_node_blocks: int) -> np.ndarray:
+    """Every node's total weight ``[num_node_blocks, Kp]`` of block weights ``[E, Kp, Kc]`` (parent block
+    ``par[e]``)."""
     blocks = np.asarray(blocks, dtype=np.float64)
     totals = np.zeros((num_node_blocks, blocks.shape[1]))
     np.add.at(totals, par, blocks.sum(axis=2))
-    dead = totals[par] <= 0  # [E, Kp]
+    return totals
+
+
+def normalize_blocks(blocks: np.ndarray, par: np.ndarray, num_node_blocks: int) -> np.ndarray:
+    """Normalize block weights ``[E, Kp, Kc]`` per node (parent block ``par[e]``, row); a node whose
+    weights are all zero gets a uniform distribution over its edges."""
+    return rescale_blocks(blocks, par, np.ones((num_node_blocks, np.shape(blocks)[1])))
+
+
+def rescale_blocks(blocks: np.ndarray, par: np.ndarray, totals: np.ndarray) -> np.ndarray:
+    """Block weights ``[E, Kp, Kc]`` scaled so that every node's weights sum to ``totals[block, row]``
+    (``[num_node_blocks, Kp]``); a node whose weights are all zero gets ``totals`` spread evenly over its edges."""
+    blocks = np.asarray(blocks, dtype=np.float64)
+    have = node_totals(blocks, par, totals.shape[0])
+    dead = have[par] <= 0  # [E, Kp]
     if np.any(dead):
         blocks = np.where(dead[:, :, None], 1.0, blocks)
-        totals = np.zeros((num_node_blocks, blocks.shape[1]))
-        np.add.at(totals, par, blocks.sum(axis=2))
-    return blocks / totals[par][:, :, None]
+        have = node_totals(blocks, par, totals.shape[0])
+    return blocks * (totals / have)[par][:, :, None]
 
 
 class ParamError(ValueError):
@@ -84,24 +97,43 @@ class Params:
         return self._host_cache[ck]
 
     def sum_blocks(self, ns: SumNodes) -> np.ndarray | None:
-        """Normalized weights ``[num_edge_blocks, block_size, ch_block_size]`` (float64) of the tie group
-        of ``ns``, or None when unknown. From a circuit: ``circuit.get_node_params(params, node)`` at the
-        edge blocks, read straight from the parameter array."""
+        """The weights ``[num_edge_blocks, block_size, ch_block_size]`` (float64) of the tie group of ``ns`` as
+        the circuit computes with them (not renormalized: after gradient training a node's weights need not sum
+        to one), or None when unknown. From a circuit: the exponentials of ``params["sum"]`` at the edge blocks,
+        read straight from the parameter array; a NaN or ``+inf`` log-weight is a :class:`ParamError`."""
         src = ns.source
         if src.id not in self._sums:
             if self.circuit is None:
                 b = None if src.own_params is None else np.array(src.own_params, dtype=np.float64)
             else:
                 pl = self.placement(src, self.circuit.structure.sum_placement)
-                logw = self._host("sum", pl.group)[pl.start:pl.start + pl.num_edge_blocks]
-                b = np.exp(logw.astype(np.float64))
-            self._sums[src.id] = None if b is None else normalize_blocks(b, src.edge_ids[0], src.num_node_blocks)
+                logw = self._host("sum", pl.group)[pl.start:pl.start + pl.num_edge_blocks].astype(np.float64)
+                bad = np.isnan(logw) | (logw == np.inf)
+                if bad.any():
+                    e = int(np.nonzero(bad.any(axis=(1, 2)))[0][0])
+                    raise ParamError(f"{self.fn}: the log-weights of {src.name} (params['sum'][{pl.group!r}]) are NaN "
+                                     f"or +inf at edge block {e}; an edit needs finite weights")
+                b = np.exp(logw)
+                dead = node_totals(b, src.edge_ids[0], src.num_node_blocks) <= 0
+                if dead.any():
+                    blk, k = (int(i) for i in np.argwhere(dead)[0])
+                    raise ParamError(f"{self.fn}: node {blk * src.block_size + k} of {src.name} has all its weights "
+                                     f"zero (log-weights -inf) in params['sum'][{pl.group!r}]; a node vector needs "
+                                     f"a positive weight per node")
+                if not np.all(np.isfinite(b)):
+                    raise ParamError(f"{self.fn}: the weights of {src.name} overflow float64 (log-weights up to "
+                                     f"{logw.max():.4g}); pass params=jaxpc.optim.normalize(circuit, params) to edit "
+                                     f"the normalized circuit")
+            self._sums[src.id] = b
         b = self._sums[src.id]
         return None if b is None else b.copy()
 
     def input_natural(self, ns: InputNodes) -> dict[str, np.ndarray] | None:
         """Natural parameters of the tie group of ``ns`` as a dict of arrays with a leading node axis
-        (``MaskedCategorical``: the boolean ``mask [n, K]`` and, when known, ``probs``), or None."""
+        (``MaskedCategorical``: the boolean ``mask [n, K]`` and, when known, ``probs``), or None. From a circuit,
+        categorical probabilities are those the circuit computes with (rows need not sum to one); values that a
+        node vector cannot hold (a Bernoulli row that does not sum to one, a Gaussian ``sigma`` below
+        ``min_sigma``) are a :class:`ParamError`."""
         src = ns.source
         if src.id not in self._inputs:
             nat = None
@@ -113,25 +145,49 @@ class Params:
             if nat is not None:
                 nat = {k: (np.array(v, dtype=bool) if k == "mask" else np.array(v, dtype=np.float64))
                        for k, v in nat.items()}
-                if "probs" in nat:  # float32 slop from a circuit
-                    nat["probs"] = nat["probs"] / nat["probs"].sum(axis=1, keepdims=True)
             self._inputs[src.id] = nat
         nat = self._inputs[src.id]
         return None if nat is None else {k: v.copy() for k, v in nat.items()}
 
     def _circuit_natural(self, src: InputNodes) -> dict[str, np.ndarray]:
-        """``circuit.get_node_params(params, src)``, from host copies of the layer's arrays."""
+        """``circuit.get_node_params(params, src)``, from host copies of the layer's arrays, checked storable."""
         dist = src.dist
         pl = self.placement(src, self.circuit.structure.input_placement)
         sl = slice(pl.row_start, pl.row_start + pl.num_nodes)
         p = {k: v[sl] for k, v in self._host("input", pl.key).items()}
         meta = {k: np.asarray(v)[sl] for k, v in self.circuit.tables["inputs"][pl.layer]["meta"].items()}
+        where = f"{src.name} (params['input'][{pl.key!r}])"
+        if isinstance(dist, distributions.Bernoulli):
+            probs = np.exp(np.asarray(p["log_probs"], np.float64))
+            tot = probs.sum(axis=1)
+            off = np.nonzero(~(np.abs(tot - 1.0) <= _ROW_SLOP))[0]
+            if off.size:
+                raise ParamError(f"{self.fn}: the probabilities of {where} sum to {tot[off[:3]].tolist()} at node(s) "
+                                 f"{off[:3].tolist()}, not one; a Bernoulli vector holds one probability per node, "
+                                 f"so it cannot keep them. {_NORMALIZE_HINT}")
+            return {"p": probs[:, 1] / tot}  # (float32 rounding)
         val = dist.internal_to_natural(p, meta)
-        return {k: np.asarray(v) for k, v in val.items() if k in dist.natural_fields}
+        nat = {k: np.asarray(v) for k, v in val.items() if k in dist.natural_fields}
+        if "mask" in nat and "probs" in nat:  # forbidden values have probability zero
+            nat["probs"] = np.where(np.asarray(nat["mask"], bool), nat["probs"], 0.0)
+        check = (distributions.MaskedCategorical(dist.num_cats, "full_mask")
+                 if isinstance(dist, distributions.MaskedCategorical) else dist)  # (the mask as read: full)
+        try:
+            check.canonical_params(dict(nat), src.num_nodes, where)
+        except (TypeError, ValueError) as e:
+            raise ParamError(f"{self.fn}: {e}. {_NORMALIZE_HINT}") from None
+        return nat
+
+
+_ROW_SLOP = 1e-4  # how far from one a Bernoulli row read from float32 parameters may sum (rounding)
+_NORMALIZE_HINT = ("Pass params=jaxpc.optim.normalize(circuit, params) to edit the normalized circuit (the one "
+                   "jaxpc.optim.log_prob evaluates)")
 
 
 def set_input_params(ns: InputNodes, nat: dict[str, np.ndarray] | None) -> None:
-    """Store natural parameters (as :meth:`Params.input_natural` returns them) on a new vector."""
+    """Store natural parameters (as :meth:`Params.input_natural` returns them) on a new vector, checked as
+    ``set_params`` checks them; categorical probabilities are stored as given (rows are not renormalized, so the
+    vector computes what the vector or circuit they were read from computed)."""
     if nat is None:
         return
     dist = ns.dist
@@ -142,11 +198,20 @@ def set_input_params(ns: InputNodes, nat: dict[str, np.ndarray] | None) -> None:
     if isinstance(dist, distributions.MaskedCategorical):
         out = {"mask": nat["mask"].astype(bool)}
         if "probs" in nat:
-            p = np.where(out["mask"], nat["probs"], 0.0)
-            out["probs"] = p / p.sum(axis=1, keepdims=True)
+            out["probs"] = np.where(out["mask"], nat["probs"], 0.0)
+            distributions.MaskedCategorical(dist.num_cats, "full_mask").canonical_params(out, n, ns.name)
         ns.source.load_params(out)
     else:
         ns.set_params(nat)
+        if "probs" in nat:
+            ns.source.load_params({**ns.source.own_params, "probs": np.asarray(nat["probs"], np.float64)})
+
+
+def set_sum_params(ns: SumNodes, blocks: np.ndarray) -> None:
+    """Store block weights ``[num_edge_blocks, block_size, ch_block_size]`` on a new vector as they are (checked as
+    ``set_params`` checks them, not renormalized: the vector computes with the weights it was given)."""
+    ns.set_params(blocks)
+    ns.load_params(np.array(blocks, dtype=np.float64))
 
 
 class Builder:
@@ -191,7 +256,7 @@ class Builder:
             return ns
         b = blocks()
         if b is not None:
-            ns.set_params(b)
+            set_sum_params(ns, b)
         if tie and key not in self.sources:
             self.sources[key] = ns
         return ns

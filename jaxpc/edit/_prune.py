@@ -10,20 +10,28 @@ import numpy as np
 
 from ..nodes import CircuitNodes, SumNodes, multiply
 from ._graph import as_real, check_root, tie_groups
-from ._params import Builder, Params, normalize_blocks
+from ._params import Builder, Params, node_totals, rescale_blocks
 
 
 def prune(root: CircuitNodes, circuit, params=None, flows=None, *, keep_frac: float | None = None,
-          threshold: float | None = None, scores: Mapping[CircuitNodes, Any] | None = None) -> CircuitNodes:
-    """Drop sum edge blocks with low scores and renormalize the remaining weights.
+          threshold: float | None = None, scores: Mapping[CircuitNodes, Any] | None = None,
+          renormalize: bool = True) -> CircuitNodes:
+    """Drop sum edge blocks with low scores and (by default) renormalize the remaining weights.
 
     The score of an edge block is its total flow (expected count, summed over the ``Kp x Kc`` edges of
     the block) from ``circuit.get_node_flows(flows, node)``, or ``scores[node]`` ``[num_edge_blocks]``.
     A tied group is pruned once: its score is the pooled flow (or the sum of its members' scores) and
     every member keeps the same edges. Every parent block keeps at least its best edge block, so
     nodes keep at least one child. Children a sum no longer reaches are dropped from its children, and
-    vectors no longer reachable disappear from the graph. Kept weights are renormalized per node (a node
-    whose kept weights are all zero becomes uniform over its kept edges).
+    vectors no longer reachable disappear from the graph.
+
+    With ``renormalize=True`` (the default) every node's kept weights are scaled up to the node's old total
+    weight (one for normalized parameters), so a normalized circuit stays normalized; a node whose kept weights
+    are all zero spreads its old total evenly over its kept edges. The mass of the dropped edges moves to the
+    kept ones, so ``log_prob`` changes even where the dropped edges carried no flow, unless their weights were
+    zero. With ``renormalize=False`` the kept weights stay as they are: ``log_prob`` of a sample is unchanged
+    where the dropped edges carried none of its flow and lower where they carried some, and a normalized
+    circuit then sums to less than one.
 
     Sum gates follow the kept edge blocks: a pruned vector's gate columns are those of its remaining
     edge blocks, same gate block size; a ``tie_to`` is kept where both vectors keep the same edge blocks
@@ -39,6 +47,8 @@ def prune(root: CircuitNodes, circuit, params=None, flows=None, *, keep_frac: fl
             (ties: earlier edges first), plus the per-parent minimum.
         threshold: or keep edge blocks with score ``>= threshold`` (plus the per-parent minimum).
         scores: optional ``{sum vector: [num_edge_blocks]}``; sums without a score are not pruned.
+        renormalize: give each node's dropped weight to its kept edges (default True, see above); False keeps
+            the kept weights as they are.
 
     Returns:
         the new root.
@@ -49,6 +59,8 @@ def prune(root: CircuitNodes, circuit, params=None, flows=None, *, keep_frac: fl
         raise ValueError(f"{fn}: needs the compiled circuit (and its params and flows)")
     reader = Params(fn, circuit, params)
     keep_frac, threshold = _check_selection(keep_frac, threshold, flows, scores, fn)
+    if not isinstance(renormalize, (bool, np.bool_)):
+        raise TypeError(f"{fn}: renormalize must be True or False, got {renormalize!r}")
     groups = {k: v for k, v in tie_groups(nodes).items() if v[0].is_sum()}
     if scores is not None:
         group_scores = _given_scores(nodes, scores, fn)
@@ -56,7 +68,7 @@ def prune(root: CircuitNodes, circuit, params=None, flows=None, *, keep_frac: fl
         group_scores = _flow_scores(groups, flows, reader, fn)
     kept = _kept_edges(groups, group_scores, keep_frac, threshold)
     alive = _alive(nodes, root, kept)
-    return _build_pruned(nodes, alive, kept, reader)[root.id]
+    return _build_pruned(nodes, alive, kept, reader, bool(renormalize))[root.id]
 
 
 def _check_selection(keep_frac, threshold, flows, scores, fn: str) -> tuple[float | None, float | None]:
@@ -185,7 +197,7 @@ def _alive(nodes: Sequence[CircuitNodes], root: CircuitNodes, kept: dict[int, np
 
 
 def _build_pruned(nodes: Sequence[CircuitNodes], alive: set[int], kept: dict[int, np.ndarray],
-                  reader: Params) -> dict[int, CircuitNodes]:
+                  reader: Params, renormalize: bool) -> dict[int, CircuitNodes]:
     b = Builder("prune")
     new: dict[int, CircuitNodes] = {}
     for ns in nodes:
@@ -196,14 +208,15 @@ def _build_pruned(nodes: Sequence[CircuitNodes], alive: set[int], kept: dict[int
         elif ns.is_prod():
             new[ns.id] = multiply(*[new[c.id] for c in ns.children], edge_ids=ns.edge_ids.copy(), name=ns.name)
         else:
-            new[ns.id] = _pruned_sum(ns, kept, new, b, reader)
+            new[ns.id] = _pruned_sum(ns, kept, new, b, reader, renormalize)
     b.set_gates(nodes)
     return new
 
 
 def _pruned_sum(ns: SumNodes, kept: dict[int, np.ndarray], new: dict[int, CircuitNodes], b: Builder,
-                reader: Params) -> SumNodes:
-    """The sum ``ns`` over its kept edges and surviving children, weights renormalized."""
+                reader: Params, renormalize: bool) -> SumNodes:
+    """The sum ``ns`` over its kept edges and surviving children, each node's kept weights scaled to its old
+    total (``renormalize``) or left as they are."""
     keep = kept.get(ns.source.id)
     if keep is None:
         keep = np.ones(ns.edge_ids.shape[1], bool)
@@ -219,7 +232,16 @@ def _pruned_sum(ns: SumNodes, kept: dict[int, np.ndarray], new: dict[int, Circui
 
     def blocks():
         old = reader.sum_blocks(ns)
-        return None if old is None else normalize_blocks(old[keep], ns.edge_ids[0][keep], ns.num_node_blocks)
+        if old is None:
+            return None
+        if not renormalize:
+            dead = node_totals(old[keep], ns.edge_ids[0][keep], ns.num_node_blocks) <= 0
+            if dead.any():
+                blk, k = (int(i) for i in np.argwhere(dead)[0])
+                raise ValueError(f"prune: with renormalize=False, node {blk * ns.block_size + k} of {ns.name} keeps "
+                                 f"only zero weights; keep more edge blocks or pass renormalize=True")
+            return old[keep]
+        return rescale_blocks(old[keep], ns.edge_ids[0][keep], node_totals(old, ns.edge_ids[0], ns.num_node_blocks))
 
     edge_map = np.where(keep, np.cumsum(keep) - 1, -1)
     return b.sum(ns, [new[ns.children[j].id] for j in idx], ns.num_node_blocks, ns.block_size, edges, blocks,
