@@ -426,6 +426,14 @@ def test_params_that_are_not_numbers_name_the_node_vector_and_the_field():
                      name="m")
     with pytest.raises(TypeError, match=r"InputNodes#\d+: params field 'probs'"):  # unnamed: the default name
         jaxpc.inputs(0, num_nodes=1, dist=D.Categorical(2), params=[["x", "y"]])
+    # booleans and numeric strings were read as numbers (True as 1, "0.5" as 0.5)
+    with pytest.raises(TypeError, match=r"leaf: params field 'probs' of Categorical\(num_cats=2\) must hold real "
+                                        r"numbers, got booleans"):
+        jaxpc.inputs(0, num_nodes=2, dist=D.Categorical(2), params=[[True, False], [False, True]], name="leaf")
+    with pytest.raises(TypeError, match=r"g: params field 'mu' of Gaussian.* got booleans"):
+        jaxpc.inputs(0, num_nodes=2, dist=D.Gaussian(), params={"mu": [True, False], "sigma": [1.0, 1.0]}, name="g")
+    with pytest.raises(TypeError, match=r"b: params field 'p' of Bernoulli.* dtype <U3"):
+        jaxpc.inputs(0, num_nodes=2, dist=D.Bernoulli(), params=["0.5", "0.2"], name="b")
     # numbers in any container stay accepted
     leaf = jaxpc.inputs(0, num_nodes=2, dist=D.Categorical(2), params=[(0.25, 0.75), np.array([1, 1])])
     np.testing.assert_allclose(leaf.get_params()["probs"], [[0.25, 0.75], [0.5, 0.5]])

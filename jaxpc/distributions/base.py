@@ -30,20 +30,27 @@ Array = jax.Array
 _HOST_CHUNK = 1 << 20  # host draws per chunk (8 MiB of float64)
 
 
+def is_real_dtype(dt: np.dtype) -> bool:
+    """Whether arrays of ``dt`` hold real numbers: integers or floats (bfloat16 and the other ml_dtypes floats too),
+    not booleans, complex numbers, strings, dates or objects."""
+    return dt.kind in "iuf" or (dt.kind == "V" and bool(jnp.issubdtype(dt, jnp.floating)))
+
+
 def float_field(value: Any, field: str, dist: Any, where: str) -> np.ndarray:
     """``value``, the natural parameter ``field`` of ``dist`` given to node vector ``where``, as a float64 array.
-    Ragged nested sequences raise a ``ValueError``, values that are not numbers (strings, objects) a ``TypeError``,
-    each naming ``where``, the field and the distribution."""
+    Ragged nested sequences raise a ``ValueError``; values that are not real numbers (booleans, strings, objects)
+    a ``TypeError``; each names ``where``, the field and the distribution."""
+    what = f"{where}: params field {field!r} of {dist!r}"
     try:
-        return np.asarray(value, dtype=np.float64)
-    except (TypeError, ValueError) as e:
-        what = f"{where}: params field {field!r} of {dist!r}"
-        try:
-            raw = np.asarray(value)
-        except ValueError:
-            raise ValueError(f"{what} must be a rectangular array of numbers, got ragged nested sequences "
-                             f"({e})") from None
-        raise TypeError(f"{what} must hold real numbers, got an array of dtype {raw.dtype} ({e})") from None
+        raw = np.asarray(value)
+    except ValueError as e:
+        raise ValueError(f"{what} must be a rectangular array of numbers, got ragged nested sequences ({e})") from None
+    if raw.dtype == bool:
+        raise TypeError(f"{what} must hold real numbers, got booleans (dtype bool); give numbers, e.g. "
+                        f"np.asarray(value, float)")
+    if not is_real_dtype(raw.dtype):
+        raise TypeError(f"{what} must hold real numbers, got an array of dtype {raw.dtype}")
+    return raw.astype(np.float64)
 
 
 class Distribution:

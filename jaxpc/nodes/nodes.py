@@ -450,16 +450,6 @@ def _sum_edges(edge_ids, nb: int, num_ch_blocks: int) -> np.ndarray:
     return edges
 
 
-def _is_real_dtype(dt: np.dtype) -> bool:
-    """Whether arrays of ``dt`` hold real numbers: integers or floats (bfloat16 too), not booleans, complex numbers,
-    strings, dates or objects."""
-    if dt.kind in "iuf":
-        return True
-    import jax.numpy as jnp  # (bfloat16 and the other ml_dtypes floats: kind "V")
-
-    return dt.kind == "V" and bool(jnp.issubdtype(dt, jnp.floating))
-
-
 def _canonical_sum_params(ns: SumNodes, params) -> np.ndarray:
     what = f"{ns.name}: params must be an array of real, non-negative weights"
     try:
@@ -469,7 +459,9 @@ def _canonical_sum_params(ns: SumNodes, params) -> np.ndarray:
     if raw.dtype == bool:
         raise TypeError(f"{what}, got booleans (dtype bool); give the weights as numbers, e.g. "
                         f"np.asarray(params, float)")
-    if not _is_real_dtype(raw.dtype):
+    from ..distributions.base import is_real_dtype  # local, as for Distribution above
+
+    if not is_real_dtype(raw.dtype):
         raise TypeError(f"{what}, got an array of dtype {raw.dtype}")
     p = raw.astype(np.float64)
     E = ns.edge_ids.shape[1]
