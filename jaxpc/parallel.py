@@ -46,6 +46,7 @@ Combined with the ``'data'`` axis this is a 2-D mesh ``('data', 'model')``.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -57,7 +58,7 @@ from jax.sharding import PartitionSpec as P
 from .engine import em
 from .optim.sharded import AXIS, check_mesh, check_on_mesh, data_mesh, sharded_flows_and_ll, sharded_loss_and_grad
 from .optim.train import check_step_state
-from .optim.transforms import check_circuit
+from .optim.transforms import EMTransformation, check_circuit
 from .options import Options
 from .runtime import declare_entries, pad_args
 
@@ -130,6 +131,9 @@ def _run(circuit, name, static, args, x, missing, ll_weights, evidence, validate
     nonnegative = name == "parallel.em_step"
     w = rt.weights(ll_weights, batch.n, nonnegative=nonnegative)
     record_w = rt.weights_check(ll_weights, w, batch, nonnegative, name)
+    if name == "parallel.grad" or (name == "parallel.train_step" and not isinstance(static["tx"], EMTransformation)):
+        where = "parallel.loss_and_grad" if name == "parallel.grad" else name
+        record_w = _and(record_w, _check_weight_total(rt, ll_weights, w, batch, where))
     args = {"tables": rt.replicated(circuit.tables, NamedSharding(mesh, P())), **args, "evidence": ev}
     out = rt.run(name, {"mesh": mesh, **static}, args, batch, options=Options.make(options), batched={"evidence": 0},
                  weights=w, multiple=mesh.shape[AXIS], sharding=NamedSharding(mesh, P(AXIS)), replay=replay,
@@ -137,6 +141,48 @@ def _run(circuit, name, static, args, x, missing, ll_weights, evidence, validate
     record()  # the device evidence's and weights' values, as the circuit's own calls check them
     record_w()
     return out
+
+
+def _and(*records):
+    """One record function that calls each of ``records``."""
+    def record():
+        for r in records:
+            r()
+    return record
+
+
+def _bad_total(w: Array) -> Array:
+    """Whether the weights of a weighted mean sum to no positive total: a scalar bool."""
+    return ~(jnp.sum(w) > 0)
+
+
+def _raise_bad_total(host: np.ndarray, where: str, when: str = "") -> None:
+    """The ``ValueError`` of ``ll_weights`` whose total is not positive (host values)."""
+    total = float(np.sum(host.astype(np.float64)))
+    if not total > 0:
+        raise ValueError(f"{where}: ll_weights must sum to a positive total (the loss is the weighted mean "
+                         f"log-likelihood, divided by it), got a sum of {total}{when}")
+
+
+def _explain_bad_total(w: Array, where: str) -> None:
+    """The error of device weights whose total the device check found not positive."""
+    with jax.transfer_guard_device_to_host("allow"):  # (an error's message, not the call's data path)
+        host = np.asarray(w)
+    _raise_bad_total(host, where, " (checked on the device: that call's outputs are not valid)")
+    raise ValueError(f"{where}: the device check found ll_weights' total not positive; the host check did not")
+
+
+def _check_weight_total(rt, ll_weights, w, batch, where: str):
+    """The weights of a weighted mean (the loss of a gradient step) must sum to a positive total: host weights are
+    checked at once, device weights by a deferred check (the circuit's next call raises); returns its record
+    function (a no-op for host weights, None and tracers)."""
+    if ll_weights is None or isinstance(ll_weights, jax.core.Tracer):
+        return lambda: None
+    if not isinstance(ll_weights, jax.Array):
+        _raise_bad_total(np.asarray(ll_weights), where)
+        return lambda: None
+    return rt.deferred_check(batch, "parallel_weight_total_flag", _bad_total, {"w": w},
+                             functools.partial(_explain_bad_total, w, where))
 
 
 def flows(circuit, params: dict, x, missing=None, *, mesh: Mesh | None = None, ll_weights=None,
@@ -191,8 +237,9 @@ def loss_and_grad(circuit, params: dict, x, missing=None, *, mesh: Mesh | None =
     """``(loss, grads)``: the mean negative log-likelihood of ``normalize(params)`` (``params`` are logits) and
     its gradient with respect to ``params``, data-parallel over ``mesh``. ``evidence``: as for :func:`flows`.
     ``normalize``: renormalize the logits first (default ``True``; ``False``: ``params`` are log-parameters taken as
-    they are). ``ll_weights`` ``[B]``: finite per-sample weights of the mean (default None: all 1). ``circuit``,
-    ``x``, ``missing``, ``options`` and ``validate`` as for :func:`em_step`."""
+    they are). ``ll_weights`` ``[B]``: finite per-sample weights of the mean (default None: all 1) with a positive
+    total (the mean divides by it; else a ``ValueError``, for device weights at the circuit's next call).
+    ``circuit``, ``x``, ``missing``, ``options`` and ``validate`` as for :func:`em_step`."""
     (loss, g), _ = _run(circuit, "parallel.grad", {"normalize": bool(normalize)}, {"params": params}, x, missing,
                         ll_weights, evidence, validate, mesh, options)
     return loss, g
@@ -208,8 +255,9 @@ def train_step(circuit, tx, params: dict, opt_state, x, missing=None, *, mesh: M
     ``opt_state``: ``tx.init(params)`` for the first step, then the state the previous step returned (checked as
     :func:`jaxpc.optim.fit` checks it: None or another optimizer's state raises a ``ValueError``).
     ``tx``: the transformation; ``normalize``: as for :func:`jaxpc.optim.make_step` (default ``True``); ``ll_weights``
-    ``[B]``: finite per-sample weights (default None: all 1). ``circuit``, ``params``, ``x``, ``missing``, ``mesh``,
-    ``options`` and ``validate`` as for :func:`em_step`."""
+    ``[B]``: finite per-sample weights (default None: all 1; with an optax ``tx`` their total must be positive, as for
+    :func:`loss_and_grad`). ``circuit``, ``params``, ``x``, ``missing``, ``mesh``, ``options`` and ``validate`` as for
+    :func:`em_step`."""
     check_circuit(circuit, "parallel.train_step")
     check_step_state(circuit, tx, params, opt_state, "parallel.train_step")
     (p, s), ll = _run(circuit, "parallel.train_step", {"normalize": bool(normalize), "tx": tx},

@@ -64,6 +64,24 @@ def test_fit_names_bad_weights():
             optim.fit(circuit, p, data, 1, 10, key=key, progress=False)
 
 
+def test_fit_checks_host_weights_once(monkeypatch):
+    """Host weights (numpy, lists) are checked once, by fit's own rule, not again by the runtime's (which every
+    value fit accepts passes), and train as the same weights on the device do."""
+    from jaxpc import runtime
+    from jaxpc.optim import train
+
+    circuit, data, w, _ = _weighted_and_repeated()
+    seen = []
+    for module, name in ((runtime, "_raise_bad_weights"), (train, "_raise_bad_fit_weights")):
+        check = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _c=check, _n=name, **k: seen.append(_n) or _c(*a, **k))
+    kw = dict(step_size=0.5, pseudocount=0.1, progress=False)
+    host = optim.fit(circuit, circuit.params, data, 1, 10, ll_weights=list(w), **kw)
+    assert seen == ["_raise_bad_fit_weights"]
+    dev = optim.fit(circuit, circuit.params, data, 1, 10, ll_weights=jnp.asarray(w, jnp.float32), **kw)
+    assert _maxdiff(host.params, dev.params) == 0.0
+
+
 @pytest.mark.slow
 def test_fit_weights_equal_repeated_rows_for_full_batch_em_and_adam():
     """Over several batches, full-batch EM (flows summed over the epoch's batches) on weights equals it on the

@@ -62,8 +62,10 @@ def make_step(layout, tx, *, normalize: bool = True, options: Options | None = N
             the parameters are renormalized after each update.
         options: :class:`jaxpc.Options` of the forward (default LL).
         mesh: a ``'data'`` mesh (:func:`jaxpc.parallel.data_mesh`) to split the batch over its devices
-            (then ``weights`` must be given, the batch a multiple of the devices, and ``missing_ndim``
-            the number of dimensions of ``missing``: None, 1 or 2).
+            (then the batch must be a multiple of the devices; another type is a ``TypeError``, a mesh without a
+            ``'data'`` axis a ``ValueError``).
+        missing_ndim: with a ``mesh``, the number of dimensions of the ``missing`` the step takes: None (no mask),
+            1 (``bool[V]``) or 2 (``bool[B, V]``); another value is a ``ValueError``.
 
     Shapes: ``x`` ``[B, V]``, ``missing`` None / ``bool[V]`` / ``bool[B, V]``, ``weights`` None or ``[B]``
     (zero-weight rows are padding), ``evidence`` None or the per-call evidence of the batch (every leaf batch
@@ -72,6 +74,11 @@ def make_step(layout, tx, *, normalize: bool = True, options: Options | None = N
     """
     opts = Options.make(options)
     _check_tx(tx, layout, opts)
+    if mesh is not None:
+        sharded.check_mesh(mesh)
+        if missing_ndim not in (None, 1, 2) or isinstance(missing_ndim, bool):
+            raise ValueError(f"make_step: missing_ndim must be None, 1 or 2 (the dimensions of missing), got "
+                             f"{missing_ndim!r}")
     if isinstance(tx, EMTransformation):
         if mesh is None:
             flows_fn = functools.partial(em_engine.flows_and_ll, layout, options=opts)
@@ -79,8 +86,8 @@ def make_step(layout, tx, *, normalize: bool = True, options: Options | None = N
             split_flows = sharded.sharded_flows_and_ll(layout, mesh, opts, missing_ndim)
 
             def flows_fn(tables, params, x, missing, weights, evidence=None):
-                return split_flows(tables, params, x, *(() if missing is None else (missing,)), weights,
-                                   evidence=evidence)
+                return split_flows(tables, params, x, *(() if missing is None else (missing,)),
+                                   _split_weights(weights, x, params), evidence=evidence)
 
         def step(tables, params, state, x, missing, weights, evidence=None):
             fl, ll = flows_fn(tables, params, x, missing, weights, evidence=evidence)
@@ -99,7 +106,8 @@ def make_step(layout, tx, *, normalize: bool = True, options: Options | None = N
         split_grad = sharded.sharded_loss_and_grad(layout, mesh, opts, missing_ndim, normalize)
 
         def grad_fn(tables, params, x, missing, weights, evidence):
-            return split_grad(tables, params, x, *(() if missing is None else (missing,)), weights, evidence=evidence)
+            return split_grad(tables, params, x, *(() if missing is None else (missing,)),
+                              _split_weights(weights, x, params), evidence=evidence)
 
     def step(tables, params, state, x, missing, weights, evidence=None):
         (_, ll), g = grad_fn(tables, params, x, missing, weights, evidence)
@@ -110,6 +118,15 @@ def make_step(layout, tx, *, normalize: bool = True, options: Options | None = N
         return params, state, ll
 
     return step
+
+
+def _split_weights(weights, x, params):
+    """The weights a data-parallel step splits with its batch: ``weights``, or ones for None (every row counts)."""
+    if weights is not None:
+        return weights
+    dtype = next((a.dtype for a in jax.tree_util.tree_leaves(params) if jnp.issubdtype(a.dtype, jnp.floating)),
+                 jnp.float32)
+    return jnp.ones((x.shape[0],), dtype)
 
 
 def epoch_batches(key: Array, epoch, num_samples: int, batch_size: int, *, shuffle: bool = True,
@@ -224,13 +241,6 @@ def _epoch_entry(layout, tables, params, state, data, missing, evidence, weights
     del _matmul, _jax  # part of the key only
     step = make_step(layout, optimizer.value, normalize=normalize, options=options, mesh=mesh,
                      missing_ndim=missing_ndim)
-    if mesh is not None and (drop_remainder or num_samples % batch_size == 0):
-        inner = step
-
-        def step(tables, params, state, x, missing, weights, evidence=None):  # the sharded step needs weights
-            w = jnp.ones((x.shape[0],), dtype) if weights is None else weights
-            return inner(tables, params, state, x, missing, w, evidence)
-
     tx = optimizer.value
     skip_empty = weights is not None and not (isinstance(tx, EMTransformation) and tx.config.kind == "full_batch")
     run = _epoch_fn(layout, step, num_samples, batch_size, shuffle, drop_remainder, missing_ndim, dtype, check,
@@ -280,7 +290,8 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
             renormalized (the optimizer must keep them normalized). EM optimizers ignore it (their parameters are
             normalized by construction).
         mesh: a ``'data'`` mesh (:func:`jaxpc.parallel.data_mesh`): each batch is split over its devices
-            (``batch_size`` must be a multiple of the device count).
+            (``batch_size`` must be a multiple of the device count, or at least ``N``: then each epoch is one batch
+            of every row, padded with zero-weight rows to a multiple of the devices, as without a mesh).
         options: :class:`jaxpc.Options` of every step's forward (and of its flows or gradient), e.g.
             ``precision``, ``impl`` or ``propagation``; default ``Options()`` (the log-likelihood). EM optimizers
             take only options whose flows are expected counts (a ``ValueError`` names the others, e.g.
@@ -311,6 +322,7 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
     optimizer = _fit_optimizer(circuit, optimizer, step_size, pseudocount)
     batch, bs = _fit_batch(circuit, data, missing, validate, epochs=epochs, batch_size=batch_size,
                            start_epoch=start_epoch, mesh=mesh)
+    drop_remainder = bool(drop_remainder) and bs < batch.n  # one batch that holds every row leaves none over
     if validate == "sync":  # as em_step's: the parameters' values too
         circuit.runtime.check_params_now(params, where=" (fit, checked with validate='sync')")
     _check_full_batch(optimizer, batch.n, bs, drop_remainder)
@@ -348,21 +360,22 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
 def _fit_weights(circuit, ll_weights, batch):
     """``fit``'s ``(weights, record)``: ``ll_weights`` checked and as an array ``[N]`` of the circuit's dtype (None
     for None), and a function of no arguments that records the device check of device weights (a no-op for others:
-    numpy weights are checked here)."""
+    host weights are checked here, once, by fit's own rule, which is stricter than ``Runtime.weights``': not all
+    zero)."""
     if ll_weights is None:
         return None, _no_record
     shape = tuple(np.shape(ll_weights))
     if shape != (batch.n,):
         raise ValueError(f"fit: ll_weights must have shape [{batch.n}] (one weight per row of data), got {shape}")
-    device = isinstance(ll_weights, jax.Array)
-    if not device:
+    if isinstance(ll_weights, jax.core.Tracer):
+        return ll_weights, _no_record
+    if not isinstance(ll_weights, jax.Array):
         host = np.asarray(ll_weights)
         if host.dtype.kind not in "biuf" and not jnp.issubdtype(host.dtype, jnp.floating):  # (bfloat16: "V")
             raise TypeError(f"fit: ll_weights must be numbers, got dtype {host.dtype}")
         _raise_bad_fit_weights(host)
-    w = circuit.runtime.weights(ll_weights, batch.n, nonnegative=True)
-    if not device or isinstance(ll_weights, jax.core.Tracer):
-        return w, _no_record
+        return jnp.asarray(host, circuit.dtype), _no_record
+    w = jnp.asarray(ll_weights, circuit.dtype)
     return w, circuit.runtime.deferred_check(batch, "fit_weights_flag", _bad_fit_weights, {"w": w},
                                              functools.partial(_explain_fit_weights, w))
 
@@ -434,8 +447,9 @@ def _warn_nan_epoch(params, epoch: int) -> None:
 
 def _fit_batch(circuit, data, missing, validate, *, epochs, batch_size, start_epoch, mesh):
     """``fit``'s checked arguments: ``(batch, batch size)``, the data prepared by the runtime and the batch size
-    clipped to its rows (over a mesh, to the most rows that are a multiple of its devices; a batch size given
-    within the data must be such a multiple)."""
+    clipped to its rows. Over a mesh a batch size of at least the rows is one batch of every row, padded with
+    zero-weight rows to a multiple of the mesh's devices (as one device trains on one batch of every row); a
+    batch size within the data must be such a multiple."""
     _check_counts("fit", (("epochs", epochs, 0), ("batch_size", batch_size, 1), ("start_epoch", start_epoch, 0)))
     batch = circuit.runtime.prepare(data, missing, validate, what="data")
     if batch.n == 0:
@@ -443,12 +457,10 @@ def _fit_batch(circuit, data, missing, validate, *, epochs, batch_size, start_ep
     bs = int(min(batch_size, batch.n))
     if mesh is not None:
         nd = sharded.check_mesh(mesh).shape[sharded.AXIS]
-        if batch_size > batch.n and batch.n >= nd:
-            bs = batch.n - batch.n % nd
-        if bs % nd:
-            what = (f"batch_size={bs}" if bs == batch_size else
-                    f"the batch size, batch_size={batch_size} clipped to the {batch.n} rows of data,")
-            raise ValueError(f"fit: {what} must be a multiple of the {nd} devices of the mesh")
+        if batch_size >= batch.n:
+            bs = -(-batch.n // nd) * nd
+        elif bs % nd:
+            raise ValueError(f"fit: batch_size={bs} must be a multiple of the {nd} devices of the mesh")
     return batch, bs
 
 

@@ -131,8 +131,24 @@ def check_circuit(circuit, where: str) -> None:
         raise TypeError(f"{where}: circuit must be a jaxpc.Circuit, got {type(circuit).__name__}{hint}")
 
 
+def _check_schedule(step_size, where: str) -> None:
+    """Raise where the schedule ``step_size`` does not map the update count (an ``int32`` scalar, traced: the updates
+    run under ``jit``) to a float scalar: its shapes are traced once, nothing is evaluated."""
+    try:
+        out = jax.eval_shape(step_size, jax.ShapeDtypeStruct((), jnp.int32))
+    except Exception as e:  # any failure of the user's function: raised again, naming its cause
+        raise TypeError(f"{where}: step_size is a schedule count -> float, but calling it on a traced int32 count "
+                        f"failed: {type(e).__name__}: {e}") from e
+    shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
+    if shape != () or not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
+        got = f"shape {shape} and dtype {dtype}" if shape is not None else type(out).__name__
+        raise ValueError(f"{where}: a step_size schedule must return a scalar float for each count, got {got}")
+
+
 def _check_args(step_size, pseudocount, where: str) -> None:
-    if not callable(step_size):
+    if callable(step_size):
+        _check_schedule(step_size, where)
+    else:
         try:
             s = float(step_size)
         except (TypeError, ValueError) as e:
@@ -309,12 +325,26 @@ def _make(circuit, config: EMConfig) -> EMTransformation:
     jit_step = jax.jit(lambda t, fl, st, p, n: em_apply(layout, t, config, fl, st, p, n))
     jit_update = jax.jit(lambda t, fl, st, p, n: _deltas_and_state(em_apply(layout, t, config, fl, st, p, n), p))
 
+    name = {"em": "em", "full_batch": "full_batch_em", "anemone": "anemone"}[config.kind]
+    state_type = FullBatchEMState if config.kind == "full_batch" else EMState
+
+    def check(flows, state):
+        if not (isinstance(flows, dict) and "sum" in flows and "input" in flows):
+            raise ValueError(f"{name}: flows must be the expected counts of circuit.flows(params, x) (a dict with "
+                             f"'sum' and 'input'), got {type(flows).__name__}"
+                             f"{' with keys ' + str(sorted(flows)) if isinstance(flows, dict) else ''}")
+        if not isinstance(state, state_type):
+            raise ValueError(f"{name}: state must be this optimizer's {state_type.__name__} (its init(params), then "
+                             f"the state its previous update returned), got {type(state).__name__}")
+
     def step(flows, state, params, *, num_samples=None, **_):
+        check(flows, state)
         return jit_step(tables, flows, state, params, num_samples)
 
     def update(flows, state, params=None, *, num_samples=None, **_):
         if params is None:
             raise ValueError("EM transformations need params: call update(flows, state, params)")
+        check(flows, state)
         return jit_update(tables, flows, state, params, num_samples)
 
     return EMTransformation(init, update, step, config)
