@@ -224,6 +224,14 @@ def is_device_array(a) -> bool:
     return isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer)
 
 
+def check_bool(where: str, name: str, value) -> bool:
+    """``value`` as a Python bool where it is one (a NumPy bool too), else a ``TypeError`` naming ``where`` and
+    ``name``: a switch given as a string (``"False"``), a number or None is not read by its truth value."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{where}: {name} must be a bool, got {value!r}")
+    return bool(value)
+
+
 def check_key(key, who: str = "") -> None:
     """Raise a ``TypeError`` where ``key`` is not one PRNG key: a typed key of shape ``()`` or a raw ``uint32``
     key of shape ``[2]`` or ``[4]`` (tracers too: their shapes and dtypes are known); ``who`` prefixes the message

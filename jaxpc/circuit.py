@@ -566,7 +566,7 @@ class Circuit:
         With device-resident inputs a step makes no host transfer but its input check's one-byte flag (none with
         ``validate=False``); rows with bad values take no part in the update.
         """
-        keep_zero_params = _check_bool(keep_zero_params, "keep_zero_params", "em_step")
+        keep_zero_params = checks.check_bool("em_step", "keep_zero_params", keep_zero_params)
         rt = self.runtime
         step, pseudo = rt.em_scalars(step_size, pseudocount)
         replay = None
@@ -613,8 +613,8 @@ class Circuit:
         Sum nodes whose flows (plus pseudocount) are all zero keep their parameters.
         """
         check_em_args(step_size, pseudocount)
-        update_sums = _check_bool(update_sums, "update_sums", "em_update")
-        keep_zero_params = _check_bool(keep_zero_params, "keep_zero_params", "em_update")
+        update_sums = checks.check_bool("em_update", "update_sums", update_sums)
+        keep_zero_params = checks.check_bool("em_update", "keep_zero_params", keep_zero_params)
         rt = self.runtime
         return rt.run("em_update", {"update_sums": update_sums, "keep_zero_params": keep_zero_params},
                       {"tables": self.tables, "params": params, "flows": flows,
@@ -818,13 +818,6 @@ def _node_arg(node, who: str) -> CircuitNodes:
         hint = " (pass one of its nodes, e.g. circuit.root)" if isinstance(node, Circuit) else ""
         raise TypeError(f"{who}: node must be a node vector (jaxpc.CircuitNodes), got {type(node).__name__}{hint}")
     return node
-
-
-def _check_bool(value, name: str, who: str) -> bool:
-    """``value`` as a bool where it is one (a NumPy bool too); else a ``TypeError`` naming ``name``."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{who}: {name} must be a bool, got {value!r}")
-    return bool(value)
 
 
 def _tree_add(a, b):

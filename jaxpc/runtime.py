@@ -797,6 +797,8 @@ class Runtime:
     def em_scalars(self, step_size, pseudocount) -> tuple:
         """EM's ``step_size`` and ``pseudocount`` checked (:func:`check_em_args`) and as device scalars
         (:meth:`scalar`), memoized per pair of Python numbers (a repeated step pays a dict lookup)."""
+        if step_size.__class__ is bool or pseudocount.__class__ is bool:  # (True == 1 would hit the memo)
+            check_em_args(step_size, pseudocount)
         try:
             hit = self._em_scalars.get((step_size, pseudocount))
         except TypeError:  # arrays
@@ -1075,6 +1077,8 @@ def check_em_args(step_size, pseudocount) -> None:
     for name, v in (("step_size", step_size), ("pseudocount", pseudocount)):
         if isinstance(v, jax.core.Tracer):
             continue
+        if isinstance(v, (bool, np.bool_, str, bytes)):
+            raise TypeError(f"{name} must be a float, got {type(v).__name__} {v!r}")
         try:
             f = float(v)
         except (TypeError, ValueError) as e:

@@ -154,3 +154,20 @@ def test_check_evidence_checks_the_batch(small):
     c, _, _ = small
     with pytest.raises(TypeError, match=r"check_evidence: batch must be an int >= 0, got '2'"):
         c.check_evidence({"latent": np.zeros((2, 2, 4))}, "2")
+
+
+def test_em_numbers_and_fit_switches_refuse_booleans_and_strings(small):
+    """``step_size=True`` read as 1 (and, through the scalars' memo, hit a step of ``step_size=1``), ``"0.1"`` as
+    0.1, and ``fit(shuffle=None)`` as no shuffle: each is now a ``TypeError`` naming the argument."""
+    from jaxpc import optim
+
+    c, _, x = small
+    c.em_step(c.params, x, step_size=1, pseudocount=0)  # fills the memo with (1, 0)
+    for kw, name in (({"step_size": True, "pseudocount": 0}, "step_size"),
+                     ({"step_size": 1, "pseudocount": False}, "pseudocount"),
+                     ({"step_size": "0.1", "pseudocount": 0.1}, "step_size")):
+        with pytest.raises(TypeError, match=rf"{name} must be a float, got (bool|str)"):
+            c.em_step(c.params, x, **kw)
+    for flag in ("shuffle", "drop_remainder", "normalize", "progress"):
+        with pytest.raises(TypeError, match=rf"fit: {flag} must be a bool, got None"):
+            optim.fit(c, c.params, x, 1, 4, step_size=0.5, pseudocount=0.1, **{flag: None})

@@ -1003,7 +1003,7 @@ def test_grow_and_prune_keep_each_nodes_total_weight():
         np.testing.assert_allclose(dense_weights(n1), np.concatenate([Wk[:, 3 * m:3 * m + 3] for m in chs], 1),
                                    rtol=1e-6)
         np.testing.assert_allclose(dense_weights(new), R, rtol=1e-6)  # not scored: as it was
-    with pytest.raises(TypeError, match="prune: renormalize must be True or False, got 'no'"):
+    with pytest.raises(TypeError, match="prune: renormalize must be a bool, got 'no'"):
         edit.prune(root, c, p, scores={s1: sc}, threshold=0.5, renormalize="no")
     # by enumeration of all 81 states: normalized parameters stay normalized under prune, and without renormalizing
     # the mass of the dropped edges is gone

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import checks
 from ..nodes import CircuitNodes, SumNodes, multiply
 from ._graph import as_real, check_root, tie_groups
 from ._params import Builder, Params, node_totals, rescale_blocks
@@ -59,8 +60,7 @@ def prune(root: CircuitNodes, circuit, params=None, flows=None, *, keep_frac: fl
         raise ValueError(f"{fn}: needs the compiled circuit (and its params and flows)")
     reader = Params(fn, circuit, params)
     keep_frac, threshold = _check_selection(keep_frac, threshold, flows, scores, fn)
-    if not isinstance(renormalize, (bool, np.bool_)):
-        raise TypeError(f"{fn}: renormalize must be True or False, got {renormalize!r}")
+    renormalize = checks.check_bool(fn, "renormalize", renormalize)
     groups = {k: v for k, v in tie_groups(nodes).items() if v[0].is_sum()}
     if scores is not None:
         group_scores = _given_scores(nodes, scores, fn)
@@ -68,7 +68,7 @@ def prune(root: CircuitNodes, circuit, params=None, flows=None, *, keep_frac: fl
         group_scores = _flow_scores(groups, flows, reader, fn)
     kept = _kept_edges(groups, group_scores, keep_frac, threshold)
     alive = _alive(nodes, root, kept)
-    return _build_pruned(nodes, alive, kept, reader, bool(renormalize))[root.id]
+    return _build_pruned(nodes, alive, kept, reader, renormalize)[root.id]
 
 
 def _check_selection(keep_frac, threshold, flows, scores, fn: str) -> tuple[float | None, float | None]:

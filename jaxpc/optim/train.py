@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..checks import bad_params_entry, check_key, raise_bad_values
+from ..checks import bad_params_entry, check_bool, check_key, raise_bad_values
 from ..engine import em as em_engine
 from ..options import Options
 from ..runtime import declare_entries, options_key
@@ -319,6 +319,9 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
         :class:`FitResult` ``(params, opt_state, epoch_ll [epochs])``.
     """
     check_circuit(circuit, "fit")
+    for name, flag in (("shuffle", shuffle), ("drop_remainder", drop_remainder), ("normalize", normalize),
+                       ("progress", progress)):
+        check_bool("fit", name, flag)
     optimizer = _fit_optimizer(circuit, optimizer, step_size, pseudocount)
     batch, bs = _fit_batch(circuit, data, missing, validate, epochs=epochs, batch_size=batch_size,
                            start_epoch=start_epoch, mesh=mesh)
