@@ -36,21 +36,26 @@ def is_real_dtype(dt: np.dtype) -> bool:
     return dt.kind in "iuf" or (dt.kind == "V" and bool(jnp.issubdtype(dt, jnp.floating)))
 
 
-def float_field(value: Any, field: str, dist: Any, where: str) -> np.ndarray:
-    """``value``, the natural parameter ``field`` of ``dist`` given to node vector ``where``, as a float64 array.
-    Ragged nested sequences raise a ``ValueError``; values that are not real numbers (booleans, strings, objects)
-    a ``TypeError``; each names ``where``, the field and the distribution."""
-    what = f"{where}: params field {field!r} of {dist!r}"
+def real_array(value: Any, what: str, ragged: type[Exception] = ValueError) -> np.ndarray:
+    """``value`` as a float64 array where it holds real numbers (integers or floats); else an error whose message
+    starts with ``what`` (the rule broken, e.g. ``"w: params must hold real numbers"``): booleans, strings and
+    other non-numbers a ``TypeError``, ragged nested sequences ``ragged``."""
     try:
         raw = np.asarray(value)
     except ValueError as e:
-        raise ValueError(f"{what} must be a rectangular array of numbers, got ragged nested sequences ({e})") from None
+        raise ragged(f"{what}, got ragged nested sequences, not a rectangular array ({e})") from None
     if raw.dtype == bool:
-        raise TypeError(f"{what} must hold real numbers, got booleans (dtype bool); give numbers, e.g. "
-                        f"np.asarray(value, float)")
+        raise TypeError(f"{what}, got booleans (dtype bool); give numbers, e.g. np.asarray(value, float)")
     if not is_real_dtype(raw.dtype):
-        raise TypeError(f"{what} must hold real numbers, got an array of dtype {raw.dtype}")
+        raise TypeError(f"{what}, got an array of dtype {raw.dtype}")
     return raw.astype(np.float64)
+
+
+def float_field(value: Any, field: str, dist: Any, where: str) -> np.ndarray:
+    """``value``, the natural parameter ``field`` of ``dist`` given to node vector ``where``, as a float64 array
+    (:func:`real_array`: a ``TypeError`` for non-numbers, booleans included, a ``ValueError`` for ragged nested
+    sequences, each naming ``where``, the field and the distribution)."""
+    return real_array(value, f"{where}: params field {field!r} of {dist!r} must hold real numbers")
 
 
 class Distribution:

@@ -451,19 +451,9 @@ def _sum_edges(edge_ids, nb: int, num_ch_blocks: int) -> np.ndarray:
 
 
 def _canonical_sum_params(ns: SumNodes, params) -> np.ndarray:
-    what = f"{ns.name}: params must be an array of real, non-negative weights"
-    try:
-        raw = np.asarray(params)
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"{what} ({e})") from None
-    if raw.dtype == bool:
-        raise TypeError(f"{what}, got booleans (dtype bool); give the weights as numbers, e.g. "
-                        f"np.asarray(params, float)")
-    from ..distributions.base import is_real_dtype  # local, as for Distribution above
+    from ..distributions.base import real_array  # local, as for Distribution above
 
-    if not is_real_dtype(raw.dtype):
-        raise TypeError(f"{what}, got an array of dtype {raw.dtype}")
-    p = raw.astype(np.float64)
+    p = real_array(params, f"{ns.name}: params must be an array of real, non-negative weights", ragged=TypeError)
     E = ns.edge_ids.shape[1]
     Kp, Kc = ns.block_size, ns.ch_block_size
     if p.ndim == 2 and p.shape == (ns.num_nodes, ns.num_ch_nodes):
