@@ -47,8 +47,10 @@ def main(argv=None):
 
     def batch(b):
         x = rng.integers(0, V, (b, T)).astype(np.int32)
-        ids = np.sort(rng.choice(V, (b, T, K)).astype(np.int32), axis=2)
-        ids[:, :, 0] = x  # the observed token is a candidate
+        # K distinct candidates per position (top-k ids must not repeat in a row), the observed token among them:
+        # x and x + K - 1 distinct nonzero offsets, mod V
+        off = np.stack([rng.choice(V - 1, K - 1, replace=False) + 1 for _ in range(b * T)]).reshape(b, T, K - 1)
+        ids = np.sort(np.concatenate([x[:, :, None], (x[:, :, None] + off) % V], axis=2), axis=2).astype(np.int32)
         lp = rng.normal(size=(b, T, K)).astype(np.float32)
         return jnp.asarray(x), jnp.asarray(ids), jnp.asarray(lp)
 

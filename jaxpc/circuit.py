@@ -374,6 +374,9 @@ class Circuit:
         soft = {spec.dist.num_cats for spec in self.layout.input_layers
                 if isinstance(spec.dist, distributions.SoftEvidenceCategorical)}
         num_cats = max(soft) if soft else None
+        if evidence.get("categorical_logp") is not None and evidence.get("categorical_topk") is not None:
+            raise ValueError("evidence holds both evidence['categorical_logp'] (dense) and "
+                             "evidence['categorical_topk'] soft evidence: give one of them")
         out, device = {}, []
         readers = {"categorical_logp": distributions.SoftEvidenceCategorical,
                    "categorical_topk": distributions.SoftEvidenceCategorical, "external": distributions.External}
@@ -387,9 +390,10 @@ class Circuit:
                 a = _evidence_array(key, val, batch, 3, values="log", device=device)
                 if a.shape[1] != V:
                     raise ValueError(f"evidence['{key}'] must have shape [{batch}, {V}, ...], got {tuple(a.shape)}")
-                if key == "categorical_logp" and len(soft) == 1 and a.shape[2] not in soft:
-                    raise ValueError(f"evidence['{key}'] must have shape [{batch}, {V}, {min(soft)}] (the "
-                                     f"SoftEvidenceCategorical leaves' num_cats last), got {tuple(a.shape)}")
+                if key == "categorical_logp" and a.shape[2] != num_cats:
+                    raise ValueError(f"evidence['{key}'] must have shape [{batch}, {V}, {num_cats}] (the "
+                                     f"SoftEvidenceCategorical leaves' largest num_cats last; a leaf of fewer values "
+                                     f"reads the first num_cats), got {tuple(a.shape)}")
                 if key != "categorical_logp" and a.shape[2] != self._node_widths[key]:
                     whose = "External leaf vector" if key == "external" else "leaf vector"
                     raise ValueError(f"evidence['{key}'] must have shape [{batch}, {V}, "
@@ -398,7 +402,7 @@ class Circuit:
                                      f"{tuple(a.shape)}")
                 out[key] = a
             elif key == "categorical_topk":
-                out[key] = _check_topk_evidence(val, batch, num_cats, device)
+                out[key] = _check_topk_evidence(val, batch, num_cats, device, V)
             else:  # sum_gates / sum_lowrank
                 out[key] = _check_sum_evidence(key, val, batch, {g.key: g for g in self.layout.sum_groups},
                                                self.num_gates, device)
@@ -832,6 +836,9 @@ def _evidence_array(name: str, a, batch: int, ndim: int, last=None, values: str 
     of floats with ``values`` is appended to ``device`` as ``(name, values, (a,))``, checked on the device by the
     call (:meth:`Circuit.prepare_evidence`: its values on the host would cost a round trip); tracers pass."""
     host = None if isinstance(a, (jax.Array, jax.core.Tracer)) else np.asarray(a)
+    dtype = a.dtype if host is None else host.dtype
+    if not any(jnp.issubdtype(dtype, kind) for kind in (jnp.floating, jnp.integer, jnp.bool_)):
+        raise TypeError(f"evidence['{name}'] must hold real numbers, got dtype {dtype}")
     a = a if host is None else jnp.asarray(host)
     if a.ndim != ndim or a.shape[0] != batch:
         raise ValueError(f"evidence['{name}'] must have {ndim} axes with the batch ({batch}) first, got "
@@ -846,22 +853,32 @@ def _evidence_array(name: str, a, batch: int, ndim: int, last=None, values: str 
     return a
 
 
-def _check_topk_evidence(val, batch: int, num_cats: int | None, device: list | None = None) -> dict:
-    """``evidence["categorical_topk"]``: integer ``ids [B, V, k]`` (as int32), ``logp`` and an optional boolean
-    ``mask`` of the same shape. Ids must lie in ``[0, num_cats)`` (the soft leaves' values) and be distinct
-    among a row's unmasked entries: checked here for host ids (:func:`jaxpc.checks.raise_bad_topk_ids`); concrete
-    device ids are appended to ``device`` (as ``_evidence_array`` does) with their mask, as given."""
-    if not isinstance(val, dict) or not {"ids", "logp"} <= set(val):
+def _check_topk_evidence(val, batch: int, num_cats: int | None, device: list | None = None,
+                         num_vars: int | None = None) -> dict:
+    """``evidence["categorical_topk"]``: integer ``ids [B, V, k]`` (as int32, ``k >= 1``; ``V`` is ``num_vars``
+    where given), ``logp`` and an optional boolean ``mask`` of the same shape, no other key. Ids must lie in
+    ``[0, num_cats)`` (the soft leaves' values) and be distinct among a row's unmasked entries: checked here for
+    host ids (:func:`jaxpc.checks.raise_bad_topk_ids`); concrete device ids are appended to ``device`` (as
+    ``_evidence_array`` does) with their mask, as given."""
+    if not isinstance(val, dict) or not {"ids", "logp"} <= set(val) or set(val) - {"ids", "logp", "mask"}:
+        got = list(val) if isinstance(val, dict) else type(val).__name__
         raise ValueError("evidence['categorical_topk'] must be {'ids': int[B, V, k], 'logp': [B, V, k], "
-                         "'mask': bool[B, V, k] (optional)}")
+                         f"'mask': bool[B, V, k] (optional)}}, got {got}")
     ids = _evidence_array("categorical_topk.ids", val["ids"], batch, 3)
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise TypeError(f"evidence['categorical_topk']['ids'] must be integers, got {ids.dtype}")
+    if (num_vars is not None and ids.shape[1] != num_vars) or ids.shape[2] == 0:
+        raise ValueError(f"evidence['categorical_topk']['ids'] must have shape [{batch}, "
+                         f"{'V' if num_vars is None else num_vars}, k] with k >= 1 candidates per position, got "
+                         f"{tuple(ids.shape)}")
     topk = {"ids": ids.astype(jnp.int32),
             "logp": _evidence_array("categorical_topk.logp", val["logp"], batch, 3, ids.shape[1:], values="log",
                                     device=device)}
     if val.get("mask") is not None:
-        topk["mask"] = _evidence_array("categorical_topk.mask", val["mask"], batch, 3, ids.shape[1:]).astype(bool)
+        mask = _evidence_array("categorical_topk.mask", val["mask"], batch, 3, ids.shape[1:])
+        if jnp.issubdtype(mask.dtype, jnp.floating):
+            raise TypeError(f"evidence['categorical_topk']['mask'] must be booleans, got {mask.dtype}")
+        topk["mask"] = mask.astype(bool)
     if not isinstance(val["ids"], (jax.Array, jax.core.Tracer)):
         checks.raise_bad_topk_ids(np.asarray(val["ids"], np.int64), val.get("mask"), num_cats)
     elif (device is not None and checks.is_device_array(val["ids"])

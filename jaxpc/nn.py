@@ -41,13 +41,15 @@ Array = jax.Array
 __all__ = ["CircuitModule", "CircuitTables"]
 
 
-def _log_prob_impl(layout, tables, params, x, missing, soft, *, options, normalize):
-    return normalized_log_prob(layout, tables, params, x, missing, options, normalize=normalize, soft=soft)
+def _log_prob_impl(layout, tables, params, x, missing, soft, evidence=None, *, options, normalize):
+    return normalized_log_prob(layout, tables, params, x, missing, options, normalize=normalize, soft=soft,
+                               evidence=evidence)
 
 
-def _em_step_impl(layout, tables, params, x, missing, weights, step_size, pseudocount, *, options, normalize):
+def _em_step_impl(layout, tables, params, x, missing, weights, step_size, pseudocount, evidence=None, *, options,
+                  normalize):
     p = normalize_params(layout, tables, params) if normalize else params
-    fl, ll = em_engine.flows_and_ll(layout, tables, p, x, missing, weights, options)
+    fl, ll = em_engine.flows_and_ll(layout, tables, p, x, missing, weights, options, evidence)
     return em_engine.em_update(layout, tables, p, fl, step_size, pseudocount, options.compute_param_flows), ll
 
 
@@ -130,7 +132,7 @@ class CircuitModule(nnx.Module):
         _assign(self.params, params)
 
     # ---- evaluation --------------------------------------------------------------------------------
-    def __call__(self, x=None, missing=None, *, soft_evidence=None) -> Array:
+    def __call__(self, x=None, missing=None, *, soft_evidence=None, evidence=None) -> Array:
         """Log-likelihoods ``[B]``.
 
         Args:
@@ -141,13 +143,16 @@ class CircuitModule(nnx.Module):
                 Its values are checked as :meth:`jaxpc.Circuit.marginal` checks them: a host (numpy) array's at once,
                 a device array's on the device (the circuit's next call raises); traced ones (under ``nnx.jit``) are
                 not, and a negative or non-finite weight gives its row NaN.
+            evidence: per-call evidence with ``x`` (soft evidence leaves, ``External`` leaves, latent potentials,
+                per-sample sum parameters), as for :meth:`jaxpc.Circuit.log_prob` and checked as there; traced (new
+                evidence never recompiles) and differentiable.
         """
         c = self.circuit
         tables = self.tables.get_value()
         raw = self.raw_params()
         if soft_evidence is not None:
-            if x is not None or missing is not None:
-                raise ValueError("CircuitModule: give either x (with missing) or soft_evidence, not both")
+            if x is not None or missing is not None or evidence is not None:
+                raise ValueError("CircuitModule: give either x (with missing and evidence) or soft_evidence, not both")
             q = checks.check_soft_evidence(c.runtime.var_info, soft_evidence, "CircuitModule")
             if isinstance(q, np.ndarray):
                 checks.raise_bad_soft(q, "CircuitModule", "checked on the host")
@@ -167,11 +172,15 @@ class CircuitModule(nnx.Module):
         if x is None:
             raise ValueError("CircuitModule: needs x (hard evidence) or soft_evidence")
         batch = c.runtime.prepare(x, missing, True)
-        return _run(c, "nn.log_prob", {"normalize": self.normalize}, {"tables": tables, "params": raw, "soft": None},
-                    batch, options=self.options)
+        ev, record = c.prepare_evidence(evidence, batch, "CircuitModule")
+        out = _run(c, "nn.log_prob", {"normalize": self.normalize},
+                   {"tables": tables, "params": raw, "soft": None, "evidence": ev},
+                   batch, options=self.options, batched={"evidence": 0})
+        record()
+        return out
 
     # ---- EM ------------------------------------------------------------------------------------------
-    def em_step(self, x, missing=None, *, step_size=1.0, pseudocount=0.0, ll_weights=None) -> Array:
+    def em_step(self, x, missing=None, *, step_size=1.0, pseudocount=0.0, ll_weights=None, evidence=None) -> Array:
         """One mini-batch EM step on the module's parameters, in place (works under ``nnx.jit``).
 
         The flows are those of the normalized parameters, under the module's options; the module then holds the
@@ -183,16 +192,19 @@ class CircuitModule(nnx.Module):
         :meth:`__call__`, checked as :meth:`jaxpc.Circuit.em_step` checks them with ``validate=True`` (numpy values
         at once, a device array's by the circuit's next call; traced ones under ``nnx.jit`` not at all).
         ``ll_weights``: optional ``[B]`` per-sample weights of the expected counts (default None: all 1), finite and
-        >= 0, checked as for :meth:`jaxpc.Circuit.em_step` (a wrong shape is a ``ValueError``)."""
+        >= 0, checked as for :meth:`jaxpc.Circuit.em_step` (a wrong shape is a ``ValueError``). ``evidence``:
+        per-call evidence as for :meth:`__call__` (default None)."""
         em_engine.check_em_options(self.options, "CircuitModule.em_step")
         c = self.circuit
         step, pseudo = c.runtime.em_scalars(step_size, pseudocount)
         batch = c.runtime.prepare(x, missing, True)
+        ev, record = c.prepare_evidence(evidence, batch, "CircuitModule.em_step")
         w = c.runtime.weights(ll_weights, batch.n, nonnegative=True)
         new, ll = _run(c, "nn.em_step", {"normalize": self.normalize},
                        {"tables": self.tables.get_value(), "params": self.raw_params(),
-                        "step_size": step, "pseudocount": pseudo},
-                       batch, options=self.options, weights=w)
+                        "step_size": step, "pseudocount": pseudo, "evidence": ev},
+                       batch, options=self.options, weights=w, batched={"evidence": 0})
+        record()
         c.runtime.weights_check(ll_weights, w, batch, True, "CircuitModule.em_step")()
         self.set_params(new)
         return ll

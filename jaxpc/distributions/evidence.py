@@ -3,10 +3,11 @@
 Per-call evidence travels in the ``evidence`` pytree of ``log_prob`` / ``flows`` / ``em_step``
 (traced arguments: new evidence never recompiles):
 
-* ``evidence["categorical_logp"]``: dense ``[B, V, K]`` log-weights ``e`` of every value, or
+* ``evidence["categorical_logp"]``: dense ``[B, V, K]`` log-weights ``e`` of every value (``K`` the largest
+  ``num_cats`` of the circuit's soft evidence leaves; a leaf of fewer values reads the first ``num_cats``), or
   ``evidence["categorical_topk"] = {"ids": int[B, V, k], "logp": [B, V, k], "mask": bool[B, V, k]
   (optional)}``: ``k`` candidate values per position (unique per row) with their log-weights; values
-  outside the candidates (or masked) get weight zero.
+  outside the candidates (or masked) get weight zero, and so do candidates that are no value of a leaf.
 * ``evidence["external"]``: ``[B, V, M]`` log-values of ``External`` leaves (node ``j`` of a vector
   over variable ``v`` reads ``[:, v, j]``).
 """
@@ -112,6 +113,11 @@ class SoftEvidenceCategorical(Categorical):
         if dense is None and topk is None:
             return self.log_prob(p, tables, rows, xv, mv, options)
         lt = p["log_probs"]
+        if dense is not None:
+            dense = dense[:, :, :self.num_cats]
+        else:  # a candidate that is no value of these leaves has no weight (as a masked one)
+            live = topk["ids"] < self.num_cats
+            topk = {**topk, "mask": live if topk.get("mask") is None else live & topk["mask"]}
         xr = self._values(xv, mv)
         xi = jnp.clip(xr, 0, self.num_cats - 1)  # [N, B]
         B = xv.shape[1]

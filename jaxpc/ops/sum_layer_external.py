@@ -38,6 +38,15 @@ def _child_terms(buf: Array, ch: Array, Kc: int, dense: bool) -> tuple[Array, Ar
     return jnp.exp(x - m).reshape(n, C, Kc, x.shape[-1]), m
 
 
+def _gate_shift(gates: Array, ch: Array, pad_row: int | None) -> Array:
+    """``[n, 1, Kp, B]``: each parent row's largest log-gate over its real slots (0 where it has none finite). A
+    parent row's gates scale both its sum and its normalizer, so subtracting it changes nothing but keeps
+    ``exp(gates)`` within range (log-gates far above 0 would overflow, far below underflow to a zero row)."""
+    live = gates if pad_row is None else jnp.where((ch != pad_row)[:, :, None, None], gates, -jnp.inf)
+    m = lax.stop_gradient(jnp.max(live, axis=1, keepdims=True))
+    return jnp.where(jnp.isfinite(m), m, 0.0)
+
+
 def _lowrank_terms(lowrank: dict, pid: Array, y: Array, eg: Array | None, keep: Array, precision: str):
     """The LowRank corrections' parts of the sums and normalizers, ``[n, Kp, B]`` each: ``sum_c g U (V y)`` and
     ``sum_c g U (V 1)`` over the real slots (``keep [n, C]``), ``g = exp(gates)`` (``eg [n, C, Kp, B]``) or 1."""
@@ -67,7 +76,7 @@ def sum_layer_external_reference(buf: Array, ch: Array, pid: Array, logw: Array,
     w_z = (jnp.exp(lax.stop_gradient(lw)) if counts else w) * keep[:, :, None, None]
     part = matmul("ncpk,nckb->npcb", w, y, precision)  # per-block sums [n, Kp, C, B]
     rows = jnp.sum(w_z, axis=3)  # [n, C, Kp]
-    eg = None if gates is None else jnp.exp(gates)
+    eg = None if gates is None else jnp.exp(gates - _gate_shift(gates, ch, pad_row))
     if eg is None:
         s = jnp.sum(part, axis=2)
         Z = jnp.sum(rows, axis=1)[:, :, None]
