@@ -24,7 +24,7 @@ from .engine import em, forward, partial, routing, stages
 from .executables import BucketPolicy, CacheInfo, ExecutableCache
 from .nodes import CircuitNodes
 from .options import Options
-from .runtime import ENTRY_POINTS, Entry, Runtime, check_em_args, declare_entries
+from .runtime import ENTRY_POINTS, LOG_FLOWS, Entry, Runtime, check_em_args, declare_entries
 
 Array = jax.Array
 Params = dict
@@ -525,8 +525,9 @@ class Circuit:
         opts = Options.make(options)
         batch = self.runtime.prepare(x, missing, validate)
         ev, record = self.prepare_evidence(evidence, batch, "circuit.flows")
-        w = self.runtime.weights(ll_weights, batch.n)
-        record_w = self.runtime.weights_check(ll_weights, w, batch, False, "circuit.flows")
+        nonnegative = LOG_FLOWS if opts.logspace_flows else False
+        w = self.runtime.weights(ll_weights, batch.n, nonnegative=nonnegative)
+        record_w = self.runtime.weights_check(ll_weights, w, batch, nonnegative, "circuit.flows")
         args = {"tables": self.tables, "params": params, "evidence": ev}
         if return_evidence_grad:
             if ev is None:
@@ -554,7 +555,8 @@ class Circuit:
         Variants: ``keep_zero_params`` (zero parameters stay zero); ``rescale="tdp"`` (new parameters
         ``normalize(step_size * flows / batch + (1 - step_size) * TDP)``, TDP the model's top-down
         probabilities); ``options=Options(propagation="MPE")`` (hard / Viterbi EM from max-product
-        flows: each sum node's flow goes to its first maximizing child, the one :meth:`mpe` decodes);
+        flows: each sum node's flow goes to its first maximizing child, the one :meth:`mpe` decodes, and a
+        missing categorical or Gaussian variable counts the value :meth:`mpe` decodes for it);
         ``Options(pflow_temperature=T)`` (tempered EM). ``Options(logspace_flows=True)`` is refused: EM takes
         linear flows.
 

@@ -60,7 +60,7 @@ from .optim.sharded import AXIS, check_mesh, check_on_mesh, data_mesh, sharded_f
 from .optim.train import check_step_state
 from .optim.transforms import EMTransformation, check_circuit
 from .options import Options
-from .runtime import declare_entries, pad_args
+from .runtime import LOG_FLOWS, declare_entries, pad_args
 
 Array = jax.Array
 
@@ -128,7 +128,8 @@ def _run(circuit, name, static, args, x, missing, ll_weights, evidence, validate
     batch = rt.prepare(x, missing, validate)
     check_on_mesh(mesh, batch.x, batch.missing, args.get("params"))
     ev, record = circuit.prepare_evidence(evidence, batch, name)
-    nonnegative = name == "parallel.em_step"
+    nonnegative = (True if name == "parallel.em_step" else
+                   LOG_FLOWS if name == "parallel.flows" and Options.make(options).logspace_flows else False)
     w = rt.weights(ll_weights, batch.n, nonnegative=nonnegative)
     record_w = rt.weights_check(ll_weights, w, batch, nonnegative, name)
     if name == "parallel.grad" or (name == "parallel.train_step" and not isinstance(static["tx"], EMTransformation)):

@@ -353,8 +353,9 @@ def _explain_params(params, where: str) -> None:
     raise ValueError("params held a value that the device check rejected; the host check found none")
 
 
-def _raise_bad_weights(host: np.ndarray, nonnegative: bool, where: str = "") -> None:
-    """The ``ValueError`` of ``ll_weights`` (host values) that are not finite, or negative where ``nonnegative``."""
+def _raise_bad_weights(host: np.ndarray, nonnegative: bool | str, where: str = "") -> None:
+    """The ``ValueError`` of ``ll_weights`` (host values) that are not finite, or negative where ``nonnegative`` (True:
+    an EM step's weights; a str: whose weights they are, e.g. ``LOG_FLOWS``)."""
     flat = host.astype(np.float64).ravel()
     bad = np.flatnonzero(~np.isfinite(flat))
     more = f" ({bad.size} such weights in all)" if bad.size > 1 else ""
@@ -363,8 +364,14 @@ def _raise_bad_weights(host: np.ndarray, nonnegative: bool, where: str = "") -> 
     neg = np.flatnonzero(flat < 0) if nonnegative else ()
     more = f" ({len(neg)} such weights in all)" if len(neg) > 1 else ""
     if len(neg):
-        raise ValueError(f"ll_weights of an EM step must be >= 0 (a negative weight makes negative expected "
+        whose = nonnegative if isinstance(nonnegative, str) else "an EM step"
+        raise ValueError(f"ll_weights of {whose} must be >= 0 (a negative weight makes negative expected "
                          f"counts); ll_weights[{neg[0]}] is {host.ravel()[neg[0]]}{more}{where}")
+
+
+# whose weights must be non-negative besides an EM step's (``nonnegative`` of Runtime.weights): negative counts have
+# no logarithm
+LOG_FLOWS = "log-space flows (Options(logspace_flows=True))"
 
 
 def _bad_weights(w: Array) -> Array:
@@ -375,7 +382,7 @@ def _bad_em_weights(w: Array) -> Array:
     return ~jnp.all(jnp.isfinite(w) & (w >= 0))
 
 
-def _explain_weights(w: Array, nonnegative: bool, where: str) -> None:
+def _explain_weights(w: Array, nonnegative: bool | str, where: str) -> None:
     """The error of device weights whose check found a bad value."""
     with jax.transfer_guard_device_to_host("allow"):  # (an error's message, not the call's data path)
         host = np.asarray(w)
@@ -813,10 +820,10 @@ class Runtime:
             self._em_scalars[step_size, pseudocount] = out
         return out
 
-    def weights(self, ll_weights, n: int, nonnegative: bool = False):
+    def weights(self, ll_weights, n: int, nonnegative: bool | str = False):
         """Per-sample weights ``[n]`` of the circuit's dtype, or None. Host weights (numpy, lists) must be finite,
-        and with ``nonnegative`` (an EM step's: a negative weight makes negative expected counts) >= 0; device
-        arrays' values are checked by :meth:`weights_check`."""
+        and with ``nonnegative`` (True: an EM step's, a negative weight makes negative expected counts; a str: whose
+        weights they are, ``LOG_FLOWS``) >= 0; device arrays' values are checked by :meth:`weights_check`."""
         if ll_weights is None:
             return None
         if not isinstance(ll_weights, jax.Array):
@@ -829,7 +836,7 @@ class Runtime:
             raise ValueError(f"ll_weights must have shape [{n}] (one weight per sample), got {tuple(w.shape)}")
         return w
 
-    def weights_check(self, ll_weights, w, batch: Batch, nonnegative: bool, where: str) -> Callable[[], None]:
+    def weights_check(self, ll_weights, w, batch: Batch, nonnegative: bool | str, where: str) -> Callable[[], None]:
         """:meth:`deferred_check` of device weights ``ll_weights`` (``w``: :meth:`weights`' result). Host weights were
         checked by :meth:`weights`; tracers are not checked."""
         if not checks.is_device_array(ll_weights):

@@ -188,6 +188,14 @@ class Distribution:
         """Expected sufficient statistics per row from node flows ``[N, B]``."""
         return {}
 
+    def marginalized_params(self, p: dict[str, Array], options) -> dict[str, Array]:
+        """The parameters whose distribution a marginalized value's statistics follow under ``options``' propagation
+        (what :meth:`suff_stats` and :meth:`log_suff_stats` read for missing values): ``p`` itself, the posterior
+        of EM. Distributions whose max-product value of a missing variable is one value (a mode) return, under
+        ``propagation="MPE"``, parameters that put all the mass there, so that hard EM counts the value the
+        decoding takes."""
+        return p
+
     def log_suff_stats(self, p: dict[str, Array], tables: dict[str, Array], rows: Array, xv: Array, mv: Array | None,
                        log_flows: Array, num_rows: int) -> dict[str, Array]:
         """The logarithms of :meth:`suff_stats` from log node flows ``[N, B]`` (``Options(logspace_flows=True)``),

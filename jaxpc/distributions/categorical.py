@@ -97,6 +97,15 @@ class Categorical(Distribution):
             out = jnp.where(mv, marg[:, None], out)
         return out
 
+    def marginalized_params(self, p, options):
+        """Under ``propagation="MPE"``, all the mass on each node's first most probable value (the value
+        max-product decoding takes for a missing variable); else ``p``."""
+        if options.propagation != "MPE":
+            return p
+        lp = p["log_probs"]
+        first = jnp.argmax(lp, axis=1)[:, None] == jnp.arange(lp.shape[1])
+        return {**p, "log_probs": jnp.where(first, jnp.zeros((), lp.dtype), jnp.array(-jnp.inf, lp.dtype))}
+
     def value_table(self, p):
         # a subclass with its own log_prob (evidence leaves) computes its values otherwise
         return p["log_probs"] if type(self).log_prob is Categorical.log_prob else None

@@ -163,6 +163,13 @@ class Gaussian(Distribution):
     def mode(self, p, tables, prow, num_values):
         return p["mu"][prow]
 
+    def marginalized_params(self, p, options):
+        """Under ``propagation="MPE"``, a point mass at each node's mean (the value max-product decoding takes for a
+        missing variable: no variance); else ``p``."""
+        if options.propagation != "MPE":
+            return p
+        return {**p, "log_scale": jnp.full_like(p["log_scale"], -jnp.inf)}
+
     def suff_stats(self, p, tables, rows, xv, mv, flows, num_rows):
         mu = p["mu"][rows]
         var = jnp.exp(2.0 * p["log_scale"][rows])

@@ -120,19 +120,21 @@ def _assemble_flows(layout, tables, params, x, missing, options, g_sum, g_eps, b
     mt = forward.missing_t(missing)
     g_in = {}
     for spec, tab, node_flows, where in zip(layout.input_layers, tables["inputs"], g_eps, at):
+        # a missing value counts under the propagation's own distribution of it (hard EM: the decoded value)
+        p = params["input"][spec.key] if mt is None else spec.dist.marginalized_params(params["input"][spec.key],
+                                                                                        options)
         with jax.named_scope(f"jaxpc/input_stats/{spec.key}"):
             if spec.run > 1:
                 gv = tab["vars"][::spec.run]
                 # the kernel reads the flows where they lie (a slice of the buffer would be copied first)
                 kw = {"kernel": where} if routing.counts_kernel(spec, options, node_flows) else {}
                 mv = None if mt is None else take_rows(mt, gv)
-                g_in[spec.key] = spec.dist.suff_stats_runs(params["input"][spec.key], tab["meta"], take_rows(xt, gv),
-                                                           mv, node_flows, spec.run, options, **kw)
+                g_in[spec.key] = spec.dist.suff_stats_runs(p, tab["meta"], take_rows(xt, gv), mv, node_flows, spec.run,
+                                                           options, **kw)
                 continue
             xv = take_rows(xt, tab["vars"])
             mv = None if mt is None else take_rows(mt, tab["vars"])
-            g_in[spec.key] = spec.dist.suff_stats(params["input"][spec.key], tab["meta"], tab["rows"], xv, mv,
-                                                  node_flows, spec.num_rows)
+            g_in[spec.key] = spec.dist.suff_stats(p, tab["meta"], tab["rows"], xv, mv, node_flows, spec.num_rows)
     out = {"sum": g_sum, "input": g_in}
     if options.node_flows:
         out["node"] = logflows.node_totals(layout, tables, g_sum, g_eps)

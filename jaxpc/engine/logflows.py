@@ -80,7 +80,9 @@ def flows_and_ll(layout: Layout, tables: dict, params: dict, x: Array, missing: 
         lf = lax.slice_in_dim(log_nodes, spec.offset, spec.offset + spec.num_nodes)
         node_flows.append(lf)
         with jax.named_scope(f"jaxpc/input_log_stats/{spec.key}"):
-            stats[spec.key] = spec.dist.log_suff_stats(params["input"][spec.key], tab["meta"], tab["rows"],
+            p = params["input"][spec.key] if mt is None else spec.dist.marginalized_params(params["input"][spec.key],
+                                                                                            options)
+            stats[spec.key] = spec.dist.log_suff_stats(p, tab["meta"], tab["rows"],
                                                        xt[tab["vars"]], None if mt is None else mt[tab["vars"]],
                                                        lf, spec.num_rows)
     out = {"sum": log_sums, "input": stats}
