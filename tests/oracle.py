@@ -58,7 +58,7 @@ def category_table(dist, params, n):
             cdf_lo = np.where(i == 0, 0.0, _sigmoid((lo - mu) / s))
             return np.log(cdf_hi - cdf_lo)
         if isinstance(dist, distributions.Literal):
-            t = np.full((n, 2), -np.inf)
+            t = np.full((n, max(2, dist.lit + 1)), -np.inf)  # (the variable takes at least the values 0, 1)
             t[:, dist.lit] = 0.0
             return t
         if isinstance(dist, distributions.Indicator):
