@@ -147,7 +147,7 @@ def test_wait_compiled_negative_timeout_is_a_value_error(small):
         c.wait_compiled(-1)
     with pytest.raises(TypeError, match=r"wait_compiled: timeout must be None or seconds >= 0, got 'x'"):
         c.wait_compiled("x")
-    assert c.wait_compiled(0.0) is True
+    assert c.wait_compiled(None) is True  # (0 s may leave a GPU's optimized compile pending: False)
 
 
 def test_check_evidence_checks_the_batch(small):
