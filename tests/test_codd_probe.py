@@ -191,7 +191,7 @@ def test_every_evidence_kind_at_once_matches_the_float64_oracle(c64, soft):
             assert c64.cache_info().misses == misses, B
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_evidence_gradients_in_float64_equal_central_differences(c64):
     """``jax.grad`` (op by op and jitted) and ``flows(..., return_evidence_grad=True)`` by every evidence tensor
     equal central differences of the float64 oracle to 1e-7, and the flows' evidence gradient holds None for the

@@ -457,7 +457,7 @@ def test_shapes_on_other_routes(name, options, B):
     check(g, c, B, options, propagations=False, tol=3e-2 if options.precision == "bf16" else 1e-4)
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_shapes_on_the_gpu_routes(monkeypatch):
     """``impl="auto"`` as on a GPU (the Pallas kernels in interpret mode): leaf and counts kernels, in-place
     products and the fan-in backward on shared vectors, and max-product kernels."""
@@ -468,7 +468,7 @@ def test_shapes_on_the_gpu_routes(monkeypatch):
     check(g, c, 257, jaxpc.Options(tuning=jaxpc.Tuning(leaf_batch=1, counts_batch=1, max_product_kernels=True)))
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_random_circuits_match_oracle():
     """A seeded loop over random circuits with heavy sharing, ties, deep single-child chains and wide products,
     every leaf type."""

@@ -46,7 +46,7 @@ def test_conditional_without_evidence_says_so():
         c.conditional(c.params, None)
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_float64_queries_are_exact_at_batch_sizes_one_odd_and_large():
     """Under ``jax_enable_x64`` a float64 circuit's marginal, conditional and MPE agree with float64 enumeration to
     ~1e-12, in float64, at batch sizes 1, 7 and 1000; samples keep the evidence and stay in its support."""

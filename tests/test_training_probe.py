@@ -243,8 +243,8 @@ def test_make_step_on_a_mesh_takes_no_weights_and_names_bad_arguments():
     xj = jnp.asarray(x)
     for tx in (optax.adam(0.1), optim.em(circuit, 0.5, 0.1)):
         state = tx.init(circuit.params)
-        split = optim.make_step(circuit.layout, tx, mesh=mesh)
-        one = optim.make_step(circuit.layout, tx)
+        split = jax.jit(optim.make_step(circuit.layout, tx, mesh=mesh))  # (made to run under jit, as fit does)
+        one = jax.jit(optim.make_step(circuit.layout, tx))
         got = split(circuit.tables, circuit.params, state, xj, None, None)
         want = one(circuit.tables, circuit.params, state, xj, None, None)
         for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):

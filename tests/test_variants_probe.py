@@ -207,7 +207,7 @@ def _subsets(n):
     return [list(s) for k in range(1, n + 1) for s in itertools.combinations(range(n), k)]
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.filterwarnings("ignore:jaxpc. 'partial' has been compiled for:RuntimeWarning")  # (one plan per subset)
 @pytest.mark.parametrize("seed", [0, 9, 14])
 def test_partial_evaluation_of_every_subset_with_missing_values(seed):
@@ -466,7 +466,7 @@ def test_chain_impossible_samples_of_weight_zero_and_one_every_flow_variant(flow
         assert all((np.isfinite(v) | np.isneginf(v)).all() for v in map(np.asarray, jax.tree_util.tree_leaves(new)))
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_chain_node_flows_against_the_oracle():
     """``Options(node_flows=True)`` on HMM chains (tied and untied, categorical and Gaussian emissions), by the
     chain's scan and layer by layer, linear and in log space, with missing values and a sample of weight 0: each
