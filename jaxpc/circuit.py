@@ -406,6 +406,10 @@ class Circuit:
             else:  # sum_gates / sum_lowrank
                 out[key] = _check_sum_evidence(key, val, batch, {g.key: g for g in self.layout.sum_groups},
                                                self.num_gates, device)
+        # float evidence computes in the circuit's dtype (float64 numpy evidence under x64 widened a float32 circuit)
+        out = jax.tree_util.tree_map(
+            lambda a: a.astype(self.dtype) if jnp.issubdtype(a.dtype, jnp.floating) and a.dtype != self.dtype else a,
+            out)
         return out or None, device, num_cats
 
     # ---- evaluation ----------------------------------------------------------------------------

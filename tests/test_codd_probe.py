@@ -452,3 +452,22 @@ def test_flax_module_with_per_call_evidence(c32):
     np.testing.assert_allclose(np.asarray(ll), np.asarray(want_ll), rtol=1e-5, atol=1e-6)
     for u, v in zip(jax.tree_util.tree_leaves(m.get_params()), jax.tree_util.tree_leaves(new), strict=True):
         np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-4, atol=1e-6)
+
+
+def test_float64_evidence_keeps_a_float32_circuit_float32(c32):
+    """Under x64, numpy evidence is float64 by default: it widened a float32 circuit's computation and outputs to
+    float64. Float evidence now computes in the circuit's dtype (the values as with float32 evidence)."""
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 3, (5, 4)).astype(np.int32)
+    ev = _evidence(c32, rng, 5)
+    want = np.asarray(c32.log_prob(c32.params, x, evidence=_evidence_as(ev, np.float32)))
+    with jax.enable_x64(True):
+        got = c32.log_prob(c32.params, x, evidence=ev)
+        assert got.dtype == jnp.float32
+        fl = c32.flows(c32.params, x, evidence=ev)
+        assert {a.dtype for a in jax.tree_util.tree_leaves(fl)} == {jnp.dtype(jnp.float32)}
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
+
+
+def _evidence_as(ev, dtype):
+    return jax.tree_util.tree_map(lambda a: a if a.dtype.kind == "i" else a.astype(dtype), ev)
