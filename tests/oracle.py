@@ -151,12 +151,28 @@ def _split(W, X, f, T):
     return np.where(np.isfinite(top), f[:, None, :] * p, 0.0)
 
 
-def flows(circuit, params, x, miss=None, weights=None, tp: float = 1.0, te: float = 1.0, alpha: float | None = None):
+def _split_first_max(W, X, f):
+    """``[n, nch, B]``: each parent's flow ``f`` given whole to its first child whose ``log w + x`` is the parent's
+    max-product value (hard EM); impossible parents pass nothing."""
+    with np.errstate(divide="ignore"):
+        t = np.log(W)[:, :, None] + X[None]
+    top = t.max(axis=1)  # [n, B]
+    first = np.argmax(t == top[:, None, :], axis=1)  # [n, B]
+    e = np.zeros_like(t)
+    i, b = np.nonzero(np.isfinite(top))
+    e[i, first[i, b], b] = f[i, b]
+    return e
+
+
+def flows(circuit, params, x, miss=None, weights=None, tp: float = 1.0, te: float = 1.0, alpha: float | None = None,
+          hard: bool = False):
     """Top-down LL flows (``GeneralLL(alpha)``'s where ``alpha`` is given: each split by ``(w x)^alpha``
-    normalized). Returns (sum edge flows by node id ``[n, nch]``, input node flows by node id ``[n, B]``, the node
-    values), float64 and per vector (not yet summed over tied vectors). ``tp``/``te``: temperatures of the
-    parameter flows and of the flows passed down (1: EM)."""
-    vals, root = forward(circuit, params, x, miss, mode="LL" if alpha is None else "GeneralLL", alpha=alpha)
+    normalized; with ``hard``, max-product flows, each node's flow to its first maximizing child). Returns (sum edge
+    flows by node id ``[n, nch]``, input node flows by node id ``[n, B]``, the node values), float64 and per vector
+    (not yet summed over tied vectors). ``tp``/``te``: temperatures of the parameter flows and of the flows passed
+    down (1: EM)."""
+    mode = "MPE" if hard else "LL" if alpha is None else "GeneralLL"
+    vals, root = forward(circuit, params, x, miss, mode=mode, alpha=alpha)
     if alpha is not None:
         tp, te = tp / alpha, te / alpha
     B = np.asarray(x).shape[0]
@@ -170,9 +186,9 @@ def flows(circuit, params, x, miss=None, weights=None, tp: float = 1.0, te: floa
         if ns.is_sum():
             W = _np(circuit.get_node_params(params, ns))
             X = np.concatenate([vals[c.id] for c in ns.children])
-            ef = _split(W, X, f, tp)  # [n, nch, B]
+            ef = _split_first_max(W, X, f) if hard else _split(W, X, f, tp)  # [n, nch, B]
             edge[ns.id] = ef.sum(axis=2)
-            chf = (ef if te == tp else _split(W, X, f, te)).sum(axis=0)
+            chf = (ef if hard or te == tp else _split(W, X, f, te)).sum(axis=0)
             start = 0
             for c in ns.children:
                 F[c.id] += chf[start:start + c.num_nodes]

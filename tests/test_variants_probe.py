@@ -13,7 +13,6 @@ import pytest
 
 import jaxpc
 from jaxpc import distributions, structures
-from jaxpc.nodes import topological_order
 
 from . import oracle
 from .random_circuits import Generator
@@ -21,37 +20,10 @@ from .random_circuits import Generator
 # ---- hard (Viterbi) EM -------------------------------------------------------------------------------------------
 
 def mpe_flows(c, params, x, weights, missing=None):
-    """Hard EM's flows in float64: each sum node's flow goes whole to its first child (in the order of its
-    children's node vectors) whose term ``log w + value`` equals its max-product value, none from an impossible
-    node. Returns the edge flows by source vector id (pooled over tied vectors) and the node flows by node id."""
-    vals, _ = oracle.forward(c, params, x, missing, mode="MPE")
-    B = x.shape[0]
-    order = topological_order(c.root)
-    F = {ns.id: np.zeros((ns.num_nodes, B)) for ns in order}
-    F[c.root.id][0] = weights
-    edge = {}
-    for ns in reversed(order):
-        f = F[ns.id]
-        if ns.is_sum():
-            W = np.asarray(c.get_node_params(params, ns), np.float64)
-            X = np.concatenate([vals[ch.id] for ch in ns.children])
-            with np.errstate(divide="ignore"):
-                t = np.log(W)[:, :, None] + X[None]
-            e = np.zeros_like(t)
-            for i, b in np.ndindex(t.shape[0], B):
-                top = t[i, :, b].max()
-                if np.isfinite(top):
-                    e[i, int(np.flatnonzero(t[i, :, b] == top)[0]), b] = f[i, b]
-            edge[ns.id] = e.sum(2)
-            chf, start = e.sum(0), 0
-            for ch in ns.children:
-                F[ch.id] += chf[start:start + ch.num_nodes]
-                start += ch.num_nodes
-        elif ns.is_prod():
-            K = ns.block_size
-            for j, ch in enumerate(ns.children):
-                np.add.at(F[ch.id], (ns.edge_ids[:, j][:, None] * K + np.arange(K)).reshape(-1), f)
-    return oracle.tied_edge_flows(c, edge), F
+    """Hard EM's flows in float64 (:func:`oracle.flows` with ``hard``): the edge flows by source vector id (pooled
+    over tied vectors) and the input node flows by node id."""
+    edge, inputs, _ = oracle.flows(c, params, x, missing, weights, hard=True)
+    return oracle.tied_edge_flows(c, edge), inputs
 
 
 def untied_sums(c):
