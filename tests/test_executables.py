@@ -1411,12 +1411,10 @@ def test_a_dropped_circuit_releases_its_tables():
 @pytest.mark.slow
 def test_a_stored_executable_that_fails_to_load_is_stored_again(tmp_path, monkeypatch):
     """A stored executable that fails to load (a damaged file) is compiled again and written back to the store, also
-    where JAX's own persistent cache (the suite's) would serve that compile: a later circuit loads it and compiles
-    nothing."""
+    where JAX's own persistent cache (the suite's, tests/conftest.py) serves that compile: a later circuit loads it
+    and compiles nothing."""
     from jaxpc import executables
 
-    if not jax.config.jax_compilation_cache_dir:
-        pytest.skip("JAX's persistent compilation cache is off (tests/conftest.py turns it on)")
     store = executables.ExecutableStore(str(tmp_path))
     monkeypatch.setattr(executables, "_STORE", store)
     x = _data(8)
