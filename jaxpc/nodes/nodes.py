@@ -19,7 +19,9 @@ node is built; the error names the offending nodes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -365,13 +367,33 @@ def _check_same_shapes(ns: CircuitNodes, old: Sequence[CircuitNodes], new: Seque
                 f"num_node_blocks={a.num_node_blocks}, block_size={a.block_size}")
 
 
+def first_off_scope(children) -> CircuitNodes | None:
+    """The first of ``children`` whose scope is not the first child's (a sum over them is not smooth), or None."""
+    return next((c for c in children[1:] if c.scope != children[0].scope), None)
+
+
+def union_scope(children) -> int:
+    """The union of the children's scopes (a bit set of variables)."""
+    return functools.reduce(operator.or_, (c.scope for c in children), 0)
+
+
+def first_overlap(children) -> tuple[int, int] | None:
+    """``(j, shared)``: the first child ``j`` that shares variables (the bit set ``shared``) with an earlier one (a
+    product of them is not decomposable), or None."""
+    scope = 0
+    for j, c in enumerate(children):
+        if scope & c.scope:
+            return j, scope & c.scope
+        scope |= c.scope
+    return None
+
+
 def check_smooth(ns: SumNodes) -> None:
-    s0 = ns.children[0].scope
-    for c in ns.children[1:]:
-        if c.scope != s0:
-            raise ValueError(
-                f"summate: children must share one scope (smoothness), but {ns.children[0].name} has scope "
-                f"{scope_str(s0)} and {c.name} has scope {scope_str(c.scope)}")
+    c = first_off_scope(ns.children)
+    if c is not None:
+        raise ValueError(
+            f"summate: children must share one scope (smoothness), but {ns.children[0].name} has scope "
+            f"{scope_str(ns.children[0].scope)} and {c.name} has scope {scope_str(c.scope)}")
 
 
 def _check_children(kind: str, children: tuple) -> None:
@@ -391,17 +413,16 @@ def _check_children(kind: str, children: tuple) -> None:
 
 def _disjoint_scope(children: tuple) -> int:
     """The union of the children's scopes, which must be pairwise disjoint (decomposability)."""
-    scope = 0
-    for j, c in enumerate(children):
-        if scope & c.scope:
-            overlap = scope_vars(scope & c.scope)
-            prev = [i for i, d in enumerate(children[:j]) if d.scope & c.scope]
-            raise ValueError(
-                f"multiply: children must have disjoint scopes (decomposability), but {c.name} shares variables "
-                f"{overlap[:6]} with {', '.join(children[i].name for i in prev)} (children "
-                f"{', '.join(map(str, prev))} and {j})")
-        scope |= c.scope
-    return scope
+    hit = first_overlap(children)
+    if hit is not None:
+        j, shared = hit
+        c = children[j]
+        prev = [i for i, d in enumerate(children[:j]) if d.scope & c.scope]
+        raise ValueError(
+            f"multiply: children must have disjoint scopes (decomposability), but {c.name} shares variables "
+            f"{scope_vars(shared)[:6]} with {', '.join(children[i].name for i in prev)} (children "
+            f"{', '.join(map(str, prev))} and {j})")
+    return union_scope(children)
 
 
 def _prod_edges(children: tuple, edge_ids) -> np.ndarray:

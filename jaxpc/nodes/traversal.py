@@ -3,7 +3,7 @@ exceed Python's recursion limit)."""
 
 from __future__ import annotations
 
-from .nodes import CircuitNodes, scope_str, scope_vars
+from .nodes import CircuitNodes, first_off_scope, first_overlap, scope_str, scope_vars, union_scope
 
 
 def topological_order(root: CircuitNodes, follow_ties: bool = False) -> list[CircuitNodes]:
@@ -51,27 +51,27 @@ def check_vector(ns: CircuitNodes) -> None:
     chs = ns.children
     if not chs:
         raise ValueError(f"the circuit is invalid: {ns.name} ({ns.kind} vector) has no children")
+    scope = union_scope(chs) if ns.is_prod() else chs[0].scope
     if ns.is_prod():
-        scope = 0
-        for j, c in enumerate(chs):
-            if scope & c.scope:
-                raise ValueError(f"the circuit is not decomposable: {ns.name} multiplies {c.name} (child {j}), which "
-                                 f"shares variables {scope_vars(scope & c.scope)[:6]} with an earlier child")
+        hit = first_overlap(chs)
+        if hit is not None:
+            j, shared = hit
+            raise ValueError(f"the circuit is not decomposable: {ns.name} multiplies {chs[j].name} (child {j}), which "
+                             f"shares variables {scope_vars(shared)[:6]} with an earlier child")
+        for c in chs:
             if c.block_size != ns.block_size:
                 raise ValueError(f"the circuit is invalid: {ns.name} (block size {ns.block_size}) multiplies "
                                  f"{c.name} of block size {c.block_size}")
-            scope |= c.scope
         bad = [j for j, c in enumerate(chs) if ns.edge_ids.shape[1] != len(chs) or
                ns.edge_ids[:, j].max() >= c.num_node_blocks]
         if bad:
             raise ValueError(f"the circuit is invalid: {ns.name}'s edge_ids do not fit its children (child "
                              f"{bad[0]}, {chs[bad[0]].name})")
     else:
-        scope = chs[0].scope
-        for c in chs[1:]:
-            if c.scope != scope:
-                raise ValueError(f"the circuit is not smooth: {ns.name} sums {chs[0].name} of scope "
-                                 f"{scope_str(scope)} and {c.name} of scope {scope_str(c.scope)}")
+        c = first_off_scope(chs)
+        if c is not None:
+            raise ValueError(f"the circuit is not smooth: {ns.name} sums {chs[0].name} of scope "
+                             f"{scope_str(scope)} and {c.name} of scope {scope_str(c.scope)}")
         if any(c.block_size != ns.ch_block_size for c in chs) or \
                 sum(c.num_node_blocks for c in chs) != ns.num_ch_node_blocks:
             raise ValueError(f"the circuit is invalid: {ns.name} was built over {ns.num_ch_node_blocks} child blocks "
