@@ -186,15 +186,9 @@ class InputNodes(CircuitNodes):
 
     def __init__(self, var: int, num_node_blocks: int, block_size: int, dist, params=None,
                  source: InputNodes | None = None, name: str | None = None):
-        from ..distributions import Distribution  # local: distributions import nodes for typing only
-
         if not isinstance(var, (int, np.integer)) or isinstance(var, bool) or var < 0:
             raise ValueError(f"inputs: var must be a non-negative int variable id, got {var!r}")
-        if isinstance(dist, type) and issubclass(dist, Distribution):
-            raise TypeError(f"inputs: dist must be a distribution instance, got the class {dist.__name__}; call it, "
-                            f"e.g. {dist.__name__}(...)")
-        if not isinstance(dist, Distribution):
-            raise TypeError(f"inputs: dist must be a jaxpc.distributions.Distribution, got {type(dist).__name__}")
+        check_dist("inputs", "dist", dist)
         super().__init__(num_node_blocks, block_size, (), 1 << int(var), source=source, name=name)
         self.var = int(var)
         self.dist = dist
@@ -365,6 +359,25 @@ def _check_same_shapes(ns: CircuitNodes, old: Sequence[CircuitNodes], new: Seque
                 f"duplicate of {ns.name}: child {i} ({b.name}) has num_node_blocks={b.num_node_blocks}, "
                 f"block_size={b.block_size}; the original child {a.name} has "
                 f"num_node_blocks={a.num_node_blocks}, block_size={a.block_size}")
+
+
+_REQUIRED = object()
+
+
+def check_dist(where: str, name: str, dist, default=_REQUIRED):
+    """``dist``, which must be a :class:`jaxpc.distributions.Distribution` instance (a class or anything else is a
+    ``TypeError`` naming ``where`` and ``name``); None gives ``default`` where one is given."""
+    from ..distributions import Distribution  # local: distributions import nodes for typing only
+
+    if dist is None and default is not _REQUIRED:
+        return default
+    if isinstance(dist, type) and issubclass(dist, Distribution):
+        raise TypeError(f"{where}: {name} must be a distribution instance, got the class {dist.__name__}; call it, "
+                        f"e.g. {dist.__name__}(...)")
+    if not isinstance(dist, Distribution):
+        got = "None" if dist is None else type(dist).__name__
+        raise TypeError(f"{where}: {name} must be a jaxpc.distributions.Distribution, got {got}")
+    return dist
 
 
 def first_off_scope(children) -> CircuitNodes | None:

@@ -7,6 +7,8 @@ import numbers
 import jax.numpy as jnp
 import numpy as np
 
+from ..distributions.base import real_array
+
 
 def largest_pow2_divisor(n: int) -> int:
     """The largest power of two dividing ``n`` (PyJuice's default block size rule)."""
@@ -41,33 +43,11 @@ def check_seed(where: str, seed) -> int:
     return check_int(where, "seed", seed, lo=0)
 
 
-def check_dist(where: str, name: str, dist, default=None):
-    """``dist`` (``default`` where it is None), which must be a :class:`jaxpc.distributions.Distribution` instance,
-    else a ``TypeError`` naming ``where`` and ``name``."""
-    from ..distributions import Distribution
-
-    if dist is None:
-        return default
-    if isinstance(dist, type) and issubclass(dist, Distribution):
-        raise TypeError(f"{where}: {name} must be a distribution instance, got the class {dist.__name__}; call it, "
-                        f"e.g. {dist.__name__}(...)")
-    if not isinstance(dist, Distribution):
-        raise TypeError(f"{where}: {name} must be a jaxpc.distributions.Distribution, got {type(dist).__name__}")
-    return dist
-
-
 def check_weights(where: str, name: str, a) -> np.ndarray:
-    """Weights ``a`` (probabilities, or proportions such as counts) as a float64 array: real numbers, finite and
-    non-negative; booleans, strings and other non-numbers raise a ``TypeError``, the rest a ``ValueError``, naming
-    ``where`` and ``name``."""
-    try:
-        raw = np.asarray(a)
-    except ValueError as e:
-        raise ValueError(f"{where}: {name} must be a rectangular array of numbers ({e})") from None
-    if raw.dtype == bool or not (raw.dtype.kind in "iuf" or jnp.issubdtype(raw.dtype, jnp.floating)):
-        raise TypeError(f"{where}: {name} must hold real numbers (probabilities or proportions), got dtype "
-                        f"{raw.dtype}")
-    out = raw.astype(np.float64)
+    """Weights ``a`` (probabilities, or proportions such as counts) as a float64 array: real numbers
+    (:func:`jaxpc.distributions.base.real_array`: booleans, strings and other non-numbers raise a ``TypeError``,
+    ragged lists a ``ValueError``), finite and non-negative (else a ``ValueError``), naming ``where`` and ``name``."""
+    out = real_array(a, f"{where}: {name} must hold real numbers (probabilities or proportions)")
     if not np.all(np.isfinite(out)) or np.any(out < 0):
         raise ValueError(f"{where}: {name} must be finite and non-negative")
     return out

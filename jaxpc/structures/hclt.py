@@ -22,7 +22,8 @@ from scipy.sparse import csgraph, csr_matrix
 
 from .. import distributions
 from ..nodes import CircuitNodes, inputs, multiply, summate
-from ._util import check_bool, check_dist, check_int, check_latents, check_leaf_values, check_numbers
+from ..nodes.nodes import check_dist
+from ._util import check_bool, check_int, check_latents, check_leaf_values, check_numbers
 
 __all__ = ["HCLT", "mutual_information", "chow_liu_tree"]
 

@@ -13,7 +13,8 @@ import numpy as np
 
 from .. import distributions
 from ..nodes import SumNodes, inputs, multiply, summate
-from ._util import check_bool, check_dist, check_int, check_latents, check_weights
+from ..nodes.nodes import check_dist
+from ._util import check_bool, check_int, check_latents, check_weights
 
 
 def HMM(seq_length: int, num_latents: int, num_emits: int, homogeneous: bool = True, block_size: int | None = None,
@@ -73,8 +74,6 @@ def GeneralizedHMM(seq_length: int, num_latents: int, input_dist: distributions.
     seq_length = check_int("HMM", "seq_length", seq_length)
     bs, nb = check_latents("HMM", num_latents, block_size, 1024)
     input_dist = check_dist("HMM", "input_dist", input_dist)
-    if input_dist is None:
-        raise TypeError("HMM: input_dist must be a jaxpc.distributions.Distribution, got None")
     homogeneous = check_bool("HMM", "homogeneous", homogeneous)
     L = num_latents = int(num_latents)
     if alpha is not None:

@@ -17,7 +17,8 @@ import numpy as np
 
 from .. import distributions
 from ..nodes import CircuitNodes, inputs, multiply, summate
-from ._util import check_bool, check_dist, check_int, check_latents, check_numbers, check_seed
+from ..nodes.nodes import check_dist
+from ._util import check_bool, check_int, check_latents, check_numbers, check_seed
 from .hclt import HCLT
 
 __all__ = ["PD", "PDHCLT"]

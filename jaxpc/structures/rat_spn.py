@@ -6,7 +6,8 @@ import numpy as np
 
 from .. import distributions
 from ..nodes import CircuitNodes, inputs, multiply, summate
-from ._util import check_dist, check_int, check_latents, check_seed
+from ..nodes.nodes import check_dist
+from ._util import check_int, check_latents, check_seed
 
 __all__ = ["RAT_SPN"]
 
