@@ -15,6 +15,32 @@ KINDS = ("categorical", "bernoulli", "masked", "indicator", "literal", "gaussian
 CARD = {"categorical": 3, "bernoulli": 2, "masked": 3, "indicator": 2, "literal": 2, "logistic": 3}
 
 
+def random_sum(rng, children, nb: int, K: int, registry: dict, tie_prob: float, sparse: float,
+               explicit: bool | None = None, sparse_needs_two: bool = False):
+    """A random sum vector of ``nb`` blocks of ``K`` nodes over ``children``: at times (``tie_prob``) a tied copy
+    of an earlier one of the same shape in ``registry``, else block-sparse edges with probability ``sparse`` (only
+    over two child blocks or more with ``sparse_needs_two``) and explicit random weights half the time (or as
+    ``explicit`` says); new vectors are recorded in ``registry``."""
+    key = (nb, K, tuple((c.num_node_blocks, c.block_size) for c in children))
+    if key in registry and rng.random() < tie_prob:
+        return registry[key].duplicate(*children, tie_params=True)
+    T = sum(c.num_node_blocks for c in children)
+    edge_ids = None
+    if rng.random() < sparse and (T > 1 or not sparse_needs_two):
+        mask = rng.random((nb, T)) < 0.5
+        mask[np.arange(nb), rng.integers(0, T, nb)] = True
+        edge_ids = np.stack(np.nonzero(mask))
+    ns = jaxpc.summate(*children, num_node_blocks=nb, block_size=K, edge_ids=edge_ids)
+    if rng.random() < 0.5 if explicit is None else explicit:
+        Kc = children[0].block_size
+        dense = np.zeros((ns.num_nodes, ns.num_ch_nodes))
+        for p, c in ns.edge_ids.T:
+            dense[p * K:(p + 1) * K, c * Kc:(c + 1) * Kc] = rng.random((K, Kc)) + 0.05
+        ns.set_params(dense)
+    registry.setdefault(key, ns)
+    return ns
+
+
 class Generator:
     def __init__(self, seed: int, num_vars: int, kinds=None, tie_prob: float = 0.4, max_blocks: int = 3,
                  block_sizes=(1, 2, 3, 4)):
@@ -79,28 +105,7 @@ class Generator:
         return ns
 
     def _sum(self, children, nb: int, K: int):
-        rng = self.rng
-        key = (nb, K, tuple((c.num_node_blocks, c.block_size) for c in children))
-        if key in self.sum_registry and rng.random() < self.tie_prob:
-            return self.sum_registry[key].duplicate(*children, tie_params=True)
-        T = sum(c.num_node_blocks for c in children)
-        edge_ids = None
-        if rng.random() < 0.6:
-            mask = rng.random((nb, T)) < 0.5
-            mask[np.arange(nb), rng.integers(0, T, nb)] = True
-            edge_ids = np.stack(np.nonzero(mask))
-        params = None
-        ns = jaxpc.summate(*children, num_node_blocks=nb, block_size=K, edge_ids=edge_ids)
-        if rng.random() < 0.5:
-            nch = sum(c.num_nodes for c in children)
-            dense = np.zeros((ns.num_nodes, nch))
-            for p, c in ns.edge_ids.T:
-                dense[p * K:(p + 1) * K, c * children[0].block_size:(c + 1) * children[0].block_size] = \
-                    rng.random((K, children[0].block_size)) + 0.05
-            params = dense
-            ns.set_params(params)
-        self.sum_registry.setdefault(key, ns)
-        return ns
+        return random_sum(self.rng, children, nb, K, self.sum_registry, self.tie_prob, sparse=0.6)
 
     def region(self, vars_: list[int], nb: int, K: int):
         rng = self.rng

@@ -15,6 +15,7 @@ from jaxpc import distributions as D
 from jaxpc.nodes import topological_order
 
 from . import oracle
+from .random_circuits import random_sum
 from .tiers import cases
 
 CARDS = {"cat2": 2, "cat3": 3, "cat5": 5, "bern": 2, "masked": 4, "lit": 2, "gauss": None}
@@ -68,25 +69,8 @@ class Fuzz:
         return ns
 
     def sum(self, children, nb, K, explicit=None):
-        rng = self.rng
-        key = (nb, K, tuple((c.num_node_blocks, c.block_size) for c in children))
-        if key in self.sums and rng.random() < self.tie:
-            return self.sums[key].duplicate(*children, tie_params=True)
-        T = sum(c.num_node_blocks for c in children)
-        edge_ids = None
-        if rng.random() < 0.5 and T > 1:
-            mask = rng.random((nb, T)) < 0.5
-            mask[np.arange(nb), rng.integers(0, T, nb)] = True
-            edge_ids = np.stack(np.nonzero(mask))
-        ns = jaxpc.summate(*children, num_node_blocks=nb, block_size=K, edge_ids=edge_ids)
-        if rng.random() < 0.5 if explicit is None else explicit:
-            Kc = children[0].block_size
-            dense = np.zeros((ns.num_nodes, ns.num_ch_nodes))
-            for p, c in ns.edge_ids.T:
-                dense[p * K:(p + 1) * K, c * Kc:(c + 1) * Kc] = rng.random((K, Kc)) + 0.05
-            ns.set_params(dense)
-        self.sums.setdefault(key, ns)
-        return ns
+        return random_sum(self.rng, children, nb, K, self.sums, self.tie, sparse=0.5, explicit=explicit,
+                          sparse_needs_two=True)
 
     def node(self, scope, K):
         """A node vector over ``scope`` (most often of block size ``K``), shared with earlier parents at times."""
