@@ -278,12 +278,18 @@ def _effective(vec, b, gates, lowrank):
     return a, uv
 
 
+def _safe_div(a, b):
+    """``a / b`` where ``b`` is not 0, else 0 (a node of zero effective weights: weights 0, value 0)."""
+    return np.where(b != 0, a / np.where(b != 0, b, 1.0), 0.0)
+
+
 def _dense_reference(c, params, x, gates=None, lowrank=None):
     """An independent reference for per-sample sum parameters: each sample's own normalized weight matrices
     (``(w + U V) * exp(g)`` per sum vector, renormalized per node), the circuit evaluated node by node and flows
     passed top-down in float64. Returns ``ll [B]``, ``flows`` (per source sum vector id, the shared weights' flows
     ``[Np, Nc]``: each edge's posterior count times ``w / (w + U V)``, pooled over tied vectors) and ``grads``
-    (``d sum_b log p_b`` by the evidence: ``{"sum_gates": like gates, "sum_lowrank": like lowrank}``)."""
+    (``d sum_b log p_b`` by the evidence: ``{"sum_gates": like gates, "sum_lowrank": like lowrank}``). A node of zero
+    effective weights has the value 0; a sample of probability 0 adds no flows and no gradients."""
     nodes = c.nodes
     vecs = {}
     for ns in nodes:
@@ -297,8 +303,11 @@ def _dense_reference(c, params, x, gates=None, lowrank=None):
     ll = []
     for b in range(x.shape[0]):
         vals, wts = _dense_forward(nodes, vecs, leaf_p, x[b], b, gates, lowrank)
-        ll.append(np.log(vals[c.root.id][0]))
-        _dense_backward(c, nodes, vecs, vals, wts, b, lowrank, flows, grads)
+        p = vals[c.root.id][0]
+        with np.errstate(divide="ignore"):
+            ll.append(np.log(p))
+        if p > 0:  # a sample of probability 0 adds no flows and no gradients
+            _dense_backward(c, nodes, vecs, vals, wts, b, lowrank, flows, grads)
     return np.array(ll), flows, grads
 
 
@@ -314,7 +323,7 @@ def _dense_forward(nodes, vecs, leaf_p, xb, b, gates, lowrank):
                                    for j, ch in enumerate(ns.children)], axis=0)
         else:
             a, uv = _effective(vecs[ns.id], b, gates, lowrank)
-            wts[ns.id] = (a / a.sum(1, keepdims=True), uv)
+            wts[ns.id] = (_safe_div(a, a.sum(1, keepdims=True)), uv)
             vals[ns.id] = wts[ns.id][0] @ np.concatenate([vals[ch.id] for ch in ns.children])
     return vals, wts
 
@@ -336,7 +345,7 @@ def _dense_backward(c, nodes, vecs, vals, wts, b, lowrank, flows, grads):
         wp, uv = wts[ns.id]
         w, edges, (group, start), gcols = vecs[ns.id]
         vc = np.concatenate([vals[ch.id] for ch in ns.children])
-        edge = f[:, None] * wp * vc[None, :] / vals[ns.id][:, None]
+        edge = _safe_div(f[:, None] * wp * vc[None, :], vals[ns.id][:, None])
         wuv = np.where(w + uv > 0, w + uv, 1.0)
         flows[ns.source.id] += edge * w / wuv
         d = edge - f[:, None] * wp
