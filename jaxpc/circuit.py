@@ -21,10 +21,11 @@ from .compiler import compile as _compile
 from .compiler.layout import Layout, ScanSpec
 from .distributions.base import RandomSource
 from .engine import em, forward, partial, routing, stages
+from .engine.logflows import LogFlows
 from .executables import BucketPolicy, CacheInfo, ExecutableCache
 from .nodes import CircuitNodes
 from .options import Options
-from .runtime import ENTRY_POINTS, LOG_FLOWS, Entry, Runtime, check_em_args, declare_entries
+from .runtime import ENTRY_POINTS, LOG_FLOWS, VALIDATE, Entry, Runtime, check_em_args, declare_entries
 
 Array = jax.Array
 Params = dict
@@ -194,7 +195,7 @@ class Circuit:
         return _dense_blocks(tree["sum"][pl.group], pl.start, rows, cols, num=pl.num_edge_blocks,
                              nb=src.num_node_blocks, ncb=src.num_ch_node_blocks, exp=exp, fill=fill)
 
-    def get_node_flows(self, flows: dict, node: CircuitNodes, *, logspace: bool = False):
+    def get_node_flows(self, flows: dict, node: CircuitNodes, *, logspace: bool | None = None):
         """The flows of ``node`` in the dense form of :meth:`get_node_params`.
 
         Sum nodes: expected edge counts ``[num_nodes, num_ch_nodes]``. Input nodes: the distribution's
@@ -202,10 +203,18 @@ class Circuit:
         ``Bernoulli`` too, ``[num_nodes, 2]``, though its parameters read ``[num_nodes]``, the probability of 1).
         Tied vectors share flows: the value is the total over all of them.
         ``logspace``: ``flows`` are log flows (``Options(logspace_flows=True)``), so a sum vector's missing edges
-        read ``-inf`` (a zero count), not 0.
+        read ``-inf`` (a zero count), not 0. Default None: True for :class:`~jaxpc.engine.logflows.LogFlows` (what
+        ``flows`` returns with ``logspace_flows``), False for other dicts; False with ``LogFlows`` is a
+        ``ValueError``.
         """
         st = self._struct
         src = _node_arg(node, "get_node_flows").source
+        is_log = isinstance(flows, LogFlows)
+        if logspace is None:
+            logspace = is_log
+        elif checks.check_bool("get_node_flows", "logspace", logspace) is False and is_log:
+            raise ValueError("get_node_flows: flows are log flows (Options(logspace_flows=True)), but logspace=False "
+                             "reads them as counts: leave logspace out (or pass True)")
         if src.id not in st.sources:
             raise ValueError(f"get_node_flows: {node.name} is not part of this circuit")
         self.runtime.check_flows(flows, ("sum",) if node.is_sum() else ("input",) if node.is_input() else (),
@@ -512,8 +521,9 @@ class Circuit:
         ``options=Options(node_flows=True)`` adds ``"node"``, the M-step's denominators (each parameter block's
         parent totals ``[P, Kp]``, each input row's total ``[rows]``: ``flows["sum"][g] / flows["node"]["sum"][g][...,
         None]`` is EM's update without pseudocount); ``Options(logspace_flows=True)`` returns the logarithm of every
-        flow, computed in the log domain (no underflow; exactly zero is ``-inf``; not with ``return_evidence_grad``).
-        See :class:`Options`.
+        flow, computed in the log domain (no underflow; exactly zero is ``-inf``; not with ``return_evidence_grad``),
+        as a :class:`~jaxpc.engine.logflows.LogFlows` (a dict of the same keys, which :meth:`em_update` refuses:
+        :func:`jaxpc.engine.logflows.to_counts` converts). See :class:`Options`.
         """
         replay = None
         if ll_weights is None and evidence is None and not return_evidence_grad:
@@ -605,13 +615,15 @@ class Circuit:
         return (new, ll) if return_ll else new
 
     def em_update(self, params: Params, flows: dict, *, step_size: float = 1.0, pseudocount: float = 0.0,
-                  update_sums: bool = True, keep_zero_params: bool = False) -> Params:
+                  update_sums: bool = True, keep_zero_params: bool = False, validate: bool | str = True) -> Params:
         """The EM M-step from accumulated flows (e.g. summed over batches):
         ``theta <- (1 - step_size) theta + step_size * normalize(flows + pseudocount)``.
 
         Args:
             params: a params pytree of this circuit (the parameters the flows were taken under).
-            flows: expected counts, a pytree like :meth:`flows` returns (e.g. summed over batches).
+            flows: expected counts, a pytree like :meth:`flows` returns with linear flows (e.g. summed over
+                batches). Log flows (``Options(logspace_flows=True)``, a :class:`~jaxpc.engine.logflows.LogFlows`)
+                raise a ``ValueError``: convert them with :func:`jaxpc.engine.logflows.to_counts`.
             step_size: the blend of old and new parameters, a finite float in (0, 1] (default 1: plain EM).
             pseudocount: added to the counts, spread evenly over each node's children (values, for categoricals);
                 a finite float >= 0 (default 0). Out of range: ``ValueError``; not a number: ``TypeError``.
@@ -619,16 +631,47 @@ class Circuit:
                 and refits only the input distributions.
             keep_zero_params: parameters that are exactly zero stay zero (they get no pseudocount); default
                 ``False``.
+            validate: ``True`` (default), ``"sync"`` or ``False``. The counts among the flows (sum edges, the
+                input layers' counts) must be >= 0: negated flows (``jax.grad`` of a negative log-likelihood,
+                ``Options(negate_flows=True)``) are refused with a ``ValueError`` naming the first negative entry.
+                Numpy flows are checked at once; device arrays by one reduction on the device whose flag the
+                circuit's next call reads (``"sync"``: this one), as a device batch's (see :mod:`jaxpc.runtime`);
+                tracers and ``False``: not checked. NaN flows are not refused: they give NaN parameters.
 
         Sum nodes whose flows (plus pseudocount) are all zero keep their parameters.
         """
         check_em_args(step_size, pseudocount)
         update_sums = checks.check_bool("em_update", "update_sums", update_sums)
         keep_zero_params = checks.check_bool("em_update", "keep_zero_params", keep_zero_params)
+        if validate not in VALIDATE:
+            raise ValueError(f"validate must be True, False or 'sync', got {validate!r}")
+        em.check_linear_flows(flows, "circuit.em_update")
         rt = self.runtime
-        return rt.run("em_update", {"update_sums": update_sums, "keep_zero_params": keep_zero_params},
-                      {"tables": self.tables, "params": params, "flows": flows,
-                       "step_size": rt.scalar(step_size), "pseudocount": rt.scalar(pseudocount)})
+        record = self._counts_check(flows, validate) if validate else None
+        out = rt.run("em_update", {"update_sums": update_sums, "keep_zero_params": keep_zero_params},
+                     {"tables": self.tables, "params": params, "flows": flows,
+                      "step_size": rt.scalar(step_size), "pseudocount": rt.scalar(pseudocount)})
+        if record is not None:
+            record()
+        return out
+
+    def _counts_check(self, flows, validate: bool | str):
+        """The value check of ``flows``' counts (:func:`jaxpc.engine.em.count_leaves`) for :meth:`em_update`: numpy
+        arrays raise here; returns a function of no arguments that records the check of the concrete device arrays
+        (:meth:`Runtime.record_check`, to call right after the update is dispatched), or None where there are none
+        (tracers are not checked). The flows' structure is checked first (:meth:`Runtime.check_flows`)."""
+        self.runtime.check_flows(flows)
+        names, arrays = em.count_leaves(flows)
+        host = [(n, a) for n, a in zip(names, arrays) if not isinstance(a, (jax.Array, jax.core.Tracer))]
+        if host:
+            em.raise_negative_counts(*zip(*host), "circuit.em_update")
+        device = [(n, a) for n, a in zip(names, arrays) if checks.is_device_array(a)]
+        if not device:
+            return None
+        dn, da = zip(*device)
+        explain = functools.partial(_explain_negative_counts, dn, da)
+        return functools.partial(self.runtime.record_check, "counts_flag", em.any_negative_counts,
+                                 {"counts": da}, explain, validate == "sync")
 
     def full_batch_em(self, params: Params, data, missing=None, *, batch_size: int = 512, step_size: float = 1.0,
                       pseudocount: float = 0.0, validate: bool | str = True, return_ll: bool = False):
@@ -663,7 +706,8 @@ class Circuit:
             fl, ll = self.flows(params, xb, mb, validate=validate, return_ll=True)
             total = fl if total is None else _tree_add(total, fl)
             ll_sum = ll_sum + jnp.sum(ll)
-        new = self.em_update(params, total, step_size=step_size, pseudocount=pseudocount)
+        # (the circuit's own linear flows: counts, nothing to check)
+        new = self.em_update(params, total, step_size=step_size, pseudocount=pseudocount, validate=False)
         return (new, ll_sum / n) if return_ll else new
 
     # ------------------------------------------------------------------------------------------
@@ -828,6 +872,15 @@ def _node_arg(node, who: str) -> CircuitNodes:
         hint = " (pass one of its nodes, e.g. circuit.root)" if isinstance(node, Circuit) else ""
         raise TypeError(f"{who}: node must be a node vector (jaxpc.CircuitNodes), got {type(node).__name__}{hint}")
     return node
+
+
+def _explain_negative_counts(names: tuple, counts: tuple) -> None:
+    """The error of device flows whose counts the device check found negative."""
+    with jax.transfer_guard_device_to_host("allow"):  # (an error's message, not the call's data path)
+        host = tuple(np.asarray(a) for a in counts)
+    em.raise_negative_counts(names, host, "circuit.em_update",
+                             " (checked on the device: that call's parameters are not valid)")
+    raise ValueError("circuit.em_update: the device check found negative flows; the host check found none")
 
 
 def _tree_add(a, b):

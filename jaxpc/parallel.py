@@ -195,7 +195,9 @@ def flows(circuit, params: dict, x, missing=None, *, mesh: Mesh | None = None, l
     ``evidence``: per-call evidence as for :meth:`jaxpc.Circuit.flows` (checked by
     :meth:`~jaxpc.Circuit.check_evidence`); every leaf's leading batch axis is padded and split with ``x``.
     ``circuit``, ``params``, ``x``, ``missing``, ``mesh``, ``options`` and ``validate`` as for :func:`em_step`;
-    ``ll_weights`` ``[B]``: finite per-sample weights, as for :meth:`jaxpc.Circuit.flows`."""
+    ``ll_weights`` ``[B]``: finite per-sample weights, as for :meth:`jaxpc.Circuit.flows`. With
+    ``Options(logspace_flows=True)`` the devices' log flows are added in the log domain and returned as a
+    :class:`~jaxpc.engine.logflows.LogFlows`, which EM updates refuse (as :meth:`jaxpc.Circuit.flows`' log flows)."""
     fl, ll = _run(circuit, "parallel.flows", {}, {"params": params}, x, missing, ll_weights, evidence, validate, mesh,
                   options)
     return (fl, ll) if return_ll else fl

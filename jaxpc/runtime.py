@@ -21,8 +21,9 @@ checks still in flight. Every public entry point (the :class:`~jaxpc.Circuit` me
   (``circuit.raise_pending()``) waits for and raises it at once. Other per-call values with a rule are checked the
   same way (:meth:`Runtime.record_check`, one small reduction per call: soft evidence's weights must be finite and
   non-negative; per-call ``evidence=`` must hold log-values without NaN or +inf, non-negative LowRank factors and
-  top-k ids of the soft leaves' values, distinct in a row, :meth:`jaxpc.Circuit.check_evidence`); their numpy
-  values are checked on the host and raise at once, as a numpy batch's.
+  top-k ids of the soft leaves' values, distinct in a row, :meth:`jaxpc.Circuit.check_evidence`; the counts among
+  the flows of :meth:`jaxpc.Circuit.em_update` must be >= 0, which negated flows are not); their numpy values are
+  checked on the host and raise at once, as a numpy batch's.
 * ``"sync"``: the same check, then waits for the call's own flag and raises at once (for debugging); it also
   checks the parameters' values (:meth:`Runtime.check_params_now`: NaN or +inf, named with leaf and index), which
   the other modes do not read (a NaN parameter gives NaN outputs).

@@ -5,18 +5,22 @@
 * Input flows: the gradient with respect to an additive zero on each input layer's values
   (node flows ``[N, B]``), turned into each distribution's expected sufficient statistics.
 
-The flows pytree mirrors ``params``: ``{"sum": {group: [P, Kp, Kc]}, "input": {layer: stats}}``.
+The flows pytree mirrors ``params``: ``{"sum": {group: [P, Kp, Kc]}, "input": {layer: stats}}``. Log flows
+(``Options(logspace_flows=True)``) are a :class:`~jaxpc.engine.logflows.LogFlows` of the same shape, which the EM
+update refuses (:func:`check_linear_flows`).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..compiler.layout import Layout
 from ..distributions.base import blend, has_mass, parent_totals
 from ..ops.rows import take_rows
 from . import forward, logflows, routing
+from .logflows import LogFlows
 
 Array = jax.Array
 
@@ -153,6 +157,59 @@ def check_em_options(options, where: str) -> None:
                          f"(the M-step from log flows: exp(log flows - log node flows), see Options.node_flows)")
 
 
+def check_linear_flows(flows, where: str) -> None:
+    """Raise a ``ValueError`` where ``flows`` are log flows (:class:`~jaxpc.engine.logflows.LogFlows`): an EM update
+    reads its flows as counts, and would read logarithms as counts silently."""
+    if isinstance(flows, LogFlows):
+        raise ValueError(f"{where}: flows are log flows (Options(logspace_flows=True)), but EM's update takes linear "
+                         f"expected counts: pass jaxpc.engine.logflows.to_counts(flows) (their exponentials; a count "
+                         f"below the dtype's smallest number becomes 0), or flows computed without logspace_flows")
+
+
+# the input statistics that are expected counts (>= 0 wherever the flows are): the others are moments
+COUNT_STATS = ("counts", "s0")
+
+
+def count_leaves(flows: dict) -> tuple[tuple[str, ...], tuple]:
+    """``(names, arrays)``: the entries of ``flows`` that are expected counts, every sum group's edge flows and the
+    input layers' :data:`COUNT_STATS`, each named as it is read (``flows['sum']['g0']``)."""
+    names, arrays = [], []
+    for k in sorted(flows.get("sum") or {}):
+        names.append(f"flows['sum'][{k!r}]")
+        arrays.append(flows["sum"][k])
+    for k in sorted(flows.get("input") or {}):
+        stats = flows["input"][k]
+        for f in COUNT_STATS if isinstance(stats, dict) else ():
+            if f in stats:
+                names.append(f"flows['input'][{k!r}][{f!r}]")
+                arrays.append(stats[f])
+    return tuple(names), tuple(arrays)
+
+
+def any_negative_counts(counts: tuple) -> jax.Array:
+    """Whether any of the ``counts`` arrays (:func:`count_leaves`) holds an entry below 0 (-inf too; NaN is not
+    negative: NaN flows make NaN parameters, which the parameter checks report): a scalar bool."""
+    bad = jnp.zeros((), bool)
+    for a in counts:
+        bad = bad | jnp.any(a < 0)
+    return bad
+
+
+def raise_negative_counts(names: tuple, counts: tuple, where: str, when: str = "") -> None:
+    """The ``ValueError`` of counts (host values of :func:`count_leaves`) that hold a negative entry: the first, its
+    index and value, and their number; return where there is none."""
+    for name, a in zip(names, counts):
+        host = np.asarray(a)
+        neg = np.argwhere(host < 0)
+        if len(neg):
+            at = ", ".join(str(int(i)) for i in neg[0])
+            more = f" ({len(neg)} negative entries in that array)" if len(neg) > 1 else ""
+            raise ValueError(f"{where}: flows must be expected counts (>= 0); {name}[{at}] is {host[tuple(neg[0])]}"
+                             f"{more}{when}. Negated flows (jax.grad of a negative log-likelihood, "
+                             f"Options(negate_flows=True)) or log flows (Options(logspace_flows=True)) are no counts: "
+                             f"pass what circuit.flows returns with the default options")
+
+
 def normalize_sum_params(layout: Layout, tables: dict, sum_counts: dict, pseudocount, keep: dict | None = None) -> dict:
     """``(counts + c / num_children) / (node total + c)`` per node, in linear space; nodes with no
     mass keep a uniform distribution over their children. ``keep`` (per group, bool like the counts)
@@ -195,7 +252,10 @@ def em_update(layout: Layout, tables: dict, params: dict, flows: dict, step_size
 
     Sum nodes whose flows are all zero (and pseudocount 0) keep their parameters; a sum node whose flows hold a NaN
     gets NaN parameters (:func:`has_mass`); with ``update_sums`` False all sum parameters are kept (only the leaves
-    are refitted); with ``keep_zero_params`` parameters that are exactly zero stay zero (no pseudocount on them)."""
+    are refitted); with ``keep_zero_params`` parameters that are exactly zero stay zero (no pseudocount on them).
+    ``flows`` are linear counts: log flows (:class:`~jaxpc.engine.logflows.LogFlows`) raise a ``ValueError``
+    (:func:`check_linear_flows`); their values are not checked here (``Circuit.em_update`` checks them)."""
+    check_linear_flows(flows, "em_update")
     new_sum = {}
     keep = {g.key: jnp.isfinite(params["sum"][g.key]) for g in layout.sum_groups} if keep_zero_params else None
     targets, totals = normalized_with_totals(layout, tables, flows["sum"], pseudocount, keep)

@@ -17,6 +17,10 @@ terms ``[Kp, C * Kc, B]`` at a time in pieces of at most ``Options.gather_chunk`
 **Node flows** are the denominators of the M-step, PyJuice's ``cum_pflows`` (``pyjuice/model/backend/
 par_update.py``): for a sum node, the total of its edge flows pooled over the nodes that share its parameters
 (as EM normalizes them); for an input parameter row, the total flow of the nodes that read it.
+
+Log flows come back as :class:`LogFlows`, a ``dict`` that JAX keeps as a pytree node of its own: read it as the
+flows' dict, and it stays a ``LogFlows`` through ``jax.jit`` and ``jax.tree.map``, so the EM update, which takes
+linear counts, recognizes and refuses it (:func:`to_counts` converts).
 """
 
 from __future__ import annotations
@@ -36,6 +40,52 @@ from ..options import Options
 from . import forward, routing, stages
 
 Array = jax.Array
+
+
+# ---- the log flows' type ---------------------------------------------------------------------------------
+
+class LogFlows(dict):
+    """The flows of ``Options(logspace_flows=True)``: the logarithm of every expected count (``-inf``: zero), a
+    ``dict`` like the linear flows (``flows["sum"][group]``, ``flows["input"][layer]``, ``flows["node"]``).
+
+    A pytree node of its own type: ``jax.tree.map`` over log flows returns log flows (combine two batches' with
+    ``jnp.logaddexp``, not ``jnp.add``), and mapping linear and log flows together is a structure mismatch. EM
+    updates take linear counts and refuse it: :func:`to_counts` gives the counts (their exponentials, where a
+    count below the dtype's smallest number becomes 0), or compute the M-step's targets in log space
+    (``exp(log flows - log node flows)``, ``Options(node_flows=True)``)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"LogFlows({dict.__repr__(self)})"
+
+
+def _flatten_with_keys(flows: LogFlows):
+    keys = tuple(sorted(flows))
+    return tuple((jax.tree_util.DictKey(k), flows[k]) for k in keys), keys
+
+
+def _flatten(flows: LogFlows):
+    keys = tuple(sorted(flows))
+    return tuple(flows[k] for k in keys), keys
+
+
+def _unflatten(keys: tuple, children) -> LogFlows:
+    return LogFlows(zip(keys, children))
+
+
+jax.tree_util.register_pytree_with_keys(LogFlows, _flatten_with_keys, _unflatten, _flatten)
+
+
+def to_counts(flows: LogFlows) -> dict:
+    """The linear flows (expected counts) of log flows ``flows``: a plain dict of their exponentials, what
+    ``Options(logspace_flows=False)`` returns up to rounding, except that a count below the dtype's smallest number
+    is 0. Anything but :class:`LogFlows` is a ``TypeError`` (exponentiating linear flows would be silently
+    wrong)."""
+    if not isinstance(flows, LogFlows):
+        raise TypeError(f"to_counts takes log flows (LogFlows, from Options(logspace_flows=True)), got "
+                        f"{type(flows).__name__}")
+    return jax.tree_util.tree_map(jnp.exp, dict(flows))
 
 
 # ---- node flows (linear and log) ---------------------------------------------------------------------
@@ -68,7 +118,8 @@ def node_totals(layout: Layout, tables: dict, sum_flows: dict, input_flows: list
 def flows_and_ll(layout: Layout, tables: dict, params: dict, x: Array, missing: Array | None,
                  weights: Array | None, options, evidence: dict | None = None) -> tuple[dict, Array]:
     """``(log flows, ll [B])``: :func:`jaxpc.engine.em.flows_and_ll` with every flow a logarithm (``-inf``: zero),
-    computed in the log domain. ``weights`` must be non-negative (a zero weight is a row without flow)."""
+    computed in the log domain, as :class:`LogFlows`. ``weights`` must be non-negative (a zero weight is a row
+    without flow)."""
     if routing.has_sum_externals(evidence):
         raise ValueError("logspace_flows: per-sample sum parameters (sum_gates, sum_lowrank) have no log-space "
                          "flow pass; use logspace_flows=False")
@@ -85,7 +136,7 @@ def flows_and_ll(layout: Layout, tables: dict, params: dict, x: Array, missing: 
             stats[spec.key] = spec.dist.log_suff_stats(p, tab["meta"], tab["rows"],
                                                        xt[tab["vars"]], None if mt is None else mt[tab["vars"]],
                                                        lf, spec.num_rows)
-    out = {"sum": log_sums, "input": stats}
+    out = LogFlows({"sum": log_sums, "input": stats})
     if options.node_flows:
         out["node"] = node_totals(layout, tables, log_sums, node_flows, log=True)
     return out, values[layout.root_row]
