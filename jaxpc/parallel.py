@@ -58,7 +58,7 @@ from jax.sharding import PartitionSpec as P
 from .engine import em
 from .optim.sharded import AXIS, check_mesh, check_on_mesh, data_mesh, sharded_flows_and_ll, sharded_loss_and_grad
 from .optim.train import check_step_state
-from .optim.transforms import EMTransformation, check_circuit
+from .optim.transforms import EMTransformation, check_circuit, record_step_check
 from .options import Options
 from .runtime import LOG_FLOWS, declare_entries, pad_args
 
@@ -260,12 +260,15 @@ def train_step(circuit, tx, params: dict, opt_state, x, missing=None, *, mesh: M
     ``tx``: the transformation; ``normalize``: as for :func:`jaxpc.optim.make_step` (default ``True``); ``ll_weights``
     ``[B]``: finite per-sample weights (default None: all 1; with an optax ``tx`` their total must be positive, as for
     :func:`loss_and_grad`). ``circuit``, ``params``, ``x``, ``missing``, ``mesh``, ``options`` and ``validate`` as for
-    :func:`em_step`."""
+    :func:`em_step`; with ``validate``, an EM step size schedule's value is checked as the batch's values are (outside
+    its rule, the step's parameters are NaN and the circuit's next call raises; see :mod:`jaxpc.optim.transforms`)."""
     check_circuit(circuit, "parallel.train_step")
     check_step_state(circuit, tx, params, opt_state, "parallel.train_step")
     (p, s), ll = _run(circuit, "parallel.train_step", {"normalize": bool(normalize), "tx": tx},
                       {"params": params, "opt_state": opt_state}, x, missing, ll_weights, evidence, validate, mesh,
                       options, ("params", "opt_state"))
+    if validate:
+        record_step_check(circuit.runtime, tx, opt_state, params, sync=validate == "sync")
     return p, s, ll
 
 

@@ -130,3 +130,12 @@ def test_gaussian_moments_may_be_negative():
     fl = c.flows(c.params, x)
     assert any(float(jnp.min(s["s1"])) < 0 for s in fl["input"].values())
     c.em_update(c.params, fl, validate="sync")
+
+
+def test_optim_em_transformations_refuse_log_flows():
+    """The EM transformations rebuild the flows' dict before their update: they refuse log flows first."""
+    c = small()[0]
+    log = c.flows(c.params, data(), options=LOG)
+    for tx in (jaxpc.optim.em(c), jaxpc.optim.full_batch_em(c, 2), jaxpc.optim.anemone(c)):
+        with pytest.raises(ValueError, match="jaxpc.optim EM update: flows are log flows"):
+            tx.update(log, tx.init(c.params), c.params)

@@ -5,7 +5,8 @@ whole-epoch executables.
   protocol (they consume *flows* where optax consumes gradients; see :mod:`jaxpc.optim.transforms`).
 * :func:`normalize` / :func:`normalize_params`: unconstrained logits -> normalized log-parameters
   (log-softmax per sum node over its children, per categorical row); :func:`log_prob` evaluates logits.
-* :func:`apply`: one update for either kind of optimizer; :func:`make_step`: a pure training step.
+* :func:`apply`: one update for either kind of optimizer; :func:`make_step`: a pure training step;
+  :func:`check_schedule`: an EM step size schedule's values over a range of counts.
 * :func:`fit`: epochs as single ``lax.scan`` executables, with a progress bar and the LL curve.
 """
 
@@ -20,6 +21,7 @@ from .transforms import (
                          anemone_update,
                          apply,
                          apply_updates,
+                         check_schedule,
                          deltas,
                          em,
                          em_apply,
@@ -28,7 +30,7 @@ from .transforms import (
 
 __all__ = [
     "em", "full_batch_em", "anemone", "EMTransformation", "EMState", "FullBatchEMState", "EMConfig",
-    "apply", "apply_updates", "deltas", "em_apply", "anemone_update",
+    "apply", "apply_updates", "deltas", "em_apply", "anemone_update", "check_schedule",
     "normalize", "normalize_params", "segment_log_softmax", "log_prob", "normalized_log_prob", "mean_nll",
     "make_step", "epoch_batches", "fit", "FitResult",
 ]

@@ -25,11 +25,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ..checks import bad_params_entry, check_bool, check_key, raise_bad_values
 from ..engine import em as em_engine
+from ..engine import routing
 from ..options import Options
 from ..runtime import declare_entries, options_key
 from . import sharded
 from .normalize import mean_nll, normalize_params
-from .transforms import EMTransformation, apply_updates, check_circuit, em, em_apply
+from .transforms import EMTransformation, apply_updates, check_circuit, check_schedule, em, em_apply
 
 Array = jax.Array
 
@@ -272,7 +273,10 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
         data: ``[N, V]``; missing: None, ``bool[V]`` or ``bool[N, V]`` (marginalized entries).
         epochs: epochs to run now; batch_size: samples per batch (clipped to ``N``).
         step_size, pseudocount: mini-batch EM (:func:`jaxpc.optim.em`; default 0.1 and 0) when no
-            ``optimizer`` is given; a float or a schedule ``count -> step size``.
+            ``optimizer`` is given; ``step_size`` a float or a schedule ``count -> step size``, ``pseudocount`` a
+            float. A step size schedule (this one, or an EM ``optimizer``'s) is evaluated at every count this call's
+            updates use (those after ``opt_state``'s count) before the first epoch: a value outside its rule
+            (``[0, 1]``; anemone: finite and >= 0) raises a ``ValueError`` naming the first such count and value.
         key: shuffling key (default ``jax.random.key(0)``); epoch ``e`` uses ``fold_in(key, e)``, see
             :func:`epoch_batches`.
         optimizer: an EM transformation (:func:`jaxpc.optim.em`, :func:`~jaxpc.optim.full_batch_em`,
@@ -340,10 +344,12 @@ def fit(circuit, params: dict, data, epochs: int, batch_size: int, *, step_size=
     if key is None:
         key = jax.random.key(0)
     check_key(key, "fit: ")
-    if opt_state is None:
+    fresh = opt_state is None
+    if fresh:
         opt_state = optimizer.init(params)
     else:
         _check_opt_state(circuit, optimizer, params, opt_state)
+    _check_fit_schedule(optimizer, opt_state, fresh, params, epochs, batch.n, bs, drop_remainder)
     run = _cached_epoch_fn(circuit, optimizer, options, normalize=normalize, mesh=mesh, num_samples=batch.n,
                            batch_size=bs, shuffle=shuffle, drop_remainder=drop_remainder,
                            missing_ndim=None if batch.missing is None else batch.missing.ndim, check=check)
@@ -486,6 +492,26 @@ def _check_full_batch(optimizer, n: int, bs: int, drop_remainder: bool) -> None:
         raise ValueError(f"fit: full_batch_em(num_batches={optimizer.config.num_batches}) does not match fit's "
                          f"{per_epoch} batches per epoch ({how}): pass num_batches={per_epoch} (another count makes "
                          "its EM updates straddle epochs)")
+
+
+def _check_fit_schedule(optimizer, opt_state, fresh: bool, params, epochs: int, n: int, bs: int,
+                        drop_remainder: bool) -> None:
+    """Raise where the step size schedule of an EM ``optimizer`` breaks its rule at a count that ``fit``'s updates
+    use (:func:`jaxpc.optim.transforms.check_schedule`): the ``epochs`` epochs' batches after ``opt_state``'s count
+    (0 for a ``fresh`` state; a resumed state's count is read, one scalar). Batches that ``fit`` skips (total weight
+    0) take no update, so the counts checked are those of every batch."""
+    if not (isinstance(optimizer, EMTransformation) and callable(optimizer.config.step_size)):
+        return
+    count = opt_state.count
+    if isinstance(count, jax.core.Tracer):
+        return
+    if fresh:
+        start = 0
+    else:
+        with jax.transfer_guard_device_to_host("allow"):  # (one scalar, before the training's work)
+            start = int(np.asarray(count))
+    per_epoch = n // bs if drop_remainder else -(-n // bs)
+    check_schedule(optimizer, start, int(epochs) * per_epoch, dtype=routing.param_dtype(params), where="fit")
 
 
 def check_step_state(circuit, optimizer, params, opt_state, where: str) -> None:

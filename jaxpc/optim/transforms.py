@@ -43,11 +43,22 @@ Variants:
   probability (its flow per sample). Nodes the batch barely reaches move little, nodes every sample
   passes through move with ``eta / (1 + eta)``; ``eta`` may be a schedule (annealing). This is written
   from the paper's description, not checked against the authors' code.
+
+**Schedules' values.** A constant step size is checked when the transformation is made, a schedule's values as the
+updates use them: EM's (:func:`em`, :func:`full_batch_em`) must lie in ``[0, 1]``, :func:`anemone`'s ``eta`` must be
+finite and ``>= 0`` (NaN is neither); 0, e.g. the start of a warm-up, keeps the parameters (up to the rounding of
+their logarithms). ``fit`` evaluates the schedule at every count its updates will use before it trains and raises a
+``ValueError`` naming the first bad count and value (:func:`check_schedule`). An update whose value breaks the rule
+makes every parameter NaN (:func:`em_apply`, so also inside a ``jit`` of your own, where nothing can raise);
+``update`` and ``step`` called outside a trace also check the value on the device, as the circuit checks a device
+batch's values (:mod:`jaxpc.runtime`): the circuit's next call (its ``flows``, ``raise_pending()``, or the
+transformation's next ``update``/``step``) raises the ``ValueError``. Pseudocounts are floats, not schedules.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from collections.abc import Callable
@@ -55,7 +66,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from .. import checks
 from ..circuit import Circuit
 from ..distributions.base import blend
 from ..engine import em as em_engine
@@ -66,7 +79,7 @@ _LL = Options()
 Array = jax.Array
 
 __all__ = ["EMTransformation", "EMState", "FullBatchEMState", "em", "full_batch_em", "anemone", "apply",
-           "apply_updates", "deltas"]
+           "apply_updates", "deltas", "check_schedule"]
 
 
 class EMState(NamedTuple):
@@ -133,7 +146,8 @@ def check_circuit(circuit, where: str) -> None:
 
 def _check_schedule(step_size, where: str) -> None:
     """Raise where the schedule ``step_size`` does not map the update count (an ``int32`` scalar, traced: the updates
-    run under ``jit``) to a float scalar: its shapes are traced once, nothing is evaluated."""
+    run under ``jit``) to a float scalar: its shapes are traced once, nothing is evaluated (its values are checked
+    as the updates use them, see the module docstring)."""
     try:
         out = jax.eval_shape(step_size, jax.ShapeDtypeStruct((), jnp.int32))
     except Exception as e:  # any failure of the user's function: raised again, naming its cause
@@ -173,6 +187,139 @@ def _check_args(step_size, pseudocount, where: str) -> None:
 def _step_value(step_size, count: Array, dtype) -> Array:
     s = step_size(count) if callable(step_size) else step_size
     return jnp.asarray(s, dtype)
+
+
+def _step_ok(kind: str, s):
+    """Whether the schedule's values ``s`` (NumPy or JAX) obey its rule: in ``[0, 1]`` for EM, finite and ``>= 0`` for
+    anemone's ``eta`` (NaN fails both)."""
+    if kind == "anemone":
+        return (s >= 0) & (s < math.inf)
+    return (s >= 0) & (s <= 1)
+
+
+def _step_rule(kind: str) -> str:
+    if kind == "anemone":
+        return "anemone's step size (eta) must be finite and >= 0"
+    return "an EM step size must be in [0, 1]"
+
+
+def _nan_unless(ok: Array, params: dict) -> dict:
+    """``params`` where ``ok`` (a scalar bool), else every float entry NaN."""
+    return jax.tree_util.tree_map(
+        lambda a: jnp.where(ok, a, jnp.asarray(jnp.nan, a.dtype)) if jnp.issubdtype(a.dtype, jnp.floating) else a,
+        params)
+
+
+def _schedule_range(config: EMConfig, count: int, num_updates: int) -> tuple[int, int]:
+    """``(first, n)``: the schedule's arguments ``first .. first + n - 1`` that the ``num_updates`` updates after state
+    count ``count`` pass it (full-batch EM: the EM updates among them, counted in EM updates)."""
+    if config.kind != "full_batch":
+        return count, num_updates
+    nb = config.num_batches
+    first = -(-(count + 1) // nb) - 1  # the EM update that the first multiple of nb after count makes
+    return first, max((count + num_updates) // nb - first, 0)
+
+
+_CHUNK = 1 << 18  # schedule values evaluated per call of the host check's executable
+
+
+def _first_bad_chunk(start, n, *, fn, kind: str, dtype):
+    """``(any bad, index, value)`` of the first of ``fn(start + i)``, ``i < min(n, _CHUNK)``, that breaks the rule."""
+    i = jnp.arange(_CHUNK, dtype=jnp.int32)
+    vals = jax.vmap(lambda c: jnp.asarray(fn(c), dtype))(start + i)
+    bad = ~_step_ok(kind, vals) & (i < n)
+    at = jnp.argmax(bad)
+    return jnp.any(bad), at, vals[at]
+
+
+_first_bad_chunk_jit = jax.jit(_first_bad_chunk, static_argnames=("fn", "kind", "dtype"))
+
+
+def _first_bad_step(step_size, kind: str, first: int, n: int, dtype) -> tuple[int, np.floating] | None:
+    """``(argument, value)`` of the first of ``step_size(first .. first + n - 1)`` (as ``dtype``) that breaks the
+    rule of ``kind``'s step size, or None: evaluated vectorized, ``_CHUNK`` arguments per call, read on the host."""
+    try:
+        hash(step_size)
+        run = functools.partial(_first_bad_chunk_jit, fn=step_size, kind=kind, dtype=jnp.dtype(dtype))
+    except TypeError:  # an unhashable schedule: compiled for this check
+        run = jax.jit(functools.partial(_first_bad_chunk, fn=step_size, kind=kind, dtype=jnp.dtype(dtype)))
+    with jax.transfer_guard("allow"):  # (a few scalars per chunk, read before or after the call's work)
+        for start in range(first, first + n, _CHUNK):
+            bad, at, value = run(jnp.asarray(start, jnp.int32), jnp.asarray(first + n - start, jnp.int32))
+            if bool(bad):
+                return start + int(at), np.asarray(value)[()]
+    return None
+
+
+def check_schedule(tx, count: int = 0, num_updates: int = 1, *, dtype=jnp.float32, where: str | None = None) -> None:
+    """Raise a ``ValueError`` where the step size schedule of the EM transformation ``tx`` breaks its rule (see the
+    module docstring) at one of the ``num_updates`` updates after state count ``count``; the message names the first
+    such count and value. A constant step size (checked when ``tx`` was made), an optax transformation and
+    ``num_updates`` 0 pass. ``dtype``: the parameters' (the values are rounded to it, as the update rounds them);
+    ``where``: the caller named in the message (default: the transformation). The schedule is evaluated on the
+    counts vectorized, a chunk at a time, and read on the host: ``fit`` calls it with its updates before training.
+    """
+    if not isinstance(tx, EMTransformation) or not callable(tx.config.step_size) or num_updates <= 0:
+        return
+    config = tx.config
+    first, n = _schedule_range(config, int(count), int(num_updates))
+    hit = _first_bad_step(config.step_size, config.kind, first, n, dtype)
+    if hit is None:
+        return
+    k, value = hit
+    name = _NAMES[config.kind]
+    what = (f"EM update k={k} (the EM updates done before it)" if config.kind == "full_batch"
+            else f"count {k} (the updates done before it)")
+    raise ValueError(f"{where or name}: the step_size schedule of {name} returns {value!s} at {what}; "
+                     f"{_step_rule(config.kind)} (0 keeps the parameters)")
+
+
+def _bad_step(config: EMConfig, dtype, count: Array) -> Array:
+    """Whether the update from state count ``count`` takes a schedule value that breaks its rule (a scalar bool; the
+    device check of ``update``/``step``)."""
+    if config.kind == "full_batch":
+        after = count + 1
+        s = _step_value(config.step_size, after // config.num_batches - 1, dtype)
+        return ((after % config.num_batches) == 0) & ~_step_ok(config.kind, s)
+    return ~_step_ok(config.kind, _step_value(config.step_size, count, dtype))
+
+
+def _explain_step(tx, dtype, count: Array) -> None:
+    """The error of an update whose device check found a bad schedule value."""
+    with jax.transfer_guard_device_to_host("allow"):  # (an error's message, not the call's data path)
+        c = int(np.asarray(count))
+    try:
+        check_schedule(tx, c, 1, dtype=dtype)
+    except ValueError as e:
+        raise ValueError(f"{e}; checked on the device after that update, whose parameters are NaN") from None
+    raise ValueError(f"{_NAMES[tx.config.kind]}: the step_size schedule's value at count {c} was rejected by the "
+                     "device check; the host check found none")
+
+
+def record_step_check(runtime, tx, state, params, sync: bool = False) -> None:
+    """Check the schedule's value of the update ``tx`` just made from ``state`` (its state before the update) on the
+    device, as :meth:`jaxpc.runtime.Runtime.record_check` checks values: the circuit's next call raises the
+    ``ValueError`` (this one with ``sync``). A constant step size, an optax transformation and a traced count pass; a
+    count on the host (a Python or NumPy int) is checked here, at once. Call it right after the update is
+    dispatched."""
+    if not isinstance(tx, EMTransformation) or not callable(tx.config.step_size):
+        return
+    count = getattr(state, "count", None)
+    if count is None or isinstance(count, jax.core.Tracer):
+        return
+    dtype = _dtype(params)
+    if not checks.is_device_array(count):
+        check_schedule(tx, int(np.asarray(count)), 1, dtype=dtype)
+        return
+    runtime.record_check(f"{_NAMES[tx.config.kind]}_step_size_flag", _step_checks(tx.config, dtype),
+                         {"count": count}, functools.partial(_explain_step, tx, dtype, count), sync)
+
+
+@functools.lru_cache(maxsize=256)
+def _step_checks(config: EMConfig, dtype) -> Callable:
+    """:func:`_bad_step` of ``config`` and ``dtype``, one function per pair (the flag's executable is cached under
+    it)."""
+    return functools.partial(_bad_step, config, dtype)
 
 
 def _dtype(params: dict):
@@ -248,24 +395,29 @@ def em_apply(layout, tables, config: EMConfig, flows: dict, state, params: dict,
     described by ``config`` (:class:`EMConfig`) applied to ``params`` with ``flows`` and its ``state``
     (:class:`EMState`, or :class:`FullBatchEMState` for ``"full_batch"``); ``layout``, ``tables``:
     ``circuit.layout`` and ``circuit.tables``. ``num_samples``: the batch's total weight, read by ``"anemone"`` only
-    (default None: the root's flow; a ``ValueError`` where the root is not a sum node).
+    (default None: the root's flow; a ``ValueError`` where the root is not a sum node). A step size schedule's value
+    outside its rule (see the module docstring) makes every parameter of the update NaN.
 
     The update reads the parameter flows, ``flows["sum"]`` and ``flows["input"]``; other entries (the node
     totals of ``Options(node_flows=True)``) are ignored, and :func:`full_batch_em` does not accumulate them.
     ``update_sums`` False keeps the sum parameters (flows of ``Options(compute_param_flows=False)``, whose sum
-    flows are zeros: with a pseudocount they would make every sum node uniform)."""
+    flows are zeros: with a pseudocount they would make every sum node uniform). Log flows
+    (``Options(logspace_flows=True)``, :class:`~jaxpc.engine.logflows.LogFlows`) are refused with a ``ValueError``:
+    EM takes linear counts."""
+    em_engine.check_linear_flows(flows, "jaxpc.optim EM update")  # (before the dict below drops their type)
     flows = {"sum": flows["sum"], "input": flows["input"]}
     dtype = _dtype(params)
     pc = jnp.asarray(config.pseudocount, dtype)
+    checked = callable(config.step_size)  # (a constant was checked when the transformation was made)
     if config.kind == "em":
         s = _step_value(config.step_size, state.count, dtype)
         new = em_engine.em_update(layout, tables, params, flows, s, pc, update_sums)
-        return new, EMState(state.count + 1)
+        return _nan_unless(_step_ok("em", s), new) if checked else new, EMState(state.count + 1)
     if config.kind == "anemone":
         eta = _step_value(config.step_size, state.count, dtype)
         new = anemone_update(layout, tables, params, flows, eta, pc, _num_samples(config, flows, num_samples),
                              update_sums)
-        return new, EMState(state.count + 1)
+        return _nan_unless(_step_ok("anemone", eta), new) if checked else new, EMState(state.count + 1)
     if config.kind == "full_batch":
         acc = jax.tree_util.tree_map(jnp.add, state.flows, flows)
         count = state.count + 1
@@ -274,7 +426,8 @@ def em_apply(layout, tables, config: EMConfig, flows: dict, state, params: dict,
 
         def do_update(operands):
             p, a = operands
-            return (em_engine.em_update(layout, tables, p, a, s, pc, update_sums),
+            new = em_engine.em_update(layout, tables, p, a, s, pc, update_sums)
+            return (_nan_unless(_step_ok("full_batch", s), new) if checked else new,
                     jax.tree_util.tree_map(jnp.zeros_like, a))
 
         def keep(operands):
@@ -325,7 +478,9 @@ def _make(circuit, config: EMConfig) -> EMTransformation:
     jit_step = jax.jit(lambda t, fl, st, p, n: em_apply(layout, t, config, fl, st, p, n))
     jit_update = jax.jit(lambda t, fl, st, p, n: _deltas_and_state(em_apply(layout, t, config, fl, st, p, n), p))
 
-    name = {"em": "em", "full_batch": "full_batch_em", "anemone": "anemone"}[config.kind]
+    name = _NAMES[config.kind]
+    runtime = circuit.runtime
+    tx = None  # this transformation (made below), which the schedule's device check names
     state_type = FullBatchEMState if config.kind == "full_batch" else EMState
 
     def check(flows, state):
@@ -337,17 +492,28 @@ def _make(circuit, config: EMConfig) -> EMTransformation:
             raise ValueError(f"{name}: state must be this optimizer's {state_type.__name__} (its init(params), then "
                              f"the state its previous update returned), got {type(state).__name__}")
 
+    def checked_run(fn, flows, state, params, num_samples):
+        out = fn(tables, flows, state, params, num_samples)
+        if callable(config.step_size):  # the earlier updates' flags, read while this one runs; then this one's
+            runtime.raise_pending()
+            record_step_check(runtime, tx, state, params)
+        return out
+
     def step(flows, state, params, *, num_samples=None, **_):
         check(flows, state)
-        return jit_step(tables, flows, state, params, num_samples)
+        return checked_run(jit_step, flows, state, params, num_samples)
 
     def update(flows, state, params=None, *, num_samples=None, **_):
         if params is None:
             raise ValueError("EM transformations need params: call update(flows, state, params)")
         check(flows, state)
-        return jit_update(tables, flows, state, params, num_samples)
+        return checked_run(jit_update, flows, state, params, num_samples)
 
-    return EMTransformation(init, update, step, config)
+    tx = EMTransformation(init, update, step, config)
+    return tx
+
+
+_NAMES = {"em": "em", "full_batch": "full_batch_em", "anemone": "anemone"}
 
 
 def em(circuit, step_size=0.1, pseudocount: float = 0.0) -> EMTransformation:
@@ -356,7 +522,10 @@ def em(circuit, step_size=0.1, pseudocount: float = 0.0) -> EMTransformation:
     Args:
         circuit: a compiled :class:`jaxpc.Circuit`.
         step_size: a float in ``(0, 1]`` (1 = plain EM on the batch) or a schedule ``count -> float``
-            (``count``: updates done so far), e.g. ``optax.linear_schedule(0.2, 0.02, total_steps)``.
+            (``count``: updates done so far), e.g. ``optax.linear_schedule(0.2, 0.02, total_steps)``, whose values
+            must lie in ``[0, 1]`` (0: the update keeps the parameters). A value outside, or NaN, makes
+            that update's parameters NaN and raises a ``ValueError`` naming the count: before training in ``fit``,
+            from the circuit's next call after ``update``/``step`` (see the module docstring).
         pseudocount: Laplace smoothing, spread evenly over each node's children (values).
     """
     check_circuit(circuit, "em")
@@ -380,7 +549,8 @@ def full_batch_em(circuit, num_batches: int, pseudocount: float = 0.0, step_size
         pseudocount: Laplace smoothing added once to the summed flows of each EM update, spread evenly over each
             node's children (values), as in :func:`em`.
         step_size: a float in ``(0, 1]`` (1: the parameters become the EM estimate of the pass) or a schedule
-            ``k -> float`` called with ``k`` the number of EM updates done before this one (not the mini-batches).
+            ``k -> float`` called with ``k`` the number of EM updates done before this one (not the mini-batches),
+            whose values at the EM updates must lie in ``[0, 1]``, checked as :func:`em` checks them.
     """
     check_circuit(circuit, "full_batch_em")
     if not isinstance(num_batches, numbers.Integral) or isinstance(num_batches, bool) or num_batches < 1:
@@ -395,7 +565,9 @@ def anemone(circuit, step_size=1.0, pseudocount: float = 0.0) -> EMTransformatio
     Args:
         circuit: a compiled :class:`jaxpc.Circuit`.
         step_size: ``eta > 0``, a finite float (not bounded by 1: a node's own step ``eta t_n / (1 + eta t_n)``
-            stays below 1) or a schedule ``count -> float`` (``count``: updates done so far) for annealing.
+            stays below 1) or a schedule ``count -> float`` (``count``: updates done so far) for annealing, whose
+            values must be finite and ``>= 0`` (0: the update keeps the parameters), checked as
+            :func:`em` checks them.
         pseudocount: Laplace smoothing as in :func:`em`; it is also added to each node's flow ``F_n`` in its
             step, so with ``pseudocount > 0`` a node the batch does not reach still moves a little (towards
             uniform).
