@@ -570,7 +570,7 @@ class Circuit:
         ``normalize(step_size * flows / batch + (1 - step_size) * TDP)``, TDP the model's top-down
         probabilities); ``options=Options(propagation="MPE")`` (hard / Viterbi EM from max-product
         flows: each sum node's flow goes to its first maximizing child, the one :meth:`mpe` decodes, and a
-        missing categorical or Gaussian variable counts the value :meth:`mpe` decodes for it);
+        missing variable counts as the value :meth:`mpe` decodes for it observed);
         ``Options(pflow_temperature=T)`` (tempered EM). ``Options(logspace_flows=True)`` is refused: EM takes
         linear flows.
 

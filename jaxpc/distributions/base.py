@@ -192,9 +192,17 @@ class Distribution:
         """The parameters whose distribution a marginalized value's statistics follow under ``options``' propagation
         (what :meth:`suff_stats` and :meth:`log_suff_stats` read for missing values): ``p`` itself, the posterior
         of EM. Distributions whose max-product value of a missing variable is one value (a mode) return, under
-        ``propagation="MPE"``, parameters that put all the mass there, so that hard EM counts the value the
-        decoding takes."""
+        ``propagation="MPE"``, parameters that put all the mass there, or that name the value for their statistics
+        to read, so that hard EM counts a missing value as the value the decoding takes observed."""
         return p
+
+    def decoded_under_evidence(self, p: dict[str, Array], tables: dict[str, Array], rows: Array, vars_: Array,
+                               evidence: dict, options) -> Array | None:
+        """``[N, B]``: each node's value of a missing variable under ``options``' propagation given per-call
+        ``evidence`` that reweights the node's values per sample, for hard EM to count as observed (where the one
+        value of :meth:`marginalized_params` is not the decoding's); None (the default) where the evidence changes
+        nothing of the decoding, or the propagation is not ``"MPE"``."""
+        return None
 
     def log_suff_stats(self, p: dict[str, Array], tables: dict[str, Array], rows: Array, xv: Array, mv: Array | None,
                        log_flows: Array, num_rows: int) -> dict[str, Array]:
@@ -341,6 +349,20 @@ def reduce_missing(logp: Array, options, axis: int = -1) -> Array:
         a = options.alpha
         return jax.nn.logsumexp(a * logp, axis=axis) / a
     return jax.nn.logsumexp(logp, axis=axis)
+
+
+def decoded_observations(dist: Distribution, p: dict[str, Array], tables: dict, xv: Array, mv: Array | None,
+                         evidence: dict | None, options) -> tuple[Array, Array | None]:
+    """``(xv, mv)``, an input layer's values ``[N, B]`` and missing mask as its statistics read them: where per-call
+    ``evidence`` sets the value a missing variable decodes to per node and sample
+    (:meth:`Distribution.decoded_under_evidence`, hard EM), the missing entries at those values and ``mv`` None (all
+    observed); else unchanged. ``tables``: the layer's tables (``"rows"``, ``"vars"``, ``"meta"``)."""
+    if mv is None or not evidence:
+        return xv, mv
+    dec = dist.decoded_under_evidence(p, tables["meta"], tables["rows"], tables["vars"], evidence, options)
+    if dec is None:
+        return xv, mv
+    return jnp.where(mv, dec.astype(xv.dtype), xv), None
 
 
 def blend(old: Array, new: Array, step_size) -> Array:

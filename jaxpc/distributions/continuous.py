@@ -191,7 +191,9 @@ class DiscreteLogistic(Distribution):
 
     Natural params: ``{"mu": [num_nodes], "s": [num_nodes]}`` (location, scale).
     EM (moment matching on bin centers, as PyJuice does): mean and standard deviation of the
-    flow-weighted bin centers, ``s = max(std, min_std) * sqrt(3) / pi``.
+    flow-weighted bin centers, ``s = max(std, min_std) * sqrt(3) / pi``. A missing value counts the current
+    distribution's moments; under hard EM (``propagation="MPE"``), the center of the node's first most probable bin
+    (the value ``mpe`` decodes), as that bin observed counts.
     """
 
     name = "discrete_logistic"
@@ -275,10 +277,24 @@ class DiscreteLogistic(Distribution):
         lp = self._bin_logp(p["mu"][rows][:, None], p["log_scale"][rows][:, None], jnp.clip(bins, 0, self.num_cats - 1))
         return jnp.where(bins < self.num_cats, lp, -jnp.inf)
 
+    def marginalized_params(self, p, options):
+        """Under ``propagation="MPE"``, ``p`` with each row's first most probable bin under ``"decoded"`` (the value
+        max-product decoding takes for a missing variable), which :meth:`suff_stats` counts as that bin observed: its
+        center, with no spread (the moments stay about the current mean, so no ``mu`` and scale can stand for it);
+        else ``p``."""
+        if options.propagation != "MPE":
+            return p
+        bins = jnp.arange(self.num_cats)[None, :]
+        decoded = jnp.argmax(self._bin_logp(p["mu"][:, None], p["log_scale"][:, None], bins), axis=1)
+        return {**p, "decoded": decoded.astype(jnp.int32)}
+
     def suff_stats(self, p, tables, rows, xv, mv, flows, num_rows):
         mu = p["mu"][rows]
         var = (jnp.exp(p["log_scale"][rows]) * math.pi) ** 2 / 3.0
         xi = jnp.clip(xv.astype(jnp.int32), 0, self.num_cats - 1)
+        if mv is not None and "decoded" in p:  # a missing value counts as its decoded bin observed
+            xi = jnp.where(mv, p["decoded"][rows][:, None], xi)
+            mv = None
         return _moments(self._centers(xi, flows.dtype), mu, var, rows, mv, flows, num_rows)
 
     def em_update(self, p, tables, stats, step_size, pseudocount):

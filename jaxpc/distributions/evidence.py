@@ -142,6 +142,29 @@ class SoftEvidenceCategorical(Categorical):
             out = jnp.where(mv, self._missing(lt, rows, vars_, logz, dense, topk, options), out)
         return out
 
+    def decoded_under_evidence(self, p, tables, rows, vars_, evidence, options):
+        """Under ``"MPE"`` with categorical evidence, each node's first most probable value of the reweighted pmf per
+        sample ``[N, B]`` (the lowest value on ties, among the top-k candidates with top-k evidence; 0 where no
+        value has weight): the value that the max-product pass takes for a missing variable. None otherwise."""
+        dense = evidence.get("categorical_logp")
+        topk = evidence.get("categorical_topk")
+        if options.propagation != "MPE" or (dense is None and topk is None):
+            return None
+        lt = p["log_probs"]
+        if dense is not None:
+            num = lt[rows][:, None, :] + jnp.transpose(dense[:, vars_, :self.num_cats], (1, 0, 2))  # [N, B, K]
+            return jnp.argmax(num, axis=2).astype(jnp.int32)
+        ids, logp, mask = topk["ids"], topk["logp"], topk.get("mask")
+        live = ids < self.num_cats
+        ok = live if mask is None else live & mask
+        idn = jnp.transpose(ids[:, vars_, :], (1, 0, 2))  # [N, B, k]
+        num = jnp.where(jnp.transpose(ok[:, vars_, :], (1, 0, 2)),
+                        lt[rows[:, None, None], jnp.clip(idn, 0, self.num_cats - 1)]
+                        + jnp.transpose(logp[:, vars_, :], (1, 0, 2)), -jnp.inf)
+        best = jnp.max(num, axis=2, keepdims=True)
+        first = jnp.min(jnp.where((num == best) & (best > -jnp.inf), idn, self.num_cats), axis=2)
+        return jnp.where(first < self.num_cats, first, 0).astype(jnp.int32)
+
     def _missing(self, lt, rows, vars_, logz, dense, topk, options):
         """``[N, B]``: the value of a missing variable, the reweighted log-pmf reduced over its values
         (:func:`jaxpc.distributions.base.reduce_missing`); under ``"LL"`` exactly 0 where some value has weight."""

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..compiler.layout import Layout
-from ..distributions.base import blend, has_mass, parent_totals
+from ..distributions.base import blend, decoded_observations, has_mass, parent_totals
 from ..ops.rows import take_rows
 from . import forward, logflows, routing
 from .logflows import LogFlows
@@ -48,7 +48,7 @@ def flows_and_ll(layout: Layout, tables: dict, params: dict, x: Array, missing: 
                                                                 options, evidence)
     else:
         ll, g_sum, g_eps, buffered = _grads(layout, tables, params, x, missing, weights, options, evidence)
-    out = _assemble_flows(layout, tables, params, x, missing, options, g_sum, g_eps, buffered)
+    out = _assemble_flows(layout, tables, params, x, missing, options, g_sum, g_eps, buffered, evidence)
     return (out, ll, g_ev) if evidence_grad else (out, ll)
 
 
@@ -109,7 +109,7 @@ def _grads_with_evidence(layout, tables, params, x, missing, weights, options, e
     return ll, g_sum, g_eps, buffered, jax.tree_util.tree_unflatten(treedef, full)
 
 
-def _assemble_flows(layout, tables, params, x, missing, options, g_sum, g_eps, buffered) -> dict:
+def _assemble_flows(layout, tables, params, x, missing, options, g_sum, g_eps, buffered, evidence=None) -> dict:
     """The flows pytree from the sum parameters' gradient and the input layers' node flows."""
     if not options.compute_param_flows:
         g_sum = jax.tree_util.tree_map(jnp.zeros_like, g_sum)
@@ -128,6 +128,13 @@ def _assemble_flows(layout, tables, params, x, missing, options, g_sum, g_eps, b
         p = params["input"][spec.key] if mt is None else spec.dist.marginalized_params(params["input"][spec.key],
                                                                                         options)
         with jax.named_scope(f"jaxpc/input_stats/{spec.key}"):
+            if evidence and mt is not None:  # hard EM under evidence: missing values decoded per node and sample
+                xv, mv = decoded_observations(spec.dist, params["input"][spec.key], tab, take_rows(xt, tab["vars"]),
+                                              take_rows(mt, tab["vars"]), evidence, options)
+                if mv is None:
+                    g_in[spec.key] = spec.dist.suff_stats(params["input"][spec.key], tab["meta"], tab["rows"], xv,
+                                                          None, node_flows, spec.num_rows)
+                    continue
             if spec.run > 1:
                 gv = tab["vars"][::spec.run]
                 # the kernel reads the flows where they lie (a slice of the buffer would be copied first)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..compiler.layout import Layout, StageSpec
-from ..distributions.base import parent_totals, segment_sum
+from ..distributions.base import decoded_observations, parent_totals, segment_sum
 from ..ops.logspace import LogSum, log_sum_add, log_sum_rows, log_sum_value, log_sum_zeros, segment_logsumexp
 from ..ops.pieces import ranges
 from ..ops.sum_layer import child_rows, child_terms, first_maximizer, gather_children, gather_weights, max_product_terms
@@ -133,9 +133,9 @@ def flows_and_ll(layout: Layout, tables: dict, params: dict, x: Array, missing: 
         with jax.named_scope(f"jaxpc/input_log_stats/{spec.key}"):
             p = params["input"][spec.key] if mt is None else spec.dist.marginalized_params(params["input"][spec.key],
                                                                                             options)
-            stats[spec.key] = spec.dist.log_suff_stats(p, tab["meta"], tab["rows"],
-                                                       xt[tab["vars"]], None if mt is None else mt[tab["vars"]],
-                                                       lf, spec.num_rows)
+            xv, mv = decoded_observations(spec.dist, params["input"][spec.key], tab, xt[tab["vars"]],
+                                          None if mt is None else mt[tab["vars"]], evidence, options)
+            stats[spec.key] = spec.dist.log_suff_stats(p, tab["meta"], tab["rows"], xv, mv, lf, spec.num_rows)
     out = LogFlows({"sum": log_sums, "input": stats})
     if options.node_flows:
         out["node"] = node_totals(layout, tables, log_sums, node_flows, log=True)
