@@ -288,10 +288,10 @@ def check_batch(info: VarInfo, x, missing, *, check_values: bool, float_dtype, w
                              f"got {mshape}")
         m = missing
 
-    if check_values and not on_device and not traced and not _is_tracer(m):
-        check_host_values(info, x, m, what)  # host data: checked before anything runs
-
     target = jnp.int32 if info.all_discrete else float_dtype
+    if check_values and not on_device and not traced and not _is_tracer(m):
+        check_host_values(info, x, m, what, target)  # host data: checked before anything runs
+
     # a device array of the right dtype is used as it is (jnp.asarray costs ~0.1 ms of host time per call)
     xj = x if (on_device or traced) and dt == target else jnp.asarray(x, dtype=target)
     mj = None if m is None else (m if isinstance(m, jax.Array) and m.dtype == jnp.bool_ else jnp.asarray(m, dtype=bool))
@@ -324,9 +324,10 @@ def bounds(dtype: np.dtype, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray,
     return lo.astype(dtype), hi.astype(dtype)
 
 
-def check_host_values(info: VarInfo, x, m, what: str) -> None:
+def check_host_values(info: VarInfo, x, m, what: str, target=None) -> None:
     """Raise a ``ValueError`` naming the first entry of host data ``x`` (observed where ``m`` is not True) that no
-    leaf of its variable admits (:func:`bad_entries`), with the number of such entries."""
+    leaf of its variable admits (:func:`bad_entries`), or that overflows the float ``target`` dtype that ``x`` is
+    converted to (float64 data into a float32 circuit), with the number of such entries."""
     xh = np.asarray(x)
     integers = xh.dtype.kind in "iu" and info.all_discrete
     tops = info.unsigned_tops(xh.dtype) if integers and xh.size and xh.dtype.isnative else None
@@ -353,11 +354,19 @@ def check_host_values(info: VarInfo, x, m, what: str) -> None:
     xc = xh.astype(np.int64) if xh.dtype.kind in "iub" else xh  # booleans and small integers compared as int64
     with np.errstate(invalid="ignore"):
         bad = bad_entries(np, xc, info.discrete, info.lo, info.hi) & observed
+        narrow = target is not None and xh.dtype.kind == "f" and np.dtype(target).kind == "f" and \
+            np.finfo(target).max < np.finfo(xh.dtype).max
+        over = (np.abs(xh) > np.finfo(target).max) & np.isfinite(xh) & observed if narrow else None
+    if over is not None:
+        bad = bad | over
     if bad.any():
         b, v = (int(i) for i in np.argwhere(bad)[0])
         val = xh[b, v]
         n_bad = int(bad.sum())
         more = f" ({n_bad} bad entries in all)" if n_bad > 1 else ""
+        if over is not None and over[b, v]:
+            raise ValueError(f"{what}[{b}, {v}] = {val} overflows the circuit's {np.dtype(target).name}: "
+                             f"{info.describe(v)}{more}")
         if np.issubdtype(xh.dtype, np.floating) and not np.isfinite(val):
             raise ValueError(f"{what}[{b}, {v}] = {val}: {info.describe(v)}; mark unknown values with "
                              f"missing= instead of {'NaN' if np.isnan(val) else val}{more}")

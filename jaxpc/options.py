@@ -254,9 +254,10 @@ class Options:
         propagation: ``"LL"`` (sum-product, log-likelihoods), ``"MPE"`` (max-product) or
             ``"GeneralLL"`` (sum nodes compute ``(1/alpha) log sum_c (w_c p_c)^alpha``; ``alpha=1``
             is LL, ``alpha -> inf`` approaches MPE).
-        alpha: the GeneralLL exponent (required for, and only allowed with, GeneralLL). Up to 1 the sum layers
-            compute ``(w_c p_c)^alpha`` as factored matrix products (on the kernels where ``impl`` routes them);
-            above 1, where those factors underflow in float32, from the terms ``log w_c + log p_c`` shifted by each
+        alpha: the GeneralLL exponent (required for, and only allowed with, GeneralLL). From 1e-3 up to 1 the sum
+            layers compute ``(w_c p_c)^alpha`` as factored matrix products (on the kernels where ``impl`` routes
+            them); above 1, where those factors underflow in float32, and below 1e-3, where their sum rounds to
+            within ``alpha`` of 1, from the terms ``log w_c + log p_c`` shifted by each
             node's largest, on XLA whatever ``impl`` and ``kernels`` say (no term underflows at any ``alpha``; the
             terms' float32 rounding, which ``alpha`` multiplies, bounds the flows' relative error by about
             ``alpha * |log w_c + log p_c| * 6e-8``).

@@ -1007,7 +1007,7 @@ class Runtime:
             return None
         if r.target is not None:  # numpy: checked here, then a copy handed to the executable (JAX moves it)
             if r.host_check:
-                checks.check_host_values(self.var_info, x, missing, "x")
+                checks.check_host_values(self.var_info, x, missing, "x", r.target)
             x = np.asarray(x).astype(r.target)  # (never the caller's buffer: a CPU executable reads it in place)
         if isinstance(missing, np.ndarray):
             missing = np.array(missing, dtype=bool)  # (a copy, as x's)

@@ -43,11 +43,10 @@ def _moments(values, mu, var, rows, mv, flows, num_rows):
         dsq = jnp.where(mv, var[:, None], dev * dev)
     else:
         sq, dsq = values * values, dev * dev
-    s0 = segment_sum(jnp.sum(flows, axis=1), rows, num_rows)
-    s1 = segment_sum(jnp.sum(flows * values, axis=1), rows, num_rows)
-    s2 = segment_sum(jnp.sum(flows * sq, axis=1), rows, num_rows)
-    m2 = segment_sum(jnp.sum(flows * dsq, axis=1), rows, num_rows)
-    return {"s0": s0, "s1": s1, "s2": s2, "m2": m2}
+    def total(v):  # a sample of no flow adds nothing, also where its square overflows (|x| > 1.8e19 in float32)
+        return segment_sum(jnp.sum(jnp.where(flows == 0, 0.0, flows * v), axis=1), rows, num_rows)
+
+    return {"s0": total(1.0), "s1": total(values), "s2": total(sq), "m2": total(dsq)}
 
 
 def _moment_update(mu, var, stats, pseudocount, min_std):

@@ -77,10 +77,12 @@ def matmul(subscripts: str, a: Array, b: Array, precision: str) -> Array:
 def factored(a: float) -> bool:
     """Whether a sum-product exponent ``a`` (GeneralLL's ``alpha``; a flow's ``alpha / T`` or ``1 / T``) may be
     computed as the factored product ``exp(a log w) @ exp(a (x - m))``, ``m`` the max over a block's children
-    alone (XLA's matrix products and the kernels): ``a <= 1``, where each factor is at least the untempered one.
-    Above 1 the weights' factor and the children's underflow in float32; such exponents are computed from the
-    terms (:func:`tempered_log_sum`, :func:`tempered_split`)."""
-    return a <= 1.0
+    alone (XLA's matrix products and the kernels): ``1e-3 <= a <= 1``, where each factor is at least the untempered
+    one. Above 1 the weights' factor and the children's underflow in float32; below 1e-3 the factored sum rounds to
+    within ``a`` of 1, and ``log(sum) / a`` turns its float32 rounding into an error of ``6e-8 / a`` (0.2 at
+    ``a = 1e-7``, where one finite term must give its own value exactly). Such exponents are computed from the terms
+    (:func:`tempered_log_sum`, :func:`tempered_split`)."""
+    return 1e-3 <= a <= 1.0
 
 
 def _finite_max(x: Array, axis: int) -> Array:
