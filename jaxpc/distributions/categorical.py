@@ -214,8 +214,9 @@ class Categorical(Distribution):
         tot = jnp.sum(counts, axis=1, keepdims=True) + pseudocount
         old = jnp.exp(p["log_probs"])
         mass = has_mass(tot)
-        new = jnp.where(mass, (counts + pc) / jnp.where(mass, tot, 1.0), old)
-        return {"log_probs": jnp.log(blend(old, new, step_size))}
+        new = blend(old, jnp.where(mass, (counts + pc) / jnp.where(mass, tot, 1.0), old), step_size)
+        # zeros (forbidden values) become -inf without a log of 0, whose derivative is NaN whatever the cotangent
+        return {"log_probs": jnp.where(new == 0, -jnp.inf, jnp.log(jnp.where(new == 0, 1.0, new)))}
 
 
 class Bernoulli(Categorical):

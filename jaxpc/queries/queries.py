@@ -58,7 +58,7 @@ def _conditional_impl(layout, tables, params, x, missing, targets, tree_weights=
         if not spec.dist.discrete:
             continue
         read = read.at[tab["vars"]].set(True)
-        G = jnp.where(F == 0, 0.0, F * jnp.exp(-val))
+        G = F * jnp.exp(-jnp.where(F == 0, 0.0, val))  # a leaf without flow (value 0: -inf) adds 0, also to derivatives
         P = jnp.exp(spec.dist.log_pmf(params["input"][spec.key], tab["meta"], tab["rows"], num_values))
         if spec.run > 1:  # runs of r nodes over one variable: one product per run, no [N, B, K] temporary
             r = spec.run
