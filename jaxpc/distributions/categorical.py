@@ -7,12 +7,11 @@ masked categorical forbids a value). The gradient of the log-likelihood with res
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..ops.logspace import segment_logsumexp
+from ..ops.logspace import logsumexp, segment_logsumexp
 from ..ops.pieces import in_order, ranges
 from .base import Distribution, blend, float_field, has_mass, reduce_missing, segment_sum
 
@@ -136,7 +135,7 @@ class Categorical(Distribution):
         counts = segment_logsumexp(obs.reshape(-1), self._flat(rows, xi).reshape(-1), num_rows * K)
         counts = counts.reshape(num_rows, K)
         if mv is not None:
-            miss = jax.nn.logsumexp(jnp.where(mv, log_flows, -jnp.inf), axis=1)  # [N]
+            miss = logsumexp(jnp.where(mv, log_flows, -jnp.inf), axis=1)  # [N]
             counts = jnp.logaddexp(counts, segment_logsumexp(miss[:, None] + p["log_probs"][rows], rows, num_rows))
         return {"counts": counts}
 

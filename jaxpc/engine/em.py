@@ -274,7 +274,8 @@ def em_update(layout: Layout, tables: dict, params: dict, flows: dict, step_size
         else:
             tot = parent_totals(flows["sum"][g.key], t["seg"], g) + pseudocount
         new = jnp.where(has_mass(tot)[:, :, None], blend(old, targets[g.key], step_size), old)
-        new_sum[g.key] = jnp.log(new)
+        zero = new == 0  # a zero parameter's log is -inf, with a zero (never NaN) derivative
+        new_sum[g.key] = jnp.where(zero, -jnp.inf, jnp.log(jnp.where(zero, 1.0, new)))
     if not update_sums:
         new_sum = dict(params["sum"])
     new_in = {}

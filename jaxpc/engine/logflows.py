@@ -33,7 +33,7 @@ from jax import lax
 
 from ..compiler.layout import Layout, StageSpec
 from ..distributions.base import decoded_observations, parent_totals, segment_sum
-from ..ops.logspace import LogSum, log_sum_add, log_sum_rows, log_sum_value, log_sum_zeros, segment_logsumexp
+from ..ops.logspace import LogSum, log_sum_add, log_sum_rows, log_sum_value, log_sum_zeros, logsumexp, segment_logsumexp
 from ..ops.pieces import ranges
 from ..ops.sum_layer import child_rows, child_terms, first_maximizer, gather_children, gather_weights, max_product_terms
 from ..options import Options
@@ -101,13 +101,13 @@ def node_totals(layout: Layout, tables: dict, sum_flows: dict, input_flows: list
         seg = tables["groups"][g.key]["seg"]
         f = sum_flows[g.key]
         if log:
-            rows = jax.nn.logsumexp(f, axis=2)
+            rows = logsumexp(f, axis=2)
             out["sum"][g.key] = rows if g.single_segments else segment_logsumexp(rows, seg, g.num_segments)[seg]
         else:
             out["sum"][g.key] = parent_totals(f, seg, g)
     for spec, tab, f in zip(layout.input_layers, tables["inputs"], input_flows):
         if log:
-            out["input"][spec.key] = segment_logsumexp(jax.nn.logsumexp(f, axis=1), tab["rows"], spec.num_rows)
+            out["input"][spec.key] = segment_logsumexp(logsumexp(f, axis=1), tab["rows"], spec.num_rows)
         else:
             out["input"][spec.key] = segment_sum(jnp.sum(f, axis=1), tab["rows"], spec.num_rows)
     return out
@@ -228,14 +228,14 @@ def log_split(values: Array, lf: Array, ch: Array, pid: Array, logw: Array, row,
             split = jnp.where(lax.broadcasted_iota(jnp.int32, t.shape, 2) == first, 0.0, -jnp.inf)
         else:
             z = ((1.0 if options.propagation == "LL" else options.alpha) / temperature) * t
-            norm = jax.nn.logsumexp(z, axis=2, keepdims=True)
+            norm = logsumexp(z, axis=2, keepdims=True)
             split = jnp.where(jnp.isfinite(norm), z - norm, -jnp.inf)  # impossible parents pass nothing
         return jnp.where(dead, -jnp.inf, lf[:, :, None] + split)
 
     ce = terms(options.eflow_temperature)
-    cf = jax.nn.logsumexp(ce, axis=(0, 1) if part.dense else 1)
+    cf = logsumexp(ce, axis=(0, 1) if part.dense else 1)
     if not param_flows:
         return cf, None
     cp = ce if options.pflow_temperature == options.eflow_temperature else terms(options.pflow_temperature)
-    pf = jax.nn.logsumexp(cp, axis=3).reshape(n, Kp, C, Kc).transpose(0, 2, 1, 3)
+    pf = logsumexp(cp, axis=3).reshape(n, Kp, C, Kc).transpose(0, 2, 1, 3)
     return cf, pf

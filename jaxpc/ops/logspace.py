@@ -35,14 +35,24 @@ def log_sum_add(acc: LogSum, idx: Array, terms: Array) -> LogSum:
     m = acc.m.at[idx].max(terms)
     new = m[idx]
     live = ~jnp.isneginf(new)  # NaN stays live and propagates
-    # every repeat of an index writes the same rescaled value, so the set is well defined
-    s = acc.s.at[idx].set(jnp.where(live, acc.s[idx] * jnp.exp(acc.m[idx] - new), 0.0))
-    return LogSum(m, s.at[idx].add(jnp.where(live, jnp.exp(terms - new), 0.0)))
+    # every repeat of an index writes the same rescaled value, so the set is well defined; entries that are not
+    # live exponentiate 0, never -inf - -inf, so their derivatives are 0, not NaN
+    s = acc.s.at[idx].set(jnp.where(live, acc.s[idx] * jnp.exp(jnp.where(live, acc.m[idx] - new, 0.0)), 0.0))
+    return LogSum(m, s.at[idx].add(jnp.where(live, jnp.exp(jnp.where(live, terms - new, 0.0)), 0.0)))
 
 
 def log_sum_value(acc: LogSum) -> Array:
-    """The accumulated ``log sum exp`` (``-inf`` where no finite term was added)."""
-    return acc.m + jnp.log(acc.s)
+    """The accumulated ``log sum exp`` (``-inf``, with a zero derivative, where no finite term was added)."""
+    empty = acc.s == 0
+    return jnp.where(empty, -jnp.inf, acc.m + jnp.log(jnp.where(empty, 1.0, acc.s)))
+
+
+def logsumexp(a: Array, axis, keepdims: bool = False) -> Array:
+    """:func:`jax.nn.logsumexp` over ``axis`` (an int or a tuple), the same values; where every term is ``-inf``
+    (value ``-inf``) its derivative is 0, not NaN."""
+    dead = jnp.all(jnp.isneginf(a), axis=axis, keepdims=True)
+    out = jnp.where(dead, -jnp.inf, jax.nn.logsumexp(jnp.where(dead, 0.0, a), axis=axis, keepdims=True))
+    return out if keepdims else jnp.squeeze(out, axis)
 
 
 def log_sum_rows(acc: LogSum, start, size: int) -> Array:

@@ -129,7 +129,8 @@ def mean_nll(layout: Layout, tables: dict, params: dict, x: Array, missing: Arra
     if weights is None:
         return -jnp.mean(ll), ll
     w = weights.astype(ll.dtype)
-    return -jnp.sum(jnp.where(w == 0, 0.0, ll * w)) / jnp.sum(w), ll
+    pad = w == 0  # a padding row's ll (maybe -inf) reaches neither the loss nor its derivatives
+    return -jnp.sum(jnp.where(pad, 0.0, jnp.where(pad, 0.0, ll) * w)) / jnp.sum(w), ll
 
 
 # ---- circuit-level wrappers ---------------------------------------------------------------------

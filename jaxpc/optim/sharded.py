@@ -123,7 +123,8 @@ def sharded_loss_and_grad(layout, mesh: Mesh, options: Options, missing_ndim: in
 
         def local(p):
             ll = normalized_log_prob(layout, tables, p, x, m, options, normalize=normalize, evidence=ev)
-            wl = jnp.where(w == 0, 0.0, ll * w.astype(ll.dtype))
+            pad = w == 0  # a padding row's ll (maybe -inf) reaches neither the loss nor its derivatives
+            wl = jnp.where(pad, 0.0, jnp.where(pad, 0.0, ll) * w.astype(ll.dtype))
             return -jnp.sum(wl), ll
 
         (nll, ll), g = jax.value_and_grad(local, has_aux=True)(params)

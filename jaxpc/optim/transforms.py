@@ -372,7 +372,9 @@ def anemone_update(layout, tables, params: dict, flows: dict, eta, pseudocount, 
     for g in layout.sum_groups if update_sums else ():
         s = node_step(totals[g.key])[:, :, None]
         old = jnp.exp(params["sum"][g.key])
-        new_sum[g.key] = jnp.log(blend(old, targets[g.key], s))
+        new = blend(old, targets[g.key], s)
+        zero = new == 0  # a zero parameter's log is -inf, with a zero (never NaN) derivative
+        new_sum[g.key] = jnp.where(zero, -jnp.inf, jnp.log(jnp.where(zero, 1.0, new)))
     new_in = {}
     for spec, tab in zip(layout.input_layers, tables["inputs"]):
         stats = flows["input"][spec.key]

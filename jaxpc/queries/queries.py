@@ -67,7 +67,10 @@ def _conditional_impl(layout, tables, params, x, missing, targets, tree_weights=
             acc = acc + jax.ops.segment_sum(part, tab["vars"][::r], num_segments=V)
         else:
             acc = acc + jax.ops.segment_sum(G[:, :, None] * P[:, None, :], tab["vars"], num_segments=V)
-    acc = jnp.where(read[:, None, None], acc / jnp.sum(acc, axis=2, keepdims=True), 0)
+    tot = jnp.sum(acc, axis=2, keepdims=True)
+    empty = tot == 0  # a row of probability 0: NaN conditionals, whose derivatives are 0 (never NaN) where masked
+    acc = jnp.where(empty, jnp.nan, acc / jnp.where(empty, jnp.ones((), dtype), tot))
+    acc = jnp.where(read[:, None, None], acc, 0)
     # observed variables are known: their conditional is the indicator of the observed value
     observed = jnp.ones((V, B), bool) if missing is None else ~forward.missing_t(missing) & jnp.ones((V, B), bool)
     onehot = jax.nn.one_hot(x.T.astype(jnp.int32), num_values, dtype=dtype)
