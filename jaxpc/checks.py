@@ -356,7 +356,12 @@ def check_host_values(info: VarInfo, x, m, what: str, target=None) -> None:
         bad = bad_entries(np, xc, info.discrete, info.lo, info.hi) & observed
         narrow = target is not None and xh.dtype.kind == "f" and np.dtype(target).kind == "f" and \
             np.finfo(target).max < np.finfo(xh.dtype).max
-        over = (np.abs(xh) > np.finfo(target).max) & np.isfinite(xh) & observed if narrow else None
+        over = None
+        if narrow and xh.size:  # two reductions (NaN skipped); the mask only where some value is that large
+            ft = np.finfo(target)
+            limit = float(ft.max) + 2.0 ** (ft.maxexp - ft.nmant - 2)  # (from here on, the conversion gives inf)
+            if np.fmax.reduce(xh, axis=None) >= limit or np.fmin.reduce(xh, axis=None) <= -limit:
+                over = (np.abs(xh) >= limit) & np.isfinite(xh) & observed
     if over is not None:
         bad = bad | over
     if bad.any():

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jaxpc
-from jaxpc import distributions
+from jaxpc import checks, distributions
 
 from . import oracle
 from .random_circuits import Generator
@@ -171,3 +171,12 @@ def test_general_ll_at_a_tiny_alpha_keeps_a_single_term_exact():
     _, ref = oracle.forward(c, c.params, x)
     got = np.asarray(c.log_prob(c.params, x, propagation="GeneralLL", alpha=1e-7))
     np.testing.assert_allclose(got, ref, atol=1e-5)
+
+
+def test_host_check_accepts_values_that_round_to_the_largest_float():
+    a = jaxpc.inputs(0, 1, 1, distributions.Gaussian())
+    b = jaxpc.inputs(1, 1, 1, distributions.Gaussian())
+    circuit = jaxpc.compile(jaxpc.summate(jaxpc.multiply(a, b), num_nodes=1), seed=0)
+    x = np.array([[float(np.finfo(np.float32).max) * (1 + 1e-9), 0.0]])
+    assert np.isfinite(x.astype(np.float32)).all()
+    checks.check_host_values(circuit.runtime.var_info, x, None, "x", np.float32)

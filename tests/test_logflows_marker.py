@@ -2,6 +2,7 @@
 update refuses instead of reading logarithms as counts; ``Circuit.em_update`` refuses negative counts (negated
 flows) on the host and on the device."""
 
+import copy
 import functools
 import pickle
 
@@ -139,3 +140,18 @@ def test_optim_em_transformations_refuse_log_flows():
     for tx in (jaxpc.optim.em(c), jaxpc.optim.full_batch_em(c, 2), jaxpc.optim.anemone(c)):
         with pytest.raises(ValueError, match="jaxpc.optim EM update: flows are log flows"):
             tx.update(log, tx.init(c.params), c.params)
+
+
+def test_log_flows_copy_keeps_the_marker():
+    circuit = small()[0]
+    log = circuit.flows(circuit.params, data(), options=LOG)
+    with pytest.raises(ValueError, match="log flows"):
+        circuit.em_update(circuit.params, log.copy(), validate=False)
+
+
+def test_log_flows_round_trips():
+    circuit = small()[0]
+    log = circuit.flows(circuit.params, data(), options=jaxpc.Options(logspace_flows=True, node_flows=True))
+    for got in (jax.device_get(log), pickle.loads(pickle.dumps(log)), copy.deepcopy(log),
+                jax.tree.map(lambda a: a, log, is_leaf=lambda t: isinstance(t, dict) and "sum" in t)):
+        assert type(got) is LogFlows

@@ -211,3 +211,37 @@ def test_a_data_parallel_train_step_checks_its_schedule(case):
         parallel.train_step(circuit, tx, circuit.params, state, data, mesh=mesh, validate="sync")
     parallel.train_step(circuit, tx, circuit.params, state, data, mesh=mesh, validate=False)
     circuit.raise_pending()
+
+
+def _any_nan(params):
+    return any(np.isnan(np.asarray(a)).any() for a in jax.tree_util.tree_leaves(params))
+
+
+def test_linear_decay_to_zero_keeps_parameters_finite(case):
+    circuit, data = case
+    tx = optim.em(circuit, optax.linear_schedule(0.5, 0.0, 10))
+    state, params = tx.init(circuit.params), circuit.params
+    flows = circuit.flows(params, data)
+    for _ in range(11):  # the last update reads the schedule's end value, 0
+        params, state = tx.step(flows, state, params)
+    circuit.raise_pending()
+    assert not _any_nan(params)
+
+
+def _decay_end(t):
+    """The values of ``optax.linear_schedule(0.5, 0.0, 10)`` under an optimized ``jit``, where ``0.5 * (1 - t / 10)``
+    becomes a fused multiply-add and ends at ``-2**-27``, not 0."""
+    return jnp.where(t >= 10, jnp.float32(-(2.0 ** -27)), 0.5 * (1 - t / 10))
+
+
+def test_fit_accepts_a_rounding_below_zero(case):
+    circuit, data = case
+    out = optim.fit(circuit, circuit.params, data, epochs=3, batch_size=4, progress=False,
+                    optimizer=optim.em(circuit, _decay_end))
+    assert not _any_nan(out.params)
+
+
+def test_schedule_check_still_refuses_real_negatives(case):
+    circuit, _ = case
+    with pytest.raises(ValueError, match="returns -0.001 at count 4"):
+        optim.check_schedule(optim.em(circuit, lambda t: jnp.where(t > 3, -1e-3, 0.5)), 0, 20)

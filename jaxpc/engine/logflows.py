@@ -59,6 +59,10 @@ class LogFlows(dict):
     def __repr__(self) -> str:
         return f"LogFlows({dict.__repr__(self)})"
 
+    def copy(self) -> LogFlows:
+        """A shallow copy that stays :class:`LogFlows` (``dict.copy`` returns a plain dict)."""
+        return LogFlows(self)
+
 
 def _flatten_with_keys(flows: LogFlows):
     keys = tuple(sorted(flows))

@@ -35,9 +35,9 @@ all dimensions >= 16 use the tensor cores (``pl.dot`` at the requested precision
 a broadcast multiply-add in float32.
 
 GeneralLL's exponent ``alpha`` enters as the factors ``exp(alpha log w)`` and ``exp(alpha (x - m))``, ``m`` a
-block's largest child value: accurate for ``alpha <= 1`` (:func:`jaxpc.ops.sum_layer.factored`); above 1 they
-underflow in float32, and the routes send such layers to XLA's terms
-(:func:`jaxpc.engine.routing.factored_forward`).
+block's largest child value: accurate for ``1e-3 <= alpha <= 1`` (:func:`jaxpc.ops.sum_layer.factored`); above 1
+they underflow in float32, below 1e-3 their sum rounds to within ``alpha`` of 1, and the routes send such layers to
+XLA's terms (:func:`jaxpc.engine.routing.factored_forward`).
 """
 
 from __future__ import annotations

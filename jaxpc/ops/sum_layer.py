@@ -5,9 +5,9 @@ For ``n`` parent blocks of ``Kp`` nodes, each with ``C`` child blocks of ``Kc`` 
 
 * LL: ``out[i, k, b] = m + log sum_{c, j} w[i, k, c, j] exp(x[i, c, j, b] - m)``, ``m`` the max over
   the block's children (a batched matmul in linear space, as in PyJuice).
-* GeneralLL(alpha): ``out = m + (1/alpha) log sum w^alpha exp(alpha (x - m))`` for ``alpha <= 1``; above 1,
-  ``out = M + (1/alpha) log sum exp(alpha (t - M))`` over the terms ``t = log w + x`` with ``M`` each parent's
-  largest term (:func:`tempered_log_sum`).
+* GeneralLL(alpha): ``out = m + (1/alpha) log sum w^alpha exp(alpha (x - m))`` for ``1e-3 <= alpha <= 1``
+  (:func:`factored`); outside, ``out = M + (1/alpha) log sum exp(alpha (t - M))`` over the terms ``t = log w + x``
+  with ``M`` each parent's largest term (:func:`tempered_log_sum`).
 * MPE: ``out = max_{c, j} (log w + x)``; its flows go to the first maximizing child (:func:`first_max`).
 
 An exponent ``a`` (``alpha``, or ``alpha / T`` for flows tempered by ``T``) is computed as the factored product

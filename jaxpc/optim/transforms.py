@@ -67,6 +67,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from .. import checks
 from ..circuit import Circuit
@@ -184,9 +185,20 @@ def _check_args(step_size, pseudocount, where: str) -> None:
         raise ValueError(f"{where}: pseudocount must be >= 0, got {pseudocount!r}")
 
 
-def _step_value(step_size, count: Array, dtype) -> Array:
-    s = step_size(count) if callable(step_size) else step_size
-    return jnp.asarray(s, dtype)
+# a schedule's value this close outside its range is rounding (a few float32 ulps of 1), and counts as the bound
+_SNAP = 16 * 2.0 ** -23
+
+
+def _step_value(step_size, count: Array, dtype, kind: str = "em") -> Array:
+    """The step size at ``count`` as ``dtype``; a schedule's value within :data:`_SNAP` outside ``kind``'s range
+    (:func:`_step_ok`) is moved onto it (under ``jit``, ``optax.linear_schedule(0.5, 0.0, n)`` ends at -7e-9)."""
+    if not callable(step_size):
+        return jnp.asarray(step_size, dtype)
+    s = jnp.asarray(step_size(count), dtype)
+    s = jnp.where((s < 0) & (s >= -_SNAP), jnp.zeros_like(s), s)
+    if kind != "anemone":
+        s = jnp.where((s > 1) & (s <= 1 + _SNAP), jnp.ones_like(s), s)
+    return s
 
 
 def _step_ok(kind: str, s):
@@ -226,7 +238,7 @@ _CHUNK = 1 << 18  # schedule values evaluated per call of the host check's execu
 def _first_bad_chunk(start, n, *, fn, kind: str, dtype):
     """``(any bad, index, value)`` of the first of ``fn(start + i)``, ``i < min(n, _CHUNK)``, that breaks the rule."""
     i = jnp.arange(_CHUNK, dtype=jnp.int32)
-    vals = jax.vmap(lambda c: jnp.asarray(fn(c), dtype))(start + i)
+    vals = lax.optimization_barrier(jax.vmap(lambda c: _step_value(fn, c, dtype, kind))(start + i))
     bad = ~_step_ok(kind, vals) & (i < n)
     at = jnp.argmax(bad)
     return jnp.any(bad), at, vals[at]
@@ -279,9 +291,9 @@ def _bad_step(config: EMConfig, dtype, count: Array) -> Array:
     device check of ``update``/``step``)."""
     if config.kind == "full_batch":
         after = count + 1
-        s = _step_value(config.step_size, after // config.num_batches - 1, dtype)
+        s = _step_value(config.step_size, after // config.num_batches - 1, dtype, config.kind)
         return ((after % config.num_batches) == 0) & ~_step_ok(config.kind, s)
-    return ~_step_ok(config.kind, _step_value(config.step_size, count, dtype))
+    return ~_step_ok(config.kind, _step_value(config.step_size, count, dtype, config.kind))
 
 
 def _explain_step(tx, dtype, count: Array) -> None:
@@ -412,11 +424,11 @@ def em_apply(layout, tables, config: EMConfig, flows: dict, state, params: dict,
     pc = jnp.asarray(config.pseudocount, dtype)
     checked = callable(config.step_size)  # (a constant was checked when the transformation was made)
     if config.kind == "em":
-        s = _step_value(config.step_size, state.count, dtype)
+        s = _step_value(config.step_size, state.count, dtype, "em")
         new = em_engine.em_update(layout, tables, params, flows, s, pc, update_sums)
         return _nan_unless(_step_ok("em", s), new) if checked else new, EMState(state.count + 1)
     if config.kind == "anemone":
-        eta = _step_value(config.step_size, state.count, dtype)
+        eta = _step_value(config.step_size, state.count, dtype, "anemone")
         new = anemone_update(layout, tables, params, flows, eta, pc, _num_samples(config, flows, num_samples),
                              update_sums)
         return _nan_unless(_step_ok("anemone", eta), new) if checked else new, EMState(state.count + 1)
@@ -424,7 +436,7 @@ def em_apply(layout, tables, config: EMConfig, flows: dict, state, params: dict,
         acc = jax.tree_util.tree_map(jnp.add, state.flows, flows)
         count = state.count + 1
         done = (count % config.num_batches) == 0
-        s = _step_value(config.step_size, count // config.num_batches - 1, dtype)
+        s = _step_value(config.step_size, count // config.num_batches - 1, dtype, "full_batch")
 
         def do_update(operands):
             p, a = operands
