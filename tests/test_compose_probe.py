@@ -55,6 +55,7 @@ def _random_circuit(seed, num_vars):
     return gen, jaxpc.compile(gen.circuit(), seed=seed, dtype=jnp.float64)
 
 
+@pytest.mark.full  # (no bug found: the full tier)
 def test_parameter_and_data_gradients_in_float64_equal_central_differences():
     """A random circuit with tied sums and inputs, Bernoulli, Gaussian, Literal and MaskedCategorical leaves: the
     gradient of ``log_prob`` (with missing values, and under GeneralLL) by the parameters and by the Gaussian
@@ -79,6 +80,7 @@ def test_parameter_and_data_gradients_in_float64_equal_central_differences():
             assert gx[b, v] == pytest.approx(fd, abs=1e-7)
 
 
+@pytest.mark.full  # (no bug found: the full tier)
 def test_forward_mode_needs_the_autodiff_backward_and_then_agrees_with_reverse_mode():
     """The default flow pass is a custom VJP: ``jax.jvp`` raises JAX's TypeError naming it (as ``log_prob``'s
     docstring says). With ``Options(backward="autodiff")``, ``jax.jvp`` equals the gradient's inner product with the
@@ -101,6 +103,7 @@ def test_forward_mode_needs_the_autodiff_backward_and_then_agrees_with_reverse_m
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.full  # (no bug found: the full tier)
 @pytest.mark.parametrize("homogeneous", [True, False], ids=["tied", "untied"])
 def test_hessian_vector_products_through_the_chain_equal_differences_of_gradients(homogeneous):
     """Forward over reverse (``jax.jvp`` of ``jax.grad``: the chain's custom VJP differentiated) in float64 equals
@@ -120,6 +123,7 @@ def test_hessian_vector_products_through_the_chain_equal_differences_of_gradient
         np.testing.assert_allclose(H, H.T, atol=1e-9)
 
 
+@pytest.mark.full  # (no bug found: the full tier)
 def test_scan_checkpoint_and_a_user_jit_around_several_methods_equal_the_plain_calls():
     """``lax.scan`` over batches calling ``flows`` and ``log_prob``, ``jax.grad`` of a ``jax.checkpoint``-ed loss,
     ``jax.eval_shape`` of ``em_step``, and one ``jax.jit`` around ``log_prob``, ``flows``, ``em_step`` and
@@ -163,6 +167,7 @@ def test_scan_checkpoint_and_a_user_jit_around_several_methods_equal_the_plain_c
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.full  # (no bug found: the full tier)
 def test_a_circuit_inside_a_flax_linen_model_trains_with_optax_adam():
     """A ``flax.linen`` module holding a circuit's parameters as ``self.param`` beside a Dense layer that maps
     features to soft evidence: ``init`` / ``apply`` give the circuit's marginal, and ``optax.adam`` on the NLL lowers

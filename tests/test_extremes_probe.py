@@ -66,6 +66,7 @@ def test_a_sum_of_one_child_block_matches_the_oracle():
     np.testing.assert_allclose(np.asarray(c.log_prob(c.params, x, miss)), ref, atol=2e-5)
 
 
+@pytest.mark.full  # (no bug found: the full tier)
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
 def test_block_size_one_everywhere_at_a_batch_of_one(seed):
@@ -78,6 +79,7 @@ def test_block_size_one_everywhere_at_a_batch_of_one(seed):
 # extreme sizes
 # ---------------------------------------------------------------------------------------------
 
+@pytest.mark.full  # (no bug found: the full tier)
 @pytest.mark.slow
 def test_seventy_thousand_categories_match_the_oracle_and_bound_the_range():
     c = jaxpc.compile(_pair(70_000))
@@ -89,6 +91,7 @@ def test_seventy_thousand_categories_match_the_oracle_and_bound_the_range():
         c.log_prob(c.params, np.array([[0, 70_000]], np.uint32))
 
 
+@pytest.mark.full  # (no bug found: the full tier)
 @pytest.mark.slow
 def test_a_sum_of_ten_thousand_child_vectors_matches_the_oracle():
     children = [jaxpc.inputs(0, 1, 1, Cat(3)) for _ in range(10_000)]
@@ -96,6 +99,7 @@ def test_a_sum_of_ten_thousand_child_vectors_matches_the_oracle():
     assert _check_against_oracle(c, np.array([[0], [2]]), atol=1e-4) == 10_001
 
 
+@pytest.mark.full  # (no bug found: the full tier)
 @pytest.mark.slow
 def test_a_chain_of_two_thousand_sums_is_one_scan_and_matches_the_oracle():
     n = jaxpc.inputs(0, 1, 2, Cat(3))
