@@ -210,6 +210,12 @@ def test_a_circuit_inside_a_flax_linen_model_trains_with_optax_adam():
         assert max(jax.tree_util.tree_leaves(moved)) > 1e-3, key
 
 
+def _mixture64(a, b):
+    """A float64 circuit of one sum over the product of node vectors ``a`` and ``b`` (call under x64)."""
+    return jaxpc.compile(jaxpc.summate(jaxpc.multiply(a, b), num_node_blocks=1, block_size=1), seed=0,
+                         dtype=jnp.float64)
+
+
 def test_conditional_gradients_by_the_parameters_are_finite_with_indicator_leaves():
     """``jax.grad`` of ``conditional`` by the parameters, for a circuit with Indicator leaves, equals central
     differences in float64 (NaN in every leaf before)."""
@@ -217,8 +223,7 @@ def test_conditional_gradients_by_the_parameters_are_finite_with_indicator_leave
     b = jaxpc.inputs(1, 2, 2, distributions.Indicator(2))
     rng = np.random.default_rng(0)
     with jax.enable_x64(True):
-        c = jaxpc.compile(jaxpc.summate(jaxpc.multiply(a, b), num_node_blocks=1, block_size=1), seed=0,
-                          dtype=jnp.float64)
+        c = _mixture64(a, b)
         x = np.array([[0, 1], [2, 0], [1, 1]], np.int32)
         miss = np.array([True, False])
         _close(_central(lambda q: c.conditional(q, x, miss)[:, 0, 0].sum(), c.params, rng))
@@ -232,8 +237,7 @@ def test_em_step_gradients_are_finite_with_masked_categorical_leaves():
     b = jaxpc.inputs(1, 2, 2, distributions.Categorical(3))
     rng = np.random.default_rng(0)
     with jax.enable_x64(True):
-        c = jaxpc.compile(jaxpc.summate(jaxpc.multiply(a, b), num_node_blocks=1, block_size=1), seed=0,
-                          dtype=jnp.float64)
+        c = _mixture64(a, b)
         x = np.array([[0, 1], [2, 0], [1, 2]], np.int32)
         w = jax.tree_util.tree_map(lambda p: jnp.asarray(rng.normal(size=p.shape)), c.params)
 
