@@ -303,7 +303,7 @@ def parent_totals(values: Array, seg: Array, group) -> Array:
     return block_totals(values, seg, group.num_segments)[seg]
 
 
-def _log_weights(q: Array) -> Array:
+def log_weights(q: Array) -> Array:
     """``log q``: -inf where ``q == 0``, with a zero gradient there (not ``0 * inf``); NaN where ``q`` is negative
     or NaN, as ``log`` gives."""
     pos = q > 0
@@ -317,7 +317,7 @@ def soft_logsumexp(logpmf: Array, q: Array) -> Array:
     non-negative), computed in log space. Its derivative by ``q`` is ``p_k / sum`` (``exp(logpmf - out)``), finite
     where ``q_k = 0`` (one-hot evidence, a softmax that underflows), where ``log q``'s chain rule gives ``0 * inf``;
     rows whose sum is 0 get zero derivatives."""
-    return jax.nn.logsumexp(logpmf + _log_weights(q), axis=1)
+    return jax.nn.logsumexp(logpmf + log_weights(q), axis=1)
 
 
 @soft_logsumexp.defjvp
@@ -327,7 +327,7 @@ def _soft_logsumexp_jvp(primals, tangents):
     out = soft_logsumexp(logpmf, q)
     finite = jnp.isfinite(out)[:, None, :]
     shifted = logpmf - jnp.where(finite, out[:, None, :], jnp.zeros((), out.dtype))
-    post = jnp.where(finite, jnp.exp(shifted + _log_weights(q)), 0.0)  # each value's share of the sum
+    post = jnp.where(finite, jnp.exp(shifted + log_weights(q)), 0.0)  # each value's share of the sum
     per_q = jnp.where(finite, jnp.exp(shifted), 0.0)  # d out / d q_k = p_k / sum
     return out, jnp.sum(post * dlogpmf, axis=1) + jnp.sum(per_q * dq, axis=1)
 
@@ -338,7 +338,7 @@ def soft_reduce(logpmf: Array, q: Array, options) -> Array:
     ``q = 0``: a value that takes no part in the max or the tempered sum)."""
     if options.propagation == "LL":
         return soft_logsumexp(logpmf, q)
-    return reduce_missing(logpmf + _log_weights(q), options, axis=1)
+    return reduce_missing(logpmf + log_weights(q), options, axis=1)
 
 
 def reduce_missing(logp: Array, options, axis: int = -1) -> Array:

@@ -13,7 +13,7 @@ from jax import lax
 
 from ..ops.logspace import logsumexp, segment_logsumexp
 from ..ops.pieces import in_order, ranges
-from .base import Distribution, blend, float_field, has_mass, reduce_missing, segment_sum
+from .base import Distribution, blend, float_field, has_mass, log_weights, reduce_missing, segment_sum
 
 
 def _check_probs(probs: np.ndarray, num_nodes: int, num_cats: int, where: str, allowed: np.ndarray | None = None):
@@ -215,7 +215,7 @@ class Categorical(Distribution):
         mass = has_mass(tot)
         new = blend(old, jnp.where(mass, (counts + pc) / jnp.where(mass, tot, 1.0), old), step_size)
         # zeros (forbidden values) become -inf without a log of 0, whose derivative is NaN whatever the cotangent
-        return {"log_probs": jnp.where(new == 0, -jnp.inf, jnp.log(jnp.where(new == 0, 1.0, new)))}
+        return {"log_probs": log_weights(new)}
 
 
 class Bernoulli(Categorical):

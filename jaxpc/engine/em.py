@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..compiler.layout import Layout
-from ..distributions.base import blend, decoded_observations, has_mass, parent_totals
+from ..distributions.base import blend, decoded_observations, has_mass, log_weights, parent_totals
 from ..ops.rows import take_rows
 from . import forward, logflows, routing
 from .logflows import LogFlows
@@ -274,8 +274,7 @@ def em_update(layout: Layout, tables: dict, params: dict, flows: dict, step_size
         else:
             tot = parent_totals(flows["sum"][g.key], t["seg"], g) + pseudocount
         new = jnp.where(has_mass(tot)[:, :, None], blend(old, targets[g.key], step_size), old)
-        zero = new == 0  # a zero parameter's log is -inf, with a zero (never NaN) derivative
-        new_sum[g.key] = jnp.where(zero, -jnp.inf, jnp.log(jnp.where(zero, 1.0, new)))
+        new_sum[g.key] = log_weights(new)  # a zero parameter: -inf, with a zero (never NaN) derivative
     if not update_sums:
         new_sum = dict(params["sum"])
     new_in = {}

@@ -71,7 +71,7 @@ from jax import lax
 
 from .. import checks
 from ..circuit import Circuit
-from ..distributions.base import blend
+from ..distributions.base import blend, log_weights
 from ..engine import em as em_engine
 from ..options import Options
 
@@ -385,8 +385,7 @@ def anemone_update(layout, tables, params: dict, flows: dict, eta, pseudocount, 
         s = node_step(totals[g.key])[:, :, None]
         old = jnp.exp(params["sum"][g.key])
         new = blend(old, targets[g.key], s)
-        zero = new == 0  # a zero parameter's log is -inf, with a zero (never NaN) derivative
-        new_sum[g.key] = jnp.where(zero, -jnp.inf, jnp.log(jnp.where(zero, 1.0, new)))
+        new_sum[g.key] = log_weights(new)  # a zero parameter: -inf, with a zero (never NaN) derivative
     new_in = {}
     for spec, tab in zip(layout.input_layers, tables["inputs"]):
         stats = flows["input"][spec.key]
