@@ -447,7 +447,8 @@ def _several_devices() -> bool:
 def _array_types() -> frozenset:
     """The concrete types of JAX's device arrays and typed PRNG keys (``jax.Array`` is abstract: an ``isinstance``
     against it is slow)."""
-    with jax.transfer_guard("allow"):  # (made once, maybe first under a caller's guard)
+    # (made once, maybe first under a caller's guard, or inside a trace: concrete arrays all the same)
+    with jax.transfer_guard("allow"), jax.ensure_compile_time_eval():
         return frozenset({type(jnp.zeros((), jnp.int32)), type(jax.random.key(0))})
 
 

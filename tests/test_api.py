@@ -309,6 +309,20 @@ def test_a_call_inside_jit_leaves_no_tracer_for_later_calls():
     assert np.all(np.isfinite(np.asarray(c.log_prob(c.params, x))))
 
 
+def test_the_array_types_made_first_inside_a_trace_are_concrete():
+    """The runtime's set of concrete array types, made once per process, is the same when a call inside a caller's
+    ``jax.jit`` makes it first (there ``jnp.zeros`` gives a tracer, whose type would be taken for a device array's
+    and whose ``.committed`` raises in a later replay's placement check)."""
+    from jaxpc import runtime
+
+    runtime._array_types.cache_clear()
+    try:
+        jax.jit(lambda a: (runtime._array_types(), a)[1])(1.0)
+        assert runtime._array_types() == {type(jnp.zeros(())), type(jax.random.key(0))}
+    finally:
+        runtime._array_types.cache_clear()
+
+
 def _largest_literal(hlo: str) -> int:
     """Element count of the largest non-splat array literal in StableHLO text."""
     sizes = [line.split("dense<[", 1)[1].split("]>", 1)[0].count(",") + 1
