@@ -115,7 +115,7 @@ def read_latency(c, xs, reps: int) -> None:
     ``flows`` call has been dispatched (the device busy)."""
     dev = next(iter(xs[0].devices()))
     flags = {"device": jax.jit(lambda x: x.sum() < 0)(xs[0]),
-             "pinned": jax.jit(lambda x: x.sum() < 0, out_shardings=jax.sharding.SingleDeviceSharding(
+             "pinned": jax.jit(lambda x: x.sum() < 0, out_shardings=jax.sharding.make_single_device_sharding(
                  dev, memory_kind="pinned_host"))(xs[0])}
     opts = dict(options=jaxpc.Options(precision="tf32"), validate=False)
     for kind, f in flags.items():
