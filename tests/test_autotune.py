@@ -108,6 +108,7 @@ def test_process_and_disk_caches(tmp_path):
 @pytest.mark.parametrize("impl,fold", cases([("pallas", False), ("pallas", True), ("pallas_forward", True)],
                                              fast=[], unpack=True),
                          ids=["pallas-full-layout", "pallas-folded", "pallas_forward-folded"])
+@pytest.mark.full
 def test_tune_circuit_routes_partitions_and_stays_exact(impl, fold):
     """Every partition of the tuned plan (the folded plan's carry M in their key) routed to the faster
     candidate by fake timings, and the tuned options give the reference's values and flows."""

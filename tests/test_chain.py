@@ -116,9 +116,11 @@ def test_impossible_samples_get_minus_inf_and_zero_flows(options):
     assert np.isneginf(ll[[1, 4]]).all() and np.isfinite(np.delete(ll, [1, 4])).all()
 
 
-@pytest.mark.parametrize("options", [jaxpc.Options(tuning=jaxpc.Tuning(chain_kernel_batch=0)),
-                                     KERNELS.replace(tuning=jaxpc.Tuning(chain_side_by_side=False)), KERNELS],
+@pytest.mark.parametrize("options", cases([jaxpc.Options(tuning=jaxpc.Tuning(chain_kernel_batch=0)),
+                                           KERNELS.replace(tuning=jaxpc.Tuning(chain_side_by_side=False)), KERNELS],
+                                          fast=[jaxpc.Options(tuning=jaxpc.Tuning(chain_kernel_batch=0))]),
                          ids=["scan", "kernels", "side_by_side"])
+@pytest.mark.every_case  # (the kernels' cases in the slow tier, each of its own route)
 def test_forward_shares_that_underflow_give_finite_exact_flows(options, monkeypatch):
     """A state whose forward share underflows to 0 (identity transitions, emissions 0.999 / 0.001: 20 zeros then 25
     ones keep state 1; state 0's share falls below float32's range after a dozen ones) has no posterior: exact
@@ -214,7 +216,8 @@ def test_queries_and_other_propagations_use_the_layer_path():
 
 # ---- the persistent kernels (jaxpc.ops.pallas_chain) ------------------------------------------------------------
 
-@pytest.mark.parametrize("side", [True, False], ids=["side-by-side", "one-way"])
+@pytest.mark.parametrize("side", cases([True, False], fast=[False]), ids=["side-by-side", "one-way"])
+@pytest.mark.every_case  # (the side-by-side launch in the slow tier)
 def test_persistent_kernels_equal_exact_expected_counts(side):
     """The kernels' path (both directions in one launch, or one launch per direction) against the oracle: LL,
     transition, root and emission flows, with missing values and sample weights, at a latent count and batch that

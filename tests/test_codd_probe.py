@@ -262,6 +262,7 @@ def test_missing_and_mpe_under_evidence_against_enumeration(c64):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_em_with_evidence_and_the_cache(c32):
     """``em_step(..., evidence=)`` equals ``em_update`` of ``flows(..., evidence=)``; ``log_prob``, ``flows`` (with
     the evidence gradient too) and ``em_step`` compile once each for fresh evidence, host or device, at batch sizes of
@@ -336,6 +337,7 @@ def test_fit_trains_logits_by_gradient_under_evidence():
 
 # ---- bugs found (each test fails without its fix) ---------------------------------------------------------------
 
+@pytest.mark.slow  # a float32 executable and its float64 oracle
 def test_gates_are_shift_invariant_per_sample(c32):
     """Adding one constant to every log-gate of a sample changes nothing (each node's gated weights are
     renormalized), however large: +100 (exp overflows float32) and -200 (exp underflows to 0) give the gates' own
@@ -422,6 +424,7 @@ def test_codd_benchmark_runs():
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_flax_module_with_per_call_evidence(c32):
     """``CircuitModule(c)(x, evidence=ev)`` is ``c.log_prob(..., evidence=ev)``, differentiable in the evidence
     under ``nnx.jit``; ``em_step(x, evidence=ev)`` is ``c.em_step``'s; bad evidence is the circuit's error."""
@@ -454,6 +457,7 @@ def test_flax_module_with_per_call_evidence(c32):
         np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # compiles log_prob and flows again under x64
 def test_float64_evidence_keeps_a_float32_circuit_float32(c32):
     """Under x64, numpy evidence is float64 by default: it widened a float32 circuit's computation and outputs to
     float64. Float evidence now computes in the circuit's dtype (the values as with float32 evidence)."""

@@ -103,6 +103,7 @@ def _chi_square(samples, x_all, probs) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_deep_irregular_chain_matches_the_oracle():
     """log_prob, flows, MPE's value and sampling of a 24-level chain of distinct levels, against the oracle."""
     c = jaxpc.compile(deep_chain(24, seed=1), seed=2)

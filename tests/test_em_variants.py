@@ -38,6 +38,7 @@ def test_tempered_flows(tp, te):
         jaxpc.Options(propagation="MPE", pflow_temperature=0.5)
 
 
+@pytest.mark.slow
 def test_keep_zero_params():
     a = jaxpc.inputs(0, 3, dist=distributions.Categorical(3), params=np.array([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5],
                                                                        [0.0, 1.0, 0.0]]))
@@ -98,6 +99,7 @@ def viterbi_path(alpha, beta, gamma, x):
     return z[::-1]
 
 
+@pytest.mark.slow
 def test_hard_em_counts_viterbi_paths():
     rng = np.random.default_rng(3)
     T, L, V = 6, 3, 4
@@ -173,8 +175,7 @@ def test_max_and_first_is_the_max_and_its_first_maximizer():
     assert (np.asarray(first) == 2).sum() > 0 and (np.asarray(first) == 4).sum() == 0
 
 
-@pytest.mark.parametrize("options", cases([{}, {"scan_stages": False}, {"gather_chunk": 64}],
-                                          fast=[{"gather_chunk": 64}]))
+@pytest.mark.parametrize("options", cases([{"gather_chunk": 64}, {}, {"scan_stages": False}], fast=[]))
 def test_hard_flows_read_the_forwards_first_maximizers(options):
     """The flow pass of hard EM takes each parent's first maximizer from its forward (``Options.kernel_shifts``)
     and passes the same flows as when it searches the terms again: on an HCLT of uniform weights, where every
@@ -312,6 +313,7 @@ def test_single_block_segments_take_each_blocks_own_totals():
         np.testing.assert_allclose(np.exp(np.asarray(got["sum"][k])).sum(axis=2), 1.0, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_compute_param_flows_false_keeps_the_sums_on_every_em_path():
     """``Options(compute_param_flows=False)`` refits the leaves and keeps every sum parameter on each path that
     runs EM with options: ``em_step``, ``optim.fit`` (EM, full-batch EM, anemone), ``parallel.em_step`` and the Flax

@@ -187,6 +187,7 @@ def test_bad_ll_weights(cat_circuit):
         cat_circuit.flows(cat_circuit.params, x, ll_weights=np.asarray([1.0, np.nan], jnp.bfloat16))
 
 
+@pytest.mark.slow  # the checking executables of flows, em_step and parallel.em_step
 def test_device_ll_weights_are_checked_as_device_data_is():
     """Device ``ll_weights`` with a NaN (or, in an EM step, a negative weight): ``"sync"`` raises at the call, the
     default at the circuit's next call, ``False`` never; good device weights give the host weights' result."""
@@ -442,6 +443,7 @@ def test_structure_builders_name_bad_arguments():
         PD((4, 4), "4")
 
 
+@pytest.mark.slow  # every entry point's checking executable, and optim.fit
 def test_nan_or_infinite_params_are_named_by_check_params_and_sync_calls(cat_circuit):
     """``circuit.check_params`` and calls with ``validate="sync"`` name a NaN or +inf parameter (leaf and index),
     first calls and replayed ones alike; -inf (a zero weight) passes, and the circuit's own params pass."""
@@ -535,7 +537,7 @@ def test_optax_apply_given_flows_names_gradients(cat_circuit):
         optim.apply(tx, c.flows(c.params, x), state, c.params)
     with pytest.raises(ValueError, match="apply: feed must be gradients with the pytree structure of params"):
         optim.apply(tx, {"sum": c.params["sum"]}, state, c.params)
-    g = jax.grad(lambda p: -optim.log_prob(c, p, x).mean())(c.params)
+    g = jax.jit(jax.grad(lambda p: -optim.log_prob(c, p, x).mean()))(c.params)  # jit: no op-by-op autodiff
     params, _ = optim.apply(tx, g, state, c.params)
     assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(c.params)
 

@@ -42,7 +42,8 @@ def _reweighted_forward(a, b, g, x, e):
     return np.array(out)
 
 
-@pytest.mark.parametrize("homogeneous", cases([True, False], fast=[False]))
+@pytest.mark.slow  # (the slow tier runs its first case: the inhomogeneous HMM)
+@pytest.mark.parametrize("homogeneous", [False, True])
 def test_soft_evidence_hmm_dense_and_topk(homogeneous):
     rng = np.random.default_rng(0)
     T, L, V, B = 5, 4, 7, 3
@@ -198,6 +199,7 @@ def _per_sample_reference(c, params, x, gates, lowrank):
 
 
 @pytest.mark.parametrize("kind", cases(["both"], fast=[]))  # the granularities: the test of gate columns below
+@pytest.mark.full
 def test_blockscale_and_lowrank_match_dense_per_sample_reference(kind):
     gen = Generator(8, 4, kinds=("categorical", "bernoulli"))  # ragged: sparse edges, ties, mixed blocks
     c = jaxpc.compile(gen.circuit())
@@ -485,6 +487,7 @@ def test_gate_and_lowrank_products_run_at_the_options_precision():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("form", ["columns", "per_block"])
+@pytest.mark.full
 def test_shared_parameters_train_by_em_under_gates(form):
     """A homogeneous HMM (tied transitions) whose transition steps each read their own gate columns (one gate per
     parent node and edge block): zero gates are no gates; under random gates (``form``: the columns, or one per
@@ -721,15 +724,17 @@ def test_topk_logz_dense_and_gather_paths_agree():
         for b in range(B):
             want[n, b] = np.log(sum(np.exp(float(lt[r, ids[b, v, j]]) + float(lp[b, v, j]))
                                     for j in range(k) if mask[b, v, j]))
+    topk_logz = jax.jit(_topk_logz, static_argnames=("method", "budget"))  # (op by op, every operation would compile)
     for method in ("dense", "gather", "auto"):
-        got = _topk_logz(jnp.asarray(lt), jnp.asarray(ids), jnp.asarray(lp), jnp.asarray(mask), jnp.asarray(rows),
-                         jnp.asarray(vars_), method=method, budget=8)
+        got = topk_logz(jnp.asarray(lt), jnp.asarray(ids), jnp.asarray(lp), jnp.asarray(mask), jnp.asarray(rows),
+                        jnp.asarray(vars_), method=method, budget=8)
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5, err_msg=method)
     with pytest.raises(ValueError, match="unknown top-k evidence method"):
         _topk_logz(jnp.asarray(lt), jnp.asarray(ids), jnp.asarray(lp), None, jnp.asarray(rows), jnp.asarray(vars_),
                    method="sparse")
 
 
+@pytest.mark.slow  # an EM step's executable with gates and LowRank factors
 def test_gated_lowrank_em_step_moves_no_host_data():
     """A steady-state EM step with BlockScale gates and LowRank corrections on device-resident data makes no
     host transfer (its input check's flag is the runtime's own, read under its own permission), and its
@@ -913,6 +918,7 @@ def test_device_evidence_checks_masks_tracers_and_mixed_arrays(evidence_circuits
         c.raise_pending()
 
 
+@pytest.mark.slow  # parallel.em_step's and optim.fit's executables
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 (fake) devices")
 def test_device_evidence_values_are_checked_in_parallel_and_fit(evidence_circuits):
     """``jaxpc.parallel``'s steps and ``split_batch`` check device evidence as the circuit's calls do (``"sync"``:

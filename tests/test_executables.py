@@ -303,6 +303,7 @@ def test_varying_batches_equal_unpadded_and_share_executables():
     assert exact.cache_info().misses == 9
 
 
+@pytest.mark.slow
 def test_codd_like_batches_use_at_most_three_executables():
     c = _hmm()
     rng = np.random.default_rng(0)
@@ -346,6 +347,7 @@ def test_warning_names_a_changing_argument():
             c.log_prob(c.params, _data(B))
 
 
+@pytest.mark.slow
 def test_evicted_executables_compiled_again_warn_to_raise_the_cache_and_bookkeeping_stays_small():
     """Executables compiled again after their eviction are not new layouts: the warning says to raise
     ``max_executables``; the per-entry layouts and the sightings of keys stay bounded however many keys come."""
@@ -386,6 +388,7 @@ def test_compile_after_two_reuses_a_larger_bucket_first():
 
 # ---- threads and transfers ---------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_threads_share_the_cache_safely():
     c = _hmm()
     data = _data(64, 7)
@@ -416,6 +419,7 @@ def test_threads_share_the_cache_safely():
     assert c.cache_info().live == c.cache_info().misses <= 3  # buckets 8, 16, 32: each compiled exactly once
 
 
+@pytest.mark.slow
 def test_training_step_makes_no_host_transfer():
     c = _hmm()
     xs = [jnp.asarray(_data(12, s)) for s in range(3)]
@@ -477,6 +481,7 @@ def test_jax_default_layout_pickles_as_itself():
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_gradients_flow_through_parameters_that_a_stored_executable_made(tmp_path):
     """A second process loads ``em_step`` from the store; ``jax.grad`` of ``log_prob`` (the flow pass's custom VJP)
     at the parameters it returns works and equals the first process's (on jax 0.12 it failed with "the layouts do
@@ -767,6 +772,7 @@ def test_a_repeated_call_replays_its_executable_and_stays_exact():
     assert all(r() is None for r in refs)
 
 
+@pytest.mark.slow
 def test_a_call_under_the_callers_grad_leaves_the_remembered_call_alone(single_compile):
     """A call whose parameters are the caller's tracers (``jax.grad`` with concrete data) runs inline and is not
     remembered for replay, and a remembered call keeps the helpers of its own outputs: here a padded ``log_prob``, a
@@ -792,6 +798,7 @@ def test_a_call_under_the_callers_grad_leaves_the_remembered_call_alone(single_c
 
 @pytest.mark.parametrize("structure", ["hclt", "hmm", "pd"])
 @pytest.mark.slow
+@pytest.mark.full
 def test_a_random_sequence_of_calls_stays_exact(structure):
     """Two hundred calls drawn at random (entry point, a batch short of or filling its bucket, numpy or device, no
     mask, a ``[V]`` or ``[B, V]`` mask, two parameter sets, calls under the caller's ``jax.jit``, ``jax.grad`` and
@@ -1201,6 +1208,7 @@ def test_the_optimized_compile_runs_the_scanned_stages_unrolled(quick_store):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_queries_compile_quick_first_then_optimized(quick_store):
     """``mpe``, ``sample`` and ``conditional`` take the circuit's compile path: a quick first compile that keeps the
     scanned stages (forward and top-down selection), then the optimized one, which gives the same answers:
@@ -1303,6 +1311,7 @@ def test_a_process_that_ends_during_the_optimized_compile_waits_and_stores_it(tm
     np.testing.assert_allclose(second["ll"], first["ll"], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_process_without_a_store_drops_the_untraced_optimized_compiles_at_exit():
     """Without a disk store (``JAXPC_PERSISTENT_CACHE=0``), a script that ends with an HCLT's optimized compile not
     yet traced (its levels scanned in the quick compile) neither traces nor compiles it at exit: nothing would run
@@ -1361,6 +1370,7 @@ def test_a_kept_copy_lives_as_long_as_its_array():
     assert len(made) == 3 and "k" in rt._kept
 
 
+@pytest.mark.slow
 def test_jax_settings_are_part_of_the_key():
     """Changing a JAX setting that changes what a traced function computes (here the PRNG's partitionable bits)
     compiles anew, as ``jax.jit`` does: a circuit's ``sample`` and ``init_params`` then draw what a fresh circuit

@@ -3,6 +3,8 @@ gates far outside exp's range, slots of zero shared weight under a large gate, p
 beyond the float32 range. Every case against a float64 reference that builds each sample's effective weights
 densely; a node whose effective weights are all zero has the value -inf and passes no gradient."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,8 +13,13 @@ import pytest
 import jaxpc
 from jaxpc.ops.sum_layer_external import sum_layer_external_reference
 
-from .test_evidence import _dense_reference, _gate_columns, _gated_circuit, _safe_div, _sum_edges
+from .test_evidence import _dense_reference, _gate_columns, _safe_div, _sum_edges
+from .test_evidence import _gated_circuit as _build_gated_circuit
 from .tiers import cases
+
+# one compiled circuit per gate case for the module (no test changes one): tests of the same evidence shapes and
+# options share its executables
+_gated_circuit = functools.cache(_build_gated_circuit)
 
 ROUTES = {"default": jaxpc.Options(), "xla": jaxpc.Options(impl="xla"),
           "full_layout": jaxpc.Options(impl="xla", fold_products=False), "pallas": jaxpc.Options(impl="pallas"),
@@ -40,8 +47,7 @@ def _check(c, params, x, ev, options, em=True):
     sources = [ns for ns in c.nodes if ns.is_sum() and ns.source is ns]
     for ns in sources:
         _close(c.get_node_flows(fl, ns), fl_ref[ns.id], f"flows of {ns.name}")
-    grad = jax.jit(jax.grad(lambda e: jnp.sum(jnp.where(jnp.isfinite(ll_ref), c.log_prob(
-        params, x, evidence=e, options=options), 0.0))))(jax.tree_util.tree_map(jnp.asarray, ev))
+    grad = _ll_grad(c, options)(jax.tree_util.tree_map(jnp.asarray, ev), params, x, np.isfinite(ll_ref))
     for key in ev:
         for got, via, want in zip(jax.tree_util.tree_leaves(grad[key]), jax.tree_util.tree_leaves(eg[key]),
                                   jax.tree_util.tree_leaves(g_ref[key])):
@@ -55,6 +61,16 @@ def _check(c, params, x, ev, options, em=True):
             old = np.asarray(c.get_node_params(params, ns), np.float64)
             want = np.where(tot > 0, _safe_div(f, tot), old)
             _close(c.get_node_params(new, ns), want, f"em_step of {ns.name}")
+
+
+@functools.cache
+def _ll_grad(c, options):
+    """``jax.grad`` of the LL summed over the samples of finite reference LL, by the evidence: one jitted function
+    per circuit and options (the parameters, data and mask its arguments), so that tests of the same shapes share
+    its executable."""
+    def ll(e, params, x, finite):
+        return jnp.sum(jnp.where(finite, c.log_prob(params, x, evidence=e, options=options), 0.0))
+    return jax.jit(jax.grad(ll))
 
 
 def _row_columns(c, ns, gates, row):
@@ -93,6 +109,7 @@ def _dead_row_evidence(c, form, where, lowrank, B=3):
 @pytest.mark.parametrize("form,where,lowrank", cases(
     [("columns", "inner", False), ("columns", "root", False), ("columns", "inner", True),
      ("per_block", "inner", False), ("per_block", "root", True)], fast=[], unpack=True))
+@pytest.mark.full
 def test_a_parent_row_of_minus_inf_gates_is_a_zero_node(form, where, lowrank):
     """Every gate of a parent row -inf: its effective weights are all zero, so the node's value is -inf (as a node
     of zero weights) and it passes no gradient: the LL, flows, evidence gradients and EM step equal the float64
@@ -159,6 +176,7 @@ def _big_lowrank(c, B, rng):
 
 
 @pytest.mark.parametrize("gated", cases([False, True], fast=[]))
+@pytest.mark.full
 def test_lowrank_beyond_float32_range_is_exact(gated):
     """Finite LowRank factors whose products ``U V`` overflow float32 give the exact normalized weights: the LL,
     flows (each shared weight's share ``w / (w + U V)``, here nearly 0), the gradients by the factors (including
@@ -186,6 +204,7 @@ def _layer_reference(y, w, keep, gates, u, v):
         return np.where(Z > 0, np.log(s) - np.log(np.where(Z > 0, Z, 1.0)), -np.inf)
 
 
+@pytest.mark.slow
 def test_layer_values_and_gradients_at_the_edges():
     """One padded partition alone: rows of all -inf gates, gates of -300 and +300, a padded slot whose gate is far
     above its row's, LowRank products of 1e60 and a zero ``V`` row: values equal the float64 reference, and

@@ -21,6 +21,7 @@ def _weighted_and_repeated(n=30, seed=0):
     return circuit, data, w, np.repeat(data, w, axis=0)
 
 
+@pytest.mark.slow
 def test_fit_weights_are_repeated_rows_and_zero_weights_dropped_rows():
     """Full-batch EM (one batch per epoch, step size 1) on weights in {0, 1, 2, 3} equals it on the data with each row
     repeated its weight's number of times (rows of weight 0 dropped): the parameters of every epoch and the weighted

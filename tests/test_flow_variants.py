@@ -95,6 +95,7 @@ def test_log_and_node_flows_match_brute_force(seed):
 # one seed: its circuit holds tied sums and leaves, a sum over a sum, sparse edges, block sizes 1-4, fan-ins of 1 to 3
 # child blocks, dense and blockwise partitions and products of three (the update reads only the sums' flows)
 @pytest.mark.parametrize("seed", cases([8], fast=[]))
+@pytest.mark.full
 def test_m_step_from_node_flows_is_em_update(seed):
     """EM's update is ``(flows + c / children) / (node flows + c)``, from linear flows or from log flows."""
     gen, c = make(seed)
@@ -200,6 +201,7 @@ def test_log_flows_on_structures(name):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_log_flows_on_a_mesh():
     """The data-parallel flows add log flows across devices in the log domain."""
     gen, c = make(8)
@@ -235,6 +237,7 @@ def test_flow_variant_errors():
         gc.flows(gc.params, np.zeros((2, 2), np.float32), options=LOG)
 
 
+@pytest.mark.slow
 def test_dense_log_flows_read_minus_inf_where_a_vector_has_no_edge():
     """``get_node_flows(..., logspace=True)``: a sum vector's edges that do not exist are zero counts, -inf in log
     space (linear flows: 0)."""

@@ -49,6 +49,7 @@ def test_product_kernels_on_the_full_layout_match_exact_expected_counts(case):
     check_flows_and_ll(*case, options=options)
 
 
+@pytest.mark.slow
 def test_full_layout_runs_where_products_have_many_readers(monkeypatch):
     """``Tuning.full_layout_reads``: with ``fold_products`` (the default) the flow pass runs the full layout where the
     products have at least that many reading edge blocks per block and run as kernels, within int32 offsets and a
@@ -201,6 +202,7 @@ def _batched_blocks(monkeypatch, c, x, opts) -> int:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["hclt", "pd"])
+@pytest.mark.full
 def test_batched_param_flows_equal_the_inline_ones(monkeypatch, name):
     """The batched parameter-flow pass covers exactly the sum blocks gathered block by block (a scanned HCLT's
     levels and its single-block top levels, a PD's fan-ins of 1 to 3 child blocks and its root; by default those
@@ -285,6 +287,7 @@ def test_the_summed_param_flow_kernel_equals_the_matrix_products(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("kw", [{}, {"propagation": "GeneralLL", "alpha": 0.5}, {"precision": "bf16"}],
                          ids=["tf32", "GeneralLL", "bf16"])
+@pytest.mark.full
 def test_batched_param_flows_kernel_equals_xla(monkeypatch, kw):
     """Where the in-place forward kept every batched block's shift, the batched pass runs its Pallas kernel
     (interpret mode here; on a GPU with the default impl) and gives XLA's batched flows, and for tf32 the inline
@@ -355,6 +358,7 @@ def _pieces_equal_whole(c, x, opts, variants=PIECE_VARIANTS):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fold", [True, False], ids=["fold", "full"])
+@pytest.mark.full
 def test_pd_sum_layers_in_pieces(fold):
     """A PD (levels of four parent blocks, a dense root) in pieces of two parent blocks:
     log-likelihoods against the oracle, flows equal to the partitions run whole (max-product and autodiff's
@@ -436,6 +440,7 @@ def test_auto_impl_picks_the_pallas_forward_on_a_gpu_for_fan_ins_and_small_batch
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_auto_impl_as_on_a_gpu(pallas_forward_calls):
     """The default options with the GPU rule on (the Pallas kernels in interpret mode): at a small batch every
     partition of a PD that is not dense runs the in-place Pallas forward (at a large one its fan-in partitions
@@ -464,15 +469,17 @@ def test_auto_impl_as_on_a_gpu(pallas_forward_calls):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_max_product_kernels_give_xlas_values_exactly(pallas_forward_calls):
     """With ``Tuning(max_product_kernels=True)`` and ``impl="auto"`` as on a GPU, the max-product sum layers of a
     PD that are not dense run Pallas's max-plus forward in place (interpret mode here): ``mpe``'s assignments and
     values, and the hard-EM (``propagation="MPE"``) log-likelihoods and flows, whose pass finds the maximizing
     children by equality with the parents' values, equal XLA's bit for bit. Off (the default), they run on XLA."""
     calls = pallas_forward_calls
-    root = structures.PD((6, 6), 4, split_intervals=(2, 2), input_dist=distributions.Categorical(3))
-    x = np.random.default_rng(2).integers(0, 3, (9, 36)).astype(np.int32)
-    miss = np.arange(36) % 3 == 0
+    # (a PD of four sum partitions: tree levels, a fan-in of 2 and the dense root)
+    root = structures.PD((4, 6), 4, split_intervals=(2, 2), input_dist=distributions.Categorical(3))
+    x = np.random.default_rng(2).integers(0, 3, (9, 24)).astype(np.int32)
+    miss = np.arange(24) % 3 == 0
     c = jaxpc.compile(root, seed=1)
     on = jaxpc.Options(tuning=jaxpc.Tuning(max_product_kernels=True))
     got = c.mpe(c.params, x, miss, options=on)
@@ -786,6 +793,7 @@ def _chain_hclt(latents: int = 8):
 @pytest.mark.slow
 @pytest.mark.parametrize("name,fold,impl", [("hclt", True, "xla"), ("pd", True, "pallas_forward")],
                          ids=["xla-scanned-fold", "pallas_forward-fan-ins-fold"])  # each impl, each structure once
+@pytest.mark.full
 def test_kept_shifts_equal_the_recomputed_ones(name, fold, impl):
     """``Options(kernel_shifts=True)`` (the default): the forward (the in-place Pallas kernels in interpret mode, or
     XLA's) keeps each block's children max and the XLA flow pass reads it instead of recomputing it. An HCLT whose
@@ -1107,6 +1115,7 @@ def test_fanin_kernel_orders_give_the_same_flows(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_shared_kernel_tables_pad_a_class_to_one_shape(monkeypatch):
     """The fan-in partitions of one kernel class (group, fold depth, block shape) run their Pallas kernels on tables
     of one shape, the class's largest block count and fan-in, with their own shape: the padding's programs write
@@ -1214,6 +1223,7 @@ def test_fanin_group_sizes():
     assert routing.fanin_group(o.replace(tuning=jaxpc.Tuning(fanin_group_batch=8)), part, batch(16)) == 4
 
 
+@pytest.mark.slow
 def test_the_stage_barrier_ends_every_forward_stage_and_changes_no_answer():
     """``Tuning.stage_barrier_batch`` (128 by default): from that batch on, the forward's stages each end in an
     optimization barrier (none below it), and the log-likelihoods, flows and max-product flows are bit for bit

@@ -416,6 +416,7 @@ def test_shared_product_log_prob_and_flows():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", cases(list(SHAPES), fast=[]))
+@pytest.mark.full
 def test_shapes_match_oracle(name):
     g, c = build(name)
     if name.startswith("chain"):

@@ -47,11 +47,12 @@ def _finite_sum(tree):
     return sum(0.37 * (i + 1) * jnp.sum(jnp.where(jnp.isfinite(a), a, 0.0)) for i, a in enumerate(leaves))
 
 
-def _check_central(f, params, rng, per_leaf=3, h=1e-6):
+def _check_central(f, params, rng, per_leaf=3, h=1e-6, value_and_grad=None):
     """``jax.grad(f)`` is finite everywhere and equals central differences at ``per_leaf`` random finite entries of
-    each leaf of ``params``."""
-    grads = jax.tree_util.tree_leaves(jax.grad(f)(params))
-    fj = jax.jit(f)
+    each leaf of ``params``. ``value_and_grad``: ``jax.value_and_grad(f)`` where the caller has it jitted."""
+    # one jitted program for the values and the gradient (op by op, every operation would compile)
+    value_and_grad = value_and_grad or jax.jit(jax.value_and_grad(f))
+    grads = jax.tree_util.tree_leaves(value_and_grad(params)[1])
     leaves, tdef = jax.tree_util.tree_flatten(params)
     for i, leaf in enumerate(leaves):
         leaf = np.asarray(leaf)
@@ -63,7 +64,7 @@ def _check_central(f, params, rng, per_leaf=3, h=1e-6):
             def at(d, i=i, idx=idx):
                 moved = [np.array(a) for a in leaves]
                 moved[i][idx] += d
-                return float(fj(jax.tree_util.tree_unflatten(tdef, [jnp.asarray(a) for a in moved])))
+                return float(value_and_grad(jax.tree_util.tree_unflatten(tdef, [jnp.asarray(a) for a in moved]))[0])
 
             fd = (at(h) - at(-h)) / (2 * h)
             assert float(np.asarray(grads[i])[idx]) == pytest.approx(fd, rel=1e-5, abs=1e-7), (i, idx)
@@ -106,14 +107,19 @@ def test_mean_nll_gradient_by_the_zero_weight_of_an_impossible_row_is_finite(mod
         def loss(q, ww):
             return jaxpc.optim.mean_nll(c.layout, c.tables, q, x, miss, ww, opts, normalize=False)[0]
 
+        # the loss and its gradients by both arguments: one jitted program (op by op, every operation would compile)
+        value_and_grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
         ref = -(w @ jnp.where(w == 0, 0.0, c.log_prob(p, x, miss))) / jnp.sum(w)
-        assert float(loss(p, w)) == float(ref)
-        gw = np.asarray(jax.grad(loss, argnums=1)(p, w))
+        value, (_, gw) = value_and_grad(p, w)
+        assert float(value) == float(ref)
+        gw = np.asarray(gw)
         assert np.all(np.isfinite(gw)), gw
         for b in (0, 2, 3):
             e = jnp.zeros(4).at[b].set(1e-6)
-            assert gw[b] == pytest.approx((float(loss(p, w + e)) - float(loss(p, w - e))) / 2e-6, rel=1e-6)
-        _check_central(lambda q: loss(q, w), p, np.random.default_rng(2))
+            fd = (float(value_and_grad(p, w + e)[0]) - float(value_and_grad(p, w - e)[0])) / 2e-6
+            assert gw[b] == pytest.approx(fd, rel=1e-6)
+        _check_central(lambda q: loss(q, w), p, np.random.default_rng(2),
+                       value_and_grad=lambda q: (lambda v, g: (v, g[0]))(*value_and_grad(q, w)))
 
 
 @pytest.mark.slow  # compiles several float64 executables and their gradients
@@ -140,16 +146,19 @@ def test_logspace_helpers_keep_values_and_give_zero_derivatives_to_empty_sums():
     """``logsumexp`` equals ``jax.nn.logsumexp`` (bit for bit, -inf where every term is -inf) and
     ``segment_logsumexp`` is -inf on an empty segment; both with derivative 0 there."""
     a = jnp.array([[-jnp.inf, -jnp.inf, -jnp.inf], [0.5, -jnp.inf, 2.0], [1.0, 2.0, 3.0]], jnp.float32)
-    for axis in (1, (1,)):
-        out = logspace.logsumexp(a, axis=axis)
-        np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.nn.logsumexp(a, axis=axis)))
-    assert logspace.logsumexp(a, axis=1, keepdims=True).shape == (3, 1)
-    g = jax.grad(lambda t: jnp.sum(jnp.where(jnp.isfinite(u := logspace.logsumexp(t, axis=1)), u, 0.0)))(a)
-    np.testing.assert_allclose(np.asarray(g), np.vstack([np.zeros((1, 3)), np.asarray(jax.nn.softmax(a[1:], axis=1))]),
-                               rtol=1e-6)
+    # (each in one jitted program: op by op, every operation would compile)
+    pairs = jax.jit(lambda a: [(logspace.logsumexp(a, axis=axis), jax.nn.logsumexp(a, axis=axis))
+                               for axis in (1, (1,))])(a)
+    for out, ref in pairs:
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+    assert jax.eval_shape(lambda a: logspace.logsumexp(a, axis=1, keepdims=True), a).shape == (3, 1)
+    g = jax.jit(jax.grad(lambda t: jnp.sum(jnp.where(jnp.isfinite(u := logspace.logsumexp(t, axis=1)), u, 0.0))))(a)
+    soft = jax.jit(lambda a: jax.nn.softmax(a[1:], axis=1))(a)
+    np.testing.assert_allclose(np.asarray(g), np.vstack([np.zeros((1, 3)), np.asarray(soft)]), rtol=1e-6)
     ids = jnp.array([0, 0, 2])
     t = jnp.array([[1.0], [-jnp.inf], [-jnp.inf]])
-    seg = logspace.segment_logsumexp(t, ids, 3)
+    seg = jax.jit(logspace.segment_logsumexp, static_argnums=2)(t, ids, 3)
     np.testing.assert_array_equal(np.asarray(seg[:, 0]), [1.0, -np.inf, -np.inf])
-    gs = jax.grad(lambda u: jnp.sum(jnp.where(jnp.isfinite(v := logspace.segment_logsumexp(u, ids, 3)), v, 0.0)))(t)
+    gs = jax.jit(jax.grad(lambda u: jnp.sum(jnp.where(jnp.isfinite(v := logspace.segment_logsumexp(u, ids, 3)), v,
+                                                       0.0))))(t)
     np.testing.assert_array_equal(np.asarray(gs[:, 0]), [1.0, 0.0, 0.0])

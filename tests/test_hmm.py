@@ -98,6 +98,7 @@ def test_hmm_ll_and_em_counts(homogeneous):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("chain_scan", [True, False])  # the chain's scan (the default), then the layers
+@pytest.mark.full
 def test_hmm_10000_steps_float32(chain_scan):
     """A 10,000-step HMM's log-likelihoods and flows in float32 against the float64 forward-backward."""
     T, L, V = 10_000, 6, 4

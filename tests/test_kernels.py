@@ -129,7 +129,7 @@ def test_circuit_with_pallas_kernels_equals_reference(prop):
     """The full layout (products as their own layers) on the kernels; the folded plan's in-place kernels are
     checked against the exact oracle in test_fold."""
     from .random_circuits import Generator
-    gen = Generator(3, 4, kinds=("categorical", "bernoulli"))
+    gen = Generator(1, 3, kinds=("categorical", "bernoulli"))  # six sum partitions (fan-ins 1 to 4), three products
     c = jaxpc.compile(gen.circuit())
     x = gen.sample_data(13).astype(np.int32)
     miss = np.random.default_rng(0).random(x.shape) < 0.3
@@ -142,6 +142,7 @@ def test_circuit_with_pallas_kernels_equals_reference(prop):
         np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=2e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_kernels_lower_for_cuda_without_a_gpu():
     """The Triton lowering of every kernel (caught here, on CPU, before a GPU run)."""
     buf, t, logw, R = make_partition(16, 32, 3, 4, 40, 0.2, 0.1)
@@ -623,6 +624,7 @@ def test_fanin_backward_atomic_matches_reference(shape, propagation):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_padded_tables_run_the_real_blocks_only():
     """Tables padded to a kernel class's shape (:func:`jaxpc.compiler.compile.shared_kernel_tables`: more parent blocks
     and children) with the partition's own ``blocks`` and ``fanin``: the in-place forward writes the real blocks' rows
@@ -903,6 +905,7 @@ def test_max_product_forward_equals_the_reference_exactly(shape):
     assert (ref_first == C * Kc).any() == (~np.isfinite(ref)).any()
 
 
+@pytest.mark.slow
 def test_max_product_forward_on_folded_and_padded_tables():
     """Folded children (the sum of ``M`` row blocks, added in the reference's order) and tables padded to a class's
     shape (``blocks``, ``fanin`` read at run time) give the reference's values exactly; shifts are refused."""
@@ -911,7 +914,8 @@ def test_max_product_forward_on_folded_and_padded_tables():
     ch3 = t["ch"].reshape(n, 2, M)
     pid = t["pid"].reshape(n, 2, M)[:, :, 0]
     kw = dict(Kp=Kp, Kc=Kc, propagation="MPE")
-    ref = whole(sum_layer_reference)(buf, ch3, pid, logw, dense=False, **kw)
+    # (the reference's values and its first maximizers, in one program)
+    ref, ref_first = whole(sum_layer_reference)(buf, ch3, pid, logw, dense=False, with_first=True, **kw)
     full = jnp.concatenate([buf, jnp.zeros((n * Kp, 20))])
     got = whole(pallas_sum.forward)(full, ch3, pid, logw, out_offset=R, **kw)
     np.testing.assert_array_equal(np.asarray(got)[R:], np.asarray(ref))
@@ -929,8 +933,7 @@ def test_max_product_forward_on_folded_and_padded_tables():
     firsts = jnp.zeros(full.shape, jnp.int32)
     got3, first = whole(pallas_sum.forward)(full, ch3, pid, logw, out_offset=R, firsts=firsts, **kw)
     np.testing.assert_array_equal(np.asarray(got3), np.asarray(got))
-    np.testing.assert_array_equal(np.asarray(first)[R:], np.asarray(whole(sum_layer_reference)(
-        buf, ch3, pid, logw, dense=False, with_first=True, **kw)[1]))
+    np.testing.assert_array_equal(np.asarray(first)[R:], np.asarray(ref_first))
     # 128 parent rows a program where the grid keeps two programs per SM, 64 below; unrolled steps within Kc
     assert pallas_sum.max_tiles(64, 256, 512, 512) == (64, 128, 4)
     assert pallas_sum.max_tiles(1, 1024, 1024, 512) == (64, 64, 8) and pallas_sum.max_tiles(3, 16, 2, 20) == (32, 16, 2)

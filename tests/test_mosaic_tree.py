@@ -110,9 +110,14 @@ def test_the_cluster_forward_matches_the_level_by_level_forward(tree):
     logw = c.params["sum"][spec.group]
     rows = tabs["rows"]
     start = jnp.asarray(vals).at[rows].set(jnp.nan)  # every parent row must be written
-    out, kept = mosaic_tree.forward(start, tabs, logw, spec, keep=True)
+
+    @jax.jit  # one program (op by op, each operation would compile on its own)
+    def run(start, logw):
+        out, kept = mosaic_tree.forward(start, tabs, logw, spec, keep=True)
+        return out, kept, mosaic_tree.copies(out, tabs, spec)
+
+    out, kept, rebuilt = run(start, logw)
     # the copies the flow pass keeps for the backward equal those it rebuilds without them (kernel_shifts=False)
-    rebuilt = mosaic_tree.copies(out, tabs, spec)
     for k in ("prod", "vals", "shift"):
         np.testing.assert_allclose(np.asarray(kept[k]), np.asarray(rebuilt[k]), rtol=1e-6, atol=1e-5)
     out, rows = np.asarray(out), np.asarray(rows)
@@ -144,9 +149,13 @@ def test_the_wide_forward_tasks_write_what_the_narrow_ones_write(tree):
     assert routing.cluster_forward(CLUSTERS, tabs, 24) == (tabs, routing.CLUSTER_TILE)
     narrow = CLUSTERS.replace(tuning=jaxpc.Tuning(tree_forward_tile=32))
     assert routing.cluster_forward(narrow, tabs, 16) == (tabs, routing.CLUSTER_TILE)
-    w = mosaic_tree.tf32_weights(c.params["sum"][spec.group])
-    got = mosaic_tree.forward(jnp.asarray(vals), wide, None, spec, tile=64, weights=w, keep=True)
-    want = mosaic_tree.forward(jnp.asarray(vals), tabs, None, spec, tile=32, weights=w, keep=True)
+    @jax.jit  # one program (op by op, each operation would compile on its own)
+    def run(buf, logw):
+        w = mosaic_tree.tf32_weights(logw)
+        return [mosaic_tree.forward(buf, t, None, spec, tile=k, weights=w, keep=True)
+                for t, k in ((wide, 64), (tabs, 32))]
+
+    got, want = run(jnp.asarray(vals), c.params["sum"][spec.group])
     # the same sums over other tiles: float32 rounding in another order, compounded over the tree's levels (up to
     # 3.4e-6 relative on an AVX2 CPU, 28 float32 ulps)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
@@ -406,7 +415,7 @@ def test_the_wide_tasks_and_log_weights_write_what_the_narrow_route_writes(tree)
 def hclt():
     """An HCLT of 32-node blocks whose group of tree blocks also holds a block outside the tree, and a batch of
     16."""
-    data = np.random.default_rng(0).integers(0, 2, (300, 60)).astype(np.int32)
+    data = np.random.default_rng(0).integers(0, 2, (300, 36)).astype(np.int32)
     c = jaxpc.compile(jaxpc.structures.HCLT(data, 32, input_dist=distributions.Categorical(2)))
     tree = c.layout.fold.tree
     assert c.params["sum"][tree.group].shape[0] > tree.blocks
@@ -414,6 +423,7 @@ def hclt():
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_the_cluster_route_with_tree_blocks_outside_the_tree(hclt):
     """The route end to end on an HCLT: a partition of the tree's group outside the tree, on the Pallas backward,
     leaves its parameter flows to the batched pass like the tree's blocks (it asked for the group's accumulator,
@@ -448,6 +458,7 @@ def test_the_summed_param_flow_kernel_multiplies_the_product_by_the_weights(n, K
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_repeated_calls_read_the_weight_copies_kept_for_their_parameters(tree):
     """Where the tree's levels run on clusters, ``log_prob``, ``flows`` and ``conditional`` read the weights' TF32
     copies made once per parameter array (``Runtime.kept``): a repeated call (replayed) makes none, new parameters
@@ -465,10 +476,14 @@ def test_repeated_calls_read_the_weight_copies_kept_for_their_parameters(tree):
     m = np.zeros(c.num_vars, bool)
     m[::3] = True
 
-    def traced(params):  # no kept copies: a call inside a trace
-        fl, ll = jax.jit(lambda p: c.flows(p, x, options=CLUSTERS, return_ll=True))(params)
-        return (fl, ll, jax.jit(lambda p: c.log_prob(p, x, options=CLUSTERS))(params),
-                jax.jit(lambda p: c.conditional(p, x, m, options=CLUSTERS))(params))
+    # no kept copies: calls inside a trace (each jitted once, its executable making its copies for any parameters)
+    traced_flows = jax.jit(lambda p: c.flows(p, x, options=CLUSTERS, return_ll=True))
+    traced_log_prob = jax.jit(lambda p: c.log_prob(p, x, options=CLUSTERS))
+    traced_conditional = jax.jit(lambda p: c.conditional(p, x, m, options=CLUSTERS))
+
+    def traced(params):
+        fl, ll = traced_flows(params)
+        return fl, ll, traced_log_prob(params), traced_conditional(params)
 
     def called(params):
         fl, ll = c.flows(params, x, options=CLUSTERS, return_ll=True)
@@ -477,20 +492,24 @@ def test_repeated_calls_read_the_weight_copies_kept_for_their_parameters(tree):
     logw = c.params["sum"][group]
     other = {**c.params, "sum": {**c.params["sum"], group: jax.nn.log_softmax(
         logw + jnp.asarray(np.random.default_rng(7).normal(0, 0.5, logw.shape), logw.dtype), axis=-1)}}
+    want = {}  # the traced answers, once per parameter set (the same executables on the same values)
     with mock.patch.dict(jaxpc.engine.stages.WEIGHT_COPIES, {p: counted(p) for p in ("w", "wt")}):
-        for params, makes in ((c.params, ["w", "wt"]), (c.params, []), (other, ["w", "wt"]), (other, [])):
+        for name, params, makes in (("first", c.params, ["w", "wt"]), ("first", c.params, []),
+                                    ("other", other, ["w", "wt"]), ("other", other, [])):
             made.clear()
             got = called(params)
             assert sorted(made) == makes
-            for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(traced(params))):
+            if name not in want:
+                want[name] = traced(params)
+            for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want[name])):
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # the executable reads the kept copies (halved weights: every log-likelihood lower by log 2 per tree level)
-    third = jax.tree_util.tree_map(lambda a: a + 0, c.params)
+    third = jax.tree_util.tree_map(lambda a: a + 0, c.params)  # new arrays (no kept copies), c.params' values
     halved = {p: (lambda make: lambda logw: make(logw) * 0.5)(make) for p, make in
               jaxpc.engine.stages.WEIGHT_COPIES.items()}
     with mock.patch.object(jaxpc.engine.stages, "WEIGHT_COPIES", halved):
         ll = c.log_prob(third, x, options=CLUSTERS)
-    assert np.all(np.asarray(ll) < np.asarray(traced(third)[2]) - 0.5)
+    assert np.all(np.asarray(ll) < np.asarray(want["first"][2]) - 0.5)  # (the traced log_prob of those values)
 
 
 def test_the_weight_copies_are_kept_only_where_the_call_reads_them(tree, monkeypatch):

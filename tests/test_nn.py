@@ -40,6 +40,7 @@ class SoftEvidenceModel(nnx.Module):
         return self.pc(soft_evidence=q)
 
 
+@pytest.mark.slow
 def test_module_evaluates_like_the_circuit_and_round_trips(circuit):
     m = CircuitModule(circuit)
     np.testing.assert_allclose(m(X), circuit.log_prob(circuit.params, X), rtol=1e-5)
@@ -94,6 +95,7 @@ def test_em_on_the_module_equals_circuit_em_step(circuit):
     assert _maxdiff(m.raw_params(), p) == 0.0
 
 
+@pytest.mark.slow
 def test_the_modules_options_apply_to_its_em_step(circuit):
     """A module's options are those of its EM step too: with ``propagation="MPE"`` the step is hard (Viterbi) EM,
     equal to ``Circuit.em_step`` with the same options; options that give no linear flows raise."""

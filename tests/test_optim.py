@@ -117,6 +117,7 @@ def test_gradient_training_keeps_gaussian_sigma_at_min_sigma():
     np.testing.assert_allclose(res.epoch_ll[-1], em.epoch_ll[-1], atol=0.02)
 
 
+@pytest.mark.slow
 def test_adam_on_logits_stays_normalized_and_improves_ll():
     circuit, X, data = _small_circuit()
     layout, tables = circuit.layout, circuit.tables
@@ -182,6 +183,7 @@ def test_em_deltas_keep_zero_weights_finite():
     assert _maxdiff(new, c.em_step(c.params, x, step_size=0.5, pseudocount=1.0)) < 1e-6
 
 
+@pytest.mark.slow
 def test_anemone_is_a_per_node_proximal_em_step():
     circuit, _, data = _small_circuit()
     params = circuit.params
@@ -238,6 +240,7 @@ def test_fit_equals_a_python_loop_of_em_steps():
     assert res.epoch_ll.shape == (3,) and res.epoch_ll[-1] > res.epoch_ll[0]
 
 
+@pytest.mark.slow
 def test_fit_reuses_its_epoch_executable_across_calls():
     """fit(epochs=1) in a loop (checkpointing every epoch) compiles its epoch once per configuration."""
     circuit, _, data = _small_circuit()
@@ -292,6 +295,7 @@ def test_fit_and_transformations_reject_bad_arguments():
         optim.fit(circuit, circuit.params, data, 1, 10, optimizer=optim.em(other))
 
 
+@pytest.mark.slow
 def test_em_transformations_ignore_node_flows():
     """``Options(node_flows=True)`` adds the node totals to the flows under ``"node"``; EM reads the parameter flows
     only, so the full-batch transformation (which accumulates flows in its state) and ``fit`` with those options

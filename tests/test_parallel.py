@@ -65,6 +65,7 @@ def test_flows_and_em_step_equal_one_device(hmm, n):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["device", "numpy"])
+@pytest.mark.full
 def test_a_repeated_step_replays_its_executable(hmm, kind):
     """A data-parallel step that repeats the previous one's options on a batch of the same kind and shape runs that
     step's executable again without the call path's checks and key (``Runtime.replay``): the same results as one
@@ -401,13 +402,11 @@ def test_pmap_step_from_the_engine_equals_one_device(soft_hmm, n):
     assert _maxdiff(new, want) < 1e-5
 
 
-def test_circuit_methods_run_where_their_params_or_data_were_put(hmm):
-    """Parameters trained over a mesh (replicated there) and data committed to another device run the circuit's own
-    methods where they are, with the same answers as on the default device; a batch split over devices and data
-    and parameters on different devices are named errors."""
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
+@pytest.mark.slow
+@pytest.mark.full
+def test_circuit_methods_run_where_their_params_were_put(hmm):
+    """Parameters trained over a mesh (replicated there) run the circuit's own methods where they are, with the
+    same answers as on the default device."""
     circuit, data, _ = hmm
     c = jaxpc.compile(circuit.root, seed=3)
     trained = parallel.em_step(c, c.params, data[:28], mesh=parallel.data_mesh(4), step_size=0.5)
@@ -417,6 +416,17 @@ def test_circuit_methods_run_where_their_params_or_data_were_put(hmm):
               lambda p: c.sample(p, jax.random.key(0), 5), lambda p: c.mpe(p, data)[1],
               lambda p: optim.fit(c, p, data, 1, 8, progress=False).params):
         assert _rel(f(trained), f(host)) < 1e-6
+
+
+def test_circuit_methods_run_where_their_data_was_put(hmm):
+    """Data committed to another device runs the circuit's own methods there, with the same answers as on the
+    default device; a batch split over devices and data and parameters on different devices are named errors.
+    (Parameters trained over a mesh: the slow tier's ``test_circuit_methods_run_where_their_params_were_put``.)"""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    circuit, data, _ = hmm
+    c = jaxpc.compile(circuit.root, seed=3)
     x1 = jax.device_put(data, jax.devices()[1])
     ll = c.log_prob(c.params, x1)
     assert ll.sharding.device_set == {jax.devices()[1]}
@@ -444,6 +454,7 @@ def test_a_split_batch_leaves_the_next_batch_of_its_size_on_one_device(hmm):
         np.testing.assert_array_equal(np.asarray(ll), np.asarray(circuit.log_prob(circuit.params, data[:28])))
 
 
+@pytest.mark.slow
 def test_a_batch_split_over_the_mesh_then_one_that_is_not(hmm):
     """The input check's flag executable is kept per sharding: a padded batch split over the mesh, then one on
     a single device with weights split over the mesh (padded to a replicated batch), both run and agree."""

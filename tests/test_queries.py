@@ -78,6 +78,7 @@ def test_marginals_hard_and_soft(case):
     np.testing.assert_allclose(np.asarray(c.marginal(c.params, soft_evidence=onehot)), expect, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # the derivatives' executables (a Hessian among them)
 def test_soft_evidence_gradient_where_weights_are_zero():
     """``d log Z / d q[v, k] = Z(x_v = k) / Z``, finite where ``q`` is 0 (one-hot evidence, a masked softmax that
     underflows): checked against the enumerated joint for ``marginal``, the Flax module and a second derivative;
@@ -91,18 +92,19 @@ def test_soft_evidence_gradient_where_weights_are_zero():
     q[0, 0, 1] = q[0, 1, 2] = 1.0  # hard evidence x = (1, 2) as one-hot weights
     want = np.zeros((2, 4))
     want[0, :3], want[1] = P[:, 2] / P[1, 2], P[1, :] / P[1, 2]
-    g = jax.grad(lambda q: c.marginal(c.params, soft_evidence=q).sum())(jnp.asarray(q))
+    # (each derivative in one jitted program: op by op, every operation would compile)
+    g = jax.jit(jax.grad(lambda q: c.marginal(c.params, soft_evidence=q).sum()))(jnp.asarray(q))
     np.testing.assert_allclose(np.asarray(g)[0], want, rtol=1e-5)
     pytest.importorskip("flax")
     from jaxpc import nn
     m = nn.CircuitModule(c, normalize=False)
-    np.testing.assert_allclose(np.asarray(jax.grad(lambda q: m(soft_evidence=q).sum())(jnp.asarray(q)))[0], want,
-                               rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(jax.jit(jax.grad(lambda q: m(soft_evidence=q).sum()))(jnp.asarray(q)))[0],
+                               want, rtol=1e-5)
     # d2 log Z / dq[0, k] dq[1, j] = P[k, j] / Z - want[0, k] want[1, j]
-    h = np.asarray(jax.hessian(lambda q: c.marginal(c.params, soft_evidence=q).sum())(jnp.asarray(q)))
+    h = np.asarray(jax.jit(jax.hessian(lambda q: c.marginal(c.params, soft_evidence=q).sum()))(jnp.asarray(q)))
     np.testing.assert_allclose(h[0, 0, :3, 0, 1], P / P[1, 2] - np.outer(want[0, :3], want[1]), rtol=1e-4,
                                atol=1e-6)
-    mpe = jax.grad(lambda q: c.marginal(c.params, soft_evidence=q, propagation="MPE").sum())(jnp.asarray(q))
+    mpe = jax.jit(jax.grad(lambda q: c.marginal(c.params, soft_evidence=q, propagation="MPE").sum()))(jnp.asarray(q))
     np.testing.assert_array_equal(np.asarray(mpe)[0], q[0])  # d max / d q at the one-hot maximizer: 1 / q = 1
 
 
@@ -127,6 +129,7 @@ def test_soft_evidence_gradient_is_finite_difference(seed):
     assert g[i] == pytest.approx(fd, rel=2e-2, abs=2e-3)
 
 
+@pytest.mark.slow  # (the slow tier runs its first case)
 def test_conditionals(case):
     gen, c, x = case
     _check_conditionals(c, x, int(max(CARD[k] for k in gen.kinds)))
@@ -174,6 +177,7 @@ def _check_conditionals(c, x, K):
         np.testing.assert_allclose(sub, want, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow  # conditional, sample and mpe executables
 def test_variables_no_leaf_reads():
     """A variable between the ones leaves read: conditioning it raises naming it, as a named target or one of the
     default ones (it has no distribution); sampling and MPE keep its entry of ``x``; the others are exact."""
@@ -202,6 +206,7 @@ def test_variables_no_leaf_reads():
     np.testing.assert_array_equal(decoded[:, 1], ev[:, 1])
 
 
+@pytest.mark.slow  # sample and mpe executables of two circuits
 def test_samples_under_evidence_of_probability_zero_are_marked():
     """A row whose evidence has probability 0 has nothing to draw or decode: its missing entries read -1 (NaN for
     float samples) in ``sample`` and ``mpe``, its observed ones stay; the other rows as before. MPE's value is
@@ -229,6 +234,7 @@ def test_samples_under_evidence_of_probability_zero_are_marked():
         assert decoded[1, 0] == 1 and not (decoded[1:] == -1).any() and not np.isnan(decoded[1:]).any()
 
 
+@pytest.mark.slow  # (the slow tier runs its first case)
 def test_mpe_decoding_and_value(case):
     gen, c, x = case
     rng = np.random.default_rng(3)
@@ -251,7 +257,8 @@ def test_mpe_decoding_and_value(case):
     assert float(v0[0]) == pytest.approx(mp_all.max(), abs=1e-5)
 
 
-@pytest.mark.parametrize("seed", cases(range(3), fast=[0]))
+@pytest.mark.slow  # (the slow tier runs its first case)
+@pytest.mark.parametrize("seed", range(3))
 def test_mpe_is_exact_map_on_deterministic_circuits(seed):
     c = jaxpc.compile(deterministic_circuit(seed))
     x = np.asarray(list(itertools.product(range(3), repeat=4)), dtype=np.int32)
@@ -326,6 +333,20 @@ def _sampling_circuits():
     return {**hmms, "random": gen.circuit(), "pd": pd}
 
 
+@pytest.fixture(scope="module")
+def sampling_circuit():
+    """The sampling circuits, each compiled once (seed 1) for the tests that draw from it: they share its
+    executables (none of them counts compiles)."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            made[name] = jaxpc.compile(_sampling_circuits()[name], seed=1)
+        return made[name]
+
+    return get
+
+
 def test_sampled_child_follows_the_reached_parents_posterior():
     """A sum partition's sampled choice for each sample uses the weights of the parent that sample reaches: with
     parent 0 for half the samples and parent 2 for the other half, each half's draws follow ``exp(log w_k +
@@ -380,9 +401,8 @@ def test_leaf_choice_writes_distinct_runs_as_the_scatter_max_does():
 
 @pytest.mark.parametrize("name", ["hmm12", "hmm", "random", "pd"])
 @pytest.mark.slow
-def test_sampling_matches_exact_distribution(name):
-    root = _sampling_circuits()[name]
-    c = jaxpc.compile(root, seed=1)
+def test_sampling_matches_exact_distribution(name, sampling_circuit):
+    c = sampling_circuit(name)
     cards = [int(k) for k in c.runtime.var_info.card]
     x_all = np.asarray(list(itertools.product(*[range(k) for k in cards])), dtype=np.int32)
     p = joint(c, x_all)
@@ -402,20 +422,21 @@ def test_sampling_matches_exact_distribution(name):
     assert _chi_square(sc, x_all, cond) > 1e-3
 
 
-def test_sampling_is_pure_and_keyed():
-    c = jaxpc.compile(_sampling_circuits()["hmm"])
-    a = np.asarray(c.sample(c.params, jax.random.key(3), 50))
-    b = np.asarray(c.sample(c.params, jax.random.key(3), 50))
-    d = np.asarray(c.sample(c.params, jax.random.key(4), 50))
+def test_sampling_is_pure_and_keyed(sampling_circuit):
+    c = sampling_circuit("hmm")  # (9 samples: the padded bucket of 16 the next test draws from too)
+    a = np.asarray(c.sample(c.params, jax.random.key(3), 9))
+    b = np.asarray(c.sample(c.params, jax.random.key(3), 9))
+    d = np.asarray(c.sample(c.params, jax.random.key(4), 9))
     np.testing.assert_array_equal(a, b)
     assert not np.array_equal(a, d)
 
 
+@pytest.mark.slow  # six sample executables per circuit
 @pytest.mark.parametrize("name", ["hmm", "pd"])
-def test_a_rows_sample_does_not_depend_on_the_batch_size_or_jit(name):
+def test_a_rows_sample_does_not_depend_on_the_batch_size_or_jit(name, sampling_circuit):
     """Row b's draw depends on the key, b and its evidence only: the same under other batch sizes (other padded
     buckets), inside ``jax.jit`` (no padding) and unconditionally (``sample(key, 5) == sample(key, 9)[:5]``)."""
-    c = jaxpc.compile(_sampling_circuits()[name], seed=1)
+    c = sampling_circuit(name)
     k = jax.random.key(7)
     np.testing.assert_array_equal(np.asarray(c.sample(c.params, k, 5)), np.asarray(c.sample(c.params, k, 9))[:5])
     card = int(c.runtime.var_info.card.min())
@@ -428,6 +449,7 @@ def test_a_rows_sample_does_not_depend_on_the_batch_size_or_jit(name):
     np.testing.assert_array_equal(np.asarray(jitted), rows[0])
 
 
+@pytest.mark.slow  # 100,000 samples
 def test_continuous_samples_and_modes():
     g = jaxpc.inputs(0, 2, dist=distributions.Gaussian(),
                      params={"mu": np.array([-3.0, 4.0]), "sigma": np.array([0.5, 1.0])})
@@ -455,6 +477,7 @@ def test_continuous_samples_and_modes():
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_queries_jit_and_vmap_over_params():
     c = jaxpc.compile(structures.HMM(4, 3, 3))
     keys = jax.random.split(jax.random.key(0), 3)
@@ -579,13 +602,14 @@ def test_query_errors():
         c.marginal(c.params, x, soft_evidence=np.ones((2, 4, 3)))
 
 
+@pytest.mark.slow  # each query's executable at two precisions
 def test_queries_take_the_forwards_options():
     """``conditional``, ``sample``, ``mpe`` and ``marginal`` take ``options`` as ``log_prob`` does: part of the
     executable's key (another precision compiles another executable), the same answers at the default's precision,
     and a propagation that does not apply to the query raises."""
-    c = jaxpc.compile(structures.HMM(4, 3, 3), seed=2)
-    x = np.random.default_rng(0).integers(0, 3, (5, 4)).astype(np.int32)
-    miss = np.array([True, False, True, False])
+    c = jaxpc.compile(structures.HMM(2, 3, 3), seed=2)  # (two steps: each executable compiles the faster)
+    x = np.random.default_rng(0).integers(0, 3, (5, 2)).astype(np.int32)
+    miss = np.array([True, False])
     fp32 = jaxpc.Options(precision="fp32")
     key = jax.random.key(1)
     for call in (lambda **kw: c.conditional(c.params, x, miss, **kw),

@@ -26,12 +26,14 @@ class StructureInvariants:
 
     @pytest.fixture
     def setup(self):
-        """(circuit, cards, data), built once per class (the circuit keeps its compiled executables)."""
+        """(circuit, cards, data), built once per class (the circuit keeps its compiled executables). The data has
+        as many rows as the circuit has joint states, and the samples too: the enumeration, the data and the
+        samples share one ``log_prob`` executable."""
         if type(self) not in _BUILT:
             root, cards = self.build()
             c = jaxpc.compile(root)
             rng = np.random.default_rng(0)
-            data = np.stack([rng.integers(0, k, 64) for k in cards], axis=1).astype(np.int32)
+            data = np.stack([rng.integers(0, k, int(np.prod(cards))) for k in cards], axis=1).astype(np.int32)
             _BUILT[type(self)] = (c, cards, data)
         return _BUILT[type(self)]
 
@@ -85,9 +87,10 @@ class StructureInvariants:
         assert np.all(np.asarray(assign)[~miss] == data[:8][~miss])
 
     def test_samples_are_valid(self, setup):
-        c, cards, _ = setup
-        s = np.asarray(c.sample(c.params, jax.random.key(0), 256))
-        assert s.shape == (256, len(cards))
+        c, cards, data = setup
+        n = len(data)  # as many as the joint states
+        s = np.asarray(c.sample(c.params, jax.random.key(0), n))
+        assert s.shape == (n, len(cards))
         assert np.all((s >= 0) & (s < np.asarray(cards)[None, :]))
         assert np.all(np.isfinite(np.asarray(c.log_prob(c.params, s))))  # validated as data, possible under the model
 
@@ -95,8 +98,10 @@ class StructureInvariants:
         c, _, data = setup
         params = c.params
         lls = []
+        n = len(data)
+        batch_size = n // next(p for p in range(2, n + 1) if n % p == 0)  # several whole batches: one executable
         for _ in range(self.em_rounds):
-            params, ll = c.full_batch_em(params, data, batch_size=32, pseudocount=0.01, return_ll=True)
+            params, ll = c.full_batch_em(params, data, batch_size=batch_size, pseudocount=0.01, return_ll=True)
             lls.append(float(ll))
         lls.append(float(np.mean(np.asarray(c.log_prob(params, data)))))
         assert lls[-1] > lls[0] + 1e-3

@@ -135,7 +135,8 @@ def test_brute_force_em_is_the_textbook_update_on_a_mixture():
         np.testing.assert_allclose(new[leaf.id], (r * x[:, v:v + 1]).sum(0) / r.sum(0))
 
 
-@pytest.mark.parametrize("seed", cases([0, 1, 3], fast=[1]))
+@pytest.mark.parametrize("seed", cases([1, 0, 3], fast=[]))
+@pytest.mark.slow
 def test_one_em_step_of_every_path_is_brute_force_em(seed):
     """``Circuit.em_step``, ``optim.em`` applied to ``Circuit.flows`` and ``fit`` with one batch and one epoch all
     take the EM step of the enumeration (weighted, with a step size and a pseudocount); ``fit``'s ``epoch_ll`` is
@@ -197,7 +198,8 @@ def test_full_batch_em_and_anemone_in_fit_are_brute_force(make):
 
 
 @four_devices
-@pytest.mark.parametrize("n", cases([1, 2, 4], fast=[4]))
+@pytest.mark.parametrize("n", cases([4, 1, 2], fast=[]))
+@pytest.mark.slow
 def test_parallel_em_step_is_brute_force_em_on_batches_the_devices_do_not_split(n):
     """7 rows (and 1 row) over 1, 2 and 4 devices: the batch is padded with zero-weight rows, and the step is the
     enumeration's EM step on the real rows."""
@@ -213,7 +215,8 @@ def test_parallel_em_step_is_brute_force_em_on_batches_the_devices_do_not_split(
 
 
 @four_devices
-@pytest.mark.parametrize("n, rows", cases([(4, 7), (4, 3), (2, 7)], fast=[(4, 3)], unpack=True))
+@pytest.mark.parametrize("n, rows", cases([(4, 3), (4, 7), (2, 7)], fast=[], unpack=True))
+@pytest.mark.slow
 def test_fit_on_a_mesh_with_a_batch_of_every_row_trains_as_one_device(n, rows):
     """A ``batch_size`` of at least the rows is one batch of every row on a mesh too (padded with zero-weight rows
     to a multiple of the devices), also with fewer rows than devices and with ``drop_remainder`` (nothing is left
@@ -234,6 +237,7 @@ def test_fit_on_a_mesh_with_a_batch_of_every_row_trains_as_one_device(n, rows):
 
 @four_devices
 @pytest.mark.slow
+@pytest.mark.full
 def test_make_step_on_a_mesh_takes_no_weights_and_names_bad_arguments():
     """A data-parallel pure step without weights counts every row, for an optax transformation as for EM (the
     optax one failed on the missing weights); a mesh that is not one, or a ``missing_ndim`` other than None, 1 or 2,
@@ -258,6 +262,7 @@ def test_make_step_on_a_mesh_takes_no_weights_and_names_bad_arguments():
 
 
 @four_devices
+@pytest.mark.slow
 def test_data_parallel_gradient_steps_refuse_weights_without_a_positive_total():
     """The loss of ``loss_and_grad`` and of ``train_step`` with an optax transformation is the weighted mean
     log-likelihood: weights that sum to zero (or less) made it NaN (or flipped its sign) and an adam step NaN

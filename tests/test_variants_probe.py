@@ -520,6 +520,7 @@ def test_hard_em_counts_the_mean_of_a_missing_gaussian():
     np.testing.assert_allclose(np.asarray(got["s2"]), (F[g.id] * vals ** 2).sum(1), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_log_flows_refuse_negative_weights():
     """Log-space flows need non-negative sample weights (a negative weight makes negative counts, which have no
     logarithm): a negative one is a ``ValueError`` naming it, from host weights at once and from device weights

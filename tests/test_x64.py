@@ -48,6 +48,7 @@ def _on_gpu():
 
 @pytest.mark.parametrize("build,cats", [(_pd, 4), (_tree, 3), (_hmm, 4)], ids=["pd", "tree", "hmm"])
 @pytest.mark.slow
+@pytest.mark.full
 def test_the_kernels_give_the_same_flows_under_x64(build, cats):
     """The Pallas route (the interpreter, the kernels' own code) with 64-bit types on equals the same circuit's call
     with them off, in float32 (the HMM's chain: its kernels with x64 off, the scans with it on, which the interpreter
