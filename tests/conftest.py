@@ -137,18 +137,18 @@ def pallas_forward_calls(monkeypatch):
 
 
 # Tiers. A plain ``pytest`` runs the fast tier: every test not marked ``slow``. ``pytest --slow`` adds the slow tier:
-# of each test function, the cases the fast tier runs, or, where it runs none, the first case; this is what CI runs
-# (.ci/run). ``pytest --full`` (alias ``--all``) runs every case of every test: the cases past the first of the slow
-# tier's parametrizations, and the tests marked ``full``, form the full tier (``-m full`` alone). A parametrization
-# marked ``every_case`` keeps all its cases in the slow tier (the notebooks). ``-m slow`` runs the slow tier's tests
-# including the full tier's cases (``-m "slow and not full"``: the slow tier alone). Slow tests are deselected here
-# rather than by ``-m "not slow"`` in addopts, which a command-line ``-m`` would not combine with: any ``-m``
-# expression that names ``slow`` or ``full`` takes over the selection.
+# of each test function not marked ``full``, the cases the fast tier runs, or, where it runs none, the first case;
+# this is what CI runs (.ci/run). ``pytest --full`` (alias ``--all``) runs every case of every test: the cases past
+# the first of the slow tier's parametrizations, and the tests marked ``full``, form the full tier (``-m full``
+# alone). A parametrization marked ``every_case`` keeps all its cases in the slow tier (the notebooks). ``-m slow``
+# runs the slow tier's tests including the full tier's cases (``-m "slow and not full"``: the slow tier alone). Slow
+# tests are deselected here rather than by ``-m "not slow"`` in addopts, which a command-line ``-m`` would not
+# combine with: any ``-m`` expression that names ``slow`` or ``full`` takes over the selection.
 
 
 def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", dest="run_slow",
-                     help="run the slow tier too (what CI runs: every test function, one case of each)")
+                     help="run the slow tier too (what CI runs: one case of each test function not marked full)")
     parser.addoption("--full", "--all", action="store_true", dest="run_full",
                      help="run every test and every case (the fast, slow and full tiers)")
 

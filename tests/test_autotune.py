@@ -181,6 +181,7 @@ def _tune(c, x, timer, monkeypatch, candidates):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_tune_circuit_keeps_the_default_when_the_whole_step_is_not_faster(monkeypatch):
     """Partitions alone favour the candidate, the whole step does not: the default options come back."""
     c, x = _small_hclt()

@@ -122,6 +122,7 @@ def test_a_parent_row_of_minus_inf_gates_is_a_zero_node(form, where, lowrank):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("route", list(ROUTES))
+@pytest.mark.full
 def test_minus_inf_gates_on_every_route(route):
     """The zero node of -inf gates, with LowRank factors, on every route the CPU runs (XLA on the folded and the
     full layout, Pallas in interpret mode for the ungated partitions, the autodiff backward)."""
@@ -204,7 +205,6 @@ def _layer_reference(y, w, keep, gates, u, v):
         return np.where(Z > 0, np.log(s) - np.log(np.where(Z > 0, Z, 1.0)), -np.inf)
 
 
-@pytest.mark.slow
 def test_layer_values_and_gradients_at_the_edges():
     """One padded partition alone: rows of all -inf gates, gates of -300 and +300, a padded slot whose gate is far
     above its row's, LowRank products of 1e60 and a zero ``V`` row: values equal the float64 reference, and
