@@ -335,6 +335,7 @@ def _pallas_grids(jaxpr) -> list:
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_kernels_under_vmap_run_one_unbatched_launch_per_element():
     """Under ``vmap`` (over parameter sets) the kernels run once per element: a batched ``pallas_call`` would add a
     grid axis that the grid-wide barrier does not count. Values and gradients equal the XLA route's."""

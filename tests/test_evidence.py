@@ -426,6 +426,7 @@ GRANULARITIES = [("rows", True), ("tied", False), ("edge_block", False), ("rows"
 
 @pytest.mark.parametrize("case,lowrank", cases(GRANULARITIES, fast=[("tied", False)], unpack=True))
 @pytest.mark.slow
+@pytest.mark.full
 def test_gates_and_lowrank_match_dense_per_sample_reference(case, lowrank):
     """Gates per edge block, per group of parent nodes, on chosen vectors only, tied across vectors, and per
     parameter block (``{group: [B, P]}``), with and without LowRank, on padded partitions: LL, every shared

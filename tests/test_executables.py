@@ -125,6 +125,7 @@ def test_small_batches_order_command_buffers_by_data_dependencies_on_a_gpu():
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_every_tuning_field_is_in_the_key():
     x = _data(10)
     c = _hmm()
@@ -284,6 +285,7 @@ def test_bucket_policy():
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_varying_batches_equal_unpadded_and_share_executables():
     c = _hmm()
     exact = _hmm(buckets="exact")

@@ -84,6 +84,7 @@ def test_fit_checks_host_weights_once(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_fit_weights_equal_repeated_rows_for_full_batch_em_and_adam():
     """Over several batches, full-batch EM (flows summed over the epoch's batches) on weights equals it on the
     repeated rows, and so does adam on one batch per epoch (the weighted mean log-likelihood's gradient)."""

@@ -248,6 +248,7 @@ def test_batched_param_flows_equal_the_inline_ones(monkeypatch, name):
 
 @pytest.mark.filterwarnings("ignore:jaxpc. 'flows' has been compiled")
 @pytest.mark.slow
+@pytest.mark.full
 def test_the_summed_param_flow_kernel_equals_the_matrix_products(monkeypatch):
     """``Tuning.pflow_sum_batch``: on a Hopper GPU (here the kernel on the interpreter), up to that batch, the
     batched pass computes the blocks of fan-in 1 by :func:`jaxpc.ops.mosaic_tree.summed_param_flows`, in pieces,
@@ -470,6 +471,7 @@ def test_auto_impl_as_on_a_gpu(pallas_forward_calls):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_max_product_kernels_give_xlas_values_exactly(pallas_forward_calls):
     """With ``Tuning(max_product_kernels=True)`` and ``impl="auto"`` as on a GPU, the max-product sum layers of a
     PD that are not dense run Pallas's max-plus forward in place (interpret mode here): ``mpe``'s assignments and
@@ -922,6 +924,7 @@ def test_kept_shift_of_a_wrong_shape_is_refused():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed,fold", [(0, True)], ids=["fold"])  # the leaf buffer is the same on both plans
+@pytest.mark.full
 def test_leaf_kernel_matches_exact_expected_counts(monkeypatch, seed, fold):
     """Where every input layer is a table of log-values (categorical, Bernoulli), the Pallas routes build the flow
     pass's node buffer in one kernel (``forward.leaf_values``; interpret mode here): flows with missing values and

@@ -437,6 +437,7 @@ def test_shapes_match_oracle(name):
     ("tree", jaxpc.Options(impl="pallas", tuning=jaxpc.Tuning(tree_kernel_batch=64)), 3),
     ("zeros", jaxpc.Options(precision="bf16"), 3),
 ], fast=[], unpack=True), ids=lambda v: v if isinstance(v, (str, int)) else None)
+@pytest.mark.full
 def test_shapes_on_other_routes(name, options, B):
     g, c = build(name)
     check(g, c, B, options, propagations=False, tol=3e-2 if options.precision == "bf16" else 1e-4)

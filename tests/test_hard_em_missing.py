@@ -40,6 +40,7 @@ def _leaves():
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_hard_em_counts_a_missing_value_as_its_decoded_value_observed():
     """Every input distribution: hard EM's update with missing values equals its update with the values ``mpe``
     decodes observed, with sample weights, a step size and a pseudocount. The circuit is a two-component mixture of

@@ -124,6 +124,7 @@ def test_counts_kernel_equals_scatter(hclt, precision, missing, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_counts_kernel_route_and_shapes():
     """``pallas_leaf.categorical_counts`` against exact counts over runs, categories and batches that are not
     multiples of its tiles (values out of range count nowhere; fp32 splits the flows, exact to float32 rounding),

@@ -217,6 +217,7 @@ def test_parallel_em_step_is_brute_force_em_on_batches_the_devices_do_not_split(
 @four_devices
 @pytest.mark.parametrize("n, rows", cases([(4, 3), (4, 7), (2, 7)], fast=[], unpack=True))
 @pytest.mark.slow
+@pytest.mark.full
 def test_fit_on_a_mesh_with_a_batch_of_every_row_trains_as_one_device(n, rows):
     """A ``batch_size`` of at least the rows is one batch of every row on a mesh too (padded with zero-weight rows
     to a multiple of the devices), also with fewer rows than devices and with ``drop_remainder`` (nothing is left

@@ -78,6 +78,7 @@ def zero_weight_circuit():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("log", [False, True], ids=["linear", "logspace"])
+@pytest.mark.full
 def test_tempered_and_general_ll_flows_through_zero_weights(log):
     """Tempered flows at temperatures far from 1 (0.01 to 50, each of the two alone and both), and GeneralLL flows
     at alpha 0.1 to 30, in linear and log space: the edge flows and the leaf counts equal the oracle's
@@ -206,6 +207,7 @@ def test_partial_evaluation_of_every_subset_with_missing_values(seed):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_partial_evaluation_under_mpe_and_general_ll_and_missing_per_variable():
     """A plan re-evaluates under the propagation of its options (on a buffer of the same propagation), and takes
     ``missing`` as ``bool[V]``, each against the oracle."""
