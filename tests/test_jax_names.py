@@ -7,6 +7,7 @@ name reached inside a ``try`` block that catches its absence (``ImportError``, `
 is the code's own fallback and is not checked; names reached through ``getattr`` are not seen."""
 
 import ast
+import functools
 import importlib
 import inspect
 import json
@@ -61,9 +62,10 @@ def _guarded(tree: ast.AST) -> set[int]:
     return out
 
 
+@functools.cache
 def _resolve(dotted: str):
     """``(object, "")`` for a dotted JAX name, or ``(_MISSING, why)``: the first part that is missing, or that
-    its module lists as deprecated."""
+    its module lists as deprecated (once per name: the same names recur in every file)."""
     parts = dotted.split(".")
     for i in range(len(parts), 0, -1):
         try:
@@ -112,16 +114,16 @@ def _keywords_taken(obj, keywords: list[str]) -> list[str]:
     return [k for k in keywords if k not in names]
 
 
-def problems(path: pathlib.Path) -> list[str]:
+def problems(path: pathlib.Path, root: pathlib.Path = ROOT) -> list[str]:
     """What in ``path`` names a JAX object that the running JAX lacks or deprecates, or passes a keyword that a
-    JAX callable does not take."""
+    JAX callable does not take (each as ``file:line: why``, the file relative to ``root``)."""
     tree = ast.parse(_source(path))
     aliases = _aliases(tree)
     if not aliases:
         return []
     guarded = _guarded(tree)
     inner = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
-    where = path.relative_to(ROOT)
+    where = path.relative_to(root)
     out = []
     for node in ast.walk(tree):
         if id(node) in guarded:
@@ -171,12 +173,7 @@ def test_the_check_finds_missing_deprecated_and_misspelled_names(tmp_path):
                    "try:\n    d = jax.no_such_fallback\nexcept AttributeError:\n    d = None\n"
                    "e = jnp.sum(jnp.ones(3), axis=0)\n"
                    "f = jax.sharding.SingleDeviceSharding\n")
-    global ROOT
-    root, ROOT = ROOT, tmp_path
-    try:
-        found = problems(bad)
-    finally:
-        ROOT = root
+    found = problems(bad, tmp_path)
     assert sorted(found) == sorted(["bad.py:4: jax.no_such_name does not exist",
                                     "bad.py:5: jax.sharding.NoSuchSharding does not exist",
                                     "bad.py:6: jax.numpy.sum takes no keyword axes", *deprecated]), found

@@ -337,11 +337,13 @@ def _sampling_circuits():
 def sampling_circuit():
     """The sampling circuits, each compiled once (seed 1) for the tests that draw from it: they share its
     executables (none of them counts compiles)."""
-    made = {}
+    roots, made = {}, {}
 
     def get(name):
         if name not in made:
-            made[name] = jaxpc.compile(_sampling_circuits()[name], seed=1)
+            if not roots:  # the node graphs, built once
+                roots.update(_sampling_circuits())
+            made[name] = jaxpc.compile(roots[name], seed=1)
         return made[name]
 
     return get
