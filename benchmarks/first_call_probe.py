@@ -2,13 +2,16 @@
 an entry point, split by JAX's compile events (tracing, lowering to MLIR, XLA's backend compile), and then a
 second process on the same persistent cache (warm).
 
-    python benchmarks/first_call_probe.py [--workload hclt] [--batch 16] [--entry flows] [--timeout 200]
+    python benchmarks/first_call_probe.py [--workload hclt|pd|hmm|deep] [--levels 50] [--batch 16] [--entry flows]
+        [--timeout 200]
         [--configs "default|autotune0=--xla_gpu_autotune_level=0|xla={\\"impl\\": \\"reference\\"}"] [--warm]
         [--profile N] [--xla-timers N] [--host-trace N] [--quick-only] [--one-call]
 
 A configuration is ``name=XLA_FLAGS`` or ``name={options as JSON}`` (``jaxpc.Options`` fields, ``"tuning"`` a dict of
 ``jaxpc.Tuning`` fields); ``default``
-is the plain default call. Prints one JSON line per process: seconds of the structure build, ``jaxpc.compile``,
+is the plain default call. ``deep`` is a circuit of ``--levels`` distinct levels (:func:`deep_chain`: no two
+neighbouring levels of one shape, so nothing scans), the worst case of a first call per level. Prints one JSON
+line per process: seconds of the structure build, ``jaxpc.compile``,
 the first call (``store_s``: of it, the executable store's digests and loads; ``--profile N``: its N functions
 of most cumulative time under cProfile; ``--host-trace N``: the first call under ``jax.profiler.trace``, the N host
 events of most summed time, named with their count, threads and wall span, which places XLA's passes, LLVM and
@@ -32,7 +35,30 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def child(workload: str, batch: int, entry: str, options: dict) -> None:
+def deep_chain(levels: int, seed: int = 0):
+    """A chain of ``levels`` sum levels, each over the products of the level below and a new Categorical(3)
+    variable's leaves: 2 node blocks a level of a random block size from 1 to 5, never its neighbour's."""
+    import numpy as np
+
+    import jaxpc
+    from jaxpc.distributions import Categorical
+
+    rng = np.random.default_rng(seed)
+    ks = [int(rng.integers(1, 6))]
+    for _ in range(levels):
+        ks.append(int(rng.choice([k for k in range(1, 6) if k != ks[-1]])))
+
+    def leaves(v, k):
+        return jaxpc.inputs(v, num_node_blocks=2, block_size=k, dist=Categorical(num_cats=3))
+
+    s = jaxpc.summate(leaves(0, ks[0]), num_node_blocks=2, block_size=ks[0])
+    for i in range(1, levels + 1):
+        m = jaxpc.multiply(s, leaves(i, ks[i - 1]))
+        s = jaxpc.summate(m, num_node_blocks=1 if i == levels else 2, block_size=1 if i == levels else ks[i])
+    return s
+
+
+def child(workload: str, batch: int, entry: str, options: dict, levels: int = 50) -> None:
     sys.path.insert(0, str(HERE))
     sys.path.insert(0, str(HERE.parent))
     import jax
@@ -48,7 +74,10 @@ def child(workload: str, batch: int, entry: str, options: dict) -> None:
 
     cat = distributions.Categorical(256)
     t0 = time.perf_counter()
-    if workload == "hmm":
+    if workload == "deep":
+        root = deep_chain(levels)
+        x = np.random.default_rng(0).integers(0, 3, (batch, levels + 1)).astype(np.int32)
+    elif workload == "hmm":
         root = structures.HMM(64, 1024, 4096)
         x = np.random.default_rng(0).integers(0, 4096, (batch, 64)).astype(np.int32)
     else:
@@ -103,7 +132,8 @@ def child(workload: str, batch: int, entry: str, options: dict) -> None:
             steps.append(time.perf_counter() - t)
         return round(1e3 * float(np.median(steps[5:])), 3)
 
-    first = dict(workload=workload, batch=batch, entry=entry, build_s=round(t1 - t0, 2), compile_s=round(t2 - t1, 2),
+    name = f"deep{levels}" if workload == "deep" else workload
+    first = dict(workload=name, batch=batch, entry=entry, build_s=round(t1 - t0, 2), compile_s=round(t2 - t1, 2),
                  first_call_s=round(t4 - t3, 3))
     if os.environ.get("PROBE_ONE_CALL"):  # a script that calls once and ends: the parent times its exit
         print("RESULT " + json.dumps(dict(**first, store_s={k: round(v, 3) for k, v in store_s.items()},
@@ -224,7 +254,8 @@ def xla_timers(stderr: str, n: int) -> list[str]:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", default="hclt", choices=["pd", "hclt", "hmm"])
+    p.add_argument("--workload", default="hclt", choices=["pd", "hclt", "hmm", "deep"])
+    p.add_argument("--levels", type=int, default=50, help="the deep workload's levels")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--entry", default="flows", choices=["flows", "log_prob", "em_step"])
     p.add_argument("--timeout", type=float, default=200)
@@ -249,7 +280,7 @@ def main(argv=None):
     if args.dedupe:
         return dedupe_probe()
     if args.child is not None:
-        return child(args.workload, args.batch, args.entry, json.loads(args.child))
+        return child(args.workload, args.batch, args.entry, json.loads(args.child), args.levels)
     for cfg in args.configs.split("|"):
         name, _, spec = cfg.partition("=")
         options, flags = ({}, "") if not spec else ((json.loads(spec), "") if spec.startswith("{") else ({}, spec))
@@ -267,7 +298,8 @@ def main(argv=None):
         if args.xla_timers:
             env.update(TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE=XLA_TIMER_MODULES)
         for run in ("cold", "warm") if args.warm else ("cold",):
-            cmd = [sys.executable, __file__, "--workload", args.workload, "--batch", str(args.batch), "--entry",
+            cmd = [sys.executable, __file__, "--workload", args.workload, "--levels", str(args.levels), "--batch",
+                   str(args.batch), "--entry",
                    args.entry, "--child", json.dumps(options)]
             t = time.perf_counter()
             try:
