@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import itertools
 import operator
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -175,6 +176,20 @@ class CircuitNodes:
     def __repr__(self) -> str:
         return (f"{self.name}(num_node_blocks={self.num_node_blocks}, block_size={self.block_size}, "
                 f"scope={scope_str(self.scope)})")
+
+    def __reduce__(self):
+        """Pickle (and ``copy.deepcopy``) the graph reachable from this vector (children, tie sources, gate
+        targets) as one flat list with references as indices, so that a graph of any depth pickles without deep
+        recursion. Vectors pickled together (one ``pickle.dumps`` or ``copy.deepcopy`` call) stay one object where
+        they were one; each loaded vector gets a new :attr:`id` and keeps its name."""
+        graph = _Graph.covering(self)
+        return _graph_member, (graph, graph.index[id(self)])
+
+    def __copy__(self) -> CircuitNodes:
+        """A shallow copy: a new object with the same attributes (children, parameters and :attr:`id` too)."""
+        dup = object.__new__(type(self))
+        dup.__dict__.update(self.__dict__)
+        return dup
 
 
 class InputNodes(CircuitNodes):
@@ -345,6 +360,102 @@ class SumNodes(CircuitNodes):
         if src is None and own is not None:
             dup._params = own.copy()
         return dup
+
+
+# ----------------------------------------------------------------------------------------------
+# Pickling: a graph as one flat list (CircuitNodes.__reduce__)
+# ----------------------------------------------------------------------------------------------
+
+# {id(vector): the live _Graph holding it}: while a pickler (or deepcopy's memo) keeps a graph alive, the vectors
+# it holds pickle as members of that graph, so that every vector is loaded once however often it is referenced.
+_COVERED: weakref.WeakValueDictionary[int, _Graph] = weakref.WeakValueDictionary()
+
+
+def _link(value, ref):
+    """An attribute ``value`` that refers to vectors (a vector, a tuple of them such as ``children``, gates that
+    read another vector's) as a record of ``ref(vector)`` for each, or None for any other value."""
+    if isinstance(value, CircuitNodes):
+        return ("node", ref(value))
+    if isinstance(value, tuple) and value and all(isinstance(c, CircuitNodes) for c in value):
+        return ("nodes", tuple(ref(c) for c in value))
+    if isinstance(value, Gates) and value.tie_to is not None:
+        return ("gates", value.block_size, ref(value.tie_to))
+    return None
+
+
+class _Graph:
+    """The vectors reachable from one vector, less those another live graph holds (iterative, any depth)."""
+
+    def __init__(self, root: CircuitNodes):
+        self.nodes: list[CircuitNodes] = []
+        self.index: dict[int, int] = {}
+        stack = [root]
+        while stack:
+            ns = stack.pop()
+            if id(ns) in self.index or _COVERED.get(id(ns)) is not None:
+                continue
+            self.index[id(ns)] = len(self.nodes)
+            self.nodes.append(ns)
+            for v in ns.__dict__.values():
+                _link(v, stack.append)
+        for ns in self.nodes:
+            _COVERED[id(ns)] = self
+
+    @staticmethod
+    def covering(ns: CircuitNodes) -> _Graph:
+        """The live graph holding ``ns``, else a new one from ``ns``."""
+        graph = _COVERED.get(id(ns))
+        return graph if graph is not None else _Graph(ns)
+
+    def __reduce__(self):
+        """``(_rebuild_graph, (records, externals))``: per vector its class, plain attributes and references (as
+        indices into its graph's vectors followed by ``externals``, the vectors of other graphs it refers to)."""
+        externals: list[CircuitNodes] = []
+        ext_index: dict[int, int] = {}
+
+        def ref(ns: CircuitNodes) -> int:
+            i = self.index.get(id(ns))
+            if i is None:
+                i = ext_index.get(id(ns))
+                if i is None:
+                    i = ext_index[id(ns)] = len(self.nodes) + len(externals)
+                    externals.append(ns)
+            return i
+
+        records = []
+        for ns in self.nodes:
+            plain, links = {}, {}
+            for k, v in ns.__dict__.items():
+                if k != "id":
+                    link = _link(v, ref)
+                    if link is None:
+                        plain[k] = v
+                    else:
+                        links[k] = link
+            records.append((type(ns), plain, links))
+        return _rebuild_graph, (records, tuple(externals))
+
+
+def _rebuild_graph(records: list, externals: tuple) -> list[CircuitNodes]:
+    """The vectors of a pickled :class:`_Graph`, each with a new id."""
+    nodes = [cls.__new__(cls) for cls, _, _ in records]
+    every = nodes + list(externals)
+    for ns, (_, plain, links) in zip(nodes, records):
+        state = dict(plain)
+        for k, link in links.items():
+            if link[0] == "node":
+                state[k] = every[link[1]]
+            elif link[0] == "nodes":
+                state[k] = tuple(every[i] for i in link[1])
+            else:
+                state[k] = Gates(link[1], every[link[2]])
+        state["id"] = next(_ids)
+        ns.__dict__.update(state)
+    return nodes
+
+
+def _graph_member(nodes: list[CircuitNodes], i: int) -> CircuitNodes:
+    return nodes[i]
 
 
 def _check_same_shapes(ns: CircuitNodes, old: Sequence[CircuitNodes], new: Sequence[CircuitNodes]) -> None:

@@ -27,7 +27,9 @@ def RAT_SPN(num_vars: int, num_latents: int, depth: int, num_repetitions: int, n
             product multiplies node ``i`` of each of its parts).
         depth: levels of splits, an int >= 1: the variables are split into ``num_pieces`` parts, each part again,
             ``depth`` times in all; the regions at the last level (or smaller than ``num_pieces``) are leaf
-            regions, a sum over the product of their variables' input vectors. ``depth=0`` would split nothing and
+            regions, a sum over the product of their variables' input vectors. Leaf regions over the same variables
+            (in several repetitions, or single variables) share that product, which would compute the same values
+            again, and each keep a sum vector of their own. ``depth=0`` would split nothing and
             make every repetition the same product of all the leaves, so it raises a ``ValueError``.
         num_repetitions: random partitions (drawn one after the other from ``seed``), mixed by the root's single
             sum node over the ``num_repetitions * num_latents`` top products; a positive int.
@@ -55,10 +57,14 @@ def RAT_SPN(num_vars: int, num_latents: int, depth: int, num_repetitions: int, n
     dist = check_dist("RAT_SPN", "input_dist", input_dist, distributions.Categorical(num_cats=256))
     rng = np.random.default_rng(check_seed("RAT_SPN", seed))
     leaves = [inputs(v, num_node_blocks=nb, block_size=bs, dist=dist) for v in range(num_vars)]
+    leaf_products: dict[frozenset[int], CircuitNodes] = {}  # one product per set of variables: the same values
 
     def region(scope: list[int], d: int):
         if d >= depth or len(scope) < num_pieces:
-            return summate(multiply(*[leaves[v] for v in scope]), num_node_blocks=nb, block_size=bs)
+            key = frozenset(scope)
+            if key not in leaf_products:
+                leaf_products[key] = multiply(*[leaves[v] for v in scope])
+            return summate(leaf_products[key], num_node_blocks=nb, block_size=bs)
         order = [scope[i] for i in rng.permutation(len(scope))]
         q, r = divmod(len(order), num_pieces)
         parts, start = [], 0
