@@ -636,7 +636,10 @@ class Circuit:
                 ``Options(negate_flows=True)``) are refused with a ``ValueError`` naming the first negative entry.
                 Numpy flows are checked at once; device arrays by one reduction on the device whose flag the
                 circuit's next call reads (``"sync"``: this one), as a device batch's (see :mod:`jaxpc.runtime`);
-                tracers and ``False``: not checked. NaN flows are not refused: they give NaN parameters.
+                tracers and ``False``: not checked. NaN flows are not refused: they give NaN parameters. Log flows
+                rebuilt into a plain dict (``dict(flows)``, a dict comprehension) are no ``LogFlows``: the check
+                refuses their negative entries, naming ``to_counts``; unchecked they are read as counts, giving wrong
+                parameters.
 
         Sum nodes whose flows (plus pseudocount) are all zero keep their parameters.
         """

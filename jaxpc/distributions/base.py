@@ -196,6 +196,14 @@ class Distribution:
         to read, so that hard EM counts a missing value as the value the decoding takes observed."""
         return p
 
+    def marginalized_under_evidence(self, p: dict[str, Array], tables: dict[str, Array], rows: Array, vars_: Array,
+                                    evidence: dict, options) -> dict[str, Array]:
+        """:meth:`marginalized_params` ``p`` given per-call ``evidence`` that reweights the node's values per sample
+        (``rows``, ``vars_``: the layer's nodes' parameter rows and variables), what :meth:`suff_stats` and
+        :meth:`log_suff_stats` read for missing values: ``p`` itself (the default) where the evidence changes nothing
+        of how a missing value counts."""
+        return p
+
     def decoded_under_evidence(self, p: dict[str, Array], tables: dict[str, Array], rows: Array, vars_: Array,
                                evidence: dict, options) -> Array | None:
         """``[N, B]``: each node's value of a missing variable under ``options``' propagation given per-call

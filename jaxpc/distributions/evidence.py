@@ -16,12 +16,17 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
+from ..ops.logspace import log_sum_add, log_sum_value, log_sum_zeros
 from ..ops.sum_layer import matmul
 from .base import reduce_missing
 from .categorical import Categorical
 
 Array = jax.Array
+
+#: the most (node, sample, value) entries of the reweighted pmfs that soft EM's counts of missing values make at a time
+MISSING_BUDGET = 1 << 24
 
 
 def _shift(lp: Array) -> tuple[Array, Array]:
@@ -100,7 +105,9 @@ class SoftEvidenceCategorical(Categorical):
     values as :class:`Categorical` reduces its own: ``log sum_k q(k)``, 0, under ``"LL"``; ``max_k log q(k)`` under
     ``"MPE"``; the tempered sum under ``"GeneralLL"``; and ``-inf`` under each where no value has weight. An out of
     range ``x`` (only reached with validation off) gives NaN. Without evidence it is a plain categorical.
-    EM refits ``theta`` from the counts of the observed values; the evidence enters through the flows.
+    EM refits ``theta`` from the counts of the observed values, the evidence entering through the flows; a missing
+    value counts as the reweighted pmf ``q`` (soft EM: its posterior, :meth:`marginalized_under_evidence`) or as the
+    value max-product decoding takes (hard EM: :meth:`decoded_under_evidence`).
     ``num_cats``: the number of values, as for :class:`Categorical` (a positive int, else a ``ValueError``); the
     dense evidence ``categorical_logp`` is ``[B, V, num_cats]``.
     """
@@ -164,6 +171,83 @@ class SoftEvidenceCategorical(Categorical):
         best = jnp.max(num, axis=2, keepdims=True)
         first = jnp.min(jnp.where((num == best) & (best > -jnp.inf), idn, self.num_cats), axis=2)
         return jnp.where(first < self.num_cats, first, 0).astype(jnp.int32)
+
+    def marginalized_under_evidence(self, p, tables, rows, vars_, evidence, options):
+        """Under ``"LL"`` and ``"GeneralLL"`` with categorical evidence, ``p`` with ``"missing_evidence"``: what a
+        missing value counts by, each node's reweighted pmf ``q(k) = theta[k] exp(e[k]) / Z`` per sample, its
+        posterior under the normalized leaf, whose value ``log sum_k q(k)`` does not depend on ``theta``
+        (:meth:`_missing_counts`). Else ``p`` (hard EM counts the decoded value: :meth:`decoded_under_evidence`)."""
+        dense = evidence.get("categorical_logp")
+        topk = evidence.get("categorical_topk")
+        if options.propagation == "MPE" or (dense is None and topk is None):
+            return p
+        lt = p["log_probs"]
+        if dense is not None:
+            dense = dense[:, :, :self.num_cats]
+            m = {"dense": dense, "logz": _dense_logz(lt, dense, rows, vars_, options.concrete_precision)}
+        else:  # a candidate that is no value of these leaves, or masked, has no weight
+            live = topk["ids"] < self.num_cats
+            mask = live if topk.get("mask") is None else live & topk["mask"]
+            m = {"ids": jnp.clip(topk["ids"], 0, self.num_cats - 1), "logp": jnp.where(mask, topk["logp"], -jnp.inf),
+                 "logz": _topk_logz(lt, topk["ids"], topk["logp"], mask, rows, vars_, options.concrete_precision)}
+        return {**p, "missing_evidence": {**m, "rows": rows, "vars": vars_}}
+
+    def _missing_counts(self, p, mv, flows, num_rows, log: bool = False):
+        """``[num_rows, K]``: the counts of the missing values (``mv [N, B]``) by their reweighted pmf ``q``
+        (:meth:`marginalized_under_evidence`), each (node, sample)'s flow ``flows [N, B]`` times ``q``; with ``log``,
+        log flows and log counts. ``q`` is made for chunks of nodes of at most :data:`MISSING_BUDGET` (node, sample,
+        value) entries at a time."""
+        m = p["missing_evidence"]
+        lt, K = p["log_probs"], self.num_cats
+        N, B = flows.shape
+        k = K if "dense" in m else m["ids"].shape[2]
+        terms = jnp.where(mv, flows, -jnp.inf if log else 0.0)
+
+        def chunk(rows, vars_, logz, f):  # [s] nodes: flat indices and their terms [s, B, k]
+            if "dense" in m:
+                ids = jnp.broadcast_to(jnp.arange(K, dtype=rows.dtype), (rows.shape[0], B, K))
+                num = lt[rows][:, None, :] + jnp.transpose(m["dense"][:, vars_, :], (1, 0, 2))
+            else:
+                ids = jnp.transpose(m["ids"][:, vars_, :], (1, 0, 2))
+                num = lt[rows[:, None, None], ids] + jnp.transpose(m["logp"][:, vars_, :], (1, 0, 2))
+            lq = _normalized(num, logz[:, :, None]).astype(f.dtype)
+            return (rows[:, None, None] * K + ids).reshape(-1), (f[:, :, None] + lq if log else f[:, :, None]
+                                                                 * jnp.exp(lq)).reshape(-1)
+
+        size = max(1, min(N, MISSING_BUDGET // (B * k)))
+        pad = (-N) % size
+        parts = [jnp.concatenate([a, jnp.full((pad,) + a.shape[1:], fill, a.dtype)]).reshape(-1, size, *a.shape[1:])
+                 for a, fill in ((m["rows"], 0), (m["vars"], 0), (m["logz"], -jnp.inf),
+                                 (terms, -jnp.inf if log else 0.0))]
+        zero = log_sum_zeros((num_rows * K,), flows.dtype) if log else jnp.zeros((num_rows * K,), flows.dtype)
+
+        def add(acc, c):
+            idx, val = chunk(*c)
+            return (log_sum_add(acc, idx, val) if log else acc.at[idx].add(val)), None
+
+        if len(parts[0]) == 1:  # one chunk: no loop (a device-side while loop)
+            acc, _ = add(zero, [a[0] for a in parts])
+        else:
+            acc, _ = lax.scan(add, zero, parts)
+        return (log_sum_value(acc) if log else acc).reshape(num_rows, K)
+
+    def suff_stats(self, p, tables, rows, xv, mv, flows, num_rows):
+        if mv is None or "missing_evidence" not in p:
+            return super().suff_stats(p, tables, rows, xv, mv, flows, num_rows)
+        counts = super().suff_stats(p, tables, rows, xv, mv, jnp.where(mv, 0.0, flows), num_rows)["counts"]
+        return {"counts": counts + self._missing_counts(p, mv, flows, num_rows)}
+
+    def _with_marginalized(self, p, counts, flows, mg, run):
+        if mg is None or "missing_evidence" not in p:
+            return super()._with_marginalized(p, counts, flows, mg, run)
+        return counts + self._missing_counts(p, jnp.repeat(mg, run, axis=0), flows, flows.shape[0])
+
+    def log_suff_stats(self, p, tables, rows, xv, mv, log_flows, num_rows):
+        if mv is None or "missing_evidence" not in p:
+            return super().log_suff_stats(p, tables, rows, xv, mv, log_flows, num_rows)
+        counts = super().log_suff_stats(p, tables, rows, xv, mv, jnp.where(mv, -jnp.inf, log_flows),
+                                        num_rows)["counts"]
+        return {"counts": jnp.logaddexp(counts, self._missing_counts(p, mv, log_flows, num_rows, log=True))}
 
     def _missing(self, lt, rows, vars_, logz, dense, topk, options):
         """``[N, B]``: the value of a missing variable, the reweighted log-pmf reduced over its values

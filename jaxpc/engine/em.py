@@ -124,7 +124,8 @@ def _assemble_flows(layout, tables, params, x, missing, options, g_sum, g_eps, b
     mt = forward.missing_t(missing)
     g_in = {}
     for spec, tab, node_flows, where in zip(layout.input_layers, tables["inputs"], g_eps, at):
-        # a missing value counts under the propagation's own distribution of it (hard EM: the decoded value)
+        # a missing value counts under the propagation's own distribution of it (hard EM: the decoded value; under
+        # evidence, the reweighted one)
         p = params["input"][spec.key] if mt is None else spec.dist.marginalized_params(params["input"][spec.key],
                                                                                         options)
         with jax.named_scope(f"jaxpc/input_stats/{spec.key}"):
@@ -135,6 +136,7 @@ def _assemble_flows(layout, tables, params, x, missing, options, g_sum, g_eps, b
                     g_in[spec.key] = spec.dist.suff_stats(params["input"][spec.key], tab["meta"], tab["rows"], xv,
                                                           None, node_flows, spec.num_rows)
                     continue
+                p = spec.dist.marginalized_under_evidence(p, tab["meta"], tab["rows"], tab["vars"], evidence, options)
             if spec.run > 1:
                 gv = tab["vars"][::spec.run]
                 # the kernel reads the flows where they lie (a slice of the buffer would be copied first)
@@ -204,17 +206,38 @@ def any_negative_counts(counts: tuple) -> jax.Array:
 
 def raise_negative_counts(names: tuple, counts: tuple, where: str, when: str = "") -> None:
     """The ``ValueError`` of counts (host values of :func:`count_leaves`) that hold a negative entry: the first, its
-    index and value, and their number; return where there is none."""
+    index and value, and their number; return where there is none. Counts with a ``-inf`` or with positive entries
+    beside the negative ones are no negated flows (those are all ``<= 0`` and finite) but, most likely, log flows
+    in a plain dict (``dict(flows)`` or a dict comprehension drops the :class:`~jaxpc.engine.logflows.LogFlows`
+    type that the EM update refuses): the error says so."""
     for name, a in zip(names, counts):
         host = np.asarray(a)
         neg = np.argwhere(host < 0)
         if len(neg):
             at = ", ".join(str(int(i)) for i in neg[0])
             more = f" ({len(neg)} negative entries in that array)" if len(neg) > 1 else ""
-            raise ValueError(f"{where}: flows must be expected counts (>= 0); {name}[{at}] is {host[tuple(neg[0])]}"
-                             f"{more}{when}. Negated flows (jax.grad of a negative log-likelihood, "
+            head = f"{where}: flows must be expected counts (>= 0); {name}[{at}] is {host[tuple(neg[0])]}{more}{when}"
+            if _look_like_log_flows(counts):
+                raise ValueError(f"{head}. These look like log flows (a -inf, or positive beside negative counts: "
+                                 f"Options(logspace_flows=True)) in a plain dict, as dict(flows) or a dict "
+                                 f"comprehension makes of circuit.flows' LogFlows: pass "
+                                 f"jaxpc.engine.logflows.to_counts(flows) of the LogFlows (or of LogFlows(flows)); "
+                                 f"flows.copy() and jax.tree.map keep the type")
+            raise ValueError(f"{head}. Negated flows (jax.grad of a negative log-likelihood, "
                              f"Options(negate_flows=True)) or log flows (Options(logspace_flows=True)) are no counts: "
-                             f"pass what circuit.flows returns with the default options")
+                             f"pass what circuit.flows returns with the default options, or "
+                             f"jaxpc.engine.logflows.to_counts of log flows")
+
+
+def _look_like_log_flows(counts: tuple) -> bool:
+    """Whether host counts hold a ``-inf`` or both positive and negative entries, which negated flows never do."""
+    pos = neg = False
+    for a in counts:
+        host = np.asarray(a)
+        if np.isneginf(host).any():
+            return True
+        pos, neg = pos or bool((host > 0).any()), neg or bool((host < 0).any())
+    return pos and neg
 
 
 def normalize_sum_params(layout: Layout, tables: dict, sum_counts: dict, pseudocount, keep: dict | None = None) -> dict:
@@ -261,7 +284,9 @@ def em_update(layout: Layout, tables: dict, params: dict, flows: dict, step_size
     gets NaN parameters (:func:`has_mass`); with ``update_sums`` False all sum parameters are kept (only the leaves
     are refitted); with ``keep_zero_params`` parameters that are exactly zero stay zero (no pseudocount on them).
     ``flows`` are linear counts: log flows (:class:`~jaxpc.engine.logflows.LogFlows`) raise a ``ValueError``
-    (:func:`check_linear_flows`); their values are not checked here (``Circuit.em_update`` checks them)."""
+    (:func:`check_linear_flows`); their values are not checked here (``Circuit.em_update`` checks them): log flows
+    in a plain dict (``dict(flows)`` drops the ``LogFlows`` type) are read as counts, giving wrong parameters (NaN
+    where a negative count meets a positive total)."""
     check_linear_flows(flows, "em_update")
     new_sum = {}
     keep = {g.key: jnp.isfinite(params["sum"][g.key]) for g in layout.sum_groups} if keep_zero_params else None

@@ -25,11 +25,14 @@ linear counts, recognizes and refuses it (:func:`to_counts` converts).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 from ..compiler.layout import Layout, StageSpec
 from ..distributions.base import decoded_observations, parent_totals, segment_sum
@@ -123,10 +126,68 @@ def flows_and_ll(layout: Layout, tables: dict, params: dict, x: Array, missing: 
                  weights: Array | None, options, evidence: dict | None = None) -> tuple[dict, Array]:
     """``(log flows, ll [B])``: :func:`jaxpc.engine.em.flows_and_ll` with every flow a logarithm (``-inf``: zero),
     computed in the log domain, as :class:`LogFlows`. ``weights`` must be non-negative (a zero weight is a row
-    without flow)."""
+    without flow).
+
+    The derivative with respect to ``weights`` is that of the logarithm of the linear flows, which are linear in
+    the weights: ``d log f / d w_b = f_b / f`` (``f_b`` sample ``b``'s flow at weight 1), finite also at
+    ``w_b = 0``, where the pass's own ``log w_b`` would make it ``0 * inf`` (:func:`_weights_jvp`). Where a log
+    flow is ``-inf`` (every sample that reaches it has weight 0) its derivative is 0, as at every ``-inf`` of the
+    log domain (the one-sided limit there is ``+inf``; a count's is the sample's flow, which ``exp`` of a log flow
+    cannot carry)."""
     if routing.has_sum_externals(evidence):
         raise ValueError("logspace_flows: per-sample sum parameters (sum_gates, sum_lowrank) have no log-space "
                          "flow pass; use logspace_flows=False")
+    if weights is None:
+        return _flows_and_ll(layout, tables, params, x, missing, None, options, evidence)
+
+    def run(p, w, e):
+        return _flows_and_ll(layout, tables, p, x, missing, w, options, e)
+
+    weighted = jax.custom_jvp(run)
+    weighted.defjvp(functools.partial(_weights_jvp, run), symbolic_zeros=True)
+    return weighted(params, weights, evidence)
+
+
+def _is_zero(t) -> bool:
+    return isinstance(t, SymbolicZero)
+
+
+def _instantiate(tree):
+    """``tree`` of tangents with every symbolic zero an array of zeros."""
+    def one(t):
+        if not _is_zero(t):
+            return t
+        return np.zeros(t.shape, t.dtype) if t.dtype == jax.dtypes.float0 else jnp.zeros(t.shape, t.dtype)
+    return jax.tree_util.tree_map(one, tree, is_leaf=_is_zero)
+
+
+def _weights_jvp(run, primals, tangents):
+    """The JVP of ``run(params, weights, evidence)`` (:func:`flows_and_ll`). The params' and evidence's part is
+    ``run``'s own at ``weights``. The weights' part uses that the linear flows ``f(w)`` are linear in ``w``:
+    ``d log f(w) [dw] = f(dw) / f(w) = exp(log f(v) - log f(w)) d log f(v) [dw]`` at any positive ``v``, here
+    ``w`` with its zeros set to 1, where ``log v`` has a finite derivative; 0 where ``log f(w)`` is ``-inf``."""
+    params, w, ev = primals
+    dp, dw, de = tangents
+    if all(_is_zero(t) for t in jax.tree_util.tree_leaves((dp, de), is_leaf=_is_zero)):
+        out = run(params, w, ev)
+        t_out = jax.tree_util.tree_map(jnp.zeros_like, out)
+    else:
+        out, t_out = jax.jvp(lambda p, e: run(p, w, e), (params, ev), (_instantiate(dp), _instantiate(de)))
+    if _is_zero(dw):
+        return out, t_out
+    v = jnp.where(w > 0, w, jnp.ones((), w.dtype))
+    (log_v, _), (t_v, _) = jax.jvp(lambda u: run(params, u, ev), (v,), (dw,))
+
+    def add(lw, lv, t, tv):
+        dead = jnp.isneginf(lw) | jnp.isneginf(lv)
+        return t + jnp.where(dead, 0.0, jnp.exp(jnp.where(dead, 0.0, lv - lw))) * tv
+
+    return out, (jax.tree_util.tree_map(add, out[0], log_v, t_out[0], t_v), t_out[1])
+
+
+def _flows_and_ll(layout: Layout, tables: dict, params: dict, x: Array, missing: Array | None,
+                  weights: Array | None, options, evidence: dict | None) -> tuple[dict, Array]:
+    """:func:`flows_and_ll` without its checks and its derivative with respect to ``weights``."""
     values = forward.node_values(layout, tables, params, x, missing, options, evidence=evidence)
     log_nodes, log_sums = _log_pass(layout, tables, params["sum"], values, weights, options)
     xt, mt = x.T, forward.missing_t(missing)
@@ -139,6 +200,8 @@ def flows_and_ll(layout: Layout, tables: dict, params: dict, x: Array, missing: 
                                                                                             options)
             xv, mv = decoded_observations(spec.dist, params["input"][spec.key], tab, xt[tab["vars"]],
                                           None if mt is None else mt[tab["vars"]], evidence, options)
+            if evidence and mv is not None:
+                p = spec.dist.marginalized_under_evidence(p, tab["meta"], tab["rows"], tab["vars"], evidence, options)
             stats[spec.key] = spec.dist.log_suff_stats(p, tab["meta"], tab["rows"], xv, mv, lf, spec.num_rows)
     out = LogFlows({"sum": log_sums, "input": stats})
     if options.node_flows:
