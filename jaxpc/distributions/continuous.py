@@ -43,8 +43,11 @@ def _moments(values, mu, var, rows, mv, flows, num_rows):
         dsq = jnp.where(mv, var[:, None], dev * dev)
     else:
         sq, dsq = values * values, dev * dev
-    def total(v):  # a sample of no flow adds nothing, also where its square overflows (|x| > 1.8e19 in float32)
-        return segment_sum(jnp.sum(jnp.where(flows == 0, 0.0, flows * v), axis=1), rows, num_rows)
+    def total(v):  # a sample of no flow adds nothing, also where its square overflows (|x| > 1.8e19 in float32);
+        # masked on the value, not the flow, so the moments stay linear in the flows (their derivative in a flow of
+        # 0 is the value)
+        return segment_sum(jnp.sum(jnp.where((flows == 0) & ~jnp.isfinite(v), 0.0, flows * v), axis=1), rows,
+                           num_rows)
 
     return {"s0": total(1.0), "s1": total(values), "s2": total(sq), "m2": total(dsq)}
 

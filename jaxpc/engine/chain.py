@@ -300,7 +300,8 @@ def _bwd_kernels(spec: ChainSpec, options, saved, gbar):
     else:  # (messages computed without the forward's states, which _live needs: see the module docstring)
         lr = jnp.log(_safe(jnp.sum(dY, axis=1))) - jnp.log(_safe(c))  # [R+1, B]: log(n_s / c_s)
         after = jnp.cumsum(lr[::-1], axis=0)[::-1] - lr  # sum over s > r
-        F = jnp.where(groot == 0, 0.0, groot * jnp.exp(after))  # [R+1, B]; impossible samples: zero flows
+        ea = jnp.exp(after)  # impossible samples (groot 0): zero flows, never 0 * inf; linear in groot
+        F = jnp.where((groot == 0) & ~jnp.isfinite(ea), 0.0, groot * ea)  # [R+1, B]
         post, dY = _live(beta * F[:, None, :], U) * U, dY * (F / _safe(c))[:, None, :]
         kept = (post, dY)  # (the one-way kernel runs only where the check fails)
         post, dY = lax.cond(posteriors_hold(post, gbar, prec), lambda: kept, one_way)

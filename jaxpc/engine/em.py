@@ -54,11 +54,14 @@ def flows_and_ll(layout: Layout, tables: dict, params: dict, x: Array, missing: 
 
 def _objective(layout, tables, weights, options, evidence):
     """``(sum_params, vals) -> (sum_b w_b ll_b, ll)``: zero-weight rows (padding) contribute exactly nothing,
-    even where their ll is -inf."""
+    even where their ll is not finite. The mask is on that product alone (``0 * inf``), not on the weight: the
+    cotangent of a finite ll is its weight, so the flows' derivative in a weight of 0 is the sample's own flows."""
     def objective(sum_params, vals):
         ll = forward.evaluate(layout, tables, sum_params, vals, options, evidence, counts=True)
-        wll = ll if weights is None else jnp.where(weights == 0, 0.0, ll * weights.astype(ll.dtype))
-        return jnp.sum(wll), ll
+        if weights is None:
+            return jnp.sum(ll), ll
+        w = weights.astype(ll.dtype)
+        return jnp.sum(jnp.where((w == 0) & ~jnp.isfinite(ll), 0.0, ll * w)), ll
     return objective
 
 

@@ -131,10 +131,10 @@ def tempered_split(t: Array, fp: Array, a: float, dense: bool, child_flows: bool
     if vp is None:
         e = jnp.exp(a * (t - _finite_max(t, 2)))  # a possible parent's largest term gives 1: its local sum is >= 1
         s = jnp.sum(e, axis=2)
-        scale = jnp.where((fp == 0) | (s == 0), 0.0, fp / jnp.where(s == 0, 1.0, s))  # [n, Kp, B]
+        scale = _flow_scale(fp, s)  # [n, Kp, B]
     else:
-        live = (fp != 0) & jnp.isfinite(vp)
-        e = jnp.exp(a * (t - jnp.where(live, vp, jnp.inf)[:, :, None, :]))  # 0 where the parent passes nothing
+        live = jnp.isfinite(vp)
+        e = jnp.exp(a * (t - jnp.where(live, vp, jnp.inf)[:, :, None, :]))  # 0 where the parent is impossible
         scale = jnp.where(live, fp, 0.0)
     edges = scale[:, :, None, :] * e  # [n, Kp, CK, B], fused into the reductions below
     cf = (jnp.sum(edges, axis=(0, 1)) if dense else jnp.sum(edges, axis=1)) if child_flows else None
@@ -380,9 +380,15 @@ def flow_split(x: Array, lw: Array, vp: Array, fp: Array, m: Array, a: float, ba
         # at tf32 / bf16 the product's own rounding (2^-11 / 2^-8 per operand) is the larger error: the
         # local sum comes from the parent's stored value (one matrix product fewer, as in PyJuice)
         s = jnp.exp(a * (vp - m))
-    # parents that carry no flow (or are impossible) contribute nothing, never 0 / 0
-    scale = jnp.where((fp == 0) | (s == 0), 0.0, fp / jnp.where(s == 0, 1.0, s))  # [n, Kp, B]
-    return w, y, scale
+    return w, y, _flow_scale(fp, s)
+
+
+def _flow_scale(fp: Array, s: Array) -> Array:
+    """``fp / s``, each parent's flow over its local sum ``[n, Kp, B]``: 0 where the parent is impossible (``s == 0``,
+    never ``0 / 0``) and where a parent that carries no flow has a NaN sum. The masks are on the sums: the flows
+    are linear in ``fp`` (their derivative in a flow of 0, as in a sample's weight of 0, is ``1 / s``)."""
+    zero = s == 0
+    return jnp.where(zero | (jnp.isnan(s) & (fp == 0)), 0.0, fp / jnp.where(zero, 1.0, s))
 
 
 def param_flow_factors(values: Array, flows: Array, ch: Array, pid: Array, logw: Array, prow: Array, *, Kp: int,
