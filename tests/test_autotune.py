@@ -346,6 +346,7 @@ def test_tune_circuit_checks_its_arguments_before_timing():
 
 
 @pytest.mark.slow
+@pytest.mark.full  # (in CI: test_tune_circuit_starts_from_the_auto_choice)
 def test_tune_circuit_is_deterministic_and_exact(monkeypatch):
     """Under the same timings two tunings give equal options (the second from the cache, untimed), valid options
     (the key of one executable), whose log-likelihoods and flows are the default options' to rounding."""

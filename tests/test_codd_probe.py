@@ -299,6 +299,7 @@ def test_em_with_evidence_and_the_cache(c32):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # (in CI: the Flax soft-evidence notebook trains under evidence)
 def test_fit_trains_logits_by_gradient_under_evidence():
     """``optim.fit`` with an optax optimizer and per-row evidence (dense soft evidence, latent potentials, one gate
     per parameter block) over one batch of 7 rows takes the step of ``jax.grad`` of the mean negative

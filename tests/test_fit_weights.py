@@ -103,6 +103,7 @@ def test_fit_weights_equal_repeated_rows_for_full_batch_em_and_adam():
 
 
 @pytest.mark.slow
+@pytest.mark.full  # (in CI: the other weighted fits)
 def test_fit_skips_batches_whose_rows_all_weigh_zero():
     """A batch of zero-weight rows takes no step: mini-batch EM with a pseudocount and a step-size schedule, and adam,
     on 90 rows in order whose first 30 weigh 0 equal them on the last 60 rows (their step counts too); without the
@@ -143,6 +144,7 @@ def test_fit_weights_on_a_mesh_equal_one_device():
 
 
 @pytest.mark.slow
+@pytest.mark.full  # (in CI: the other weighted fits)
 def test_fit_weights_follow_their_rows_into_shuffled_batches():
     """Mini-batch EM with weights and a step-size schedule, shuffled into 3 batches with the last one padded, equals
     a Python loop of ``em_step`` on each batch's rows and their weights (:func:`optim.epoch_batches`)."""

@@ -32,6 +32,7 @@ def untied_sums(c):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # (in CI: test_em_variants.py's hard EM)
 @pytest.mark.parametrize("seed", [0, 9])
 def test_hard_em_of_tied_terms_takes_each_nodes_first_child(seed):
     """Max-product flows and hard EM's update on random circuits (tied sums and leaves, sparse edges) whose every
@@ -114,6 +115,7 @@ def test_tempered_and_general_ll_flows_through_zero_weights(log):
 # ---- TDP rescaling ----------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
+@pytest.mark.full  # (in CI: test_em_variants.py's TDP rescaling)
 @pytest.mark.parametrize("seed", [8, 5])
 def test_tdp_rescaling_of_tied_sums_and_gaussian_leaves(seed):
     """``rescale="tdp"`` on circuits with tied sums and Gaussian leaves (the cases the closed-form test leaves
