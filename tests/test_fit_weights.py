@@ -121,6 +121,7 @@ def test_fit_skips_batches_whose_rows_all_weigh_zero():
 
 
 @pytest.mark.slow
+@pytest.mark.full  # (in CI: test_parallel.py's fit on a mesh)
 def test_fit_weights_on_a_mesh_equal_one_device():
     """Over a 4-device mesh, weights (numpy, and device weights replicated on the mesh) give one device's result,
     the last batch of each epoch padded (30 rows in batches of 8); weights committed elsewhere raise."""

@@ -123,6 +123,7 @@ def test_mean_nll_gradient_by_the_zero_weight_of_an_impossible_row_is_finite(mod
 
 
 @pytest.mark.slow  # compiles several float64 executables and their gradients
+@pytest.mark.full  # (in CI: test_logflows_edges.py's log-flow derivatives)
 def test_logspace_flows_have_finite_gradients_with_pruned_edges_and_impossible_rows(model):
     """Log-space flows (also the node totals) of a pruned edge and of a category of probability 0 are -inf; the
     gradient of the finite ones equals central differences."""

@@ -331,6 +331,7 @@ def test_compile_after_fallback_pads_the_evidence(soft_hmm):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # (in CI: test_evidence.py's evidence checked in parallel and fit)
 @pytest.mark.parametrize("optimizer", ["em", "adam"])
 def test_gradient_and_train_steps_take_evidence(soft_hmm, optimizer):
     circuit, x, evs = soft_hmm

@@ -264,6 +264,7 @@ def test_make_step_on_a_mesh_takes_no_weights_and_names_bad_arguments():
 
 @four_devices
 @pytest.mark.slow
+@pytest.mark.full  # (in CI: the other weight checks of the data-parallel steps)
 def test_data_parallel_gradient_steps_refuse_weights_without_a_positive_total():
     """The loss of ``loss_and_grad`` and of ``train_step`` with an optax transformation is the weighted mean
     log-likelihood: weights that sum to zero (or less) made it NaN (or flipped its sign) and an adam step NaN

@@ -374,6 +374,7 @@ def viterbi(alpha, beta, gamma, x, miss):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # (in CI: the shorter chains' Viterbi and log flows)
 def test_500_step_hmm_viterbi_and_log_flows():
     """A 500-step HMM: max-product values and hard EM's transition counts against Viterbi (missing values at both
     ends and inside), emission counts without missing values, and log-space flows against the forward-backward."""
