@@ -70,17 +70,18 @@ def _mixture(zero_category: bool = True):
 X_MIX = np.array([[0, 1], [2, 0], [1, 1], [1, 0], [0, 2]], np.int32)  # rows 1 and 4 observe the impossible value
 
 
-@pytest.mark.parametrize("options", [None, Options(param_flow_pass="batched"), Options(param_flow_pass="inline"),
-                                     Options(backward="autodiff"), Options(node_flows=True)],
-                         ids=["default", "batched", "inline", "autodiff", "node_flows"])
+@pytest.mark.parametrize("options", [None, *(pytest.param(o, marks=slow) for o in (
+    Options(param_flow_pass="batched"), Options(param_flow_pass="inline"), Options(backward="autodiff"),
+    Options(node_flows=True)))], ids=["default", "batched", "inline", "autodiff", "node_flows"])
 def test_hand_built_circuit(options):
     c, p = _mixture()
     _check(c, p, X_MIX, [0.0, 0.0, 2.0, 0.0, 1.5], options, impossible=(1, 4))
 
 
 @pytest.mark.parametrize("options", [Options(propagation="GeneralLL", alpha=2.0), Options(precision="tf32"),
-                                     Options(propagation="GeneralLL", alpha=2.0, precision="tf32"),
-                                     Options(pflow_temperature=0.5, eflow_temperature=2.0),
+                                     pytest.param(Options(propagation="GeneralLL", alpha=2.0, precision="tf32"),
+                                                  marks=slow),
+                                     pytest.param(Options(pflow_temperature=0.5, eflow_temperature=2.0), marks=slow),
                                      Options(propagation="MPE")],
                          ids=["terms", "stored_sums", "terms_stored_sums", "tempered", "hard_em"])
 def test_hand_built_circuit_flow_variants(options):
@@ -131,7 +132,8 @@ def _hmm():
     return c, x
 
 
-@pytest.mark.parametrize("options", [None, Options(chain_scan=False)], ids=["chain_scan", "layers"])
+@pytest.mark.parametrize("options", [None, pytest.param(Options(chain_scan=False), marks=slow)],
+                         ids=["chain_scan", "layers"])
 def test_hmm(options):
     c, x = _hmm()
     opts = Options.make(options)
@@ -142,6 +144,7 @@ def test_hmm(options):
     _check(c, c.params, x, [0.0, 0.0, 1.5, 2.0, 0.0], options, impossible=(1, 3))
 
 
+@slow
 def test_hclt():
     rng = np.random.default_rng(0)
     data = rng.integers(0, 3, (50, 5))
@@ -171,7 +174,8 @@ def test_kernel_routes_raise_or_agree(impl):
         pass
 
 
-@pytest.mark.parametrize("options", [None, Options(chain_scan=False)], ids=["chain_scan", "layers"])
+@pytest.mark.parametrize("options", [None, pytest.param(Options(chain_scan=False), marks=slow)],
+                         ids=["chain_scan", "layers"])
 def test_gaussian_emissions(options):
     """The Gaussian leaves' moments (``s0``, ``s1``, ``s2``, ``m2``) are linear in the flows too; a value whose
     square overflows (|x| > 1.8e19 in float32: ll = -inf) has zero moments, without NaN, at a weight of 0 or not."""

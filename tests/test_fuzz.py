@@ -398,6 +398,7 @@ def test_root_leaf_matches_oracle():
     check(g, c, 3, seed=1, propagations=False, normalized=False)
 
 
+@pytest.mark.slow
 def test_shared_product_log_prob_and_flows():
     """One product vector read at five depths, a sum tied one layer below its source, block sizes 1, 3 and 7."""
     g, c = build("shared_product")

@@ -131,6 +131,7 @@ def test_hard_em_of_a_missing_discrete_logistic_matches_the_decoded_bins_moments
                                        err_msg=f"{opts.propagation} {k}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["dense", "topk"])
 def test_hard_em_under_soft_evidence_counts_the_reweighted_decoding(form):
     """A missing soft-evidence categorical under hard EM with per-call evidence counts the value the max-product pass

@@ -88,6 +88,7 @@ def test_log_flows_params_derivative_with_a_zero_weight():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
+@slow
 def test_em_update_names_log_flows_in_a_plain_dict():
     """Log flows rebuilt into a plain dict (``dict(flows)``, a dict comprehension) lose the ``LogFlows`` type; the
     count check refuses their negative entries and says they look like log flows, naming ``to_counts``, on the

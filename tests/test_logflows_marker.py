@@ -33,6 +33,7 @@ def data(n=8):
     return np.random.default_rng(0).integers(0, 3, (n, 2)).astype(np.int32)
 
 
+@pytest.mark.slow
 def test_log_flows_are_log_flows_through_jit_and_tree_map():
     c = small()[0]
     lin, log = c.flows(c.params, data()), c.flows(c.params, data(), options=LOG)

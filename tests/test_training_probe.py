@@ -311,6 +311,7 @@ def test_em_transformations_name_a_schedule_that_is_not_count_to_scalar():
         optim.fit(circuit, circuit.params, x, 1, 7, step_size=lambda t: jnp.array([0.5]), progress=False)
 
 
+@pytest.mark.slow
 def test_em_update_and_step_name_flows_or_a_state_that_are_not_theirs():
     """``update``/``step`` of an EM transformation (the optax protocol) take flows and the optimizer's own state:
     flows without their entries failed with a ``KeyError``, a None state with an ``AttributeError``, and another EM
