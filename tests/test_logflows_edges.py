@@ -175,7 +175,7 @@ def test_soft_em_counts_a_missing_soft_evidence_value_by_its_reweighted_pmf(runs
     posterior, as enumerating the completions observed does; it counted ``theta`` instead, the evidence ignored.
     Linear and log flows; the scatter's layer of 4 nodes makes ``q`` in chunks of 3 nodes (one padded)."""
     if not runs:
-        monkeypatch.setattr("jaxpc.distributions.evidence.MISSING_BUDGET", 3 * 4 * 3)
+        monkeypatch.setattr("jaxpc.distributions.evidence.CHUNK_BUDGET", 3 * 4 * 3)
     c = soft_circuit(runs)
     x = np.array([[0, 1], [0, 0], [2, 1], [0, 1]], np.int32)
     miss = np.array([[True, False], [True, True], [False, False], [False, True]])

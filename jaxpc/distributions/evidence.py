@@ -25,8 +25,9 @@ from .categorical import Categorical
 
 Array = jax.Array
 
-#: the most (node, sample, value) entries of the reweighted pmfs that soft EM's counts of missing values make at a time
-MISSING_BUDGET = 1 << 24
+#: the most (node, sample, value) entries made at a time by the top-k totals' gathers and by soft EM's counts of
+#: missing values (both run over chunks of nodes: :func:`_node_chunks`)
+CHUNK_BUDGET = 1 << 24
 
 
 def _shift(lp: Array) -> tuple[Array, Array]:
@@ -34,6 +35,33 @@ def _shift(lp: Array) -> tuple[Array, Array]:
     m = jnp.max(lp, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     return jnp.exp(lp - m), m
+
+
+def _topk_mask(topk: dict, num_cats: int) -> Array:
+    """``[B, V, k]``: the top-k candidates that carry weight: a value of the leaves (``ids < num_cats``) and not
+    masked out by ``topk["mask"]``."""
+    live = topk["ids"] < num_cats
+    return live if topk.get("mask") is None else live & topk["mask"]
+
+
+def _reweighted(lt: Array, rows: Array, vars_: Array, dense: Array | None, ids: Array | None = None,
+                logp: Array | None = None) -> Array:
+    """``[N, B, K]`` (dense evidence ``[B, V, K]``) or ``[N, B, k]`` (top-k candidates ``ids`` with log-weights
+    ``logp``, ``[B, V, k]``): ``log theta[row(n), value] + e[b, var(n), value]``, each node's reweighted pmf up to
+    its normalizer."""
+    if dense is not None:
+        return lt[rows][:, None, :] + jnp.transpose(dense[:, vars_, :], (1, 0, 2))
+    return (lt[rows[:, None, None], jnp.transpose(ids[:, vars_, :], (1, 0, 2))]
+            + jnp.transpose(logp[:, vars_, :], (1, 0, 2)))
+
+
+def _node_chunks(N: int, per_node: int, budget: int, *columns) -> tuple[int, list]:
+    """``(size, chunks)``: the chunk size, at most ``budget // per_node`` nodes (at least 1), and each ``(array, fill)``
+    of ``columns`` (node-major, ``[N, ...]``) padded with ``fill`` to whole chunks, ``[N / size, size, ...]``."""
+    size = max(1, min(N, budget // per_node))
+    pad = (-N) % size
+    return size, [jnp.concatenate([a, jnp.full((pad,) + a.shape[1:], fill, a.dtype)]).reshape(-1, size, *a.shape[1:])
+                  for a, fill in columns]
 
 
 def _log_total(Z: Array) -> Array:
@@ -60,7 +88,7 @@ def _dense_logz(log_theta: Array, e: Array, rows: Array, vars_: Array, precision
 
 
 def _topk_logz(log_theta: Array, ids: Array, logp: Array, mask: Array | None, rows: Array, vars_: Array,
-               precision: str = "fp32", method: str = "auto", budget: int = 1 << 24) -> Array:
+               precision: str = "fp32", method: str = "auto", budget: int = CHUNK_BUDGET) -> Array:
     """``[N, B]``: ``log sum_j theta[row(n), ids[b, v, j]] exp(logp[b, v, j])``.
 
     ``method="dense"`` scatters the candidates' weights into a dense ``[B, V, K]`` (zeros elsewhere) and
@@ -81,10 +109,7 @@ def _topk_logz(log_theta: Array, ids: Array, logp: Array, mask: Array | None, ro
     if method != "gather":
         raise ValueError(f"unknown top-k evidence method {method!r}")
     theta = jnp.exp(log_theta)
-    size = max(1, min(N, budget // (B * k)))
-    pad = (-N) % size
-    r = jnp.concatenate([rows, jnp.zeros((pad,), rows.dtype)]).reshape(-1, size)
-    v = jnp.concatenate([vars_, jnp.zeros((pad,), vars_.dtype)]).reshape(-1, size)
+    _, (r, v) = _node_chunks(N, B * k, budget, (rows, 0), (vars_, 0))
 
     def one(rv):
         rr, vv = rv
@@ -123,8 +148,7 @@ class SoftEvidenceCategorical(Categorical):
         if dense is not None:
             dense = dense[:, :, :self.num_cats]
         else:  # a candidate that is no value of these leaves has no weight (as a masked one)
-            live = topk["ids"] < self.num_cats
-            topk = {**topk, "mask": live if topk.get("mask") is None else live & topk["mask"]}
+            topk = {**topk, "mask": _topk_mask(topk, self.num_cats)}
         xr = self._values(xv, mv)
         xi = jnp.clip(xr, 0, self.num_cats - 1)  # [N, B]
         B = xv.shape[1]
@@ -159,15 +183,13 @@ class SoftEvidenceCategorical(Categorical):
             return None
         lt = p["log_probs"]
         if dense is not None:
-            num = lt[rows][:, None, :] + jnp.transpose(dense[:, vars_, :self.num_cats], (1, 0, 2))  # [N, B, K]
+            num = _reweighted(lt, rows, vars_, dense[:, :, :self.num_cats])  # [N, B, K]
             return jnp.argmax(num, axis=2).astype(jnp.int32)
-        ids, logp, mask = topk["ids"], topk["logp"], topk.get("mask")
-        live = ids < self.num_cats
-        ok = live if mask is None else live & mask
+        ids = topk["ids"]
         idn = jnp.transpose(ids[:, vars_, :], (1, 0, 2))  # [N, B, k]
-        num = jnp.where(jnp.transpose(ok[:, vars_, :], (1, 0, 2)),
-                        lt[rows[:, None, None], jnp.clip(idn, 0, self.num_cats - 1)]
-                        + jnp.transpose(logp[:, vars_, :], (1, 0, 2)), -jnp.inf)
+        num = jnp.where(jnp.transpose(_topk_mask(topk, self.num_cats)[:, vars_, :], (1, 0, 2)),
+                        _reweighted(lt, rows, vars_, None, jnp.clip(ids, 0, self.num_cats - 1), topk["logp"]),
+                        -jnp.inf)
         best = jnp.max(num, axis=2, keepdims=True)
         first = jnp.min(jnp.where((num == best) & (best > -jnp.inf), idn, self.num_cats), axis=2)
         return jnp.where(first < self.num_cats, first, 0).astype(jnp.int32)
@@ -186,8 +208,7 @@ class SoftEvidenceCategorical(Categorical):
             dense = dense[:, :, :self.num_cats]
             m = {"dense": dense, "logz": _dense_logz(lt, dense, rows, vars_, options.concrete_precision)}
         else:  # a candidate that is no value of these leaves, or masked, has no weight
-            live = topk["ids"] < self.num_cats
-            mask = live if topk.get("mask") is None else live & topk["mask"]
+            mask = _topk_mask(topk, self.num_cats)
             m = {"ids": jnp.clip(topk["ids"], 0, self.num_cats - 1), "logp": jnp.where(mask, topk["logp"], -jnp.inf),
                  "logz": _topk_logz(lt, topk["ids"], topk["logp"], mask, rows, vars_, options.concrete_precision)}
         return {**p, "missing_evidence": {**m, "rows": rows, "vars": vars_}}
@@ -195,7 +216,7 @@ class SoftEvidenceCategorical(Categorical):
     def _missing_counts(self, p, mv, flows, num_rows, log: bool = False):
         """``[num_rows, K]``: the counts of the missing values (``mv [N, B]``) by their reweighted pmf ``q``
         (:meth:`marginalized_under_evidence`), each (node, sample)'s flow ``flows [N, B]`` times ``q``; with ``log``,
-        log flows and log counts. ``q`` is made for chunks of nodes of at most :data:`MISSING_BUDGET` (node, sample,
+        log flows and log counts. ``q`` is made for chunks of nodes of at most :data:`CHUNK_BUDGET` (node, sample,
         value) entries at a time."""
         m = p["missing_evidence"]
         lt, K = p["log_probs"], self.num_cats
@@ -206,19 +227,15 @@ class SoftEvidenceCategorical(Categorical):
         def chunk(rows, vars_, logz, f):  # [s] nodes: flat indices and their terms [s, B, k]
             if "dense" in m:
                 ids = jnp.broadcast_to(jnp.arange(K, dtype=rows.dtype), (rows.shape[0], B, K))
-                num = lt[rows][:, None, :] + jnp.transpose(m["dense"][:, vars_, :], (1, 0, 2))
             else:
                 ids = jnp.transpose(m["ids"][:, vars_, :], (1, 0, 2))
-                num = lt[rows[:, None, None], ids] + jnp.transpose(m["logp"][:, vars_, :], (1, 0, 2))
+            num = _reweighted(lt, rows, vars_, m.get("dense"), m.get("ids"), m.get("logp"))
             lq = _normalized(num, logz[:, :, None]).astype(f.dtype)
             return (rows[:, None, None] * K + ids).reshape(-1), (f[:, :, None] + lq if log else f[:, :, None]
                                                                  * jnp.exp(lq)).reshape(-1)
 
-        size = max(1, min(N, MISSING_BUDGET // (B * k)))
-        pad = (-N) % size
-        parts = [jnp.concatenate([a, jnp.full((pad,) + a.shape[1:], fill, a.dtype)]).reshape(-1, size, *a.shape[1:])
-                 for a, fill in ((m["rows"], 0), (m["vars"], 0), (m["logz"], -jnp.inf),
-                                 (terms, -jnp.inf if log else 0.0))]
+        _, parts = _node_chunks(N, B * k, CHUNK_BUDGET, (m["rows"], 0), (m["vars"], 0), (m["logz"], -jnp.inf),
+                                (terms, -jnp.inf if log else 0.0))
         zero = log_sum_zeros((num_rows * K,), flows.dtype) if log else jnp.zeros((num_rows * K,), flows.dtype)
 
         def add(acc, c):
@@ -255,12 +272,11 @@ class SoftEvidenceCategorical(Categorical):
         if options.propagation == "LL":
             return jnp.where(logz == -jnp.inf, -jnp.inf, jnp.zeros((), logz.dtype))
         if dense is not None:  # every value: [N, B, K]
-            num = lt[rows][:, None, :] + jnp.transpose(dense[:, vars_, :], (1, 0, 2))
+            num = _reweighted(lt, rows, vars_, dense)
         else:  # the candidates, unique per (sample, variable); masked ones have no weight: [N, B, k]
-            ids, logp, mask = topk["ids"], topk["logp"], topk.get("mask")
-            lpv = logp if mask is None else jnp.where(mask, logp, -jnp.inf)
-            num = lt[rows[:, None, None], jnp.transpose(ids[:, vars_, :], (1, 0, 2))] + jnp.transpose(
-                lpv[:, vars_, :], (1, 0, 2))
+            mask = topk.get("mask")
+            lpv = topk["logp"] if mask is None else jnp.where(mask, topk["logp"], -jnp.inf)
+            num = _reweighted(lt, rows, vars_, None, topk["ids"], lpv)
         return reduce_missing(_normalized(num, logz[:, :, None]), options)
 
 
