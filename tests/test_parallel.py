@@ -155,6 +155,25 @@ def test_gradient_and_optax_steps_equal_one_device(n):
 
 
 @pytest.mark.slow
+def test_sharded_loss_derivative_in_a_zero_weight_equals_one_device():
+    """The split loss's derivative in the samples' weights, zero weights included, equals ``mean_nll``'s on one
+    device: a zero weight is not masked (its derivative is the row's ll over the total weight)."""
+    circuit, _, data = _small_circuit()
+    mesh = parallel.data_mesh(4)
+    x = jnp.asarray(data[:16])
+    w = jnp.asarray(np.r_[np.zeros(5), np.linspace(0.5, 2.0, 11)])
+    opts = jaxpc.Options()
+    split = parallel.sharded_loss_and_grad(circuit.layout, mesh, opts, None)
+    g = jax.jit(jax.grad(lambda w: split(circuit.tables, circuit.params, x, w)[0][0]))(w)
+    g_ref = jax.jit(jax.grad(lambda w: optim.mean_nll(circuit.layout, circuit.tables, circuit.params, x, None, w,
+                                                      opts)[0]))(w)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-5, atol=1e-6)
+    ll = np.asarray(circuit.log_prob(circuit.params, x), np.float64)
+    loss = -(np.asarray(w) @ ll) / np.sum(w)
+    np.testing.assert_allclose(np.asarray(g), (-ll - loss) / np.sum(w), rtol=1e-4, atol=1e-6)  # closed form
+
+
+@pytest.mark.slow
 def test_fit_on_a_mesh_equals_fit_on_one_device():
     circuit, _, data = _small_circuit()
     kw = dict(step_size=0.3, pseudocount=0.1, key=jax.random.key(2), progress=False)

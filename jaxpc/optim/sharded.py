@@ -18,7 +18,7 @@ from .. import checks
 from ..engine import em
 from ..ops.logspace import log_psum
 from ..options import Options
-from .normalize import normalized_log_prob
+from .normalize import normalized_log_prob, weighted_ll_sum
 
 AXIS = "data"
 
@@ -123,9 +123,7 @@ def sharded_loss_and_grad(layout, mesh: Mesh, options: Options, missing_ndim: in
 
         def local(p):
             ll = normalized_log_prob(layout, tables, p, x, m, options, normalize=normalize, evidence=ev)
-            pad = w == 0  # a padding row's ll (maybe -inf) reaches neither the loss nor its derivatives
-            wl = jnp.where(pad, 0.0, jnp.where(pad, 0.0, ll) * w.astype(ll.dtype))
-            return -jnp.sum(wl), ll
+            return -weighted_ll_sum(ll, w.astype(ll.dtype)), ll
 
         (nll, ll), g = jax.value_and_grad(local, has_aux=True)(params)
         total = jax.lax.psum(jnp.sum(w), AXIS)
