@@ -523,7 +523,9 @@ class Circuit:
         None]`` is EM's update without pseudocount); ``Options(logspace_flows=True)`` returns the logarithm of every
         flow, computed in the log domain (no underflow; exactly zero is ``-inf``; not with ``return_evidence_grad``),
         as a :class:`~jaxpc.engine.logflows.LogFlows` (a dict of the same keys, which :meth:`em_update` refuses:
-        :func:`jaxpc.engine.logflows.to_counts` converts). See :class:`Options`.
+        :func:`jaxpc.engine.logflows.to_counts` converts). See :class:`Options`. The flows are differentiable
+        (``jax.grad`` of a function of them, ``jax.jvp``; :meth:`em_step` by ``jax.grad``) on every route: where a
+        layer runs a kernel, by XLA's route's derivative at the same point (:func:`jaxpc.engine.em.flows_and_ll`).
         """
         replay = None
         if ll_weights is None and evidence is None and not return_evidence_grad:

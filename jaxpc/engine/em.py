@@ -34,16 +34,47 @@ def flows_and_ll(layout: Layout, tables: dict, params: dict, x: Array, missing: 
     With ``evidence_grad``: ``(flows, ll, g)``, ``g`` the gradient of ``sum_b w_b log p(x_b)`` with respect to
     ``evidence``, a pytree like it with None for its integer leaves (top-k ids).
     ``options.logspace_flows``: every flow a logarithm (:func:`jaxpc.engine.logflows.flows_and_ll`);
-    ``options.node_flows``: the flows also hold the M-step's denominators under ``"node"``."""
+    ``options.node_flows``: the flows also hold the M-step's denominators under ``"node"``.
+
+    Where a layer may run a kernel (:func:`jaxpc.engine.routing.may_run_kernels`), the values come from the
+    kernels and every derivative of them (``jax.jvp``, ``jax.grad`` of a function of the flows, an unrolled EM
+    step) is XLA's route's at the same point (:func:`jaxpc.engine.routing.xla_only`): the kernels have no derivative
+    of their own (in-place buffers, barriers). Where the tree's cluster kernels run
+    (:func:`jaxpc.engine.routing.holds_refs`: their buffers are JAX refs), reverse mode only."""
     options = routing.within_int32(layout, options, x.shape[0], evidence)
+    if options.logspace_flows and evidence_grad:
+        raise ValueError("logspace_flows=True computes flows only: the evidence gradient comes with linear "
+                         "flows (logspace_flows=False)")
+    if evidence_grad and evidence is None:
+        raise ValueError("evidence_grad needs evidence")
+    if not routing.may_run_kernels(options):
+        return _flows_and_ll(layout, tables, params, x, missing, weights, options, evidence, evidence_grad)
+    reference = routing.xla_only(options)
+
+    def on(opts):
+        return lambda *args: _flows_and_ll(layout, *args[:5], opts, args[5], evidence_grad)
+
+    args = (tables, params, x, missing, weights, evidence)
+    if routing.holds_refs(layout, options, x.shape[0], routing.param_dtype(params), evidence):
+        # (a custom_jvp cannot hold refs: JAX has no rule to discharge them through it)
+        run = jax.custom_vjp(on(options))
+        run.defvjp(lambda *a: (run(*a), a), lambda a, ct: jax.vjp(on(reference), *a)[1](ct))
+        return run(*args)
+    run = jax.custom_jvp(on(options))
+
+    @run.defjvp
+    def _jvp(primals, tangents):
+        _, tangent = jax.jvp(on(reference), primals, tangents)
+        return run(*primals), tangent
+
+    return run(*args)
+
+
+def _flows_and_ll(layout, tables, params, x, missing, weights, options, evidence, evidence_grad):
+    """:func:`flows_and_ll` on the routes of ``options`` (checked), differentiated through them."""
     if options.logspace_flows:
-        if evidence_grad:
-            raise ValueError("logspace_flows=True computes flows only: the evidence gradient comes with linear "
-                             "flows (logspace_flows=False)")
         return logflows.flows_and_ll(layout, tables, params, x, missing, weights, options, evidence)
     if evidence_grad:
-        if evidence is None:
-            raise ValueError("evidence_grad needs evidence")
         ll, g_sum, g_eps, buffered, g_ev = _grads_with_evidence(layout, tables, params, x, missing, weights,
                                                                 options, evidence)
     else:

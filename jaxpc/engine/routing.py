@@ -159,7 +159,28 @@ def within_int32(layout: Layout, options, batch: int, evidence: dict | None = No
         raise ValueError(f"impl={options.impl!r}: the node buffer of {rows:,} rows x {batch:,} samples has "
                          f"{rows * batch:,} elements, more than the kernels' int32 offsets address (2^31); "
                          f"use impl='auto' or 'xla', or smaller batches")
+    return xla_only(options)
+
+
+def xla_only(options):
+    """``options`` with every layer on XLA: no Pallas, Triton or Mosaic kernel, tuned or not."""
     return options.replace(impl="xla", kernels=(), leaf_kernel=False)
+
+
+def may_run_kernels(options) -> bool:
+    """Whether a layer may run a kernel under ``options``: tuned kernel choices, an explicit kernel ``impl``
+    (interpret mode off a GPU), or ``impl="auto"`` on a GPU. False means every layer runs on XLA."""
+    if options.kernels:
+        return True
+    impl = route_impl(options)
+    return impl != "xla" and (impl != "auto" or on_gpu())
+
+
+def holds_refs(layout: Layout, options, batch: int, dtype, evidence: dict | None = None) -> bool:
+    """Whether the flow pass at ``batch`` samples runs the tree's cluster kernels (:func:`tree_kernel`'s
+    ``"mosaic"``), whose buffers are JAX refs (``jax.new_ref``)."""
+    plans = {id(p): p for p in (layout, buffer_plan(layout, options, batch))}.values()
+    return any(tree_kernel(p, options, batch, dtype, evidence) == "mosaic" for p in plans)
 
 
 def _leaf_route(options, batch: int | None, least: int) -> bool:
