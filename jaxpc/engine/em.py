@@ -54,13 +54,18 @@ def flows_and_ll(layout: Layout, tables: dict, params: dict, x: Array, missing: 
     def on(opts):
         return lambda *args: _flows_and_ll(layout, *args[:5], opts, args[5], evidence_grad)
 
+    # the kernels' call jitted: inside a custom derivative its constants would be inlined into the module; under a
+    # jit they stay arguments, as at the top level, and the trace and lowering cost what they cost without it (not
+    # the reference, which is differentiated: a jit would end the trace its inner custom derivatives close over)
+    kernels = jax.jit(on(options))
+
     args = (tables, params, x, missing, weights, evidence)
     if routing.holds_refs(layout, options, x.shape[0], routing.param_dtype(params), evidence):
         # (a custom_jvp cannot hold refs: JAX has no rule to discharge them through it)
-        run = jax.custom_vjp(on(options))
+        run = jax.custom_vjp(kernels)
         run.defvjp(lambda *a: (run(*a), a), lambda a, ct: jax.vjp(on(reference), *a)[1](ct))
         return run(*args)
-    run = jax.custom_jvp(on(options))
+    run = jax.custom_jvp(kernels)
 
     @run.defjvp
     def _jvp(primals, tangents):
