@@ -96,9 +96,16 @@ def _objective(layout, tables, weights, options, evidence):
         ll = forward.evaluate(layout, tables, sum_params, vals, options, evidence, counts=True)
         if weights is None:
             return jnp.sum(ll), ll
-        w = weights.astype(ll.dtype)
-        return jnp.sum(jnp.where((w == 0) & ~jnp.isfinite(ll), 0.0, ll * w)), ll
+        return weighted_ll_sum(ll, weights.astype(ll.dtype)), ll
     return objective
+
+
+def weighted_ll_sum(ll: Array, w: Array) -> Array:
+    """``sum_b w_b ll_b`` where a zero-weight row whose ``ll`` is not finite (an impossible padding row) adds 0, and
+    0 to the derivatives (never ``0 * inf``). The mask is on that case alone, not on the weight: the derivative in
+    a weight of 0 is the row's ``ll``, and the cotangent of a finite ``ll`` is its weight."""
+    undefined = (w == 0) & ~jnp.isfinite(ll)
+    return jnp.sum(jnp.where(undefined, 0.0, jnp.where(undefined, 0.0, ll) * w))
 
 
 def _leaves(layout, tables, params, x, missing, options, evidence):

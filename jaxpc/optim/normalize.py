@@ -31,7 +31,7 @@ from ..compiler.layout import Layout
 from ..distributions import Categorical, DiscreteLogistic, Gaussian
 from ..distributions.base import block_totals
 from ..distributions.indicator import IndicatorLeaf
-from ..engine import forward
+from ..engine import em, forward
 from ..options import Options
 from ..runtime import declare_entries
 from .transforms import check_circuit
@@ -122,22 +122,15 @@ def mean_nll(layout: Layout, tables: dict, params: dict, x: Array, missing: Arra
              options, normalize: bool = True, evidence: dict | None = None) -> tuple[Array, Array]:
     """``(loss, ll)``: the weighted mean negative log-likelihood ``-sum_b w_b ll_b / sum_b w_b`` (scalar) and
     the per-sample log-likelihoods ``ll`` ``[B]`` (under the per-call ``evidence``, when given). Zero-weight
-    rows (padding) contribute exactly nothing, also where their ll is -inf (:func:`weighted_ll_sum`).
+    rows (padding) contribute exactly nothing, also where their ll is -inf (:func:`jaxpc.engine.em.weighted_ll_sum`).
     ``weights`` ``[B]`` or None (the plain mean); ``layout``, ``tables``, ``params``, ``x``, ``missing``,
     ``options`` and ``normalize`` as for :func:`normalized_log_prob` (pure: nothing is checked)."""
     ll = normalized_log_prob(layout, tables, params, x, missing, options, normalize=normalize, evidence=evidence)
     if weights is None:
         return -jnp.mean(ll), ll
     w = weights.astype(ll.dtype)
-    return -weighted_ll_sum(ll, w) / jnp.sum(w), ll
+    return -em.weighted_ll_sum(ll, w) / jnp.sum(w), ll
 
-
-def weighted_ll_sum(ll: Array, w: Array) -> Array:
-    """``sum_b w_b ll_b`` where a zero-weight row whose ``ll`` is not finite (an impossible padding row) adds 0, and
-    0 to the derivatives (never ``0 * inf``). The mask is on that case alone, not on the weight: the derivative in
-    a weight of 0 is the row's ``ll``."""
-    undefined = (w == 0) & ~jnp.isfinite(ll)
-    return jnp.sum(jnp.where(undefined, 0.0, jnp.where(undefined, 0.0, ll) * w))
 
 
 # ---- circuit-level wrappers ---------------------------------------------------------------------

@@ -18,7 +18,7 @@ from .. import checks
 from ..engine import em
 from ..ops.logspace import log_psum
 from ..options import Options
-from .normalize import normalized_log_prob, weighted_ll_sum
+from .normalize import normalized_log_prob
 
 AXIS = "data"
 
@@ -123,7 +123,7 @@ def sharded_loss_and_grad(layout, mesh: Mesh, options: Options, missing_ndim: in
 
         def local(p):
             ll = normalized_log_prob(layout, tables, p, x, m, options, normalize=normalize, evidence=ev)
-            return -weighted_ll_sum(ll, w.astype(ll.dtype)), ll
+            return -em.weighted_ll_sum(ll, w.astype(ll.dtype)), ll
 
         (nll, ll), g = jax.value_and_grad(local, has_aux=True)(params)
         total = jax.lax.psum(jnp.sum(w), AXIS)
