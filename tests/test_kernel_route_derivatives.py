@@ -109,15 +109,12 @@ def test_reverse_mode_only_where_the_kernels_hold_refs(monkeypatch):
 def test_grad_through_the_cluster_kernels_lowers_for_cuda():
     """``jax.grad`` through an EM step whose tree levels run on thread-block clusters (Hopper's default) traces and
     lowers for an H200 with the cluster kernels in it."""
-    from .test_x64 import _on_gpu, _tree
+    from .test_x64 import _tree, on_gpu
 
     tree = _tree()
     x = jnp.zeros((16, tree.num_vars), jnp.int32)
     clusters = Options(precision="tf32", tuning=jaxpc.Tuning(tree_clusters=True))
-    patches = _on_gpu()
-    for p in patches:
-        p.__enter__()
-    try:
+    with on_gpu():
         assert routing.holds_refs(tree.layout, clusters, 16, jnp.float32)
 
         def f(p):
@@ -125,6 +122,3 @@ def test_grad_through_the_cluster_kernels_lowers_for_cuda():
 
         text = jax.jit(jax.grad(f)).trace(tree.params).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu_v2" in text
-    finally:
-        for p in reversed(patches):
-            p.__exit__(None, None, None)

@@ -3,6 +3,7 @@ turning on 64-bit types elsewhere in a program changes none of the kernels' resu
 
 from __future__ import annotations
 
+import contextlib
 from unittest import mock
 
 import jax
@@ -38,12 +39,14 @@ def _hmm():
     return jaxpc.compile(structures.HMM(6, 8, 4, homogeneous=True), seed=0)
 
 
-def _on_gpu():
+@contextlib.contextmanager
+def on_gpu():
     """The GPU's routes, kernels lowered for CUDA (no GPU needed)."""
-    return (mock.patch.object(pallas_sum, "interpret_mode", lambda: False),
-            mock.patch.object(pallas_chain, "interpret_mode", lambda: False),
-            mock.patch.object(routing, "on_gpu", lambda: True),
-            jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=H200)))
+    with (mock.patch.object(pallas_sum, "interpret_mode", lambda: False),
+          mock.patch.object(pallas_chain, "interpret_mode", lambda: False),
+          mock.patch.object(routing, "on_gpu", lambda: True),
+          jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=H200))):
+        yield
 
 
 @pytest.mark.parametrize("build,cats", [(_pd, 4), (_tree, 3), (_hmm, 4)], ids=["pd", "tree", "hmm"])
@@ -75,10 +78,7 @@ def test_the_kernels_lower_for_cuda_under_x64():
         xt = jnp.zeros((16, tree.num_vars), jnp.int32)
         clusters = jaxpc.Options(precision="tf32", tuning=jaxpc.Tuning(tree_clusters=True))
         A, Et = jnp.ones((256, 256), jnp.float32), jnp.ones((5, 256, 16), jnp.float32)
-        patches = _on_gpu()
-        for p in patches:
-            p.__enter__()
-        try:
+        with on_gpu():
             for fn, args, markers in (
                     (lambda p, x: pd.flows(p, x, options=PALLAS.replace(precision="tf32"), validate=False),
                      (pd.params, x), ["__gpu$xla.gpu.triton"]),
@@ -88,9 +88,6 @@ def test_the_kernels_lower_for_cuda_under_x64():
                      ["__gpu$xla.gpu.triton"])):
                 text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
                 assert all(m in text for m in markers), [m for m in markers if m not in text]
-        finally:
-            for p in reversed(patches):
-                p.__exit__(None, None, None)
 
 
 def test_a_float64_circuit_runs_its_sum_layers_on_xla_whatever_the_impl():
