@@ -63,7 +63,7 @@ def flows_and_ll(layout: Layout, tables: dict, params: dict, x: Array, missing: 
     if routing.holds_refs(layout, options, x.shape[0], routing.param_dtype(params), evidence):
         # (a custom_jvp cannot hold refs: JAX has no rule to discharge them through it)
         run = jax.custom_vjp(kernels)
-        run.defvjp(lambda *a: (run(*a), a), lambda a, ct: jax.vjp(on(reference), *a)[1](ct))
+        run.defvjp(lambda *a: (kernels(*a), a), lambda a, ct: jax.vjp(on(reference), *a)[1](ct))
         return run(*args)
     run = jax.custom_jvp(kernels)
 

@@ -132,7 +132,6 @@ def mean_nll(layout: Layout, tables: dict, params: dict, x: Array, missing: Arra
     return -em.weighted_ll_sum(ll, w) / jnp.sum(w), ll
 
 
-
 # ---- circuit-level wrappers ---------------------------------------------------------------------
 
 def _normalize_entry(layout, tables, params):
