@@ -4,6 +4,7 @@ hard (Viterbi) EM."""
 import importlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -173,6 +174,16 @@ def test_max_and_first_is_the_max_and_its_first_maximizer():
     np.testing.assert_array_equal(np.asarray(first), np.asarray(sum_layer.first_maximizer(t, out)))
     assert int(first[0, 1, 2]) == CK and int(first[2, 3, 4]) == CK and np.isnan(out[2, 3, 4])
     assert (np.asarray(first) == 2).sum() > 0 and (np.asarray(first) == 4).sum() == 0
+    # differentiated as first_max, in both modes (a hard-EM flow pass's derivative on a GPU's kernel routes is the
+    # forward-mode derivative of XLA's route, whose forward keeps the maximizers)
+    dt = jnp.asarray(rng.normal(size=t.shape).astype(np.float32))
+    (_, got), (_, want) = jax.jvp(lambda u: sum_layer.max_and_first(u)[0], (t,), (dt,)), jax.jvp(
+        sum_layer.first_max, (t,), (dt,))
+    ok = ~np.isnan(np.asarray(out))
+    np.testing.assert_array_equal(np.asarray(got)[ok], np.asarray(want)[ok])
+    ct = jnp.where(jnp.asarray(ok), 1.0, 0.0) * jnp.cos(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape)
+    np.testing.assert_array_equal(np.asarray(jax.vjp(lambda u: sum_layer.max_and_first(u)[0], t)[1](ct)[0]),
+                                  np.asarray(jax.vjp(sum_layer.first_max, t)[1](ct)[0]))
 
 
 @pytest.mark.parametrize("options", cases([{"gather_chunk": 64}, {}, {"scan_stages": False}], fast=[]))

@@ -79,6 +79,21 @@ def test_jvp_of_the_flows(model):
     assert max(float(jnp.abs(a).max()) for a in jax.tree_util.tree_leaves(t)) > 0
 
 
+def test_jvp_of_hard_em_flows():
+    """Max-product flows (hard EM): XLA's route keeps each parent's first maximizer in its forward, differentiated
+    as the first maximizing term."""
+    c, x = _pd()
+    t = jax.tree_util.tree_map(lambda a: jnp.cos(jnp.arange(a.size, dtype=a.dtype).reshape(a.shape)), c.params)
+
+    def jvp(impl):
+        opts = Options(impl=impl, propagation="MPE")
+        return jax.jit(lambda p, t: jax.jvp(lambda q: c.flows(q, x, options=opts), (p,), (t,)))(c.params, t)
+
+    (fl, tan), (fl_ref, tan_ref) = jvp("pallas"), jvp("xla")
+    _close(fl, fl_ref)
+    _close(tan, tan_ref)
+
+
 def test_grad_of_log_flows():
     c, x = _hmm()
 
