@@ -64,6 +64,7 @@ def test_grad_through_an_em_step(model):
     _close(g, g_ref)
 
 
+@pytest.mark.full  # (12-14 s a case in CI; test_jvp_of_hard_em_flows runs forward mode there)
 @pytest.mark.parametrize("model", [*reversed(MODELS)])
 def test_jvp_of_the_flows(model):
     c, x = MODELS[model]()
@@ -94,6 +95,7 @@ def test_jvp_of_hard_em_flows():
     _close(tan, tan_ref)
 
 
+@pytest.mark.full  # (16 s in CI; log flows take the linear flows' custom derivative, test_grad_through_an_em_step)
 def test_grad_of_log_flows():
     c, x = _hmm()
 
