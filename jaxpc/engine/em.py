@@ -105,7 +105,7 @@ def weighted_ll_sum(ll: Array, w: Array) -> Array:
     0 to the derivatives (never ``0 * inf``). The mask is on that case alone, not on the weight: the derivative in
     a weight of 0 is the row's ``ll``, and the cotangent of a finite ``ll`` is its weight."""
     undefined = (w == 0) & ~jnp.isfinite(ll)
-    return jnp.sum(jnp.where(undefined, 0.0, jnp.where(undefined, 0.0, ll) * w))
+    return jnp.sum(jnp.where(undefined, 0.0, ll) * w)  # (undefined rows have w = 0: their product is 0)
 
 
 def _leaves(layout, tables, params, x, missing, options, evidence):
