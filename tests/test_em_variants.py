@@ -176,14 +176,16 @@ def test_max_and_first_is_the_max_and_its_first_maximizer():
     assert (np.asarray(first) == 2).sum() > 0 and (np.asarray(first) == 4).sum() == 0
     # differentiated as first_max, in both modes (a hard-EM flow pass's derivative on a GPU's kernel routes is the
     # forward-mode derivative of XLA's route, whose forward keeps the maximizers)
+    def value(u):
+        return sum_layer.max_and_first(u)[0]
+
     dt = jnp.asarray(rng.normal(size=t.shape).astype(np.float32))
-    (_, got), (_, want) = jax.jvp(lambda u: sum_layer.max_and_first(u)[0], (t,), (dt,)), jax.jvp(
-        sum_layer.first_max, (t,), (dt,))
+    got, want = (np.asarray(jax.jvp(f, (t,), (dt,))[1]) for f in (value, sum_layer.first_max))
     ok = ~np.isnan(np.asarray(out))
-    np.testing.assert_array_equal(np.asarray(got)[ok], np.asarray(want)[ok])
+    np.testing.assert_array_equal(got[ok], want[ok])
     ct = jnp.where(jnp.asarray(ok), 1.0, 0.0) * jnp.cos(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape)
-    np.testing.assert_array_equal(np.asarray(jax.vjp(lambda u: sum_layer.max_and_first(u)[0], t)[1](ct)[0]),
-                                  np.asarray(jax.vjp(sum_layer.first_max, t)[1](ct)[0]))
+    got, want = (np.asarray(jax.vjp(f, t)[1](ct)[0]) for f in (value, sum_layer.first_max))
+    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("options", cases([{"gather_chunk": 64}, {}, {"scan_stages": False}], fast=[]))
